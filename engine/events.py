@@ -1,0 +1,188 @@
+"""Plain-data requests and events exchanged with the engine.
+
+Every type here is a frozen dataclass holding only str, int, float, bool and tuples,
+so the same objects serve the CLI, the tests and the Qt bridge (which carries them in
+``Signal(object)``). No numpy views into engine buffers, no Qt types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+# --- requests -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How the next token is chosen.
+
+    temperature <= 0 means greedy (argmax, lowest id on ties). top_k = 0 and top_p = 1.0
+    disable those filters. repetition_penalty follows the CTRL paper (Keskar et al. 2019):
+    a logit l of a token already in the context becomes l / p if l > 0 else l * p.
+    seed makes sampling reproducible: the same seed and inputs give the same tokens.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int = 0
+    max_new_tokens: int = 256
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One turn of a conversation; role is "system", "user" or "assistant"."""
+
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """A generation request.
+
+    Either ``messages`` (rendered with the model's own chat template) or ``prompt``
+    (raw text, tokenized as is) must be given; ``prompt_ids`` (token ids) overrides both.
+    ``forced_ids``: teacher forcing for benchmarks; when given, the token fed at each decode
+    step comes from this tuple instead of the sampler (the sampled token is still reported).
+    """
+
+    messages: tuple[ChatMessage, ...] = ()
+    prompt: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    forced_ids: tuple[int, ...] | None = None
+
+
+# --- events ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadProgress:
+    """Progress of a long step (converting, loading, pre-warming); done/total in units."""
+
+    stage: str
+    done: int
+    total: int
+    unit: str = ""
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """The engine finished opening a store and is ready to generate."""
+
+    model_name: str
+    store_path: str
+    quant: str
+    num_layers: int
+    num_experts: int
+    num_experts_per_tok: int
+    context_length: int
+    cap_per_layer: int
+    ram_budget_bytes: int
+    dense_bytes: int
+    expert_slot_bytes: int
+    pilot: int
+    prewarmed_experts: int = 0
+    prewarm_seconds: float = 0.0
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token. ``text`` is the newly completed UTF-8 text (may be empty while a
+    multi-byte character is incomplete). ``step_seconds`` is the wall time of this step."""
+
+    index: int
+    token_id: int
+    text: str
+    step_seconds: float
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """Engine counters after one generated token (cumulative counts are per generation).
+
+    Units: bytes, seconds, tokens. hit_rate = hits / (hits + misses) over this step's
+    demand lookups (NaN-free: 1.0 when there were no lookups).
+    """
+
+    token_index: int
+    hits: int
+    misses: int
+    pinned_hits: int
+    hit_rate: float
+    pinned_hit_rate: float
+    lru_hit_rate: float
+    loads: int
+    demand_bytes: int
+    speculative_bytes: int
+    mb_per_token: float
+    felt_wait_s: float
+    read_service_s: float
+    rss_bytes: int
+    budget_bytes: int
+    cache_bytes: int
+    cap_per_layer: int
+    tok_per_s: float
+    ttft_s: float
+    spec_issued: int = 0
+    spec_completed: int = 0
+    spec_dropped_stale: int = 0
+    spec_dropped_guard: int = 0
+    spec_dropped_full: int = 0
+    spec_used: int = 0
+    spec_wasted_bytes: int = 0
+    pilot_recall: tuple[float, ...] = ()
+
+
+# Residency states in ResidencySnapshot.state
+ABSENT, RESIDENT, PINNED, LOADING = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class ResidencySnapshot:
+    """Layers x experts view of the expert cache.
+
+    state: flattened row-major [num_layers * num_experts] of ABSENT / RESIDENT / PINNED / LOADING.
+    heat: same shape, routing counts of this model (persisted history plus this session).
+    routed: same shape, 1 where the expert was routed for the latest token.
+    """
+
+    num_layers: int
+    num_experts: int
+    state: tuple[int, ...]
+    heat: tuple[int, ...]
+    routed: tuple[int, ...]
+    token_index: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    """End of one generation. finish_reason: "stop" | "length" | "cancelled" | "error"."""
+
+    finish_reason: str
+    prompt_tokens: int
+    generated_tokens: int
+    text: str
+    token_ids: tuple[int, ...]
+    ttft_s: float
+    decode_tok_per_s: float
+    prefill_tok_per_s: float
+    hit_rate: float
+    mb_per_token: float
+    felt_wait_s: float
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class EngineFailure:
+    """Something went wrong; ``kind`` is a short machine tag (config, store, budget, context,
+    io, internal), ``message`` tells the user what happened and what to do."""
+
+    kind: str
+    message: str
+    detail: str = ""
