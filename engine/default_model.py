@@ -1,0 +1,47 @@
+"""The small default model shipped in resources/models/, converted on first use."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Callable
+
+from .convert import convert_checkpoint
+from .errors import StoreError
+from .events import LoadProgress
+from .paths import models_dir, resources_dir
+
+DEFAULT_MODEL = "colibri-stdlib-moe"
+DEFAULT_QUANT = "int8"
+
+
+def default_model_dir() -> Path:
+    """The bundled Hugging Face checkpoint folder."""
+    return resources_dir() / "models" / DEFAULT_MODEL
+
+
+def default_store(progress: Callable[[LoadProgress], None] | None = None,
+                  cancel: threading.Event | None = None, quant: str = DEFAULT_QUANT) -> Path:
+    """Path of the converted default model in the user data directory, converting it first
+    if needed (atomic; a store from an older checkpoint is rebuilt).
+
+    Raises:
+        StoreError: the bundled model is missing from resources/ (broken install).
+    """
+    src = default_model_dir()
+    if not (src / "config.json").exists():
+        raise StoreError(f"{src}: the bundled default model is missing; reinstall colibri-desktop "
+                         f"or open another model with the wizard")
+    dst = models_dir() / f"{DEFAULT_MODEL}-{quant}"
+    stamp = int((src / "model.safetensors").stat().st_mtime) if (src / "model.safetensors").exists() else 0
+    m = dst / "manifest.json"
+    if m.exists():
+        try:
+            if json.loads(m.read_text(encoding="utf-8")).get("source_mtime") == stamp:
+                return dst
+        except (OSError, ValueError):
+            pass
+    convert_checkpoint(src, dst, quant=quant, overwrite=True, progress=progress, cancel=cancel,
+                       extra_manifest={"source_mtime": stamp})
+    return dst

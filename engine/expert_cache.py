@@ -1,0 +1,447 @@
+"""Per-layer expert cache: ``cap`` slots per layer carved from one preallocated arena.
+
+Slot states: FREE, LOADING(expert), RESIDENT(expert); plus a busy count while a kernel reads
+the slot. Lookup is O(1) (a [L, E] slot index); victim choice is O(1) for LRU (an ordered
+dict per layer) and O(log distinct-heats) for LFRU (buckets of equal heat, LRU inside a
+bucket). LFRU's score is colibri's ``heat << 8 | recency`` (recency <= 255), so one routing
+count outweighs any recency: the victim is the least recent slot of the lowest heat.
+
+Concurrency: one lock and one condition variable. Reads happen outside the lock, on the I/O
+pool; a second request for an expert that is loading waits for that load (never reads it
+twice). A failed read frees its slot again (the slot is never leaked).
+"""
+
+from __future__ import annotations
+
+import heapq
+import mmap
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .errors import ExpertReadError
+from .events import ABSENT, LOADING, PINNED, RESIDENT
+
+FREE = 0
+_LOADING = 1
+_RESIDENT = 2
+
+
+class _Layer:
+    __slots__ = ("lru", "buckets", "heap", "free", "live", "cap", "staged")
+
+    def __init__(self, n_slots: int, cap: int):
+        self.lru: OrderedDict[int, None] = OrderedDict()  # evictable resident slots, oldest first
+        self.buckets: dict[int, OrderedDict] = {}  # LFRU: heat -> OrderedDict(slot)
+        self.heap: list[int] = []  # LFRU: heats that may have a bucket (lazy deletion)
+        self.free = list(range(n_slots - 1, -1, -1))  # stack of FREE slot ids
+        self.live = 0  # LOADING + RESIDENT slots
+        self.cap = cap
+        self.staged: OrderedDict[int, None] = OrderedDict()  # speculative loads not yet used
+
+
+class CacheStats:
+    """Cumulative counters (bytes, seconds, counts); read with ``snapshot()``."""
+
+    __slots__ = ("hits", "misses", "pinned_hits", "loads", "demand_bytes", "spec_bytes",
+                 "felt_wait_s", "read_service_s", "spec_issued", "spec_completed", "spec_used",
+                 "spec_dropped_stale", "spec_dropped_guard", "spec_dropped_full", "spec_wasted_bytes",
+                 "evictions", "read_errors")
+
+    def __init__(self):
+        for k in self.__slots__:
+            setattr(self, k, 0)
+
+    def snapshot(self) -> dict:
+        return {k: getattr(self, k) for k in self.__slots__}
+
+
+class ExpertCache:
+    """The ExpertProvider of the streaming engine.
+
+    Args:
+        store: an ExpertStore (read / views / slot_bytes).
+        num_layers, num_experts: dimensions.
+        cap: slots per layer (1..num_experts).
+        policy: "lru" or "lfru".
+        heat: int64 [L, E] routing counts, shared with the engine (read only here).
+        checksum: "off" | "first" | "always".
+        io_threads: concurrent reads for one layer's misses (the disk's queue depth).
+
+    The arena is an anonymous mmap of L x cap x slot_bytes (page aligned, so O_DIRECT-ready);
+    slots emptied by a cap reduction give their pages back to the OS (MADV_DONTNEED).
+    """
+
+    def __init__(self, store, num_layers: int, num_experts: int, cap: int, policy: str = "lru",
+                 heat: np.ndarray | None = None, checksum: str = "first", io_threads: int = 4):
+        if not 1 <= cap <= num_experts:
+            raise ValueError(f"cap {cap} must be between 1 and num_experts ({num_experts})")
+        self.store = store
+        self.L, self.E = num_layers, num_experts
+        self.slot_bytes = store.slot_bytes
+        self.max_cap = cap
+        self.policy = policy
+        self.heat = heat if heat is not None else np.zeros((num_layers, num_experts), np.int64)
+        self.checksum = checksum
+        self._verified = np.zeros((num_layers, num_experts), dtype=bool)
+        self._arena_mm = mmap.mmap(-1, num_layers * cap * self.slot_bytes)
+        self.arena = np.frombuffer(self._arena_mm, dtype=np.uint8)
+        self.slot_expert = np.full((num_layers, cap), -1, np.int32)
+        self.slot_state = np.zeros((num_layers, cap), np.int8)
+        self.slot_busy = np.zeros((num_layers, cap), np.int32)
+        self.slot_spec = np.zeros((num_layers, cap), bool)  # loaded speculatively, not yet used
+        self.slot_theat = np.zeros((num_layers, cap), np.int64)  # LFRU bucket a slot sits in
+        self.where = np.full((num_layers, num_experts), -1, np.int32)
+        self.last_use = np.zeros((num_layers, num_experts), np.int64)  # access clock per expert
+        self.clock = 0
+        self.pinned = np.zeros((num_layers, num_experts), bool)
+        self.layers = [_Layer(cap, cap) for _ in range(num_layers)]
+        self._views: dict[tuple[int, int], dict] = {}
+        self._errors: dict[tuple[int, int], Exception] = {}
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(self.lock)
+        self.stats = CacheStats()
+        self.routed_now = np.zeros((num_layers, num_experts), bool)
+        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="colibri-io")
+        self._closed = False
+
+    # --- slot helpers (lock held) ----------------------------------------------------------------
+
+    def _buf(self, layer: int, slot: int) -> np.ndarray:
+        off = (layer * self.max_cap + slot) * self.slot_bytes
+        return self.arena[off:off + self.slot_bytes]
+
+    def _track(self, layer: int, slot: int) -> None:
+        """Make a resident, unpinned slot evictable (most recent position)."""
+        ly = self.layers[layer]
+        if self.policy == "lru":
+            ly.lru[slot] = None
+        else:
+            h = int(self.heat[layer, self.slot_expert[layer, slot]])
+            self.slot_theat[layer, slot] = h
+            b = ly.buckets.get(h)
+            if b is None:
+                b = ly.buckets[h] = OrderedDict()
+                heapq.heappush(ly.heap, h)
+            b[slot] = None
+
+    def _untrack(self, layer: int, slot: int) -> None:
+        ly = self.layers[layer]
+        if self.policy == "lru":
+            ly.lru.pop(slot, None)
+        else:
+            b = ly.buckets.get(int(self.slot_theat[layer, slot]))
+            if b is not None:
+                b.pop(slot, None)
+        ly.staged.pop(slot, None)
+
+    def touch(self, layer: int, slot: int) -> None:
+        """Mark a resident slot most recently used (lock held)."""
+        if self.pinned[layer, self.slot_expert[layer, slot]]:
+            return
+        self._untrack(layer, slot)
+        self._track(layer, slot)
+
+    def _pick_victim(self, layer: int, allow_staged: bool = True) -> int:
+        """Least valuable evictable slot of ``layer`` under the policy, or -1. Skips busy slots;
+        a speculation not yet used is only taken when nothing else is evictable (the LFRU
+        heat-0 trap of the colibri notes: staged slots were evicted before use)."""
+        ly = self.layers[layer]
+        if self.policy == "lru":
+            for s in ly.lru:
+                if self.slot_busy[layer, s] == 0 and s not in ly.staged:
+                    return s
+        else:
+            while ly.heap:
+                h = ly.heap[0]
+                b = ly.buckets.get(h)
+                if not b:
+                    heapq.heappop(ly.heap)
+                    ly.buckets.pop(h, None)
+                    continue
+                for s in b:
+                    if self.slot_busy[layer, s] == 0 and s not in ly.staged:
+                        return s
+                # every slot of the coldest bucket is busy/staged: scan the next buckets
+                for h2 in sorted(ly.buckets):
+                    for s in ly.buckets[h2]:
+                        if self.slot_busy[layer, s] == 0 and s not in ly.staged:
+                            return s
+                break
+        if allow_staged:
+            for s in ly.staged:
+                if self.slot_busy[layer, s] == 0:
+                    return s
+        return -1
+
+    def _evict(self, layer: int, slot: int) -> None:
+        e = self.slot_expert[layer, slot]
+        self._untrack(layer, slot)
+        if self.slot_spec[layer, slot]:
+            self.stats.spec_wasted_bytes += self.slot_bytes
+            self.slot_spec[layer, slot] = False
+        self.where[layer, e] = -1
+        self.slot_expert[layer, slot] = -1
+        self.slot_state[layer, slot] = FREE
+        self._views.pop((layer, int(e)), None)
+        self.stats.evictions += 1
+
+    def _release_pages(self, layer: int, slot: int) -> None:
+        off = (layer * self.max_cap + slot) * self.slot_bytes
+        try:
+            self._arena_mm.madvise(mmap.MADV_DONTNEED, off, self.slot_bytes)
+        except (AttributeError, OSError, ValueError):
+            pass
+
+    def _reserve(self, layer: int, expert: int, victim_ok=None) -> int:
+        """Reserve a slot for ``expert`` (lock held): a free slot under the cap, else a victim.
+        Returns the slot (now LOADING) or -1 if nothing can be taken right now."""
+        ly = self.layers[layer]
+        slot = -1
+        if ly.live < ly.cap and ly.free:
+            slot = ly.free.pop()
+            ly.live += 1
+        else:
+            v = self._pick_victim(layer)
+            if v < 0 or (victim_ok is not None and not victim_ok(layer, v)):
+                return -1
+            self._evict(layer, v)
+            slot = v
+        self.slot_expert[layer, slot] = expert
+        self.slot_state[layer, slot] = _LOADING
+        self.where[layer, expert] = slot
+        return slot
+
+    def _unreserve(self, layer: int, slot: int) -> None:
+        e = self.slot_expert[layer, slot]
+        self.where[layer, e] = -1
+        self.slot_expert[layer, slot] = -1
+        self.slot_state[layer, slot] = FREE
+        self.slot_spec[layer, slot] = False
+        ly = self.layers[layer]
+        ly.live -= 1
+        ly.free.append(slot)
+
+    # --- loading --------------------------------------------------------------------------------
+
+    def _load(self, layer: int, expert: int, slot: int, speculative: bool) -> None:
+        """Read into the reserved slot (I/O thread or caller), then publish or free it."""
+        buf = self._buf(layer, slot)
+        verify = self.checksum == "always" or (self.checksum == "first" and not self._verified[layer, expert])
+        t0 = time.perf_counter()
+        try:
+            n = self.store.read(layer, expert, buf, verify=verify)
+            err = None
+        except Exception as e:  # noqa: BLE001 - reported to the waiter
+            err = e
+        dt = time.perf_counter() - t0
+        with self.lock:
+            self.stats.read_service_s += dt
+            if err is not None or self._closed:
+                self.stats.read_errors += err is not None
+                self._unreserve(layer, slot)
+                if err is not None and not speculative:
+                    self._errors[(layer, expert)] = err
+            else:
+                if verify:
+                    self._verified[layer, expert] = True
+                self.stats.loads += 1
+                if speculative:
+                    self.stats.spec_bytes += n
+                    self.stats.spec_completed += 1
+                    self.slot_spec[layer, slot] = True
+                else:
+                    self.stats.demand_bytes += n
+                self.slot_state[layer, slot] = _RESIDENT
+                self._views[(layer, expert)] = self.store.views(buf)
+                if not self.pinned[layer, expert]:
+                    self._track(layer, slot)
+                    if speculative:
+                        self.layers[layer].staged[slot] = None
+            self.cond.notify_all()
+
+    def prepare(self, layer: int, experts) -> None:
+        """Count one demand lookup per expert and start concurrent reads of the misses
+        (as many as free or evictable slots allow; the rest load in ``acquire``)."""
+        jobs = []
+        with self.lock:
+            self.routed_now[layer, :] = False
+            for e in experts:
+                e = int(e)
+                self.routed_now[layer, e] = True
+                s = self.where[layer, e]
+                if s >= 0 and self.slot_state[layer, s] == _RESIDENT:
+                    self.stats.hits += 1
+                    if self.pinned[layer, e]:
+                        self.stats.pinned_hits += 1
+                    continue
+                self.stats.misses += 1
+                if s >= 0:
+                    continue  # loading (speculation in flight): acquire waits for it
+                slot = self._reserve(layer, e)
+                if slot >= 0:
+                    jobs.append((e, slot))
+        for e, slot in jobs:
+            self._pool.submit(self._load, layer, e, slot, False)
+
+    def acquire(self, layer: int, expert: int) -> dict:
+        """Views of the expert's slab, resident and marked busy until ``release``.
+
+        Raises:
+            ExpertReadError: its read failed twice.
+        """
+        t0 = None
+        with self.lock:
+            while True:
+                s = self.where[layer, expert]
+                if s >= 0 and self.slot_state[layer, s] == _RESIDENT:
+                    break
+                err = self._errors.pop((layer, expert), None)
+                if err is not None:
+                    raise err if isinstance(err, ExpertReadError) else ExpertReadError(str(err))
+                if t0 is None:
+                    t0 = time.perf_counter()
+                if s < 0:
+                    slot = self._reserve(layer, expert)
+                    if slot >= 0:
+                        self.lock.release()
+                        try:
+                            self._load(layer, expert, slot, False)
+                        finally:
+                            self.lock.acquire()
+                        continue
+                self.cond.wait(0.05)
+            if t0 is not None:
+                self.stats.felt_wait_s += time.perf_counter() - t0
+            self.slot_busy[layer, s] += 1
+            self.clock += 1
+            self.last_use[layer, expert] = self.clock
+            if self.slot_spec[layer, s]:
+                self.slot_spec[layer, s] = False
+                self.stats.spec_used += 1
+                self.layers[layer].staged.pop(s, None)
+            self.touch(layer, s)
+            return self._views[(layer, expert)]
+
+    def release(self, layer: int, expert: int) -> None:
+        with self.lock:
+            s = self.where[layer, expert]
+            if s >= 0:
+                self.slot_busy[layer, s] -= 1
+                ly = self.layers[layer]
+                if ly.live > ly.cap and self.slot_busy[layer, s] == 0 and not self.pinned[layer, expert]:
+                    self._shrink_layer(layer)
+
+    # --- speculative loads (PILOT) ------------------------------------------------------------------
+
+    def try_speculate(self, layer: int, expert: int, guard=None) -> int:
+        """Reserve a slot for a speculative load (lock taken here). Returns the slot, or
+        -1 (already resident/loading), -2 (guard refused), -3 (no slot)."""
+        with self.lock:
+            if self._closed or self.where[layer, expert] >= 0:
+                return -1
+            ly = self.layers[layer]
+            if not (ly.live < ly.cap and ly.free):
+                v = self._pick_victim(layer, allow_staged=False)
+                if v < 0:
+                    return -3
+                if guard is not None and not guard(layer, int(self.slot_expert[layer, v]), expert):
+                    return -2
+            slot = self._reserve(layer, expert)
+            if slot < 0:
+                return -3
+            self.stats.spec_issued += 1
+            return slot
+
+    def load_speculative(self, layer: int, expert: int, slot: int) -> None:
+        self._load(layer, expert, slot, True)
+
+    # --- pinning, cap, residency --------------------------------------------------------------------
+
+    def set_pinned(self, pinned: np.ndarray) -> None:
+        """Replace the pin set (bool [L, E]). Pinned residents leave the eviction order."""
+        with self.lock:
+            for layer in range(self.L):
+                for e in np.nonzero(self.pinned[layer] != pinned[layer])[0]:
+                    s = self.where[layer, e]
+                    was = self.pinned[layer, e]
+                    if s >= 0 and self.slot_state[layer, s] == _RESIDENT:
+                        if was:
+                            self.pinned[layer, e] = False
+                            self._track(layer, s)
+                        else:
+                            self._untrack(layer, s)
+                            self.pinned[layer, e] = True
+                    else:
+                        self.pinned[layer, e] = pinned[layer, e]
+
+    def _shrink_layer(self, layer: int) -> int:
+        ly = self.layers[layer]
+        n = 0
+        while ly.live > ly.cap:
+            v = self._pick_victim(layer)
+            if v < 0:
+                # only pinned (or busy) slots left: unpin the least hot resident pinned one
+                cands = [s for s in range(self.max_cap) if self.slot_state[layer, s] == _RESIDENT
+                         and self.slot_busy[layer, s] == 0]
+                if not cands:
+                    break
+                v = min(cands, key=lambda s: self.heat[layer, self.slot_expert[layer, s]])
+                self.pinned[layer, self.slot_expert[layer, v]] = False
+                self._track(layer, v)
+            self._evict(layer, v)
+            ly.live -= 1
+            ly.free.append(v)
+            self._release_pages(layer, v)
+            n += 1
+        return n
+
+    def set_cap(self, cap: int) -> int:
+        """Lower (or raise, up to the arena size) the slots per layer; evicts LRU slots now
+        (busy ones when released). The new cap holds until changed again. Returns evictions."""
+        cap = max(1, min(int(cap), self.max_cap))
+        n = 0
+        with self.lock:
+            for layer in range(self.L):
+                self.layers[layer].cap = cap
+                n += self._shrink_layer(layer)
+        return n
+
+    @property
+    def cap(self) -> int:
+        return self.layers[0].cap
+
+    def live_slots(self, layer: int) -> int:
+        return self.layers[layer].live
+
+    def resident_bytes(self) -> int:
+        return sum(ly.live for ly in self.layers) * self.slot_bytes
+
+    def residency(self) -> np.ndarray:
+        """int8 [L, E] of ABSENT / RESIDENT / PINNED / LOADING (events.py constants)."""
+        with self.lock:
+            out = np.full((self.L, self.E), ABSENT, np.int8)
+            for layer in range(self.L):
+                for s in range(self.max_cap):
+                    st = self.slot_state[layer, s]
+                    if st == FREE:
+                        continue
+                    e = self.slot_expert[layer, s]
+                    if st == _LOADING:
+                        out[layer, e] = LOADING
+                    else:
+                        out[layer, e] = PINNED if self.pinned[layer, e] else RESIDENT
+            return out
+
+    def is_present(self, layer: int, expert: int) -> bool:
+        return self.where[layer, expert] >= 0
+
+    def close(self) -> None:
+        """Stop the I/O pool (waits for reads in flight). Idempotent."""
+        with self.lock:
+            self._closed = True
+            self.cond.notify_all()
+        self._pool.shutdown(wait=True)

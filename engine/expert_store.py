@@ -1,0 +1,192 @@
+"""The on-SSD expert store: manifest, dense weights, and one-read-per-expert slab access.
+
+Reads use ``os.preadv`` of one whole 4096-aligned slab into a caller-owned, 4096-aligned
+buffer. O_DIRECT (bypassing the page cache, so the RAM budget is real) is used where the
+filesystem accepts it; otherwise buffered reads, with one log line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import zlib
+from pathlib import Path
+
+import numpy as np
+from safetensors import SafetensorError, safe_open
+
+from .config import ModelArgs
+from .convert import FORMAT_NAME, FORMAT_VERSION
+from .errors import ExpertReadError, StoreError
+from .quant import ALIGN, aligned_empty, slab_views
+
+log = logging.getLogger(__name__)
+
+
+class ExpertStore:
+    """An opened store folder.
+
+    Attributes:
+        path, manifest (dict), args (ModelArgs), quant ("int8"/"int4"/"f16"/"f32"),
+        dense_quant, group_size, layout (slab layout dict), slot_bytes (bytes per expert slab),
+        o_direct (bool: whether reads really bypass the page cache).
+
+    Raises (constructor):
+        StoreError: missing/unknown manifest, version, or dimensions that disagree with
+            config.json; the message says to re-run ``colibri convert``.
+    """
+
+    def __init__(self, path: str | os.PathLike, o_direct: bool = True):
+        self.path = Path(path)
+        mpath = self.path / "manifest.json"
+        if self.path.name.endswith(".partial"):
+            raise StoreError(f"{self.path}: is an unfinished conversion; run `colibri convert` again")
+        try:
+            m = json.loads(mpath.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise StoreError(f"{mpath}: not found; {self.path} is not a converted store "
+                             f"(create one with `colibri convert SRC {self.path}`)") from None
+        except (OSError, ValueError) as e:
+            raise StoreError(f"{mpath}: unreadable ({e}); re-run `colibri convert`") from None
+        if m.get("format") != FORMAT_NAME:
+            raise StoreError(f"{mpath}: format {m.get('format')!r} is not {FORMAT_NAME!r}")
+        if m.get("version") != FORMAT_VERSION:
+            raise StoreError(f"{mpath}: store version {m.get('version')!r}, this engine reads version "
+                             f"{FORMAT_VERSION}; re-run `colibri convert --overwrite`")
+        self.manifest = m
+        self.args = ModelArgs.from_hf_config(self.path / "config.json")
+        a = self.args
+        if (m.get("num_layers"), m.get("num_experts")) != (a.num_hidden_layers, a.num_experts) or \
+                len(m.get("experts", [])) != a.num_hidden_layers or \
+                any(len(row) != a.num_experts for row in m["experts"]):
+            raise StoreError(f"{mpath}: expert table does not match config.json "
+                             f"({a.num_hidden_layers} layers x {a.num_experts} experts); re-convert")
+        self.quant = m["quant"]
+        self.dense_quant = m["dense_quant"]
+        self.group_size = m.get("group_size") or 32
+        lay = m["slab_layout"]
+        self.layout = {"fields": [tuple(f) for f in lay["fields"]], "data_bytes": lay["data_bytes"],
+                       "slot_bytes": lay["slot_bytes"]}
+        self.slot_bytes = int(lay["slot_bytes"])
+        self.experts = m["experts"]
+        self._verified = np.zeros((a.num_hidden_layers, a.num_experts), dtype=bool)
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.o_direct = False
+        self._open_files(o_direct)
+
+    # --- files --------------------------------------------------------------------------
+
+    def _open_files(self, want_direct: bool) -> None:
+        files = sorted({e["file"] for row in self.experts for e in row})
+        direct_ok = want_direct and hasattr(os, "O_DIRECT")
+        for rel in files:
+            p = self.path / rel
+            if not p.exists():
+                self.close()
+                raise StoreError(f"{p}: expert file missing from the store; re-run `colibri convert`")
+            fd = None
+            if direct_ok:
+                try:
+                    fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+                    probe = aligned_empty(ALIGN)
+                    os.preadv(fd, [probe], 0)
+                except OSError as e:
+                    if fd is not None:
+                        os.close(fd)
+                    fd = None
+                    direct_ok = False
+                    log.info("O_DIRECT not available on %s (%s); using buffered reads", p, e)
+            if fd is None:
+                fd = os.open(p, os.O_RDONLY)
+            self._fds[rel] = fd
+        # Some files may have been opened before O_DIRECT failed: reopen them buffered.
+        if want_direct and not direct_ok:
+            for rel, fd in list(self._fds.items()):
+                if os.O_DIRECT and (self._fd_flags(fd) & os.O_DIRECT):
+                    os.close(fd)
+                    self._fds[rel] = os.open(self.path / rel, os.O_RDONLY)
+        self.o_direct = direct_ok
+
+    @staticmethod
+    def _fd_flags(fd: int) -> int:
+        try:
+            import fcntl
+            return fcntl.fcntl(fd, fcntl.F_GETFL)
+        except (ImportError, OSError):
+            return 0
+
+    def close(self) -> None:
+        """Close every file. Idempotent."""
+        with self._lock:
+            for fd in self._fds.values():
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+            self._fds.clear()
+
+    @property
+    def open_files(self) -> int:
+        return len(self._fds)
+
+    # --- dense ----------------------------------------------------------------------------
+
+    def load_dense(self) -> dict[str, np.ndarray]:
+        """All dense tensors as in-RAM numpy arrays (canonical names, see convert.py).
+
+        Raises:
+            StoreError: dense.safetensors is missing, truncated or lacks a tensor.
+        """
+        p = self.path / self.manifest["dense_file"]
+        try:
+            with safe_open(str(p), framework="numpy") as f:
+                return {k: f.get_tensor(k) for k in f.keys()}
+        except (SafetensorError, OSError) as e:
+            raise StoreError(f"{p}: cannot read the dense weights ({e}); re-run `colibri convert`") from None
+
+    # --- experts --------------------------------------------------------------------------
+
+    def new_buffer(self, n_slots: int = 1) -> np.ndarray:
+        """One aligned uint8 arena of n_slots x slot_bytes."""
+        return aligned_empty(n_slots * self.slot_bytes)
+
+    def read(self, layer: int, expert: int, buf: np.ndarray, verify: bool = False) -> int:
+        """Read expert (layer, expert)'s slab into ``buf`` (uint8, slot_bytes, 4096-aligned)
+        with one positional read; retry once on failure.
+
+        Returns: bytes read.
+        Raises:
+            ExpertReadError: the read failed twice, was short, or the checksum did not match.
+        """
+        meta = self.experts[layer][expert]
+        n = int(meta["length"])
+        last = None
+        for _attempt in range(2):
+            try:
+                fd = self._fds[meta["file"]]
+                got = os.preadv(fd, [buf[:n]], int(meta["offset"]))
+                if got != n:
+                    raise OSError(f"short read: {got} of {n} bytes")
+                if verify and zlib.crc32(buf[:n]) != meta["crc32"]:
+                    raise ExpertReadError(
+                        f"{self.path / meta['file']}: expert {expert} of layer {layer} fails its crc32 "
+                        f"checksum; the store is corrupt - re-run `colibri convert --overwrite`")
+                return n
+            except ExpertReadError:
+                raise
+            except (OSError, KeyError) as e:
+                last = e
+        raise ExpertReadError(f"{self.path / meta['file']}: reading expert {expert} of layer {layer} "
+                              f"failed twice ({last}); check the disk or re-convert the store")
+
+    def views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+        return slab_views(buf, self.layout)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

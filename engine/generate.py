@@ -1,0 +1,344 @@
+"""The Engine: opens a store, sizes the expert cache to the RAM budget, and generates.
+
+``Engine.generate(request, cancel_event)`` is a generator of plain events (events.py):
+TokenEvent and StepMetrics after every token, ResidencySnapshot at most ~10 per second, and
+always a final Finished. The loop has no I/O of its own and no Qt (mlx-lm stream_generate).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Iterator
+
+import numpy as np
+
+from .config import EngineConfig
+from .errors import ContextOverflowError, EngineError
+from .events import Finished, GenerateRequest, Loaded, LoadProgress, TokenEvent
+from .expert_cache import ExpertCache
+from .expert_store import ExpertStore
+from .heat import RoutingHeat
+from .metrics import MetricsTracker
+from .model import Cancelled, OlmoeModel
+from .ram_budget import RssGuard, current_rss, plan_cap
+from .sampling import Sampler
+from .tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+MAX_DEFAULT_CONTEXT = 4096
+WARMUP_TOKENS = 16
+
+
+class Engine:
+    """A loaded model ready to generate. Create with :meth:`open`; close with :meth:`close`.
+
+    Attributes: config (EngineConfig), store (ExpertStore), args (ModelArgs), tokenizer,
+    model (OlmoeModel), cache (ExpertCache), heat (RoutingHeat), plan (BudgetPlan),
+    loaded (Loaded event), pilot (Pilot or None).
+    """
+
+    def __init__(self):
+        raise TypeError("use Engine.open(config)")
+
+    @classmethod
+    def open(cls, config: EngineConfig, progress: Callable[[LoadProgress], None] | None = None,
+             read_rss: Callable[[], int] = current_rss) -> "Engine":
+        """Open ``config.store``.
+
+        Raises:
+            ConfigError: a setting is out of range.
+            StoreError / TokenizerError: the store or its tokenizer is missing or corrupt.
+            BudgetError: the budget cannot hold one expert slot per layer (numbers given).
+        """
+        self = object.__new__(cls)
+        self.config = config = config.validated()
+        self.read_rss = read_rss
+        self._closed = False
+        self._lock = threading.Lock()
+        if config.numba_threads:
+            try:
+                import numba
+                numba.set_num_threads(min(config.numba_threads, numba.config.NUMBA_NUM_THREADS))
+            except (ImportError, ValueError):
+                pass
+        report = progress or (lambda ev: None)
+        report(LoadProgress("open", 0, 3, "", f"opening {config.store}"))
+        self.store = ExpertStore(config.store, o_direct=config.o_direct)
+        try:
+            self._open_rest(report)
+        except BaseException:
+            self.store.close()
+            raise
+        return self
+
+    def _open_rest(self, report) -> None:
+        config, store = self.config, self.store
+        a = self.args = store.args
+        self.tokenizer = Tokenizer.from_dir(store.path)
+        dense = store.load_dense()
+        dense_bytes = sum(v.nbytes for v in dense.values())
+        ctx = config.context_length or min(a.max_position_embeddings, MAX_DEFAULT_CONTEXT)
+        self.context_length = ctx
+        kv_bytes = 2 * a.num_hidden_layers * a.num_key_value_heads * ctx * a.head_dim * 4
+        report(LoadProgress("open", 1, 3, "", "dense weights loaded"))
+        self.plan = plan_cap(a.num_experts, store.manifest["slot_bytes"], dense_bytes, kv_bytes,
+                             config.ram_budget_gb, config.cap, rss_now=self.read_rss())
+        self.heat = RoutingHeat(a.num_hidden_layers, a.num_experts, store.manifest.get("created", ""))
+        if config.history:
+            self.heat.load(store.path)
+        self.cache = ExpertCache(store, a.num_hidden_layers, a.num_experts, self.plan.cap, config.policy,
+                                 heat=self.heat.counts, checksum=config.checksum,
+                                 io_threads=4)
+        self.model = OlmoeModel(a, dense, store.dense_quant, store.quant, self.cache, ctx, store.group_size)
+        self.model.on_route = self._on_route
+        self.guard = RssGuard(self.cache, self.plan.budget, read_rss=self.read_rss)
+        self._kv_ids: list[int] = []
+        self.pilot = None
+        if config.pilot > 0:
+            from .prefetch import Pilot
+            self.pilot = Pilot(self.model, self.cache, config, self.heat.session)
+        pre_n, pre_s = 0, 0.0
+        if config.pinning and self.heat.pinned.any():
+            pre_n, pre_s = self._prewarm(self._cap_pins(self.heat.pinned), report)
+        self._pins_applied = bool(self.cache.pinned.any())
+        report(LoadProgress("open", 3, 3, "", "ready"))
+        msg = self.plan.describe()
+        if pre_n:
+            msg += f"; pre-warmed {pre_n} experts in {pre_s:.2f} s"
+        if self.heat.message:
+            msg += f"; {self.heat.message}"
+        log.info("%s", msg)
+        self.loaded = Loaded(
+            model_name=store.manifest.get("model_name", store.path.name), store_path=str(store.path),
+            quant=store.quant, num_layers=a.num_hidden_layers, num_experts=a.num_experts,
+            num_experts_per_tok=a.num_experts_per_tok, context_length=ctx, cap_per_layer=self.cache.cap,
+            ram_budget_bytes=self.plan.budget, dense_bytes=dense_bytes, expert_slot_bytes=store.slot_bytes,
+            pilot=config.pilot, prewarmed_experts=pre_n, prewarm_seconds=pre_s, message=msg)
+
+    # --- pinning ------------------------------------------------------------------------------
+
+    def _pins_per_layer(self) -> int:
+        cap = self.cache.cap
+        n = self.config.pin_per_layer or cap // 4
+        return max(0, min(n, cap - 1))
+
+    def _cap_pins(self, pinned: np.ndarray) -> np.ndarray:
+        n = self._pins_per_layer()
+        out = np.zeros_like(pinned)
+        for layer in range(pinned.shape[0]):
+            ids = np.nonzero(pinned[layer])[0]
+            ids = ids[np.argsort(-self.heat.counts[layer, ids], kind="stable")][:n]
+            out[layer, ids] = True
+        return out
+
+    def _prewarm(self, pinned: np.ndarray, report) -> tuple[int, float]:
+        """Load the pinned experts before the first token (the seeds' PILOT=3 pre-warm)."""
+        t0 = time.perf_counter()
+        self.cache.set_pinned(pinned)
+        total = int(pinned.sum())
+        for layer in range(pinned.shape[0]):
+            ids = np.nonzero(pinned[layer])[0]
+            self.cache.prepare(layer, ids)
+            for e in ids:
+                self.cache.acquire(layer, int(e))
+                self.cache.release(layer, int(e))
+            report(LoadProgress("prewarm", int(pinned[:layer + 1].sum()), total, "experts"))
+        # pre-warm lookups are not demand traffic
+        self.cache.stats.hits = self.cache.stats.misses = self.cache.stats.pinned_hits = 0
+        return total, time.perf_counter() - t0
+
+    def _maybe_pin(self) -> None:
+        if not self.config.pinning or self._pins_applied or self.heat.tokens < WARMUP_TOKENS:
+            return
+        n = self._pins_per_layer()
+        if n <= 0:
+            return
+        pins = self.heat.choose_pins(n)
+        self.cache.set_pinned(pins)
+        self.heat.pinned = pins.copy()
+        self._pins_applied = True
+
+    def _on_route(self, layer: int, idx: np.ndarray, logits: np.ndarray) -> None:
+        self.heat.observe(layer, idx)
+        if self.pilot is not None:
+            self.pilot.observe_route(layer, idx, logits)
+
+    # --- generation ---------------------------------------------------------------------------
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self.tokenizer.has_chat_template
+
+    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        """Token ids of the request's prompt (chat template, raw text or ids)."""
+        if request.prompt_ids is not None:
+            ids = [int(t) for t in request.prompt_ids]
+            bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
+            if bad:
+                raise ValueError(f"prompt_ids: token id {bad[0]} is outside the vocabulary "
+                                 f"[0, {self.args.vocab_size})")
+            return ids
+        if request.messages:
+            return self.tokenizer.encode_chat(request.messages)
+        if request.prompt is not None:
+            return self.tokenizer.encode(request.prompt)
+        raise ValueError("empty request: give messages, prompt or prompt_ids")
+
+    def generate(self, request: GenerateRequest,
+                 cancel: threading.Event | None = None) -> Iterator[object]:
+        """Generate for ``request``; see the module docstring for the events.
+
+        Raises (before any compute):
+            ContextOverflowError: the prompt does not fit in the context window.
+            ValueError / TokenizerError: invalid request or template.
+        """
+        if self._closed:
+            raise EngineError("engine is closed")
+        cancel = cancel or threading.Event()
+        ids = self.prompt_ids(request)
+        sampler = Sampler(request.sampling)
+        C = self.context_length
+        if len(ids) == 0:
+            raise ValueError("the prompt is empty")
+        if len(ids) >= C:
+            raise ContextOverflowError(f"the prompt has {len(ids)} tokens but the context holds {C} "
+                                       f"(one more is needed to generate); shorten the conversation or "
+                                       f"raise the context length setting")
+        return self._run(ids, request, sampler, cancel)
+
+    def _run(self, ids, request, sampler, cancel) -> Iterator[object]:
+        with self._lock:
+            yield from self._run_locked(ids, request, sampler, cancel)
+
+    def _run_locked(self, ids, request, sampler, cancel) -> Iterator[object]:
+        C = self.context_length
+        sp = request.sampling
+        forced = request.forced_ids
+        tracker = MetricsTracker(self.cache, self.plan.budget, self.read_rss, self.pilot)
+        dec = self.tokenizer.incremental_decoder()
+        t0 = time.perf_counter()
+        out_ids: list[int] = []
+        text_parts: list[str] = []
+        reason = "length"
+        error = ""
+        prefill_s = 0.0
+        # Prefix reuse: keep the KV rows of the longest common prefix with the last run.
+        p = 0
+        for a, b in zip(self._kv_ids, ids):
+            if a != b:
+                break
+            p += 1
+        p = min(p, len(ids) - 1)
+        self._kv_ids = self._kv_ids[:p]
+        try:
+            if self.pilot is not None:
+                self.pilot.new_token()
+            logits = self.model.forward(np.asarray(ids[p:]), p, cancel=cancel)
+            self._kv_ids = list(ids)
+            self.heat.tokens += len(ids) - p
+            prefill_s = time.perf_counter() - t0
+            context = list(ids)
+            pos = len(ids)
+            while True:
+                tok = sampler(logits[-1], context)
+                if forced is not None:
+                    if len(out_ids) >= len(forced):
+                        reason = "length"
+                        break
+                    tok = int(forced[len(out_ids)])
+                step_t = time.perf_counter()
+                is_eos = forced is None and tok in self.tokenizer.eos_ids
+                if is_eos:
+                    reason = "stop"
+                    text_parts.append(dec.flush())
+                    break
+                out_ids.append(tok)
+                context.append(tok)
+                piece = dec.push(tok)
+                text_parts.append(piece)
+                yield TokenEvent(len(out_ids) - 1, tok, piece, time.perf_counter() - step_t)
+                if len(out_ids) >= sp.max_new_tokens or pos >= C:
+                    reason = "length"
+                    break
+                if cancel.is_set():
+                    reason = "cancelled"
+                    break
+                if self.pilot is not None:
+                    self.pilot.new_token()
+                logits = self.model.forward(np.asarray([tok]), pos, cancel=cancel)
+                self._kv_ids.append(tok)
+                self.heat.tokens += 1
+                pos += 1
+                n = len(out_ids)
+                yield tracker.step(n)
+                snap = tracker.residency(n, self.heat.counts)
+                if snap is not None:
+                    yield snap
+                msg = self.guard.step(n)
+                if msg:
+                    log.warning(msg)
+                self._maybe_pin()
+        except Cancelled:
+            reason = "cancelled"
+        except EngineError as e:
+            reason, error = "error", str(e)
+            log.error("generation failed: %s", e)
+        except Exception as e:  # noqa: BLE001 - reported as a Finished(error) event
+            reason, error = "error", f"{type(e).__name__}: {e}"
+            log.exception("generation failed")
+        if reason != "stop":
+            text_parts.append(dec.flush())
+        self._maybe_pin()
+        if self.config.history:
+            try:
+                self.heat.save(self.store.path)
+            except OSError as e:
+                log.warning("could not save routing history: %s", e)
+        snap = tracker.residency(len(out_ids), self.heat.counts, force=True)
+        if snap is not None:
+            yield snap
+        tot = tracker.totals()
+        look = tot["hits"] + tot["misses"]
+        n = len(out_ids)
+        dec_s = time.perf_counter() - (tracker.t_first or time.perf_counter())
+        yield Finished(
+            finish_reason=reason, prompt_tokens=len(ids), generated_tokens=n, text="".join(text_parts),
+            token_ids=tuple(out_ids), ttft_s=tracker.ttft if tracker.t_first else time.perf_counter() - t0,
+            decode_tok_per_s=(n - 1) / dec_s if n > 1 and dec_s > 0 else 0.0,
+            prefill_tok_per_s=(len(ids) - p) / prefill_s if prefill_s > 0 else 0.0,
+            hit_rate=tot["hits"] / look if look else 1.0,
+            mb_per_token=(tot["demand_bytes"] + tot["spec_bytes"]) / 1e6 / max(n, 1),
+            felt_wait_s=tot["felt_wait_s"], error=error)
+
+    def reset_history(self) -> None:
+        """Forget routing heat and pins (in memory and on disk)."""
+        self.heat.reset()
+        self.cache.set_pinned(np.zeros_like(self.heat.pinned))
+        self._pins_applied = False
+        if self.config.history:
+            self.heat.save(self.store.path)
+
+    def close(self) -> None:
+        """Join prefetch and I/O threads and close every file. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.pilot is not None:
+            self.pilot.close()
+        self.cache.close()
+        self.store.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def engine_threads_alive() -> list[str]:
+    """Names of live threads the engine started (tests check none survive close())."""
+    return [t.name for t in threading.enumerate() if t.name.startswith(("colibri-io", "colibri-pilot"))]
+

@@ -1,0 +1,106 @@
+"""Routing heat (per-model routing counts per (layer, expert)) and the persisted pin set.
+
+File ``routing_heat.json`` next to the store, written atomically after each generation:
+    {"format": "colibri-routing-heat", "version": 1, "engine": "colibri-desktop/olmoe",
+     "num_layers": L, "num_experts": E, "store_created": ..., "tokens": n,
+     "counts": [[...E ints] x L], "pinned": [[expert ids] x L]}
+A file whose format, version, engine or dimensions do not match is ignored with a log line
+(colibri's .coli_usage rules: never trust a mismatched history).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from .paths import atomic_write_text
+
+log = logging.getLogger(__name__)
+
+HEAT_FORMAT = "colibri-routing-heat"
+HEAT_VERSION = 1
+ENGINE_NAME = "colibri-desktop/olmoe"
+FILENAME = "routing_heat.json"
+
+
+class RoutingHeat:
+    """counts int64 [L, E] (history + this session), pinned bool [L, E], tokens seen."""
+
+    def __init__(self, num_layers: int, num_experts: int, store_created: str = ""):
+        self.L, self.E = num_layers, num_experts
+        self.store_created = store_created
+        self.counts = np.zeros((num_layers, num_experts), np.int64)
+        self.pinned = np.zeros((num_layers, num_experts), bool)
+        self.session = np.zeros((num_layers, num_experts), np.int64)  # this process only
+        self.tokens = 0
+        self.message = ""
+
+    def observe(self, layer: int, idx: np.ndarray) -> None:
+        """Count routing selections idx (int [T, K]) of ``layer``."""
+        np.add.at(self.counts[layer], idx.reshape(-1), 1)
+        np.add.at(self.session[layer], idx.reshape(-1), 1)
+
+    def choose_pins(self, per_layer: int) -> np.ndarray:
+        """The ``per_layer`` hottest experts of each layer (ties: lower id), bool [L, E]."""
+        out = np.zeros((self.L, self.E), bool)
+        if per_layer <= 0:
+            return out
+        for layer in range(self.L):
+            order = np.argsort(-self.counts[layer], kind="stable")[:per_layer]
+            order = [e for e in order if self.counts[layer, e] > 0]
+            out[layer, order] = True
+        return out
+
+    def reset(self) -> None:
+        self.counts[:] = 0
+        self.session[:] = 0
+        self.pinned[:] = False
+        self.tokens = 0
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": HEAT_FORMAT, "version": HEAT_VERSION, "engine": ENGINE_NAME,
+            "num_layers": self.L, "num_experts": self.E, "store_created": self.store_created,
+            "tokens": int(self.tokens), "counts": self.counts.tolist(),
+            "pinned": [np.nonzero(r)[0].tolist() for r in self.pinned],
+        })
+
+    def save(self, folder: str | Path) -> Path:
+        p = Path(folder) / FILENAME
+        atomic_write_text(p, self.to_json())
+        return p
+
+    def load(self, folder: str | Path) -> bool:
+        """Load the history if it matches; otherwise keep zeros, set ``message``, return False."""
+        p = Path(folder) / FILENAME
+        if not p.exists():
+            return False
+        try:
+            d = json.loads(p.read_text(encoding="utf-8"))
+            ok = (d.get("format") == HEAT_FORMAT and d.get("version") == HEAT_VERSION
+                  and d.get("engine") == ENGINE_NAME and d.get("num_layers") == self.L
+                  and d.get("num_experts") == self.E)
+            if not ok:
+                raise ValueError(f"format/version/engine/dimensions do not match this store "
+                                 f"({self.L} layers x {self.E} experts)")
+            counts = np.asarray(d["counts"], dtype=np.int64)
+            if counts.shape != (self.L, self.E) or (counts < 0).any():
+                raise ValueError("counts have the wrong shape or negative values")
+            pinned = np.zeros((self.L, self.E), bool)
+            rows = d.get("pinned", [])
+            if len(rows) != self.L:
+                raise ValueError("pin rows do not match the layer count")
+            for layer, ids in enumerate(rows):
+                ids = np.asarray(ids, dtype=np.int64)
+                if ids.size and (ids.min() < 0 or ids.max() >= self.E):
+                    raise ValueError("pinned expert id out of range")
+                pinned[layer, ids] = True
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            self.message = f"ignoring routing history {p}: {e}"
+            log.warning(self.message)
+            return False
+        self.counts, self.pinned, self.tokens = counts, pinned, int(d.get("tokens", 0))
+        return True

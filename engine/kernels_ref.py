@@ -1,0 +1,88 @@
+"""Plain-numpy twins of kernels.py: same names, same signatures, same ``out`` convention.
+
+They are the test oracle for the numba kernels and the fallback when numba is unavailable
+(``COLIBRI_NO_NUMBA=1``). Shapes and weight kinds are documented in kernels.py.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
+
+
+def _q4(w, s, gs):
+    O, half = w.shape
+    q = np.empty((O, half * 2), dtype=np.float32)
+    q[:, 0::2] = (w & 15).astype(np.float32) - 8
+    q[:, 1::2] = (w >> 4).astype(np.float32) - 8
+    return (q.reshape(O, -1, gs) * s[:, :, None]).reshape(O, -1)
+
+
+def linear_f32(x, w, out):
+    out[...] = x @ w.T
+
+
+def linear_f16(x, w, lut, out):
+    out[...] = x @ lut[w].T
+
+
+def linear_q8(x, w, s, out):
+    out[...] = (x @ w.astype(np.float32).T) * s
+
+
+def linear_q4(x, w, s, gs, out):
+    out[...] = x @ _q4(w, s, gs).T
+
+
+def _silu(g):
+    return g / (1.0 + np.exp(-g))
+
+
+def expert_f32(x, gw, uw, dw, h, out):
+    h[...] = _silu(x @ gw.T) * (x @ uw.T)
+    out[...] = h @ dw.T
+
+
+def expert_f16(x, gw, uw, dw, lut, h, out):
+    expert_f32(x, lut[gw], lut[uw], lut[dw], h, out)
+
+
+def expert_q8(x, gw, gs, uw, us, dw, ds, h, out):
+    h[...] = _silu((x @ gw.astype(np.float32).T) * gs) * ((x @ uw.astype(np.float32).T) * us)
+    out[...] = (h @ dw.astype(np.float32).T) * ds
+
+
+def expert_q4(x, gw, gs, uw, us, dw, ds, gsz, h, out):
+    expert_f32(x, _q4(gw, gs, gsz), _q4(uw, us, gsz), _q4(dw, ds, gsz), h, out)
+
+
+def embed_q8(ids, w, s, out):
+    out[...] = w[ids].astype(np.float32) * s[ids][:, None]
+
+
+def rmsnorm(x, w, eps, out):
+    var = np.mean(x.astype(np.float32) ** 2, axis=1, keepdims=True)
+    out[...] = w * (x / np.sqrt(var + np.float32(eps)))
+
+
+def rope(x, cos, sin):
+    half = x.shape[2] // 2
+    a = x[:, :, :half].copy()
+    b = x[:, :, half:].copy()
+    c = cos[:, None, :]
+    s = sin[:, None, :]
+    x[:, :, :half] = a * c - b * s
+    x[:, :, half:] = b * c + a * s
+
+
+def attention(q, kc, vc, pos0, scale, out):
+    T, H, S = q.shape
+    rep = H // kc.shape[0]
+    for t in range(T):
+        n = pos0 + t + 1
+        for h in range(H):
+            kh = h // rep
+            sc = kc[kh, :n] @ q[t, h] * scale
+            p = np.exp(sc - sc.max())
+            out[t, h] = (p / p.sum()) @ vc[kh, :n]

@@ -1,0 +1,260 @@
+"""PILOT prefetch: router lookahead plus asynchronous loader workers.
+
+Modes (colibri's olmoe.c PILOT, reference notes 1.9):
+  1: from layer i's post-attention residual, predict layer i+1 with layer i+1's own
+     post_attention_layernorm and router;
+  2: also, from layer i's post-MoE residual, predict layer i+2;
+  3: also predict layer i+3 from the post-MoE residual.
+Hooks run only for small batches (T <= 8: decode), never during a long prefill.
+
+Prediction: h' = RMSNorm(x; target post_attention_layernorm); logits = h' W_router^T;
+with smooth s > 0 the predictor uses blended = (1-s) logits + s EMA (the EMA is also fed by
+the real routing logits); real routing always uses fresh logits, so values never change.
+Candidates: at least K, at most K x wide, stop when the cumulative probability reaches
+conf_limit (wide > 1); queued in expert-id order.
+
+Queue: bounded, de-duplicated, pruned when a new token starts (stale), and requests for a
+layer the compute has already reached are dropped. Workers claim each item exactly once.
+Eviction guard (colibri #497 final form): a speculation may take a free slot; it may evict a
+resident expert unless the victim is genuinely warm (session heat >= 2) and clearly hotter
+(score(victim) + score(victim)/4 + 4*256 > score(candidate); score = heat << 8 | recency).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import numpy as np
+
+from . import model as _model
+
+MAX_QUEUE = 4096
+SMALL_BATCH = 8
+
+
+def lfru_score(heat: int, age: int) -> int:
+    """colibri's tier_pick_lfru score: heat << 8 | recency, recency = 255 - age (0 if older)."""
+    rec = 255 - age if 0 <= age < 255 else 0
+    return (int(heat) << 8) | rec
+
+
+def guard_allows(victim_heat: int, victim_age: int, cand_heat: int, cand_age: int,
+                 victim_free: bool = False) -> bool:
+    """May a speculative load evict this victim? (True = go ahead.)
+
+    Free slots are always allowed; a victim with session heat < 2 is not genuinely warm and
+    may go; otherwise the victim is protected when it is clearly hotter than the candidate.
+    """
+    if victim_free or victim_heat < 2:
+        return True
+    sv = lfru_score(victim_heat, victim_age)
+    sc = lfru_score(cand_heat, cand_age)
+    return not (sv + sv // 4 + 4 * 256 > sc)
+
+
+class PrefetchQueue:
+    """Bounded, de-duplicated multi-consumer queue of (layer, expert, generation) items.
+
+    ``put`` returns False when the item is already queued or the queue is full; ``get`` hands
+    each item to exactly one caller; ``clear`` drops everything (returns how many).
+    """
+
+    def __init__(self, maxsize: int = MAX_QUEUE):
+        self.maxsize = maxsize
+        self._q: deque = deque()
+        self._keys: set = set()
+        self._cv = threading.Condition()
+        self._closed = False
+
+    def put(self, layer: int, expert: int, gen: int) -> str:
+        """Returns "ok", "dup" or "full"."""
+        with self._cv:
+            key = (layer, expert)
+            if key in self._keys:
+                return "dup"
+            if len(self._q) >= self.maxsize:
+                return "full"
+            self._keys.add(key)
+            self._q.append((layer, expert, gen))
+            self._cv.notify()
+            return "ok"
+
+    def get(self, timeout: float = 0.1):
+        """Next item or None on timeout/close."""
+        with self._cv:
+            while not self._q:
+                if self._closed:
+                    return None
+                if not self._cv.wait(timeout):
+                    return None
+            item = self._q.popleft()
+            self._keys.discard((item[0], item[1]))
+            return item
+
+    def clear(self) -> int:
+        with self._cv:
+            n = len(self._q)
+            self._q.clear()
+            self._keys.clear()
+            return n
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+
+class Pilot:
+    """Attaches to an OlmoeModel's hooks and an ExpertCache.
+
+    Args:
+        model: OlmoeModel; cache: ExpertCache; config: EngineConfig (pilot, pilot_workers, wide,
+        conf_limit, smooth, evict_guard); session_heat: int64 [L, E] routing counts of this process
+        (kept up to date by the engine; the guard reads it).
+    """
+
+    def __init__(self, model, cache, config, session_heat: np.ndarray | None = None):
+        a = model.args
+        self.model, self.cache = model, cache
+        self.mode = config.pilot
+        self.wide, self.conf_limit, self.smooth = config.wide, config.conf_limit, config.smooth
+        self.use_guard = config.evict_guard
+        self.L, self.E, self.K = a.num_hidden_layers, a.num_experts, a.num_experts_per_tok
+        self.session_heat = session_heat if session_heat is not None else np.zeros((self.L, self.E), np.int64)
+        self.ema = np.zeros((self.L, self.E), np.float32)
+        self.ema_set = np.zeros(self.L, bool)
+        self.queue = PrefetchQueue()
+        self.gen = 0
+        self.cur_layer = -1
+        self._small = False
+        self.predicted = np.zeros((self.L, self.E), bool)  # this token's predictions
+        self.recall_hits = np.zeros(self.L, np.int64)
+        self.recall_total = np.zeros(self.L, np.int64)
+        self._closed = False
+        model.on_layer_start = self._layer_start
+        model.on_after_attention = self._after_attention
+        model.on_after_moe = self._after_moe
+        self.workers = [threading.Thread(target=self._work, name=f"colibri-pilot-{i}", daemon=True)
+                        for i in range(config.pilot_workers)]
+        for w in self.workers:
+            w.start()
+
+    # --- compute-thread side ------------------------------------------------------------------------
+
+    def new_token(self) -> None:
+        """A new forward starts: prune stale requests (the seeds' stale pruning)."""
+        self.gen += 1
+        n = self.queue.clear()
+        if n:
+            with self.cache.lock:
+                self.cache.stats.spec_dropped_stale += n
+        self.predicted[:] = False
+        self.cur_layer = -1
+
+    def _layer_start(self, i: int) -> None:
+        self.cur_layer = i
+
+    def _after_attention(self, i: int, x: np.ndarray) -> None:
+        self._small = x.shape[0] <= SMALL_BATCH
+        if self._small and self.mode >= 1 and i + 1 < self.L:
+            self._predict(i + 1, x[-1:])
+
+    def _after_moe(self, i: int, x: np.ndarray) -> None:
+        if not self._small:
+            return
+        if self.mode >= 2 and i + 2 < self.L:
+            self._predict(i + 2, x[-1:])
+        if self.mode >= 3 and i + 3 < self.L:
+            self._predict(i + 3, x[-1:])
+
+    def _predict(self, t: int, x: np.ndarray) -> None:
+        m = self.model
+        h = np.empty_like(x)
+        _model.K.rmsnorm(x, m.layers[t]["post_attention_layernorm"], m.args.rms_norm_eps, h)
+        logits = m.router_logits(t, h)[0]  # [E]
+        if self.smooth > 0:
+            if not self.ema_set[t]:
+                self.ema[t] = logits
+                self.ema_set[t] = True
+            blended = (1 - self.smooth) * logits + self.smooth * self.ema[t]
+            self.ema[t] = blended
+        else:
+            blended = logits
+        p = np.exp(blended - blended.max())
+        p /= p.sum()
+        order = np.argsort(-p, kind="stable")
+        k = self.K
+        if self.wide > 1:
+            cum = np.cumsum(p[order])
+            n = int(np.searchsorted(cum, self.conf_limit) + 1)
+            n = max(k, min(n, k * self.wide, self.E))
+        else:
+            n = k
+        cands = np.sort(order[:n])
+        self.predicted[t, cands] = True
+        for e in cands:
+            e = int(e)
+            if self.cache.is_present(t, e):
+                continue
+            r = self.queue.put(t, e, self.gen)
+            if r == "full":
+                with self.cache.lock:
+                    self.cache.stats.spec_dropped_full += 1
+
+    def observe_route(self, layer: int, idx: np.ndarray, logits: np.ndarray) -> None:
+        """Real routing of ``layer``: recall bookkeeping and the EMA (predictor only)."""
+        if idx.shape[0] > SMALL_BATCH:
+            return
+        routed = np.unique(idx)
+        if layer > 0:
+            self.recall_total[layer] += len(routed)
+            self.recall_hits[layer] += int(self.predicted[layer, routed].sum())
+        if self.smooth > 0:
+            real = logits[-1]
+            if not self.ema_set[layer]:
+                self.ema[layer] = real
+                self.ema_set[layer] = True
+            else:
+                self.ema[layer] = (1 - self.smooth) * real + self.smooth * self.ema[layer]
+
+    def recall(self) -> list[float]:
+        """Per-layer share of routed experts that had been predicted (layer 0: never predicted)."""
+        return [float(h / t) if t else 0.0 for h, t in zip(self.recall_hits, self.recall_total)]
+
+    # --- worker side --------------------------------------------------------------------------------
+
+    def _guard(self, layer: int, victim: int, cand: int) -> bool:
+        c = self.cache
+        return guard_allows(int(self.session_heat[layer, victim]), c.clock - int(c.last_use[layer, victim]),
+                            int(self.session_heat[layer, cand]), c.clock - int(c.last_use[layer, cand]))
+
+    def _work(self) -> None:
+        while not self._closed:
+            item = self.queue.get(0.1)
+            if item is None:
+                continue
+            layer, e, gen = item
+            if gen != self.gen or layer <= self.cur_layer:
+                with self.cache.lock:
+                    self.cache.stats.spec_dropped_stale += 1
+                continue
+            slot = self.cache.try_speculate(layer, e, self._guard if self.use_guard else None)
+            if slot == -2:
+                with self.cache.lock:
+                    self.cache.stats.spec_dropped_guard += 1
+            elif slot == -3:
+                with self.cache.lock:
+                    self.cache.stats.spec_dropped_full += 1
+            elif slot >= 0:
+                self.cache.load_speculative(layer, e, slot)
+
+    def close(self) -> None:
+        """Stop and join every worker. Idempotent."""
+        self._closed = True
+        self.queue.close()
+        for w in self.workers:
+            w.join()

@@ -1,0 +1,130 @@
+"""Weight quantization schemes of the expert store, and the expert slab layout.
+
+Key: O output rows, N input columns, G = N // group_size.
+
+- int8: symmetric per output row: scale[o] = max|w[o]| / 127, q = rint(w / scale) in [-127, 127],
+  w ~= q * scale (as colibri's convert_olmoe_merged.py, and llama.cpp's Q8 family).
+- int4: symmetric group-wise along the input: scale[o, g] = max|w[o, g*gs:(g+1)*gs]| / 7,
+  q in [-7, 7] stored as the nibble q + 8, two per byte: low nibble = even column, high
+  nibble = odd column (the layout colibri's format 2/4 uses).
+- f16 / f32: exact modes for tests (f16 stored as raw IEEE half bits, read as uint16).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+QUANTS = ("int8", "int4", "f16", "f32")
+ALIGN = 4096  # slab alignment on disk and in RAM: one O_DIRECT read per expert
+_FIELD_ALIGN = 64
+
+
+def quantize_int8(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w: float32 [O, N] -> (q int8 [O, N], scale float32 [O])."""
+    w = np.asarray(w, dtype=np.float32)
+    amax = np.max(np.abs(w), axis=1)
+    scale = (np.maximum(amax, 1e-12) / 127.0).astype(np.float32)  # [O]
+    q = np.clip(np.rint(w / scale[:, None]), -127, 127).astype(np.int8)  # [O, N]
+    return q, scale
+
+
+def dequantize_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    return q.astype(np.float32) * scale[:, None]
+
+
+def quantize_int4(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """w: float32 [O, N] -> (packed uint8 [O, N//2], scale float32 [O, N//group_size]).
+
+    Raises:
+        ValueError: N is not a multiple of group_size or group_size is odd.
+    """
+    w = np.asarray(w, dtype=np.float32)
+    O, N = w.shape
+    if N % group_size or group_size % 2:
+        raise ValueError(f"int4: input width {N} is not a multiple of the group size {group_size}")
+    g = w.reshape(O, N // group_size, group_size)  # [O, G, gs]
+    amax = np.max(np.abs(g), axis=2)  # [O, G]
+    scale = (np.maximum(amax, 1e-12) / 7.0).astype(np.float32)
+    q = np.clip(np.rint(g / scale[:, :, None]), -7, 7).astype(np.int16).reshape(O, N) + 8
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)  # [O, N//2]
+    return packed, scale
+
+
+def dequantize_int4(packed: np.ndarray, scale: np.ndarray, group_size: int) -> np.ndarray:
+    O, half = packed.shape
+    q = np.empty((O, half * 2), dtype=np.float32)
+    q[:, 0::2] = (packed & 0x0F).astype(np.float32) - 8.0
+    q[:, 1::2] = (packed >> 4).astype(np.float32) - 8.0
+    return (q.reshape(O, -1, group_size) * scale[:, :, None]).reshape(O, half * 2)
+
+
+def quantize(w: np.ndarray, quant: str, group_size: int = 32) -> dict[str, np.ndarray]:
+    """Quantize one [O, N] matrix; returns {"w": data, "s": scales} ("s" absent for f16/f32)."""
+    if quant == "int8":
+        q, s = quantize_int8(w)
+        return {"w": q, "s": s}
+    if quant == "int4":
+        q, s = quantize_int4(w, group_size)
+        return {"w": q, "s": s}
+    if quant == "f16":
+        return {"w": np.asarray(w, dtype=np.float16).view(np.uint16)}
+    if quant == "f32":
+        return {"w": np.ascontiguousarray(w, dtype=np.float32)}
+    raise ValueError(f"unknown quantization {quant!r}; choose one of {QUANTS}")
+
+
+def dequantize(parts: dict[str, np.ndarray], quant: str, group_size: int = 32) -> np.ndarray:
+    """Inverse of :func:`quantize` (float32 [O, N])."""
+    if quant == "int8":
+        return dequantize_int8(parts["w"], parts["s"])
+    if quant == "int4":
+        return dequantize_int4(parts["w"], parts["s"], group_size)
+    if quant == "f16":
+        return parts["w"].view(np.float16).astype(np.float32)
+    return np.asarray(parts["w"], dtype=np.float32)
+
+
+def _field_specs(quant: str, O: int, N: int, gs: int) -> list[tuple[str, np.dtype, tuple]]:
+    if quant == "int8":
+        return [("w", np.dtype(np.int8), (O, N)), ("s", np.dtype(np.float32), (O,))]
+    if quant == "int4":
+        return [("w", np.dtype(np.uint8), (O, N // 2)), ("s", np.dtype(np.float32), (O, N // gs))]
+    if quant == "f16":
+        return [("w", np.dtype(np.uint16), (O, N))]
+    if quant == "f32":
+        return [("w", np.dtype(np.float32), (O, N))]
+    raise ValueError(f"unknown quantization {quant!r}")
+
+
+def slab_layout(quant: str, hidden_size: int, intermediate_size: int, group_size: int = 32) -> dict:
+    """Byte layout of one expert slab: gate_proj [I, D], up_proj [I, D], down_proj [D, I].
+
+    Returns {"fields": [(name, offset, dtype str, shape), ...], "data_bytes": int,
+    "slot_bytes": int (data rounded up to ALIGN)}. Names are "gate_proj.w", "gate_proj.s", ...
+    """
+    D, I = hidden_size, intermediate_size
+    fields = []
+    off = 0
+    for proj, (O, N) in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
+        for name, dt, shape in _field_specs(quant, O, N, group_size):
+            off = -(-off // _FIELD_ALIGN) * _FIELD_ALIGN
+            fields.append((f"{proj}.{name}", off, dt.str, tuple(shape)))
+            off += int(np.prod(shape)) * dt.itemsize
+    return {"fields": fields, "data_bytes": off, "slot_bytes": -(-off // ALIGN) * ALIGN}
+
+
+def slab_views(buf: np.ndarray, layout: dict) -> dict[str, np.ndarray]:
+    """Zero-copy numpy views of one slab held in ``buf`` (uint8, at least data_bytes long)."""
+    out = {}
+    for name, off, dt, shape in layout["fields"]:
+        dt = np.dtype(dt)
+        n = int(np.prod(shape)) * dt.itemsize
+        out[name] = buf[off:off + n].view(dt).reshape(shape)
+    return out
+
+
+def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
+    """A uint8 array of ``nbytes`` whose data pointer is a multiple of ``align`` (for O_DIRECT)."""
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    start = (-raw.ctypes.data) % align
+    return raw[start:start + nbytes]
