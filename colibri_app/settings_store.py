@@ -1,0 +1,119 @@
+"""The app's persisted settings: engine settings, sampling defaults, current model.
+
+One versioned JSON file in the user config directory (platformdirs), written atomically.
+An unreadable or out-of-range file falls back to defaults with a message, and is kept aside
+as ``settings.json.bad-<time>`` (never overwritten silently).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+from engine import ConfigError, EngineConfig, SamplingParams, paths
+
+SETTINGS_FORMAT = "colibri-desktop-settings"
+SETTINGS_VERSION = 1
+FILENAME = "settings.json"
+
+# Engine fields that need the engine to be reopened when they change.
+RELOAD_FIELDS = ("context_length", "ram_budget_gb", "cap", "policy", "pinning", "pin_per_layer", "pilot",
+                 "pilot_workers", "wide", "conf_limit", "smooth", "evict_guard", "o_direct", "checksum",
+                 "numba_threads", "history")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """engine: EngineConfig without a store; sampling: defaults for the next message;
+    current_model: path of the store the app opens (None = the bundled default model)."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=512))
+    current_model: str | None = None
+
+    def engine_config(self, store: str) -> EngineConfig:
+        return replace(self.engine, store=store)
+
+    def needs_reload(self, other: "Settings") -> bool:
+        """True when switching from self to ``other`` requires reopening the engine."""
+        if self.current_model != other.current_model:
+            return True
+        return any(getattr(self.engine, f) != getattr(other.engine, f) for f in RELOAD_FIELDS)
+
+    def to_json(self) -> str:
+        e = asdict(self.engine)
+        e.pop("store", None)
+        return json.dumps({"format": SETTINGS_FORMAT, "version": SETTINGS_VERSION, "engine": e,
+                           "sampling": asdict(self.sampling), "current_model": self.current_model},
+                          indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Settings":
+        """Parse and validate. Raises ValueError / ConfigError naming the bad setting."""
+        d = json.loads(text)
+        if not isinstance(d, dict) or d.get("format") != SETTINGS_FORMAT:
+            raise ValueError("not a colibri-desktop settings file")
+        if d.get("version") != SETTINGS_VERSION:
+            raise ValueError(f"settings version {d.get('version')!r} is not {SETTINGS_VERSION}")
+        e = d.get("engine", {})
+        if not isinstance(e, dict):
+            raise ValueError("'engine' must be an object")
+        names = {f.name for f in fields(EngineConfig)} - {"store"}
+        unknown = set(e) - names
+        if unknown:
+            raise ValueError(f"unknown engine settings: {', '.join(sorted(unknown))}")
+        engine = EngineConfig(**e).validated()
+        s = d.get("sampling", {})
+        snames = {f.name for f in fields(SamplingParams)}
+        if not isinstance(s, dict) or set(s) - snames:
+            raise ValueError("'sampling' has unknown keys")
+        sampling = SamplingParams(**s)
+        validate_sampling(sampling)
+        cm = d.get("current_model")
+        if cm is not None and not isinstance(cm, str):
+            raise ValueError("'current_model' must be a path or null")
+        return cls(engine=engine, sampling=sampling, current_model=cm)
+
+
+def validate_sampling(s: SamplingParams) -> None:
+    """Raises ConfigError naming the setting."""
+    checks = [("temperature", 0.0 <= s.temperature <= 5.0, "0-5"),
+              ("top_k", 0 <= s.top_k <= 100000, "0-100000 (0 = off)"),
+              ("top_p", 0.0 < s.top_p <= 1.0, "(0, 1]"),
+              ("repetition_penalty", 0.5 <= s.repetition_penalty <= 2.0, "0.5-2"),
+              ("seed", 0 <= s.seed < 2 ** 63, ">= 0"),
+              ("max_new_tokens", 1 <= s.max_new_tokens <= 1 << 20, "1-1048576")]
+    for name, ok, rng in checks:
+        if not ok:
+            raise ConfigError(f"setting '{name}' = {getattr(s, name)!r} is out of range {rng}")
+
+
+def settings_path() -> Path:
+    return paths.user_config_dir() / FILENAME
+
+
+def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
+    """(settings, message). A missing file gives defaults and no message; a bad file gives
+    defaults, is moved aside, and the message says where it went and why."""
+    p = path or settings_path()
+    if not p.exists():
+        return Settings(), None
+    try:
+        return Settings.from_json(p.read_text(encoding="utf-8")), None
+    except (OSError, ValueError, TypeError, ConfigError) as e:
+        aside = p.with_name(p.name + f".bad-{time.strftime('%Y%m%d-%H%M%S')}")
+        try:
+            os.replace(p, aside)
+            where = f"kept as {aside}"
+        except OSError:
+            where = "left in place"
+        return Settings(), f"Settings file {p} could not be used ({e}); defaults are in effect, the file was {where}."
+
+
+def save_settings(s: Settings, path: Path | None = None) -> Path:
+    p = path or settings_path()
+    paths.atomic_write_text(p, s.to_json())
+    return p
