@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny random OLMoE checkpoints and converted stores."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+
+@pytest.fixture(autouse=True)
+def _isolated_dirs(tmp_path_factory, monkeypatch):
+    """Never touch the user's real data or config directories."""
+    base = tmp_path_factory.getbasetemp()
+    monkeypatch.setenv("COLIBRI_DATA_DIR", str(base / "userdata"))
+    monkeypatch.setenv("COLIBRI_CONFIG_DIR", str(base / "userconfig"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """A random OLMoE checkpoint (hidden 64, 2 layers, 8 experts, top-2, GQA 4/2) in HF layout."""
+    from engine.synthetic import olmoe_config, write_checkpoint
+    d = tmp_path_factory.mktemp("ck") / "tiny"
+    return write_checkpoint(d, olmoe_config(num_key_value_heads=2), seed=3)
+
+
+@pytest.fixture(scope="session")
+def tiny_store(tiny_checkpoint, tmp_path_factory):
+    from engine import convert_checkpoint
+    return convert_checkpoint(tiny_checkpoint, tmp_path_factory.mktemp("st") / "tiny-int8", quant="int8")
+
+
+@pytest.fixture(scope="session")
+def medium_checkpoint(tmp_path_factory):
+    """Bigger random model (4 layers x 16 experts, top-4) so small caps really stream."""
+    from engine.synthetic import olmoe_config, write_checkpoint
+    d = tmp_path_factory.mktemp("ck") / "medium"
+    cfg = olmoe_config(hidden_size=128, intermediate_size=64, num_hidden_layers=4, num_experts=16,
+                       num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+    return write_checkpoint(d, cfg, seed=5)
+
+
+@pytest.fixture(scope="session")
+def medium_store(medium_checkpoint, tmp_path_factory):
+    from engine import convert_checkpoint
+    return convert_checkpoint(medium_checkpoint, tmp_path_factory.mktemp("st") / "medium-int8", quant="int8")

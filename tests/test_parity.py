@@ -1,0 +1,132 @@
+"""Our engine against transformers' own OlmoeForCausalLM (the independent oracle).
+
+Checkpoints are built and saved by transformers (save_pretrained); we convert them and
+compare logits at every prefill position and over 16 decode steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from engine import convert_checkpoint  # noqa: E402
+from engine.expert_cache import ExpertCache  # noqa: E402
+from engine.expert_store import ExpertStore  # noqa: E402
+from engine.model import OlmoeModel  # noqa: E402
+
+pytestmark = pytest.mark.parity
+
+CONFIGS = {
+    "mha-norm-false": dict(num_attention_heads=4, num_key_value_heads=4, norm_topk_prob=False),
+    "mha-norm-true": dict(num_attention_heads=4, num_key_value_heads=4, norm_topk_prob=True),
+    "gqa-norm-false": dict(num_attention_heads=8, num_key_value_heads=2, norm_topk_prob=False),
+}
+
+
+def hf_model(tmp_path, name, **kw):
+    torch.manual_seed(sum(map(ord, name)))
+    cfg = transformers.OlmoeConfig(
+        **{**dict(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_experts=8,
+                  num_experts_per_tok=2, max_position_embeddings=256, rope_theta=10000.0, eos_token_id=0,
+                  pad_token_id=0, bos_token_id=None), **kw})
+    m = transformers.OlmoeForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF init is tiny (std 0.02); widen so logits are not all ~0
+        for p in m.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    d = tmp_path / name
+    m.save_pretrained(d)
+    return m, d
+
+
+def open_model(store_dir, cap=None):
+    st = ExpertStore(store_dir, o_direct=False)
+    a = st.args
+    cache = ExpertCache(st, a.num_hidden_layers, a.num_experts, cap or a.num_experts)
+    return OlmoeModel(a, st.load_dense(), st.dense_quant, st.quant, cache, 256, st.group_size), st, cache
+
+
+def hf_logits(m, ids):
+    with torch.no_grad():
+        return m(torch.tensor(ids)[None]).logits[0].float().numpy()
+
+
+def hf_decode_logits(m, prompt, steps):
+    """Prefill ``prompt`` with the KV cache, then feed ``steps`` tokens one at a time."""
+    with torch.no_grad():
+        out = m(torch.tensor(prompt)[None], use_cache=True)
+        past = out.past_key_values
+        res = []
+        for t in steps:
+            out = m(torch.tensor([[t]]), past_key_values=past, use_cache=True)  # noqa
+            past = out.past_key_values
+            res.append(out.logits[0, -1].float().numpy())
+        return np.stack(res)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_f32_logits_match_transformers(tmp_path, name):
+    m, d = hf_model(tmp_path, name, **CONFIGS[name])
+    store = convert_checkpoint(d, tmp_path / f"{name}-f32", quant="f32")
+    ours, st, cache = open_model(store)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 256, 24).tolist()
+    ref = hf_logits(m, ids)
+    got = ours.forward(np.array(ids), 0, all_logits=True)
+    scale = np.abs(ref).max()
+    assert np.abs(got - ref).max() <= 1e-4 * scale, (np.abs(got - ref).max(), scale)
+    # 16 decode steps through the KV cache, against transformers' own cached decode
+    steps = rng.integers(0, 256, 16).tolist()
+    ref_dec = hf_decode_logits(m, ids, steps)
+    dec = np.concatenate([ours.forward(np.array([t]), len(ids) + k) for k, t in enumerate(steps)])
+    assert np.abs(dec - ref_dec).max() <= 1e-4 * np.abs(ref_dec).max()
+    cache.close()
+    st.close()
+
+
+def _kl(ref_logits, got_logits):
+    p = torch.log_softmax(torch.tensor(ref_logits, dtype=torch.float64), -1)
+    q = torch.log_softmax(torch.tensor(got_logits, dtype=torch.float64), -1)
+    return (p.exp() * (p - q)).sum(-1).numpy()
+
+
+@pytest.mark.parametrize("quant,kl_bound,top1_bound", [
+    # int8 per-row: the issue's bound.
+    ("int8", 1e-3, 0.9),
+    # int4 group-32 (15 levels) on N(0, 0.08) weights: measured mean KL 8.2e-4 nats and top-1
+    # 93% on these near-flat random logits; bounds at ~6x the KL and -8 points of top-1, so
+    # a packing or scale bug (KL >> 1e-2) fails while seed noise cannot.
+    ("int4", 5e-3, 0.85),
+])
+def test_quantized_kl_against_transformers(tmp_path, quant, kl_bound, top1_bound, record_property):
+    m, d = hf_model(tmp_path, "q-" + quant, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+    store = convert_checkpoint(d, tmp_path / f"store-{quant}", quant=quant)
+    ours, st, cache = open_model(store)
+    ids = np.random.default_rng(1).integers(0, 256, 256).tolist()  # teacher forcing over 256 positions
+    ref = hf_logits(m, ids)
+    got = ours.forward(np.array(ids), 0, all_logits=True)
+    kl = float(_kl(ref, got).mean())
+    top1 = float((ref.argmax(-1) == got.argmax(-1)).mean())
+    record_property("mean_kl", kl)
+    record_property("top1_agreement", top1)
+    print(f"{quant}: mean KL {kl:.2e} nats, top-1 agreement {top1:.3f}")
+    assert kl <= kl_bound
+    assert top1 >= top1_bound
+    cache.close()
+    st.close()
+
+
+def test_cache_size_does_not_change_logits(tmp_path):
+    m, d = hf_model(tmp_path, "capcheck", num_attention_heads=4, num_key_value_heads=4)
+    store = convert_checkpoint(d, tmp_path / "capcheck-int8", quant="int8")
+    ids = np.random.default_rng(2).integers(0, 256, 40)
+    outs = []
+    for cap in (1, 3, 8):
+        ours, st, cache = open_model(store, cap)
+        outs.append(ours.forward(ids, 0, all_logits=True))
+        cache.close()
+        st.close()
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
