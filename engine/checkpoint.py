@@ -6,6 +6,8 @@ Only this module and convert.py know the Hugging Face key layout.
 from __future__ import annotations
 
 import json
+import os
+import struct
 from pathlib import Path
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can return it)
@@ -75,10 +77,13 @@ class Checkpoint:
         self._files = self._weight_files()
         self._handles: dict[Path, object] = {}
         self._where: dict[str, Path] = {}
+        self._spans: dict[str, tuple[int, int, str, list]] = {}  # name -> (start, end, dtype, shape)
+        self._fds: dict[Path, int] = {}
         for f in self._files:
             h = self._open(f)
             for k in h.keys():
                 self._where[k] = f
+            self._read_spans(f)
         self._check_tensors()
 
     def _weight_files(self) -> list[Path]:
@@ -120,6 +125,20 @@ class Checkpoint:
         self._handles[path] = h
         return h
 
+    def _read_spans(self, path: Path) -> None:
+        """Absolute byte spans of each tensor (the header safe_open has just validated), so
+        tensors can be read with pread instead of a whole-file mmap: a mapped file's pages
+        count in RSS, which would make converter RSS grow with the model size."""
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        base = 8 + n
+        for k, v in header.items():
+            if k != "__metadata__":
+                s, e = v["data_offsets"]
+                self._spans[k] = (base + s, base + e, v["dtype"], v["shape"])
+        self._fds[path] = os.open(path, os.O_RDONLY)
+
     def _check_tensors(self) -> None:
         for name, shape in hf_names(self.args).items():
             f = self._where.get(name)
@@ -142,15 +161,29 @@ class Checkpoint:
         return int(np.prod(sl.get_shape())) * size
 
     def get(self, name: str) -> np.ndarray:
-        """The tensor ``name`` as a new float32 array."""
+        """The tensor ``name`` as a new float32 array (read with pread, page cache dropped)."""
+        path = self._where[name]
+        start, end, dt, shape = self._spans[name]
+        fd = self._fds[path]
         try:
-            t = self._handles[self._where[name]].get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"{self._where[name]}: reading tensor '{name}' failed ({e})") from None
-        return np.ascontiguousarray(t, dtype=np.float32)
+            raw = os.pread(fd, end - start, start)
+            if len(raw) != end - start:
+                raise OSError(f"short read ({len(raw)} of {end - start} bytes)")
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        except OSError as e:
+            raise CheckpointError(f"{path}: reading tensor '{name}' failed ({e})") from None
+        np_dt = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32}[dt]
+        return np.frombuffer(raw, dtype=np_dt).reshape(shape).astype(np.float32)
 
     def close(self) -> None:
         self._handles.clear()
+        for fd in self._fds.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds.clear()
 
     def __enter__(self):
         return self

@@ -31,7 +31,7 @@ _RESIDENT = 2
 
 
 class _Layer:
-    __slots__ = ("lru", "buckets", "heap", "free", "live", "cap", "staged")
+    __slots__ = ("lru", "buckets", "heap", "free", "live", "cap", "target", "staged")
 
     def __init__(self, n_slots: int, cap: int):
         self.lru: OrderedDict[int, None] = OrderedDict()  # evictable resident slots, oldest first
@@ -40,6 +40,7 @@ class _Layer:
         self.free = list(range(n_slots - 1, -1, -1))  # stack of FREE slot ids
         self.live = 0  # LOADING + RESIDENT slots
         self.cap = cap
+        self.target = cap  # a cap being lowered: no growth past it while it settles
         self.staged: OrderedDict[int, None] = OrderedDict()  # speculative loads not yet used
 
 
@@ -49,7 +50,7 @@ class CacheStats:
     __slots__ = ("hits", "misses", "pinned_hits", "loads", "demand_bytes", "spec_bytes",
                  "felt_wait_s", "read_service_s", "spec_issued", "spec_completed", "spec_used",
                  "spec_dropped_stale", "spec_dropped_guard", "spec_dropped_full", "spec_wasted_bytes",
-                 "evictions", "read_errors")
+                 "evictions", "read_errors", "victim_scans")
 
     def __init__(self):
         for k in self.__slots__:
@@ -150,8 +151,10 @@ class ExpertCache:
         a speculation not yet used is only taken when nothing else is evictable (the LFRU
         heat-0 trap of the colibri notes: staged slots were evicted before use)."""
         ly = self.layers[layer]
+        st = self.stats
         if self.policy == "lru":
             for s in ly.lru:
+                st.victim_scans += 1
                 if self.slot_busy[layer, s] == 0 and s not in ly.staged:
                     return s
         else:
@@ -163,6 +166,7 @@ class ExpertCache:
                     ly.buckets.pop(h, None)
                     continue
                 for s in b:
+                    st.victim_scans += 1
                     if self.slot_busy[layer, s] == 0 and s not in ly.staged:
                         return s
                 # every slot of the coldest bucket is busy/staged: scan the next buckets
@@ -201,7 +205,7 @@ class ExpertCache:
         Returns the slot (now LOADING) or -1 if nothing can be taken right now."""
         ly = self.layers[layer]
         slot = -1
-        if ly.live < ly.cap and ly.free:
+        if ly.live < min(ly.cap, ly.target) and ly.free:
             slot = ly.free.pop()
             ly.live += 1
         else:
@@ -331,9 +335,8 @@ class ExpertCache:
             s = self.where[layer, expert]
             if s >= 0:
                 self.slot_busy[layer, s] -= 1
-                ly = self.layers[layer]
-                if ly.live > ly.cap and self.slot_busy[layer, s] == 0 and not self.pinned[layer, expert]:
-                    self._shrink_layer(layer)
+                if self.slot_busy[layer, s] == 0:
+                    self.cond.notify_all()  # a cap reduction may be waiting for this slot
 
     # --- speculative loads (PILOT) ------------------------------------------------------------------
 
@@ -344,7 +347,7 @@ class ExpertCache:
             if self._closed or self.where[layer, expert] >= 0:
                 return -1
             ly = self.layers[layer]
-            if not (ly.live < ly.cap and ly.free):
+            if not (ly.live < min(ly.cap, ly.target) and ly.free):
                 v = self._pick_victim(layer, allow_staged=False)
                 if v < 0:
                     return -3
@@ -378,36 +381,42 @@ class ExpertCache:
                     else:
                         self.pinned[layer, e] = pinned[layer, e]
 
-    def _shrink_layer(self, layer: int) -> int:
+    def _evict_one_for_shrink(self, layer: int) -> bool:
+        """Free one evictable slot of ``layer`` (lock held); pinned slots go last. False if
+        every live slot is busy or loading right now."""
         ly = self.layers[layer]
-        n = 0
-        while ly.live > ly.cap:
-            v = self._pick_victim(layer)
-            if v < 0:
-                # only pinned (or busy) slots left: unpin the least hot resident pinned one
-                cands = [s for s in range(self.max_cap) if self.slot_state[layer, s] == _RESIDENT
-                         and self.slot_busy[layer, s] == 0]
-                if not cands:
-                    break
-                v = min(cands, key=lambda s: self.heat[layer, self.slot_expert[layer, s]])
-                self.pinned[layer, self.slot_expert[layer, v]] = False
-                self._track(layer, v)
-            self._evict(layer, v)
-            ly.live -= 1
-            ly.free.append(v)
-            self._release_pages(layer, v)
-            n += 1
-        return n
+        v = self._pick_victim(layer)
+        if v < 0:
+            cands = [s for s in range(self.max_cap) if self.slot_state[layer, s] == _RESIDENT
+                     and self.slot_busy[layer, s] == 0]
+            if not cands:
+                return False
+            v = min(cands, key=lambda s: self.heat[layer, self.slot_expert[layer, s]])
+            self.pinned[layer, self.slot_expert[layer, v]] = False
+            self._track(layer, v)
+        self._evict(layer, v)
+        ly.live -= 1
+        ly.free.append(v)
+        self._release_pages(layer, v)
+        return True
 
     def set_cap(self, cap: int) -> int:
-        """Lower (or raise, up to the arena size) the slots per layer; evicts LRU slots now
-        (busy ones when released). The new cap holds until changed again. Returns evictions."""
+        """Change the slots per layer (1..arena size). Lowering evicts policy victims first and
+        waits for busy or loading slots to come free, and only then publishes the new cap, so
+        ``live_slots(layer) <= cap`` holds at every instant; the cap holds until changed again
+        (no slot regrows past it: colibri #1034). Returns the number of evictions."""
         cap = max(1, min(int(cap), self.max_cap))
         n = 0
         with self.lock:
             for layer in range(self.L):
-                self.layers[layer].cap = cap
-                n += self._shrink_layer(layer)
+                ly = self.layers[layer]
+                ly.target = cap
+                while ly.live > cap and not self._closed:
+                    if self._evict_one_for_shrink(layer):
+                        n += 1
+                    else:
+                        self.cond.wait(0.05)
+                ly.cap = cap
         return n
 
     @property

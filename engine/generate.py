@@ -277,9 +277,7 @@ class Engine:
                 snap = tracker.residency(n, self.heat.counts)
                 if snap is not None:
                     yield snap
-                msg = self.guard.step(n)
-                if msg:
-                    log.warning(msg)
+                self.guard.step(n)
                 self._maybe_pin()
         except Cancelled:
             reason = "cancelled"

@@ -32,7 +32,7 @@ def olmoe_config(**kw) -> dict:
         "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 64,
         "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
         "num_key_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 300,
-        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
         "norm_topk_prob": False, "tie_word_embeddings": False, "hidden_act": "silu",
         "attention_bias": False, "clip_qkv": None, "eos_token_id": 0, "pad_token_id": 0,
         "bos_token_id": None, "router_aux_loss_coef": 0.01, "output_router_logits": False,

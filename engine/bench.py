@@ -1,0 +1,530 @@
+"""``colibri bench ...``: reproducible measurements, results as JSON plus a markdown table.
+
+Protocol (the seeds' and colibri's benchmarking.md): compare arms in one run, interleaved;
+every streaming arm is cold (a fresh engine; O_DIRECT so the page cache cannot serve experts);
+random-weight models decode a fixed seeded token stream by teacher forcing and report the
+distinct (layer, expert) pairs touched; hit rate, MB/token and felt wait come before wall
+clock. Subcommands:
+
+  make-synthetic  write a seeded random OLMoE checkpoint (presets: 1b, olmoe-1b-7b) + convert it
+  decode          our decode tok/s vs transformers (bf16 and f32), all experts resident
+  cache           streaming at several caps: hit rate, MB/token, felt wait, read service, tok/s
+  pilot           PILOT A/B: each arm a fresh process, frozen heat restored, reps reversed
+  disk            O_DIRECT read bandwidth of expert slabs (QD1 and QD4)
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import random
+import resource
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+PRESETS = {
+    # >= 1B parameters, OLMoE-shaped (issue 2/3 benchmarks): 1.14B params, 8 x 64 experts.
+    "1b": dict(hidden_size=1024, intermediate_size=640, num_hidden_layers=8, num_attention_heads=16,
+               num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, vocab_size=50304,
+               max_position_embeddings=4096),
+    # allenai/OLMoE-1B-7B's exact shape: 6.9B params, ~13.8 GB bf16.
+    "olmoe-1b-7b": dict(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                        num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+                        num_experts_per_tok=8, vocab_size=50304, max_position_embeddings=4096),
+}
+
+
+def machine_info() -> dict:
+    import psutil
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "ram_gb": round(psutil.virtual_memory().total / 1e9, 1), "python": platform.python_version(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def write_results(name: str, data: dict, table: str, out_dir: str = "bench/results") -> Path:
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    from .paths import atomic_write_text
+    atomic_write_text(d / f"{name}.json", json.dumps(data, indent=1))
+    atomic_write_text(d / f"{name}.md", table + "\n")
+    print(table)
+    return d / f"{name}.json"
+
+
+def md_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+    """cols: (header, key, format)."""
+    head = "| " + " | ".join(h for h, _, _ in cols) + " |"
+    sep = "|" + "|".join("---" for _ in cols) + "|"
+    lines = [head, sep]
+    for r in rows:
+        lines.append("| " + " | ".join(format(r.get(k, ""), f) if r.get(k) is not None else "" for _, k, f in cols) + " |")
+    return "\n".join(lines)
+
+
+def forced_stream(vocab: int, n: int, seed: int) -> list[int]:
+    """A fixed seeded random token stream (teacher forcing for random-weight models)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(10, vocab, n).tolist()
+
+
+# --- make-synthetic ---------------------------------------------------------------------------
+
+class PeakRss:
+    """Samples this process's RSS every 50 ms in a thread; ``peak`` in bytes."""
+
+    def __init__(self):
+        import psutil
+        self.p = psutil.Process()
+        self.peak = self.p.memory_info().rss
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, self.p.memory_info().rss)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+
+def cmd_make_synthetic(a) -> int:
+    from .convert import convert_checkpoint
+    from .synthetic import olmoe_config, write_checkpoint
+    from .config import ModelArgs
+    cfg = olmoe_config(**PRESETS[a.preset])
+    args = ModelArgs.from_dict(cfg)
+    n_params = (args.dense_param_count() + args.num_hidden_layers * args.num_experts * 3
+                * args.hidden_size * args.intermediate_size)
+    need = n_params * 2 + n_params * 1.1  # bf16 checkpoint + int8 store
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out).free
+    if free < need * 1.05:
+        print(f"not enough disk: need {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free at {out}", file=sys.stderr)
+        return 2
+    ck, st = out / f"{a.preset}-hf", out / f"{a.preset}-int8"
+    res = {"preset": a.preset, "params": n_params, "machine": machine_info()}
+    if not (ck / "config.json").exists() or a.force:
+        t0 = time.perf_counter()
+        with PeakRss() as pr:
+            write_checkpoint(ck, cfg, seed=a.seed, dtype="bf16", shard_bytes=1 << 30)
+        res["write_s"] = time.perf_counter() - t0
+        res["write_peak_rss_gb"] = pr.peak / 1e9
+        print(f"wrote {ck} ({n_params / 1e9:.2f} B params) in {res['write_s']:.0f} s, peak RSS {pr.peak / 1e9:.2f} GB")
+    if not (st / "manifest.json").exists() or a.force:
+        src_bytes = sum(f.stat().st_size for f in ck.glob("*.safetensors"))
+        t0 = time.perf_counter()
+        # A subprocess, so its peak RSS (ru_maxrss) is the converter's alone.
+        subprocess.run([sys.executable, "-m", "engine.cli", "convert", str(ck), str(st), "--quant", a.quant,
+                        "--overwrite"], check=True)
+        dt = time.perf_counter() - t0
+        peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+        res.update(convert_s=dt, convert_mb_per_s=src_bytes / 1e6 / dt, convert_peak_rss_gb=peak / 1e9,
+                   source_gb=src_bytes / 1e9)
+        print(f"converted {src_bytes / 1e9:.2f} GB in {dt:.0f} s ({src_bytes / 1e6 / dt:.0f} MB/s), "
+              f"converter peak RSS {peak / 1e9:.2f} GB")
+        write_results(f"make_synthetic_{a.preset}", res, md_table([res], [
+            ("preset", "preset", ""), ("params (B)", "params", ".3g"), ("convert s", "convert_s", ".0f"),
+            ("MB/s", "convert_mb_per_s", ".0f"), ("converter peak RSS GB", "convert_peak_rss_gb", ".2f")]))
+    return 0
+
+
+# --- disk -------------------------------------------------------------------------------------
+
+def measure_disk(store: str, n: int = 48, qd: int = 4, seed: int = 0) -> dict:
+    """O_DIRECT random slab reads: GB/s at queue depth 1 and ``qd`` (threads)."""
+    from .expert_store import ExpertStore
+    st = ExpertStore(store, o_direct=True)
+    L, E = st.args.num_hidden_layers, st.args.num_experts
+    rng = random.Random(seed)
+    picks = [(rng.randrange(L), rng.randrange(E)) for _ in range(n * 2)]
+    out = {"o_direct": st.o_direct, "slab_mb": st.slot_bytes / 1e6}
+    for depth, items in ((1, picks[:n]), (qd, picks[n:])):
+        bufs = [st.new_buffer() for _ in range(depth)]
+        it = iter(items)
+        lock = threading.Lock()
+
+        def worker(buf):
+            while True:
+                with lock:
+                    x = next(it, None)
+                if x is None:
+                    return
+                st.read(x[0], x[1], buf)
+        t0 = time.perf_counter()
+        ths = [threading.Thread(target=worker, args=(b,)) for b in bufs]
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        dt = time.perf_counter() - t0
+        out[f"qd{depth}_gbps"] = len(items) * st.slot_bytes / dt / 1e9
+    st.close()
+    return out
+
+
+def cmd_disk(a) -> int:
+    r = measure_disk(a.store, qd=a.qd)
+    print(json.dumps(r, indent=1))
+    return 0
+
+
+# --- one streaming arm (also run as a fresh process by `bench pilot`) ---------------------------
+
+def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
+            forced: bool = True, prompt_text: str | None = None) -> dict:
+    """Open a fresh engine with the overrides, decode, return the measured row."""
+    from .config import EngineConfig
+    from .events import Finished, GenerateRequest, SamplingParams, StepMetrics
+    from .generate import Engine
+    from .prof import Profile
+    cfg = EngineConfig(store=store, **cfg_over).validated()
+    t_open = time.perf_counter()
+    eng = Engine.open(cfg)
+    open_s = time.perf_counter() - t_open
+    try:
+        V = eng.args.vocab_size
+        if prompt_text is not None:
+            req = GenerateRequest(prompt=prompt_text, sampling=SamplingParams(max_new_tokens=tokens))
+        else:
+            stream = forced_stream(V, prompt_len + tokens, seed)
+            req = GenerateRequest(prompt_ids=tuple(stream[:prompt_len]),
+                                  forced_ids=tuple(stream[prompt_len:]) if forced else None,
+                                  sampling=SamplingParams(max_new_tokens=tokens))
+        touched = np.zeros((eng.args.num_hidden_layers, eng.args.num_experts), bool)
+        orig = eng.model.on_route
+
+        def spy(layer, idx, logits):
+            touched[layer, np.unique(idx)] = True
+            orig(layer, idx, logits)
+        eng.model.on_route = spy
+        prof = Profile(eng)
+        fin = None
+        for ev in eng.generate(req):
+            if isinstance(ev, StepMetrics):
+                prof.add(ev)
+            elif isinstance(ev, Finished):
+                fin = ev
+        s = prof.summary(fin)
+        steps = prof.steps
+        recall = list(steps[-1].pilot_recall) if steps and steps[-1].pilot_recall else []
+        row = {**cfg_over, "hit_rate": s["hit_rate"], "pinned_hit_rate": s["pinned_hit_rate"],
+               "mb_per_token": s["mb_per_token"], "demand_mb_per_token": s["demand_mb_per_token"],
+               "spec_mb_per_token": s["speculative_mb_per_token"], "felt_wait_s": s["felt_wait_s"],
+               "read_service_s": s["read_service_s"], "tok_per_s": fin.decode_tok_per_s,
+               "ttft_s": fin.ttft_s, "peak_rss_gb": s["peak_rss_bytes"] / 1e9, "cap": eng.cache.cap,
+               "tokens": fin.generated_tokens, "finish": fin.finish_reason, "error": fin.error,
+               "distinct_experts": int(touched.sum()), "total_experts": int(touched.size),
+               "o_direct": eng.store.o_direct, "open_s": open_s,
+               "sha256_ids": hashlib.sha256(json.dumps(list(fin.token_ids)).encode()).hexdigest()[:16],
+               "decode_s": (fin.generated_tokens - 1) / fin.decode_tok_per_s if fin.decode_tok_per_s else 0.0,
+               "spec": {k: sum(getattr(m, k) for m in steps) for k in (
+                   "spec_issued", "spec_completed", "spec_dropped_stale", "spec_dropped_guard",
+                   "spec_dropped_full", "spec_used", "spec_wasted_bytes")},
+               "pilot_recall": recall, "demand_bytes": sum(m.demand_bytes for m in steps)}
+        return row
+    finally:
+        eng.close()
+
+
+def cmd_arm(a) -> int:
+    """Internal: one arm in this (fresh) process; prints a JSON row."""
+    row = run_arm(a.store, json.loads(a.config), a.prompt_len, a.tokens, a.seed,
+                  prompt_text=a.prompt_text)
+    print("ARM " + json.dumps(row))
+    return 0
+
+
+def _arm_subprocess(store, over, prompt_len, tokens, seed, prompt_text=None) -> dict:
+    cmd = [sys.executable, "-m", "engine.cli", "bench", "arm", "--store", store, "--config", json.dumps(over),
+           "--prompt-len", str(prompt_len), "--tokens", str(tokens), "--seed", str(seed)]
+    if prompt_text is not None:
+        cmd += ["--prompt-text", prompt_text]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    for line in p.stdout.splitlines():
+        if line.startswith("ARM "):
+            return json.loads(line[4:])
+    raise RuntimeError(f"arm {over} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+
+
+# --- cache ------------------------------------------------------------------------------------
+
+def cmd_cache(a) -> int:
+    disk = measure_disk(a.store)
+    bw = disk["qd4_gbps"] * 1e9
+    rows = []
+    for cap in a.caps:
+        over = dict(cap=cap, pilot=0, pinning=False, history=False, o_direct=True)
+        r = _arm_subprocess(a.store, over, a.prompt_len, a.tokens, a.seed)
+        r["ideal_wait_s"] = r["demand_bytes"] / bw
+        r["wait_ratio"] = r["felt_wait_s"] / r["ideal_wait_s"] if r["ideal_wait_s"] > 0 else None
+        rows.append(r)
+        print(f"cap {cap}: hit {100 * r['hit_rate']:.1f}% {r['mb_per_token']:.1f} MB/token "
+              f"felt {r['felt_wait_s']:.2f}s (ideal {r['ideal_wait_s']:.2f}s) {r['tok_per_s']:.2f} tok/s", flush=True)
+    table = md_table(rows, [("cap", "cap", "d"), ("hit %", "hit_rate", ".1%"), ("MB/token", "mb_per_token", ".1f"),
+                            ("felt wait s", "felt_wait_s", ".2f"), ("read service s", "read_service_s", ".2f"),
+                            ("demand bytes / disk bw s", "ideal_wait_s", ".2f"), ("felt / ideal", "wait_ratio", ".2f"),
+                            ("tok/s", "tok_per_s", ".2f"), ("distinct experts", "distinct_experts", "d")])
+    table = (f"O_DIRECT random slab reads: {disk['qd1_gbps']:.2f} GB/s at QD1, {disk['qd4_gbps']:.2f} GB/s at QD4 "
+             f"({disk['slab_mb']:.2f} MB slabs)\n\n" + table)
+    write_results(a.name, {"machine": machine_info(), "store": a.store, "disk": disk, "rows": rows,
+                           "prompt_len": a.prompt_len, "tokens": a.tokens, "seed": a.seed}, table)
+    return 0
+
+
+# --- pilot A/B ----------------------------------------------------------------------------------
+
+def cmd_pilot(a) -> int:
+    """Arms: pilot 0-3 (x workers, x guard); each a fresh process with the same frozen heat."""
+    from .heat import FILENAME
+    heat = Path(a.store) / FILENAME
+    frozen = None
+    if a.warm_heat:
+        # Build the frozen heat once: one run with history on, pinning off.
+        heat.unlink(missing_ok=True)
+        _arm_subprocess(a.store, dict(cap=a.cap, pilot=0, pinning=True, history=True), a.prompt_len,
+                        a.tokens, a.seed + 1, a.prompt_text)
+        frozen = heat.read_bytes()
+    arms = []
+    for p in a.modes:
+        for w in (a.workers if p > 0 else [1]):
+            for g in ((True, False) if (p > 0 and a.guard_both) else (True,)):
+                arms.append(dict(cap=a.cap, pilot=p, pilot_workers=w, evict_guard=g, o_direct=True,
+                                 pinning=bool(a.warm_heat), history=bool(a.warm_heat)))
+    rows = []
+    order = []
+    for rep in range(a.reps):
+        seq = arms if rep % 2 == 0 else list(reversed(arms))
+        for over in seq:
+            if frozen is not None:
+                from .paths import atomic_write_bytes
+                atomic_write_bytes(heat, frozen)
+            elif heat.exists():
+                heat.unlink()
+            r = _arm_subprocess(a.store, over, a.prompt_len, a.tokens, a.seed, a.prompt_text)
+            r["rep"] = rep
+            rows.append(r)
+            order.append(over)
+            print(f"rep {rep} pilot {over['pilot']} w{over['pilot_workers']} guard {over['evict_guard']}: "
+                  f"hit {100 * r['hit_rate']:.1f}% {r['mb_per_token']:.1f} MB/t felt {r['felt_wait_s']:.2f}s "
+                  f"{r['tok_per_s']:.2f} tok/s sha {r['sha256_ids']}", flush=True)
+    if frozen is not None:
+        heat.unlink(missing_ok=True)
+    table = md_table(rows, [("rep", "rep", "d"), ("pilot", "pilot", "d"), ("workers", "pilot_workers", "d"),
+                            ("guard", "evict_guard", ""), ("hit %", "hit_rate", ".1%"),
+                            ("MB/token", "mb_per_token", ".1f"), ("spec MB/t", "spec_mb_per_token", ".1f"),
+                            ("felt wait s", "felt_wait_s", ".2f"), ("tok/s", "tok_per_s", ".2f"),
+                            ("sha256(ids)", "sha256_ids", "")])
+    shas = {r["sha256_ids"] for r in rows}
+    table += f"\n\nDistinct generated-id hashes across all arms: {len(shas)} (1 = byte-identical)."
+    write_results(a.name, {"machine": machine_info(), "store": a.store, "rows": rows, "cap": a.cap,
+                           "prompt_len": a.prompt_len, "tokens": a.tokens}, table)
+    return 0
+
+
+# --- decode vs transformers ----------------------------------------------------------------------
+
+def _numpy_bandwidth() -> float:
+    a = np.ones(64 << 20, dtype=np.uint8)
+    best = 0.0
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a.max()  # reads every byte once
+        best = max(best, a.nbytes / (time.perf_counter() - t0))
+    return best
+
+
+def cmd_decode(a) -> int:
+    from .config import EngineConfig
+    from .events import Finished, GenerateRequest, SamplingParams
+    from .generate import Engine
+    from . import model as model_mod
+    store, ck = a.store, a.checkpoint
+    eng = Engine.open(EngineConfig(store=store, pilot=0, pinning=False, history=False, o_direct=False))
+    args = eng.args
+    E_all = args.num_hidden_layers * args.num_experts
+    if eng.cache.cap < args.num_experts:
+        print("warning: not all experts fit", file=sys.stderr)
+    stream = forced_stream(args.vocab_size, a.prompt_len + a.tokens, a.seed)
+    prompt, forced = stream[:a.prompt_len], stream[a.prompt_len:]
+
+    def ours_once():
+        # warm the cache (all resident) with one pass, then measure
+        req = GenerateRequest(prompt_ids=tuple(prompt), forced_ids=tuple(forced),
+                              sampling=SamplingParams(max_new_tokens=a.tokens))
+        fin = [e for e in eng.generate(req) if isinstance(e, Finished)][0]
+        return fin.decode_tok_per_s, fin.prefill_tok_per_s
+
+    ours_once()  # JIT warm-up and all experts loaded
+    assert eng.cache.resident_bytes() >= 0
+
+    # share of time inside numba kernels: wrap every kernel with a timer for one run
+    K = model_mod.K
+    names = [n for n in dir(K) if not n.startswith("_") and callable(getattr(K, n)) and hasattr(getattr(K, n), "py_func")]
+    inside = [0.0]
+    saved = {n: getattr(K, n) for n in names}
+
+    def wrap(f):
+        def g(*args_):
+            t0 = time.perf_counter()
+            r = f(*args_)
+            inside[0] += time.perf_counter() - t0
+            return r
+        return g
+    for n in names:
+        setattr(K, n, wrap(saved[n]))
+    t0 = time.perf_counter()
+    req = GenerateRequest(prompt_ids=tuple(prompt[-1:]), forced_ids=tuple(forced),
+                          sampling=SamplingParams(max_new_tokens=a.tokens))
+    eng._kv_ids = []
+    list(eng.generate(req))
+    total = time.perf_counter() - t0
+    for n in names:
+        setattr(K, n, saved[n])
+    outside_share = 1 - inside[0] / total
+
+    # bytes of weights read per decoded token (resident dense + K experts per layer)
+    per_layer_dense = 0
+    for ly in eng.model.layers:
+        for k in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            lin = ly[k]
+            per_layer_dense += lin.w.nbytes + (lin.s.nbytes if lin.s is not None else 0)
+        per_layer_dense += ly["router"].nbytes
+    lm = eng.model.lm_head.w.nbytes + (eng.model.lm_head.s.nbytes if eng.model.lm_head.s is not None else 0)
+    data_bytes = eng.store.layout["data_bytes"]
+    bytes_per_token = per_layer_dense + lm + args.num_hidden_layers * args.num_experts_per_tok * data_bytes
+    bw = _numpy_bandwidth()
+
+    rows = []
+    hf = {}
+    if not a.no_transformers:
+        try:
+            import torch
+            from transformers import OlmoeForCausalLM
+            torch.set_num_threads(os.cpu_count() or 2)
+            for dt in ("bfloat16", "float32"):
+                m = OlmoeForCausalLM.from_pretrained(ck, dtype=getattr(torch, dt)).eval()
+                hf[dt] = m
+        except ImportError as e:
+            print(f"transformers not available: {e}", file=sys.stderr)
+
+    def hf_once(m):
+        import torch
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = m(torch.tensor([prompt]), use_cache=True)
+            t_pre = time.perf_counter() - t0
+            past = out.past_key_values
+            t0 = time.perf_counter()
+            for t in forced[:-1]:
+                out = m(torch.tensor([[t]]), past_key_values=past, use_cache=True)
+                past = out.past_key_values
+            dt = time.perf_counter() - t0
+        return (len(forced) - 1) / dt, len(prompt) / t_pre
+
+    for rep in range(a.reps):
+        d, p = ours_once()
+        rows.append({"system": "colibri int8 (numba)", "rep": rep, "decode_tok_per_s": d, "prefill_tok_per_s": p})
+        for dt, m in hf.items():
+            d2, p2 = hf_once(m)
+            rows.append({"system": f"transformers {dt}", "rep": rep, "decode_tok_per_s": d2, "prefill_tok_per_s": p2})
+    eng.close()
+
+    def med(sysname, key):
+        v = [r[key] for r in rows if r["system"] == sysname]
+        return float(np.median(v)) if v else None
+    ours = med("colibri int8 (numba)", "decode_tok_per_s")
+    summary = {
+        "ours_decode_tok_per_s": ours, "ours_prefill_tok_per_s": med("colibri int8 (numba)", "prefill_tok_per_s"),
+        "hf_bf16_decode_tok_per_s": med("transformers bfloat16", "decode_tok_per_s"),
+        "hf_f32_decode_tok_per_s": med("transformers float32", "decode_tok_per_s"),
+        "weight_bytes_per_token": bytes_per_token, "numpy_read_gbps": bw / 1e9,
+        "achieved_gbps": bytes_per_token * ours / 1e9 if ours else None,
+        "bandwidth_fraction": bytes_per_token * ours / bw if ours else None,
+        "outside_numba_share": outside_share, "params": None, "experts": E_all,
+    }
+    if summary["hf_bf16_decode_tok_per_s"]:
+        summary["speedup_vs_hf_bf16"] = ours / summary["hf_bf16_decode_tok_per_s"]
+    table = md_table(rows, [("system", "system", ""), ("rep", "rep", "d"), ("decode tok/s", "decode_tok_per_s", ".2f"),
+                            ("prefill tok/s", "prefill_tok_per_s", ".1f")])
+    table += "\n\n" + "\n".join(f"- {k}: {v:.4g}" if isinstance(v, float) else f"- {k}: {v}"
+                                for k, v in summary.items() if v is not None)
+    write_results(a.name, {"machine": machine_info(), "store": store, "checkpoint": ck, "rows": rows,
+                           "summary": summary, "prompt_len": a.prompt_len, "tokens": a.tokens}, table)
+    return 0
+
+
+def add_bench_parser(sub) -> None:
+    b = sub.add_parser("bench", help="benchmarks (JSON + markdown in bench/results/)")
+    bs = b.add_subparsers(dest="bench_cmd", required=True)
+
+    m = bs.add_parser("make-synthetic", help="write + convert a seeded random OLMoE-shaped model")
+    m.add_argument("--preset", choices=sorted(PRESETS), default="1b")
+    m.add_argument("--out", default="bench/work")
+    m.add_argument("--quant", default="int8")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--force", action="store_true")
+    m.set_defaults(fn=cmd_make_synthetic)
+
+    d = bs.add_parser("decode", help="decode tok/s vs transformers, all experts resident")
+    d.add_argument("--store", default="bench/work/1b-int8")
+    d.add_argument("--checkpoint", default="bench/work/1b-hf")
+    d.add_argument("--prompt-len", type=int, default=32)
+    d.add_argument("--tokens", type=int, default=64)
+    d.add_argument("--reps", type=int, default=3)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--no-transformers", action="store_true")
+    d.add_argument("--name", default="decode_1b")
+    d.set_defaults(fn=cmd_decode)
+
+    c = bs.add_parser("cache", help="streaming at several caps, cold, O_DIRECT")
+    c.add_argument("--store", default="bench/work/1b-int8")
+    c.add_argument("--caps", type=int, nargs="+", default=[8, 16, 32, 64])
+    c.add_argument("--prompt-len", type=int, default=16)
+    c.add_argument("--tokens", type=int, default=48)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--name", default="cache_1b")
+    c.set_defaults(fn=cmd_cache)
+
+    p = bs.add_parser("pilot", help="PILOT A/B, arms in fresh processes, interleaved, reps reversed")
+    p.add_argument("--store", default="bench/work/1b-int8")
+    p.add_argument("--cap", type=int, default=32)
+    p.add_argument("--modes", type=int, nargs="+", default=[0, 1, 2, 3])
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--guard-both", action="store_true", help="also run every arm with the guard off")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--prompt-len", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=48)
+    p.add_argument("--prompt-text", default=None, help="real prompt (trained models) instead of a forced stream")
+    p.add_argument("--warm-heat", action="store_true", help="freeze a heat file from one warm-up run, restore per arm")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--name", default="pilot_1b")
+    p.set_defaults(fn=cmd_pilot)
+
+    k = bs.add_parser("disk", help="O_DIRECT slab read bandwidth")
+    k.add_argument("--store", default="bench/work/1b-int8")
+    k.add_argument("--qd", type=int, default=4)
+    k.set_defaults(fn=cmd_disk)
+
+    r = bs.add_parser("arm", help=argparse.SUPPRESS)
+    r.add_argument("--store", required=True)
+    r.add_argument("--config", required=True)
+    r.add_argument("--prompt-len", type=int, default=16)
+    r.add_argument("--tokens", type=int, default=48)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--prompt-text", default=None)
+    r.set_defaults(fn=cmd_arm)

@@ -1,0 +1,293 @@
+"""Expert cache invariants, the RAM budget, routing heat files, and placement-never-changes-values."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine import BudgetError, Engine, EngineConfig, ExpertReadError, Finished, GenerateRequest, SamplingParams
+from engine.expert_cache import ExpertCache
+from engine.heat import FILENAME, RoutingHeat
+from engine.ram_budget import GB, RssGuard, plan_cap
+
+SLOT = 4096
+
+
+class FakeStore:
+    """Slabs whose bytes encode (layer, expert); optional injected read failures."""
+
+    slot_bytes = SLOT
+
+    def __init__(self, fail_rate=0.0, seed=0):
+        self.fail_rate = fail_rate
+        self.rng = random.Random(seed)
+        self.lock = threading.Lock()
+        self.reads = 0
+
+    @staticmethod
+    def pattern(layer, expert):
+        return (layer * 131 + expert * 7 + 1) % 251
+
+    def read(self, layer, expert, buf, verify=False):
+        with self.lock:
+            self.reads += 1
+            fail = self.rng.random() < self.fail_rate
+        if fail:
+            raise ExpertReadError(f"injected failure reading expert {expert} of layer {layer}")
+        buf[:] = self.pattern(layer, expert)
+        return SLOT
+
+    def views(self, buf):
+        return {"buf": buf}
+
+
+def test_stress_threads_shrinking_cap_and_read_failures():
+    L, E, cap = 2, 64, 16
+    store = FakeStore(fail_rate=0.10, seed=1)
+    cache = ExpertCache(store, L, E, cap, policy="lru", io_threads=4)
+    stop = threading.Event()
+    problems: list[str] = []
+
+    def user(seed):
+        rng = random.Random(seed)
+        while not stop.is_set():
+            layer = rng.randrange(L)
+            es = sorted(rng.sample(range(E), 3))
+            cache.prepare(layer, es)
+            for e in es:
+                try:
+                    v = cache.acquire(layer, e)
+                except ExpertReadError:
+                    continue
+                try:
+                    if not (v["buf"] == FakeStore.pattern(layer, e)).all():
+                        problems.append(f"buffer for ({layer},{e}) holds another expert")
+                finally:
+                    cache.release(layer, e)
+
+    def shrinker():
+        rng = random.Random(7)
+        while not stop.is_set():
+            cache.set_cap(rng.randint(4, cap))
+            time.sleep(0.02)
+
+    def checker():
+        while not stop.is_set():
+            with cache.lock:
+                for layer in range(L):
+                    live = cache.live_slots(layer)
+                    if live > cache.layers[layer].cap:
+                        problems.append(f"layer {layer}: {live} live slots > cap {cache.layers[layer].cap}")
+                    states = set(np.unique(cache.slot_state[layer]).tolist())
+                    if not states <= {0, 1, 2}:
+                        problems.append(f"unknown slot states {states}")
+            time.sleep(0.005)
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(4)]
+    threads += [threading.Thread(target=shrinker), threading.Thread(target=checker)]
+    for t in threads:
+        t.start()
+    time.sleep(10)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not problems, problems[:5]
+    assert store.reads > 1000
+    # No slot leaked by the failures: every layer can still hold `cap` experts at once.
+    store.fail_rate = 0.0
+    final = cache.cap
+    for layer in range(L):
+        held = list(range(final))
+        cache.prepare(layer, held)
+        for e in held:
+            cache.acquire(layer, e)
+        assert cache.live_slots(layer) == final
+        for e in held:
+            cache.release(layer, e)
+    cache.close()
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfru"])
+def test_cost_per_miss_does_not_grow_with_cap(policy):
+    """Victim choice inspects O(1) slots per miss whatever the cap (counted, not timed;
+    `colibri bench` reports the wall-clock cost)."""
+    per_miss = {}
+    for cap in (4, 256):
+        E = 1024
+        cache = ExpertCache(FakeStore(), 1, E, cap, policy=policy, io_threads=1)
+        rng = np.random.default_rng(0)
+        heat = cache.heat
+        misses0 = 0
+        for e in rng.integers(0, E, 100_000):
+            heat[0, e] += 1
+            cache.prepare(0, [int(e)])
+            cache.acquire(0, int(e))
+            cache.release(0, int(e))
+        st = cache.stats
+        misses0 = st.misses
+        assert misses0 > 50_000
+        per_miss[cap] = st.victim_scans / misses0
+        cache.close()
+    assert per_miss[4] <= 2.0 and per_miss[256] <= 2.0, per_miss
+    assert per_miss[256] <= 2 * per_miss[4] + 0.5
+
+
+def test_lfru_evicts_least_recent_of_the_coldest():
+    cache = ExpertCache(FakeStore(), 1, 16, 3, policy="lfru", io_threads=1)
+    cache.heat[0, :] = [5, 1, 1, 9] + [0] * 12
+    for e in (0, 1, 2):
+        cache.prepare(0, [e])
+        cache.acquire(0, e)
+        cache.release(0, e)
+    cache.prepare(0, [3])  # must evict 1 (heat 1, older than 2)
+    cache.acquire(0, 3)
+    cache.release(0, 3)
+    res = cache.residency()[0]
+    assert res[1] == 0 and res[0] == 1 and res[2] == 1 and res[3] == 1
+    cache.close()
+
+
+def test_pinned_experts_survive_lru_pressure():
+    cache = ExpertCache(FakeStore(), 1, 32, 4, policy="lru", io_threads=1)
+    pins = np.zeros((1, 32), bool)
+    pins[0, 5] = True
+    cache.prepare(0, [5])
+    cache.acquire(0, 5)
+    cache.release(0, 5)
+    cache.set_pinned(pins)
+    for e in range(6, 30):
+        cache.prepare(0, [e])
+        cache.acquire(0, e)
+        cache.release(0, e)
+    assert cache.residency()[0, 5] == 2  # PINNED
+    cache.close()
+
+
+# --- budget ---------------------------------------------------------------------------------
+
+def test_auto_cap_is_monotone_in_budget_and_refuses_impossible():
+    caps = [plan_cap(64, [6_000_000] * 16, 1 * GB, GB // 4, b, None).cap for b in np.linspace(1.7, 40, 60)]
+    assert caps == sorted(caps) and caps[0] >= 1 and caps[-1] == 64
+    with pytest.raises(BudgetError, match=r"1\.00 GB.*dense weights \(1\.00 GB\).*needed"):
+        plan_cap(64, [6_000_000] * 16, 1 * GB, GB // 4, 1.0, None)
+    assert plan_cap(64, [6_000_000] * 16, GB, GB // 4, 30, 7).cap == 7  # explicit cap wins
+
+
+def test_engine_refuses_impossible_budget(tiny_store):
+    with pytest.raises(BudgetError, match="GB needed"):
+        Engine.open(EngineConfig(store=str(tiny_store), ram_budget_gb=0.1))
+
+
+def test_rss_guard_lowers_cap_and_it_holds(medium_store):
+    """A fake RSS reader reports 110% of the budget from token 20: the guard fires, live
+    slots stay under the new cap for 1000 more steps, and the ids do not change."""
+    budget_gb = 2.0
+    base = dict(store=str(medium_store), ram_budget_gb=budget_gb, cap=16, pilot=0, pinning=False,
+                history=False, context_length=1200)
+    stream = np.random.default_rng(4).integers(10, 500, 1040).tolist()
+    req = GenerateRequest(prompt_ids=tuple(stream[:16]), forced_ids=tuple(stream[16:]),
+                          sampling=SamplingParams(max_new_tokens=1020))
+    with Engine.open(EngineConfig(**base)) as eng:
+        ref = [e for e in eng.generate(req) if isinstance(e, Finished)][0].token_ids
+
+    step = {"n": 0}
+
+    def fake_rss():
+        return int(1.10 * budget_gb * GB) if step["n"] >= 20 else int(0.5 * budget_gb * GB)
+
+    with Engine.open(EngineConfig(**base), read_rss=fake_rss) as eng:
+        # The excess (0.2 GB) is more than this small model's whole cache, so the cap falls
+        # to its floor of 1 at the first guard point after token 20 (token 32).
+        caps_after = []
+        for ev in eng.generate(req):
+            if type(ev).__name__ == "StepMetrics":
+                step["n"] = ev.token_index
+                if eng.guard.fired:
+                    caps_after.append(ev.cap_per_layer)
+                    for layer in range(eng.cache.L):
+                        assert eng.cache.live_slots(layer) <= eng.cache.cap
+            if isinstance(ev, Finished):
+                ids = ev.token_ids
+        assert eng.guard.fired >= 1
+        assert len(caps_after) >= 980 and max(caps_after) < 16
+        assert len(set(caps_after)) == 1  # the lowered cap holds: no slot regrows
+    assert ids == ref
+
+
+# --- placement never changes values ------------------------------------------------------------
+
+def _ids(store, **over):
+    cfg = EngineConfig(store=str(store), **{"history": False, **over})
+    req = GenerateRequest(prompt_ids=tuple(range(5, 45)), sampling=SamplingParams(max_new_tokens=24))
+    with Engine.open(cfg) as eng:
+        fin = [e for e in eng.generate(req) if isinstance(e, Finished)][0]
+        assert fin.finish_reason in ("length", "stop"), fin.error
+        return fin.token_ids
+
+
+def test_greedy_ids_identical_across_cache_settings(medium_store):
+    E = 16
+    ref = _ids(medium_store, cap=E, pilot=0)
+    assert len(ref) == 24
+    for cap in (1, 2, E // 2, E):
+        for policy in ("lru", "lfru"):
+            for pinning in (True, False):
+                for o_direct in (True, False):
+                    got = _ids(medium_store, cap=cap, policy=policy, pinning=pinning, o_direct=o_direct,
+                               pilot=0, history=True)
+                    assert got == ref, (cap, policy, pinning, o_direct)
+
+
+# --- heat files --------------------------------------------------------------------------------
+
+def test_heat_file_roundtrip_and_mismatch(tmp_path):
+    h = RoutingHeat(4, 8, "x")
+    h.observe(1, np.array([[1, 2], [2, 3]]))
+    h.pinned[1, 2] = True
+    h.tokens = 2
+    h.save(tmp_path)
+    h.counts[0, 0] = 5
+    h.save(tmp_path)  # twice in a row: atomic replace
+    assert not list(tmp_path.glob("*.tmp"))
+    r = RoutingHeat(4, 8)
+    assert r.load(tmp_path) and r.counts[0, 0] == 5 and r.counts[1, 2] == 2 and r.pinned[1, 2]
+    # dimensions of another model: ignored with a message
+    other = RoutingHeat(4, 16)
+    assert not other.load(tmp_path) and "do not match" in other.message and other.counts.sum() == 0
+    # truncated
+    p = tmp_path / FILENAME
+    p.write_text(p.read_text()[:40])
+    t = RoutingHeat(4, 8)
+    assert not t.load(tmp_path) and "ignoring routing history" in t.message
+    # another engine's file
+    d = json.loads(h.to_json())
+    d["engine"] = "glm_moe_dsa"
+    p.write_text(json.dumps(d))
+    assert not RoutingHeat(4, 8).load(tmp_path)
+
+
+def test_pins_persist_and_prewarm(medium_store, tmp_path):
+    import shutil
+    st = tmp_path / "store"
+    shutil.copytree(medium_store, st)
+    (st / FILENAME).unlink(missing_ok=True)
+    cfg = EngineConfig(store=str(st), cap=8, pilot=0, pinning=True, history=True)
+    req = GenerateRequest(prompt_ids=tuple(range(5, 40)), sampling=SamplingParams(max_new_tokens=8))
+    with Engine.open(cfg) as eng:
+        list(eng.generate(req))
+        assert eng.cache.pinned.any()
+    saved = json.loads((st / FILENAME).read_text())
+    assert any(saved["pinned"])
+    with Engine.open(cfg) as eng:
+        assert eng.loaded.prewarmed_experts == sum(len(r) for r in saved["pinned"]) > 0
+        assert "pre-warmed" in eng.loaded.message
+        res = eng.cache.residency()
+        assert (res == 2).sum() == eng.loaded.prewarmed_experts
+        eng.reset_history()
+        assert not eng.cache.pinned.any()
+    assert not any(json.loads((st / FILENAME).read_text())["pinned"])
