@@ -19,6 +19,7 @@ usual huggingface_hub one (``HF_TOKEN`` or ``hf auth login``) for gated repos.
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import hashlib
 import json
@@ -39,7 +40,7 @@ from .config import SUPPORTED_MODEL_TYPES, ModelArgs
 from .errors import CheckpointError, ConfigError, EngineError
 from .events import LoadProgress
 from .quant import QUANTS, slab_layout
-from .ram_budget import AVAILABLE_SHARE, GB, RESERVE_BYTES
+from .ram_budget import AVAILABLE_SHARE, RESERVE_BYTES
 
 # Files a conversion needs (root of the repo only). Everything else (pytorch_model*.bin,
 # onnx/, original/, *.gguf, images ...) is never downloaded.
@@ -559,15 +560,6 @@ def _part_path(dest: Path, f: RepoFile) -> Path:
     return dest / PARTIAL_DIR / f"{f.name}.{_file_id(f)}.part"
 
 
-def _git_blob_sha1(path: Path, size: int) -> str:
-    h = hashlib.sha1()
-    h.update(b"blob %d\0" % size)
-    with open(path, "rb") as fh:
-        for b in iter(lambda: fh.read(_CHUNK), b""):
-            h.update(b)
-    return h.hexdigest()
-
-
 class _Hasher:
     """sha256 (LFS files) or git blob sha1 (others) computed while bytes arrive."""
 
@@ -712,12 +704,13 @@ def _fetch(url: str, headers: dict, f: RepoFile, part: Path, prog: _Progress, ca
            retries: int, timeout: float) -> _Hasher:
     """Fetch ``url`` into ``part`` (appending from its current size). Returns the hasher."""
     import httpx2
+    from huggingface_hub import errors as he
     from huggingface_hub.utils import get_session, hf_raise_for_status
     hasher = _Hasher(f)
     have = part.stat().st_size if part.exists() else 0
-    if have > f.size:
+    if have > f.size:  # not this file: start over
         part.unlink()
-        prog.done -= have
+        prog.done -= f.size
         have = 0
     if have:
         prog.report(force=True, note=f"{f.name} · verifying {format_bytes(have)} already downloaded")
@@ -778,7 +771,10 @@ def _fetch(url: str, headers: dict, f: RepoFile, part: Path, prog: _Progress, ca
                             break
                     out.flush()
                     os.fsync(out.fileno())
-        except (httpx2.TransportError, httpx2.StreamError) as e:
+        except (httpx2.TransportError, httpx2.StreamError, he.HfHubHTTPError) as e:
+            if isinstance(e, he.HfHubHTTPError) and (e.response is None or e.response.status_code not in
+                                                     (408, 429, 500, 502, 503, 504)):
+                raise  # not transient (404, 401, ...)
             failures = 0 if got_any else failures + 1
             if failures > retries:
                 raise HubError(f"{f.name}: the connection failed {failures} times ({type(e).__name__}: {e}); "
@@ -862,13 +858,19 @@ def download(repo_id: str, revision: str | None = None, dest: str | os.PathLike 
         url = hf_hub_url(repo_id, f.name, revision=commit, endpoint=ep)
         part = _part_path(dest, f)
         part.parent.mkdir(parents=True, exist_ok=True)
-        for stale in part.parent.glob(f"{f.name}.*.part"):
-            if stale != part:
+        for stale in part.parent.glob("*.part"):  # partial files of an older version of this file
+            stem, _, rest = stale.name[:-len(".part")].rpartition(".")
+            if stem == f.name and stale != part:
                 stale.unlink(missing_ok=True)
         try:
             hasher = _fetch(url, headers, f, part, prog, cancel, retries, timeout)
         except (he.HfHubHTTPError, httpx2.HTTPError) as e:
             raise _hub_error(e, repo_id, revision, f.name) from None
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise DiskSpaceError(f"the disk holding {dest} is full while writing {f.name}; the bytes "
+                                     f"downloaded so far are kept - free some space and resume") from None
+            raise
         size = part.stat().st_size
         _refuse_pointer(part, f)
         if size != f.size or not hasher.ok():
@@ -1025,7 +1027,7 @@ def list_models() -> list[ModelEntry]:
     """
     out = []
     for p in sorted(paths.models_dir().iterdir()):
-        if not p.is_dir() or p.name.endswith(".partial") or ".old-" in p.name:
+        if not p.is_dir() or p.name.endswith(".partial") or ".old-" in p.name or ".deleting-" in p.name:
             continue
         try:
             m = json.loads((p / "manifest.json").read_text(encoding="utf-8"))
@@ -1102,12 +1104,17 @@ def cmd_download(a) -> int:
         src = download(a.repo, a.revision, None, _cli_progress("downloading"), cancel, check=chk)
     except KeyboardInterrupt:
         cancel.set()
-        print(f"\ninterrupted; the bytes fetched so far are kept - run the same command again to resume",
+        print("\ninterrupted; the bytes fetched so far are kept - run the same command again to resume",
               file=sys.stderr)
         return 130
     print(file=sys.stderr)
     t0 = time.perf_counter()
-    store = convert_downloaded(src, a.quant, _cli_progress(f"converting ({a.quant})"), overwrite=a.overwrite)
+    try:
+        store = convert_downloaded(src, a.quant, _cli_progress(f"converting ({a.quant})"),
+                                   overwrite=a.overwrite)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; no store was written (the download is kept in {src})", file=sys.stderr)
+        return 130
     print(f"\nconverted in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     text = self_test(store)
     print(f"self-test (8 greedy tokens): {text!r}", file=sys.stderr)

@@ -1,0 +1,167 @@
+"""The model library: converted models (name, source, quantization, size on disk, date) with
+Set as current, Delete (confirmed) and Open folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from PySide6.QtCore import Qt, QUrl, Signal, Slot
+from PySide6.QtGui import QDesktopServices, QFont
+from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QHBoxLayout, QHeaderView, QLabel,
+                               QMessageBox, QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+
+from engine import hub, paths
+
+COLUMNS = ("Name", "Source", "Quantization", "Size on disk", "Converted")
+
+
+def _same(a: str | None, b: str | None) -> bool:
+    if not a or not b:
+        return False
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return a == b
+
+
+class ModelLibraryDialog(QDialog):
+    """Converted models in the user data folder.
+
+    Args:
+        current: store path of the model in use (marked, and it cannot be deleted).
+    Signals:
+        current_changed(str): the store path the user set as current.
+    """
+
+    current_changed = Signal(str)
+
+    def __init__(self, current: str | None = None, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setWindowTitle("Models")
+        self.current = current
+        self.entries: list[hub.ModelEntry] = []
+        self.table = QTableWidget(0, len(COLUMNS))
+        self.table.setHorizontalHeaderLabels(list(COLUMNS))
+        self.table.horizontalHeader().setSectionResizeMode(1, QHeaderView.Stretch)
+        self.table.verticalHeader().hide()
+        self.table.setWordWrap(False)
+        self.table.setSelectionBehavior(QAbstractItemView.SelectRows)
+        self.table.setSelectionMode(QAbstractItemView.SingleSelection)
+        self.table.setEditTriggers(QAbstractItemView.NoEditTriggers)
+        self.table.itemSelectionChanged.connect(self._selection_changed)
+        self.table.itemDoubleClicked.connect(lambda *_: self.set_current())
+        self.empty = QLabel(f"No converted models yet in {paths.models_dir()}. Add one with “Add model…”.")
+        self.empty.setWordWrap(True)
+        self.status = QLabel()
+        self.status.setObjectName("libraryStatus")
+        self.status.setWordWrap(True)
+
+        self.set_button = QPushButton("Set as current")
+        self.set_button.clicked.connect(self.set_current)
+        self.delete_button = QPushButton("Delete…")
+        self.delete_button.clicked.connect(self.delete_selected)
+        self.open_button = QPushButton("Open folder")
+        self.open_button.clicked.connect(self.open_folder)
+        close = QDialogButtonBox(QDialogButtonBox.Close)
+        close.rejected.connect(self.reject)
+        h = QHBoxLayout()
+        for b in (self.set_button, self.delete_button, self.open_button):
+            h.addWidget(b)
+        h.addStretch(1)
+        h.addWidget(close)
+        lay = QVBoxLayout(self)
+        lay.addWidget(self.table, 1)
+        lay.addWidget(self.empty)
+        lay.addWidget(self.status)
+        lay.addLayout(h)
+        self.resize(820, 360)
+        self.refresh()
+
+    @Slot()
+    def refresh(self) -> None:
+        """Re-scan the models folder."""
+        self.entries = hub.list_models()
+        self.table.setRowCount(len(self.entries))
+        bold = QFont()
+        bold.setBold(True)
+        for i, e in enumerate(self.entries):
+            is_cur = _same(e.path, self.current)
+            src = e.source
+            if src.startswith("hf://") and "@" in src:
+                repo, _, commit = src.rpartition("@")
+                src = f"{repo}@{commit[:12]}"
+            vals = (e.name + ("  (current)" if is_cur else ""), src, e.quantization,
+                    hub.format_bytes(e.size_bytes), e.created.replace("T", " ").rstrip("Z"))
+            for j, v in enumerate(vals):
+                it = QTableWidgetItem(v)
+                it.setToolTip(f"{e.path}\nsource: {e.source}")
+                if is_cur:
+                    it.setFont(bold)
+                if j == 3:
+                    it.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
+                self.table.setItem(i, j, it)
+        self.table.resizeColumnsToContents()
+        self.empty.setVisible(not self.entries)
+        if self.entries and not self.table.selectedItems():
+            self.table.selectRow(0)
+        self._selection_changed()
+
+    def selected(self) -> hub.ModelEntry | None:
+        rows = {i.row() for i in self.table.selectedItems()}
+        return self.entries[rows.pop()] if len(rows) == 1 else None
+
+    def select_path(self, path: str) -> None:
+        for i, e in enumerate(self.entries):
+            if _same(e.path, path):
+                self.table.selectRow(i)
+
+    @Slot()
+    def _selection_changed(self) -> None:
+        e = self.selected()
+        for b in (self.set_button, self.delete_button, self.open_button):
+            b.setEnabled(e is not None)
+        if e is not None and _same(e.path, self.current):
+            self.set_button.setEnabled(False)
+
+    @Slot()
+    def set_current(self) -> None:
+        """Make the selected model current (emits current_changed)."""
+        e = self.selected()
+        if e is None or _same(e.path, self.current):
+            return
+        self.current = e.path
+        self.current_changed.emit(e.path)
+        self.status.setText(f"{e.name} ({e.quantization}) is now the current model.")
+        self.refresh()
+
+    @Slot()
+    def delete_selected(self) -> None:
+        """Delete the selected store after confirmation (never the current model)."""
+        e = self.selected()
+        if e is None:
+            return
+        if _same(e.path, self.current):
+            self.status.setText(f"{e.name} is the current model; set another model as current before "
+                                f"deleting it.")
+            return
+        ans = QMessageBox.question(
+            self, "Delete model",
+            f"Delete {e.name} ({e.quantization}, {hub.format_bytes(e.size_bytes)})?\n\n{e.path}\n\n"
+            f"The converted store is removed from disk. You can convert it again later.",
+            QMessageBox.Yes | QMessageBox.No, QMessageBox.No)
+        if ans != QMessageBox.Yes:
+            return
+        try:
+            hub.delete_model(e.path)
+        except (OSError, ValueError) as err:
+            self.status.setText(f"Could not delete {e.path}: {err}")
+            return
+        self.status.setText(f"Deleted {e.name} ({e.quantization}).")
+        self.refresh()
+
+    @Slot()
+    def open_folder(self) -> None:
+        """Show the selected store's folder in the file manager."""
+        e = self.selected()
+        if e is not None:
+            QDesktopServices.openUrl(QUrl.fromLocalFile(e.path))

@@ -1,0 +1,828 @@
+"""The model wizard: choose a model (hub repo or local folder), check it, download, convert,
+self-test. Emits ``model_ready(store_path)`` when the user finishes with a working store.
+
+All long work (hub queries, download, conversion, self-test) runs in a QObject worker on a
+QThread (``Task``); the GUI only receives engine dataclasses through queued signals
+(LoadProgress, RepoCheck, EngineFailure) and never blocks. The logic is engine.hub's.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from pathlib import Path
+from typing import Callable
+
+from PySide6.QtCore import QObject, Qt, QThread, QUrl, Signal, Slot
+from PySide6.QtGui import QDesktopServices
+from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QComboBox, QFileDialog, QGridLayout, QHBoxLayout,
+                               QHeaderView, QLabel, QLineEdit, QPlainTextEdit, QProgressBar, QPushButton,
+                               QRadioButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget, QWizard,
+                               QWizardPage)
+
+from engine import SUPPORTED_MODEL_TYPES, EngineFailure, LoadProgress, hub
+
+PAGE_SOURCE, PAGE_CHECK, PAGE_DOWNLOAD, PAGE_CONVERT, PAGE_DONE = range(5)
+RED, ORANGE, GREEN = "#c62828", "#e65100", "#2e7d32"
+_RUNNING: set["Task"] = set()  # tasks whose thread outlives their page (joined by shutdown_tasks)
+
+
+def _failure(e: BaseException) -> EngineFailure:
+    kind = getattr(e, "kind", None) or ("disk" if isinstance(e, OSError) else "internal")
+    if isinstance(e, FileExistsError):
+        kind = "exists"
+    return EngineFailure(kind=kind, message=str(e) or type(e).__name__, detail=traceback.format_exc())
+
+
+class _Worker(QObject):
+    """Runs ``fn(progress, cancel)`` in its thread; results go out through signals."""
+
+    progress = Signal(object)  # LoadProgress
+    done = Signal(object)      # the function's result
+    failed = Signal(object)    # EngineFailure
+
+    def __init__(self, fn: Callable, cancel: threading.Event):
+        super().__init__()
+        self.fn, self.cancel = fn, cancel
+        self._last = 0.0
+
+    def _progress(self, ev: LoadProgress) -> None:
+        import time
+        now = time.monotonic()
+        if now - self._last >= 0.05 or ev.done >= ev.total:  # <= 20 updates per second
+            self._last = now
+            self.progress.emit(ev)
+
+    @Slot()
+    def run(self) -> None:
+        try:
+            result = self.fn(self._progress, self.cancel)
+        except BaseException as e:  # noqa: BLE001 - every failure is reported to the page
+            self.failed.emit(_failure(e))
+        else:
+            self.done.emit(result)
+
+
+class Task(QObject):
+    """One background job: a _Worker on its own QThread.
+
+    Signals are re-emitted from this object (GUI thread): progress(LoadProgress),
+    done(result), failed(EngineFailure), and finished() after either.
+    """
+
+    progress = Signal(object)
+    done = Signal(object)
+    failed = Signal(object)
+    finished = Signal()
+
+    def __init__(self, fn: Callable[[Callable, threading.Event], object]):
+        # No Qt parent: a task may outlive its page (closing while a thread runs); it is
+        # kept alive by _RUNNING until its thread has finished.
+        super().__init__()
+        self.cancel_event = threading.Event()
+        self.running = True
+        self.thread = QThread()
+        self.thread.setObjectName("colibri-wizard-task")
+        self.worker = _Worker(fn, self.cancel_event)
+        self.worker.moveToThread(self.thread)
+        self.thread.started.connect(self.worker.run)
+        self.worker.progress.connect(self._on_progress)
+        self.worker.done.connect(self._on_done)
+        self.worker.failed.connect(self._on_failed)
+        self.thread.finished.connect(self.worker.deleteLater)
+        self.thread.finished.connect(self._on_thread_finished)
+        _RUNNING.add(self)
+        _hook_app_quit()
+        self.thread.start()
+
+    def cancel(self) -> None:
+        self.cancel_event.set()
+
+    @Slot(object)
+    def _on_progress(self, ev) -> None:
+        if self.running:
+            self.progress.emit(ev)
+
+    @Slot(object)
+    def _on_done(self, result) -> None:
+        self.running = False
+        self.thread.quit()
+        self.done.emit(result)
+        self.finished.emit()
+
+    @Slot(object)
+    def _on_failed(self, f) -> None:
+        self.running = False
+        self.thread.quit()
+        self.failed.emit(f)
+        self.finished.emit()
+
+    @Slot()
+    def _on_thread_finished(self) -> None:
+        _RUNNING.discard(self)
+
+    def wait(self, ms: int) -> bool:
+        """Block up to ``ms`` for the thread to end (used only when closing)."""
+        return self.thread.wait(ms)
+
+
+_hooked = False
+
+
+def _hook_app_quit() -> None:
+    """Join the task threads when the application quits (a running QThread must not be
+    destroyed)."""
+    global _hooked
+    from PySide6.QtCore import QCoreApplication
+    app = QCoreApplication.instance()
+    if not _hooked and app is not None:
+        app.aboutToQuit.connect(shutdown_tasks)
+        _hooked = True
+
+
+def shutdown_tasks(timeout_ms: int = 3000) -> None:
+    """Cancel every wizard task and wait up to ``timeout_ms`` for their threads (app exit)."""
+    for t in list(_RUNNING):
+        t.cancel()
+    for t in list(_RUNNING):
+        t.wait(timeout_ms)
+
+
+def _error_style(label: QLabel, color: str) -> None:
+    label.setStyleSheet(f"color: {color};")
+
+
+# --- pages ----------------------------------------------------------------------------------
+
+
+class SourcePage(QWizardPage):
+    """Hub repo id + revision, or a local folder. Next runs the check (off the GUI thread);
+    an unsupported model_type or a missing repo is refused here, before any download."""
+
+    def __init__(self, wiz: "ModelWizard"):
+        super().__init__(wiz)
+        self.wiz = wiz
+        self.setTitle("Choose a model")
+        self.setSubTitle("Download a model from the Hugging Face hub, or convert one already on this computer.")
+        self.hub_radio = QRadioButton("From the Hugging Face hub")
+        self.local_radio = QRadioButton("From a folder on this computer (Hugging Face layout)")
+        self.hub_radio.setChecked(True)
+        grp = QButtonGroup(self)
+        grp.addButton(self.hub_radio)
+        grp.addButton(self.local_radio)
+        self.repo_edit = QLineEdit()
+        self.repo_edit.setObjectName("repo")
+        self.repo_edit.setPlaceholderText("owner/name, e.g. allenai/OLMoE-1B-7B-0924")
+        self.revision_edit = QLineEdit()
+        self.revision_edit.setObjectName("revision")
+        self.revision_edit.setPlaceholderText("main")
+        self.revision_edit.setToolTip("Branch, tag or commit (default: main).")
+        self.folder_edit = QLineEdit()
+        self.folder_edit.setObjectName("folder")
+        self.folder_edit.setPlaceholderText("folder with config.json and *.safetensors")
+        self.browse = QPushButton("Browse…")
+        self.browse.clicked.connect(self._browse)
+        self.supported = QLabel(
+            f"Supported architectures: {', '.join(SUPPORTED_MODEL_TYPES)} (OLMoE mixture-of-experts models). "
+            f"Other model types are refused before anything is downloaded.")
+        self.supported.setWordWrap(True)
+        self.status = QLabel()
+        self.status.setObjectName("sourceStatus")
+        self.status.setWordWrap(True)
+
+        g = QGridLayout()
+        g.addWidget(self.hub_radio, 0, 0, 1, 3)
+        g.addWidget(QLabel("Repository"), 1, 0)
+        g.addWidget(self.repo_edit, 1, 1, 1, 2)
+        g.addWidget(QLabel("Revision"), 2, 0)
+        g.addWidget(self.revision_edit, 2, 1, 1, 2)
+        g.addWidget(self.local_radio, 3, 0, 1, 3)
+        g.addWidget(QLabel("Folder"), 4, 0)
+        g.addWidget(self.folder_edit, 4, 1)
+        g.addWidget(self.browse, 4, 2)
+        lay = QVBoxLayout(self)
+        lay.addLayout(g)
+        lay.addWidget(self.supported)
+        lay.addStretch(1)
+        lay.addWidget(self.status)
+        for w in (self.repo_edit, self.revision_edit, self.folder_edit):
+            w.textChanged.connect(self._changed)
+        self.hub_radio.toggled.connect(self._changed)
+        self.task: Task | None = None
+        self._advance = False
+        self._changed()
+
+    def key(self) -> tuple:
+        if self.hub_radio.isChecked():
+            return ("hub", self.repo_edit.text().strip(), self.revision_edit.text().strip())
+        return ("local", self.folder_edit.text().strip())
+
+    @Slot()
+    def _changed(self, *_a) -> None:
+        hub_mode = self.hub_radio.isChecked()
+        for w in (self.repo_edit, self.revision_edit):
+            w.setEnabled(hub_mode)
+        self.folder_edit.setEnabled(not hub_mode)
+        self.browse.setEnabled(not hub_mode)
+        if self.task is None:
+            self.status.setText("")
+        self.completeChanged.emit()
+
+    @Slot()
+    def _browse(self) -> None:
+        d = QFileDialog.getExistingDirectory(self, "Model folder", self.folder_edit.text())
+        if d:
+            self.folder_edit.setText(d)
+
+    def isComplete(self) -> bool:
+        if self.task is not None:
+            return False
+        k = self.key()
+        if k[0] == "hub":
+            parts = k[1].split("/")
+            return len(parts) == 2 and all(parts)
+        return bool(k[1]) and Path(k[1]).expanduser().is_dir()
+
+    def validatePage(self) -> bool:
+        # Next starts a fresh check; when it succeeds, _check_done presses Next again.
+        if self._advance:
+            self._advance = False
+            return True
+        if self.task is None:
+            self.start_check()
+        return False
+
+    def start_check(self) -> None:
+        """Run hub.check_repo / hub.check_local in the background for the current input."""
+        key = self.key()
+        ctx = self.wiz.context_length
+        if key[0] == "hub":
+            repo, rev = key[1], key[2] or None
+
+            def fn(progress, cancel):
+                return hub.check_repo(repo, rev, "int8", ctx)
+            self.status.setText(f"Checking {repo} on the hub (config.json and the file list only)…")
+        else:
+            folder = key[1]
+
+            def fn(progress, cancel):
+                return hub.check_local(folder, "int8", ctx)
+            self.status.setText(f"Checking {folder}…")
+        _error_style(self.status, "")
+        self.wiz.check = None
+        self.task = Task(fn)
+        self.task.done.connect(self._check_done)
+        self.task.failed.connect(self._check_failed)
+        self.completeChanged.emit()
+
+    @Slot(object)
+    def _check_done(self, chk) -> None:
+        self.task = None
+        self.wiz.check = chk
+        self.status.setText("")
+        self.completeChanged.emit()
+        if self.wiz.currentId() == PAGE_SOURCE:
+            self._advance = True
+            self.wiz.next()
+            self._advance = False
+
+    @Slot(object)
+    def _check_failed(self, f: EngineFailure) -> None:
+        self.task = None
+        self.status.setText(f"Refused: {f.message}" if f.kind == "config" else f.message)
+        _error_style(self.status, RED)
+        self.completeChanged.emit()
+
+    def nextId(self) -> int:
+        return PAGE_CHECK
+
+
+class CheckPage(QWizardPage):
+    """Files and sizes, disk needed for the download and the store vs free space on each
+    target, RAM needed vs this machine; refuses (Next disabled) or warns."""
+
+    def __init__(self, wiz: "ModelWizard"):
+        super().__init__(wiz)
+        self.wiz = wiz
+        self.setTitle("Check")
+        self.files = QTableWidget(0, 3)
+        self.files.setHorizontalHeaderLabels(["File", "Size", "Status"])
+        self.files.horizontalHeader().setSectionResizeMode(0, QHeaderView.Stretch)
+        self.files.verticalHeader().hide()
+        self.files.setEditTriggers(QTableWidget.NoEditTriggers)
+        self.summary = QLabel()
+        self.summary.setObjectName("checkSummary")
+        self.summary.setWordWrap(True)
+        self.summary.setTextFormat(Qt.RichText)
+        self.disk = QLabel()
+        self.disk.setObjectName("diskVerdict")
+        self.disk.setWordWrap(True)
+        self.ram = QLabel()
+        self.ram.setObjectName("ramVerdict")
+        self.ram.setWordWrap(True)
+        self.recheck = QPushButton("Check again")
+        self.recheck.setToolTip("Measure free disk space and memory again (after freeing some).")
+        self.recheck.clicked.connect(self._recheck)
+        lay = QVBoxLayout(self)
+        lay.addWidget(self.files, 1)
+        lay.addWidget(self.summary)
+        lay.addWidget(self.disk)
+        lay.addWidget(self.ram)
+        h = QHBoxLayout()
+        h.addStretch(1)
+        h.addWidget(self.recheck)
+        lay.addLayout(h)
+
+    def initializePage(self) -> None:
+        self.show_check(self.wiz.check)
+
+    def show_check(self, c: hub.RepoCheck | None) -> None:
+        if c is None:
+            return
+        fb = hub.format_bytes
+        a = c.args
+        self.setSubTitle(f"{c.repo_id}" + (f" @ {c.commit[:12]}" if c.commit else "") +
+                         f" — {a.model_type}: {a.num_hidden_layers} layers × {a.num_experts} experts "
+                         f"({a.num_experts_per_tok} per token), hidden size {a.hidden_size}")
+        self.files.setRowCount(len(c.files))
+        for i, f in enumerate(c.files):
+            if c.source == "local":
+                st = "local"
+            elif f.present_bytes >= f.size:
+                st = "present"
+            elif f.present_bytes:
+                st = f"{fb(f.present_bytes)} present"
+            else:
+                st = "to download"
+            for j, v in enumerate((f.name, fb(f.size), st)):
+                self.files.setItem(i, j, QTableWidgetItem(v))
+        rows = []
+        if c.source == "hub":
+            rows.append(f"<b>Download</b>: {fb(c.download_missing)} to fetch ({fb(c.download_bytes)} in "
+                        f"{len(c.files)} files; {len(c.ignored_files)} files not needed are skipped) into "
+                        f"{c.download_dir} — <b>{fb(c.download_free)} free</b> there")
+        rows.append(f"<b>Store</b> ({c.quant}): {fb(c.store_bytes)} in {Path(c.store_dir).parent} — "
+                    f"<b>{fb(c.store_free)} free</b> there" +
+                    (" (same disk as the download)" if c.same_disk else ""))
+        rows.append("By quantization: " + "; ".join(
+            f"{e.quant} store {fb(e.store_bytes)}, RAM ≥ {fb(e.ram_needed)}" for e in c.estimates))
+        rows.append(f"<b>RAM</b>: needs ≥ {fb(c.estimate.ram_needed)} at {c.estimate.context_length} tokens of "
+                    f"context; this machine has {fb(c.ram_total)} ({fb(c.ram_available)} available)")
+        if c.store_exists:
+            rows.append(f"A converted store already exists at {c.store_dir}.")
+        self.summary.setText("<br>".join(rows))
+        self.disk.setText(("Disk: OK — " if c.disk_ok else "") + c.disk_message)
+        _error_style(self.disk, GREEN if c.disk_ok else RED)
+        verdict = {"ok": ("RAM: OK — ", GREEN), "warn": ("RAM warning — ", ORANGE),
+                   "refuse": ("Refused — ", RED)}[c.ram_verdict]
+        self.ram.setText(verdict[0] + c.ram_message)
+        _error_style(self.ram, verdict[1])
+        self.completeChanged.emit()
+
+    def isComplete(self) -> bool:
+        c = self.wiz.check
+        return c is not None and c.ok and self.wiz.source_page.task is None
+
+    @Slot()
+    def _recheck(self) -> None:
+        sp = self.wiz.source_page
+        if sp.task is not None:
+            return
+        sp.start_check()
+        sp.task.done.connect(self._rechecked)
+        sp.task.failed.connect(self._recheck_failed)
+        self.disk.setText("Checking again…")
+        self.completeChanged.emit()
+
+    @Slot(object)
+    def _rechecked(self, c) -> None:
+        self.show_check(c)
+
+    @Slot(object)
+    def _recheck_failed(self, f) -> None:
+        self.disk.setText(f.message)
+        _error_style(self.disk, RED)
+        self.completeChanged.emit()
+
+    def nextId(self) -> int:
+        c = self.wiz.check
+        return PAGE_DOWNLOAD if c is not None and c.source == "hub" else PAGE_CONVERT
+
+
+class DownloadPage(QWizardPage):
+    """Progress (bytes, speed, ETA), Cancel and Resume. Resuming continues from the bytes
+    already on disk (engine.hub.download)."""
+
+    def __init__(self, wiz: "ModelWizard"):
+        super().__init__(wiz)
+        self.wiz = wiz
+        self.setTitle("Download")
+        self.setSubTitle("Only the files the conversion needs are downloaded; each is verified against "
+                         "the hub's checksum. An interrupted download resumes where it stopped.")
+        self.bar = QProgressBar()
+        self.bar.setRange(0, 1000)
+        self.bytes_label = QLabel()
+        self.bytes_label.setObjectName("downloadBytes")
+        self.detail = QLabel()
+        self.detail.setObjectName("downloadDetail")
+        self.detail.setWordWrap(True)
+        self.status = QLabel()
+        self.status.setObjectName("downloadStatus")
+        self.status.setWordWrap(True)
+        self.cancel_button = QPushButton("Cancel download")
+        self.cancel_button.clicked.connect(self.cancel)
+        self.resume_button = QPushButton("Resume")
+        self.resume_button.clicked.connect(self.start)
+        h = QHBoxLayout()
+        h.addStretch(1)
+        h.addWidget(self.cancel_button)
+        h.addWidget(self.resume_button)
+        lay = QVBoxLayout(self)
+        lay.addWidget(self.bar)
+        lay.addWidget(self.bytes_label)
+        lay.addWidget(self.detail)
+        lay.addWidget(self.status)
+        lay.addStretch(1)
+        lay.addLayout(h)
+        self.task: Task | None = None
+        self.finished_ok = False
+        self._done_for = None
+
+    def initializePage(self) -> None:
+        c = self.wiz.check
+        if self.finished_ok and self._done_for is c and self.wiz.source_dir and Path(self.wiz.source_dir).is_dir():
+            return  # came back to this page: the same download is complete
+        self.finished_ok = False
+        self.start()
+
+    def cleanupPage(self) -> None:  # Back pressed: stop the download, keep the bytes
+        self.cancel()
+
+    @Slot()
+    def start(self) -> None:
+        """Start (or resume) the download in the background."""
+        c = self.wiz.check
+        if self.task is not None or c is None:
+            return
+        repo, rev = c.repo_id, c.commit
+
+        def fn(progress, cancel):
+            return str(hub.download(repo, rev, c.download_dir, progress, cancel, check=c))
+        self.status.setText("Downloading…")
+        _error_style(self.status, "")
+        self.task = Task(fn)
+        self.task.progress.connect(self._progress)
+        self.task.done.connect(self._done)
+        self.task.failed.connect(self._failed)
+        self.cancel_button.setEnabled(True)
+        self.resume_button.setEnabled(False)
+        self.completeChanged.emit()
+
+    @Slot()
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            self.status.setText("Cancelling…")
+
+    @Slot(object)
+    def _progress(self, ev: LoadProgress) -> None:
+        if ev.total:
+            self.bar.setValue(int(1000 * ev.done / ev.total))
+        self.bytes_label.setText(f"{hub.format_bytes(ev.done)} of {hub.format_bytes(ev.total)}")
+        self.detail.setText(ev.message)
+
+    @Slot(object)
+    def _done(self, dest: str) -> None:
+        self.task = None
+        self.finished_ok = True
+        self._done_for = self.wiz.check
+        self.wiz.source_dir = dest
+        self.bar.setValue(1000)
+        self.status.setText(f"Downloaded and verified {len(self.wiz.check.files)} files into {dest}.")
+        _error_style(self.status, GREEN)
+        self.cancel_button.setEnabled(False)
+        self.resume_button.setEnabled(False)
+        self.completeChanged.emit()
+
+    @Slot(object)
+    def _failed(self, f: EngineFailure) -> None:
+        self.task = None
+        if f.kind == "cancelled":
+            self.status.setText(f"Paused: {f.message.split(';')[0]}. Resume continues from the bytes already "
+                                f"downloaded.")
+            _error_style(self.status, ORANGE)
+        else:
+            self.status.setText(f"{f.message}")
+            _error_style(self.status, RED)
+        self.cancel_button.setEnabled(False)
+        self.resume_button.setEnabled(True)
+        self.completeChanged.emit()
+
+    def isComplete(self) -> bool:
+        return self.finished_ok and self.task is None
+
+    def nextId(self) -> int:
+        return PAGE_CONVERT
+
+
+class ConvertPage(QWizardPage):
+    """Quantization (int8 default / int4 / f16), progress by bytes and current tensor, Cancel
+    (a cancelled conversion leaves nothing: the store is published atomically)."""
+
+    def __init__(self, wiz: "ModelWizard"):
+        super().__init__(wiz)
+        self.wiz = wiz
+        self.setTitle("Convert")
+        self.setSubTitle("The checkpoint is converted into an expert store: one slab per expert, read "
+                         "from the SSD on demand.")
+        self.quant = QComboBox()
+        self.quant.setObjectName("quant")
+        self.quant.setToolTip("int8: per-row 8-bit (default, near-exact); int4: group-wise 4-bit (half the "
+                              "size, slightly less exact); f16: exact half precision (largest).")
+        self.quant.currentIndexChanged.connect(self._quant_changed)
+        self.replace = QCheckBox("Replace the existing store (otherwise it is used as is)")
+        self.replace.setObjectName("replace")
+        self.replace.toggled.connect(self._quant_changed)
+        self.delete_download = QCheckBox("Delete the downloaded files after converting")
+        self.delete_download.setObjectName("deleteDownload")
+        self.convert_button = QPushButton("Convert")
+        self.convert_button.setObjectName("convertButton")
+        self.convert_button.clicked.connect(self.start)
+        self.cancel_button = QPushButton("Cancel conversion")
+        self.cancel_button.clicked.connect(self.cancel)
+        self.cancel_button.setEnabled(False)
+        self.bar = QProgressBar()
+        self.bar.setRange(0, 1000)
+        self.bytes_label = QLabel()
+        self.tensor_label = QLabel()
+        self.tensor_label.setObjectName("currentTensor")
+        self.status = QLabel()
+        self.status.setObjectName("convertStatus")
+        self.status.setWordWrap(True)
+        form = QGridLayout()
+        form.addWidget(QLabel("Quantization"), 0, 0)
+        form.addWidget(self.quant, 0, 1)
+        form.addWidget(self.replace, 1, 0, 1, 2)
+        form.addWidget(self.delete_download, 2, 0, 1, 2)
+        h = QHBoxLayout()
+        h.addStretch(1)
+        h.addWidget(self.convert_button)
+        h.addWidget(self.cancel_button)
+        lay = QVBoxLayout(self)
+        lay.addLayout(form)
+        lay.addLayout(h)
+        lay.addWidget(self.bar)
+        lay.addWidget(self.bytes_label)
+        lay.addWidget(self.tensor_label)
+        lay.addWidget(self.status)
+        lay.addStretch(1)
+        self.task: Task | None = None
+
+    def initializePage(self) -> None:
+        c = self.wiz.check
+        self.quant.blockSignals(True)
+        self.quant.clear()
+        for e in c.estimates:
+            self.quant.addItem(f"{e.quant} — store {hub.format_bytes(e.store_bytes)}, RAM ≥ "
+                               f"{hub.format_bytes(e.ram_needed)}", e.quant)
+        self.quant.setCurrentIndex(max(0, self.quant.findData("int8")))
+        self.quant.blockSignals(False)
+        if c.source == "local":
+            self.wiz.source_dir = c.download_dir
+        self.delete_download.setVisible(c.source == "hub")
+        self.delete_download.setChecked(c.source == "hub")
+        if c.source == "hub":
+            self.delete_download.setText(f"Delete the downloaded files after converting (frees "
+                                         f"{hub.format_bytes(c.download_bytes)})")
+        self.wiz.store_path = None
+        self.bar.setValue(0)
+        self.bytes_label.setText("")
+        self.tensor_label.setText("")
+        self._quant_changed()
+
+    def cleanupPage(self) -> None:
+        self.cancel()
+
+    def target(self) -> Path:
+        from engine import paths
+        return paths.models_dir() / hub.store_name(self.wiz.check.model_name, self.quant.currentData())
+
+    @Slot()
+    def _quant_changed(self, *_a) -> None:
+        if self.task is not None or self.wiz.check is None:
+            return
+        exists = (self.target() / "manifest.json").exists()
+        self.replace.setVisible(exists)
+        self.convert_button.setText("Convert" if not exists or self.replace.isChecked() else "Use existing store")
+        self.status.setText(f"A store already exists at {self.target()}." if exists else "")
+        _error_style(self.status, "")
+        self.wiz.store_path = None
+        self.completeChanged.emit()
+
+    @Slot()
+    def start(self) -> None:
+        """Convert in the background (or take the existing store when not replacing it)."""
+        if self.task is not None:
+            return
+        target = self.target()
+        if (target / "manifest.json").exists() and not self.replace.isChecked():
+            self.wiz.store_path = str(target)
+            self.status.setText(f"Using the existing store {target}.")
+            _error_style(self.status, GREEN)
+            self.completeChanged.emit()
+            return
+        src, quant = self.wiz.source_dir, self.quant.currentData()
+        overwrite = self.replace.isChecked()
+        name = self.wiz.check.model_name
+        delete_src = self.wiz.check.source == "hub" and self.delete_download.isChecked()
+
+        def fn(progress, cancel):
+            store = hub.convert_downloaded(src, quant, progress, cancel, overwrite=overwrite, name=name)
+            if delete_src:
+                try:
+                    hub.delete_download(src)
+                except (OSError, ValueError):
+                    pass
+            return str(store)
+        self.task = Task(fn)
+        self.task.progress.connect(self._progress)
+        self.task.done.connect(self._done)
+        self.task.failed.connect(self._failed)
+        self.status.setText(f"Converting to {quant}…")
+        _error_style(self.status, "")
+        for w in (self.quant, self.replace, self.delete_download, self.convert_button):
+            w.setEnabled(False)
+        self.cancel_button.setEnabled(True)
+        self.completeChanged.emit()
+
+    @Slot()
+    def cancel(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            self.status.setText("Cancelling…")
+
+    def _idle(self) -> None:
+        self.task = None
+        for w in (self.quant, self.replace, self.delete_download, self.convert_button):
+            w.setEnabled(True)
+        self.cancel_button.setEnabled(False)
+
+    @Slot(object)
+    def _progress(self, ev: LoadProgress) -> None:
+        if ev.total:
+            self.bar.setValue(int(1000 * ev.done / ev.total))
+        self.bytes_label.setText(f"{hub.format_bytes(ev.done)} of {hub.format_bytes(ev.total)} of weights")
+        self.tensor_label.setText(ev.message)
+
+    @Slot(object)
+    def _done(self, store: str) -> None:
+        self._idle()
+        self.wiz.store_path = store
+        self.bar.setValue(1000)
+        self.status.setText(f"Converted into {store}.")
+        _error_style(self.status, GREEN)
+        self.completeChanged.emit()
+
+    @Slot(object)
+    def _failed(self, f: EngineFailure) -> None:
+        self._idle()
+        self.bar.setValue(0)
+        if f.kind == "cancelled":
+            self.status.setText("Conversion cancelled; nothing was written.")
+            _error_style(self.status, ORANGE)
+        else:
+            self.status.setText(f.message)
+            _error_style(self.status, RED)
+        self.completeChanged.emit()
+
+    def isComplete(self) -> bool:
+        return self.wiz.store_path is not None and self.task is None
+
+    def nextId(self) -> int:
+        return PAGE_DONE
+
+
+class DonePage(QWizardPage):
+    """Self-test (8 greedy tokens from the new store); Finish emits model_ready."""
+
+    def __init__(self, wiz: "ModelWizard"):
+        super().__init__(wiz)
+        self.wiz = wiz
+        self.setTitle("Done")
+        self.info = QLabel()
+        self.info.setObjectName("doneInfo")
+        self.info.setWordWrap(True)
+        self.output = QPlainTextEdit()
+        self.output.setObjectName("selfTestOutput")
+        self.output.setReadOnly(True)
+        self.open_folder = QPushButton("Open folder")
+        self.open_folder.clicked.connect(self._open_folder)
+        lay = QVBoxLayout(self)
+        lay.addWidget(self.info)
+        lay.addWidget(QLabel("Self-test output (8 tokens, greedy):"))
+        lay.addWidget(self.output, 1)
+        h = QHBoxLayout()
+        h.addStretch(1)
+        h.addWidget(self.open_folder)
+        lay.addLayout(h)
+        self.task: Task | None = None
+        self.passed = False
+        self.tested = False
+
+    def initializePage(self) -> None:
+        self.passed = self.tested = False
+        store = self.wiz.store_path
+        self.info.setText(f"Testing {store}…")
+        _error_style(self.info, "")
+        self.output.setPlainText("")
+
+        def fn(progress, cancel):
+            return hub.self_test(store)
+        self.task = Task(fn)
+        self.task.done.connect(self._done)
+        self.task.failed.connect(self._failed)
+        self.completeChanged.emit()
+
+    @Slot(object)
+    def _done(self, text: str) -> None:
+        self.task = None
+        self.passed = self.tested = True
+        self.output.setPlainText(text)
+        self.info.setText(f"The model works. Store: {self.wiz.store_path}. Press Finish to use it.")
+        _error_style(self.info, GREEN)
+        self.completeChanged.emit()
+
+    @Slot(object)
+    def _failed(self, f: EngineFailure) -> None:
+        self.task = None
+        self.tested = True
+        self.output.setPlainText(f.detail)
+        self.info.setText(f"The self-test failed: {f.message}")
+        _error_style(self.info, RED)
+        self.completeChanged.emit()
+
+    @Slot()
+    def _open_folder(self) -> None:
+        if self.wiz.store_path:
+            QDesktopServices.openUrl(QUrl.fromLocalFile(self.wiz.store_path))
+
+    def isComplete(self) -> bool:
+        return self.tested and self.task is None
+
+    def nextId(self) -> int:
+        return -1
+
+
+class ModelWizard(QWizard):
+    """Add a model: Source -> Check -> Download (hub only) -> Convert -> Done.
+
+    Signals:
+        model_ready(str): the converted store path; emitted on Finish when the self-test passed.
+    Attributes (for the pages and tests): check (RepoCheck), source_dir (HF folder),
+        store_path (converted store), context_length (tokens the RAM estimate assumes).
+    """
+
+    model_ready = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None, context_length: int | None = None):
+        super().__init__(parent)
+        self.setWindowTitle("Add a model")
+        self.setOption(QWizard.NoBackButtonOnLastPage, True)
+        self.setOption(QWizard.IndependentPages, False)
+        if context_length is None:
+            settings = getattr(parent, "settings", None)
+            context_length = getattr(getattr(settings, "engine", None), "context_length", 0) or 0
+        self.context_length = int(context_length)
+        self.check: hub.RepoCheck | None = None
+        self.source_dir: str | None = None
+        self.store_path: str | None = None
+        self.source_page = SourcePage(self)
+        self.check_page = CheckPage(self)
+        self.download_page = DownloadPage(self)
+        self.convert_page = ConvertPage(self)
+        self.done_page = DonePage(self)
+        for pid, page in ((PAGE_SOURCE, self.source_page), (PAGE_CHECK, self.check_page),
+                          (PAGE_DOWNLOAD, self.download_page), (PAGE_CONVERT, self.convert_page),
+                          (PAGE_DONE, self.done_page)):
+            self.setPage(pid, page)
+        self.setStartId(PAGE_SOURCE)
+        self.setButtonText(QWizard.FinishButton, "Use this model")
+        self.resize(760, 560)
+
+    def tasks(self) -> list[Task]:
+        return [t for t in (self.source_page.task, self.download_page.task, self.convert_page.task,
+                            self.done_page.task) if t is not None]
+
+    def accept(self) -> None:
+        if self.done_page.passed and self.store_path:
+            self.model_ready.emit(self.store_path)
+        super().accept()
+
+    def done(self, result: int) -> None:
+        # Closing: cancel background work. A download / conversion stops within one network
+        # chunk or tensor; the threads are joined briefly and otherwise left to finish alone.
+        for t in self.tasks():
+            t.cancel()
+        for t in self.tasks():
+            t.wait(2000)
+        super().done(result)

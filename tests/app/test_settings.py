@@ -1,0 +1,153 @@
+"""The settings dialog: valid, invalid (refused in place) and reload-needing changes;
+settings survive a restart; a corrupt settings file falls back to defaults."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from PySide6.QtCore import Qt  # noqa: E402
+from PySide6.QtWidgets import QDialogButtonBox  # noqa: E402
+
+from colibri_app.settings_dialog import RELOAD_MARK, SettingsDialog  # noqa: E402
+from colibri_app.settings_store import Settings, load_settings, settings_path  # noqa: E402
+
+
+@pytest.fixture
+def cfgdirs(tmp_path, monkeypatch):
+    monkeypatch.setenv("COLIBRI_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("COLIBRI_CONFIG_DIR", str(tmp_path / "config"))
+    return tmp_path
+
+
+@pytest.fixture
+def dialog(qtbot, cfgdirs):
+    def make(settings: Settings | None = None) -> SettingsDialog:
+        d = SettingsDialog(settings or Settings(current_model="/models/x"), None)
+        qtbot.addWidget(d)
+        d.show()
+        return d
+    return make
+
+
+def _apply_button(d):
+    return d.buttons.button(QDialogButtonBox.Apply)
+
+
+def test_units_ranges_and_reload_marks(dialog):
+    d = dialog()
+    F = d.fields
+    assert F["pilot_workers"].minimum() == 1 and F["pilot_workers"].maximum() == 8
+    assert F["wide"].maximum() == 4 and F["smooth"].maximum() == pytest.approx(0.95)
+    assert F["ram_budget_gb"].suffix() == " GB" and F["max_new_tokens"].suffix() == " tokens"
+    assert "Valid range: 1–8" in F["pilot_workers"].toolTip()
+    assert "Valid range" in F["seed"].toolTip()
+    assert RELOAD_MARK in d.findChild(type(d.status_label), "reloadNote").text()
+    labels = {lay.labelForField(w).text() for name, w in F.items()
+              for lay in [w.parentWidget().layout()] if hasattr(lay, "labelForField") and lay.labelForField(w)}
+    assert f"PILOT prefetch {RELOAD_MARK}" in labels and "Temperature" in labels  # sampling: no reload
+    assert not F["cap"].isEnabled() and d.cap_auto.isChecked()  # auto by default
+    d.cap_auto.setChecked(False)
+    assert F["cap"].isEnabled()
+
+
+def test_valid_change_applies_saves_and_survives_restart(dialog, qtbot):
+    d = dialog()
+    F = d.fields
+    F["temperature"].setValue(0.7)
+    F["top_k"].setValue(40)
+    F["seed"].setText("1234")
+    assert "next message" in d.status_label.text()
+    with qtbot.waitSignal(d.applied) as sig:
+        qtbot.mouseClick(_apply_button(d), Qt.LeftButton)
+    new, reload_needed = sig.args
+    assert reload_needed is False
+    assert (new.sampling.temperature, new.sampling.top_k, new.sampling.seed) == (0.7, 40, 1234)
+    assert new.current_model == "/models/x"
+    loaded, msg = load_settings()
+    assert msg is None and loaded == new
+    # "restart": a new dialog from the file shows the saved values
+    d2 = dialog(loaded)
+    assert d2.fields["temperature"].value() == pytest.approx(0.7) and d2.fields["seed"].text() == "1234"
+    assert d2.current_settings() == loaded  # no phantom changes
+
+
+def test_reload_needing_change(dialog, qtbot):
+    d = dialog()
+    F = d.fields
+    F["pilot"].setCurrentIndex(2)
+    d.cap_auto.setChecked(False)
+    F["cap"].setValue(6)
+    d.budget_auto.setChecked(False)
+    F["ram_budget_gb"].setValue(3.5)
+    F["policy"].setCurrentText("lfru")
+    assert RELOAD_MARK in d.status_label.text() and "reopen" in d.status_label.text()
+    with qtbot.waitSignal(d.applied) as sig:
+        qtbot.mouseClick(d.buttons.button(QDialogButtonBox.Ok), Qt.LeftButton)
+    new, reload_needed = sig.args
+    assert reload_needed is True
+    assert (new.engine.pilot, new.engine.cap, new.engine.ram_budget_gb, new.engine.policy) == (2, 6, 3.5, "lfru")
+    assert load_settings()[0].engine == new.engine
+    assert not d.isVisible()  # OK closes
+
+
+def test_invalid_input_refused_in_place(dialog, qtbot):
+    d = dialog()
+    F = d.fields
+    # typed out-of-range values never enter a spin box
+    F["wide"].lineEdit().selectAll()
+    qtbot.keyClicks(F["wide"].lineEdit(), "9")
+    assert F["wide"].value() <= 4
+    F["smooth"].setValue(3.0)
+    assert F["smooth"].value() == pytest.approx(0.95)
+    # letters cannot be typed into the seed
+    F["seed"].clear()
+    qtbot.keyClicks(F["seed"], "12ab")
+    assert F["seed"].text() == "12"
+    # a seed above 2**63 - 1 is refused with an inline error; OK / Apply disabled, nothing emitted
+    F["seed"].setText("9999999999999999999")
+    assert d.error_label.isVisible() and "seed" in d.error_label.text()
+    assert not _apply_button(d).isEnabled() and not d.is_valid
+    emitted = []
+    d.applied.connect(lambda *a: emitted.append(a))
+    assert d.apply() is False and emitted == []
+    assert not settings_path().exists()
+    F["seed"].setText("")
+    assert "seed" in d.error_label.text()
+    F["seed"].setText("7")
+    assert not d.error_label.isVisible() and _apply_button(d).isEnabled()
+
+
+def test_restore_defaults_and_reset_history(dialog, qtbot):
+    from dataclasses import replace
+    s = Settings(current_model="/m")
+    s = replace(s, engine=replace(s.engine, pilot=3, wide=2))
+    d = dialog(s)
+    assert d.fields["pilot"].currentIndex() == 3
+    d.restore_defaults()
+    assert d.fields["pilot"].currentIndex() == Settings().engine.pilot
+    assert d.current_settings().current_model == "/m"
+    with qtbot.waitSignal(d.reset_history_requested):
+        qtbot.mouseClick(d.reset_history_button, Qt.LeftButton)
+
+
+def test_corrupt_settings_file(dialog, qtbot, cfgdirs):
+    p = settings_path()
+    p.write_text("{ this is not json")
+    s, msg = load_settings()
+    assert s == Settings() and msg and "defaults" in msg
+    aside = [x for x in p.parent.iterdir() if x.name.startswith("settings.json.bad-")]
+    assert len(aside) == 1 and aside[0].read_text() == "{ this is not json" and not p.exists()
+    # out-of-range values are also refused by the loader
+    p.write_text(json.dumps({**json.loads(Settings().to_json()), "engine": {"wide": 9}}))
+    s, msg = load_settings()
+    assert s == Settings() and "wide" in msg
+    # the dialog opened on the defaults saves a good file again
+    d = dialog(s)
+    with qtbot.waitSignal(d.applied):
+        d.apply()
+    assert load_settings() == (s, None)
