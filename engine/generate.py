@@ -99,7 +99,7 @@ class Engine:
         self.pilot = None
         if config.pilot > 0:
             from .prefetch import Pilot
-            self.pilot = Pilot(self.model, self.cache, config, self.heat.session)
+            self.pilot = Pilot(self.model, self.cache, config)
         pre_n, pre_s = 0, 0.0
         if config.pinning and self.heat.pinned.any():
             pre_n, pre_s = self._prewarm(self._cap_pins(self.heat.pinned), report)

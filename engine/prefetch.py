@@ -31,6 +31,7 @@ from . import model as _model
 
 MAX_QUEUE = 4096
 SMALL_BATCH = 8
+HEAT_HALVING_TOKENS = 8  # the guard's session heat is halved this often (colibri's tier_decay)
 
 
 def lfru_score(heat: int, age: int) -> int:
@@ -113,18 +114,22 @@ class Pilot:
 
     Args:
         model: OlmoeModel; cache: ExpertCache; config: EngineConfig (pilot, pilot_workers, wide,
-        conf_limit, smooth, evict_guard); session_heat: int64 [L, E] routing counts of this process
-        (kept up to date by the engine; the guard reads it).
+        conf_limit, smooth, evict_guard).
     """
 
-    def __init__(self, model, cache, config, session_heat: np.ndarray | None = None):
+    def __init__(self, model, cache, config):
         a = model.args
         self.model, self.cache = model, cache
         self.mode = config.pilot
         self.wide, self.conf_limit, self.smooth = config.wide, config.conf_limit, config.smooth
         self.use_guard = config.evict_guard
         self.L, self.E, self.K = a.num_hidden_layers, a.num_experts, a.num_experts_per_tok
-        self.session_heat = session_heat if session_heat is not None else np.zeros((self.L, self.E), np.int64)
+        # The guard's heat: routing counts of this session, halved every HEAT_HALVING_TOKENS
+        # tokens (colibri halves eheat after each REPIN pass), so "genuinely warm" means warm
+        # recently; never-decaying counts make every resident look warm and the guard drops
+        # nearly every correct speculation on a small cache (colibri #490 / #497).
+        self.session_heat = np.zeros((self.L, self.E), np.int64)
+        self._tokens = 0
         self.ema = np.zeros((self.L, self.E), np.float32)
         self.ema_set = np.zeros(self.L, bool)
         self.queue = PrefetchQueue()
@@ -148,6 +153,9 @@ class Pilot:
     def new_token(self) -> None:
         """A new forward starts: prune stale requests (the seeds' stale pruning)."""
         self.gen += 1
+        self._tokens += 1
+        if self._tokens % HEAT_HALVING_TOKENS == 0:
+            self.session_heat >>= 1
         n = self.queue.clear()
         if n:
             with self.cache.lock:
@@ -207,6 +215,7 @@ class Pilot:
 
     def observe_route(self, layer: int, idx: np.ndarray, logits: np.ndarray) -> None:
         """Real routing of ``layer``: recall bookkeeping and the EMA (predictor only)."""
+        np.add.at(self.session_heat[layer], idx.reshape(-1), 1)
         if idx.shape[0] > SMALL_BATCH:
             return
         routed = np.unique(idx)
