@@ -1,0 +1,36 @@
+"""Start the desktop app: ``python -m colibri_app`` or ``colibri`` with no arguments."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Create the QApplication, load the settings, show the window and open the model.
+
+    The model is ``settings.current_model`` when it exists, else the bundled default model
+    (converted into the user data directory on first run, with visible progress, on the
+    worker thread). Returns the application's exit code.
+    """
+    from PySide6.QtWidgets import QApplication
+
+    from .main_window import MainWindow
+    from .resources import apply_theme
+    from .settings_store import load_settings
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    app = QApplication.instance() or QApplication(sys.argv if argv is None else [sys.argv[0], *argv])
+    app.setApplicationName("colibri-desktop")
+    app.setApplicationDisplayName("colibri")
+    app.setOrganizationName("colibri")
+    apply_theme(app)
+    settings, message = load_settings()
+    win = MainWindow(settings, settings_message=message)
+    win.show()
+    win.start()
+    return app.exec()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

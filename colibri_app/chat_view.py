@@ -1,0 +1,594 @@
+"""Chat widgets: the conversation list, the transcript of message cards, and the prompt box.
+
+These widgets only display and emit user intents; MainWindow owns the history database and
+the engine. While an answer streams its text is appended as plain text; when it completes it
+is rendered as Markdown (``QTextDocument.setMarkdown``) with shaded code blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from PySide6.QtCore import QEvent, Qt, QTimer, Signal
+from PySide6.QtGui import QColor, QGuiApplication, QKeySequence, QTextBlockFormat, QTextCursor, QTextFormat
+from PySide6.QtWidgets import (QAbstractItemView, QFrame, QHBoxLayout, QLabel, QLineEdit, QListWidget,
+                               QListWidgetItem, QPlainTextEdit, QPushButton, QScrollArea, QSizePolicy,
+                               QTextBrowser, QToolButton, QVBoxLayout, QWidget)
+
+from .history import COMPLETE, ERROR, INTERRUPTED, STOPPED, STREAMING, Conversation, Message
+
+CODE_BG = QColor("#f3f4f6")
+
+STATUS_NOTE = {
+    STOPPED: "stopped",
+    INTERRUPTED: "interrupted — the app closed while this answer was being written",
+    ERROR: "not answered — see the message above",
+    STREAMING: "",
+    COMPLETE: "",
+}
+
+
+def format_meta(meta: dict) -> str:
+    """The line under an answer: tokens, tok/s, TTFT, hit rate, MB/token, finish reason."""
+    if not meta:
+        return ""
+    parts = []
+    if "tokens" in meta:
+        parts.append(f"{meta['tokens']} tokens")
+    if meta.get("tok_per_s"):
+        parts.append(f"{meta['tok_per_s']:.1f} tok/s")
+    if "ttft_s" in meta:
+        parts.append(f"TTFT {meta['ttft_s']:.2f} s")
+    if "hit_rate" in meta:
+        parts.append(f"hit rate {100 * meta['hit_rate']:.0f}%")
+    if "mb_per_token" in meta:
+        parts.append(f"{meta['mb_per_token']:.2f} MB/token")
+    if meta.get("finish_reason"):
+        parts.append(f"finish: {meta['finish_reason']}")
+    return "  ·  ".join(parts)
+
+
+# --- message cards --------------------------------------------------------------------------
+
+
+class MessageText(QTextBrowser):
+    """Read-only rich text that grows to fit its document (no vertical scroll bar)."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setFrameShape(QFrame.NoFrame)
+        self.setOpenExternalLinks(True)
+        self.setVerticalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAsNeeded)
+        self.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
+        self.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard
+                                     | Qt.LinksAccessibleByMouse)
+        self.viewport().setAutoFillBackground(False)
+        self.setStyleSheet("QTextBrowser { background: transparent; }")
+        self.document().setDocumentMargin(2)
+        self.document().documentLayout().documentSizeChanged.connect(self._fit)
+        self._fit()
+
+    def append_plain(self, text: str) -> None:
+        """Append plain text at the end (streaming)."""
+        cur = QTextCursor(self.document())
+        cur.movePosition(QTextCursor.End)
+        cur.insertText(text)
+
+    def set_markdown(self, text: str) -> None:
+        """Render Markdown and shade code blocks."""
+        self.setMarkdown(text)
+        doc = self.document()
+        b = doc.begin()
+        while b.isValid():
+            f = b.blockFormat()
+            frag = b.begin()
+            mono = False
+            if not frag.atEnd():
+                fams = frag.fragment().charFormat().fontFamilies() or []
+                mono = "monospace" in fams and frag.fragment().length() == b.length() - 1
+            if f.hasProperty(QTextFormat.BlockCodeFence) or f.nonBreakableLines() or mono:
+                bf = QTextBlockFormat()
+                bf.setBackground(CODE_BG)
+                bf.setLeftMargin(6)
+                QTextCursor(b).mergeBlockFormat(bf)
+            b = b.next()
+
+    def wheelEvent(self, e):  # the transcript scrolls, not the message
+        e.ignore()
+
+    def _fit(self, *_):
+        doc_h = self.document().size().height()
+        h = int(math.ceil(doc_h)) + 2 * self.frameWidth() + 2
+        sb = self.horizontalScrollBar()
+        if sb.maximum() > 0:
+            h += sb.sizeHint().height()
+        if h != self.height():
+            self.setFixedHeight(h)
+
+    def resizeEvent(self, e):
+        super().resizeEvent(e)
+        self._fit()
+
+
+class MessageView(QFrame):
+    """One message card: role, text, status note, answer metrics, and actions."""
+
+    copy_clicked = Signal(int)         #: message id
+    regenerate_clicked = Signal(int)   #: message id (assistant)
+    edit_clicked = Signal(int)         #: message id (user)
+
+    def __init__(self, msg: Message, model_name: str = "", parent: QWidget | None = None):
+        super().__init__(parent)
+        self.msg_id = msg.id
+        self.role = msg.role
+        self.status = msg.status
+        self._text = msg.content
+        self.setObjectName("userCard" if msg.role == "user" else "assistantCard")
+        self.setAccessibleName(f"{'Your' if msg.role == 'user' else 'Assistant'} message")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(14, 10, 14, 8)
+        lay.setSpacing(4)
+        who = "You" if msg.role == "user" else (model_name or "Assistant")
+        self.role_label = QLabel(who)
+        self.role_label.setObjectName("roleLabel")
+        lay.addWidget(self.role_label)
+        self.text = MessageText()
+        self.text.setAccessibleName("Message text")
+        lay.addWidget(self.text)
+        self.note = QLabel()
+        self.note.setObjectName("statusNote")
+        self.note.setWordWrap(True)
+        lay.addWidget(self.note)
+        self.meta_label = QLabel()
+        self.meta_label.setObjectName("metaLabel")
+        self.meta_label.setAccessibleName("Answer statistics")
+        self.meta_label.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.meta_label.setWordWrap(True)
+        lay.addWidget(self.meta_label)
+        row = QHBoxLayout()
+        row.setContentsMargins(0, 0, 0, 0)
+        row.setSpacing(4)
+        self.copy_btn = self._action("Copy", "Copy this message", self.copy_clicked)
+        self.regen_btn = self._action("Regenerate", "Regenerate this answer", self.regenerate_clicked)
+        self.edit_btn = self._action("Edit", "Edit and resend this message", self.edit_clicked)
+        for b in (self.copy_btn, self.regen_btn, self.edit_btn):
+            row.addWidget(b)
+        row.addStretch(1)
+        lay.addLayout(row)
+        self.regen_btn.setVisible(False)
+        self.edit_btn.setVisible(False)
+        self.set_content(msg.content, msg.status, msg.meta)
+
+    def _action(self, text: str, accessible: str, signal) -> QToolButton:
+        b = QToolButton()
+        b.setText(text)
+        b.setObjectName("msgAction")
+        b.setAccessibleName(accessible)
+        b.setToolTip(accessible)
+        b.setAutoRaise(True)
+        b.setCursor(Qt.PointingHandCursor)
+        b.clicked.connect(lambda: signal.emit(self.msg_id))
+        return b
+
+    @property
+    def content(self) -> str:
+        """The message text as far as it is known."""
+        return self._text
+
+    def set_content(self, text: str, status: str, meta: dict | None = None) -> None:
+        """Show a complete (or final) message: Markdown for answers, plain for the user."""
+        self._text, self.status = text, status
+        if status == STREAMING:
+            self.text.setPlainText(text)
+        elif self.role == "assistant":
+            self.text.set_markdown(text)
+        else:
+            self.text.setPlainText(text)
+        self.note.setText(STATUS_NOTE.get(status, status))
+        self.note.setVisible(bool(self.note.text()))
+        line = format_meta(meta or {})
+        self.meta_label.setText(line)
+        self.meta_label.setVisible(bool(line))
+
+    def append_stream(self, piece: str) -> None:
+        """Append streamed text (plain while streaming)."""
+        if self.status != STREAMING:
+            self.status = STREAMING
+            self.note.setVisible(False)
+        self._text += piece
+        self.text.append_plain(piece)
+
+    def set_actions(self, regenerate: bool, edit: bool, copy: bool = True) -> None:
+        """Which actions this card shows (only the last answer / last user message get them)."""
+        self.regen_btn.setVisible(regenerate)
+        self.edit_btn.setVisible(edit)
+        self.copy_btn.setVisible(copy)
+
+
+# --- transcript -----------------------------------------------------------------------------
+
+
+class PromptEdit(QPlainTextEdit):
+    """The prompt box: Enter sends, Shift+Enter inserts a newline; grows up to ~8 lines."""
+
+    submitted = Signal()
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setTabChangesFocus(True)
+        self.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
+        self.document().documentLayout().documentSizeChanged.connect(self._fit)
+        self._fit()
+
+    def keyPressEvent(self, e):
+        if e.key() in (Qt.Key_Return, Qt.Key_Enter) and not (e.modifiers() & Qt.ShiftModifier):
+            self.submitted.emit()
+            return
+        super().keyPressEvent(e)
+
+    def _fit(self, *_):
+        lines = max(1, min(8, int(self.document().size().height())))
+        fm = self.fontMetrics()
+        h = lines * fm.lineSpacing() + 2 * int(self.document().documentMargin()) + 2 * self.frameWidth() + 8
+        self.setFixedHeight(max(h, 44))
+
+
+class ChatView(QWidget):
+    """Transcript + system prompt + prompt box of one conversation."""
+
+    send_requested = Signal(str)            #: prompt text
+    stop_requested = Signal()
+    regenerate_requested = Signal(int)      #: assistant message id
+    edit_requested = Signal(int)            #: user message id
+    system_prompt_edited = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("chatView")
+        self.model_name = ""
+        self.views: dict[int, MessageView] = {}
+        self.generating = False
+        self.ready = False
+
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(0, 0, 0, 0)
+        lay.setSpacing(0)
+
+        # header: conversation title + system prompt toggle
+        head = QFrame()
+        head.setObjectName("chatHeader")
+        hl = QVBoxLayout(head)
+        hl.setContentsMargins(20, 10, 20, 8)
+        hl.setSpacing(6)
+        top = QHBoxLayout()
+        self.title_label = QLabel("New chat")
+        self.title_label.setObjectName("chatTitle")
+        self.title_label.setAccessibleName("Conversation title")
+        top.addWidget(self.title_label, 1)
+        self.system_toggle = QToolButton()
+        self.system_toggle.setText("System prompt")
+        self.system_toggle.setCheckable(True)
+        self.system_toggle.setObjectName("systemToggle")
+        self.system_toggle.setAccessibleName("Show system prompt")
+        self.system_toggle.toggled.connect(self._toggle_system)
+        top.addWidget(self.system_toggle)
+        hl.addLayout(top)
+        self.system_edit = QPlainTextEdit()
+        self.system_edit.setObjectName("systemEdit")
+        self.system_edit.setAccessibleName("System prompt")
+        self.system_edit.setPlaceholderText("System prompt for this conversation (optional), "
+                                            "e.g. “You are a concise Python expert.”")
+        self.system_edit.setFixedHeight(64)
+        self.system_edit.setVisible(False)
+        self.system_edit.installEventFilter(self)
+        hl.addWidget(self.system_edit)
+        lay.addWidget(head)
+
+        # transcript
+        self.scroll = QScrollArea()
+        self.scroll.setObjectName("transcript")
+        self.scroll.setAccessibleName("Transcript")
+        self.scroll.setWidgetResizable(True)
+        self.scroll.setFrameShape(QFrame.NoFrame)
+        self.scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.inner = QWidget()
+        self.inner.setObjectName("transcriptInner")
+        self.msg_layout = QVBoxLayout(self.inner)
+        self.msg_layout.setContentsMargins(20, 16, 20, 16)
+        self.msg_layout.setSpacing(12)
+        self.empty_label = QLabel("Ask anything. Enter sends, Shift+Enter adds a line.")
+        self.empty_label.setObjectName("emptyLabel")
+        self.empty_label.setAlignment(Qt.AlignCenter)
+        self.msg_layout.addWidget(self.empty_label)
+        self.msg_layout.addStretch(1)
+        self.scroll.setWidget(self.inner)
+        self.scroll.verticalScrollBar().rangeChanged.connect(self._on_range)
+        self._stick = True
+        self.scroll.verticalScrollBar().valueChanged.connect(self._on_scroll)
+        lay.addWidget(self.scroll, 1)
+
+        # input row
+        box = QFrame()
+        box.setObjectName("inputBar")
+        bl = QVBoxLayout(box)
+        bl.setContentsMargins(20, 8, 20, 14)
+        bl.setSpacing(4)
+        self.edit_hint = QLabel("Editing your last message: Enter resends it, Esc cancels.")
+        self.edit_hint.setObjectName("editHint")
+        self.edit_hint.setVisible(False)
+        bl.addWidget(self.edit_hint)
+        il = QHBoxLayout()
+        il.setSpacing(8)
+        bl.addLayout(il)
+        self.input = PromptEdit()
+        self.input.setObjectName("promptEdit")
+        self.input.setAccessibleName("Message input")
+        self.input.setPlaceholderText("Loading the model…")
+        self.input.submitted.connect(self._submit)
+        il.addWidget(self.input, 1)
+        self.send_btn = QPushButton("Send")
+        self.send_btn.setObjectName("sendButton")
+        self.send_btn.setAccessibleName("Send message")
+        self.send_btn.setToolTip("Send (Enter)")
+        self.send_btn.setCursor(Qt.PointingHandCursor)
+        self.send_btn.clicked.connect(self._send_or_stop)
+        il.addWidget(self.send_btn, 0, Qt.AlignBottom)
+        lay.addWidget(box)
+        self._update_send()
+
+    # --- conversation -------------------------------------------------------------------------
+
+    def set_conversation(self, conv: Conversation | None, messages: list[Message]) -> None:
+        """Show a conversation (or an empty view)."""
+        self.title_label.setText(conv.title if conv else "New chat")
+        self.system_edit.blockSignals(True)
+        self.system_edit.setPlainText(conv.system_prompt if conv else "")
+        self.system_edit.blockSignals(False)
+        self.system_toggle.setText("System prompt ●" if conv and conv.system_prompt else "System prompt")
+        for v in list(self.views.values()):
+            v.setParent(None)
+            v.deleteLater()
+        self.views.clear()
+        for m in messages:
+            self.add_message(m)
+        self._stick = True
+        self.update_actions()
+        self.scroll_to_bottom()
+
+    def set_title(self, title: str) -> None:
+        """Update the header title."""
+        self.title_label.setText(title)
+
+    def add_message(self, msg: Message) -> MessageView:
+        """Append a message card."""
+        v = MessageView(msg, self.model_name)
+        v.copy_clicked.connect(self._copy)
+        v.regenerate_clicked.connect(self.regenerate_requested)
+        v.edit_clicked.connect(self.edit_requested)
+        if msg.role == "user":
+            wrap = QWidget()
+            wl = QHBoxLayout(wrap)
+            wl.setContentsMargins(60, 0, 0, 0)
+            wl.addWidget(v)
+            self.msg_layout.insertWidget(self.msg_layout.count() - 1, wrap)
+            v._wrap = wrap
+        else:
+            self.msg_layout.insertWidget(self.msg_layout.count() - 1, v)
+            v._wrap = v
+        self.views[msg.id] = v
+        self.empty_label.setVisible(False)
+        self.update_actions()
+        return v
+
+    def remove_message(self, msg_id: int) -> None:
+        """Remove a message card."""
+        v = self.views.pop(msg_id, None)
+        if v is not None:
+            w = v._wrap
+            w.setParent(None)
+            w.deleteLater()
+        self.empty_label.setVisible(not self.views)
+        self.update_actions()
+
+    def view(self, msg_id: int) -> MessageView | None:
+        """The card of a message, if shown."""
+        return self.views.get(msg_id)
+
+    def update_actions(self) -> None:
+        """Regenerate on the last answer, Edit on the last user message, nothing while busy."""
+        ids = list(self.views)
+        last_user = next((i for i in reversed(ids) if self.views[i].role == "user"), None)
+        last_asst = ids[-1] if ids and self.views[ids[-1]].role == "assistant" else None
+        idle = not self.generating and self.ready
+        for i, v in self.views.items():
+            v.set_actions(regenerate=idle and i == last_asst, edit=idle and i == last_user,
+                          copy=v.status != STREAMING)
+
+    def set_edit_mode(self, text: str | None) -> None:
+        """Put ``text`` in the prompt box for editing (None leaves edit mode)."""
+        self.edit_hint.setVisible(text is not None)
+        if text is not None:
+            self.input.setPlainText(text)
+            self.input.moveCursor(QTextCursor.End)
+            self.input.setFocus()
+        else:
+            self.input.clear()
+
+    # --- state --------------------------------------------------------------------------------
+
+    def set_generating(self, on: bool) -> None:
+        """Switch Send <-> Stop."""
+        self.generating = on
+        self._update_send()
+        self.update_actions()
+
+    def set_ready(self, ready: bool, placeholder: str = "") -> None:
+        """Enable sending (a model is loaded) or show why not."""
+        self.ready = ready
+        self.input.setPlaceholderText(placeholder or ("Message the model…  (Enter to send, Shift+Enter for a new line)"
+                                                      if ready else "Loading the model…"))
+        self._update_send()
+        self.update_actions()
+
+    def _update_send(self) -> None:
+        if self.generating:
+            self.send_btn.setText("Stop")
+            self.send_btn.setProperty("stop", True)
+            self.send_btn.setAccessibleName("Stop generating")
+            self.send_btn.setToolTip("Stop (Esc)")
+            self.send_btn.setEnabled(True)
+        else:
+            self.send_btn.setText("Send")
+            self.send_btn.setProperty("stop", False)
+            self.send_btn.setAccessibleName("Send message")
+            self.send_btn.setToolTip("Send (Enter)")
+            self.send_btn.setEnabled(self.ready)
+        self.send_btn.style().unpolish(self.send_btn)
+        self.send_btn.style().polish(self.send_btn)
+
+    # --- intents ------------------------------------------------------------------------------
+
+    def _send_or_stop(self) -> None:
+        if self.generating:
+            self.stop_requested.emit()
+        else:
+            self._submit()
+
+    def _submit(self) -> None:
+        text = self.input.toPlainText().strip()
+        if not text or self.generating or not self.ready:
+            return
+        self.input.clear()
+        self.send_requested.emit(text)
+
+    def _copy(self, msg_id: int) -> None:
+        v = self.views.get(msg_id)
+        if v is not None:
+            QGuiApplication.clipboard().setText(v.content)
+
+    def _toggle_system(self, on: bool) -> None:
+        self.system_edit.setVisible(on)
+        if on:
+            self.system_edit.setFocus()
+
+    def eventFilter(self, obj, ev):
+        if obj is self.system_edit and ev.type() == QEvent.FocusOut:
+            self.system_prompt_edited.emit(self.system_edit.toPlainText().strip())
+        return super().eventFilter(obj, ev)
+
+    def system_prompt(self) -> str:
+        """The system prompt as currently typed."""
+        return self.system_edit.toPlainText().strip()
+
+    # --- scrolling ----------------------------------------------------------------------------
+
+    def _on_scroll(self, value: int) -> None:
+        sb = self.scroll.verticalScrollBar()
+        self._stick = value >= sb.maximum() - 24
+
+    def _on_range(self, _lo: int, hi: int) -> None:
+        if self._stick:
+            self.scroll.verticalScrollBar().setValue(hi)
+
+    def scroll_to_bottom(self) -> None:
+        """Scroll to the newest message (after layout)."""
+        self._stick = True
+        QTimer.singleShot(0, lambda: self.scroll.verticalScrollBar().setValue(
+            self.scroll.verticalScrollBar().maximum()))
+
+
+# --- conversation list ----------------------------------------------------------------------
+
+
+class ConversationList(QFrame):
+    """Sidebar: New chat, search by title, the conversations, rename and delete."""
+
+    new_requested = Signal()
+    selected = Signal(int)            #: conversation id
+    rename_requested = Signal(int)    #: conversation id
+    delete_requested = Signal(int)    #: conversation id
+    search_changed = Signal(str)
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("sidebar")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(12, 12, 12, 12)
+        lay.setSpacing(8)
+        self.new_btn = QPushButton("+  New chat")
+        self.new_btn.setObjectName("newChatButton")
+        self.new_btn.setAccessibleName("New chat")
+        self.new_btn.setToolTip(f"New chat ({QKeySequence(QKeySequence.New).toString(QKeySequence.NativeText)})")
+        self.new_btn.setCursor(Qt.PointingHandCursor)
+        self.new_btn.clicked.connect(self.new_requested)
+        lay.addWidget(self.new_btn)
+        self.search = QLineEdit()
+        self.search.setObjectName("searchEdit")
+        self.search.setPlaceholderText("Search chats")
+        self.search.setAccessibleName("Search conversations by title")
+        self.search.setClearButtonEnabled(True)
+        for b in self.search.findChildren(QToolButton):   # Qt's clear button
+            b.setAccessibleName("Clear search")
+        self.search.textChanged.connect(self.search_changed)
+        lay.addWidget(self.search)
+        self.list = QListWidget()
+        self.list.setObjectName("conversationList")
+        self.list.setAccessibleName("Conversations")
+        self.list.setSelectionMode(QAbstractItemView.SingleSelection)
+        self.list.setContextMenuPolicy(Qt.ActionsContextMenu)
+        self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.list.setTextElideMode(Qt.ElideRight)
+        self.list.setUniformItemSizes(True)
+        self.list.itemSelectionChanged.connect(self._on_select)
+        self.list.itemDoubleClicked.connect(lambda it: self.rename_requested.emit(it.data(Qt.UserRole)))
+        lay.addWidget(self.list, 1)
+        row = QHBoxLayout()
+        row.setSpacing(6)
+        self.rename_btn = QPushButton("Rename")
+        self.rename_btn.setObjectName("sideButton")
+        self.rename_btn.setAccessibleName("Rename conversation")
+        self.rename_btn.clicked.connect(lambda: self._emit_current(self.rename_requested))
+        self.delete_btn = QPushButton("Delete")
+        self.delete_btn.setObjectName("sideButton")
+        self.delete_btn.setAccessibleName("Delete conversation")
+        self.delete_btn.clicked.connect(lambda: self._emit_current(self.delete_requested))
+        row.addWidget(self.rename_btn)
+        row.addWidget(self.delete_btn)
+        lay.addLayout(row)
+        self._block = False
+
+    def set_conversations(self, convs: list[Conversation], current: int | None) -> None:
+        """Fill the list (keeping ``current`` selected, without emitting ``selected``)."""
+        self._block = True
+        self.list.clear()
+        for c in convs:
+            it = QListWidgetItem(c.title or "Untitled")
+            it.setData(Qt.UserRole, c.id)
+            it.setToolTip(f"{c.title}\nlast activity {time.strftime('%Y-%m-%d %H:%M', time.localtime(c.updated))}")
+            self.list.addItem(it)
+            if c.id == current:
+                it.setSelected(True)
+                self.list.setCurrentItem(it)
+        self._block = False
+        has = self.current_id() is not None
+        self.rename_btn.setEnabled(has)
+        self.delete_btn.setEnabled(has)
+
+    def current_id(self) -> int | None:
+        """Id of the selected conversation."""
+        items = self.list.selectedItems()
+        return items[0].data(Qt.UserRole) if items else None
+
+    def _on_select(self) -> None:
+        cid = self.current_id()
+        self.rename_btn.setEnabled(cid is not None)
+        self.delete_btn.setEnabled(cid is not None)
+        if not self._block and cid is not None:
+            self.selected.emit(cid)
+
+    def _emit_current(self, signal) -> None:
+        cid = self.current_id()
+        if cid is not None:
+            signal.emit(cid)

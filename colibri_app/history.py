@@ -1,0 +1,331 @@
+"""Chat history: conversations and messages in one SQLite file (stdlib sqlite3, WAL).
+
+The file lives in ``user_data_dir()/history.sqlite3``. Used only from the GUI thread.
+
+Crash safety: an answer is written while it streams (status "streaming"); on the next start
+:meth:`History.open` marks every message still "streaming" as "interrupted", so the partial
+answer is kept. A file SQLite cannot read is moved aside (``history.sqlite3.corrupt-<time>``)
+and a fresh one is created; the message returned by :meth:`History.open` says where it went.
+Rows are read one by one and converted defensively, so one bad row never hides the others.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sqlite3
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine import paths
+
+log = logging.getLogger(__name__)
+
+FILENAME = "history.sqlite3"
+SCHEMA_VERSION = 1
+DEFAULT_TITLE = "New chat"
+
+# Message status values.
+COMPLETE, STREAMING, STOPPED, INTERRUPTED, ERROR = "complete", "streaming", "stopped", "interrupted", "error"
+STATUSES = (COMPLETE, STREAMING, STOPPED, INTERRUPTED, ERROR)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS conversations (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    title TEXT NOT NULL DEFAULT '',
+    system_prompt TEXT NOT NULL DEFAULT '',
+    created REAL NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS messages (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    conversation_id INTEGER NOT NULL REFERENCES conversations(id) ON DELETE CASCADE,
+    role TEXT NOT NULL,
+    content TEXT NOT NULL DEFAULT '',
+    status TEXT NOT NULL DEFAULT 'complete',
+    meta_json TEXT NOT NULL DEFAULT '{}',
+    created REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
+"""
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """One conversation (times are Unix seconds)."""
+
+    id: int
+    title: str
+    system_prompt: str
+    created: float
+    updated: float
+
+
+@dataclass(frozen=True)
+class Message:
+    """One stored message. role: user / assistant / system; status: see STATUSES; meta: the
+    numbers shown under an answer (tokens, tok/s, TTFT, hit rate, MB/token, finish reason)."""
+
+    id: int
+    conversation_id: int
+    role: str
+    content: str
+    status: str
+    meta: dict = field(default_factory=dict)
+    created: float = 0.0
+
+
+def history_path() -> Path:
+    """Default location of the history database."""
+    return paths.user_data_dir() / FILENAME
+
+
+def _text(v) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace")
+    return str(v)
+
+
+def _num(v, default: float = 0.0) -> float:
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return default
+
+
+def _meta(v) -> dict:
+    try:
+        d = json.loads(_text(v) or "{}")
+    except ValueError:
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+class History:
+    """The chat history database. Create with :meth:`open`; close with :meth:`close`."""
+
+    def __init__(self, conn: sqlite3.Connection, path: Path):
+        self.conn = conn
+        self.path = path
+
+    # --- opening ------------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, path: str | os.PathLike | None = None) -> tuple["History", str | None]:
+        """Open (or create) the database; returns (history, message or None).
+
+        A file that is not a readable SQLite database is renamed with a timestamp and a fresh
+        one is created; the message says so. Messages left "streaming" become "interrupted".
+        """
+        p = Path(path) if path else history_path()
+        p.parent.mkdir(parents=True, exist_ok=True)
+        message = None
+        try:
+            conn = cls._connect(p)
+        except sqlite3.DatabaseError as e:
+            aside = cls._move_aside(p)
+            message = (f"The chat history {p} could not be read ({e}). It was moved to {aside} "
+                       f"and a new, empty history was started.")
+            log.warning("%s", message)
+            conn = cls._connect(p)
+        self = cls(conn, p)
+        n = self.recover_interrupted()
+        if n:
+            log.info("marked %d interrupted answer(s)", n)
+        return self, message
+
+    @staticmethod
+    def _connect(p: Path) -> sqlite3.Connection:
+        conn = sqlite3.connect(str(p), timeout=5.0)
+        conn.text_factory = lambda b: b.decode("utf-8", "replace")  # bad bytes in one row stay readable
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA foreign_keys=ON")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            ok = conn.execute("PRAGMA quick_check").fetchone()
+            if not ok or ok[0] != "ok":
+                raise sqlite3.DatabaseError(f"integrity check failed: {ok[0] if ok else 'no answer'}")
+            with conn:
+                conn.executescript(_SCHEMA)
+                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    @staticmethod
+    def _move_aside(p: Path) -> Path:
+        aside = p.with_name(f"{p.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+        n = 1
+        while aside.exists():
+            aside = p.with_name(f"{p.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+            n += 1
+        os.replace(p, aside)
+        for suffix in ("-wal", "-shm"):
+            side = p.with_name(p.name + suffix)
+            if side.exists():
+                try:
+                    os.replace(side, aside.with_name(aside.name + suffix))
+                except OSError:
+                    pass
+        return aside
+
+    def close(self) -> None:
+        """Close the connection (idempotent)."""
+        if self.conn is not None:
+            try:
+                self.conn.close()
+            finally:
+                self.conn = None
+
+    def recover_interrupted(self) -> int:
+        """Mark messages still "streaming" (the app died mid-answer) as "interrupted"."""
+        with self.conn:
+            cur = self.conn.execute("UPDATE messages SET status=? WHERE status=?", (INTERRUPTED, STREAMING))
+        return cur.rowcount
+
+    # --- conversations ------------------------------------------------------------------------
+
+    def create_conversation(self, title: str = DEFAULT_TITLE, system_prompt: str = "") -> Conversation:
+        """Insert a conversation and return it."""
+        now = time.time()
+        with self.conn:
+            cur = self.conn.execute(
+                "INSERT INTO conversations(title, system_prompt, created, updated) VALUES (?,?,?,?)",
+                (title, system_prompt, now, now))
+        return Conversation(cur.lastrowid, title, system_prompt, now, now)
+
+    def conversations(self, search: str = "") -> list[Conversation]:
+        """Conversations, most recently updated first; ``search`` filters titles (case-insensitive)."""
+        sql = "SELECT id, title, system_prompt, created, updated FROM conversations"
+        args: tuple = ()
+        if search:
+            sql += " WHERE title LIKE ? ESCAPE '\\'"
+            esc = search.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+            args = (f"%{esc}%",)
+        sql += " ORDER BY updated DESC, id DESC"
+        out = []
+        for row in self._rows(sql, args):
+            try:
+                out.append(Conversation(int(row[0]), _text(row[1]), _text(row[2]), _num(row[3]), _num(row[4])))
+            except (TypeError, ValueError) as e:
+                log.warning("skipping unreadable conversation row: %s", e)
+        return out
+
+    def conversation(self, conv_id: int) -> Conversation | None:
+        """One conversation, or None if it does not exist."""
+        for c in self._rows("SELECT id, title, system_prompt, created, updated FROM conversations WHERE id=?",
+                            (conv_id,)):
+            try:
+                return Conversation(int(c[0]), _text(c[1]), _text(c[2]), _num(c[3]), _num(c[4]))
+            except (TypeError, ValueError):
+                return None
+        return None
+
+    def rename_conversation(self, conv_id: int, title: str) -> None:
+        """Set a conversation's title."""
+        with self.conn:
+            self.conn.execute("UPDATE conversations SET title=?, updated=? WHERE id=?", (title, time.time(), conv_id))
+
+    def set_system_prompt(self, conv_id: int, system_prompt: str) -> None:
+        """Set a conversation's system prompt (used from its next message on)."""
+        with self.conn:
+            self.conn.execute("UPDATE conversations SET system_prompt=? WHERE id=?", (system_prompt, conv_id))
+
+    def delete_conversation(self, conv_id: int) -> None:
+        """Delete a conversation and its messages."""
+        with self.conn:
+            self.conn.execute("DELETE FROM messages WHERE conversation_id=?", (conv_id,))
+            self.conn.execute("DELETE FROM conversations WHERE id=?", (conv_id,))
+
+    def touch(self, conv_id: int) -> None:
+        """Move a conversation to the top of the list."""
+        with self.conn:
+            self.conn.execute("UPDATE conversations SET updated=? WHERE id=?", (time.time(), conv_id))
+
+    # --- messages -----------------------------------------------------------------------------
+
+    def messages(self, conv_id: int) -> list[Message]:
+        """A conversation's messages in order; unreadable rows are skipped (and logged)."""
+        out = []
+        for row in self._rows("SELECT id, conversation_id, role, content, status, meta_json, created "
+                              "FROM messages WHERE conversation_id=? ORDER BY id", (conv_id,)):
+            try:
+                role = _text(row[2])
+                if role not in ("user", "assistant", "system"):
+                    raise ValueError(f"unknown role {role!r}")
+                status = _text(row[4])
+                out.append(Message(int(row[0]), int(row[1]), role, _text(row[3]),
+                                   status if status in STATUSES else INTERRUPTED, _meta(row[5]), _num(row[6])))
+            except (TypeError, ValueError) as e:
+                log.warning("skipping unreadable message row: %s", e)
+        return out
+
+    def message(self, msg_id: int) -> Message | None:
+        """One message by id, or None."""
+        row = next(iter(self._rows("SELECT conversation_id FROM messages WHERE id=?", (msg_id,))), None)
+        if row is None:
+            return None
+        return next((m for m in self.messages(int(row[0])) if m.id == msg_id), None)
+
+    def add_message(self, conv_id: int, role: str, content: str, status: str = COMPLETE,
+                    meta: dict | None = None) -> int:
+        """Append a message; returns its id."""
+        now = time.time()
+        with self.conn:
+            cur = self.conn.execute(
+                "INSERT INTO messages(conversation_id, role, content, status, meta_json, created) "
+                "VALUES (?,?,?,?,?,?)", (conv_id, role, content, status, json.dumps(meta or {}), now))
+            self.conn.execute("UPDATE conversations SET updated=? WHERE id=?", (now, conv_id))
+        return cur.lastrowid
+
+    def update_message(self, msg_id: int, content: str | None = None, status: str | None = None,
+                       meta: dict | None = None) -> None:
+        """Change a message's content, status and/or meta."""
+        sets, args = [], []
+        if content is not None:
+            sets.append("content=?")
+            args.append(content)
+        if status is not None:
+            sets.append("status=?")
+            args.append(status)
+        if meta is not None:
+            sets.append("meta_json=?")
+            args.append(json.dumps(meta))
+        if not sets:
+            return
+        with self.conn:
+            self.conn.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id=?", (*args, msg_id))
+
+    def delete_message(self, msg_id: int) -> None:
+        """Delete one message."""
+        with self.conn:
+            self.conn.execute("DELETE FROM messages WHERE id=?", (msg_id,))
+
+    def delete_from(self, conv_id: int, msg_id: int) -> None:
+        """Delete message ``msg_id`` and every later message of the conversation (edit, regenerate)."""
+        with self.conn:
+            self.conn.execute("DELETE FROM messages WHERE conversation_id=? AND id>=?", (conv_id, msg_id))
+
+    # --- helpers ------------------------------------------------------------------------------
+
+    def _rows(self, sql: str, args: tuple = ()):
+        """Yield rows one by one; a row that cannot be decoded is skipped instead of failing all."""
+        cur = self.conn.execute(sql, args)
+        errors = 0
+        while True:
+            try:
+                row = cur.fetchone()
+            except sqlite3.DatabaseError as e:  # a damaged page under one row
+                log.warning("skipping unreadable row: %s", e)
+                errors += 1
+                if errors > 1000:
+                    return
+                continue
+            if row is None:
+                return
+            yield row

@@ -1,0 +1,787 @@
+"""MainWindow: conversations | chat, the live panels dock, the status bar, menus.
+
+Owns the history database (GUI thread only) and the EngineController (worker thread).
+Engine failures are shown in a banner above the chat, never as assistant text; the window
+stays usable and the next prompt works.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from PySide6.QtCore import QByteArray, QCoreApplication, QEvent, Qt, QTimer, Slot
+from PySide6.QtGui import QAction, QKeySequence, QShortcut
+from PySide6.QtWidgets import (QDockWidget, QFrame, QHBoxLayout, QInputDialog, QLabel, QMainWindow,
+                               QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout, QWidget)
+
+from engine import (ChatMessage, EngineFailure, Finished, GenerateRequest, Loaded, LoadProgress,
+                    ResidencySnapshot, StepMetrics, TokenEvent, paths)
+
+from .chat_view import ChatView, ConversationList
+from .engine_bridge import EngineController, GenerationJob
+from .history import COMPLETE, DEFAULT_TITLE, ERROR, STOPPED, STREAMING, Conversation, History, Message
+from .plot_panels import PlotPanels
+from .settings_store import Settings, save_settings
+
+log = logging.getLogger(__name__)
+
+UI_STATE_FILE = "ui_state.json"
+FLUSH_MS = 40          # streamed text reaches the transcript at most every 40 ms
+SAVE_EVERY_S = 1.0     # a streaming answer is written to the history at least once per second
+
+HINTS = {
+    "store": "Open another model (File › Models…) or add one (File › Add model…).",
+    "tokenizer": "The model's tokenizer files are missing or invalid; add the model again (File › Add model…).",
+    "budget": "Raise the RAM budget or lower the expert slots per layer in Settings…, then try again.",
+    "config": "Correct the setting in Settings…",
+    "context": "Start a new chat (Ctrl+N), shorten the message, or raise the context length in Settings…",
+    "io": "Check the disk that holds the model, then try again.",
+    "error": "Try again (Regenerate), or start a new chat. If it keeps happening, restart the app.",
+    "history": "Your earlier chats are kept in the file named above.",
+    "settings": "Open Settings… to review them.",
+    "model": "The bundled default model is used instead; choose another in File › Models…",
+    "unavailable": "This part of the app is not installed in this build yet.",
+}
+
+
+# --- ui_state.json --------------------------------------------------------------------------
+
+
+def ui_state_path() -> Path:
+    """Where window geometry, splitter sizes, dock visibility and the last chat are kept."""
+    return paths.user_config_dir() / UI_STATE_FILE
+
+
+def load_ui_state() -> dict:
+    """The saved UI state, or {} when missing or unreadable."""
+    try:
+        d = json.loads(ui_state_path().read_text(encoding="utf-8"))
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def save_ui_state(state: dict) -> None:
+    """Write the UI state atomically (errors are logged, never raised)."""
+    try:
+        paths.atomic_write_text(ui_state_path(), json.dumps(state, indent=1))
+    except OSError as e:
+        log.warning("could not save the window state: %s", e)
+
+
+# --- widgets --------------------------------------------------------------------------------
+
+
+class Banner(QFrame):
+    """A dismissable message above the chat: what happened, and what to do."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("banner")
+        self.setAccessibleName("Message banner")
+        self.kind = ""
+        lay = QHBoxLayout(self)
+        lay.setContentsMargins(14, 10, 10, 10)
+        lay.setSpacing(12)
+        col = QVBoxLayout()
+        col.setSpacing(2)
+        self.title = QLabel()
+        self.title.setObjectName("bannerTitle")
+        self.text = QLabel()
+        self.text.setObjectName("bannerText")
+        self.text.setWordWrap(True)
+        self.text.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.text.setAccessibleName("Banner message")
+        self.hint = QLabel()
+        self.hint.setObjectName("bannerHint")
+        self.hint.setWordWrap(True)
+        self.hint.setAccessibleName("What to do")
+        col.addWidget(self.title)
+        col.addWidget(self.text)
+        col.addWidget(self.hint)
+        lay.addLayout(col, 1)
+        self.dismiss = QPushButton("Dismiss")
+        self.dismiss.setObjectName("bannerDismiss")
+        self.dismiss.setAccessibleName("Dismiss message")
+        self.dismiss.clicked.connect(self.hide)
+        lay.addWidget(self.dismiss, 0, Qt.AlignTop)
+        self.hide()
+
+    def show_message(self, kind: str, message: str, hint: str = "", error: bool = True) -> None:
+        """Show ``message`` (with a hint picked from ``kind`` unless given)."""
+        self.kind = kind
+        self.setProperty("level", "error" if error else "info")
+        self.style().unpolish(self)
+        self.style().polish(self)
+        self.title.setText({"context": "The conversation does not fit in the context window",
+                            "store": "The model could not be opened",
+                            "tokenizer": "The model's tokenizer could not be loaded",
+                            "budget": "The RAM budget is too small for this model",
+                            "config": "A setting is invalid",
+                            "io": "Reading the model from disk failed",
+                            "error": "The answer stopped because of an engine error",
+                            "history": "The chat history was reset",
+                            "settings": "Your settings could not be used",
+                            "model": "The chosen model was not found",
+                            "unavailable": "Not available"}.get(kind, "Something went wrong"))
+        self.text.setText(message)
+        self.hint.setText(hint or HINTS.get(kind, HINTS["error"]))
+        self.show()
+
+
+class LoadingPanel(QFrame):
+    """Progress of converting / opening a model."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("loadingFrame")
+        self.setAccessibleName("Model loading progress")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(14, 10, 14, 12)
+        self.label = QLabel("Loading the model…")
+        self.label.setObjectName("loadingLabel")
+        self.bar = QProgressBar()
+        self.bar.setAccessibleName("Model loading progress bar")
+        self.bar.setTextVisible(False)
+        self.bar.setFixedHeight(8)
+        lay.addWidget(self.label)
+        lay.addWidget(self.bar)
+        self.hide()
+
+    def show_progress(self, ev: LoadProgress) -> None:
+        """Update from a LoadProgress event."""
+        pct = int(100 * ev.done / ev.total) if ev.total > 0 else 0
+        if ev.stage == "convert":
+            text = f"Converting the default model… {pct}%"
+        elif ev.stage == "prewarm":
+            text = f"Pre-warming pinned experts… {ev.done}/{ev.total}"
+        else:
+            text = f"Opening the model… {ev.message}" if ev.message else "Opening the model…"
+        self.label.setText(text)
+        self.bar.setRange(0, 100)
+        self.bar.setValue(pct)
+        self.show()
+
+
+@dataclass
+class _Generation:
+    """The answer being written (GUI-thread bookkeeping)."""
+
+    job: GenerationJob
+    conv_id: int
+    user_id: int
+    asst_id: int
+    text: str = ""
+    pending: str = ""
+    last_save: float = 0.0
+    last_saved_len: int = 0
+
+
+# --- the window -----------------------------------------------------------------------------
+
+
+class MainWindow(QMainWindow):
+    """The application window. Call :meth:`start` to open the model chosen in the settings.
+
+    Args:
+        settings: the loaded Settings.
+        settings_message: a problem found while loading the settings (shown as a banner).
+        history: an open History (default: the user's history database).
+    """
+
+    def __init__(self, settings: Settings, settings_message: str | None = None,
+                 history: History | None = None):
+        super().__init__()
+        self.setWindowTitle("colibri")
+        self.settings = settings
+        self.loaded: Loaded | None = None
+        self.gen: _Generation | None = None
+        self.conv_id: int | None = None
+        self._pending_system = ""
+        self._editing: int | None = None
+        self._dialogs: list = []
+        self._closing = False
+        hist_msg = None
+        if history is None:
+            history, hist_msg = History.open()
+        self.history = history
+
+        self.controller = EngineController(self)
+        w = self.controller.worker
+        q = Qt.QueuedConnection   # explicit: these slots must run on the GUI thread
+        w.progress.connect(self.on_progress, q)
+        w.loaded.connect(self.on_loaded, q)
+        w.token.connect(self.on_token, q)
+        w.metrics.connect(self.on_metrics, q)
+        w.residency.connect(self.on_residency, q)
+        w.finished.connect(self.on_finished, q)
+        w.failed.connect(self.on_failed, q)
+
+        self._build_ui()
+        self._build_menus()
+        self.flush_timer = QTimer(self)
+        self.flush_timer.setInterval(FLUSH_MS)
+        self.flush_timer.timeout.connect(self._flush_stream)
+
+        self._restore_ui_state()
+        if hist_msg:
+            self.banner.show_message("history", hist_msg)
+        if settings_message:
+            self.banner.show_message("settings", settings_message)
+
+    # --- construction -------------------------------------------------------------------------
+
+    def _build_ui(self) -> None:
+        self.sidebar = ConversationList()
+        self.sidebar.setMinimumWidth(180)
+        self.sidebar.new_requested.connect(self.new_chat)
+        self.sidebar.selected.connect(self.select_conversation)
+        self.sidebar.rename_requested.connect(lambda cid: self.rename_conversation(cid))
+        self.sidebar.delete_requested.connect(lambda cid: self.delete_conversation(cid))
+        self.sidebar.search_changed.connect(lambda _t: self._refresh_list())
+
+        right = QWidget()
+        right.setObjectName("rightColumn")
+        rl = QVBoxLayout(right)
+        rl.setContentsMargins(0, 0, 0, 0)
+        rl.setSpacing(0)
+        notices = QWidget()
+        nl = QVBoxLayout(notices)
+        nl.setContentsMargins(16, 0, 16, 0)
+        nl.setSpacing(8)
+        self.banner = Banner()
+        self.loading = LoadingPanel()
+        nl.addWidget(self.banner)
+        nl.addWidget(self.loading)
+        self.chat = ChatView()
+        self.chat.send_requested.connect(self.send)
+        self.chat.stop_requested.connect(self.stop)
+        self.chat.regenerate_requested.connect(self.regenerate)
+        self.chat.edit_requested.connect(self.edit_message)
+        self.chat.system_prompt_edited.connect(self._system_prompt_edited)
+        rl.addWidget(self.chat, 1)
+        # notices sit between the header and the transcript
+        self.chat.layout().insertWidget(1, notices)
+        self._notices = notices
+
+        self.splitter = QSplitter(Qt.Horizontal)
+        self.splitter.setObjectName("mainSplitter")
+        self.splitter.setChildrenCollapsible(False)
+        self.splitter.setHandleWidth(1)
+        self.splitter.addWidget(self.sidebar)
+        self.splitter.addWidget(right)
+        self.splitter.setStretchFactor(0, 0)
+        self.splitter.setStretchFactor(1, 1)
+        self.splitter.setSizes([240, 700])
+        self.setCentralWidget(self.splitter)
+
+        self.panels = PlotPanels()
+        self.panels.setObjectName("panelsRoot")
+        self.dock = QDockWidget("Engine", self)
+        self.dock.setObjectName("panelsDock")
+        self.dock.setAccessibleName("Engine panels dock")
+        self.dock.setFeatures(QDockWidget.DockWidgetClosable | QDockWidget.DockWidgetMovable
+                              | QDockWidget.DockWidgetFloatable)
+        self.dock.setWidget(self.panels)
+        self.dock.setMinimumWidth(360)
+        self.addDockWidget(Qt.RightDockWidgetArea, self.dock)
+
+        sb = self.statusBar()
+        self.st_model = QLabel("no model")
+        self.st_speed = QLabel("– tok/s")
+        self.st_ttft = QLabel("TTFT –")
+        self.st_cap = QLabel("cap –/layer")
+        self.st_pilot = QLabel("PILOT –")
+        for lab, name in ((self.st_speed, "Tokens per second"), (self.st_ttft, "Time to first token"),
+                          (self.st_cap, "Expert slots per layer"), (self.st_pilot, "PILOT prefetch mode"),
+                          (self.st_model, "Model")):
+            lab.setAccessibleName(name)
+            sb.addPermanentWidget(lab)
+
+        QShortcut(QKeySequence(Qt.Key_Escape), self, activated=self._escape)
+        QShortcut(QKeySequence("Ctrl+L"), self, activated=self.focus_input)
+        self.resize(1400, 900)
+
+    def _build_menus(self) -> None:
+        mb = self.menuBar()
+        file = mb.addMenu("&File")
+        self.act_new = QAction("&New chat", self, shortcut=QKeySequence.New, triggered=self.new_chat)
+        self.act_add = QAction("&Add model…", self, triggered=self.open_wizard)
+        self.act_models = QAction("&Models…", self, triggered=self.open_library)
+        self.act_quit = QAction("&Quit", self, shortcut=QKeySequence.Quit, triggered=self.close)
+        for a in (self.act_new, self.act_add, self.act_models):
+            file.addAction(a)
+        file.addSeparator()
+        file.addAction(self.act_quit)
+        settings = mb.addMenu("&Settings")
+        self.act_settings = QAction("&Settings…", self, shortcut=QKeySequence("Ctrl+,"),
+                                    triggered=self.open_settings)
+        settings.addAction(self.act_settings)
+        view = mb.addMenu("&View")
+        self.act_panels = self.dock.toggleViewAction()
+        self.act_panels.setText("Engine &panels")
+        self.act_panels.setShortcut(QKeySequence("Ctrl+Shift+P"))
+        view.addAction(self.act_panels)
+        self.act_focus = QAction("&Focus message input", self, triggered=self.focus_input)
+        self.act_focus.setShortcut(QKeySequence("Ctrl+L"))
+        view.addAction(self.act_focus)
+
+    # --- engine lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Open the current model (or the bundled default) and show the last conversation."""
+        cm = self.settings.current_model
+        if cm and Path(cm).exists():
+            self.open_model(cm)
+        else:
+            if cm:
+                self.banner.show_message("model", f"The model {cm} was not found.")
+            self.open_model(None)
+
+    def open_model(self, store: str | None) -> None:
+        """(Re)open a model on the worker thread; None = the bundled default model."""
+        self.loaded = None
+        self.chat.set_ready(False, "Loading the model…")
+        self.loading.label.setText("Loading the model…")
+        self.loading.bar.setRange(0, 0)
+        self.loading.show()
+        self.st_model.setText("loading…")
+        self.controller.open(self.settings.engine_config(store or ""))
+
+    @Slot(object)
+    def on_progress(self, ev: LoadProgress) -> None:
+        """Converting / opening progress."""
+        self.loading.show_progress(ev)
+        self.statusBar().showMessage(self.loading.label.text(), 3000)
+
+    @Slot(object)
+    def on_loaded(self, ev: Loaded) -> None:
+        """The engine is ready."""
+        self.loaded = ev
+        self.loading.hide()
+        if self.banner.kind in ("store", "budget", "config", "tokenizer", "io"):
+            self.banner.hide()
+        self.chat.model_name = ev.model_name
+        self.chat.set_ready(True)
+        self.panels.on_loaded(ev)
+        self.st_model.setText(f"{ev.model_name} ({ev.quant})")
+        self.st_cap.setText(f"cap {ev.cap_per_layer}/{ev.num_experts} per layer")
+        self.st_pilot.setText(f"PILOT {ev.pilot}")
+        self.setWindowTitle(f"colibri — {ev.model_name}")
+        self.st_model.setToolTip(f"{ev.store_path}\n{ev.message}")
+        self.statusBar().showMessage("Model ready", 4000)
+
+    @Slot(object)
+    def on_failed(self, ev: EngineFailure) -> None:
+        """Opening the model or starting a generation failed."""
+        if self.gen is not None:
+            self._end_generation_failed(ev.message, ev.kind)
+            return
+        self.loading.hide()
+        self.st_model.setText("no model")
+        self.chat.set_ready(False, "No model is open — see the message above.")
+        self.banner.show_message(ev.kind, ev.message)
+
+    # --- conversations ------------------------------------------------------------------------
+
+    def _refresh_list(self) -> None:
+        convs = self.history.conversations(self.sidebar.search.text().strip())
+        self.sidebar.set_conversations(convs, self.conv_id)
+
+    def new_chat(self) -> None:
+        """Start an empty chat (stored on its first message)."""
+        self._cancel_edit()
+        self.conv_id = None
+        self._pending_system = ""
+        self.chat.set_conversation(None, [])
+        self._refresh_list()
+        self.focus_input()
+
+    def select_conversation(self, conv_id: int) -> None:
+        """Show a stored conversation."""
+        conv = self.history.conversation(conv_id)
+        if conv is None:
+            self._refresh_list()
+            return
+        self._cancel_edit()
+        self.conv_id = conv_id
+        msgs = self.history.messages(conv_id)
+        self.chat.set_conversation(conv, msgs)
+        g = self.gen
+        if g is not None and g.conv_id == conv_id:
+            v = self.chat.view(g.asst_id)
+            if v is not None:
+                v.set_content(g.text + g.pending, STREAMING)
+                v._text = g.text + g.pending
+                g.text, g.pending = g.text + g.pending, ""
+        self._refresh_list()
+
+    def rename_conversation(self, conv_id: int, title: str | None = None) -> None:
+        """Rename (asks for the title when not given)."""
+        conv = self.history.conversation(conv_id)
+        if conv is None:
+            return
+        if title is None:
+            title, ok = QInputDialog.getText(self, "Rename chat", "Title:", text=conv.title)
+            if not ok:
+                return
+        title = title.strip() or conv.title
+        self.history.rename_conversation(conv_id, title)
+        if conv_id == self.conv_id:
+            self.chat.set_title(title)
+        self._refresh_list()
+
+    def delete_conversation(self, conv_id: int, confirm: bool = True) -> None:
+        """Delete a conversation after confirmation."""
+        conv = self.history.conversation(conv_id)
+        if conv is None:
+            return
+        if confirm:
+            r = QMessageBox.question(self, "Delete chat",
+                                     f"Delete “{conv.title}” and all its messages? This cannot be undone.",
+                                     QMessageBox.Yes | QMessageBox.Cancel, QMessageBox.Cancel)
+            if r != QMessageBox.Yes:
+                return
+        if self.gen is not None and self.gen.conv_id == conv_id:
+            self.controller.stop()
+        self.history.delete_conversation(conv_id)
+        if conv_id == self.conv_id:
+            self.new_chat()
+        else:
+            self._refresh_list()
+
+    def _system_prompt_edited(self, text: str) -> None:
+        if self._closing:
+            return
+        if self.conv_id is None:
+            self._pending_system = text
+        else:
+            self.history.set_system_prompt(self.conv_id, text)
+        self.chat.system_toggle.setText("System prompt ●" if text else "System prompt")
+
+    def _ensure_conversation(self, first_text: str) -> int:
+        if self.conv_id is None:
+            title = " ".join(first_text.split())[:48] or DEFAULT_TITLE
+            system = self.chat.system_prompt() or self._pending_system
+            conv = self.history.create_conversation(title, system)
+            self.conv_id = conv.id
+            self.chat.set_title(conv.title)
+            self._refresh_list()
+        return self.conv_id
+
+    # --- chat ---------------------------------------------------------------------------------
+
+    def send(self, text: str) -> None:
+        """Send a user message (or the edited last message) and start the answer."""
+        if self.gen is not None or self.loaded is None or not text.strip():
+            return
+        conv_id = self._ensure_conversation(text)
+        if self._editing is not None:
+            self._truncate_from(conv_id, self._editing)
+            self._cancel_edit(clear=False)
+        sp = self.chat.system_prompt()
+        conv = self.history.conversation(conv_id)
+        if conv is not None and sp != conv.system_prompt:
+            self.history.set_system_prompt(conv_id, sp)
+        user_id = self.history.add_message(conv_id, "user", text, COMPLETE)
+        self.chat.add_message(Message(user_id, conv_id, "user", text, COMPLETE))
+        self._start_generation(conv_id, user_id)
+
+    def regenerate(self, asst_id: int | None = None) -> None:
+        """Replace the last answer with a new one."""
+        if self.gen is not None or self.loaded is None or self.conv_id is None:
+            return
+        msgs = self.history.messages(self.conv_id)
+        if not msgs:
+            return
+        if asst_id is None:
+            asst_id = msgs[-1].id if msgs[-1].role == "assistant" else None
+        users = [m for m in msgs if m.role == "user" and (asst_id is None or m.id < asst_id)]
+        if not users:
+            return
+        if asst_id is not None:
+            self._truncate_from(self.conv_id, asst_id)
+        user = users[-1]
+        if user.status == ERROR:
+            self.history.update_message(user.id, status=COMPLETE)
+        self._start_generation(self.conv_id, user.id)
+
+    def edit_message(self, user_id: int) -> None:
+        """Put the last user message in the prompt box; sending replaces it and what followed."""
+        if self.gen is not None:
+            return
+        m = self.history.message(user_id)
+        if m is None:
+            return
+        self._editing = user_id
+        self.chat.set_edit_mode(m.content)
+
+    def _cancel_edit(self, clear: bool = True) -> None:
+        if self._editing is not None:
+            self._editing = None
+            self.chat.edit_hint.setVisible(False)
+            if clear:
+                self.chat.input.clear()
+
+    def _truncate_from(self, conv_id: int, msg_id: int) -> None:
+        self.history.delete_from(conv_id, msg_id)
+        for mid in [i for i in self.chat.views if i >= msg_id]:
+            self.chat.remove_message(mid)
+
+    def _context(self, conv_id: int) -> tuple[ChatMessage, ...]:
+        """The messages sent to the model: system prompt, then every turn that did not fail."""
+        conv = self.history.conversation(conv_id)
+        out = []
+        if conv is not None and conv.system_prompt:
+            out.append(ChatMessage("system", conv.system_prompt))
+        for m in self.history.messages(conv_id):
+            if m.role not in ("user", "assistant") or m.status in (ERROR, STREAMING):
+                continue
+            if m.role == "assistant" and not m.content:
+                continue
+            out.append(ChatMessage(m.role, m.content))
+        return tuple(out)
+
+    def _start_generation(self, conv_id: int, user_id: int) -> None:
+        messages = self._context(conv_id)
+        asst_id = self.history.add_message(conv_id, "assistant", "", STREAMING)
+        if conv_id == self.conv_id:
+            self.chat.add_message(Message(asst_id, conv_id, "assistant", "", STREAMING))
+            self.chat.scroll_to_bottom()
+        self.panels.new_generation()
+        if self.banner.kind in ("context", "error"):
+            self.banner.hide()
+        job = self.controller.generate(GenerateRequest(messages=messages, sampling=self.settings.sampling))
+        self.gen = _Generation(job, conv_id, user_id, asst_id, last_save=time.monotonic())
+        self.chat.set_generating(True)
+        self.flush_timer.start()
+        self._refresh_list()
+
+    def stop(self) -> None:
+        """Stop the answer being written (Esc)."""
+        if self.gen is not None:
+            self.controller.stop()
+
+    @Slot(object)
+    def on_token(self, ev: TokenEvent) -> None:
+        """Buffer streamed text (the flush timer shows it)."""
+        if self.gen is not None:
+            self.gen.pending += ev.text
+
+    def _flush_stream(self) -> None:
+        g = self.gen
+        if g is None or not g.pending:
+            return
+        piece, g.pending = g.pending, ""
+        g.text += piece
+        v = self.chat.view(g.asst_id)
+        if v is not None:
+            v.append_stream(piece)
+        now = time.monotonic()
+        if now - g.last_save >= SAVE_EVERY_S:
+            self.history.update_message(g.asst_id, content=g.text)
+            g.last_save, g.last_saved_len = now, len(g.text)
+
+    @Slot(object)
+    def on_metrics(self, m: StepMetrics) -> None:
+        """Per-token counters: panels and status bar."""
+        self.panels.on_metrics(m)
+        self.st_speed.setText(f"{m.tok_per_s:.1f} tok/s")
+        self.st_ttft.setText(f"TTFT {m.ttft_s:.2f} s")
+        self.st_cap.setText(f"cap {m.cap_per_layer}/{self.loaded.num_experts if self.loaded else '?'} per layer")
+
+    @Slot(object)
+    def on_residency(self, snap: ResidencySnapshot) -> None:
+        """Residency map update."""
+        self.panels.on_residency(snap)
+
+    @Slot(object)
+    def on_finished(self, ev: Finished) -> None:
+        """The answer ended: store it with its status and numbers."""
+        g = self.gen
+        if g is None:
+            return
+        self.flush_timer.stop()
+        if ev.finish_reason == "error":
+            self._end_generation_failed(ev.error or "The engine stopped with an error.", "error", ev)
+            return
+        status = STOPPED if ev.finish_reason == "cancelled" else COMPLETE
+        text = ev.text if ev.text or not g.text else g.text + g.pending
+        meta = {"tokens": ev.generated_tokens, "prompt_tokens": ev.prompt_tokens,
+                "tok_per_s": round(ev.decode_tok_per_s, 2), "ttft_s": round(ev.ttft_s, 3),
+                "hit_rate": round(ev.hit_rate, 4), "mb_per_token": round(ev.mb_per_token, 3),
+                "finish_reason": ev.finish_reason}
+        self.history.update_message(g.asst_id, content=text, status=status, meta=meta)
+        self.history.touch(g.conv_id)
+        v = self.chat.view(g.asst_id)
+        if v is not None:
+            v.set_content(text, status, meta)
+        if ev.decode_tok_per_s:
+            self.st_speed.setText(f"{ev.decode_tok_per_s:.1f} tok/s")
+        self.st_ttft.setText(f"TTFT {ev.ttft_s:.2f} s")
+        self._generation_done()
+
+    def _end_generation_failed(self, message: str, kind: str, ev: Finished | None = None) -> None:
+        g = self.gen
+        self.flush_timer.stop()
+        text = (ev.text if ev is not None and ev.text else g.text + g.pending)
+        if text:
+            meta = {"tokens": ev.generated_tokens, "finish_reason": "error"} if ev is not None else {}
+            self.history.update_message(g.asst_id, content=text, status=ERROR, meta=meta)
+            v = self.chat.view(g.asst_id)
+            if v is not None:
+                v.set_content(text, ERROR, meta)
+        else:
+            # nothing was answered: drop the empty answer, keep the question out of the context
+            self.history.delete_message(g.asst_id)
+            self.chat.remove_message(g.asst_id)
+            self.history.update_message(g.user_id, status=ERROR)
+            v = self.chat.view(g.user_id)
+            if v is not None:
+                v.set_content(v.content, ERROR)
+        self.banner.show_message(kind, message)
+        self._generation_done()
+
+    def _generation_done(self) -> None:
+        self.gen = None
+        self.controller.job_done()
+        self.chat.set_generating(False)
+        self._refresh_list()
+
+    def _escape(self) -> None:
+        if self.gen is not None:
+            self.stop()
+        elif self._editing is not None:
+            self._cancel_edit()
+
+    def focus_input(self) -> None:
+        """Ctrl+L: put the cursor in the prompt box."""
+        self.chat.input.setFocus()
+
+    # --- dialogs owned by other modules (lazy, optional) --------------------------------------
+
+    def _not_available(self, what: str) -> None:
+        self.banner.show_message("unavailable", f"{what} is not available in this build.", error=False)
+
+    def open_settings(self) -> None:
+        """Settings… (SettingsDialog.applied -> save, and reopen the engine when needed)."""
+        try:
+            from .settings_dialog import SettingsDialog
+        except ImportError:
+            self._not_available("Settings")
+            return
+        dlg = SettingsDialog(self.settings, self)
+        dlg.applied.connect(self.apply_settings)
+        self._show_dialog(dlg)
+
+    def open_wizard(self) -> None:
+        """Add model… (ModelWizard.model_ready -> make it current and open it)."""
+        try:
+            from .wizard import ModelWizard
+        except ImportError:
+            self._not_available("Adding a model")
+            return
+        dlg = ModelWizard(self)
+        dlg.model_ready.connect(self.use_model)
+        self._show_dialog(dlg)
+
+    def open_library(self) -> None:
+        """Models… (ModelLibraryDialog.current_changed -> open that model)."""
+        try:
+            from .library import ModelLibraryDialog
+        except ImportError:
+            self._not_available("The model library")
+            return
+        current = self.loaded.store_path if self.loaded else self.settings.current_model
+        dlg = ModelLibraryDialog(current, self)
+        dlg.current_changed.connect(self.use_model)
+        self._show_dialog(dlg)
+
+    def _show_dialog(self, dlg) -> None:
+        self._dialogs.append(dlg)
+        dlg.finished.connect(lambda *_: self._dialogs.remove(dlg) if dlg in self._dialogs else None)
+        dlg.open()
+
+    @Slot(object, bool)
+    def apply_settings(self, new: Settings, needs_reload: bool) -> None:
+        """Save the new settings; reopen the engine if they require it (else the sampling
+        settings simply apply to the next message)."""
+        try:
+            save_settings(new)
+        except OSError as e:
+            self.banner.show_message("settings", f"The settings could not be saved: {e}")
+        self.settings = new
+        if needs_reload:
+            cm = new.current_model
+            self.open_model(cm if cm and Path(cm).exists() else None)
+
+    @Slot(str)
+    def use_model(self, store: str) -> None:
+        """Make ``store`` the current model, remember it, and open it."""
+        self.settings = replace(self.settings, current_model=store)
+        try:
+            save_settings(self.settings)
+        except OSError as e:
+            self.banner.show_message("settings", f"The settings could not be saved: {e}")
+        self.open_model(store)
+
+    # --- state & shutdown ---------------------------------------------------------------------
+
+    def _restore_ui_state(self) -> None:
+        st = load_ui_state()
+        try:
+            if "geometry" in st:
+                self.restoreGeometry(QByteArray(base64.b64decode(st["geometry"])))
+            if "window_state" in st:
+                self.restoreState(QByteArray(base64.b64decode(st["window_state"])))
+            sizes = st.get("splitter")
+            if isinstance(sizes, list) and len(sizes) == 2 and all(isinstance(s, int) and s > 0 for s in sizes):
+                self.splitter.setSizes(sizes)
+            if "panels_visible" in st:
+                self.dock.setVisible(bool(st["panels_visible"]))
+        except (ValueError, TypeError) as e:
+            log.warning("ignoring the saved window state: %s", e)
+        last = st.get("last_conversation")
+        if isinstance(last, int) and self.history.conversation(last) is not None:
+            self.select_conversation(last)
+        else:
+            self.new_chat()
+
+    def ui_state(self) -> dict:
+        """The state saved to ui_state.json."""
+        return {
+            "geometry": base64.b64encode(bytes(self.saveGeometry())).decode("ascii"),
+            "window_state": base64.b64encode(bytes(self.saveState())).decode("ascii"),
+            "splitter": [int(s) for s in self.splitter.sizes()],
+            "panels_visible": not self.dock.isHidden(),
+            "last_conversation": self.conv_id,
+        }
+
+    def closeEvent(self, e) -> None:
+        """Stop the answer, let the engine finish and close, stop the thread, save state."""
+        if self._closing:
+            e.accept()
+            return
+        if self.conv_id is not None and self.chat.system_edit.isVisible():
+            self._system_prompt_edited(self.chat.system_prompt())
+        self._closing = True
+        save_ui_state(self.ui_state())
+        self.flush_timer.stop()
+        self.controller.shutdown()
+        # the worker's last events (its tokens and Finished) are queued for this thread
+        QCoreApplication.sendPostedEvents(self, QEvent.MetaCall)
+        self._flush_stream()
+        g = self.gen
+        if g is not None:
+            # no Finished arrived (the thread did not end in time): store what we have
+            self.history.update_message(g.asst_id, content=g.text + g.pending, status=STOPPED,
+                                        meta={"finish_reason": "cancelled"})
+            self.gen = None
+        self.panels.timer.stop()
+        self.history.close()
+        super().closeEvent(e)

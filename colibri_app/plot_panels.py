@@ -1,0 +1,385 @@
+"""Live engine panels (pyqtgraph): expert hit rate, SSD traffic, RAM vs budget, residency map.
+
+Every curve is created once; events only write into preallocated ring buffers, and a QTimer
+redraws (``setData``) at most every ``REDRAW_MS`` when something changed (pyqtgraph
+``scrollingPlots.py`` idiom). No redraw ever happens inside a signal handler.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pyqtgraph as pg
+from PySide6.QtCore import QRectF, QSize, Qt, QTimer
+from PySide6.QtWidgets import QFrame, QLabel, QSizePolicy, QVBoxLayout, QWidget
+
+from engine import ABSENT, LOADING, PINNED, RESIDENT, Loaded, ResidencySnapshot, StepMetrics
+
+REDRAW_MS = 100
+HISTORY = 600          # points kept per curve
+ROLLING = 12           # rolling-mean window (points)
+CELL_PX = 10           # heat-map cell size in image pixels (last row/column is the grid gap)
+
+# Palette (shared with the legends).
+C_PINNED = (232, 145, 30)
+C_LRU = (66, 133, 244)
+C_MEAN = (30, 36, 48)
+C_DEMAND = (219, 68, 85)
+C_SPEC = (155, 120, 230)
+C_RSS = (66, 133, 244)
+C_CACHE = (46, 170, 120)
+C_BUDGET = (219, 68, 85)
+STATE_RGB = {ABSENT: (118, 124, 138), RESIDENT: (66, 133, 244), PINNED: (245, 166, 35), LOADING: (52, 199, 89)}
+GAP_RGB = (24, 27, 33)
+ROUTED_RGB = (255, 255, 255)
+
+
+def _hex(c) -> str:
+    return "#%02x%02x%02x" % c
+
+
+def _swatch(c, text: str, outline: bool = False) -> str:
+    if outline:
+        box = ("<span style='color:#1a1d23;background:#1a1d23;border:1px solid white'>"
+               "&nbsp;&#9633;&nbsp;</span>")
+        return f"<span style='white-space:nowrap'>{box}&nbsp;{text}</span>"
+    return f"<span style='white-space:nowrap'><span style='color:{_hex(c)}'>&#9632;</span>&nbsp;{text}</span>"
+
+
+class Ring:
+    """Fixed-capacity ring buffer of several float series sharing one x axis.
+
+    Stored twice over (length 2 x capacity) so :meth:`view` is always one contiguous slice:
+    appends write at i and i + capacity, no copying on read.
+    """
+
+    def __init__(self, names: tuple[str, ...], capacity: int = HISTORY):
+        self.names = names
+        self.capacity = capacity
+        self.buf = np.zeros((len(names) + 1, 2 * capacity))  # row 0 = x
+        self.count = 0   # total appended
+        self.i = 0       # next write position in [0, capacity)
+
+    def append(self, x: float, *values: float) -> None:
+        """Append one point (x, then one value per series, in ``names`` order)."""
+        col = (x, *values)
+        self.buf[:, self.i] = col
+        self.buf[:, self.i + self.capacity] = col
+        self.i = (self.i + 1) % self.capacity
+        self.count += 1
+
+    def __len__(self) -> int:
+        return min(self.count, self.capacity)
+
+    def view(self) -> np.ndarray:
+        """[1 + series, n] oldest first: row 0 is x, then each series."""
+        n = len(self)
+        start = self.i + self.capacity - n
+        return self.buf[:, start:start + n]
+
+    def series(self, name: str) -> np.ndarray:
+        """One series, oldest first."""
+        return self.view()[1 + self.names.index(name)]
+
+    def x(self) -> np.ndarray:
+        """The x values, oldest first."""
+        return self.view()[0]
+
+    def clear(self) -> None:
+        """Forget every point (capacity unchanged)."""
+        self.count = self.i = 0
+
+
+def rolling_mean(y: np.ndarray, w: int) -> np.ndarray:
+    """Trailing mean over up to ``w`` points (shorter at the start)."""
+    if len(y) == 0:
+        return y
+    c = np.cumsum(np.insert(y, 0, 0.0))
+    idx = np.arange(1, len(y) + 1)
+    lo = np.maximum(idx - w, 0)
+    return (c[idx] - c[lo]) / (idx - lo)
+
+
+def residency_rgb(snap: ResidencySnapshot, cell: int = CELL_PX) -> np.ndarray:
+    """uint8 [L * cell, E * cell, 3] image: state colour per expert, brightness from the log of
+    its routing count, a dark grid gap, and a white outline on experts routed for the latest token."""
+    L, E = snap.num_layers, snap.num_experts
+    state = np.asarray(snap.state, np.int16).reshape(L, E)
+    heat = np.log1p(np.asarray(snap.heat, np.float64).reshape(L, E))
+    routed = np.asarray(snap.routed, bool).reshape(L, E)
+    top = heat.max()
+    h = heat / top if top > 0 else np.zeros_like(heat)
+    lut = np.zeros((4, 3))
+    for s, rgb in STATE_RGB.items():
+        lut[s] = rgb
+    base = lut[np.clip(state, 0, 3)]                                   # [L, E, 3]
+    colour = base * (0.35 + 0.65 * h)[..., None]
+    img = np.repeat(np.repeat(colour, cell, axis=0), cell, axis=1)     # [L*cell, E*cell, 3]
+    yy = np.arange(L * cell) % cell
+    xx = np.arange(E * cell) % cell
+    edge = cell - 2   # last pixel of the cell before the 1-px gap
+    ring = (yy[:, None] == 0) | (yy[:, None] == edge) | (xx[None, :] == 0) | (xx[None, :] == edge)
+    rmask = np.repeat(np.repeat(routed, cell, axis=0), cell, axis=1) & ring
+    img[rmask] = ROUTED_RGB
+    gap = (yy[:, None] == cell - 1) | (xx[None, :] == cell - 1)
+    img[gap] = GAP_RGB
+    return img.astype(np.uint8)
+
+
+class _Card(QFrame):
+    """A titled panel: title, legend line, then the plot."""
+
+    def __init__(self, title: str, plot: QWidget, legend: QLabel, accessible: str):
+        super().__init__()
+        self.setObjectName("panelCard")
+        self.setAccessibleName(accessible)
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(10, 8, 10, 8)
+        lay.setSpacing(2)
+        t = QLabel(title)
+        t.setObjectName("panelTitle")
+        lay.addWidget(t)
+        legend.setObjectName("panelLegend")
+        legend.setTextFormat(Qt.RichText)
+        legend.setWordWrap(True)
+        lay.addWidget(legend)
+        lay.addWidget(plot, 1)
+
+
+class _PlotWidget(pg.PlotWidget):
+    def sizeHint(self):  # pyqtgraph's default hint is large; let the dock share the height
+        return QSize(320, 150)
+
+
+def _plot(left: str, bottom: str = "token") -> pg.PlotWidget:
+    w = _PlotWidget(background="w")
+    w.setMinimumHeight(90)
+    w.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Expanding)
+    p = w.getPlotItem()
+    p.setMenuEnabled(False)
+    p.hideButtons()
+    p.showGrid(x=True, y=True, alpha=0.15)
+    for ax in ("left", "bottom"):
+        p.getAxis(ax).setPen(pg.mkPen("#9aa0a6"))
+        p.getAxis(ax).setTextPen(pg.mkPen("#5f6368"))
+    p.setLabel("left", left, color="#5f6368")
+    p.setLabel("bottom", bottom, color="#5f6368")
+    for ax in ("left", "bottom"):
+        p.getAxis(ax).enableAutoSIPrefix(False)
+    w.setMouseEnabled(x=False, y=False)
+    return w
+
+
+class PlotPanels(QWidget):
+    """The four live panels, fed by :meth:`on_loaded`, :meth:`on_metrics`, :meth:`on_residency`.
+
+    Data buffers (read by tests): ``hit_ring`` (pinned, lru, hit), ``ssd_ring`` (demand MB,
+    speculative MB), ``ram_ring`` (rss GB, cache GB), ``budget_gb``, ``heat_image`` (last RGB).
+    """
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setAccessibleName("Engine panels")
+        self.hit_ring = Ring(("pinned", "lru", "hit"))
+        self.ssd_ring = Ring(("demand", "spec"))
+        self.ram_ring = Ring(("rss", "cache"))
+        self.budget_gb = 0.0
+        self.heat_image: np.ndarray | None = None
+        self.snapshot: ResidencySnapshot | None = None
+        self.redraws = 0
+        self._x_base = 0
+        self._last_index = -1
+        self._dirty_lines = self._dirty_heat = False
+        self._heat_shape = (0, 0)
+
+        # 1. hit rate: stacked (pinned below, LRU above) + rolling mean
+        self.hit_plot = _plot("hit rate (%)")
+        hp = self.hit_plot.getPlotItem()
+        hp.setYRange(0, 100, padding=0.02)
+        self.curve_hit = hp.plot(pen=pg.mkPen(C_LRU, width=1.2), fillLevel=0,
+                                 brush=pg.mkBrush(*C_LRU, 110), name="LRU hits")
+        self.curve_pinned = hp.plot(pen=pg.mkPen(C_PINNED, width=1.2), fillLevel=0,
+                                    brush=pg.mkBrush(*C_PINNED, 170), name="pinned hits")
+        self.curve_mean = hp.plot(pen=pg.mkPen(C_MEAN, width=2), name="rolling mean")
+        self.hit_legend = QLabel()
+        self._set_hit_legend(None)
+
+        # 2. SSD MB per token: demand below, speculative stacked on top
+        self.ssd_plot = _plot("SSD read (MB / token)")
+        sp = self.ssd_plot.getPlotItem()
+        sp.enableAutoRange(y=True)
+        sp.setLimits(yMin=0)
+        self.curve_total = sp.plot(pen=pg.mkPen(C_SPEC, width=1.2), fillLevel=0, brush=pg.mkBrush(*C_SPEC, 110))
+        self.curve_demand = sp.plot(pen=pg.mkPen(C_DEMAND, width=1.2), fillLevel=0,
+                                    brush=pg.mkBrush(*C_DEMAND, 150))
+        self.ssd_legend = QLabel()
+        self._set_ssd_legend(None)
+
+        # 3. RAM: RSS and expert cache vs the budget line (GB)
+        self.ram_plot = _plot("memory (GB)")
+        rp = self.ram_plot.getPlotItem()
+        self.curve_rss = rp.plot(pen=pg.mkPen(C_RSS, width=2))
+        self.curve_cache = rp.plot(pen=pg.mkPen(C_CACHE, width=2), fillLevel=0, brush=pg.mkBrush(*C_CACHE, 60))
+        self.budget_line = pg.InfiniteLine(pos=0, angle=0, pen=pg.mkPen(C_BUDGET, width=1.5, style=Qt.DashLine))
+        rp.addItem(self.budget_line)
+        self.ram_legend = QLabel()
+        self._set_ram_legend(None)
+
+        # 4. residency heat map: layers x experts
+        self.heat_plot = _plot("layer", "expert")
+        self.heat_plot.setBackground((24, 27, 33))
+        hm = self.heat_plot.getPlotItem()
+        hm.showGrid(x=False, y=False)
+        hm.invertY(True)
+        hm.setAspectLocked(False)
+        self.heat_item = pg.ImageItem(axisOrder="row-major")
+        self.heat_item.setLevels((0, 255))
+        hm.addItem(self.heat_item)
+        self.heat_legend = QLabel()
+        self.heat_legend.setText(" &nbsp; ".join([
+            _swatch(STATE_RGB[ABSENT], "absent"), _swatch(STATE_RGB[RESIDENT], "resident"),
+            _swatch(STATE_RGB[PINNED], "pinned"), _swatch(STATE_RGB[LOADING], "loading"),
+            _swatch(None, "routed now", outline=True),
+            "<span style='color:#80868b'>brighter = routed more often (log)</span>"]))
+        self.heat_title = "Expert residency (layers × experts)"
+
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(8, 8, 8, 8)
+        lay.setSpacing(8)
+        self.cards = [
+            _Card("Expert cache hit rate", self.hit_plot, self.hit_legend, "Hit rate panel"),
+            _Card("SSD traffic", self.ssd_plot, self.ssd_legend, "SSD traffic panel"),
+            _Card("RAM vs budget", self.ram_plot, self.ram_legend, "RAM panel"),
+            _Card(self.heat_title, self.heat_plot, self.heat_legend, "Residency heat map panel"),
+        ]
+        for c in self.cards:
+            lay.addWidget(c, 1)
+
+        self.timer = QTimer(self)
+        self.timer.setInterval(REDRAW_MS)
+        self.timer.timeout.connect(self.redraw)
+        self.timer.start()
+
+    # --- inputs (cheap: buffers only) ---------------------------------------------------------
+
+    def on_loaded(self, ev: Loaded) -> None:
+        """A model was opened: reset the history, set the budget line and the map size."""
+        for r in (self.hit_ring, self.ssd_ring, self.ram_ring):
+            r.clear()
+        self._x_base, self._last_index = 0, -1
+        self.budget_gb = ev.ram_budget_bytes / 1e9
+        self.snapshot = None
+        self.heat_image = None
+        hm = self.heat_plot.getPlotItem()
+        hm.setXRange(0, ev.num_experts, padding=0)
+        hm.setYRange(0, ev.num_layers, padding=0)
+        self._set_ticks(ev.num_layers, ev.num_experts)
+        self._heat_shape = (ev.num_layers, ev.num_experts)
+        self._dirty_lines = self._dirty_heat = True
+
+    def new_generation(self) -> None:
+        """Continue the x axis after the previous answer instead of restarting at 0."""
+        if self._last_index >= 0:
+            self._x_base += self._last_index + 1
+            self._last_index = -1
+
+    def on_metrics(self, m: StepMetrics) -> None:
+        """Record one StepMetrics."""
+        x = self._x_base + m.token_index
+        self._last_index = max(self._last_index, m.token_index)
+        pinned = 100.0 * m.pinned_hit_rate
+        self.hit_ring.append(x, pinned, pinned + 100.0 * m.lru_hit_rate, 100.0 * m.hit_rate)
+        self.ssd_ring.append(x, m.demand_bytes / 1e6, m.speculative_bytes / 1e6)
+        self.ram_ring.append(x, m.rss_bytes / 1e9, m.cache_bytes / 1e9)
+        if m.budget_bytes:
+            self.budget_gb = m.budget_bytes / 1e9
+        self._dirty_lines = True
+
+    def on_residency(self, snap: ResidencySnapshot) -> None:
+        """Record the latest residency snapshot (drawn on the next tick)."""
+        self.snapshot = snap
+        self._dirty_heat = True
+
+    # --- drawing (timer) ----------------------------------------------------------------------
+
+    def redraw(self) -> None:
+        """Push the buffers to the curves (timer slot; no-op when nothing changed)."""
+        if self._dirty_lines:
+            self._dirty_lines = False
+            self._draw_lines()
+        if self._dirty_heat and self.snapshot is not None:
+            self._dirty_heat = False
+            self.heat_image = residency_rgb(self.snapshot)
+            s = self.snapshot
+            self.heat_item.setImage(self.heat_image, levels=(0, 255), autoLevels=False)
+            self.heat_item.setRect(QRectF(0, 0, s.num_experts, s.num_layers))
+            if self._heat_shape != (s.num_layers, s.num_experts):
+                self._heat_shape = (s.num_layers, s.num_experts)
+                hm = self.heat_plot.getPlotItem()
+                hm.setXRange(0, s.num_experts, padding=0)
+                hm.setYRange(0, s.num_layers, padding=0)
+                self._set_ticks(s.num_layers, s.num_experts)
+        self.redraws += 1
+
+    def _draw_lines(self) -> None:
+        h = self.hit_ring.view()
+        x = h[0]
+        if len(x):
+            self.curve_pinned.setData(x, h[1], skipFiniteCheck=True)
+            self.curve_hit.setData(x, h[2], skipFiniteCheck=True)
+            self.curve_mean.setData(x, rolling_mean(h[3], ROLLING), skipFiniteCheck=True)
+            self._set_hit_legend((h[1][-1], h[2][-1] - h[1][-1], float(rolling_mean(h[3], ROLLING)[-1])))
+        else:
+            for c in (self.curve_pinned, self.curve_hit, self.curve_mean):
+                c.setData([], [])
+            self._set_hit_legend(None)
+        s = self.ssd_ring.view()
+        if len(s[0]):
+            self.curve_demand.setData(s[0], s[1], skipFiniteCheck=True)
+            self.curve_total.setData(s[0], s[1] + s[2], skipFiniteCheck=True)
+            self._set_ssd_legend((float(s[1][-ROLLING:].mean()), float(s[2][-ROLLING:].mean())))
+        else:
+            self.curve_demand.setData([], [])
+            self.curve_total.setData([], [])
+            self._set_ssd_legend(None)
+        r = self.ram_ring.view()
+        self.budget_line.setPos(self.budget_gb)
+        top = max(self.budget_gb, float(r[1].max()) if len(r[0]) else 0.0, 0.01) * 1.08
+        self.ram_plot.getPlotItem().setYRange(0, top, padding=0)
+        if len(r[0]):
+            self.curve_rss.setData(r[0], r[1], skipFiniteCheck=True)
+            self.curve_cache.setData(r[0], r[2], skipFiniteCheck=True)
+            self._set_ram_legend((float(r[1][-1]), float(r[2][-1]), self.budget_gb))
+        else:
+            self.curve_rss.setData([], [])
+            self.curve_cache.setData([], [])
+            self._set_ram_legend((None, None, self.budget_gb) if self.budget_gb else None)
+
+    def _set_ticks(self, layers: int, experts: int) -> None:
+        hm = self.heat_plot.getPlotItem()
+        step_e = max(1, int(math.ceil(experts / 8)))
+        step_l = max(1, int(math.ceil(layers / 8)))
+        hm.getAxis("bottom").setTicks([[(e + 0.5, str(e)) for e in range(0, experts, step_e)]])
+        hm.getAxis("left").setTicks([[(l + 0.5, str(l)) for l in range(0, layers, step_l)]])
+
+    # --- legends ------------------------------------------------------------------------------
+
+    def _set_hit_legend(self, v) -> None:
+        pin, lru, mean = ("–", "–", "–") if v is None else (f"{v[0]:.0f}%", f"{v[1]:.0f}%", f"{v[2]:.0f}%")
+        self.hit_legend.setText(" &nbsp; ".join([
+            _swatch(C_PINNED, f"pinned {pin}"), _swatch(C_LRU, f"LRU {lru}"),
+            _swatch(C_MEAN, f"rolling mean {mean}")]))
+
+    def _set_ssd_legend(self, v) -> None:
+        d, s = ("–", "–") if v is None else (f"{v[0]:.2f}", f"{v[1]:.2f}")
+        self.ssd_legend.setText(" &nbsp; ".join([
+            _swatch(C_DEMAND, f"demand {d} MB"), _swatch(C_SPEC, f"speculative {s} MB"),
+            "<span style='color:#80868b'>(stacked, per token)</span>"]))
+
+    def _set_ram_legend(self, v) -> None:
+        fmt = lambda x: "–" if x is None else f"{x:.2f} GB"  # noqa: E731
+        rss, cache, budget = (None, None, None) if v is None else v
+        self.ram_legend.setText(" &nbsp; ".join([
+            _swatch(C_RSS, f"RSS {fmt(rss)}"), _swatch(C_CACHE, f"expert cache {fmt(cache)}"),
+            _swatch(C_BUDGET, f"budget {fmt(budget)}")]))

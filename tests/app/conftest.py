@@ -1,0 +1,57 @@
+"""Fixtures for the GUI tests: a tiny real model, private data/config dirs, a main window."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+
+@pytest.fixture(scope="session")
+def app_store(tmp_path_factory):
+    """A converted int8 store of a tiny random OLMoE (2 layers, 8 experts, top-2)."""
+    from engine import convert_checkpoint
+    from engine import synthetic
+    root = tmp_path_factory.mktemp("tiny-model")
+    ck = synthetic.write_checkpoint(root / "ck", synthetic.olmoe_config(), seed=0)
+    return str(convert_checkpoint(ck, root / "store", quant="int8"))
+
+
+@pytest.fixture
+def app_dirs(tmp_path, monkeypatch):
+    """Private user data / config directories (engine.paths honours these variables)."""
+    data, cfg = tmp_path / "data", tmp_path / "config"
+    monkeypatch.setenv("COLIBRI_DATA_DIR", str(data))
+    monkeypatch.setenv("COLIBRI_CONFIG_DIR", str(cfg))
+    return data, cfg
+
+
+@pytest.fixture
+def make_window(qtbot, app_dirs, app_store):
+    """Factory: a MainWindow on the tiny model (loaded), closed at teardown."""
+    from dataclasses import replace
+
+    from engine import EngineConfig, SamplingParams
+    from colibri_app.main_window import MainWindow
+    from colibri_app.settings_store import Settings
+
+    windows = []
+
+    def make(max_new_tokens=12, engine=None, store=None, wait_loaded=True, **kw):
+        settings = Settings(engine=engine or EngineConfig(cap=4, pinning=True),
+                            sampling=SamplingParams(max_new_tokens=max_new_tokens), current_model=store or app_store)
+        settings = replace(settings, **kw)
+        win = MainWindow(settings)
+        qtbot.addWidget(win)
+        windows.append(win)
+        win.show()
+        if wait_loaded:
+            win.start()
+            qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=30000)
+        return win
+
+    yield make
+    for w in windows:
+        w.close()

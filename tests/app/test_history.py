@@ -1,0 +1,90 @@
+"""History: SQLite storage, crash recovery, corrupt files, defensive reads."""
+
+from __future__ import annotations
+
+import sqlite3
+
+from colibri_app.history import COMPLETE, INTERRUPTED, STREAMING, History
+
+
+def test_roundtrip_and_search(tmp_path):
+    h, msg = History.open(tmp_path / "h.sqlite3")
+    assert msg is None
+    a = h.create_conversation("Python json question", "be brief")
+    b = h.create_conversation("100% off_topic")
+    m1 = h.add_message(a.id, "user", "hi")
+    m2 = h.add_message(a.id, "assistant", "hello", COMPLETE, {"tokens": 3})
+    assert [(m.role, m.content, m.meta) for m in h.messages(a.id)] == [("user", "hi", {}), ("assistant", "hello", {"tokens": 3})]
+    assert [c.id for c in h.conversations("JSON")] == [a.id]
+    assert [c.id for c in h.conversations("100%")] == [b.id]        # LIKE wildcards are escaped
+    assert [c.id for c in h.conversations("f_t")] == [b.id]
+    assert h.conversations("x%y") == []
+    h.rename_conversation(a.id, "renamed")
+    h.set_system_prompt(a.id, "sys")
+    c = h.conversation(a.id)
+    assert (c.title, c.system_prompt) == ("renamed", "sys")
+    h.delete_from(a.id, m2)
+    assert [m.id for m in h.messages(a.id)] == [m1]
+    h.delete_conversation(a.id)
+    assert h.conversation(a.id) is None and h.messages(a.id) == []
+    assert h.conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    h.close()
+
+
+def test_streaming_rows_become_interrupted_on_open(tmp_path):
+    p = tmp_path / "h.sqlite3"
+    h, _ = History.open(p)
+    c = h.create_conversation("t")
+    h.add_message(c.id, "user", "q")
+    mid = h.add_message(c.id, "assistant", "partial ans", STREAMING)
+    h.close()  # the app "crashed" here
+    h2, _ = History.open(p)
+    m = h2.message(mid)
+    assert m.status == INTERRUPTED and m.content == "partial ans"
+    h2.close()
+
+
+def test_corrupt_file_is_moved_aside(tmp_path):
+    p = tmp_path / "h.sqlite3"
+    p.write_bytes(b"this is not a database" * 200)
+    h, msg = History.open(p)
+    aside = list(tmp_path.glob("h.sqlite3.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_bytes().startswith(b"this is not")
+    assert msg and str(aside[0]) in msg
+    assert h.conversations() == []
+    h.create_conversation("fresh")
+    h.close()
+
+
+def test_one_bad_row_does_not_hide_the_others(tmp_path):
+    p = tmp_path / "h.sqlite3"
+    h, _ = History.open(p)
+    c = h.create_conversation("t")
+    h.add_message(c.id, "user", "good 1")
+    h.add_message(c.id, "assistant", "good 2")
+    with h.conn:
+        h.conn.execute("INSERT INTO messages(conversation_id, role, content, status, meta_json, created) "
+                       "VALUES (?, 'robot', 'bad role', 'complete', '{}', 0)", (c.id,))
+        h.conn.execute("INSERT INTO messages(conversation_id, role, content, status, meta_json, created) "
+                       "VALUES (?, 'user', CAST(X'fffe41' AS TEXT), 'weird', 'not json', 'yesterday')", (c.id,))
+        h.conn.execute("INSERT INTO messages(conversation_id, role, content, status, meta_json, created) "
+                       "VALUES (?, 'assistant', 'good 3', 'complete', '[1]', 0)", (c.id,))
+        h.conn.execute("INSERT INTO conversations(title, system_prompt, created, updated) VALUES (X'fffe', '', 'x', 0)")
+    msgs = h.messages(c.id)
+    assert [m.content for m in msgs][:2] == ["good 1", "good 2"]
+    assert msgs[-1].content == "good 3" and msgs[-1].meta == {}
+    odd = msgs[2]   # undecodable bytes and unknown status read as best we can
+    assert odd.role == "user" and odd.status == INTERRUPTED and odd.meta == {} and "A" in odd.content
+    assert len(h.conversations()) == 2
+    h.close()
+
+
+def test_readonly_sqlite_error_is_not_swallowed(tmp_path):
+    # a healthy database opened twice (WAL) works from both connections
+    p = tmp_path / "h.sqlite3"
+    h, _ = History.open(p)
+    h.create_conversation("a")
+    other = sqlite3.connect(str(p))
+    assert other.execute("SELECT COUNT(*) FROM conversations").fetchone()[0] == 1
+    other.close()
+    h.close()

@@ -1,0 +1,327 @@
+"""MainWindow end to end on a tiny real model (offscreen)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+from PySide6.QtCore import Qt
+from PySide6.QtWidgets import QAbstractButton, QLineEdit, QListWidget, QMessageBox, QPlainTextEdit
+
+from engine import EngineConfig, LoadProgress, SamplingParams
+from colibri_app.history import COMPLETE, ERROR, INTERRUPTED, STOPPED, STREAMING, History, history_path
+from colibri_app.main_window import MainWindow, ui_state_path
+from colibri_app.settings_store import Settings
+
+
+def _engine_threads():
+    return [t.name for t in threading.enumerate() if t.name.startswith(("colibri-io", "colibri-pilot"))]
+
+
+def _wait_finished(qtbot, win, action, timeout=60000):
+    """Run ``action`` and wait until the window has handled the answer's end; returns Finished.
+
+    (Events are collected with a plain callable: pytest-qt's waitSignal on a signal emitted
+    from another thread would stop its timer from that thread.)"""
+    got = []
+    win.controller.worker.finished.connect(got.append, Qt.DirectConnection)
+    try:
+        action()
+        assert win.gen is not None
+        qtbot.waitUntil(lambda: bool(got and win.gen is None), timeout=timeout)
+    finally:
+        win.controller.worker.finished.disconnect(got.append)
+    return got[-1]
+
+
+def _send(qtbot, win, text, timeout=60000):
+    """Send and wait for the answer to end; returns the Finished event."""
+    return _wait_finished(qtbot, win, lambda: win.send(text), timeout)
+
+
+def test_prompt_streams_tokens_and_is_stored(qtbot, make_window):
+    win = make_window(max_new_tokens=12)
+    tokens = []
+    win.controller.worker.token.connect(tokens.append, Qt.DirectConnection)
+    fin = _send(qtbot, win, "What does json.dumps do?")
+    assert fin.finish_reason in ("length", "stop") and fin.generated_tokens >= 1
+    qtbot.waitUntil(lambda: bool(len(tokens) == fin.generated_tokens), timeout=5000)
+    msgs = win.history.messages(win.conv_id)
+    assert [(m.role, m.status) for m in msgs] == [("user", COMPLETE), ("assistant", COMPLETE)]
+    assert msgs[1].content == fin.text and msgs[1].meta["tokens"] == fin.generated_tokens
+    view = win.chat.view(msgs[1].id)
+    assert "tok/s" in view.meta_label.text() and "TTFT" in view.meta_label.text()
+    assert "hit rate" in view.meta_label.text() and "MB/token" in view.meta_label.text()
+    assert win.history.conversation(win.conv_id).title == "What does json.dumps do?"
+    # the streamed text reached the widget before the Markdown re-render
+    assert view.content == fin.text
+    assert "tok/s" in win.st_speed.text() and "PILOT" in win.st_pilot.text()
+
+
+def test_stop_ends_within_one_token_and_stores_stopped(qtbot, make_window):
+    win = make_window(max_new_tokens=400)
+    after_stop = []
+    # counted on the worker thread when emitted, so GUI lag does not matter
+    win.controller.worker.token.connect(
+        lambda ev: after_stop.append(ev) if win.controller._job and win.controller._job.cancel.is_set() else None,
+        Qt.DirectConnection)
+    seen = []
+    win.controller.worker.token.connect(seen.append, Qt.DirectConnection)
+    win.send("Tell me a long story")
+    qtbot.waitUntil(lambda: bool(len(seen) >= 3), timeout=60000)
+    got = []
+    win.controller.worker.finished.connect(got.append, Qt.DirectConnection)
+    qtbot.keyClick(win, Qt.Key_Escape)   # Esc = Stop
+    qtbot.waitUntil(lambda: bool(got and win.gen is None), timeout=10000)
+    fin = got[0]
+    assert fin.finish_reason == "cancelled" and fin.generated_tokens < 400
+    assert len(after_stop) <= 1
+    ans = win.history.messages(win.conv_id)[-1]
+    assert ans.role == "assistant" and ans.status == STOPPED and ans.content == fin.text
+    assert win.chat.send_btn.text() == "Send"
+
+
+def test_metrics_and_residency_reach_every_panel(qtbot, make_window):
+    win = make_window(max_new_tokens=40)
+    _send(qtbot, win, "hello there")
+    p = win.panels
+    qtbot.waitUntil(lambda: bool(p.curve_hit.yData is not None and len(p.curve_hit.yData) > 0), timeout=3000)
+    assert len(p.hit_ring) > 0 and len(p.ssd_ring) > 0 and len(p.ram_ring) > 0
+    assert p.ram_ring.series("rss").max() > 0 and p.budget_gb > 0
+    assert len(p.curve_demand.yData) > 0 and len(p.curve_rss.yData) > 0 and len(p.curve_mean.yData) > 0
+    qtbot.waitUntil(lambda: bool(p.heat_image is not None), timeout=3000)
+    assert p.heat_image.shape[:2] == (2 * 10, 8 * 10)
+    assert p.snapshot.num_layers == 2 and p.snapshot.num_experts == 8
+    assert any(s != 0 for s in p.snapshot.state)   # some experts are resident
+
+
+def test_missing_store_shows_banner_then_a_good_model_answers(qtbot, make_window, tmp_path, app_store):
+    win = make_window(store=str(tmp_path / "no-such-store"), wait_loaded=False)
+    win.open_model(str(tmp_path / "no-such-store"))
+    qtbot.waitUntil(lambda: bool(win.banner.isVisible()), timeout=30000)
+    assert win.banner.isVisible() and win.banner.kind == "store"
+    assert "no-such-store" in win.banner.text.text() and win.banner.hint.text()
+    assert not win.chat.send_btn.isEnabled()
+    win.open_model(app_store)
+    qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=30000)
+    assert not win.banner.isVisible()
+    fin = _send(qtbot, win, "hi")
+    assert fin.finish_reason in ("length", "stop")
+
+
+def test_context_overflow_shows_banner_and_next_prompt_works(qtbot, make_window):
+    win = make_window(max_new_tokens=4, engine=EngineConfig(context_length=48))
+    failed = []
+    win.controller.worker.failed.connect(failed.append, Qt.DirectConnection)
+    win.send("word " * 200)
+    qtbot.waitUntil(lambda: bool(win.gen is None), timeout=30000)
+    assert failed and failed[0].kind == "context"
+    assert win.banner.isVisible() and win.banner.kind == "context"
+    msgs = win.history.messages(win.conv_id)
+    assert [(m.role, m.status) for m in msgs] == [("user", ERROR)]   # never assistant text
+    assert win.chat.send_btn.isEnabled()
+    fin = _send(qtbot, win, "hi")
+    assert fin.finish_reason in ("length", "stop")
+    assert [(m.role, m.status) for m in win.history.messages(win.conv_id)][-2:] == [("user", COMPLETE), ("assistant", COMPLETE)]
+    assert not win.banner.isVisible()
+
+
+def test_history_and_ui_state_survive_reopen(qtbot, make_window):
+    win = make_window(max_new_tokens=6)
+    _send(qtbot, win, "first question")
+    conv = win.conv_id
+    win.dock.hide()
+    win.close()
+    assert win.controller.thread.isFinished()
+    state = json.loads(ui_state_path().read_text())
+    assert state["last_conversation"] == conv and state["panels_visible"] is False
+    win2 = make_window(max_new_tokens=6)
+    assert win2.conv_id == conv and win2.dock.isHidden()
+    roles = [v.role for v in win2.chat.views.values()]
+    assert roles == ["user", "assistant"]
+    assert win2.sidebar.list.count() == 1 and win2.sidebar.current_id() == conv
+
+
+def test_crash_mid_answer_shows_interrupted(qtbot, app_dirs, make_window):
+    h, _ = History.open()
+    c = h.create_conversation("crashed")
+    h.add_message(c.id, "user", "q")
+    mid = h.add_message(c.id, "assistant", "half an ans", STREAMING)
+    h.close()
+    win = make_window()
+    win.select_conversation(c.id)
+    m = win.history.message(mid)
+    assert m.status == INTERRUPTED and m.content == "half an ans"
+    v = win.chat.view(mid)
+    assert v.status == INTERRUPTED and "interrupted" in v.note.text() and v.content == "half an ans"
+
+
+def test_corrupt_history_is_moved_aside(qtbot, app_dirs, make_window):
+    p = history_path()
+    p.write_bytes(b"garbage" * 1000)
+    win = make_window()
+    assert list(p.parent.glob(p.name + ".corrupt-*"))
+    assert win.banner.isVisible() and win.banner.kind == "history"
+    _send(qtbot, win, "still works")
+    assert len(win.history.messages(win.conv_id)) == 2
+
+
+def test_close_while_generating_stops_everything(qtbot, make_window):
+    win = make_window(max_new_tokens=2000)
+    seen = []
+    win.controller.worker.token.connect(seen.append, Qt.DirectConnection)
+    win.send("go on and on")
+    qtbot.waitUntil(lambda: bool(len(seen) >= 2), timeout=60000)
+    assert _engine_threads()                # the engine's I/O pool is running
+    win.close()
+    assert win.controller.thread.isFinished()
+    assert _engine_threads() == []
+    h, _ = History.open()
+    ans = [m for m in h.messages(win.conv_id) if m.role == "assistant"][-1]
+    assert ans.status == STOPPED and ans.content
+    h.close()
+
+
+def test_regenerate_and_edit_resend(qtbot, make_window):
+    win = make_window(max_new_tokens=5)
+    _send(qtbot, win, "one")
+    first = win.history.messages(win.conv_id)
+    _wait_finished(qtbot, win, win.regenerate)
+    again = win.history.messages(win.conv_id)
+    assert len(again) == 2 and again[0].id == first[0].id and again[1].id != first[1].id
+    assert win.chat.view(again[1].id).regen_btn.isVisibleTo(win)
+    assert win.chat.view(again[0].id).edit_btn.isVisibleTo(win)
+    win.edit_message(again[0].id)
+    assert win.chat.input.toPlainText() == "one" and win.chat.edit_hint.isVisibleTo(win)
+    win.chat.input.setPlainText("one, edited")
+    _wait_finished(qtbot, win, lambda: qtbot.keyClick(win.chat.input, Qt.Key_Return))
+    final = win.history.messages(win.conv_id)
+    assert [m.content for m in final][0] == "one, edited" and len(final) == 2
+
+
+def test_keyboard_and_accessible_names(qtbot, make_window):
+    win = make_window(max_new_tokens=3)
+    win.focus_input()
+    qtbot.keyClicks(win.chat.input, "line one")
+    qtbot.keyClick(win.chat.input, Qt.Key_Return, Qt.ShiftModifier)   # newline, no send
+    qtbot.keyClicks(win.chat.input, "line two")
+    assert win.gen is None and win.chat.input.toPlainText() == "line one\nline two"
+    _wait_finished(qtbot, win, lambda: qtbot.keyClick(win.chat.input, Qt.Key_Return))
+    assert win.history.messages(win.conv_id)[0].content == "line one\nline two"
+    old = win.conv_id
+    win.act_new.trigger()                     # Ctrl+N
+    assert win.conv_id is None and not win.chat.views
+    assert win.act_new.shortcut().toString() == "Ctrl+N"
+    assert win.act_focus.shortcut().toString() == "Ctrl+L"
+    win.select_conversation(old)
+    unnamed = [w for cls in (QAbstractButton, QLineEdit, QPlainTextEdit, QListWidget)
+               for w in win.findChildren(cls) if not w.accessibleName()
+               and w.objectName() not in ("qt_scrollarea_hcontainer", "qt_scrollarea_vcontainer")
+               and w.parent() is not None and w.parent().objectName() != "qt_toolbar_ext_button"]
+    # Qt's own internal buttons (dock title bar float/close) are named by Qt's accessibility layer
+    unnamed = [w for w in unnamed if not w.objectName().startswith("qt_")]
+    assert unnamed == [], [(type(w).__name__, w.objectName(), type(w.parent()).__name__, w.parent().objectName()) for w in unnamed]
+
+
+def test_conversations_rename_delete_search(qtbot, make_window, monkeypatch):
+    win = make_window(max_new_tokens=2)
+    _send(qtbot, win, "alpha topic")
+    a = win.conv_id
+    win.new_chat()
+    _send(qtbot, win, "beta topic")
+    b = win.conv_id
+    assert win.sidebar.list.count() == 2
+    win.rename_conversation(a, "Renamed alpha")
+    assert win.history.conversation(a).title == "Renamed alpha"
+    win.sidebar.search.setText("renamed")
+    assert win.sidebar.list.count() == 1 and win.sidebar.list.item(0).text() == "Renamed alpha"
+    win.sidebar.search.clear()
+    monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.Cancel)
+    win.delete_conversation(b)
+    assert win.history.conversation(b) is not None          # cancelled: kept
+    monkeypatch.setattr(QMessageBox, "question", lambda *a, **k: QMessageBox.Yes)
+    win.delete_conversation(b)
+    assert win.history.conversation(b) is None and win.conv_id is None
+    assert win.sidebar.list.count() == 1
+
+
+def test_system_prompt_is_sent_first(qtbot, make_window):
+    win = make_window(max_new_tokens=2)
+    sent = []
+    win.controller.generate_requested.connect(lambda job: sent.append(job.request))
+    win.chat.system_toggle.setChecked(True)
+    win.chat.system_edit.setPlainText("You are terse.")
+    _send(qtbot, win, "hi")
+    assert win.history.conversation(win.conv_id).system_prompt == "You are terse."
+    msgs = sent[0].messages
+    assert (msgs[0].role, msgs[0].content) == ("system", "You are terse.") and msgs[-1].content == "hi"
+    assert sent[0].sampling == win.settings.sampling
+
+
+def test_settings_applied_reload_and_sampling(qtbot, make_window, app_store):
+    win = make_window(max_new_tokens=2)
+    new = replace(win.settings, sampling=SamplingParams(max_new_tokens=3))
+    win.apply_settings(new, False)                              # no reload: next message uses it
+    fin = _send(qtbot, win, "x")
+    assert fin.generated_tokens <= 3
+    assert json.loads((app_settings := __import__("colibri_app.settings_store", fromlist=["x"]).settings_path()).read_text())["sampling"]["max_new_tokens"] == 3
+    del app_settings
+    new2 = replace(new, engine=replace(new.engine, cap=2))
+    win.apply_settings(new2, True)
+    assert win.loaded is None
+    qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=30000)
+    assert win.loaded.cap_per_layer == 2
+
+
+def test_missing_dialog_modules_show_not_available(qtbot, make_window, monkeypatch):
+    win = make_window()
+    for mod in ("colibri_app.settings_dialog", "colibri_app.wizard", "colibri_app.library"):
+        monkeypatch.setitem(sys.modules, mod, None)    # import raises ImportError
+    for act in (win.act_settings, win.act_add, win.act_models):
+        win.banner.hide()
+        act.trigger()
+        assert win.banner.isVisible() and "not available" in win.banner.text.text()
+
+
+def test_main_converts_default_model_with_progress(qtbot, app_dirs, app_store, monkeypatch):
+    """main(): no current model -> the bundled default is 'converted' on the worker with progress."""
+    import colibri_app.engine_bridge as bridge
+    from PySide6.QtCore import QTimer
+    from PySide6.QtWidgets import QApplication
+    from colibri_app.__main__ import main
+
+    calls = []
+
+    def fake_default_store(progress=None, cancel=None):
+        calls.append(threading.current_thread() is threading.main_thread())
+        for done in (0, 40, 100):
+            progress(LoadProgress("convert", done, 100, "B", "tensor"))
+            time.sleep(0.4)   # long enough for the window to show each step
+        return app_store
+
+    monkeypatch.setattr(bridge, "default_store", fake_default_store)
+    seen = {}
+
+    def check():
+        wins = [w for w in QApplication.topLevelWidgets() if isinstance(w, MainWindow)]
+        if not wins:
+            return
+        w = wins[0]
+        seen.setdefault("labels", set()).add(w.loading.label.text())
+        if w.loaded is not None:
+            seen["loaded"] = w.loaded
+            w.close()
+        else:
+            QTimer.singleShot(20, check)
+
+    QTimer.singleShot(0, check)
+    QTimer.singleShot(30000, QApplication.quit)   # safety net
+    assert main([]) == 0
+    assert calls == [False]                      # converted on the worker thread
+    assert "loaded" in seen and seen["loaded"].store_path == app_store
+    assert "Converting the default model… 40%" in seen["labels"]
+    assert _engine_threads() == []

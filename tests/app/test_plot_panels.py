@@ -1,0 +1,74 @@
+"""Ring buffers, the residency image, and the panels' timer-driven redraw."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine import ABSENT, LOADING, PINNED, RESIDENT, Loaded, ResidencySnapshot, StepMetrics
+from colibri_app.plot_panels import CELL_PX, GAP_RGB, ROUTED_RGB, STATE_RGB, PlotPanels, Ring, residency_rgb, rolling_mean
+
+
+def test_ring_keeps_the_latest_in_order():
+    r = Ring(("a", "b"), capacity=4)
+    for i in range(7):
+        r.append(i, 10 * i, -i)
+    assert len(r) == 4
+    assert r.x().tolist() == [3, 4, 5, 6]
+    assert r.series("a").tolist() == [30, 40, 50, 60]
+    assert r.series("b").tolist() == [-3, -4, -5, -6]
+    r.clear()
+    assert len(r) == 0 and r.view().shape == (3, 0)
+
+
+def test_rolling_mean():
+    assert rolling_mean(np.array([2.0, 4.0, 6.0, 8.0]), 2).tolist() == [2.0, 3.0, 5.0, 7.0]
+
+
+def test_residency_image_states_and_routed_outline():
+    L, E = 2, 4
+    state = (ABSENT, RESIDENT, PINNED, LOADING, RESIDENT, ABSENT, ABSENT, ABSENT)
+    heat = (0, 10, 10, 0, 1000, 0, 0, 0)
+    routed = (0, 1, 0, 0, 0, 0, 0, 0)
+    img = residency_rgb(ResidencySnapshot(L, E, state, heat, routed, 5))
+    assert img.shape == (L * CELL_PX, E * CELL_PX, 3) and img.dtype == np.uint8
+    centre = lambda l, e: img[l * CELL_PX + CELL_PX // 2, e * CELL_PX + CELL_PX // 2].astype(int)  # noqa: E731
+    # hue per state: the dominant channel matches the state colour's
+    for (l, e), s in (((0, 1), RESIDENT), ((0, 2), PINNED), ((0, 3), LOADING), ((1, 0), RESIDENT)):
+        assert np.argmax(centre(l, e)) == np.argmax(STATE_RGB[s])
+    # brightness follows heat: the hottest resident expert is brighter than a cooler one
+    assert centre(1, 0).sum() > centre(0, 1).sum()
+    # routed expert (0, 1) has a white outline; (0, 2) does not
+    assert tuple(img[0, 1 * CELL_PX + 3]) == ROUTED_RGB
+    assert tuple(img[0, 2 * CELL_PX + 3]) != ROUTED_RGB
+    assert tuple(img[CELL_PX - 1, 5]) == GAP_RGB
+
+
+def _metrics(i):
+    return StepMetrics(token_index=i, hits=3, misses=1, pinned_hits=1, hit_rate=0.75, pinned_hit_rate=0.25,
+                       lru_hit_rate=0.5, loads=1, demand_bytes=2_000_000, speculative_bytes=500_000,
+                       mb_per_token=2.5, felt_wait_s=0.0, read_service_s=0.0, rss_bytes=3_000_000_000,
+                       budget_bytes=8_000_000_000, cache_bytes=1_000_000_000, cap_per_layer=4, tok_per_s=10.0,
+                       ttft_s=0.2)
+
+
+def test_panels_buffer_then_redraw_on_timer(qtbot):
+    p = PlotPanels()
+    qtbot.addWidget(p)
+    p.timer.stop()   # drive the redraw by hand
+    p.on_loaded(Loaded("m", "/s", "int8", 2, 4, 2, 512, 4, 8_000_000_000, 1, 1, 1))
+    for i in range(5):
+        p.on_metrics(_metrics(i))
+    p.on_residency(ResidencySnapshot(2, 4, (1,) * 8, (1,) * 8, (0,) * 8, 4))
+    assert len(p.curve_hit.xData if p.curve_hit.xData is not None else []) == 0   # nothing drawn yet
+    p.redraw()
+    assert p.curve_hit.yData.tolist() == [75.0] * 5          # pinned + LRU, stacked
+    assert p.curve_pinned.yData.tolist() == [25.0] * 5
+    assert p.curve_total.yData.tolist() == [2.5] * 5          # demand + speculative MB
+    assert p.curve_demand.yData.tolist() == [2.0] * 5
+    assert p.curve_rss.yData.tolist() == [3.0] * 5 and p.budget_line.value() == 8.0
+    assert p.heat_image is not None and p.heat_image.shape == (2 * CELL_PX, 4 * CELL_PX, 3)
+    # a second answer continues the x axis
+    p.new_generation()
+    p.on_metrics(_metrics(0))
+    p.redraw()
+    assert p.hit_ring.x().tolist()[-2:] == [4.0, 5.0]
