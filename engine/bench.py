@@ -468,6 +468,19 @@ def cmd_decode(a) -> int:
     return 0
 
 
+def cmd_replay(a) -> int:
+    """Replay a trace (``colibri run --trace``) through LRU, LFRU, our policy and Belady."""
+    from .trace import load_trace, replay_all
+    head, _ = load_trace(a.trace)
+    caps = a.caps or list(range(1, head["num_experts"] + 1))
+    rows = replay_all(a.trace, caps)
+    table = md_table(rows, [("cap", "cap", "d"), ("LRU", "lru", ".1%"), ("LFRU", "lfru", ".1%"),
+                            ("ours (LRU + pinning)", "ours", ".1%"), ("Belady", "belady", ".1%")])
+    write_results(a.name, {"trace": str(a.trace), "rows": rows, "num_experts": head["num_experts"],
+                           "top_k": head["top_k"]}, table)
+    return 0
+
+
 def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown in bench/results/)")
     bs = b.add_subparsers(dest="bench_cmd", required=True)
@@ -519,6 +532,12 @@ def add_bench_parser(sub) -> None:
     k.add_argument("--store", default="bench/work/1b-int8")
     k.add_argument("--qd", type=int, default=4)
     k.set_defaults(fn=cmd_disk)
+
+    q = bs.add_parser("replay", help="replay a routing trace: LRU, LFRU, ours, Belady per cap")
+    q.add_argument("trace")
+    q.add_argument("--cap", dest="caps", type=int, nargs="*", default=None, help="caps (default 1..num_experts)")
+    q.add_argument("--name", default="replay")
+    q.set_defaults(fn=cmd_replay)
 
     r = bs.add_parser("arm", help=argparse.SUPPRESS)
     r.add_argument("--store", required=True)

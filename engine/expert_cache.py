@@ -105,6 +105,7 @@ class ExpertCache:
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.stats = CacheStats()
+        self._counted_hit: set = set()
         self.routed_now = np.zeros((num_layers, num_experts), bool)
         self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="colibri-io")
         self._closed = False
@@ -261,10 +262,12 @@ class ExpertCache:
                     self.stats.demand_bytes += n
                 self.slot_state[layer, slot] = _RESIDENT
                 self._views[(layer, expert)] = self.store.views(buf)
-                if not self.pinned[layer, expert]:
+                # A demand load becomes evictable at its first acquire (touch), not at
+                # completion: completion order varies with I/O timing, acquire order does not,
+                # so victim choice is a pure function of the routing (replayable exactly).
+                if speculative and not self.pinned[layer, expert]:
                     self._track(layer, slot)
-                    if speculative:
-                        self.layers[layer].staged[slot] = None
+                    self.layers[layer].staged[slot] = None
             self.cond.notify_all()
 
     def prepare(self, layer: int, experts) -> None:
@@ -273,7 +276,8 @@ class ExpertCache:
         jobs = []
         with self.lock:
             self.routed_now[layer, :] = False
-            for e in experts:
+            missing = []
+            for e in experts:  # hits first, made most recent, so this call's misses evict others
                 e = int(e)
                 self.routed_now[layer, e] = True
                 s = self.where[layer, e]
@@ -281,10 +285,13 @@ class ExpertCache:
                     self.stats.hits += 1
                     if self.pinned[layer, e]:
                         self.stats.pinned_hits += 1
-                    continue
-                self.stats.misses += 1
-                if s >= 0:
-                    continue  # loading (speculation in flight): acquire waits for it
+                    self.touch(layer, s)
+                    self._counted_hit.add((layer, e))
+                else:
+                    self.stats.misses += 1
+                    if s < 0:  # else loading (a speculation in flight): acquire waits for it
+                        missing.append(e)
+            for e in missing:
                 slot = self._reserve(layer, e)
                 if slot >= 0:
                     jobs.append((e, slot))
@@ -311,6 +318,11 @@ class ExpertCache:
                 if s < 0:
                     slot = self._reserve(layer, expert)
                     if slot >= 0:
+                        if (layer, expert) in self._counted_hit:
+                            # counted as a hit, then evicted by a later miss of the same call
+                            # (cap smaller than the call's distinct experts): it is a miss
+                            self.stats.hits -= 1
+                            self.stats.misses += 1
                         self.lock.release()
                         try:
                             self._load(layer, expert, slot, False)
@@ -320,6 +332,7 @@ class ExpertCache:
                 self.cond.wait(0.05)
             if t0 is not None:
                 self.stats.felt_wait_s += time.perf_counter() - t0
+            self._counted_hit.discard((layer, expert))
             self.slot_busy[layer, s] += 1
             self.clock += 1
             self.last_use[layer, expert] = self.clock

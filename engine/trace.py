@@ -1,0 +1,172 @@
+"""Routing traces (``colibri run --trace FILE``) and offline replay against Belady's bound.
+
+Trace: JSON lines. The first line is a header {"format": "colibri-route-trace", "version": 1,
+num_layers, num_experts, top_k, cap, policy, pins (initial pinned ids per layer),
+heat (initial routing counts [L][E])}. Then one record per MoE call:
+{"f": forward, "l": layer, "idx": [[K ids] per row], "pred": [ids predicted by PILOT]}
+and {"pin": [[ids] per layer]} whenever the engine changes its pin set.
+
+Replay drives the engine's own ExpertCache class (with a store that reads nothing) through
+the same call sequence, so "our policy" reproduces the engine's hit/miss counts exactly
+(with PILOT off; speculation timing is not replayable). Belady's optimal policy (MIN,
+Belady 1966) evicts the resident expert whose next request is farthest in the future.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+TRACE_FORMAT = "colibri-route-trace"
+
+
+class TraceRecorder:
+    """Attach to an open Engine; records every MoE call's routing (and PILOT predictions)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        c = engine.cache
+        self.header = {"format": TRACE_FORMAT, "version": 1, "num_layers": c.L, "num_experts": c.E,
+                       "top_k": engine.args.num_experts_per_tok, "cap": c.cap, "policy": c.policy,
+                       "pins": [np.nonzero(r)[0].tolist() for r in c.pinned],
+                       "heat": c.heat.tolist()}
+        self.records: list[dict] = []
+        self._forward = 0
+        model = engine.model
+        orig_route = model.on_route
+        orig_start = model.on_layer_start
+
+        def on_start(i):
+            if i == 0:
+                self._forward += 1
+            if orig_start is not None:
+                orig_start(i)
+
+        def on_route(layer, idx, logits):
+            pilot = engine.pilot
+            pred = np.nonzero(pilot.predicted[layer])[0].tolist() if pilot is not None else []
+            self.records.append({"f": self._forward, "l": layer, "idx": idx.tolist(), "pred": pred})
+            orig_route(layer, idx, logits)
+
+        orig_pin = c.set_pinned
+
+        def set_pinned(p):
+            self.records.append({"pin": [np.nonzero(r)[0].tolist() for r in p]})
+            orig_pin(p)
+
+        model.on_layer_start = on_start
+        model.on_route = on_route
+        c.set_pinned = set_pinned
+
+    def save(self, path: str | Path) -> Path:
+        from .paths import atomic_write_text
+        lines = [json.dumps(self.header)] + [json.dumps(r) for r in self.records]
+        atomic_write_text(path, "\n".join(lines) + "\n")
+        return Path(path)
+
+
+def load_trace(path: str | Path) -> tuple[dict, list[dict]]:
+    """(header, records). Raises ValueError for a file that is not a colibri trace."""
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    if not lines:
+        raise ValueError(f"{path}: empty trace")
+    head = json.loads(lines[0])
+    if head.get("format") != TRACE_FORMAT:
+        raise ValueError(f"{path}: not a colibri route trace")
+    return head, [json.loads(x) for x in lines[1:] if x.strip()]
+
+
+class _NullStore:
+    slot_bytes = 4096
+
+    def read(self, layer, expert, buf, verify=False):
+        return 4096
+
+    def views(self, buf):
+        return {}
+
+
+def replay_policy(head: dict, records: list[dict], cap: int, policy: str, pinning: bool) -> dict:
+    """Hit/miss counts of the engine's cache (same class, same call order) on a trace."""
+    from .expert_cache import ExpertCache
+    L, E = head["num_layers"], head["num_experts"]
+    heat = np.asarray(head["heat"], dtype=np.int64).copy()
+    cache = ExpertCache(_NullStore(), L, E, cap, policy, heat=heat, io_threads=1)
+    try:
+        if pinning and any(head["pins"]):
+            p = np.zeros((L, E), bool)
+            for layer, ids in enumerate(head["pins"]):
+                p[layer, ids] = True
+            cache.set_pinned(p)
+            for layer, ids in enumerate(head["pins"]):
+                cache.prepare(layer, ids)
+                for e in ids:
+                    cache.acquire(layer, e)
+                    cache.release(layer, e)
+            cache.stats.hits = cache.stats.misses = cache.stats.pinned_hits = 0
+        for r in records:
+            if "pin" in r:
+                if pinning:
+                    p = np.zeros((L, E), bool)
+                    for layer, ids in enumerate(r["pin"]):
+                        p[layer, ids] = True
+                    cache.set_pinned(p)
+                continue
+            layer = r["l"]
+            idx = np.asarray(r["idx"], dtype=np.int64)
+            np.add.at(heat[layer], idx.reshape(-1), 1)
+            uniq = np.unique(idx)
+            cache.prepare(layer, uniq)
+            for e in uniq:
+                cache.acquire(layer, int(e))
+                cache.release(layer, int(e))
+        s = cache.stats
+        return {"hits": s.hits, "misses": s.misses, "pinned_hits": s.pinned_hits,
+                "hit_rate": s.hits / max(s.hits + s.misses, 1)}
+    finally:
+        cache.close()
+
+
+def replay_belady(head: dict, records: list[dict], cap: int) -> dict:
+    """Belady's MIN per layer on the same request stream (distinct experts per call)."""
+    L = head["num_layers"]
+    seqs: list[list[int]] = [[] for _ in range(L)]
+    for r in records:
+        if "l" in r:
+            seqs[r["l"]].extend(np.unique(np.asarray(r["idx"])).tolist())
+    hits = misses = 0
+    for seq in seqs:
+        n = len(seq)
+        nxt = [n] * n  # index of the next request of the same expert
+        last: dict[int, int] = {}
+        for i in range(n - 1, -1, -1):
+            nxt[i] = last.get(seq[i], n + 1 + i)
+            last[seq[i]] = i
+        resident: dict[int, int] = {}  # expert -> its next use
+        for i, e in enumerate(seq):
+            if e in resident:
+                hits += 1
+            else:
+                misses += 1
+                if len(resident) >= cap:
+                    victim = max(resident, key=resident.get)
+                    del resident[victim]
+            resident[e] = nxt[i]
+    return {"hits": hits, "misses": misses, "hit_rate": hits / max(hits + misses, 1)}
+
+
+def replay_all(path: str | Path, caps: list[int]) -> list[dict]:
+    """Hit rates of LRU, LFRU, our policy (LRU + pinning as recorded) and Belady per cap."""
+    head, recs = load_trace(path)
+    rows = []
+    for cap in caps:
+        rows.append({
+            "cap": cap,
+            "lru": replay_policy(head, recs, cap, "lru", False)["hit_rate"],
+            "lfru": replay_policy(head, recs, cap, "lfru", False)["hit_rate"],
+            "ours": replay_policy(head, recs, cap, head.get("policy", "lru"), True)["hit_rate"],
+            "belady": replay_belady(head, recs, cap)["hit_rate"],
+        })
+    return rows
