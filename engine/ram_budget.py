@@ -25,10 +25,16 @@ AVAILABLE_SHARE = 0.88
 FALLBACK_BYTES = 8 * GB
 
 
+_PROC = None
+
+
 def current_rss() -> int:
     """Resident set size of this process in bytes (psutil)."""
-    import psutil
-    return int(psutil.Process().memory_info().rss)
+    global _PROC
+    if _PROC is None:
+        import psutil
+        _PROC = psutil.Process()
+    return int(_PROC.memory_info().rss)
 
 
 def probe_available() -> tuple[int, bool]:
