@@ -11,6 +11,7 @@ from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QHB
                                QMessageBox, QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
 from engine import hub, paths
+from .wizard import qt_emit
 
 COLUMNS = ("Name", "Source", "Quantization", "Size on disk", "Converted")
 
@@ -130,7 +131,7 @@ class ModelLibraryDialog(QDialog):
         if e is None or _same(e.path, self.current):
             return
         self.current = e.path
-        self.current_changed.emit(e.path)
+        qt_emit(self.current_changed, e.path)
         self.status.setText(f"{e.name} ({e.quantization}) is now the current model.")
         self.refresh()
 

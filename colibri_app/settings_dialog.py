@@ -20,6 +20,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
 
 from engine import ConfigError, SamplingParams
 from .settings_store import RELOAD_FIELDS, Settings, save_settings, validate_sampling
+from .wizard import qt_emit
 
 RELOAD_MARK = "⟳"
 SEED_MAX = 2 ** 63 - 1
@@ -358,7 +359,7 @@ class SettingsDialog(QDialog):
         except OSError as e:
             self.save_error = str(e)
         self._base = new
-        self.applied.emit(new, reload_needed)
+        qt_emit(self.applied, new, reload_needed)
         msg = "Applied." + (f" The model will be reopened for the changes marked {RELOAD_MARK}."
                             if reload_needed else "")
         if self.save_error:
@@ -379,5 +380,5 @@ class SettingsDialog(QDialog):
 
     @Slot()
     def _reset_history(self) -> None:
-        self.reset_history_requested.emit()
+        qt_emit(self.reset_history_requested)
         self.status_label.setText("The routing history of the current model will be reset.")

@@ -8,7 +8,10 @@ QThread (``Task``); the GUI only receives engine dataclasses through queued sign
 
 from __future__ import annotations
 
+import ctypes
+import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -25,6 +28,45 @@ from engine import SUPPORTED_MODEL_TYPES, EngineFailure, LoadProgress, hub
 PAGE_SOURCE, PAGE_CHECK, PAGE_DOWNLOAD, PAGE_CONVERT, PAGE_DONE = range(5)
 RED, ORANGE, GREEN = "#c62828", "#e65100", "#2e7d32"
 _RUNNING: set["Task"] = set()  # tasks whose thread outlives their page (joined by shutdown_tasks)
+
+
+# --- PySide6 6.12.0 workaround --------------------------------------------------------------
+# SignalInstance.emit() returns Py_True without taking a reference, so every emit() called
+# from Python drops one reference to True. On Python < 3.12 True is not immortal and the
+# interpreter aborts ("Fatal Python error: bool_dealloc") once its count reaches zero - after
+# a few hundred emits (a long download reports progress ~20 times per second). qt_emit()
+# emits and gives the reference back when the probe below finds the bug.
+
+def _probe_emit_leak() -> bool:
+    if sys.version_info >= (3, 12):
+        return False  # True is immortal there
+
+    class _Probe(QObject):
+        sig = Signal()
+    p = _Probe()
+    n = 200
+    before = sys.getrefcount(True)
+    for _ in range(n):
+        p.sig.emit()
+    lost = before - sys.getrefcount(True)
+    leaks = lost > n // 2
+    if leaks:
+        for _ in range(lost):  # repair the probe's own damage
+            _incref(True)
+    return leaks
+
+
+_incref = ctypes.pythonapi.Py_IncRef
+_incref.argtypes = [ctypes.py_object]
+_incref.restype = None
+EMIT_LEAKS_TRUE = _probe_emit_leak()
+
+
+def qt_emit(signal, *args) -> None:
+    """``signal.emit(*args)``, compensating PySide6 6.12.0's lost reference to True."""
+    signal.emit(*args)
+    if EMIT_LEAKS_TRUE:
+        _incref(True)
 
 
 def _failure(e: BaseException) -> EngineFailure:
@@ -47,20 +89,19 @@ class _Worker(QObject):
         self._last = 0.0
 
     def _progress(self, ev: LoadProgress) -> None:
-        import time
         now = time.monotonic()
         if now - self._last >= 0.05 or ev.done >= ev.total:  # <= 20 updates per second
             self._last = now
-            self.progress.emit(ev)
+            qt_emit(self.progress, ev)
 
     @Slot()
     def run(self) -> None:
         try:
             result = self.fn(self._progress, self.cancel)
         except BaseException as e:  # noqa: BLE001 - every failure is reported to the page
-            self.failed.emit(_failure(e))
+            qt_emit(self.failed, _failure(e))
         else:
-            self.done.emit(result)
+            qt_emit(self.done, result)
 
 
 class Task(QObject):
@@ -101,21 +142,21 @@ class Task(QObject):
     @Slot(object)
     def _on_progress(self, ev) -> None:
         if self.running:
-            self.progress.emit(ev)
+            qt_emit(self.progress, ev)
 
     @Slot(object)
     def _on_done(self, result) -> None:
         self.running = False
         self.thread.quit()
-        self.done.emit(result)
-        self.finished.emit()
+        qt_emit(self.done, result)
+        qt_emit(self.finished)
 
     @Slot(object)
     def _on_failed(self, f) -> None:
         self.running = False
         self.thread.quit()
-        self.failed.emit(f)
-        self.finished.emit()
+        qt_emit(self.failed, f)
+        qt_emit(self.finished)
 
     @Slot()
     def _on_thread_finished(self) -> None:
@@ -226,7 +267,7 @@ class SourcePage(QWizardPage):
         self.browse.setEnabled(not hub_mode)
         if self.task is None:
             self.status.setText("")
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
 
     @Slot()
     def _browse(self) -> None:
@@ -273,14 +314,14 @@ class SourcePage(QWizardPage):
         self.task = Task(fn)
         self.task.done.connect(self._check_done)
         self.task.failed.connect(self._check_failed)
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
 
     @Slot(object)
     def _check_done(self, chk) -> None:
         self.task = None
         self.wiz.check = chk
         self.status.setText("")
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
         if self.wiz.currentId() == PAGE_SOURCE:
             self._advance = True
             self.wiz.next()
@@ -291,7 +332,7 @@ class SourcePage(QWizardPage):
         self.task = None
         self.status.setText(f"Refused: {f.message}" if f.kind == "config" else f.message)
         _error_style(self.status, RED)
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
 
     def nextId(self) -> int:
         return PAGE_CHECK
@@ -377,7 +418,7 @@ class CheckPage(QWizardPage):
                    "refuse": ("Refused — ", RED)}[c.ram_verdict]
         self.ram.setText(verdict[0] + c.ram_message)
         _error_style(self.ram, verdict[1])
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
 
     def isComplete(self) -> bool:
         c = self.wiz.check
@@ -392,7 +433,7 @@ class CheckPage(QWizardPage):
         sp.task.done.connect(self._rechecked)
         sp.task.failed.connect(self._recheck_failed)
         self.disk.setText("Checking again…")
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
 
     @Slot(object)
     def _rechecked(self, c) -> None:
@@ -402,7 +443,7 @@ class CheckPage(QWizardPage):
     def _recheck_failed(self, f) -> None:
         self.disk.setText(f.message)
         _error_style(self.disk, RED)
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
 
     def nextId(self) -> int:
         c = self.wiz.check
@@ -476,7 +517,7 @@ class DownloadPage(QWizardPage):
         self.task.failed.connect(self._failed)
         self.cancel_button.setEnabled(True)
         self.resume_button.setEnabled(False)
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
 
     @Slot()
     def cancel(self) -> None:
@@ -502,7 +543,7 @@ class DownloadPage(QWizardPage):
         _error_style(self.status, GREEN)
         self.cancel_button.setEnabled(False)
         self.resume_button.setEnabled(False)
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
 
     @Slot(object)
     def _failed(self, f: EngineFailure) -> None:
@@ -516,7 +557,7 @@ class DownloadPage(QWizardPage):
             _error_style(self.status, RED)
         self.cancel_button.setEnabled(False)
         self.resume_button.setEnabled(True)
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
 
     def isComplete(self) -> bool:
         return self.finished_ok and self.task is None
@@ -617,7 +658,7 @@ class ConvertPage(QWizardPage):
         self.status.setText(f"A store already exists at {self.target()}." if exists else "")
         _error_style(self.status, "")
         self.wiz.store_path = None
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
 
     @Slot()
     def start(self) -> None:
@@ -629,7 +670,7 @@ class ConvertPage(QWizardPage):
             self.wiz.store_path = str(target)
             self.status.setText(f"Using the existing store {target}.")
             _error_style(self.status, GREEN)
-            self.completeChanged.emit()
+            qt_emit(self.completeChanged)
             return
         src, quant = self.wiz.source_dir, self.quant.currentData()
         overwrite = self.replace.isChecked()
@@ -653,7 +694,7 @@ class ConvertPage(QWizardPage):
         for w in (self.quant, self.replace, self.delete_download, self.convert_button):
             w.setEnabled(False)
         self.cancel_button.setEnabled(True)
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
 
     @Slot()
     def cancel(self) -> None:
@@ -681,7 +722,7 @@ class ConvertPage(QWizardPage):
         self.bar.setValue(1000)
         self.status.setText(f"Converted into {store}.")
         _error_style(self.status, GREEN)
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
 
     @Slot(object)
     def _failed(self, f: EngineFailure) -> None:
@@ -693,7 +734,7 @@ class ConvertPage(QWizardPage):
         else:
             self.status.setText(f.message)
             _error_style(self.status, RED)
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
 
     def isComplete(self) -> bool:
         return self.wiz.store_path is not None and self.task is None
@@ -741,7 +782,7 @@ class DonePage(QWizardPage):
         self.task = Task(fn)
         self.task.done.connect(self._done)
         self.task.failed.connect(self._failed)
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
 
     @Slot(object)
     def _done(self, text: str) -> None:
@@ -750,7 +791,7 @@ class DonePage(QWizardPage):
         self.output.setPlainText(text)
         self.info.setText(f"The model works. Store: {self.wiz.store_path}. Press Finish to use it.")
         _error_style(self.info, GREEN)
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
 
     @Slot(object)
     def _failed(self, f: EngineFailure) -> None:
@@ -759,7 +800,7 @@ class DonePage(QWizardPage):
         self.output.setPlainText(f.detail)
         self.info.setText(f"The self-test failed: {f.message}")
         _error_style(self.info, RED)
-        self.completeChanged.emit()
+        qt_emit(self.completeChanged)
 
     @Slot()
     def _open_folder(self) -> None:
@@ -815,7 +856,7 @@ class ModelWizard(QWizard):
 
     def accept(self) -> None:
         if self.done_page.passed and self.store_path:
-            self.model_ready.emit(self.store_path)
+            qt_emit(self.model_ready, self.store_path)
         super().accept()
 
     def done(self, result: int) -> None:

@@ -14,7 +14,8 @@ GET of that file (once); ``slow[file] = (n, seconds)`` sends n bytes at once the
 small pieces with pauses; ``served_override[file] = bytes`` serves other content than the
 listed metadata describes; ``listing_override[file] = dict`` changes the listing; ``fail_next[file] = [503, ...]`` answers
 the next GETs of that file with these statuses.
-Every request is logged in ``requests`` as (method, file-or-path, range start or None).
+Every request is logged in ``requests`` as (method, file-or-path, range start or None); every
+finished file body in ``served_log`` as (file, range start, bytes sent).
 """
 
 from __future__ import annotations
@@ -61,7 +62,8 @@ class FakeHub:
     slow: dict[str, tuple[int, float]] = field(default_factory=dict)
     served_override: dict[str, bytes] = field(default_factory=dict)
     listing_override: dict[str, dict] = field(default_factory=dict)
-    fail_next: dict[str, list[int]] = field(default_factory=dict)  # file -> HTTP statuses to answer first
+    fail_next: dict[str, list[int]] = field(default_factory=dict)
+    served_log: list[tuple[str, int | None, int]] = field(default_factory=list)  # (file, range start, bytes)  # file -> HTTP statuses to answer first
     server: ThreadingHTTPServer | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -229,35 +231,32 @@ class _Handler(BaseHTTPRequestHandler):
         with self.hub.lock:
             drop = self.hub.drop_after.pop(name, None)
             slow = self.hub.slow.get(name)
+        sent = 0
+
+        def send(piece: bytes) -> None:
+            nonlocal sent
+            self.wfile.write(piece)
+            self.wfile.flush()
+            sent += len(piece)
+            with self.hub.lock:
+                self.hub.bytes_served[name] += len(piece)
         try:
             if drop is not None:
-                self.wfile.write(body[:drop])
-                self.wfile.flush()
-                with self.hub.lock:
-                    self.hub.bytes_served[name] += min(drop, len(body))
+                send(body[:drop])
                 self.close_connection = True
-                return
-            if slow is not None:
+            elif slow is not None:
                 first, pause = slow
-                self.wfile.write(body[:first])
-                self.wfile.flush()
-                with self.hub.lock:
-                    self.hub.bytes_served[name] += len(body[:first])
-                pos = first
-                while pos < len(body):
+                send(body[:first])
+                for pos in range(first, len(body), 4096):
                     time.sleep(pause)
-                    piece = body[pos:pos + 4096]
-                    self.wfile.write(piece)
-                    self.wfile.flush()
-                    with self.hub.lock:
-                        self.hub.bytes_served[name] += len(piece)
-                    pos += len(piece)
-                return
-            self.wfile.write(body)
-            with self.hub.lock:
-                self.hub.bytes_served[name] += len(body)
+                    send(body[pos:pos + 4096])
+            else:
+                send(body)
         except (BrokenPipeError, ConnectionResetError):
             pass
+        finally:
+            with self.hub.lock:
+                self.hub.served_log.append((name, start, sent))
 
 
 def hub_env(monkeypatch, tmp_path: Path, url: str) -> None:

@@ -226,3 +226,18 @@ def test_library_set_current_delete_open(qtbot, fake, monkeypatch, tiny):
     monkeypatch.setattr(QMessageBox, "question", staticmethod(lambda *x, **k: QMessageBox.Yes))
     d.delete_button.click()
     assert not a.exists() and d.table.rowCount() == 1
+
+
+def test_qt_emit_keeps_true_alive():
+    """PySide6 6.12.0 drops a reference to True on every emit() from Python (fatal on Python
+    3.11 after a few hundred emits); qt_emit compensates, so thousands of progress signals
+    are safe."""
+    from PySide6.QtCore import QObject, Signal
+
+    class Src(QObject):
+        sig = Signal(object, bool)
+    src = Src()
+    before = sys.getrefcount(True)
+    for _ in range(5000):
+        wz.qt_emit(src.sig, None, True)
+    assert abs(sys.getrefcount(True) - before) < 100
