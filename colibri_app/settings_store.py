@@ -84,7 +84,7 @@ def validate_sampling(s: SamplingParams) -> None:
               ("top_k", 0 <= s.top_k <= 100000, "0-100000 (0 = off)"),
               ("top_p", 0.0 < s.top_p <= 1.0, "(0, 1]"),
               ("repetition_penalty", 0.5 <= s.repetition_penalty <= 2.0, "0.5-2"),
-              ("seed", 0 <= s.seed < 2 ** 63, ">= 0"),
+              ("seed", 0 <= s.seed < 2 ** 63, "0 to 2^63-1"),
               ("max_new_tokens", 1 <= s.max_new_tokens <= 1 << 20, "1-1048576")]
     for name, ok, rng in checks:
         if not ok:
@@ -105,6 +105,10 @@ def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
         return Settings.from_json(p.read_text(encoding="utf-8")), None
     except (OSError, ValueError, TypeError, ConfigError) as e:
         aside = p.with_name(p.name + f".bad-{time.strftime('%Y%m%d-%H%M%S')}")
+        n = 1
+        while aside.exists():  # never overwrite an earlier file kept aside
+            aside = p.with_name(p.name + f".bad-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+            n += 1
         try:
             os.replace(p, aside)
             where = f"kept as {aside}"
