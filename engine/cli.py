@@ -61,19 +61,8 @@ def sampling_params(a) -> SamplingParams:
 
 
 def _progress_printer(label: str):
-    last = [0.0]
-
-    def cb(ev: LoadProgress) -> None:
-        now = time.monotonic()
-        if now - last[0] < 0.5 and ev.done < ev.total:
-            return
-        last[0] = now
-        if ev.unit == "B" and ev.total:
-            print(f"\r{label}: {ev.done / 1e6:8.1f} / {ev.total / 1e6:.1f} MB ({100 * ev.done / ev.total:5.1f}%)",
-                  end="", file=sys.stderr, flush=True)
-            if ev.done >= ev.total:
-                print(file=sys.stderr)
-    return cb
+    from .hub import cli_progress  # one progress line format for every command
+    return cli_progress(label)
 
 
 def resolve_store(model: str | None) -> str:

@@ -1062,7 +1062,8 @@ def delete_model(path: str | os.PathLike) -> None:
 # --- CLI ----------------------------------------------------------------------------------
 
 
-def _cli_progress(label: str):
+def cli_progress(label: str):
+    """A LoadProgress callback printing one updating stderr line (at most twice a second)."""
     last = [0.0]
 
     def cb(ev: LoadProgress) -> None:
@@ -1073,6 +1074,8 @@ def _cli_progress(label: str):
         pct = 100 * ev.done / ev.total if ev.total else 100.0
         print(f"\r{label}: {format_bytes(ev.done):>9} / {format_bytes(ev.total)} ({pct:5.1f}%) "
               f"{ev.message[:60]:<60}", end="", file=sys.stderr, flush=True)
+        if ev.total and ev.done >= ev.total:
+            print(file=sys.stderr)
     return cb
 
 
@@ -1101,7 +1104,7 @@ def cmd_download(a) -> int:
         return 2
     cancel = threading.Event()
     try:
-        src = download(a.repo, a.revision, None, _cli_progress("downloading"), cancel, check=chk)
+        src = download(a.repo, a.revision, None, cli_progress("downloading"), cancel, check=chk)
     except KeyboardInterrupt:
         cancel.set()
         print("\ninterrupted; the bytes fetched so far are kept - run the same command again to resume",
@@ -1110,7 +1113,7 @@ def cmd_download(a) -> int:
     print(file=sys.stderr)
     t0 = time.perf_counter()
     try:
-        store = convert_downloaded(src, a.quant, _cli_progress(f"converting ({a.quant})"),
+        store = convert_downloaded(src, a.quant, cli_progress(f"converting ({a.quant})"),
                                    overwrite=a.overwrite)
     except KeyboardInterrupt:
         print(f"\ninterrupted; no store was written (the download is kept in {src})", file=sys.stderr)
