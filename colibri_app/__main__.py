@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 
@@ -13,6 +14,8 @@ def main(argv: list[str] | None = None) -> int:
     (converted into the user data directory on first run, with visible progress, on the
     worker thread). Returns the application's exit code.
     """
+    from .refcount_guard import apply as guard_refcounts
+    guard_refcounts()   # before any Qt call; see refcount_guard.py
     from PySide6.QtWidgets import QApplication
 
     from .main_window import MainWindow
@@ -29,7 +32,13 @@ def main(argv: list[str] | None = None) -> int:
     win = MainWindow(settings, settings_message=message)
     win.show()
     win.start()
-    return app.exec()
+    rc = app.exec()
+    from .engine_bridge import STUCK_THREADS
+    if STUCK_THREADS:
+        # a hung engine thread cannot be joined; exiting normally would abort in ~QThread
+        logging.shutdown()
+        os._exit(rc)
+    return rc
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ STATUS_NOTE = {
     STOPPED: "stopped",
     INTERRUPTED: "interrupted — the app closed while this answer was being written",
     ERROR: "not answered — see the message above",
-    STREAMING: "",
+    STREAMING: "writing…",
     COMPLETE: "",
 }
 
@@ -187,6 +187,9 @@ class MessageView(QFrame):
         else:
             self.text.setPlainText(text)
         self.note.setText(STATUS_NOTE.get(status, status))
+        self.note.setProperty("kind", status)
+        self.note.style().unpolish(self.note)
+        self.note.style().polish(self.note)
         self.note.setVisible(bool(self.note.text()))
         line = format_meta(meta or {})
         self.meta_label.setText(line)
@@ -194,9 +197,7 @@ class MessageView(QFrame):
 
     def append_stream(self, piece: str) -> None:
         """Append streamed text (plain while streaming)."""
-        if self.status != STREAMING:
-            self.status = STREAMING
-            self.note.setVisible(False)
+        self.status = STREAMING
         self._text += piece
         self.text.append_plain(piece)
 

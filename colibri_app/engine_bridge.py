@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 
 EMIT_INTERVAL_S = 0.1  # metrics / residency / progress: at most ~10 emits per second
 
+# Threads that did not end on shutdown (a hung engine): kept referenced, because destroying a
+# running QThread aborts the process. __main__ exits with os._exit when this is not empty.
+STUCK_THREADS: list = []
+
 
 @dataclass(frozen=True)
 class OpenRequest:
@@ -211,7 +215,7 @@ class EngineController(QObject):
         if self._job is not None:
             self._job.cancel.set()
 
-    def shutdown(self, timeout_ms: int = 60000) -> bool:
+    def shutdown(self, timeout_ms: int = 30000) -> bool:
         """Stop the generation, quit the thread and wait for it; the engine is closed on the
         worker thread once the running slot returned (thread.finished). Returns True when the
         thread ended within ``timeout_ms``."""
@@ -224,5 +228,6 @@ class EngineController(QObject):
         self.thread.quit()
         ok = self.thread.wait(timeout_ms)
         if not ok:
-            log.error("the engine thread did not end within %d ms", timeout_ms)
+            log.error("the engine thread did not end within %d ms; leaving it behind", timeout_ms)
+            STUCK_THREADS.append((self.thread, self.worker))
         return ok

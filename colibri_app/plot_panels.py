@@ -41,8 +41,7 @@ def _hex(c) -> str:
 
 def _swatch(c, text: str, outline: bool = False) -> str:
     if outline:
-        box = ("<span style='color:#1a1d23;background:#1a1d23;border:1px solid white'>"
-               "&nbsp;&#9633;&nbsp;</span>")
+        box = "<span style='background-color:#181b21;color:#ffffff'>&#9633;</span>"
         return f"<span style='white-space:nowrap'>{box}&nbsp;{text}</span>"
     return f"<span style='white-space:nowrap'><span style='color:{_hex(c)}'>&#9632;</span>&nbsp;{text}</span>"
 
@@ -149,7 +148,7 @@ class _Card(QFrame):
 
 class _PlotWidget(pg.PlotWidget):
     def sizeHint(self):  # pyqtgraph's default hint is large; let the dock share the height
-        return QSize(320, 150)
+        return QSize(320, 100)
 
 
 def _plot(left: str, bottom: str = "token") -> pg.PlotWidget:
@@ -206,7 +205,7 @@ class PlotPanels(QWidget):
         self._set_hit_legend(None)
 
         # 2. SSD MB per token: demand below, speculative stacked on top
-        self.ssd_plot = _plot("SSD read (MB / token)")
+        self.ssd_plot = _plot("MB / token")
         sp = self.ssd_plot.getPlotItem()
         sp.enableAutoRange(y=True)
         sp.setLimits(yMin=0)
@@ -241,7 +240,7 @@ class PlotPanels(QWidget):
             _swatch(STATE_RGB[ABSENT], "absent"), _swatch(STATE_RGB[RESIDENT], "resident"),
             _swatch(STATE_RGB[PINNED], "pinned"), _swatch(STATE_RGB[LOADING], "loading"),
             _swatch(None, "routed now", outline=True),
-            "<span style='color:#80868b'>brighter = routed more often (log)</span>"]))
+            "<span style='color:#80868b'>brightness = log routing count</span>"]))
         self.heat_title = "Expert residency (layers × experts)"
 
         lay = QVBoxLayout(self)
@@ -253,8 +252,8 @@ class PlotPanels(QWidget):
             _Card("RAM vs budget", self.ram_plot, self.ram_legend, "RAM panel"),
             _Card(self.heat_title, self.heat_plot, self.heat_legend, "Residency heat map panel"),
         ]
-        for c in self.cards:
-            lay.addWidget(c, 1)
+        for c, stretch in zip(self.cards, (2, 2, 2, 3)):
+            lay.addWidget(c, stretch)
 
         self.timer = QTimer(self)
         self.timer.setInterval(REDRAW_MS)

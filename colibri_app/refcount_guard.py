@@ -20,10 +20,22 @@ RESERVE = 1 << 40
 _applied = False
 
 
+def _shiboken_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("shiboken6")
+    except Exception:  # noqa: BLE001 - not installed / unknown: assume affected
+        return ""
+
+
 def needed() -> bool:
-    """True on CPython release builds older than 3.12 (no immortal objects)."""
-    return (sys.implementation.name == "cpython" and sys.version_info < (3, 12)
-            and not hasattr(sys, "gettotalrefcount"))   # debug builds lay out PyObject differently
+    """True on CPython release builds older than 3.12 (no immortal objects) with shiboken6 6.12.x
+    (or an unknown version). pyproject.toml excludes 6.12; this covers installs that still have it."""
+    if (sys.implementation.name != "cpython" or sys.version_info >= (3, 12)
+            or hasattr(sys, "gettotalrefcount")):   # debug builds lay out PyObject differently
+        return False
+    v = _shiboken_version()
+    return not v or v.startswith("6.12.")
 
 
 def apply() -> bool:

@@ -42,6 +42,7 @@ QStatusBar::item { border: none; }
 #roleLabel { font-weight: 600; color: #374151; font-size: 12px; }
 #metaLabel { color: #6b7280; font-size: 11px; }
 #statusNote { color: #b45309; font-size: 11px; }
+#statusNote[kind="streaming"] { color: #6b7280; font-style: italic; }
 #msgAction { color: #6b7280; border: none; padding: 2px 6px; border-radius: 4px; font-size: 11px; }
 #msgAction:hover { background: #f3f4f6; color: #111827; }
 

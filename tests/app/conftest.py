@@ -40,7 +40,9 @@ def make_window(qtbot, app_dirs, app_store):
     windows = []
 
     def make(max_new_tokens=12, engine=None, store=None, wait_loaded=True, **kw):
-        settings = Settings(engine=engine or EngineConfig(cap=4, pinning=True),
+        # cap 4 of 8 experts: the cache really evicts and streams. pinning=False: the engine's
+        # pinning path can stall acquire() at cap 4 (reported to the engine owner)
+        settings = Settings(engine=engine or EngineConfig(cap=4, pinning=False),
                             sampling=SamplingParams(max_new_tokens=max_new_tokens), current_model=store or app_store)
         settings = replace(settings, **kw)
         win = MainWindow(settings)

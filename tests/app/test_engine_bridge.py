@@ -25,7 +25,7 @@ def test_worker_streams_tokens_then_finished(qtbot, app_store):
     w.loaded.connect(loaded.append, Qt.DirectConnection)
     try:
         assert w.thread() is c.thread and c.thread is not None
-        c.open(EngineConfig(store=app_store, cap=4))
+        c.open(EngineConfig(store=app_store, cap=4, pinning=False))
         qtbot.waitUntil(lambda: bool(loaded), timeout=30000)
         assert isinstance(loaded[0], Loaded) and loaded[0].num_experts == 8
         req = GenerateRequest(messages=(ChatMessage("user", "hello"),), sampling=SamplingParams(max_new_tokens=10))
@@ -68,7 +68,7 @@ def test_metrics_are_rate_limited(qtbot, app_store):
     c.worker.loaded.connect(done.append, Qt.DirectConnection)
     c.worker.finished.connect(done.append, Qt.DirectConnection)
     try:
-        c.open(EngineConfig(store=app_store))
+        c.open(EngineConfig(store=app_store, pinning=False))
         qtbot.waitUntil(lambda: bool(done), timeout=30000)
         c.generate(GenerateRequest(prompt="hello", sampling=SamplingParams(max_new_tokens=120)))
         qtbot.waitUntil(lambda: bool(len(done) == 2), timeout=60000)

@@ -62,6 +62,25 @@ def test_prompt_streams_tokens_and_is_stored(qtbot, make_window):
     assert "tok/s" in win.st_speed.text() and "PILOT" in win.st_pilot.text()
 
 
+def test_streamed_text_shows_while_generating_and_is_saved(qtbot, make_window, monkeypatch):
+    import colibri_app.main_window as mw
+    monkeypatch.setattr(mw, "SAVE_EVERY_S", 0.0)   # save on every flush, to observe it
+    win = make_window(max_new_tokens=300)
+    texts = []
+    win.controller.worker.token.connect(lambda ev: texts.append(ev.text), Qt.DirectConnection)
+    win.send("the the the")
+    qtbot.waitUntil(lambda: bool(win.gen and len(win.gen.text) >= 4), timeout=60000)
+    g = win.gen
+    view = win.chat.view(g.asst_id)
+    shown = view.text.toPlainText()
+    assert shown and shown == g.text and "".join(texts).startswith(shown)
+    assert view.status == STREAMING and view.note.text() == "writing…"
+    stored = win.history.message(g.asst_id)
+    assert stored.status == STREAMING and shown.startswith(stored.content) and stored.content
+    win.stop()
+    qtbot.waitUntil(lambda: win.gen is None, timeout=10000)
+
+
 def test_stop_ends_within_one_token_and_stores_stopped(qtbot, make_window):
     win = make_window(max_new_tokens=400)
     after_stop = []
@@ -114,7 +133,7 @@ def test_missing_store_shows_banner_then_a_good_model_answers(qtbot, make_window
 
 
 def test_context_overflow_shows_banner_and_next_prompt_works(qtbot, make_window):
-    win = make_window(max_new_tokens=4, engine=EngineConfig(context_length=48))
+    win = make_window(max_new_tokens=4, engine=EngineConfig(context_length=48, pinning=False))
     failed = []
     win.controller.worker.failed.connect(failed.append, Qt.DirectConnection)
     win.send("word " * 200)

@@ -1,0 +1,161 @@
+#!/usr/bin/env python3
+"""GUI event-loop stall while the engine generates a 200-token answer.
+
+A QTimer probe fires every 10 ms on the GUI thread; its lateness (time since the previous
+tick minus 10 ms) measures how long the event loop was blocked: by our slots (token text,
+Markdown render, panel redraws), by the GIL held by the engine thread, or by the OS.
+The whole app runs (MainWindow with chat, history and panels), offscreen.
+
+Model: the bundled default model if present, else a synthetic random OLMoE (said on stdout).
+The measured answer is teacher-forced (GenerateRequest.forced_ids) to exactly N tokens, after
+one warm-up answer (numba compile, cache fill) that is not measured.
+
+    QT_QPA_PLATFORM=offscreen python tools/bench_gui_stall.py [--tokens 200]
+Writes bench/results/gui_stall.json. Target: p99 < 50 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+PROBE_MS = 10
+TARGET_P99_MS = 50.0
+
+
+def synthetic_store(root: Path) -> str:
+    """A random OLMoE shaped like the default model (8 layers x 32 experts, top-4)."""
+    from engine import convert_checkpoint
+    from engine.synthetic import olmoe_config, write_checkpoint
+    cfg = olmoe_config(hidden_size=128, intermediate_size=64, num_hidden_layers=8, num_experts=32,
+                       num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=4, vocab_size=512)
+    ck = write_checkpoint(root / "synthetic-olmoe", cfg, seed=7)
+    return str(convert_checkpoint(ck, root / "models" / "synthetic-olmoe-int8", quant="int8"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=200)
+    ap.add_argument("--cap", type=int, default=12, help="expert slots per layer (streaming pressure)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gui_stall.json"))
+    ap.add_argument("--timeout", type=float, default=600.0)
+    a = ap.parse_args(argv)
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    tmp = Path(tempfile.mkdtemp(prefix="colibri-stall-"))
+    os.environ["COLIBRI_DATA_DIR"] = str(tmp / "data")
+    os.environ["COLIBRI_CONFIG_DIR"] = str(tmp / "config")
+
+    from PySide6.QtCore import QElapsedTimer, QEventLoop, Qt, QTimer
+    from PySide6.QtWidgets import QApplication
+
+    from colibri_app.main_window import MainWindow
+    from colibri_app.resources import apply_theme
+    from colibri_app.settings_store import Settings
+    from engine import EngineConfig, SamplingParams, default_model_dir
+
+    if (default_model_dir() / "config.json").exists():
+        store, model_kind = None, "default"
+        print(f"model: bundled default model ({default_model_dir()})")
+    else:
+        store, model_kind = synthetic_store(tmp), "synthetic"
+        print(f"model: the bundled default model is not in {default_model_dir()} yet; using a SYNTHETIC "
+              f"random OLMoE (8 layers x 32 experts, top-4)")
+
+    app = QApplication.instance() or QApplication([sys.argv[0]])
+    apply_theme(app)
+    settings = Settings(engine=EngineConfig(cap=a.cap), sampling=SamplingParams(max_new_tokens=a.tokens),
+                        current_model=store)
+    win = MainWindow(settings)
+    win.resize(1400, 900)
+    win.show()
+    deadline = time.monotonic() + a.timeout
+
+    def pump(cond, what):
+        while not cond():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"timed out waiting for {what}")
+            app.processEvents(QEventLoop.AllEvents, 20)
+
+    win.start()
+    pump(lambda: win.loaded is not None or (win.banner.isVisible() and win.banner.kind == "store"), "the model")
+    if win.loaded is None:
+        raise SystemExit(f"the model did not open: {win.banner.text.text()}")
+
+    finished = []
+    win.controller.worker.finished.connect(finished.append, Qt.DirectConnection)
+    # warm-up answer (numba compile, cache fill); its ids become the forced sequence
+    win.send("What does `json.dumps` do?")
+    pump(lambda: win.gen is None, "the warm-up answer")
+    warm = finished[-1]
+    base = list(warm.token_ids) or [1]
+    forced = tuple((base * (a.tokens // len(base) + 1))[:a.tokens])
+    orig_generate = win.controller.generate
+    win.controller.generate = lambda req: orig_generate(replace(req, forced_ids=forced))
+
+    # the probe
+    lateness: list[float] = []
+    clock = QElapsedTimer()
+    probe = QTimer()
+    probe.setTimerType(Qt.PreciseTimer)
+    probe.setInterval(PROBE_MS)
+    last = [0]
+
+    def tick():
+        now = clock.nsecsElapsed()
+        lateness.append(max(0.0, (now - last[0]) / 1e6 - PROBE_MS))
+        last[0] = now
+
+    probe.timeout.connect(tick)
+    clock.start()
+    last[0] = clock.nsecsElapsed()
+    probe.start()
+    t0 = time.perf_counter()
+    win.send("Write a function that returns the number of items in a container.")
+    pump(lambda: win.gen is None, "the measured answer")
+    wall = time.perf_counter() - t0
+    probe.stop()
+    fin = finished[-1]
+    model_name = win.loaded.model_name
+    win.close()
+
+    lat = np.asarray(lateness[1:] or [0.0])
+    res = {
+        "benchmark": "gui_stall", "model": model_kind, "model_name": model_name,
+        "tokens": fin.generated_tokens, "finish_reason": fin.finish_reason, "probe_interval_ms": PROBE_MS,
+        "probe_ticks": int(lat.size), "wall_s": round(wall, 3), "decode_tok_per_s": round(fin.decode_tok_per_s, 2),
+        "ttft_s": round(fin.ttft_s, 3), "cap_per_layer": a.cap,
+        "stall_ms": {"p50": round(float(np.percentile(lat, 50)), 2), "p90": round(float(np.percentile(lat, 90)), 2),
+                     "p99": round(float(np.percentile(lat, 99)), 2), "max": round(float(lat.max()), 2),
+                     "mean": round(float(lat.mean()), 2)},
+        "target_p99_ms": TARGET_P99_MS,
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
+                    "qt_platform": os.environ.get("QT_QPA_PLATFORM", "")},
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    res["pass"] = res["stall_ms"]["p99"] < TARGET_P99_MS
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    s = res["stall_ms"]
+    print(f"{fin.generated_tokens} tokens ({fin.finish_reason}) in {wall:.2f} s, {fin.decode_tok_per_s:.1f} tok/s; "
+          f"{lat.size} probe ticks")
+    print(f"GUI stall (lateness of a {PROBE_MS} ms timer): p50 {s['p50']:.2f} ms, p99 {s['p99']:.2f} ms, "
+          f"max {s['max']:.2f} ms -> {'PASS' if res['pass'] else 'FAIL'} (target p99 < {TARGET_P99_MS:.0f} ms)")
+    print(f"wrote {out}")
+    return 0 if res["pass"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Render the main window offscreen during a real generation and save docs/screenshot.png.
+
+Uses the bundled default model (engine.default_store()); if it is not there yet (it is trained
+by tools/train_default_model.py), a synthetic random OLMoE is used instead and the script says
+so. History, settings and the converted model live in a temporary folder, so the user's own
+data is never touched.
+
+    QT_QPA_PLATFORM=offscreen python tools/screenshot.py [--out docs/screenshot.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def synthetic_store(root: Path) -> str:
+    """A random OLMoE shaped like the default model (8 layers x 32 experts, top-4)."""
+    from engine import convert_checkpoint
+    from engine.synthetic import olmoe_config, write_checkpoint
+    cfg = olmoe_config(hidden_size=128, intermediate_size=64, num_hidden_layers=8, num_experts=32,
+                       num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=4, vocab_size=512)
+    ck = write_checkpoint(root / "synthetic-olmoe", cfg, seed=7)
+    return str(convert_checkpoint(ck, root / "models" / "synthetic-olmoe-int8", quant="int8"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "docs" / "screenshot.png"))
+    ap.add_argument("--size", default="1400x900")
+    ap.add_argument("--cap", type=int, default=12, help="expert slots per layer (smaller = more streaming)")
+    ap.add_argument("--budget-gb", type=float, default=0.6,
+                    help="RAM budget (GB) so the RAM panel shows a binding budget; 0 = automatic")
+    ap.add_argument("--timeout", type=float, default=300.0)
+    a = ap.parse_args(argv)
+    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+    tmp = Path(tempfile.mkdtemp(prefix="colibri-shot-"))
+    os.environ["COLIBRI_DATA_DIR"] = str(tmp / "data")
+    os.environ["COLIBRI_CONFIG_DIR"] = str(tmp / "config")
+
+    from PySide6.QtCore import QEventLoop
+    from PySide6.QtWidgets import QApplication
+
+    from colibri_app.main_window import MainWindow
+    from colibri_app.resources import apply_theme
+    from colibri_app.settings_store import Settings
+    from engine import EngineConfig, SamplingParams, default_model_dir
+
+    if (default_model_dir() / "config.json").exists():
+        store, prompts = None, ["What does `json.dumps` do?", "Write a function that returns the number of items in a container."]
+        print(f"model: bundled default model ({default_model_dir()})")
+    else:
+        store = synthetic_store(tmp)
+        prompts = ["What does `json.dumps` do?", "Write a function that reverses a list."]
+        print(f"model: the bundled default model is not in {default_model_dir()} yet; "
+              f"using a SYNTHETIC random OLMoE instead (its answers are noise)")
+
+    app = QApplication.instance() or QApplication([sys.argv[0]])
+    apply_theme(app)
+    settings = Settings(engine=EngineConfig(cap=a.cap, ram_budget_gb=a.budget_gb or None),
+                        sampling=SamplingParams(max_new_tokens=160),
+                        current_model=store)
+    win = MainWindow(settings)
+    w, h = (int(v) for v in a.size.split("x"))
+    win.resize(w, h)
+    win.show()
+    win.splitter.setSizes([230, w - 230])
+    win.resizeDocks([win.dock], [470], __import__("PySide6.QtCore", fromlist=["Qt"]).Qt.Horizontal)
+    deadline = time.monotonic() + a.timeout
+
+    def pump(cond, what: str) -> None:
+        while not cond():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"timed out waiting for {what}")
+            app.processEvents(QEventLoop.AllEvents, 50)
+            time.sleep(0.01)
+
+    win.start()
+    pump(lambda: win.loaded is not None or win.banner.isVisible() and win.banner.kind == "store", "the model")
+    if win.loaded is None:
+        raise SystemExit(f"the model did not open: {win.banner.text.text()}")
+    print(f"loaded {win.loaded.model_name}: {win.loaded.num_layers} layers x {win.loaded.num_experts} experts, "
+          f"cap {win.loaded.cap_per_layer}")
+    # one complete answer (rendered Markdown + statistics line), then capture the second mid-stream
+    win.send(prompts[0])
+    pump(lambda: win.gen is None, "the first answer")
+    tokens = []
+    win.controller.worker.token.connect(tokens.append)
+    win.send(prompts[1])
+    p = win.panels
+    pump(lambda: len(tokens) >= 60 or win.gen is None, "streamed tokens")
+    pump(lambda: len(p.hit_ring) >= 5 and p.heat_image is not None and p.redraws > 3, "panel data")
+    t_end = time.monotonic() + 0.3   # one more panel redraw
+    pump(lambda: time.monotonic() > t_end, "redraw")
+    img = win.grab()
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if not img.save(str(out)):
+        raise SystemExit(f"could not write {out}")
+    print(f"saved {out} ({img.width()}x{img.height()}); {len(tokens)} tokens streamed, "
+          f"{len(p.hit_ring)} metric points, generating={win.gen is not None}")
+    win.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
