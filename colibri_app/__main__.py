@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 
@@ -16,6 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     from .refcount_guard import apply as guard_refcounts
     guard_refcounts()   # before any Qt call; see refcount_guard.py
+    from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
     from .main_window import MainWindow
@@ -32,7 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     win = MainWindow(settings, settings_message=message)
     win.show()
     win.start()
-    rc = app.exec()
+    # Ctrl+C / SIGTERM close the window the normal way (stop, store the answer, close the engine);
+    # the timer lets the interpreter run its signal handlers while Qt's loop is in C++.
+    previous = {sig: signal.signal(sig, lambda *_: QTimer.singleShot(0, win.close))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    tick = QTimer()
+    tick.timeout.connect(lambda: None)
+    tick.start(250)
+    try:
+        rc = app.exec()
+    finally:
+        tick.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     from .engine_bridge import STUCK_THREADS
     if STUCK_THREADS:
         # a hung engine thread cannot be joined; exiting normally would abort in ~QThread

@@ -138,6 +138,15 @@ class EngineWorker(QObject):
                                         error=f"{type(e).__name__}: {e}"))
 
     @Slot()
+    def reset_history(self) -> None:
+        """Forget the routing heat and pins of the open model (Settings › Reset history)."""
+        if self.engine is not None:
+            try:
+                self.engine.reset_history()
+            except OSError as e:
+                self.failed.emit(EngineFailure(kind="io", message=f"The routing history could not be reset: {e}"))
+
+    @Slot()
     def close_engine(self) -> None:
         """Close the engine (joins its threads). Idempotent."""
         if self.engine is not None:
@@ -166,6 +175,7 @@ class EngineController(QObject):
 
     open_requested = Signal(object)       #: OpenRequest -> worker.open_engine
     generate_requested = Signal(object)   #: GenerationJob -> worker.generate
+    reset_history_requested = Signal()    #: -> worker.reset_history
 
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
@@ -179,6 +189,7 @@ class EngineController(QObject):
         self.thread.finished.connect(self.worker.deleteLater)
         self.open_requested.connect(self.worker.open_engine)
         self.generate_requested.connect(self.worker.generate)
+        self.reset_history_requested.connect(self.worker.reset_history)
         self._job: GenerationJob | None = None
         self._open: OpenRequest | None = None
         self._next_id = 1
@@ -205,6 +216,10 @@ class EngineController(QObject):
         self._job = job
         self.generate_requested.emit(job)
         return job
+
+    def reset_history(self) -> None:
+        """Ask the worker to forget the model's routing heat (runs after any generation)."""
+        self.reset_history_requested.emit()
 
     def job_done(self) -> None:
         """Called by the GUI when the current job's finished / failed event arrived."""

@@ -304,7 +304,6 @@ class MainWindow(QMainWindow):
             sb.addPermanentWidget(lab)
 
         QShortcut(QKeySequence(Qt.Key_Escape), self, activated=self._escape)
-        QShortcut(QKeySequence("Ctrl+L"), self, activated=self.focus_input)
         self.resize(1400, 900)
 
     def _build_menus(self) -> None:
@@ -417,7 +416,6 @@ class MainWindow(QMainWindow):
             v = self.chat.view(g.asst_id)
             if v is not None:
                 v.set_content(g.text + g.pending, STREAMING)
-                v._text = g.text + g.pending
                 g.text, g.pending = g.text + g.pending, ""
         self._refresh_list()
 
@@ -677,6 +675,8 @@ class MainWindow(QMainWindow):
             return
         dlg = SettingsDialog(self.settings, self)
         dlg.applied.connect(self.apply_settings)
+        if hasattr(dlg, "reset_history_requested"):
+            dlg.reset_history_requested.connect(self.reset_routing_history)
         self._show_dialog(dlg)
 
     def open_wizard(self) -> None:
@@ -719,6 +719,11 @@ class MainWindow(QMainWindow):
         if needs_reload:
             cm = new.current_model
             self.open_model(cm if cm and Path(cm).exists() else None)
+
+    def reset_routing_history(self) -> None:
+        """Forget the open model's routing heat and pins (on the worker thread)."""
+        self.controller.reset_history()
+        self.statusBar().showMessage("Routing history reset", 4000)
 
     @Slot(str)
     def use_model(self, store: str) -> None:

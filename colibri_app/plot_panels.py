@@ -207,8 +207,6 @@ class PlotPanels(QWidget):
         # 2. SSD MB per token: demand below, speculative stacked on top
         self.ssd_plot = _plot("MB / token")
         sp = self.ssd_plot.getPlotItem()
-        sp.enableAutoRange(y=True)
-        sp.setLimits(yMin=0)
         self.curve_total = sp.plot(pen=pg.mkPen(C_SPEC, width=1.2), fillLevel=0, brush=pg.mkBrush(*C_SPEC, 110))
         self.curve_demand = sp.plot(pen=pg.mkPen(C_DEMAND, width=1.2), fillLevel=0,
                                     brush=pg.mkBrush(*C_DEMAND, 150))
@@ -255,6 +253,19 @@ class PlotPanels(QWidget):
         for c, stretch in zip(self.cards, (2, 2, 2, 3)):
             lay.addWidget(c, stretch)
 
+        # sensible empty views until data arrives
+        for w in (self.hit_plot, self.ssd_plot, self.ram_plot):
+            w.getPlotItem().setXRange(0, 50, padding=0.02)
+        sp.setYRange(0, 1, padding=0)
+        rp.setYRange(0, 1, padding=0)
+        self.heat_hint = pg.TextItem("the map fills in while the model answers", color=(150, 156, 168), anchor=(0.5, 0.5))
+        hm.addItem(self.heat_hint)
+        hm.setXRange(0, 8, padding=0)
+        hm.setYRange(0, 2, padding=0)
+        self.heat_hint.setPos(4, 1)
+        for ax in ("left", "bottom"):
+            hm.getAxis(ax).setTicks([[]])
+
         self.timer = QTimer(self)
         self.timer.setInterval(REDRAW_MS)
         self.timer.timeout.connect(self.redraw)
@@ -275,6 +286,9 @@ class PlotPanels(QWidget):
         hm.setYRange(0, ev.num_layers, padding=0)
         self._set_ticks(ev.num_layers, ev.num_experts)
         self._heat_shape = (ev.num_layers, ev.num_experts)
+        self.heat_hint.setPos(ev.num_experts / 2, ev.num_layers / 2)
+        self.heat_hint.setVisible(True)
+        self.heat_item.clear()
         self._dirty_lines = self._dirty_heat = True
 
     def new_generation(self) -> None:
@@ -309,6 +323,7 @@ class PlotPanels(QWidget):
             self._draw_lines()
         if self._dirty_heat and self.snapshot is not None:
             self._dirty_heat = False
+            self.heat_hint.setVisible(False)
             self.heat_image = residency_rgb(self.snapshot)
             s = self.snapshot
             self.heat_item.setImage(self.heat_image, levels=(0, 255), autoLevels=False)
@@ -342,6 +357,12 @@ class PlotPanels(QWidget):
             self.curve_demand.setData([], [])
             self.curve_total.setData([], [])
             self._set_ssd_legend(None)
+        x = self.hit_ring.x()
+        x0, x1 = (float(x[0]), float(x[-1])) if len(x) else (0.0, 0.0)
+        for w in (self.hit_plot, self.ssd_plot, self.ram_plot):
+            w.getPlotItem().setXRange(x0, max(x1, x0 + 50), padding=0.02)
+        if len(s[0]):
+            self.ssd_plot.getPlotItem().setYRange(0, max(0.05, float((s[1] + s[2]).max()) * 1.15), padding=0)
         r = self.ram_ring.view()
         self.budget_line.setPos(self.budget_gb)
         top = max(self.budget_gb, float(r[1].max()) if len(r[0]) else 0.0, 0.01) * 1.08

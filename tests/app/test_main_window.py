@@ -236,6 +236,10 @@ def test_keyboard_and_accessible_names(qtbot, make_window):
     assert win.conv_id is None and not win.chat.views
     assert win.act_new.shortcut().toString() == "Ctrl+N"
     assert win.act_focus.shortcut().toString() == "Ctrl+L"
+    win.activateWindow()
+    win.sidebar.search.setFocus()
+    qtbot.keyClick(win, Qt.Key_L, Qt.ControlModifier)
+    qtbot.waitUntil(lambda: bool(win.chat.input.hasFocus()), timeout=2000)
     win.select_conversation(old)
     unnamed = [w for cls in (QAbstractButton, QLineEdit, QPlainTextEdit, QListWidget)
                for w in win.findChildren(cls) if not w.accessibleName()
@@ -294,6 +298,8 @@ def test_settings_applied_reload_and_sampling(qtbot, make_window, app_store):
     assert win.loaded is None
     qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=30000)
     assert win.loaded.cap_per_layer == 2
+    win.reset_routing_history()                         # Settings › reset history, on the worker
+    _send(qtbot, win, "y")
 
 
 def test_missing_dialog_modules_show_not_available(qtbot, make_window, monkeypatch):
@@ -344,3 +350,41 @@ def test_main_converts_default_model_with_progress(qtbot, app_dirs, app_store, m
     assert "loaded" in seen and seen["loaded"].store_path == app_store
     assert "Converting the default model… 40%" in seen["labels"]
     assert _engine_threads() == []
+
+
+def test_menu_dialogs_are_wired(qtbot, make_window, app_store):
+    """Settings…, Add model… and Models… open the other modules' dialogs; their signals act."""
+    pytest.importorskip("colibri_app.settings_dialog")
+    pytest.importorskip("colibri_app.wizard")
+    pytest.importorskip("colibri_app.library")
+    from colibri_app.library import ModelLibraryDialog
+    from colibri_app.settings_dialog import SettingsDialog
+    from colibri_app.settings_store import load_settings
+    from colibri_app.wizard import ModelWizard
+
+    win = make_window(max_new_tokens=2)
+    win.act_settings.trigger()
+    dlg = win._dialogs[-1]
+    assert isinstance(dlg, SettingsDialog) and dlg.isVisible()
+    new = replace(win.settings, sampling=SamplingParams(max_new_tokens=5))
+    dlg.applied.emit(new, False)
+    assert win.settings.sampling.max_new_tokens == 5 and win.loaded is not None   # no reload
+    assert load_settings()[0].sampling.max_new_tokens == 5
+    dlg.reject()
+
+    win.act_add.trigger()
+    wiz = win._dialogs[-1]
+    assert isinstance(wiz, ModelWizard)
+    wiz.model_ready.emit(app_store)
+    assert win.loaded is None                      # reopening
+    qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=30000)
+    assert load_settings()[0].current_model == app_store
+    wiz.reject()
+
+    win.act_models.trigger()
+    lib = win._dialogs[-1]
+    assert isinstance(lib, ModelLibraryDialog)
+    lib.current_changed.emit(app_store)
+    qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=30000)
+    lib.reject()
+    qtbot.waitUntil(lambda: not win._dialogs, timeout=3000)
