@@ -11,6 +11,7 @@ would arrive too late. Metrics and residency are rate-limited here (~10 Hz, late
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import traceback
@@ -24,6 +25,7 @@ from engine import (Engine, EngineConfig, EngineError, EngineFailure, Finished, 
 log = logging.getLogger(__name__)
 
 EMIT_INTERVAL_S = 0.1  # metrics / residency / progress: at most ~10 emits per second
+GIL_SWITCH_S = 0.001   # the GUI thread gets the GIL back within ~1 ms (Python's default: 5 ms)
 
 # Threads that did not end on shutdown (a hung engine): kept referenced, because destroying a
 # running QThread aborts the process. __main__ exits with os._exit when this is not empty.
@@ -194,6 +196,10 @@ class EngineController(QObject):
         self._open: OpenRequest | None = None
         self._next_id = 1
         self._shut = False
+        # The engine thread runs Python between its numba kernels; without this the GUI thread
+        # can wait a full switch interval per slot it runs while an answer streams.
+        if sys.getswitchinterval() > GIL_SWITCH_S:
+            sys.setswitchinterval(GIL_SWITCH_S)
         self.thread.start()
 
     @property

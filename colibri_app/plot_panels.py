@@ -8,6 +8,7 @@ redraws (``setData``) at most every ``REDRAW_MS`` when something changed (pyqtgr
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 import pyqtgraph as pg
@@ -20,6 +21,8 @@ REDRAW_MS = 100
 HISTORY = 600          # points kept per curve
 ROLLING = 12           # rolling-mean window (points)
 CELL_PX = 10           # heat-map cell size in image pixels (last row/column is the grid gap)
+X_STEP = 50            # token axes move in steps of this many tokens
+LEGEND_S = 0.3         # legend numbers refresh at most this often
 
 # Palette (shared with the legends).
 C_PINNED = (232, 145, 30)
@@ -88,6 +91,17 @@ class Ring:
     def clear(self) -> None:
         """Forget every point (capacity unchanged)."""
         self.count = self.i = 0
+
+
+def nice_ceiling(v: float, floor: float) -> float:
+    """The smallest 1 / 2 / 5 x 10^k at or above ``v`` (at least ``floor``): axis tops that
+    change rarely."""
+    v = max(v, floor)
+    e = 10.0 ** math.floor(math.log10(v))
+    for m in (1.0, 2.0, 5.0, 10.0):
+        if m * e >= v * (1 - 1e-9):
+            return m * e
+    return 10.0 * e
 
 
 def rolling_mean(y: np.ndarray, w: int) -> np.ndarray:
@@ -191,9 +205,11 @@ class PlotPanels(QWidget):
         self._last_index = -1
         self._dirty_lines = self._dirty_heat = False
         self._heat_shape = (0, 0)
+        self._ranges: dict = {}
+        self._legend_t = 0.0
 
         # 1. hit rate: stacked (pinned below, LRU above) + rolling mean
-        self.hit_plot = _plot("hit rate (%)")
+        self.hit_plot = _plot("%")
         hp = self.hit_plot.getPlotItem()
         hp.setYRange(0, 100, padding=0.02)
         self.curve_hit = hp.plot(pen=pg.mkPen(C_LRU, width=1.2), fillLevel=0,
@@ -205,7 +221,7 @@ class PlotPanels(QWidget):
         self._set_hit_legend(None)
 
         # 2. SSD MB per token: demand below, speculative stacked on top
-        self.ssd_plot = _plot("MB / token")
+        self.ssd_plot = _plot("MB")
         sp = self.ssd_plot.getPlotItem()
         self.curve_total = sp.plot(pen=pg.mkPen(C_SPEC, width=1.2), fillLevel=0, brush=pg.mkBrush(*C_SPEC, 110))
         self.curve_demand = sp.plot(pen=pg.mkPen(C_DEMAND, width=1.2), fillLevel=0,
@@ -214,7 +230,7 @@ class PlotPanels(QWidget):
         self._set_ssd_legend(None)
 
         # 3. RAM: RSS and expert cache vs the budget line (GB)
-        self.ram_plot = _plot("memory (GB)")
+        self.ram_plot = _plot("GB")
         rp = self.ram_plot.getPlotItem()
         self.curve_rss = rp.plot(pen=pg.mkPen(C_RSS, width=2))
         self.curve_cache = rp.plot(pen=pg.mkPen(C_CACHE, width=2), fillLevel=0, brush=pg.mkBrush(*C_CACHE, 60))
@@ -245,9 +261,9 @@ class PlotPanels(QWidget):
         lay.setContentsMargins(8, 8, 8, 8)
         lay.setSpacing(8)
         self.cards = [
-            _Card("Expert cache hit rate", self.hit_plot, self.hit_legend, "Hit rate panel"),
-            _Card("SSD traffic", self.ssd_plot, self.ssd_legend, "SSD traffic panel"),
-            _Card("RAM vs budget", self.ram_plot, self.ram_legend, "RAM panel"),
+            _Card("Expert cache hit rate per token (%)", self.hit_plot, self.hit_legend, "Hit rate panel"),
+            _Card("SSD reads per token (MB)", self.ssd_plot, self.ssd_legend, "SSD traffic panel"),
+            _Card("RAM vs budget (GB)", self.ram_plot, self.ram_legend, "RAM panel"),
             _Card(self.heat_title, self.heat_plot, self.heat_legend, "Residency heat map panel"),
         ]
         for c, stretch in zip(self.cards, (2, 2, 2, 3)):
@@ -337,44 +353,65 @@ class PlotPanels(QWidget):
         self.redraws += 1
 
     def _draw_lines(self) -> None:
+        # Ranges move in steps and legends refresh at ~3 Hz: every range change re-lays out an
+        # axis and every label change re-lays out the card, which costs more than the curves.
+        now = time.monotonic()
+        legends = now - self._legend_t >= LEGEND_S
+        if legends:
+            self._legend_t = now
         h = self.hit_ring.view()
         x = h[0]
         if len(x):
+            mean = rolling_mean(h[3], ROLLING)
             self.curve_pinned.setData(x, h[1], skipFiniteCheck=True)
             self.curve_hit.setData(x, h[2], skipFiniteCheck=True)
-            self.curve_mean.setData(x, rolling_mean(h[3], ROLLING), skipFiniteCheck=True)
-            self._set_hit_legend((h[1][-1], h[2][-1] - h[1][-1], float(rolling_mean(h[3], ROLLING)[-1])))
+            self.curve_mean.setData(x, mean, skipFiniteCheck=True)
+            if legends:
+                self._set_hit_legend((h[1][-1], h[2][-1] - h[1][-1], float(mean[-1])))
         else:
             for c in (self.curve_pinned, self.curve_hit, self.curve_mean):
                 c.setData([], [])
             self._set_hit_legend(None)
         s = self.ssd_ring.view()
         if len(s[0]):
+            total = s[1] + s[2]
             self.curve_demand.setData(s[0], s[1], skipFiniteCheck=True)
-            self.curve_total.setData(s[0], s[1] + s[2], skipFiniteCheck=True)
-            self._set_ssd_legend((float(s[1][-ROLLING:].mean()), float(s[2][-ROLLING:].mean())))
+            self.curve_total.setData(s[0], total, skipFiniteCheck=True)
+            if legends:
+                self._set_ssd_legend((float(s[1][-ROLLING:].mean()), float(s[2][-ROLLING:].mean())))
+            self._set_range(self.ssd_plot, "y", 0.0, nice_ceiling(float(total.max()) * 1.1, 0.05))
         else:
             self.curve_demand.setData([], [])
             self.curve_total.setData([], [])
             self._set_ssd_legend(None)
-        x = self.hit_ring.x()
-        x0, x1 = (float(x[0]), float(x[-1])) if len(x) else (0.0, 0.0)
+        x0 = math.floor(float(x[0]) / X_STEP) * X_STEP if len(x) else 0.0
+        x1 = max(math.ceil((float(x[-1]) + 1) / X_STEP) * X_STEP if len(x) else 0.0, x0 + X_STEP)
         for w in (self.hit_plot, self.ssd_plot, self.ram_plot):
-            w.getPlotItem().setXRange(x0, max(x1, x0 + 50), padding=0.02)
-        if len(s[0]):
-            self.ssd_plot.getPlotItem().setYRange(0, max(0.05, float((s[1] + s[2]).max()) * 1.15), padding=0)
+            self._set_range(w, "x", x0, x1)
         r = self.ram_ring.view()
         self.budget_line.setPos(self.budget_gb)
         top = max(self.budget_gb, float(r[1].max()) if len(r[0]) else 0.0, 0.01) * 1.08
-        self.ram_plot.getPlotItem().setYRange(0, top, padding=0)
+        self._set_range(self.ram_plot, "y", 0.0, nice_ceiling(top, 0.05))
         if len(r[0]):
             self.curve_rss.setData(r[0], r[1], skipFiniteCheck=True)
             self.curve_cache.setData(r[0], r[2], skipFiniteCheck=True)
-            self._set_ram_legend((float(r[1][-1]), float(r[2][-1]), self.budget_gb))
+            if legends:
+                self._set_ram_legend((float(r[1][-1]), float(r[2][-1]), self.budget_gb))
         else:
             self.curve_rss.setData([], [])
             self.curve_cache.setData([], [])
             self._set_ram_legend((None, None, self.budget_gb) if self.budget_gb else None)
+
+    def _set_range(self, w: pg.PlotWidget, axis: str, lo: float, hi: float) -> None:
+        key = (id(w), axis)
+        if self._ranges.get(key) == (lo, hi):
+            return
+        self._ranges[key] = (lo, hi)
+        p = w.getPlotItem()
+        if axis == "x":
+            p.setXRange(lo, hi, padding=0.02)
+        else:
+            p.setYRange(lo, hi, padding=0)
 
     def _set_ticks(self, layers: int, experts: int) -> None:
         hm = self.heat_plot.getPlotItem()
@@ -395,7 +432,7 @@ class PlotPanels(QWidget):
         d, s = ("–", "–") if v is None else (f"{v[0]:.2f}", f"{v[1]:.2f}")
         self.ssd_legend.setText(" &nbsp; ".join([
             _swatch(C_DEMAND, f"demand {d} MB"), _swatch(C_SPEC, f"speculative {s} MB"),
-            "<span style='color:#80868b'>(stacked, per token)</span>"]))
+            "<span style='color:#80868b'>(stacked)</span>"]))
 
     def _set_ram_legend(self, v) -> None:
         fmt = lambda x: "–" if x is None else f"{x:.2f} GB"  # noqa: E731

@@ -36,7 +36,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "docs" / "screenshot.png"))
     ap.add_argument("--size", default="1400x900")
-    ap.add_argument("--cap", type=int, default=12, help="expert slots per layer (smaller = more streaming)")
+    ap.add_argument("--cap", type=int, default=24,
+                    help="expert slots per layer (fewer = more streaming from the SSD)")
+    ap.add_argument("--store", help="an already converted store to use instead of the default model")
     ap.add_argument("--budget-gb", type=float, default=0.6,
                     help="RAM budget (GB) so the RAM panel shows a binding budget; 0 = automatic")
     ap.add_argument("--timeout", type=float, default=300.0)
@@ -46,7 +48,7 @@ def main(argv=None) -> int:
     os.environ["COLIBRI_DATA_DIR"] = str(tmp / "data")
     os.environ["COLIBRI_CONFIG_DIR"] = str(tmp / "config")
 
-    from PySide6.QtCore import QEventLoop
+    from PySide6.QtCore import QEventLoop, Qt
     from PySide6.QtWidgets import QApplication
 
     from colibri_app.main_window import MainWindow
@@ -54,7 +56,10 @@ def main(argv=None) -> int:
     from colibri_app.settings_store import Settings
     from engine import EngineConfig, SamplingParams, default_model_dir
 
-    if (default_model_dir() / "config.json").exists():
+    if a.store:
+        store, prompts = a.store, ["What does `json.dumps` do?", "Write a function that returns the number of items in a container."]
+        print(f"model: {a.store}")
+    elif (default_model_dir() / "config.json").exists():
         store, prompts = None, ["What does `json.dumps` do?", "Write a function that returns the number of items in a container."]
         print(f"model: bundled default model ({default_model_dir()})")
     else:
@@ -73,7 +78,7 @@ def main(argv=None) -> int:
     win.resize(w, h)
     win.show()
     win.splitter.setSizes([230, w - 230])
-    win.resizeDocks([win.dock], [470], __import__("PySide6.QtCore", fromlist=["Qt"]).Qt.Horizontal)
+    win.resizeDocks([win.dock], [470], Qt.Horizontal)
     deadline = time.monotonic() + a.timeout
 
     def pump(cond, what: str) -> None:
@@ -83,6 +88,13 @@ def main(argv=None) -> int:
             app.processEvents(QEventLoop.AllEvents, 50)
             time.sleep(0.01)
 
+    try:
+        return _run(a, app, win, prompts, pump)
+    finally:
+        win.close()   # stops the engine thread even when we give up
+
+
+def _run(a, app, win, prompts, pump) -> int:
     win.start()
     pump(lambda: win.loaded is not None or win.banner.isVisible() and win.banner.kind == "store", "the model")
     if win.loaded is None:
@@ -96,7 +108,7 @@ def main(argv=None) -> int:
     win.controller.worker.token.connect(tokens.append)
     win.send(prompts[1])
     p = win.panels
-    pump(lambda: len(tokens) >= 60 or win.gen is None, "streamed tokens")
+    pump(lambda: len(tokens) >= 70 or win.gen is None, "streamed tokens")
     pump(lambda: len(p.hit_ring) >= 5 and p.heat_image is not None and p.redraws > 3, "panel data")
     t_end = time.monotonic() + 0.3   # one more panel redraw
     pump(lambda: time.monotonic() > t_end, "redraw")
@@ -107,7 +119,6 @@ def main(argv=None) -> int:
         raise SystemExit(f"could not write {out}")
     print(f"saved {out} ({img.width()}x{img.height()}); {len(tokens)} tokens streamed, "
           f"{len(p.hit_ring)} metric points, generating={win.gen is not None}")
-    win.close()
     return 0
 
 
