@@ -108,10 +108,14 @@ def _run(a, app, win, prompts, pump) -> int:
     win.controller.worker.token.connect(tokens.append)
     win.send(prompts[1])
     p = win.panels
-    pump(lambda: len(tokens) >= 70 or win.gen is None, "streamed tokens")
-    pump(lambda: len(p.hit_ring) >= 5 and p.heat_image is not None and p.redraws > 3, "panel data")
-    t_end = time.monotonic() + 0.3   # one more panel redraw
-    pump(lambda: time.monotonic() > t_end, "redraw")
+    # capture mid-answer, once the panels hold real data
+    pump(lambda: (len(tokens) >= 60 and len(p.hit_ring) >= 5 and p.heat_image is not None) or win.gen is None,
+         "streamed tokens and panel data")
+    if len(p.hit_ring) < 5 or p.heat_image is None:
+        raise SystemExit("the answer ended before the panels had data; try again")
+    win._flush_stream()
+    p.redraw()
+    app.processEvents()
     img = win.grab()
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
