@@ -22,10 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from .errors import ExpertReadError
+from .errors import EngineError, ExpertReadError
 from .events import ABSENT, LOADING, PINNED, RESIDENT
 
 FREE = 0
+STALL_TIMEOUT_S = 60.0  # an acquire that cannot get a slot this long is a bug: fail, never hang
 _LOADING = 1
 _RESIDENT = 2
 
@@ -291,10 +292,19 @@ class ExpertCache:
                     self.stats.misses += 1
                     if s < 0:  # else loading (a speculation in flight): acquire waits for it
                         missing.append(e)
+            # While reserving, this call's hits are held busy so a miss never evicts an expert
+            # the same call is about to use; misses that find no other victim load in acquire,
+            # after the call's earlier experts have been used and become evictable.
+            held = [self.where[layer, e] for e in experts if (layer, int(e)) in self._counted_hit]
+            for s in held:
+                self.slot_busy[layer, s] += 1
             for e in missing:
                 slot = self._reserve(layer, e)
-                if slot >= 0:
-                    jobs.append((e, slot))
+                if slot < 0:
+                    break
+                jobs.append((e, slot))
+            for s in held:
+                self.slot_busy[layer, s] -= 1
         for e, slot in jobs:
             self._pool.submit(self._load, layer, e, slot, False)
 
@@ -330,6 +340,10 @@ class ExpertCache:
                             self.lock.acquire()
                         continue
                 self.cond.wait(0.05)
+                if time.perf_counter() - t0 > STALL_TIMEOUT_S:
+                    raise EngineError(
+                        f"expert {expert} of layer {layer} found no cache slot for {STALL_TIMEOUT_S:.0f} s "
+                        f"(cap {self.layers[layer].cap}); raise the cap or the RAM budget")
             if t0 is not None:
                 self.stats.felt_wait_s += time.perf_counter() - t0
             self._counted_hit.discard((layer, expert))

@@ -144,8 +144,12 @@ class OlmoeModel:
                 "o_proj": Linear(dense, p + "o_proj", dq, group_size),
             })
         L, Hkv, S = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
-        self.k_cache = np.zeros((L, Hkv, self.C, S), dtype=np.float32)  # [L, Hkv, C, S]
-        self.v_cache = np.zeros((L, Hkv, self.C, S), dtype=np.float32)
+        # Filled (not np.zeros, whose pages appear lazily) so the KV the budget reserves is
+        # resident from the start: RSS then matches the plan instead of creeping up later.
+        self.k_cache = np.empty((L, Hkv, self.C, S), dtype=np.float32)  # [L, Hkv, C, S]
+        self.v_cache = np.empty((L, Hkv, self.C, S), dtype=np.float32)
+        self.k_cache.fill(0.0)
+        self.v_cache.fill(0.0)
         self.cos, self.sin = rope_tables(S, a.rope_theta, self.C)  # [C, S/2]
         self.scale = np.float32(S ** -0.5)
         # Observers: routing (layer, idx[T, K]) and PILOT hooks; set by the engine.
