@@ -70,7 +70,7 @@ def answers(store: Path, questions) -> list[dict]:
 
 
 def main() -> int:
-    src = default_model_dir()
+    src = Path(sys.argv[1]) if len(sys.argv) > 1 else default_model_dir()
     seqs = heldout(src)
     questions = json.loads((src / "questions.json").read_text())
     with tempfile.TemporaryDirectory() as tmp:
