@@ -338,16 +338,6 @@ def cmd_pilot(a) -> int:
 
 # --- decode vs transformers ----------------------------------------------------------------------
 
-def _numpy_bandwidth() -> float:
-    a = np.ones(64 << 20, dtype=np.uint8)
-    best = 0.0
-    for _ in range(5):
-        t0 = time.perf_counter()
-        a.max()  # reads every byte once
-        best = max(best, a.nbytes / (time.perf_counter() - t0))
-    return best
-
-
 def _decode_ours(store: str, prompt: list, forced: list, tokens: int) -> dict:
     """Our engine, all experts resident: decode/prefill tok/s, bytes/token, time outside numba."""
     from .config import EngineConfig
