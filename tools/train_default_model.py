@@ -670,7 +670,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, default=50.0, help="training wall-clock budget")
     ap.add_argument("--steps", type=int, default=0,
-                    help="fixed number of steps for the LR schedule (0 = schedule by time budget)")
+                    help="train this many steps unless --minutes runs out first; the cosine follows "
+                         "whichever of steps/N and time/budget is further along (0 = by time only)")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--heldout-frac", type=float, default=0.05)
@@ -901,7 +902,7 @@ def main(argv=None) -> int:
         elapsed = time.time() - t_loop
         if elapsed >= budget or (args.steps and step >= args.steps):
             break
-        frac = step / args.steps if args.steps else elapsed / budget
+        frac = max(step / args.steps, elapsed / budget) if args.steps else elapsed / budget
         lr = lr_at(step, frac)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -1042,8 +1043,9 @@ def main(argv=None) -> int:
                      "function over all layers at once, which pools the layers' expert counts "
                      "and so does not balance each layer"),
             "lr_peak": args.lr, "lr_min": args.lr * args.min_lr_frac, "warmup_steps": args.warmup,
-            "schedule": "linear warmup, cosine decay over " + (f"{args.steps} steps" if args.steps
-                                                              else f"the {args.minutes}-minute budget"),
+            "schedule": "linear warmup, cosine decay over " + (
+                f"{args.steps} steps or the {args.minutes}-minute budget, whichever is further along"
+                if args.steps else f"the {args.minutes}-minute budget"),
             "batch": args.batch, "seq_len": args.seq_len, "grad_clip": 1.0, "seed": args.seed,
             "steps": step, "tokens_seen": tokens, "train_seconds": round(t_train, 1),
             "loop_seconds": round(loop_seconds, 1), "budget_minutes": args.minutes,
