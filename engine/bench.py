@@ -11,6 +11,8 @@ clock. Subcommands:
   cache           streaming at several caps: hit rate, MB/token, felt wait, read service, tok/s
   pilot           PILOT A/B: each arm a fresh process, frozen heat restored, reps reversed
   disk            O_DIRECT read bandwidth of expert slabs (QD1 and QD4)
+  gguf, peers     llama.cpp (Q8_0 GGUF) and transformers beside our engine, in cgroup memory
+                  limits (engine/bench_peers.py)
 """
 
 from __future__ import annotations
@@ -192,11 +194,20 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
     from .events import Finished, GenerateRequest, SamplingParams, StepMetrics
     from .generate import Engine
     from .prof import Profile
-    cfg = EngineConfig(store=store, **cfg_over).validated()
+    over = {k: v for k, v in cfg_over.items() if k != "warm_all"}
+    cfg = EngineConfig(store=store, **over).validated()
     t_open = time.perf_counter()
     eng = Engine.open(cfg)
     open_s = time.perf_counter() - t_open
     try:
+        if cfg_over.get("warm_all"):
+            # "All resident": every expert loaded before the first token (not counted).
+            E = eng.args.num_experts
+            for layer in range(eng.args.num_hidden_layers):
+                eng.cache.prepare(layer, np.arange(E))
+                for e in range(E):
+                    eng.cache.acquire(layer, e)
+                    eng.cache.release(layer, e)
         V = eng.args.vocab_size
         if prompt_text is not None:
             req = GenerateRequest(prompt=prompt_text, sampling=SamplingParams(max_new_tokens=tokens))
@@ -236,6 +247,18 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
                    "spec_issued", "spec_completed", "spec_dropped_stale", "spec_dropped_guard",
                    "spec_dropped_full", "spec_used", "spec_wasted_bytes")},
                "pilot_recall": recall, "demand_bytes": sum(m.demand_bytes for m in steps)}
+        # Decode only (steps after the first: the first covers the prompt's prefill and the
+        # first token, where PILOT does not run); these are what tok/s and the ceiling compare.
+        dec = steps[1:]
+        n = max(len(dec), 1)
+        look = sum(m.hits + m.misses for m in dec)
+        row.update(
+            decode_hit_rate=sum(m.hits for m in dec) / look if look else 1.0,
+            decode_mb_per_token=sum(m.demand_bytes + m.speculative_bytes for m in dec) / 1e6 / n,
+            decode_demand_mb_per_token=sum(m.demand_bytes for m in dec) / 1e6 / n,
+            decode_spec_mb_per_token=sum(m.speculative_bytes for m in dec) / 1e6 / n,
+            decode_felt_wait_s=sum(m.felt_wait_s for m in dec),
+            decode_read_service_s=sum(m.read_service_s for m in dec))
         return row
     finally:
         eng.close()
@@ -333,6 +356,82 @@ def cmd_pilot(a) -> int:
     table += f"\n\nDistinct generated-id hashes across all arms: {len(shas)} (1 = byte-identical)."
     write_results(a.name, {"machine": machine_info(), "store": a.store, "rows": rows, "cap": a.cap,
                            "prompt_len": a.prompt_len, "tokens": a.tokens}, table)
+    return 0
+
+
+# --- decode matrix (issue: benchmarks at real scale) -----------------------------------------------
+
+def cmd_matrix(a) -> int:
+    """RAM budget x PILOT mode x workers on one store, every cell a fresh process, cold, O_DIRECT.
+
+    The I/O-bound ceiling of a cell is 1 / max(compute s/token, demand bytes/token / disk B/s):
+    compute s/token is the all-resident pilot-0 cell's decode time per token (no I/O at all),
+    disk B/s the O_DIRECT slab bandwidth measured at queue depth ``--qd`` before the cells.
+    """
+    disk = measure_disk(a.store, qd=a.qd)
+    bw = disk[f"qd{a.qd}_gbps"] * 1e9
+    budgets = [None if b in ("all", "0") else float(b) for b in a.budgets]
+    cells = []
+    for b in budgets:
+        for p in a.modes:
+            for w in (a.workers if p > 0 else [1]):
+                over = dict(pilot=p, pilot_workers=w, o_direct=True, pinning=False, history=False,
+                            context_length=a.context)
+                if b is None:
+                    over.update(cap=10 ** 6, warm_all=True)  # the planner clips it to num_experts
+                else:
+                    over.update(ram_budget_gb=b)
+                cells.append((b, over))
+    # all-resident first: its pilot-0 cell gives the compute time per token
+    cells.sort(key=lambda c: (c[0] is not None, c[0] or 0))
+    rows = []
+    for rep in range(a.reps):
+        seq = cells if rep % 2 == 0 else [cells[0]] + list(reversed(cells[1:]))
+        for b, over in seq:
+            try:
+                r = _arm_subprocess(a.store, over, a.prompt_len, a.tokens, a.seed)
+            except RuntimeError as e:  # e.g. a budget below what the dense weights need
+                r = {**over, "error": str(e).splitlines()[-1][:300], "hit_rate": None}
+            r["budget_gb"] = b if b is not None else "all"
+            r["rep"] = rep
+            rows.append(r)
+            print(f"budget {r['budget_gb']} pilot {over['pilot']} w{over['pilot_workers']}: "
+                  + (f"cap {r['cap']} decode: hit {100 * r['decode_hit_rate']:.1f}% "
+                     f"{r['decode_mb_per_token']:.0f} MB/t felt {r['decode_felt_wait_s']:.2f}s "
+                     f"{r['tok_per_s']:.2f} tok/s RSS {r['peak_rss_gb']:.2f} GB"
+                     if r.get("hit_rate") is not None else f"error {r['error']}"), flush=True)
+    base = [r for r in rows if r["budget_gb"] == "all" and r["pilot"] == 0 and r.get("tokens")]
+    compute_s = float(np.median([r["decode_s"] / max(r["tokens"] - 1, 1) for r in base])) if base else None
+    for r in rows:
+        if r.get("hit_rate") is None or compute_s is None:
+            continue
+        n = max(r["tokens"], 1)
+        io_s = r["decode_demand_mb_per_token"] * 1e6 / bw
+        r["compute_s_per_token"] = compute_s
+        r["io_s_per_token"] = io_s
+        r["ceiling_tok_per_s"] = 1.0 / max(compute_s, io_s)
+        r["of_ceiling"] = r["tok_per_s"] / r["ceiling_tok_per_s"]
+        del n
+    table = md_table([r for r in rows if r.get("hit_rate") is not None], [
+        ("rep", "rep", "d"), ("budget GB", "budget_gb", ""), ("pilot", "pilot", "d"), ("workers", "pilot_workers", "d"),
+        ("cap", "cap", "d"), ("hit %", "decode_hit_rate", ".1%"), ("MB/token", "decode_mb_per_token", ".0f"),
+        ("felt wait s", "decode_felt_wait_s", ".2f"), ("read service s", "decode_read_service_s", ".2f"),
+        ("tok/s", "tok_per_s", ".2f"), ("ceiling tok/s", "ceiling_tok_per_s", ".2f"),
+        ("of ceiling", "of_ceiling", ".0%"), ("peak RSS GB", "peak_rss_gb", ".2f"),
+        ("distinct experts", "distinct_experts", "d"), ("sha256(ids)", "sha256_ids", "")])
+    errs = [r for r in rows if r.get("hit_rate") is None]
+    head = ("Decode-only columns (the prompt's prefill is excluded from hit %, MB/token, felt wait).\n"
+            f"O_DIRECT slab reads: {disk['qd1_gbps']:.2f} GB/s QD1, {disk[f'qd{a.qd}_gbps']:.2f} GB/s QD{a.qd} "
+            f"({disk['slab_mb']:.2f} MB slabs); compute per token (all resident, pilot 0): "
+            f"{compute_s if compute_s is not None else float('nan'):.3f} s; forced stream of {a.prompt_len} + "
+            f"{a.tokens} tokens, seed {a.seed}\n\n")
+    if errs:
+        table += "\n\nFailed cells: " + "; ".join(f"budget {r['budget_gb']} pilot {r['pilot']}: {r['error']}" for r in errs)
+    shas = {r["sha256_ids"] for r in rows if r.get("sha256_ids")}
+    table += f"\n\nDistinct generated-id hashes across all cells: {len(shas)} (1 = byte-identical)."
+    write_results(a.name, {"machine": machine_info(), "store": a.store, "disk": disk, "rows": rows,
+                           "compute_s_per_token": compute_s, "prompt_len": a.prompt_len, "tokens": a.tokens,
+                           "seed": a.seed}, head + table)
     return 0
 
 
@@ -497,6 +596,46 @@ def cmd_replay(a) -> int:
     return 0
 
 
+def cmd_trace_heldout(a) -> int:
+    """Record a routing trace of the trained default model over its held-out text.
+
+    Each held-out sequence (``heldout_sample.jsonl`` next to the checkpoint) is a real chat or
+    source excerpt: the part up to the first assistant marker (or its first 16 tokens) is the
+    prompt, the rest is teacher forced, so the routing is the model's real routing on text it
+    never trained on. All sequences run in one engine session, like a user's chats; pinning on,
+    history off, PILOT 1 (its predictions go into the trace).
+    """
+    from .config import EngineConfig
+    from .default_model import default_model_dir, default_store
+    from .events import Finished, GenerateRequest, SamplingParams
+    from .generate import Engine
+    from .trace import TraceRecorder
+    src = Path(a.model_dir) if a.model_dir else default_model_dir()
+    store = a.store or str(default_store())
+    seqs = [json.loads(x)["ids"] for x in (src / "heldout_sample.jsonl").read_text().splitlines() if x.strip()]
+    seqs = seqs[:a.sequences]
+    cfg = EngineConfig(store=store, cap=a.cap or None, pilot=1, pinning=True, history=False).validated()
+    with Engine.open(cfg) as eng:
+        rec = TraceRecorder(eng)
+        marker = eng.tokenizer.token_to_id("<|assistant|>") if hasattr(eng.tokenizer, "token_to_id") else None
+        n_tok = 0
+        for ids in seqs:
+            ids = ids[:eng.args.max_position_embeddings - 1]
+            cut = ids.index(marker) + 2 if marker is not None and marker in ids[:-3] else min(16, len(ids) - 1)
+            req = GenerateRequest(prompt_ids=tuple(ids[:cut]), forced_ids=tuple(ids[cut:]),
+                                  sampling=SamplingParams(max_new_tokens=len(ids) - cut))
+            for ev in eng.generate(req):
+                if isinstance(ev, Finished):
+                    if ev.finish_reason == "error":
+                        raise RuntimeError(ev.error)
+                    n_tok += ev.generated_tokens
+        rec.save(a.out)
+        recall = eng.pilot.recall() if eng.pilot is not None else []
+    print(f"trace of {len(seqs)} held-out sequences ({n_tok} decoded tokens) -> {a.out}; "
+          f"PILOT=1 recall per layer: {' '.join(f'{r:.2f}' for r in recall)}")
+    return 0
+
+
 def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown in bench/results/)")
     bs = b.add_subparsers(dest="bench_cmd", required=True)
@@ -564,6 +703,28 @@ def add_bench_parser(sub) -> None:
     q.add_argument("--name", default="replay")
     q.set_defaults(fn=cmd_replay)
 
+    mx = bs.add_parser("matrix", help="RAM budget x PILOT x workers, cold, O_DIRECT, with the I/O-bound ceiling")
+    mx.add_argument("--store", default="bench/work/olmoe-1b-7b-int8")
+    mx.add_argument("--budgets", nargs="+", default=["2", "4", "8", "all"], help="GB, or 'all' (all resident)")
+    mx.add_argument("--modes", type=int, nargs="+", default=[0, 1, 2, 3])
+    mx.add_argument("--workers", type=int, nargs="+", default=[1, 4])
+    mx.add_argument("--reps", type=int, default=1)
+    mx.add_argument("--prompt-len", type=int, default=16)
+    mx.add_argument("--tokens", type=int, default=32)
+    mx.add_argument("--qd", type=int, default=4)
+    mx.add_argument("--context", type=int, default=512, help="KV cache length (tokens) of every cell")
+    mx.add_argument("--seed", type=int, default=0)
+    mx.add_argument("--name", default="matrix_olmoe_1b_7b")
+    mx.set_defaults(fn=cmd_matrix)
+
+    th = bs.add_parser("trace-heldout", help="routing trace of the default model over its held-out text")
+    th.add_argument("--model-dir", default=None, help="checkpoint folder with heldout_sample.jsonl (default: bundled)")
+    th.add_argument("--store", default=None, help="converted store of it (default: the bundled model's)")
+    th.add_argument("--sequences", type=int, default=64)
+    th.add_argument("--cap", type=int, default=0, help="cap while recording (0 = auto)")
+    th.add_argument("--out", default="bench/work/trace_default.jsonl")
+    th.set_defaults(fn=cmd_trace_heldout)
+
     r = bs.add_parser("arm", help=argparse.SUPPRESS)
     r.add_argument("--store", required=True)
     r.add_argument("--config", required=True)
@@ -572,3 +733,6 @@ def add_bench_parser(sub) -> None:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--prompt-text", default=None)
     r.set_defaults(fn=cmd_arm)
+
+    from .bench_peers import add_peers_parsers
+    add_peers_parsers(bs)

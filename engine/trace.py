@@ -31,7 +31,7 @@ class TraceRecorder:
         self.header = {"format": TRACE_FORMAT, "version": 1, "num_layers": c.L, "num_experts": c.E,
                        "top_k": engine.args.num_experts_per_tok, "cap": c.cap, "policy": c.policy,
                        "pins": [np.nonzero(r)[0].tolist() for r in c.pinned],
-                       "heat": c.heat.tolist()}
+                       "heat": c.heat.tolist(), "pin_per_layer": engine.config.pin_per_layer}
         self.records: list[dict] = []
         self._forward = 0
         model = engine.model
@@ -88,8 +88,28 @@ class _NullStore:
         return {}
 
 
+def _pins_at(heat: np.ndarray, cap: int, pin_per_layer: int) -> np.ndarray:
+    """The pin set the engine would choose at ``cap`` (``Engine._pins_per_layer`` and
+    ``RoutingHeat.choose_pins``): the n hottest experts per layer, n = pin_per_layer or cap // 4,
+    at most cap - 1, ties to the lower id, never an expert with zero count."""
+    n = max(0, min(pin_per_layer or cap // 4, cap - 1))
+    out = np.zeros(heat.shape, bool)
+    if n <= 0:
+        return out
+    for layer in range(heat.shape[0]):
+        order = np.argsort(-heat[layer], kind="stable")[:n]
+        out[layer, [e for e in order if heat[layer, e] > 0]] = True
+    return out
+
+
 def replay_policy(head: dict, records: list[dict], cap: int, policy: str, pinning: bool) -> dict:
-    """Hit/miss counts of the engine's cache (same class, same call order) on a trace."""
+    """Hit/miss counts of the engine's cache (same class, same call order) on a trace.
+
+    With ``pinning``, each recorded pin event re-chooses the pins the engine would choose at
+    this ``cap`` from the routing heat accumulated up to that point (at the recording cap that is
+    exactly the recorded pin set), so one trace serves every cap. Initial (pre-warmed) pins
+    come from the header as recorded.
+    """
     from .expert_cache import ExpertCache
     L, E = head["num_layers"], head["num_experts"]
     heat = np.asarray(head["heat"], dtype=np.int64).copy()
@@ -109,10 +129,7 @@ def replay_policy(head: dict, records: list[dict], cap: int, policy: str, pinnin
         for r in records:
             if "pin" in r:
                 if pinning:
-                    p = np.zeros((L, E), bool)
-                    for layer, ids in enumerate(r["pin"]):
-                        p[layer, ids] = True
-                    cache.set_pinned(p)
+                    cache.set_pinned(_pins_at(heat, cap, int(head.get("pin_per_layer") or 0)))
                 continue
             layer = r["l"]
             idx = np.asarray(r["idx"], dtype=np.int64)
