@@ -1,0 +1,633 @@
+"""``colibri bench gguf`` / ``colibri bench peers``: llama.cpp and transformers beside our engine.
+
+gguf   writes a Q8_0 GGUF of an OLMoE Hugging Face checkpoint in llama.cpp's "olmoe" layout
+       (what llama.cpp's convert_hf_to_gguf.py writes for OlmoeForCausalLM), streaming: one
+       tensor (or one expert) in memory at a time.
+peers  decodes the same forced token stream with each system in a fresh process, all weights
+       resident and inside cgroup v1 memory limits, every arm after a page-cache drop, and
+       reports tok/s, peak RSS and the bytes each decoded token read from the block device.
+
+llama.cpp's OLMoE conventions this writer follows (src/models/olmoe.cpp, convert_hf_to_gguf.py):
+  - RoPE is NEOX style (rotate-half, as in transformers), so attn_q / attn_k are written
+    unpermuted (the Llama converter's permutation does not apply).
+  - attn_q_norm / attn_k_norm are full-width vectors applied before the head reshape, both of
+    shape {n_embd}: grouped-query attention (k_norm narrower than n_embd) cannot load.
+  - the top-k routing weights are never renormalised (norm_w = false in build_moe_ffn), so a
+    checkpoint with norm_topk_prob = true would compute something else; refused.
+  - no clip_qkv clamp in the graph; refused when set.
+  - experts are stacked 3-D tensors: ffn_gate_exps / ffn_up_exps numpy [n_expert, n_ff, n_embd]
+    (ggml {n_embd, n_ff, n_expert}), ffn_down_exps numpy [n_expert, n_embd, n_ff];
+    ffn_gate_inp numpy [n_expert, n_embd]; the expert width is ``feed_forward_length``.
+  - 1-D norms and the router (ffn_gate_inp) stay F32; every other matrix is Q8_0 (F16 when a
+    row is not a multiple of 32, as the converter falls back).
+  - a vocab-less model: ``tokenizer.ggml.model = "none"`` plus ``olmoe.vocab_size`` (llama.cpp
+    then sizes its dummy vocabulary from vocab_size); token ids are fed directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .bench import PeakRss, forced_stream, machine_info, md_table, write_results
+from .errors import CheckpointError, ConfigError
+
+Q8_BLOCK, Q8_BYTES = 32, 34  # Q8_0: 32 int8 + one f16 scale per block
+GB = 1_000_000_000
+SYSTEMS = ("ours", "llama", "transformers")
+CGROUP_ROOT = "/sys/fs/cgroup/memory"
+
+
+# --- GGUF writer ------------------------------------------------------------------------------
+
+def _check_llama_compatible(args, where: str) -> None:
+    """Raise ConfigError when llama.cpp's olmoe graph would compute a different model."""
+    if args.num_key_value_heads != args.num_attention_heads:
+        raise ConfigError(f"{where}: num_key_value_heads ({args.num_key_value_heads}) != num_attention_heads "
+                          f"({args.num_attention_heads}); llama.cpp's olmoe architecture has k_norm of width "
+                          f"n_embd and cannot load a grouped-query OLMoE")
+    if args.norm_topk_prob:
+        raise ConfigError(f"{where}: norm_topk_prob = true; llama.cpp's olmoe graph never renormalises the "
+                          f"top-k routing weights, so the GGUF would be a different model")
+    if args.clip_qkv is not None:
+        raise ConfigError(f"{where}: clip_qkv = {args.clip_qkv}; llama.cpp's olmoe graph has no q/k/v clamp")
+
+
+def _q8_0(x: np.ndarray) -> np.ndarray:
+    """Q8_0 bytes of a float32 matrix (rows quantized independently), via gguf.quants."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+    return quantize(np.ascontiguousarray(x, dtype=np.float32), GGMLQuantizationType.Q8_0)
+
+
+GGUF_TYPES = ("q8_0", "f16")
+
+
+def gguf_plan(args, matrix_type: str = "q8_0") -> list[tuple[str, tuple[int, ...], str, tuple]]:
+    """The tensors of the olmoe GGUF in write order: (gguf name, numpy shape, kind, source).
+
+    kind: "f32" (norms, router), else ``matrix_type`` ("q8_0" falls back to "f16" for a row
+    length that is not a multiple of 32). source: ("one", hf_name) or ("experts", layer, proj).
+    """
+    if matrix_type not in GGUF_TYPES:
+        raise ConfigError(f"GGUF type {matrix_type!r}: choose one of {', '.join(GGUF_TYPES)}")
+
+    def kind_of(cols: int) -> str:
+        return "q8_0" if matrix_type == "q8_0" and cols % Q8_BLOCK == 0 else "f16"
+    D, I, E, V = args.hidden_size, args.intermediate_size, args.num_experts, args.vocab_size
+    plan = [("token_embd.weight", (V, D), kind_of(D), ("one", "model.embed_tokens.weight"))]
+    for i in range(args.num_hidden_layers):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        plan += [
+            (b + "attn_norm.weight", (D,), "f32", ("one", p + "input_layernorm.weight")),
+            (b + "attn_q.weight", (args.q_dim, D), kind_of(D), ("one", p + "self_attn.q_proj.weight")),
+            (b + "attn_k.weight", (args.kv_dim, D), kind_of(D), ("one", p + "self_attn.k_proj.weight")),
+            (b + "attn_v.weight", (args.kv_dim, D), kind_of(D), ("one", p + "self_attn.v_proj.weight")),
+            (b + "attn_output.weight", (D, args.q_dim), kind_of(args.q_dim),
+             ("one", p + "self_attn.o_proj.weight")),
+            (b + "attn_q_norm.weight", (args.q_dim,), "f32", ("one", p + "self_attn.q_norm.weight")),
+            (b + "attn_k_norm.weight", (args.kv_dim,), "f32", ("one", p + "self_attn.k_norm.weight")),
+            (b + "ffn_norm.weight", (D,), "f32", ("one", p + "post_attention_layernorm.weight")),
+            (b + "ffn_gate_inp.weight", (E, D), "f32", ("one", p + "mlp.gate.weight")),
+            (b + "ffn_gate_exps.weight", (E, I, D), kind_of(D), ("experts", i, "gate_proj")),
+            (b + "ffn_up_exps.weight", (E, I, D), kind_of(D), ("experts", i, "up_proj")),
+            (b + "ffn_down_exps.weight", (E, D, I), kind_of(I), ("experts", i, "down_proj")),
+        ]
+    plan.append(("output_norm.weight", (D,), "f32", ("one", "model.norm.weight")))
+    lm = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
+    plan.append(("output.weight", (V, D), kind_of(D), ("one", lm)))
+    return plan
+
+
+def _nbytes(shape: tuple[int, ...], kind: str) -> int:
+    n = int(np.prod(shape))
+    if kind == "q8_0":
+        return n // Q8_BLOCK * Q8_BYTES
+    return n * (2 if kind == "f16" else 4)
+
+
+def _encode(x: np.ndarray, kind: str) -> np.ndarray:
+    if kind == "q8_0":
+        return _q8_0(x)
+    return x.astype(np.float16 if kind == "f16" else np.float32, copy=False)
+
+
+def _produce(ck, shape, kind, src, row_chunk: int = 8192) -> np.ndarray:
+    """The encoded bytes/values of one planned tensor; large matrices are encoded in row
+    chunks and experts one at a time, so peak memory is one source matrix plus the output."""
+    if src[0] == "experts":
+        _, layer, proj = src
+        E = shape[0]
+        out = None
+        for e in range(E):
+            x = ck.get(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight")
+            enc = _encode(x, kind)
+            if out is None:
+                out = np.empty((E, *enc.shape), enc.dtype)
+            out[e] = enc
+            del x, enc
+        return out
+    x = ck.get(src[1])
+    if x.ndim == 2 and kind == "q8_0" and x.shape[0] > row_chunk:
+        out = np.empty((x.shape[0], x.shape[1] // Q8_BLOCK * Q8_BYTES), np.uint8)
+        for r in range(0, x.shape[0], row_chunk):
+            out[r:r + row_chunk] = _q8_0(x[r:r + row_chunk])
+        return out
+    return _encode(x, kind)
+
+
+def write_gguf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, matrix_type: str = "q8_0",
+               overwrite: bool = False, log=print) -> dict:
+    """Write a Q8_0 (or, with ``matrix_type="f16"``, F16) GGUF in llama.cpp's "olmoe"
+    architecture of an OLMoE HF checkpoint.
+
+    Tensors are read one at a time (pread through engine.checkpoint.Checkpoint, page cache
+    dropped behind) and written as soon as they are encoded, so peak RSS is about one stacked
+    expert tensor in Q8_0 plus one source matrix in float32, whatever the model size. The file
+    is written to ``out + ".partial"``, fsynced, then renamed.
+
+    Returns: {"path", "bytes", "tensors", "seconds", "params"}.
+    Raises:
+        ConfigError: the model uses something llama.cpp's olmoe graph does not (GQA,
+            norm_topk_prob, clip_qkv); CheckpointError: the checkpoint is incomplete;
+        FileExistsError: ``out`` exists and ``overwrite`` is false;
+        ImportError: the ``gguf`` package is missing (pip install -e .[peers]).
+    """
+    import gguf
+    from .checkpoint import Checkpoint
+    out = Path(out)
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out}: already exists (pass --overwrite to replace it)")
+    t0 = time.perf_counter()
+    ck = Checkpoint(checkpoint)
+    try:
+        a = ck.args
+        _check_llama_compatible(a, str(Path(checkpoint) / "config.json"))
+        plan = gguf_plan(a, matrix_type)
+        partial = out.with_name(out.name + ".partial")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        w = gguf.GGUFWriter(None, gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.OLMOE])
+        w.add_name(Path(checkpoint).name)
+        w.add_context_length(a.max_position_embeddings)
+        w.add_embedding_length(a.hidden_size)
+        w.add_block_count(a.num_hidden_layers)
+        w.add_feed_forward_length(a.intermediate_size)
+        w.add_head_count(a.num_attention_heads)
+        w.add_head_count_kv(a.num_key_value_heads)
+        w.add_rope_freq_base(a.rope_theta)
+        w.add_layer_norm_rms_eps(a.rms_norm_eps)
+        w.add_expert_count(a.num_experts)
+        w.add_expert_used_count(a.num_experts_per_tok)
+        w.add_vocab_size(a.vocab_size)
+        ftype = gguf.LlamaFileType.MOSTLY_Q8_0 if matrix_type == "q8_0" else gguf.LlamaFileType.MOSTLY_F16
+        w.add_file_type(ftype)
+        w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        w.add_tokenizer_model("none")
+        raw = {"f32": None, "f16": None, "q8_0": gguf.GGMLQuantizationType.Q8_0}
+        np_dt = {"f32": np.float32, "f16": np.float16, "q8_0": np.float32}
+        for name, shape, kind, _ in plan:
+            w.add_tensor_info(name, shape, np.dtype(np_dt[kind]), _nbytes(shape, kind), raw_dtype=raw[kind])
+        try:
+            w.write_header_to_file(partial)
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            for k, (name, shape, kind, src) in enumerate(plan):
+                data = _produce(ck, shape, kind, src)
+                if data.nbytes != _nbytes(shape, kind):
+                    raise CheckpointError(f"{checkpoint}: tensor {name} encoded to {data.nbytes} bytes, "
+                                          f"expected {_nbytes(shape, kind)}")
+                w.write_tensor_data(data)
+                del data
+                if src[0] == "experts" and src[2] == "down_proj":
+                    log(f"  layer {src[1] + 1}/{a.num_hidden_layers} written")
+            f = w.fout[0]
+            f.flush()
+            os.fsync(f.fileno())
+            w.close()
+            os.replace(partial, out)
+            from .paths import fsync_dir
+            fsync_dir(out.parent)
+        except BaseException:
+            w.close()
+            partial.unlink(missing_ok=True)
+            raise
+        n_params = sum(int(np.prod(s)) for _, s, _, _ in plan)
+        return {"path": str(out), "bytes": out.stat().st_size, "tensors": len(plan),
+                "seconds": time.perf_counter() - t0, "params": n_params}
+    finally:
+        ck.close()
+
+
+def cmd_gguf(a) -> int:
+    """``colibri bench gguf``: write the GGUF, print size, time and peak RSS."""
+    with PeakRss() as pr:
+        r = write_gguf(a.checkpoint, a.out, matrix_type=a.type, overwrite=a.overwrite)
+    r["peak_rss_bytes"] = max(pr.peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    print(f"wrote {r['path']}: {r['bytes'] / 1e9:.2f} GB, {r['tensors']} tensors, {r['params'] / 1e9:.3f} B "
+          f"params in {r['seconds']:.0f} s; peak RSS {r['peak_rss_bytes'] / 1e9:.2f} GB")
+    return 0
+
+
+# --- measurement helpers (child side) -----------------------------------------------------------
+
+def proc_read_bytes() -> int:
+    """Bytes this process (all threads) caused to be read from a block device so far
+    (``read_bytes`` of /proc/self/io: page-cache misses, mmap faults and O_DIRECT reads)."""
+    with open("/proc/self/io") as f:
+        for line in f:
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    raise OSError("/proc/self/io has no read_bytes line")
+
+
+def _maxrss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _ctx_len(prompt_len: int, tokens: int) -> int:
+    return -(-(prompt_len + tokens + 1) // 256) * 256
+
+
+def _arm_llama(gguf_path: str, prompt: list, forced: list, threads: int, ctx: int) -> dict:
+    import llama_cpp
+    io0, t0 = proc_read_bytes(), time.perf_counter()
+    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=ctx, n_batch=max(len(prompt), 1),
+                          n_ubatch=max(len(prompt), 1), n_threads=threads, n_threads_batch=threads,
+                          logits_all=False, verbose=False)
+    load_s, io1 = time.perf_counter() - t0, proc_read_bytes()
+    t0 = time.perf_counter()
+    llm.eval(prompt)
+    prefill_s, io2 = time.perf_counter() - t0, proc_read_bytes()
+    t0 = time.perf_counter()
+    for t in forced[:-1]:
+        llm.eval([t])
+    decode_s, io3 = time.perf_counter() - t0, proc_read_bytes()
+    return {"precision": "Q8_0 GGUF (mmap)", "load_s": load_s, "load_read_bytes": io1 - io0,
+            "prefill_s": prefill_s, "prefill_read_bytes": io2 - io1, "decode_s": decode_s,
+            "decode_read_bytes": io3 - io2}
+
+
+def _arm_transformers(checkpoint: str, prompt: list, forced: list, threads: int) -> dict:
+    import torch
+    from transformers import OlmoeForCausalLM
+    torch.set_num_threads(threads)
+    io0, t0 = proc_read_bytes(), time.perf_counter()
+    m = OlmoeForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).eval()
+    load_s, io1 = time.perf_counter() - t0, proc_read_bytes()
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = m(torch.tensor([prompt]), use_cache=True)
+        past = out.past_key_values
+        prefill_s, io2 = time.perf_counter() - t0, proc_read_bytes()
+        t0 = time.perf_counter()
+        for t in forced[:-1]:
+            out = m(torch.tensor([[t]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+        decode_s, io3 = time.perf_counter() - t0, proc_read_bytes()
+    return {"precision": "bf16", "load_s": load_s, "load_read_bytes": io1 - io0, "prefill_s": prefill_s,
+            "prefill_read_bytes": io2 - io1, "decode_s": decode_s, "decode_read_bytes": io3 - io2}
+
+
+def _arm_ours(store: str, prompt: list, forced: list, threads: int, ctx: int, limit_gb: float | None,
+              over: dict) -> dict:
+    """Like bench.run_arm, plus /proc/self/io around the decode loop. All resident (limit None):
+    cap = num_experts; under a limit: ram_budget_gb = the limit and the automatic cap."""
+    from .config import EngineConfig, ModelArgs
+    from .events import Finished, GenerateRequest, SamplingParams, StepMetrics, TokenEvent
+    from .generate import Engine
+    from .prof import Profile
+    E = ModelArgs.from_hf_config(Path(store) / "config.json").num_experts
+    cfg = dict(o_direct=True, history=False, numba_threads=threads, context_length=ctx)
+    if limit_gb is None:
+        cfg["cap"] = E
+    else:
+        cfg["ram_budget_gb"] = limit_gb
+    cfg.update(over)
+    io0, t0 = proc_read_bytes(), time.perf_counter()
+    eng = Engine.open(EngineConfig(store=store, **cfg))
+    load_s, io1 = time.perf_counter() - t0, proc_read_bytes()
+    try:
+        req = GenerateRequest(prompt_ids=tuple(prompt), forced_ids=tuple(forced),
+                              sampling=SamplingParams(max_new_tokens=len(forced)))
+        prof = Profile(eng)
+        fin, io2, t_first = None, None, None
+        t0 = time.perf_counter()
+        for ev in eng.generate(req):
+            if isinstance(ev, TokenEvent) and ev.index == 0:
+                io2, t_first = proc_read_bytes(), time.perf_counter()  # prefill done, decode next
+            elif isinstance(ev, StepMetrics):
+                prof.add(ev)
+            elif isinstance(ev, Finished):
+                fin = ev
+                io3, t_end = proc_read_bytes(), time.perf_counter()
+        if fin is None or fin.error:
+            raise RuntimeError(f"our engine failed: {fin.error if fin else 'no Finished event'}")
+        s = prof.summary(fin)
+        return {"precision": f"{eng.store.quant} store (O_DIRECT)", "load_s": load_s,
+                "load_read_bytes": io1 - io0, "prefill_s": t_first - t0, "prefill_read_bytes": io2 - io1,
+                "decode_s": t_end - t_first, "decode_read_bytes": io3 - io2, "hit_rate": s["hit_rate"],
+                "felt_wait_s": s["felt_wait_s"], "mb_per_token_engine": s["mb_per_token"],
+                "cap": eng.cache.cap, "ram_budget_gb": eng.plan.budget / GB, "o_direct": eng.store.o_direct,
+                "engine_decode_tok_per_s": fin.decode_tok_per_s}
+    finally:
+        eng.close()
+
+
+def cmd_peer_arm(a) -> int:
+    """Internal: one (system, memory setting) of ``bench peers`` in this fresh process; prints
+    ``ARM {json}``. Decode = len(tokens) - 1 single-token steps after the prompt batch (the
+    first forced token follows the prefill), as in ``bench decode``."""
+    from .config import ModelArgs
+    src = a.store if a.system == "ours" else a.checkpoint
+    args = ModelArgs.from_hf_config(Path(src) / "config.json")
+    stream = forced_stream(args.vocab_size, a.prompt_len + a.tokens, a.seed)
+    prompt, forced = stream[:a.prompt_len], stream[a.prompt_len:]
+    ctx = _ctx_len(a.prompt_len, a.tokens)
+    limit = None if a.limit_gb in (None, "none") else float(a.limit_gb)
+    if a.system == "llama":
+        r = _arm_llama(a.gguf, prompt, forced, a.threads, ctx)
+    elif a.system == "transformers":
+        r = _arm_transformers(a.checkpoint, prompt, forced, a.threads)
+    else:
+        r = _arm_ours(a.store, prompt, forced, a.threads, ctx, limit, json.loads(a.ours_config))
+    steps = len(forced) - 1
+    r.update(prompt_tokens=len(prompt), decode_steps=steps, prefill_tok_per_s=len(prompt) / r["prefill_s"],
+             decode_tok_per_s=steps / r["decode_s"] if r["decode_s"] > 0 else None,
+             read_bytes_per_token=r["decode_read_bytes"] / steps if steps else None,
+             peak_rss_bytes=_maxrss(), threads=a.threads, context=ctx)
+    print("ARM " + json.dumps(r), flush=True)
+    return 0
+
+
+# --- page cache and cgroups (parent side) --------------------------------------------------------
+
+def model_files(*paths) -> list[Path]:
+    """Every regular file under the given files/folders (missing paths are skipped)."""
+    out = []
+    for p in paths:
+        if not p:
+            continue
+        p = Path(p)
+        if p.is_file():
+            out.append(p)
+        elif p.is_dir():
+            out += sorted(f for f in p.rglob("*") if f.is_file())
+    return out
+
+
+def drop_page_cache(files: list[Path]) -> str:
+    """Make the next reads of ``files`` cold. Tries ``sync; echo 3 > /proc/sys/vm/drop_caches``
+    (whole page cache); when that is not permitted, ``posix_fadvise(DONTNEED)`` on every file.
+    Returns the method used: "drop_caches", "fadvise" or "none (...reason...)"."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return "drop_caches"
+    except OSError as e:
+        why = f"{type(e).__name__}: {e.strerror or e}"
+    if not hasattr(os, "posix_fadvise"):
+        return f"none (drop_caches: {why}; no posix_fadvise)"
+    for p in files:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return "fadvise"
+
+
+class MemCgroup:
+    """A cgroup v1 memory group ``<root>/colibri_bench_<pid>_<n>``; ``limit_bytes`` None = no
+    limit (still accounted: max_usage_in_bytes gives the arm's peak, page cache included).
+
+    Raises OSError from the constructor when the group cannot be created or configured.
+    """
+
+    _n = 0
+
+    def __init__(self, limit_bytes: int | None, root: str = CGROUP_ROOT):
+        MemCgroup._n += 1
+        self.path = Path(root) / f"colibri_bench_{os.getpid()}_{MemCgroup._n}"
+        self.path.mkdir()
+        try:
+            if limit_bytes is not None:
+                (self.path / "memory.limit_in_bytes").write_text(str(int(limit_bytes)))
+            try:
+                (self.path / "memory.swappiness").write_text("0")
+            except OSError:
+                pass
+        except BaseException:
+            self.remove()
+            raise
+
+    def wrap(self, cmd: list[str]) -> list[str]:
+        """``cmd`` started through sh, which joins the group before exec'ing it (so the child
+        is accounted from its first allocation)."""
+        return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"), *cmd]
+
+    def stats(self) -> dict:
+        """max_usage_in_bytes, failcnt and the oom_kill count (bytes / counts)."""
+        def read(name):
+            try:
+                return (self.path / name).read_text()
+            except OSError:
+                return ""
+        oom = dict(line.split() for line in read("memory.oom_control").splitlines() if len(line.split()) == 2)
+        return {"cgroup_max_usage_bytes": int(read("memory.max_usage_in_bytes") or 0),
+                "cgroup_failcnt": int(read("memory.failcnt") or 0),
+                "cgroup_oom_kills": int(oom.get("oom_kill", 0))}
+
+    def remove(self) -> None:
+        """rmdir the group (retried briefly: the kernel may still be tearing the task down)."""
+        for _ in range(50):
+            try:
+                self.path.rmdir()
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.1)
+        print(f"warning: could not remove cgroup {self.path}", file=sys.stderr)
+
+
+def cgroup_available(root: str = CGROUP_ROOT) -> tuple[bool, str]:
+    """(True, "") when a memory cgroup can be created under ``root``, else (False, reason)."""
+    if not (Path(root) / "memory.limit_in_bytes").exists():
+        return False, f"{root} is not a cgroup v1 memory hierarchy"
+    try:
+        g = MemCgroup(None, root)
+    except OSError as e:
+        return False, f"cannot create a memory cgroup under {root} ({e})"
+    g.remove()
+    return True, ""
+
+
+def _run_arm(system: str, setting, a, use_cgroup: bool) -> dict:
+    """One arm in a fresh subprocess (inside a memory cgroup when ``use_cgroup``)."""
+    cmd = [sys.executable, "-m", "engine.cli", "bench", "peer-arm", "--system", system,
+           "--checkpoint", a.checkpoint, "--store", a.store, "--gguf", a.gguf,
+           "--limit-gb", str(setting), "--prompt-len", str(a.prompt_len), "--tokens", str(a.tokens),
+           "--seed", str(a.seed), "--threads", str(a.threads), "--ours-config", a.ours_config]
+    row = {"system": system, "limit": setting}
+    grp = None
+    if use_cgroup:
+        try:
+            grp = MemCgroup(None if setting == "none" else int(float(setting) * GB), a.cgroup_root)
+        except OSError as e:
+            row["status"] = f"skipped (cgroup: {e})"
+            return row
+        cmd = grp.wrap(cmd)
+    try:
+        t0 = time.perf_counter()
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=a.timeout)
+            rc, stdout, stderr = p.returncode, p.stdout, p.stderr
+        except subprocess.TimeoutExpired as e:
+            rc, stdout, stderr = None, e.stdout or "", e.stderr or ""
+            stdout = stdout.decode() if isinstance(stdout, bytes) else stdout
+            stderr = stderr.decode() if isinstance(stderr, bytes) else stderr
+        row["wall_s"] = time.perf_counter() - t0
+        if grp is not None:
+            row.update(grp.stats())
+    finally:
+        if grp is not None:
+            grp.remove()
+    line = next((x for x in stdout.splitlines() if x.startswith("ARM ")), None)
+    if line is not None and rc == 0:
+        row.update(json.loads(line[4:]), status="ok")
+    elif rc is None:
+        row["status"] = f"timeout ({a.timeout:.0f} s)"
+    elif rc == -signal.SIGKILL or row.get("cgroup_oom_kills"):
+        row["status"] = "killed (OOM)"
+    else:
+        row["status"] = f"failed (exit {rc})"
+        row["error"] = stderr.strip().splitlines()[-1][:300] if stderr.strip() else ""
+        print(f"{system} @ {setting}: failed:\n{stderr[-3000:]}", file=sys.stderr)
+    return row
+
+
+PRECISION = {"ours": "int8 store", "llama": "Q8_0 GGUF", "transformers": "bf16"}
+
+
+def cmd_peers(a) -> int:
+    """``colibri bench peers``: every (system, memory setting) arm in a fresh process, arms
+    interleaved, page cache dropped before each, reps reversed on odd rounds."""
+    for s in a.systems:
+        if s not in SYSTEMS:
+            raise ConfigError(f"--systems: unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    if "llama" in a.systems and not Path(a.gguf).is_file():
+        raise ConfigError(f"--gguf {a.gguf}: no such file; write it first with "
+                          f"`colibri bench gguf --checkpoint {a.checkpoint} --out {a.gguf}`")
+    if {"llama", "transformers"} & set(a.systems) and not (Path(a.checkpoint) / "config.json").is_file():
+        raise ConfigError(f"--checkpoint {a.checkpoint}: no config.json; give a Hugging Face OLMoE folder")
+    if "ours" in a.systems and not (Path(a.store) / "manifest.json").is_file():
+        raise ConfigError(f"--store {a.store}: no manifest.json; not a converted store (colibri convert)")
+    for lim in a.limits:
+        if not 0.1 <= lim <= 1 << 16:
+            raise ConfigError(f"--limits: {lim} GB is out of range (0.1-65536)")
+    ok, why = cgroup_available(a.cgroup_root)
+    notes = []
+    if not ok:
+        notes.append(f"memory cgroups unavailable: {why}; limited rows skipped")
+        print(f"note: {notes[-1]}", file=sys.stderr)
+    settings = ["none"] + ([f"{x:g}" for x in a.limits] if ok else [])
+    arms = [(sysname, s) for s in settings for sysname in a.systems]
+    files = model_files(a.checkpoint if {"llama", "transformers"} & set(a.systems) else None,
+                        a.store if "ours" in a.systems else None,
+                        a.gguf if "llama" in a.systems else None)
+    rows, methods = [], set()
+    for rep in range(a.reps):
+        for sysname, setting in (arms if rep % 2 == 0 else list(reversed(arms))):
+            method = drop_page_cache(files)
+            methods.add(method)
+            r = _run_arm(sysname, setting, a, ok)
+            r.update(rep=rep, cache_drop=method)
+            r.setdefault("precision", PRECISION[sysname])
+            r["limit_label"] = "all resident" if setting == "none" else f"{setting} GB"
+            for k in ("peak_rss_bytes", "cgroup_max_usage_bytes"):
+                if r.get(k) is not None:
+                    r[k.replace("_bytes", "_gb")] = r[k] / GB
+            if r.get("read_bytes_per_token") is not None:
+                r["read_mb_per_token"] = r["read_bytes_per_token"] / 1e6
+            if r.get("load_read_bytes") is not None:
+                r["load_read_gb"] = r["load_read_bytes"] / GB
+            rows.append(r)
+            if r["status"] == "ok":
+                extra = (f", hit {100 * r['hit_rate']:.1f}%, felt wait {r['felt_wait_s']:.2f} s"
+                         if "hit_rate" in r else "")
+                print(f"rep {rep} {sysname:12s} {r['limit_label']:>12s}: prefill {r['prefill_tok_per_s']:.1f} "
+                      f"tok/s, decode {r['decode_tok_per_s']:.2f} tok/s, peak RSS {r['peak_rss_gb']:.2f} GB, "
+                      f"{r['read_mb_per_token']:.2f} MB read/token{extra}", flush=True)
+            else:
+                print(f"rep {rep} {sysname:12s} {r['limit_label']:>12s}: {r['status']}", flush=True)
+    table = md_table(rows, [
+        ("system", "system", ""), ("precision", "precision", ""), ("memory", "limit_label", ""),
+        ("rep", "rep", "d"), ("status", "status", ""), ("load s", "load_s", ".1f"),
+        ("load GB read", "load_read_gb", ".2f"), ("prefill tok/s", "prefill_tok_per_s", ".1f"),
+        ("decode tok/s", "decode_tok_per_s", ".2f"), ("peak RSS GB", "peak_rss_gb", ".2f"),
+        ("cgroup peak GB", "cgroup_max_usage_gb", ".2f"), ("disk MB read / token", "read_mb_per_token", ".2f"),
+        ("hit %", "hit_rate", ".1%"), ("felt wait s", "felt_wait_s", ".2f")])
+    table += (f"\n\nForced stream: {a.prompt_len} prompt tokens (one batch) + {a.tokens - 1} single-token "
+              f"decode steps, seed {a.seed}, {a.threads} threads; one cold pass per arm (page cache dropped "
+              f"by {', '.join(sorted(methods))}). Disk MB read / token: /proc/self/io read_bytes over the "
+              f"decode loop / decode steps. Load GB read: the same counter while opening the model "
+              f"(llama.cpp maps the GGUF with MAP_POPULATE and reads all of it at load; our engine reads "
+              f"experts on demand, so its first tokens load them). Limits: cgroup v1 memory.limit_in_bytes "
+              f"(1 GB = 1e9 bytes); cgroup peak = memory.max_usage_in_bytes (page cache included).")
+    if notes:
+        table += "\n\n" + "\n".join(f"Note: {n}" for n in notes)
+    write_results(a.name, {"machine": machine_info(), "checkpoint": a.checkpoint, "store": a.store,
+                           "gguf": a.gguf, "prompt_len": a.prompt_len, "tokens": a.tokens, "seed": a.seed,
+                           "threads": a.threads, "limits_gb": a.limits, "cgroups": ok, "cgroup_note": why,
+                           "cache_drop": sorted(methods), "rows": rows}, table)
+    return 0
+
+
+def add_peers_parsers(bs) -> None:
+    """Register ``gguf``, ``peers`` and the internal ``peer-arm`` under ``colibri bench``."""
+    g = bs.add_parser("gguf", help="write a Q8_0 GGUF (llama.cpp olmoe) of an OLMoE HF checkpoint")
+    g.add_argument("--checkpoint", default="bench/work/1b-hf")
+    g.add_argument("--out", default="bench/work/1b-q8_0.gguf")
+    g.add_argument("--type", choices=GGUF_TYPES, default="q8_0", help="matrix type (norms and router stay F32)")
+    g.add_argument("--overwrite", action="store_true")
+    g.set_defaults(fn=cmd_gguf)
+
+    p = bs.add_parser("peers", help="ours vs llama.cpp vs transformers, all resident and in cgroup memory limits")
+    p.add_argument("--checkpoint", default="bench/work/1b-hf")
+    p.add_argument("--store", default="bench/work/1b-int8")
+    p.add_argument("--gguf", default="bench/work/1b-q8_0.gguf")
+    p.add_argument("--limits", type=float, nargs="*", default=[], help="memory limits in GB (1e9 bytes)")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), help="ours llama transformers")
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per arm")
+    p.add_argument("--ours-config", default="{}", help="JSON EngineConfig overrides for our arms")
+    p.add_argument("--cgroup-root", default=CGROUP_ROOT)
+    p.add_argument("--name", default="peers_1b")
+    p.set_defaults(fn=cmd_peers)
+
+    r = bs.add_parser("peer-arm", help=argparse.SUPPRESS)
+    r.add_argument("--system", choices=SYSTEMS, required=True)
+    r.add_argument("--checkpoint", required=True)
+    r.add_argument("--store", required=True)
+    r.add_argument("--gguf", required=True)
+    r.add_argument("--limit-gb", default="none")
+    r.add_argument("--prompt-len", type=int, default=32)
+    r.add_argument("--tokens", type=int, default=64)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--threads", type=int, default=2)
+    r.add_argument("--ours-config", default="{}")
+    r.set_defaults(fn=cmd_peer_arm)
