@@ -18,7 +18,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPushButton, QSpinBox, QVBoxLayout,
                                QWidget)
 
-from engine import ConfigError, SamplingParams
+from engine import POLICIES, ConfigError, SamplingParams
 from .settings_store import RELOAD_FIELDS, Settings, save_settings, validate_sampling
 from .wizard import qt_emit
 
@@ -162,8 +162,9 @@ class SettingsDialog(QDialog):
             "evict_guard", "speculative loads may not evict warm experts",
             "When on, a prefetch never evicts an expert that is genuinely warm and clearly hotter."))
         f.addRow(_label("Cache policy", "policy"), self._combo(
-            "policy", ("lru", "lfru"), "Which cached expert to evict: lru = least recently used; lfru = "
-            "least frequently and recently used (heat, then recency)."))
+            "policy", POLICIES, "Which cached expert to evict: lru = least recently used; lfru = "
+            "least frequently and recently used (heat, then recency); ema = the one the router has "
+            "leaned towards least lately (moving average of its probabilities)."))
 
         self.cap_auto = QCheckBox("auto")
         self.cap_auto.setObjectName("cap_auto")

@@ -4,7 +4,7 @@ Public API (the only names colibri_app may use); see docs/engine-api.md.
 """
 
 from . import hub, paths
-from .config import SUPPORTED_MODEL_TYPES, EngineConfig, ModelArgs
+from .config import POLICIES, SUPPORTED_MODEL_TYPES, EngineConfig, ModelArgs
 from .convert import ConversionCancelled, convert_checkpoint
 from .default_model import default_model_dir, default_store
 from .errors import (BudgetError, CheckpointError, ConfigError, ContextOverflowError, EngineError,
@@ -15,7 +15,7 @@ from .events import (ABSENT, LOADING, PINNED, RESIDENT, ChatMessage, EngineFailu
 from .generate import Engine
 
 __all__ = [
-    "hub", "paths", "SUPPORTED_MODEL_TYPES", "EngineConfig", "ModelArgs", "ConversionCancelled",
+    "hub", "paths", "POLICIES", "SUPPORTED_MODEL_TYPES", "EngineConfig", "ModelArgs", "ConversionCancelled",
     "convert_checkpoint", "default_model_dir", "default_store", "BudgetError", "CheckpointError",
     "ConfigError", "ContextOverflowError", "EngineError", "ExpertReadError", "StoreError",
     "TokenizerError", "ABSENT", "LOADING", "PINNED", "RESIDENT", "ChatMessage", "EngineFailure",

@@ -586,13 +586,15 @@ def cmd_decode(a) -> int:
 def cmd_replay(a) -> int:
     """Replay a trace (``colibri run --trace``) through LRU, LFRU, our policy and Belady."""
     from .trace import load_trace, replay_all
-    head, _ = load_trace(a.trace)
+    head, recs = load_trace(a.trace)
     caps = a.caps or list(range(1, head["num_experts"] + 1))
     rows = replay_all(a.trace, caps)
+    ours = f"ours ({head.get('policy', 'lru')} + pinning)"
     table = md_table(rows, [("cap", "cap", "d"), ("LRU", "lru", ".1%"), ("LFRU", "lfru", ".1%"),
-                            ("ours (LRU + pinning)", "ours", ".1%"), ("Belady", "belady", ".1%")])
+                            ("EMA", "ema", ".1%"), (ours, "ours", ".1%"), ("Belady", "belady", ".1%")])
     write_results(a.name, {"trace": str(a.trace), "rows": rows, "num_experts": head["num_experts"],
-                           "top_k": head["top_k"]}, table)
+                           "top_k": head["top_k"], "policy": head.get("policy", "lru"),
+                           "records": sum(1 for r in recs if "l" in r)}, table)
     return 0
 
 

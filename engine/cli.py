@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from .config import EngineConfig
+from .config import POLICIES, EngineConfig
 from .errors import EngineError
 from .events import ChatMessage, Finished, GenerateRequest, LoadProgress, SamplingParams, StepMetrics, TokenEvent
 
@@ -20,7 +20,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (speed and memory only; never changes the output)")
     g.add_argument("--cap", type=int, default=None, help="expert slots per layer (default: auto from the budget)")
     g.add_argument("--ram-budget-gb", type=float, default=None, help="RAM budget in GB (default: auto)")
-    g.add_argument("--policy", choices=("lru", "lfru"), default="lru", help="cache eviction policy")
+    g.add_argument("--policy", choices=POLICIES, default=EngineConfig.policy, help="cache eviction policy")
     g.add_argument("--pilot", type=int, choices=(0, 1, 2, 3), default=1, help="PILOT prefetch mode")
     g.add_argument("--pilot-workers", type=int, default=1, help="prefetch loader threads (1-8)")
     g.add_argument("--wide", type=int, default=1, help="prefetch top-k x WIDE candidates (1-4)")

@@ -181,7 +181,7 @@ class ModelArgs:
 
 # --- runtime settings -------------------------------------------------------------------
 
-POLICIES = ("lru", "lfru")
+POLICIES = ("lru", "lfru", "ema")
 CHECKSUM_MODES = ("off", "first", "always")
 
 
@@ -195,7 +195,8 @@ class EngineConfig:
             capped at 4096).
         ram_budget_gb: total RAM the process may use, GB (1e9 bytes); None = automatic.
         cap: expert slots per layer; None = automatic from the budget.
-        policy: "lru" or "lfru" (score = heat << 8 | recency, as in the colibri seeds).
+        policy: "lru", "lfru" (score = heat << 8 | recency, as in the colibri seeds) or "ema"
+            (evict the expert with the lowest EMA of router probability; see expert_cache).
         pinning: pin the hottest experts per layer after warm-up and pre-warm them at start.
         pin_per_layer: how many experts per layer hot pinning may pin (0 = auto: cap // 4).
         pilot: PILOT prefetch mode 0-3. pilot_workers: loader threads (1-8).

@@ -21,7 +21,7 @@ from .expert_cache import ExpertCache
 from .expert_store import ExpertStore
 from .heat import RoutingHeat
 from .metrics import MetricsTracker
-from .model import Cancelled, OlmoeModel
+from .model import Cancelled, OlmoeModel, mean_router_probs
 from .ram_budget import RssGuard, current_rss, plan_cap
 from .sampling import Sampler
 from .tokenizer import Tokenizer
@@ -163,6 +163,8 @@ class Engine:
 
     def _on_route(self, layer: int, idx: np.ndarray, logits: np.ndarray) -> None:
         self.heat.observe(layer, idx)
+        if self.cache.policy == "ema":
+            self.cache.observe_probs(layer, mean_router_probs(logits))
         if self.pilot is not None:
             self.pilot.observe_route(layer, idx, logits)
 

@@ -108,6 +108,15 @@ def route(router_logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.n
     return idx, w
 
 
+def mean_router_probs(router_logits: np.ndarray) -> np.ndarray:
+    """Mean over rows of the router softmax: float32 [T, E] logits -> float32 [E] probabilities
+    (the per-call input of the cache's "ema" eviction policy)."""
+    z = router_logits - router_logits.max(axis=1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=1, keepdims=True)
+    return p.mean(axis=0, dtype=np.float32)
+
+
 class OlmoeModel:
     """Resident dense weights + KV cache + an ExpertProvider.
 

@@ -3,7 +3,8 @@
 Trace: JSON lines. The first line is a header {"format": "colibri-route-trace", "version": 1,
 num_layers, num_experts, top_k, cap, policy, pins (initial pinned ids per layer),
 heat (initial routing counts [L][E])}. Then one record per MoE call:
-{"f": forward, "l": layer, "idx": [[K ids] per row], "pred": [ids predicted by PILOT]}
+{"f": forward, "l": layer, "idx": [[K ids] per row], "pred": [ids predicted by PILOT],
+"p": [E mean router probabilities, float32 values]} (``p`` feeds the "ema" policy on replay)
 and {"pin": [[ids] per layer]} whenever the engine changes its pin set.
 
 Replay drives the engine's own ExpertCache class (with a store that reads nothing) through
@@ -18,6 +19,8 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+from .model import mean_router_probs
 
 TRACE_FORMAT = "colibri-route-trace"
 
@@ -47,7 +50,8 @@ class TraceRecorder:
         def on_route(layer, idx, logits):
             pilot = engine.pilot
             pred = np.nonzero(pilot.predicted[layer])[0].tolist() if pilot is not None else []
-            self.records.append({"f": self._forward, "l": layer, "idx": idx.tolist(), "pred": pred})
+            self.records.append({"f": self._forward, "l": layer, "idx": idx.tolist(), "pred": pred,
+                                 "p": mean_router_probs(logits).tolist()})
             orig_route(layer, idx, logits)
 
         orig_pin = c.set_pinned
@@ -134,6 +138,8 @@ def replay_policy(head: dict, records: list[dict], cap: int, policy: str, pinnin
             layer = r["l"]
             idx = np.asarray(r["idx"], dtype=np.int64)
             np.add.at(heat[layer], idx.reshape(-1), 1)
+            if "p" in r:
+                cache.observe_probs(layer, np.asarray(r["p"], np.float32))
             uniq = np.unique(idx)
             cache.prepare(layer, uniq)
             for e in uniq:
@@ -175,7 +181,8 @@ def replay_belady(head: dict, records: list[dict], cap: int) -> dict:
 
 
 def replay_all(path: str | Path, caps: list[int]) -> list[dict]:
-    """Hit rates of LRU, LFRU, our policy (LRU + pinning as recorded) and Belady per cap."""
+    """Hit rates of LRU, LFRU, EMA (router-probability EMA), our policy (the recorded engine's
+    policy with its pinning, re-derived per cap) and Belady per cap."""
     head, recs = load_trace(path)
     rows = []
     for cap in caps:
@@ -183,6 +190,7 @@ def replay_all(path: str | Path, caps: list[int]) -> list[dict]:
             "cap": cap,
             "lru": replay_policy(head, recs, cap, "lru", False)["hit_rate"],
             "lfru": replay_policy(head, recs, cap, "lfru", False)["hit_rate"],
+            "ema": replay_policy(head, recs, cap, "ema", False)["hit_rate"],
             "ours": replay_policy(head, recs, cap, head.get("policy", "lru"), True)["hit_rate"],
             "belady": replay_belady(head, recs, cap)["hit_rate"],
         })

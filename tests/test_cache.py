@@ -241,6 +241,10 @@ def test_greedy_ids_identical_across_cache_settings(medium_store):
                     got = _ids(medium_store, cap=cap, policy=policy, pinning=pinning, o_direct=o_direct,
                                pilot=0, history=True)
                     assert got == ref, (cap, policy, pinning, o_direct)
+    for cap in (1, E // 2):  # the router-probability EMA policy
+        for pinning in (True, False):
+            got = _ids(medium_store, cap=cap, policy="ema", pinning=pinning, pilot=1, history=True)
+            assert got == ref, (cap, "ema", pinning)
 
 
 # --- heat files --------------------------------------------------------------------------------
@@ -291,3 +295,27 @@ def test_pins_persist_and_prewarm(medium_store, tmp_path):
         eng.reset_history()
         assert not eng.cache.pinned.any()
     assert not any(json.loads((st / FILENAME).read_text())["pinned"])
+
+
+def test_ema_policy_evicts_lowest_router_probability():
+    """The "ema" victim is the evictable expert the router has leaned towards least."""
+    cache = ExpertCache(FakeStore(), 1, 8, 3, policy="ema", io_threads=1)
+    try:
+        p = np.zeros(8)
+        p[[0, 1, 2]] = [0.5, 0.1, 0.4]
+        cache.observe_probs(0, p)
+        for e in (0, 1, 2):  # expert 1 is the most recently used but the least probable
+            cache.prepare(0, [e])
+            cache.acquire(0, e)
+            cache.release(0, e)
+        cache.prepare(0, [1])
+        cache.acquire(0, 1)
+        cache.release(0, 1)
+        cache.observe_probs(0, np.eye(8)[5])
+        cache.prepare(0, [5])
+        cache.acquire(0, 5)
+        cache.release(0, 5)
+        assert cache.where[0, 1] < 0 and cache.where[0, 5] >= 0  # LRU would have evicted 0
+        assert cache.where[0, 0] >= 0 and cache.where[0, 2] >= 0
+    finally:
+        cache.close()

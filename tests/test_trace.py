@@ -9,7 +9,8 @@ from engine import Engine, EngineConfig, GenerateRequest, SamplingParams
 from engine.trace import TraceRecorder, load_trace, replay_all, replay_belady, replay_policy
 
 
-@pytest.mark.parametrize("policy,pinning,cap", [("lru", False, 5), ("lfru", False, 6), ("lru", True, 8)])
+@pytest.mark.parametrize("policy,pinning,cap", [("lru", False, 5), ("lfru", False, 6), ("lru", True, 8),
+                                                    ("ema", False, 5), ("ema", True, 8)])
 def test_replay_reproduces_engine_counts_exactly(medium_store, tmp_path, policy, pinning, cap):
     cfg = EngineConfig(store=str(medium_store), cap=cap, policy=policy, pinning=pinning, pilot=0,
                        history=False)

@@ -18,7 +18,7 @@ import pyqtgraph as pg  # noqa: E402
 import pyqtgraph.exporters  # noqa: E402,F401
 from PySide6.QtWidgets import QApplication  # noqa: E402
 
-COLORS = {"lru": "#1f77b4", "lfru": "#ff7f0e", "ours": "#2ca02c", "belady": "#d62728"}
+COLORS = {"lru": "#1f77b4", "lfru": "#ff7f0e", "ema": "#9467bd", "ours": "#2ca02c", "belady": "#d62728"}
 
 
 def _plot(title, xlabel, ylabel):
@@ -37,8 +37,11 @@ def plot_replay(d, out):
     caps = [r["cap"] for r in rows]
     w = _plot(f"Expert hit rate vs cache cap ({d['num_experts']} experts/layer, top-{d['top_k']})",
               "cap (expert slots per layer)", "hit rate (%)")
-    names = {"lru": "LRU", "lfru": "LFRU", "ours": "ours (LRU + pinning)", "belady": "Belady (optimal)"}
+    names = {"lru": "LRU", "lfru": "LFRU", "ema": "EMA (router probability)",
+             "ours": f"ours ({d.get('policy', 'lru')} + pinning)", "belady": "Belady (optimal)"}
     for k, label in names.items():
+        if k not in rows[0]:
+            continue
         style = dict(width=3, style=pg.QtCore.Qt.PenStyle.DashLine) if k == "belady" else dict(width=2)
         w.plot(caps, [100 * r[k] for r in rows], pen=pg.mkPen(COLORS[k], **style), name=label,
                symbol="o", symbolSize=5, symbolBrush=COLORS[k])
