@@ -158,6 +158,10 @@ class SettingsDialog(QDialog):
         f.addRow(_label("Router smoothing", "smooth"), self._dspin(
             "smooth", 0.0, 0.95, tip="Exponential moving average of router logits used by the predictor "
             "only (0 = none). Routing itself always uses fresh logits."))
+        f.addRow(_label("Prefetch precision", "spec_precision"), self._dspin(
+            "spec_precision", 0.0, 1.0, tip="Load a predicted expert only while predictions like it "
+            "(same layer, rank and lookahead) have been right at least this often (0 = load every "
+            "prediction). Higher reads fewer wasted bytes from the SSD."))
         f.addRow(_label("Eviction guard", "evict_guard"), self._check(
             "evict_guard", "speculative loads may not evict warm experts",
             "When on, a prefetch never evicts an expert that is genuinely warm and clearly hotter."))
@@ -262,6 +266,7 @@ class SettingsDialog(QDialog):
             F[name].setValue(getattr(e, name))
         F["conf_limit"].setValue(e.conf_limit)
         F["smooth"].setValue(e.smooth)
+        F["spec_precision"].setValue(e.spec_precision)
         for name in ("evict_guard", "o_direct", "pinning", "history"):
             F[name].setChecked(bool(getattr(e, name)))
         F["policy"].setCurrentText(e.policy)
@@ -298,6 +303,7 @@ class SettingsDialog(QDialog):
             self._base.engine,
             pilot=F["pilot"].currentIndex(), pilot_workers=F["pilot_workers"].value(), wide=F["wide"].value(),
             conf_limit=fv("conf_limit", be.conf_limit), smooth=fv("smooth", be.smooth),
+            spec_precision=fv("spec_precision", be.spec_precision),
             evict_guard=F["evict_guard"].isChecked(), policy=F["policy"].currentText(),
             cap=None if self.cap_auto.isChecked() else F["cap"].value(),
             ram_budget_gb=None if self.budget_auto.isChecked() else fv("ram_budget_gb", be.ram_budget_gb),

@@ -21,7 +21,7 @@ FILENAME = "settings.json"
 
 # Engine fields that need the engine to be reopened when they change.
 RELOAD_FIELDS = ("context_length", "ram_budget_gb", "cap", "policy", "pinning", "pin_per_layer", "pilot",
-                 "pilot_workers", "wide", "conf_limit", "smooth", "evict_guard", "o_direct", "checksum",
+                 "pilot_workers", "wide", "conf_limit", "smooth", "spec_precision", "evict_guard", "o_direct", "checksum",
                  "numba_threads", "history")
 
 

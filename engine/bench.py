@@ -68,7 +68,7 @@ def md_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
     sep = "|" + "|".join("---" for _ in cols) + "|"
     lines = [head, sep]
     for r in rows:
-        lines.append("| " + " | ".join(format(r.get(k, ""), f) if r.get(k) is not None else "" for _, k, f in cols) + " |")
+        lines.append("| " + " | ".join(format(r[k], f) if r.get(k) is not None else "" for _, k, f in cols) + " |")
     return "\n".join(lines)
 
 
@@ -342,20 +342,47 @@ def cmd_pilot(a) -> int:
             r["rep"] = rep
             rows.append(r)
             order.append(over)
-            print(f"rep {rep} pilot {over['pilot']} w{over['pilot_workers']} guard {over['evict_guard']}: "
-                  f"hit {100 * r['hit_rate']:.1f}% {r['mb_per_token']:.1f} MB/t felt {r['felt_wait_s']:.2f}s "
+            print(f"rep {rep} pilot {over['pilot']} w{over['pilot_workers']} guard {over['evict_guard']}: decode "
+                  f"hit {100 * r['decode_hit_rate']:.1f}% {r['decode_mb_per_token']:.2f} MB/t "
+                  f"felt {r['decode_felt_wait_s']:.3f}s "
                   f"{r['tok_per_s']:.2f} tok/s sha {r['sha256_ids']}", flush=True)
     if frozen is not None:
         heat.unlink(missing_ok=True)
     table = md_table(rows, [("rep", "rep", "d"), ("pilot", "pilot", "d"), ("workers", "pilot_workers", "d"),
-                            ("guard", "evict_guard", ""), ("hit %", "hit_rate", ".1%"),
-                            ("MB/token", "mb_per_token", ".1f"), ("spec MB/t", "spec_mb_per_token", ".1f"),
-                            ("felt wait s", "felt_wait_s", ".2f"), ("tok/s", "tok_per_s", ".2f"),
+                            ("guard", "evict_guard", ""), ("hit %", "decode_hit_rate", ".1%"),
+                            ("MB/token", "decode_mb_per_token", ".2f"), ("spec MB/t", "decode_spec_mb_per_token", ".2f"),
+                            ("felt wait s", "decode_felt_wait_s", ".3f"), ("tok/s", "tok_per_s", ".2f"),
+                            ("all-steps hit %", "hit_rate", ".1%"), ("all-steps felt s", "felt_wait_s", ".3f"),
                             ("sha256(ids)", "sha256_ids", "")])
+    # Per arm (pilot, workers, guard): medians over the repetitions, and the ratios to pilot 0.
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["pilot"], r["pilot_workers"], r["evict_guard"]), []).append(r)
+    summ = []
+    for (p_, w_, g_), rs in groups.items():
+        summ.append({"pilot": p_, "pilot_workers": w_, "evict_guard": g_,
+                     **{k: float(np.median([x[k] for x in rs])) for k in (
+                         "decode_hit_rate", "decode_mb_per_token", "decode_felt_wait_s", "tok_per_s")},
+                     "recall": " ".join(f"{v:.2f}" for v in rs[0]["pilot_recall"][1:]) if rs[0]["pilot_recall"] else ""})
+    base = next((x for x in summ if x["pilot"] == 0), None)
+    for x in summ:
+        if base:
+            x["felt_vs_p0"] = x["decode_felt_wait_s"] / base["decode_felt_wait_s"] - 1 if base["decode_felt_wait_s"] else 0.0
+            x["mb_vs_p0"] = x["decode_mb_per_token"] / base["decode_mb_per_token"] - 1 if base["decode_mb_per_token"] else 0.0
+            x["tps_vs_p0"] = x["tok_per_s"] / base["tok_per_s"] - 1 if base["tok_per_s"] else 0.0
+    table += "\n\nMedians per arm (decode only), change against pilot 0:\n\n" + md_table(summ, [
+        ("pilot", "pilot", "d"), ("workers", "pilot_workers", "d"), ("guard", "evict_guard", ""),
+        ("hit %", "decode_hit_rate", ".1%"), ("MB/token", "decode_mb_per_token", ".2f"),
+        ("felt wait s", "decode_felt_wait_s", ".3f"), ("tok/s", "tok_per_s", ".2f"),
+        ("felt vs p0", "felt_vs_p0", "+.0%"), ("MB/t vs p0", "mb_vs_p0", "+.0%"), ("tok/s vs p0", "tps_vs_p0", "+.0%"),
+        ("recall per layer (1..L-1)", "recall", "")])
+    table = ("Decode-only columns: the first step (the prompt's prefill and first token, where PILOT does not "
+             "run) is excluded; all-steps columns include it.\n\n" + table)
     shas = {r["sha256_ids"] for r in rows}
     table += f"\n\nDistinct generated-id hashes across all arms: {len(shas)} (1 = byte-identical)."
-    write_results(a.name, {"machine": machine_info(), "store": a.store, "rows": rows, "cap": a.cap,
-                           "prompt_len": a.prompt_len, "tokens": a.tokens}, table)
+    write_results(a.name, {"machine": machine_info(), "store": a.store, "rows": rows, "summary": summ,
+                           "cap": a.cap, "prompt_len": a.prompt_len, "tokens": a.tokens,
+                           "prompt_text": a.prompt_text}, table)
     return 0
 
 

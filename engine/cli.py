@@ -26,6 +26,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wide", type=int, default=1, help="prefetch top-k x WIDE candidates (1-4)")
     g.add_argument("--conf-limit", type=float, default=0.92, help="cumulative probability limit when wide > 1")
     g.add_argument("--smooth", type=float, default=0.3, help="predictor router-logit EMA (0-0.95)")
+    g.add_argument("--spec-precision", type=float, default=EngineConfig.spec_precision,
+                   help="load a PILOT prediction only while its measured precision is at least this (0 = all)")
     g.add_argument("--no-evict-guard", action="store_true", help="let speculation evict warm experts")
     g.add_argument("--no-o-direct", action="store_true", help="buffered reads (use the page cache)")
     g.add_argument("--no-pinning", action="store_true", help="no hot pinning / pre-warm")
@@ -39,7 +41,7 @@ def engine_config(a: argparse.Namespace, store: str) -> EngineConfig:
     return EngineConfig(
         store=store, context_length=a.context_length, ram_budget_gb=a.ram_budget_gb, cap=a.cap,
         policy=a.policy, pinning=not a.no_pinning, pilot=a.pilot, pilot_workers=a.pilot_workers,
-        wide=a.wide, conf_limit=a.conf_limit, smooth=a.smooth, evict_guard=not a.no_evict_guard,
+        wide=a.wide, conf_limit=a.conf_limit, smooth=a.smooth, spec_precision=a.spec_precision, evict_guard=not a.no_evict_guard,
         o_direct=not a.no_o_direct, checksum=a.checksum, numba_threads=a.threads,
         history=not a.no_history).validated()
 

@@ -203,6 +203,9 @@ class EngineConfig:
         wide: prefetch candidates = top-k x wide (1-4). conf_limit: stop adding candidates at
             this cumulative probability (when wide > 1). smooth: router-logit EMA used by the
             predictor only (0-0.95).
+        spec_precision: load a PILOT prediction only while its (source, layer, rank) precision,
+            measured online against the real routing, is at least this (0 = load every
+            prediction, 0-1).
         evict_guard: speculative loads may not evict genuinely warm experts.
         o_direct: read experts with O_DIRECT (bypass the page cache) where supported.
         checksum: verify expert slab checksums "off" / "first" (first load) / "always".
@@ -222,6 +225,7 @@ class EngineConfig:
     wide: int = 1
     conf_limit: float = 0.92
     smooth: float = 0.3
+    spec_precision: float = 0.7
     evict_guard: bool = True
     o_direct: bool = True
     checksum: str = "first"
@@ -255,6 +259,8 @@ class EngineConfig:
             bad("conf_limit", "must be 0.1-1.0")
         if not 0.0 <= self.smooth <= 0.95:
             bad("smooth", "must be 0-0.95")
+        if not 0.0 <= self.spec_precision <= 1.0:
+            bad("spec_precision", "must be 0-1 (0 = load every prediction)")
         if self.checksum not in CHECKSUM_MODES:
             bad("checksum", f"must be one of {CHECKSUM_MODES}")
         if self.numba_threads < 0:

@@ -32,10 +32,33 @@ def test_ids_identical_across_pilot_modes_workers_and_guard(medium_store):
     for pilot in (1, 2, 3):
         for workers in (1, 4):
             for guard in (True, False):
-                ids, metrics = _run(medium_store, cap=4, pilot=pilot, pilot_workers=workers, evict_guard=guard)
+                ids, metrics = _run(medium_store, cap=4, pilot=pilot, pilot_workers=workers, evict_guard=guard,
+                                    spec_precision=0.0 if guard else 0.7)
                 assert ids == ref, (pilot, workers, guard)
                 spec_total += sum(m.spec_issued for m in metrics)
     assert spec_total > 0  # the prefetcher did work
+
+
+def test_precision_gate_learns_per_layer_and_rank(medium_store):
+    """The gate's counts come from the real routing: cells whose predictions keep missing stop
+    loading; a gate of 0 loads every prediction; a gate of 1 loads none (values unchanged)."""
+    ref, m0 = _run(medium_store, cap=4, pilot=1, spec_precision=0.0)
+    ids1, m1 = _run(medium_store, cap=4, pilot=1, spec_precision=1.0)
+    assert ids1 == ref
+    assert sum(m.spec_issued for m in m0) > 0 and sum(m.spec_issued for m in m1) == 0
+    cfg = EngineConfig(store=str(medium_store), history=False, pinning=False, cap=4, pilot=1)
+    stream = np.random.default_rng(11).integers(10, 500, 60).tolist()
+    with Engine.open(cfg) as eng:
+        list(eng.generate(GenerateRequest(prompt_ids=tuple(stream[:12]), sampling=SamplingParams(max_new_tokens=40))))
+        p = eng.pilot
+        tot, hits = p.prec_total[1], p.prec_hits[1]  # pilot 1: distance-1 predictions only
+        assert tot[0].sum() == 0 and (tot[1:] > 0).all()  # layer 0 is never predicted
+        assert (hits <= tot).all() and p.prec_total[2:].sum() == 0
+        # the estimate is (hits + 3) / (total + 4): a cell that always missed falls below 0.7
+        p.prec_hits[1, 1, 0], p.prec_total[1, 1, 0] = 0, 10
+        assert p.precision(1, 1, 0) < 0.7
+        p.prec_hits[1, 1, 0] = 10
+        assert p.precision(1, 1, 0) > 0.9
 
 
 def test_recall_reported_per_layer(medium_store):
@@ -122,7 +145,7 @@ def test_perfect_predictor_drops_under_half(medium_store):
     with Engine.open(cfg) as eng:
         p = eng.pilot
 
-        def oracle(t, x):
+        def oracle(t, x, dist=1):
             for e in routes.get((p.gen, t), ()):
                 if not eng.cache.is_present(t, int(e)):
                     p.queue.put(t, int(e), p.gen)
