@@ -227,8 +227,19 @@ def write_gguf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, matrix_
         ck.close()
 
 
+def _require(modules, what: str) -> None:
+    """Raise ConfigError naming the missing optional package(s) and the extra to install."""
+    import importlib.util
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        extra = ".[parity] (torch, transformers)" if {"torch", "transformers"} & set(missing) else \
+            ".[peers] (llama-cpp-python, gguf)"
+        raise ConfigError(f"{what} needs {', '.join(missing)}: pip install -e {extra}")
+
+
 def cmd_gguf(a) -> int:
     """``colibri bench gguf``: write the GGUF, print size, time and peak RSS."""
+    _require(("gguf",), "colibri bench gguf")
     with PeakRss() as pr:
         r = write_gguf(a.checkpoint, a.out, matrix_type=a.type, overwrite=a.overwrite)
     r["peak_rss_bytes"] = max(pr.peak, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
@@ -525,6 +536,10 @@ def cmd_peers(a) -> int:
     for s in a.systems:
         if s not in SYSTEMS:
             raise ConfigError(f"--systems: unknown system {s!r}; choose from {', '.join(SYSTEMS)}")
+    if "llama" in a.systems:
+        _require(("llama_cpp",), "--systems llama")
+    if "transformers" in a.systems:
+        _require(("torch", "transformers"), "--systems transformers")
     if "llama" in a.systems and not Path(a.gguf).is_file():
         raise ConfigError(f"--gguf {a.gguf}: no such file; write it first with "
                           f"`colibri bench gguf --checkpoint {a.checkpoint} --out {a.gguf}`")
