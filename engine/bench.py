@@ -209,8 +209,11 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
                     eng.cache.acquire(layer, e)
                     eng.cache.release(layer, e)
         V = eng.args.vocab_size
-        if prompt_text is not None:
-            req = GenerateRequest(prompt=prompt_text, sampling=SamplingParams(max_new_tokens=tokens))
+        if prompt_text is not None:  # a real question, in the model's chat template when it has one
+            from .events import ChatMessage
+            sp = SamplingParams(max_new_tokens=tokens)
+            req = (GenerateRequest(messages=(ChatMessage("user", prompt_text),), sampling=sp)
+                   if eng.has_chat_template else GenerateRequest(prompt=prompt_text, sampling=sp))
         else:
             stream = forced_stream(V, prompt_len + tokens, seed)
             req = GenerateRequest(prompt_ids=tuple(stream[:prompt_len]),
@@ -326,8 +329,10 @@ def cmd_pilot(a) -> int:
     for p in a.modes:
         for w in (a.workers if p > 0 else [1]):
             for g in ((True, False) if (p > 0 and a.guard_both) else (True,)):
-                arms.append(dict(cap=a.cap, pilot=p, pilot_workers=w, evict_guard=g, o_direct=True,
-                                 pinning=bool(a.warm_heat), history=bool(a.warm_heat)))
+                for sp in (a.spec_precision if p > 0 else [a.spec_precision[0]]):
+                    arms.append(dict(cap=a.cap, pilot=p, pilot_workers=w, evict_guard=g, spec_precision=sp,
+                                     o_direct=True, pinning=bool(a.warm_heat), history=bool(a.warm_heat),
+                                     **({"policy": a.policy} if a.policy else {})))
     rows = []
     order = []
     for rep in range(a.reps):
@@ -342,14 +347,16 @@ def cmd_pilot(a) -> int:
             r["rep"] = rep
             rows.append(r)
             order.append(over)
-            print(f"rep {rep} pilot {over['pilot']} w{over['pilot_workers']} guard {over['evict_guard']}: decode "
+            print(f"rep {rep} pilot {over['pilot']} w{over['pilot_workers']} guard {over['evict_guard']} "
+                  f"gate {over['spec_precision']}: decode "
                   f"hit {100 * r['decode_hit_rate']:.1f}% {r['decode_mb_per_token']:.2f} MB/t "
                   f"felt {r['decode_felt_wait_s']:.3f}s "
                   f"{r['tok_per_s']:.2f} tok/s sha {r['sha256_ids']}", flush=True)
     if frozen is not None:
         heat.unlink(missing_ok=True)
     table = md_table(rows, [("rep", "rep", "d"), ("pilot", "pilot", "d"), ("workers", "pilot_workers", "d"),
-                            ("guard", "evict_guard", ""), ("hit %", "decode_hit_rate", ".1%"),
+                            ("guard", "evict_guard", ""), ("gate", "spec_precision", ".2f"),
+                            ("hit %", "decode_hit_rate", ".1%"),
                             ("MB/token", "decode_mb_per_token", ".2f"), ("spec MB/t", "decode_spec_mb_per_token", ".2f"),
                             ("felt wait s", "decode_felt_wait_s", ".3f"), ("tok/s", "tok_per_s", ".2f"),
                             ("all-steps hit %", "hit_rate", ".1%"), ("all-steps felt s", "felt_wait_s", ".3f"),
@@ -357,10 +364,10 @@ def cmd_pilot(a) -> int:
     # Per arm (pilot, workers, guard): medians over the repetitions, and the ratios to pilot 0.
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["pilot"], r["pilot_workers"], r["evict_guard"]), []).append(r)
+        groups.setdefault((r["pilot"], r["pilot_workers"], r["evict_guard"], r["spec_precision"]), []).append(r)
     summ = []
-    for (p_, w_, g_), rs in groups.items():
-        summ.append({"pilot": p_, "pilot_workers": w_, "evict_guard": g_,
+    for (p_, w_, g_, sp_), rs in groups.items():
+        summ.append({"pilot": p_, "pilot_workers": w_, "evict_guard": g_, "spec_precision": sp_,
                      **{k: float(np.median([x[k] for x in rs])) for k in (
                          "decode_hit_rate", "decode_mb_per_token", "decode_felt_wait_s", "tok_per_s")},
                      "recall": " ".join(f"{v:.2f}" for v in rs[0]["pilot_recall"][1:]) if rs[0]["pilot_recall"] else ""})
@@ -372,7 +379,7 @@ def cmd_pilot(a) -> int:
             x["tps_vs_p0"] = x["tok_per_s"] / base["tok_per_s"] - 1 if base["tok_per_s"] else 0.0
     table += "\n\nMedians per arm (decode only), change against pilot 0:\n\n" + md_table(summ, [
         ("pilot", "pilot", "d"), ("workers", "pilot_workers", "d"), ("guard", "evict_guard", ""),
-        ("hit %", "decode_hit_rate", ".1%"), ("MB/token", "decode_mb_per_token", ".2f"),
+        ("gate", "spec_precision", ".2f"), ("hit %", "decode_hit_rate", ".1%"), ("MB/token", "decode_mb_per_token", ".2f"),
         ("felt wait s", "decode_felt_wait_s", ".3f"), ("tok/s", "tok_per_s", ".2f"),
         ("felt vs p0", "felt_vs_p0", "+.0%"), ("MB/t vs p0", "mb_vs_p0", "+.0%"), ("tok/s vs p0", "tps_vs_p0", "+.0%"),
         ("recall per layer (1..L-1)", "recall", "")])
@@ -716,6 +723,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--prompt-text", default=None, help="real prompt (trained models) instead of a forced stream")
+    p.add_argument("--spec-precision", type=float, nargs="+", default=[0.7],
+                   help="PILOT precision gate value(s) to compare (0 = load every prediction)")
+    p.add_argument("--policy", default=None, help="cache policy of every arm (default: the engine default)")
     p.add_argument("--warm-heat", action="store_true", help="freeze a heat file from one warm-up run, restore per arm")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--name", default="pilot_1b")

@@ -325,6 +325,13 @@ def _arm_ours(store: str, prompt: list, forced: list, threads: int, ctx: int, li
     cfg.update(over)
     io0, t0 = proc_read_bytes(), time.perf_counter()
     eng = Engine.open(EngineConfig(store=store, **cfg))
+    if limit_gb is None:
+        # all resident, like llama.cpp's populated mmap: every expert is read during the load
+        for layer in range(eng.args.num_hidden_layers):
+            eng.cache.prepare(layer, np.arange(E))
+            for e in range(E):
+                eng.cache.acquire(layer, e)
+                eng.cache.release(layer, e)
     load_s, io1 = time.perf_counter() - t0, proc_read_bytes()
     try:
         req = GenerateRequest(prompt_ids=tuple(prompt), forced_ids=tuple(forced),

@@ -217,7 +217,7 @@ class EngineConfig:
     context_length: int = 0
     ram_budget_gb: float | None = None
     cap: int | None = None
-    policy: str = "lru"
+    policy: str = "ema"
     pinning: bool = True
     pin_per_layer: int = 0
     pilot: int = 1
