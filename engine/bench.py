@@ -187,9 +187,23 @@ def cmd_disk(a) -> int:
 
 # --- one streaming arm (also run as a fresh process by `bench pilot`) ---------------------------
 
+def heldout_stream(path: str | Path) -> list[int]:
+    """Token ids of a held-out file (JSON lines with an "ids" list each), concatenated: real
+    text, so a trained model routes as it does on real input (teacher forced, never sampled)."""
+    out: list[int] = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            out.extend(json.loads(line)["ids"])
+    return out
+
+
 def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
-            forced: bool = True, prompt_text: str | None = None) -> dict:
-    """Open a fresh engine with the overrides, decode, return the measured row."""
+            forced: bool = True, prompt_text: str | None = None, stream_file: str | None = None) -> dict:
+    """Open a fresh engine with the overrides, decode, return the measured row.
+
+    The decoded stream is: ``prompt_text`` (greedy answer to a real question), else the ids of
+    ``stream_file`` (real held-out text, teacher forced), else ``forced_stream`` (seeded random
+    ids, teacher forced)."""
     from .config import EngineConfig
     from .events import Finished, GenerateRequest, SamplingParams, StepMetrics
     from .generate import Engine
@@ -215,7 +229,10 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
             req = (GenerateRequest(messages=(ChatMessage("user", prompt_text),), sampling=sp)
                    if eng.has_chat_template else GenerateRequest(prompt=prompt_text, sampling=sp))
         else:
-            stream = forced_stream(V, prompt_len + tokens, seed)
+            stream = (heldout_stream(stream_file)[:prompt_len + tokens] if stream_file
+                      else forced_stream(V, prompt_len + tokens, seed))
+            if len(stream) < prompt_len + tokens:
+                raise ValueError(f"{stream_file}: {len(stream)} tokens, need {prompt_len + tokens}")
             req = GenerateRequest(prompt_ids=tuple(stream[:prompt_len]),
                                   forced_ids=tuple(stream[prompt_len:]) if forced else None,
                                   sampling=SamplingParams(max_new_tokens=tokens))
@@ -270,16 +287,18 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
 def cmd_arm(a) -> int:
     """Internal: one arm in this (fresh) process; prints a JSON row."""
     row = run_arm(a.store, json.loads(a.config), a.prompt_len, a.tokens, a.seed,
-                  prompt_text=a.prompt_text)
+                  prompt_text=a.prompt_text, stream_file=a.stream_file)
     print("ARM " + json.dumps(row))
     return 0
 
 
-def _arm_subprocess(store, over, prompt_len, tokens, seed, prompt_text=None) -> dict:
+def _arm_subprocess(store, over, prompt_len, tokens, seed, prompt_text=None, stream_file=None) -> dict:
     cmd = [sys.executable, "-m", "engine.cli", "bench", "arm", "--store", store, "--config", json.dumps(over),
            "--prompt-len", str(prompt_len), "--tokens", str(tokens), "--seed", str(seed)]
     if prompt_text is not None:
         cmd += ["--prompt-text", prompt_text]
+    if stream_file is not None:
+        cmd += ["--stream-file", str(stream_file)]
     p = subprocess.run(cmd, capture_output=True, text=True)
     for line in p.stdout.splitlines():
         if line.startswith("ARM "):
@@ -323,7 +342,7 @@ def cmd_pilot(a) -> int:
         # Build the frozen heat once: one run with history on, pinning off.
         heat.unlink(missing_ok=True)
         _arm_subprocess(a.store, dict(cap=a.cap, pilot=0, pinning=True, history=True), a.prompt_len,
-                        a.tokens, a.seed + 1, a.prompt_text)
+                        a.tokens, a.seed + 1, a.prompt_text, a.stream_file)
         frozen = heat.read_bytes()
     arms = []
     for p in a.modes:
@@ -343,7 +362,7 @@ def cmd_pilot(a) -> int:
                 atomic_write_bytes(heat, frozen)
             elif heat.exists():
                 heat.unlink()
-            r = _arm_subprocess(a.store, over, a.prompt_len, a.tokens, a.seed, a.prompt_text)
+            r = _arm_subprocess(a.store, over, a.prompt_len, a.tokens, a.seed, a.prompt_text, a.stream_file)
             r["rep"] = rep
             rows.append(r)
             order.append(over)
@@ -389,7 +408,7 @@ def cmd_pilot(a) -> int:
     table += f"\n\nDistinct generated-id hashes across all arms: {len(shas)} (1 = byte-identical)."
     write_results(a.name, {"machine": machine_info(), "store": a.store, "rows": rows, "summary": summ,
                            "cap": a.cap, "prompt_len": a.prompt_len, "tokens": a.tokens,
-                           "prompt_text": a.prompt_text}, table)
+                           "prompt_text": a.prompt_text, "stream_file": a.stream_file}, table)
     return 0
 
 
@@ -723,6 +742,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--prompt-text", default=None, help="real prompt (trained models) instead of a forced stream")
+    p.add_argument("--stream-file", default=None,
+                   help="JSON lines with 'ids' (e.g. a model's heldout_sample.jsonl): teacher force real text")
     p.add_argument("--spec-precision", type=float, nargs="+", default=[0.7],
                    help="PILOT precision gate value(s) to compare (0 = load every prediction)")
     p.add_argument("--policy", default=None, help="cache policy of every arm (default: the engine default)")
@@ -771,6 +792,7 @@ def add_bench_parser(sub) -> None:
     r.add_argument("--tokens", type=int, default=48)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--prompt-text", default=None)
+    r.add_argument("--stream-file", default=None)
     r.set_defaults(fn=cmd_arm)
 
     from .bench_peers import add_peers_parsers
