@@ -295,10 +295,16 @@ class ExpertCache:
             self.prob_ema[layer] *= 1.0 - PROB_EMA_ALPHA
             self.prob_ema[layer] += PROB_EMA_ALPHA * np.asarray(probs, np.float64)
 
-    def prepare(self, layer: int, experts) -> None:
+    def prepare(self, layer: int, experts) -> list[int]:
         """Count one demand lookup per expert and start concurrent reads of the misses
-        (as many as free or evictable slots allow; the rest load in ``acquire``)."""
+        (as many as free or evictable slots allow; the rest load in ``acquire``).
+
+        Returns the order to compute them in: this call's hits (ascending id), then its misses
+        (ascending id), so the kernels work on resident experts while the misses are read
+        (the order is a function of the routing and the cache state only: replayable)."""
         jobs = []
+        hits_first: list[int] = []
+        misses_after: list[int] = []
         with self.lock:
             self.routed_now[layer, :] = False
             missing = []
@@ -312,8 +318,10 @@ class ExpertCache:
                         self.stats.pinned_hits += 1
                     self.touch(layer, s)
                     self._counted_hit.add((layer, e))
+                    hits_first.append(e)
                 else:
                     self.stats.misses += 1
+                    misses_after.append(e)
                     if s < 0:  # else loading (a speculation in flight): acquire waits for it
                         missing.append(e)
             # While reserving, this call's hits are held busy so a miss never evicts an expert
@@ -331,6 +339,7 @@ class ExpertCache:
                 self.slot_busy[layer, s] -= 1
         for e, slot in jobs:
             self._pool.submit(self._load, layer, e, slot, False)
+        return hits_first + misses_after
 
     def acquire(self, layer: int, expert: int) -> dict:
         """Views of the expert's slab, resident and marked busy until ``release``.

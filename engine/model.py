@@ -40,10 +40,10 @@ class Cancelled(EngineError):
 
 class ExpertProvider(Protocol):
     """Where expert weights come from. ``prepare`` announces the experts a layer is about to
-    use (so misses can be read concurrently); ``acquire`` returns the slab's views and pins
-    it until ``release``."""
+    use (so misses can be read concurrently) and may return the order to compute them in
+    (resident ones first); ``acquire`` returns the slab's views and pins it until ``release``."""
 
-    def prepare(self, layer: int, experts: np.ndarray) -> None: ...
+    def prepare(self, layer: int, experts: np.ndarray) -> list[int] | None: ...
     def acquire(self, layer: int, expert: int) -> dict: ...
     def release(self, layer: int, expert: int) -> None: ...
 
@@ -229,10 +229,10 @@ class OlmoeModel:
         if self.on_route is not None:
             self.on_route(i, idx, logits)
         uniq = np.unique(idx)  # ascending expert ids
-        self.experts.prepare(i, uniq)
+        order = self.experts.prepare(i, uniq)
         y = np.zeros((T, idx.shape[1], D), np.float32)  # [T, K, D]
         scratch = np.empty((T, a.intermediate_size), np.float32)  # [T, I]
-        for e in uniq:
+        for e in (uniq if order is None else order):  # outputs land by rank: order never changes values
             rows, ranks = np.nonzero(idx == e)
             n = len(rows)
             xe = h if n == T else np.ascontiguousarray(h[rows])  # [n, D]; rows are sorted

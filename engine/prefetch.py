@@ -17,8 +17,8 @@ Precision gate (this project's addition, measured on the default model and the 1
 model): the predictor's precision differs sharply by target layer and by the candidate's
 rank (on the trained default model, rank 1 of layers 2-7 is routed 89-99% of the time, rank 4
 of layer 1 32%). Every token the real routing scores each (source distance, target layer,
-rank) prediction; a candidate is loaded only while that cell's precision, (hits + 3) /
-(predictions + 4), is at least ``spec_precision``. Speculating on a coin flip costs SSD bytes
+rank among the prediction's non-resident candidates) cell; a candidate is loaded only while
+that cell's precision, (hits + 3) / (predictions + 4), is at least ``spec_precision``. Speculating on a coin flip costs SSD bytes
 and evicts useful experts; gated speculation keeps MB/token near pilot 0's.
 
 Queue: bounded, de-duplicated, pruned when a new token starts (stale), and requests for a
@@ -222,14 +222,15 @@ class Pilot:
         else:
             n = k
         ranked = order[:n]
-        self.pred_rank[dist, t, ranked] = np.arange(n)
         self.predicted[t, ranked] = True
+        # Only candidates that are not resident would be loaded, and they are the hard ones
+        # (residents are mostly experts the routing keeps returning to), so the gate scores
+        # exactly those: the rank among this prediction's non-resident candidates.
+        missing = [int(e) for e in ranked if not self.cache.is_present(t, int(e))]
+        self.pred_rank[dist, t, missing] = np.arange(len(missing))
         if self.min_precision > 0:
-            ranked = [e for r, e in enumerate(ranked) if self.precision(dist, t, r) >= self.min_precision]
-        for e in np.sort(np.asarray(ranked, np.int64)):
-            e = int(e)
-            if self.cache.is_present(t, e):
-                continue
+            missing = [e for r, e in enumerate(missing) if self.precision(dist, t, r) >= self.min_precision]
+        for e in sorted(missing):
             r = self.queue.put(t, e, self.gen)
             if r == "full":
                 with self.cache.lock:

@@ -140,9 +140,7 @@ def replay_policy(head: dict, records: list[dict], cap: int, policy: str, pinnin
             np.add.at(heat[layer], idx.reshape(-1), 1)
             if "p" in r:
                 cache.observe_probs(layer, np.asarray(r["p"], np.float32))
-            uniq = np.unique(idx)
-            cache.prepare(layer, uniq)
-            for e in uniq:
+            for e in cache.prepare(layer, np.unique(idx)):  # the engine's compute order
                 cache.acquire(layer, int(e))
                 cache.release(layer, int(e))
         s = cache.stats
@@ -153,30 +151,41 @@ def replay_policy(head: dict, records: list[dict], cap: int, policy: str, pinnin
 
 
 def replay_belady(head: dict, records: list[dict], cap: int) -> dict:
-    """Belady's MIN per layer on the same request stream (distinct experts per call)."""
+    """Belady's MIN per layer on the same request stream (the set of distinct experts per call).
+
+    Within a call the order is free, so, like the engine, the call's resident experts are used
+    first (hits), then each miss evicts the resident expert whose next call is farthest in the
+    future (Belady 1966); an expert this call has already used counts by its next call.
+    """
     L = head["num_layers"]
-    seqs: list[list[int]] = [[] for _ in range(L)]
+    calls: list[list[list[int]]] = [[] for _ in range(L)]
     for r in records:
         if "l" in r:
-            seqs[r["l"]].extend(np.unique(np.asarray(r["idx"])).tolist())
+            calls[r["l"]].append(np.unique(np.asarray(r["idx"])).tolist())
     hits = misses = 0
-    for seq in seqs:
+    for seq in calls:
         n = len(seq)
-        nxt = [n] * n  # index of the next request of the same expert
-        last: dict[int, int] = {}
-        for i in range(n - 1, -1, -1):
-            nxt[i] = last.get(seq[i], n + 1 + i)
-            last[seq[i]] = i
-        resident: dict[int, int] = {}  # expert -> its next use
-        for i, e in enumerate(seq):
-            if e in resident:
-                hits += 1
-            else:
+        nxt_of: list[dict[int, int]] = [{} for _ in range(n)]  # call c -> {expert: next call using it}
+        upcoming: dict[int, int] = {}
+        for c in range(n - 1, -1, -1):
+            for e in seq[c]:
+                nxt_of[c][e] = upcoming.get(e, n + 1)
+            for e in seq[c]:
+                upcoming[e] = c
+        resident: dict[int, int] = {}  # expert -> index of its next use
+        for c, need in enumerate(seq):
+            missing = [e for e in need if e not in resident]
+            hits += len(need) - len(missing)
+            for e in need:
+                if e in resident:
+                    resident[e] = nxt_of[c][e]
+            for e in missing:
                 misses += 1
                 if len(resident) >= cap:
-                    victim = max(resident, key=resident.get)
-                    del resident[victim]
-            resident[e] = nxt[i]
+                    # this call's residents have been used already (hits first, each miss
+                    # right after its load): their key is already their next call
+                    del resident[max(resident, key=resident.get)]
+                resident[e] = nxt_of[c][e]
     return {"hits": hits, "misses": misses, "hit_rate": hits / max(hits + misses, 1)}
 
 

@@ -52,7 +52,9 @@ def test_precision_gate_learns_per_layer_and_rank(medium_store):
         list(eng.generate(GenerateRequest(prompt_ids=tuple(stream[:12]), sampling=SamplingParams(max_new_tokens=40))))
         p = eng.pilot
         tot, hits = p.prec_total[1], p.prec_hits[1]  # pilot 1: distance-1 predictions only
-        assert tot[0].sum() == 0 and (tot[1:] > 0).all()  # layer 0 is never predicted
+        # layer 0 is never predicted; with 4 slots of 16 every later layer has non-resident
+        # predictions, scored at least at rank 0
+        assert tot[0].sum() == 0 and (tot[1:, 0] > 0).all()
         assert (hits <= tot).all() and p.prec_total[2:].sum() == 0
         # the estimate is (hits + 3) / (total + 4): a cell that always missed falls below 0.7
         p.prec_hits[1, 1, 0], p.prec_total[1, 1, 0] = 0, 10

@@ -28,7 +28,7 @@ def _plot(title, xlabel, ylabel):
     w.setLabel("bottom", xlabel, color="k")
     w.setLabel("left", ylabel, color="k")
     w.showGrid(x=True, y=True, alpha=0.25)
-    w.addLegend(offset=(-10, 10), labelTextColor="k")
+    w.addLegend(offset=(-10, -40), labelTextColor="k", brush=pg.mkBrush(255, 255, 255, 220))
     return w
 
 
