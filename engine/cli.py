@@ -21,7 +21,7 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cap", type=int, default=None, help="expert slots per layer (default: auto from the budget)")
     g.add_argument("--ram-budget-gb", type=float, default=None, help="RAM budget in GB (default: auto)")
     g.add_argument("--policy", choices=POLICIES, default=EngineConfig.policy, help="cache eviction policy")
-    g.add_argument("--pilot", type=int, choices=(0, 1, 2, 3), default=1, help="PILOT prefetch mode")
+    g.add_argument("--pilot", type=int, choices=(0, 1, 2, 3), default=EngineConfig.pilot, help="PILOT prefetch mode (default 0: it measured best on this machine, see bench/README.md)")
     g.add_argument("--pilot-workers", type=int, default=1, help="prefetch loader threads (1-8)")
     g.add_argument("--wide", type=int, default=1, help="prefetch top-k x WIDE candidates (1-4)")
     g.add_argument("--conf-limit", type=float, default=0.92, help="cumulative probability limit when wide > 1")

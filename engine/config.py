@@ -220,7 +220,7 @@ class EngineConfig:
     policy: str = "ema"
     pinning: bool = True
     pin_per_layer: int = 0
-    pilot: int = 1
+    pilot: int = 0
     pilot_workers: int = 1
     wide: int = 1
     conf_limit: float = 0.92
