@@ -250,14 +250,20 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
                 prof.add(ev)
             elif isinstance(ev, Finished):
                 fin = ev
-        s = prof.summary(fin)
         steps = prof.steps
         recall = list(steps[-1].pilot_recall) if steps and steps[-1].pilot_recall else []
-        row = {**cfg_over, "hit_rate": s["hit_rate"], "pinned_hit_rate": s["pinned_hit_rate"],
-               "mb_per_token": s["mb_per_token"], "demand_mb_per_token": s["demand_mb_per_token"],
-               "spec_mb_per_token": s["speculative_mb_per_token"], "felt_wait_s": s["felt_wait_s"],
-               "read_service_s": s["read_service_s"], "tok_per_s": fin.decode_tok_per_s,
-               "ttft_s": fin.ttft_s, "peak_rss_gb": s["peak_rss_bytes"] / 1e9, "cap": eng.cache.cap,
+        # all-steps figures (prefill included; the decode-only ones follow below)
+        n_all = max(len(steps), 1)
+        look_all = sum(m.hits + m.misses for m in steps)
+        dem_all = sum(m.demand_bytes for m in steps)
+        spec_all = sum(m.speculative_bytes for m in steps)
+        row = {**cfg_over, "hit_rate": sum(m.hits for m in steps) / look_all if look_all else 1.0,
+               "pinned_hit_rate": sum(m.pinned_hits for m in steps) / look_all if look_all else 0.0,
+               "mb_per_token": (dem_all + spec_all) / 1e6 / n_all, "demand_mb_per_token": dem_all / 1e6 / n_all,
+               "spec_mb_per_token": spec_all / 1e6 / n_all, "felt_wait_s": sum(m.felt_wait_s for m in steps),
+               "read_service_s": sum(m.read_service_s for m in steps), "tok_per_s": fin.decode_tok_per_s,
+               "ttft_s": fin.ttft_s, "peak_rss_gb": max((m.rss_bytes for m in steps), default=0) / 1e9,
+               "cap": eng.cache.cap,
                "tokens": fin.generated_tokens, "finish": fin.finish_reason, "error": fin.error,
                "distinct_experts": int(touched.sum()), "total_experts": int(touched.size),
                "o_direct": eng.store.o_direct, "open_s": open_s,
@@ -337,6 +343,18 @@ def cmd_pilot(a) -> int:
     """Arms: pilot 0-3 (x workers, x guard); each a fresh process with the same frozen heat."""
     from .heat import FILENAME
     heat = Path(a.store) / FILENAME
+    arms = []
+    for p in a.modes:
+        for w in (a.workers if p > 0 else [1]):
+            for g in ((True, False) if (p > 0 and a.guard_both) else (True,)):
+                for sp in (a.spec_precision if p > 0 else [None]):
+                    arm = dict(cap=a.cap, pilot=p, pilot_workers=w, evict_guard=g, o_direct=True,
+                               pinning=bool(a.warm_heat), history=bool(a.warm_heat),
+                               **({"policy": a.policy} if a.policy else {}))
+                    if sp is not None:  # the gate only exists with PILOT on
+                        arm["spec_precision"] = sp
+                    arms.append(arm)
+    _check_arm_inputs(a.store, arms, a.stream_file, a.prompt_len + a.tokens)
     frozen = None
     if a.warm_heat:
         # Build the frozen heat once: one run with history on, pinning off.
@@ -344,14 +362,7 @@ def cmd_pilot(a) -> int:
         _arm_subprocess(a.store, dict(cap=a.cap, pilot=0, pinning=True, history=True), a.prompt_len,
                         a.tokens, a.seed + 1, a.prompt_text, a.stream_file)
         frozen = heat.read_bytes()
-    arms = []
-    for p in a.modes:
-        for w in (a.workers if p > 0 else [1]):
-            for g in ((True, False) if (p > 0 and a.guard_both) else (True,)):
-                for sp in (a.spec_precision if p > 0 else [a.spec_precision[0]]):
-                    arms.append(dict(cap=a.cap, pilot=p, pilot_workers=w, evict_guard=g, spec_precision=sp,
-                                     o_direct=True, pinning=bool(a.warm_heat), history=bool(a.warm_heat),
-                                     **({"policy": a.policy} if a.policy else {})))
+
     rows = []
     order = []
     for rep in range(a.reps):
@@ -367,7 +378,7 @@ def cmd_pilot(a) -> int:
             rows.append(r)
             order.append(over)
             print(f"rep {rep} pilot {over['pilot']} w{over['pilot_workers']} guard {over['evict_guard']} "
-                  f"gate {over['spec_precision']}: decode "
+                  f"gate {over.get('spec_precision', '-')}: decode "
                   f"hit {100 * r['decode_hit_rate']:.1f}% {r['decode_mb_per_token']:.2f} MB/t "
                   f"felt {r['decode_felt_wait_s']:.3f}s "
                   f"{r['tok_per_s']:.2f} tok/s sha {r['sha256_ids']}", flush=True)
@@ -383,7 +394,7 @@ def cmd_pilot(a) -> int:
     # Per arm (pilot, workers, guard): medians over the repetitions, and the ratios to pilot 0.
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["pilot"], r["pilot_workers"], r["evict_guard"], r["spec_precision"]), []).append(r)
+        groups.setdefault((r["pilot"], r["pilot_workers"], r["evict_guard"], r.get("spec_precision")), []).append(r)
     summ = []
     for (p_, w_, g_, sp_), rs in groups.items():
         summ.append({"pilot": p_, "pilot_workers": w_, "evict_guard": g_, "spec_precision": sp_,
@@ -421,9 +432,11 @@ def cmd_matrix(a) -> int:
     compute s/token is the all-resident pilot-0 cell's decode time per token (no I/O at all),
     disk B/s the O_DIRECT slab bandwidth measured at queue depth ``--qd`` before the cells.
     """
+    budgets = [None if b in ("all", "0") else float(b) for b in a.budgets]
+    _check_arm_inputs(a.store, [dict(pilot=p, pilot_workers=w, context_length=a.context)
+                                for p in a.modes for w in a.workers], None, 0)
     disk = measure_disk(a.store, qd=a.qd)
     bw = disk[f"qd{a.qd}_gbps"] * 1e9
-    budgets = [None if b in ("all", "0") else float(b) for b in a.budgets]
     cells = []
     for b in budgets:
         for p in a.modes:
@@ -482,6 +495,9 @@ def cmd_matrix(a) -> int:
         table += "\n\nFailed cells: " + "; ".join(f"budget {r['budget_gb']} pilot {r['pilot']}: {r['error']}" for r in errs)
     shas = {r["sha256_ids"] for r in rows if r.get("sha256_ids")}
     table += f"\n\nDistinct generated-id hashes across all cells: {len(shas)} (1 = byte-identical)."
+    if not any(r.get("hit_rate") is not None for r in rows):
+        print("every cell failed (see the errors above); nothing written", file=sys.stderr)
+        return 1
     write_results(a.name, {"machine": machine_info(), "store": a.store, "disk": disk, "rows": rows,
                            "compute_s_per_token": compute_s, "prompt_len": a.prompt_len, "tokens": a.tokens,
                            "seed": a.seed}, head + table)
@@ -691,9 +707,50 @@ def cmd_trace_heldout(a) -> int:
     return 0
 
 
+def _budget_arg(v: str) -> str:
+    if v == "all":
+        return v
+    try:
+        if float(v) > 0:
+            return v
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"{v!r}: a RAM budget in GB (> 0) or 'all'")
+
+
+def _check_arm_inputs(store: str, arms: list[dict], stream_file: str | None, need_tokens: int) -> None:
+    """Refuse bad bench inputs in the parent, before any arm process starts.
+
+    Raises:
+        ValueError / ConfigError: naming the store, the stream file or the setting.
+    """
+    from .config import EngineConfig
+    if not (Path(store) / "manifest.json").is_file():
+        raise ValueError(f"--store {store}: not a converted store (no manifest.json); "
+                         f"make one with `colibri convert HF_FOLDER STORE`")
+    for over in arms:
+        EngineConfig(store=store, **{k: v for k, v in over.items() if k != "warm_all"}).validated()
+    if stream_file is not None:
+        try:
+            n = len(heldout_stream(stream_file))
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--stream-file {stream_file}: cannot read it ({e.__class__.__name__})") from None
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"--stream-file {stream_file}: expected JSON lines with an 'ids' list of "
+                             f"token ids each (like a model's heldout_sample.jsonl)") from None
+        if n < need_tokens:
+            raise ValueError(f"--stream-file {stream_file}: {n} tokens, the run needs {need_tokens} "
+                             f"(prompt + tokens)")
+
+
 def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown in bench/results/)")
     bs = b.add_subparsers(dest="bench_cmd", required=True)
+    _add = bs.add_parser
+
+    def add_parser(name, **kw):  # every bench command shows its defaults in --help
+        return _add(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+    bs.add_parser = add_parser
 
     m = bs.add_parser("make-synthetic", help="write + convert a seeded random OLMoE-shaped model")
     m.add_argument("--preset", choices=sorted(PRESETS), default="1b")
@@ -757,7 +814,7 @@ def add_bench_parser(sub) -> None:
     k.add_argument("--qd", type=int, default=4)
     k.set_defaults(fn=cmd_disk)
 
-    q = bs.add_parser("replay", help="replay a routing trace: LRU, LFRU, ours, Belady per cap")
+    q = bs.add_parser("replay", help="replay a routing trace: LRU, LFRU, EMA, ours, Belady per cap")
     q.add_argument("trace")
     q.add_argument("--cap", dest="caps", type=int, nargs="*", default=None, help="caps (default 1..num_experts)")
     q.add_argument("--name", default="replay")
@@ -765,7 +822,8 @@ def add_bench_parser(sub) -> None:
 
     mx = bs.add_parser("matrix", help="RAM budget x PILOT x workers, cold, O_DIRECT, with the I/O-bound ceiling")
     mx.add_argument("--store", default="bench/work/olmoe-1b-7b-int8")
-    mx.add_argument("--budgets", nargs="+", default=["2", "4", "8", "all"], help="GB, or 'all' (all resident)")
+    mx.add_argument("--budgets", nargs="+", type=_budget_arg, default=["2", "4", "8", "all"],
+                    help="GB, or 'all' (all resident)")
     mx.add_argument("--modes", type=int, nargs="+", default=[0, 1, 2, 3])
     mx.add_argument("--workers", type=int, nargs="+", default=[1, 4])
     mx.add_argument("--reps", type=int, default=1)

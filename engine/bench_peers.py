@@ -603,8 +603,8 @@ def cmd_peers(a) -> int:
               f"decode steps, seed {a.seed}, {a.threads} threads; one cold pass per arm (page cache dropped "
               f"by {', '.join(sorted(methods))}). Disk MB read / token: /proc/self/io read_bytes over the "
               f"decode loop / decode steps. Load GB read: the same counter while opening the model "
-              f"(llama.cpp maps the GGUF with MAP_POPULATE and reads all of it at load; our engine reads "
-              f"experts on demand, so its first tokens load them). Limits: cgroup v1 memory.limit_in_bytes "
+              f"(llama.cpp maps the GGUF with MAP_POPULATE and reads all of it at load; our engine, all resident, "
+              f"reads every expert at load too; under a limit it reads them on demand). Limits: cgroup v1 memory.limit_in_bytes "
               f"(1 GB = 1e9 bytes); cgroup peak = memory.max_usage_in_bytes (page cache included).")
     if notes:
         table += "\n\n" + "\n".join(f"Note: {n}" for n in notes)

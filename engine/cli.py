@@ -7,6 +7,7 @@ import logging
 import sys
 import threading
 import time
+from pathlib import Path
 
 from .config import POLICIES, EngineConfig
 from .errors import EngineError
@@ -77,6 +78,12 @@ def resolve_store(model: str | None) -> str:
 def cmd_run(a) -> int:
     from .generate import Engine
     from .prof import Profile
+    if a.trace:  # refuse a trace path that cannot be written before any compute
+        t = Path(a.trace)
+        if t.is_dir():
+            raise ValueError(f"--trace {t}: is a folder; give a file name, e.g. {t / 'trace.jsonl'}")
+        if not t.parent.is_dir():
+            raise ValueError(f"--trace {t}: folder {t.parent} does not exist")
     store = resolve_store(a.model)
     cfg = engine_config(a, store)
     with Engine.open(cfg) as eng:

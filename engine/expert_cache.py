@@ -118,6 +118,7 @@ class ExpertCache:
         self.stats = CacheStats()
         self._counted_hit: set = set()
         self.routed_now = np.zeros((num_layers, num_experts), bool)
+        self.demand_inflight = 0  # demand reads issued and not finished (PILOT yields to them)
         self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="colibri-io")
         self._closed = False
 
@@ -262,6 +263,8 @@ class ExpertCache:
             err = e
         dt = time.perf_counter() - t0
         with self.lock:
+            if not speculative:
+                self.demand_inflight -= 1
             self.stats.read_service_s += dt
             if err is not None or self._closed:
                 self.stats.read_errors += err is not None
@@ -337,6 +340,9 @@ class ExpertCache:
                 jobs.append((e, slot))
             for s in held:
                 self.slot_busy[layer, s] -= 1
+        if jobs:
+            with self.lock:
+                self.demand_inflight += len(jobs)
         for e, slot in jobs:
             self._pool.submit(self._load, layer, e, slot, False)
         return hits_first + misses_after
@@ -366,6 +372,7 @@ class ExpertCache:
                             # (cap smaller than the call's distinct experts): it is a miss
                             self.stats.hits -= 1
                             self.stats.misses += 1
+                        self.demand_inflight += 1
                         self.lock.release()
                         try:
                             self._load(layer, expert, slot, False)
@@ -418,6 +425,19 @@ class ExpertCache:
                 return -3
             self.stats.spec_issued += 1
             return slot
+
+    def wait_demand_idle(self, timeout: float) -> bool:
+        """Block until no demand read is in flight (True) or ``timeout`` seconds pass (False).
+        PILOT workers call it before a speculative read: on a disk whose bandwidth does not
+        grow with queue depth, a speculation read beside a demand read only slows the demand."""
+        deadline = time.perf_counter() + timeout
+        with self.lock:
+            while self.demand_inflight > 0 and not self._closed:
+                left = deadline - time.perf_counter()
+                if left <= 0:
+                    return False
+                self.cond.wait(min(left, 0.01))
+            return True
 
     def load_speculative(self, layer: int, expert: int, slot: int) -> None:
         self._load(layer, expert, slot, True)

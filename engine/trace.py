@@ -72,14 +72,36 @@ class TraceRecorder:
 
 
 def load_trace(path: str | Path) -> tuple[dict, list[dict]]:
-    """(header, records). Raises ValueError for a file that is not a colibri trace."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    """(header, records).
+
+    Raises:
+        ValueError: the file is missing, unreadable, empty, not a colibri route trace (record
+            one with ``colibri run --trace FILE``) or truncated; the message names the file.
+    """
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: cannot read the trace ({e.__class__.__name__}: {e})") from None
     if not lines:
         raise ValueError(f"{path}: empty trace")
-    head = json.loads(lines[0])
-    if head.get("format") != TRACE_FORMAT:
-        raise ValueError(f"{path}: not a colibri route trace")
-    return head, [json.loads(x) for x in lines[1:] if x.strip()]
+    try:
+        head = json.loads(lines[0])
+    except json.JSONDecodeError:
+        head = None
+    if not isinstance(head, dict) or head.get("format") != TRACE_FORMAT:
+        raise ValueError(f"{path}: not a colibri route trace (record one with `colibri run --trace FILE`)")
+    recs = []
+    for i, x in enumerate(lines[1:], start=2):
+        if not x.strip():
+            continue
+        try:
+            r = json.loads(x)
+        except json.JSONDecodeError:
+            raise ValueError(f"{path}: line {i} is not valid JSON (truncated trace?)") from None
+        if not isinstance(r, dict) or not ("pin" in r or ("l" in r and "idx" in r)):
+            raise ValueError(f"{path}: line {i} is not a trace record")
+        recs.append(r)
+    return head, recs
 
 
 class _NullStore:
@@ -106,25 +128,38 @@ def _pins_at(heat: np.ndarray, cap: int, pin_per_layer: int) -> np.ndarray:
     return out
 
 
+def _initial_pins(head: dict, cap: int) -> list[list[int]]:
+    """The recorded pre-warm pins as the engine would cap them at ``cap`` (``Engine._cap_pins``:
+    the n hottest of them per layer by the header's heat, n as in ``_pins_at``)."""
+    heat = np.asarray(head["heat"], dtype=np.int64)
+    n = max(0, min(int(head.get("pin_per_layer") or 0) or cap // 4, cap - 1))
+    out = []
+    for layer, ids in enumerate(head["pins"]):
+        ids = np.asarray(ids, dtype=np.int64)
+        out.append(ids[np.argsort(-heat[layer, ids], kind="stable")][:n].tolist() if len(ids) else [])
+    return out
+
+
 def replay_policy(head: dict, records: list[dict], cap: int, policy: str, pinning: bool) -> dict:
     """Hit/miss counts of the engine's cache (same class, same call order) on a trace.
 
     With ``pinning``, each recorded pin event re-chooses the pins the engine would choose at
     this ``cap`` from the routing heat accumulated up to that point (at the recording cap that is
     exactly the recorded pin set), so one trace serves every cap. Initial (pre-warmed) pins
-    come from the header as recorded.
+    are the header's, capped as the engine caps them at this ``cap``.
     """
     from .expert_cache import ExpertCache
     L, E = head["num_layers"], head["num_experts"]
     heat = np.asarray(head["heat"], dtype=np.int64).copy()
     cache = ExpertCache(_NullStore(), L, E, cap, policy, heat=heat, io_threads=1)
     try:
-        if pinning and any(head["pins"]):
+        pins0 = _initial_pins(head, cap) if pinning else []
+        if any(pins0):
             p = np.zeros((L, E), bool)
-            for layer, ids in enumerate(head["pins"]):
+            for layer, ids in enumerate(pins0):
                 p[layer, ids] = True
             cache.set_pinned(p)
-            for layer, ids in enumerate(head["pins"]):
+            for layer, ids in enumerate(pins0):
                 cache.prepare(layer, ids)
                 for e in ids:
                     cache.acquire(layer, e)
@@ -150,20 +185,23 @@ def replay_policy(head: dict, records: list[dict], cap: int, policy: str, pinnin
         cache.close()
 
 
-def replay_belady(head: dict, records: list[dict], cap: int) -> dict:
+def replay_belady(head: dict, records: list[dict], cap: int, warm: bool = True) -> dict:
     """Belady's MIN per layer on the same request stream (the set of distinct experts per call).
 
     Within a call the order is free, so, like the engine, the call's resident experts are used
     first (hits), then each miss evicts the resident expert whose next call is farthest in the
     future (Belady 1966); an expert this call has already used counts by its next call.
+    With ``warm``, it starts from the pre-warmed pins the engine would hold at this cap (a
+    warm start never hurts MIN, so it bounds both the cold policies and "ours").
     """
+    pins0 = _initial_pins(head, cap) if warm else [[] for _ in head["pins"]]
     L = head["num_layers"]
     calls: list[list[list[int]]] = [[] for _ in range(L)]
     for r in records:
         if "l" in r:
             calls[r["l"]].append(np.unique(np.asarray(r["idx"])).tolist())
     hits = misses = 0
-    for seq in calls:
+    for layer, seq in enumerate(calls):
         n = len(seq)
         nxt_of: list[dict[int, int]] = [{} for _ in range(n)]  # call c -> {expert: next call using it}
         upcoming: dict[int, int] = {}
@@ -173,6 +211,9 @@ def replay_belady(head: dict, records: list[dict], cap: int) -> dict:
             for e in seq[c]:
                 upcoming[e] = c
         resident: dict[int, int] = {}  # expert -> index of its next use
+        for e in pins0[layer] if layer < len(pins0) else []:
+            first = next((c for c, need in enumerate(seq) if e in need), n + 1)
+            resident[e] = first
         for c, need in enumerate(seq):
             missing = [e for e in need if e not in resident]
             hits += len(need) - len(missing)
