@@ -106,6 +106,9 @@ class SettingsDialog(QDialog):
         w.setSingleStep(step)
         if suffix:
             w.setSuffix(suffix)
+            if suffix.endswith("s"):  # "1 thread", "2 threads"
+                w.valueChanged.connect(lambda v, w=w, sfx=suffix: w.setSuffix(sfx[:-1] if v == 1 else sfx))
+                w.setSuffix(suffix[:-1] if w.value() == 1 else suffix)
         if special:
             w.setSpecialValueText(special)
         w.setToolTip(f"{tip}\nValid range: {lo}–{hi}{suffix}" + (f" ({lo} = {special})" if special else ""))
@@ -120,6 +123,9 @@ class SettingsDialog(QDialog):
         w.setSingleStep(step)
         if suffix:
             w.setSuffix(suffix)
+            if suffix.endswith("s"):  # "1 thread", "2 threads"
+                w.valueChanged.connect(lambda v, w=w, sfx=suffix: w.setSuffix(sfx[:-1] if v == 1 else sfx))
+                w.setSuffix(suffix[:-1] if w.value() == 1 else suffix)
         if special:
             w.setSpecialValueText(special)
         w.setToolTip(f"{tip}\nValid range: {lo:g}–{hi:g}{suffix}" + (f" ({lo:g} = {special})" if special else ""))
@@ -169,6 +175,15 @@ class SettingsDialog(QDialog):
             "policy", POLICIES, "Which cached expert to evict: lru = least recently used; lfru = "
             "least frequently and recently used (heat, then recency); ema = the one the router has "
             "leaned towards least lately (moving average of its probabilities)."))
+
+        pilot_only = [self.fields[n] for n in ("pilot_workers", "wide", "conf_limit", "smooth",
+                                                 "spec_precision", "evict_guard")]
+
+        def pilot_changed(mode: int) -> None:  # prefetch knobs mean nothing with PILOT off
+            for w in pilot_only:
+                w.setEnabled(mode > 0)
+        self.fields["pilot"].currentIndexChanged.connect(pilot_changed)
+        pilot_changed(self.fields["pilot"].currentIndex())
 
         self.cap_auto = QCheckBox("auto")
         self.cap_auto.setObjectName("cap_auto")

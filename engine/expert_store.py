@@ -46,8 +46,11 @@ class ExpertStore:
         try:
             m = json.loads(mpath.read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise StoreError(f"{mpath}: not found; {self.path} is not a converted store "
-                             f"(create one with `colibri convert SRC {self.path}`)") from None
+            hint = (f"it looks like a Hugging Face checkpoint: convert it first, e.g. "
+                    f"`colibri convert {self.path} {self.path.name}-int8`"
+                    if (self.path / "config.json").exists() else
+                    f"create one with `colibri convert HF_FOLDER {self.path}`")
+            raise StoreError(f"{mpath}: not found; {self.path} is not a converted store ({hint})") from None
         except (OSError, ValueError) as e:
             raise StoreError(f"{mpath}: unreadable ({e}); re-run `colibri convert`") from None
         if m.get("format") != FORMAT_NAME:
