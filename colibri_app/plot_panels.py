@@ -214,7 +214,7 @@ class PlotPanels(QWidget):
         self._ranges: dict = {}
         self._legend_t = 0.0
 
-        # 1. hit rate: stacked (pinned below, LRU above) + rolling mean
+        # 1. hit rate: stacked (pinned below, other cached hits above) + rolling mean
         self.hit_plot = _plot("%")
         hp = self.hit_plot.getPlotItem()
         hp.setYRange(0, 100, padding=0.02)
@@ -428,7 +428,7 @@ class PlotPanels(QWidget):
     def _set_hit_legend(self, v) -> None:
         pin, lru, mean = ("–", "–", "–") if v is None else (f"{v[0]:.0f}%", f"{v[1]:.0f}%", f"{v[2]:.0f}%")
         self.hit_legend.setText(" &nbsp; ".join([
-            _swatch(C_PINNED, f"pinned {pin}"), _swatch(C_LRU, f"LRU {lru}"),
+            _swatch(C_PINNED, f"pinned {pin}"), _swatch(C_LRU, f"cached {lru}"),
             _swatch(C_MEAN, f"rolling mean {mean}")]))
 
     def _set_ssd_legend(self, v) -> None:
