@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from engine import (Engine, EngineConfig, EngineError, EngineFailure, Finished, GenerateRequest, Loaded,
+from engine import (Engine, EngineConfig, EngineError, EngineFailure, Finished, GenerateRequest,
                     LoadProgress, ResidencySnapshot, StepMetrics, TokenEvent, default_store)
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ from engine import (ChatMessage, EngineFailure, Finished, GenerateRequest, Loade
 
 from .chat_view import ChatView, ConversationList
 from .engine_bridge import EngineController, GenerationJob
-from .history import COMPLETE, DEFAULT_TITLE, ERROR, STOPPED, STREAMING, Conversation, History, Message
+from .history import COMPLETE, DEFAULT_TITLE, ERROR, STOPPED, STREAMING, History, Message
 from .plot_panels import PlotPanels
 from .settings_store import Settings, save_settings
 

@@ -18,6 +18,7 @@ clock. Subcommands:
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -104,7 +105,6 @@ class PeakRss:
 
 
 def cmd_make_synthetic(a) -> int:
-    from .convert import convert_checkpoint
     from .synthetic import olmoe_config, write_checkpoint
     from .config import ModelArgs
     cfg = olmoe_config(**PRESETS[a.preset])
@@ -216,12 +216,8 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
     try:
         if cfg_over.get("warm_all"):
             # "All resident": every expert loaded before the first token (not counted).
-            E = eng.args.num_experts
             for layer in range(eng.args.num_hidden_layers):
-                eng.cache.prepare(layer, np.arange(E))
-                for e in range(E):
-                    eng.cache.acquire(layer, e)
-                    eng.cache.release(layer, e)
+                eng.cache.load_experts(layer, np.arange(eng.args.num_experts))
         V = eng.args.vocab_size
         if prompt_text is not None:  # a real question, in the model's chat template when it has one
             from .events import ChatMessage
@@ -471,13 +467,11 @@ def cmd_matrix(a) -> int:
     for r in rows:
         if r.get("hit_rate") is None or compute_s is None:
             continue
-        n = max(r["tokens"], 1)
         io_s = r["decode_demand_mb_per_token"] * 1e6 / bw
         r["compute_s_per_token"] = compute_s
         r["io_s_per_token"] = io_s
         r["ceiling_tok_per_s"] = 1.0 / max(compute_s, io_s)
         r["of_ceiling"] = r["tok_per_s"] / r["ceiling_tok_per_s"]
-        del n
     table = md_table([r for r in rows if r.get("hit_rate") is not None], [
         ("rep", "rep", "d"), ("budget GB", "budget_gb", ""), ("pilot", "pilot", "d"), ("workers", "pilot_workers", "d"),
         ("cap", "cap", "d"), ("hit %", "decode_hit_rate", ".1%"), ("MB/token", "decode_mb_per_token", ".0f"),
@@ -688,7 +682,7 @@ def cmd_trace_heldout(a) -> int:
     cfg = EngineConfig(store=store, cap=a.cap or None, pilot=1, pinning=True, history=False).validated()
     with Engine.open(cfg) as eng:
         rec = TraceRecorder(eng)
-        marker = eng.tokenizer.token_to_id("<|assistant|>") if hasattr(eng.tokenizer, "token_to_id") else None
+        marker = eng.tokenizer.token_to_id("<|assistant|>")
         n_tok = 0
         for ids in seqs:
             ids = ids[:eng.args.max_position_embeddings - 1]
@@ -745,12 +739,9 @@ def _check_arm_inputs(store: str, arms: list[dict], stream_file: str | None, nee
 
 def add_bench_parser(sub) -> None:
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown in bench/results/)")
-    bs = b.add_subparsers(dest="bench_cmd", required=True)
-    _add = bs.add_parser
-
-    def add_parser(name, **kw):  # every bench command shows its defaults in --help
-        return _add(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
-    bs.add_parser = add_parser
+    # every bench command shows its defaults in --help
+    bs = b.add_subparsers(dest="bench_cmd", required=True, parser_class=functools.partial(
+        argparse.ArgumentParser, formatter_class=argparse.ArgumentDefaultsHelpFormatter))
 
     m = bs.add_parser("make-synthetic", help="write + convert a seeded random OLMoE-shaped model")
     m.add_argument("--preset", choices=sorted(PRESETS), default="1b")

@@ -328,10 +328,7 @@ def _arm_ours(store: str, prompt: list, forced: list, threads: int, ctx: int, li
     if limit_gb is None:
         # all resident, like llama.cpp's populated mmap: every expert is read during the load
         for layer in range(eng.args.num_hidden_layers):
-            eng.cache.prepare(layer, np.arange(E))
-            for e in range(E):
-                eng.cache.acquire(layer, e)
-                eng.cache.release(layer, e)
+            eng.cache.load_experts(layer, np.arange(E))
     load_s, io1 = time.perf_counter() - t0, proc_read_bytes()
     try:
         req = GenerateRequest(prompt_ids=tuple(prompt), forced_ids=tuple(forced),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .config import POLICIES, EngineConfig
 from .errors import EngineError
-from .events import ChatMessage, Finished, GenerateRequest, LoadProgress, SamplingParams, StepMetrics, TokenEvent
+from .events import ChatMessage, Finished, GenerateRequest, SamplingParams, StepMetrics, TokenEvent
 
 log = logging.getLogger("colibri")
 

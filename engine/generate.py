@@ -19,7 +19,7 @@ from .errors import ContextOverflowError, EngineError
 from .events import Finished, GenerateRequest, Loaded, LoadProgress, TokenEvent
 from .expert_cache import ExpertCache
 from .expert_store import ExpertStore
-from .heat import RoutingHeat
+from .heat import RoutingHeat, cap_pins, pins_per_layer
 from .metrics import MetricsTracker
 from .model import Cancelled, OlmoeModel, mean_router_probs
 from .ram_budget import RssGuard, current_rss, plan_cap
@@ -121,18 +121,10 @@ class Engine:
     # --- pinning ------------------------------------------------------------------------------
 
     def _pins_per_layer(self) -> int:
-        cap = self.cache.cap
-        n = self.config.pin_per_layer or cap // 4
-        return max(0, min(n, cap - 1))
+        return pins_per_layer(self.cache.cap, self.config.pin_per_layer)
 
     def _cap_pins(self, pinned: np.ndarray) -> np.ndarray:
-        n = self._pins_per_layer()
-        out = np.zeros_like(pinned)
-        for layer in range(pinned.shape[0]):
-            ids = np.nonzero(pinned[layer])[0]
-            ids = ids[np.argsort(-self.heat.counts[layer, ids], kind="stable")][:n]
-            out[layer, ids] = True
-        return out
+        return cap_pins(pinned, self.heat.counts, self._pins_per_layer())
 
     def _prewarm(self, pinned: np.ndarray, report) -> tuple[int, float]:
         """Load the pinned experts before the first token (the seeds' PILOT=3 pre-warm)."""
@@ -140,14 +132,8 @@ class Engine:
         self.cache.set_pinned(pinned)
         total = int(pinned.sum())
         for layer in range(pinned.shape[0]):
-            ids = np.nonzero(pinned[layer])[0]
-            self.cache.prepare(layer, ids)
-            for e in ids:
-                self.cache.acquire(layer, int(e))
-                self.cache.release(layer, int(e))
+            self.cache.load_experts(layer, np.nonzero(pinned[layer])[0])
             report(LoadProgress("prewarm", int(pinned[:layer + 1].sum()), total, "experts"))
-        # pre-warm lookups are not demand traffic
-        self.cache.stats.hits = self.cache.stats.misses = self.cache.stats.pinned_hits = 0
         return total, time.perf_counter() - t0
 
     def _maybe_pin(self) -> None:

@@ -26,6 +26,33 @@ ENGINE_NAME = "colibri-desktop/olmoe"
 FILENAME = "routing_heat.json"
 
 
+def pins_per_layer(cap: int, pin_per_layer: int = 0) -> int:
+    """How many experts per layer hot pinning may pin at ``cap`` slots: ``pin_per_layer`` or
+    cap // 4 when it is 0 (auto), never all ``cap`` slots (at most cap - 1)."""
+    return max(0, min(pin_per_layer or cap // 4, cap - 1))
+
+
+def choose_pins(counts: np.ndarray, per_layer: int) -> np.ndarray:
+    """The ``per_layer`` hottest experts of each layer by ``counts`` (int [L, E]; ties: lower
+    id; never an expert with a zero count), bool [L, E]."""
+    out = np.zeros(counts.shape, bool)
+    if per_layer <= 0:
+        return out
+    for layer in range(counts.shape[0]):
+        order = np.argsort(-counts[layer], kind="stable")[:per_layer]
+        out[layer, [e for e in order if counts[layer, e] > 0]] = True
+    return out
+
+
+def cap_pins(pinned: np.ndarray, counts: np.ndarray, per_layer: int) -> np.ndarray:
+    """A persisted pin set (bool [L, E]) cut to the ``per_layer`` hottest by ``counts``."""
+    out = np.zeros_like(pinned)
+    for layer in range(pinned.shape[0]):
+        ids = np.nonzero(pinned[layer])[0]
+        out[layer, ids[np.argsort(-counts[layer, ids], kind="stable")][:per_layer]] = True
+    return out
+
+
 class RoutingHeat:
     """counts int64 [L, E] (history + this session), pinned bool [L, E], tokens seen."""
 
@@ -45,14 +72,7 @@ class RoutingHeat:
 
     def choose_pins(self, per_layer: int) -> np.ndarray:
         """The ``per_layer`` hottest experts of each layer (ties: lower id), bool [L, E]."""
-        out = np.zeros((self.L, self.E), bool)
-        if per_layer <= 0:
-            return out
-        for layer in range(self.L):
-            order = np.argsort(-self.counts[layer], kind="stable")[:per_layer]
-            order = [e for e in order if self.counts[layer, e] > 0]
-            out[layer, order] = True
-        return out
+        return choose_pins(self.counts, per_layer)
 
     def reset(self) -> None:
         self.counts[:] = 0

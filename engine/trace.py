@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .heat import cap_pins, choose_pins, pins_per_layer
 from .model import mean_router_probs
 
 TRACE_FORMAT = "colibri-route-trace"
@@ -114,30 +115,15 @@ class _NullStore:
         return {}
 
 
-def _pins_at(heat: np.ndarray, cap: int, pin_per_layer: int) -> np.ndarray:
-    """The pin set the engine would choose at ``cap`` (``Engine._pins_per_layer`` and
-    ``RoutingHeat.choose_pins``): the n hottest experts per layer, n = pin_per_layer or cap // 4,
-    at most cap - 1, ties to the lower id, never an expert with zero count."""
-    n = max(0, min(pin_per_layer or cap // 4, cap - 1))
-    out = np.zeros(heat.shape, bool)
-    if n <= 0:
-        return out
-    for layer in range(heat.shape[0]):
-        order = np.argsort(-heat[layer], kind="stable")[:n]
-        out[layer, [e for e in order if heat[layer, e] > 0]] = True
-    return out
-
-
 def _initial_pins(head: dict, cap: int) -> list[list[int]]:
-    """The recorded pre-warm pins as the engine would cap them at ``cap`` (``Engine._cap_pins``:
-    the n hottest of them per layer by the header's heat, n as in ``_pins_at``)."""
-    heat = np.asarray(head["heat"], dtype=np.int64)
-    n = max(0, min(int(head.get("pin_per_layer") or 0) or cap // 4, cap - 1))
-    out = []
+    """The recorded pre-warm pins as the engine caps them at ``cap`` (``Engine._cap_pins``)."""
+    L, E = head["num_layers"], head["num_experts"]
+    pinned = np.zeros((L, E), bool)
     for layer, ids in enumerate(head["pins"]):
-        ids = np.asarray(ids, dtype=np.int64)
-        out.append(ids[np.argsort(-heat[layer, ids], kind="stable")][:n].tolist() if len(ids) else [])
-    return out
+        pinned[layer, ids] = True
+    n = pins_per_layer(cap, int(head.get("pin_per_layer") or 0))
+    capped = cap_pins(pinned, np.asarray(head["heat"], dtype=np.int64), n)
+    return [np.nonzero(r)[0].tolist() for r in capped]
 
 
 def replay_policy(head: dict, records: list[dict], cap: int, policy: str, pinning: bool) -> dict:
@@ -160,15 +146,11 @@ def replay_policy(head: dict, records: list[dict], cap: int, policy: str, pinnin
                 p[layer, ids] = True
             cache.set_pinned(p)
             for layer, ids in enumerate(pins0):
-                cache.prepare(layer, ids)
-                for e in ids:
-                    cache.acquire(layer, e)
-                    cache.release(layer, e)
-            cache.stats.hits = cache.stats.misses = cache.stats.pinned_hits = 0
+                cache.load_experts(layer, ids)
         for r in records:
             if "pin" in r:
                 if pinning:
-                    cache.set_pinned(_pins_at(heat, cap, int(head.get("pin_per_layer") or 0)))
+                    cache.set_pinned(choose_pins(heat, pins_per_layer(cap, int(head.get("pin_per_layer") or 0))))
                 continue
             layer = r["l"]
             idx = np.asarray(r["idx"], dtype=np.int64)

@@ -21,7 +21,6 @@ import json
 import os
 import platform
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -30,19 +29,12 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from app_harness import isolated_user_dirs, pick_model  # noqa: E402
 
 PROBE_MS = 10
 TARGET_P99_MS = 50.0
-
-
-def synthetic_store(root: Path) -> str:
-    """A random OLMoE shaped like the default model (8 layers x 32 experts, top-4)."""
-    from engine import convert_checkpoint
-    from engine.synthetic import olmoe_config, write_checkpoint
-    cfg = olmoe_config(hidden_size=128, intermediate_size=64, num_hidden_layers=8, num_experts=32,
-                       num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=4, vocab_size=512)
-    ck = write_checkpoint(root / "synthetic-olmoe", cfg, seed=7)
-    return str(convert_checkpoint(ck, root / "models" / "synthetic-olmoe-int8", quant="int8"))
 
 
 def main(argv=None) -> int:
@@ -54,10 +46,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gui_stall.json"))
     ap.add_argument("--timeout", type=float, default=600.0)
     a = ap.parse_args(argv)
-    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    tmp = Path(tempfile.mkdtemp(prefix="colibri-stall-"))
-    os.environ["COLIBRI_DATA_DIR"] = str(tmp / "data")
-    os.environ["COLIBRI_CONFIG_DIR"] = str(tmp / "config")
+    tmp = isolated_user_dirs("colibri-stall-")
 
     from PySide6.QtCore import QElapsedTimer, QEventLoop, Qt, QTimer
     from PySide6.QtWidgets import QApplication
@@ -65,18 +54,9 @@ def main(argv=None) -> int:
     from colibri_app.main_window import MainWindow
     from colibri_app.resources import apply_theme
     from colibri_app.settings_store import Settings
-    from engine import EngineConfig, SamplingParams, default_model_dir
+    from engine import EngineConfig, SamplingParams
 
-    if a.store:
-        store, model_kind = a.store, "store"
-        print(f"model: {a.store}")
-    elif (default_model_dir() / "config.json").exists():
-        store, model_kind = None, "default"
-        print(f"model: bundled default model ({default_model_dir()})")
-    else:
-        store, model_kind = synthetic_store(tmp), "synthetic"
-        print(f"model: the bundled default model is not in {default_model_dir()} yet; using a SYNTHETIC "
-              f"random OLMoE (8 layers x 32 experts, top-4)")
+    store, model_kind = pick_model(a.store, tmp)
 
     app = QApplication.instance() or QApplication([sys.argv[0]])
     apply_theme(app)

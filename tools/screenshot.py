@@ -12,24 +12,15 @@ data is never touched.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
 
-
-def synthetic_store(root: Path) -> str:
-    """A random OLMoE shaped like the default model (8 layers x 32 experts, top-4)."""
-    from engine import convert_checkpoint
-    from engine.synthetic import olmoe_config, write_checkpoint
-    cfg = olmoe_config(hidden_size=128, intermediate_size=64, num_hidden_layers=8, num_experts=32,
-                       num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=4, vocab_size=512)
-    ck = write_checkpoint(root / "synthetic-olmoe", cfg, seed=7)
-    return str(convert_checkpoint(ck, root / "models" / "synthetic-olmoe-int8", quant="int8"))
+from app_harness import isolated_user_dirs, pick_model  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -43,10 +34,7 @@ def main(argv=None) -> int:
                     help="RAM budget (GB) so the RAM panel shows a binding budget; 0 = automatic")
     ap.add_argument("--timeout", type=float, default=300.0)
     a = ap.parse_args(argv)
-    os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
-    tmp = Path(tempfile.mkdtemp(prefix="colibri-shot-"))
-    os.environ["COLIBRI_DATA_DIR"] = str(tmp / "data")
-    os.environ["COLIBRI_CONFIG_DIR"] = str(tmp / "config")
+    tmp = isolated_user_dirs("colibri-shot-")
 
     from PySide6.QtCore import QEventLoop, Qt
     from PySide6.QtWidgets import QApplication
@@ -54,19 +42,12 @@ def main(argv=None) -> int:
     from colibri_app.main_window import MainWindow
     from colibri_app.resources import apply_theme
     from colibri_app.settings_store import Settings
-    from engine import EngineConfig, SamplingParams, default_model_dir
+    from engine import EngineConfig, SamplingParams
 
-    if a.store:
-        store, prompts = a.store, ["What does `json.dumps` do?", "Write a function that returns the number of items in a container."]
-        print(f"model: {a.store}")
-    elif (default_model_dir() / "config.json").exists():
-        store, prompts = None, ["What does `json.dumps` do?", "Write a function that returns the number of items in a container."]
-        print(f"model: bundled default model ({default_model_dir()})")
-    else:
-        store = synthetic_store(tmp)
-        prompts = ["What does `json.dumps` do?", "Write a function that reverses a list."]
-        print(f"model: the bundled default model is not in {default_model_dir()} yet; "
-              f"using a SYNTHETIC random OLMoE instead (its answers are noise)")
+    store, kind = pick_model(a.store, tmp)
+    prompts = ["What does `json.dumps` do?",
+               "Write a function that reverses a list." if kind == "synthetic"
+               else "Write a function that returns the number of items in a container."]
 
     app = QApplication.instance() or QApplication([sys.argv[0]])
     apply_theme(app)
