@@ -19,8 +19,9 @@ from dataclasses import dataclass, field, replace
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from engine import (Engine, EngineConfig, EngineError, EngineFailure, Finished, GenerateRequest,
-                    LoadProgress, ResidencySnapshot, StepMetrics, TokenEvent, default_store)
+from engine import (Engine, EngineConfig, EngineError, EngineFailure, ErrorKind, Finished, GenerateRequest,
+                    LoadProgress, ResidencySnapshot, StepMetrics, TokenEvent)
+from engine.library import default_store
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class EngineWorker(QObject):
             return
         except Exception as e:  # noqa: BLE001 - every failure becomes a signal, never a crash
             log.exception("opening the model failed")
-            self.failed.emit(EngineFailure(kind="internal", message=f"Opening the model failed: {e}",
+            self.failed.emit(EngineFailure(kind=ErrorKind.INTERNAL, message=f"Opening the model failed: {e}",
                                            detail=traceback.format_exc()))
             return
         self.loaded.emit(self.engine.loaded)
@@ -93,7 +94,7 @@ class EngineWorker(QObject):
     def generate(self, job: GenerationJob) -> None:
         """Run one generation, emitting its events; Finished is always the last one."""
         if self.engine is None:
-            self.failed.emit(EngineFailure(kind="internal", message="No model is open.",
+            self.failed.emit(EngineFailure(kind=ErrorKind.INTERNAL, message="No model is open.",
                                            detail="generate before loaded"))
             return
         try:
@@ -102,7 +103,7 @@ class EngineWorker(QObject):
             self.failed.emit(EngineFailure(kind=e.kind, message=str(e), detail=type(e).__name__))
             return
         except Exception as e:  # noqa: BLE001
-            self.failed.emit(EngineFailure(kind="request", message=str(e), detail=traceback.format_exc()))
+            self.failed.emit(EngineFailure(kind=ErrorKind.REQUEST, message=str(e), detail=traceback.format_exc()))
             return
         last_m = last_r = 0.0
         pending_m: StepMetrics | None = None
@@ -146,7 +147,7 @@ class EngineWorker(QObject):
             try:
                 self.engine.reset_history()
             except OSError as e:
-                self.failed.emit(EngineFailure(kind="io", message=f"The routing history could not be reset: {e}"))
+                self.failed.emit(EngineFailure(kind=ErrorKind.IO, message=f"The routing history could not be reset: {e}"))
 
     @Slot()
     def close_engine(self) -> None:

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from engine import paths
+from engine import library
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class Message:
 
 def history_path() -> Path:
     """Default location of the history database."""
-    return paths.user_data_dir() / FILENAME
+    return library.user_data_dir() / FILENAME
 
 
 def _text(v) -> str:

@@ -10,7 +10,7 @@ from PySide6.QtGui import QDesktopServices, QFont
 from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QHBoxLayout, QHeaderView, QLabel,
                                QMessageBox, QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
-from engine import hub, paths
+from engine import library as lib
 from .wizard import qt_emit
 
 COLUMNS = ("Name", "Source", "Quantization", "Size on disk", "Converted")
@@ -40,7 +40,7 @@ class ModelLibraryDialog(QDialog):
         super().__init__(parent)
         self.setWindowTitle("Models")
         self.current = current
-        self.entries: list[hub.ModelEntry] = []
+        self.entries: list[lib.ModelEntry] = []
         self.table = QTableWidget(0, len(COLUMNS))
         self.table.setHorizontalHeaderLabels(list(COLUMNS))
         self.table.horizontalHeader().setSectionResizeMode(1, QHeaderView.Stretch)
@@ -51,7 +51,7 @@ class ModelLibraryDialog(QDialog):
         self.table.setEditTriggers(QAbstractItemView.NoEditTriggers)
         self.table.itemSelectionChanged.connect(self._selection_changed)
         self.table.itemDoubleClicked.connect(lambda *_: self.set_current())
-        self.empty = QLabel(f"No converted models yet in {paths.models_dir()}. Add one with “Add model…”.")
+        self.empty = QLabel(f"No converted models yet in {lib.models_dir()}. Add one with “Add model…”.")
         self.empty.setWordWrap(True)
         self.status = QLabel()
         self.status.setObjectName("libraryStatus")
@@ -81,7 +81,7 @@ class ModelLibraryDialog(QDialog):
     @Slot()
     def refresh(self) -> None:
         """Re-scan the models folder."""
-        self.entries = hub.list_models()
+        self.entries = lib.list_models()
         self.table.setRowCount(len(self.entries))
         bold = QFont()
         bold.setBold(True)
@@ -92,7 +92,7 @@ class ModelLibraryDialog(QDialog):
                 repo, _, commit = src.rpartition("@")
                 src = f"{repo}@{commit[:12]}"
             vals = (e.name + ("  (current)" if is_cur else ""), src, e.quantization,
-                    hub.format_bytes(e.size_bytes), e.created.replace("T", " ").rstrip("Z"))
+                    lib.format_bytes(e.size_bytes), e.created.replace("T", " ").rstrip("Z"))
             for j, v in enumerate(vals):
                 it = QTableWidgetItem(v)
                 it.setToolTip(f"{e.path}\nsource: {e.source}")
@@ -107,7 +107,7 @@ class ModelLibraryDialog(QDialog):
             self.table.selectRow(0)
         self._selection_changed()
 
-    def selected(self) -> hub.ModelEntry | None:
+    def selected(self) -> lib.ModelEntry | None:
         rows = {i.row() for i in self.table.selectedItems()}
         return self.entries[rows.pop()] if len(rows) == 1 else None
 
@@ -147,13 +147,13 @@ class ModelLibraryDialog(QDialog):
             return
         ans = QMessageBox.question(
             self, "Delete model",
-            f"Delete {e.name} ({e.quantization}, {hub.format_bytes(e.size_bytes)})?\n\n{e.path}\n\n"
+            f"Delete {e.name} ({e.quantization}, {lib.format_bytes(e.size_bytes)})?\n\n{e.path}\n\n"
             f"The converted store is removed from disk. You can convert it again later.",
             QMessageBox.Yes | QMessageBox.No, QMessageBox.No)
         if ans != QMessageBox.Yes:
             return
         try:
-            hub.delete_model(e.path)
+            lib.delete_model(e.path)
         except (OSError, ValueError) as err:
             self.status.setText(f"Could not delete {e.path}: {err}")
             return

@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (QDockWidget, QFrame, QHBoxLayout, QInputDialog, Q
                                QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout, QWidget)
 
 from engine import (ChatMessage, EngineFailure, Finished, GenerateRequest, Loaded, LoadProgress,
-                    ResidencySnapshot, StepMetrics, TokenEvent, paths)
+                    ErrorKind, ResidencySnapshot, StepMetrics, TokenEvent, library)
 
 from .chat_view import ChatView, ConversationList
 from .engine_bridge import EngineController, GenerationJob
@@ -35,17 +35,17 @@ FLUSH_MS = 40          # streamed text reaches the transcript at most every 40 m
 SAVE_EVERY_S = 1.0     # a streaming answer is written to the history at least once per second
 
 HINTS = {
-    "store": "Open another model (File › Models…) or add one (File › Add model…).",
-    "tokenizer": "The model's tokenizer files are missing or invalid; add the model again (File › Add model…).",
-    "budget": "Raise the RAM budget or lower the expert slots per layer in Settings…, then try again.",
-    "config": "Correct the setting in Settings…",
-    "context": "Start a new chat (Ctrl+N), shorten the message, or raise the context length in Settings…",
-    "io": "Check the disk that holds the model, then try again.",
-    "error": "Try again (Regenerate), or start a new chat. If it keeps happening, restart the app.",
-    "history": "Your earlier chats are kept in the file named above.",
-    "settings": "Open Settings… to review them.",
-    "model": "The bundled default model is used instead; choose another in File › Models…",
-    "unavailable": "This part of the app is not installed in this build yet.",
+    ErrorKind.STORE: "Open another model (File › Models…) or add one (File › Add model…).",
+    ErrorKind.TOKENIZER: "The model's tokenizer files are missing or invalid; add the model again (File › Add model…).",
+    ErrorKind.BUDGET: "Raise the RAM budget or lower the expert slots per layer in Settings…, then try again.",
+    ErrorKind.CONFIG: "Correct the setting in Settings…",
+    ErrorKind.CONTEXT: "Start a new chat (Ctrl+N), shorten the message, or raise the context length in Settings…",
+    ErrorKind.IO: "Check the disk that holds the model, then try again.",
+    ErrorKind.GENERATION: "Try again (Regenerate), or start a new chat. If it keeps happening, restart the app.",
+    ErrorKind.HISTORY: "Your earlier chats are kept in the file named above.",
+    ErrorKind.SETTINGS: "Open Settings… to review them.",
+    ErrorKind.MODEL: "The bundled default model is used instead; choose another in File › Models…",
+    ErrorKind.UNAVAILABLE: "This part of the app is not installed in this build yet.",
 }
 
 
@@ -54,7 +54,7 @@ HINTS = {
 
 def ui_state_path() -> Path:
     """Where window geometry, splitter sizes, dock visibility and the last chat are kept."""
-    return paths.user_config_dir() / UI_STATE_FILE
+    return library.user_config_dir() / UI_STATE_FILE
 
 
 def load_ui_state() -> dict:
@@ -69,7 +69,7 @@ def load_ui_state() -> dict:
 def save_ui_state(state: dict) -> None:
     """Write the UI state atomically (errors are logged, never raised)."""
     try:
-        paths.atomic_write_text(ui_state_path(), json.dumps(state, indent=1))
+        library.atomic_write_text(ui_state_path(), json.dumps(state, indent=1))
     except OSError as e:
         log.warning("could not save the window state: %s", e)
 
@@ -118,19 +118,19 @@ class Banner(QFrame):
         self.setProperty("level", "error" if error else "info")
         self.style().unpolish(self)
         self.style().polish(self)
-        self.title.setText({"context": "The conversation does not fit in the context window",
-                            "store": "The model could not be opened",
-                            "tokenizer": "The model's tokenizer could not be loaded",
-                            "budget": "The RAM budget is too small for this model",
-                            "config": "A setting is invalid",
-                            "io": "Reading the model from disk failed",
-                            "error": "The answer stopped because of an engine error",
-                            "history": "The chat history was reset",
-                            "settings": "Your settings could not be used",
-                            "model": "The chosen model was not found",
-                            "unavailable": "Not available"}.get(kind, "Something went wrong"))
+        self.title.setText({ErrorKind.CONTEXT: "The conversation does not fit in the context window",
+                            ErrorKind.STORE: "The model could not be opened",
+                            ErrorKind.TOKENIZER: "The model's tokenizer could not be loaded",
+                            ErrorKind.BUDGET: "The RAM budget is too small for this model",
+                            ErrorKind.CONFIG: "A setting is invalid",
+                            ErrorKind.IO: "Reading the model from disk failed",
+                            ErrorKind.GENERATION: "The answer stopped because of an engine error",
+                            ErrorKind.HISTORY: "The chat history was reset",
+                            ErrorKind.SETTINGS: "Your settings could not be used",
+                            ErrorKind.MODEL: "The chosen model was not found",
+                            ErrorKind.UNAVAILABLE: "Not available"}.get(kind, "Something went wrong"))
         self.text.setText(message)
-        self.hint.setText(hint or HINTS.get(kind, HINTS["error"]))
+        self.hint.setText(hint or HINTS.get(kind, HINTS[ErrorKind.GENERATION]))
         self.show()
 
 
@@ -230,9 +230,9 @@ class MainWindow(QMainWindow):
 
         self._restore_ui_state()
         if hist_msg:
-            self.banner.show_message("history", hist_msg)
+            self.banner.show_message(ErrorKind.HISTORY, hist_msg)
         if settings_message:
-            self.banner.show_message("settings", settings_message)
+            self.banner.show_message(ErrorKind.SETTINGS, settings_message)
 
     # --- construction -------------------------------------------------------------------------
 
@@ -339,7 +339,7 @@ class MainWindow(QMainWindow):
             self.open_model(cm)
         else:
             if cm:
-                self.banner.show_message("model", f"The model {cm} was not found.")
+                self.banner.show_message(ErrorKind.MODEL, f"The model {cm} was not found.")
             self.open_model(None)
 
     def open_model(self, store: str | None) -> None:
@@ -363,7 +363,7 @@ class MainWindow(QMainWindow):
         """The engine is ready."""
         self.loaded = ev
         self.loading.hide()
-        if self.banner.kind in ("store", "budget", "config", "tokenizer", "io"):
+        if self.banner.kind in (ErrorKind.STORE, ErrorKind.BUDGET, ErrorKind.CONFIG, ErrorKind.TOKENIZER, ErrorKind.IO):
             self.banner.hide()
         self.chat.model_name = ev.model_name
         self.chat.set_ready(True)
@@ -552,7 +552,7 @@ class MainWindow(QMainWindow):
             self.chat.add_message(Message(asst_id, conv_id, "assistant", "", STREAMING))
             self.chat.scroll_to_bottom()
         self.panels.new_generation()
-        if self.banner.kind in ("context", "error"):
+        if self.banner.kind in (ErrorKind.CONTEXT, ErrorKind.GENERATION):
             self.banner.hide()
         job = self.controller.generate(GenerateRequest(messages=messages, sampling=self.settings.sampling))
         self.gen = _Generation(job, conv_id, user_id, asst_id, last_save=time.monotonic())
@@ -606,7 +606,7 @@ class MainWindow(QMainWindow):
             return
         self.flush_timer.stop()
         if ev.finish_reason == "error":
-            self._end_generation_failed(ev.error or "The engine stopped with an error.", "error", ev)
+            self._end_generation_failed(ev.error or "The engine stopped with an error.", ErrorKind.GENERATION, ev)
             return
         status = STOPPED if ev.finish_reason == "cancelled" else COMPLETE
         text = ev.text if ev.text or not g.text else g.text + g.pending
@@ -664,7 +664,7 @@ class MainWindow(QMainWindow):
     # --- dialogs owned by other modules (lazy, optional) --------------------------------------
 
     def _not_available(self, what: str) -> None:
-        self.banner.show_message("unavailable", f"{what} is not available in this build.", error=False)
+        self.banner.show_message(ErrorKind.UNAVAILABLE, f"{what} is not available in this build.", error=False)
 
     def open_settings(self) -> None:
         """Settings… (SettingsDialog.applied -> save, and reopen the engine when needed)."""
@@ -714,7 +714,7 @@ class MainWindow(QMainWindow):
         try:
             save_settings(new)
         except OSError as e:
-            self.banner.show_message("settings", f"The settings could not be saved: {e}")
+            self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {e}")
         self.settings = new
         if needs_reload:
             cm = new.current_model
@@ -732,7 +732,7 @@ class MainWindow(QMainWindow):
         try:
             save_settings(self.settings)
         except OSError as e:
-            self.banner.show_message("settings", f"The settings could not be saved: {e}")
+            self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {e}")
         self.open_model(store)
 
     # --- state & shutdown ---------------------------------------------------------------------

@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from engine import ConfigError, EngineConfig, SamplingParams, paths
+from engine import ConfigError, EngineConfig, SamplingParams, library
 
 SETTINGS_FORMAT = "colibri-desktop-settings"
 SETTINGS_VERSION = 1
@@ -92,7 +92,7 @@ def validate_sampling(s: SamplingParams) -> None:
 
 
 def settings_path() -> Path:
-    return paths.user_config_dir() / FILENAME
+    return library.user_config_dir() / FILENAME
 
 
 def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
@@ -119,5 +119,5 @@ def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
 
 def save_settings(s: Settings, path: Path | None = None) -> Path:
     p = path or settings_path()
-    paths.atomic_write_text(p, s.to_json())
+    library.atomic_write_text(p, s.to_json())
     return p

@@ -23,7 +23,8 @@ from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QComboBox, QFileDialog, 
                                QRadioButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget, QWizard,
                                QWizardPage)
 
-from engine import SUPPORTED_MODEL_TYPES, EngineFailure, LoadProgress, hub
+from engine import SUPPORTED_MODEL_TYPES, EngineFailure, ErrorKind, LoadProgress, error_kind
+from engine import library as hub
 
 PAGE_SOURCE, PAGE_CHECK, PAGE_DOWNLOAD, PAGE_CONVERT, PAGE_DONE = range(5)
 RED, ORANGE, GREEN = "#c62828", "#e65100", "#2e7d32"
@@ -70,10 +71,7 @@ def qt_emit(signal, *args) -> None:
 
 
 def _failure(e: BaseException) -> EngineFailure:
-    kind = getattr(e, "kind", None) or ("disk" if isinstance(e, OSError) else "internal")
-    if isinstance(e, FileExistsError):
-        kind = "exists"
-    return EngineFailure(kind=kind, message=str(e) or type(e).__name__, detail=traceback.format_exc())
+    return EngineFailure(kind=error_kind(e), message=str(e) or type(e).__name__, detail=traceback.format_exc())
 
 
 class _Worker(QObject):
@@ -330,7 +328,7 @@ class SourcePage(QWizardPage):
     @Slot(object)
     def _check_failed(self, f: EngineFailure) -> None:
         self.task = None
-        self.status.setText(f"Refused: {f.message}" if f.kind == "config" else f.message)
+        self.status.setText(f"Refused: {f.message}" if f.kind == ErrorKind.CONFIG else f.message)
         _error_style(self.status, RED)
         qt_emit(self.completeChanged)
 
@@ -548,7 +546,7 @@ class DownloadPage(QWizardPage):
     @Slot(object)
     def _failed(self, f: EngineFailure) -> None:
         self.task = None
-        if f.kind == "cancelled":
+        if f.kind == ErrorKind.CANCELLED:
             self.status.setText(f"Paused: {f.message.split(';')[0]}. Resume continues from the bytes already "
                                 f"downloaded.")
             _error_style(self.status, ORANGE)
@@ -645,8 +643,7 @@ class ConvertPage(QWizardPage):
         self.cancel()
 
     def target(self) -> Path:
-        from engine import paths
-        return paths.models_dir() / hub.store_name(self.wiz.check.model_name, self.quant.currentData())
+        return hub.models_dir() / hub.store_name(self.wiz.check.model_name, self.quant.currentData())
 
     @Slot()
     def _quant_changed(self, *_a) -> None:
@@ -728,7 +725,7 @@ class ConvertPage(QWizardPage):
     def _failed(self, f: EngineFailure) -> None:
         self._idle()
         self.bar.setValue(0)
-        if f.kind == "cancelled":
+        if f.kind == ErrorKind.CANCELLED:
             self.status.setText("Conversion cancelled; nothing was written.")
             _error_style(self.status, ORANGE)
         else:

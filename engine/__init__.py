@@ -1,24 +1,29 @@
-"""colibri-desktop engine: OLMoE inference with experts streamed from the SSD.
+"""colibri-desktop engine: mixture-of-experts inference with experts streamed from the SSD.
 
-Public API (the only names colibri_app may use); see docs/engine-api.md.
+Public API of the inference core (the app uses these names, ``engine.library`` for the model
+library and ``engine.cli.main`` for the console script); see docs/engine-api.md and
+docs/architecture.md. This package never imports the library, the benchmarks or the CLI.
 """
 
-from . import hub, paths
-from .config import POLICIES, SUPPORTED_MODEL_TYPES, EngineConfig, ModelArgs
+from .config import SUPPORTED_MODEL_TYPES, ModelArgs
 from .convert import ConversionCancelled, convert_checkpoint
-from .default_model import default_model_dir, default_store
-from .errors import (BudgetError, CheckpointError, ConfigError, ContextOverflowError, EngineError,
-                     ExpertReadError, StoreError, TokenizerError)
+from .errors import (BudgetError, Cancelled, CheckpointError, ConfigError, ContextOverflowError, EngineError,
+                     ErrorKind, ExpertReadError, StoreError, TokenizerError, error_kind)
 from .events import (ABSENT, LOADING, PINNED, RESIDENT, ChatMessage, EngineFailure, Finished,
                      GenerateRequest, Loaded, LoadProgress, ResidencySnapshot, SamplingParams,
                      StepMetrics, TokenEvent)
+from .fsutil import atomic_write_text
 from .generate import Engine
+from .settings import (CHECKSUM_MODES, ENGINE, POLICIES, SAMPLING, EngineConfig, Setting, settings,
+                       upgrade_keys, validate)
+from .units import format_bytes, format_duration
 
 __all__ = [
-    "hub", "paths", "POLICIES", "SUPPORTED_MODEL_TYPES", "EngineConfig", "ModelArgs", "ConversionCancelled",
-    "convert_checkpoint", "default_model_dir", "default_store", "BudgetError", "CheckpointError",
-    "ConfigError", "ContextOverflowError", "EngineError", "ExpertReadError", "StoreError",
-    "TokenizerError", "ABSENT", "LOADING", "PINNED", "RESIDENT", "ChatMessage", "EngineFailure",
-    "Finished", "GenerateRequest", "Loaded", "LoadProgress", "ResidencySnapshot", "SamplingParams",
-    "StepMetrics", "TokenEvent", "Engine",
+    "POLICIES", "CHECKSUM_MODES", "SUPPORTED_MODEL_TYPES", "EngineConfig", "ModelArgs", "ConversionCancelled",
+    "convert_checkpoint", "BudgetError", "Cancelled", "CheckpointError", "ConfigError", "ContextOverflowError",
+    "EngineError", "ErrorKind", "ExpertReadError", "StoreError", "TokenizerError", "error_kind", "ABSENT",
+    "LOADING", "PINNED", "RESIDENT", "ChatMessage", "EngineFailure", "Finished", "GenerateRequest", "Loaded",
+    "LoadProgress", "ResidencySnapshot", "SamplingParams", "StepMetrics", "TokenEvent", "atomic_write_text",
+    "Engine", "ENGINE", "SAMPLING", "Setting", "settings", "upgrade_keys", "validate", "format_bytes",
+    "format_duration",
 ]

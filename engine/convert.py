@@ -29,22 +29,18 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from .checkpoint import Checkpoint, hf_names
-from .errors import CheckpointError, EngineError
+from .errors import Cancelled, CheckpointError
 from .events import LoadProgress
-from .paths import fsync_dir
+from .fsutil import fsync_dir
 from .quant import ALIGN, QUANTS, quantize, slab_layout
+from .store_format import FORMAT_NAME, FORMAT_VERSION
 
-FORMAT_NAME = "colibri-expert-store"
-FORMAT_VERSION = 1
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
                 "README.md", "LICENSE")
 
 
-class ConversionCancelled(EngineError):
-    """The user cancelled a conversion; nothing was published."""
-
-    kind = "cancelled"
+ConversionCancelled = Cancelled  # the old name (one Cancelled class: engine.errors.Cancelled)
 
 
 def dense_quant_for(quant: str) -> str:
@@ -69,14 +65,14 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
             values per byte), "f16" or "f32" (exact, for tests).
         overwrite: replace an existing store at ``dst``.
         progress: called with LoadProgress(stage="convert", done=bytes, total=bytes, unit="B").
-        cancel: set it to stop; raises ConversionCancelled and leaves no store behind.
+        cancel: set it to stop; raises Cancelled and leaves no store behind.
 
     Returns: the store path.
 
     Raises:
         ConfigError / CheckpointError: the source is invalid (raised before writing anything).
         FileExistsError: ``dst`` exists and overwrite is False.
-        ConversionCancelled: ``cancel`` was set.
+        Cancelled: ``cancel`` was set.
     """
     if quant not in QUANTS:
         raise ValueError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
@@ -108,7 +104,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
 
     def check_cancel() -> None:
         if cancel is not None and cancel.is_set():
-            raise ConversionCancelled(f"conversion of {src} cancelled; nothing was written to {dst}")
+            raise Cancelled(f"conversion of {src} cancelled; nothing was written to {dst}")
 
     try:
         dq = dense_quant_for(quant)

@@ -1,55 +1,104 @@
-"""Engine error types. Every message names the file, tensor or setting and what to do."""
+"""Engine error types and the one list of error kinds. Every message names the file, tensor or
+setting and what to do."""
 
 from __future__ import annotations
 
+from enum import StrEnum
 
-class EngineError(Exception):
-    """Base class of every error the engine raises on purpose.
 
-    ``kind`` is a short tag the GUI uses to pick a banner: config, store, budget, context,
-    io, tokenizer, internal.
+class ErrorKind(StrEnum):
+    """What went wrong, as a machine tag the GUI uses to pick a banner title and hint.
+
+    A ``StrEnum``: ``ErrorKind.STORE == "store"``, so the values also serialize as plain text.
+    Engine errors carry one as ``kind``; the app's ``EngineFailure.kind`` is one of these.
+    The last four are app notices (history reset, settings file, missing model, feature not
+    available), listed here so that no kind is a free string anywhere.
     """
 
-    kind = "internal"
+    CONFIG = "config"          # a config.json or settings value is invalid
+    STORE = "store"            # a store or checkpoint is missing, corrupt or inconsistent
+    BUDGET = "budget"          # the RAM budget cannot hold the model's minimum
+    CONTEXT = "context"        # the prompt does not fit in the context window
+    IO = "io"                  # reading from disk or the network failed
+    DISK = "disk"              # not enough free disk space (or another OS error writing)
+    TOKENIZER = "tokenizer"    # tokenizer files or the chat template are invalid
+    CANCELLED = "cancelled"    # the user cancelled (conversion, download, generation)
+    EXISTS = "exists"          # the target (store folder) already exists
+    REQUEST = "request"        # an invalid generation request (empty prompt, bad ids)
+    GENERATION = "error"       # generation stopped with an engine error (Finished.error)
+    INTERNAL = "internal"      # a bug: anything not raised on purpose
+    HISTORY = "history"        # app notice: the chat history was reset
+    SETTINGS = "settings"      # app notice: the settings file could not be used or saved
+    MODEL = "model"            # app notice: the chosen model was not found
+    UNAVAILABLE = "unavailable"  # app notice: a feature is not in this build
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose; ``kind`` is an ErrorKind."""
+
+    kind: ErrorKind = ErrorKind.INTERNAL
 
 
 class ConfigError(EngineError, ValueError):
     """A config.json / settings value is missing, of the wrong type or out of range."""
 
-    kind = "config"
+    kind = ErrorKind.CONFIG
 
 
 class CheckpointError(EngineError, ValueError):
     """A Hugging Face checkpoint file is missing, truncated, a Git LFS pointer or inconsistent."""
 
-    kind = "store"
+    kind = ErrorKind.STORE
 
 
 class StoreError(EngineError, ValueError):
     """A converted expert store is missing, of an unknown version or corrupt."""
 
-    kind = "store"
+    kind = ErrorKind.STORE
 
 
 class ContextOverflowError(EngineError, ValueError):
     """The prompt (plus the requested tokens) does not fit in the context window."""
 
-    kind = "context"
+    kind = ErrorKind.CONTEXT
 
 
 class BudgetError(EngineError, MemoryError):
     """The RAM budget cannot hold the dense weights, the KV cache and one expert slot per layer."""
 
-    kind = "budget"
+    kind = ErrorKind.BUDGET
 
 
 class ExpertReadError(EngineError, OSError):
     """Reading an expert slab from the store failed twice."""
 
-    kind = "io"
+    kind = ErrorKind.IO
 
 
 class TokenizerError(EngineError, ValueError):
     """Tokenizer files or the chat template are missing or invalid."""
 
-    kind = "tokenizer"
+    kind = ErrorKind.TOKENIZER
+
+
+class Cancelled(EngineError):
+    """The user cancelled through a cancel event (generation, conversion, download).
+
+    What was finished stays valid: a cancelled conversion publishes nothing, a cancelled
+    download keeps its partial files for resuming, a cancelled generation ends with
+    ``Finished(finish_reason="cancelled")``.
+    """
+
+    kind = ErrorKind.CANCELLED
+
+
+def error_kind(e: BaseException) -> ErrorKind:
+    """The ErrorKind of any exception: its ``kind`` for engine errors, EXISTS for
+    FileExistsError, DISK for other OS errors, else INTERNAL."""
+    if isinstance(e, EngineError):
+        return ErrorKind(e.kind)
+    if isinstance(e, FileExistsError):
+        return ErrorKind.EXISTS
+    if isinstance(e, OSError):
+        return ErrorKind.DISK
+    return ErrorKind.INTERNAL

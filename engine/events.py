@@ -9,26 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .settings import SamplingParams  # noqa: F401  (declared in the settings table)
+
 
 # --- requests -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How the next token is chosen.
-
-    temperature <= 0 means greedy (argmax, lowest id on ties). top_k = 0 and top_p = 1.0
-    disable those filters. repetition_penalty follows the CTRL paper (Keskar et al. 2019):
-    a logit l of a token already in the context becomes l / p if l > 0 else l * p.
-    seed makes sampling reproducible: the same seed and inputs give the same tokens.
-    """
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    seed: int = 0
-    max_new_tokens: int = 256
 
 
 @dataclass(frozen=True)
@@ -180,8 +164,8 @@ class Finished:
 
 @dataclass(frozen=True)
 class EngineFailure:
-    """Something went wrong; ``kind`` is a short machine tag (config, store, budget, context,
-    io, internal), ``message`` tells the user what happened and what to do."""
+    """Something went wrong; ``kind`` is an engine.errors.ErrorKind (a str enum: config, store,
+    budget, context, io, ...), ``message`` tells the user what happened and what to do."""
 
     kind: str
     message: str

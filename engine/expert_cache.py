@@ -26,12 +26,22 @@ import mmap
 import threading
 import time
 from collections import OrderedDict
+from enum import IntEnum
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from .errors import EngineError, ExpertReadError
 from .events import ABSENT, LOADING, PINNED, RESIDENT
+
+
+class SpecRefused(IntEnum):
+    """Why ``ExpertCache.try_speculate`` reserved no slot (negative, so ``slot >= 0`` still
+    means a slot was reserved)."""
+
+    ALREADY = -1  # the expert is resident or being loaded already
+    GUARD = -2    # the eviction guard refused to evict the only candidate victim
+    FULL = -3     # no slot can be freed (all pinned, busy or staged)
 
 FREE = 0
 PROB_EMA_ALPHA = 0.2  # weight of the newest call in the "ema" policy's router-probability EMA
@@ -422,21 +432,21 @@ class ExpertCache:
     # --- speculative loads (PILOT) ------------------------------------------------------------------
 
     def try_speculate(self, layer: int, expert: int, guard=None) -> int:
-        """Reserve a slot for a speculative load (lock taken here). Returns the slot, or
-        -1 (already resident/loading), -2 (guard refused), -3 (no slot)."""
+        """Reserve a slot for a speculative load (lock taken here). Returns the slot (>= 0),
+        or a SpecRefused: ALREADY (resident/loading), GUARD (guard refused), FULL (no slot)."""
         with self.lock:
             if self._closed or self.where[layer, expert] >= 0:
-                return -1
+                return SpecRefused.ALREADY
             ly = self.layers[layer]
             if not (ly.live < min(ly.cap, ly.target) and ly.free):
                 v = self._pick_victim(layer, allow_staged=False)
                 if v < 0:
-                    return -3
+                    return SpecRefused.FULL
                 if guard is not None and not guard(layer, int(self.slot_expert[layer, v]), expert):
-                    return -2
+                    return SpecRefused.GUARD
             slot = self._reserve(layer, expert)
             if slot < 0:
-                return -3
+                return SpecRefused.FULL
             self.stats.spec_issued += 1
             return slot
 

@@ -18,9 +18,9 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from .config import ModelArgs
-from .convert import FORMAT_NAME, FORMAT_VERSION
 from .errors import ExpertReadError, StoreError
 from .quant import ALIGN, aligned_empty, slab_views
+from .store_format import FORMAT_NAME, FORMAT_VERSION
 
 log = logging.getLogger(__name__)
 

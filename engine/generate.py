@@ -10,25 +10,26 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Callable, Iterator
 
 import numpy as np
 
 from .config import EngineConfig
-from .errors import ContextOverflowError, EngineError
+from .errors import Cancelled, ContextOverflowError, EngineError
 from .events import Finished, GenerateRequest, Loaded, LoadProgress, TokenEvent
 from .expert_cache import ExpertCache
 from .expert_store import ExpertStore
 from .heat import RoutingHeat, cap_pins, pins_per_layer
 from .metrics import MetricsTracker
-from .model import Cancelled, OlmoeModel, mean_router_probs
-from .ram_budget import RssGuard, current_rss, plan_cap
+from .model import OlmoeModel, mean_router_probs
+from .ram_budget import RssGuard, current_rss
+from .sizing import estimate_store, plan_estimate
 from .sampling import Sampler
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-MAX_DEFAULT_CONTEXT = 4096
 WARMUP_TOKENS = 16
 
 
@@ -58,10 +59,10 @@ class Engine:
         self.read_rss = read_rss
         self._closed = False
         self._lock = threading.Lock()
-        if config.numba_threads:
+        if config.threads:
             try:
                 import numba
-                numba.set_num_threads(min(config.numba_threads, numba.config.NUMBA_NUM_THREADS))
+                numba.set_num_threads(min(config.threads, numba.config.NUMBA_NUM_THREADS))
             except (ImportError, ValueError):
                 pass
         report = progress or (lambda ev: None)
@@ -80,12 +81,11 @@ class Engine:
         self.tokenizer = Tokenizer.from_dir(store.path)
         dense = store.load_dense()
         dense_bytes = sum(v.nbytes for v in dense.values())
-        ctx = config.context_length or min(a.max_position_embeddings, MAX_DEFAULT_CONTEXT)
-        self.context_length = ctx
-        kv_bytes = 2 * a.num_hidden_layers * a.num_key_value_heads * ctx * a.head_dim * 4
+        # the one sizing rule (engine/sizing.py), with the dense bytes as loaded
+        self.sizing = replace(estimate_store(a, store.manifest, config.context_length), dense_bytes=dense_bytes)
+        ctx = self.context_length = self.sizing.context_length
         report(LoadProgress("open", 1, 3, "", "dense weights loaded"))
-        self.plan = plan_cap(a.num_experts, store.manifest["slot_bytes"], dense_bytes, kv_bytes,
-                             config.ram_budget_gb, config.cap, rss_now=self.read_rss())
+        self.plan = plan_estimate(self.sizing, config.ram_budget_gb, config.cap, rss_now=self.read_rss())
         self.heat = RoutingHeat(a.num_hidden_layers, a.num_experts, store.manifest.get("created", ""))
         if config.history:
             self.heat.load(store.path)

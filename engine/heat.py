@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .paths import atomic_write_text
+from .fsutil import atomic_write_text
 
 log = logging.getLogger(__name__)
 

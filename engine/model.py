@@ -19,7 +19,7 @@ from typing import Callable, Protocol
 import numpy as np
 
 from .config import ModelArgs
-from .errors import EngineError
+from .errors import Cancelled
 
 if os.environ.get("COLIBRI_NO_NUMBA"):
     from . import kernels_ref as K
@@ -30,12 +30,6 @@ else:
         from . import kernels_ref as K
 
 PREFILL_CHUNK = 128
-
-
-class Cancelled(EngineError):
-    """Generation was cancelled through the cancel event."""
-
-    kind = "cancelled"
 
 
 class ExpertProvider(Protocol):

@@ -40,6 +40,7 @@ from collections import deque
 import numpy as np
 
 from . import model as _model
+from .expert_cache import SpecRefused
 
 MAX_QUEUE = 4096
 SMALL_BATCH = 8
@@ -291,10 +292,10 @@ class Pilot:
                     self.cache.stats.spec_dropped_stale += 1
                 continue
             slot = self.cache.try_speculate(layer, e, self._guard if self.use_guard else None)
-            if slot == -2:
+            if slot == SpecRefused.GUARD:
                 with self.cache.lock:
                     self.cache.stats.spec_dropped_guard += 1
-            elif slot == -3:
+            elif slot == SpecRefused.FULL:
                 with self.cache.lock:
                     self.cache.stats.spec_dropped_full += 1
             elif slot >= 0:

@@ -1,8 +1,5 @@
-"""RAM budget: how many expert slots per layer fit, and the measured-RSS guard.
+"""RAM measurements and the measured-RSS guard (the sizing rule itself is engine/sizing.py).
 
-Automatic cap (after colibri's cap_for_ram, PR #1445):
-    cap = (budget - resident dense - KV cache at the configured context - reserve)
-          / sum over layers of each layer's real slot size, clamped to [1, num_experts].
 The automatic budget is RSS after the dense weights are loaded + 0.88 x available memory
 (psutil); an unmeasurable or implausible probe (0, or < 2% of physical RAM) falls back to
 half of physical RAM (8 GB if that is unknown) with one warning (colibri #1500 / #1601).
@@ -12,10 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
 from typing import Callable
-
-from .errors import BudgetError
 
 log = logging.getLogger(__name__)
 
@@ -54,60 +48,6 @@ def probe_available() -> tuple[int, bool]:
                     avail, total)
         return total // 2, False
     return avail, True
-
-
-@dataclass(frozen=True)
-class BudgetPlan:
-    """Outcome of sizing; all sizes in bytes."""
-
-    budget: int
-    dense: int
-    kv: int
-    reserve: int
-    slot_bytes_sum: int  # one slot in every layer
-    cap: int
-    auto_budget: bool
-    auto_cap: bool
-
-    def describe(self) -> str:
-        return (f"{self.cap} slots/layer: {self.budget / GB:.2f} GB budget "
-                f"({'auto' if self.auto_budget else 'set'}), {self.dense / GB:.2f} GB dense, "
-                f"{self.kv / GB:.2f} GB KV, {self.reserve / GB:.2f} GB reserve, "
-                f"{self.slot_bytes_sum / 1e6:.1f} MB per slot across layers")
-
-
-def plan_cap(num_experts: int, slot_bytes: list[int], dense_bytes: int, kv_bytes: int,
-             ram_budget_gb: float | None, cap: int | None, rss_now: int | None = None,
-             available: int | None = None, reserve: int = RESERVE_BYTES) -> BudgetPlan:
-    """Size the expert cache.
-
-    Args:
-        slot_bytes: per-layer slot size (bytes). dense_bytes, kv_bytes: resident bytes.
-        ram_budget_gb: explicit budget (GB) or None for automatic.
-        cap: explicit slots/layer (overrides the automatic cap; still refused if its minimum,
-            one slot per layer, does not fit the budget).
-    Raises:
-        BudgetError: not even one slot per layer fits; the message gives the numbers.
-    """
-    per = int(sum(slot_bytes))
-    if ram_budget_gb is None:
-        if available is None:
-            available, _ = probe_available()
-        base = rss_now if rss_now is not None else dense_bytes
-        budget = int(base + AVAILABLE_SHARE * available)
-    else:
-        budget = int(ram_budget_gb * GB)
-    room = budget - dense_bytes - kv_bytes - reserve
-    fit = room // per if per > 0 else num_experts
-    if fit < 1:
-        raise BudgetError(
-            f"RAM budget {budget / GB:.2f} GB cannot hold the dense weights ({dense_bytes / GB:.2f} GB) + "
-            f"KV cache ({kv_bytes / GB:.2f} GB) + reserve ({reserve / GB:.2f} GB) + one expert slot per "
-            f"layer ({per / GB:.3f} GB): {(dense_bytes + kv_bytes + reserve + per) / GB:.2f} GB needed. "
-            f"Raise ram_budget_gb, lower the context length, or use a smaller quantization.")
-    auto_cap = cap is None
-    c = int(min(max(fit, 1), num_experts)) if auto_cap else int(min(cap, num_experts))
-    return BudgetPlan(budget, dense_bytes, kv_bytes, reserve, per, c, ram_budget_gb is None, auto_cap)
 
 
 class RssGuard:

@@ -8,12 +8,12 @@ so a sampler built with the same params replays the same tokens for the same log
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Sequence
 
 import numpy as np
 
 from .events import SamplingParams
+from .settings import SAMPLING, validate
 
 log = logging.getLogger(__name__)
 
@@ -23,35 +23,12 @@ _TOP_P_FIRST_WINDOW = 64
 
 
 def validate_sampling_params(params: SamplingParams) -> None:
-    """Check the ranges of SamplingParams; raises ValueError naming the setting."""
+    """Check SamplingParams against the settings table (engine.settings: the one range of each).
 
-    def num(name: str) -> float:
-        v = getattr(params, name)
-        if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
-            raise ValueError(f"SamplingParams.{name} must be a number, got {type(v).__name__} {v!r}")
-        if not math.isfinite(float(v)):
-            raise ValueError(f"SamplingParams.{name} must be finite, got {v!r}")
-        return float(v)
-
-    def integer(name: str) -> int:
-        v = getattr(params, name)
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise ValueError(f"SamplingParams.{name} must be an integer, got {type(v).__name__} {v!r}")
-        return int(v)
-
-    if num("temperature") < 0:
-        raise ValueError(f"SamplingParams.temperature must be >= 0 (0 = greedy), got {params.temperature}")
-    if integer("top_k") < 0:
-        raise ValueError(f"SamplingParams.top_k must be >= 0 (0 = off), got {params.top_k}")
-    top_p = num("top_p")
-    if not 0.0 < top_p <= 1.0:
-        raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1 = off), got {params.top_p}")
-    if num("repetition_penalty") <= 0:
-        raise ValueError(f"SamplingParams.repetition_penalty must be > 0 (1 = off), "
-                         f"got {params.repetition_penalty}")
-    if integer("max_new_tokens") < 1:
-        raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {params.max_new_tokens}")
-    integer("seed")
+    Raises:
+        ConfigError (a ValueError): naming the setting, its value and the valid range.
+    """
+    validate(params, SAMPLING)
 
 
 class Sampler:

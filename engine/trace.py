@@ -66,7 +66,7 @@ class TraceRecorder:
         c.set_pinned = set_pinned
 
     def save(self, path: str | Path) -> Path:
-        from .paths import atomic_write_text
+        from .fsutil import atomic_write_text
         lines = [json.dumps(self.header)] + [json.dumps(r) for r in self.records]
         atomic_write_text(path, "\n".join(lines) + "\n")
         return Path(path)

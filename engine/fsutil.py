@@ -1,4 +1,4 @@
-"""Where colibri-desktop keeps user data (platformdirs), and atomic file writes."""
+"""Durable file writes used by the core and the library: fsync a folder, atomic replace."""
 
 from __future__ import annotations
 
@@ -6,38 +6,9 @@ import os
 import tempfile
 from pathlib import Path
 
-import platformdirs
-
-APP_NAME = "colibri-desktop"
-
-
-def user_data_dir() -> Path:
-    """Models, chat history, routing heat. ``COLIBRI_DATA_DIR`` overrides (tests use it)."""
-    d = os.environ.get("COLIBRI_DATA_DIR")
-    p = Path(d) if d else Path(platformdirs.user_data_dir(APP_NAME, appauthor=False))
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-def user_config_dir() -> Path:
-    """Settings file. ``COLIBRI_CONFIG_DIR`` overrides (tests use it)."""
-    d = os.environ.get("COLIBRI_CONFIG_DIR")
-    p = Path(d) if d else Path(platformdirs.user_config_dir(APP_NAME, appauthor=False))
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-def models_dir() -> Path:
-    p = user_data_dir() / "models"
-    p.mkdir(parents=True, exist_ok=True)
-    return p
-
-
-def resources_dir() -> Path:
-    return Path(__file__).resolve().parent.parent / "resources"
-
 
 def fsync_dir(path: Path) -> None:
+    """fsync the folder ``path`` so a rename inside it survives a crash (best effort: errors are ignored)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
@@ -72,4 +43,5 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """:func:`atomic_write_bytes` of ``text`` encoded as UTF-8."""
     atomic_write_bytes(path, text.encode("utf-8"))

@@ -7,9 +7,9 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from .convert import convert_checkpoint
-from .errors import StoreError
-from .events import LoadProgress
+from ..convert import convert_checkpoint
+from ..errors import StoreError
+from ..events import LoadProgress
 from .paths import models_dir, resources_dir
 
 DEFAULT_MODEL = "colibri-stdlib-moe"

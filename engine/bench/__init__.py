@@ -1,0 +1,43 @@
+"""``colibri bench ...``: reproducible measurements, results as JSON plus a markdown table in
+bench/results/. One module per verb, each with ``add_parser(bs)``; shared helpers in common.py.
+
+Floor: above the core and the library, below the CLI (nothing in engine/ outside the CLI
+imports this package).
+
+Protocol (the seeds' and colibri's benchmarking.md): compare arms in one run, interleaved;
+every streaming arm is cold (a fresh engine; O_DIRECT so the page cache cannot serve experts);
+random-weight models decode a fixed seeded token stream by teacher forcing and report the
+distinct (layer, expert) pairs touched; hit rate, MB/token and felt wait come before wall
+clock. Verbs:
+
+  make-synthetic  write a seeded random OLMoE checkpoint (presets: 1b, olmoe-1b-7b) + convert it
+  decode          our decode tok/s vs transformers (bf16 and f32), all experts resident
+  cache           streaming at several caps: hit rate, MB/token, felt wait, read service, tok/s
+  pilot           PILOT A/B: each arm a fresh process, frozen heat restored, reps reversed
+  matrix          RAM budget x PILOT x workers with the I/O-bound ceiling
+  disk            O_DIRECT read bandwidth of expert slabs (QD1 and QD4)
+  replay          a routing trace through LRU, LFRU, EMA, ours and Belady
+  trace-heldout   a routing trace of the default model over its held-out text
+  gguf, peers     llama.cpp (Q8_0 GGUF) and transformers beside our engine, in cgroup memory limits
+A new benchmark: add ``engine/bench/<verb>.py`` with ``cmd_<verb>(args) -> int`` and
+``add_parser(bs)``, and list the module in VERBS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+
+VERBS = ("make_synthetic", "decode", "cache", "pilot", "disk", "replay", "matrix", "trace_heldout", "arm",
+         "gguf", "peers")
+
+
+def add_bench_parser(sub) -> None:
+    """Add ``bench`` and every verb's subcommand to the ``colibri`` argparse subparsers ``sub``."""
+    b = sub.add_parser("bench", help="benchmarks (JSON + markdown in bench/results/)")
+    # every bench command shows its defaults in --help
+    bs = b.add_subparsers(dest="bench_cmd", required=True, parser_class=functools.partial(
+        argparse.ArgumentParser, formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+    for verb in VERBS:
+        importlib.import_module(f"{__name__}.{verb}").add_parser(bs)

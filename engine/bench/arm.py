@@ -1,0 +1,138 @@
+"""One streaming arm: a fresh engine with setting overrides decodes a stream and reports hit
+rate, MB/token, felt wait, tok/s. ``bench cache``, ``pilot`` and ``matrix`` run each arm in a
+fresh process (``colibri bench arm``, hidden) so every arm starts cold."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from .common import forced_stream, heldout_stream
+
+
+def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
+            forced: bool = True, prompt_text: str | None = None, stream_file: str | None = None) -> dict:
+    """Open a fresh engine with the overrides, decode, return the measured row.
+
+    The decoded stream is: ``prompt_text`` (greedy answer to a real question), else the ids of
+    ``stream_file`` (real held-out text, teacher forced), else ``forced_stream`` (seeded random
+    ids, teacher forced)."""
+    from ..config import EngineConfig
+    from ..events import Finished, GenerateRequest, SamplingParams, StepMetrics
+    from ..generate import Engine
+    from ..prof import Profile
+    over = {k: v for k, v in cfg_over.items() if k != "warm_all"}
+    cfg = EngineConfig(store=store, **over).validated()
+    t_open = time.perf_counter()
+    eng = Engine.open(cfg)
+    open_s = time.perf_counter() - t_open
+    try:
+        if cfg_over.get("warm_all"):
+            # "All resident": every expert loaded before the first token (not counted).
+            for layer in range(eng.args.num_hidden_layers):
+                eng.cache.load_experts(layer, np.arange(eng.args.num_experts))
+        V = eng.args.vocab_size
+        if prompt_text is not None:  # a real question, in the model's chat template when it has one
+            from ..events import ChatMessage
+            sp = SamplingParams(max_new_tokens=tokens)
+            req = (GenerateRequest(messages=(ChatMessage("user", prompt_text),), sampling=sp)
+                   if eng.has_chat_template else GenerateRequest(prompt=prompt_text, sampling=sp))
+        else:
+            stream = (heldout_stream(stream_file)[:prompt_len + tokens] if stream_file
+                      else forced_stream(V, prompt_len + tokens, seed))
+            if len(stream) < prompt_len + tokens:
+                raise ValueError(f"{stream_file}: {len(stream)} tokens, need {prompt_len + tokens}")
+            req = GenerateRequest(prompt_ids=tuple(stream[:prompt_len]),
+                                  forced_ids=tuple(stream[prompt_len:]) if forced else None,
+                                  sampling=SamplingParams(max_new_tokens=tokens))
+        touched = np.zeros((eng.args.num_hidden_layers, eng.args.num_experts), bool)
+        orig = eng.model.on_route
+
+        def spy(layer, idx, logits):
+            touched[layer, np.unique(idx)] = True
+            orig(layer, idx, logits)
+        eng.model.on_route = spy
+        prof = Profile(eng)
+        fin = None
+        for ev in eng.generate(req):
+            if isinstance(ev, StepMetrics):
+                prof.add(ev)
+            elif isinstance(ev, Finished):
+                fin = ev
+        steps = prof.steps
+        recall = list(steps[-1].pilot_recall) if steps and steps[-1].pilot_recall else []
+        # all-steps figures (prefill included; the decode-only ones follow below)
+        n_all = max(len(steps), 1)
+        look_all = sum(m.hits + m.misses for m in steps)
+        dem_all = sum(m.demand_bytes for m in steps)
+        spec_all = sum(m.speculative_bytes for m in steps)
+        row = {**cfg_over, "hit_rate": sum(m.hits for m in steps) / look_all if look_all else 1.0,
+               "pinned_hit_rate": sum(m.pinned_hits for m in steps) / look_all if look_all else 0.0,
+               "mb_per_token": (dem_all + spec_all) / 1e6 / n_all, "demand_mb_per_token": dem_all / 1e6 / n_all,
+               "spec_mb_per_token": spec_all / 1e6 / n_all, "felt_wait_s": sum(m.felt_wait_s for m in steps),
+               "read_service_s": sum(m.read_service_s for m in steps), "tok_per_s": fin.decode_tok_per_s,
+               "ttft_s": fin.ttft_s, "peak_rss_gb": max((m.rss_bytes for m in steps), default=0) / 1e9,
+               "cap": eng.cache.cap,
+               "tokens": fin.generated_tokens, "finish": fin.finish_reason, "error": fin.error,
+               "distinct_experts": int(touched.sum()), "total_experts": int(touched.size),
+               "o_direct": eng.store.o_direct, "open_s": open_s,
+               "sha256_ids": hashlib.sha256(json.dumps(list(fin.token_ids)).encode()).hexdigest()[:16],
+               "decode_s": (fin.generated_tokens - 1) / fin.decode_tok_per_s if fin.decode_tok_per_s else 0.0,
+               "spec": {k: sum(getattr(m, k) for m in steps) for k in (
+                   "spec_issued", "spec_completed", "spec_dropped_stale", "spec_dropped_guard",
+                   "spec_dropped_full", "spec_used", "spec_wasted_bytes")},
+               "pilot_recall": recall, "demand_bytes": sum(m.demand_bytes for m in steps)}
+        # Decode only (steps after the first: the first covers the prompt's prefill and the
+        # first token, where PILOT does not run); these are what tok/s and the ceiling compare.
+        dec = steps[1:]
+        n = max(len(dec), 1)
+        look = sum(m.hits + m.misses for m in dec)
+        row.update(
+            decode_hit_rate=sum(m.hits for m in dec) / look if look else 1.0,
+            decode_mb_per_token=sum(m.demand_bytes + m.speculative_bytes for m in dec) / 1e6 / n,
+            decode_demand_mb_per_token=sum(m.demand_bytes for m in dec) / 1e6 / n,
+            decode_spec_mb_per_token=sum(m.speculative_bytes for m in dec) / 1e6 / n,
+            decode_felt_wait_s=sum(m.felt_wait_s for m in dec),
+            decode_read_service_s=sum(m.read_service_s for m in dec))
+        return row
+    finally:
+        eng.close()
+
+def cmd_arm(a) -> int:
+    """Internal: one arm in this (fresh) process; prints a JSON row."""
+    row = run_arm(a.store, json.loads(a.config), a.prompt_len, a.tokens, a.seed,
+                  prompt_text=a.prompt_text, stream_file=a.stream_file)
+    print("ARM " + json.dumps(row))
+    return 0
+
+def arm_subprocess(store, over, prompt_len, tokens, seed, prompt_text=None, stream_file=None) -> dict:
+    cmd = [sys.executable, "-m", "engine.cli", "bench", "arm", "--store", store, "--config", json.dumps(over),
+           "--prompt-len", str(prompt_len), "--tokens", str(tokens), "--seed", str(seed)]
+    if prompt_text is not None:
+        cmd += ["--prompt-text", prompt_text]
+    if stream_file is not None:
+        cmd += ["--stream-file", str(stream_file)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    for line in p.stdout.splitlines():
+        if line.startswith("ARM "):
+            return json.loads(line[4:])
+    raise RuntimeError(f"arm {over} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+
+
+def add_parser(bs) -> None:
+    """Register `arm` under ``colibri bench``."""
+    r = bs.add_parser("arm", help=argparse.SUPPRESS)
+    r.add_argument("--store", required=True)
+    r.add_argument("--config", required=True)
+    r.add_argument("--prompt-len", type=int, default=16)
+    r.add_argument("--tokens", type=int, default=48)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--prompt-text", default=None)
+    r.add_argument("--stream-file", default=None)
+    r.set_defaults(fn=cmd_arm)

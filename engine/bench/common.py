@@ -1,0 +1,109 @@
+"""Helpers shared by the benchmark verbs: results as JSON + markdown, machine facts, token
+streams, peak RSS, input checks before any arm starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+PRESETS = {
+    # >= 1B parameters, OLMoE-shaped (issue 2/3 benchmarks): 1.14B params, 8 x 64 experts.
+    "1b": dict(hidden_size=1024, intermediate_size=640, num_hidden_layers=8, num_attention_heads=16,
+               num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, vocab_size=50304,
+               max_position_embeddings=4096),
+    # allenai/OLMoE-1B-7B's exact shape: 6.9B params, ~13.8 GB bf16.
+    "olmoe-1b-7b": dict(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                        num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+                        num_experts_per_tok=8, vocab_size=50304, max_position_embeddings=4096),
+}
+
+def machine_info() -> dict:
+    import psutil
+    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "ram_gb": round(psutil.virtual_memory().total / 1e9, 1), "python": platform.python_version(),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+def write_results(name: str, data: dict, table: str, out_dir: str = "bench/results") -> Path:
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    from ..fsutil import atomic_write_text
+    atomic_write_text(d / f"{name}.json", json.dumps(data, indent=1))
+    atomic_write_text(d / f"{name}.md", table + "\n")
+    print(table)
+    return d / f"{name}.json"
+
+def md_table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+    """cols: (header, key, format)."""
+    head = "| " + " | ".join(h for h, _, _ in cols) + " |"
+    sep = "|" + "|".join("---" for _ in cols) + "|"
+    lines = [head, sep]
+    for r in rows:
+        lines.append("| " + " | ".join(format(r[k], f) if r.get(k) is not None else "" for _, k, f in cols) + " |")
+    return "\n".join(lines)
+
+def forced_stream(vocab: int, n: int, seed: int) -> list[int]:
+    """A fixed seeded random token stream (teacher forcing for random-weight models)."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(10, vocab, n).tolist()
+
+class PeakRss:
+    """Samples this process's RSS every 50 ms in a thread; ``peak`` in bytes."""
+
+    def __init__(self):
+        import psutil
+        self.p = psutil.Process()
+        self.peak = self.p.memory_info().rss
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, self.p.memory_info().rss)
+
+    def __enter__(self):
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+
+def heldout_stream(path: str | Path) -> list[int]:
+    """Token ids of a held-out file (JSON lines with an "ids" list each), concatenated: real
+    text, so a trained model routes as it does on real input (teacher forced, never sampled)."""
+    out: list[int] = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            out.extend(json.loads(line)["ids"])
+    return out
+
+def check_arm_inputs(store: str, arms: list[dict], stream_file: str | None, need_tokens: int) -> None:
+    """Refuse bad bench inputs in the parent, before any arm process starts.
+
+    Raises:
+        ValueError / ConfigError: naming the store, the stream file or the setting.
+    """
+    from ..config import EngineConfig
+    if not (Path(store) / "manifest.json").is_file():
+        raise ValueError(f"--store {store}: not a converted store (no manifest.json); "
+                         f"make one with `colibri convert HF_FOLDER STORE`")
+    for over in arms:
+        EngineConfig(store=store, **{k: v for k, v in over.items() if k != "warm_all"}).validated()
+    if stream_file is not None:
+        try:
+            n = len(heldout_stream(stream_file))
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--stream-file {stream_file}: cannot read it ({e.__class__.__name__})") from None
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"--stream-file {stream_file}: expected JSON lines with an 'ids' list of "
+                             f"token ids each (like a model's heldout_sample.jsonl)") from None
+        if n < need_tokens:
+            raise ValueError(f"--stream-file {stream_file}: {n} tokens, the run needs {need_tokens} "
+                             f"(prompt + tokens)")

@@ -1,0 +1,7 @@
+"""``python -m engine.cli ...``."""
+
+import sys
+
+from .main import main
+
+sys.exit(main())

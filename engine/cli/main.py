@@ -1,0 +1,47 @@
+"""``colibri`` command line: subcommand parsing and dispatch (the top floor of the engine).
+
+The ``colibri`` console script is colibri_app.launcher: with no arguments it starts the app,
+with arguments it calls :func:`main` here. ``python -m engine.cli ...`` runs this directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from ..errors import EngineError
+from . import models, run
+
+log = logging.getLogger("colibri")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole ``colibri`` argument parser: run, convert, info, download, models, bench."""
+    from ..bench import add_bench_parser
+    p = argparse.ArgumentParser(prog="colibri", description="Run MoE models larger than RAM. "
+                                "Without a command, `colibri` starts the desktop app.")
+    p.add_argument("-v", "--verbose", action="store_true")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    run.add_parsers(sub)
+    models.add_parsers(sub)
+    add_bench_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` (default: sys.argv[1:]) and run the subcommand. Returns the exit code
+    (2 with one ``colibri: error: ...`` line for bad input; never a traceback for it)."""
+    argv = sys.argv[1:] if argv is None else argv
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return a.fn(a) or 0
+    except (EngineError, FileExistsError, ValueError) as e:
+        print(f"colibri: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

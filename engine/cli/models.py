@@ -1,0 +1,109 @@
+"""``colibri download`` and ``colibri models``: the model library from the command line."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import threading
+import time
+
+from ..events import LoadProgress
+from ..library import (WIZARD_QUANTS, check_repo, convert_downloaded, download, format_bytes, list_models,
+                       models_dir, self_test)
+
+
+def cli_progress(label: str):
+    """A LoadProgress callback printing one updating stderr line (at most twice a second)."""
+    last = [0.0]
+
+    def cb(ev: LoadProgress) -> None:
+        now = time.monotonic()
+        if now - last[0] < 0.5 and ev.done < ev.total:
+            return
+        last[0] = now
+        pct = 100 * ev.done / ev.total if ev.total else 100.0
+        print(f"\r{label}: {format_bytes(ev.done):>9} / {format_bytes(ev.total)} ({pct:5.1f}%) "
+              f"{ev.message[:60]:<60}", end="", file=sys.stderr, flush=True)
+        if ev.total and ev.done >= ev.total:
+            print(file=sys.stderr)
+    return cb
+
+
+def cmd_download(a) -> int:
+    """``colibri download REPO``: check, download, convert, self-test, print the store path."""
+    try:
+        chk = check_repo(a.repo, a.revision, a.quant, a.context_length)
+    except ValueError as e:  # ConfigError included (unsupported model type)
+        print(f"colibri: error: {e}", file=sys.stderr)
+        return 2
+    print(chk.table())
+    if not chk.disk_ok:
+        print(f"colibri: refused: {chk.disk_message}", file=sys.stderr)
+        return 2
+    if chk.ram_verdict == "refuse":
+        print(f"colibri: refused: {chk.ram_message}", file=sys.stderr)
+        return 2
+    if chk.ram_verdict == "warn" and not a.yes:
+        if not sys.stdin.isatty():
+            print("colibri: RAM warning; pass --yes to continue anyway", file=sys.stderr)
+            return 2
+        if input("Continue anyway? [y/N] ").strip().lower() not in ("y", "yes"):
+            return 1
+    if chk.store_exists and not a.overwrite:
+        print(f"colibri: {chk.store_dir} already exists; pass --overwrite to convert again", file=sys.stderr)
+        return 2
+    cancel = threading.Event()
+    try:
+        src = download(a.repo, a.revision, None, cli_progress("downloading"), cancel, check=chk)
+    except KeyboardInterrupt:
+        cancel.set()
+        print("\ninterrupted; the bytes fetched so far are kept - run the same command again to resume",
+              file=sys.stderr)
+        return 130
+    print(file=sys.stderr)
+    t0 = time.perf_counter()
+    try:
+        store = convert_downloaded(src, a.quant, cli_progress(f"converting ({a.quant})"),
+                                   overwrite=a.overwrite)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; no store was written (the download is kept in {src})", file=sys.stderr)
+        return 130
+    print(f"\nconverted in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    text = self_test(store)
+    print(f"self-test (8 greedy tokens): {text!r}", file=sys.stderr)
+    if not a.keep_download:
+        shutil.rmtree(src, ignore_errors=True)
+    print(store)
+    return 0
+
+
+def cmd_models(a) -> int:
+    """``colibri models``: table of converted stores."""
+    ms = list_models()
+    if not ms:
+        print(f"no converted models in {models_dir()} (add one with `colibri download REPO`)")
+        return 0
+    print(f"{'name':<32} {'quant':<5} {'size':>10}  {'created':<20} source / path")
+    for m in ms:
+        print(f"{m.name[:32]:<32} {m.quantization:<5} {format_bytes(m.size_bytes):>10}  {m.created:<20} "
+              f"{m.source}\n{'':<71}{m.path}")
+    return 0
+
+
+def add_parsers(sub) -> None:
+    """Add ``download`` and ``models`` to the ``colibri`` argparse subparsers ``sub``."""
+    d = sub.add_parser("download", help="download a model from the Hugging Face hub, check it and convert it",
+                       description="Check (disk, RAM), download only the needed files (resumable), "
+                                   "convert into a store in the user data folder, self-test, print the path.")
+    d.add_argument("repo", help="hub repository id, e.g. allenai/OLMoE-1B-7B-0924")
+    d.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
+    d.add_argument("--quant", choices=WIZARD_QUANTS + ("f32",), default="int8", help="store quantization")
+    d.add_argument("--context-length", type=int, default=0,
+                   help="context the RAM estimate assumes (0 = model default, up to 4096)")
+    d.add_argument("--yes", action="store_true", help="continue despite a RAM warning")
+    d.add_argument("--overwrite", action="store_true", help="replace an existing store of this model and quant")
+    d.add_argument("--keep-download", action="store_true",
+                   help="keep the downloaded Hugging Face files after converting")
+    d.set_defaults(fn=cmd_download)
+    m = sub.add_parser("models", help="list converted models")
+    m.set_defaults(fn=cmd_models)

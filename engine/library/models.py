@@ -1,0 +1,161 @@
+"""The local model library: convert a downloaded checkpoint into a store, self-test it, list
+and delete converted stores (only inside ``models_dir()``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..config import ModelArgs
+from ..events import LoadProgress
+from ..sizing import estimate
+from ..units import format_bytes
+from .check import DISK_MARGIN_BYTES, PARTIAL_DIR
+from .errors import DiskSpaceError, HubError
+from .paths import free_space, models_dir, store_name
+
+
+def _source_info(src: Path) -> dict:
+    try:
+        d = json.loads((src / PARTIAL_DIR / "source.json").read_text(encoding="utf-8"))
+        return d if isinstance(d, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def convert_downloaded(src: str | os.PathLike, quant: str = "int8",
+                       progress: Callable[[LoadProgress], None] | None = None,
+                       cancel: threading.Event | None = None, *, overwrite: bool = False,
+                       name: str | None = None) -> Path:
+    """Convert a downloaded (or local) checkpoint into ``models_dir()/<name>-<quant>``.
+
+    Atomic (engine.convert_checkpoint writes ``DST.partial`` and renames): a cancel or an
+    error leaves no store. The manifest records model_name and source (``hf://repo@commit``
+    for hub downloads).
+
+    Args:
+        name: model name (default: the repo name, else the folder name).
+        overwrite: replace an existing store of the same name and quant.
+    Returns: the store path.
+    Raises:
+        DiskSpaceError: the store does not fit (numbers given), before writing.
+        FileExistsError: the store exists and overwrite is False.
+        ConfigError / CheckpointError: invalid source; Cancelled: ``cancel`` set.
+    """
+    from ..convert import convert_checkpoint
+    src = Path(src)
+    info = _source_info(src)
+    model_name = name or (info["repo_id"].split("/")[-1] if info.get("repo_id") else src.name)
+    dst = models_dir() / store_name(model_name, quant)
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst}: a store already exists; delete it in the model library or choose "
+                              f"to replace it")
+    args = ModelArgs.from_hf_config(src)
+    copied = sum(p.stat().st_size for p in src.iterdir() if p.is_file() and not p.name.endswith(".safetensors"))
+    need = estimate(args, quant, 0, copied).store_bytes
+    free = free_space(dst.parent)
+    if need + DISK_MARGIN_BYTES > free:
+        raise DiskSpaceError(f"Not enough disk space for the {quant} store at {dst.parent}: "
+                             f"{format_bytes(need)} needed, {format_bytes(free)} free. Free some space or "
+                             f"choose a smaller quantization.")
+    extra = {"model_name": model_name}
+    if info.get("repo_id"):
+        extra.update(source=f"hf://{info['repo_id']}@{info.get('commit', '')}", hub_repo=info["repo_id"],
+                     hub_revision=info.get("revision"), hub_commit=info.get("commit"))
+    return convert_checkpoint(src, dst, quant=quant, overwrite=overwrite, progress=progress, cancel=cancel,
+                              extra_manifest=extra)
+
+
+def self_test(store: str | os.PathLike, max_new_tokens: int = 8) -> str:
+    """Open ``store`` with a small context and generate ``max_new_tokens`` greedy tokens.
+
+    Returns: the generated text (may be empty or odd for tiny models; it proves the store runs).
+    Raises:
+        EngineError (StoreError, BudgetError, ...): the store cannot be opened;
+        HubError: generation ended with an error (message included).
+    """
+    from ..config import EngineConfig
+    from ..events import ChatMessage, Finished, GenerateRequest, SamplingParams
+    from ..generate import Engine
+    cfg = EngineConfig(store=str(store), context_length=256, pinning=False, history=False, pilot=0)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
+    with Engine.open(cfg) as eng:
+        if eng.has_chat_template:
+            req = GenerateRequest(messages=(ChatMessage("user", "Hello! Who are you?"),), sampling=sp)
+        else:
+            req = GenerateRequest(prompt="Hello, my name is", sampling=sp)
+        fin = None
+        for ev in eng.generate(req, threading.Event()):
+            if isinstance(ev, Finished):
+                fin = ev
+    if fin is None or fin.finish_reason == "error":
+        raise HubError(f"{store}: self-test generation failed ({fin.error if fin else 'no result'}); the store "
+                       f"may be corrupt - delete it and convert again")
+    return fin.text
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """A converted store in models_dir(): size_bytes on disk, created (ISO time, UTC)."""
+
+    name: str
+    source: str
+    quantization: str
+    size_bytes: int
+    created: str
+    path: str
+
+
+def _dir_size(p: Path) -> int:
+    n = 0
+    for root, _dirs, files in os.walk(p):
+        for fn in files:
+            try:
+                n += os.lstat(os.path.join(root, fn)).st_size
+            except OSError:
+                pass
+    return n
+
+
+def list_models() -> list[ModelEntry]:
+    """Converted stores in ``models_dir()`` (folders with a manifest.json), newest first.
+
+    Unfinished conversions (``*.partial``) and unreadable manifests are skipped.
+    """
+    out = []
+    for p in sorted(models_dir().iterdir()):
+        if not p.is_dir() or p.name.endswith(".partial") or ".old-" in p.name or ".deleting-" in p.name:
+            continue
+        try:
+            m = json.loads((p / "manifest.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(m, dict):
+            continue
+        out.append(ModelEntry(name=str(m.get("model_name") or p.name), source=str(m.get("source") or ""),
+                              quantization=str(m.get("quant") or "?"), size_bytes=_dir_size(p),
+                              created=str(m.get("created") or ""), path=str(p)))
+    out.sort(key=lambda e: e.created, reverse=True)
+    return out
+
+
+def delete_model(path: str | os.PathLike) -> None:
+    """Delete a converted store; only folders inside ``models_dir()`` holding a manifest.json.
+
+    Raises:
+        ValueError: ``path`` is outside models_dir(), is models_dir() itself, or not a store.
+    """
+    root = models_dir().resolve()
+    p = Path(path).resolve()
+    if p == root or root not in p.parents:
+        raise ValueError(f"{p}: not inside the models folder {root}; refusing to delete it")
+    if not (p / "manifest.json").is_file():
+        raise ValueError(f"{p}: not a converted store (no manifest.json); refusing to delete it")
+    trash = p.with_name(p.name + f".deleting-{os.getpid()}")
+    os.replace(p, trash)  # disappears from the library at once, even if removal is slow
+    shutil.rmtree(trash, ignore_errors=True)

@@ -1,0 +1,77 @@
+"""Where colibri-desktop keeps user data (platformdirs): models, downloads, settings; free disk space."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import platformdirs
+
+APP_NAME = "colibri-desktop"
+
+
+def user_data_dir() -> Path:
+    """Models, chat history, routing heat. ``COLIBRI_DATA_DIR`` overrides (tests use it)."""
+    d = os.environ.get("COLIBRI_DATA_DIR")
+    p = Path(d) if d else Path(platformdirs.user_data_dir(APP_NAME, appauthor=False))
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def user_config_dir() -> Path:
+    """Settings file. ``COLIBRI_CONFIG_DIR`` overrides (tests use it)."""
+    d = os.environ.get("COLIBRI_CONFIG_DIR")
+    p = Path(d) if d else Path(platformdirs.user_config_dir(APP_NAME, appauthor=False))
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def models_dir() -> Path:
+    """Converted stores: ``user_data_dir()/models`` (created if missing)."""
+    p = user_data_dir() / "models"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def resources_dir() -> Path:
+    """The ``resources/`` folder shipped beside the ``engine`` package (bundled model, icons)."""
+    return Path(__file__).resolve().parent.parent.parent / "resources"
+
+
+def downloads_dir() -> Path:
+    """Where hub downloads go: ``user_data_dir()/downloads``."""
+    p = user_data_dir() / "downloads"
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def download_dir_for(repo_id: str, dest_root: str | os.PathLike | None = None) -> Path:
+    """The download folder of ``repo_id``: ``<root>/<owner>--<name>``."""
+    root = Path(dest_root) if dest_root else downloads_dir()
+    return root / repo_id.replace("/", "--")
+
+
+def store_name(model_name: str, quant: str) -> str:
+    """Folder name of a converted store: ``<name>-<quant>``."""
+    return f"{model_name}-{quant}"
+
+
+def _existing_ancestor(p: Path) -> Path:
+    p = Path(p).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def free_space(path: str | os.PathLike) -> int:
+    """Free bytes on the filesystem that holds (or will hold) ``path`` (shutil.disk_usage)."""
+    return int(shutil.disk_usage(_existing_ancestor(Path(path))).free)
+
+
+def same_disk(a: Path, b: Path) -> bool:
+    """True when ``a`` and ``b`` (or their nearest existing ancestors) are on one filesystem."""
+    try:
+        return os.stat(_existing_ancestor(a)).st_dev == os.stat(_existing_ancestor(b)).st_dev
+    except OSError:
+        return False

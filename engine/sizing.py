@@ -1,0 +1,310 @@
+"""The one sizing rule: what a model needs in RAM, how many expert slots per layer fit, and the
+verdict shown before a download. Used by ``Engine.open``, the model wizard and ``colibri
+download`` (through engine.library), and the settings dialog's "auto" values.
+
+Sizes are bytes (GB = 1e9 bytes), context lengths tokens.
+
+    dense   resident dense weights: the loaded store's arrays (``manifest["dense_bytes"]``), or
+            before conversion the sum over the family's dense tensors at the store's dense
+            quantization (``dense_shapes``: the same tensors convert.py writes).
+    kv      2 (K and V) x layers x KV heads x context x head_dim x 4 bytes (float32).
+    slots   one expert slab per layer (``manifest["slot_bytes"]``, else quant.slab_layout).
+    reserve RESERVE_BYTES for the Python / numpy / numba runtime, activations and logits.
+
+Automatic cap (after colibri's cap_for_ram, PR #1445):
+    cap = (budget - dense - kv - reserve) // slots, clamped to [1, num_experts].
+The automatic budget is RSS after the dense weights are loaded + AVAILABLE_SHARE x available
+memory (ram_budget.probe_available). The pre-download verdict applies the same plan_cap to the
+share of available memory the engine would budget.
+
+A new model family plugs in by giving its ModelArgs a ``dense_shapes()`` method (see
+:func:`dense_shapes`); everything else here reads only Hugging Face names that every
+mixture-of-experts family has (num_hidden_layers, num_experts, num_key_value_heads, head_dim,
+hidden_size, intermediate_size, max_position_embeddings).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import BudgetError, StoreError
+from .quant import QUANTS, slab_layout
+from .ram_budget import AVAILABLE_SHARE, GB, RESERVE_BYTES, probe_available
+from .units import format_bytes
+
+MAX_DEFAULT_CONTEXT = 4096  # the context when the setting is 0 (capped by the model's own)
+
+
+# --- the parts -----------------------------------------------------------------------------
+
+
+def effective_context(args, context_length: int) -> int:
+    """Tokens of KV cache for the setting ``context_length`` (0 = the model's
+    max_position_embeddings, at most MAX_DEFAULT_CONTEXT)."""
+    return int(context_length) or min(args.max_position_embeddings, MAX_DEFAULT_CONTEXT)
+
+
+def kv_bytes(args, context_length: int) -> int:
+    """KV cache bytes at ``context_length`` tokens: float32 K and V for every layer and KV head."""
+    return 2 * args.num_hidden_layers * args.num_key_value_heads * int(context_length) * args.head_dim * 4
+
+
+def dense_quant(quant: str) -> str:
+    """The quantization of the dense matrices (attention, embeddings) in a store whose experts
+    are at ``quant``: int4 experts keep int8 dense matrices."""
+    return "int8" if quant in ("int8", "int4") else quant
+
+
+def _matrix_bytes(rows: int, cols: int, dq: str) -> int:
+    """Bytes of one [rows, cols] dense matrix at dense quant ``dq`` (int8: + one float32 scale per row)."""
+    if dq == "int8":
+        return rows * cols + rows * 4
+    if dq == "f16":
+        return rows * cols * 2
+    return rows * cols * 4
+
+
+def olmoe_dense_shapes(args) -> tuple[list[tuple[int, int]], int]:
+    """OLMoE's dense tensors: ([rows, cols] of every quantized matrix, float32 element count).
+
+    Per layer: q/k/v/o projections (quantized); input and post-attention norms, q_norm
+    (hidden-sized), k_norm (kv-sized) and the router [num_experts, hidden] (float32). Plus the
+    embedding and the lm head (quantized; both stored even when tied) and the final norm.
+    """
+    D, E, V = args.hidden_size, args.num_experts, args.vocab_size
+    q, kv = args.q_dim, args.kv_dim
+    mats: list[tuple[int, int]] = []
+    for _ in range(args.num_hidden_layers):
+        mats += [(q, D), (kv, D), (kv, D), (D, q)]
+    mats += [(V, D), (V, D)]
+    f32 = args.num_hidden_layers * (2 * D + q + kv + E * D) + D
+    return mats, f32
+
+
+def dense_shapes(args) -> tuple[list[tuple[int, int]], int]:
+    """The dense tensors of ``args``'s family: ``args.dense_shapes()`` when the family defines
+    it (a new family plugs in there), else OLMoE's layout."""
+    own = getattr(args, "dense_shapes", None)
+    return own() if callable(own) else olmoe_dense_shapes(args)
+
+
+def dense_bytes(args, quant: str) -> int:
+    """Resident dense bytes of ``args`` converted with experts at ``quant`` (equals the store's
+    ``manifest["dense_bytes"]``: tests check it for int8 / int4 / f16)."""
+    dq = dense_quant(quant)
+    mats, f32 = dense_shapes(args)
+    return sum(_matrix_bytes(r, c, dq) for r, c in mats) + 4 * f32
+
+
+def slot_bytes(args, quant: str) -> int:
+    """Bytes of one expert slab (gate, up, down at ``quant``, 4096-aligned: quant.slab_layout)."""
+    return int(slab_layout(quant, args.hidden_size, args.intermediate_size)["slot_bytes"])
+
+
+# --- what a model needs --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Disk and RAM numbers of one model at one quantization and context (bytes).
+
+    ram_needed = dense + kv + one expert slot per layer + reserve: the minimum plan_cap
+    accepts. expert_bytes: every expert (a cache holding all of them). store_bytes: the
+    converted store on disk. num_experts: experts per layer.
+    """
+
+    quant: str
+    slot_bytes: int
+    expert_bytes: int
+    dense_bytes: int
+    store_bytes: int
+    kv_bytes: int
+    slots_bytes: int
+    reserve_bytes: int
+    ram_needed: int
+    context_length: int
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    layer_slot_bytes: tuple[int, ...] = ()
+
+    @property
+    def all_in_ram_bytes(self) -> int:
+        """RAM with every expert cached (dense + KV + all experts + reserve)."""
+        return self.dense_bytes + self.kv_bytes + self.expert_bytes + self.reserve_bytes
+
+
+def estimate(args, quant: str = "int8", context_length: int = MAX_DEFAULT_CONTEXT,
+             extra_store_bytes: int = 0) -> Estimate:
+    """Store size and minimum RAM of ``args`` converted at ``quant`` (before any conversion).
+
+    Args:
+        context_length: tokens of KV cache (0 = the engine's default for this model).
+        extra_store_bytes: copied files (tokenizer, config) to add to the store size.
+    Raises:
+        ValueError: unknown quant.
+    """
+    if quant not in QUANTS:
+        raise ValueError(f"quantization {quant!r}: choose one of {', '.join(QUANTS)}")
+    ctx = effective_context(args, context_length)
+    slot = slot_bytes(args, quant)
+    L, E = args.num_hidden_layers, args.num_experts
+    experts = L * E * slot
+    dense = dense_bytes(args, quant)
+    kv = kv_bytes(args, ctx)
+    slots = L * slot
+    n_dense = len(dense_shapes(args)[0]) + 9 * L + 4  # tensors in dense.safetensors (about)
+    # + manifest (~120 B per expert) + dense.safetensors header (~128 B per tensor)
+    store = experts + dense + extra_store_bytes + 4096 + 120 * L * E + 128 * n_dense
+    return Estimate(quant, slot, experts, dense, store, kv, slots, RESERVE_BYTES,
+                    dense + kv + slots + RESERVE_BYTES, ctx, E, args.num_experts_per_tok, (slot,) * L)
+
+
+def read_manifest(store: str | Path) -> dict:
+    """The manifest.json of a converted store. Raises StoreError naming the file."""
+    p = Path(store) / "manifest.json"
+    try:
+        m = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{p}: cannot read the store manifest ({e}); convert the model again") from None
+    if not isinstance(m, dict) or "slot_bytes" not in m or "dense_bytes" not in m:
+        raise StoreError(f"{p}: not a store manifest (no slot_bytes / dense_bytes); convert the model again")
+    return m
+
+
+def estimate_store(args, manifest: dict, context_length: int) -> Estimate:
+    """The Estimate of a converted store from its manifest (exact dense and slot bytes)."""
+    layer_slots = tuple(int(b) for b in manifest["slot_bytes"])
+    ctx = effective_context(args, context_length)
+    dense = int(manifest["dense_bytes"])
+    kv = kv_bytes(args, ctx)
+    slots = sum(layer_slots)
+    E = args.num_experts
+    return Estimate(str(manifest.get("quant", "")), max(layer_slots), E * slots, dense, 0, kv, slots,
+                    RESERVE_BYTES, dense + kv + slots + RESERVE_BYTES, ctx, E, args.num_experts_per_tok,
+                    layer_slots)
+
+
+# --- the cap -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BudgetPlan:
+    """Outcome of sizing; all sizes in bytes."""
+
+    budget: int
+    dense: int
+    kv: int
+    reserve: int
+    slot_bytes_sum: int  # one slot in every layer
+    cap: int
+    auto_budget: bool
+    auto_cap: bool
+
+    def describe(self) -> str:
+        """One line: cap, budget and its parts."""
+        return (f"{self.cap} slots/layer: {self.budget / GB:.2f} GB budget "
+                f"({'auto' if self.auto_budget else 'set'}), {self.dense / GB:.2f} GB dense, "
+                f"{self.kv / GB:.2f} GB KV, {self.reserve / GB:.2f} GB reserve, "
+                f"{self.slot_bytes_sum / 1e6:.1f} MB per slot across layers")
+
+
+def plan_cap(num_experts: int, slot_bytes: list[int], dense_bytes: int, kv_bytes: int,
+             ram_budget_gb: float | None, cap: int | None, rss_now: int | None = None,
+             available: int | None = None, reserve: int = RESERVE_BYTES) -> BudgetPlan:
+    """Size the expert cache.
+
+    Args:
+        slot_bytes: per-layer slot size (bytes). dense_bytes, kv_bytes: resident bytes.
+        ram_budget_gb: explicit budget (GB) or None for automatic (rss_now, default
+            dense_bytes, + AVAILABLE_SHARE x available, default probed).
+        cap: explicit slots/layer (overrides the automatic cap; still refused if its minimum,
+            one slot per layer, does not fit the budget).
+    Raises:
+        BudgetError: not even one slot per layer fits; the message gives the numbers.
+    """
+    per = int(sum(slot_bytes))
+    if ram_budget_gb is None:
+        if available is None:
+            available, _ = probe_available()
+        base = rss_now if rss_now is not None else dense_bytes
+        budget = int(base + AVAILABLE_SHARE * available)
+    else:
+        budget = int(ram_budget_gb * GB)
+    room = budget - dense_bytes - kv_bytes - reserve
+    fit = room // per if per > 0 else num_experts
+    if fit < 1:
+        raise BudgetError(
+            f"RAM budget {budget / GB:.2f} GB cannot hold the dense weights ({dense_bytes / GB:.2f} GB) + "
+            f"KV cache ({kv_bytes / GB:.2f} GB) + reserve ({reserve / GB:.2f} GB) + one expert slot per "
+            f"layer ({per / GB:.3f} GB): {(dense_bytes + kv_bytes + reserve + per) / GB:.2f} GB needed. "
+            f"Raise ram_budget_gb, lower the context length, or use a smaller quantization.")
+    auto_cap = cap is None
+    c = int(min(max(fit, 1), num_experts)) if auto_cap else int(min(cap, num_experts))
+    return BudgetPlan(budget, dense_bytes, kv_bytes, reserve, per, c, ram_budget_gb is None, auto_cap)
+
+
+def plan_estimate(est: Estimate, ram_budget_gb: float | None, cap: int | None,
+                  rss_now: int | None = None, available: int | None = None) -> BudgetPlan:
+    """plan_cap for an Estimate (what Engine.open does for the same model and settings)."""
+    return plan_cap(est.num_experts, list(est.layer_slot_bytes), est.dense_bytes, est.kv_bytes,
+                    ram_budget_gb, cap, rss_now=rss_now, available=available, reserve=est.reserve_bytes)
+
+
+def plan_for_store(store: str | Path, config, rss_now: int | None = None,
+                   available: int | None = None) -> BudgetPlan:
+    """The BudgetPlan Engine.open would choose for ``store`` with EngineConfig ``config``
+    (without loading it; the settings dialog shows it for "auto").
+
+    Raises:
+        StoreError: the store's manifest or config.json is unreadable. BudgetError: as plan_cap.
+    """
+    from .config import ModelArgs
+    args = ModelArgs.from_hf_config(store)
+    est = estimate_store(args, read_manifest(store), config.context_length)
+    return plan_estimate(est, config.ram_budget_gb, config.cap, rss_now=rss_now, available=available)
+
+
+# --- the verdict before a download --------------------------------------------------------
+
+
+def ram_verdict(est: Estimate, num_experts_per_tok: int, total: int, available: int) -> tuple[str, str]:
+    """("ok" | "warn" | "refuse", message with the numbers).
+
+    refuse: the minimum (dense + KV + one slot per layer + reserve) exceeds physical RAM.
+    warn: plan_cap refuses the share of available RAM the engine budgets (AVAILABLE_SHARE),
+    or fewer expert slots per layer fit than experts are routed per token (every token then
+    reads experts from the SSD).
+    """
+    need = est.ram_needed
+    usable = int(AVAILABLE_SHARE * available)
+    head = (f"needs at least {format_bytes(need)} (dense {format_bytes(est.dense_bytes)} + KV "
+            f"{format_bytes(est.kv_bytes)} at {est.context_length} tokens + one expert slot per layer "
+            f"{format_bytes(est.slots_bytes)} + reserve {format_bytes(est.reserve_bytes)}); this machine has "
+            f"{format_bytes(total)} RAM, {format_bytes(available)} available")
+    if need > total:
+        return "refuse", (f"Not enough RAM: the model {head}. Lower the context length or choose a "
+                          f"smaller quantization.")
+    num_experts = est.num_experts or est.expert_bytes // max(1, est.slots_bytes)
+    layer_slots = list(est.layer_slot_bytes) or [est.slots_bytes]
+    try:
+        fit = plan_cap(num_experts, layer_slots, est.dense_bytes, est.kv_bytes, usable / GB, None,
+                       reserve=est.reserve_bytes).cap
+    except BudgetError:
+        return "warn", (f"Tight on RAM: the model {head}. Close other programs or lower the context "
+                        f"length before opening it.")
+    if fit < num_experts_per_tok:
+        return "warn", (f"Runs, but slowly: the model {head}; only about {fit} expert slots per layer fit "
+                        f"while {num_experts_per_tok} experts are routed per token, so most experts are "
+                        f"read from the SSD for every token.")
+    whole = fit >= num_experts
+    return "ok", (f"The model {head}; about {fit} expert slots per layer fit"
+                  + (" (the whole model fits in RAM)." if whole else "; the rest streams from the SSD."))
+
+
+def machine_ram() -> tuple[int, int]:
+    """(total, available) physical RAM in bytes (psutil)."""
+    import psutil
+    vm = psutil.virtual_memory()
+    return int(vm.total), int(vm.available)
