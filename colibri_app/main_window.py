@@ -19,7 +19,7 @@ from PySide6.QtGui import QAction, QKeySequence, QShortcut
 from PySide6.QtWidgets import (QDockWidget, QFrame, QHBoxLayout, QInputDialog, QLabel, QMainWindow,
                                QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout, QWidget)
 
-from engine import (ChatMessage, EngineFailure, Finished, GenerateRequest, Loaded, LoadProgress,
+from engine import (ChatMessage, EngineConfig, EngineFailure, Finished, GenerateRequest, Loaded, LoadProgress,
                     ErrorKind, ResidencySnapshot, StepMetrics, TokenEvent, library)
 
 from .chat_view import ChatView, ConversationList
@@ -673,7 +673,7 @@ class MainWindow(QMainWindow):
         except ImportError:
             self._not_available("Settings")
             return
-        dlg = SettingsDialog(self.settings, self)
+        dlg = SettingsDialog(self.settings, self, auto_values=self.auto_values)
         dlg.applied.connect(self.apply_settings)
         if hasattr(dlg, "reset_history_requested"):
             dlg.reset_history_requested.connect(self.reset_routing_history)
@@ -707,14 +707,22 @@ class MainWindow(QMainWindow):
         dlg.finished.connect(lambda *_: self._dialogs.remove(dlg) if dlg in self._dialogs else None)
         dlg.open()
 
+    def auto_values(self, engine: EngineConfig) -> tuple[int, int] | None:
+        """(cap per layer, RAM budget bytes) the engine picks for "auto" with ``engine``'s
+        settings on the open model: the open engine's own numbers while the sizing settings
+        are unchanged, else engine.sizing's plan for the store (None without a model)."""
+        if self.loaded is None:
+            return None
+        opened = self.settings.engine  # sizing settings are reload settings: the open engine has these
+        if all(getattr(opened, k) == getattr(engine, k) for k in ("cap", "ram_budget_gb", "context_length")):
+            return self.loaded.cap_per_layer, self.loaded.ram_budget_bytes
+        plan = library.plan_for_store(self.loaded.store_path, engine)
+        return plan.cap, plan.budget
+
     @Slot(object, bool)
     def apply_settings(self, new: Settings, needs_reload: bool) -> None:
-        """Save the new settings; reopen the engine if they require it (else the sampling
-        settings simply apply to the next message)."""
-        try:
-            save_settings(new)
-        except OSError as e:
-            self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {e}")
+        """Take the new settings (the dialog saved them); reopen the engine if they require
+        it (else the sampling settings simply apply to the next message)."""
         self.settings = new
         if needs_reload:
             cm = new.current_model

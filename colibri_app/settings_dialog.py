@@ -1,16 +1,18 @@
 """Settings dialog: engine settings (speed and memory) and generation defaults.
 
-Every field shows its unit (suffix) and valid range (tooltip); spin boxes refuse values
-outside their range as they are typed, and the whole form is validated with
-EngineConfig.validated / validate_sampling, with an inline error that disables OK / Apply.
-Fields marked ⟳ need the model to be reopened. OK / Apply save the settings atomically
-(settings_store.save_settings) and emit ``applied(new_settings, needs_reload)``.
+Every widget is derived from the settings table (engine.settings): its kind (check box, list,
+spin box, "auto" pair), range, unit (suffix), tooltip (help and valid range), label and
+whether a change reopens the model (marked ⟳). Spin boxes refuse values outside their range as
+they are typed, and the whole form is validated with the table's one validation, with an
+inline error that disables OK / Apply. "auto" shows the value the engine picks for the current
+model (``auto_values``). OK / Apply save the settings atomically (settings_store.save_settings,
+once) and emit ``applied(new_settings, needs_reload)``.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
+from typing import Callable
 
 from PySide6.QtCore import QRegularExpression, Signal, Slot
 from PySide6.QtGui import QRegularExpressionValidator
@@ -18,20 +20,22 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPushButton, QSpinBox, QVBoxLayout,
                                QWidget)
 
-from engine import POLICIES, ConfigError, SamplingParams
-from .settings_store import RELOAD_FIELDS, Settings, save_settings, validate_sampling
+from engine import ENGINE, SAMPLING, ConfigError, EngineConfig, Setting, settings_table, validate
+from .settings_store import Settings, save_settings
 from .wizard import qt_emit
 
 RELOAD_MARK = "⟳"
-SEED_MAX = 2 ** 63 - 1
-PILOT_MODES = ("0 – off (load experts on demand only)",
-               "1 – predict the next layer",
-               "2 – predict the next 2 layers",
-               "3 – predict the next 3 layers")
+GROUP_TITLES = {ENGINE: "Engine", SAMPLING: "Generation"}
+QT_INT_MAX = 2 ** 31 - 1  # QSpinBox holds a C int; larger ranges (the seed) get a line edit
+AutoValues = Callable[[EngineConfig], "tuple[int, int] | None"]
 
 
-def _label(text: str, field: str) -> str:
-    return f"{text} {RELOAD_MARK}" if field in RELOAD_FIELDS else text
+def _label(s: Setting) -> str:
+    return f"{s.label} {RELOAD_MARK}" if s.needs_reload else s.label
+
+
+def _tooltip(s: Setting) -> str:
+    return f"{s.help[0].upper()}{s.help[1:]}.\nValid range: {s.range_text()}"
 
 
 class SettingsDialog(QDialog):
@@ -49,11 +53,14 @@ class SettingsDialog(QDialog):
     applied = Signal(object, bool)
     reset_history_requested = Signal()
 
-    def __init__(self, settings: Settings, parent: QWidget | None = None):
+    def __init__(self, settings: Settings, parent: QWidget | None = None,
+                 auto_values: AutoValues | None = None):
         super().__init__(parent)
         self.setWindowTitle("Settings")
         self._base = settings
+        self._auto_values = auto_values
         self.fields: dict[str, QWidget] = {}
+        self.auto_boxes: dict[str, QCheckBox] = {}
         self._valid: Settings | None = settings
         self.save_error: str | None = None
 
@@ -63,8 +70,10 @@ class SettingsDialog(QDialog):
         note.setObjectName("reloadNote")
 
         groups = QHBoxLayout()
-        groups.addWidget(self._engine_group(), 1)
-        groups.addWidget(self._generation_group(), 1)
+        for group in (ENGINE, SAMPLING):
+            groups.addWidget(self._group(group), 1)
+        self.cap_auto = self.auto_boxes["cap"]
+        self.budget_auto = self.auto_boxes["ram_budget_gb"]
 
         self.error_label = QLabel()
         self.error_label.setObjectName("errorLabel")
@@ -92,165 +101,71 @@ class SettingsDialog(QDialog):
         lay.addWidget(self.buttons)
 
         self._load(settings)
-        for w in self.fields.values():
+        for w in list(self.fields.values()) + list(self.auto_boxes.values()):
             self._connect(w)
-        self.cap_auto.toggled.connect(self._revalidate)
-        self.budget_auto.toggled.connect(self._revalidate)
         self._revalidate()
 
-    # --- building -----------------------------------------------------------------------------
+    # --- building (one widget per row of the settings table) ------------------------------------
 
-    def _spin(self, name, lo, hi, suffix="", tip="", step=1, special=None) -> QSpinBox:
-        w = QSpinBox()
-        w.setRange(lo, hi)
-        w.setSingleStep(step)
-        if suffix:
-            w.setSuffix(suffix)
-            if suffix.endswith("s"):  # "1 thread", "2 threads"
-                w.valueChanged.connect(lambda v, w=w, sfx=suffix: w.setSuffix(sfx[:-1] if v == 1 else sfx))
-                w.setSuffix(suffix[:-1] if w.value() == 1 else suffix)
-        if special:
-            w.setSpecialValueText(special)
-        w.setToolTip(f"{tip}\nValid range: {lo}–{hi}{suffix}" + (f" ({lo} = {special})" if special else ""))
-        w.setObjectName(name)
-        self.fields[name] = w
-        return w
-
-    def _dspin(self, name, lo, hi, decimals=2, step=0.05, suffix="", tip="", special=None) -> QDoubleSpinBox:
-        w = QDoubleSpinBox()
-        w.setDecimals(decimals)
-        w.setRange(lo, hi)
-        w.setSingleStep(step)
-        if suffix:
-            w.setSuffix(suffix)
-            if suffix.endswith("s"):  # "1 thread", "2 threads"
-                w.valueChanged.connect(lambda v, w=w, sfx=suffix: w.setSuffix(sfx[:-1] if v == 1 else sfx))
-                w.setSuffix(suffix[:-1] if w.value() == 1 else suffix)
-        if special:
-            w.setSpecialValueText(special)
-        w.setToolTip(f"{tip}\nValid range: {lo:g}–{hi:g}{suffix}" + (f" ({lo:g} = {special})" if special else ""))
-        w.setObjectName(name)
-        self.fields[name] = w
-        return w
-
-    def _check(self, name, text, tip) -> QCheckBox:
-        w = QCheckBox(text)
+    def _widget(self, s: Setting) -> QWidget:
+        tip = _tooltip(s)
+        if s.type is bool:
+            w = QCheckBox(s.check_text or s.label)
+        elif s.choices:
+            w = QComboBox()
+            w.addItems([str(x) for x in (s.choice_labels or s.choices)])
+        elif s.type is int and (s.hi or 0) > QT_INT_MAX:
+            w = QLineEdit()
+            digits = len(str(int(s.hi)))
+            w.setValidator(QRegularExpressionValidator(QRegularExpression(rf"\d{{0,{digits}}}"), w))
+            w.setPlaceholderText(str(s.default))
+        else:
+            w = QSpinBox() if s.type is int else QDoubleSpinBox()
+            if s.type is float:
+                w.setDecimals(s.decimals)
+            lo = s.lo + 10 ** -s.decimals if s.lo_open else s.lo
+            w.setRange(lo, s.hi)
+            w.setSingleStep(s.step)
+            if s.unit:
+                sfx = f" {s.unit}"
+                w.setSuffix(sfx)
+                if sfx.endswith("s"):  # "1 thread", "2 threads"
+                    w.valueChanged.connect(lambda v, w=w, sfx=sfx: w.setSuffix(sfx[:-1] if v == 1 else sfx))
+                    w.setSuffix(sfx[:-1] if w.value() == 1 else sfx)
+            if s.special:
+                w.setSpecialValueText(s.special)
         w.setToolTip(tip)
-        w.setObjectName(name)
-        self.fields[name] = w
-        return w
+        w.setObjectName(s.name)
+        w.setAccessibleName(s.label)
+        self.fields[s.name] = w
+        if not s.auto:
+            return w
+        box = QCheckBox("auto")
+        box.setObjectName(f"{s.name}_auto")
+        box.setAccessibleName(f"{s.label}: automatic")
+        box.setToolTip(s.help[0].upper() + s.help[1:] + ".")
+        box.toggled.connect(lambda on, w=w: w.setEnabled(not on))
+        self.auto_boxes[s.name] = box
+        return self._pair(box, w)
 
-    def _combo(self, name, items, tip) -> QComboBox:
-        w = QComboBox()
-        w.addItems(list(items))
-        w.setToolTip(tip)
-        w.setObjectName(name)
-        self.fields[name] = w
-        return w
-
-    def _engine_group(self) -> QGroupBox:
-        g = QGroupBox("Engine")
+    def _group(self, group: str) -> QGroupBox:
+        g = QGroupBox(GROUP_TITLES.get(group, group.title()))
         f = QFormLayout(g)
-        f.addRow(_label("PILOT prefetch", "pilot"), self._combo(
-            "pilot", PILOT_MODES, "Router lookahead: load the experts the next layers will probably need "
-            "while the current layer computes. Valid: 0–3."))
-        f.addRow(_label("Prefetch workers", "pilot_workers"), self._spin(
-            "pilot_workers", 1, 8, " threads", "Loader threads for prefetched experts."))
-        f.addRow(_label("Prefetch width", "wide"), self._spin(
-            "wide", 1, 4, " × top-k", "Prefetch up to top-k × width candidate experts per layer."))
-        f.addRow(_label("Confidence limit", "conf_limit"), self._dspin(
-            "conf_limit", 0.10, 1.00, tip="Stop adding prefetch candidates at this cumulative router "
-            "probability (only when the width is above 1)."))
-        f.addRow(_label("Router smoothing", "smooth"), self._dspin(
-            "smooth", 0.0, 0.95, tip="Exponential moving average of router logits used by the predictor "
-            "only (0 = none). Routing itself always uses fresh logits."))
-        f.addRow(_label("Prefetch precision", "spec_precision"), self._dspin(
-            "spec_precision", 0.0, 1.0, tip="Load a predicted expert only while predictions like it "
-            "(same layer, rank and lookahead) have been right at least this often (0 = load every "
-            "prediction). Higher reads fewer wasted bytes from the SSD."))
-        f.addRow(_label("Eviction guard", "evict_guard"), self._check(
-            "evict_guard", "speculative loads may not evict warm experts",
-            "When on, a prefetch never evicts an expert that is genuinely warm and clearly hotter."))
-        f.addRow(_label("Cache policy", "policy"), self._combo(
-            "policy", POLICIES, "Which cached expert to evict: lru = least recently used; lfru = "
-            "least frequently and recently used (heat, then recency); ema = the one the router has "
-            "leaned towards least lately (moving average of its probabilities)."))
+        for s in settings_table(group):
+            f.addRow(_label(s), self._widget(s))
+            if s.name == "history":
+                self.reset_history_button = QPushButton("Reset routing history")
+                self.reset_history_button.setToolTip("Forget the routing history of the current model.")
+                self.reset_history_button.clicked.connect(self._reset_history)
+                f.addRow("", self.reset_history_button)
+        if group == ENGINE and "pilot" in self.fields:
+            pilot_only = [self.fields[s.name] for s in settings_table(group) if s.needs_pilot]
 
-        pilot_only = [self.fields[n] for n in ("pilot_workers", "wide", "conf_limit", "smooth",
-                                                 "spec_precision", "evict_guard")]
-
-        def pilot_changed(mode: int) -> None:  # prefetch knobs mean nothing with PILOT off
-            for w in pilot_only:
-                w.setEnabled(mode > 0)
-        self.fields["pilot"].currentIndexChanged.connect(pilot_changed)
-        pilot_changed(self.fields["pilot"].currentIndex())
-
-        self.cap_auto = QCheckBox("auto")
-        self.cap_auto.setObjectName("cap_auto")
-        self.cap_auto.setToolTip("Size the expert cache from the RAM budget.")
-        cap = self._spin("cap", 1, 65536, " experts/layer", "Expert slots per layer in RAM.")
-        self.cap_auto.toggled.connect(lambda on: cap.setEnabled(not on))
-        f.addRow(_label("Cache slots per layer", "cap"), self._pair(self.cap_auto, cap))
-
-        self.budget_auto = QCheckBox("auto")
-        self.budget_auto.setObjectName("ram_budget_auto")
-        self.budget_auto.setToolTip("Use the memory currently used plus 88% of the available memory.")
-        budget = self._dspin("ram_budget_gb", 0.1, 65536.0, decimals=1, step=0.5, suffix=" GB",
-                             tip="Total RAM the app may use (1 GB = 10^9 bytes).")
-        self.budget_auto.toggled.connect(lambda on: budget.setEnabled(not on))
-        f.addRow(_label("RAM budget", "ram_budget_gb"), self._pair(self.budget_auto, budget))
-
-        f.addRow(_label("Direct I/O", "o_direct"), self._check(
-            "o_direct", "O_DIRECT reads (bypass the page cache)",
-            "Read experts without the OS page cache so the RAM budget is real (where supported)."))
-        f.addRow(_label("Hot pinning", "pinning"), self._check(
-            "pinning", "pin the hottest experts and pre-warm them at start",
-            "After warm-up, keep the most used experts of each layer resident; load them before the first "
-            "token next time."))
-        f.addRow(_label("Pinned per layer", "pin_per_layer"), self._spin(
-            "pin_per_layer", 0, 65536, " experts", "How many experts per layer pinning may hold.",
-            special="auto (slots / 4)"))
-        f.addRow(_label("Expert checksums", "checksum"), self._combo(
-            "checksum", ("off", "first", "always"), "Verify expert slabs read from the SSD: never, on the "
-            "first load of each expert, or on every load."))
-        f.addRow(_label("Routing history", "history"), self._check(
-            "history", "remember which experts are used (per model)",
-            "Saved next to the model; used to pin and pre-warm the hottest experts."))
-        self.reset_history_button = QPushButton("Reset routing history")
-        self.reset_history_button.setToolTip("Forget the routing history of the current model.")
-        self.reset_history_button.clicked.connect(self._reset_history)
-        f.addRow("", self.reset_history_button)
-        f.addRow(_label("Compute threads", "numba_threads"), self._spin(
-            "numba_threads", 0, max(256, os.cpu_count() or 1), " threads",
-            f"Threads for the numeric kernels ({os.cpu_count() or 1} cores here).", special="all cores"))
-        return g
-
-    def _generation_group(self) -> QGroupBox:
-        g = QGroupBox("Generation")
-        f = QFormLayout(g)
-        f.addRow("Temperature", self._dspin(
-            "temperature", 0.0, 5.0, tip="Randomness of sampling; 0 = greedy (always the most likely token).",
-            special="0 (greedy)"))
-        f.addRow("Top-p", self._dspin(
-            "top_p", 0.001, 1.0, decimals=3, step=0.05, tip="Sample only from the smallest set of tokens whose "
-            "probability adds up to p (1 = off)."))
-        f.addRow("Top-k", self._spin(
-            "top_k", 0, 100000, " tokens", "Sample only from the k most likely tokens.", special="off"))
-        f.addRow("Repetition penalty", self._dspin(
-            "repetition_penalty", 0.5, 2.0, tip="Above 1 discourages tokens already in the conversation "
-            "(1 = off)."))
-        seed = QLineEdit()
-        seed.setObjectName("seed")
-        seed.setValidator(QRegularExpressionValidator(QRegularExpression(r"\d{0,19}"), seed))
-        seed.setToolTip(f"Same seed + same input = same output when sampling.\nValid range: 0–{SEED_MAX}")
-        seed.setPlaceholderText("0")
-        self.fields["seed"] = seed
-        f.addRow("Seed", seed)
-        f.addRow("Max new tokens", self._spin(
-            "max_new_tokens", 1, 1 << 20, " tokens", "Longest answer, in tokens.", step=64))
-        f.addRow(_label("Context length", "context_length"), self._spin(
-            "context_length", 0, 1 << 20, " tokens", "Tokens of conversation the model sees (KV cache; "
-            "more uses more RAM).", step=256, special="model default (≤ 4096)"))
+            def pilot_changed(mode: int) -> None:  # prefetch knobs mean nothing with PILOT off
+                for w in pilot_only:
+                    w.setEnabled(mode > 0)
+            self.fields["pilot"].currentIndexChanged.connect(pilot_changed)
+            pilot_changed(self.fields["pilot"].currentIndex())
         return g
 
     @staticmethod
@@ -274,30 +189,54 @@ class SettingsDialog(QDialog):
 
     # --- values -------------------------------------------------------------------------------
 
-    def _load(self, s: Settings) -> None:
-        e, p, F = s.engine, s.sampling, self.fields
-        F["pilot"].setCurrentIndex(e.pilot if 0 <= e.pilot <= 3 else 1)
-        for name in ("pilot_workers", "wide", "pin_per_layer", "numba_threads", "context_length"):
-            F[name].setValue(getattr(e, name))
-        F["conf_limit"].setValue(e.conf_limit)
-        F["smooth"].setValue(e.smooth)
-        F["spec_precision"].setValue(e.spec_precision)
-        for name in ("evict_guard", "o_direct", "pinning", "history"):
-            F[name].setChecked(bool(getattr(e, name)))
-        F["policy"].setCurrentText(e.policy)
-        F["checksum"].setCurrentText(e.checksum)
-        self.cap_auto.setChecked(e.cap is None)
-        F["cap"].setEnabled(e.cap is not None)
-        F["cap"].setValue(e.cap if e.cap is not None else 16)
-        self.budget_auto.setChecked(e.ram_budget_gb is None)
-        F["ram_budget_gb"].setEnabled(e.ram_budget_gb is not None)
-        F["ram_budget_gb"].setValue(e.ram_budget_gb if e.ram_budget_gb is not None else 8.0)
-        F["temperature"].setValue(p.temperature)
-        F["top_p"].setValue(p.top_p)
-        F["top_k"].setValue(p.top_k)
-        F["repetition_penalty"].setValue(p.repetition_penalty)
-        F["seed"].setText(str(p.seed))
-        F["max_new_tokens"].setValue(p.max_new_tokens)
+    def _set(self, s: Setting, value) -> None:
+        w = self.fields[s.name]
+        if s.auto:
+            self.auto_boxes[s.name].setChecked(value is None)
+            w.setEnabled(value is not None)
+            if value is None:
+                return
+        if isinstance(w, QCheckBox):
+            w.setChecked(bool(value))
+        elif isinstance(w, QComboBox):
+            w.setCurrentIndex(s.choices.index(value) if value in s.choices else 0)
+        elif isinstance(w, QLineEdit):
+            w.setText(str(value))
+        else:
+            w.setValue(value)
+
+    def _get(self, s: Setting, base):
+        """The value the widget of ``s`` holds (``base``: the stored value, kept when the widget
+        shows it rounded, so that opening and closing the dialog changes nothing).
+
+        Raises:
+            ConfigError: an empty or out-of-range number in a text field.
+        """
+        w = self.fields[s.name]
+        if s.auto and self.auto_boxes[s.name].isChecked():
+            return None
+        if isinstance(w, QCheckBox):
+            return w.isChecked()
+        if isinstance(w, QComboBox):
+            return s.choices[w.currentIndex()]
+        if isinstance(w, QLineEdit):
+            text = w.text().strip()
+            if not text:
+                raise ConfigError(f"setting '{s.name}' is empty: enter a whole number "
+                                  f"{s.range_text()}")
+            return s.check(int(text))
+        v = w.value()
+        if isinstance(w, QDoubleSpinBox):
+            if base is not None and abs(v - round(base, w.decimals())) < 1e-9:
+                return base
+            return round(v, w.decimals())
+        return v
+
+    def _load(self, st: Settings) -> None:
+        for s in settings_table(ENGINE):
+            self._set(s, getattr(st.engine, s.name))
+        for s in settings_table(SAMPLING):
+            self._set(s, getattr(st.sampling, s.name))
 
     def current_settings(self) -> Settings:
         """The settings the form describes (current_model kept from the dialog's settings).
@@ -305,38 +244,27 @@ class SettingsDialog(QDialog):
         Raises:
             ConfigError / ValueError: naming the invalid setting and its range.
         """
-        F, be, bs = self.fields, self._base.engine, self._base.sampling
-
-        def fv(name: str, base: float | None) -> float:
-            # keep the stored value when the spin box shows it rounded (no phantom changes)
-            w = F[name]
-            v = w.value()
-            if base is not None and abs(v - round(base, w.decimals())) < 1e-9:
-                return base
-            return round(v, w.decimals())
-        engine = replace(
-            self._base.engine,
-            pilot=F["pilot"].currentIndex(), pilot_workers=F["pilot_workers"].value(), wide=F["wide"].value(),
-            conf_limit=fv("conf_limit", be.conf_limit), smooth=fv("smooth", be.smooth),
-            spec_precision=fv("spec_precision", be.spec_precision),
-            evict_guard=F["evict_guard"].isChecked(), policy=F["policy"].currentText(),
-            cap=None if self.cap_auto.isChecked() else F["cap"].value(),
-            ram_budget_gb=None if self.budget_auto.isChecked() else fv("ram_budget_gb", be.ram_budget_gb),
-            o_direct=F["o_direct"].isChecked(), pinning=F["pinning"].isChecked(),
-            pin_per_layer=F["pin_per_layer"].value(), checksum=F["checksum"].currentText(),
-            history=F["history"].isChecked(), numba_threads=F["numba_threads"].value(),
-            context_length=F["context_length"].value()).validated()
-        seed_text = F["seed"].text().strip()
-        if not seed_text:
-            raise ConfigError(f"setting 'seed' is empty: enter a whole number 0–{SEED_MAX}")
-        if int(seed_text) > SEED_MAX:
-            raise ConfigError(f"setting 'seed' = {seed_text} is out of range 0–{SEED_MAX}")
-        sampling = SamplingParams(
-            temperature=fv("temperature", bs.temperature), top_k=F["top_k"].value(),
-            top_p=fv("top_p", bs.top_p), repetition_penalty=fv("repetition_penalty", bs.repetition_penalty),
-            seed=int(seed_text), max_new_tokens=F["max_new_tokens"].value())
-        validate_sampling(sampling)
+        be, bs = self._base.engine, self._base.sampling
+        engine = replace(be, **{s.name: self._get(s, getattr(be, s.name)) for s in settings_table(ENGINE)}).validated()
+        sampling = replace(bs, **{s.name: self._get(s, getattr(bs, s.name)) for s in settings_table(SAMPLING)})
+        validate(sampling, SAMPLING)
         return replace(self._base, engine=engine, sampling=sampling)
+
+    def _show_auto(self, engine: EngineConfig) -> None:
+        """Write the values the engine would pick into the "auto" check boxes."""
+        picked = None
+        if self._auto_values is not None:
+            try:
+                picked = self._auto_values(engine)
+            except Exception:  # noqa: BLE001 - a store that cannot be sized shows plain "auto"
+                picked = None
+        if picked is None:
+            self.cap_auto.setText("auto")
+            self.budget_auto.setText("auto")
+            return
+        cap, budget = picked
+        self.cap_auto.setText(f"auto ({cap} experts / {budget / 1e9:.1f} GB)")
+        self.budget_auto.setText(f"auto ({budget / 1e9:.1f} GB)")
 
     @Slot()
     def _revalidate(self, *_args) -> None:
@@ -350,6 +278,7 @@ class SettingsDialog(QDialog):
         else:
             self._valid = new
             self.error_label.hide()
+            self._show_auto(new.engine)
             if self._base.needs_reload(new):
                 self.status_label.setText(f"Pending changes marked {RELOAD_MARK} will reopen the model.")
             elif new != self._base:

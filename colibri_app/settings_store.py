@@ -13,16 +13,14 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from engine import ConfigError, EngineConfig, SamplingParams, library
+from engine import ENGINE, SAMPLING, ConfigError, EngineConfig, SamplingParams, library, settings_table, upgrade_keys, validate
 
 SETTINGS_FORMAT = "colibri-desktop-settings"
 SETTINGS_VERSION = 1
 FILENAME = "settings.json"
 
-# Engine fields that need the engine to be reopened when they change.
-RELOAD_FIELDS = ("context_length", "ram_budget_gb", "cap", "policy", "pinning", "pin_per_layer", "pilot",
-                 "pilot_workers", "wide", "conf_limit", "smooth", "spec_precision", "evict_guard", "o_direct", "checksum",
-                 "numba_threads", "history")
+# Settings whose change reopens the engine (from the settings table, engine.settings).
+RELOAD_FIELDS = tuple(s.name for s in settings_table(ENGINE) if s.needs_reload)
 
 
 @dataclass(frozen=True)
@@ -61,6 +59,7 @@ class Settings:
         e = d.get("engine", {})
         if not isinstance(e, dict):
             raise ValueError("'engine' must be an object")
+        e = upgrade_keys(e, ENGINE)  # e.g. numba_threads (before 0.2) -> threads
         names = {f.name for f in fields(EngineConfig)} - {"store"}
         unknown = set(e) - names
         if unknown:
@@ -71,27 +70,15 @@ class Settings:
         if not isinstance(s, dict) or set(s) - snames:
             raise ValueError("'sampling' has unknown keys")
         sampling = SamplingParams(**s)
-        validate_sampling(sampling)
+        validate(sampling, SAMPLING)
         cm = d.get("current_model")
         if cm is not None and not isinstance(cm, str):
             raise ValueError("'current_model' must be a path or null")
         return cls(engine=engine, sampling=sampling, current_model=cm)
 
 
-def validate_sampling(s: SamplingParams) -> None:
-    """Raises ConfigError naming the setting."""
-    checks = [("temperature", 0.0 <= s.temperature <= 5.0, "0-5"),
-              ("top_k", 0 <= s.top_k <= 100000, "0-100000 (0 = off)"),
-              ("top_p", 0.0 < s.top_p <= 1.0, "(0, 1]"),
-              ("repetition_penalty", 0.5 <= s.repetition_penalty <= 2.0, "0.5-2"),
-              ("seed", 0 <= s.seed < 2 ** 63, "0 to 2^63-1"),
-              ("max_new_tokens", 1 <= s.max_new_tokens <= 1 << 20, "1-1048576")]
-    for name, ok, rng in checks:
-        if not ok:
-            raise ConfigError(f"setting '{name}' = {getattr(s, name)!r} is out of range {rng}")
-
-
 def settings_path() -> Path:
+    """The settings file: ``user_config_dir()/settings.json``."""
     return library.user_config_dir() / FILENAME
 
 

@@ -14,7 +14,7 @@ from .events import (ABSENT, LOADING, PINNED, RESIDENT, ChatMessage, EngineFailu
                      StepMetrics, TokenEvent)
 from .fsutil import atomic_write_text
 from .generate import Engine
-from .settings import (CHECKSUM_MODES, ENGINE, POLICIES, SAMPLING, EngineConfig, Setting, settings,
+from .settings import (CHECKSUM_MODES, ENGINE, POLICIES, SAMPLING, EngineConfig, Setting, settings_table,
                        upgrade_keys, validate)
 from .units import format_bytes, format_duration
 
@@ -24,6 +24,6 @@ __all__ = [
     "EngineError", "ErrorKind", "ExpertReadError", "StoreError", "TokenizerError", "error_kind", "ABSENT",
     "LOADING", "PINNED", "RESIDENT", "ChatMessage", "EngineFailure", "Finished", "GenerateRequest", "Loaded",
     "LoadProgress", "ResidencySnapshot", "SamplingParams", "StepMetrics", "TokenEvent", "atomic_write_text",
-    "Engine", "ENGINE", "SAMPLING", "Setting", "settings", "upgrade_keys", "validate", "format_bytes",
+    "Engine", "ENGINE", "SAMPLING", "Setting", "settings_table", "upgrade_keys", "validate", "format_bytes",
     "format_duration",
 ]

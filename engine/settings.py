@@ -217,7 +217,7 @@ SAMPLING_SETTINGS: tuple[Setting, ...] = (
 )
 
 
-def settings(group: str | None = None) -> tuple[Setting, ...]:
+def settings_table(group: str | None = None) -> tuple[Setting, ...]:
     """The table (one group, or all of it), in display order."""
     every = ENGINE_SETTINGS + SAMPLING_SETTINGS
     return every if group is None else tuple(s for s in every if s.group == group)
@@ -225,7 +225,7 @@ def settings(group: str | None = None) -> tuple[Setting, ...]:
 
 def setting(name: str) -> Setting:
     """The Setting called ``name`` (or one of its old names). Raises KeyError."""
-    for s in settings():
+    for s in settings_table():
         if s.name == name or name in s.old_names:
             return s
     raise KeyError(name)
@@ -237,14 +237,14 @@ def validate(obj, group: str) -> None:
     Raises:
         ConfigError: naming the first invalid setting, its value and the valid range.
     """
-    for s in settings(group):
+    for s in settings_table(group):
         s.check(getattr(obj, s.name))
 
 
 def upgrade_keys(d: dict, group: str) -> dict:
     """``d`` with old keys renamed to the current ones (e.g. numba_threads -> threads)."""
     out = dict(d)
-    for s in settings(group):
+    for s in settings_table(group):
         for old in s.old_names:
             if old in out:
                 v = out.pop(old)
@@ -288,7 +288,7 @@ def _engine_doc() -> str:
     lines = ["Runtime settings of an engine: they change speed and memory only, never the numbers.",
              "", "Derived from engine.settings.ENGINE_SETTINGS (one record per setting).", "", "Attributes:",
              "    store: path of a converted store (``colibri convert`` output)."]
-    for s in settings(ENGINE):
+    for s in settings_table(ENGINE):
         lines.append(f"    {s.name}: {s.help} ({s.range_text()}; default {s.default!r}).")
     return "\n".join(lines)
 
@@ -300,7 +300,7 @@ def _sampling_doc() -> str:
              "a logit l of a token already in the context becomes l / p if l > 0 else l * p.",
              "seed makes sampling reproducible: the same seed and inputs give the same tokens.",
              "Derived from engine.settings.SAMPLING_SETTINGS.", "", "Attributes:"]
-    for s in settings(SAMPLING):
+    for s in settings_table(SAMPLING):
         lines.append(f"    {s.name}: {s.help} ({s.range_text()}; default {s.default!r}).")
     return "\n".join(lines)
 
@@ -309,7 +309,7 @@ def make_engine_config():
     """Build the EngineConfig dataclass from ENGINE_SETTINGS (store first, then the table)."""
     cls = make_dataclass(
         "EngineConfig", [("store", str, field(default=""))]
-        + [(s.name, _annotation(s), field(default=s.default)) for s in settings(ENGINE)],
+        + [(s.name, _annotation(s), field(default=s.default)) for s in settings_table(ENGINE)],
         frozen=True, namespace={"validated": _engine_validated, "to_dict": _to_dict,
                                 "from_dict": classmethod(_engine_from_dict), "with_": _with})
     cls.__module__ = "engine.config"
@@ -320,7 +320,7 @@ def make_engine_config():
 def make_sampling_params():
     """Build the SamplingParams dataclass from SAMPLING_SETTINGS."""
     cls = make_dataclass("SamplingParams", [(s.name, _annotation(s), field(default=s.default))
-                                            for s in settings(SAMPLING)], frozen=True)
+                                            for s in settings_table(SAMPLING)], frozen=True)
     cls.__module__ = "engine.events"
     cls.__doc__ = _sampling_doc()
     return cls

@@ -1,7 +1,7 @@
 """A local stand-in for the Hugging Face hub, served to the real huggingface_hub client.
 
 Implements what ``HfApi.model_info(files_metadata=True)``, ``hf_hub_download`` and
-engine.hub's resumable downloader call (huggingface_hub 2.4):
+engine.library's resumable downloader call (huggingface_hub 2.4):
 
 - ``GET /api/models/{owner}/{name}[/revision/{rev}]?blobs=true`` -> JSON {id, sha, siblings:
   [{rfilename, size, blobId, lfs: {sha256, size, pointerSize}}]}

@@ -12,7 +12,7 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from engine.bench_peers import gguf_plan, write_gguf  # noqa: E402
+from engine.bench.gguf import gguf_plan, write_gguf  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.synthetic import olmoe_config, write_checkpoint  # noqa: E402

@@ -13,7 +13,8 @@ import pytest
 from engine import BudgetError, Engine, EngineConfig, ExpertReadError, Finished, GenerateRequest, SamplingParams
 from engine.expert_cache import ExpertCache
 from engine.heat import FILENAME, RoutingHeat
-from engine.ram_budget import GB, RssGuard, plan_cap
+from engine.ram_budget import GB, RssGuard
+from engine.sizing import plan_cap
 
 SLOT = 4096
 

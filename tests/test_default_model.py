@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from engine import Engine, EngineConfig, convert_checkpoint, default_model_dir
+from engine import Engine, EngineConfig, convert_checkpoint
+from engine.library import default_model_dir
 from engine.evaluate import teacher_forced_nll, usage_entropy
 
 MODEL = default_model_dir()

@@ -1,4 +1,4 @@
-"""engine.hub against a local fake hub served to the real huggingface_hub client."""
+"""engine.library against a local fake hub served to the real huggingface_hub client."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import hubserver  # noqa: E402
 
-from engine import ConfigError, CheckpointError, EngineConfig, paths  # noqa: E402
-from engine import hub  # noqa: E402
+from engine import CheckpointError, ConfigError, EngineConfig  # noqa: E402
+from engine import library as hub  # noqa: E402
+from engine import library as paths  # noqa: E402
+from engine.library.check import _part_path  # noqa: E402
 
 REPO = "allenai/tiny-olmoe"
 WEIGHTS = "model.safetensors"
@@ -135,7 +137,7 @@ def test_resume_after_cancel_and_after_crash(fake):
     # crash: a process died leaving half of the file; the next run resumes from it
     (dest / WEIGHTS).unlink()
     f = next(x for x in chk.files if x.name == WEIGHTS)
-    hub._part_path(dest, f).write_bytes(_weights(fake)[:size // 2])
+    _part_path(dest, f).write_bytes(_weights(fake)[:size // 2])
     hub.download(REPO)
     assert fake.gets(WEIGHTS)[-1] == size // 2
     assert (dest / WEIGHTS).read_bytes() == _weights(fake)
@@ -214,7 +216,7 @@ def test_hub_unreachable(fake, monkeypatch):
 
 def test_disk_space_shortfall(fake, monkeypatch):
     Usage = namedtuple("Usage", "total used free")
-    monkeypatch.setattr(hub.shutil, "disk_usage", lambda p: Usage(10**9, 10**9 - 200_000, 200_000))
+    monkeypatch.setattr("engine.library.paths.shutil.disk_usage", lambda p: Usage(10**9, 10**9 - 200_000, 200_000))
     chk = hub.check_repo(REPO)
     assert not chk.disk_ok and not chk.ok
     assert "Not enough disk space" in chk.disk_message and "200.0 kB free" in chk.disk_message

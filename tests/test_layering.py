@@ -1,5 +1,20 @@
-"""Import layering: the engine never imports Qt, pyqtgraph or the app; the app only uses the
-engine's public API (``from engine import ...``), never its submodules."""
+"""Import layering, checked on the source (AST: every import statement anywhere, function bodies
+included, relative imports resolved, ``importlib.import_module("literal")`` too) and by
+importing every engine module with Qt and the app blocked.
+
+Floors (docs/architecture.md), lowest first; a module may import its own floor and the ones
+below, never one above:
+
+    0 core      engine/*.py and any engine subpackage other than the three below
+    1 library   engine/library/
+    2 bench     engine/bench/
+    3 cli       engine/cli/
+    4 app       colibri_app/
+
+The engine never imports Qt (PySide6, shiboken6), pyqtgraph or colibri_app. colibri_app uses
+only the public API: names in ``engine.__all__`` and ``engine.library.__all__``, and the CLI's
+``main`` (in the launcher only).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +25,151 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FORBIDDEN_FOR_ENGINE = ("PySide6", "shiboken6", "pyqtgraph", "colibri_app")
+FLOORS = ("core", "library", "bench", "cli", "app")
+QT = ("PySide6", "shiboken6", "pyqtgraph")
+APP_MAY_IMPORT = {"engine": "engine/__init__.py", "engine.library": "engine/library/__init__.py"}
+CLI_ENTRY = ("engine.cli", "main")  # the launcher's one reach into the CLI
+
+
+def floor_of(module: str) -> int | None:
+    """The floor of a dotted module name, or None for modules outside the project."""
+    top = module.split(".")
+    if top[0] == "colibri_app":
+        return 4
+    if top[0] != "engine":
+        return None
+    if len(top) > 1 and top[1] in ("library", "bench", "cli"):
+        return {"library": 1, "bench": 2, "cli": 3}[top[1]]
+    return 0
+
+
+def module_name(root: Path, path: Path) -> str:
+    """Dotted name of ``path`` under ``root`` (package __init__ -> the package)."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _is_module(root: Path, dotted: str) -> bool:
+    p = root.joinpath(*dotted.split("."))
+    return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+
+def imports_of(root: Path, path: Path) -> list[tuple[int, str, tuple[str, ...]]]:
+    """Every import in ``path`` as (line, module, imported names); relative imports resolved
+    against the module's package; ``from P import x`` gives P.x when that is a module."""
+    mod = module_name(root, path)
+    pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, ()) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = pkg.split(".")
+                base = base[:len(base) - (node.level - 1)] if node.level > 1 else base
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            names = tuple(a.name for a in node.names)
+            subs = [f"{target}.{n}" for n in names if _is_module(root, f"{target}.{n}")]
+            out += [(node.lineno, s, ()) for s in subs]
+            rest = tuple(n for n in names if f"{target}.{n}" not in subs)
+            if rest or not subs:
+                out.append((node.lineno, target, rest))
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name in ("import_module", "__import__"):
+                target = node.args[0].value
+                if target.startswith("."):  # import_module(".x", __package__)
+                    target = pkg + target if target != "." else pkg
+                out.append((node.lineno, target, ()))
+    return out
+
+
+def _exported(root: Path, rel: str) -> set[str]:
+    tree = ast.parse((root / rel).read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError(f"{rel} has no __all__")
+
+
+def check_tree(root: Path) -> list[str]:
+    """Every layering violation under ``root`` (its engine/ and colibri_app/), one line each."""
+    bad = []
+    files = sorted((root / "engine").rglob("*.py")) + sorted((root / "colibri_app").rglob("*.py"))
+    exported = {m: _exported(root, rel) for m, rel in APP_MAY_IMPORT.items() if (root / rel).is_file()}
+    for path in files:
+        mod = module_name(root, path)
+        me = floor_of(mod)
+        where = f"{path.relative_to(root)}"
+        for line, target, names in imports_of(root, path):
+            top = target.split(".")[0]
+            f = floor_of(target)
+            if me < 4 and (top in QT or top == "colibri_app"):
+                bad.append(f"{where}:{line}: the engine imports {target}")
+            elif f is not None and f > me:
+                bad.append(f"{where}:{line}: {FLOORS[me]} imports {target} ({FLOORS[f]}, a floor above)")
+            elif me == 4 and f is not None and f < 4:
+                if target in exported:
+                    missing = [n for n in names if n not in exported[target]]
+                    if missing:
+                        bad.append(f"{where}:{line}: {', '.join(missing)} not in {target}.__all__")
+                elif path.name != "launcher.py" or (target, names) not in (
+                        (CLI_ENTRY[0], (CLI_ENTRY[1],)), (".".join(CLI_ENTRY), ())):
+                    bad.append(f"{where}:{line}: the app imports {target} (only engine, engine.library "
+                               f"and, in launcher.py, engine.cli.main)")
+    return bad
+
+
+def test_tree_respects_the_floors():
+    assert check_tree(ROOT) == []
+
+
+def _mini_tree(tmp_path: Path) -> Path:
+    for d in ("engine/library", "engine/bench", "engine/cli", "colibri_app"):
+        (tmp_path / d).mkdir(parents=True, exist_ok=True)
+        (tmp_path / d / "__init__.py").write_text("__all__ = ['ok']\nok = 1\n")
+    (tmp_path / "engine" / "core_mod.py").write_text("import numpy\nfrom . import errors\n")
+    (tmp_path / "engine" / "errors.py").write_text("")
+    (tmp_path / "engine" / "library" / "lib_mod.py").write_text("from ..errors import x\n")
+    (tmp_path / "engine" / "cli" / "main.py").write_text("from ..bench import y\nfrom ..library import z\n")
+    (tmp_path / "colibri_app" / "launcher.py").write_text("def main():\n    from engine.cli import main\n")
+    return tmp_path
+
+
+def test_checker_passes_a_clean_tree(tmp_path):
+    assert check_tree(_mini_tree(tmp_path)) == []
+
+
+def test_checker_catches_an_upward_import_in_a_function_body(tmp_path):
+    root = _mini_tree(tmp_path)
+    (root / "engine" / "core_mod.py").write_text(
+        "import numpy\n\n\ndef helper():\n    if True:\n        from .library import lib_mod\n    return lib_mod\n")
+    bad = check_tree(root)
+    assert len(bad) == 1 and "core_mod.py:6" in bad[0] and "engine.library.lib_mod" in bad[0], bad
+
+
+def test_checker_catches_every_kind(tmp_path):
+    root = _mini_tree(tmp_path)
+    (root / "engine" / "library" / "lib_mod.py").write_text(
+        "import importlib\n\n\ndef f():\n    importlib.import_module('engine.bench')\n\n\n"
+        "def g():\n    from .. import cli\n")
+    (root / "engine" / "bench" / "b.py").write_text("def f():\n    import engine.cli.main\n")
+    (root / "engine" / "errors.py").write_text("def f():\n    from PySide6 import QtCore\n    import colibri_app\n")
+    (root / "colibri_app" / "w.py").write_text("from engine.library import ok, secret\nimport engine.model\n"
+                                               "from engine.cli import main\n")
+    bad = "\n".join(check_tree(root))
+    for needle in ("lib_mod.py:5: library imports engine.bench", "lib_mod.py:9: library imports engine.cli",
+                   "b.py:2: bench imports engine.cli.main", "errors.py:2: the engine imports PySide6",
+                   "errors.py:3: the engine imports colibri_app", "w.py:1: secret not in engine.library.__all__",
+                   "w.py:2: the app imports engine.model", "w.py:3: the app imports engine.cli"):
+        assert needle in bad, (needle, bad)
+
 
 BLOCKER = r"""
 import importlib, importlib.abc, pkgutil, sys
@@ -22,7 +181,8 @@ class Block(importlib.abc.MetaPathFinder):
         return None
 sys.meta_path.insert(0, Block())
 import engine
-names = ["engine"] + [f"engine.{m.name}" for m in pkgutil.iter_modules(engine.__path__)]
+names = ["engine"] + [m.name for m in pkgutil.walk_packages(engine.__path__, "engine.")
+                      if not m.name.endswith("__main__")]
 for n in names:
     importlib.import_module(n)
 leaked = sorted(m for m in sys.modules if m.split(".")[0] in FORBIDDEN)
@@ -32,65 +192,17 @@ print(len(names))
 
 
 def test_engine_imports_without_qt_or_app():
-    code = BLOCKER % (FORBIDDEN_FOR_ENGINE,)
-    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", BLOCKER % (QT + ("colibri_app",),)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     n = int(r.stdout.strip().splitlines()[-1])
-    assert n == 1 + len(list(pkgutil.iter_modules([str(ROOT / "engine")])))
+    assert n == 1 + sum(1 for p in (ROOT / "engine").rglob("*.py") if p.name not in ("__init__.py", "__main__.py")) \
+        + sum(1 for p in (ROOT / "engine").rglob("__init__.py") if p.parent != ROOT / "engine")
 
 
-def _engine_imports(path: Path) -> list[str]:
-    """Every way ``path`` reaches into the engine other than ``from engine import name``."""
-    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
-    bad = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for a in node.names:
-                if a.name == "engine" or a.name.startswith("engine."):
-                    if a.name != "engine":
-                        bad.append(f"{path.name}:{node.lineno}: import {a.name}")
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            if node.module.startswith("engine."):
-                bad.append(f"{path.name}:{node.lineno}: from {node.module} import ...")
-            elif node.module == "engine":
-                exported = set(_engine_all())
-                for a in node.names:
-                    if a.name not in exported:
-                        bad.append(f"{path.name}:{node.lineno}: engine.{a.name} is not in engine.__all__")
-    return bad
-
-
-def _engine_all() -> list[str]:
-    tree = ast.parse((ROOT / "engine" / "__init__.py").read_text(encoding="utf-8"))
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
-            return list(ast.literal_eval(node.value))
-    raise AssertionError("engine/__init__.py has no __all__")
-
-
-def _app_files() -> list[Path]:
-    files = sorted((ROOT / "colibri_app").rglob("*.py"))
-    assert files
-    return files
-
-
-def test_app_never_imports_engine_submodules():
-    """No ``import engine.x`` and no ``from engine.x import ...`` anywhere in colibri_app."""
-    bad = [b for f in _app_files() for b in _engine_imports(f) if "__all__" not in b]
-    assert bad == []
-
-
-def test_app_imports_only_names_in_engine_all():
-    """``from engine import name`` only for names engine/__init__.py exports in __all__
-    (``from engine import some_submodule`` would reach around the public API)."""
-    bad = [b for f in _app_files() for b in _engine_imports(f) if "__all__" in b]
-    assert bad == [], ("colibri_app imports names engine/__init__.py does not export; export them "
-                       "there (public API) or stop using them: " + "; ".join(bad))
-
-
-def test_the_checker_catches_violations(tmp_path):
-    p = tmp_path / "x.py"
-    p.write_text("import engine.model\nfrom engine.generate import Engine\nfrom engine import Engine, _secret\n"
-                 "import engine\n")
-    bad = _engine_imports(p)
-    assert len(bad) == 3 and "_secret" in bad[2]
+def test_core_import_does_not_load_the_upper_floors():
+    """``import engine`` (what the app and every test do first) loads only the core."""
+    code = "import sys, engine; print(sorted(m for m in sys.modules if m.startswith(('engine.library', " \
+           "'engine.bench', 'engine.cli'))))"
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])

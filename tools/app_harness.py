@@ -36,7 +36,7 @@ def synthetic_store(root: Path) -> str:
 def pick_model(store: str | None, tmp: Path) -> tuple[str | None, str]:
     """(store for Settings.current_model, kind): the given store ("store"), else the bundled
     default model (None, "default"), else a synthetic one ("synthetic"); says which on stdout."""
-    from engine import default_model_dir
+    from engine.library import default_model_dir
     if store:
         print(f"model: {store}")
         return store, "store"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..settings import ENGINE, SAMPLING, EngineConfig, SamplingParams, Setting, settings
+from ..settings import ENGINE, SAMPLING, EngineConfig, SamplingParams, Setting, settings_table
 
 GROUP_TITLES = {ENGINE: "engine (speed and memory only; never changes the output)", SAMPLING: "sampling"}
 
@@ -27,7 +27,7 @@ def _value_parser(s: Setting):
 def add_setting_flags(p: argparse.ArgumentParser, group: str) -> None:
     """Add one flag per setting of ``group`` (ENGINE or SAMPLING) to ``p``; defaults from the table."""
     g = p.add_argument_group(GROUP_TITLES.get(group, group))
-    for s in settings(group):
+    for s in settings_table(group):
         names = [s.flag] + ["--" + o.replace("_", "-") for o in s.old_names]
         default = "auto" if s.default is None else ({True: "on", False: "off"}.get(s.default, s.default)
                                                     if s.type is bool else s.default)
@@ -43,7 +43,7 @@ def add_setting_flags(p: argparse.ArgumentParser, group: str) -> None:
 
 def values(a: argparse.Namespace, group: str) -> dict:
     """{setting name: value} of ``group`` from parsed flags."""
-    return {s.name: getattr(a, s.name) for s in settings(group)}
+    return {s.name: getattr(a, s.name) for s in settings_table(group)}
 
 
 def engine_config(a: argparse.Namespace, store: str) -> EngineConfig:

@@ -21,7 +21,7 @@ def app_store(tmp_path_factory):
 
 @pytest.fixture
 def app_dirs(tmp_path, monkeypatch):
-    """Private user data / config directories (engine.paths honours these variables)."""
+    """Private user data / config directories (engine.library.paths honours these variables)."""
     data, cfg = tmp_path / "data", tmp_path / "config"
     monkeypatch.setenv("COLIBRI_DATA_DIR", str(data))
     monkeypatch.setenv("COLIBRI_CONFIG_DIR", str(cfg))

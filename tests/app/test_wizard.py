@@ -18,7 +18,9 @@ import hubserver  # noqa: E402
 
 from PySide6.QtWidgets import QMessageBox, QWizard  # noqa: E402
 
-from engine import Engine, EngineConfig, Finished, GenerateRequest, SamplingParams, hub, paths  # noqa: E402
+from engine import Engine, EngineConfig, Finished, GenerateRequest, SamplingParams  # noqa: E402
+from engine import library as hub  # noqa: E402
+from engine import library as paths  # noqa: E402
 from colibri_app import wizard as wz  # noqa: E402
 from colibri_app.library import ModelLibraryDialog  # noqa: E402
 
@@ -117,7 +119,7 @@ def test_unsupported_model_refused_on_source_page(qtbot, wizard, fake, tmp_path,
 def test_disk_shortfall_blocks_check_page(qtbot, wizard, fake, monkeypatch):
     Usage = namedtuple("Usage", "total used free")
     free = [100_000]
-    monkeypatch.setattr(hub.shutil, "disk_usage", lambda p: Usage(10**12, 10**12 - free[0], free[0]))
+    monkeypatch.setattr("engine.library.paths.shutil.disk_usage", lambda p: Usage(10**12, 10**12 - free[0], free[0]))
     w = wizard
     _to_check(qtbot, w)
     assert not w.check_page.isComplete()
