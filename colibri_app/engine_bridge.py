@@ -147,7 +147,8 @@ class EngineWorker(QObject):
             try:
                 self.engine.reset_history()
             except OSError as e:
-                self.failed.emit(EngineFailure(kind=ErrorKind.IO, message=f"The routing history could not be reset: {e}"))
+                self.failed.emit(EngineFailure(kind=ErrorKind.IO,
+                                               message=f"The routing history could not be reset: {e}"))
 
     @Slot()
     def close_engine(self) -> None:

@@ -36,7 +36,8 @@ SAVE_EVERY_S = 1.0     # a streaming answer is written to the history at least o
 
 HINTS = {
     ErrorKind.STORE: "Open another model (File › Models…) or add one (File › Add model…).",
-    ErrorKind.TOKENIZER: "The model's tokenizer files are missing or invalid; add the model again (File › Add model…).",
+    ErrorKind.TOKENIZER: "The model's tokenizer files are missing or invalid; add the model again "
+                         "(File › Add model…).",
     ErrorKind.BUDGET: "Raise the RAM budget or lower the expert slots per layer in Settings…, then try again.",
     ErrorKind.CONFIG: "Correct the setting in Settings…",
     ErrorKind.CONTEXT: "Start a new chat (Ctrl+N), shorten the message, or raise the context length in Settings…",

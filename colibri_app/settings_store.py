@@ -13,7 +13,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from engine import ENGINE, SAMPLING, ConfigError, EngineConfig, SamplingParams, library, settings_table, upgrade_keys, validate
+from engine import (ENGINE, SAMPLING, ConfigError, EngineConfig, SamplingParams, library, settings_table, upgrade_keys,
+                    validate)
 
 SETTINGS_FORMAT = "colibri-desktop-settings"
 SETTINGS_VERSION = 1
