@@ -265,6 +265,13 @@ class SettingsDialog(QDialog):
         cap, budget = picked
         self.cap_auto.setText(f"auto ({cap} experts / {budget / 1e9:.1f} GB)")
         self.budget_auto.setText(f"auto ({budget / 1e9:.1f} GB)")
+        # an unticked "auto" starts from the engine's pick
+        for box, w, v in ((self.cap_auto, self.fields["cap"], cap),
+                          (self.budget_auto, self.fields["ram_budget_gb"], budget / 1e9)):
+            if box.isChecked():
+                w.blockSignals(True)
+                w.setValue(v)
+                w.blockSignals(False)
 
     @Slot()
     def _revalidate(self, *_args) -> None:

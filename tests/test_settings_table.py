@@ -143,3 +143,12 @@ def test_engine_config_range_checks():
     with pytest.raises(ConfigError, match="pinning"):
         EngineConfig(pinning=1).validated()
     assert EngineConfig(cap=None, ram_budget_gb=None).validated().cap is None
+
+
+def test_old_settings_file_key_is_read():
+    from colibri_app.settings_store import Settings
+    d = json.loads(Settings().to_json())
+    d["engine"].pop("threads")
+    d["engine"]["numba_threads"] = 2
+    s = Settings.from_json(json.dumps(d))
+    assert s.engine.threads == 2 and '"threads": 2' in s.to_json() and "numba_threads" not in s.to_json()

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Render the main window offscreen during a real generation and save docs/screenshot.png.
 
-Uses the bundled default model (engine.default_store()); if it is not there yet (it is trained
+Uses the bundled default model (engine.library.default_store()); if it is not there yet (it is trained
 by tools/train_default_model.py), a synthetic random OLMoE is used instead and the script says
 so. History, settings and the converted model live in a temporary folder, so the user's own
 data is never touched.

@@ -151,3 +151,26 @@ def test_corrupt_settings_file(dialog, qtbot, cfgdirs):
     with qtbot.waitSignal(d.applied):
         d.apply()
     assert load_settings() == (s, None)
+
+
+def test_auto_shows_what_the_engine_picks(qtbot, make_window):
+    """"auto" shows the open engine's cap and budget; a changed context is sized with
+    engine.sizing for the open store (the rule Engine.open applies)."""
+    from dataclasses import replace
+
+    from engine import EngineConfig
+    from engine.library import plan_for_store
+    win = make_window(engine=EngineConfig(pinning=False))  # cap and budget auto
+    ld = win.loaded
+    assert win.auto_values(win.settings.engine) == (ld.cap_per_layer, ld.ram_budget_bytes)
+    other = replace(win.settings.engine, context_length=64, ram_budget_gb=0.3)
+    plan = plan_for_store(ld.store_path, other)
+    assert win.auto_values(other) == (plan.cap, plan.budget)
+    d = SettingsDialog(win.settings, win, auto_values=win.auto_values)
+    qtbot.addWidget(d)
+    assert d.cap_auto.text() == f"auto ({ld.cap_per_layer} experts / {ld.ram_budget_bytes / 1e9:.1f} GB)"
+    assert d.fields["cap"].value() == ld.cap_per_layer  # unticking auto starts from the engine's pick
+    d.fields["context_length"].setValue(64)
+    d.budget_auto.setChecked(False)
+    d.fields["ram_budget_gb"].setValue(0.3)
+    assert d.cap_auto.text().startswith(f"auto ({plan.cap} experts")
