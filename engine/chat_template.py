@@ -292,6 +292,16 @@ def no_template_message(where: str, system_prompt: bool = False) -> str:
             f"app), or add the model's chat template to the folder")
 
 
+def raw_mode_warning(where: str, has_template: bool, system_prompt: bool) -> str:
+    """The one-line CLI warning when a prompt runs raw without the user choosing it, or when a
+    system prompt is given in raw mode (where it cannot be used)."""
+    if has_template:
+        return "warning: --system is not used with --raw (raw mode sends only the prompt text)"
+    dropped = "; the system prompt is not used" if system_prompt else ""
+    return (f"warning: {where} has no chat template, so the prompt is sent as raw text for the model "
+            f"to continue{dropped}; pass --raw to choose raw mode knowingly (and silence this warning)")
+
+
 # --- template data -----------------------------------------------------------------------
 
 

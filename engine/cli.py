@@ -89,6 +89,9 @@ def cmd_run(a) -> int:
     with Engine.open(cfg) as eng:
         if a.prof:
             print(f"[prof] {eng.loaded.message}", file=sys.stderr)
+        if (not a.raw and not eng.has_chat_template) or (a.raw and a.system):  # never silently raw (18.5)
+            from .chat_template import raw_mode_warning
+            print(raw_mode_warning(eng.loaded.store_path, eng.has_chat_template, bool(a.system)), file=sys.stderr)
         if a.raw or not eng.has_chat_template:
             req = GenerateRequest(prompt=a.prompt, sampling=sampling_params(a))
         else:
@@ -173,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--model", help="converted store (default: the bundled model)")
     r.add_argument("--prompt", required=True)
     r.add_argument("--system", default="", help="system prompt (chat models)")
-    r.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    r.add_argument("--raw", action="store_true", help="raw mode: no chat template, the prompt is plain text for the "
+                   "model to continue (special tokens in it are recognised; --system is not used)")
     r.add_argument("--prof", action="store_true", help="print a closing profile (hit rate, MB/token, felt wait)")
     r.add_argument("--trace", help="record routing and PILOT predictions to this file")
     add_sampling_flags(r)

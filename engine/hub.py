@@ -46,7 +46,7 @@ from .ram_budget import AVAILABLE_SHARE, RESERVE_BYTES
 # onnx/, original/, *.gguf, images ...) is never downloaded.
 NEEDED_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "config.json",
                    "generation_config.json", "tokenizer*.json", "special_tokens_map.json",
-                   "chat_template.jinja", "vocab.json", "vocab.txt", "merges.txt")
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "vocab.txt", "merges.txt")
 WIZARD_QUANTS = ("int8", "int4", "f16")  # f32 is for tests only
 DEFAULT_CONTEXT = 4096  # the engine's context when the setting is 0 (capped by the model's)
 DISK_MARGIN_BYTES = 64_000_000  # slack kept free on a target disk (manifest, fs overhead)
