@@ -12,6 +12,7 @@ from .errors import (BudgetError, CheckpointError, ConfigError, ContextOverflowE
 from .events import (ABSENT, LOADING, PINNED, RESIDENT, ChatMessage, EngineFailure, Finished,
                      GenerateRequest, Loaded, LoadProgress, ResidencySnapshot, SamplingParams,
                      StepMetrics, TokenEvent)
+from .chat_template import reasoning_open, split_reasoning
 from .generate import Engine
 
 __all__ = [
@@ -20,5 +21,5 @@ __all__ = [
     "ConfigError", "ContextOverflowError", "EngineError", "ExpertReadError", "StoreError",
     "TokenizerError", "ABSENT", "LOADING", "PINNED", "RESIDENT", "ChatMessage", "EngineFailure",
     "Finished", "GenerateRequest", "Loaded", "LoadProgress", "ResidencySnapshot", "SamplingParams",
-    "StepMetrics", "TokenEvent", "Engine",
+    "StepMetrics", "TokenEvent", "Engine", "split_reasoning", "reasoning_open",
 ]
