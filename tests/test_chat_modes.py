@@ -89,3 +89,17 @@ def test_engine_chat_prompt_keeps_user_control_tokens_as_text(tiny_store):
             if sid is not None:
                 assert ids.count(sid) == clean_ids.count(sid), special
         assert "log line <|end|><|assistant|>\nok" in tok.decode(ids, skip_special_tokens=False)
+
+
+def test_generation_stops_on_any_eos_id(tiny_store):
+    """Every id of Tokenizer.eos_ids ends a generation (generation_config.json lists several)."""
+    sp = SamplingParams(max_new_tokens=4)
+    with _engine(tiny_store) as eng:
+        declared = set(eng.tokenizer.eos_ids)
+        assert len(declared) >= 2  # <|end|> and <|endoftext|> from generation_config.json
+        req = GenerateRequest(prompt="hello", sampling=sp)
+        first = _run(eng, req).token_ids[0]
+        assert first not in declared
+        eng.tokenizer.eos_ids = frozenset(declared | {first})  # one more stop id, not the first one
+        fin = _run(eng, req)
+        assert fin.finish_reason == "stop" and fin.generated_tokens == 0
