@@ -131,7 +131,8 @@ class Tokenizer:
     def from_dir(cls, path: str | Path) -> Tokenizer:
         """Load ``tokenizer.json``, the chat templates and the EOS ids of a model folder.
 
-        Reads tokenizer.json (required), tokenizer_config.json, chat_template.jinja,
+        Reads tokenizer.json (required), tokenizer_config.json, special_tokens_map.json,
+        chat_template.jinja,
         additional_chat_templates/*.jinja and chat_template.json (see
         chat_template.load_chat_templates for the precedence), generation_config.json and
         config.json (all optional).
@@ -157,8 +158,12 @@ class Tokenizer:
             raise TokenizerError(f"{tc_path}: expected a JSON object")
         templates = ct.load_chat_templates(folder, tc)
 
-        # the named special tokens as templates see them: only what tokenizer_config declares
-        declared = {k: s for k in ct.SPECIAL_TOKEN_NAMES if (s := _token_str(tc.get(k))) is not None}
+        # the named special tokens as templates see them: tokenizer_config.json's, overridden by
+        # an older special_tokens_map.json (as transformers loads them)
+        stm = _read_json(folder / "special_tokens_map.json")
+        stm = stm if isinstance(stm, dict) else {}
+        declared = {k: s for k in ct.SPECIAL_TOKEN_NAMES
+                    if (s := _token_str(stm[k] if k in stm else tc.get(k))) is not None}
         bos_token = declared.get("bos_token")
         eos_token = declared.get("eos_token")
 

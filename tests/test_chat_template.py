@@ -444,3 +444,16 @@ def test_no_template_is_explicit(tmp_path):
     with pytest.raises(TokenizerError, match="no chat template") as ei:
         ours.encode_chat([ChatMessage("system", "be brief"), ChatMessage("user", "hi")])
     assert "--raw" in str(ei.value) and "raw mode" in str(ei.value)
+
+
+def test_special_tokens_map_json_like_transformers(tmp_path):
+    """special_tokens_map.json adds and overrides named tokens, as transformers loads it."""
+    d = _folder_with(tmp_path, config_template="{{ bos_token }}|{{ pad_token }}|{{ eos_token }}")
+    (d / "special_tokens_map.json").write_text(json.dumps(
+        {"bos_token": {"content": "<|endoftext|>", "special": True}, "pad_token": "<|endoftext|>",
+         "eos_token": "<|custom_eos|>"}))  # overrides the config's eos_token
+    ours = Tokenizer.from_dir(d)
+    hf = transformers.AutoTokenizer.from_pretrained(str(d))
+    msgs = [{"role": "user", "content": "x"}]
+    assert ours.apply_chat_template(msgs) == _theirs(hf, msgs, False, add_generation_prompt=True)
+    assert ours.special_tokens == hf.special_tokens_map
