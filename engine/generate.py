@@ -159,6 +159,8 @@ class Engine:
 
     @property
     def has_chat_template(self) -> bool:
+        """False when the store has no chat template: only raw prompts (GenerateRequest.prompt)
+        can run; messages raise TokenizerError."""
         return self.tokenizer.has_chat_template
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
