@@ -2,7 +2,10 @@
 
 These widgets only display and emit user intents; MainWindow owns the history database and
 the engine. While an answer streams its text is appended as plain text; when it completes it
-is rendered as Markdown (``QTextDocument.setMarkdown``) with shaded code blocks.
+is rendered as Markdown (``QTextDocument.setMarkdown``) with shaded code blocks. A leading
+``<think>...</think>`` reasoning block (engine.split_reasoning) is shown in a collapsed
+"Thinking" section above the answer, also while it streams; the saved text keeps it whole.
+A model without a chat template gets a banner and an explicit raw mode (issue 18, fault 5).
 """
 
 from __future__ import annotations
@@ -16,9 +19,15 @@ from PySide6.QtWidgets import (QAbstractItemView, QFrame, QHBoxLayout, QLabel, Q
                                QListWidgetItem, QPlainTextEdit, QPushButton, QScrollArea, QSizePolicy,
                                QTextBrowser, QToolButton, QVBoxLayout, QWidget)
 
+from engine import ChatMessage, GenerateRequest, SamplingParams, reasoning_open, split_reasoning
+
 from .history import COMPLETE, ERROR, INTERRUPTED, STOPPED, STREAMING, Conversation, Message
 
 CODE_BG = QColor("#f3f4f6")
+
+NO_TEMPLATE_TEXT = ("This model has no chat template, so it cannot hold a conversation: the system prompt "
+                    "and earlier turns cannot be sent. Raw mode sends only your latest message, as plain "
+                    "text for the model to continue.")
 
 STATUS_NOTE = {
     STOPPED: "stopped",
@@ -134,6 +143,24 @@ class MessageView(QFrame):
         self.role_label = QLabel(who)
         self.role_label.setObjectName("roleLabel")
         lay.addWidget(self.role_label)
+        # reasoning (<think>...</think>): a collapsed section, expandable
+        self.think_btn = QToolButton()
+        self.think_btn.setObjectName("thinkToggle")
+        self.think_btn.setCheckable(True)
+        self.think_btn.setAutoRaise(True)
+        self.think_btn.setToolButtonStyle(Qt.ToolButtonTextBesideIcon)
+        self.think_btn.setArrowType(Qt.RightArrow)
+        self.think_btn.setCursor(Qt.PointingHandCursor)
+        self.think_btn.setAccessibleName("Show the model's reasoning")
+        self.think_btn.toggled.connect(self._toggle_thinking)
+        self.think_btn.setVisible(False)
+        lay.addWidget(self.think_btn)
+        self.think_text = MessageText()
+        self.think_text.setObjectName("thinkText")
+        self.think_text.setAccessibleName("Model reasoning")
+        self.think_text.setVisible(False)
+        lay.addWidget(self.think_text)
+        self._shown = ("", "", False)  # (reasoning, answer, still thinking) shown in the widgets
         self.text = MessageText()
         self.text.setAccessibleName("Message text")
         lay.addWidget(self.text)
@@ -174,18 +201,33 @@ class MessageView(QFrame):
 
     @property
     def content(self) -> str:
-        """The message text as far as it is known."""
+        """The message text as far as it is known (with its reasoning block, as saved)."""
         return self._text
+
+    @property
+    def answer(self) -> str:
+        """The answer without its reasoning block (what Copy copies)."""
+        return split_reasoning(self._text)[1] if self.role == "assistant" else self._text
+
+    @property
+    def reasoning(self) -> str:
+        """The reasoning block's text ("" when there is none)."""
+        return split_reasoning(self._text)[0] if self.role == "assistant" else ""
 
     def set_content(self, text: str, status: str, meta: dict | None = None) -> None:
         """Show a complete (or final) message: Markdown for answers, plain for the user."""
         self._text, self.status = text, status
-        if status == STREAMING:
+        if self.role != "assistant":
             self.text.setPlainText(text)
-        elif self.role == "assistant":
-            self.text.set_markdown(text)
         else:
-            self.text.setPlainText(text)
+            reasoning, answer = split_reasoning(text)
+            thinking = reasoning_open(text) and status == STREAMING
+            self._show_thinking(reasoning, thinking)
+            if status == STREAMING:
+                self.text.setPlainText(answer)
+            else:
+                self.text.set_markdown(answer)
+            self._shown = (reasoning, answer, thinking)
         self.note.setText(STATUS_NOTE.get(status, status))
         self.note.setProperty("kind", status)
         self.note.style().unpolish(self.note)
@@ -196,10 +238,46 @@ class MessageView(QFrame):
         self.meta_label.setVisible(bool(line))
 
     def append_stream(self, piece: str) -> None:
-        """Append streamed text (plain while streaming)."""
+        """Append streamed text (plain while streaming); reasoning goes to the Thinking section."""
         self.status = STREAMING
         self._text += piece
-        self.text.append_plain(piece)
+        if self.role != "assistant":
+            self.text.append_plain(piece)
+            return
+        reasoning, answer = split_reasoning(self._text)
+        thinking = reasoning_open(self._text)
+        old_reasoning, old_answer, old_thinking = self._shown
+        if reasoning != old_reasoning or thinking != old_thinking:
+            self._show_thinking(reasoning, thinking)
+        if answer.startswith(old_answer):
+            self.text.append_plain(answer[len(old_answer):])
+        else:  # a think block just opened or closed: the answer so far is different text
+            self.text.setPlainText(answer)
+        self._shown = (reasoning, answer, thinking)
+
+    def _show_thinking(self, reasoning: str, thinking_now: bool) -> None:
+        has = bool(reasoning) or thinking_now
+        self.think_btn.setVisible(has)
+        if not has:
+            self.think_text.setVisible(False)
+            return
+        if thinking_now:
+            self.think_btn.setText("Thinking…")
+        else:
+            words = len(reasoning.split())
+            self.think_btn.setText(f"Thought ({words} word{'s' if words != 1 else ''})")
+        if self.think_text.toPlainText() != reasoning:
+            old = self.think_text.toPlainText()
+            if reasoning.startswith(old) and old:
+                self.think_text.append_plain(reasoning[len(old):])
+            else:
+                self.think_text.setPlainText(reasoning)
+        self.think_text.setVisible(self.think_btn.isChecked())
+
+    def _toggle_thinking(self, on: bool) -> None:
+        self.think_btn.setArrowType(Qt.DownArrow if on else Qt.RightArrow)
+        self.think_btn.setAccessibleName("Hide the model's reasoning" if on else "Show the model's reasoning")
+        self.think_text.setVisible(on)
 
     def set_actions(self, regenerate: bool, edit: bool, copy: bool = True) -> None:
         """Which actions this card shows (only the last answer / last user message get them)."""
@@ -252,6 +330,7 @@ class ChatView(QWidget):
         self.views: dict[int, MessageView] = {}
         self.generating = False
         self.ready = False
+        self.has_chat_template = True
 
         lay = QVBoxLayout(self)
         lay.setContentsMargins(0, 0, 0, 0)
@@ -286,6 +365,25 @@ class ChatView(QWidget):
         self.system_edit.installEventFilter(self)
         hl.addWidget(self.system_edit)
         lay.addWidget(head)
+
+        # no chat template: say so, and let the user choose raw mode knowingly (issue 18.5)
+        self.template_banner = QFrame()
+        self.template_banner.setObjectName("templateBanner")
+        self.template_banner.setAccessibleName("This model has no chat template")
+        tb = QHBoxLayout(self.template_banner)
+        tb.setContentsMargins(20, 8, 20, 8)
+        self.template_label = QLabel(NO_TEMPLATE_TEXT)
+        self.template_label.setObjectName("templateBannerText")
+        self.template_label.setWordWrap(True)
+        tb.addWidget(self.template_label, 1)
+        self.raw_btn = QPushButton("Use raw mode")
+        self.raw_btn.setObjectName("rawModeButton")
+        self.raw_btn.setCheckable(True)
+        self.raw_btn.setAccessibleName("Use raw mode: send each message as plain text")
+        self.raw_btn.toggled.connect(self._toggle_raw)
+        tb.addWidget(self.raw_btn, 0, Qt.AlignVCenter)
+        self.template_banner.setVisible(False)
+        lay.addWidget(self.template_banner)
 
         # transcript
         self.scroll = QScrollArea()
@@ -428,10 +526,62 @@ class ChatView(QWidget):
     def set_ready(self, ready: bool, placeholder: str = "") -> None:
         """Enable sending (a model is loaded) or show why not."""
         self.ready = ready
-        self.input.setPlaceholderText(placeholder or ("Message the model…  (Enter to send, Shift+Enter for a new line)"
-                                                      if ready else "Loading the model…"))
+        self._placeholder = placeholder
+        self._update_placeholder()
         self._update_send()
         self.update_actions()
+
+    def _update_placeholder(self) -> None:
+        if getattr(self, "_placeholder", ""):
+            text = self._placeholder
+        elif not self.ready:
+            text = "Loading the model…"
+        elif not self.can_send_chat:
+            text = "This model has no chat template: choose “Use raw mode” above to send plain text"
+        elif self.raw_mode:
+            text = "Raw mode: your text is sent as is for the model to continue  (Enter to send)"
+        else:
+            text = "Message the model…  (Enter to send, Shift+Enter for a new line)"
+        self.input.setPlaceholderText(text)
+
+    # --- chat template / raw mode ---------------------------------------------------------
+
+    @property
+    def raw_mode(self) -> bool:
+        """True when the user chose raw mode for a model without a chat template."""
+        return not self.has_chat_template and self.raw_btn.isChecked()
+
+    @property
+    def can_send_chat(self) -> bool:
+        """A message can be sent: the model has a chat template, or raw mode was chosen."""
+        return self.has_chat_template or self.raw_btn.isChecked()
+
+    def set_chat_template(self, has_template: bool) -> None:
+        """Tell the view whether the loaded model has a chat template (Loaded.has_chat_template).
+
+        Without one the banner explains it and sending waits until the user picks raw mode."""
+        self.has_chat_template = bool(has_template)
+        self.raw_btn.blockSignals(True)
+        self.raw_btn.setChecked(False)
+        self.raw_btn.blockSignals(False)
+        self.raw_btn.setText("Use raw mode")
+        self.template_banner.setVisible(not has_template)
+        self._update_placeholder()
+        self._update_send()
+
+    def _toggle_raw(self, on: bool) -> None:
+        self.raw_btn.setText("Raw mode on" if on else "Use raw mode")
+        self._update_placeholder()
+        self._update_send()
+
+    def build_request(self, messages: tuple[ChatMessage, ...], sampling: SamplingParams) -> GenerateRequest:
+        """The request for this conversation: chat messages, or in raw mode the last user message
+        alone as plain text (raw mode has no roles, so the system prompt and earlier turns are
+        not sent; the banner says so)."""
+        if self.raw_mode:
+            last = next((m.content for m in reversed(messages) if m.role == "user"), "")
+            return GenerateRequest(prompt=last, sampling=sampling)
+        return GenerateRequest(messages=messages, sampling=sampling)
 
     def _update_send(self) -> None:
         if self.generating:
@@ -445,7 +595,7 @@ class ChatView(QWidget):
             self.send_btn.setProperty("stop", False)
             self.send_btn.setAccessibleName("Send message")
             self.send_btn.setToolTip("Send (Enter)")
-            self.send_btn.setEnabled(self.ready)
+            self.send_btn.setEnabled(self.ready and self.can_send_chat)
         self.send_btn.style().unpolish(self.send_btn)
         self.send_btn.style().polish(self.send_btn)
 
@@ -459,7 +609,7 @@ class ChatView(QWidget):
 
     def _submit(self) -> None:
         text = self.input.toPlainText().strip()
-        if not text or self.generating or not self.ready:
+        if not text or self.generating or not self.ready or not self.can_send_chat:
             return
         self.input.clear()
         self.send_requested.emit(text)
@@ -467,7 +617,7 @@ class ChatView(QWidget):
     def _copy(self, msg_id: int) -> None:
         v = self.views.get(msg_id)
         if v is not None:
-            QGuiApplication.clipboard().setText(v.content)
+            QGuiApplication.clipboard().setText(v.answer)
 
     def _toggle_system(self, on: bool) -> None:
         self.system_edit.setVisible(on)

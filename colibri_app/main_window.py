@@ -19,7 +19,7 @@ from PySide6.QtGui import QAction, QKeySequence, QShortcut
 from PySide6.QtWidgets import (QDockWidget, QFrame, QHBoxLayout, QInputDialog, QLabel, QMainWindow,
                                QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout, QWidget)
 
-from engine import (ChatMessage, EngineConfig, EngineFailure, Finished, GenerateRequest, Loaded, LoadProgress,
+from engine import (ChatMessage, EngineConfig, EngineFailure, Finished, Loaded, LoadProgress,
                     ErrorKind, ResidencySnapshot, StepMetrics, TokenEvent, library)
 
 from .chat_view import ChatView, ConversationList
@@ -367,6 +367,7 @@ class MainWindow(QMainWindow):
         if self.banner.kind in (ErrorKind.STORE, ErrorKind.BUDGET, ErrorKind.CONFIG, ErrorKind.TOKENIZER, ErrorKind.IO):
             self.banner.hide()
         self.chat.model_name = ev.model_name
+        self.chat.set_chat_template(ev.has_chat_template)
         self.chat.set_ready(True)
         self.panels.on_loaded(ev)
         self.st_model.setText(f"{ev.model_name} ({ev.quant})")
@@ -555,7 +556,7 @@ class MainWindow(QMainWindow):
         self.panels.new_generation()
         if self.banner.kind in (ErrorKind.CONTEXT, ErrorKind.GENERATION):
             self.banner.hide()
-        job = self.controller.generate(GenerateRequest(messages=messages, sampling=self.settings.sampling))
+        job = self.controller.generate(self.chat.build_request(messages, self.settings.sampling))
         self.gen = _Generation(job, conv_id, user_id, asst_id, last_save=time.monotonic())
         self.chat.set_generating(True)
         self.flush_timer.start()

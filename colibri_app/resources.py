@@ -43,6 +43,12 @@ QStatusBar::item { border: none; }
 #metaLabel { color: #6b7280; font-size: 11px; }
 #statusNote { color: #b45309; font-size: 11px; }
 #statusNote[kind="streaming"] { color: #6b7280; font-style: italic; }
+#thinkToggle { color: #6b7280; border: none; padding: 0px 2px; font-size: 11px; font-style: italic; }
+#thinkText { color: #6b7280; border-left: 2px solid #e5e7eb; font-size: 12px; }
+#templateBanner { background: #fffbeb; border-bottom: 1px solid #fde68a; }
+#templateBannerText { color: #92400e; }
+#rawModeButton { border: 1px solid #fcd34d; background: white; border-radius: 6px; padding: 4px 10px; }
+#rawModeButton:checked { background: #fde68a; }
 #msgAction { color: #6b7280; border: none; padding: 2px 6px; border-radius: 4px; font-size: 11px; }
 #msgAction:hover { background: #f3f4f6; color: #111827; }
 

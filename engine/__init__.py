@@ -12,6 +12,7 @@ from .errors import (BudgetError, Cancelled, CheckpointError, ConfigError, Conte
 from .events import (ABSENT, LOADING, PINNED, RESIDENT, ChatMessage, EngineFailure, Finished,
                      GenerateRequest, Loaded, LoadProgress, ResidencySnapshot, SamplingParams,
                      StepMetrics, TokenEvent)
+from .chat_template import reasoning_open, split_reasoning
 from .fsutil import atomic_write_text
 from .generate import Engine
 from .settings import (CHECKSUM_MODES, ENGINE, POLICIES, SAMPLING, EngineConfig, Setting, settings_table,
@@ -25,5 +26,5 @@ __all__ = [
     "LOADING", "PINNED", "RESIDENT", "ChatMessage", "EngineFailure", "Finished", "GenerateRequest", "Loaded",
     "LoadProgress", "ResidencySnapshot", "SamplingParams", "StepMetrics", "TokenEvent", "atomic_write_text",
     "Engine", "ENGINE", "SAMPLING", "Setting", "settings_table", "upgrade_keys", "validate", "format_bytes",
-    "format_duration",
+    "format_duration", "split_reasoning", "reasoning_open",
 ]

@@ -36,7 +36,7 @@ from .quant import ALIGN, QUANTS, quantize, slab_layout
 from .store_format import FORMAT_NAME, FORMAT_VERSION
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt",
+                "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
                 "README.md", "LICENSE")
 
 

@@ -27,8 +27,11 @@ class ChatMessage:
 class GenerateRequest:
     """A generation request.
 
-    Either ``messages`` (rendered with the model's own chat template) or ``prompt``
-    (raw text, tokenized as is) must be given; ``prompt_ids`` (token ids) overrides both.
+    Either ``messages`` (chat mode: rendered with the model's own chat template; control tokens
+    typed in a message stay text) or ``prompt`` (raw mode: no template, the text is the prompt and
+    special tokens written in it are recognised) must be given; ``prompt_ids`` (token ids)
+    overrides both. Messages on a model without a chat template raise TokenizerError (check
+    ``Engine.has_chat_template`` / ``Loaded.has_chat_template`` and choose raw mode knowingly).
     ``forced_ids``: teacher forcing for benchmarks; when given, the token fed at each decode
     step comes from this tuple instead of the sampler (the sampled token is still reported).
     """
@@ -73,6 +76,7 @@ class Loaded:
     prewarmed_experts: int = 0
     prewarm_seconds: float = 0.0
     message: str = ""
+    has_chat_template: bool = True  #: False: only raw prompts can run (GenerateRequest.prompt)
 
 
 @dataclass(frozen=True)

@@ -116,7 +116,8 @@ class Engine:
             quant=store.quant, num_layers=a.num_hidden_layers, num_experts=a.num_experts,
             num_experts_per_tok=a.num_experts_per_tok, context_length=ctx, cap_per_layer=self.cache.cap,
             ram_budget_bytes=self.plan.budget, dense_bytes=dense_bytes, expert_slot_bytes=store.slot_bytes,
-            pilot=config.pilot, prewarmed_experts=pre_n, prewarm_seconds=pre_s, message=msg)
+            pilot=config.pilot, prewarmed_experts=pre_n, prewarm_seconds=pre_s, message=msg,
+            has_chat_template=self.tokenizer.has_chat_template)
 
     # --- pinning ------------------------------------------------------------------------------
 
@@ -158,6 +159,8 @@ class Engine:
 
     @property
     def has_chat_template(self) -> bool:
+        """False when the store has no chat template: only raw prompts (GenerateRequest.prompt)
+        can run; messages raise TokenizerError."""
         return self.tokenizer.has_chat_template
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:

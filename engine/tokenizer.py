@@ -1,11 +1,10 @@
 """Tokenizer, chat template and streaming detokenizer for a Hugging Face model folder.
 
 The tokenizer itself is the model's ``tokenizer.json`` run by the ``tokenizers`` library.
-The chat template comes from ``chat_template.jinja`` or ``tokenizer_config.json`` and is
-rendered like transformers does it: jinja2's *sandboxed* environment with ``trim_blocks``
-and ``lstrip_blocks``, plus the helpers templates expect (``raise_exception``,
-``strftime_now``, ``tojson``, ``namespace``, ``dict``, ``loopcontrols``). Chat templates
-come from the internet and are untrusted code; any unsafe attribute access raises.
+Chat templates are loaded, chosen and rendered exactly as transformers' ``apply_chat_template``
+does (see chat_template.py); :meth:`Tokenizer.encode_chat` encodes the rendering so that only
+the template's own markers become control-token ids: a control token typed or pasted by the user
+is encoded as plain text (transformers' ``sanitize_control_tokens=True``).
 
 The stop set (``eos_ids``) is the union of every EOS id the folder declares:
 ``generation_config.json`` (often a list), ``config.json`` and the ``eos_token`` of
@@ -17,39 +16,22 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-import jinja2.sandbox
-import jinja2.utils
 import tokenizers
 
+from . import chat_template as ct
+from .chat_template import check_not_lfs_pointer as _check_not_lfs_pointer
 from .errors import TokenizerError
 from .events import ChatMessage
 
 log = logging.getLogger(__name__)
 
-_LFS_MAGIC = b"version https://git-lfs"
 _REPLACEMENT = "\ufffd"
 
 
 # --- file helpers -----------------------------------------------------------------------
-
-
-def _check_not_lfs_pointer(path: Path) -> None:
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(_LFS_MAGIC))
-    except OSError as e:
-        raise TokenizerError(f"{path}: cannot read ({e}); check the file permissions") from e
-    if head == _LFS_MAGIC:
-        raise TokenizerError(
-            f"{path} is a Git LFS pointer file, not the real file; fetch the content with "
-            f"`git lfs pull` in the model folder or re-download the model with huggingface_hub")
 
 
 def _read_json(path: Path) -> Any:
@@ -85,106 +67,6 @@ def _id_list(value: Any) -> list[int]:
     return []
 
 
-def _pick_template(value: Any, source: Path) -> str | None:
-    """chat_template: a string, or a list of {"name", "template"} (take "default")."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        return value
-    if isinstance(value, (list, tuple)):
-        named = {t.get("name"): t.get("template") for t in value if isinstance(t, Mapping)}
-        tmpl = named.get("default")
-        if isinstance(tmpl, str):
-            return tmpl
-        raise TokenizerError(
-            f"{source}: chat_template is a list of named templates without a 'default' one "
-            f"(found {sorted(str(n) for n in named)}); add a 'default' template")
-    raise TokenizerError(f"{source}: chat_template must be a string or a list of named "
-                         f"templates, got {type(value).__name__}")
-
-
-# --- sandboxed jinja environment ---------------------------------------------------------
-
-
-class _StrictSandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
-    """The immutable sandbox, but an unsafe attribute access raises at once instead of
-    rendering as an empty Undefined (so a template probing ``__class__`` fails loudly)."""
-
-    def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
-        raise jinja2.sandbox.SecurityError(
-            f"access to attribute {attribute!r} of {type(obj).__name__!r} object is unsafe")
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}`` (used by some templates to mark assistant
-    output for training masks): rendered as its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):  # noqa: ANN001 - jinja2 API
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-class _TemplateDict:
-    """``dict(...)`` in templates without exposing the dict type itself."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> dict:
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args: Any, **kwargs: Any) -> dict:
-        return dict.fromkeys(*args, **kwargs)
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-    """``namespace(...)`` that refuses underscore-prefixed attribute names."""
-
-    def __init__(*args: Any, **kwargs: Any) -> None:  # noqa: N805 - jinja's signature trick
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name: str, value: Any) -> None:
-        _TemplateNamespace._check_name(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check_name(name: Any) -> None:
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.sandbox.SecurityError(
-                f"chat templates cannot store underscore-prefixed names on a namespace ({name!r})")
-
-
-def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: Any = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _compile_template(source: str, where: str) -> jinja2.Template:
-    env = _StrictSandbox(trim_blocks=True, lstrip_blocks=True,
-                         extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    env.globals["dict"] = _TemplateDict()
-    env.globals["namespace"] = _TemplateNamespace
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateError as e:
-        raise TokenizerError(f"the chat template of {where} does not compile: {e}") from e
-
-
 # --- tokenizer ----------------------------------------------------------------------------
 
 
@@ -192,14 +74,20 @@ MessageLike = ChatMessage | Mapping[str, Any]
 
 
 class Tokenizer:
-    """A model's tokenizer (``tokenizers.Tokenizer``) plus its chat template and EOS ids.
+    """A model's tokenizer (``tokenizers.Tokenizer``) plus its chat templates and EOS ids.
 
     Build it with :meth:`from_dir`. Attributes:
       eos_ids: frozenset[int], every id that ends a generation.
       vocab_size: int, tokenizer vocabulary including added tokens (may be smaller than the
         model's embedding rows, which are often padded).
       has_chat_template: bool.
-      bos_token / eos_token: str | None, the token strings templates see.
+      chat_template: str | None, the default template (``chat_templates["default"]``).
+      chat_templates: dict[str, str], every named template ("default", "tool_use", ...).
+      special_tokens: dict[str, str], the named special tokens of tokenizer_config.json that
+        templates see (bos_token, eos_token, unk_token, sep_token, pad_token, cls_token,
+        mask_token; only those declared).
+      bos_token / eos_token: str | None, the BOS / EOS strings (eos falls back to the first
+        EOS id of generation_config.json / config.json).
       bos_id: int | None, the id of bos_token.
       add_bos_token: bool, from tokenizer_config.json.
       name: str, the folder (used in error messages).
@@ -208,10 +96,15 @@ class Tokenizer:
     def __init__(self, hf: tokenizers.Tokenizer, *, chat_template: str | None = None,
                  bos_token: str | None = None, eos_token: str | None = None,
                  add_bos_token: bool = False, eos_ids: Iterable[int] = (),
-                 extra_special: Mapping[str, str] | None = None, name: str = "tokenizer") -> None:
+                 extra_special: Mapping[str, str] | None = None, name: str = "tokenizer",
+                 chat_templates: Mapping[str, str] | None = None,
+                 chat_control_tokens: Sequence[str] | None = None) -> None:
         self._hf = hf
         self.name = name
-        self.chat_template = chat_template
+        self.chat_templates: dict[str, str] = dict(chat_templates or {})
+        if chat_template is not None:
+            self.chat_templates["default"] = chat_template
+        self.chat_template: str | None = self.chat_templates.get("default")
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.add_bos_token = bool(add_bos_token)
@@ -221,18 +114,28 @@ class Tokenizer:
             ids.add(eid)
         self.eos_ids: frozenset[int] = frozenset(ids)
         self.vocab_size: int = hf.get_vocab_size(with_added_tokens=True)
-        self._extra_special = dict(extra_special or {})
-        self._template: jinja2.Template | None = None
+        self.special_tokens: dict[str, str] = {
+            k: v for k, v in (extra_special or {}).items() if k in ct.SPECIAL_TOKEN_NAMES}
+        for k, v in (("bos_token", bos_token), ("eos_token", eos_token)):
+            if v is not None:
+                self.special_tokens.setdefault(k, v)
+        self._chat_control_tokens = (list(chat_control_tokens)
+                                     if chat_control_tokens is not None else None)
+        self._added = {t.content: bool(t.special) for _, t in
+                       sorted(hf.get_added_tokens_decoder().items())}
+        self._newline_ids: list[int] | None = None
 
     # -- construction --
 
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer:
-        """Load ``tokenizer.json``, the chat template and the EOS ids of a model folder.
+        """Load ``tokenizer.json``, the chat templates and the EOS ids of a model folder.
 
-        Reads tokenizer.json (required), tokenizer_config.json, chat_template.jinja (takes
-        precedence over the config's chat_template, as in transformers),
-        generation_config.json and config.json (all optional).
+        Reads tokenizer.json (required), tokenizer_config.json, special_tokens_map.json,
+        chat_template.jinja,
+        additional_chat_templates/*.jinja and chat_template.json (see
+        chat_template.load_chat_templates for the precedence), generation_config.json and
+        config.json (all optional).
         Raises TokenizerError if tokenizer.json is missing, a Git LFS pointer or invalid,
         or if a JSON file cannot be parsed.
         """
@@ -253,19 +156,16 @@ class Tokenizer:
         tc = _read_json(tc_path) or {}
         if not isinstance(tc, dict):
             raise TokenizerError(f"{tc_path}: expected a JSON object")
-        template = _pick_template(tc.get("chat_template"), tc_path)
-        jinja_path = folder / "chat_template.jinja"
-        if jinja_path.is_file():
-            _check_not_lfs_pointer(jinja_path)
-            try:
-                template = jinja_path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise TokenizerError(f"{jinja_path}: cannot read ({e})") from e
+        templates = ct.load_chat_templates(folder, tc)
 
-        bos_token = _token_str(tc.get("bos_token"))
-        eos_token = _token_str(tc.get("eos_token"))
-        extra = {k: s for k in ("pad_token", "unk_token", "sep_token", "cls_token", "mask_token")
-                 if (s := _token_str(tc.get(k))) is not None}
+        # the named special tokens as templates see them: tokenizer_config.json's, overridden by
+        # an older special_tokens_map.json (as transformers loads them)
+        stm = _read_json(folder / "special_tokens_map.json")
+        stm = stm if isinstance(stm, dict) else {}
+        declared = {k: s for k in ct.SPECIAL_TOKEN_NAMES
+                    if (s := _token_str(stm[k] if k in stm else tc.get(k))) is not None}
+        bos_token = declared.get("bos_token")
+        eos_token = declared.get("eos_token")
 
         eos_ids: list[int] = []
         for fname in ("generation_config.json", "config.json"):
@@ -279,10 +179,17 @@ class Tokenizer:
             bos = _id_list(gc.get("bos_token_id")) if isinstance(gc, dict) else []
             if bos:
                 bos_token = hf.id_to_token(bos[0])
+        control = tc.get("chat_control_tokens")
+        if control is not None and not (isinstance(control, list)
+                                        and all(isinstance(t, str) for t in control)):
+            raise TokenizerError(f"{tc_path}: chat_control_tokens must be a list of strings")
 
-        tok = cls(hf, chat_template=template, bos_token=bos_token, eos_token=eos_token,
+        tok = cls(hf, bos_token=bos_token, eos_token=eos_token,
                   add_bos_token=bool(tc.get("add_bos_token", False)), eos_ids=eos_ids,
-                  extra_special=extra, name=str(folder))
+                  extra_special=declared, name=str(folder), chat_templates=templates,
+                  chat_control_tokens=control)
+        # a token the folder did not declare is not shown to templates (as transformers)
+        tok.special_tokens = declared
         if not tok.eos_ids:
             log.warning("%s declares no EOS token (generation_config.json / config.json / "
                         "tokenizer_config.json); generation will stop only at max_new_tokens",
@@ -293,11 +200,11 @@ class Tokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        """True when the folder ships a chat template."""
-        return bool(self.chat_template)
+        """True when the folder ships a chat template (else only raw prompts can be run)."""
+        return bool(self.chat_templates)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Text -> token ids (list[int]).
+        """Text -> token ids (list[int]). This is raw mode: the text is the prompt.
 
         Special tokens written in ``text`` (e.g. ``<|endoftext|>``) become their single id.
         ``add_special_tokens=True`` runs the tokenizer's post-processor and, when
@@ -307,6 +214,18 @@ class Tokenizer:
         if add_special_tokens:
             ids = self._ensure_bos(ids)
         return ids
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Text -> ids with no added token recognised at all (special or not): ``<|im_end|>``
+        becomes the ids of its characters. Runs normalizer, pre-tokenizer and model, as
+        transformers' ``_encode_without_added_tokens``."""
+        hf = self._hf
+        if hf.normalizer is not None:
+            text = hf.normalizer.normalize_str(text)
+        splits = [text]
+        if hf.pre_tokenizer is not None:
+            splits = [s for s, _ in hf.pre_tokenizer.pre_tokenize_str(text)]
+        return [t.id for s in splits for t in hf.model.tokenize(s)]
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Token ids -> text. Special tokens (EOS, ...) are dropped unless
@@ -328,52 +247,90 @@ class Tokenizer:
 
     # -- chat --
 
-    def apply_chat_template(self, messages: Iterable[MessageLike],
-                            add_generation_prompt: bool = True, **extra: Any) -> str:
-        """Render a conversation with the model's own chat template -> prompt text.
+    def chat_template_source(self, name: str | None = None, tools: Any = None) -> str:
+        """The template that a chat with these ``tools`` renders with (transformers' choice:
+        ``name``, else ``tool_use`` when tools are given, else ``default``). Raises
+        TokenizerError when the model has no chat template."""
+        return ct.select_template(self.chat_templates, name, tools is not None, self.name)
 
-        ``messages``: ChatMessage objects or dicts with "role" and "content".
-        ``extra``: more template variables (e.g. ``tools``), passed as is.
+    def apply_chat_template(self, messages: Iterable[MessageLike],
+                            add_generation_prompt: bool = True, *, tools: Any = None,
+                            documents: Any = None, chat_template: str | None = None,
+                            **template_kwargs: Any) -> str:
+        """Render a conversation with the model's own chat template -> prompt text, identical
+        to transformers' ``apply_chat_template(..., tokenize=False)``.
+
+        ``messages``: ChatMessage objects (an assistant ChatMessage is passed through
+        chat_template.history_message: a leading <think> block goes to ``reasoning_content``)
+        or dicts with "role", "content" and any other field (tool_calls, ...), passed as is.
+        ``tools``: JSON-schema dicts; ``documents``: dicts; ``chat_template``: a template name;
+        ``template_kwargs``: more template variables (``enable_thinking=False``, ...).
         Raises TokenizerError when the model has no chat template (never falls back to a
         template of another model), when the template does not compile, raises (its
         ``raise_exception``) or tries an unsafe operation in the sandbox.
         """
-        if not self.has_chat_template:
-            raise TokenizerError(
-                f"{self.name} has no chat template (tokenizer_config.json chat_template / "
-                f"chat_template.jinja); use a raw prompt instead of chat messages, or add the "
-                f"model's chat template to the folder")
-        if self._template is None:
-            self._template = _compile_template(self.chat_template, self.name)
-        msgs = [self._message_dict(m) for m in messages]
-        variables: dict[str, Any] = dict(self._extra_special)
-        variables.update(bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        variables.update(extra)
-        variables.update(messages=msgs, add_generation_prompt=bool(add_generation_prompt))
-        try:
-            return self._template.render(**variables)
-        except jinja2.TemplateError as e:
-            raise TokenizerError(f"the chat template of {self.name} failed: {e}") from e
-        except Exception as e:  # template code errors such as TypeError on bad messages
-            raise TokenizerError(f"the chat template of {self.name} failed: "
-                                 f"{type(e).__name__}: {e}") from e
+        source = self.chat_template_source(chat_template, tools)
+        return ct.render(source, self.name, [self._message_dict(m) for m in messages],
+                         tools=tools, documents=documents,
+                         add_generation_prompt=add_generation_prompt,
+                         special_tokens=self.special_tokens, template_kwargs=template_kwargs)
 
     def encode_chat(self, messages: Iterable[MessageLike],
-                    add_generation_prompt: bool = True) -> list[int]:
-        """Render the conversation and tokenize it -> list[int].
+                    add_generation_prompt: bool = True, *, tools: Any = None,
+                    documents: Any = None, chat_template: str | None = None,
+                    **template_kwargs: Any) -> list[int]:
+        """Render the conversation and tokenize it -> list[int], control-token safe.
 
-        Special tokens in the rendered text are parsed as single special ids. The
-        post-processor is not run (templates write their own BOS); if tokenizer_config.json
-        asks for add_bos_token and the text does not already start with BOS, one is
-        prepended, so BOS is never doubled. Raises TokenizerError as apply_chat_template.
+        The ids equal transformers' ``apply_chat_template(..., tokenize=True,
+        sanitize_control_tokens=True)``: control tokens written by the template become their
+        ids; a control token inside a message, tool, document or template keyword (a pasted
+        ``<|im_end|>``) is encoded as plain text (see chat_template.py). A conversation without
+        such text gives exactly the ids of tokenizing the rendered string. If
+        tokenizer_config.json asks for add_bos_token and the ids do not start with BOS, one is
+        prepended (BOS is never doubled). Raises TokenizerError as apply_chat_template, or when
+        a control token cannot be written as plain text in this vocabulary.
         """
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        return self._ensure_bos(self.encode(text, add_special_tokens=False))
+        source = self.chat_template_source(chat_template, tools)
+        control = ct.ControlTokens.build(self._added, source, self._chat_control_tokens)
+        msgs = control.mark(ct.normalize_messages([self._message_dict(m) for m in messages]))
+        rendered = ct.render(source, self.name, msgs, tools=control.mark(tools),
+                             documents=control.mark(documents),
+                             add_generation_prompt=add_generation_prompt,
+                             special_tokens=self.special_tokens,
+                             template_kwargs=control.mark(template_kwargs))
+        return self._ensure_bos(self._encode_marked(rendered, control))
+
+    def _encode_marked(self, rendered: str, control: ct.ControlTokens) -> list[int]:
+        """Ids of a rendering whose caller-supplied control tokens are marked: marked tokens
+        as plain text, the rest normally. Each piece after the first is encoded behind a
+        newline that is then removed, so SentencePiece adds no prefix space mid-chat (the
+        method of transformers' encode_marked_chat)."""
+        pieces = control.marker_re().split(rendered)
+        ids = self.encode(pieces[0])
+        if len(pieces) == 1:
+            return ids
+        if self._newline_ids is None:
+            self._newline_ids = self.encode("\n")
+        nl = self._newline_ids
+        for i, piece in enumerate(pieces[1:], start=1):
+            if not piece:
+                continue  # a lone marker: dropped, but it still separated the text around it
+            as_text = i % 2 == 1
+            enc = self.encode_as_text if as_text else self.encode
+            piece_ids = enc("\n" + piece)
+            piece_ids = piece_ids[len(nl):] if piece_ids[:len(nl)] == nl else enc(piece)
+            if as_text and self._hf.token_to_id(piece) in piece_ids:
+                raise TokenizerError(
+                    f"{self.name}: the control token {piece!r} in a message cannot be encoded as "
+                    f"plain text (this tokenizer produces it from its characters); remove it "
+                    f"from the message")
+            ids += piece_ids
+        return ids
 
     @staticmethod
     def _message_dict(m: MessageLike) -> dict[str, Any]:
         if isinstance(m, ChatMessage):
-            return {"role": m.role, "content": m.content}
+            return ct.history_message(m.role, m.content)
         if isinstance(m, Mapping):
             return dict(m)
         raise TokenizerError(f"chat messages must be ChatMessage or dicts with role and "

@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..chat_template import raw_mode_warning
 from ..events import ChatMessage, Finished, GenerateRequest, StepMetrics, TokenEvent
 from ..settings import ENGINE, SAMPLING
 from .flags import add_setting_flags, engine_config, sampling_params
@@ -40,6 +41,8 @@ def cmd_run(a) -> int:
     with Engine.open(cfg) as eng:
         if a.prof:
             print(f"[prof] {eng.loaded.message}", file=sys.stderr)
+        if (not a.raw and not eng.has_chat_template) or (a.raw and a.system):  # never silently raw (18.5)
+            print(raw_mode_warning(eng.loaded.store_path, eng.has_chat_template, bool(a.system)), file=sys.stderr)
         if a.raw or not eng.has_chat_template:
             req = GenerateRequest(prompt=a.prompt, sampling=sampling_params(a))
         else:
@@ -120,7 +123,8 @@ def add_parsers(sub) -> None:
     r.add_argument("--model", help="converted store (default: the bundled model)")
     r.add_argument("--prompt", required=True)
     r.add_argument("--system", default="", help="system prompt (chat models)")
-    r.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    r.add_argument("--raw", action="store_true", help="raw mode: no chat template, the prompt is plain text for the "
+                   "model to continue (special tokens in it are recognised; --system is not used)")
     r.add_argument("--prof", action="store_true", help="print a closing profile (hit rate, MB/token, felt wait)")
     r.add_argument("--trace", help="record routing and PILOT predictions to this file")
     add_setting_flags(r, SAMPLING)

@@ -29,7 +29,7 @@ from .paths import download_dir_for, free_space, models_dir, same_disk, store_na
 # onnx/, original/, *.gguf, images ...) is never downloaded.
 NEEDED_PATTERNS = ("*.safetensors", "model.safetensors.index.json", "config.json",
                    "generation_config.json", "tokenizer*.json", "special_tokens_map.json",
-                   "chat_template.jinja", "vocab.json", "vocab.txt", "merges.txt")
+                   "chat_template.jinja", "chat_template.json", "vocab.json", "vocab.txt", "merges.txt")
 WIZARD_QUANTS = ("int8", "int4", "f16")  # f32 is for tests only
 DEFAULT_CONTEXT = MAX_DEFAULT_CONTEXT  # the context the RAM verdict assumes by default
 DISK_MARGIN_BYTES = 64_000_000  # slack kept free on a target disk (manifest, fs overhead)
