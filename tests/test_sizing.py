@@ -4,7 +4,7 @@ what Engine.open then does."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
@@ -65,21 +65,10 @@ def test_a_new_family_plugs_in_through_dense_shapes():
                                 "num_attention_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
                                 "intermediate_size": 32, "vocab_size": 128})
 
-    @dataclass(frozen=True)
-    class OtherArgs:
-        hidden_size: int = 64
-        intermediate_size: int = 32
-        num_hidden_layers: int = 2
-        num_key_value_heads: int = 4
-        head_dim: int = 16
-        num_experts: int = 8
-        num_experts_per_tok: int = 2
-        max_position_embeddings: int = 512
-
-        def dense_shapes(self):
-            return [(100, 64)], 1000  # one int8 matrix + 1000 float32 values
-
-    other = OtherArgs()
+    other = SimpleNamespace(  # another family's args: only what sizing reads, plus dense_shapes()
+        hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_key_value_heads=4, head_dim=16,
+        num_experts=8, num_experts_per_tok=2, max_position_embeddings=512,
+        dense_shapes=lambda: ([(100, 64)], 1000))  # one int8 matrix + 1000 float32 values
     assert sizing.dense_bytes(other, "int8") == 100 * 64 + 100 * 4 + 4000
     assert sizing.dense_bytes(base, "int8") != sizing.dense_bytes(other, "int8")
     est = sizing.estimate(other, "int8", 0)
