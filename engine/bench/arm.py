@@ -112,6 +112,11 @@ def cmd_arm(a) -> int:
     return 0
 
 def arm_subprocess(store, over, prompt_len, tokens, seed, prompt_text=None, stream_file=None) -> dict:
+    """Run one arm (run_arm) in a fresh ``colibri bench arm`` process; returns its JSON row.
+
+    Raises:
+        RuntimeError: the arm process printed no row (its output tail is in the message).
+    """
     cmd = [sys.executable, "-m", "engine.cli", "bench", "arm", "--store", store, "--config", json.dumps(over),
            "--prompt-len", str(prompt_len), "--tokens", str(tokens), "--seed", str(seed)]
     if prompt_text is not None:

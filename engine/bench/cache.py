@@ -9,6 +9,8 @@ from .disk import measure_disk
 
 
 def cmd_cache(a) -> int:
+    """Each cap of ``--caps`` as a cold arm in a fresh process (pilot 0, no pinning); the felt wait
+    is compared with demand bytes / the disk's QD4 bandwidth."""
     disk = measure_disk(a.store)
     bw = disk["qd4_gbps"] * 1e9
     rows = []

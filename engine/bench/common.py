@@ -25,12 +25,14 @@ PRESETS = {
 }
 
 def machine_info() -> dict:
+    """CPU, cores, RAM (GB), Python version and the time, recorded with every result."""
     import psutil
     return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "ram_gb": round(psutil.virtual_memory().total / 1e9, 1), "python": platform.python_version(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 def write_results(name: str, data: dict, table: str, out_dir: str = "bench/results") -> Path:
+    """Write ``<out_dir>/<name>.json`` and ``.md`` atomically, print the table; returns the JSON path."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     from ..fsutil import atomic_write_text
