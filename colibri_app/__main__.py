@@ -15,8 +15,6 @@ def main(argv: list[str] | None = None) -> int:
     (converted into the user data directory on first run, with visible progress, on the
     worker thread). Returns the application's exit code.
     """
-    from .refcount_guard import apply as guard_refcounts
-    guard_refcounts()   # before any Qt call; see refcount_guard.py
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
@@ -47,9 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         tick.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    from .engine_bridge import STUCK_THREADS
-    if STUCK_THREADS:
-        # a hung engine thread cannot be joined; exiting normally would abort in ~QThread
+    from .workers import STUCK, shutdown_all
+    shutdown_all()   # normally a no-op: the window joined its tasks when it closed
+    if STUCK:
+        # a hung worker thread cannot be joined; exiting normally would wait for it forever
         logging.shutdown()
         os._exit(rc)
     return rc

@@ -26,6 +26,7 @@ from .chat_view import ChatView, ConversationList
 from .engine_bridge import EngineController, GenerationJob
 from .history import COMPLETE, DEFAULT_TITLE, ERROR, STOPPED, STREAMING, History, Message
 from .plot_panels import PlotPanels
+from .workers import shutdown_all
 from .settings_store import Settings, save_settings
 
 log = logging.getLogger(__name__)
@@ -778,6 +779,9 @@ class MainWindow(QMainWindow):
         save_ui_state(self.ui_state())
         self.flush_timer.stop()
         self.controller.shutdown()
+        # and every other background task (wizard download / conversion, library scan): cancel
+        # and join them now, while the objects they report to still exist (issue 18 fault 6)
+        shutdown_all()
         # the worker's last events (its tokens and Finished) are queued for this thread
         QCoreApplication.sendPostedEvents(self, QEvent.MetaCall)
         self._flush_stream()
