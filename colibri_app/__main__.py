@@ -18,6 +18,9 @@ def main(argv: list[str] | None = None) -> int:
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
+    from engine import paths
+
+    from .instance import FOCUSED, claim
     from .main_window import MainWindow
     from .resources import apply_theme
     from .settings_store import load_settings
@@ -27,9 +30,16 @@ def main(argv: list[str] | None = None) -> int:
     app.setApplicationName("colibri-desktop")
     app.setApplicationDisplayName("colibri")
     app.setOrganizationName("colibri")
+    # one instance per data folder: a second start brings the first window to the front, or
+    # (when the first does not answer) opens the history read-only
+    inst = claim(paths.user_data_dir())
+    if inst.mode == FOCUSED:
+        print(f"colibri is already running on {inst.data_dir} ({inst.owner}); brought its window to the front.")
+        return 0
     apply_theme(app)
     settings, message = load_settings()
-    win = MainWindow(settings, settings_message=message)
+    win = MainWindow(settings, settings_message=message, read_only=inst.read_only_reason)
+    inst.listen(win.bring_to_front)
     win.show()
     win.start()
     # Ctrl+C / SIGTERM close the window the normal way (stop, store the answer, close the engine);
@@ -47,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, handler)
     from .workers import STUCK, shutdown_all
     shutdown_all()   # normally a no-op: the window joined its tasks when it closed
+    inst.release()
     if STUCK:
         # a hung worker thread cannot be joined; exiting normally would wait for it forever
         logging.shutdown()

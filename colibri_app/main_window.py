@@ -189,6 +189,26 @@ class QueuedNote(QFrame):
         self.hide()
 
 
+class ReadOnlyNote(QFrame):
+    """Shown when another instance owns the data folder and this window is read-only."""
+
+    def __init__(self, parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName("readOnlyNote")
+        self.setAccessibleName("Read-only window")
+        lay = QVBoxLayout(self)
+        lay.setContentsMargins(14, 8, 14, 8)
+        title = QLabel("Read-only")
+        title.setObjectName("bannerTitle")
+        self.text = QLabel()
+        self.text.setObjectName("readOnlyText")
+        self.text.setWordWrap(True)
+        self.text.setAccessibleName("Why this window is read-only")
+        lay.addWidget(title)
+        lay.addWidget(self.text)
+        self.hide()
+
+
 # --- the window -----------------------------------------------------------------------------
 
 
@@ -199,10 +219,13 @@ class MainWindow(QMainWindow):
         settings: the loaded Settings.
         settings_message: a problem found while loading the settings (shown as a banner).
         history: an open History (default: the user's history database).
+        read_only: non-empty when another instance owns the data folder (colibri_app.instance):
+            the sentence shown in the window; the history is opened read-only, no model is
+            opened, and nothing in the data or config folders is written.
     """
 
     def __init__(self, settings: Settings, settings_message: str | None = None,
-                 history: History | None = None):
+                 history: History | None = None, read_only: str = ""):
         super().__init__()
         self.setWindowTitle("colibri")
         self.settings = settings
@@ -215,9 +238,10 @@ class MainWindow(QMainWindow):
         self._editing: int | None = None
         self._dialogs: list = []
         self._closing = False
+        self.read_only = read_only
         hist_msg = None
         if history is None:
-            history, hist_msg = History.open()
+            history, hist_msg = History.open(read_only=bool(read_only))
         self.history = history
 
         self.controller = EngineController(self)
@@ -235,6 +259,15 @@ class MainWindow(QMainWindow):
         self._build_menus()
 
         self._restore_ui_state()
+        if read_only:
+            self.read_only_note.text.setText(read_only)
+            self.read_only_note.show()
+            self._not_ready = "Read-only: this window does not open a model."
+            for act in (self.act_settings, self.act_add, self.act_models, self.act_new):
+                act.setEnabled(False)
+            self.sidebar.new_btn.setEnabled(False)
+            self.chat.system_edit.setReadOnly(True)
+            self._sync_chat()
         if hist_msg:
             self.banner.show_message("history", hist_msg)
         if settings_message:
@@ -264,6 +297,8 @@ class MainWindow(QMainWindow):
         self.loading = LoadingPanel()
         self.queued_note = QueuedNote()
         self.queued_note.cancel.clicked.connect(self.cancel_queued)
+        self.read_only_note = ReadOnlyNote()
+        nl.addWidget(self.read_only_note)
         nl.addWidget(self.banner)
         nl.addWidget(self.loading)
         nl.addWidget(self.queued_note)
@@ -342,7 +377,10 @@ class MainWindow(QMainWindow):
     # --- engine lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        """Open the current model (or the bundled default) and show the last conversation."""
+        """Open the current model (or the bundled default) and show the last conversation
+        (a read-only window opens none)."""
+        if self.read_only:
+            return
         cm = self.settings.current_model
         if cm and Path(cm).exists():
             self.open_model(cm)
@@ -414,6 +452,9 @@ class MainWindow(QMainWindow):
                 it.setText(f"{it.text()}  · {mark}")
                 it.setToolTip(f"{it.toolTip()}\n{'the model is writing the answer' if mark != 'waiting' else 'waits for the answer in another chat'}")
             it.setData(Qt.UserRole + 1, mark)
+        if self.read_only:
+            self.sidebar.rename_btn.setEnabled(False)
+            self.sidebar.delete_btn.setEnabled(False)
 
     def queued_conversations(self) -> list[int]:
         """Conversations whose message waits for the engine, in order."""
@@ -466,7 +507,7 @@ class MainWindow(QMainWindow):
     def rename_conversation(self, conv_id: int, title: str | None = None) -> None:
         """Rename (asks for the title when not given)."""
         conv = self.history.conversation(conv_id)
-        if conv is None:
+        if conv is None or self.read_only:
             return
         if title is None:
             title, ok = QInputDialog.getText(self, "Rename chat", "Title:", text=conv.title)
@@ -481,7 +522,7 @@ class MainWindow(QMainWindow):
     def delete_conversation(self, conv_id: int, confirm: bool = True) -> None:
         """Delete a conversation after confirmation."""
         conv = self.history.conversation(conv_id)
-        if conv is None:
+        if conv is None or self.read_only:
             return
         if confirm:
             r = QMessageBox.question(self, "Delete chat",
@@ -499,7 +540,7 @@ class MainWindow(QMainWindow):
             self._refresh_list()
 
     def _system_prompt_edited(self, text: str) -> None:
-        if self._closing:
+        if self._closing or self.read_only:
             return
         if self.conv_id is None:
             self._pending_system = text
@@ -691,6 +732,16 @@ class MainWindow(QMainWindow):
         elif self._editing is not None:
             self._cancel_edit()
 
+    def bring_to_front(self) -> None:
+        """Another start of the app on this data folder asked for this window."""
+        if self.isMinimized():
+            self.showNormal()
+        else:
+            self.show()
+        self.raise_()
+        self.activateWindow()
+        self.statusBar().showMessage("colibri is already running: this is its window", 6000)
+
     def focus_input(self) -> None:
         """Ctrl+L: put the cursor in the prompt box."""
         self.chat.input.setFocus()
@@ -809,7 +860,8 @@ class MainWindow(QMainWindow):
         if self.conv_id is not None and self.chat.system_edit.isVisible():
             self._system_prompt_edited(self.chat.system_prompt())
         self._closing = True
-        save_ui_state(self.ui_state())
+        if not self.read_only:
+            save_ui_state(self.ui_state())
         self.controller.shutdown()
         # and every other background task (wizard download / conversion, library scan): cancel
         # and join them now, while the objects they report to still exist (issue 18 fault 6)
