@@ -167,45 +167,34 @@ class LoadingPanel(QFrame):
         self.show()
 
 
-class QueuedNote(QFrame):
-    """Shown in a chat whose message waits for the answer being written in another chat."""
+class Note(QFrame):
+    """A one-sentence note above the chat (object name ``name`` styles it), with an optional
+    bold title and an optional button (``self.button``)."""
 
-    def __init__(self, parent: QWidget | None = None):
+    def __init__(self, name: str, accessible: str, title: str = "", button: str = "",
+                 parent: QWidget | None = None):
         super().__init__(parent)
-        self.setObjectName("queuedNote")
-        self.setAccessibleName("Waiting for another chat")
+        self.setObjectName(name)
+        self.setAccessibleName(accessible)
         lay = QHBoxLayout(self)
         lay.setContentsMargins(14, 8, 10, 8)
+        col = QVBoxLayout()
+        if title:
+            head = QLabel(title)
+            head.setObjectName("bannerTitle")
+            col.addWidget(head)
         self.text = QLabel()
-        self.text.setObjectName("queuedText")
+        self.text.setObjectName(name + "Text")
         self.text.setWordWrap(True)
-        self.text.setAccessibleName("Queued message note")
-        lay.addWidget(self.text, 1)
-        self.cancel = QPushButton("Don't send")
-        self.cancel.setObjectName("bannerDismiss")
-        self.cancel.setAccessibleName("Cancel the queued message")
-        self.cancel.setToolTip("Take the waiting message back into the prompt box")
-        lay.addWidget(self.cancel, 0, Qt.AlignVCenter)
-        self.hide()
-
-
-class ReadOnlyNote(QFrame):
-    """Shown when another instance owns the data folder and this window is read-only."""
-
-    def __init__(self, parent: QWidget | None = None):
-        super().__init__(parent)
-        self.setObjectName("readOnlyNote")
-        self.setAccessibleName("Read-only window")
-        lay = QVBoxLayout(self)
-        lay.setContentsMargins(14, 8, 14, 8)
-        title = QLabel("Read-only")
-        title.setObjectName("bannerTitle")
-        self.text = QLabel()
-        self.text.setObjectName("readOnlyText")
-        self.text.setWordWrap(True)
-        self.text.setAccessibleName("Why this window is read-only")
-        lay.addWidget(title)
-        lay.addWidget(self.text)
+        self.text.setAccessibleName(accessible + " text")
+        col.addWidget(self.text)
+        lay.addLayout(col, 1)
+        self.button: QPushButton | None = None
+        if button:
+            self.button = QPushButton(button)
+            self.button.setObjectName("bannerDismiss")
+            self.button.setAccessibleName(f"{accessible}: {button}")
+            lay.addWidget(self.button, 0, Qt.AlignVCenter)
         self.hide()
 
 
@@ -295,9 +284,10 @@ class MainWindow(QMainWindow):
         nl.setSpacing(8)
         self.banner = Banner()
         self.loading = LoadingPanel()
-        self.queued_note = QueuedNote()
-        self.queued_note.cancel.clicked.connect(self.cancel_queued)
-        self.read_only_note = ReadOnlyNote()
+        self.queued_note = Note("queuedNote", "Waiting for another chat", button="Don't send")
+        self.queued_note.button.setToolTip("Take the waiting message back into the prompt box")
+        self.queued_note.button.clicked.connect(self.cancel_queued)
+        self.read_only_note = Note("readOnlyNote", "Read-only window", title="Read-only")
         nl.addWidget(self.read_only_note)
         nl.addWidget(self.banner)
         nl.addWidget(self.loading)

@@ -67,9 +67,9 @@ QStatusBar::item { border: none; }
 #bannerDismiss { border: 1px solid #e5e7eb; background: white; border-radius: 6px; padding: 4px 10px; }
 
 #queuedNote { background: #eff6ff; border: 1px solid #bfdbfe; border-radius: 10px; }
-#queuedText { color: #1e3a8a; }
+#queuedNoteText { color: #1e3a8a; }
 #readOnlyNote { background: #fffbeb; border: 1px solid #fde68a; border-radius: 10px; }
-#readOnlyText { color: #78350f; }
+#readOnlyNoteText { color: #78350f; }
 
 #loadingFrame { background: #ffffff; border: 1px solid #e5e7eb; border-radius: 10px; }
 #loadingLabel { color: #374151; }

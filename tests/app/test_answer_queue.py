@@ -94,7 +94,7 @@ def test_regenerate_elsewhere_waits_and_a_waiting_message_can_be_taken_back(qtbo
     win.send("never mind")
     b = win.conv_id
     assert win.queued_conversations() == [old, b]
-    win.queued_note.cancel.click()
+    win.queued_note.button.click()
     assert win.queued_conversations() == [old] and win.history.messages(b) == []
     assert win.chat.input.toPlainText() == "never mind" and win.chat.send_btn.isEnabled()
     win.select_conversation(a)
