@@ -101,10 +101,8 @@ class ModelLibraryDialog(QDialog):
     def _run(self, fn, on_result) -> None:
         """Run ``fn()`` on the library lane; ``on_result(value)`` on success, the error in the
         status line otherwise; then a fresh scan unless this was the scan."""
-        task = self.task = library_lane().submit(lambda ctx: fn(), "library")
-        task.result.connect(on_result)
-        task.error.connect(self._failed)
-        task.finished.connect(self._task_ended)
+        self.task = library_lane().submit(lambda ctx: fn(), "library", result=on_result, error=self._failed,
+                                          finished=self._task_ended)
         self._selection_changed()
 
     @Slot()

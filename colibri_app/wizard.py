@@ -45,9 +45,10 @@ def wizard_lane() -> Lane:
     return _LANE
 
 
-def run_task(fn: Callable[[Callable, threading.Event], object]) -> Task:
-    """Run ``fn(progress, cancel)`` on the wizard lane; see :class:`colibri_app.workers.Task`."""
-    return wizard_lane().submit(lambda ctx: fn(ctx.progress, ctx.cancel), "wizard")
+def run_task(fn: Callable[[Callable, threading.Event], object], **slots) -> Task:
+    """Run ``fn(progress, cancel)`` on the wizard lane; ``slots``: progress / result / error
+    receivers, connected before it starts (see :meth:`colibri_app.workers.Lane.submit`)."""
+    return wizard_lane().submit(lambda ctx: fn(ctx.progress, ctx.cancel), "wizard", **slots)
 
 
 def _error_style(label: QLabel, color: str) -> None:
@@ -154,8 +155,9 @@ class SourcePage(QWizardPage):
             self.start_check()
         return False
 
-    def start_check(self) -> None:
-        """Run hub.check_repo / hub.check_local in the background for the current input."""
+    def start_check(self, extra_result: tuple = (), extra_error: tuple = ()) -> None:
+        """Run hub.check_repo / hub.check_local in the background for the current input
+        (``extra_result`` / ``extra_error``: more receivers of its outcome)."""
         key = self.key()
         ctx = self.wiz.context_length
         if key[0] == "hub":
@@ -172,9 +174,7 @@ class SourcePage(QWizardPage):
             self.status.setText(f"Checking {folder}…")
         _error_style(self.status, "")
         self.wiz.check = None
-        self.task = run_task(fn)
-        self.task.result.connect(self._check_done)
-        self.task.error.connect(self._check_failed)
+        self.task = run_task(fn, result=[self._check_done, *extra_result], error=[self._check_failed, *extra_error])
         self.completeChanged.emit()
 
     @Slot(object)
@@ -290,9 +290,7 @@ class CheckPage(QWizardPage):
         sp = self.wiz.source_page
         if sp.task is not None:
             return
-        sp.start_check()
-        sp.task.result.connect(self._rechecked)
-        sp.task.error.connect(self._recheck_failed)
+        sp.start_check(extra_result=[self._rechecked], extra_error=[self._recheck_failed])
         self.disk.setText("Checking again…")
         self.completeChanged.emit()
 
@@ -372,10 +370,7 @@ class DownloadPage(QWizardPage):
             return str(hub.download(repo, rev, c.download_dir, progress, cancel, check=c))
         self.status.setText("Downloading…")
         _error_style(self.status, "")
-        self.task = run_task(fn)
-        self.task.progress.connect(self._progress)
-        self.task.result.connect(self._done)
-        self.task.error.connect(self._failed)
+        self.task = run_task(fn, progress=self._progress, result=self._done, error=self._failed)
         self.cancel_button.setEnabled(True)
         self.resume_button.setEnabled(False)
         self.completeChanged.emit()
@@ -546,10 +541,7 @@ class ConvertPage(QWizardPage):
                 except (OSError, ValueError):
                     pass
             return str(store)
-        self.task = run_task(fn)
-        self.task.progress.connect(self._progress)
-        self.task.result.connect(self._done)
-        self.task.error.connect(self._failed)
+        self.task = run_task(fn, progress=self._progress, result=self._done, error=self._failed)
         self.status.setText(f"Converting to {quant}…")
         _error_style(self.status, "")
         for w in (self.quant, self.replace, self.delete_download, self.convert_button):
@@ -640,9 +632,7 @@ class DonePage(QWizardPage):
 
         def fn(progress, cancel):
             return hub.self_test(store)
-        self.task = run_task(fn)
-        self.task.result.connect(self._done)
-        self.task.error.connect(self._failed)
+        self.task = run_task(fn, result=self._done, error=self._failed)
         self.completeChanged.emit()
 
     @Slot(object)

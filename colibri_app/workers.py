@@ -38,6 +38,7 @@ SHUTDOWN_TIMEOUT_S = 10.0    # bounded join at app exit (a download stops within
 
 #: Lanes whose threads did not end within the shutdown wait (kept alive on purpose).
 STUCK: list["Lane"] = []
+Slots = Callable | list | None
 _LANES: list["Lane"] = []
 _hooked = False
 
@@ -193,11 +194,15 @@ class Lane:
         _LANES.append(self)
         _hook_app_quit()
 
-    def submit(self, fn: Callable[[TaskContext], Any], name: str = "",
+    def submit(self, fn: Callable[[TaskContext], Any], name: str = "", *,
+               progress: Slots = None, result: Slots = None, error: Slots = None, finished: Slots = None,
                progress_interval_s: float = PROGRESS_INTERVAL_S, cancel: threading.Event | None = None,
                skip_if_cancelled: bool = True) -> Task:
-        """Queue ``fn(ctx)``; returns its Task (connect to its signals right away: the first
-        signal is delivered through the GUI event loop, never before this returns).
+        """Queue ``fn(ctx)`` and return its Task.
+
+        ``progress``, ``result``, ``error``, ``finished``: receivers (a callable or a list) that
+        are connected to the task's signals *before* it starts; a receiver connected after
+        ``submit`` returned may miss a task that already ended.
         ``cancel``: use this event as the task's stop flag (default: a new one).
         ``skip_if_cancelled``: a task cancelled before it started reports ``error`` (kind
         "cancelled") without calling ``fn``; False calls ``fn`` anyway (it sees the flag set).
@@ -208,6 +213,10 @@ class Lane:
         if self.closed:
             raise RuntimeError(f"the {self.name} lane is shut down")
         task = Task(fn, name or self.name, progress_interval_s, cancel, skip_if_cancelled)
+        for signal, slots in ((task.progress, progress), (task.result, result), (task.error, error),
+                              (task.finished, finished)):
+            for slot in (slots if isinstance(slots, (list, tuple)) else [slots] if slots else []):
+                signal.connect(slot)
         with self._lock:
             self._tasks = [t for t in self._tasks if t.running]
             self._tasks.append(task)   # keeps the Python object alive while it runs

@@ -12,7 +12,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import pytest
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SHOTS = os.environ.get("COLIBRI_SHOTS_DIR")
