@@ -14,6 +14,7 @@ is derived from the folder. A second start of the same user on the same folder:
 
 from __future__ import annotations
 
+import getpass
 import hashlib
 import logging
 import os
@@ -34,7 +35,7 @@ PRIMARY, FOCUSED, READ_ONLY = "primary", "focused", "read-only"
 
 def server_name(data_dir: str | os.PathLike) -> str:
     """The local-socket name of the instance that owns ``data_dir`` (per user and folder)."""
-    key = f"{os.getuid() if hasattr(os, 'getuid') else os.getlogin()}:{Path(data_dir).resolve()}"
+    key = f"{os.getuid() if hasattr(os, 'getuid') else getpass.getuser()}:{Path(data_dir).resolve()}"
     return "colibri-" + hashlib.sha1(key.encode("utf-8")).hexdigest()[:20]
 
 
@@ -52,12 +53,17 @@ class Claim:
     lock: QLockFile | None = None
     owner: str = ""
     server: "ActivationServer | None" = None
+    problem: str = ""   # READ_ONLY because the lock could not be taken at all (e.g. no write permission)
 
     @property
     def read_only_reason(self) -> str:
         """The sentence the read-only window shows (empty unless READ_ONLY)."""
         if self.mode != READ_ONLY:
             return ""
+        if self.problem:
+            return (f"The data folder {self.data_dir} cannot be locked for this window ({self.problem}). "
+                    f"This window shows your chats read-only: it does not open a model or change the history. "
+                    f"Check the folder's permissions, or set COLIBRI_DATA_DIR to a folder you can write.")
         who = f" ({self.owner})" if self.owner else ""
         return (f"Another colibri window{who} is using the data folder {self.data_dir} and did not answer. "
                 f"This window shows your chats read-only: it does not open a model or change the history. "
@@ -123,13 +129,21 @@ def ask_to_activate(name: str, timeout_ms: int) -> bool:
 
 def claim(data_dir: str | os.PathLike, timeout_ms: int = 3000) -> Claim:
     """Take the data folder for this process, or find out who has it (see the module doc).
-    Needs a QCoreApplication. Creates ``data_dir`` if missing."""
+    Needs a QCoreApplication. Creates ``data_dir`` if missing (if it cannot, READ_ONLY)."""
     d = Path(data_dir)
-    d.mkdir(parents=True, exist_ok=True)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return Claim(READ_ONLY, d, problem=f"it cannot be created: {e.strerror or e}")
     lock = QLockFile(str(d / LOCK_NAME))
     lock.setStaleLockTime(0)   # only a dead owner makes the lock stale, never its age
     if lock.tryLock(0):
         return Claim(PRIMARY, d, lock)
+    if lock.error() != QLockFile.LockError.LockFailedError:   # not held by another process
+        problem = {QLockFile.LockError.PermissionError: "no permission to create the lock file"}.get(
+            lock.error(), "the lock file could not be created")
+        log.warning("cannot lock %s: %s", d / LOCK_NAME, problem)
+        return Claim(READ_ONLY, d, problem=problem)
     info = lock.getLockInfo()   # PySide6: (pid, hostname, appname), or a false value
     owner = f"pid {info[0]} on {info[1]}" if info and len(info) >= 2 and info[0] else ""
     if ask_to_activate(server_name(d), timeout_ms):

@@ -143,3 +143,12 @@ def test_second_start_runs_read_only_when_the_first_does_not_answer(qtbot, app_d
         assert again.mode == PRIMARY
     finally:
         again.release()
+
+
+def test_a_data_folder_that_cannot_be_locked_opens_read_only_and_says_why(qtbot, tmp_path):
+    from colibri_app.instance import READ_ONLY, claim
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    c = claim(blocker / "data", timeout_ms=200)
+    assert c.mode == READ_ONLY and c.problem
+    assert "cannot be locked" in c.read_only_reason and "COLIBRI_DATA_DIR" in c.read_only_reason
