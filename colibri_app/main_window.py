@@ -457,12 +457,12 @@ class MainWindow(QMainWindow):
         here = a is not None and self.conv_id is not None and a.conv_id == self.conv_id
         waiting = self.conv_id is not None and self.conv_id in self.queued_conversations()
         self.chat.set_generating(here)
-        if waiting and a is not None:
-            other = self.history.conversation(a.conv_id)
-            title = other.title if other else "another chat"
-            self.queued_note.text.setText(f"Waiting for the answer in “{title}” to finish — your message "
-                                          f"is sent to the model right after it.")
-            self.chat.set_ready(False, f"Waiting for the answer in “{title}”…")
+        if waiting:
+            other = self.history.conversation(a.conv_id) if a is not None else None
+            what = (f"the answer in “{other.title if other else 'another chat'}”" if a is not None
+                    else "the model to open")
+            self.queued_note.text.setText(f"Waiting for {what} — your message is sent to the model right after.")
+            self.chat.set_ready(False, f"Waiting for {what}…")
         elif self.loaded is None:
             self.chat.set_ready(False, self._not_ready)
         else:
@@ -663,8 +663,7 @@ class MainWindow(QMainWindow):
         for conv_id, user_id in [q for q in self.queue if q[0] == self.conv_id]:
             self.queue.remove((conv_id, user_id))
             m = self.history.message(user_id)
-            msgs = self.history.messages(conv_id)
-            if m is not None and msgs and msgs[-1].id == user_id:   # a sent message, not a regenerate
+            if m is not None:   # the question (sent, or to regenerate for) goes back into the prompt box
                 self._truncate_from(conv_id, user_id)
                 self.chat.input.setPlainText(m.content)
         self._sync_chat()

@@ -43,8 +43,8 @@ def test_send_in_another_chat_while_answering_waits_visibly(qtbot, make_window):
     assert [v.role for v in win.chat.views.values()] == ["user"]
     assert win.queued_note.isVisible()
     assert "Waiting for the answer in “Tell me a long story”" in win.queued_note.text.text()
+    assert "Waiting for the answer in “Tell me a long story”" in win.chat.input.placeholderText()
     assert win.chat.send_btn.text() == "Send" and not win.chat.send_btn.isEnabled()
-    assert "Waiting" in win.chat.input.placeholderText()
     assert _marks(win) == {a: "answering…", b: "waiting"}
     assert any("answering" in win.sidebar.list.item(i).text() for i in range(win.sidebar.list.count()))
     if SHOTS:
@@ -60,6 +60,9 @@ def test_send_in_another_chat_while_answering_waits_visibly(qtbot, make_window):
     # the answering chat has the Stop button; stopping it starts the waiting one
     win.select_conversation(a)
     assert win.chat.send_btn.text() == "Stop" and not win.queued_note.isVisible()
+    # the answer streamed on while another chat was on screen: all of it is shown again
+    card = win.chat.view(win.answer.asst_id)
+    assert card is not None and card.content and card.content == win.answer.full_text
     win.chat.send_btn.click()
     qtbot.waitUntil(lambda: win.answer is not None and win.answer.conv_id == b, timeout=30000)
     assert win.chat.send_btn.text() == "Send" and win.chat.send_btn.isEnabled()   # A is idle now: B answers
