@@ -156,6 +156,7 @@ class Task(QObject):
 
     def _run(self) -> None:
         """Runs on a lane thread."""
+        threading.current_thread().name = f"colibri-{self.name}"   # for logs and stack dumps
         try:
             if self.skip_if_cancelled and self.cancel_event.is_set():
                 raise TaskCancelled(f"{self.name} was cancelled before it started")
@@ -172,10 +173,11 @@ class Task(QObject):
 
 
 class Lane:
-    """A pool of ``threads`` worker threads running :class:`Task` s in submission order.
+    """A pool of ``threads`` worker threads running :class:`Task` s, started in submission
+    order (with one thread: one after the other).
 
     Args:
-        name: for logs and thread names.
+        name: names its tasks (logs, and the Python name of the thread running one).
         threads: 1 for serial work (the engine), more for independent jobs.
         final: run on the lane after the cancelled tasks when the lane shuts down (the engine
             lane closes the engine there); its errors are logged, never raised.
@@ -242,7 +244,12 @@ class Lane:
             self.cancel_all()
         self.closed = True
         if self.final is not None:
-            task = Task(lambda ctx: self.final(), f"{self.name}-final")
+            def final(ctx) -> None:
+                try:
+                    self.final()
+                except Exception:  # noqa: BLE001 - shutting down: log, go on
+                    log.exception("the %s lane's final step failed", self.name)
+            task = Task(final, f"{self.name}-final")
             with self._lock:
                 self._tasks.append(task)
             self.pool.start(task._run)
