@@ -27,7 +27,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from PySide6.QtCore import QCoreApplication, QObject, QThreadPool, Signal
+from PySide6.QtCore import QCoreApplication, QObject, Qt, QThreadPool, Signal
 
 from engine import EngineFailure
 
@@ -190,7 +190,8 @@ class Lane:
         self.pool.setObjectName(f"colibri-{name}")
         self.pool.setMaxThreadCount(max(1, int(threads)))
         self.pool.setExpiryTimeout(-1)   # keep the threads (the engine stays on one thread)
-        self._tasks: list[Task] = []
+        self._tasks: list[Task] = []      # not ended yet (pruned on submit)
+        self._alive: set[Task] = set()    # not yet released (see _start)
         self._lock = threading.Lock()
         self.closed = False
         _LANES.append(self)
@@ -219,11 +220,23 @@ class Lane:
                               (task.finished, finished)):
             for slot in (slots if isinstance(slots, (list, tuple)) else [slots] if slots else []):
                 signal.connect(slot)
+        self._start(task)
+        return task
+
+    def _start(self, task: Task) -> None:
+        # The lane keeps the Python object alive until its last signal has been delivered on the
+        # GUI thread: a Task collected earlier takes its queued deliveries with it. The release
+        # is connected last, so it is delivered after every receiver connected before it.
+        task.finished.connect(lambda t=task: self._release(t), Qt.QueuedConnection)
         with self._lock:
             self._tasks = [t for t in self._tasks if t.running]
-            self._tasks.append(task)   # keeps the Python object alive while it runs
+            self._tasks.append(task)
+            self._alive.add(task)
         self.pool.start(task._run)
-        return task
+
+    def _release(self, task: Task) -> None:
+        with self._lock:
+            self._alive.discard(task)
 
     def tasks(self) -> list[Task]:
         """Tasks not yet ended."""
@@ -249,10 +262,7 @@ class Lane:
                     self.final()
                 except Exception:  # noqa: BLE001 - shutting down: log, go on
                     log.exception("the %s lane's final step failed", self.name)
-            task = Task(final, f"{self.name}-final")
-            with self._lock:
-                self._tasks.append(task)
-            self.pool.start(task._run)
+            self._start(Task(final, f"{self.name}-final"))
 
     def join(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` seconds for every thread of the lane to end; True if they

@@ -141,3 +141,14 @@ def test_a_hung_task_is_left_behind_after_the_bounded_wait():
         release.set()
         assert ln.join(10)
         workers.STUCK.remove(ln)
+
+
+def test_every_signal_arrives_though_the_caller_keeps_no_reference(qtbot, lane):
+    """Many short tasks whose Task objects nobody keeps: their queued signals still arrive."""
+    import gc
+    got = []
+    for i in range(200):
+        lane.submit(lambda ctx, i=i: i, result=got.append, finished=gc.collect if i % 50 == 0 else None)
+    qtbot.waitUntil(lambda: len(got) == 200, timeout=30000)
+    assert sorted(got) == list(range(200))
+    qtbot.waitUntil(lambda: not lane._alive, timeout=5000)   # and then they are released
