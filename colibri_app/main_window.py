@@ -749,7 +749,7 @@ class MainWindow(QMainWindow):
         except ImportError:
             self._not_available("Settings")
             return
-        dlg = SettingsDialog(self.settings, self, auto_values=self.auto_values)
+        dlg = SettingsDialog(self.settings, self, auto_values=self.auto_values, save=None)  # saved here, once
         dlg.applied.connect(self.apply_settings)
         if hasattr(dlg, "reset_history_requested"):
             dlg.reset_history_requested.connect(self.reset_routing_history)
@@ -797,8 +797,12 @@ class MainWindow(QMainWindow):
 
     @Slot(object, bool)
     def apply_settings(self, new: Settings, needs_reload: bool) -> None:
-        """Take the new settings (the dialog saved them); reopen the engine if they require
+        """Save the new settings (the only save of an Apply); reopen the engine if they require
         it (else the sampling settings simply apply to the next message)."""
+        try:
+            save_settings(new)
+        except OSError as e:
+            self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {e}")
         self.settings = new
         if needs_reload:
             cm = new.current_model

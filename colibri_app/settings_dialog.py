@@ -5,8 +5,9 @@ spin box, "auto" pair), range, unit (suffix), tooltip (help and valid range), la
 whether a change reopens the model (marked ⟳). Spin boxes refuse values outside their range as
 they are typed, and the whole form is validated with the table's one validation, with an
 inline error that disables OK / Apply. "auto" shows the value the engine picks for the current
-model (``auto_values``). OK / Apply save the settings atomically (settings_store.save_settings,
-once) and emit ``applied(new_settings, needs_reload)``.
+model (``auto_values``). OK / Apply save the settings atomically (``save``, default
+settings_store.save_settings; None when the receiver of ``applied`` saves them, as MainWindow
+does: one save per Apply) and emit ``applied(new_settings, needs_reload)``.
 """
 
 from __future__ import annotations
@@ -41,20 +42,28 @@ class SettingsDialog(QDialog):
     """Edit ``settings``; see the module docstring.
 
     Signals:
-        applied(Settings, bool): the new settings (already saved) and whether the engine must
-            be reopened for them (Settings.needs_reload).
+        applied(Settings, bool): the new settings (already saved, unless ``save`` is None) and
+            whether the engine must be reopened for them (Settings.needs_reload).
         reset_history_requested(): the user asked to forget the routing history (heat) of the
             current model.
+    Args:
+        auto_values: (cap, budget bytes) the engine picks for "auto" with a candidate
+            EngineConfig (None: unknown); shown beside the "auto" boxes.
+        save: called once per Apply / OK with the new settings (default: save_settings);
+            None when the receiver of ``applied`` saves them.
     Attributes:
         fields: {setting name: editor widget}, for tests and for focusing a field.
+        auto_boxes: {setting name: its "auto" check box} (cap, ram_budget_gb).
     """
 
     applied = Signal(object, bool)
     reset_history_requested = Signal()
 
     def __init__(self, settings: Settings, parent: QWidget | None = None,
-                 auto_values: AutoValues | None = None):
+                 auto_values: AutoValues | None = None,
+                 save: Callable[[Settings], object] | None = ...):
         super().__init__(parent)
+        self._save = save_settings if save is ... else save
         self.setWindowTitle("Settings")
         self._base = settings
         self._auto_values = auto_values
@@ -311,10 +320,11 @@ class SettingsDialog(QDialog):
             return False
         reload_needed = self._base.needs_reload(new)
         self.save_error = None
-        try:
-            save_settings(new)
-        except OSError as e:
-            self.save_error = str(e)
+        if self._save is not None:
+            try:
+                self._save(new)
+            except OSError as e:
+                self.save_error = str(e)
         self._base = new
         self.applied.emit(new, reload_needed)
         msg = "Applied." + (f" The model will be reopened for the changes marked {RELOAD_MARK}."

@@ -174,3 +174,19 @@ def test_auto_shows_what_the_engine_picks(qtbot, make_window):
     d.budget_auto.setChecked(False)
     d.fields["ram_budget_gb"].setValue(0.3)
     assert d.cap_auto.text().startswith(f"auto ({plan.cap} experts")
+
+
+def test_one_save_per_apply(qtbot, make_window, monkeypatch):
+    import colibri_app.main_window as mw
+    import colibri_app.settings_dialog as sd
+    saves = []
+    monkeypatch.setattr(mw, "save_settings", lambda s, path=None: saves.append(("window", s)))
+    monkeypatch.setattr(sd, "save_settings", lambda s, path=None: saves.append(("dialog", s)))
+    win = make_window()
+    win.act_settings.trigger()
+    d = win._dialogs[-1]
+    d.fields["temperature"].setValue(0.5)
+    with qtbot.waitSignal(d.applied):
+        qtbot.mouseClick(_apply_button(d), Qt.LeftButton)
+    assert len(saves) == 1 and saves[0][1].sampling.temperature == 0.5
+    d.reject()
