@@ -226,3 +226,16 @@ def test_store_from_before_families_still_opens(tiny_store, tmp_path):
     (s / "manifest.json").write_text(json.dumps(m))
     with ExpertStore(s, o_direct=False) as st:
         assert st.args.num_moe_layers == m["num_layers"]
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_size_functions_match_the_store(family_stores, name):
+    from engine.models import dense_bytes, expert_slot_bytes
+    _, store = family_stores[name]
+    m = json.loads((store / "manifest.json").read_text())
+    a = ModelArgs.from_hf_config(store)
+    assert dense_bytes(a, "int8") == m["dense_bytes"]
+    assert expert_slot_bytes(a, "int8") == m["slab_layout"]["slot_bytes"]
+    assert a.dense_param_count() == sum(int(np.prod(v.shape)) for k, v in
+                                        load_file(str(store / "dense.safetensors")).items()
+                                        if not k.endswith(".s"))

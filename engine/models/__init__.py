@@ -41,3 +41,30 @@ def build_model(args, dense: dict, dense_quant: str, expert_quant: str, experts,
     """The family's Model over resident ``dense`` tensors and an ExpertProvider (see base.MoEModel)."""
     return family_for(args.model_type).Model(args, dense, dense_quant, expert_quant, experts,
                                              context_length, group_size)
+
+
+def dense_bytes(args, quant: str, group_size: int = 32) -> int:
+    """Bytes of the resident tensors (dense.safetensors, the manifest's ``dense_bytes``) of a
+    store of ``args`` converted at ``quant``: exact, from the same tensor list the converter
+    writes (attention, norms, routers, biases, shared experts, dense-layer MLPs, embeddings)."""
+    import numpy as np
+
+    from ..quant import _field_specs
+    dq = "int8" if quant in ("int8", "int4") else quant
+    seen, total = set(), 0
+    for t in family_for(args.model_type).dense_tensors(args):
+        if t.ours in seen:
+            continue
+        seen.add(t.ours)
+        if t.kind == "keep":
+            total += int(np.prod(t.shape)) * 4
+        else:
+            total += sum(int(np.prod(shape)) * dt.itemsize for _, dt, shape in _field_specs(dq, *t.shape, group_size))
+    return total
+
+
+def expert_slot_bytes(args, quant: str, group_size: int = 32) -> int:
+    """Bytes of one routed expert's slab (one read, 4096-aligned) at ``quant``; the routed
+    experts of a store take ``args.num_moe_layers * args.num_experts`` of them."""
+    from ..quant import slab_layout
+    return slab_layout(quant, args.hidden_size, args.moe_intermediate_size, group_size)["slot_bytes"]
