@@ -216,37 +216,3 @@ def attention(q, kc, vc, pos0, scale, out):
             p = sc[j] * inv
             for d in range(S):
                 out[t, h, d] += p * vc[kh, j, d]
-
-
-@njit(parallel=True, **_KW)
-def attention_window(q, kc, vc, pos0, scale, window, out):
-    """Sliding-window causal attention (Mistral / Mixtral / Qwen ``sliding_window``): the query
-    at position p attends keys max(0, p - window + 1) .. p (transformers' sliding mask
-    ``kv_idx > q_idx - sliding_window``). Shapes as :func:`attention`; window >= 1 tokens."""
-    T, H, S = q.shape
-    rep = H // kc.shape[0]
-    for th in prange(T * H):
-        t = th // H
-        h = th - t * H
-        kh = h // rep
-        n = pos0 + t + 1
-        j0 = max(0, n - window)
-        sc = np.empty(n - j0, dtype=np.float32)
-        m = np.float32(-np.inf)
-        for j in range(j0, n):
-            v = _dot_f32(q[t, h], kc[kh, j]) * scale
-            sc[j - j0] = v
-            if v > m:
-                m = v
-        tot = np.float32(0.0)
-        for j in range(n - j0):
-            e = np.float32(math.exp(sc[j] - m))
-            sc[j] = e
-            tot += e
-        inv = np.float32(1.0) / tot
-        for d in range(S):
-            out[t, h, d] = 0.0
-        for j in range(n - j0):
-            p = sc[j] * inv
-            for d in range(S):
-                out[t, h, d] += p * vc[kh, j0 + j, d]

@@ -86,16 +86,3 @@ def attention(q, kc, vc, pos0, scale, out):
             sc = kc[kh, :n] @ q[t, h] * scale
             p = np.exp(sc - sc.max())
             out[t, h] = (p / p.sum()) @ vc[kh, :n]
-
-
-def attention_window(q, kc, vc, pos0, scale, window, out):
-    T, H, S = q.shape
-    rep = H // kc.shape[0]
-    for t in range(T):
-        n = pos0 + t + 1
-        j0 = max(0, n - window)
-        for h in range(H):
-            kh = h // rep
-            sc = kc[kh, j0:n] @ q[t, h] * scale
-            p = np.exp(sc - sc.max())
-            out[t, h] = (p / p.sum()) @ vc[kh, j0:n]

@@ -18,12 +18,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from engine import convert_checkpoint  # noqa: E402
-from engine.config import EngineConfig  # noqa: E402
-from engine.events import Finished, GenerateRequest, SamplingParams  # noqa: E402
-from engine.expert_cache import ExpertCache  # noqa: E402
-from engine.expert_store import ExpertStore  # noqa: E402
-from engine.generate import Engine  # noqa: E402
-from engine.models import build_model  # noqa: E402
+from parity_helpers import hf_decode_logits, hf_logits, kl, open_model  # noqa: E402
 
 pytestmark = pytest.mark.parity
 
@@ -79,29 +74,10 @@ def hf_model(tmp_path, name):
     return m, d
 
 
-def open_model(store_dir, cap=None):
-    st = ExpertStore(store_dir, o_direct=False)
-    a = st.args
-    cache = ExpertCache(st, a.num_moe_layers, a.num_experts, cap or a.num_experts)
-    return build_model(a, st.load_dense(), st.dense_quant, st.quant, cache, 256, st.group_size), st, cache
 
 
-def hf_logits(m, ids):
-    with torch.no_grad():
-        return m(torch.tensor(ids)[None]).logits[0].float().numpy()
 
 
-def hf_decode_logits(m, prompt, steps):
-    """Prefill ``prompt`` with the KV cache, then feed ``steps`` tokens one at a time."""
-    with torch.no_grad():
-        out = m(torch.tensor(prompt)[None], use_cache=True)
-        past = out.past_key_values
-        res = []
-        for t in steps:
-            out = m(torch.tensor([[t]]), past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            res.append(out.logits[0, -1].float().numpy())
-        return np.stack(res)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -128,10 +104,6 @@ def test_f32_logits_match_transformers(tmp_path, name):
     st.close()
 
 
-def _kl(ref_logits, got_logits):
-    p = torch.log_softmax(torch.tensor(ref_logits, dtype=torch.float64), -1)
-    q = torch.log_softmax(torch.tensor(got_logits, dtype=torch.float64), -1)
-    return (p.exp() * (p - q)).sum(-1).numpy()
 
 
 # int8 per-row: the issue's bound. int4 group-32: the bounds of test_parity.py's OLMoE test
@@ -145,12 +117,12 @@ def test_quantized_kl_against_transformers(tmp_path, name, quant, kl_bound, top1
     ids = np.random.default_rng(1).integers(0, V, 256).tolist()  # teacher forcing over 256 positions
     ref = hf_logits(m, ids)
     got = ours.forward(np.array(ids), 0, all_logits=True)
-    kl = float(_kl(ref, got).mean())
+    mean_kl = float(kl(ref, got).mean())
     top1 = float((ref.argmax(-1) == got.argmax(-1)).mean())
-    record_property("mean_kl", kl)
+    record_property("mean_kl", mean_kl)
     record_property("top1_agreement", top1)
-    print(f"{name} {quant}: mean KL {kl:.2e} nats, top-1 agreement {top1:.3f}")
-    assert kl <= kl_bound
+    print(f"{name} {quant}: mean KL {mean_kl:.2e} nats, top-1 agreement {top1:.3f}")
+    assert mean_kl <= kl_bound
     assert top1 >= top1_bound
     cache.close()
     st.close()

@@ -108,12 +108,23 @@ def rope_theta(cfg: dict, path: str, default: float = 10000.0) -> float:
     return num(cfg, "rope_theta", path, 1.0, 1e12, integer=False, default=default)
 
 
-def sparse_layers(L: int, mlp_only_layers: tuple[int, ...], decoder_sparse_step: int,
-                  num_experts: int) -> tuple[int, ...]:
-    """Transformer layers with routed experts, as Qwen2-MoE / Qwen3-MoE decide: layer i is
-    sparse iff i not in mlp_only_layers, num_experts > 0 and (i + 1) % decoder_sparse_step == 0."""
-    return tuple(i for i in range(L) if i not in mlp_only_layers and num_experts > 0
-                 and (i + 1) % decoder_sparse_step == 0)
+def sparse_layers(cfg: dict, path: str, v: dict, family: str) -> dict:
+    """Qwen2-MoE / Qwen3-MoE layer kinds: layer i has routed experts iff i is not in
+    ``mlp_only_layers`` and (i + 1) % ``decoder_sparse_step`` == 0; the others are dense
+    (their MLP width ``intermediate_size`` is then required). ``v``: common_args' dict, whose
+    intermediate_size is updated. Returns the ModelArgs fields moe_layers,
+    decoder_sparse_step, mlp_only_layers.
+
+    Raises:
+        ConfigError: naming ``path`` and the key.
+    """
+    L = v["num_hidden_layers"]
+    step = num(cfg, "decoder_sparse_step", path, 1, L, integer=True, default=1)
+    only = int_list(cfg, "mlp_only_layers", path, L)
+    moe = tuple(i for i in range(L) if i not in only and (i + 1) % step == 0)
+    if len(moe) < L:
+        v["intermediate_size"] = num(cfg, "intermediate_size", path, 1, 1 << 24, integer=True, family=family)
+    return {"moe_layers": moe, "decoder_sparse_step": step, "mlp_only_layers": only}
 
 
 # --- arguments ----------------------------------------------------------------------------
@@ -609,11 +620,17 @@ class MoEModel:
         self.k_cache[i, :, pos0:pos0 + T] = k3.transpose(1, 0, 2)
         self.v_cache[i, :, pos0:pos0 + T] = v.reshape(T, Hkv, S).transpose(1, 0, 2)
         att = np.empty((T, H, S), np.float32)  # [T, H, S]
+        kc, vc = self.k_cache[i], self.v_cache[i]
         w = self.windows[i]
-        if w:
-            K.attention_window(q3, self.k_cache[i], self.v_cache[i], pos0, self.scale, w, att)
-        else:
-            K.attention(q3, self.k_cache[i], self.v_cache[i], pos0, self.scale, att)
+        # Sliding window w: the query at position p sees keys p - w + 1 .. p (transformers'
+        # mask kv_idx > q_idx - w). Queries at p < w see every earlier key (one causal call);
+        # later ones attend a cache view starting at their window's first key.
+        n_full = T if not w else min(T, max(0, w - pos0))
+        if n_full:
+            K.attention(q3[:n_full], kc, vc, pos0, self.scale, att[:n_full])
+        for t in range(n_full, T):
+            j0 = pos0 + t - w + 1
+            K.attention(q3[t:t + 1], kc[:, j0:], vc[:, j0:], w - 1, self.scale, att[t:t + 1])
         return ly["o_proj"](att.reshape(T, H * S), np.empty_like(x))  # [T, D]
 
     def moe_norm(self, j: int) -> np.ndarray:

@@ -37,12 +37,7 @@ class ModelArgs(base.ModelArgs):
         """Raises: ConfigError naming ``path`` and the key."""
         v = base.common_args(cfg, path, DISPLAY_NAME, expert_width_key="moe_intermediate_size")
         L = v["num_hidden_layers"]
-        step = base.num(cfg, "decoder_sparse_step", path, 1, L, integer=True, default=1)
-        only = base.int_list(cfg, "mlp_only_layers", path, L)
-        moe = base.sparse_layers(L, only, step, v["num_experts"])
-        if len(moe) < L:
-            v["intermediate_size"] = base.num(cfg, "intermediate_size", path, 1, 1 << 24, integer=True,
-                                              family=DISPLAY_NAME)
+        layers = base.sparse_layers(cfg, path, v, DISPLAY_NAME)
         shared = base.num(cfg, "shared_expert_intermediate_size", path, 1, 1 << 24, integer=True,
                           family=DISPLAY_NAME)
         windows = [0] * L
@@ -59,8 +54,7 @@ class ModelArgs(base.ModelArgs):
             windows = [w if t == "sliding_attention" else 0 for t in types]
         return cls(**v, norm_topk_prob=base.flag(cfg, "norm_topk_prob", path, False),
                    attention_bias=base.flag(cfg, "qkv_bias", path, True),
-                   shared_expert_intermediate_size=shared, moe_layers=moe, layer_windows=tuple(windows),
-                   decoder_sparse_step=step, mlp_only_layers=only)
+                   shared_expert_intermediate_size=shared, layer_windows=tuple(windows), **layers)
 
 
 def dense_tensors(args: ModelArgs) -> list[base.Tensor]:

@@ -41,18 +41,12 @@ class ModelArgs(base.ModelArgs):
         L = v["num_hidden_layers"]
         if cfg.get("attention_bias"):
             raise ConfigError(f"{path}: attention_bias=true is not supported for {DISPLAY_NAME}")
-        step = base.num(cfg, "decoder_sparse_step", path, 1, L, integer=True, default=1)
-        only = base.int_list(cfg, "mlp_only_layers", path, L)
-        moe = base.sparse_layers(L, only, step, v["num_experts"])
-        if len(moe) < L:
-            v["intermediate_size"] = base.num(cfg, "intermediate_size", path, 1, 1 << 24, integer=True,
-                                              family=DISPLAY_NAME)
+        layers = base.sparse_layers(cfg, path, v, DISPLAY_NAME)
         window = None
         if base.flag(cfg, "use_sliding_window", path, False):
             window = base.num(cfg, "sliding_window", path, 1, 1 << 24, integer=True, family=DISPLAY_NAME)
         return cls(**v, norm_topk_prob=base.flag(cfg, "norm_topk_prob", path, False), qk_norm="head",
-                   moe_layers=moe, layer_windows=(window or 0,) * L, decoder_sparse_step=step,
-                   mlp_only_layers=only, sliding_window=window)
+                   layer_windows=(window or 0,) * L, sliding_window=window, **layers)
 
 
 def dense_tensors(args: ModelArgs) -> list[base.Tensor]:
