@@ -239,3 +239,34 @@ def test_size_functions_match_the_store(family_stores, name):
     assert a.dense_param_count() == sum(int(np.prod(v.shape)) for k, v in
                                         load_file(str(store / "dense.safetensors")).items()
                                         if not k.endswith(".s"))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_trace_and_heat_use_moe_layer_rows(family_stores, tmp_path, name):
+    """Families with dense layers: traces, heat and pins have one row per MoE layer, and the
+    replay of a trace reproduces the engine's hit/miss counts exactly."""
+    from engine.trace import TraceRecorder, load_trace, replay_policy
+    _, store = family_stores[name]
+    a = ModelArgs.from_hf_config(store)
+    assert a.num_moe_layers < a.num_hidden_layers
+    stream = np.random.default_rng(8).integers(10, 290, 50).tolist()
+    req = GenerateRequest(prompt_ids=tuple(stream[:10]), forced_ids=tuple(stream[10:]),
+                          sampling=SamplingParams(max_new_tokens=40))
+    cfg = EngineConfig(store=str(store), cap=3, policy="ema", pinning=True, pin_per_layer=1, pilot=0,
+                       history=True, o_direct=False)
+    with Engine.open(cfg) as eng:
+        rec = TraceRecorder(eng)
+        list(eng.generate(req))
+        counts = (eng.cache.stats.hits, eng.cache.stats.misses, eng.cache.stats.pinned_hits)
+        assert eng.heat.counts.shape == (a.num_moe_layers, a.num_experts)
+        assert eng.loaded.num_layers == a.num_moe_layers
+        rec.save(tmp_path / "t.jsonl")
+    head, recs = load_trace(tmp_path / "t.jsonl")
+    assert head["num_layers"] == a.num_moe_layers
+    assert {r["l"] for r in recs if "l" in r} == set(range(a.num_moe_layers))
+    r = replay_policy(head, recs, 3, "ema", True)
+    assert (r["hits"], r["misses"], r["pinned_hits"]) == counts
+    heat = json.loads((store / "routing_heat.json").read_text())
+    assert heat["num_layers"] == a.num_moe_layers
+    with Engine.open(cfg) as eng:  # the saved heat loads back and pre-warms the pins
+        assert eng.heat.tokens > 0 and eng.loaded.prewarmed_experts > 0
