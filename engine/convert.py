@@ -90,27 +90,28 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
         raise FileExistsError(f"{dst}: a store already exists; pass --overwrite to replace it")
     ck = Checkpoint(src)
     try:
-        return write_store(ck, dst, quant, group_size, progress, cancel, extra_manifest,
-                           source_folder=src)
+        return write_store(ck, src, dst, quant, group_size, progress, cancel, extra_manifest)
     finally:
         ck.close()
 
 
-def write_store(source, dst: Path, quant: str, group_size: int = 32,
+def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: int = 32,
                 progress: Callable[[LoadProgress], None] | None = None,
-                cancel: threading.Event | None = None, extra_manifest: dict | None = None,
-                source_folder: Path | None = None, config: dict | None = None) -> Path:
+                cancel: threading.Event | None = None, extra_manifest: dict | None = None) -> Path:
     """Write a store from a tensor ``source`` (a Checkpoint, or synthetic.SeededSource).
 
     ``source`` provides ``args``, ``family``, ``get(hf_name)`` and ``nbytes(hf_name)`` for the
     family's dense tensors, ``expert(layer, e)`` and ``expert_nbytes(layer)`` for routed
     experts (float32 arrays). Streaming: the dense dict plus one expert are in RAM at a time.
-    The tokenizer and config files are copied from ``source_folder``; without one,
-    ``config`` is written as config.json.
+    config.json and the tokenizer files are copied from ``source_folder``.
+
+    Raises:
+        CheckpointError: int4 with widths that are not multiples of ``group_size``.
+        ConversionCancelled: ``cancel`` was set (the partial folder is removed).
     """
     args, fam = source.args, source.family
     D, I, E, M = args.hidden_size, args.moe_intermediate_size, args.num_experts, args.num_moe_layers
-    label = source_folder or dst
+    label = source_folder
     if quant == "int4" and (D % group_size or I % group_size):
         raise CheckpointError(f"{label}: int4 needs hidden_size ({D}) and the expert width ({I}) to be "
                               f"multiples of the group size {group_size}; use int8")
@@ -185,18 +186,15 @@ def write_store(source, dst: Path, quant: str, group_size: int = 32,
         del dense
         with open(dense_path, "rb+") as f:
             os.fsync(f.fileno())
-        if source_folder is not None:
-            for name in COPIED_FILES:
-                if (source_folder / name).exists():
-                    shutil.copy2(source_folder / name, partial / name)
-        if config is not None:
-            (partial / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+        for name in COPIED_FILES:
+            if (source_folder / name).exists():
+                shutil.copy2(source_folder / name, partial / name)
         manifest = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "model_type": args.model_type,
-            "model_name": (source_folder or dst).name,
-            "source": str(source_folder.resolve()) if source_folder is not None else "synthetic",
+            "model_name": source_folder.name,
+            "source": str(source_folder.resolve()),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "quant": quant,
             "dense_quant": dq,

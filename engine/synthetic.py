@@ -273,7 +273,7 @@ def write_store_from_seed(dst: str | os.PathLike, config: dict, quant: str = "in
         (side / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
         if tokenizer:
             write_tokenizer(side, src.args.vocab_size)
-        return write_store(src, dst, quant, group_size, progress, cancel, source_folder=side,
+        return write_store(src, side, dst, quant, group_size, progress, cancel,
                            extra_manifest={"model_name": dst.name,
                                            "source": f"synthetic seed {seed} ({dtype}, std {std})"})
     finally:
