@@ -1,5 +1,5 @@
-"""colibri-desktop GUI (PySide6 + pyqtgraph). Imports only the engine's public API."""
+"""colibri-desktop GUI (PySide6 + pyqtgraph). Imports only the engine's public API.
 
-from . import refcount_guard as _refcount_guard
-
-_refcount_guard.apply()  # PySide6 6.12 + Python 3.11 reference bug; see refcount_guard.py
+PySide6-Essentials is pinned below 6.12 in pyproject.toml: 6.12.0 drops a reference to
+None/True on every void call and ``emit`` (fatal on Python 3.11), so no workaround is needed.
+"""

@@ -15,11 +15,12 @@ def main(argv: list[str] | None = None) -> int:
     (converted into the user data directory on first run, with visible progress, on the
     worker thread). Returns the application's exit code.
     """
-    from .refcount_guard import apply as guard_refcounts
-    guard_refcounts()   # before any Qt call; see refcount_guard.py
     from PySide6.QtCore import QTimer
     from PySide6.QtWidgets import QApplication
 
+    from engine import library as paths
+
+    from .instance import FOCUSED, claim
     from .main_window import MainWindow
     from .resources import apply_theme
     from .settings_store import load_settings
@@ -29,9 +30,16 @@ def main(argv: list[str] | None = None) -> int:
     app.setApplicationName("colibri-desktop")
     app.setApplicationDisplayName("colibri")
     app.setOrganizationName("colibri")
+    # one instance per data folder: a second start brings the first window to the front, or
+    # (when the first does not answer) opens the history read-only
+    inst = claim(paths.user_data_dir())
+    if inst.mode == FOCUSED:
+        print(f"colibri is already running on {inst.data_dir} ({inst.owner}); brought its window to the front.")
+        return 0
     apply_theme(app)
     settings, message = load_settings()
-    win = MainWindow(settings, settings_message=message)
+    win = MainWindow(settings, settings_message=message, read_only=inst.read_only_reason)
+    inst.listen(win.bring_to_front)
     win.show()
     win.start()
     # Ctrl+C / SIGTERM close the window the normal way (stop, store the answer, close the engine);
@@ -47,9 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         tick.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-    from .engine_bridge import STUCK_THREADS
-    if STUCK_THREADS:
-        # a hung engine thread cannot be joined; exiting normally would abort in ~QThread
+    from .workers import STUCK, shutdown_all
+    shutdown_all()   # normally a no-op: the window joined its tasks when it closed
+    inst.release()
+    if STUCK:
+        # a hung worker thread cannot be joined; exiting normally would wait for it forever
         logging.shutdown()
         os._exit(rc)
     return rc

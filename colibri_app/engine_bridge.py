@@ -1,11 +1,12 @@
-"""The engine on a worker thread: EngineWorker (a QObject moved to a QThread) and
-EngineController (GUI side: owns the thread, sends requests, stops and shuts down).
+"""The engine off the GUI thread: EngineWorker (owns the Engine; its methods run on the
+engine lane) and EngineController (GUI side: submits open / generate / reset / close as tasks
+of one serial :class:`~colibri_app.workers.Lane`, stops, shuts down).
 
-Requests go in as queued signals carrying frozen dataclasses (:class:`OpenRequest`,
-:class:`GenerationJob`); events come out as past-tense signals, each ``Signal(object)``
-carrying one engine event dataclass. Stop is a ``threading.Event`` handed to
-``Engine.generate``: the worker is busy inside the decode loop, so a queued "stop" signal
-would arrive too late. Metrics and residency are rate-limited here (~10 Hz, latest kept).
+Requests are frozen dataclasses (:class:`OpenRequest`, :class:`GenerationJob`); events come
+out as past-tense signals of the worker, each ``Signal(object)`` carrying one engine event
+dataclass, emitted on the lane thread (queued to GUI-thread receivers). Stop is the task's
+``threading.Event`` handed to ``Engine.generate``: the lane is busy inside the decode loop, so
+only a flag can reach it. Metrics and residency are rate-limited here (~10 Hz, latest kept).
 """
 
 from __future__ import annotations
@@ -13,24 +14,22 @@ from __future__ import annotations
 import logging
 import sys
 import threading
-import time
 import traceback
 from dataclasses import dataclass, field, replace
 
-from PySide6.QtCore import QObject, QThread, Signal, Slot
+from PySide6.QtCore import QObject, Signal
 
 from engine import (Engine, EngineConfig, EngineError, EngineFailure, ErrorKind, Finished, GenerateRequest,
                     LoadProgress, ResidencySnapshot, StepMetrics, TokenEvent)
 from engine.library import default_store
 
+from .workers import Lane, Throttle
+
 log = logging.getLogger(__name__)
 
 EMIT_INTERVAL_S = 0.1  # metrics / residency / progress: at most ~10 emits per second
 GIL_SWITCH_S = 0.001   # the GUI thread gets the GIL back within ~1 ms (Python's default: 5 ms)
-
-# Threads that did not end on shutdown (a hung engine): kept referenced, because destroying a
-# running QThread aborts the process. __main__ exits with os._exit when this is not empty.
-STUCK_THREADS: list = []
+SHUTDOWN_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,8 @@ class GenerationJob:
 
 
 class EngineWorker(QObject):
-    """Owns the Engine; lives on the worker thread. Never touches widgets."""
+    """Owns the Engine. Its methods run on the engine lane (one thread, one task at a time);
+    it never touches widgets. The object itself lives on the GUI thread."""
 
     progress = Signal(object)    #: LoadProgress while converting / opening
     loaded = Signal(object)      #: Loaded: the engine is ready
@@ -66,11 +66,10 @@ class EngineWorker(QObject):
     def __init__(self):
         super().__init__()
         self.engine: Engine | None = None
-        self._last_progress = 0.0
+        self._progress = Throttle(EMIT_INTERVAL_S)
 
-    # --- slots (run on the worker thread) -----------------------------------------------------
+    # --- run on the lane thread ---------------------------------------------------------------
 
-    @Slot(object)
     def open_engine(self, req: OpenRequest) -> None:
         """Close any open engine, convert the default model if needed, open the store."""
         self.close_engine()
@@ -90,7 +89,6 @@ class EngineWorker(QObject):
             return
         self.loaded.emit(self.engine.loaded)
 
-    @Slot(object)
     def generate(self, job: GenerationJob) -> None:
         """Run one generation, emitting its events; Finished is always the last one."""
         if self.engine is None:
@@ -105,33 +103,22 @@ class EngineWorker(QObject):
         except Exception as e:  # noqa: BLE001
             self.failed.emit(EngineFailure(kind=ErrorKind.REQUEST, message=str(e), detail=traceback.format_exc()))
             return
-        last_m = last_r = 0.0
-        pending_m: StepMetrics | None = None
-        pending_r: ResidencySnapshot | None = None
+        throttles = {StepMetrics: (Throttle(EMIT_INTERVAL_S), self.metrics),
+                     ResidencySnapshot: (Throttle(EMIT_INTERVAL_S), self.residency)}
         try:
             for ev in events:
                 if isinstance(ev, TokenEvent):
                     self.token.emit(ev)
-                elif isinstance(ev, StepMetrics):
-                    now = time.monotonic()
-                    if now - last_m >= EMIT_INTERVAL_S:
-                        self.metrics.emit(ev)
-                        last_m, pending_m = now, None
-                    else:
-                        pending_m = ev
-                elif isinstance(ev, ResidencySnapshot):
-                    now = time.monotonic()
-                    if now - last_r >= EMIT_INTERVAL_S:
-                        self.residency.emit(ev)
-                        last_r, pending_r = now, None
-                    else:
-                        pending_r = ev
+                elif type(ev) in throttles:
+                    throttle, signal = throttles[type(ev)]
+                    if throttle.offer(ev):
+                        signal.emit(ev)
                 elif isinstance(ev, Finished):
                     # the last values, so the panels end on the final state
-                    if pending_m is not None:
-                        self.metrics.emit(pending_m)
-                    if pending_r is not None:
-                        self.residency.emit(pending_r)
+                    for throttle, signal in throttles.values():
+                        last = throttle.take_pending()
+                        if last is not None:
+                            signal.emit(last)
                     self.finished.emit(ev)
         except Exception as e:  # noqa: BLE001 - the engine reports errors as Finished; belt and braces
             log.exception("generation crashed")
@@ -140,7 +127,6 @@ class EngineWorker(QObject):
                                         hit_rate=0.0, mb_per_token=0.0, felt_wait_s=0.0,
                                         error=f"{type(e).__name__}: {e}"))
 
-    @Slot()
     def reset_history(self) -> None:
         """Forget the routing heat and pins of the open model (Settings › Reset history)."""
         if self.engine is not None:
@@ -150,7 +136,6 @@ class EngineWorker(QObject):
                 self.failed.emit(EngineFailure(kind=ErrorKind.IO,
                                                message=f"The routing history could not be reset: {e}"))
 
-    @Slot()
     def close_engine(self) -> None:
         """Close the engine (joins its threads). Idempotent."""
         if self.engine is not None:
@@ -164,36 +149,23 @@ class EngineWorker(QObject):
     # --- helpers ------------------------------------------------------------------------------
 
     def _report(self, ev: LoadProgress) -> None:
-        now = time.monotonic()
-        if ev.done >= ev.total or now - self._last_progress >= EMIT_INTERVAL_S:
-            self._last_progress = now
+        if self._progress.offer(ev, force=ev.done >= ev.total):
             self.progress.emit(ev)
 
 
 class EngineController(QObject):
-    """GUI-side handle on the worker thread: open, generate, stop, shutdown.
+    """GUI-side handle on the engine lane: open, generate, stop, shutdown.
 
-    Signals are re-exported from the worker (connect to ``controller.worker.<signal>``
-    or to the same-named signals here).
+    Connect to the worker's signals (``controller.worker.<signal>``); GUI-thread receivers get
+    them queued.
     """
-
-    open_requested = Signal(object)       #: OpenRequest -> worker.open_engine
-    generate_requested = Signal(object)   #: GenerationJob -> worker.generate
-    reset_history_requested = Signal()    #: -> worker.reset_history
 
     def __init__(self, parent: QObject | None = None):
         super().__init__(parent)
-        self.thread = QThread()
-        self.thread.setObjectName("colibri-engine-worker")
         self.worker = EngineWorker()
-        self.worker.moveToThread(self.thread)
-        # thread.finished is emitted on the worker thread after its event loop ended (direct
-        # connections): the engine is closed there, then the worker is deleted.
-        self.thread.finished.connect(self.worker.close_engine)
-        self.thread.finished.connect(self.worker.deleteLater)
-        self.open_requested.connect(self.worker.open_engine)
-        self.generate_requested.connect(self.worker.generate)
-        self.reset_history_requested.connect(self.worker.reset_history)
+        # one thread: open, generate, reset and close run in the order they were asked for;
+        # at shutdown the lane cancels what is queued or running, then closes the engine
+        self.lane = Lane("engine", threads=1, final=self.worker.close_engine)
         self._job: GenerationJob | None = None
         self._open: OpenRequest | None = None
         self._next_id = 1
@@ -202,32 +174,37 @@ class EngineController(QObject):
         # can wait a full switch interval per slot it runs while an answer streams.
         if sys.getswitchinterval() > GIL_SWITCH_S:
             sys.setswitchinterval(GIL_SWITCH_S)
-        self.thread.start()
 
     @property
     def generating(self) -> bool:
         """True between :meth:`generate` and the job's finished / failed event."""
         return self._job is not None
 
+    @property
+    def job(self) -> GenerationJob | None:
+        """The generation in progress (between :meth:`generate` and :meth:`job_done`)."""
+        return self._job
+
     def open(self, config: EngineConfig) -> None:
-        """Ask the worker to (re)open a model; any running generation is stopped first."""
+        """Ask the lane to (re)open a model; any running generation is stopped first."""
         self.stop()
         if self._open is not None:
             self._open.cancel.set()  # a conversion still running for an older request
-        self._open = OpenRequest(config)
-        self.open_requested.emit(self._open)
+        req = self._open = OpenRequest(config)
+        self.lane.submit(lambda ctx: self.worker.open_engine(req), "engine-open", cancel=req.cancel)
 
     def generate(self, request: GenerateRequest) -> GenerationJob:
         """Queue a generation; returns the job (its ``cancel`` is the stop flag)."""
         job = GenerationJob(self._next_id, request, threading.Event())
         self._next_id += 1
         self._job = job
-        self.generate_requested.emit(job)
+        self.lane.submit(lambda ctx: self.worker.generate(job), "engine-generate", cancel=job.cancel,
+                         skip_if_cancelled=False)   # the engine answers a set flag with Finished
         return job
 
     def reset_history(self) -> None:
-        """Ask the worker to forget the model's routing heat (runs after any generation)."""
-        self.reset_history_requested.emit()
+        """Ask the lane to forget the model's routing heat (runs after any generation)."""
+        self.lane.submit(lambda ctx: self.worker.reset_history(), "engine-reset-history")
 
     def job_done(self) -> None:
         """Called by the GUI when the current job's finished / failed event arrived."""
@@ -238,19 +215,13 @@ class EngineController(QObject):
         if self._job is not None:
             self._job.cancel.set()
 
-    def shutdown(self, timeout_ms: int = 30000) -> bool:
-        """Stop the generation, quit the thread and wait for it; the engine is closed on the
-        worker thread once the running slot returned (thread.finished). Returns True when the
-        thread ended within ``timeout_ms``."""
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> bool:
+        """Stop the generation and any conversion, close the engine on its lane, and wait for
+        the lane to end. Returns True when it ended within ``timeout_s`` seconds."""
         if self._shut:
             return True
         self._shut = True
         self.stop()
         if self._open is not None:
             self._open.cancel.set()
-        self.thread.quit()
-        ok = self.thread.wait(timeout_ms)
-        if not ok:
-            log.error("the engine thread did not end within %d ms; leaving it behind", timeout_ms)
-            STUCK_THREADS.append((self.thread, self.worker))
-        return ok
+        return self.lane.shutdown(timeout_s)

@@ -115,13 +115,18 @@ class History:
     # --- opening ------------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | os.PathLike | None = None) -> tuple["History", str | None]:
+    def open(cls, path: str | os.PathLike | None = None,
+             read_only: bool = False) -> tuple["History", str | None]:
         """Open (or create) the database; returns (history, message or None).
 
         A file that is not a readable SQLite database is renamed with a timestamp and a fresh
         one is created; the message says so. Messages left "streaming" become "interrupted".
+        ``read_only``: another instance owns the file: open it for reading only, never repair,
+        recover or write it (a missing or unreadable file gives an empty in-memory history).
         """
         p = Path(path) if path else history_path()
+        if read_only:
+            return cls._open_read_only(p)
         p.parent.mkdir(parents=True, exist_ok=True)
         message = None
         try:
@@ -137,6 +142,21 @@ class History:
         if n:
             log.info("marked %d interrupted answer(s)", n)
         return self, message
+
+    @classmethod
+    def _open_read_only(cls, p: Path) -> tuple["History", str | None]:
+        conn = None
+        try:
+            conn = sqlite3.connect(f"{p.resolve().as_uri()}?mode=ro", uri=True, timeout=5.0)
+            conn.text_factory = lambda b: b.decode("utf-8", "replace")
+            conn.execute("SELECT count(*) FROM conversations").fetchone()
+            return cls(conn, p), None
+        except sqlite3.Error as e:
+            if conn is not None:
+                conn.close()
+            conn = sqlite3.connect(":memory:")
+            conn.executescript(_SCHEMA)
+            return cls(conn, p), f"The chat history {p} could not be read ({e})."
 
     @staticmethod
     def _connect(p: Path) -> sqlite3.Connection:

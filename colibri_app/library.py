@@ -1,5 +1,8 @@
 """The model library: converted models (name, source, quantization, size on disk, date) with
-Set as current, Delete (confirmed) and Open folder."""
+Set as current, Delete (confirmed) and Open folder.
+
+Scanning (which sums every store's files) and deleting run as tasks of the library lane
+(colibri_app.workers), so a large store never freezes the window."""
 
 from __future__ import annotations
 
@@ -10,10 +13,22 @@ from PySide6.QtGui import QDesktopServices, QFont
 from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QHBoxLayout, QHeaderView, QLabel,
                                QMessageBox, QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
 
+from engine import EngineFailure
 from engine import library as lib
-from .wizard import qt_emit
+
+from .workers import Lane, Task
 
 COLUMNS = ("Name", "Source", "Quantization", "Size on disk", "Converted")
+SCANNING = "Scanning the models folder…"
+_LANE: Lane | None = None
+
+
+def library_lane() -> Lane:
+    """The lane that scans and deletes stores (one thread: a scan never races a delete)."""
+    global _LANE
+    if _LANE is None or _LANE.closed:
+        _LANE = Lane("library", threads=1)
+    return _LANE
 
 
 def _same(a: str | None, b: str | None) -> bool:
@@ -53,6 +68,7 @@ class ModelLibraryDialog(QDialog):
         self.table.itemDoubleClicked.connect(lambda *_: self.set_current())
         self.empty = QLabel(f"No converted models yet in {lib.models_dir()}. Add one with “Add model…”.")
         self.empty.setWordWrap(True)
+        self.task: Task | None = None   # the scan or delete in progress
         self.status = QLabel()
         self.status.setObjectName("libraryStatus")
         self.status.setWordWrap(True)
@@ -78,10 +94,40 @@ class ModelLibraryDialog(QDialog):
         self.resize(820, 360)
         self.refresh()
 
+    @property
+    def busy(self) -> bool:
+        """True while a scan or a delete runs."""
+        return self.task is not None
+
+    def _run(self, fn, on_result) -> None:
+        """Run ``fn()`` on the library lane; ``on_result(value)`` on success, the error in the
+        status line otherwise; then a fresh scan unless this was the scan."""
+        self.task = library_lane().submit(lambda ctx: fn(), "library", result=on_result, error=self._failed,
+                                          finished=self._task_ended)
+        self._selection_changed()
+
+    @Slot()
+    def _task_ended(self) -> None:
+        self.task = None
+        self._selection_changed()
+
+    @Slot(object)
+    def _failed(self, f: EngineFailure) -> None:
+        self.status.setText(f.message)
+
     @Slot()
     def refresh(self) -> None:
-        """Re-scan the models folder."""
-        self.entries = lib.list_models()
+        """Re-scan the models folder (in the background; the table fills when done)."""
+        if self.task is None:
+            if not self.entries:
+                self.status.setText(SCANNING)
+            self._run(lib.list_models, self._show)
+
+    @Slot(object)
+    def _show(self, entries: list) -> None:
+        if self.status.text() == SCANNING:
+            self.status.setText("")
+        self.entries = entries
         self.table.setRowCount(len(self.entries))
         bold = QFont()
         bold.setBold(True)
@@ -121,6 +167,8 @@ class ModelLibraryDialog(QDialog):
         e = self.selected()
         for b in (self.set_button, self.delete_button, self.open_button):
             b.setEnabled(e is not None)
+        if self.busy:
+            self.delete_button.setEnabled(False)
         if e is not None and _same(e.path, self.current):
             self.set_button.setEnabled(False)
 
@@ -131,15 +179,15 @@ class ModelLibraryDialog(QDialog):
         if e is None or _same(e.path, self.current):
             return
         self.current = e.path
-        qt_emit(self.current_changed, e.path)
+        self.current_changed.emit(e.path)
         self.status.setText(f"{e.name} ({e.quantization}) is now the current model.")
-        self.refresh()
+        self._show(self.entries)
 
     @Slot()
     def delete_selected(self) -> None:
         """Delete the selected store after confirmation (never the current model)."""
         e = self.selected()
-        if e is None:
+        if e is None or self.busy:
             return
         if _same(e.path, self.current):
             self.status.setText(f"{e.name} is the current model; set another model as current before "
@@ -152,13 +200,25 @@ class ModelLibraryDialog(QDialog):
             QMessageBox.Yes | QMessageBox.No, QMessageBox.No)
         if ans != QMessageBox.Yes:
             return
-        try:
-            lib.delete_model(e.path)
-        except (OSError, ValueError) as err:
-            self.status.setText(f"Could not delete {e.path}: {err}")
-            return
-        self.status.setText(f"Deleted {e.name} ({e.quantization}).")
-        self.refresh()
+        self.status.setText(f"Deleting {e.name} ({e.quantization})…")
+
+        def deleted(_none) -> None:
+            self.status.setText(f"Deleted {e.name} ({e.quantization}).")
+            self.entries = [x for x in self.entries if x is not e]
+            self._show(self.entries)
+
+        def delete() -> None:
+            try:
+                lib.delete_model(e.path)
+            except (OSError, ValueError) as err:
+                raise OSError(f"Could not delete {e.path}: {err}") from err
+        self._run(delete, deleted)
+
+    def done(self, result: int) -> None:
+        """Closing: a scan is dropped; a delete in progress finishes on its own."""
+        if self.task is not None:
+            self.task.cancel()
+        super().done(result)
 
     @Slot()
     def open_folder(self) -> None:

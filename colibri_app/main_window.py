@@ -10,11 +10,10 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, QCoreApplication, QEvent, Qt, QTimer, Slot
+from PySide6.QtCore import QByteArray, QCoreApplication, QEvent, Qt, Slot
 from PySide6.QtGui import QAction, QKeySequence, QShortcut
 from PySide6.QtWidgets import (QDockWidget, QFrame, QHBoxLayout, QInputDialog, QLabel, QMainWindow,
                                QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout, QWidget)
@@ -23,16 +22,16 @@ from engine import (ChatMessage, EngineConfig, EngineFailure, Finished, Loaded, 
                     ErrorKind, ResidencySnapshot, StepMetrics, TokenEvent, library)
 
 from .chat_view import ChatView, ConversationList
-from .engine_bridge import EngineController, GenerationJob
-from .history import COMPLETE, DEFAULT_TITLE, ERROR, STOPPED, STREAMING, History, Message
+from .answer import AnswerEnd, AnswerStream
+from .engine_bridge import EngineController
+from .history import COMPLETE, DEFAULT_TITLE, ERROR, STREAMING, History, Message
 from .plot_panels import PlotPanels
+from .workers import shutdown_all
 from .settings_store import Settings, save_settings
 
 log = logging.getLogger(__name__)
 
 UI_STATE_FILE = "ui_state.json"
-FLUSH_MS = 40          # streamed text reaches the transcript at most every 40 ms
-SAVE_EVERY_S = 1.0     # a streaming answer is written to the history at least once per second
 
 HINTS = {
     ErrorKind.STORE: "Open another model (File › Models…) or add one (File › Add model…).",
@@ -169,18 +168,35 @@ class LoadingPanel(QFrame):
         self.show()
 
 
-@dataclass
-class _Generation:
-    """The answer being written (GUI-thread bookkeeping)."""
+class Note(QFrame):
+    """A one-sentence note above the chat (object name ``name`` styles it), with an optional
+    bold title and an optional button (``self.button``)."""
 
-    job: GenerationJob
-    conv_id: int
-    user_id: int
-    asst_id: int
-    text: str = ""
-    pending: str = ""
-    last_save: float = 0.0
-    last_saved_len: int = 0
+    def __init__(self, name: str, accessible: str, title: str = "", button: str = "",
+                 parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setObjectName(name)
+        self.setAccessibleName(accessible)
+        lay = QHBoxLayout(self)
+        lay.setContentsMargins(14, 8, 10, 8)
+        col = QVBoxLayout()
+        if title:
+            head = QLabel(title)
+            head.setObjectName("bannerTitle")
+            col.addWidget(head)
+        self.text = QLabel()
+        self.text.setObjectName(name + "Text")
+        self.text.setWordWrap(True)
+        self.text.setAccessibleName(accessible + " text")
+        col.addWidget(self.text)
+        lay.addLayout(col, 1)
+        self.button: QPushButton | None = None
+        if button:
+            self.button = QPushButton(button)
+            self.button.setObjectName("bannerDismiss")
+            self.button.setAccessibleName(f"{accessible}: {button}")
+            lay.addWidget(self.button, 0, Qt.AlignVCenter)
+        self.hide()
 
 
 # --- the window -----------------------------------------------------------------------------
@@ -193,23 +209,29 @@ class MainWindow(QMainWindow):
         settings: the loaded Settings.
         settings_message: a problem found while loading the settings (shown as a banner).
         history: an open History (default: the user's history database).
+        read_only: non-empty when another instance owns the data folder (colibri_app.instance):
+            the sentence shown in the window; the history is opened read-only, no model is
+            opened, and nothing in the data or config folders is written.
     """
 
     def __init__(self, settings: Settings, settings_message: str | None = None,
-                 history: History | None = None):
+                 history: History | None = None, read_only: str = ""):
         super().__init__()
         self.setWindowTitle("colibri")
         self.settings = settings
         self.loaded: Loaded | None = None
-        self.gen: _Generation | None = None
+        self.answer: AnswerStream | None = None     # the answer being written (one engine: one at a time)
+        self.queue: list[tuple[int, int]] = []      # (conversation, question) waiting for the engine
+        self._not_ready = "Loading the model…"      # why Send is off while no model is open
         self.conv_id: int | None = None
         self._pending_system = ""
         self._editing: int | None = None
         self._dialogs: list = []
         self._closing = False
+        self.read_only = read_only
         hist_msg = None
         if history is None:
-            history, hist_msg = History.open()
+            history, hist_msg = History.open(read_only=bool(read_only))
         self.history = history
 
         self.controller = EngineController(self)
@@ -225,11 +247,17 @@ class MainWindow(QMainWindow):
 
         self._build_ui()
         self._build_menus()
-        self.flush_timer = QTimer(self)
-        self.flush_timer.setInterval(FLUSH_MS)
-        self.flush_timer.timeout.connect(self._flush_stream)
 
         self._restore_ui_state()
+        if read_only:
+            self.read_only_note.text.setText(read_only)
+            self.read_only_note.show()
+            self._not_ready = "Read-only: this window does not open a model."
+            for act in (self.act_settings, self.act_add, self.act_models, self.act_new):
+                act.setEnabled(False)
+            self.sidebar.new_btn.setEnabled(False)
+            self.chat.system_edit.setReadOnly(True)
+            self._sync_chat()
         if hist_msg:
             self.banner.show_message(ErrorKind.HISTORY, hist_msg)
         if settings_message:
@@ -257,8 +285,14 @@ class MainWindow(QMainWindow):
         nl.setSpacing(8)
         self.banner = Banner()
         self.loading = LoadingPanel()
+        self.queued_note = Note("queuedNote", "Waiting for another chat", button="Don't send")
+        self.queued_note.button.setToolTip("Take the waiting message back into the prompt box")
+        self.queued_note.button.clicked.connect(self.cancel_queued)
+        self.read_only_note = Note("readOnlyNote", "Read-only window", title="Read-only")
+        nl.addWidget(self.read_only_note)
         nl.addWidget(self.banner)
         nl.addWidget(self.loading)
+        nl.addWidget(self.queued_note)
         self.chat = ChatView()
         self.chat.send_requested.connect(self.send)
         self.chat.stop_requested.connect(self.stop)
@@ -334,7 +368,10 @@ class MainWindow(QMainWindow):
     # --- engine lifecycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        """Open the current model (or the bundled default) and show the last conversation."""
+        """Open the current model (or the bundled default) and show the last conversation
+        (a read-only window opens none)."""
+        if self.read_only:
+            return
         cm = self.settings.current_model
         if cm and Path(cm).exists():
             self.open_model(cm)
@@ -346,7 +383,8 @@ class MainWindow(QMainWindow):
     def open_model(self, store: str | None) -> None:
         """(Re)open a model on the worker thread; None = the bundled default model."""
         self.loaded = None
-        self.chat.set_ready(False, "Loading the model…")
+        self._not_ready = "Loading the model…"
+        self._sync_chat()
         self.loading.label.setText("Loading the model…")
         self.loading.bar.setRange(0, 0)
         self.loading.show()
@@ -361,14 +399,13 @@ class MainWindow(QMainWindow):
 
     @Slot(object)
     def on_loaded(self, ev: Loaded) -> None:
-        """The engine is ready."""
+        """The engine is ready (and starts the first waiting message, if any)."""
         self.loaded = ev
         self.loading.hide()
         if self.banner.kind in (ErrorKind.STORE, ErrorKind.BUDGET, ErrorKind.CONFIG, ErrorKind.TOKENIZER, ErrorKind.IO):
             self.banner.hide()
         self.chat.model_name = ev.model_name
         self.chat.set_chat_template(ev.has_chat_template)
-        self.chat.set_ready(True)
         self.panels.on_loaded(ev)
         self.st_model.setText(f"{ev.model_name} ({ev.quant})")
         self.st_cap.setText(f"cap {ev.cap_per_layer}/{ev.num_experts} per layer")
@@ -376,16 +413,19 @@ class MainWindow(QMainWindow):
         self.setWindowTitle(f"colibri — {ev.model_name}")
         self.st_model.setToolTip(f"{ev.store_path}\n{ev.message}")
         self.statusBar().showMessage("Model ready", 4000)
+        self._sync_chat()
+        self._start_next()
 
     @Slot(object)
     def on_failed(self, ev: EngineFailure) -> None:
         """Opening the model or starting a generation failed."""
-        if self.gen is not None:
-            self._end_generation_failed(ev.message, ev.kind)
+        if self.answer is not None:
+            self._answer_ended(self.answer.fail(ev.message, ev.kind))
             return
         self.loading.hide()
         self.st_model.setText("no model")
-        self.chat.set_ready(False, "No model is open — see the message above.")
+        self._not_ready = "No model is open — see the message above."
+        self._sync_chat()
         self.banner.show_message(ev.kind, ev.message)
 
     # --- conversations ------------------------------------------------------------------------
@@ -393,6 +433,43 @@ class MainWindow(QMainWindow):
     def _refresh_list(self) -> None:
         convs = self.history.conversations(self.sidebar.search.text().strip())
         self.sidebar.set_conversations(convs, self.conv_id)
+        # the chat being answered and the chats waiting for it are marked in the sidebar
+        lst = self.sidebar.list
+        for row in range(lst.count()):
+            it = lst.item(row)
+            cid = it.data(Qt.UserRole)
+            mark = ("answering…" if self.answer is not None and cid == self.answer.conv_id
+                    else "waiting" if cid in self.queued_conversations() else "")
+            if mark:
+                it.setText(f"{it.text()}  · {mark}")
+                it.setToolTip(f"{it.toolTip()}\n{'the model is writing the answer' if mark != 'waiting' else 'waits for the answer in another chat'}")
+            it.setData(Qt.UserRole + 1, mark)
+        if self.read_only:
+            self.sidebar.rename_btn.setEnabled(False)
+            self.sidebar.delete_btn.setEnabled(False)
+
+    def queued_conversations(self) -> list[int]:
+        """Conversations whose message waits for the engine, in order."""
+        return [c for c, _u in self.queue]
+
+    def _sync_chat(self) -> None:
+        """Send / Stop, the prompt box and the queued note for the conversation on screen:
+        Stop only in the chat being answered; a chat whose message waits says for which chat."""
+        a = self.answer
+        here = a is not None and self.conv_id is not None and a.conv_id == self.conv_id
+        waiting = self.conv_id is not None and self.conv_id in self.queued_conversations()
+        self.chat.set_generating(here)
+        if waiting:
+            other = self.history.conversation(a.conv_id) if a is not None else None
+            what = (f"the answer in “{other.title if other else 'another chat'}”" if a is not None
+                    else "the model to open")
+            self.queued_note.text.setText(f"Waiting for {what} — your message is sent to the model right after.")
+            self.chat.set_ready(False, f"Waiting for {what}…")
+        elif self.loaded is None:
+            self.chat.set_ready(False, self._not_ready)
+        else:
+            self.chat.set_ready(True)
+        self.queued_note.setVisible(waiting)
 
     def new_chat(self) -> None:
         """Start an empty chat (stored on its first message)."""
@@ -400,6 +477,7 @@ class MainWindow(QMainWindow):
         self.conv_id = None
         self._pending_system = ""
         self.chat.set_conversation(None, [])
+        self._sync_chat()
         self._refresh_list()
         self.focus_input()
 
@@ -413,18 +491,15 @@ class MainWindow(QMainWindow):
         self.conv_id = conv_id
         msgs = self.history.messages(conv_id)
         self.chat.set_conversation(conv, msgs)
-        g = self.gen
-        if g is not None and g.conv_id == conv_id:
-            v = self.chat.view(g.asst_id)
-            if v is not None:
-                v.set_content(g.text + g.pending, STREAMING)
-                g.text, g.pending = g.text + g.pending, ""
+        if self.answer is not None and self.answer.conv_id == conv_id:
+            self.answer.show()
+        self._sync_chat()
         self._refresh_list()
 
     def rename_conversation(self, conv_id: int, title: str | None = None) -> None:
         """Rename (asks for the title when not given)."""
         conv = self.history.conversation(conv_id)
-        if conv is None:
+        if conv is None or self.read_only:
             return
         if title is None:
             title, ok = QInputDialog.getText(self, "Rename chat", "Title:", text=conv.title)
@@ -439,7 +514,7 @@ class MainWindow(QMainWindow):
     def delete_conversation(self, conv_id: int, confirm: bool = True) -> None:
         """Delete a conversation after confirmation."""
         conv = self.history.conversation(conv_id)
-        if conv is None:
+        if conv is None or self.read_only:
             return
         if confirm:
             r = QMessageBox.question(self, "Delete chat",
@@ -447,8 +522,9 @@ class MainWindow(QMainWindow):
                                      QMessageBox.Yes | QMessageBox.Cancel, QMessageBox.Cancel)
             if r != QMessageBox.Yes:
                 return
-        if self.gen is not None and self.gen.conv_id == conv_id:
+        if self.answer is not None and self.answer.conv_id == conv_id:
             self.controller.stop()
+        self.queue = [q for q in self.queue if q[0] != conv_id]
         self.history.delete_conversation(conv_id)
         if conv_id == self.conv_id:
             self.new_chat()
@@ -456,7 +532,7 @@ class MainWindow(QMainWindow):
             self._refresh_list()
 
     def _system_prompt_edited(self, text: str) -> None:
-        if self._closing:
+        if self._closing or self.read_only:
             return
         if self.conv_id is None:
             self._pending_system = text
@@ -476,9 +552,17 @@ class MainWindow(QMainWindow):
 
     # --- chat ---------------------------------------------------------------------------------
 
+    def _busy_here(self) -> bool:
+        """True when the chat on screen is being answered or waits for the engine."""
+        if self.conv_id is None:
+            return False
+        return ((self.answer is not None and self.answer.conv_id == self.conv_id)
+                or self.conv_id in self.queued_conversations())
+
     def send(self, text: str) -> None:
-        """Send a user message (or the edited last message) and start the answer."""
-        if self.gen is not None or self.loaded is None or not text.strip():
+        """Send a user message (or the edited last message) and start the answer; while another
+        chat is being answered, the message is stored and waits (with a note) for its turn."""
+        if self.loaded is None or not text.strip() or self._busy_here():
             return
         conv_id = self._ensure_conversation(text)
         if self._editing is not None:
@@ -490,11 +574,11 @@ class MainWindow(QMainWindow):
             self.history.set_system_prompt(conv_id, sp)
         user_id = self.history.add_message(conv_id, "user", text, COMPLETE)
         self.chat.add_message(Message(user_id, conv_id, "user", text, COMPLETE))
-        self._start_generation(conv_id, user_id)
+        self._request_answer(conv_id, user_id)
 
     def regenerate(self, asst_id: int | None = None) -> None:
-        """Replace the last answer with a new one."""
-        if self.gen is not None or self.loaded is None or self.conv_id is None:
+        """Replace the last answer with a new one (waits its turn like a message)."""
+        if self.loaded is None or self.conv_id is None or self._busy_here():
             return
         msgs = self.history.messages(self.conv_id)
         if not msgs:
@@ -509,11 +593,11 @@ class MainWindow(QMainWindow):
         user = users[-1]
         if user.status == ERROR:
             self.history.update_message(user.id, status=COMPLETE)
-        self._start_generation(self.conv_id, user.id)
+        self._request_answer(self.conv_id, user.id)
 
     def edit_message(self, user_id: int) -> None:
         """Put the last user message in the prompt box; sending replaces it and what followed."""
-        if self.gen is not None:
+        if self._busy_here():
             return
         m = self.history.message(user_id)
         if m is None:
@@ -547,7 +631,20 @@ class MainWindow(QMainWindow):
             out.append(ChatMessage(m.role, m.content))
         return tuple(out)
 
-    def _start_generation(self, conv_id: int, user_id: int) -> None:
+    def _request_answer(self, conv_id: int, user_id: int) -> None:
+        """Answer ``user_id`` now, or after the answer being written (one engine, one answer)."""
+        self.queue.append((conv_id, user_id))
+        if self.answer is None:
+            self._start_next()
+        else:
+            self._sync_chat()
+            self._refresh_list()
+
+    def _start_next(self) -> None:
+        """Start the first waiting answer when the engine is free and a model is open."""
+        if self.answer is not None or self.loaded is None or not self.queue or self._closing:
+            return
+        conv_id, user_id = self.queue.pop(0)
         messages = self._context(conv_id)
         asst_id = self.history.add_message(conv_id, "assistant", "", STREAMING)
         if conv_id == self.conv_id:
@@ -557,39 +654,39 @@ class MainWindow(QMainWindow):
         if self.banner.kind in (ErrorKind.CONTEXT, ErrorKind.GENERATION):
             self.banner.hide()
         job = self.controller.generate(self.chat.build_request(messages, self.settings.sampling))
-        self.gen = _Generation(job, conv_id, user_id, asst_id, last_save=time.monotonic())
-        self.chat.set_generating(True)
-        self.flush_timer.start()
+        self.answer = AnswerStream(self.history, self.chat, job, conv_id, user_id, asst_id, self)
+        self._sync_chat()
+        self._refresh_list()
+
+    def cancel_queued(self) -> None:
+        """“Don't send”: take the waiting message of the chat on screen back into the prompt box."""
+        if self.conv_id is None:
+            return
+        for conv_id, user_id in [q for q in self.queue if q[0] == self.conv_id]:
+            self.queue.remove((conv_id, user_id))
+            m = self.history.message(user_id)
+            if m is not None:   # the question (sent, or to regenerate for) goes back into the prompt box
+                self._truncate_from(conv_id, user_id)
+                self.chat.input.setPlainText(m.content)
+        self._sync_chat()
         self._refresh_list()
 
     def stop(self) -> None:
-        """Stop the answer being written (Esc)."""
-        if self.gen is not None:
+        """Stop the answer being written in the chat on screen (Esc / Stop)."""
+        if self.answer is not None and self.answer.conv_id == self.conv_id:
             self.controller.stop()
 
     @Slot(object)
     def on_token(self, ev: TokenEvent) -> None:
-        """Buffer streamed text (the flush timer shows it)."""
-        if self.gen is not None:
-            self.gen.pending += ev.text
-
-    def _flush_stream(self) -> None:
-        g = self.gen
-        if g is None or not g.pending:
-            return
-        piece, g.pending = g.pending, ""
-        g.text += piece
-        v = self.chat.view(g.asst_id)
-        if v is not None:
-            v.append_stream(piece)
-        now = time.monotonic()
-        if now - g.last_save >= SAVE_EVERY_S:
-            self.history.update_message(g.asst_id, content=g.text)
-            g.last_save, g.last_saved_len = now, len(g.text)
+        """Streamed text goes to the answer (its timer shows it)."""
+        if self.answer is not None:
+            self.answer.on_token(ev)
 
     @Slot(object)
     def on_metrics(self, m: StepMetrics) -> None:
         """Per-token counters: panels and status bar."""
+        if self.answer is not None:
+            self.answer.on_metrics(m)
         self.panels.on_metrics(m)
         self.st_speed.setText(f"{m.tok_per_s:.1f} tok/s")
         self.st_ttft.setText(f"TTFT {m.ttft_s:.2f} s")
@@ -602,62 +699,39 @@ class MainWindow(QMainWindow):
 
     @Slot(object)
     def on_finished(self, ev: Finished) -> None:
-        """The answer ended: store it with its status and numbers."""
-        g = self.gen
-        if g is None:
+        """The answer ended: the answer saves itself; the status bar shows its numbers."""
+        if self.answer is None:
             return
-        self.flush_timer.stop()
-        if ev.finish_reason == "error":
-            self._end_generation_failed(ev.error or "The engine stopped with an error.", ErrorKind.GENERATION, ev)
-            return
-        status = STOPPED if ev.finish_reason == "cancelled" else COMPLETE
-        text = ev.text if ev.text or not g.text else g.text + g.pending
-        meta = {"tokens": ev.generated_tokens, "prompt_tokens": ev.prompt_tokens,
-                "tok_per_s": round(ev.decode_tok_per_s, 2), "ttft_s": round(ev.ttft_s, 3),
-                "hit_rate": round(ev.hit_rate, 4), "mb_per_token": round(ev.mb_per_token, 3),
-                "finish_reason": ev.finish_reason}
-        self.history.update_message(g.asst_id, content=text, status=status, meta=meta)
-        self.history.touch(g.conv_id)
-        v = self.chat.view(g.asst_id)
-        if v is not None:
-            v.set_content(text, status, meta)
-        if ev.decode_tok_per_s:
-            self.st_speed.setText(f"{ev.decode_tok_per_s:.1f} tok/s")
-        self.st_ttft.setText(f"TTFT {ev.ttft_s:.2f} s")
-        self._generation_done()
+        if ev.finish_reason != "error":
+            if ev.decode_tok_per_s:
+                self.st_speed.setText(f"{ev.decode_tok_per_s:.1f} tok/s")
+            self.st_ttft.setText(f"TTFT {ev.ttft_s:.2f} s")
+        self._answer_ended(self.answer.finish(ev))
 
-    def _end_generation_failed(self, message: str, kind: str, ev: Finished | None = None) -> None:
-        g = self.gen
-        self.flush_timer.stop()
-        text = (ev.text if ev is not None and ev.text else g.text + g.pending)
-        if text:
-            meta = {"tokens": ev.generated_tokens, "finish_reason": "error"} if ev is not None else {}
-            self.history.update_message(g.asst_id, content=text, status=ERROR, meta=meta)
-            v = self.chat.view(g.asst_id)
-            if v is not None:
-                v.set_content(text, ERROR, meta)
-        else:
-            # nothing was answered: drop the empty answer, keep the question out of the context
-            self.history.delete_message(g.asst_id)
-            self.chat.remove_message(g.asst_id)
-            self.history.update_message(g.user_id, status=ERROR)
-            v = self.chat.view(g.user_id)
-            if v is not None:
-                v.set_content(v.content, ERROR)
-        self.banner.show_message(kind, message)
-        self._generation_done()
-
-    def _generation_done(self) -> None:
-        self.gen = None
+    def _answer_ended(self, end: AnswerEnd) -> None:
+        if end.kind:
+            self.banner.show_message(end.kind, end.message)
+        self.answer = None
         self.controller.job_done()
-        self.chat.set_generating(False)
+        self._sync_chat()
         self._refresh_list()
+        self._start_next()
 
     def _escape(self) -> None:
-        if self.gen is not None:
+        if self.answer is not None and self.answer.conv_id == self.conv_id:
             self.stop()
         elif self._editing is not None:
             self._cancel_edit()
+
+    def bring_to_front(self) -> None:
+        """Another start of the app on this data folder asked for this window."""
+        if self.isMinimized():
+            self.showNormal()
+        else:
+            self.show()
+        self.raise_()
+        self.activateWindow()
+        self.statusBar().showMessage("colibri is already running: this is its window", 6000)
 
     def focus_input(self) -> None:
         """Ctrl+L: put the cursor in the prompt box."""
@@ -789,18 +863,18 @@ class MainWindow(QMainWindow):
         if self.conv_id is not None and self.chat.system_edit.isVisible():
             self._system_prompt_edited(self.chat.system_prompt())
         self._closing = True
-        save_ui_state(self.ui_state())
-        self.flush_timer.stop()
+        if not self.read_only:
+            save_ui_state(self.ui_state())
         self.controller.shutdown()
+        # and every other background task (wizard download / conversion, library scan): cancel
+        # and join them now, while the objects they report to still exist (issue 18 fault 6)
+        shutdown_all()
         # the worker's last events (its tokens and Finished) are queued for this thread
         QCoreApplication.sendPostedEvents(self, QEvent.MetaCall)
-        self._flush_stream()
-        g = self.gen
-        if g is not None:
-            # no Finished arrived (the thread did not end in time): store what we have
-            self.history.update_message(g.asst_id, content=g.text + g.pending, status=STOPPED,
-                                        meta={"finish_reason": "cancelled"})
-            self.gen = None
+        if self.answer is not None:
+            # no Finished arrived (the engine did not end in time): store what we have
+            self.answer.abandon()
+            self.answer = None
         self.panels.timer.stop()
         self.history.close()
         super().closeEvent(e)

@@ -72,6 +72,11 @@ QStatusBar::item { border: none; }
 #bannerHint { color: #4b5563; font-style: italic; }
 #bannerDismiss { border: 1px solid #e5e7eb; background: white; border-radius: 6px; padding: 4px 10px; }
 
+#queuedNote { background: #eff6ff; border: 1px solid #bfdbfe; border-radius: 10px; }
+#queuedNoteText { color: #1e3a8a; }
+#readOnlyNote { background: #fffbeb; border: 1px solid #fde68a; border-radius: 10px; }
+#readOnlyNoteText { color: #78350f; }
+
 #loadingFrame { background: #ffffff; border: 1px solid #e5e7eb; border-radius: 10px; }
 #loadingLabel { color: #374151; }
 QProgressBar { border: none; background: #e5e7eb; border-radius: 4px; height: 8px; text-align: center; }

@@ -23,7 +23,6 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
 
 from engine import ENGINE, SAMPLING, ConfigError, EngineConfig, Setting, settings_table, validate
 from .settings_store import Settings, save_settings
-from .wizard import qt_emit
 
 RELOAD_MARK = "⟳"
 GROUP_TITLES = {ENGINE: "Engine", SAMPLING: "Generation"}
@@ -327,7 +326,7 @@ class SettingsDialog(QDialog):
             except OSError as e:
                 self.save_error = str(e)
         self._base = new
-        qt_emit(self.applied, new, reload_needed)
+        self.applied.emit(new, reload_needed)
         msg = "Applied." + (f" The model will be reopened for the changes marked {RELOAD_MARK}."
                             if reload_needed else "")
         if self.save_error:
@@ -348,5 +347,5 @@ class SettingsDialog(QDialog):
 
     @Slot()
     def _reset_history(self) -> None:
-        qt_emit(self.reset_history_requested)
+        self.reset_history_requested.emit()
         self.status_label.setText("The routing history of the current model will be reset.")

@@ -1,190 +1,49 @@
 """The model wizard: choose a model (hub repo or local folder), check it, download, convert,
 self-test. Emits ``model_ready(store_path)`` when the user finishes with a working store.
 
-All long work (hub queries, download, conversion, self-test) runs in a QObject worker on a
-QThread (``Task``); the GUI only receives engine dataclasses through queued signals
-(LoadProgress, RepoCheck, EngineFailure) and never blocks. The logic is engine.hub's.
+All long work (hub queries, download, conversion, self-test) runs as tasks of the wizard
+lane (colibri_app.workers); the GUI only receives engine dataclasses through queued signals
+(LoadProgress, RepoCheck, EngineFailure) and never blocks. The logic is engine.library's.
 """
 
 from __future__ import annotations
 
-import ctypes
-import sys
 import threading
-import time
-import traceback
 from pathlib import Path
 from typing import Callable
 
-from PySide6.QtCore import QObject, Qt, QThread, QUrl, Signal, Slot
+from PySide6.QtCore import Qt, QUrl, Signal, Slot
 from PySide6.QtGui import QDesktopServices
 from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QComboBox, QFileDialog, QGridLayout, QHBoxLayout,
                                QHeaderView, QLabel, QLineEdit, QPlainTextEdit, QProgressBar, QPushButton,
                                QRadioButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget, QWizard,
                                QWizardPage)
 
-from engine import SUPPORTED_MODEL_TYPES, EngineFailure, ErrorKind, LoadProgress, error_kind
+from engine import SUPPORTED_MODEL_TYPES, EngineFailure, ErrorKind, LoadProgress
 from engine import library as hub
+
+from .workers import Lane, Task
 
 PAGE_SOURCE, PAGE_CHECK, PAGE_DOWNLOAD, PAGE_CONVERT, PAGE_DONE = range(5)
 RED, ORANGE, GREEN = "#c62828", "#e65100", "#2e7d32"
-_RUNNING: set["Task"] = set()  # tasks whose thread outlives their page (joined by shutdown_tasks)
 
 
-# --- PySide6 6.12.0 workaround --------------------------------------------------------------
-# SignalInstance.emit() returns Py_True without taking a reference, so every emit() called
-# from Python drops one reference to True. On Python < 3.12 True is not immortal and the
-# interpreter aborts ("Fatal Python error: bool_dealloc") once its count reaches zero - after
-# a few hundred emits (a long download reports progress ~20 times per second). qt_emit()
-# emits and gives the reference back when the probe below finds the bug.
-
-def _probe_emit_leak() -> bool:
-    if sys.version_info >= (3, 12):
-        return False  # True is immortal there
-
-    class _Probe(QObject):
-        sig = Signal()
-    p = _Probe()
-    n = 200
-    before = sys.getrefcount(True)
-    for _ in range(n):
-        p.sig.emit()
-    lost = before - sys.getrefcount(True)
-    leaks = lost > n // 2
-    if leaks:
-        for _ in range(lost):  # repair the probe's own damage
-            _incref(True)
-    return leaks
+_LANE: Lane | None = None
 
 
-_incref = ctypes.pythonapi.Py_IncRef
-_incref.argtypes = [ctypes.py_object]
-_incref.restype = None
-EMIT_LEAKS_TRUE = _probe_emit_leak()
+def wizard_lane() -> Lane:
+    """The lane the wizard's checks, downloads, conversions and self-tests run on (shared by
+    every wizard window; at most two at once: a re-check may overlap a running download)."""
+    global _LANE
+    if _LANE is None or _LANE.closed:
+        _LANE = Lane("wizard", threads=2)
+    return _LANE
 
 
-def qt_emit(signal, *args) -> None:
-    """``signal.emit(*args)``, compensating PySide6 6.12.0's lost reference to True."""
-    signal.emit(*args)
-    if EMIT_LEAKS_TRUE:
-        _incref(True)
-
-
-def _failure(e: BaseException) -> EngineFailure:
-    return EngineFailure(kind=error_kind(e), message=str(e) or type(e).__name__, detail=traceback.format_exc())
-
-
-class _Worker(QObject):
-    """Runs ``fn(progress, cancel)`` in its thread; results go out through signals."""
-
-    progress = Signal(object)  # LoadProgress
-    done = Signal(object)      # the function's result
-    failed = Signal(object)    # EngineFailure
-
-    def __init__(self, fn: Callable, cancel: threading.Event):
-        super().__init__()
-        self.fn, self.cancel = fn, cancel
-        self._last = 0.0
-
-    def _progress(self, ev: LoadProgress) -> None:
-        now = time.monotonic()
-        if now - self._last >= 0.05 or ev.done >= ev.total:  # <= 20 updates per second
-            self._last = now
-            qt_emit(self.progress, ev)
-
-    @Slot()
-    def run(self) -> None:
-        try:
-            result = self.fn(self._progress, self.cancel)
-        except BaseException as e:  # noqa: BLE001 - every failure is reported to the page
-            qt_emit(self.failed, _failure(e))
-        else:
-            qt_emit(self.done, result)
-
-
-class Task(QObject):
-    """One background job: a _Worker on its own QThread.
-
-    Signals are re-emitted from this object (GUI thread): progress(LoadProgress),
-    done(result), failed(EngineFailure), and finished() after either.
-    """
-
-    progress = Signal(object)
-    done = Signal(object)
-    failed = Signal(object)
-    finished = Signal()
-
-    def __init__(self, fn: Callable[[Callable, threading.Event], object]):
-        # No Qt parent: a task may outlive its page (closing while a thread runs); it is
-        # kept alive by _RUNNING until its thread has finished.
-        super().__init__()
-        self.cancel_event = threading.Event()
-        self.running = True
-        self.thread = QThread()
-        self.thread.setObjectName("colibri-wizard-task")
-        self.worker = _Worker(fn, self.cancel_event)
-        self.worker.moveToThread(self.thread)
-        self.thread.started.connect(self.worker.run)
-        self.worker.progress.connect(self._on_progress)
-        self.worker.done.connect(self._on_done)
-        self.worker.failed.connect(self._on_failed)
-        self.thread.finished.connect(self.worker.deleteLater)
-        self.thread.finished.connect(self._on_thread_finished)
-        _RUNNING.add(self)
-        _hook_app_quit()
-        self.thread.start()
-
-    def cancel(self) -> None:
-        self.cancel_event.set()
-
-    @Slot(object)
-    def _on_progress(self, ev) -> None:
-        if self.running:
-            qt_emit(self.progress, ev)
-
-    @Slot(object)
-    def _on_done(self, result) -> None:
-        self.running = False
-        self.thread.quit()
-        qt_emit(self.done, result)
-        qt_emit(self.finished)
-
-    @Slot(object)
-    def _on_failed(self, f) -> None:
-        self.running = False
-        self.thread.quit()
-        qt_emit(self.failed, f)
-        qt_emit(self.finished)
-
-    @Slot()
-    def _on_thread_finished(self) -> None:
-        _RUNNING.discard(self)
-
-    def wait(self, ms: int) -> bool:
-        """Block up to ``ms`` for the thread to end (used only when closing)."""
-        return self.thread.wait(ms)
-
-
-_hooked = False
-
-
-def _hook_app_quit() -> None:
-    """Join the task threads when the application quits (a running QThread must not be
-    destroyed)."""
-    global _hooked
-    from PySide6.QtCore import QCoreApplication
-    app = QCoreApplication.instance()
-    if not _hooked and app is not None:
-        app.aboutToQuit.connect(shutdown_tasks)
-        _hooked = True
-
-
-def shutdown_tasks(timeout_ms: int = 3000) -> None:
-    """Cancel every wizard task and wait up to ``timeout_ms`` for their threads (app exit)."""
-    for t in list(_RUNNING):
-        t.cancel()
-    for t in list(_RUNNING):
-        t.wait(timeout_ms)
+def run_task(fn: Callable[[Callable, threading.Event], object], **slots) -> Task:
+    """Run ``fn(progress, cancel)`` on the wizard lane; ``slots``: progress / result / error
+    receivers, connected before it starts (see :meth:`colibri_app.workers.Lane.submit`)."""
+    return wizard_lane().submit(lambda ctx: fn(ctx.progress, ctx.cancel), "wizard", **slots)
 
 
 def _error_style(label: QLabel, color: str) -> None:
@@ -265,7 +124,7 @@ class SourcePage(QWizardPage):
         self.browse.setEnabled(not hub_mode)
         if self.task is None:
             self.status.setText("")
-        qt_emit(self.completeChanged)
+        self.completeChanged.emit()
 
     @Slot()
     def _browse(self) -> None:
@@ -291,8 +150,9 @@ class SourcePage(QWizardPage):
             self.start_check()
         return False
 
-    def start_check(self) -> None:
-        """Run hub.check_repo / hub.check_local in the background for the current input."""
+    def start_check(self, extra_result: tuple = (), extra_error: tuple = ()) -> None:
+        """Run hub.check_repo / hub.check_local in the background for the current input
+        (``extra_result`` / ``extra_error``: more receivers of its outcome)."""
         key = self.key()
         ctx = self.wiz.context_length
         if key[0] == "hub":
@@ -309,17 +169,15 @@ class SourcePage(QWizardPage):
             self.status.setText(f"Checking {folder}…")
         _error_style(self.status, "")
         self.wiz.check = None
-        self.task = Task(fn)
-        self.task.done.connect(self._check_done)
-        self.task.failed.connect(self._check_failed)
-        qt_emit(self.completeChanged)
+        self.task = run_task(fn, result=[self._check_done, *extra_result], error=[self._check_failed, *extra_error])
+        self.completeChanged.emit()
 
     @Slot(object)
     def _check_done(self, chk) -> None:
         self.task = None
         self.wiz.check = chk
         self.status.setText("")
-        qt_emit(self.completeChanged)
+        self.completeChanged.emit()
         if self.wiz.currentId() == PAGE_SOURCE:
             self._advance = True
             self.wiz.next()
@@ -330,7 +188,7 @@ class SourcePage(QWizardPage):
         self.task = None
         self.status.setText(f"Refused: {f.message}" if f.kind == ErrorKind.CONFIG else f.message)
         _error_style(self.status, RED)
-        qt_emit(self.completeChanged)
+        self.completeChanged.emit()
 
     def nextId(self) -> int:
         return PAGE_CHECK
@@ -416,7 +274,7 @@ class CheckPage(QWizardPage):
                    "refuse": ("Refused — ", RED)}[c.ram_verdict]
         self.ram.setText(verdict[0] + c.ram_message)
         _error_style(self.ram, verdict[1])
-        qt_emit(self.completeChanged)
+        self.completeChanged.emit()
 
     def isComplete(self) -> bool:
         c = self.wiz.check
@@ -427,11 +285,9 @@ class CheckPage(QWizardPage):
         sp = self.wiz.source_page
         if sp.task is not None:
             return
-        sp.start_check()
-        sp.task.done.connect(self._rechecked)
-        sp.task.failed.connect(self._recheck_failed)
+        sp.start_check(extra_result=[self._rechecked], extra_error=[self._recheck_failed])
         self.disk.setText("Checking again…")
-        qt_emit(self.completeChanged)
+        self.completeChanged.emit()
 
     @Slot(object)
     def _rechecked(self, c) -> None:
@@ -441,7 +297,7 @@ class CheckPage(QWizardPage):
     def _recheck_failed(self, f) -> None:
         self.disk.setText(f.message)
         _error_style(self.disk, RED)
-        qt_emit(self.completeChanged)
+        self.completeChanged.emit()
 
     def nextId(self) -> int:
         c = self.wiz.check
@@ -509,13 +365,10 @@ class DownloadPage(QWizardPage):
             return str(hub.download(repo, rev, c.download_dir, progress, cancel, check=c))
         self.status.setText("Downloading…")
         _error_style(self.status, "")
-        self.task = Task(fn)
-        self.task.progress.connect(self._progress)
-        self.task.done.connect(self._done)
-        self.task.failed.connect(self._failed)
+        self.task = run_task(fn, progress=self._progress, result=self._done, error=self._failed)
         self.cancel_button.setEnabled(True)
         self.resume_button.setEnabled(False)
-        qt_emit(self.completeChanged)
+        self.completeChanged.emit()
 
     @Slot()
     def cancel(self) -> None:
@@ -541,7 +394,7 @@ class DownloadPage(QWizardPage):
         _error_style(self.status, GREEN)
         self.cancel_button.setEnabled(False)
         self.resume_button.setEnabled(False)
-        qt_emit(self.completeChanged)
+        self.completeChanged.emit()
 
     @Slot(object)
     def _failed(self, f: EngineFailure) -> None:
@@ -555,7 +408,7 @@ class DownloadPage(QWizardPage):
             _error_style(self.status, RED)
         self.cancel_button.setEnabled(False)
         self.resume_button.setEnabled(True)
-        qt_emit(self.completeChanged)
+        self.completeChanged.emit()
 
     def isComplete(self) -> bool:
         return self.finished_ok and self.task is None
@@ -655,7 +508,7 @@ class ConvertPage(QWizardPage):
         self.status.setText(f"A store already exists at {self.target()}." if exists else "")
         _error_style(self.status, "")
         self.wiz.store_path = None
-        qt_emit(self.completeChanged)
+        self.completeChanged.emit()
 
     @Slot()
     def start(self) -> None:
@@ -667,7 +520,7 @@ class ConvertPage(QWizardPage):
             self.wiz.store_path = str(target)
             self.status.setText(f"Using the existing store {target}.")
             _error_style(self.status, GREEN)
-            qt_emit(self.completeChanged)
+            self.completeChanged.emit()
             return
         src, quant = self.wiz.source_dir, self.quant.currentData()
         overwrite = self.replace.isChecked()
@@ -682,16 +535,13 @@ class ConvertPage(QWizardPage):
                 except (OSError, ValueError):
                     pass
             return str(store)
-        self.task = Task(fn)
-        self.task.progress.connect(self._progress)
-        self.task.done.connect(self._done)
-        self.task.failed.connect(self._failed)
+        self.task = run_task(fn, progress=self._progress, result=self._done, error=self._failed)
         self.status.setText(f"Converting to {quant}…")
         _error_style(self.status, "")
         for w in (self.quant, self.replace, self.delete_download, self.convert_button):
             w.setEnabled(False)
         self.cancel_button.setEnabled(True)
-        qt_emit(self.completeChanged)
+        self.completeChanged.emit()
 
     @Slot()
     def cancel(self) -> None:
@@ -719,7 +569,7 @@ class ConvertPage(QWizardPage):
         self.bar.setValue(1000)
         self.status.setText(f"Converted into {store}.")
         _error_style(self.status, GREEN)
-        qt_emit(self.completeChanged)
+        self.completeChanged.emit()
 
     @Slot(object)
     def _failed(self, f: EngineFailure) -> None:
@@ -731,7 +581,7 @@ class ConvertPage(QWizardPage):
         else:
             self.status.setText(f.message)
             _error_style(self.status, RED)
-        qt_emit(self.completeChanged)
+        self.completeChanged.emit()
 
     def isComplete(self) -> bool:
         return self.wiz.store_path is not None and self.task is None
@@ -776,10 +626,8 @@ class DonePage(QWizardPage):
 
         def fn(progress, cancel):
             return hub.self_test(store)
-        self.task = Task(fn)
-        self.task.done.connect(self._done)
-        self.task.failed.connect(self._failed)
-        qt_emit(self.completeChanged)
+        self.task = run_task(fn, result=self._done, error=self._failed)
+        self.completeChanged.emit()
 
     @Slot(object)
     def _done(self, text: str) -> None:
@@ -788,7 +636,7 @@ class DonePage(QWizardPage):
         self.output.setPlainText(text)
         self.info.setText(f"The model works. Store: {self.wiz.store_path}. Press Finish to use it.")
         _error_style(self.info, GREEN)
-        qt_emit(self.completeChanged)
+        self.completeChanged.emit()
 
     @Slot(object)
     def _failed(self, f: EngineFailure) -> None:
@@ -797,7 +645,7 @@ class DonePage(QWizardPage):
         self.output.setPlainText(f.detail)
         self.info.setText(f"The self-test failed: {f.message}")
         _error_style(self.info, RED)
-        qt_emit(self.completeChanged)
+        self.completeChanged.emit()
 
     @Slot()
     def _open_folder(self) -> None:
@@ -853,14 +701,15 @@ class ModelWizard(QWizard):
 
     def accept(self) -> None:
         if self.done_page.passed and self.store_path:
-            qt_emit(self.model_ready, self.store_path)
+            self.model_ready.emit(self.store_path)
         super().accept()
 
     def done(self, result: int) -> None:
         # Closing: cancel background work. A download / conversion stops within one network
-        # chunk or tensor; the threads are joined briefly and otherwise left to finish alone.
+        # chunk or tensor; the tasks are waited for briefly, and otherwise end on their own
+        # (the lane's threads need nothing from this window; shutdown_all joins them at exit).
         for t in self.tasks():
             t.cancel()
         for t in self.tasks():
-            t.wait(2000)
+            t.wait(2.0)
         super().done(result)

@@ -1,6 +1,9 @@
-"""Read a Hugging Face OLMoE checkpoint (single-file or sharded safetensors) tensor by tensor.
+"""Read a Hugging Face MoE checkpoint (single-file or sharded safetensors) tensor by tensor.
 
-Only this module and convert.py know the Hugging Face key layout.
+The Hugging Face key layout of each family comes from its file in engine/models/
+(``dense_tensors``, ``expert_names``). Routed experts are read per expert, from per-expert
+tensors (published checkpoints, save_pretrained) or from slices of fused 3-D tensors
+(``mlp.experts.gate_up_proj`` [E, 2I, D] / ``down_proj`` [E, D, I]), one expert at a time.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 
 from .config import ModelArgs
 from .errors import CheckpointError
+from .models import base, family_for
 
 LFS_MAGIC = b"version https://git-lfs"
 
@@ -32,33 +36,13 @@ def is_lfs_pointer(path: Path) -> bool:
 
 
 def hf_names(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every tensor an OLMoE checkpoint must hold, with its expected shape."""
-    D, I, E, V = args.hidden_size, args.intermediate_size, args.num_experts, args.vocab_size
-    names = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
-    if not args.tie_word_embeddings:
-        names["lm_head.weight"] = (V, D)
-    for i in range(args.num_hidden_layers):
-        p = f"model.layers.{i}."
-        names.update({
-            p + "input_layernorm.weight": (D,),
-            p + "post_attention_layernorm.weight": (D,),
-            p + "self_attn.q_proj.weight": (args.q_dim, D),
-            p + "self_attn.k_proj.weight": (args.kv_dim, D),
-            p + "self_attn.v_proj.weight": (args.kv_dim, D),
-            p + "self_attn.o_proj.weight": (D, args.q_dim),
-            p + "self_attn.q_norm.weight": (args.q_dim,),
-            p + "self_attn.k_norm.weight": (args.kv_dim,),
-            p + "mlp.gate.weight": (E, D),
-        })
-        for e in range(E):
-            q = f"{p}mlp.experts.{e}."
-            names.update({q + "gate_proj.weight": (I, D), q + "up_proj.weight": (I, D),
-                          q + "down_proj.weight": (D, I)})
-    return names
+    """Every tensor a (per-expert) checkpoint of args' family holds, with its expected shape."""
+    return base.hf_names(family_for(args.model_type), args)
 
 
 class Checkpoint:
-    """An opened HF checkpoint folder: ``args``, and ``get(name) -> float32 ndarray``.
+    """An opened HF checkpoint folder: ``args``, ``family`` (engine.models module),
+    ``get(name) -> float32 ndarray``, ``expert(layer, e) -> {proj: float32 ndarray}``.
 
     Opening checks (before any compute): config.json valid; every weight file present, not a
     Git LFS pointer, with a complete safetensors header; every expected tensor present with
@@ -74,6 +58,8 @@ class Checkpoint:
             raise CheckpointError(f"{self.folder}: not a folder; give the folder that holds "
                                   f"config.json and the *.safetensors files")
         self.args = ModelArgs.from_hf_config(self.folder / "config.json")
+        self.family = family_for(self.args.model_type)
+        self._fused: dict[int, tuple[str, str]] = {}  # transformer layer -> (gate_up, down) names
         self._files = self._weight_files()
         self._handles: dict[Path, object] = {}
         self._where: dict[str, Path] = {}
@@ -109,6 +95,7 @@ class Checkpoint:
             return [single]
         found = sorted(self.folder.glob("*.safetensors"))
         if not found:
+            base.check_not_gguf(self.folder, has_config=True)
             raise CheckpointError(f"{self.folder}: no model.safetensors or model.safetensors.index.json; "
                                   f"only safetensors checkpoints are supported")
         return found
@@ -139,21 +126,66 @@ class Checkpoint:
                 self._spans[k] = (base + s, base + e, v["dtype"], v["shape"])
         self._fds[path] = os.open(path, os.O_RDONLY)
 
+    def _check_one(self, name: str, shape: tuple) -> bool:
+        """False if ``name`` is absent; raises if present with the wrong shape or dtype."""
+        f = self._where.get(name)
+        if f is None:
+            return False
+        sl = self._handles[f].get_slice(name)
+        got = tuple(sl.get_shape())
+        if got != tuple(shape):
+            raise CheckpointError(f"{f}: tensor '{name}' has shape {list(got)} but config.json "
+                                  f"implies {list(shape)}; config and weights do not match")
+        if sl.get_dtype() not in ("BF16", "F16", "F32"):
+            raise CheckpointError(f"{f}: tensor '{name}' has dtype {sl.get_dtype()}; only "
+                                  f"bf16, f16 and f32 checkpoints are supported")
+        return True
+
+    def _missing(self, name: str) -> CheckpointError:
+        a = self.args
+        return CheckpointError(f"{self.folder}: tensor '{name}' is missing from the checkpoint "
+                               f"(config.json says {a.model_type}, {a.num_hidden_layers} layers, "
+                               f"{a.num_moe_layers} with {a.num_experts} experts)")
+
     def _check_tensors(self) -> None:
-        for name, shape in hf_names(self.args).items():
-            f = self._where.get(name)
-            if f is None:
-                raise CheckpointError(f"{self.folder}: tensor '{name}' is missing from the checkpoint "
-                                      f"(config.json says {self.args.num_hidden_layers} layers x "
-                                      f"{self.args.num_experts} experts)")
-            sl = self._handles[f].get_slice(name)
-            got = tuple(sl.get_shape())
-            if got != shape:
-                raise CheckpointError(f"{f}: tensor '{name}' has shape {list(got)} but config.json "
-                                      f"implies {list(shape)}; config and weights do not match")
-            if sl.get_dtype() not in ("BF16", "F16", "F32"):
-                raise CheckpointError(f"{f}: tensor '{name}' has dtype {sl.get_dtype()}; only "
-                                      f"bf16, f16 and f32 checkpoints are supported")
+        a = self.args
+        for t in self.family.dense_tensors(a):
+            if not self._check_one(t.hf, t.shape):
+                raise self._missing(t.hf)
+        shapes = base.expert_shapes(a)
+        E, I, D = a.num_experts, a.moe_intermediate_size, a.hidden_size
+        for i in a.moe_layers:
+            en = self.family.expert_names(a, i)
+            fused = next((p for p in en.fused_prefixes if p + "gate_up_proj" in self._where), None)
+            if fused is not None and en.name(0, "gate_proj") not in self._where:
+                gu, dn = fused + "gate_up_proj", fused + "down_proj"
+                self._check_one(gu, (E, 2 * I, D))
+                if not self._check_one(dn, (E, D, I)):
+                    raise self._missing(dn)
+                self._fused[i] = (gu, dn)
+                continue
+            for e in range(E):
+                for p in base.EXPERT_PROJS:
+                    if not self._check_one(en.name(e, p), shapes[p]):
+                        raise self._missing(en.name(e, p))
+
+    def expert(self, layer: int, e: int) -> dict[str, np.ndarray]:
+        """Expert ``e`` of transformer layer ``layer``: {"gate_proj": [I, D], "up_proj": [I, D],
+        "down_proj": [D, I]} float32, read alone (a fused tensor is read one expert's rows)."""
+        if layer in self._fused:
+            gu, dn = self._fused[layer]
+            I = self.args.moe_intermediate_size
+            g_u = self._read(gu, e)
+            return {"gate_proj": g_u[:I], "up_proj": g_u[I:], "down_proj": self._read(dn, e)}
+        en = self.family.expert_names(self.args, layer)
+        return {p: self.get(en.name(e, p)) for p in base.EXPERT_PROJS}
+
+    def expert_nbytes(self, layer: int) -> int:
+        """Checkpoint bytes of one expert of transformer layer ``layer``."""
+        if layer in self._fused:
+            return sum(self.nbytes(n) for n in self._fused[layer]) // self.args.num_experts
+        en = self.family.expert_names(self.args, layer)
+        return sum(self.nbytes(en.name(0, p)) for p in base.EXPERT_PROJS)
 
     def nbytes(self, name: str) -> int:
         sl = self._handles[self._where[name]].get_slice(name)
@@ -162,8 +194,15 @@ class Checkpoint:
 
     def get(self, name: str) -> np.ndarray:
         """The tensor ``name`` as a new float32 array (read with pread, page cache dropped)."""
+        return self._read(name)
+
+    def _read(self, name: str, row: int | None = None) -> np.ndarray:
+        """Tensor ``name`` (or only its ``row``-th slice along dim 0) as float32."""
         path = self._where[name]
         start, end, dt, shape = self._spans[name]
+        if row is not None:
+            step = (end - start) // shape[0]
+            start, end, shape = start + row * step, start + (row + 1) * step, shape[1:]
         fd = self._fds[path]
         try:
             raw = os.pread(fd, end - start, start)

@@ -1,13 +1,18 @@
-"""Convert a Hugging Face OLMoE checkpoint into a colibri expert store.
+"""Convert a Hugging Face MoE checkpoint (any family of engine/models) into a colibri expert store.
 
 Store layout (folder)::
 
-    manifest.json        format name/version, model_type, quant, alignment, slab layout,
-                         per layer: slot bytes; per expert: file, offset, length, crc32
-    dense.safetensors    embeddings, attention, norms, router, lm_head (canonical names)
-    experts/layer_NNN.bin  one 4096-aligned contiguous slab per expert holding gate_proj,
-                         up_proj, down_proj and their scales (one read loads one expert: the
-                         seeds' "consolidated expert I/O")
+    manifest.json        format name/version, model_type (the family), quant, alignment, slab
+                         layout; num_layers = M MoE layers (rows of the expert table),
+                         num_hidden_layers = L, moe_layers = the transformer layer of each
+                         row; per MoE layer: slot bytes; per expert: file, offset, length, crc32
+    dense.safetensors    embeddings, attention (+ biases, q/k norms), norms, routers, lm_head,
+                         shared experts and dense-layer MLPs (canonical names, see
+                         engine/models/base.py decoder_tensors): all resident
+    experts/layer_NNN.bin  (NNN = MoE-layer index) one 4096-aligned contiguous slab per expert
+                         holding gate_proj, up_proj, down_proj and their scales (one read loads
+                         one expert: the seeds' "consolidated expert I/O"); Mixtral's w1/w3/w2
+                         are stored as gate_proj/up_proj/down_proj
     config.json, tokenizer files, generation_config.json   copied from the source
 
 The conversion streams tensor by tensor (peak RSS ~ the dense weights plus one expert) and
@@ -28,7 +33,7 @@ from typing import Callable
 import numpy as np
 from safetensors.numpy import save_file
 
-from .checkpoint import Checkpoint, hf_names
+from .checkpoint import Checkpoint
 from .errors import Cancelled, CheckpointError
 from .events import LoadProgress
 from .fsutil import fsync_dir
@@ -58,7 +63,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
                        progress: Callable[[LoadProgress], None] | None = None,
                        cancel: threading.Event | None = None,
                        extra_manifest: dict | None = None) -> Path:
-    """Convert the HF OLMoE folder ``src`` into a store at ``dst``.
+    """Convert the Hugging Face folder ``src`` (any family of engine/models) into a store at ``dst``.
 
     Args:
         quant: "int8" (per-row), "int4" (group-wise, ``group_size`` columns per scale, two
@@ -80,10 +85,31 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
     if dst.exists() and not overwrite:
         raise FileExistsError(f"{dst}: a store already exists; pass --overwrite to replace it")
     ck = Checkpoint(src)
-    args = ck.args
-    D, I, E, L = args.hidden_size, args.intermediate_size, args.num_experts, args.num_hidden_layers
+    try:
+        return write_store(ck, src, dst, quant, group_size, progress, cancel, extra_manifest)
+    finally:
+        ck.close()
+
+
+def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: int = 32,
+                progress: Callable[[LoadProgress], None] | None = None,
+                cancel: threading.Event | None = None, extra_manifest: dict | None = None) -> Path:
+    """Write a store from a tensor ``source`` (a Checkpoint, or synthetic.SeededSource).
+
+    ``source`` provides ``args``, ``family``, ``get(hf_name)`` and ``nbytes(hf_name)`` for the
+    family's dense tensors, ``expert(layer, e)`` and ``expert_nbytes(layer)`` for routed
+    experts (float32 arrays). Streaming: the dense dict plus one expert are in RAM at a time.
+    config.json and the tokenizer files are copied from ``source_folder``.
+
+    Raises:
+        CheckpointError: int4 with widths that are not multiples of ``group_size``.
+        ConversionCancelled: ``cancel`` was set (the partial folder is removed).
+    """
+    args, fam = source.args, source.family
+    D, I, E, M = args.hidden_size, args.moe_intermediate_size, args.num_experts, args.num_moe_layers
+    label = source_folder
     if quant == "int4" and (D % group_size or I % group_size):
-        raise CheckpointError(f"{src}: int4 needs hidden_size ({D}) and intermediate_size ({I}) to be "
+        raise CheckpointError(f"{label}: int4 needs hidden_size ({D}) and the expert width ({I}) to be "
                               f"multiples of the group size {group_size}; use int8")
     partial = dst.with_name(dst.name + ".partial")
     if partial.exists():
@@ -91,7 +117,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
     (partial / "experts").mkdir(parents=True)
 
     layout = slab_layout(quant, D, I, group_size)
-    total = sum(ck.nbytes(n) for n in hf_names(args))
+    tensors = fam.dense_tensors(args)
+    total = sum(source.nbytes(h) for h in {t.hf for t in tensors})
+    total += sum(source.expert_nbytes(i) * E for i in args.moe_layers)
     done = 0
     last_report = 0.0
 
@@ -104,68 +132,49 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
 
     def check_cancel() -> None:
         if cancel is not None and cancel.is_set():
-            raise Cancelled(f"conversion of {src} cancelled; nothing was written to {dst}")
+            raise Cancelled(f"conversion of {label} cancelled; nothing was written to {dst}")
 
     try:
         dq = dense_quant_for(quant)
         dense: dict[str, np.ndarray] = {}
+        counted: set[str] = set()
+        for t in tensors:
+            check_cancel()
+            w = source.get(t.hf)
+            if t.kind == "keep":
+                dense[t.ours] = w  # norms, routers, biases, gates stay float32: routing is sensitive
+            else:
+                _put(dense, t.ours, w, dq)
+            if t.hf not in counted:  # a tied lm_head is the embedding, read twice, counted once
+                counted.add(t.hf)
+                done += source.nbytes(t.hf)
+            report(t.hf)
         experts_meta = []
-        for i in range(L):
-            hp = f"model.layers.{i}."
-            cp = f"layers.{i}."
-            for hf, ours, how in (("input_layernorm.weight", "input_layernorm", None),
-                                  ("post_attention_layernorm.weight", "post_attention_layernorm", None),
-                                  ("self_attn.q_norm.weight", "q_norm", None),
-                                  ("self_attn.k_norm.weight", "k_norm", None),
-                                  ("mlp.gate.weight", "router", None),
-                                  ("self_attn.q_proj.weight", "q_proj", dq),
-                                  ("self_attn.k_proj.weight", "k_proj", dq),
-                                  ("self_attn.v_proj.weight", "v_proj", dq),
-                                  ("self_attn.o_proj.weight", "o_proj", dq)):
-                check_cancel()
-                w = ck.get(hp + hf)
-                if how is None:
-                    dense[cp + ours] = w  # norms and router stay float32: routing is sensitive
-                else:
-                    _put(dense, cp + ours, w, how)
-                done += ck.nbytes(hp + hf)
-                report(hp + hf)
-            # Experts: one slab each, appended to this layer's file at 4096-aligned offsets.
-            rel = f"experts/layer_{i:03d}.bin"
+        for j, i in enumerate(args.moe_layers):
+            # Experts: one slab each, appended to this MoE layer's file at 4096-aligned offsets.
+            rel = f"experts/layer_{j:03d}.bin"
             metas = []
             slab = np.zeros(layout["slot_bytes"], dtype=np.uint8)
             with open(partial / rel, "wb") as f:
                 for e in range(E):
                     check_cancel()
                     slab[:] = 0
-                    for proj in ("gate_proj", "up_proj", "down_proj"):
-                        name = f"{hp}mlp.experts.{e}.{proj}.weight"
-                        parts = quantize(ck.get(name), quant, group_size)
+                    for proj, w in source.expert(i, e).items():
+                        parts = quantize(w, quant, group_size)
                         for k, arr in parts.items():
                             _, off, _, _ = next(x for x in layout["fields"] if x[0] == f"{proj}.{k}")
                             b = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
                             slab[off:off + b.size] = b
-                        done += ck.nbytes(name)
+                    done += source.expert_nbytes(i)
                     offset = f.tell()
                     f.write(slab.tobytes())
                     metas.append({"file": rel, "offset": offset, "length": layout["slot_bytes"],
                                   "crc32": zlib.crc32(slab)})
-                    report(f"{hp}mlp.experts.{e}")
+                    report(f"model.layers.{i} expert {e}")
                 f.flush()
                 os.fsync(f.fileno())
             experts_meta.append(metas)
         check_cancel()
-        for hf, ours in (("model.embed_tokens.weight", "embed_tokens"), ("model.norm.weight", "norm")):
-            w = ck.get(hf)
-            if ours == "norm":
-                dense["norm"] = w
-            else:
-                _put(dense, ours, w, dq)
-            done += ck.nbytes(hf)
-        lm_name = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
-        _put(dense, "lm_head", ck.get(lm_name), dq)
-        if not args.tie_word_embeddings:
-            done += ck.nbytes(lm_name)
         report("dense weights", force=True)
         dense_path = partial / "dense.safetensors"
         save_file(dense, str(dense_path), metadata={"format": FORMAT_NAME, "dense_quant": dq})
@@ -174,14 +183,14 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
         with open(dense_path, "rb+") as f:
             os.fsync(f.fileno())
         for name in COPIED_FILES:
-            if (src / name).exists():
-                shutil.copy2(src / name, partial / name)
+            if (source_folder / name).exists():
+                shutil.copy2(source_folder / name, partial / name)
         manifest = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
             "model_type": args.model_type,
-            "model_name": src.name,
-            "source": str(src.resolve()),
+            "model_name": source_folder.name,
+            "source": str(source_folder.resolve()),
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "quant": quant,
             "dense_quant": dq,
@@ -192,8 +201,10 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
             "dense_bytes": dense_bytes,
             "slab_layout": {"fields": [list(x) for x in layout["fields"]],
                             "data_bytes": layout["data_bytes"], "slot_bytes": layout["slot_bytes"]},
-            "slot_bytes": [layout["slot_bytes"]] * L,
-            "num_layers": L,
+            "slot_bytes": [layout["slot_bytes"]] * M,
+            "num_layers": M,
+            "num_hidden_layers": args.num_hidden_layers,
+            "moe_layers": list(args.moe_layers),
             "num_experts": E,
             "experts": experts_meta,
             **(extra_manifest or {}),
@@ -218,5 +229,3 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    finally:
-        ck.close()

@@ -59,7 +59,11 @@ class LoadProgress:
 
 @dataclass(frozen=True)
 class Loaded:
-    """The engine finished opening a store and is ready to generate."""
+    """The engine finished opening a store and is ready to generate.
+
+    num_layers: layers with routed experts (MoE layers: the rows of the cache, the heat and
+    the residency snapshot; dense layers of Qwen models have no row), not num_hidden_layers.
+    """
 
     model_name: str
     store_path: str
@@ -133,7 +137,7 @@ ABSENT, RESIDENT, PINNED, LOADING = 0, 1, 2, 3
 
 @dataclass(frozen=True)
 class ResidencySnapshot:
-    """Layers x experts view of the expert cache.
+    """MoE layers x experts view of the expert cache (one row per layer with routed experts).
 
     state: flattened row-major [num_layers * num_experts] of ABSENT / RESIDENT / PINNED / LOADING.
     heat: same shape, routing counts of this model (persisted history plus this session).

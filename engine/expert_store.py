@@ -61,11 +61,15 @@ class ExpertStore:
         self.manifest = m
         self.args = ModelArgs.from_hf_config(self.path / "config.json")
         a = self.args
-        if (m.get("num_layers"), m.get("num_experts")) != (a.num_hidden_layers, a.num_experts) or \
-                len(m.get("experts", [])) != a.num_hidden_layers or \
+        M = a.num_moe_layers
+        # Stores written before families existed have no "moe_layers": every layer was MoE.
+        moe_layers = m.get("moe_layers", list(range(m.get("num_layers") or 0)))
+        if m.get("model_type", a.model_type) != a.model_type or \
+                (m.get("num_layers"), m.get("num_experts")) != (M, a.num_experts) or \
+                list(moe_layers) != list(a.moe_layers) or len(m.get("experts", [])) != M or \
                 any(len(row) != a.num_experts for row in m["experts"]):
-            raise StoreError(f"{mpath}: expert table does not match config.json "
-                             f"({a.num_hidden_layers} layers x {a.num_experts} experts); re-convert")
+            raise StoreError(f"{mpath}: expert table does not match config.json ({a.model_type}: "
+                             f"{M} MoE layers x {a.num_experts} experts); re-convert")
         self.quant = m["quant"]
         self.dense_quant = m["dense_quant"]
         self.group_size = m.get("group_size") or 32
@@ -74,7 +78,7 @@ class ExpertStore:
                        "slot_bytes": lay["slot_bytes"]}
         self.slot_bytes = int(lay["slot_bytes"])
         self.experts = m["experts"]
-        self._verified = np.zeros((a.num_hidden_layers, a.num_experts), dtype=bool)
+        self._verified = np.zeros((M, a.num_experts), dtype=bool)
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self.o_direct = False

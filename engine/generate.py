@@ -22,7 +22,8 @@ from .expert_cache import ExpertCache
 from .expert_store import ExpertStore
 from .heat import RoutingHeat, cap_pins, pins_per_layer
 from .metrics import MetricsTracker
-from .model import OlmoeModel, mean_router_probs
+from .models import build_model
+from .models.base import mean_router_probs
 from .ram_budget import RssGuard, current_rss
 from .sizing import estimate_store, plan_estimate
 from .sampling import Sampler
@@ -37,7 +38,8 @@ class Engine:
     """A loaded model ready to generate. Create with :meth:`open`; close with :meth:`close`.
 
     Attributes: config (EngineConfig), store (ExpertStore), args (ModelArgs), tokenizer,
-    model (OlmoeModel), cache (ExpertCache), heat (RoutingHeat), plan (BudgetPlan),
+    model (the family's Model, engine/models), cache (ExpertCache;
+    rows = MoE layers), heat (RoutingHeat), plan (BudgetPlan),
     loaded (Loaded event), pilot (Pilot or None).
     """
 
@@ -86,13 +88,13 @@ class Engine:
         ctx = self.context_length = self.sizing.context_length
         report(LoadProgress("open", 1, 3, "", "dense weights loaded"))
         self.plan = plan_estimate(self.sizing, config.ram_budget_gb, config.cap, rss_now=self.read_rss())
-        self.heat = RoutingHeat(a.num_hidden_layers, a.num_experts, store.manifest.get("created", ""))
+        self.heat = RoutingHeat(a.num_moe_layers, a.num_experts, store.manifest.get("created", ""))
         if config.history:
             self.heat.load(store.path)
-        self.cache = ExpertCache(store, a.num_hidden_layers, a.num_experts, self.plan.cap, config.policy,
+        self.cache = ExpertCache(store, a.num_moe_layers, a.num_experts, self.plan.cap, config.policy,
                                  heat=self.heat.counts, checksum=config.checksum,
                                  io_threads=4)
-        self.model = OlmoeModel(a, dense, store.dense_quant, store.quant, self.cache, ctx, store.group_size)
+        self.model = build_model(a, dense, store.dense_quant, store.quant, self.cache, ctx, store.group_size)
         self.model.on_route = self._on_route
         self.guard = RssGuard(self.cache, self.plan.budget, read_rss=self.read_rss)
         self._kv_ids: list[int] = []
@@ -113,7 +115,7 @@ class Engine:
         log.info("%s", msg)
         self.loaded = Loaded(
             model_name=store.manifest.get("model_name", store.path.name), store_path=str(store.path),
-            quant=store.quant, num_layers=a.num_hidden_layers, num_experts=a.num_experts,
+            quant=store.quant, num_layers=a.num_moe_layers, num_experts=a.num_experts,
             num_experts_per_tok=a.num_experts_per_tok, context_length=ctx, cap_per_layer=self.cache.cap,
             ram_budget_bytes=self.plan.budget, dense_bytes=dense_bytes, expert_slot_bytes=store.slot_bytes,
             pilot=config.pilot, prewarmed_experts=pre_n, prewarm_seconds=pre_s, message=msg,

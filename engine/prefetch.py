@@ -39,8 +39,8 @@ from collections import deque
 
 import numpy as np
 
-from . import model as _model
 from .expert_cache import SpecRefused
+from .models.base import K
 
 MAX_QUEUE = 4096
 SMALL_BATCH = 8
@@ -123,10 +123,13 @@ class PrefetchQueue:
 
 
 class Pilot:
-    """Attaches to an OlmoeModel's hooks and an ExpertCache.
+    """Attaches to a model's hooks and an ExpertCache.
+
+    Layers are MoE-layer indices (engine/models/base.py): "layer j + 1" is the next layer with
+    routed experts, so dense layers in between are skipped (the prediction then crosses them).
 
     Args:
-        model: OlmoeModel; cache: ExpertCache; config: EngineConfig (pilot, pilot_workers, wide,
+        model: a family's Model (engine/models); cache: ExpertCache; config: EngineConfig (pilot, pilot_workers, wide,
         conf_limit, smooth, evict_guard).
     """
 
@@ -137,7 +140,7 @@ class Pilot:
         self.wide, self.conf_limit, self.smooth = config.wide, config.conf_limit, config.smooth
         self.min_precision = config.spec_precision
         self.use_guard = config.evict_guard
-        self.L, self.E, self.K = a.num_hidden_layers, a.num_experts, a.num_experts_per_tok
+        self.L, self.E, self.K = model.num_moe_layers, a.num_experts, a.num_experts_per_tok
         # The guard's heat: routing counts of this session, halved every HEAT_HALVING_TOKENS
         # tokens (colibri halves eheat after each REPIN pass), so "genuinely warm" means warm
         # recently; never-decaying counts make every resident look warm and the guard drops
@@ -206,7 +209,7 @@ class Pilot:
     def _predict(self, t: int, x: np.ndarray, dist: int = 1) -> None:
         m = self.model
         h = np.empty_like(x)
-        _model.K.rmsnorm(x, m.layers[t]["post_attention_layernorm"], m.args.rms_norm_eps, h)
+        K.rmsnorm(x, m.moe_norm(t), m.args.rms_norm_eps, h)
         logits = m.router_logits(t, h)[0]  # [E]
         if self.smooth > 0:
             if not self.ema_set[t]:

@@ -1,8 +1,14 @@
-"""Seeded random OLMoE checkpoints in Hugging Face layout, written without torch.
+"""Seeded random MoE checkpoints (any family of engine/models) in Hugging Face layout, written
+without torch, and stores written directly from the seed.
 
-Used by the tests (tiny models), the benchmarks (1B-parameter and OLMoE-1B-7B-shaped models)
-and nowhere at run time. Tensors are written shard by shard through safetensors, so peak RSS
-stays near one shard (``shard_bytes``) whatever the model size.
+Used by the tests (tiny models), the benchmarks (1B-parameter, OLMoE-1B-7B-, Qwen3-30B-A3B- and
+Mixtral-8x7B-shaped models) and nowhere at run time. Tensors are written shard by shard through
+safetensors, so peak RSS stays near one shard (``shard_bytes``) whatever the model size.
+
+Tensor n of ``checkpoint.hf_names(args)`` is drawn from ``np.random.default_rng([seed, n])``:
+N(0, std) for matrices, 1 + N(0, 0.05) for vectors, rounded to the checkpoint dtype. The same
+draw feeds :func:`write_store_from_seed`, so a store written from the seed equals the store
+``convert_checkpoint`` makes from :func:`write_checkpoint`'s output with the same arguments.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from .config import ModelArgs
 from .checkpoint import hf_names
+from .config import ModelArgs
+from .models import base, family_for
 
 TOKENIZER_SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -39,6 +46,74 @@ def olmoe_config(**kw) -> dict:
     }
     cfg.update(kw)
     return cfg
+
+
+def qwen3_moe_config(**kw) -> dict:
+    """A tiny Qwen3-MoE config.json dict (Qwen3MoeConfig names) with the given overrides."""
+    cfg = {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_experts": 8,
+        "num_experts_per_tok": 2, "vocab_size": 300, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "norm_topk_prob": True, "tie_word_embeddings": False, "hidden_act": "silu",
+        "attention_bias": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "use_sliding_window": False, "sliding_window": None, "eos_token_id": 0, "bos_token_id": None,
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def mixtral_config(**kw) -> dict:
+    """A tiny Mixtral config.json dict (MixtralConfig names) with the given overrides."""
+    cfg = {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 64,
+        "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": None, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 300, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "sliding_window": None,
+        "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 2, "bos_token_id": 1,
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def qwen2_moe_config(**kw) -> dict:
+    """A tiny Qwen2-MoE config.json dict (Qwen2MoeConfig names) with the given overrides."""
+    cfg = {
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "num_experts": 8,
+        "num_experts_per_tok": 2, "vocab_size": 300, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "norm_topk_prob": False, "tie_word_embeddings": False, "hidden_act": "silu", "qkv_bias": True,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+        "sliding_window": None, "max_window_layers": 28, "eos_token_id": 0, "bos_token_id": None,
+    }
+    cfg.update(kw)
+    return cfg
+
+
+CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config,
+           "qwen2_moe": qwen2_moe_config}
+
+# Exact shapes of published checkpoints (their config.json values; weights are random).
+PRESETS = {
+    # Qwen/Qwen3-30B-A3B: 48 layers x 128 experts, top-8, ~31 GB at int8, ~16 GB at int4.
+    "qwen3-30b-a3b": qwen3_moe_config(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, norm_topk_prob=True,
+        max_window_layers=48, sliding_window=None, use_sliding_window=False,
+        bos_token_id=151643, eos_token_id=151645),
+    # mistralai/Mixtral-8x7B-v0.1: 32 layers x 8 experts, top-2.
+    "mixtral-8x7b": mixtral_config(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+        max_position_embeddings=32768, rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, sliding_window=None),
+}
 
 
 def write_tokenizer(folder: Path, vocab_size: int, corpus: list[str] | None = None) -> None:
@@ -65,12 +140,28 @@ def write_tokenizer(folder: Path, vocab_size: int, corpus: list[str] | None = No
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [end_id, eot_id]}))
 
 
+DTYPES = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
+
+
+def seeded_tensor(seed: int, n: int, shape: tuple[int, ...], std: float) -> np.ndarray:
+    """Tensor number ``n`` of a seeded checkpoint, float32 of ``shape``: 1 + N(0, 0.05) for a
+    vector (norms), N(0, std) otherwise, drawn from default_rng([seed, n])."""
+    rng = np.random.default_rng([seed, n])
+    if len(shape) == 1:
+        return 1.0 + 0.05 * rng.standard_normal(shape, dtype=np.float32)
+    return std * rng.standard_normal(shape, dtype=np.float32)
+
+
 def write_checkpoint(folder: str | os.PathLike, config: dict, seed: int = 0, dtype: str = "bf16",
                      shard_bytes: int = 1 << 30, tokenizer: bool = True, std: float = 0.05) -> Path:
-    """Write a random OLMoE checkpoint (config.json, model*.safetensors [+ index], tokenizer).
+    """Write a random checkpoint of ``config``'s family (config.json, model*.safetensors
+    [+ index], tokenizer), per-expert tensor names as published checkpoints have them.
 
-    Weights are N(0, std) (norms 1.0 +- 0.05), seeded per tensor name so the result does not
-    depend on sharding. Written to ``folder.partial`` then renamed (atomic).
+    Weights: see the module docstring (seeded per tensor, independent of sharding). Written to
+    ``folder.partial`` then renamed (atomic).
+
+    Raises:
+        ConfigError: ``config`` is not a valid config of a supported family.
     """
     folder = Path(folder)
     tmp = folder.with_name(folder.name + ".partial")
@@ -78,7 +169,6 @@ def write_checkpoint(folder: str | os.PathLike, config: dict, seed: int = 0, dty
     tmp.mkdir(parents=True)
     args = ModelArgs.from_dict(config)
     (tmp / "config.json").write_text(json.dumps(config, indent=1))
-    np_dtype = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}[dtype]
     names = hf_names(args)
     shard: dict[str, np.ndarray] = {}
     size = 0
@@ -94,12 +184,7 @@ def write_checkpoint(folder: str | os.PathLike, config: dict, seed: int = 0, dty
         shard, size = {}, 0
 
     for i, (name, shape) in enumerate(names.items()):
-        rng = np.random.default_rng([seed, i])
-        if len(shape) == 1:
-            w = 1.0 + 0.05 * rng.standard_normal(shape, dtype=np.float32)
-        else:
-            w = std * rng.standard_normal(shape, dtype=np.float32)
-        arr = w.astype(np_dtype)
+        arr = seeded_tensor(seed, i, shape, std).astype(DTYPES[dtype])
         shard[name] = arr
         size += arr.nbytes
         if size >= shard_bytes:
@@ -118,3 +203,78 @@ def write_checkpoint(folder: str | os.PathLike, config: dict, seed: int = 0, dty
         shutil.rmtree(folder)
     os.replace(tmp, folder)
     return folder
+
+
+class SeededSource:
+    """The tensors :func:`write_checkpoint` would write, computed on demand (the ``source`` of
+    convert.write_store): ``get(hf_name)``, ``expert(layer, e)`` float32 rounded through
+    ``dtype``; ``nbytes`` as the checkpoint would store them."""
+
+    def __init__(self, config: dict, seed: int = 0, dtype: str = "bf16", std: float = 0.05):
+        self.args = ModelArgs.from_dict(config)
+        self.family = family_for(self.args.model_type)
+        self.seed, self.std, self.dtype = seed, std, DTYPES[dtype]
+        self.names = hf_names(self.args)
+        self.index = {n: i for i, n in enumerate(self.names)}
+        self.itemsize = np.dtype(self.dtype).itemsize
+
+    def get(self, name: str) -> np.ndarray:
+        w = seeded_tensor(self.seed, self.index[name], self.names[name], self.std)
+        return w.astype(self.dtype).astype(np.float32)
+
+    def nbytes(self, name: str) -> int:
+        return int(np.prod(self.names[name])) * self.itemsize
+
+    def expert(self, layer: int, e: int) -> dict[str, np.ndarray]:
+        en = self.family.expert_names(self.args, layer)
+        return {p: self.get(en.name(e, p)) for p in base.EXPERT_PROJS}
+
+    def expert_nbytes(self, layer: int) -> int:
+        en = self.family.expert_names(self.args, layer)
+        return sum(self.nbytes(en.name(0, p)) for p in base.EXPERT_PROJS)
+
+
+def write_store_from_seed(dst: str | os.PathLike, config: dict, quant: str = "int8", seed: int = 0,
+                          dtype: str = "bf16", std: float = 0.05, group_size: int = 32,
+                          overwrite: bool = False, tokenizer: bool = True, progress=None,
+                          cancel=None) -> Path:
+    """Write a store (convert.py's layout) of ``config``'s family straight from the seed, for
+    shapes too large to write as a bf16 checkpoint first (Qwen3-30B-A3B: 61 GB of bf16).
+
+    The weights equal those of ``convert_checkpoint(write_checkpoint(folder, config, seed,
+    dtype, std=std), dst, quant)``; peak RSS is the resident tensors plus one expert. What it
+    skips: no Hugging Face checkpoint exists, so nothing can be compared with transformers (no
+    oracle, no ``colibri convert`` of it, no llama.cpp GGUF); the tokenizer is the small
+    synthetic BPE (:func:`write_tokenizer`), whose vocabulary may be smaller than the model's
+    ``vocab_size``; the weights are random, so text is meaningless (benchmarks force token ids).
+
+    Args:
+        dst: the store folder. config: a config.json dict (e.g. ``PRESETS["qwen3-30b-a3b"]``).
+        quant: "int8", "int4", "f16" or "f32". seed / dtype / std: as write_checkpoint.
+        overwrite: replace an existing store. progress / cancel: as convert_checkpoint.
+
+    Returns: the store path.
+    Raises:
+        ConfigError: invalid config. FileExistsError: ``dst`` exists and overwrite is False.
+        ConversionCancelled: ``cancel`` was set (nothing is left behind).
+    """
+    from .convert import write_store
+    from .quant import QUANTS
+    if quant not in QUANTS:
+        raise ValueError(f"quant {quant!r}: choose one of {', '.join(QUANTS)}")
+    dst = Path(dst)
+    if dst.exists() and not overwrite:
+        raise FileExistsError(f"{dst}: a store already exists; pass overwrite=True to replace it")
+    src = SeededSource(config, seed, dtype, std)
+    side = dst.with_name(dst.name + ".files")  # config + tokenizer, copied into the store
+    shutil.rmtree(side, ignore_errors=True)
+    side.mkdir(parents=True)
+    try:
+        (side / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
+        if tokenizer:
+            write_tokenizer(side, src.args.vocab_size)
+        return write_store(src, side, dst, quant, group_size, progress, cancel,
+                           extra_manifest={"model_name": dst.name,
+                                           "source": f"synthetic seed {seed} ({dtype}, std {std})"})
+    finally:
+        shutil.rmtree(side, ignore_errors=True)

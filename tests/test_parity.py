@@ -13,9 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from engine import convert_checkpoint  # noqa: E402
-from engine.expert_cache import ExpertCache  # noqa: E402
-from engine.expert_store import ExpertStore  # noqa: E402
-from engine.model import OlmoeModel  # noqa: E402
+from parity_helpers import hf_decode_logits, hf_logits, kl, open_model  # noqa: E402
 
 pytestmark = pytest.mark.parity
 
@@ -42,29 +40,10 @@ def hf_model(tmp_path, name, **kw):
     return m, d
 
 
-def open_model(store_dir, cap=None):
-    st = ExpertStore(store_dir, o_direct=False)
-    a = st.args
-    cache = ExpertCache(st, a.num_hidden_layers, a.num_experts, cap or a.num_experts)
-    return OlmoeModel(a, st.load_dense(), st.dense_quant, st.quant, cache, 256, st.group_size), st, cache
 
 
-def hf_logits(m, ids):
-    with torch.no_grad():
-        return m(torch.tensor(ids)[None]).logits[0].float().numpy()
 
 
-def hf_decode_logits(m, prompt, steps):
-    """Prefill ``prompt`` with the KV cache, then feed ``steps`` tokens one at a time."""
-    with torch.no_grad():
-        out = m(torch.tensor(prompt)[None], use_cache=True)
-        past = out.past_key_values
-        res = []
-        for t in steps:
-            out = m(torch.tensor([[t]]), past_key_values=past, use_cache=True)  # noqa
-            past = out.past_key_values
-            res.append(out.logits[0, -1].float().numpy())
-        return np.stack(res)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -87,10 +66,6 @@ def test_f32_logits_match_transformers(tmp_path, name):
     st.close()
 
 
-def _kl(ref_logits, got_logits):
-    p = torch.log_softmax(torch.tensor(ref_logits, dtype=torch.float64), -1)
-    q = torch.log_softmax(torch.tensor(got_logits, dtype=torch.float64), -1)
-    return (p.exp() * (p - q)).sum(-1).numpy()
 
 
 @pytest.mark.parametrize("quant,kl_bound,top1_bound", [
@@ -108,12 +83,12 @@ def test_quantized_kl_against_transformers(tmp_path, quant, kl_bound, top1_bound
     ids = np.random.default_rng(1).integers(0, 256, 256).tolist()  # teacher forcing over 256 positions
     ref = hf_logits(m, ids)
     got = ours.forward(np.array(ids), 0, all_logits=True)
-    kl = float(_kl(ref, got).mean())
+    mean_kl = float(kl(ref, got).mean())
     top1 = float((ref.argmax(-1) == got.argmax(-1)).mean())
-    record_property("mean_kl", kl)
+    record_property("mean_kl", mean_kl)
     record_property("top1_agreement", top1)
-    print(f"{quant}: mean KL {kl:.2e} nats, top-1 agreement {top1:.3f}")
-    assert kl <= kl_bound
+    print(f"{quant}: mean KL {mean_kl:.2e} nats, top-1 agreement {top1:.3f}")
+    assert mean_kl <= kl_bound
     assert top1 >= top1_bound
     cache.close()
     st.close()

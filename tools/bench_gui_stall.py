@@ -89,7 +89,7 @@ def main(argv=None) -> int:
     win.controller.worker.finished.connect(finished.append, Qt.DirectConnection)
     # warm-up answer (numba compile, cache fill); its ids become the forced sequence
     win.send("What does `json.dumps` do?")
-    pump(lambda: win.gen is None, "the warm-up answer")
+    pump(lambda: win.answer is None, "the warm-up answer")
     warm = finished[-1]
     base = list(warm.token_ids) or [1]
     forced = tuple((base * (a.tokens // len(base) + 1))[:a.tokens])
@@ -130,7 +130,7 @@ def main(argv=None) -> int:
     _, base_lat, _ = measure(lambda: None, lambda: time.perf_counter() > t_idle, "baseline")
     load = os.getloadavg()[0]
     wall, lat, cpu = measure(lambda: win.send("Write a function that returns the number of items in a container."),
-                             lambda: win.gen is None, "the measured answer")
+                             lambda: win.answer is None, "the measured answer")
     fin = finished[-1]
     model_name = win.loaded.model_name
     win.close()

@@ -84,17 +84,18 @@ def _run(a, app, win, prompts, pump) -> int:
           f"cap {win.loaded.cap_per_layer}")
     # one complete answer (rendered Markdown + statistics line), then capture the second mid-stream
     win.send(prompts[0])
-    pump(lambda: win.gen is None, "the first answer")
+    pump(lambda: win.answer is None, "the first answer")
     tokens = []
     win.controller.worker.token.connect(tokens.append)
     win.send(prompts[1])
     p = win.panels
     # capture mid-answer, once the panels hold real data
-    pump(lambda: (len(tokens) >= 60 and len(p.hit_ring) >= 5 and p.heat_image is not None) or win.gen is None,
+    pump(lambda: (len(tokens) >= 60 and len(p.hit_ring) >= 5 and p.heat_image is not None) or win.answer is None,
          "streamed tokens and panel data")
     if len(p.hit_ring) < 5 or p.heat_image is None:
         raise SystemExit("the answer ended before the panels had data; try again")
-    win._flush_stream()
+    if win.answer is not None:
+        win.answer.flush()
     p.redraw()
     app.processEvents()
     img = win.grab()
@@ -103,7 +104,7 @@ def _run(a, app, win, prompts, pump) -> int:
     if not img.save(str(out)):
         raise SystemExit(f"could not write {out}")
     print(f"saved {out} ({img.width()}x{img.height()}); {len(tokens)} tokens streamed, "
-          f"{len(p.hit_ring)} metric points, generating={win.gen is not None}")
+          f"{len(p.hit_ring)} metric points, generating={win.answer is not None}")
     return 0
 
 

@@ -21,7 +21,7 @@ def _decode_ours(store: str, prompt: list, forced: list, tokens: int) -> dict:
     from ..config import EngineConfig
     from ..events import Finished, GenerateRequest, SamplingParams
     from ..generate import Engine
-    from .. import model as model_mod
+    from ..models import base as model_mod
     eng = Engine.open(EngineConfig(store=store, pilot=0, pinning=False, history=False, o_direct=False))
     args = eng.args
     try:

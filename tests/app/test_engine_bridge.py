@@ -24,7 +24,6 @@ def test_worker_streams_tokens_then_finished(qtbot, app_store):
         sig.connect(got.append, Qt.DirectConnection)
     w.loaded.connect(loaded.append, Qt.DirectConnection)
     try:
-        assert w.thread() is c.thread and c.thread is not None
         c.open(EngineConfig(store=app_store, cap=4, pinning=False))
         qtbot.waitUntil(lambda: bool(loaded), timeout=30000)
         assert isinstance(loaded[0], Loaded) and loaded[0].num_experts == 8
@@ -41,7 +40,7 @@ def test_worker_streams_tokens_then_finished(qtbot, app_store):
         assert any(isinstance(e, StepMetrics) for e in got)
     finally:
         assert c.shutdown()
-    assert c.thread.isFinished()
+    assert c.lane.closed and c.lane.tasks() == []
     assert _engine_threads() == []
 
 

@@ -15,7 +15,6 @@ from PySide6.QtWidgets import QAbstractButton, QLineEdit, QListWidget, QMessageB
 from engine import EngineConfig, LoadProgress, SamplingParams
 from colibri_app.history import COMPLETE, ERROR, INTERRUPTED, STOPPED, STREAMING, History, history_path
 from colibri_app.main_window import MainWindow, ui_state_path
-from colibri_app.settings_store import Settings
 
 
 def _engine_threads():
@@ -31,8 +30,8 @@ def _wait_finished(qtbot, win, action, timeout=60000):
     win.controller.worker.finished.connect(got.append, Qt.DirectConnection)
     try:
         action()
-        assert win.gen is not None
-        qtbot.waitUntil(lambda: bool(got and win.gen is None), timeout=timeout)
+        assert win.answer is not None
+        qtbot.waitUntil(lambda: bool(got and win.answer is None), timeout=timeout)
     finally:
         win.controller.worker.finished.disconnect(got.append)
     return got[-1]
@@ -63,14 +62,14 @@ def test_prompt_streams_tokens_and_is_stored(qtbot, make_window):
 
 
 def test_streamed_text_shows_while_generating_and_is_saved(qtbot, make_window, monkeypatch):
-    import colibri_app.main_window as mw
-    monkeypatch.setattr(mw, "SAVE_EVERY_S", 0.0)   # save on every flush, to observe it
+    import colibri_app.answer as answer
+    monkeypatch.setattr(answer, "SAVE_EVERY_S", 0.0)   # checkpoint on every flush, to observe it
     win = make_window(max_new_tokens=300)
     texts = []
     win.controller.worker.token.connect(lambda ev: texts.append(ev.text), Qt.DirectConnection)
     win.send("the the the")
-    qtbot.waitUntil(lambda: bool(win.gen and len(win.gen.text) >= 4), timeout=60000)
-    g = win.gen
+    qtbot.waitUntil(lambda: bool(win.answer and len(win.answer.text) >= 4), timeout=60000)
+    g = win.answer
     view = win.chat.view(g.asst_id)
     shown = view.text.toPlainText()
     assert shown and shown == g.text and "".join(texts).startswith(shown)
@@ -78,7 +77,7 @@ def test_streamed_text_shows_while_generating_and_is_saved(qtbot, make_window, m
     stored = win.history.message(g.asst_id)
     assert stored.status == STREAMING and shown.startswith(stored.content) and stored.content
     win.stop()
-    qtbot.waitUntil(lambda: win.gen is None, timeout=10000)
+    qtbot.waitUntil(lambda: win.answer is None, timeout=10000)
 
 
 def test_stop_ends_within_one_token_and_stores_stopped(qtbot, make_window):
@@ -86,7 +85,7 @@ def test_stop_ends_within_one_token_and_stores_stopped(qtbot, make_window):
     after_stop = []
     # counted on the worker thread when emitted, so GUI lag does not matter
     win.controller.worker.token.connect(
-        lambda ev: after_stop.append(ev) if win.controller._job and win.controller._job.cancel.is_set() else None,
+        lambda ev: after_stop.append(ev) if win.controller.job and win.controller.job.cancel.is_set() else None,
         Qt.DirectConnection)
     seen = []
     win.controller.worker.token.connect(seen.append, Qt.DirectConnection)
@@ -95,7 +94,7 @@ def test_stop_ends_within_one_token_and_stores_stopped(qtbot, make_window):
     got = []
     win.controller.worker.finished.connect(got.append, Qt.DirectConnection)
     qtbot.keyClick(win, Qt.Key_Escape)   # Esc = Stop
-    qtbot.waitUntil(lambda: bool(got and win.gen is None), timeout=10000)
+    qtbot.waitUntil(lambda: bool(got and win.answer is None), timeout=10000)
     fin = got[0]
     assert fin.finish_reason == "cancelled" and fin.generated_tokens < 400
     assert len(after_stop) <= 1
@@ -137,7 +136,7 @@ def test_context_overflow_shows_banner_and_next_prompt_works(qtbot, make_window)
     failed = []
     win.controller.worker.failed.connect(failed.append, Qt.DirectConnection)
     win.send("word " * 200)
-    qtbot.waitUntil(lambda: bool(win.gen is None), timeout=30000)
+    qtbot.waitUntil(lambda: bool(win.answer is None), timeout=30000)
     assert failed and failed[0].kind == "context"
     assert win.banner.isVisible() and win.banner.kind == "context"
     msgs = win.history.messages(win.conv_id)
@@ -155,7 +154,7 @@ def test_history_and_ui_state_survive_reopen(qtbot, make_window):
     conv = win.conv_id
     win.dock.hide()
     win.close()
-    assert win.controller.thread.isFinished()
+    assert win.controller.lane.closed and win.controller.lane.tasks() == []
     state = json.loads(ui_state_path().read_text())
     assert state["last_conversation"] == conv and state["panels_visible"] is False
     win2 = make_window(max_new_tokens=6)
@@ -197,7 +196,7 @@ def test_close_while_generating_stops_everything(qtbot, make_window):
     qtbot.waitUntil(lambda: bool(len(seen) >= 2), timeout=60000)
     assert _engine_threads()                # the engine's I/O pool is running
     win.close()
-    assert win.controller.thread.isFinished()
+    assert win.controller.lane.closed and win.controller.lane.tasks() == []
     assert _engine_threads() == []
     h, _ = History.open()
     ans = [m for m in h.messages(win.conv_id) if m.role == "assistant"][-1]
@@ -228,7 +227,7 @@ def test_keyboard_and_accessible_names(qtbot, make_window):
     qtbot.keyClicks(win.chat.input, "line one")
     qtbot.keyClick(win.chat.input, Qt.Key_Return, Qt.ShiftModifier)   # newline, no send
     qtbot.keyClicks(win.chat.input, "line two")
-    assert win.gen is None and win.chat.input.toPlainText() == "line one\nline two"
+    assert win.answer is None and win.chat.input.toPlainText() == "line one\nline two"
     _wait_finished(qtbot, win, lambda: qtbot.keyClick(win.chat.input, Qt.Key_Return))
     assert win.history.messages(win.conv_id)[0].content == "line one\nline two"
     old = win.conv_id
@@ -275,7 +274,8 @@ def test_conversations_rename_delete_search(qtbot, make_window, monkeypatch):
 def test_system_prompt_is_sent_first(qtbot, make_window):
     win = make_window(max_new_tokens=2)
     sent = []
-    win.controller.generate_requested.connect(lambda job: sent.append(job.request))
+    real = win.controller.generate
+    win.controller.generate = lambda request: (sent.append(request), real(request))[1]
     win.chat.system_toggle.setChecked(True)
     win.chat.system_edit.setPlainText("You are terse.")
     _send(qtbot, win, "hi")

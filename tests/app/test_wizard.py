@@ -21,6 +21,7 @@ from PySide6.QtWidgets import QMessageBox, QWizard  # noqa: E402
 from engine import Engine, EngineConfig, Finished, GenerateRequest, SamplingParams  # noqa: E402
 from engine import library as hub  # noqa: E402
 from engine import library as paths  # noqa: E402
+from colibri_app import workers  # noqa: E402
 from colibri_app import wizard as wz  # noqa: E402
 from colibri_app.library import ModelLibraryDialog  # noqa: E402
 
@@ -51,7 +52,7 @@ def wizard(qtbot, fake):
     w.show()
     yield w
     w.reject()
-    wz.shutdown_tasks()
+    assert workers.shutdown_all(30)
 
 
 def _enter_repo(qtbot, w, repo=REPO):
@@ -205,7 +206,7 @@ def test_library_set_current_delete_open(qtbot, fake, monkeypatch, tiny):
     b = hub.convert_downloaded(tiny, "int4")
     d = ModelLibraryDialog(str(a), None)
     qtbot.addWidget(d)
-    assert d.table.rowCount() == 2
+    qtbot.waitUntil(lambda: not d.busy and d.table.rowCount() == 2, timeout=T)   # scanned off the GUI thread
     names = {d.table.item(i, 2).text() for i in range(2)}
     assert names == {"int8", "int4"}
     assert any("(current)" in d.table.item(i, 0).text() for i in range(2))
@@ -227,19 +228,5 @@ def test_library_set_current_delete_open(qtbot, fake, monkeypatch, tiny):
     assert a.exists()
     monkeypatch.setattr(QMessageBox, "question", staticmethod(lambda *x, **k: QMessageBox.Yes))
     d.delete_button.click()
-    assert not a.exists() and d.table.rowCount() == 1
-
-
-def test_qt_emit_keeps_true_alive():
-    """PySide6 6.12.0 drops a reference to True on every emit() from Python (fatal on Python
-    3.11 after a few hundred emits); qt_emit compensates, so thousands of progress signals
-    are safe."""
-    from PySide6.QtCore import QObject, Signal
-
-    class Src(QObject):
-        sig = Signal(object, bool)
-    src = Src()
-    before = sys.getrefcount(True)
-    for _ in range(5000):
-        wz.qt_emit(src.sig, None, True)
-    assert abs(sys.getrefcount(True) - before) < 100
+    qtbot.waitUntil(lambda: not d.busy, timeout=T)
+    assert not a.exists() and d.table.rowCount() == 1 and "Deleted" in d.status.text()

@@ -1,0 +1,70 @@
+"""Model families, one file each (mlx-lm's layout): ``ModelArgs`` parsed from config.json
+with Hugging Face key names, the checkpoint-name mapping (``dense_tensors``,
+``expert_names``) and the ``Model`` (the shared decoder of base.py, configured by the args).
+
+Registry by config.json ``model_type``: :data:`FAMILIES`, :func:`family_for`,
+:func:`build_model`. Layer indexing (MoE-layer rows vs transformer layers): see base.py.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from ..errors import ConfigError
+from . import mixtral, olmoe, qwen2_moe, qwen3_moe
+
+FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (olmoe, qwen3_moe, mixtral, qwen2_moe)}
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
+FAMILY_NAMES = {m.MODEL_TYPE: m.DISPLAY_NAME for m in FAMILIES.values()}
+
+
+def supported_text() -> str:
+    """One line listing the supported families, e.g. for error messages and the wizard."""
+    return ", ".join(f"{t} ({FAMILY_NAMES[t]})" for t in SUPPORTED_MODEL_TYPES)
+
+
+def family_for(model_type, path: str = "config.json") -> ModuleType:
+    """The family module of ``model_type``.
+
+    Raises:
+        ConfigError: one line naming ``path``, the model_type and the supported families.
+    """
+    fam = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if fam is None:
+        raise ConfigError(f"{path}: model_type {model_type!r} is not supported; supported "
+                          f"families: {supported_text()}")
+    return fam
+
+
+def build_model(args, dense: dict, dense_quant: str, expert_quant: str, experts, context_length: int,
+                group_size: int = 32):
+    """The family's Model over resident ``dense`` tensors and an ExpertProvider (see base.MoEModel)."""
+    return family_for(args.model_type).Model(args, dense, dense_quant, expert_quant, experts,
+                                             context_length, group_size)
+
+
+def dense_bytes(args, quant: str, group_size: int = 32) -> int:
+    """Bytes of the resident tensors (dense.safetensors, the manifest's ``dense_bytes``) of a
+    store of ``args`` converted at ``quant``: exact, from the same tensor list the converter
+    writes (attention, norms, routers, biases, shared experts, dense-layer MLPs, embeddings)."""
+    import numpy as np
+
+    from ..quant import _field_specs
+    dq = "int8" if quant in ("int8", "int4") else quant
+    seen, total = set(), 0
+    for t in family_for(args.model_type).dense_tensors(args):
+        if t.ours in seen:
+            continue
+        seen.add(t.ours)
+        if t.kind == "keep":
+            total += int(np.prod(t.shape)) * 4
+        else:
+            total += sum(int(np.prod(shape)) * dt.itemsize for _, dt, shape in _field_specs(dq, *t.shape, group_size))
+    return total
+
+
+def expert_slot_bytes(args, quant: str, group_size: int = 32) -> int:
+    """Bytes of one routed expert's slab (one read, 4096-aligned) at ``quant``; the routed
+    experts of a store take ``args.num_moe_layers * args.num_experts`` of them."""
+    from ..quant import slab_layout
+    return slab_layout(quant, args.hidden_size, args.moe_intermediate_size, group_size)["slot_bytes"]

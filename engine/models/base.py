@@ -1,0 +1,765 @@
+"""Building blocks shared by every model family: config validation helpers, the common
+``ModelArgs``, the checkpoint-name mapping types, and the decoder (attention, RMSNorm, RoPE,
+router, routed experts through an ``ExpertProvider``, dense MLP, shared expert).
+
+Key: T tokens in this call, D hidden, V vocab, E experts, K experts per token, I expert width,
+H query heads, Hkv KV heads, S head size, C context capacity, L transformer layers,
+M MoE layers (layers with routed experts; M <= L).
+
+Layer indices. The model has L transformer layers; only M of them ("MoE layers") route to
+experts. Everything about experts (the store's expert table, the cache, heat, pins, traces,
+PILOT, the residency snapshot) is indexed by the MoE-layer index j in 0..M-1, where
+``args.moe_layers[j]`` is the transformer layer it sits in. Dense layers (Qwen's
+``mlp_only_layers`` / ``decoder_sparse_step``) have a resident MLP and no row anywhere in the
+expert machinery. For OLMoE, Mixtral and the published Qwen MoE checkpoints M == L and the two
+indices coincide.
+
+Sources: transformers' models/{olmoe,qwen3_moe,mixtral,qwen2_moe}/modeling_*.py (the
+arithmetic), mlx-lm's models/*.py (the one-file-per-family contract: args from config.json with
+Hugging Face names, the checkpoint-name mapping, the forward).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, NamedTuple, Protocol
+
+import numpy as np
+
+from ..errors import Cancelled, ConfigError
+
+if os.environ.get("COLIBRI_NO_NUMBA"):
+    from .. import kernels_ref as K
+else:
+    try:
+        from .. import kernels as K
+    except ImportError:  # numba missing: slow but correct
+        from .. import kernels_ref as K
+
+PREFILL_CHUNK = 128
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # slab field names (store canonical)
+
+
+# --- config.json validation helpers -------------------------------------------------------
+
+def num(cfg: dict, key: str, path: str, lo: float, hi: float, *, integer: bool, default=None,
+        family: str = "model"):
+    """``cfg[key]`` checked to be a number in [lo, hi] (an int when ``integer``).
+
+    Raises:
+        ConfigError: naming ``path`` and ``key`` (missing without a default, wrong type, out of range).
+    """
+    if key not in cfg or cfg[key] is None:
+        if default is not None:
+            return default
+        raise ConfigError(f"{path}: required key '{key}' is missing; this is not a complete "
+                          f"{family} config.json (re-download the model's config.json)")
+    v = cfg[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ConfigError(f"{path}: key '{key}' must be a number, got {type(v).__name__} {v!r}")
+    if integer and (isinstance(v, float) and not v.is_integer()):
+        raise ConfigError(f"{path}: key '{key}' must be an integer, got {v!r}")
+    if not (lo <= v <= hi) or (isinstance(v, float) and not math.isfinite(v)):
+        raise ConfigError(f"{path}: key '{key}' = {v!r} is out of range [{lo}, {hi}]")
+    return int(v) if integer else float(v)
+
+
+def flag(cfg: dict, key: str, path: str, default: bool) -> bool:
+    """``cfg[key]`` as a bool (absent or null -> default). Raises ConfigError naming path/key."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ConfigError(f"{path}: key '{key}' must be true or false, got {v!r}")
+    return v
+
+
+def int_list(cfg: dict, key: str, path: str, hi: int) -> tuple[int, ...]:
+    """``cfg[key]`` as a tuple of ints in [0, hi) (absent or null -> ()). Raises ConfigError."""
+    v = cfg.get(key)
+    if v is None:
+        return ()
+    if not isinstance(v, list) or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x < hi
+                                      for x in v):
+        raise ConfigError(f"{path}: key '{key}' must be a list of layer indices in [0, {hi}), got {v!r}")
+    return tuple(sorted(set(v)))
+
+
+def rope_theta(cfg: dict, path: str, default: float = 10000.0) -> float:
+    """RoPE base from ``rope_parameters.rope_theta`` (transformers 5) or ``rope_theta`` (4.x).
+
+    Raises:
+        ConfigError: a rope type other than "default" (YaRN, linear, ...) or a bad value.
+    """
+    rope = cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{path}: key 'rope_parameters' must be an object")
+    rtype = rope.get("rope_type", (cfg.get("rope_scaling") or {}).get("rope_type", "default"))
+    if rtype not in (None, "default"):
+        raise ConfigError(f"{path}: rope_type {rtype!r} is not supported (only 'default'); remove "
+                          f"rope_scaling from config.json to run at the native context length")
+    if "rope_theta" in rope:
+        return num(rope, "rope_theta", path + " rope_parameters", 1.0, 1e12, integer=False)
+    return num(cfg, "rope_theta", path, 1.0, 1e12, integer=False, default=default)
+
+
+def sparse_layers(cfg: dict, path: str, v: dict, family: str) -> dict:
+    """Qwen2-MoE / Qwen3-MoE layer kinds: layer i has routed experts iff i is not in
+    ``mlp_only_layers`` and (i + 1) % ``decoder_sparse_step`` == 0; the others are dense
+    (their MLP width ``intermediate_size`` is then required). ``v``: common_args' dict, whose
+    intermediate_size is updated. Returns the ModelArgs fields moe_layers,
+    decoder_sparse_step, mlp_only_layers.
+
+    Raises:
+        ConfigError: naming ``path`` and the key.
+    """
+    L = v["num_hidden_layers"]
+    step = num(cfg, "decoder_sparse_step", path, 1, L, integer=True, default=1)
+    only = int_list(cfg, "mlp_only_layers", path, L)
+    moe = tuple(i for i in range(L) if i not in only and (i + 1) % step == 0)
+    if len(moe) < L:
+        v["intermediate_size"] = num(cfg, "intermediate_size", path, 1, 1 << 24, integer=True, family=family)
+    return {"moe_layers": moe, "decoder_sparse_step": step, "mlp_only_layers": only}
+
+
+# --- arguments ----------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs:
+    """Architecture of a supported MoE checkpoint (Hugging Face names), the fields the shared
+    decoder reads. Each family file's ``ModelArgs`` subclass fills them from its config.json.
+
+    Attributes:
+        intermediate_size: as config.json says: the expert width for OLMoE / Mixtral, the dense
+            MLP width for the Qwen families. moe_intermediate_size: routed expert width I (the
+            slab size depends on it). shared_expert_intermediate_size: 0 = no shared expert.
+        qk_norm: "none", "proj" (OLMoE: RMSNorm over the whole projected q / k) or "head"
+            (Qwen3: RMSNorm over each head's S values).
+        attention_bias: q/k/v projections have biases (Qwen2-MoE).
+        moe_layers: transformer layers with routed experts (ascending); the others are dense.
+        layer_windows: per transformer layer, the sliding-window size in tokens (0 = full
+            causal attention); a query at position p sees keys p - w + 1 .. p.
+    """
+
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    norm_topk_prob: bool
+    tie_word_embeddings: bool
+    clip_qkv: float | None = None
+    qk_norm: str = "none"
+    attention_bias: bool = False
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[int, ...] = ()
+    layer_windows: tuple[int, ...] = ()
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        """M: layers with routed experts (rows of the expert table, the cache and the heat)."""
+        return len(self.moe_layers)
+
+    @property
+    def moe_index(self) -> tuple[int, ...]:
+        """Per transformer layer: its MoE-layer index j, or -1 for a dense layer."""
+        idx = [-1] * self.num_hidden_layers
+        for j, i in enumerate(self.moe_layers):
+            idx[i] = j
+        return tuple(idx)
+
+    def dense_param_count(self) -> int:
+        """Parameters that stay resident (everything but the routed experts)."""
+        D, V = self.hidden_size, self.vocab_size
+        attn = D * self.q_dim + 2 * D * self.kv_dim + self.q_dim * D
+        attn += {"proj": self.q_dim + self.kv_dim, "head": 2 * self.head_dim}.get(self.qk_norm, 0)
+        attn += (self.q_dim + 2 * self.kv_dim) if self.attention_bias else 0
+        M, L = self.num_moe_layers, self.num_hidden_layers
+        moe = self.num_experts * D + (3 * D * self.shared_expert_intermediate_size + D
+                                      if self.shared_expert_intermediate_size else 0)
+        dense_mlp = 3 * D * self.intermediate_size
+        return (V * D * (1 if self.tie_word_embeddings else 2) + L * (attn + 2 * D) + M * moe
+                + (L - M) * dense_mlp + D)
+
+    @classmethod
+    def from_dict(cls, cfg: dict, path: str = "config.json") -> "ModelArgs":
+        """Validate a parsed config.json with the parser of its ``model_type``'s family.
+
+        Raises:
+            ConfigError: naming ``path`` and the key; an unsupported model_type gets one line
+                naming the supported families.
+        """
+        from . import family_for
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"{path}: expected a JSON object at the top level")
+        return family_for(cfg.get("model_type"), path).ModelArgs.from_dict(cfg, path)
+
+    @classmethod
+    def from_hf_config(cls, path: str | os.PathLike) -> "ModelArgs":
+        """Read and validate ``path`` (a config.json file or a folder holding one).
+
+        Raises:
+            ConfigError: the file is missing (a folder holding only GGUF files gets its own
+                message), not JSON, or a key is invalid (file and key named).
+        """
+        p = Path(path)
+        if p.is_dir():
+            p = p / "config.json"
+        try:
+            text = p.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            check_not_gguf(p.parent)
+            raise ConfigError(f"{p}: not found; a model folder needs its config.json") from None
+        except OSError as e:
+            raise ConfigError(f"{p}: cannot be read ({e})") from None
+        if len(text) > 64 << 20:
+            raise ConfigError(f"{p}: implausibly large for a config.json ({len(text)} bytes)")
+        try:
+            cfg = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}: not valid JSON ({e})") from None
+        return cls.from_dict(cfg, str(p))
+
+
+def check_not_gguf(folder: Path, has_config: bool = False) -> None:
+    """Raise ConfigError when ``folder`` holds GGUF files but no Hugging Face checkpoint (no
+    config.json, or - ``has_config`` - no safetensors beside it)."""
+    try:
+        ggufs = sorted(x.name for x in folder.glob("*.gguf"))
+    except OSError:
+        return
+    if ggufs and (has_config or not (folder / "config.json").exists()):
+        raise ConfigError(
+            f"{folder}: holds GGUF file(s) ({ggufs[0]}{', ...' if len(ggufs) > 1 else ''}); GGUF is not "
+            f"read by colibri - download the model's Hugging Face repository with config.json and "
+            f"*.safetensors instead (e.g. Qwen/Qwen3-30B-A3B rather than a -GGUF repo)")
+
+
+def common_args(cfg: dict, path: str, family: str, *, expert_width_key: str,
+                experts_keys: tuple[str, ...] = ("num_experts",), head_dim_must_tile: bool = False,
+                eps_default: float = 1e-6, theta_default: float = 10000.0) -> dict:
+    """The keys every family shares, validated: returns a dict of ModelArgs fields.
+
+    ``expert_width_key``: the config key of the routed expert width ("intermediate_size" for
+    OLMoE / Mixtral, "moe_intermediate_size" for Qwen). ``experts_keys``: accepted names of
+    the expert count, first present wins (transformers 5 writes Qwen3's as num_local_experts).
+
+    Raises:
+        ConfigError: naming ``path`` and the key.
+    """
+    def n(key, lo, hi, **kw):
+        return num(cfg, key, path, lo, hi, integer=True, family=family, **kw)
+
+    v = {k: n(k, 1, hi) for k, hi in (("hidden_size", 1 << 20), ("num_hidden_layers", 4096),
+                                      ("num_attention_heads", 1 << 16), ("vocab_size", 1 << 24),
+                                      ("num_experts_per_tok", 1 << 20))}
+    ek = next((k for k in experts_keys if cfg.get(k) is not None), experts_keys[0])
+    v["num_experts"] = n(ek, 1, 1 << 20)
+    v["moe_intermediate_size"] = n(expert_width_key, 1, 1 << 24)
+    v["intermediate_size"] = n("intermediate_size", 1, 1 << 24, default=v["moe_intermediate_size"])
+    heads = v["num_attention_heads"]
+    kv = n("num_key_value_heads", 1, heads, default=heads)
+    if heads % kv:
+        raise ConfigError(f"{path}: num_attention_heads ({heads}) must be a multiple of "
+                          f"num_key_value_heads ({kv})")
+    if v["num_experts_per_tok"] > v["num_experts"]:
+        raise ConfigError(f"{path}: num_experts_per_tok ({v['num_experts_per_tok']}) exceeds "
+                          f"{ek} ({v['num_experts']})")
+    if cfg.get("head_dim") is None:
+        if v["hidden_size"] % heads:
+            raise ConfigError(f"{path}: hidden_size ({v['hidden_size']}) is not divisible by "
+                              f"num_attention_heads ({heads}) and no head_dim is given")
+        head_dim = v["hidden_size"] // heads
+    else:
+        head_dim = n("head_dim", 2, 1 << 16)
+    if head_dim % 2:
+        raise ConfigError(f"{path}: head_dim ({head_dim}) must be even for rotary embeddings")
+    if head_dim_must_tile and head_dim * heads != v["hidden_size"]:
+        raise ConfigError(f"{path}: num_attention_heads x head_dim = {heads * head_dim} must equal "
+                          f"hidden_size ({v['hidden_size']}) for {family}")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(f"{path}: hidden_act {act!r} is not supported (only 'silu')")
+    v.update(
+        num_key_value_heads=kv, head_dim=head_dim, model_type=cfg["model_type"],
+        max_position_embeddings=n("max_position_embeddings", 1, 1 << 24, default=4096),
+        rms_norm_eps=num(cfg, "rms_norm_eps", path, 1e-12, 1.0, integer=False, default=eps_default),
+        rope_theta=rope_theta(cfg, path, theta_default),
+        tie_word_embeddings=flag(cfg, "tie_word_embeddings", path, False),
+    )
+    return v
+
+
+# --- checkpoint-name mapping ------------------------------------------------------------------
+
+class Tensor(NamedTuple):
+    """One resident tensor: Hugging Face name -> store canonical name.
+
+    kind: "keep" (stored float32 as is: norms, routers, biases, gates) or "quant" (a matrix
+    stored in the store's dense quantization).
+    """
+
+    hf: str
+    ours: str
+    shape: tuple[int, ...]
+    kind: str
+
+
+@dataclass(frozen=True)
+class ExpertNames:
+    """Where layer ``layer``'s routed experts live in a checkpoint.
+
+    Per-expert names (published checkpoints, and transformers' save_pretrained):
+    ``f"{prefix}{e}.{hf_proj[p]}.weight"`` for p in gate_proj / up_proj / down_proj.
+    Fused 3-D names (transformers 5's in-memory layout, written by some tools):
+    ``{fused_prefix}gate_up_proj`` [E, 2I, D] (gate rows first, then up) and
+    ``{fused_prefix}down_proj`` [E, D, I].
+    """
+
+    layer: int
+    prefix: str
+    hf_proj: dict = field(default_factory=lambda: {p: p for p in EXPERT_PROJS})
+    fused_prefixes: tuple[str, ...] = ()
+
+    def name(self, e: int, proj: str) -> str:
+        return f"{self.prefix}{e}.{self.hf_proj[proj]}.weight"
+
+
+def attention_tensors(args: ModelArgs, i: int) -> list[Tensor]:
+    """Norms and attention of transformer layer i (q/k norms and biases as args say)."""
+    D, S = args.hidden_size, args.head_dim
+    hp, cp = f"model.layers.{i}.", f"layers.{i}."
+    out = [Tensor(hp + "input_layernorm.weight", cp + "input_layernorm", (D,), "keep"),
+           Tensor(hp + "post_attention_layernorm.weight", cp + "post_attention_layernorm", (D,), "keep")]
+    for p, o in (("q_proj", args.q_dim), ("k_proj", args.kv_dim), ("v_proj", args.kv_dim)):
+        out.append(Tensor(f"{hp}self_attn.{p}.weight", cp + p, (o, D), "quant"))
+    out.append(Tensor(hp + "self_attn.o_proj.weight", cp + "o_proj", (D, args.q_dim), "quant"))
+    if args.qk_norm != "none":
+        qn, kn = (args.q_dim, args.kv_dim) if args.qk_norm == "proj" else (S, S)
+        out += [Tensor(hp + "self_attn.q_norm.weight", cp + "q_norm", (qn,), "keep"),
+                Tensor(hp + "self_attn.k_norm.weight", cp + "k_norm", (kn,), "keep")]
+    if args.attention_bias:
+        out += [Tensor(f"{hp}self_attn.{p}.bias", f"{cp}{p}.bias", (o,), "keep")
+                for p, o in (("q_proj", args.q_dim), ("k_proj", args.kv_dim), ("v_proj", args.kv_dim))]
+    return out
+
+
+def mlp_tensors(hf_prefix: str, our_prefix: str, D: int, I: int) -> list[Tensor]:
+    """A resident SwiGLU MLP (dense layer or shared expert): gate/up [I, D], down [D, I]."""
+    return [Tensor(f"{hf_prefix}gate_proj.weight", our_prefix + "gate_proj", (I, D), "quant"),
+            Tensor(f"{hf_prefix}up_proj.weight", our_prefix + "up_proj", (I, D), "quant"),
+            Tensor(f"{hf_prefix}down_proj.weight", our_prefix + "down_proj", (D, I), "quant")]
+
+
+def global_tensors(args: ModelArgs) -> list[Tensor]:
+    """Embeddings, final norm and lm_head (the tied embedding when tie_word_embeddings)."""
+    D, V = args.hidden_size, args.vocab_size
+    lm = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
+    return [Tensor("model.embed_tokens.weight", "embed_tokens", (V, D), "quant"),
+            Tensor("model.norm.weight", "norm", (D,), "keep"),
+            Tensor(lm, "lm_head", (V, D), "quant")]
+
+
+def expert_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
+    D, I = args.hidden_size, args.moe_intermediate_size
+    return {"gate_proj": (I, D), "up_proj": (I, D), "down_proj": (D, I)}
+
+
+def hf_names(family, args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor a per-expert checkpoint of ``family`` holds, with its shape, in a fixed
+    order (global tensors, then layer by layer: resident tensors, then experts; the seeded
+    synthetic checkpoints draw tensor n from the seed [seed, n], so the order is part of them)."""
+    tensors = family.dense_tensors(args)
+    names = {t.hf: t.shape for t in tensors if not t.hf.startswith("model.layers.")}
+    by_layer: dict[int, list[Tensor]] = {}
+    for t in tensors:
+        if t.hf.startswith("model.layers."):
+            by_layer.setdefault(int(t.hf.split(".")[2]), []).append(t)
+    shapes = expert_shapes(args)
+    moe = set(args.moe_layers)
+    for i in range(args.num_hidden_layers):
+        names.update({t.hf: t.shape for t in by_layer.get(i, [])})
+        if i in moe:
+            en = family.expert_names(args, i)
+            for e in range(args.num_experts):
+                for p in EXPERT_PROJS:
+                    names[en.name(e, p)] = shapes[p]
+    return names
+
+
+# --- arithmetic -----------------------------------------------------------------------------
+
+
+class ExpertProvider(Protocol):
+    """Where expert weights come from. ``prepare`` announces the experts a layer is about to
+    use (so misses can be read concurrently) and may return the order to compute them in
+    (resident ones first); ``acquire`` returns the slab's views and pins it until ``release``.
+    ``layer`` is the MoE-layer index j (see the module docstring)."""
+
+    def prepare(self, layer: int, experts: np.ndarray) -> list[int] | None: ...
+    def acquire(self, layer: int, expert: int) -> dict: ...
+    def release(self, layer: int, expert: int) -> None: ...
+
+
+class Linear:
+    """A resident dense matrix [O, N] in one of the kinds of kernels.py, optional float32 bias [O]."""
+
+    def __init__(self, dense: dict, name: str, kind: str, group_size: int = 32):
+        self.kind = kind
+        self.w = dense[name + ".w"]
+        self.s = dense.get(name + ".s")
+        self.bias = dense.get(name + ".bias")
+        self.gs = group_size
+        self.out_features = self.w.shape[0]
+
+    def __call__(self, x: np.ndarray, out: np.ndarray) -> np.ndarray:
+        if self.kind == "int8":
+            K.linear_q8(x, self.w, self.s, out)
+        elif self.kind == "f32":
+            K.linear_f32(x, self.w, out)
+        elif self.kind == "f16":
+            K.linear_f16(x, self.w, K.F16_TABLE, out)
+        else:
+            K.linear_q4(x, self.w, self.s, self.gs, out)
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+
+def run_expert(kind: str, v: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray, gs: int) -> None:
+    """out[T, D] = down(silu(gate(x)) * up(x)) for x [T, D] with the weight views ``v``
+    (slab fields "gate_proj.w", "gate_proj.s", ...); h [T, I] is scratch."""
+    if kind == "int8":
+        K.expert_q8(x, v["gate_proj.w"], v["gate_proj.s"], v["up_proj.w"], v["up_proj.s"],
+                    v["down_proj.w"], v["down_proj.s"], h, out)
+    elif kind == "int4":
+        K.expert_q4(x, v["gate_proj.w"], v["gate_proj.s"], v["up_proj.w"], v["up_proj.s"],
+                    v["down_proj.w"], v["down_proj.s"], gs, h, out)
+    elif kind == "f16":
+        K.expert_f16(x, v["gate_proj.w"], v["up_proj.w"], v["down_proj.w"], K.F16_TABLE, h, out)
+    else:
+        K.expert_f32(x, v["gate_proj.w"], v["up_proj.w"], v["down_proj.w"], h, out)
+
+
+def rope_tables(head_dim: int, theta: float, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin float32 [n_pos, head_dim // 2], computed in float32 as transformers does
+    (inv_freq = 1 / theta^(2j / S); angle = pos * inv_freq)."""
+    inv = (np.float32(1.0) / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32)
+                                                    / np.float32(head_dim)))).astype(np.float32)
+    ang = np.arange(n_pos, dtype=np.float32)[:, None] * inv[None, :]  # [C, S/2]
+    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+
+
+def route(router_logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax over all experts, top-k (lowest id on ties), optional renormalisation.
+
+    router_logits float32 [T, E] -> (indices int64 [T, K], weights float32 [T, K]).
+    Mixtral's "softmax over the selected logits" equals this with norm_topk_prob=True.
+    """
+    z = router_logits - router_logits.max(axis=1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=1, keepdims=True)  # [T, E]
+    idx = np.argsort(-p, axis=1, kind="stable")[:, :k]  # [T, K]
+    w = np.take_along_axis(p, idx, axis=1).astype(np.float32)  # [T, K]
+    if norm_topk_prob:
+        w /= w.sum(axis=1, keepdims=True)
+    return idx, w
+
+
+def mean_router_probs(router_logits: np.ndarray) -> np.ndarray:
+    """Mean over rows of the router softmax: float32 [T, E] logits -> float32 [E] probabilities
+    (the per-call input of the cache's "ema" eviction policy)."""
+    z = router_logits - router_logits.max(axis=1, keepdims=True)
+    p = np.exp(z)
+    p /= p.sum(axis=1, keepdims=True)
+    return p.mean(axis=0, dtype=np.float32)
+
+
+def _mlp_views(dense: dict, prefix: str) -> dict:
+    return {f"{p}.{k}": dense[f"{prefix}{p}.{k}"] for p in EXPERT_PROJS for k in ("w", "s")
+            if f"{prefix}{p}.{k}" in dense}
+
+
+class MoEModel:
+    """Resident dense weights + KV cache + an ExpertProvider: the decoder every family shares
+    (pre-norm blocks: x += attn(norm(x)); x += mlp(norm(x))).
+
+    Args:
+        args: a family's ModelArgs. dense: canonical dense tensors (store names, see the
+            family files). dense_quant / expert_quant: weight kinds. experts: the
+            ExpertProvider (indexed by MoE layer). context_length: KV capacity C in tokens.
+
+    The KV cache holds C positions for every layer, also for sliding-window layers (the window
+    only masks attention; it does not shrink the cache).
+    """
+
+    def __init__(self, args: ModelArgs, dense: dict, dense_quant: str, expert_quant: str,
+                 experts: ExpertProvider, context_length: int, group_size: int = 32):
+        self.args = a = args
+        self.C = context_length
+        self.experts = experts
+        self.expert_quant = expert_quant
+        self.dense_quant = dq = dense_quant
+        self.gs = group_size
+        self.embed_kind = dq
+        self.embed_w = dense["embed_tokens.w"]
+        self.embed_s = dense.get("embed_tokens.s")
+        self.lm_head = Linear(dense, "lm_head", dq, group_size)
+        self.norm = dense["norm"]
+        self.moe_index = a.moe_index
+        self.num_moe_layers = a.num_moe_layers
+        self.windows = a.layer_windows or (0,) * a.num_hidden_layers
+        self.layers = []
+        for i in range(a.num_hidden_layers):
+            p = f"layers.{i}."
+            ly = {"input_layernorm": dense[p + "input_layernorm"],
+                  "post_attention_layernorm": dense[p + "post_attention_layernorm"],
+                  "q_norm": dense.get(p + "q_norm"), "k_norm": dense.get(p + "k_norm")}
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                ly[n] = Linear(dense, p + n, dq, group_size)
+            if self.moe_index[i] >= 0:
+                ly["router"] = dense[p + "router"]
+                if a.shared_expert_intermediate_size:
+                    ly["shared_expert"] = _mlp_views(dense, p + "shared_expert.")
+                    ly["shared_expert_gate"] = dense[p + "shared_expert_gate"]
+            else:
+                ly["mlp"] = _mlp_views(dense, p + "mlp.")
+            self.layers.append(ly)
+        self.moe_layer_ids = list(a.moe_layers)
+        L, Hkv, S = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
+        # Filled (not np.zeros, whose pages appear lazily) so the KV the budget reserves is
+        # resident from the start: RSS then matches the plan instead of creeping up later.
+        self.k_cache = np.empty((L, Hkv, self.C, S), dtype=np.float32)  # [L, Hkv, C, S]
+        self.v_cache = np.empty((L, Hkv, self.C, S), dtype=np.float32)
+        self.k_cache.fill(0.0)
+        self.v_cache.fill(0.0)
+        self.cos, self.sin = rope_tables(S, a.rope_theta, self.C)  # [C, S/2]
+        self.scale = np.float32(S ** -0.5)
+        # Observers (MoE-layer indices): routing (layer, idx[T, K], logits[T, E]) and the PILOT
+        # hooks; set by the engine. Dense layers call none of them.
+        self.on_route: Callable[[int, np.ndarray, np.ndarray], None] | None = None
+        self.on_after_attention: Callable[[int, np.ndarray], None] | None = None
+        self.on_after_moe: Callable[[int, np.ndarray], None] | None = None
+        self.on_layer_start: Callable[[int], None] | None = None
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.k_cache.nbytes + self.v_cache.nbytes
+
+    # --- blocks -----------------------------------------------------------------------------
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        D = self.args.hidden_size
+        x = np.empty((len(ids), D), dtype=np.float32)  # [T, D]
+        if self.embed_kind == "int8":
+            K.embed_q8(ids, self.embed_w, self.embed_s, x)
+        elif self.embed_kind == "f16":
+            x[:] = K.F16_TABLE[self.embed_w[ids]]
+        else:
+            x[:] = self.embed_w[ids]
+        return x
+
+    def qk_norm(self, i: int, q: np.ndarray, k: np.ndarray) -> None:
+        """In place: OLMoE ("proj") normalises the whole projection [T, H*S]; Qwen3 ("head")
+        each head's S values (rows of the [T*H, S] view)."""
+        a, ly = self.args, self.layers[i]
+        if a.qk_norm == "proj":
+            K.rmsnorm(q, ly["q_norm"], a.rms_norm_eps, q)
+            K.rmsnorm(k, ly["k_norm"], a.rms_norm_eps, k)
+        elif a.qk_norm == "head":
+            S = a.head_dim
+            q2, k2 = q.reshape(-1, S), k.reshape(-1, S)
+            K.rmsnorm(q2, ly["q_norm"], a.rms_norm_eps, q2)
+            K.rmsnorm(k2, ly["k_norm"], a.rms_norm_eps, k2)
+
+    def attention(self, i: int, x: np.ndarray, pos0: int) -> np.ndarray:
+        a, ly = self.args, self.layers[i]
+        T = x.shape[0]
+        H, Hkv, S = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+        h = np.empty_like(x)  # [T, D]
+        K.rmsnorm(x, ly["input_layernorm"], a.rms_norm_eps, h)
+        q = ly["q_proj"](h, np.empty((T, H * S), np.float32))  # [T, H*S]
+        k = ly["k_proj"](h, np.empty((T, Hkv * S), np.float32))  # [T, Hkv*S]
+        v = ly["v_proj"](h, np.empty((T, Hkv * S), np.float32))  # [T, Hkv*S]
+        self.qk_norm(i, q, k)
+        if a.clip_qkv is not None:
+            for t in (q, k, v):
+                np.clip(t, -a.clip_qkv, a.clip_qkv, out=t)
+        q3 = q.reshape(T, H, S)
+        k3 = k.reshape(T, Hkv, S)
+        cos, sin = self.cos[pos0:pos0 + T], self.sin[pos0:pos0 + T]
+        K.rope(q3, cos, sin)
+        K.rope(k3, cos, sin)
+        self.k_cache[i, :, pos0:pos0 + T] = k3.transpose(1, 0, 2)
+        self.v_cache[i, :, pos0:pos0 + T] = v.reshape(T, Hkv, S).transpose(1, 0, 2)
+        att = np.empty((T, H, S), np.float32)  # [T, H, S]
+        kc, vc = self.k_cache[i], self.v_cache[i]
+        w = self.windows[i]
+        # Sliding window w: the query at position p sees keys p - w + 1 .. p (transformers'
+        # mask kv_idx > q_idx - w). Queries at p < w see every earlier key (one causal call);
+        # later ones attend a cache view starting at their window's first key.
+        n_full = T if not w else min(T, max(0, w - pos0))
+        if n_full:
+            K.attention(q3[:n_full], kc, vc, pos0, self.scale, att[:n_full])
+        for t in range(n_full, T):
+            j0 = pos0 + t - w + 1
+            K.attention(q3[t:t + 1], kc[:, j0:], vc[:, j0:], w - 1, self.scale, att[t:t + 1])
+        return ly["o_proj"](att.reshape(T, H * S), np.empty_like(x))  # [T, D]
+
+    def moe_norm(self, j: int) -> np.ndarray:
+        """post_attention_layernorm weight float32 [D] of MoE layer j (PILOT's predictor input)."""
+        return self.layers[self.moe_layer_ids[j]]["post_attention_layernorm"]
+
+    def router_logits(self, j: int, h: np.ndarray) -> np.ndarray:
+        """Router logits float32 [T, E] of MoE layer j for normed rows h [T, D]."""
+        out = np.empty((h.shape[0], self.args.num_experts), np.float32)  # [T, E]
+        K.linear_f32(h, self.layers[self.moe_layer_ids[j]]["router"], out)
+        return out
+
+    def dense_mlp(self, views: dict, h: np.ndarray, width: int) -> np.ndarray:
+        """A resident SwiGLU MLP (dense layer or shared expert) of width ``width`` on h [T, D]."""
+        out = np.empty_like(h)
+        run_expert(self.dense_quant, views, h, np.empty((h.shape[0], width), np.float32), out, self.gs)
+        return out
+
+    def mlp(self, i: int, x: np.ndarray) -> np.ndarray:
+        """The feed-forward half of transformer layer i on x [T, D]: routed experts (plus the
+        shared expert, if any) on MoE layers, the resident MLP on dense layers."""
+        j = self.moe_index[i]
+        if j >= 0:
+            return self.moe(j, x)
+        a = self.args
+        h = np.empty_like(x)
+        K.rmsnorm(x, self.layers[i]["post_attention_layernorm"], a.rms_norm_eps, h)
+        return self.dense_mlp(self.layers[i]["mlp"], h, a.intermediate_size)
+
+    def moe(self, j: int, x: np.ndarray) -> np.ndarray:
+        """Routed experts of MoE layer j for the rows of x [T, D]; returns [T, D].
+
+        Rows are grouped by expert so each routed expert is acquired once per call (never once
+        per (token, rank): the prefill "reload storm"); outputs are combined in rank order.
+        A shared expert (Qwen2-MoE) is resident and added as sigmoid(gate(h)) * shared(h).
+        """
+        a = self.args
+        ly = self.layers[self.moe_layer_ids[j]]
+        T, D = x.shape
+        h = np.empty_like(x)
+        K.rmsnorm(x, ly["post_attention_layernorm"], a.rms_norm_eps, h)
+        logits = self.router_logits(j, h)  # [T, E]
+        idx, w = route(logits, a.num_experts_per_tok, a.norm_topk_prob)  # [T, K]
+        if self.on_route is not None:
+            self.on_route(j, idx, logits)
+        uniq = np.unique(idx)  # ascending expert ids
+        order = self.experts.prepare(j, uniq)
+        y = np.zeros((T, idx.shape[1], D), np.float32)  # [T, K, D]
+        scratch = np.empty((T, a.moe_intermediate_size), np.float32)  # [T, I]
+        for e in (uniq if order is None else order):  # outputs land by rank: order never changes values
+            rows, ranks = np.nonzero(idx == e)
+            n = len(rows)
+            xe = h if n == T else np.ascontiguousarray(h[rows])  # [n, D]; rows are sorted
+            out = np.empty((n, D), np.float32)
+            views = self.experts.acquire(j, int(e))
+            try:
+                run_expert(self.expert_quant, views, xe, scratch[:n], out, self.gs)
+            finally:
+                self.experts.release(j, int(e))
+            y[rows, ranks] = out
+        moe = y[:, 0] * w[:, 0:1]
+        for k in range(1, idx.shape[1]):
+            moe += y[:, k] * w[:, k:k + 1]
+        if "shared_expert" in ly:
+            g = np.empty((T, 1), np.float32)
+            K.linear_f32(h, ly["shared_expert_gate"], g)
+            s = self.dense_mlp(ly["shared_expert"], h, a.shared_expert_intermediate_size)
+            moe += s * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g)))
+        return moe
+
+    # --- forward ----------------------------------------------------------------------------
+
+    def forward(self, ids: np.ndarray, pos0: int, all_logits: bool = False,
+                cancel: threading.Event | None = None) -> np.ndarray:
+        """Run tokens ``ids`` (int [T]) at positions pos0..pos0+T-1, writing the KV cache.
+
+        Returns float32 logits [T, V] if all_logits else [1, V] (last position).
+        Raises:
+            Cancelled: ``cancel`` was set (polled between chunks and layers).
+            ValueError: the positions exceed the context capacity.
+        """
+        ids = np.asarray(ids, dtype=np.int64)
+        T = len(ids)
+        if pos0 + T > self.C:
+            raise ValueError(f"positions {pos0}..{pos0 + T - 1} exceed the context of {self.C} tokens")
+        outs = []
+        for c0 in range(0, T, PREFILL_CHUNK):
+            chunk = ids[c0:c0 + PREFILL_CHUNK]
+            x = self.embed(chunk)  # [t, D]
+            for i in range(self.args.num_hidden_layers):
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled("cancelled")
+                j = self.moe_index[i]
+                if j >= 0 and self.on_layer_start is not None:
+                    self.on_layer_start(j)
+                x += self.attention(i, x, pos0 + c0)
+                if j >= 0 and self.on_after_attention is not None:
+                    self.on_after_attention(j, x)
+                x += self.mlp(i, x)
+                if j >= 0 and self.on_after_moe is not None:
+                    self.on_after_moe(j, x)
+            if all_logits:
+                outs.append(self.logits(x))
+            elif c0 + PREFILL_CHUNK >= T:
+                outs.append(self.logits(x[-1:]))
+        return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        h = np.empty_like(x)
+        K.rmsnorm(x, self.norm, self.args.rms_norm_eps, h)
+        return self.lm_head(h, np.empty((x.shape[0], self.args.vocab_size), np.float32))  # [T, V]
+
+
+def decoder_tensors(args: ModelArgs, block: str = "mlp") -> list[Tensor]:
+    """Every resident tensor of a pre-norm MoE decoder, Hugging Face -> store names.
+
+    ``block``: the module holding the router and experts ("mlp" for OLMoE / Qwen,
+    "block_sparse_moe" for Mixtral). MoE layers: router ``{block}.gate.weight`` [E, D] ->
+    ``layers.i.router`` (float32), plus the shared expert (``mlp.shared_expert.*`` ->
+    ``layers.i.shared_expert.*``, ``mlp.shared_expert_gate.weight`` [1, D]) when args has one.
+    Dense layers: ``mlp.{gate,up,down}_proj`` -> ``layers.i.mlp.*``.
+    """
+    D, E = args.hidden_size, args.num_experts
+    moe = set(args.moe_layers)
+    out: list[Tensor] = []
+    for i in range(args.num_hidden_layers):
+        hp, cp = f"model.layers.{i}.", f"layers.{i}."
+        out += attention_tensors(args, i)
+        if i in moe:
+            out.append(Tensor(f"{hp}{block}.gate.weight", cp + "router", (E, D), "keep"))
+            Is = args.shared_expert_intermediate_size
+            if Is:
+                out += mlp_tensors(hp + "mlp.shared_expert.", cp + "shared_expert.", D, Is)
+                out.append(Tensor(hp + "mlp.shared_expert_gate.weight", cp + "shared_expert_gate", (1, D), "keep"))
+        else:
+            out += mlp_tensors(hp + "mlp.", cp + "mlp.", D, args.intermediate_size)
+    return out + global_tensors(args)

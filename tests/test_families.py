@@ -1,0 +1,272 @@
+"""Model families without torch: the family registry and its error messages, the converter and
+store for every family (per-expert and fused expert tensors, stores written straight from the
+seed), and greedy ids that do not depend on cache size, policy, PILOT mode or workers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from engine import convert_checkpoint
+from engine.config import EngineConfig, ModelArgs
+from engine.errors import ConfigError
+from engine.events import Finished, GenerateRequest, SamplingParams
+from engine.expert_store import ExpertStore
+from engine.generate import Engine
+from engine.models import SUPPORTED_MODEL_TYPES, family_for
+from engine.quant import slab_layout
+from engine.synthetic import (CONFIGS, PRESETS, mixtral_config, olmoe_config, qwen2_moe_config,
+                              qwen3_moe_config, write_checkpoint, write_store_from_seed)
+
+# Family configs with dense layers, GQA, shared experts and windows (small but streaming).
+FAMILY_CONFIGS = {
+    "olmoe": olmoe_config(num_hidden_layers=3, num_key_value_heads=2),
+    "qwen3_moe": qwen3_moe_config(num_hidden_layers=4, mlp_only_layers=[1], decoder_sparse_step=1,
+                                  num_experts_per_tok=3),
+    "qwen3_moe-step": qwen3_moe_config(num_hidden_layers=4, decoder_sparse_step=2, use_sliding_window=True,
+                                       sliding_window=5),
+    "mixtral": mixtral_config(num_hidden_layers=3, sliding_window=6, head_dim=32),
+    "qwen2_moe": qwen2_moe_config(num_hidden_layers=3, mlp_only_layers=[0], num_key_value_heads=2),
+}
+
+
+@pytest.fixture(scope="module")
+def family_stores(tmp_path_factory):
+    """name -> (checkpoint folder, int8 store) for every FAMILY_CONFIGS entry."""
+    out = {}
+    for name, cfg in FAMILY_CONFIGS.items():
+        d = tmp_path_factory.mktemp("fam")
+        ck = write_checkpoint(d / name, cfg, seed=11, std=0.1)
+        out[name] = (ck, convert_checkpoint(ck, d / f"{name}-int8", quant="int8"))
+    return out
+
+
+def _greedy(store, **kw) -> tuple[int, ...]:
+    cfg = EngineConfig(store=str(store), history=False, o_direct=False, **kw)
+    with Engine.open(cfg) as eng:
+        req = GenerateRequest(prompt_ids=tuple(range(5, 25)),
+                              sampling=SamplingParams(temperature=0.0, max_new_tokens=12))
+        fin = [e for e in eng.generate(req) if isinstance(e, Finished)][-1]
+        assert fin.error == "", fin.error
+        assert eng.cache.L == eng.args.num_moe_layers
+        return fin.token_ids
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_greedy_ids_do_not_depend_on_placement(family_stores, name):
+    _, store = family_stores[name]
+    E = ModelArgs.from_hf_config(store).num_experts
+    ref = _greedy(store, cap=E, policy="lru", pilot=0)
+    assert len(ref) == 12
+    for kw in (dict(cap=1, policy="lfru", pilot=0), dict(cap=2, policy="ema", pilot=3, pilot_workers=2),
+               dict(cap=3, policy="lru", pilot=1, pilot_workers=1, wide=2, spec_precision=0.0),
+               dict(cap=2, policy="ema", pilot=2, pinning=True, pin_per_layer=1)):
+        assert _greedy(store, **kw) == ref, kw
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_store_records_family_and_moe_layers(family_stores, name):
+    _, store = family_stores[name]
+    m = json.loads((store / "manifest.json").read_text())
+    a = ModelArgs.from_hf_config(store)
+    assert m["model_type"] == a.model_type == FAMILY_CONFIGS[name]["model_type"]
+    assert m["num_layers"] == a.num_moe_layers == len(m["experts"]) == len(m["moe_layers"])
+    assert m["moe_layers"] == list(a.moe_layers) and m["num_hidden_layers"] == a.num_hidden_layers
+    # one read per expert: every slab is one aligned run of slot_bytes
+    lay = slab_layout("int8", a.hidden_size, a.moe_intermediate_size)
+    assert all(e["length"] == lay["slot_bytes"] and e["offset"] % 4096 == 0 for row in m["experts"] for e in row)
+    dense = load_file(str(store / "dense.safetensors"))
+    for i in range(a.num_hidden_layers):
+        if i in a.moe_layers:
+            assert f"layers.{i}.router" in dense and f"layers.{i}.mlp.gate_proj.w" not in dense
+            assert (f"layers.{i}.shared_expert.up_proj.w" in dense) == (a.shared_expert_intermediate_size > 0)
+        else:  # dense layers are resident and have no router
+            assert f"layers.{i}.mlp.down_proj.w" in dense and f"layers.{i}.router" not in dense
+
+
+def test_mixtral_experts_are_w1_gate_w3_up_w2_down(family_stores):
+    ck, _ = family_stores["mixtral"]
+    store = convert_checkpoint(ck, ck.with_name("mixtral-f32"), quant="f32")
+    w = load_file(str(ck / "model.safetensors"))
+    with ExpertStore(store, o_direct=False) as st:
+        buf = st.new_buffer()
+        st.read(1, 3, buf)
+        v = st.views(buf)
+        p = "model.layers.1.block_sparse_moe.experts.3."
+        for ours, hf in (("gate_proj", "w1"), ("up_proj", "w3"), ("down_proj", "w2")):
+            np.testing.assert_array_equal(v[ours + ".w"], w[p + hf + ".weight"].astype(np.float32))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_fused_expert_tensors_convert_like_per_expert(family_stores, tmp_path, name):
+    """transformers 5 holds experts as 3-D gate_up_proj [E, 2I, D] / down_proj [E, D, I]; a
+    checkpoint written that way converts to the same store as the per-expert one."""
+    ck, _ = family_stores[name]
+    a = ModelArgs.from_hf_config(ck)
+    fam = family_for(a.model_type)
+    w = load_file(str(ck / "model.safetensors"))
+    fused = {}
+    for k, v in w.items():
+        if ".experts." not in k:
+            fused[k] = v
+    for i in a.moe_layers:
+        en = fam.expert_names(a, i)
+        pre = f"model.layers.{i}.mlp.experts."
+        fused[pre + "gate_up_proj"] = np.stack([np.concatenate([w[en.name(e, "gate_proj")], w[en.name(e, "up_proj")]])
+                                                for e in range(a.num_experts)])
+        fused[pre + "down_proj"] = np.stack([w[en.name(e, "down_proj")] for e in range(a.num_experts)])
+    d = tmp_path / "fused"
+    d.mkdir()
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (d / f).write_bytes((ck / f).read_bytes())
+    save_file(fused, str(d / "model.safetensors"))
+    s1 = convert_checkpoint(ck, tmp_path / "per-expert", quant="int4")
+    s2 = convert_checkpoint(d, tmp_path / "fused-store", quant="int4")
+    for j in range(a.num_moe_layers):
+        f = f"experts/layer_{j:03d}.bin"
+        assert (s1 / f).read_bytes() == (s2 / f).read_bytes()
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_store_from_seed_equals_converted_checkpoint(tmp_path, model_type, quant):
+    cfg = CONFIGS[model_type](num_hidden_layers=2, **({"mlp_only_layers": [0]} if "qwen" in model_type else {}))
+    ck = write_checkpoint(tmp_path / "ck", cfg, seed=4, tokenizer=False)
+    s1 = convert_checkpoint(ck, tmp_path / "converted", quant=quant)
+    s2 = write_store_from_seed(tmp_path / "seeded", cfg, quant=quant, seed=4)
+    d1, d2 = load_file(str(s1 / "dense.safetensors")), load_file(str(s2 / "dense.safetensors"))
+    assert d1.keys() == d2.keys() and all(np.array_equal(d1[k], d2[k]) for k in d1)
+    m1, m2 = (json.loads((s / "manifest.json").read_text()) for s in (s1, s2))
+    assert m1["experts"] == m2["experts"]  # offsets, lengths and crc32 of every slab
+    assert m2["model_type"] == model_type and m2["source"].startswith("synthetic seed 4")
+    assert (s2 / "tokenizer.json").exists() and not (tmp_path / "seeded.files").exists()
+    with ExpertStore(s2, o_direct=False) as st:
+        assert st.args.model_type == model_type
+
+
+def test_presets_have_the_published_shapes():
+    q = ModelArgs.from_dict(PRESETS["qwen3-30b-a3b"])
+    assert (q.model_type, q.num_hidden_layers, q.num_moe_layers, q.num_experts, q.num_experts_per_tok) == \
+        ("qwen3_moe", 48, 48, 128, 8)
+    assert (q.hidden_size, q.moe_intermediate_size, q.num_attention_heads, q.num_key_value_heads,
+            q.head_dim, q.vocab_size, q.qk_norm, q.norm_topk_prob) == (2048, 768, 32, 4, 128, 151936, "head", True)
+    slot = slab_layout("int8", q.hidden_size, q.moe_intermediate_size)["slot_bytes"]
+    assert 29e9 < slot * 48 * 128 < 31e9  # the routed experts alone exceed this machine's 24 GiB
+    m = ModelArgs.from_dict(PRESETS["mixtral-8x7b"])
+    assert (m.model_type, m.num_hidden_layers, m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size,
+            m.hidden_size, m.num_key_value_heads, m.head_dim) == ("mixtral", 32, 8, 2, 14336, 4096, 8, 128)
+
+
+def test_transformers5_qwen3_config_names(tmp_path):
+    """transformers 5's save_pretrained writes Qwen3's expert count as num_local_experts."""
+    cfg = qwen3_moe_config()
+    cfg["num_local_experts"] = cfg.pop("num_experts")
+    assert ModelArgs.from_dict(cfg).num_experts == 8
+    cfg = qwen3_moe_config(rope_parameters=None, rope_theta=5000.0)
+    assert ModelArgs.from_dict(cfg).rope_theta == 5000.0
+
+
+def test_unsupported_model_type_is_one_line_naming_the_families():
+    with pytest.raises(ConfigError) as ei:
+        ModelArgs.from_dict({"model_type": "llama"}, "x/config.json")
+    msg = str(ei.value)
+    assert "\n" not in msg and "x/config.json" in msg and "'llama'" in msg
+    for t in ("olmoe", "qwen3_moe", "mixtral", "qwen2_moe"):
+        assert t in msg
+
+
+def test_gguf_only_folder_gets_a_clear_message(tmp_path):
+    (tmp_path / "Qwen3-30B-A3B-Q4_K_M.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    for call in (lambda: ModelArgs.from_hf_config(tmp_path), lambda: convert_checkpoint(tmp_path, tmp_path / "out")):
+        with pytest.raises(ConfigError) as ei:
+            call()
+        msg = str(ei.value)
+        assert "GGUF is not read" in msg and "safetensors" in msg and "\n" not in msg
+    # config.json next to the GGUF but no safetensors: the same advice
+    (tmp_path / "config.json").write_text(json.dumps(qwen3_moe_config()))
+    with pytest.raises(ConfigError, match="GGUF is not read"):
+        convert_checkpoint(tmp_path, tmp_path / "out")
+
+
+@pytest.mark.parametrize("make,key", [
+    (qwen3_moe_config, "moe_intermediate_size"), (qwen2_moe_config, "shared_expert_intermediate_size"),
+    (mixtral_config, "num_local_experts"), (olmoe_config, "intermediate_size")])
+def test_missing_key_names_file_and_key(make, key):
+    cfg = make()
+    del cfg[key]
+    with pytest.raises(ConfigError) as ei:
+        ModelArgs.from_dict(cfg, "m/config.json")
+    assert "m/config.json" in str(ei.value) and f"'{key}'" in str(ei.value)
+
+
+def test_dense_layers_need_intermediate_size_and_valid_layer_lists():
+    cfg = qwen3_moe_config(mlp_only_layers=[0])
+    del cfg["intermediate_size"]
+    with pytest.raises(ConfigError, match="'intermediate_size'"):
+        ModelArgs.from_dict(cfg)
+    with pytest.raises(ConfigError, match="mlp_only_layers"):
+        ModelArgs.from_dict(qwen3_moe_config(mlp_only_layers=[7]))
+    with pytest.raises(ConfigError, match="sliding_window"):
+        ModelArgs.from_dict(qwen2_moe_config(use_sliding_window=True, sliding_window=None))
+    a = ModelArgs.from_dict(qwen2_moe_config(num_hidden_layers=4, use_sliding_window=True, sliding_window=16,
+                                             max_window_layers=3))
+    assert a.layer_windows == (16, 0, 16, 0)  # transformers 5: even layers below max_window_layers
+
+
+def test_store_from_before_families_still_opens(tiny_store, tmp_path):
+    """Stores converted before manifests recorded moe_layers (every layer was MoE) still open."""
+    import shutil
+    s = shutil.copytree(tiny_store, tmp_path / "old")
+    m = json.loads((s / "manifest.json").read_text())
+    for k in ("moe_layers", "num_hidden_layers"):
+        m.pop(k)
+    (s / "manifest.json").write_text(json.dumps(m))
+    with ExpertStore(s, o_direct=False) as st:
+        assert st.args.num_moe_layers == m["num_layers"]
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_size_functions_match_the_store(family_stores, name):
+    from engine.models import dense_bytes, expert_slot_bytes
+    _, store = family_stores[name]
+    m = json.loads((store / "manifest.json").read_text())
+    a = ModelArgs.from_hf_config(store)
+    assert dense_bytes(a, "int8") == m["dense_bytes"]
+    assert expert_slot_bytes(a, "int8") == m["slab_layout"]["slot_bytes"]
+    assert a.dense_param_count() == sum(int(np.prod(v.shape)) for k, v in
+                                        load_file(str(store / "dense.safetensors")).items()
+                                        if not k.endswith(".s"))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+def test_trace_and_heat_use_moe_layer_rows(family_stores, tmp_path, name):
+    """Families with dense layers: traces, heat and pins have one row per MoE layer, and the
+    replay of a trace reproduces the engine's hit/miss counts exactly."""
+    from engine.trace import TraceRecorder, load_trace, replay_policy
+    _, store = family_stores[name]
+    a = ModelArgs.from_hf_config(store)
+    assert a.num_moe_layers < a.num_hidden_layers
+    stream = np.random.default_rng(8).integers(10, 290, 50).tolist()
+    req = GenerateRequest(prompt_ids=tuple(stream[:10]), forced_ids=tuple(stream[10:]),
+                          sampling=SamplingParams(max_new_tokens=40))
+    cfg = EngineConfig(store=str(store), cap=3, policy="ema", pinning=True, pin_per_layer=1, pilot=0,
+                       history=True, o_direct=False)
+    with Engine.open(cfg) as eng:
+        rec = TraceRecorder(eng)
+        list(eng.generate(req))
+        counts = (eng.cache.stats.hits, eng.cache.stats.misses, eng.cache.stats.pinned_hits)
+        assert eng.heat.counts.shape == (a.num_moe_layers, a.num_experts)
+        assert eng.loaded.num_layers == a.num_moe_layers
+        rec.save(tmp_path / "t.jsonl")
+    head, recs = load_trace(tmp_path / "t.jsonl")
+    assert head["num_layers"] == a.num_moe_layers
+    assert {r["l"] for r in recs if "l" in r} == set(range(a.num_moe_layers))
+    r = replay_policy(head, recs, 3, "ema", True)
+    assert (r["hits"], r["misses"], r["pinned_hits"]) == counts
+    heat = json.loads((store / "routing_heat.json").read_text())
+    assert heat["num_layers"] == a.num_moe_layers
+    with Engine.open(cfg) as eng:  # the saved heat loads back and pre-warms the pins
+        assert eng.heat.tokens > 0 and eng.loaded.prewarmed_experts > 0
