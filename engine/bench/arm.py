@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from .common import forced_stream, heldout_stream
+from .common import add_stream_flags, forced_stream, heldout_stream
 
 
 def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
@@ -135,9 +135,7 @@ def add_parser(bs) -> None:
     r = bs.add_parser("arm", help=argparse.SUPPRESS)
     r.add_argument("--store", required=True)
     r.add_argument("--config", required=True)
-    r.add_argument("--prompt-len", type=int, default=16)
-    r.add_argument("--tokens", type=int, default=48)
-    r.add_argument("--seed", type=int, default=0)
+    add_stream_flags(r, prompt_len=16, tokens=48)
     r.add_argument("--prompt-text", default=None)
     r.add_argument("--stream-file", default=None)
     r.set_defaults(fn=cmd_arm)

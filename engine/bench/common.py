@@ -109,3 +109,11 @@ def check_arm_inputs(store: str, arms: list[dict], stream_file: str | None, need
         if n < need_tokens:
             raise ValueError(f"--stream-file {stream_file}: {n} tokens, the run needs {need_tokens} "
                              f"(prompt + tokens)")
+
+
+def add_stream_flags(p, prompt_len: int, tokens: int) -> None:
+    """The token-stream flags of a decoding bench: --prompt-len and --tokens (with these
+    defaults) and --seed (of the forced stream, default 0)."""
+    p.add_argument("--prompt-len", type=int, default=prompt_len)
+    p.add_argument("--tokens", type=int, default=tokens)
+    p.add_argument("--seed", type=int, default=0)
