@@ -5,10 +5,11 @@ download`` (through engine.library), and the settings dialog's "auto" values.
 Sizes are bytes (GB = 1e9 bytes), context lengths tokens.
 
     dense   resident dense weights: the loaded store's arrays (``manifest["dense_bytes"]``), or
-            before conversion the sum over the family's dense tensors at the store's dense
-            quantization (``dense_shapes``: the same tensors convert.py writes).
+            before conversion the family's tensor list at the store's dense quantization
+            (engine.models.dense_bytes: the same tensors convert.py writes).
     kv      2 (K and V) x layers x KV heads x context x head_dim x 4 bytes (float32).
-    slots   one expert slab per layer (``manifest["slot_bytes"]``, else quant.slab_layout).
+    slots   one expert slab per MoE layer (``manifest["slot_bytes"]``, else the family's
+            expert width through quant.slab_layout).
     reserve RESERVE_BYTES for the Python / numpy / numba runtime, activations and logits.
 
 Automatic cap (after colibri's cap_for_ram, PR #1445):
@@ -17,10 +18,10 @@ The automatic budget is RSS after the dense weights are loaded + AVAILABLE_SHARE
 memory (ram_budget.probe_available). The pre-download verdict applies the same plan_cap to the
 share of available memory the engine would budget.
 
-A new model family plugs in by giving its ModelArgs a ``dense_shapes()`` method (see
-:func:`dense_shapes`); everything else here reads only Hugging Face names that every
+A new model family plugs in through its file in engine/models/ (its ``dense_tensors`` list and
+expert width give the dense and slot bytes); everything else here reads Hugging Face names every
 mixture-of-experts family has (num_hidden_layers, num_experts, num_key_value_heads, head_dim,
-hidden_size, intermediate_size, max_position_embeddings).
+max_position_embeddings) and ``num_moe_layers``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import BudgetError, StoreError
-from .quant import QUANTS, slab_layout
+from .models import dense_bytes as family_dense_bytes
+from .models import expert_slot_bytes, family_for
+from .quant import QUANTS
 from .ram_budget import AVAILABLE_SHARE, GB, RESERVE_BYTES, probe_available
 from .units import format_bytes
 
@@ -51,56 +54,21 @@ def kv_bytes(args, context_length: int) -> int:
     return 2 * args.num_hidden_layers * args.num_key_value_heads * int(context_length) * args.head_dim * 4
 
 
-def dense_quant(quant: str) -> str:
-    """The quantization of the dense matrices (attention, embeddings) in a store whose experts
-    are at ``quant``: int4 experts keep int8 dense matrices."""
-    return "int8" if quant in ("int8", "int4") else quant
+def dense_bytes(args, quant: str, group_size: int = 32) -> int:
+    """Resident dense bytes of ``args`` converted with experts at ``quant``: exact, from the
+    family's tensor list (engine.models.dense_bytes; equals the store's ``manifest["dense_bytes"]``)."""
+    return family_dense_bytes(args, quant, group_size)
 
 
-def _matrix_bytes(rows: int, cols: int, dq: str) -> int:
-    """Bytes of one [rows, cols] dense matrix at dense quant ``dq`` (int8: + one float32 scale per row)."""
-    if dq == "int8":
-        return rows * cols + rows * 4
-    if dq == "f16":
-        return rows * cols * 2
-    return rows * cols * 4
+def slot_bytes(args, quant: str, group_size: int = 32) -> int:
+    """Bytes of one routed expert's slab (gate, up, down at ``quant``, 4096-aligned)."""
+    return int(expert_slot_bytes(args, quant, group_size))
 
 
-def olmoe_dense_shapes(args) -> tuple[list[tuple[int, int]], int]:
-    """OLMoE's dense tensors: ([rows, cols] of every quantized matrix, float32 element count).
-
-    Per layer: q/k/v/o projections (quantized); input and post-attention norms, q_norm
-    (hidden-sized), k_norm (kv-sized) and the router [num_experts, hidden] (float32). Plus the
-    embedding and the lm head (quantized; both stored even when tied) and the final norm.
-    """
-    D, E, V = args.hidden_size, args.num_experts, args.vocab_size
-    q, kv = args.q_dim, args.kv_dim
-    mats: list[tuple[int, int]] = []
-    for _ in range(args.num_hidden_layers):
-        mats += [(q, D), (kv, D), (kv, D), (D, q)]
-    mats += [(V, D), (V, D)]
-    f32 = args.num_hidden_layers * (2 * D + q + kv + E * D) + D
-    return mats, f32
-
-
-def dense_shapes(args) -> tuple[list[tuple[int, int]], int]:
-    """The dense tensors of ``args``'s family: ``args.dense_shapes()`` when the family defines
-    it (a new family plugs in there), else OLMoE's layout."""
-    own = getattr(args, "dense_shapes", None)
-    return own() if callable(own) else olmoe_dense_shapes(args)
-
-
-def dense_bytes(args, quant: str) -> int:
-    """Resident dense bytes of ``args`` converted with experts at ``quant`` (equals the store's
-    ``manifest["dense_bytes"]``: tests check it for int8 / int4 / f16)."""
-    dq = dense_quant(quant)
-    mats, f32 = dense_shapes(args)
-    return sum(_matrix_bytes(r, c, dq) for r, c in mats) + 4 * f32
-
-
-def slot_bytes(args, quant: str) -> int:
-    """Bytes of one expert slab (gate, up, down at ``quant``, 4096-aligned: quant.slab_layout)."""
-    return int(slab_layout(quant, args.hidden_size, args.intermediate_size)["slot_bytes"])
+def moe_layers(args) -> int:
+    """M: layers with routed experts (each holds one expert cache row); all layers for
+    families without dense layers."""
+    return int(getattr(args, "num_moe_layers", 0) or args.num_hidden_layers)
 
 
 # --- what a model needs --------------------------------------------------------------------
@@ -149,16 +117,16 @@ def estimate(args, quant: str = "int8", context_length: int = MAX_DEFAULT_CONTEX
         raise ValueError(f"quantization {quant!r}: choose one of {', '.join(QUANTS)}")
     ctx = effective_context(args, context_length)
     slot = slot_bytes(args, quant)
-    L, E = args.num_hidden_layers, args.num_experts
-    experts = L * E * slot
+    M, E = moe_layers(args), args.num_experts
+    experts = M * E * slot
     dense = dense_bytes(args, quant)
     kv = kv_bytes(args, ctx)
-    slots = L * slot
-    n_dense = len(dense_shapes(args)[0]) + 9 * L + 4  # tensors in dense.safetensors (about)
+    slots = M * slot
+    n_dense = 2 * len(family_for(args.model_type).dense_tensors(args))  # tensors (+ scales) in dense.safetensors
     # + manifest (~120 B per expert) + dense.safetensors header (~128 B per tensor)
-    store = experts + dense + extra_store_bytes + 4096 + 120 * L * E + 128 * n_dense
+    store = experts + dense + extra_store_bytes + 4096 + 120 * M * E + 128 * n_dense
     return Estimate(quant, slot, experts, dense, store, kv, slots, RESERVE_BYTES,
-                    dense + kv + slots + RESERVE_BYTES, ctx, E, args.num_experts_per_tok, (slot,) * L)
+                    dense + kv + slots + RESERVE_BYTES, ctx, E, args.num_experts_per_tok, (slot,) * M)
 
 
 def read_manifest(store: str | Path) -> dict:

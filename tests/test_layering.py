@@ -19,7 +19,6 @@ only the public API: names in ``engine.__all__`` and ``engine.library.__all__``,
 from __future__ import annotations
 
 import ast
-import pkgutil
 import subprocess
 import sys
 from pathlib import Path

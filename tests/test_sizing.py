@@ -4,8 +4,6 @@ what Engine.open then does."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-
 import pytest
 
 from engine import Engine, EngineConfig, ModelArgs, convert_checkpoint
@@ -59,28 +57,24 @@ def test_verdict_uses_the_same_cap_rule(tiny_store):
     assert sizing.ram_verdict(est, 2, est.ram_needed - 1, est.ram_needed)[0] == "refuse"
 
 
-def test_a_new_family_plugs_in_through_dense_shapes():
-    """A family whose ModelArgs has dense_shapes() is sized from it (no change in sizing.py)."""
-    base = ModelArgs.from_dict({"model_type": "olmoe", "hidden_size": 64, "num_hidden_layers": 2,
-                                "num_attention_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
-                                "intermediate_size": 32, "vocab_size": 128})
-
-    @dataclass(frozen=True)
-    class OtherArgs:
-        hidden_size: int = 64
-        intermediate_size: int = 32
-        num_hidden_layers: int = 2
-        num_key_value_heads: int = 4
-        head_dim: int = 16
-        num_experts: int = 8
-        num_experts_per_tok: int = 2
-        max_position_embeddings: int = 512
-
-        def dense_shapes(self):
-            return [(100, 64)], 1000  # one int8 matrix + 1000 float32 values
-
-    other = OtherArgs()
-    assert sizing.dense_bytes(other, "int8") == 100 * 64 + 100 * 4 + 4000
-    assert sizing.dense_bytes(base, "int8") != sizing.dense_bytes(other, "int8")
-    est = sizing.estimate(other, "int8", 0)
-    assert est.context_length == 512 and est.kv_bytes == 2 * 2 * 4 * 512 * 16 * 4
+@pytest.mark.parametrize("make,kw", [
+    ("qwen3_moe_config", dict(num_hidden_layers=4, mlp_only_layers=[1], decoder_sparse_step=1)),  # a dense layer
+    ("qwen2_moe_config", dict(num_hidden_layers=3, mlp_only_layers=[0], num_key_value_heads=2)),  # shared experts
+    ("mixtral_config", dict(num_hidden_layers=2, head_dim=32)),
+])
+def test_every_family_is_sized_as_engine_open_does(tmp_path, make, kw):
+    """The numbers before a download (from config.json alone) equal Engine.open's for every
+    family: its dense tensors, its expert width and one slot per MoE layer only."""
+    from engine import synthetic
+    ck = synthetic.write_checkpoint(tmp_path / "ck", getattr(synthetic, make)(**kw), seed=1)
+    store = convert_checkpoint(ck, tmp_path / "st", quant="int8")
+    args = ModelArgs.from_hf_config(ck)
+    est = sizing.estimate(args, "int8", 64)
+    cfg = EngineConfig(store=str(store), context_length=64, ram_budget_gb=1.0, pinning=False, history=False)
+    with Engine.open(cfg, read_rss=lambda: 0) as eng:
+        assert (est.dense_bytes, est.kv_bytes, est.slots_bytes) == (
+            eng.loaded.dense_bytes, eng.plan.kv, eng.plan.slot_bytes_sum)
+        assert len(est.layer_slot_bytes) == args.num_moe_layers == eng.cache.L
+        assert sizing.plan_estimate(est, 1.0, None) == eng.plan
+    on_disk = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
+    assert est.store_bytes == pytest.approx(on_disk, rel=0.15)

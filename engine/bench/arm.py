@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from .common import forced_stream, heldout_stream
+from .common import add_stream_flags, forced_stream, heldout_stream
 
 
 def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
@@ -112,6 +112,11 @@ def cmd_arm(a) -> int:
     return 0
 
 def arm_subprocess(store, over, prompt_len, tokens, seed, prompt_text=None, stream_file=None) -> dict:
+    """Run one arm (run_arm) in a fresh ``colibri bench arm`` process; returns its JSON row.
+
+    Raises:
+        RuntimeError: the arm process printed no row (its output tail is in the message).
+    """
     cmd = [sys.executable, "-m", "engine.cli", "bench", "arm", "--store", store, "--config", json.dumps(over),
            "--prompt-len", str(prompt_len), "--tokens", str(tokens), "--seed", str(seed)]
     if prompt_text is not None:
@@ -130,9 +135,7 @@ def add_parser(bs) -> None:
     r = bs.add_parser("arm", help=argparse.SUPPRESS)
     r.add_argument("--store", required=True)
     r.add_argument("--config", required=True)
-    r.add_argument("--prompt-len", type=int, default=16)
-    r.add_argument("--tokens", type=int, default=48)
-    r.add_argument("--seed", type=int, default=0)
+    add_stream_flags(r, prompt_len=16, tokens=48)
     r.add_argument("--prompt-text", default=None)
     r.add_argument("--stream-file", default=None)
     r.set_defaults(fn=cmd_arm)

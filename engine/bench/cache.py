@@ -3,12 +3,14 @@ wait against the disk's bandwidth, tok/s."""
 
 from __future__ import annotations
 
-from .common import machine_info, md_table, write_results
+from .common import add_stream_flags, machine_info, md_table, write_results
 from .arm import arm_subprocess
 from .disk import measure_disk
 
 
 def cmd_cache(a) -> int:
+    """Each cap of ``--caps`` as a cold arm in a fresh process (pilot 0, no pinning); the felt wait
+    is compared with demand bytes / the disk's QD4 bandwidth."""
     disk = measure_disk(a.store)
     bw = disk["qd4_gbps"] * 1e9
     rows = []
@@ -36,8 +38,6 @@ def add_parser(bs) -> None:
     c = bs.add_parser("cache", help="streaming at several caps, cold, O_DIRECT")
     c.add_argument("--store", default="bench/work/1b-int8")
     c.add_argument("--caps", type=int, nargs="+", default=[8, 16, 32, 64])
-    c.add_argument("--prompt-len", type=int, default=16)
-    c.add_argument("--tokens", type=int, default=48)
-    c.add_argument("--seed", type=int, default=0)
+    add_stream_flags(c, prompt_len=16, tokens=48)
     c.add_argument("--name", default="cache_1b")
     c.set_defaults(fn=cmd_cache)

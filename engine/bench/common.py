@@ -25,12 +25,14 @@ PRESETS = {
 }
 
 def machine_info() -> dict:
+    """CPU, cores, RAM (GB), Python version and the time, recorded with every result."""
     import psutil
     return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
             "ram_gb": round(psutil.virtual_memory().total / 1e9, 1), "python": platform.python_version(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 def write_results(name: str, data: dict, table: str, out_dir: str = "bench/results") -> Path:
+    """Write ``<out_dir>/<name>.json`` and ``.md`` atomically, print the table; returns the JSON path."""
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     from ..fsutil import atomic_write_text
@@ -107,3 +109,11 @@ def check_arm_inputs(store: str, arms: list[dict], stream_file: str | None, need
         if n < need_tokens:
             raise ValueError(f"--stream-file {stream_file}: {n} tokens, the run needs {need_tokens} "
                              f"(prompt + tokens)")
+
+
+def add_stream_flags(p, prompt_len: int, tokens: int) -> None:
+    """The token-stream flags of a decoding bench: --prompt-len and --tokens (with these
+    defaults) and --seed (of the forced stream, default 0)."""
+    p.add_argument("--prompt-len", type=int, default=prompt_len)
+    p.add_argument("--tokens", type=int, default=tokens)
+    p.add_argument("--seed", type=int, default=0)

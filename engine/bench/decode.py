@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import forced_stream, machine_info, md_table, write_results
+from .common import add_stream_flags, forced_stream, machine_info, md_table, write_results
 
 
 def _decode_ours(store: str, prompt: list, forced: list, tokens: int) -> dict:
@@ -163,10 +163,8 @@ def add_parser(bs) -> None:
     d = bs.add_parser("decode", help="decode tok/s vs transformers, all experts resident")
     d.add_argument("--store", default="bench/work/1b-int8")
     d.add_argument("--checkpoint", default="bench/work/1b-hf")
-    d.add_argument("--prompt-len", type=int, default=32)
-    d.add_argument("--tokens", type=int, default=64)
+    add_stream_flags(d, prompt_len=32, tokens=64)
     d.add_argument("--reps", type=int, default=3)
-    d.add_argument("--seed", type=int, default=0)
     d.add_argument("--no-transformers", action="store_true")
     d.add_argument("--name", default="decode_1b")
     d.set_defaults(fn=cmd_decode)
@@ -175,7 +173,5 @@ def add_parser(bs) -> None:
     da.add_argument("--system", required=True)
     da.add_argument("--store", required=True)
     da.add_argument("--checkpoint", required=True)
-    da.add_argument("--prompt-len", type=int, default=32)
-    da.add_argument("--tokens", type=int, default=64)
-    da.add_argument("--seed", type=int, default=0)
+    add_stream_flags(da, prompt_len=32, tokens=64)
     da.set_defaults(fn=cmd_decode_arm)

@@ -40,6 +40,7 @@ def measure_disk(store: str, n: int = 48, qd: int = 4, seed: int = 0) -> dict:
     return out
 
 def cmd_disk(a) -> int:
+    """Print measure_disk's GB/s at QD1 and ``--qd`` as JSON."""
     r = measure_disk(a.store, qd=a.qd)
     print(json.dumps(r, indent=1))
     return 0

@@ -14,6 +14,8 @@ from .common import PRESETS, PeakRss, machine_info, md_table, write_results
 
 
 def cmd_make_synthetic(a) -> int:
+    """Write the preset's seeded bf16 checkpoint and convert it in a subprocess (so its peak RSS
+    is the converter's alone); refuses when the disk cannot hold both."""
     from ..synthetic import olmoe_config, write_checkpoint
     from ..config import ModelArgs
     cfg = olmoe_config(**PRESETS[a.preset])

@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 
-from .common import check_arm_inputs, machine_info, md_table, write_results
+from .common import add_stream_flags, check_arm_inputs, machine_info, md_table, write_results
 from .arm import arm_subprocess
 from .disk import measure_disk
 
@@ -109,10 +109,8 @@ def add_parser(bs) -> None:
     mx.add_argument("--modes", type=int, nargs="+", default=[0, 1, 2, 3])
     mx.add_argument("--workers", type=int, nargs="+", default=[1, 4])
     mx.add_argument("--reps", type=int, default=1)
-    mx.add_argument("--prompt-len", type=int, default=16)
-    mx.add_argument("--tokens", type=int, default=32)
+    add_stream_flags(mx, prompt_len=16, tokens=32)
     mx.add_argument("--qd", type=int, default=4)
     mx.add_argument("--context", type=int, default=512, help="KV cache length (tokens) of every cell")
-    mx.add_argument("--seed", type=int, default=0)
     mx.add_argument("--name", default="matrix_olmoe_1b_7b")
     mx.set_defaults(fn=cmd_matrix)

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .gguf import require_modules
-from .common import forced_stream, machine_info, md_table, write_results
+from .common import add_stream_flags, forced_stream, machine_info, md_table, write_results
 
 GB = 1_000_000_000
 SYSTEMS = ("ours", "llama", "transformers")
@@ -379,9 +379,7 @@ def add_parser(bs) -> None:
     p.add_argument("--store", default="bench/work/1b-int8")
     p.add_argument("--gguf", default="bench/work/1b-q8_0.gguf")
     p.add_argument("--limits", type=float, nargs="*", default=[], help="memory limits in GB (1e9 bytes)")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--seed", type=int, default=0)
+    add_stream_flags(p, prompt_len=32, tokens=64)
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), help="ours llama transformers")
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
@@ -397,9 +395,7 @@ def add_parser(bs) -> None:
     r.add_argument("--store", required=True)
     r.add_argument("--gguf", required=True)
     r.add_argument("--limit-gb", default="none")
-    r.add_argument("--prompt-len", type=int, default=32)
-    r.add_argument("--tokens", type=int, default=64)
-    r.add_argument("--seed", type=int, default=0)
+    add_stream_flags(r, prompt_len=32, tokens=64)
     r.add_argument("--threads", type=int, default=2)
     r.add_argument("--ours-config", default="{}")
     r.set_defaults(fn=cmd_peer_arm)
