@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from .heat import cap_pins, choose_pins, pins_per_layer
-from .model import mean_router_probs
+from .models.base import mean_router_probs
 
 TRACE_FORMAT = "colibri-route-trace"
 
