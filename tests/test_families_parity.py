@@ -40,7 +40,7 @@ CONFIGS = {
     # Mixtral: GQA 8/2, no window
     "mixtral-gqa": ("MixtralConfig", "MixtralForCausalLM", dict(
         num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-        intermediate_size=64)),
+        intermediate_size=32)),
     # Mixtral: sliding window 8, head_dim 32 from config (hidden / heads would be 16), MHA
     "mixtral-window-headdim": ("MixtralConfig", "MixtralForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=4, head_dim=32, num_local_experts=6,
