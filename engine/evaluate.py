@@ -9,7 +9,7 @@ def teacher_forced_nll(model, ids) -> tuple[float, int]:
     """Sum of next-token negative log-likelihoods (nats) over positions 1..n-1 of ``ids``
     (one sequence, from an empty KV cache), and the number of predicted tokens.
 
-    model: a family Model (engine/models); ids: int sequence of length n >= 2.
+    model: a family Model (engine.models); ids: int sequence of length n >= 2.
     """
     ids = np.asarray(ids, dtype=np.int64)
     logits = model.forward(ids, 0, all_logits=True).astype(np.float64)  # [n, V]

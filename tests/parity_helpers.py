@@ -43,3 +43,58 @@ def kl(ref_logits, got_logits):
     p = torch.log_softmax(torch.tensor(ref_logits, dtype=torch.float64), -1)
     q = torch.log_softmax(torch.tensor(got_logits, dtype=torch.float64), -1)
     return (p.exp() * (p - q)).sum(-1).numpy()
+
+
+def saved_model(tmp_path, name, config_cls: str, model_cls: str, **config):
+    """A transformers model (``model_cls`` over ``config_cls(**config)``, seeded by ``name``)
+    with widened weights, saved with save_pretrained to tmp_path / name: (model, folder).
+
+    HF's init is tiny (std 0.02); matrices are redrawn from N(0, 0.08) and biases from
+    N(0, 0.05) so logits are not all ~0 (norm weights stay 1)."""
+    import transformers
+    torch.manual_seed(sum(map(ord, name)))
+    cfg = getattr(transformers, config_cls)(**config)
+    cfg._attn_implementation = "eager"
+    m = getattr(transformers, model_cls)(cfg).eval()
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+            elif not torch.all(p == 1):  # biases
+                p.normal_(0, 0.05)
+    d = tmp_path / name
+    m.save_pretrained(d)
+    return m, d
+
+
+def assert_f32_parity(m, store, vocab: int, n_prefill: int = 24, n_decode: int = 16) -> None:
+    """Our f32 store's logits within 1e-4 x logit scale of transformers' at every prefill
+    position and over ``n_decode`` steps through the KV cache (transformers' cached decode)."""
+    ours, st, cache = open_model(store)
+    try:
+        rng = np.random.default_rng(0)
+        ids = rng.integers(0, vocab, n_prefill).tolist()
+        ref = hf_logits(m, ids)
+        got = ours.forward(np.array(ids), 0, all_logits=True)
+        scale = np.abs(ref).max()
+        assert np.abs(got - ref).max() <= 1e-4 * scale, (np.abs(got - ref).max(), scale)
+        steps = rng.integers(0, vocab, n_decode).tolist()
+        ref_dec = hf_decode_logits(m, ids, steps)
+        dec = np.concatenate([ours.forward(np.array([t]), len(ids) + k) for k, t in enumerate(steps)])
+        assert np.abs(dec - ref_dec).max() <= 1e-4 * np.abs(ref_dec).max()
+    finally:
+        cache.close()
+        st.close()
+
+
+def teacher_forced_agreement(m, store, vocab: int, n: int = 256) -> tuple[float, float]:
+    """(mean KL(transformers || ours) in nats, top-1 agreement) over ``n`` teacher-forced positions."""
+    ours, st, cache = open_model(store)
+    try:
+        ids = np.random.default_rng(1).integers(0, vocab, n).tolist()
+        ref = hf_logits(m, ids)
+        got = ours.forward(np.array(ids), 0, all_logits=True)
+        return float(kl(ref, got).mean()), float((ref.argmax(-1) == got.argmax(-1)).mean())
+    finally:
+        cache.close()
+        st.close()

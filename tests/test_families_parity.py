@@ -4,21 +4,21 @@ Qwen3MoeForCausalLM, MixtralForCausalLM and Qwen2MoeForCausalLM checkpoints are 
 by transformers (save_pretrained) in two or more configurations each (dense layers through
 mlp_only_layers / decoder_sparse_step, GQA ratios, head_dim != hidden / heads, shared-expert
 sizes, sliding windows); we convert them and compare logits at every prefill position and over
-16 cached decode steps (f32 store), the teacher-forced KL of the int8 and int4 stores, and that
-greedy ids do not depend on cache size, policy, PILOT mode or workers. OLMoE's parity tests
-are in test_parity.py.
+16 cached decode steps (f32 store) and the teacher-forced KL of the int8 and int4 stores.
+OLMoE's parity tests are in test_parity.py; greedy ids across cache size, policy, PILOT mode and
+workers for every family are in test_families.py.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from engine import convert_checkpoint  # noqa: E402
-from parity_helpers import hf_decode_logits, hf_logits, kl, open_model  # noqa: E402
+from engine.config import ModelArgs  # noqa: E402
+from parity_helpers import assert_f32_parity, saved_model, teacher_forced_agreement  # noqa: E402
 
 pytestmark = pytest.mark.parity
 
@@ -40,7 +40,7 @@ CONFIGS = {
     # Mixtral: GQA 8/2, no window
     "mixtral-gqa": ("MixtralConfig", "MixtralForCausalLM", dict(
         num_attention_heads=8, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
-        intermediate_size=64)),
+        intermediate_size=32)),
     # Mixtral: sliding window 8, head_dim 32 from config (hidden / heads would be 16), MHA
     "mixtral-window-headdim": ("MixtralConfig", "MixtralForCausalLM", dict(
         num_attention_heads=4, num_key_value_heads=4, head_dim=32, num_local_experts=6,
@@ -59,51 +59,19 @@ CONFIGS = {
 
 def hf_model(tmp_path, name):
     cfg_cls, model_cls, kw = CONFIGS[name]
-    torch.manual_seed(sum(map(ord, name)))
-    cfg = getattr(transformers, cfg_cls)(**{**BASE, **kw})
-    cfg._attn_implementation = "eager"
-    m = getattr(transformers, model_cls)(cfg).eval()
-    with torch.no_grad():  # HF init is tiny (std 0.02); widen so logits are not all ~0
-        for p in m.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)
-            elif p.dim() == 1 and not torch.all(p == 1):  # biases
-                p.normal_(0, 0.05)
-    d = tmp_path / name
-    m.save_pretrained(d)
-    return m, d
-
-
-
-
-
-
+    return saved_model(tmp_path, name, cfg_cls, model_cls, **{**BASE, **kw})
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_f32_logits_match_transformers(tmp_path, name):
     m, d = hf_model(tmp_path, name)
     store = convert_checkpoint(d, tmp_path / f"{name}-f32", quant="f32")
-    ours, st, cache = open_model(store)
-    a = st.args
+    a = ModelArgs.from_hf_config(store)
     assert a.model_type == m.config.model_type
     if "dense" in name or "step" in name:
         assert 0 < a.num_moe_layers < a.num_hidden_layers
     assert max(a.layer_windows) == (8 if "window" in name else 0)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, V, 24).tolist()  # 24 > the window of 8: the window really masks
-    ref = hf_logits(m, ids)
-    got = ours.forward(np.array(ids), 0, all_logits=True)
-    scale = np.abs(ref).max()
-    assert np.abs(got - ref).max() <= 1e-4 * scale, (np.abs(got - ref).max(), scale)
-    steps = rng.integers(0, V, 16).tolist()
-    ref_dec = hf_decode_logits(m, ids, steps)
-    dec = np.concatenate([ours.forward(np.array([t]), len(ids) + k) for k, t in enumerate(steps)])
-    assert np.abs(dec - ref_dec).max() <= 1e-4 * np.abs(ref_dec).max()
-    cache.close()
-    st.close()
-
-
+    assert_f32_parity(m, store, V)  # 24 prefill positions > the window of 8: the window really masks
 
 
 # int8 per-row: the issue's bound. int4 group-32: the bounds of test_parity.py's OLMoE test
@@ -113,16 +81,9 @@ def test_f32_logits_match_transformers(tmp_path, name):
 def test_quantized_kl_against_transformers(tmp_path, name, quant, kl_bound, top1_bound, record_property):
     m, d = hf_model(tmp_path, name)
     store = convert_checkpoint(d, tmp_path / f"store-{quant}", quant=quant)
-    ours, st, cache = open_model(store)
-    ids = np.random.default_rng(1).integers(0, V, 256).tolist()  # teacher forcing over 256 positions
-    ref = hf_logits(m, ids)
-    got = ours.forward(np.array(ids), 0, all_logits=True)
-    mean_kl = float(kl(ref, got).mean())
-    top1 = float((ref.argmax(-1) == got.argmax(-1)).mean())
+    mean_kl, top1 = teacher_forced_agreement(m, store, V)
     record_property("mean_kl", mean_kl)
     record_property("top1_agreement", top1)
     print(f"{name} {quant}: mean KL {mean_kl:.2e} nats, top-1 agreement {top1:.3f}")
     assert mean_kl <= kl_bound
     assert top1 >= top1_bound
-    cache.close()
-    st.close()

@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from engine import convert_checkpoint  # noqa: E402
-from parity_helpers import hf_decode_logits, hf_logits, kl, open_model  # noqa: E402
+from parity_helpers import assert_f32_parity, open_model, saved_model, teacher_forced_agreement  # noqa: E402
 
 pytestmark = pytest.mark.parity
 
@@ -25,47 +25,17 @@ CONFIGS = {
 
 
 def hf_model(tmp_path, name, **kw):
-    torch.manual_seed(sum(map(ord, name)))
-    cfg = transformers.OlmoeConfig(
-        **{**dict(vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_experts=8,
-                  num_experts_per_tok=2, max_position_embeddings=256, rope_theta=10000.0, eos_token_id=0,
-                  pad_token_id=0, bos_token_id=None), **kw})
-    m = transformers.OlmoeForCausalLM(cfg).eval()
-    with torch.no_grad():  # HF init is tiny (std 0.02); widen so logits are not all ~0
-        for p in m.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.08)
-    d = tmp_path / name
-    m.save_pretrained(d)
-    return m, d
-
-
-
-
-
-
+    return saved_model(tmp_path, name, "OlmoeConfig", "OlmoeForCausalLM", **{**dict(
+        vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=256, rope_theta=10000.0, eos_token_id=0,
+        pad_token_id=0, bos_token_id=None), **kw})
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_f32_logits_match_transformers(tmp_path, name):
     m, d = hf_model(tmp_path, name, **CONFIGS[name])
     store = convert_checkpoint(d, tmp_path / f"{name}-f32", quant="f32")
-    ours, st, cache = open_model(store)
-    rng = np.random.default_rng(0)
-    ids = rng.integers(0, 256, 24).tolist()
-    ref = hf_logits(m, ids)
-    got = ours.forward(np.array(ids), 0, all_logits=True)
-    scale = np.abs(ref).max()
-    assert np.abs(got - ref).max() <= 1e-4 * scale, (np.abs(got - ref).max(), scale)
-    # 16 decode steps through the KV cache, against transformers' own cached decode
-    steps = rng.integers(0, 256, 16).tolist()
-    ref_dec = hf_decode_logits(m, ids, steps)
-    dec = np.concatenate([ours.forward(np.array([t]), len(ids) + k) for k, t in enumerate(steps)])
-    assert np.abs(dec - ref_dec).max() <= 1e-4 * np.abs(ref_dec).max()
-    cache.close()
-    st.close()
-
-
+    assert_f32_parity(m, store, 256)
 
 
 @pytest.mark.parametrize("quant,kl_bound,top1_bound", [
@@ -79,19 +49,12 @@ def test_f32_logits_match_transformers(tmp_path, name):
 def test_quantized_kl_against_transformers(tmp_path, quant, kl_bound, top1_bound, record_property):
     m, d = hf_model(tmp_path, "q-" + quant, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
     store = convert_checkpoint(d, tmp_path / f"store-{quant}", quant=quant)
-    ours, st, cache = open_model(store)
-    ids = np.random.default_rng(1).integers(0, 256, 256).tolist()  # teacher forcing over 256 positions
-    ref = hf_logits(m, ids)
-    got = ours.forward(np.array(ids), 0, all_logits=True)
-    mean_kl = float(kl(ref, got).mean())
-    top1 = float((ref.argmax(-1) == got.argmax(-1)).mean())
+    mean_kl, top1 = teacher_forced_agreement(m, store, 256)
     record_property("mean_kl", mean_kl)
     record_property("top1_agreement", top1)
     print(f"{quant}: mean KL {mean_kl:.2e} nats, top-1 agreement {top1:.3f}")
     assert mean_kl <= kl_bound
     assert top1 >= top1_bound
-    cache.close()
-    st.close()
 
 
 def test_cache_size_does_not_change_logits(tmp_path):

@@ -382,6 +382,32 @@ def global_tensors(args: ModelArgs) -> list[Tensor]:
             Tensor(lm, "lm_head", (V, D), "quant")]
 
 
+def decoder_tensors(args: ModelArgs, block: str = "mlp") -> list[Tensor]:
+    """Every resident tensor of a pre-norm MoE decoder, Hugging Face -> store names.
+
+    ``block``: the module holding the router and experts ("mlp" for OLMoE / Qwen,
+    "block_sparse_moe" for Mixtral). MoE layers: router ``{block}.gate.weight`` [E, D] ->
+    ``layers.i.router`` (float32), plus the shared expert (``mlp.shared_expert.*`` ->
+    ``layers.i.shared_expert.*``, ``mlp.shared_expert_gate.weight`` [1, D]) when args has one.
+    Dense layers: ``mlp.{gate,up,down}_proj`` -> ``layers.i.mlp.*``.
+    """
+    D, E = args.hidden_size, args.num_experts
+    moe = set(args.moe_layers)
+    out: list[Tensor] = []
+    for i in range(args.num_hidden_layers):
+        hp, cp = f"model.layers.{i}.", f"layers.{i}."
+        out += attention_tensors(args, i)
+        if i in moe:
+            out.append(Tensor(f"{hp}{block}.gate.weight", cp + "router", (E, D), "keep"))
+            Is = args.shared_expert_intermediate_size
+            if Is:
+                out += mlp_tensors(hp + "mlp.shared_expert.", cp + "shared_expert.", D, Is)
+                out.append(Tensor(hp + "mlp.shared_expert_gate.weight", cp + "shared_expert_gate", (1, D), "keep"))
+        else:
+            out += mlp_tensors(hp + "mlp.", cp + "mlp.", D, args.intermediate_size)
+    return out + global_tensors(args)
+
+
 def expert_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
     D, I = args.hidden_size, args.moe_intermediate_size
     return {"gate_proj": (I, D), "up_proj": (I, D), "down_proj": (D, I)}
@@ -738,28 +764,3 @@ class MoEModel:
         K.rmsnorm(x, self.norm, self.args.rms_norm_eps, h)
         return self.lm_head(h, np.empty((x.shape[0], self.args.vocab_size), np.float32))  # [T, V]
 
-
-def decoder_tensors(args: ModelArgs, block: str = "mlp") -> list[Tensor]:
-    """Every resident tensor of a pre-norm MoE decoder, Hugging Face -> store names.
-
-    ``block``: the module holding the router and experts ("mlp" for OLMoE / Qwen,
-    "block_sparse_moe" for Mixtral). MoE layers: router ``{block}.gate.weight`` [E, D] ->
-    ``layers.i.router`` (float32), plus the shared expert (``mlp.shared_expert.*`` ->
-    ``layers.i.shared_expert.*``, ``mlp.shared_expert_gate.weight`` [1, D]) when args has one.
-    Dense layers: ``mlp.{gate,up,down}_proj`` -> ``layers.i.mlp.*``.
-    """
-    D, E = args.hidden_size, args.num_experts
-    moe = set(args.moe_layers)
-    out: list[Tensor] = []
-    for i in range(args.num_hidden_layers):
-        hp, cp = f"model.layers.{i}.", f"layers.{i}."
-        out += attention_tensors(args, i)
-        if i in moe:
-            out.append(Tensor(f"{hp}{block}.gate.weight", cp + "router", (E, D), "keep"))
-            Is = args.shared_expert_intermediate_size
-            if Is:
-                out += mlp_tensors(hp + "mlp.shared_expert.", cp + "shared_expert.", D, Is)
-                out.append(Tensor(hp + "mlp.shared_expert_gate.weight", cp + "shared_expert_gate", (1, D), "keep"))
-        else:
-            out += mlp_tensors(hp + "mlp.", cp + "mlp.", D, args.intermediate_size)
-    return out + global_tensors(args)
