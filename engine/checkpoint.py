@@ -155,6 +155,10 @@ class Checkpoint:
                 raise CheckpointError(f"{f}: tensor '{name}' has dtype {sl.get_dtype()}; only "
                                       f"bf16, f16 and f32 checkpoints are supported")
 
+    def file_of(self, name: str) -> Path:
+        """The weight file holding tensor ``name``."""
+        return self._where[name]
+
     def nbytes(self, name: str) -> int:
         sl = self._handles[self._where[name]].get_slice(name)
         size = {"BF16": 2, "F16": 2, "F32": 4}[sl.get_dtype()]

@@ -10,15 +10,22 @@ Store layout (folder)::
                          seeds' "consolidated expert I/O")
     config.json, tokenizer files, generation_config.json   copied from the source
 
-The conversion streams tensor by tensor (peak RSS ~ the dense weights plus one expert) and
-publishes atomically: everything is written to ``DST.partial/``, fsynced, and renamed to DST.
+The conversion streams tensor by tensor (peak RSS ~ the dense weights plus one expert),
+refuses NaN/inf weights (and weights beyond the f16 range in an f16 store) naming the tensor,
+and publishes atomically: everything is written to a folder unique to this conversion
+(``.DST.<pid>.<random>.partial`` next to DST), fsynced, checked against its manifest (file
+list and sizes, the ``files`` table), given the umask's ordinary modes, and renamed to DST
+under a lock file (``.DST.lock``). When another process published DST while this one was
+converting, its store is verified and used, and this one's copy is discarded.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import tempfile
 import threading
 import time
 import zlib
@@ -29,10 +36,12 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from .checkpoint import Checkpoint, hf_names
-from .errors import CheckpointError, EngineError
+from .errors import CheckpointError, EngineError, StoreError
 from .events import LoadProgress
-from .paths import fsync_dir
-from .quant import ALIGN, QUANTS, quantize, slab_layout
+from .paths import fsync_dir, normalize_modes
+from .quant import ALIGN, QUANTS, check_finite, quantize, slab_layout
+
+log = logging.getLogger(__name__)
 
 FORMAT_NAME = "colibri-expert-store"
 FORMAT_VERSION = 1
@@ -89,10 +98,10 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
     if quant == "int4" and (D % group_size or I % group_size):
         raise CheckpointError(f"{src}: int4 needs hidden_size ({D}) and intermediate_size ({I}) to be "
                               f"multiples of the group size {group_size}; use int8")
-    partial = dst.with_name(dst.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)
-    (partial / "experts").mkdir(parents=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    seen = _identity(dst)
+    _remove_stale_temps(dst)
+    partial = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{os.getpid()}.", suffix=".partial", dir=dst.parent))
 
     layout = slab_layout(quant, D, I, group_size)
     total = sum(ck.nbytes(n) for n in hf_names(args))
@@ -110,7 +119,13 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
         if cancel is not None and cancel.is_set():
             raise ConversionCancelled(f"conversion of {src} cancelled; nothing was written to {dst}")
 
+    def get(name: str, stored_as: str) -> np.ndarray:
+        w = ck.get(name)
+        check_finite(name, w, stored_as, str(ck.file_of(name)))
+        return w
+
     try:
+        (partial / "experts").mkdir()
         dq = dense_quant_for(quant)
         dense: dict[str, np.ndarray] = {}
         experts_meta = []
@@ -127,7 +142,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
                                   ("self_attn.v_proj.weight", "v_proj", dq),
                                   ("self_attn.o_proj.weight", "o_proj", dq)):
                 check_cancel()
-                w = ck.get(hp + hf)
+                w = get(hp + hf, how or "f32")
                 if how is None:
                     dense[cp + ours] = w  # norms and router stay float32: routing is sensitive
                 else:
@@ -144,7 +159,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
                     slab[:] = 0
                     for proj in ("gate_proj", "up_proj", "down_proj"):
                         name = f"{hp}mlp.experts.{e}.{proj}.weight"
-                        parts = quantize(ck.get(name), quant, group_size)
+                        parts = quantize(get(name, quant), quant, group_size)
                         for k, arr in parts.items():
                             _, off, _, _ = next(x for x in layout["fields"] if x[0] == f"{proj}.{k}")
                             b = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
@@ -160,14 +175,14 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
             experts_meta.append(metas)
         check_cancel()
         for hf, ours in (("model.embed_tokens.weight", "embed_tokens"), ("model.norm.weight", "norm")):
-            w = ck.get(hf)
+            w = get(hf, "f32" if ours == "norm" else dq)
             if ours == "norm":
                 dense["norm"] = w
             else:
                 _put(dense, ours, w, dq)
             done += ck.nbytes(hf)
         lm_name = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
-        _put(dense, "lm_head", ck.get(lm_name), dq)
+        _put(dense, "lm_head", get(lm_name, dq), dq)
         if not args.tie_word_embeddings:
             done += ck.nbytes(lm_name)
         report("dense weights", force=True)
@@ -179,7 +194,10 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
             os.fsync(f.fileno())
         for name in COPIED_FILES:
             if (src / name).exists():
-                shutil.copy2(src / name, partial / name)
+                try:
+                    shutil.copyfile(src / name, partial / name)
+                except OSError as e:
+                    raise CheckpointError(f"{src / name}: cannot be copied into the store ({e})") from None
         manifest = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -200,27 +218,148 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
             "num_layers": L,
             "num_experts": E,
             "experts": experts_meta,
+            "files": {},
             **(extra_manifest or {}),
         }
+        manifest["files"] = {rel: (partial / rel).stat().st_size
+                             for rel in [manifest["dense_file"]] + [f"experts/layer_{i:03d}.bin" for i in range(L)]}
         mpath = partial / "manifest.json"
         with open(mpath, "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
+        check_store_files(partial, manifest)
+        normalize_modes(partial)
         fsync_dir(partial / "experts")
         fsync_dir(partial)
-        if dst.exists():
-            old = dst.with_name(dst.name + f".old-{os.getpid()}")
-            os.replace(dst, old)
-            os.replace(partial, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(partial, dst)
-        fsync_dir(dst.parent)
+        check_cancel()
+        _publish(partial, dst, seen, manifest, overwrite)
         report("done", force=True)
         return dst
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     finally:
+        shutil.rmtree(partial, ignore_errors=True)  # gone after a publish; else nothing half-made stays
         ck.close()
+
+
+def _identity(path: Path):
+    """What is at ``path`` now: None, or (device, inode, manifest 'created') of the folder."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    try:
+        created = json.loads((path / "manifest.json").read_text(encoding="utf-8")).get("created")
+    except (OSError, ValueError, AttributeError):
+        created = None
+    return (st.st_dev, st.st_ino, created)
+
+
+def _remove_stale_temps(dst: Path) -> None:
+    """Delete temp folders of conversions to ``dst`` whose process is gone (a crash or kill)."""
+    for p in dst.parent.glob(f".{dst.name}.*.partial"):
+        try:
+            pid = int(p.name[len(dst.name) + 2:].split(".", 1)[0])
+        except ValueError:
+            continue
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass  # alive (another user's process): leave it
+
+
+class _PublishLock:
+    """An exclusive advisory lock (flock) on ``.DST.lock`` next to the store, held while a
+    conversion publishes (no-op where fcntl is missing)."""
+
+    def __init__(self, dst: Path):
+        self.path = dst.with_name(f".{dst.name}.lock")
+        self.fd = None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the flock
+            self.fd = None
+
+
+def _publish(partial: Path, dst: Path, seen, manifest: dict, overwrite: bool) -> None:
+    """Rename the finished ``partial`` to ``dst`` (lock held). If a different folder appeared
+    at ``dst`` since the conversion started (``seen``), another process published first:
+    keep theirs when it verifies and holds the same conversion; otherwise replace it only
+    with ``overwrite`` (else FileExistsError)."""
+    with _PublishLock(dst):
+        now = _identity(dst)
+        if now is not None and now != seen:
+            try:
+                theirs = json.loads((dst / "manifest.json").read_text(encoding="utf-8"))
+                check_store_files(dst, theirs)
+                same = all(theirs.get(k) == manifest.get(k) for k in ("source", "quant", "group_size"))
+                why = "a different conversion"
+            except (OSError, ValueError, StoreError, AttributeError) as e:
+                same, why = False, f"a broken store ({e})"
+            if same:
+                log.info("%s: another process published this conversion first; using it", dst)
+                return
+            if not overwrite:
+                raise FileExistsError(f"{dst}: another process published {why} here while this "
+                                      f"conversion ran; pass --overwrite to replace it")
+            log.warning("%s: replacing %s another process published", dst, why)
+        if now is None:
+            os.rename(partial, dst)  # fails on an existing non-empty folder, never merges
+        else:
+            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+            os.rename(dst, old)
+            os.rename(partial, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(dst.parent)
+
+
+def check_store_files(folder: str | os.PathLike, manifest: dict) -> None:
+    """Every file a store's manifest names is there with the right size: the dense file and
+    each expert file (the manifest's ``files`` sizes when recorded; at least the end of its
+    last expert slab always).
+
+    Raises:
+        StoreError: naming the missing or short file and saying to re-convert.
+    """
+    folder = Path(folder)
+    src = manifest.get("source") if isinstance(manifest, dict) else None
+    redo = (f"re-convert it: colibri convert --overwrite {src} {folder}" if src else
+            f"re-convert it with `colibri convert --overwrite SRC {folder}`")
+    try:
+        need: dict[str, int] = {}
+        for row in manifest["experts"]:
+            for e in row:
+                need[e["file"]] = max(need.get(e["file"], 0), int(e["offset"]) + int(e["length"]))
+        need.setdefault(manifest["dense_file"], 1)
+        for rel, size in (manifest.get("files") or {}).items():
+            need[rel] = int(size)
+        exact = set(manifest.get("files") or {})
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise StoreError(f"{folder / 'manifest.json'}: the file table is malformed ({e!r}); {redo}") from None
+    for rel, size in need.items():
+        p = folder / rel
+        if Path(rel).is_absolute() or ".." in Path(rel).parts:
+            raise StoreError(f"{folder / 'manifest.json'}: names a file outside the store ({rel}); {redo}")
+        try:
+            got = p.stat().st_size
+        except FileNotFoundError:
+            raise StoreError(f"{p}: missing from the store (an interrupted or concurrent conversion); "
+                             f"{redo}") from None
+        except OSError as e:
+            raise StoreError(f"{p}: cannot be checked ({e}); {redo}") from None
+        if got < size or (rel in exact and got != size):
+            raise StoreError(f"{p}: is {got} bytes but the manifest says {size} (an interrupted or "
+                             f"concurrent conversion); {redo}")
