@@ -84,6 +84,13 @@ class Checkpoint:
             for k in h.keys():
                 self._where[k] = f
             self._read_spans(f)
+        a = self.args
+        want = 2 + (not a.tie_word_embeddings) + a.num_hidden_layers * (9 + 3 * a.num_experts)
+        if len(self._where) < want:  # before listing every expected name (huge for a bad config)
+            raise CheckpointError(
+                f"{self.folder / 'config.json'}: describes {a.num_hidden_layers} layers x {a.num_experts} "
+                f"experts ({want} tensors) but the weight files hold {len(self._where)}; config.json and "
+                f"the weights do not match - download the model again")
         self._check_tensors()
 
     def _weight_files(self) -> list[Path]:
@@ -94,11 +101,18 @@ class Checkpoint:
                                       f"real file (git lfs pull, or use the model wizard)")
             try:
                 wm = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in wm.items()):
+                    raise ValueError("'weight_map' must map tensor names to shard file names")
             except (OSError, ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+                raise CheckpointError(f"{index}: not a valid safetensors index ({e!r}); download it "
+                                      f"again") from None
             files = []
             for shard in sorted(set(wm.values())):
                 p = self.folder / shard
+                if Path(shard).is_absolute() or ".." in Path(shard).parts or p.parent != self.folder:
+                    raise CheckpointError(f"{index}: shard name {shard!r} is not a file of {self.folder}; "
+                                          f"the index is corrupt - download it again")
                 if not p.exists():
                     raise CheckpointError(f"{p}: shard named in {index.name} is missing; the download "
                                           f"is incomplete (download the missing shard again)")

@@ -77,9 +77,10 @@ class ExpertStore:
         self.manifest = m
         self.args = ModelArgs.from_hf_config(self.path / "config.json")
         a = self.args
+        rows = m.get("experts")
         if (m.get("num_layers"), m.get("num_experts")) != (a.num_hidden_layers, a.num_experts) or \
-                len(m.get("experts", [])) != a.num_hidden_layers or \
-                any(len(row) != a.num_experts for row in m["experts"]):
+                not isinstance(rows, list) or len(rows) != a.num_hidden_layers or \
+                any(not isinstance(row, list) or len(row) != a.num_experts for row in rows):
             raise StoreError(f"{mpath}: expert table does not match config.json "
                              f"({a.num_hidden_layers} layers x {a.num_experts} experts); re-convert")
         self._check_manifest(mpath, m)

@@ -11,7 +11,6 @@ half of physical RAM (8 GB if that is unknown) with one warning (colibri #1500 /
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -114,8 +113,9 @@ class RssGuard:
     """Compare measured RSS with the budget after every token and whenever the cache has
     loaded experts since the last look (the engine calls ``poll`` at every layer, so a
     prefill that fills the cache is caught within one layer, not 16 tokens later); above
-    the budget, evict and lower the cap so the excess is freed. The lowered cap holds
-    (colibri #1034: no regrowth).
+    the budget, lower the cap to what fits when every layer is full, (budget - (RSS -
+    cache bytes)) / (slot bytes x layers), at least 1 and at least one below the old cap,
+    evicting the excess. The lowered cap holds (colibri #1034: no regrowth).
 
     Lowering the cap unpins first: at most ``pins_for_cap(new_cap)`` (default new_cap - 1)
     experts per layer stay pinned, so a lowered cap always leaves a slot for misses (a cap
@@ -160,10 +160,12 @@ class RssGuard:
         self.peak = max(self.peak, rss)
         if rss <= self.budget:
             return None
-        excess = rss - self.budget
-        drop = max(1, math.ceil(excess / (c.slot_bytes * c.L)))
+        # The cap that fits if every layer fills up (a prefill fills them one after the
+        # other): what the budget leaves beside the RSS that is not cache, per layer of slots.
+        outside = rss - c.resident_bytes()
+        fit = (self.budget - outside) // (c.slot_bytes * c.L)
         old = c.cap
-        new = max(1, old - drop)
+        new = int(max(1, min(old - 1, fit)))
         if new == old:
             return None
         n = c.set_cap(new, self.pins_for_cap(new) if self.pins_for_cap else None)
