@@ -353,6 +353,7 @@ class ExpertCache:
                     misses_after.append(e)
                     if s < 0:  # else loading (a speculation in flight): acquire waits for it
                         missing.append(e)
+                        self._errors.pop((layer, e), None)  # a failure of an earlier call is stale
             # While reserving, this call's hits are held busy so a miss never evicts an expert
             # the same call is about to use; misses that find no other victim load in acquire,
             # after the call's earlier experts have been used and become evictable.
@@ -407,6 +408,13 @@ class ExpertCache:
                         continue
                 self.cond.wait(0.05)
                 if time.perf_counter() - t0 > STALL_TIMEOUT_S:
+                    s = self.where[layer, expert]
+                    if s >= 0 and self.slot_state[layer, s] == _LOADING:
+                        meta = self.store.experts[layer][expert]
+                        raise ExpertReadError(
+                            f"{self.store.path / meta['file']}: reading expert {expert} of layer {layer} "
+                            f"did not finish in {STALL_TIMEOUT_S:.0f} s; the disk is stalled or failing "
+                            f"(check it, or copy the store to another disk)")
                     raise EngineError(
                         f"expert {expert} of layer {layer} found no cache slot for {STALL_TIMEOUT_S:.0f} s "
                         f"(cap {self.layers[layer].cap}); raise the cap or the RAM budget")
