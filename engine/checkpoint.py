@@ -132,7 +132,12 @@ class Checkpoint:
             raise CheckpointError(f"{path}: is a Git LFS pointer file, not the weights; fetch the real "
                                   f"file (git lfs pull) or download the model with the wizard")
         try:
+            with open(path, "rb"):  # the real errno: safetensors reports EACCES as "No such file"
+                pass
             h = safe_open(str(path), framework="numpy")
+        except PermissionError:
+            raise CheckpointError(f"{path}: permission denied; this user cannot read the weights - "
+                                  f"make the file readable (chmod a+r) or copy the model") from None
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path}: not a complete safetensors file ({e}); the file is truncated "
                                   f"or corrupt - download it again") from None

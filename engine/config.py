@@ -214,7 +214,8 @@ class EngineConfig:
         evict_guard: speculative loads may not evict genuinely warm experts.
         o_direct: read experts with O_DIRECT (bypass the page cache) where supported.
         checksum: verify expert slab checksums "off" / "first" (first load) / "always".
-        numba_threads: threads for numba kernels (0 = all cores).
+        numba_threads: threads for numba kernels (0 = every CPU this process may use: CPU
+            affinity and the cgroup CPU quota, see sysinfo.usable_cpus).
         history: persist routing heat next to the store.
     """
 

@@ -189,10 +189,9 @@ def estimate(args: ModelArgs, quant: str = "int8", context_length: int = DEFAULT
 
 
 def machine_ram() -> tuple[int, int]:
-    """(total, available) physical RAM in bytes (psutil)."""
-    import psutil
-    vm = psutil.virtual_memory()
-    return int(vm.total), int(vm.available)
+    """(total, available) RAM in bytes this process may use (psutil, cut to the cgroup limit)."""
+    from .sysinfo import memory
+    return memory()
 
 
 def ram_verdict(est: Estimate, num_experts_per_tok: int, total: int, available: int) -> tuple[str, str]:

@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 
 from .config import ModelArgs
 from .checkpoint import hf_names
+from .paths import normalize_modes
 
 TOKENIZER_SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -114,6 +115,7 @@ def write_checkpoint(folder: str | os.PathLike, config: dict, seed: int = 0, dty
             json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=1))
     if tokenizer:
         write_tokenizer(tmp, args.vocab_size)
+    normalize_modes(tmp)  # safetensors writes 0600 files
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(tmp, folder)
