@@ -59,12 +59,8 @@ class Engine:
         self.read_rss = read_rss
         self._closed = False
         self._lock = threading.Lock()
-        try:  # 0 = every CPU this process may use (affinity and cgroup CPU quota, sysinfo.py)
-            import numba
-            want = config.numba_threads or usable_cpus()
-            numba.set_num_threads(max(1, min(want, numba.config.NUMBA_NUM_THREADS)))
-        except (ImportError, ValueError):
-            pass
+        self.threads = config.numba_threads or usable_cpus()  # 0 = affinity and cgroup CPU quota
+        self._apply_threads()
         report = progress or (lambda ev: None)
         report(LoadProgress("open", 0, 3, "", f"opening {config.store}"))
         self.store = ExpertStore(config.store, o_direct=config.o_direct)
@@ -120,6 +116,14 @@ class Engine:
             num_experts_per_tok=a.num_experts_per_tok, context_length=ctx, cap_per_layer=self.cache.cap,
             ram_budget_bytes=self.plan.budget, dense_bytes=dense_bytes, expert_slot_bytes=store.slot_bytes,
             pilot=config.pilot, prewarmed_experts=pre_n, prewarm_seconds=pre_s, message=msg)
+
+    def _apply_threads(self) -> None:
+        """numba's thread count is per calling thread: set it in the thread that computes."""
+        try:
+            import numba
+            numba.set_num_threads(max(1, min(self.threads, numba.config.NUMBA_NUM_THREADS)))
+        except (ImportError, ValueError):
+            pass
 
     def _chain_layer_hook(self) -> None:
         """Let the RSS guard look at every layer start (a safe point: no expert is acquired),
@@ -222,6 +226,7 @@ class Engine:
             yield from self._run_locked(ids, request, sampler, cancel)
 
     def _run_locked(self, ids, request, sampler, cancel) -> Iterator[object]:
+        self._apply_threads()
         C = self.context_length
         sp = request.sampling
         forced = request.forced_ids

@@ -77,9 +77,9 @@ def test_guard_with_pinning_never_stalls_and_keeps_ids(medium_store, monkeypatch
     budget_gb = 2.0
     base = dict(store=str(medium_store), ram_budget_gb=budget_gb, cap=16, pilot=0, pinning=True,
                 history=False, context_length=400)
-    stream = np.random.default_rng(7).integers(10, 500, 100).tolist()
+    stream = np.random.default_rng(7).integers(10, 500, 80).tolist()
     req = GenerateRequest(prompt_ids=tuple(stream[:40]), forced_ids=tuple(stream[40:]),
-                          sampling=SamplingParams(max_new_tokens=60))
+                          sampling=SamplingParams(max_new_tokens=40))
     with Engine.open(EngineConfig(**base)) as eng:
         ref = _finished(eng, req).token_ids
         assert eng.cache.pinned.any()  # the case needs pins
