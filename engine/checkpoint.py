@@ -70,6 +70,15 @@ class Checkpoint:
             for k in h.keys():
                 self._where[k] = f
             self._read_spans(f)
+        a = self.args
+        # at least the family's dense tensors + 2 per MoE layer (fused experts), checked before
+        # listing every expected name (huge for a bad config)
+        want = len({t.hf for t in self.family.dense_tensors(a)}) + 2 * a.num_moe_layers
+        if len(self._where) < want:
+            raise CheckpointError(
+                f"{self.folder / 'config.json'}: describes {a.num_hidden_layers} layers x {a.num_experts} "
+                f"experts (at least {want} tensors) but the weight files hold {len(self._where)}; "
+                f"config.json and the weights do not match - download the model again")
         self._check_tensors()
 
     def _weight_files(self) -> list[Path]:
@@ -80,11 +89,18 @@ class Checkpoint:
                                       f"real file (git lfs pull, or use the model wizard)")
             try:
                 wm = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+                if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in wm.items()):
+                    raise ValueError("'weight_map' must map tensor names to shard file names")
             except (OSError, ValueError, KeyError, TypeError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
+                raise CheckpointError(f"{index}: not a valid safetensors index ({e!r}); download it "
+                                      f"again") from None
             files = []
             for shard in sorted(set(wm.values())):
                 p = self.folder / shard
+                if Path(shard).is_absolute() or ".." in Path(shard).parts or p.parent != self.folder:
+                    raise CheckpointError(f"{index}: shard name {shard!r} is not a file of {self.folder}; "
+                                          f"the index is corrupt - download it again")
                 if not p.exists():
                     raise CheckpointError(f"{p}: shard named in {index.name} is missing; the download "
                                           f"is incomplete (download the missing shard again)")
@@ -105,7 +121,12 @@ class Checkpoint:
             raise CheckpointError(f"{path}: is a Git LFS pointer file, not the weights; fetch the real "
                                   f"file (git lfs pull) or download the model with the wizard")
         try:
+            with open(path, "rb"):  # the real errno: safetensors reports EACCES as "No such file"
+                pass
             h = safe_open(str(path), framework="numpy")
+        except PermissionError:
+            raise CheckpointError(f"{path}: permission denied; this user cannot read the weights - "
+                                  f"make the file readable (chmod a+r) or copy the model") from None
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{path}: not a complete safetensors file ({e}); the file is truncated "
                                   f"or corrupt - download it again") from None
@@ -186,6 +207,10 @@ class Checkpoint:
             return sum(self.nbytes(n) for n in self._fused[layer]) // self.args.num_experts
         en = self.family.expert_names(self.args, layer)
         return sum(self.nbytes(en.name(0, p)) for p in base.EXPERT_PROJS)
+
+    def file_of(self, name: str) -> Path:
+        """The weight file holding tensor ``name``."""
+        return self._where[name]
 
     def nbytes(self, name: str) -> int:
         sl = self._handles[self._where[name]].get_slice(name)

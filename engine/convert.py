@@ -15,15 +15,22 @@ Store layout (folder)::
                          are stored as gate_proj/up_proj/down_proj
     config.json, tokenizer files, generation_config.json   copied from the source
 
-The conversion streams tensor by tensor (peak RSS ~ the dense weights plus one expert) and
-publishes atomically: everything is written to ``DST.partial/``, fsynced, and renamed to DST.
+The conversion streams tensor by tensor (peak RSS ~ the dense weights plus one expert),
+refuses NaN/inf weights (and weights beyond the f16 range in an f16 store) naming the tensor,
+and publishes atomically: everything is written to a folder unique to this conversion
+(``.DST.<pid>.<random>.partial`` next to DST), fsynced, checked against its manifest (file
+list and sizes, the ``files`` table), given the umask's ordinary modes, and renamed to DST
+under a lock file (``.DST.lock``). When another process published DST while this one was
+converting, its store is verified and used, and this one's copy is discarded.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import tempfile
 import threading
 import time
 import zlib
@@ -34,11 +41,13 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from .checkpoint import Checkpoint
-from .errors import Cancelled, CheckpointError
+from .errors import Cancelled, CheckpointError, StoreError
 from .events import LoadProgress
-from .fsutil import fsync_dir
-from .quant import ALIGN, QUANTS, quantize, slab_layout
-from .store_format import FORMAT_NAME, FORMAT_VERSION
+from .fsutil import fsync_dir, normalize_modes
+from .quant import ALIGN, QUANTS, check_finite, quantize, slab_layout
+from .store_format import FORMAT_NAME, FORMAT_VERSION, check_store_files
+
+log = logging.getLogger(__name__)
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
@@ -86,14 +95,15 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
         raise FileExistsError(f"{dst}: a store already exists; pass --overwrite to replace it")
     ck = Checkpoint(src)
     try:
-        return write_store(ck, src, dst, quant, group_size, progress, cancel, extra_manifest)
+        return write_store(ck, src, dst, quant, group_size, progress, cancel, extra_manifest, overwrite)
     finally:
         ck.close()
 
 
 def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: int = 32,
                 progress: Callable[[LoadProgress], None] | None = None,
-                cancel: threading.Event | None = None, extra_manifest: dict | None = None) -> Path:
+                cancel: threading.Event | None = None, extra_manifest: dict | None = None,
+                overwrite: bool = False) -> Path:
     """Write a store from a tensor ``source`` (a Checkpoint, or synthetic.SeededSource).
 
     ``source`` provides ``args``, ``family``, ``get(hf_name)`` and ``nbytes(hf_name)`` for the
@@ -111,10 +121,10 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
     if quant == "int4" and (D % group_size or I % group_size):
         raise CheckpointError(f"{label}: int4 needs hidden_size ({D}) and the expert width ({I}) to be "
                               f"multiples of the group size {group_size}; use int8")
-    partial = dst.with_name(dst.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)
-    (partial / "experts").mkdir(parents=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    seen = _identity(dst)
+    _remove_stale_temps(dst)
+    partial = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{os.getpid()}.", suffix=".partial", dir=dst.parent))
 
     layout = slab_layout(quant, D, I, group_size)
     tensors = fam.dense_tensors(args)
@@ -134,13 +144,21 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
         if cancel is not None and cancel.is_set():
             raise Cancelled(f"conversion of {label} cancelled; nothing was written to {dst}")
 
+    def get(name: str, stored_as: str) -> np.ndarray:
+        """``source.get(name)``, refused when it holds NaN/inf (or, in f16, beyond its range)."""
+        w = source.get(name)
+        file_of = getattr(source, "file_of", None)
+        check_finite(name, w, stored_as, str(file_of(name)) if file_of else str(label))
+        return w
+
     try:
+        (partial / "experts").mkdir()
         dq = dense_quant_for(quant)
         dense: dict[str, np.ndarray] = {}
         counted: set[str] = set()
         for t in tensors:
             check_cancel()
-            w = source.get(t.hf)
+            w = get(t.hf, "f32" if t.kind == "keep" else dq)
             if t.kind == "keep":
                 dense[t.ours] = w  # norms, routers, biases, gates stay float32: routing is sensitive
             else:
@@ -153,6 +171,7 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
         for j, i in enumerate(args.moe_layers):
             # Experts: one slab each, appended to this MoE layer's file at 4096-aligned offsets.
             rel = f"experts/layer_{j:03d}.bin"
+            en = fam.expert_names(args, i)  # checkpoint names, for error messages
             metas = []
             slab = np.zeros(layout["slot_bytes"], dtype=np.uint8)
             with open(partial / rel, "wb") as f:
@@ -160,6 +179,7 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
                     check_cancel()
                     slab[:] = 0
                     for proj, w in source.expert(i, e).items():
+                        check_finite(en.name(e, proj), w, quant, label)
                         parts = quantize(w, quant, group_size)
                         for k, arr in parts.items():
                             _, off, _, _ = next(x for x in layout["fields"] if x[0] == f"{proj}.{k}")
@@ -184,7 +204,10 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
             os.fsync(f.fileno())
         for name in COPIED_FILES:
             if (source_folder / name).exists():
-                shutil.copy2(source_folder / name, partial / name)
+                try:
+                    shutil.copyfile(source_folder / name, partial / name)
+                except OSError as e:
+                    raise CheckpointError(f"{source_folder / name}: cannot be copied into the store ({e})") from None
         manifest = {
             "format": FORMAT_NAME,
             "version": FORMAT_VERSION,
@@ -207,25 +230,108 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
             "moe_layers": list(args.moe_layers),
             "num_experts": E,
             "experts": experts_meta,
+            "files": {},
             **(extra_manifest or {}),
         }
+        manifest["files"] = {rel: (partial / rel).stat().st_size
+                             for rel in [manifest["dense_file"]] + [f"experts/layer_{j:03d}.bin" for j in range(M)]}
         mpath = partial / "manifest.json"
         with open(mpath, "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
+        check_store_files(partial, manifest)
+        normalize_modes(partial)
         fsync_dir(partial / "experts")
         fsync_dir(partial)
-        if dst.exists():
-            old = dst.with_name(dst.name + f".old-{os.getpid()}")
-            os.replace(dst, old)
-            os.replace(partial, dst)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(partial, dst)
-        fsync_dir(dst.parent)
+        check_cancel()
+        _publish(partial, dst, seen, manifest, overwrite)
         report("done", force=True)
         return dst
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)  # gone after a publish; else nothing half-made stays
+
+
+def _identity(path: Path):
+    """What is at ``path`` now: None, or (device, inode, manifest 'created') of the folder."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    try:
+        created = json.loads((path / "manifest.json").read_text(encoding="utf-8")).get("created")
+    except (OSError, ValueError, AttributeError):
+        created = None
+    return (st.st_dev, st.st_ino, created)
+
+
+def _remove_stale_temps(dst: Path) -> None:
+    """Delete temp folders of conversions to ``dst`` whose process is gone (a crash or kill)."""
+    for p in dst.parent.glob(f".{dst.name}.*.partial"):
+        try:
+            pid = int(p.name[len(dst.name) + 2:].split(".", 1)[0])
+        except ValueError:
+            continue
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass  # alive (another user's process): leave it
+
+
+class _PublishLock:
+    """An exclusive advisory lock (flock) on ``.DST.lock`` next to the store, held while a
+    conversion publishes (no-op where fcntl is missing)."""
+
+    def __init__(self, dst: Path):
+        self.path = dst.with_name(f".{dst.name}.lock")
+        self.fd = None
+
+    def __enter__(self):
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        if self.fd is not None:
+            os.close(self.fd)  # closing releases the flock
+            self.fd = None
+
+
+def _publish(partial: Path, dst: Path, seen, manifest: dict, overwrite: bool) -> None:
+    """Rename the finished ``partial`` to ``dst`` (lock held). If a different folder appeared
+    at ``dst`` since the conversion started (``seen``), another process published first:
+    keep theirs when it verifies and holds the same conversion; otherwise replace it only
+    with ``overwrite`` (else FileExistsError)."""
+    with _PublishLock(dst):
+        now = _identity(dst)
+        if now is not None and now != seen:
+            try:
+                theirs = json.loads((dst / "manifest.json").read_text(encoding="utf-8"))
+                check_store_files(dst, theirs)
+                same = all(theirs.get(k) == manifest.get(k) for k in ("source", "quant", "group_size"))
+                why = "a different conversion"
+            except (OSError, ValueError, StoreError, AttributeError) as e:
+                same, why = False, f"a broken store ({e})"
+            if same:
+                log.info("%s: another process published this conversion first; using it", dst)
+                return
+            if not overwrite:
+                raise FileExistsError(f"{dst}: another process published {why} here while this "
+                                      f"conversion ran; pass --overwrite to replace it")
+            log.warning("%s: replacing %s another process published", dst, why)
+        if now is None:
+            os.rename(partial, dst)  # fails on an existing non-empty folder, never merges
+        else:
+            old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+            os.rename(dst, old)
+            os.rename(partial, dst)
+            shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(dst.parent)

@@ -230,9 +230,19 @@ class ExpertCache:
         except (AttributeError, OSError, ValueError):
             pass
 
-    def _reserve(self, layer: int, expert: int, victim_ok=None) -> int:
-        """Reserve a slot for ``expert`` (lock held): a free slot under the cap, else a victim.
-        Returns the slot (now LOADING) or -1 if nothing can be taken right now."""
+    def _stuck(self, layer: int) -> bool:
+        """True if no slot of ``layer`` can come free by waiting (lock held): nothing is
+        loading and every idle resident slot is pinned."""
+        st = self.slot_state[layer]
+        if (st == _LOADING).any():
+            return False
+        return bool(np.all(self.pinned[layer, self.slot_expert[layer][st == _RESIDENT]]))
+
+    def _reserve(self, layer: int, expert: int, victim_ok=None, last_resort: bool = False) -> int:
+        """Reserve a slot for ``expert`` (lock held): a free slot under the cap, else a victim;
+        with ``last_resort`` (a demand acquire) an idle pinned slot is unpinned when waiting
+        could never free anything else. Returns the slot (now LOADING) or -1 if nothing can
+        be taken right now."""
         ly = self.layers[layer]
         slot = -1
         if ly.live < min(ly.cap, ly.target) and ly.free:
@@ -240,6 +250,8 @@ class ExpertCache:
             ly.live += 1
         else:
             v = self._pick_victim(layer)
+            if v < 0 and last_resort and self._stuck(layer):
+                v = self._unpin_coldest(layer)  # never wait for a slot that cannot come free
             if v < 0 or (victim_ok is not None and not victim_ok(layer, v)):
                 return -1
             self._evict(layer, v)
@@ -351,6 +363,7 @@ class ExpertCache:
                     misses_after.append(e)
                     if s < 0:  # else loading (a speculation in flight): acquire waits for it
                         missing.append(e)
+                        self._errors.pop((layer, e), None)  # a failure of an earlier call is stale
             # While reserving, this call's hits are held busy so a miss never evicts an expert
             # the same call is about to use; misses that find no other victim load in acquire,
             # after the call's earlier experts have been used and become evictable.
@@ -389,7 +402,7 @@ class ExpertCache:
                 if t0 is None:
                     t0 = time.perf_counter()
                 if s < 0:
-                    slot = self._reserve(layer, expert)
+                    slot = self._reserve(layer, expert, last_resort=True)
                     if slot >= 0:
                         if (layer, expert) in self._counted_hit:
                             # counted as a hit, then evicted by a later miss of the same call
@@ -405,6 +418,13 @@ class ExpertCache:
                         continue
                 self.cond.wait(0.05)
                 if time.perf_counter() - t0 > STALL_TIMEOUT_S:
+                    s = self.where[layer, expert]
+                    if s >= 0 and self.slot_state[layer, s] == _LOADING:
+                        meta = self.store.experts[layer][expert]
+                        raise ExpertReadError(
+                            f"{self.store.path / meta['file']}: reading expert {expert} of layer {layer} "
+                            f"did not finish in {STALL_TIMEOUT_S:.0f} s; the disk is stalled or failing "
+                            f"(check it, or copy the store to another disk)")
                     raise EngineError(
                         f"expert {expert} of layer {layer} found no cache slot for {STALL_TIMEOUT_S:.0f} s "
                         f"(cap {self.layers[layer].cap}); raise the cap or the RAM budget")
@@ -469,8 +489,17 @@ class ExpertCache:
     # --- pinning, cap, residency --------------------------------------------------------------------
 
     def set_pinned(self, pinned: np.ndarray) -> None:
-        """Replace the pin set (bool [L, E]). Pinned residents leave the eviction order."""
+        """Replace the pin set (bool [L, E]). Pinned residents leave the eviction order.
+        At most cap - 1 experts per layer stay pinned (the hottest by ``heat``): one slot
+        is always left for everything else, or a miss could never find a slot."""
         with self.lock:
+            pinned = np.array(pinned, dtype=bool)
+            for layer in range(self.L):
+                ids = np.nonzero(pinned[layer])[0]
+                n = self.layers[layer].cap - 1
+                if len(ids) > n:
+                    pinned[layer] = False
+                    pinned[layer, ids[np.argsort(-self.heat[layer, ids], kind="stable")][:max(0, n)]] = True
             for layer in range(self.L):
                 for e in np.nonzero(self.pinned[layer] != pinned[layer])[0]:
                     s = self.where[layer, e]
@@ -485,36 +514,63 @@ class ExpertCache:
                     else:
                         self.pinned[layer, e] = pinned[layer, e]
 
+    def _unpin_coldest(self, layer: int) -> int:
+        """Unpin the coldest (lowest heat; ties: higher id) resident, idle pinned slot of
+        ``layer`` and make it evictable (lock held). Returns the slot, or -1 if none."""
+        cands = [s for s in range(self.max_cap) if self.slot_state[layer, s] == _RESIDENT
+                 and self.slot_busy[layer, s] == 0 and self.pinned[layer, self.slot_expert[layer, s]]]
+        if not cands:
+            return -1
+        v = min(cands, key=lambda s: (self.heat[layer, self.slot_expert[layer, s]], -self.slot_expert[layer, s]))
+        self.pinned[layer, self.slot_expert[layer, v]] = False
+        self._track(layer, v)
+        return v
+
+    def _trim_pins(self, layer: int, max_pins: int) -> None:
+        """Unpin the coldest pins of ``layer`` beyond ``max_pins`` (lock held; a pinned expert
+        not resident just loses its mark). Keeps at least one slot that is not pinned."""
+        ids = np.nonzero(self.pinned[layer])[0]
+        if len(ids) <= max_pins:
+            return
+        keep = ids[np.argsort(-self.heat[layer, ids], kind="stable")][:max(0, max_pins)]
+        for e in ids:
+            if e in keep:
+                continue
+            s = self.where[layer, e]
+            self.pinned[layer, e] = False
+            if s >= 0 and self.slot_state[layer, s] == _RESIDENT:
+                self._track(layer, s)
+
     def _evict_one_for_shrink(self, layer: int) -> bool:
         """Free one evictable slot of ``layer`` (lock held); pinned slots go last. False if
         every live slot is busy or loading right now."""
         ly = self.layers[layer]
         v = self._pick_victim(layer)
         if v < 0:
-            cands = [s for s in range(self.max_cap) if self.slot_state[layer, s] == _RESIDENT
-                     and self.slot_busy[layer, s] == 0]
-            if not cands:
+            v = self._unpin_coldest(layer)
+            if v < 0:
                 return False
-            v = min(cands, key=lambda s: self.heat[layer, self.slot_expert[layer, s]])
-            self.pinned[layer, self.slot_expert[layer, v]] = False
-            self._track(layer, v)
         self._evict(layer, v)
         ly.live -= 1
         ly.free.append(v)
         self._release_pages(layer, v)
         return True
 
-    def set_cap(self, cap: int) -> int:
-        """Change the slots per layer (1..arena size). Lowering evicts policy victims first and
-        waits for busy or loading slots to come free, and only then publishes the new cap, so
-        ``live_slots(layer) <= cap`` holds at every instant; the cap holds until changed again
-        (no slot regrows past it: colibri #1034). Returns the number of evictions."""
+    def set_cap(self, cap: int, max_pins: int | None = None) -> int:
+        """Change the slots per layer (1..arena size). Lowering first unpins the coldest pins
+        beyond ``max_pins`` (default and upper bound: cap - 1, so one slot per layer always
+        stays free for misses), then evicts policy victims and waits for busy or loading slots
+        to come free, and only then publishes the new cap, so ``live_slots(layer) <= cap``
+        holds at every instant; the cap holds until changed again (no slot regrows past it:
+        colibri #1034). Returns the number of evictions."""
         cap = max(1, min(int(cap), self.max_cap))
+        max_pins = cap - 1 if max_pins is None else max(0, min(int(max_pins), cap - 1))
         n = 0
         with self.lock:
             for layer in range(self.L):
                 ly = self.layers[layer]
                 ly.target = cap
+                self._trim_pins(layer, max_pins)
                 while ly.live > cap and not self._closed:
                     if self._evict_one_for_shrink(layer):
                         n += 1

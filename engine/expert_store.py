@@ -19,10 +19,22 @@ from safetensors import SafetensorError, safe_open
 
 from .config import ModelArgs
 from .errors import ExpertReadError, StoreError
-from .quant import ALIGN, aligned_empty, slab_views
-from .store_format import FORMAT_NAME, FORMAT_VERSION
+from .quant import ALIGN, QUANTS, aligned_empty, slab_layout, slab_views
+from .store_format import FORMAT_NAME, FORMAT_VERSION, check_store_files
 
 log = logging.getLogger(__name__)
+
+
+def _denied() -> str:
+    """What to say about a store file this user may not read."""
+    try:
+        import getpass
+        who = getpass.getuser()
+    except Exception:  # noqa: BLE001 - no user name (container without passwd entry)
+        who = f"uid {os.getuid()}" if hasattr(os, "getuid") else "this user"
+    return (f"permission denied: {who} cannot read this store file. Ask the store's owner to make "
+            f"it readable (chmod -R a+rX on the store folder) or convert your own copy with "
+            f"`colibri convert`")
 
 
 class ExpertStore:
@@ -51,8 +63,12 @@ class ExpertStore:
                     if (self.path / "config.json").exists() else
                     f"create one with `colibri convert HF_FOLDER {self.path}`")
             raise StoreError(f"{mpath}: not found; {self.path} is not a converted store ({hint})") from None
+        except PermissionError:
+            raise StoreError(f"{mpath}: {_denied()}") from None
         except (OSError, ValueError) as e:
             raise StoreError(f"{mpath}: unreadable ({e}); re-run `colibri convert`") from None
+        if not isinstance(m, dict):
+            raise StoreError(f"{mpath}: not a store manifest (a JSON object is expected); re-run `colibri convert`")
         if m.get("format") != FORMAT_NAME:
             raise StoreError(f"{mpath}: format {m.get('format')!r} is not {FORMAT_NAME!r}")
         if m.get("version") != FORMAT_VERSION:
@@ -63,13 +79,17 @@ class ExpertStore:
         a = self.args
         M = a.num_moe_layers
         # Stores written before families existed have no "moe_layers": every layer was MoE.
-        moe_layers = m.get("moe_layers", list(range(m.get("num_layers") or 0)))
-        if m.get("model_type", a.model_type) != a.model_type or \
+        moe_layers = m.get("moe_layers", None)
+        if moe_layers is None:
+            moe_layers = list(range(m["num_layers"])) if type(m.get("num_layers")) is int else None
+        if not isinstance(moe_layers, list) or m.get("model_type", a.model_type) != a.model_type or \
                 (m.get("num_layers"), m.get("num_experts")) != (M, a.num_experts) or \
-                list(moe_layers) != list(a.moe_layers) or len(m.get("experts", [])) != M or \
-                any(len(row) != a.num_experts for row in m["experts"]):
+                list(moe_layers) != list(a.moe_layers) or not isinstance(m.get("experts"), list) or len(m["experts"]) != M or \
+                any(not isinstance(row, list) or len(row) != a.num_experts for row in m["experts"]):
             raise StoreError(f"{mpath}: expert table does not match config.json ({a.model_type}: "
                              f"{M} MoE layers x {a.num_experts} experts); re-convert")
+        self._check_manifest(mpath, m)
+        check_store_files(self.path, m)
         self.quant = m["quant"]
         self.dense_quant = m["dense_quant"]
         self.group_size = m.get("group_size") or 32
@@ -81,8 +101,39 @@ class ExpertStore:
         self._verified = np.zeros((M, a.num_experts), dtype=bool)
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._preadv = os.preadv  # the one read call of the hot path (tests inject faults here)
         self.o_direct = False
         self._open_files(o_direct)
+
+    def _check_manifest(self, mpath: Path, m: dict) -> None:
+        """Types and ranges of every manifest field the engine uses (a damaged manifest is a
+        StoreError naming it, never a KeyError or TypeError later)."""
+        a = self.args
+        try:
+            ok_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+            if m["quant"] not in QUANTS or m["dense_quant"] not in QUANTS:
+                raise ValueError(f"quant {m['quant']!r} / dense_quant {m['dense_quant']!r}")
+            gs = m.get("group_size")
+            if gs is not None and not (ok_int(gs) and gs > 0 and gs % 2 == 0):
+                raise ValueError(f"group_size {gs!r}")
+            lay = m["slab_layout"]
+            want = slab_layout(m["quant"], a.hidden_size, a.moe_intermediate_size, gs or 32)
+            got = {"fields": lay["fields"], "data_bytes": lay["data_bytes"], "slot_bytes": lay["slot_bytes"]}
+            if got != json.loads(json.dumps(want)):
+                raise ValueError("slab_layout does not match config.json and the quantization")
+            sb = m["slot_bytes"]
+            if not isinstance(sb, list) or len(sb) != a.num_moe_layers or any(v != want["slot_bytes"] for v in sb):
+                raise ValueError("slot_bytes per layer")
+            if not isinstance(m["dense_file"], str):
+                raise ValueError("dense_file")
+            for row in m["experts"]:
+                for e in row:
+                    if not (isinstance(e["file"], str) and ok_int(e["offset"]) and e["offset"] >= 0
+                            and e["offset"] % ALIGN == 0 and e["length"] == want["slot_bytes"]
+                            and ok_int(e["crc32"])):
+                        raise ValueError(f"expert entry {e!r}")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise StoreError(f"{mpath}: damaged ({type(e).__name__}: {e}); re-run `colibri convert --overwrite`") from None
 
     # --- files --------------------------------------------------------------------------
 
@@ -95,6 +146,9 @@ class ExpertStore:
                 self.close()
                 raise StoreError(f"{p}: expert file missing from the store; re-run `colibri convert`")
             fd = None
+            if not os.access(p, os.R_OK):
+                self.close()
+                raise StoreError(f"{p}: {_denied()}")
             if direct_ok:
                 try:
                     fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
@@ -107,7 +161,14 @@ class ExpertStore:
                     direct_ok = False
                     log.info("O_DIRECT not available on %s (%s); using buffered reads", p, e)
             if fd is None:
-                fd = os.open(p, os.O_RDONLY)
+                try:
+                    fd = os.open(p, os.O_RDONLY)
+                except PermissionError:
+                    self.close()
+                    raise StoreError(f"{p}: {_denied()}") from None
+                except OSError as e:
+                    self.close()
+                    raise StoreError(f"{p}: cannot be opened ({e}); check the disk or re-convert the store") from None
             self._fds[rel] = fd
         # Some files may have been opened before O_DIRECT failed: reopen them buffered.
         if want_direct and not direct_ok:
@@ -149,9 +210,13 @@ class ExpertStore:
         """
         p = self.path / self.manifest["dense_file"]
         try:
+            with open(p, "rb"):  # the real errno: safetensors reports EACCES as "No such file"
+                pass
             with safe_open(str(p), framework="numpy") as f:
                 return {k: f.get_tensor(k) for k in f.keys()}
-        except (SafetensorError, OSError) as e:
+        except PermissionError:
+            raise StoreError(f"{p}: {_denied()}") from None
+        except (SafetensorError, OSError, ValueError, TypeError) as e:
             raise StoreError(f"{p}: cannot read the dense weights ({e}); re-run `colibri convert`") from None
 
     # --- experts --------------------------------------------------------------------------
@@ -174,7 +239,7 @@ class ExpertStore:
         for _attempt in range(2):
             try:
                 fd = self._fds[meta["file"]]
-                got = os.preadv(fd, [buf[:n]], int(meta["offset"]))
+                got = self._preadv(fd, [buf[:n]], int(meta["offset"]))
                 if got != n:
                     raise OSError(f"short read: {got} of {n} bytes")
                 if verify and zlib.crc32(buf[:n]) != meta["crc32"]:

@@ -21,13 +21,52 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+def umask() -> int:
+    """This process's umask (from /proc/self/status; elsewhere set-and-restore)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def file_mode() -> int:
+    """The mode open() gives a new file (0o666 minus the umask, e.g. 0o644): temp-file
+    helpers (mkstemp, safetensors' writer) create 0o600 files no other user can read."""
+    return 0o666 & ~umask()
+
+
+def dir_mode() -> int:
+    """The mode mkdir() gives a new folder (0o777 minus the umask); mkdtemp makes 0o700."""
+    return 0o777 & ~umask()
+
+
+def normalize_modes(folder: str | os.PathLike) -> None:
+    """Give ``folder`` and everything in it the umask modes of ordinary new files/folders."""
+    fm, dm = file_mode(), dir_mode()
+    os.chmod(folder, dm)
+    for base, dirs, files in os.walk(folder):
+        for d in dirs:
+            os.chmod(os.path.join(base, d), dm)
+        for f in files:
+            os.chmod(os.path.join(base, f), fm)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = None) -> None:
     """Write ``data`` to ``path`` so that readers see the old or the new file, never a mix:
-    write a temp file in the same folder, fsync it, rename over, fsync the folder."""
+    write a temp file in the same folder, fsync it, rename over, fsync the folder. The file
+    gets ``mode`` (default: the umask mode of a file made by open(), not mkstemp's 0o600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, file_mode() if mode is None else mode)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -42,6 +81,6 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+def atomic_write_text(path: str | os.PathLike, text: str, mode: int | None = None) -> None:
     """:func:`atomic_write_bytes` of ``text`` encoded as UTF-8."""
-    atomic_write_bytes(path, text.encode("utf-8"))
+    atomic_write_bytes(path, text.encode("utf-8"), mode)

@@ -27,6 +27,7 @@ from .models.base import mean_router_probs
 from .ram_budget import RssGuard, current_rss
 from .sizing import estimate_store, plan_estimate
 from .sampling import Sampler
+from .sysinfo import usable_cpus
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,8 @@ class Engine:
         self.read_rss = read_rss
         self._closed = False
         self._lock = threading.Lock()
-        if config.threads:
-            try:
-                import numba
-                numba.set_num_threads(min(config.threads, numba.config.NUMBA_NUM_THREADS))
-            except (ImportError, ValueError):
-                pass
+        self.threads = config.threads or usable_cpus()  # 0 = affinity and cgroup CPU quota
+        self._apply_threads()
         report = progress or (lambda ev: None)
         report(LoadProgress("open", 0, 3, "", f"opening {config.store}"))
         self.store = ExpertStore(config.store, o_direct=config.o_direct)
@@ -96,12 +93,14 @@ class Engine:
                                  io_threads=4)
         self.model = build_model(a, dense, store.dense_quant, store.quant, self.cache, ctx, store.group_size)
         self.model.on_route = self._on_route
-        self.guard = RssGuard(self.cache, self.plan.budget, read_rss=self.read_rss)
+        self.guard = RssGuard(self.cache, self.plan.budget, read_rss=self.read_rss,
+                              pins_for_cap=lambda c: pins_per_layer(c, config.pin_per_layer))
         self._kv_ids: list[int] = []
         self.pilot = None
         if config.pilot > 0:
             from .prefetch import Pilot
             self.pilot = Pilot(self.model, self.cache, config)
+        self._chain_layer_hook()
         pre_n, pre_s = 0, 0.0
         if config.pinning and self.heat.pinned.any():
             pre_n, pre_s = self._prewarm(self._cap_pins(self.heat.pinned), report)
@@ -120,6 +119,31 @@ class Engine:
             ram_budget_bytes=self.plan.budget, dense_bytes=dense_bytes, expert_slot_bytes=store.slot_bytes,
             pilot=config.pilot, prewarmed_experts=pre_n, prewarm_seconds=pre_s, message=msg,
             has_chat_template=self.tokenizer.has_chat_template)
+
+    def _apply_threads(self) -> None:
+        """numba's thread count is per calling thread: set it in the thread that computes."""
+        try:
+            import numba
+            numba.set_num_threads(max(1, min(self.threads, numba.config.NUMBA_NUM_THREADS)))
+        except (ImportError, ValueError):
+            pass
+
+    def _chain_layer_hook(self) -> None:
+        """Let the RSS guard look at every layer start (a safe point: no expert is acquired),
+        after the hook already there (PILOT's)."""
+        prev = self.model.on_layer_start
+
+        def layer_start(i: int) -> None:
+            if prev is not None:
+                prev(i)
+            if self.guard.poll() is not None:
+                self._sync_pins()
+
+        self.model.on_layer_start = layer_start
+
+    def _sync_pins(self) -> None:
+        """The guard unpinned experts to lower the cap: the persisted pin set follows."""
+        self.heat.pinned = self.cache.pinned.copy()
 
     # --- pinning ------------------------------------------------------------------------------
 
@@ -207,6 +231,7 @@ class Engine:
             yield from self._run_locked(ids, request, sampler, cancel)
 
     def _run_locked(self, ids, request, sampler, cancel) -> Iterator[object]:
+        self._apply_threads()
         C = self.context_length
         sp = request.sampling
         forced = request.forced_ids
@@ -235,7 +260,14 @@ class Engine:
             prefill_s = time.perf_counter() - t0
             context = list(ids)
             pos = len(ids)
+            if self.guard.step(0) is not None:  # the prefill may have filled the cache
+                self._sync_pins()
             while True:
+                if not np.isfinite(logits[-1]).all():
+                    raise EngineError(
+                        f"the model produced non-finite logits (NaN/inf) at output token {len(out_ids)}: "
+                        f"{self.store.path} holds broken weights; convert the checkpoint again "
+                        f"(`colibri convert --overwrite` refuses NaN/inf weights and names the tensor)")
                 tok = sampler(logits[-1], context)
                 if forced is not None:
                     if len(out_ids) >= len(forced):
@@ -266,20 +298,23 @@ class Engine:
                 self.heat.tokens += 1
                 pos += 1
                 n = len(out_ids)
+                if self.guard.step(n) is not None:  # before the metrics: they show the RSS it left
+                    self._sync_pins()
                 yield tracker.step(n)
                 snap = tracker.residency(n, self.heat.counts)
                 if snap is not None:
                     yield snap
-                self.guard.step(n)
                 self._maybe_pin()
         except Cancelled:
             reason = "cancelled"
         except EngineError as e:
+            # Reported once, by whoever shows the Finished event (CLI line, app banner); a log
+            # record at error level as well printed every failure twice on stderr.
             reason, error = "error", str(e)
-            log.error("generation failed: %s", e)
+            log.debug("generation failed: %s", e)
         except Exception as e:  # noqa: BLE001 - reported as a Finished(error) event
             reason, error = "error", f"{type(e).__name__}: {e}"
-            log.exception("generation failed")
+            log.debug("generation failed", exc_info=True)
         if reason != "stop":
             text_parts.append(dec.flush())
         self._maybe_pin()

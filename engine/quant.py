@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import CheckpointError
+
 QUANTS = ("int8", "int4", "f16", "f32")
 ALIGN = 4096  # slab alignment on disk and in RAM: one O_DIRECT read per expert
 _FIELD_ALIGN = 64
@@ -56,6 +58,34 @@ def dequantize_int4(packed: np.ndarray, scale: np.ndarray, group_size: int) -> n
     q[:, 0::2] = (packed & 0x0F).astype(np.float32) - 8.0
     q[:, 1::2] = (packed >> 4).astype(np.float32) - 8.0
     return (q.reshape(O, -1, group_size) * scale[:, :, None]).reshape(O, half * 2)
+
+
+F16_MAX = float(np.finfo(np.float16).max)  # 65504: larger magnitudes become inf in f16
+
+
+def check_finite(name: str, w: np.ndarray, quant: str, source: str = "") -> None:
+    """Refuse a weight a store must not hold: NaN or inf anywhere, or (``quant`` "f16") a
+    magnitude above the f16 range, which would be stored as inf. Cost: one pass over w.
+
+    Raises:
+        CheckpointError: naming ``source`` (the file), the tensor, the first bad index and
+            its value, and what to do.
+    """
+    w = np.asarray(w)
+    ok = np.isfinite(w)
+    fix = "the checkpoint is broken: download it again or fix the run that wrote it"
+    if ok.all() and quant == "f16":
+        ok = np.abs(w) <= F16_MAX
+        fix = f"f16 holds |w| <= {F16_MAX:g}: convert with --quant int8 or f32 instead"
+    if ok.all():
+        return
+    flat = int(np.argmin(ok.reshape(-1)))
+    idx = [int(i) for i in np.unravel_index(flat, w.shape)] if w.ndim else []
+    n_bad = int(ok.size - np.count_nonzero(ok))
+    where = f"{source}: " if source else ""
+    raise CheckpointError(
+        f"{where}tensor '{name}' element {idx} = {float(w.reshape(-1)[flat])!r} "
+        f"({n_bad} bad element{'s' if n_bad != 1 else ''} in it); {fix}. Nothing was converted.")
 
 
 def quantize(w: np.ndarray, quant: str, group_size: int = 32) -> dict[str, np.ndarray]:

@@ -1,14 +1,13 @@
 """RAM measurements and the measured-RSS guard (the sizing rule itself is engine/sizing.py).
 
 The automatic budget is RSS after the dense weights are loaded + 0.88 x available memory
-(psutil); an unmeasurable or implausible probe (0, or < 2% of physical RAM) falls back to
+(psutil, cut to the cgroup's limit and headroom inside a container: sysinfo.memory); an unmeasurable or implausible probe (0, or < 2% of physical RAM) falls back to
 half of physical RAM (8 GB if that is unknown) with one warning (colibri #1500 / #1601).
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from typing import Callable
 
 log = logging.getLogger(__name__)
@@ -32,11 +31,11 @@ def current_rss() -> int:
 
 
 def probe_available() -> tuple[int, bool]:
-    """(bytes the OS can still give us, whether the probe was trusted)."""
+    """(bytes the OS can still give us, whether the probe was trusted). Inside a cgroup
+    (container, systemd slice) the limit's headroom counts, not the host's free memory."""
     try:
-        import psutil
-        vm = psutil.virtual_memory()
-        avail, total = int(vm.available), int(vm.total)
+        from .sysinfo import memory
+        total, avail = memory()
     except Exception as e:  # noqa: BLE001
         log.warning("cannot measure available memory (%s); assuming %.1f GB", e, FALLBACK_BYTES / GB)
         return FALLBACK_BYTES, False
@@ -51,35 +50,67 @@ def probe_available() -> tuple[int, bool]:
 
 
 class RssGuard:
-    """Every ``every`` tokens, compare measured RSS with the budget; above it, evict and lower
-    the cap so the excess is freed. The lowered cap holds (colibri #1034: no regrowth).
+    """Compare measured RSS with the budget after every token and whenever the cache has
+    loaded experts since the last look (the engine calls ``poll`` at every layer, so a
+    prefill that fills the cache is caught within one layer, not 16 tokens later); above
+    the budget, lower the cap to what fits when every layer is full, (budget - (RSS -
+    cache bytes)) / (slot bytes x layers), at least 1 and at least one below the old cap,
+    evicting the excess. The lowered cap holds (colibri #1034: no regrowth).
+
+    Lowering the cap unpins first: at most ``pins_for_cap(new_cap)`` (default new_cap - 1)
+    experts per layer stay pinned, so a lowered cap always leaves a slot for misses (a cap
+    equal to the pin count deadlocked every miss for 60 s).
 
     Args:
-        cache: the ExpertCache. budget: bytes. read_rss: injectable for tests.
+        cache: the ExpertCache. budget: bytes. every: tokens between ``step`` looks.
+        read_rss: () -> bytes, injectable for tests. pins_for_cap: cap -> pins per layer.
+
+    Attributes: fired (times the cap was lowered), peak (highest RSS seen, bytes),
+    trail (list of (token_index or None, rss bytes, old cap, new cap) per action).
     """
 
-    def __init__(self, cache, budget: int, every: int = 16,
-                 read_rss: Callable[[], int] = current_rss):
+    def __init__(self, cache, budget: int, every: int = 1,
+                 read_rss: Callable[[], int] = current_rss,
+                 pins_for_cap: Callable[[int], int] | None = None):
         self.cache, self.budget, self.every, self.read_rss = cache, budget, every, read_rss
+        self.pins_for_cap = pins_for_cap
         self.fired = 0
+        self.peak = 0
+        self.trail: list[tuple[int | None, int, int, int]] = []
         self.last_message = ""
+        self._loads_seen = -1
 
     def step(self, token_index: int) -> str | None:
         """Call at a safe point after each token. Returns a log line when it fired."""
         if token_index % self.every:
             return None
+        return self._check(token_index)
+
+    def poll(self) -> str | None:
+        """Call at a safe point (no expert acquired, e.g. a layer start): looks only if the
+        cache loaded something since the last look. Returns a log line when it fired."""
+        if self.cache.stats.loads == self._loads_seen:
+            return None
+        return self._check(None)
+
+    def _check(self, token_index: int | None) -> str | None:
+        c = self.cache
+        self._loads_seen = c.stats.loads
         rss = self.read_rss()
+        self.peak = max(self.peak, rss)
         if rss <= self.budget:
             return None
-        c = self.cache
-        excess = rss - self.budget
-        drop = max(1, math.ceil(excess / (c.slot_bytes * c.L)))
+        # The cap that fits if every layer fills up (a prefill fills them one after the
+        # other): what the budget leaves beside the RSS that is not cache, per layer of slots.
+        outside = rss - c.resident_bytes()
+        fit = (self.budget - outside) // (c.slot_bytes * c.L)
         old = c.cap
-        new = max(1, old - drop)
+        new = int(max(1, min(old - 1, fit)))
         if new == old:
             return None
-        n = c.set_cap(new)
+        n = c.set_cap(new, self.pins_for_cap(new) if self.pins_for_cap else None)
         self.fired += 1
+        self.trail.append((token_index, rss, old, new))
         self.last_message = (f"RSS {rss / GB:.2f} GB over the {self.budget / GB:.2f} GB budget: dropped {n} "
                              f"cached experts, cap {old} -> {new}")
         log.warning(self.last_message)

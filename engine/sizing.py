@@ -272,7 +272,6 @@ def ram_verdict(est: Estimate, num_experts_per_tok: int, total: int, available: 
 
 
 def machine_ram() -> tuple[int, int]:
-    """(total, available) physical RAM in bytes (psutil)."""
-    import psutil
-    vm = psutil.virtual_memory()
-    return int(vm.total), int(vm.available)
+    """(total, available) RAM in bytes this process may use (psutil, cut to the cgroup limit)."""
+    from .sysinfo import memory
+    return memory()

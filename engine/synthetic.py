@@ -25,6 +25,7 @@ from safetensors.numpy import save_file
 from .checkpoint import hf_names
 from .config import ModelArgs
 from .models import base, family_for
+from .fsutil import normalize_modes
 
 TOKENIZER_SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -199,6 +200,7 @@ def write_checkpoint(folder: str | os.PathLike, config: dict, seed: int = 0, dty
             json.dumps({"metadata": {"total_size": total}, "weight_map": wm}, indent=1))
     if tokenizer:
         write_tokenizer(tmp, args.vocab_size)
+    normalize_modes(tmp)  # safetensors writes 0600 files
     if folder.exists():
         shutil.rmtree(folder)
     os.replace(tmp, folder)
@@ -273,7 +275,7 @@ def write_store_from_seed(dst: str | os.PathLike, config: dict, quant: str = "in
         (side / "config.json").write_text(json.dumps(config, indent=1), encoding="utf-8")
         if tokenizer:
             write_tokenizer(side, src.args.vocab_size)
-        return write_store(src, side, dst, quant, group_size, progress, cancel,
+        return write_store(src, side, dst, quant, group_size, progress, cancel, overwrite=overwrite,
                            extra_manifest={"model_name": dst.name,
                                            "source": f"synthetic seed {seed} ({dtype}, std {std})"})
     finally:

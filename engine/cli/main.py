@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         return a.fn(a) or 0
-    except (EngineError, FileExistsError, ValueError) as e:
+    except (EngineError, OSError, ValueError) as e:  # OSError: disk full, permissions, ...
         print(f"colibri: error: {e}", file=sys.stderr)
         return 2
 

@@ -34,7 +34,7 @@ def convert_downloaded(src: str | os.PathLike, quant: str = "int8",
                        name: str | None = None) -> Path:
     """Convert a downloaded (or local) checkpoint into ``models_dir()/<name>-<quant>``.
 
-    Atomic (engine.convert_checkpoint writes ``DST.partial`` and renames): a cancel or an
+    Atomic (engine.convert_checkpoint writes a unique ``.DST.*.partial`` and renames): a cancel or an
     error leaves no store. The manifest records model_name and source (``hf://repo@commit``
     for hub downloads).
 

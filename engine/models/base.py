@@ -99,7 +99,10 @@ def rope_theta(cfg: dict, path: str, default: float = 10000.0) -> float:
     rope = cfg.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{path}: key 'rope_parameters' must be an object")
-    rtype = rope.get("rope_type", (cfg.get("rope_scaling") or {}).get("rope_type", "default"))
+    scaling = cfg.get("rope_scaling") or {}
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"{path}: key 'rope_scaling' must be an object or null")
+    rtype = rope.get("rope_type", scaling.get("rope_type", "default"))
     if rtype not in (None, "default"):
         raise ConfigError(f"{path}: rope_type {rtype!r} is not supported (only 'default'); remove "
                           f"rope_scaling from config.json to run at the native context length")
@@ -234,6 +237,8 @@ class ModelArgs:
             raise ConfigError(f"{p}: not found; a model folder needs its config.json") from None
         except OSError as e:
             raise ConfigError(f"{p}: cannot be read ({e})") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{p}: not UTF-8 text ({e}); the file is corrupt - re-download it") from None
         if len(text) > 64 << 20:
             raise ConfigError(f"{p}: implausibly large for a config.json ({len(text)} bytes)")
         try:

@@ -1,0 +1,239 @@
+"""What this process may really use: memory and CPUs after cgroup limits and CPU affinity.
+
+Containers (Docker, Kubernetes, systemd slices) limit a process through its cgroup while
+``/proc/meminfo`` and ``os.cpu_count()`` still describe the whole host, so sizing from the
+host alone gets a container OOM-killed (a 3 GB container sized a 21 GB budget) and starts
+more threads than it may run.
+
+Memory (the rules of the Linux cgroup docs, and the kubelet's "working set"):
+    cgroup v2: ``memory.max`` ("max" = unlimited) of the process's cgroup and every ancestor
+        (each limit applies), usage ``memory.current``, reclaimable ``inactive_file`` of
+        ``memory.stat``;
+    cgroup v1: ``memory.limit_in_bytes`` (>= 2**60 = unlimited), ``memory.usage_in_bytes``,
+        ``total_inactive_file`` (else ``inactive_file``) of ``memory.stat``.
+    headroom of one level = limit - (usage - inactive_file); the process's headroom is the
+    smallest over the levels that have a limit.
+CPUs: ``len(os.sched_getaffinity(0))``, further capped by the CFS quota
+    (v2 ``cpu.max`` "QUOTA PERIOD" or "max PERIOD"; v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``,
+    -1 = none), rounded up, at least 1.
+
+The process's cgroup paths come from ``/proc/self/cgroup`` ("0::/path" for v2,
+"N:memory:/path" / "N:cpu,cpuacct:/path" for v1). When the path is not found under the
+mount (a cgroup namespace shows "/" or a path from outside), the mount root itself is the
+process's cgroup. Every path is injectable (``root``, ``proc_cgroup``) so tests can use fake
+trees. Linux only; elsewhere everything returns None (no limit known).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_SELF_CGROUP = "/proc/self/cgroup"
+V1_UNLIMITED = 1 << 60  # v1 reports "no limit" as a page-rounded 2**63 - 1
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    """The tightest cgroup memory limit on this process, bytes.
+
+    limit: the limit of the level with the least headroom; usage: that level's charged
+    memory (RSS + page cache); reclaimable: its inactive file cache; version: 1 or 2;
+    path: the limit file read.
+    """
+
+    limit: int
+    usage: int
+    reclaimable: int
+    version: int
+    path: str
+
+    @property
+    def available(self) -> int:
+        """Bytes this cgroup can still charge before it reclaims hard or OOM-kills (>= 0)."""
+        return max(0, self.limit - max(0, self.usage - self.reclaimable))
+
+
+def _read(p: Path) -> str | None:
+    try:
+        return p.read_text(encoding="ascii", errors="replace").strip()
+    except (OSError, ValueError):
+        return None
+
+
+def _int(p: Path) -> int | None:
+    s = _read(p)
+    if s is None:
+        return None
+    try:
+        return int(s.split()[0])
+    except (ValueError, IndexError):
+        return None
+
+
+def _stat_value(p: Path, *keys: str) -> int:
+    s = _read(p)
+    if not s:
+        return 0
+    vals = {}
+    for line in s.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            try:
+                vals[parts[0]] = int(parts[1])
+            except ValueError:
+                pass
+    for k in keys:
+        if k in vals:
+            return vals[k]
+    return 0
+
+
+def own_cgroups(proc_cgroup: str | os.PathLike | None = None) -> dict[str, str]:
+    """{controller: path} of this process from /proc/self/cgroup; "" is the v2 unified entry."""
+    out: dict[str, str] = {}
+    s = _read(Path(proc_cgroup or PROC_SELF_CGROUP))
+    if not s:
+        return out
+    for line in s.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        _, ctrls, path = parts
+        if ctrls == "":
+            out[""] = path
+        for c in ctrls.split(","):
+            if c:
+                out[c] = path
+    return out
+
+
+def _levels(mount: Path, rel: str | None) -> list[Path]:
+    """The process's cgroup folder under ``mount`` and its ancestors up to the mount."""
+    if rel is None:
+        return []
+    leaf = mount / rel.lstrip("/") if rel.strip("/") else mount
+    if not leaf.is_dir():
+        leaf = mount  # cgroup namespace: the mount root is our own cgroup
+    out = []
+    p = leaf
+    while True:
+        out.append(p)
+        if p == mount or mount not in p.parents:
+            break
+        p = p.parent
+    return out
+
+
+def _v2_mount(root: Path) -> Path | None:
+    if (root / "cgroup.controllers").exists():
+        return root
+    if (root / "unified" / "cgroup.controllers").exists():
+        return root / "unified"
+    return None
+
+
+def cgroup_memory(root: str | os.PathLike | None = None,
+                  proc_cgroup: str | os.PathLike | None = None) -> CgroupMemory | None:
+    """The cgroup memory limit with the least headroom on this process, or None if no level
+    of its cgroup (v1 or v2) sets one."""
+    root = Path(root or CGROUP_ROOT)
+    own = own_cgroups(proc_cgroup)
+    best: CgroupMemory | None = None
+
+    def consider(c: CgroupMemory) -> None:
+        nonlocal best
+        if best is None or c.available < best.available:
+            best = c
+
+    v2 = _v2_mount(root)
+    if v2 is not None:
+        for d in _levels(v2, own.get("")):
+            raw = _read(d / "memory.max")
+            if raw is None or raw == "max":
+                continue
+            try:
+                limit = int(raw)
+            except ValueError:
+                continue
+            usage = _int(d / "memory.current") or 0
+            consider(CgroupMemory(limit, usage, _stat_value(d / "memory.stat", "inactive_file"), 2,
+                                  str(d / "memory.max")))
+    v1 = root / "memory"
+    if (v1 / "memory.limit_in_bytes").exists() or "memory" in own:
+        for d in _levels(v1, own.get("memory", "/")):
+            limit = _int(d / "memory.limit_in_bytes")
+            if limit is None or limit >= V1_UNLIMITED:
+                continue
+            usage = _int(d / "memory.usage_in_bytes") or 0
+            consider(CgroupMemory(limit, usage,
+                                  _stat_value(d / "memory.stat", "total_inactive_file", "inactive_file"), 1,
+                                  str(d / "memory.limit_in_bytes")))
+    return best
+
+
+def cgroup_cpu_quota(root: str | os.PathLike | None = None,
+                     proc_cgroup: str | os.PathLike | None = None) -> float | None:
+    """The tightest CFS CPU quota on this process in CPUs (e.g. 1.5), or None if unlimited."""
+    root = Path(root or CGROUP_ROOT)
+    own = own_cgroups(proc_cgroup)
+    quotas: list[float] = []
+    v2 = _v2_mount(root)
+    if v2 is not None:
+        for d in _levels(v2, own.get("")):
+            parts = (_read(d / "cpu.max") or "").split()
+            if len(parts) == 2 and parts[0] != "max":
+                try:
+                    q, per = int(parts[0]), int(parts[1])
+                except ValueError:
+                    continue
+                if q > 0 and per > 0:
+                    quotas.append(q / per)
+    for name in ("cpu,cpuacct", "cpu", "cpuacct,cpu"):
+        v1 = root / name
+        if v1.is_dir():
+            break
+    else:
+        v1 = None
+    if v1 is not None:
+        for d in _levels(v1, own.get("cpu", "/")):
+            q, per = _int(d / "cpu.cfs_quota_us"), _int(d / "cpu.cfs_period_us")
+            if q is not None and per and q > 0:
+                quotas.append(q / per)
+    return min(quotas) if quotas else None
+
+
+def affinity_cpus() -> int:
+    """CPUs this process may be scheduled on (sched_getaffinity; os.cpu_count elsewhere)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def usable_cpus(root: str | os.PathLike | None = None,
+                proc_cgroup: str | os.PathLike | None = None,
+                affinity: int | None = None) -> int:
+    """Threads worth starting for compute: min(CPU affinity, ceil(cgroup CPU quota)), >= 1."""
+    n = affinity if affinity is not None else affinity_cpus()
+    q = cgroup_cpu_quota(root, proc_cgroup)
+    if q is not None:
+        n = min(n, max(1, math.ceil(q - 1e-9)))
+    return max(1, n)
+
+
+def memory(root: str | os.PathLike | None = None,
+           proc_cgroup: str | os.PathLike | None = None) -> tuple[int, int]:
+    """(total, available) bytes this process may use: the host's (psutil) cut by the cgroup
+    limit and the cgroup's headroom. Raises whatever psutil raises if the host is unknown."""
+    import psutil
+    vm = psutil.virtual_memory()
+    total, avail = int(vm.total), int(vm.available)
+    cg = cgroup_memory(root, proc_cgroup)
+    if cg is not None:
+        total = min(total, cg.limit) if total > 0 else cg.limit
+        avail = min(avail, cg.available)
+    return total, avail
