@@ -4,11 +4,15 @@ download`` (through engine.library), and the settings dialog's "auto" values.
 
 Sizes are bytes (GB = 1e9 bytes), context lengths tokens.
 
-    dense   resident dense weights: the loaded store's arrays (``manifest["dense_bytes"]``), or
-            before conversion the sum over the family's dense tensors at the store's dense
-            quantization (``dense_shapes``: the same tensors convert.py writes).
-    kv      2 (K and V) x layers x KV heads x context x head_dim x 4 bytes (float32).
-    slots   one expert slab per layer (``manifest["slot_bytes"]``, else quant.slab_layout).
+    dense   resident weights: the loaded store's arrays (``manifest["dense_bytes"]``), or
+            before conversion the sum over the family's resident tensors at the store's dense
+            quantization (engine.models.dense_bytes: the tensor list convert.py writes;
+            attention, norms, routers, embeddings, biases, shared experts, dense-layer MLPs).
+    kv      2 (K and V) x transformer layers (num_hidden_layers) x KV heads x context x
+            head_dim x 4 bytes (float32).
+    slots   one routed-expert slab per MoE layer (``manifest["slot_bytes"]``, else
+            engine.models.expert_slot_bytes over moe_intermediate_size); dense layers
+            (Qwen's mlp_only_layers / decoder_sparse_step) have no expert row.
     reserve RESERVE_BYTES for the Python / numpy / numba runtime, activations and logits.
 
 Automatic cap (after colibri's cap_for_ram, PR #1445):
@@ -17,10 +21,9 @@ The automatic budget is RSS after the dense weights are loaded + AVAILABLE_SHARE
 memory (ram_budget.probe_available). The pre-download verdict applies the same plan_cap to the
 share of available memory the engine would budget.
 
-A new model family plugs in by giving its ModelArgs a ``dense_shapes()`` method (see
-:func:`dense_shapes`); everything else here reads only Hugging Face names that every
-mixture-of-experts family has (num_hidden_layers, num_experts, num_key_value_heads, head_dim,
-hidden_size, intermediate_size, max_position_embeddings).
+A new model family plugs in through its file in engine/models/ (``dense_tensors``, registered
+by ``model_type``); everything else here reads the common ModelArgs fields (num_hidden_layers,
+num_moe_layers, num_experts, num_key_value_heads, head_dim, max_position_embeddings).
 """
 
 from __future__ import annotations
@@ -57,50 +60,20 @@ def dense_quant(quant: str) -> str:
     return "int8" if quant in ("int8", "int4") else quant
 
 
-def _matrix_bytes(rows: int, cols: int, dq: str) -> int:
-    """Bytes of one [rows, cols] dense matrix at dense quant ``dq`` (int8: + one float32 scale per row)."""
-    if dq == "int8":
-        return rows * cols + rows * 4
-    if dq == "f16":
-        return rows * cols * 2
-    return rows * cols * 4
-
-
-def olmoe_dense_shapes(args) -> tuple[list[tuple[int, int]], int]:
-    """OLMoE's dense tensors: ([rows, cols] of every quantized matrix, float32 element count).
-
-    Per layer: q/k/v/o projections (quantized); input and post-attention norms, q_norm
-    (hidden-sized), k_norm (kv-sized) and the router [num_experts, hidden] (float32). Plus the
-    embedding and the lm head (quantized; both stored even when tied) and the final norm.
-    """
-    D, E, V = args.hidden_size, args.num_experts, args.vocab_size
-    q, kv = args.q_dim, args.kv_dim
-    mats: list[tuple[int, int]] = []
-    for _ in range(args.num_hidden_layers):
-        mats += [(q, D), (kv, D), (kv, D), (D, q)]
-    mats += [(V, D), (V, D)]
-    f32 = args.num_hidden_layers * (2 * D + q + kv + E * D) + D
-    return mats, f32
-
-
-def dense_shapes(args) -> tuple[list[tuple[int, int]], int]:
-    """The dense tensors of ``args``'s family: ``args.dense_shapes()`` when the family defines
-    it (a new family plugs in there), else OLMoE's layout."""
-    own = getattr(args, "dense_shapes", None)
-    return own() if callable(own) else olmoe_dense_shapes(args)
-
-
 def dense_bytes(args, quant: str) -> int:
-    """Resident dense bytes of ``args`` converted with experts at ``quant`` (equals the store's
-    ``manifest["dense_bytes"]``: tests check it for int8 / int4 / f16)."""
-    dq = dense_quant(quant)
-    mats, f32 = dense_shapes(args)
-    return sum(_matrix_bytes(r, c, dq) for r, c in mats) + 4 * f32
+    """Resident bytes of ``args`` converted with experts at ``quant``: attention, norms,
+    routers, embeddings, and - per family - biases, shared experts and the MLPs of dense
+    layers (engine.models.dense_bytes, from the tensor list the converter writes; equals the
+    store's ``manifest["dense_bytes"]``: tests check it per family for int8 / int4 / f16)."""
+    from .models import dense_bytes as family_dense_bytes
+    return int(family_dense_bytes(args, quant))
 
 
 def slot_bytes(args, quant: str) -> int:
-    """Bytes of one expert slab (gate, up, down at ``quant``, 4096-aligned: quant.slab_layout)."""
-    return int(slab_layout(quant, args.hidden_size, args.intermediate_size)["slot_bytes"])
+    """Bytes of one routed expert's slab (gate, up, down at ``quant`` over the expert width
+    ``moe_intermediate_size``, 4096-aligned: engine.models.expert_slot_bytes)."""
+    from .models import expert_slot_bytes
+    return int(expert_slot_bytes(args, quant))
 
 
 # --- what a model needs --------------------------------------------------------------------
@@ -147,18 +120,19 @@ def estimate(args, quant: str = "int8", context_length: int = MAX_DEFAULT_CONTEX
     """
     if quant not in QUANTS:
         raise ValueError(f"quantization {quant!r}: choose one of {', '.join(QUANTS)}")
+    from .models import family_for
     ctx = effective_context(args, context_length)
     slot = slot_bytes(args, quant)
-    L, E = args.num_hidden_layers, args.num_experts
-    experts = L * E * slot
+    M, E = args.num_moe_layers, args.num_experts  # expert rows: one per MoE layer
+    experts = M * E * slot
     dense = dense_bytes(args, quant)
     kv = kv_bytes(args, ctx)
-    slots = L * slot
-    n_dense = len(dense_shapes(args)[0]) + 9 * L + 4  # tensors in dense.safetensors (about)
-    # + manifest (~120 B per expert) + dense.safetensors header (~128 B per tensor)
-    store = experts + dense + extra_store_bytes + 4096 + 120 * L * E + 128 * n_dense
+    slots = M * slot
+    n_dense = 3 * len(family_for(args.model_type).dense_tensors(args))  # arrays in dense.safetensors (about)
+    # + manifest (~120 B per expert) + dense.safetensors header (~128 B per array)
+    store = experts + dense + extra_store_bytes + 4096 + 120 * M * E + 128 * n_dense
     return Estimate(quant, slot, experts, dense, store, kv, slots, RESERVE_BYTES,
-                    dense + kv + slots + RESERVE_BYTES, ctx, E, args.num_experts_per_tok, (slot,) * L)
+                    dense + kv + slots + RESERVE_BYTES, ctx, E, args.num_experts_per_tok, (slot,) * M)
 
 
 def read_manifest(store: str | Path) -> dict:
