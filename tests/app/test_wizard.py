@@ -103,16 +103,18 @@ def test_wizard_repo_to_working_model(qtbot, wizard, fake):
 
 def test_unsupported_model_refused_on_source_page(qtbot, wizard, fake, tmp_path, tiny):
     import json
-    other = tmp_path / "mixtral"
+    other = tmp_path / "llama"
     shutil.copytree(tiny, other)
     cfg = json.loads((other / "config.json").read_text())
-    cfg["model_type"] = "mixtral"
+    cfg["model_type"] = "llama"
     (other / "config.json").write_text(json.dumps(cfg))
-    fake.add_folder("mistral/tiny", other)
+    fake.add_folder("meta/tiny", other)
     w = wizard
-    _enter_repo(qtbot, w, "mistral/tiny")
+    _enter_repo(qtbot, w, "meta/tiny")
     qtbot.waitUntil(lambda: "Refused" in w.source_page.status.text(), timeout=T)
-    assert "olmoe" in w.source_page.status.text() and "mixtral" in w.source_page.status.text()
+    text = w.source_page.status.text()
+    assert "'llama'" in text and all(f in text for f in ("olmoe", "qwen3_moe", "mixtral", "qwen2_moe"))
+    assert not w.source_page.isComplete()
     assert w.currentId() == wz.PAGE_SOURCE and w.check is None
     assert fake.weight_requests() == []
 
