@@ -38,10 +38,24 @@ def test_help_of_every_command_and_bench_verb(capsys):
 
 def test_run_and_info_through_the_launcher(tiny_store, capsys):
     assert colibri(["info", str(tiny_store)]) == 0
-    assert "experts     8 per layer" in capsys.readouterr().out
+    assert "experts     8 per MoE layer" in capsys.readouterr().out
     assert colibri(["run", "--model", str(tiny_store), "--prompt", "hello", "--raw", "--max-new-tokens", "3",
                     "--no-history", "--threads", "1"]) == 0
     assert capsys.readouterr().out.strip() != ""
+
+
+def test_info_names_family_dense_layers_shared_expert_and_ram(tmp_path, capsys):
+    from engine.synthetic import qwen2_moe_config, write_store_from_seed
+    from engine import ModelArgs, sizing
+    cfg = qwen2_moe_config(num_hidden_layers=3, mlp_only_layers=[1])
+    store = write_store_from_seed(tmp_path / "q2", cfg, quant="int4")
+    assert colibri(["info", str(store), "--context-length", "512"]) == 0
+    out = capsys.readouterr().out
+    est = sizing.estimate(ModelArgs.from_dict(cfg), "int4", 512)
+    assert "Qwen2-MoE (qwen2_moe)" in out and "2 MoE (routed experts), 1 dense MLP (layers 1" in out
+    assert "top-2" in out and "shared expert per MoE layer, width 64" in out
+    assert f"at least {sizing.format_bytes(est.ram_needed)} at 512 tokens" in out
+    assert f"{sizing.format_bytes(est.slot_bytes)} each" in out
 
 
 def test_no_arguments_start_the_app(tmp_path):
