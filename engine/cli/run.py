@@ -148,7 +148,7 @@ def add_parsers(sub) -> None:
     add_setting_flags(r, ENGINE)
     r.set_defaults(fn=cmd_run)
 
-    c = sub.add_parser("convert", help="convert a Hugging Face OLMoE folder into a store")
+    c = sub.add_parser("convert", help="convert a Hugging Face MoE folder (OLMoE, Qwen3-MoE, Mixtral, Qwen2-MoE) into a store")
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument("--quant", choices=("int8", "int4", "f16", "f32"), default="int8")
