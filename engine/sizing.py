@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import BudgetError, StoreError
-from .quant import QUANTS, slab_layout
+from .quant import QUANTS
 from .ram_budget import AVAILABLE_SHARE, GB, RESERVE_BYTES, probe_available
 from .units import format_bytes
 

@@ -21,7 +21,6 @@ from PySide6.QtWidgets import QMessageBox, QWizard  # noqa: E402
 from engine import Engine, EngineConfig, Finished, GenerateRequest, SamplingParams  # noqa: E402
 from engine import library as hub  # noqa: E402
 from engine import library as paths  # noqa: E402
-from colibri_app import workers  # noqa: E402
 from colibri_app import wizard as wz  # noqa: E402
 from colibri_app.library import ModelLibraryDialog  # noqa: E402
 
@@ -46,13 +45,8 @@ def fake(tmp_path, monkeypatch, tiny):
 
 
 @pytest.fixture
-def wizard(qtbot, fake):
-    w = wz.ModelWizard(None, context_length=256)
-    qtbot.addWidget(w)
-    w.show()
-    yield w
-    w.reject()
-    assert workers.shutdown_all(30)
+def wizard(fake, wizard_dialog):
+    return wizard_dialog
 
 
 def _enter_repo(qtbot, w, repo=REPO):

@@ -24,7 +24,6 @@ from PySide6.QtWidgets import QWizard  # noqa: E402
 from engine import ChatMessage, Engine, EngineConfig, Finished, GenerateRequest, SamplingParams  # noqa: E402
 from engine import library as hub  # noqa: E402
 from engine.synthetic import write_tokenizer  # noqa: E402
-from colibri_app import workers  # noqa: E402
 from colibri_app import wizard as wz  # noqa: E402
 
 T = 60_000  # ms
@@ -63,15 +62,8 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture
-def wizard(qtbot, tmp_path, monkeypatch):
-    monkeypatch.setenv("COLIBRI_DATA_DIR", str(tmp_path / "data"))
-    monkeypatch.setenv("COLIBRI_CONFIG_DIR", str(tmp_path / "config"))
-    w = wz.ModelWizard(None, context_length=256)
-    qtbot.addWidget(w)
-    w.show()
-    yield w
-    w.reject()
-    assert workers.shutdown_all(30)
+def wizard(app_dirs, wizard_dialog):
+    return wizard_dialog
 
 
 def _finish(qtbot, w) -> str:
