@@ -83,7 +83,7 @@ def slot_bytes(args, quant: str) -> int:
 class Estimate:
     """Disk and RAM numbers of one model at one quantization and context (bytes).
 
-    ram_needed = dense + kv + one expert slot per layer + reserve: the minimum plan_cap
+    ram_needed = dense + kv + one expert slot per MoE layer + reserve: the minimum plan_cap
     accepts. expert_bytes: every expert (a cache holding all of them). store_bytes: the
     converted store on disk. num_experts: experts per layer.
     """
@@ -254,7 +254,7 @@ def ram_verdict(est: Estimate, num_experts_per_tok: int, total: int, available: 
     need = est.ram_needed
     usable = int(AVAILABLE_SHARE * available)
     head = (f"needs at least {format_bytes(need)} (dense {format_bytes(est.dense_bytes)} + KV "
-            f"{format_bytes(est.kv_bytes)} at {est.context_length} tokens + one expert slot per layer "
+            f"{format_bytes(est.kv_bytes)} at {est.context_length} tokens + one expert slot per MoE layer "
             f"{format_bytes(est.slots_bytes)} + reserve {format_bytes(est.reserve_bytes)}); this machine has "
             f"{format_bytes(total)} RAM, {format_bytes(available)} available")
     if need > total:
