@@ -18,7 +18,7 @@ from engine import library as lib
 
 from .workers import Lane, Task
 
-COLUMNS = ("Name", "Source", "Quantization", "Size on disk", "Converted")
+COLUMNS = ("Name", "Source", "Quantization", "Family", "Size on disk", "Converted")
 SCANNING = "Scanning the models folder…"
 _LANE: Lane | None = None
 
@@ -137,14 +137,14 @@ class ModelLibraryDialog(QDialog):
             if src.startswith("hf://") and "@" in src:
                 repo, _, commit = src.rpartition("@")
                 src = f"{repo}@{commit[:12]}"
-            vals = (e.name + ("  (current)" if is_cur else ""), src, e.quantization,
+            vals = (e.name + ("  (current)" if is_cur else ""), src, e.quantization, e.family_label,
                     lib.format_bytes(e.size_bytes), e.created.replace("T", " ").rstrip("Z"))
             for j, v in enumerate(vals):
                 it = QTableWidgetItem(v)
                 it.setToolTip(f"{e.path}\nsource: {e.source}")
                 if is_cur:
                     it.setFont(bold)
-                if j == 3:
+                if j == 4:
                     it.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
                 self.table.setItem(i, j, it)
         self.table.resizeColumnsToContents()

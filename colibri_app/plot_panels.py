@@ -114,9 +114,17 @@ def rolling_mean(y: np.ndarray, w: int) -> np.ndarray:
     return (c[idx] - c[lo]) / (idx - lo)
 
 
-def residency_rgb(snap: ResidencySnapshot, cell: int = CELL_PX) -> np.ndarray:
-    """uint8 [L * cell, E * cell, 3] image: state colour per expert, brightness from the log of
-    its routing count, a dark grid gap, and a white outline on experts routed for the latest token."""
+def residency_rgb(snap: ResidencySnapshot, cell: int = CELL_PX, cell_h: int | None = None) -> np.ndarray:
+    """uint8 [L * cell_h, E * cell, 3] image: state colour per expert, brightness from the log of
+    its routing count, and the experts routed for the latest token marked white.
+
+    ``cell`` x ``cell_h`` (default square) are the pixels of one expert; the panel passes the
+    on-screen size, so the image is drawn about 1:1 and stays crisp from 8 x 32 to 128 x 48
+    experts x layers. A 1-px dark grid gap is drawn along a dimension whose cells are at least
+    4 px; a routed expert gets a white outline when its cell is at least 5 x 5 px, else it is
+    filled white (an outline would not survive at 3 px).
+    """
+    cw, ch = max(1, int(cell)), max(1, int(cell_h if cell_h is not None else cell))
     L, E = snap.num_layers, snap.num_experts
     state = np.asarray(snap.state, np.int16).reshape(L, E)
     heat = np.log1p(np.asarray(snap.heat, np.float64).reshape(L, E))
@@ -128,14 +136,21 @@ def residency_rgb(snap: ResidencySnapshot, cell: int = CELL_PX) -> np.ndarray:
         lut[s] = rgb
     base = lut[np.clip(state, 0, 3)]                                   # [L, E, 3]
     colour = base * (0.35 + 0.65 * h)[..., None]
-    img = np.repeat(np.repeat(colour, cell, axis=0), cell, axis=1)     # [L*cell, E*cell, 3]
-    yy = np.arange(L * cell) % cell
-    xx = np.arange(E * cell) % cell
-    edge = cell - 2   # last pixel of the cell before the 1-px gap
-    ring = (yy[:, None] == 0) | (yy[:, None] == edge) | (xx[None, :] == 0) | (xx[None, :] == edge)
-    rmask = np.repeat(np.repeat(routed, cell, axis=0), cell, axis=1) & ring
+    img = np.repeat(np.repeat(colour, ch, axis=0), cw, axis=1)         # [L*ch, E*cw, 3]
+    yy = np.arange(L * ch) % ch
+    xx = np.arange(E * cw) % cw
+    gap_y, gap_x = ch >= 4, cw >= 4
+    rmask = np.repeat(np.repeat(routed, ch, axis=0), cw, axis=1)
+    if cw >= 5 and ch >= 5:
+        ey, ex = ch - 1 - gap_y, cw - 1 - gap_x   # last pixel of the cell before the gap
+        ring = (yy[:, None] == 0) | (yy[:, None] == ey) | (xx[None, :] == 0) | (xx[None, :] == ex)
+        rmask &= ring
     img[rmask] = ROUTED_RGB
-    gap = (yy[:, None] == cell - 1) | (xx[None, :] == cell - 1)
+    gap = np.zeros((L * ch, E * cw), bool)
+    if gap_y:
+        gap |= (yy == ch - 1)[:, None]
+    if gap_x:
+        gap |= (xx == cw - 1)[None, :]
     img[gap] = GAP_RGB
     return img.astype(np.uint8)
 
@@ -252,13 +267,14 @@ class PlotPanels(QWidget):
         self.heat_item = pg.ImageItem(axisOrder="row-major")
         self.heat_item.setLevels((0, 255))
         hm.addItem(self.heat_item)
+        hm.getViewBox().sigResized.connect(self._heat_resized)  # rebuild the image at the new cell size
         self.heat_legend = QLabel()
         self.heat_legend.setText(" &nbsp; ".join([
             _swatch(STATE_RGB[ABSENT], "absent"), _swatch(STATE_RGB[RESIDENT], "resident"),
             _swatch(STATE_RGB[PINNED], "pinned"), _swatch(STATE_RGB[LOADING], "loading"),
             _swatch(None, "routed now", outline=True),
             "<span style='color:#80868b'>brightness = log routing count</span>"]))
-        self.heat_title = "Expert residency (layers × experts)"
+        self.heat_title = "Expert residency (MoE layers × experts)"
 
         lay = QVBoxLayout(self)
         lay.setContentsMargins(8, 8, 8, 8)
@@ -343,8 +359,8 @@ class PlotPanels(QWidget):
         if self._dirty_heat and self.snapshot is not None:
             self._dirty_heat = False
             self.heat_hint.setVisible(False)
-            self.heat_image = residency_rgb(self.snapshot)
             s = self.snapshot
+            self.heat_image = residency_rgb(s, *self._cell_px(s.num_layers, s.num_experts))
             self.heat_item.setImage(self.heat_image, levels=(0, 255), autoLevels=False)
             self.heat_item.setRect(QRectF(0, 0, s.num_experts, s.num_layers))
             if self._heat_shape != (s.num_layers, s.num_experts):
@@ -354,6 +370,20 @@ class PlotPanels(QWidget):
                 hm.setYRange(0, s.num_layers, padding=0)
                 self._set_ticks(s.num_layers, s.num_experts)
         self.redraws += 1
+
+    def _cell_px(self, layers: int, experts: int) -> tuple[int, int]:
+        """On-screen pixels of one heat-map cell (width, height), at least 1: the image is built
+        at this size so it is shown about 1:1 (no aliased grid lines at 128 x 48)."""
+        vb = self.heat_plot.getPlotItem().getViewBox()
+        dpr = self.heat_plot.devicePixelRatioF() or 1.0
+        w, h = vb.width() * dpr, vb.height() * dpr
+        if w < 8 or h < 8:  # not laid out yet
+            return CELL_PX, CELL_PX
+        return max(1, int(w // max(1, experts))), max(1, int(h // max(1, layers)))
+
+    def _heat_resized(self) -> None:
+        if self.snapshot is not None:
+            self._dirty_heat = True
 
     def _draw_lines(self) -> None:
         # Ranges move in steps and legends refresh at ~3 Hz: every range change re-lays out an

@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QComboBox, QFileDialog, 
                                QRadioButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget, QWizard,
                                QWizardPage)
 
-from engine import SUPPORTED_MODEL_TYPES, EngineFailure, ErrorKind, LoadProgress
+from engine import EngineFailure, ErrorKind, LoadProgress, describe_model, supported_families
 from engine import library as hub
 
 from .workers import Lane, Task
@@ -70,7 +70,7 @@ class SourcePage(QWizardPage):
         grp.addButton(self.local_radio)
         self.repo_edit = QLineEdit()
         self.repo_edit.setObjectName("repo")
-        self.repo_edit.setPlaceholderText("owner/name, e.g. allenai/OLMoE-1B-7B-0924")
+        self.repo_edit.setPlaceholderText("owner/name, e.g. Qwen/Qwen3-30B-A3B or allenai/OLMoE-1B-7B-0924")
         self.revision_edit = QLineEdit()
         self.revision_edit.setObjectName("revision")
         self.revision_edit.setPlaceholderText("main")
@@ -81,8 +81,8 @@ class SourcePage(QWizardPage):
         self.browse = QPushButton("Browse…")
         self.browse.clicked.connect(self._browse)
         self.supported = QLabel(
-            f"Supported architectures: {', '.join(SUPPORTED_MODEL_TYPES)} (OLMoE mixture-of-experts models). "
-            f"Other model types are refused before anything is downloaded.")
+            f"Supported mixture-of-experts families: {supported_families()}. Other model types, and GGUF "
+            f"files, are refused before anything is downloaded.")
         self.supported.setWordWrap(True)
         self.status = QLabel()
         self.status.setObjectName("sourceStatus")
@@ -108,6 +108,7 @@ class SourcePage(QWizardPage):
         self.hub_radio.toggled.connect(self._changed)
         self.task: Task | None = None
         self._advance = False
+        self.refused: tuple | None = None  # the input a check refused (Next stays disabled for it)
         self._changed()
 
     def key(self) -> tuple:
@@ -122,8 +123,9 @@ class SourcePage(QWizardPage):
             w.setEnabled(hub_mode)
         self.folder_edit.setEnabled(not hub_mode)
         self.browse.setEnabled(not hub_mode)
-        if self.task is None:
+        if self.task is None and self.refused != self.key():
             self.status.setText("")
+            self.refused = None
         self.completeChanged.emit()
 
     @Slot()
@@ -136,6 +138,8 @@ class SourcePage(QWizardPage):
         if self.task is not None:
             return False
         k = self.key()
+        if self.refused == k:  # the reason is shown in the status line; change the input to retry
+            return False
         if k[0] == "hub":
             parts = k[1].split("/")
             return len(parts) == 2 and all(parts)
@@ -154,6 +158,7 @@ class SourcePage(QWizardPage):
         """Run hub.check_repo / hub.check_local in the background for the current input
         (``extra_result`` / ``extra_error``: more receivers of its outcome)."""
         key = self.key()
+        self.refused = None
         ctx = self.wiz.context_length
         if key[0] == "hub":
             repo, rev = key[1], key[2] or None
@@ -186,6 +191,8 @@ class SourcePage(QWizardPage):
     @Slot(object)
     def _check_failed(self, f: EngineFailure) -> None:
         self.task = None
+        if f.kind == ErrorKind.CONFIG:  # unsupported model_type, GGUF-only folder, bad config.json
+            self.refused = self.key()
         self.status.setText(f"Refused: {f.message}" if f.kind == ErrorKind.CONFIG else f.message)
         _error_style(self.status, RED)
         self.completeChanged.emit()
@@ -239,8 +246,7 @@ class CheckPage(QWizardPage):
         fb = hub.format_bytes
         a = c.args
         self.setSubTitle(f"{c.repo_id}" + (f" @ {c.commit[:12]}" if c.commit else "") +
-                         f" — {a.model_type}: {a.num_hidden_layers} layers × {a.num_experts} experts "
-                         f"({a.num_experts_per_tok} per token), hidden size {a.hidden_size}")
+                         f" — {describe_model(a)}")
         self.files.setRowCount(len(c.files))
         for i, f in enumerate(c.files):
             if c.source == "local":

@@ -5,7 +5,7 @@ library and ``engine.cli.main`` for the console script); see docs/engine-api.md 
 docs/architecture.md. This package never imports the library, the benchmarks or the CLI.
 """
 
-from .config import SUPPORTED_MODEL_TYPES, ModelArgs
+from .config import SUPPORTED_MODEL_TYPES, ModelArgs, describe_model, family_name, supported_families
 from .convert import ConversionCancelled, convert_checkpoint
 from .errors import (BudgetError, Cancelled, CheckpointError, ConfigError, ContextOverflowError, EngineError,
                      ErrorKind, ExpertReadError, StoreError, TokenizerError, error_kind)
@@ -26,5 +26,5 @@ __all__ = [
     "LOADING", "PINNED", "RESIDENT", "ChatMessage", "EngineFailure", "Finished", "GenerateRequest", "Loaded",
     "LoadProgress", "ResidencySnapshot", "SamplingParams", "StepMetrics", "TokenEvent", "atomic_write_text",
     "Engine", "ENGINE", "SAMPLING", "Setting", "settings_table", "upgrade_keys", "validate", "format_bytes",
-    "format_duration", "split_reasoning", "reasoning_open",
+    "format_duration", "split_reasoning", "reasoning_open", "describe_model", "family_name", "supported_families",
 ]

@@ -4,12 +4,15 @@ download`` (through engine.library), and the settings dialog's "auto" values.
 
 Sizes are bytes (GB = 1e9 bytes), context lengths tokens.
 
-    dense   resident dense weights: the loaded store's arrays (``manifest["dense_bytes"]``), or
-            before conversion the family's tensor list at the store's dense quantization
-            (engine.models.dense_bytes: the same tensors convert.py writes).
-    kv      2 (K and V) x layers x KV heads x context x head_dim x 4 bytes (float32).
-    slots   one expert slab per MoE layer (``manifest["slot_bytes"]``, else the family's
-            expert width through quant.slab_layout).
+    dense   resident weights: the loaded store's arrays (``manifest["dense_bytes"]``), or
+            before conversion the sum over the family's resident tensors at the store's dense
+            quantization (engine.models.dense_bytes: the tensor list convert.py writes;
+            attention, norms, routers, embeddings, biases, shared experts, dense-layer MLPs).
+    kv      2 (K and V) x transformer layers (num_hidden_layers) x KV heads x context x
+            head_dim x 4 bytes (float32).
+    slots   one routed-expert slab per MoE layer (``manifest["slot_bytes"]``, else
+            engine.models.expert_slot_bytes over moe_intermediate_size); dense layers
+            (Qwen's mlp_only_layers / decoder_sparse_step) have no expert row.
     reserve RESERVE_BYTES for the Python / numpy / numba runtime, activations and logits.
 
 Automatic cap (after colibri's cap_for_ram, PR #1445):
@@ -18,10 +21,9 @@ The automatic budget is RSS after the dense weights are loaded + AVAILABLE_SHARE
 memory (ram_budget.probe_available). The pre-download verdict applies the same plan_cap to the
 share of available memory the engine would budget.
 
-A new model family plugs in through its file in engine/models/ (its ``dense_tensors`` list and
-expert width give the dense and slot bytes); everything else here reads Hugging Face names every
-mixture-of-experts family has (num_hidden_layers, num_experts, num_key_value_heads, head_dim,
-max_position_embeddings) and ``num_moe_layers``.
+A new model family plugs in through its file in engine/models/ (``dense_tensors``, registered
+by ``model_type``); everything else here reads the common ModelArgs fields (num_hidden_layers,
+num_moe_layers, num_experts, num_key_value_heads, head_dim, max_position_embeddings).
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import BudgetError, StoreError
-from .models import dense_bytes as family_dense_bytes
-from .models import expert_slot_bytes, family_for
 from .quant import QUANTS
 from .ram_budget import AVAILABLE_SHARE, GB, RESERVE_BYTES, probe_available
 from .units import format_bytes
@@ -54,21 +54,20 @@ def kv_bytes(args, context_length: int) -> int:
     return 2 * args.num_hidden_layers * args.num_key_value_heads * int(context_length) * args.head_dim * 4
 
 
-def dense_bytes(args, quant: str, group_size: int = 32) -> int:
-    """Resident dense bytes of ``args`` converted with experts at ``quant``: exact, from the
-    family's tensor list (engine.models.dense_bytes; equals the store's ``manifest["dense_bytes"]``)."""
-    return family_dense_bytes(args, quant, group_size)
+def dense_bytes(args, quant: str) -> int:
+    """Resident bytes of ``args`` converted with experts at ``quant``: attention, norms,
+    routers, embeddings, and - per family - biases, shared experts and the MLPs of dense
+    layers (engine.models.dense_bytes, from the tensor list the converter writes; equals the
+    store's ``manifest["dense_bytes"]``: tests check it per family for int8 / int4 / f16)."""
+    from .models import dense_bytes as family_dense_bytes
+    return int(family_dense_bytes(args, quant))
 
 
-def slot_bytes(args, quant: str, group_size: int = 32) -> int:
-    """Bytes of one routed expert's slab (gate, up, down at ``quant``, 4096-aligned)."""
-    return int(expert_slot_bytes(args, quant, group_size))
-
-
-def moe_layers(args) -> int:
-    """M: layers with routed experts (each holds one expert cache row); all layers for
-    families without dense layers."""
-    return int(getattr(args, "num_moe_layers", 0) or args.num_hidden_layers)
+def slot_bytes(args, quant: str) -> int:
+    """Bytes of one routed expert's slab (gate, up, down at ``quant`` over the expert width
+    ``moe_intermediate_size``, 4096-aligned: engine.models.expert_slot_bytes)."""
+    from .models import expert_slot_bytes
+    return int(expert_slot_bytes(args, quant))
 
 
 # --- what a model needs --------------------------------------------------------------------
@@ -78,7 +77,7 @@ def moe_layers(args) -> int:
 class Estimate:
     """Disk and RAM numbers of one model at one quantization and context (bytes).
 
-    ram_needed = dense + kv + one expert slot per layer + reserve: the minimum plan_cap
+    ram_needed = dense + kv + one expert slot per MoE layer + reserve: the minimum plan_cap
     accepts. expert_bytes: every expert (a cache holding all of them). store_bytes: the
     converted store on disk. num_experts: experts per layer.
     """
@@ -115,15 +114,16 @@ def estimate(args, quant: str = "int8", context_length: int = MAX_DEFAULT_CONTEX
     """
     if quant not in QUANTS:
         raise ValueError(f"quantization {quant!r}: choose one of {', '.join(QUANTS)}")
+    from .models import family_for
     ctx = effective_context(args, context_length)
     slot = slot_bytes(args, quant)
-    M, E = moe_layers(args), args.num_experts
+    M, E = args.num_moe_layers, args.num_experts  # expert rows: one per MoE layer
     experts = M * E * slot
     dense = dense_bytes(args, quant)
     kv = kv_bytes(args, ctx)
     slots = M * slot
-    n_dense = 2 * len(family_for(args.model_type).dense_tensors(args))  # tensors (+ scales) in dense.safetensors
-    # + manifest (~120 B per expert) + dense.safetensors header (~128 B per tensor)
+    n_dense = 3 * len(family_for(args.model_type).dense_tensors(args))  # arrays in dense.safetensors (about)
+    # + manifest (~120 B per expert) + dense.safetensors header (~128 B per array)
     store = experts + dense + extra_store_bytes + 4096 + 120 * M * E + 128 * n_dense
     return Estimate(quant, slot, experts, dense, store, kv, slots, RESERVE_BYTES,
                     dense + kv + slots + RESERVE_BYTES, ctx, E, args.num_experts_per_tok, (slot,) * M)
@@ -248,7 +248,7 @@ def ram_verdict(est: Estimate, num_experts_per_tok: int, total: int, available: 
     need = est.ram_needed
     usable = int(AVAILABLE_SHARE * available)
     head = (f"needs at least {format_bytes(need)} (dense {format_bytes(est.dense_bytes)} + KV "
-            f"{format_bytes(est.kv_bytes)} at {est.context_length} tokens + one expert slot per layer "
+            f"{format_bytes(est.kv_bytes)} at {est.context_length} tokens + one expert slot per MoE layer "
             f"{format_bytes(est.slots_bytes)} + reserve {format_bytes(est.reserve_bytes)}); this machine has "
             f"{format_bytes(total)} RAM, {format_bytes(available)} available")
     if need > total:

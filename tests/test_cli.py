@@ -38,10 +38,24 @@ def test_help_of_every_command_and_bench_verb(capsys):
 
 def test_run_and_info_through_the_launcher(tiny_store, capsys):
     assert colibri(["info", str(tiny_store)]) == 0
-    assert "experts     8 per layer" in capsys.readouterr().out
+    assert "experts     8 per MoE layer" in capsys.readouterr().out
     assert colibri(["run", "--model", str(tiny_store), "--prompt", "hello", "--raw", "--max-new-tokens", "3",
                     "--no-history", "--threads", "1"]) == 0
     assert capsys.readouterr().out.strip() != ""
+
+
+def test_info_names_family_dense_layers_shared_expert_and_ram(tmp_path, capsys):
+    from engine.synthetic import qwen2_moe_config, write_store_from_seed
+    from engine import ModelArgs, sizing
+    cfg = qwen2_moe_config(num_hidden_layers=3, mlp_only_layers=[1])
+    store = write_store_from_seed(tmp_path / "q2", cfg, quant="int4")
+    assert colibri(["info", str(store), "--context-length", "512"]) == 0
+    out = capsys.readouterr().out
+    est = sizing.estimate(ModelArgs.from_dict(cfg), "int4", 512)
+    assert "Qwen2-MoE (qwen2_moe)" in out and "2 MoE (routed experts), 1 dense MLP (layers 1" in out
+    assert "top-2" in out and "shared expert per MoE layer, width 64" in out
+    assert f"at least {sizing.format_bytes(est.ram_needed)} at 512 tokens" in out
+    assert f"{sizing.format_bytes(est.slot_bytes)} each" in out
 
 
 def test_no_arguments_start_the_app(tmp_path):
@@ -62,3 +76,29 @@ def test_no_arguments_start_the_app(tmp_path):
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and "WINDOW MainWindow" in r.stdout, r.stderr[-3000:]
+
+
+def test_make_synthetic_presets_and_direct_store(tmp_path, monkeypatch, capsys):
+    """The published-shape presets are offered; --direct-store writes the quantized store from
+    the seed (a tiny preset stands in for the big shapes) and records the run."""
+    import json
+    from engine import Engine, EngineConfig, synthetic
+    from engine.bench.make_synthetic import preset_config, preset_names
+    assert {"1b", "olmoe-1b-7b", "qwen3-30b-a3b", "mixtral-8x7b"} <= set(preset_names())
+    assert preset_config("qwen3-30b-a3b") == synthetic.PRESETS["qwen3-30b-a3b"]
+    assert preset_config("1b")["model_type"] == "olmoe"
+    monkeypatch.setitem(synthetic.PRESETS, "tiny-qwen3", synthetic.qwen3_moe_config(mlp_only_layers=[0],
+                                                                                    num_hidden_layers=3))
+    monkeypatch.chdir(tmp_path)
+    assert colibri(["bench", "make-synthetic", "--preset", "tiny-qwen3", "--direct-store", "--quant", "f16"]) == 2
+    assert "--direct-store writes --quant int8 or int4" in capsys.readouterr().err
+    assert colibri(["bench", "make-synthetic", "--preset", "tiny-qwen3", "--direct-store", "--quant", "int4",
+                    "--out", "work"]) == 0
+    store = tmp_path / "work" / "tiny-qwen3-int4"
+    assert not (tmp_path / "work" / "tiny-qwen3-hf").exists()
+    m = json.loads((store / "manifest.json").read_text())
+    assert m["model_type"] == "qwen3_moe" and m["quant"] == "int4" and m["num_layers"] == 2
+    res = json.loads((tmp_path / "bench/results/make_synthetic_tiny-qwen3_int4_direct.json").read_text())
+    assert res["mode"] == "direct-store" and res["store_gb"] > 0
+    with Engine.open(EngineConfig(store=str(store), context_length=64, history=False)) as eng:
+        assert eng.args.num_moe_layers == 2

@@ -301,5 +301,6 @@ def test_cli_download_and_models(fake, capsys):
     assert "model.safetensors" in out and "self-test" in err
     assert not hub.download_dir_for(REPO).exists()  # removed after converting (no --keep-download)
     assert main(["models"]) == 0
-    assert "tiny-olmoe" in capsys.readouterr().out
+    listing = capsys.readouterr().out
+    assert "tiny-olmoe" in listing and "OLMoE" in listing and "family" in listing
     assert main(["download", "meta/none"]) == 2

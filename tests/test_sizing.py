@@ -38,13 +38,64 @@ def test_prediction_equals_engine_open(medium_store, monkeypatch, over):
         assert eng.cache.cap == predicted.cap
 
 
+# One store per family, with what sizing must get right: Qwen dense layers (resident MLPs, no
+# expert row), Qwen2's shared expert (resident), GQA (KV rows per transformer layer), expert
+# width != dense width.
+FAMILY_CONFIGS = {
+    "olmoe": dict(num_hidden_layers=3, num_key_value_heads=2),
+    "qwen3_moe": dict(num_hidden_layers=4, mlp_only_layers=[1], num_key_value_heads=2, num_experts_per_tok=3),
+    "mixtral": dict(num_hidden_layers=3, head_dim=32, num_key_value_heads=2),
+    "qwen2_moe": dict(num_hidden_layers=3, mlp_only_layers=[0], num_key_value_heads=2),
+}
+
+
+@pytest.fixture(scope="module")
+def family_checkpoints(tmp_path_factory):
+    from engine.synthetic import CONFIGS, write_checkpoint
+    d = tmp_path_factory.mktemp("sizing-fam")
+    return {name: write_checkpoint(d / name, CONFIGS[name](**kw), seed=7) for name, kw in FAMILY_CONFIGS.items()}
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
 @pytest.mark.parametrize("quant", ["int8", "int4", "f16"])
-def test_dense_bytes_from_args_equal_the_store(tiny_checkpoint, tmp_path, quant):
-    store = convert_checkpoint(tiny_checkpoint, tmp_path / quant, quant=quant)
+def test_dense_and_slot_bytes_from_args_equal_the_store(family_checkpoints, tmp_path, name, quant):
+    ck = family_checkpoints[name]
+    store = convert_checkpoint(ck, tmp_path / quant, quant=quant)
     m = _manifest(store)
-    args = ModelArgs.from_hf_config(tiny_checkpoint)
+    args = ModelArgs.from_hf_config(ck)
     assert sizing.dense_bytes(args, quant) == m["dense_bytes"]
-    assert [sizing.slot_bytes(args, quant)] * args.num_hidden_layers == m["slot_bytes"]
+    assert [sizing.slot_bytes(args, quant)] * args.num_moe_layers == m["slot_bytes"]
+    est = sizing.estimate(args, quant, 0)
+    assert est.expert_bytes == args.num_moe_layers * args.num_experts * sizing.slot_bytes(args, quant)
+    on_disk = sum(f.stat().st_size for f in store.rglob("*") if f.is_file())
+    assert abs(est.store_bytes - on_disk) < 0.1 * on_disk + 64 * 1024
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_verdict_before_conversion_equals_engine_open_for_every_family(family_checkpoints, tmp_path,
+                                                                       monkeypatch, name):
+    """The wizard's numbers from config.json alone (dense, KV, slots, cap, budget) are what
+    Engine.open does with the converted store."""
+    ck = family_checkpoints[name]
+    args = ModelArgs.from_hf_config(ck)
+    if name != "olmoe" and name != "mixtral":
+        assert args.num_moe_layers < args.num_hidden_layers  # dense layers are exercised
+    store = convert_checkpoint(ck, tmp_path / "int8", quant="int8")
+    rss = 200_000_000
+    monkeypatch.setattr(sizing, "probe_available", lambda: (3 * GB, True))
+    before = sizing.estimate(args, "int8", 96)
+    budget_gb = (before.dense_bytes + before.kv_bytes + before.reserve_bytes + 3 * before.slots_bytes + 100) / GB
+    for over in (dict(ram_budget_gb=budget_gb), dict(ram_budget_gb=None), dict(ram_budget_gb=1.0, cap=2)):
+        cfg = EngineConfig(store=str(store), pinning=False, history=False, context_length=96, **over)
+        predicted = sizing.plan_estimate(before, cfg.ram_budget_gb, cfg.cap, rss_now=rss)
+        with Engine.open(cfg, read_rss=lambda: rss) as eng:
+            assert eng.plan == predicted
+            assert (before.dense_bytes, before.kv_bytes, before.slots_bytes) == (
+                eng.loaded.dense_bytes, eng.plan.kv, eng.plan.slot_bytes_sum)
+            assert before.kv_bytes == 2 * args.num_hidden_layers * args.num_key_value_heads * 96 * args.head_dim * 4
+            assert eng.cache.cap == predicted.cap and eng.cache.L == args.num_moe_layers
+        if over.get("ram_budget_gb") == budget_gb:
+            assert predicted.cap == 3
 
 
 def test_verdict_uses_the_same_cap_rule(tiny_store):

@@ -10,7 +10,8 @@ random-weight models decode a fixed seeded token stream by teacher forcing and r
 distinct (layer, expert) pairs touched; hit rate, MB/token and felt wait come before wall
 clock. Verbs:
 
-  make-synthetic  write a seeded random OLMoE checkpoint (presets: 1b, olmoe-1b-7b) + convert it
+  make-synthetic  a seeded random model (presets: 1b, olmoe-1b-7b, qwen3-30b-a3b, mixtral-8x7b):
+                  bf16 checkpoint + conversion, or --direct-store (the int8/int4 store from the seed)
   decode          our decode tok/s vs transformers (bf16 and f32), all experts resident
   cache           streaming at several caps: hit rate, MB/token, felt wait, read service, tok/s
   pilot           PILOT A/B: each arm a fresh process, frozen heat restored, reps reversed

@@ -35,7 +35,7 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
     try:
         if cfg_over.get("warm_all"):
             # "All resident": every expert loaded before the first token (not counted).
-            for layer in range(eng.args.num_hidden_layers):
+            for layer in range(eng.args.num_moe_layers):
                 eng.cache.load_experts(layer, np.arange(eng.args.num_experts))
         V = eng.args.vocab_size
         if prompt_text is not None:  # a real question, in the model's chat template when it has one
@@ -51,7 +51,7 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
             req = GenerateRequest(prompt_ids=tuple(stream[:prompt_len]),
                                   forced_ids=tuple(stream[prompt_len:]) if forced else None,
                                   sampling=SamplingParams(max_new_tokens=tokens))
-        touched = np.zeros((eng.args.num_hidden_layers, eng.args.num_experts), bool)
+        touched = np.zeros((eng.args.num_moe_layers, eng.args.num_experts), bool)
         orig = eng.model.on_route
 
         def spy(layer, idx, logits):

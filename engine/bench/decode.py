@@ -59,7 +59,7 @@ def _decode_ours(store: str, prompt: list, forced: list, tokens: int) -> dict:
             per_layer += ly["router"].nbytes
         lm = eng.model.lm_head
         bytes_per_token = (per_layer + lm.w.nbytes + (lm.s.nbytes if lm.s is not None else 0)
-                           + args.num_hidden_layers * args.num_experts_per_tok * eng.store.layout["data_bytes"])
+                           + args.num_moe_layers * args.num_experts_per_tok * eng.store.layout["data_bytes"])
         return {"decode_tok_per_s": fin.decode_tok_per_s, "prefill_tok_per_s": fin.prefill_tok_per_s,
                 "weight_bytes_per_token": bytes_per_token, "outside_numba_share": 1 - inside[0] / total,
                 "resident_experts": int((eng.cache.residency() > 0).sum())}

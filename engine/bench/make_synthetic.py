@@ -1,5 +1,18 @@
-"""``colibri bench make-synthetic``: write a seeded random OLMoE-shaped checkpoint (presets: 1b,
-olmoe-1b-7b) and convert it, measuring the converter's speed and peak RSS."""
+"""``colibri bench make-synthetic``: a seeded random model of a preset's shape, measuring the
+writer's and the converter's speed and peak RSS.
+
+Presets: ``1b`` and ``olmoe-1b-7b`` (OLMoE-shaped, bench.common.PRESETS) and the exact shapes of
+Qwen3-30B-A3B (``qwen3-30b-a3b``) and Mixtral-8x7B (``mixtral-8x7b``) from
+engine.synthetic.PRESETS.
+
+Default mode: write a bf16 Hugging Face checkpoint (``OUT/<preset>-hf``), then convert it in a
+subprocess (``OUT/<preset>-<quant>``). ``--direct-store`` writes the quantized store straight
+from the seed (engine.synthetic.write_store_from_seed) for shapes too large to write as a bf16
+checkpoint first (Qwen3-30B-A3B: 61 GB of bf16); the weights equal those of the default mode.
+What it skips: no checkpoint exists, so nothing can be compared with transformers or
+llama.cpp (no `bench decode` / `gguf` / `peers` on it), the converter's reading of safetensors
+is not measured, and the tokenizer is the small synthetic BPE (benchmarks force token ids).
+"""
 
 from __future__ import annotations
 
@@ -10,27 +23,86 @@ import sys
 import time
 from pathlib import Path
 
-from .common import PRESETS, PeakRss, machine_info, md_table, write_results
+from .common import PRESETS as OLMOE_PRESETS
+from .common import PeakRss, machine_info, md_table, write_results
+
+DIRECT_QUANTS = ("int8", "int4")
+
+
+def preset_names() -> list[str]:
+    """Every preset: the OLMoE-shaped ones and engine.synthetic.PRESETS."""
+    from ..synthetic import PRESETS
+    return sorted({*OLMOE_PRESETS, *PRESETS})
+
+
+def preset_config(name: str) -> dict:
+    """The config.json dict of preset ``name``. Raises KeyError for an unknown name."""
+    from ..synthetic import PRESETS, olmoe_config
+    if name in PRESETS:
+        return dict(PRESETS[name])
+    return olmoe_config(**OLMOE_PRESETS[name])
+
+
+def _progress_printer(label: str):
+    """A LoadProgress callback printing every ~5% of bytes (stdout, one line each)."""
+    last = [-1]
+
+    def show(ev) -> None:
+        if not ev.total:
+            return
+        pct = int(100 * ev.done / ev.total)
+        if pct // 5 != last[0] // 5 or ev.done >= ev.total:
+            last[0] = pct
+            print(f"{label}: {pct:3d}% ({ev.done / 1e9:.2f} of {ev.total / 1e9:.2f} GB)", flush=True)
+    return show
 
 
 def cmd_make_synthetic(a) -> int:
-    """Write the preset's seeded bf16 checkpoint and convert it in a subprocess (so its peak RSS
-    is the converter's alone); refuses when the disk cannot hold both."""
-    from ..synthetic import olmoe_config, write_checkpoint
     from ..config import ModelArgs
-    cfg = olmoe_config(**PRESETS[a.preset])
+    from ..sizing import estimate
+    if a.direct_store and a.quant not in DIRECT_QUANTS:
+        print(f"--direct-store writes --quant {' or '.join(DIRECT_QUANTS)} (got {a.quant!r})", file=sys.stderr)
+        return 2
+    cfg = preset_config(a.preset)
     args = ModelArgs.from_dict(cfg)
-    n_params = (args.dense_param_count() + args.num_hidden_layers * args.num_experts * 3
-                * args.hidden_size * args.intermediate_size)
-    need = n_params * 2 + n_params * 1.1  # bf16 checkpoint + int8 store
+    n_params = (args.dense_param_count() + args.num_moe_layers * args.num_experts * 3
+                * args.hidden_size * args.moe_intermediate_size)
+    store_bytes = estimate(args, a.quant, 0).store_bytes
+    ck, st = Path(a.out) / f"{a.preset}-hf", Path(a.out) / f"{a.preset}-{a.quant}"
+    have_ck = (ck / "config.json").exists() and not a.force
+    need = store_bytes + (0 if a.direct_store or have_ck else n_params * 2)  # + bf16 checkpoint
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out).free
     if free < need * 1.05:
-        print(f"not enough disk: need {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free at {out}", file=sys.stderr)
+        print(f"not enough disk: need {need / 1e9:.1f} GB ({'store' if a.direct_store else 'bf16 checkpoint + store'}),"
+              f" {free / 1e9:.1f} GB free at {out}"
+              + ("" if a.direct_store or a.quant not in DIRECT_QUANTS else "; --direct-store skips the checkpoint"),
+              file=sys.stderr)
         return 2
-    ck, st = out / f"{a.preset}-hf", out / f"{a.preset}-int8"
-    res = {"preset": a.preset, "params": n_params, "machine": machine_info()}
+    res = {"preset": a.preset, "model_type": args.model_type, "params": n_params, "quant": a.quant,
+           "mode": "direct-store" if a.direct_store else "checkpoint+convert", "machine": machine_info()}
+    if a.direct_store:
+        from ..synthetic import write_store_from_seed
+        if (st / "manifest.json").exists() and not a.force:
+            print(f"{st} exists (use --force to write it again)")
+            return 0
+        t0 = time.perf_counter()
+        with PeakRss() as pr:
+            write_store_from_seed(st, cfg, quant=a.quant, seed=a.seed, overwrite=True,
+                                  progress=_progress_printer(f"writing {st.name}"))
+        dt = time.perf_counter() - t0
+        size = sum(f.stat().st_size for f in st.rglob("*") if f.is_file())
+        res.update(store_write_s=dt, store_gb=size / 1e9, store_mb_per_s=size / 1e6 / dt,
+                   store_peak_rss_gb=pr.peak / 1e9)
+        print(f"wrote {st} ({n_params / 1e9:.2f} B params, {size / 1e9:.2f} GB) in {dt:.0f} s, "
+              f"peak RSS {pr.peak / 1e9:.2f} GB")
+        write_results(f"make_synthetic_{a.preset}_{a.quant}_direct", res, md_table([res], [
+            ("preset", "preset", ""), ("quant", "quant", ""), ("params (B)", "params", ".3g"),
+            ("store GB", "store_gb", ".2f"), ("write s", "store_write_s", ".0f"),
+            ("MB/s", "store_mb_per_s", ".0f"), ("peak RSS GB", "store_peak_rss_gb", ".2f")]))
+        return 0
+    from ..synthetic import write_checkpoint
     if not (ck / "config.json").exists() or a.force:
         t0 = time.perf_counter()
         with PeakRss() as pr:
@@ -58,10 +130,14 @@ def cmd_make_synthetic(a) -> int:
 
 def add_parser(bs) -> None:
     """Register `make-synthetic` under ``colibri bench``."""
-    m = bs.add_parser("make-synthetic", help="write + convert a seeded random OLMoE-shaped model")
-    m.add_argument("--preset", choices=sorted(PRESETS), default="1b")
+    m = bs.add_parser("make-synthetic", help="write a seeded random model of a preset's shape (OLMoE 1b / 1b-7b, "
+                      "Qwen3-30B-A3B, Mixtral-8x7B) and convert it, or write the store directly")
+    m.add_argument("--preset", choices=preset_names(), default="1b")
     m.add_argument("--out", default="bench/work")
-    m.add_argument("--quant", default="int8")
+    m.add_argument("--quant", default="int8", choices=("int8", "int4", "f16", "f32"))
+    m.add_argument("--direct-store", action="store_true",
+                   help="write the int8/int4 store straight from the seed, no bf16 checkpoint (for shapes too "
+                        "large to write as one; no transformers / llama.cpp comparison is possible then)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--force", action="store_true")
     m.set_defaults(fn=cmd_make_synthetic)

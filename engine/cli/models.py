@@ -83,10 +83,10 @@ def cmd_models(a) -> int:
     if not ms:
         print(f"no converted models in {models_dir()} (add one with `colibri download REPO`)")
         return 0
-    print(f"{'name':<32} {'quant':<5} {'size':>10}  {'created':<20} source / path")
+    print(f"{'name':<32} {'quant':<5} {'family':<10} {'size':>10}  {'created':<20} source / path")
     for m in ms:
-        print(f"{m.name[:32]:<32} {m.quantization:<5} {format_bytes(m.size_bytes):>10}  {m.created:<20} "
-              f"{m.source}\n{'':<71}{m.path}")
+        print(f"{m.name[:32]:<32} {m.quantization:<5} {m.family_label:<10} {format_bytes(m.size_bytes):>10}  "
+              f"{m.created:<20} {m.source}\n{'':<82}{m.path}")
     return 0
 
 

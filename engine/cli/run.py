@@ -87,33 +87,50 @@ def cmd_convert(a) -> int:
     return 0
 
 
-def describe_store(path: str) -> str:
-    """A few lines describing a converted store (``colibri info``). Raises StoreError."""
+def describe_store(path: str, context_length: int = 0) -> str:
+    """A few lines describing a converted store (``colibri info``): family, MoE and dense
+    layers, shared expert, experts and top-k, slab bytes, and the RAM estimate of the one
+    sizing rule (engine.sizing) at ``context_length`` tokens (0 = the engine's default).
+    Raises StoreError."""
+    from ..config import describe_model
     from ..expert_store import ExpertStore
+    from ..sizing import estimate_store
+    from ..units import format_bytes
     with ExpertStore(path, o_direct=False) as st:
         m, a = st.manifest, st.args
-        n_exp = a.num_hidden_layers * a.num_experts
-        expert_gb = n_exp * st.slot_bytes / 1e9
+        L, M = a.num_hidden_layers, a.num_moe_layers
+        n_exp = M * a.num_experts
+        est = estimate_store(a, m, context_length)
+        dense_layers = sorted(set(range(L)) - set(a.moe_layers))
         lines = [
             f"store       {st.path}",
-            f"model       {m.get('model_name')} ({a.model_type}), converted {m.get('created')} from {m.get('source')}",
-            f"layers      {a.num_hidden_layers}, hidden {a.hidden_size}, heads {a.num_attention_heads} "
-            f"(KV heads {a.num_key_value_heads}, head size {a.head_dim})",
-            f"experts     {a.num_experts} per layer, {a.num_experts_per_tok} routed per token, width "
-            f"{a.intermediate_size}, norm_topk_prob {a.norm_topk_prob}",
+            f"model       {m.get('model_name')}, converted {m.get('created')} from {m.get('source')}",
+            f"family      {describe_model(a)}",
+            f"layers      {L} transformer layers: {M} MoE (routed experts)"
+            + (f", {len(dense_layers)} dense MLP (layers {', '.join(map(str, dense_layers))}, resident)"
+               if dense_layers else ", none dense")
+            + f"; hidden {a.hidden_size}, heads {a.num_attention_heads} (KV heads {a.num_key_value_heads}, "
+            f"head size {a.head_dim})",
+            f"experts     {a.num_experts} per MoE layer, top-{a.num_experts_per_tok} routed per token, width "
+            f"{a.moe_intermediate_size}, norm_topk_prob {a.norm_topk_prob}",
+            "shared      " + (f"one shared expert per MoE layer, width {a.shared_expert_intermediate_size} "
+                              f"(resident, computed every token)" if a.shared_expert_intermediate_size else "none"),
             f"vocab       {a.vocab_size}, context {a.max_position_embeddings}",
             f"quant       experts {m['quant']}" + (f" (group {m['group_size']})" if m.get("group_size") else "")
             + f", dense {m['dense_quant']}",
-            f"expert slab {st.slot_bytes / 1e6:.2f} MB each (one {m['alignment']}-byte-aligned read), "
-            f"{n_exp} experts = {expert_gb:.2f} GB on disk",
-            f"dense       {m['dense_bytes'] / 1e9:.3f} GB resident",
+            f"expert slab {format_bytes(st.slot_bytes)} each (one {m['alignment']}-byte-aligned read), "
+            f"{n_exp} routed experts = {format_bytes(n_exp * st.slot_bytes)} on disk",
+            f"dense       {format_bytes(m['dense_bytes'])} resident",
+            f"RAM         at least {format_bytes(est.ram_needed)} at {est.context_length} tokens (dense + KV "
+            f"{format_bytes(est.kv_bytes)} + one slot per MoE layer {format_bytes(est.slots_bytes)} + reserve "
+            f"{format_bytes(est.reserve_bytes)}); every expert in RAM: {format_bytes(est.all_in_ram_bytes)}",
         ]
         return "\n".join(lines)
 
 
 def cmd_info(a) -> int:
     """``colibri info STORE``."""
-    print(describe_store(a.store))
+    print(describe_store(a.store, a.context_length))
     return 0
 
 
@@ -131,7 +148,7 @@ def add_parsers(sub) -> None:
     add_setting_flags(r, ENGINE)
     r.set_defaults(fn=cmd_run)
 
-    c = sub.add_parser("convert", help="convert a Hugging Face OLMoE folder into a store")
+    c = sub.add_parser("convert", help="convert a Hugging Face MoE folder (OLMoE, Qwen3-MoE, Mixtral, Qwen2-MoE) into a store")
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument("--quant", choices=("int8", "int4", "f16", "f32"), default="int8")
@@ -141,4 +158,6 @@ def add_parsers(sub) -> None:
 
     i = sub.add_parser("info", help="describe a converted store")
     i.add_argument("store")
+    i.add_argument("--context-length", type=int, default=0,
+                   help="tokens of KV cache for the RAM estimate (default: the engine's default)")
     i.set_defaults(fn=cmd_info)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint import Checkpoint
-from ..config import SUPPORTED_MODEL_TYPES, ModelArgs
+from ..config import SUPPORTED_MODEL_TYPES, ModelArgs, describe_model, supported_families
 from ..errors import ConfigError
 from ..quant import QUANTS
 from ..sizing import MAX_DEFAULT_CONTEXT, Estimate, estimate, machine_ram, ram_verdict
@@ -94,8 +94,7 @@ class RepoCheck:
         """A human-readable summary (the CLI prints it; the wizard shows the same numbers)."""
         a = self.args
         lines = [f"model      {self.repo_id}" + (f" @ {self.commit[:12]}" if self.commit else "")
-                 + f" ({a.model_type}: {a.num_hidden_layers} layers x {a.num_experts} experts, "
-                   f"{a.num_experts_per_tok} per token, hidden {a.hidden_size})"]
+                 + f" ({describe_model(a)})"]
         if self.source == "hub":
             lines.append("files:")
             for f in self.files:
@@ -271,6 +270,13 @@ def check_repo(repo_id: str, revision: str | None = None, quant: str = "int8",
     commit, files, ignored = _repo_files(repo_id, revision)
     names = {f.name for f in files}
     if "config.json" not in names:
+        ggufs = [n for n in ignored if n.lower().endswith(".gguf")]
+        if ggufs:
+            raise ConfigError(
+                f"{repo_id}: holds GGUF file(s) ({ggufs[0]}{', ...' if len(ggufs) > 1 else ''}) and no "
+                f"config.json; GGUF is not read by colibri - choose the model's Hugging Face repository "
+                f"with config.json and *.safetensors instead (e.g. Qwen/Qwen3-30B-A3B rather than a -GGUF "
+                f"repo). Nothing was downloaded.")
         raise HubError(f"{repo_id}: the repository has no config.json; it is not a Hugging Face "
                        f"transformers model")
     from huggingface_hub import hf_hub_download
@@ -284,9 +290,8 @@ def check_repo(repo_id: str, revision: str | None = None, quant: str = "int8",
             raise ConfigError(f"{repo_id}: config.json is not valid JSON ({e})") from None
     mt = cfg.get("model_type") if isinstance(cfg, dict) else None
     if mt not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"{repo_id}: model_type {mt!r} is not supported; colibri runs these "
-                          f"architectures: {', '.join(SUPPORTED_MODEL_TYPES)} (OLMoE mixture-of-experts "
-                          f"models, e.g. allenai/OLMoE-1B-7B-0924). Nothing was downloaded.")
+        raise ConfigError(f"{repo_id}: model_type {mt!r} is not supported; supported families: "
+                          f"{supported_families()}. Nothing was downloaded.")
     args = ModelArgs.from_dict(cfg, f"{repo_id}/config.json")
     if not any(n.endswith(".safetensors") for n in names):
         raise HubError(f"{repo_id}: no *.safetensors weights in the repository; only safetensors "

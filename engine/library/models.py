@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..config import ModelArgs
+from ..config import ModelArgs, family_name
 from ..events import LoadProgress
 from ..sizing import estimate
 from ..units import format_bytes
@@ -101,7 +101,8 @@ def self_test(store: str | os.PathLike, max_new_tokens: int = 8) -> str:
 
 @dataclass(frozen=True)
 class ModelEntry:
-    """A converted store in models_dir(): size_bytes on disk, created (ISO time, UTC)."""
+    """A converted store in models_dir(): size_bytes on disk, created (ISO time, UTC),
+    family: the manifest's model_type ("olmoe" for stores written before families)."""
 
     name: str
     source: str
@@ -109,6 +110,12 @@ class ModelEntry:
     size_bytes: int
     created: str
     path: str
+    family: str = "olmoe"
+
+    @property
+    def family_label(self) -> str:
+        """The family's display name, e.g. "Qwen3-MoE"."""
+        return family_name(self.family)
 
 
 def _dir_size(p: Path) -> int:
@@ -139,7 +146,8 @@ def list_models() -> list[ModelEntry]:
             continue
         out.append(ModelEntry(name=str(m.get("model_name") or p.name), source=str(m.get("source") or ""),
                               quantization=str(m.get("quant") or "?"), size_bytes=_dir_size(p),
-                              created=str(m.get("created") or ""), path=str(p)))
+                              created=str(m.get("created") or ""), path=str(p),
+                              family=str(m.get("model_type") or "olmoe")))
     out.sort(key=lambda e: e.created, reverse=True)
     return out
 

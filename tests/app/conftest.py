@@ -57,3 +57,17 @@ def make_window(qtbot, app_dirs, app_store):
     yield make
     for w in windows:
         w.close()
+
+
+@pytest.fixture
+def wizard_dialog(qtbot):
+    """A shown ModelWizard (context 256); rejected and its worker lanes shut down at teardown.
+    List the fixtures that set up data dirs / a fake hub before this one."""
+    from colibri_app import workers
+    from colibri_app import wizard as wz
+    w = wz.ModelWizard(None, context_length=256)
+    qtbot.addWidget(w)
+    w.show()
+    yield w
+    w.reject()
+    assert workers.shutdown_all(30)

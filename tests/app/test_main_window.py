@@ -112,7 +112,8 @@ def test_metrics_and_residency_reach_every_panel(qtbot, make_window):
     assert p.ram_ring.series("rss").max() > 0 and p.budget_gb > 0
     assert len(p.curve_demand.yData) > 0 and len(p.curve_rss.yData) > 0 and len(p.curve_mean.yData) > 0
     qtbot.waitUntil(lambda: bool(p.heat_image is not None), timeout=3000)
-    assert p.heat_image.shape[:2] == (2 * 10, 8 * 10)
+    cw, ch = p._cell_px(2, 8)  # rows = MoE layers, columns = experts, at the on-screen cell size
+    assert p.heat_image.shape[:2] == (2 * ch, 8 * cw)
     assert p.snapshot.num_layers == 2 and p.snapshot.num_experts == 8
     assert any(s != 0 for s in p.snapshot.state)   # some experts are resident
 

@@ -66,9 +66,44 @@ def test_panels_buffer_then_redraw_on_timer(qtbot):
     assert p.curve_total.yData.tolist() == [2.5] * 5          # demand + speculative MB
     assert p.curve_demand.yData.tolist() == [2.0] * 5
     assert p.curve_rss.yData.tolist() == [3.0] * 5 and p.budget_line.value() == 8.0
-    assert p.heat_image is not None and p.heat_image.shape == (2 * CELL_PX, 4 * CELL_PX, 3)
+    cw, ch = p._cell_px(2, 4)
+    assert p.heat_image is not None and p.heat_image.shape == (2 * ch, 4 * cw, 3)
     # a second answer continues the x axis
     p.new_generation()
     p.on_metrics(_metrics(0))
     p.redraw()
     assert p.hit_ring.x().tolist()[-2:] == [4.0, 5.0]
+
+
+def test_residency_image_small_cells_fill_routed_and_drop_the_grid():
+    L, E = 2, 3
+    snap = ResidencySnapshot(L, E, (RESIDENT,) * 6, (1,) * 6, (0, 1, 0, 0, 0, 0), 0)
+    img = residency_rgb(snap, 3, 2)
+    assert img.shape == (L * 2, E * 3, 3)
+    assert (img[0:2, 3:6] == ROUTED_RGB).all()          # routed expert (0, 1): filled, not outlined
+    assert not (img == GAP_RGB).all(axis=-1).any()      # no grid gap at 3 x 2 px cells
+
+
+def test_heat_map_128_experts_x_48_layers_is_built_at_screen_size(qtbot):
+    """Qwen3-30B-A3B's 48 x 128 map: one image item, built about 1:1 with the view (so no
+    aliased grid lines), rebuilt when the panel is resized; 8 x 32 gets tall cells."""
+    p = PlotPanels()
+    qtbot.addWidget(p)
+    p.timer.stop()
+    p.resize(520, 900)
+    p.show()
+    qtbot.waitExposed(p)
+    for L, E in ((48, 128), (32, 8)):
+        p.on_loaded(Loaded("m", "/s", "int8", L, E, 8, 512, 16, 8_000_000_000, 1, 1, 1))
+        n = L * E
+        p.on_residency(ResidencySnapshot(L, E, (RESIDENT,) * n, tuple(range(n)), (0,) * n, 1))
+        p.redraw()
+        vb = p.heat_plot.getPlotItem().getViewBox()
+        cw, ch = p._cell_px(L, E)
+        assert p.heat_image.shape[:2] == (L * ch, E * cw)
+        assert E * cw <= vb.width() * p.heat_plot.devicePixelRatioF() < E * (cw + 1)
+        assert L * ch <= vb.height() * p.heat_plot.devicePixelRatioF() < L * (ch + 1)
+    p.resize(1100, 1500)
+    qtbot.waitUntil(lambda: p._cell_px(32, 8) != (cw, ch), timeout=5000)
+    p.redraw()
+    assert p.heat_image.shape[:2] == (32 * p._cell_px(32, 8)[1], 8 * p._cell_px(32, 8)[0])

@@ -21,7 +21,6 @@ from PySide6.QtWidgets import QMessageBox, QWizard  # noqa: E402
 from engine import Engine, EngineConfig, Finished, GenerateRequest, SamplingParams  # noqa: E402
 from engine import library as hub  # noqa: E402
 from engine import library as paths  # noqa: E402
-from colibri_app import workers  # noqa: E402
 from colibri_app import wizard as wz  # noqa: E402
 from colibri_app.library import ModelLibraryDialog  # noqa: E402
 
@@ -46,13 +45,8 @@ def fake(tmp_path, monkeypatch, tiny):
 
 
 @pytest.fixture
-def wizard(qtbot, fake):
-    w = wz.ModelWizard(None, context_length=256)
-    qtbot.addWidget(w)
-    w.show()
-    yield w
-    w.reject()
-    assert workers.shutdown_all(30)
+def wizard(fake, wizard_dialog):
+    return wizard_dialog
 
 
 def _enter_repo(qtbot, w, repo=REPO):
@@ -103,7 +97,7 @@ def test_wizard_repo_to_working_model(qtbot, wizard, fake):
 
 def test_unsupported_model_refused_on_source_page(qtbot, wizard, fake, tmp_path, tiny):
     import json
-    other = tmp_path / "llama"  # mixtral, qwen2_moe and qwen3_moe are supported families now
+    other = tmp_path / "llama"
     shutil.copytree(tiny, other)
     cfg = json.loads((other / "config.json").read_text())
     cfg["model_type"] = "llama"
@@ -112,7 +106,9 @@ def test_unsupported_model_refused_on_source_page(qtbot, wizard, fake, tmp_path,
     w = wizard
     _enter_repo(qtbot, w, "meta/tiny")
     qtbot.waitUntil(lambda: "Refused" in w.source_page.status.text(), timeout=T)
-    assert "olmoe" in w.source_page.status.text() and "llama" in w.source_page.status.text()
+    text = w.source_page.status.text()
+    assert "'llama'" in text and all(f in text for f in ("olmoe", "qwen3_moe", "mixtral", "qwen2_moe"))
+    assert not w.source_page.isComplete()
     assert w.currentId() == wz.PAGE_SOURCE and w.check is None
     assert fake.weight_requests() == []
 

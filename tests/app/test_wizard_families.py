@@ -1,0 +1,191 @@
+"""The wizard for every model family: a local folder and the loopback fake hub each convert a
+tiny checkpoint saved by transformers' own class (OlmoeForCausalLM, Qwen3MoeForCausalLM,
+MixtralForCausalLM, Qwen2MoeForCausalLM) and the result chats; a GGUF-only folder and an
+unsupported model_type each get one clear line and Next stays disabled."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import hubserver  # noqa: E402
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from PySide6.QtWidgets import QWizard  # noqa: E402
+
+from engine import ChatMessage, Engine, EngineConfig, Finished, GenerateRequest, SamplingParams  # noqa: E402
+from engine import library as hub  # noqa: E402
+from engine.synthetic import write_tokenizer  # noqa: E402
+from colibri_app import wizard as wz  # noqa: E402
+
+T = 60_000  # ms
+V = 320
+BASE = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=512, eos_token_id=0, pad_token_id=0, bos_token_id=None)
+# family -> (config class, model class, config kwargs, words the wizard shows for it)
+FAMILIES = {
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=4, num_experts_per_tok=2,
+                                                      intermediate_size=16), "OLMoE"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=48, head_dim=8,
+        mlp_only_layers=[0]), "1 dense"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2,
+                                                            intermediate_size=16), "Mixtral"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+        intermediate_size=48), "shared expert width 24"),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """family -> a folder saved by transformers' save_pretrained, plus a small BPE tokenizer with
+    a chat template (engine.synthetic.write_tokenizer)."""
+    root = tmp_path_factory.mktemp("hf-families")
+    out = {}
+    for fam, (cfg_cls, model_cls, kw, _) in FAMILIES.items():
+        torch.manual_seed(len(fam))
+        m = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**{**BASE, **kw}))
+        d = root / f"tiny-{fam.replace('_', '-')}"
+        m.save_pretrained(d)
+        write_tokenizer(d, V)
+        out[fam] = d
+    return out
+
+
+@pytest.fixture
+def wizard(app_dirs, wizard_dialog):
+    return wizard_dialog
+
+
+def _finish(qtbot, w) -> str:
+    """From the check page: (download,) convert at int8, self-test, Finish; the store path."""
+    assert w.check.ok, (w.check.disk_message, w.check.ram_message)
+    w.next()
+    if w.currentId() == wz.PAGE_DOWNLOAD:
+        qtbot.waitUntil(w.download_page.isComplete, timeout=T)
+        w.next()
+    assert w.currentId() == wz.PAGE_CONVERT
+    w.convert_page.convert_button.click()
+    qtbot.waitUntil(w.convert_page.isComplete, timeout=T)
+    w.next()
+    qtbot.waitUntil(w.done_page.isComplete, timeout=T)
+    assert w.done_page.passed, w.done_page.info.text()
+    with qtbot.waitSignal(w.model_ready, timeout=T) as sig:
+        w.button(QWizard.FinishButton).click()
+    return sig.args[0]
+
+
+def _chat(store: str, family: str) -> None:
+    with Engine.open(EngineConfig(store=store, context_length=128, history=False)) as eng:
+        assert eng.args.model_type == family and eng.has_chat_template
+        req = GenerateRequest(messages=(ChatMessage("user", "Hello there"),),
+                              sampling=SamplingParams(temperature=0.0, max_new_tokens=4))
+        fin = list(eng.generate(req))[-1]
+    assert isinstance(fin, Finished) and fin.finish_reason in ("length", "stop"), fin.error
+    assert len(fin.token_ids) >= 1
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_local_folder_of_each_family_converts_and_chats(qtbot, wizard, checkpoints, family):
+    w = wizard
+    w.source_page.local_radio.setChecked(True)
+    w.source_page.folder_edit.setText(str(checkpoints[family]))
+    w.next()
+    qtbot.waitUntil(lambda: w.currentId() == wz.PAGE_CHECK, timeout=T)
+    assert w.check.args.model_type == family
+    sub = w.check_page.subTitle()
+    assert f"({family})" in sub and FAMILIES[family][3] in sub, sub
+    store = _finish(qtbot, w)
+    assert Path(store).name == f"{checkpoints[family].name}-int8"
+    entry = [e for e in hub.list_models() if e.path == store][0]
+    assert entry.family == family
+    _chat(store, family)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_fake_hub_repo_of_each_family_converts_and_chats(qtbot, wizard, checkpoints, tmp_path, monkeypatch,
+                                                        family):
+    h = hubserver.FakeHub()
+    url = h.start()
+    try:
+        hubserver.hub_env(monkeypatch, tmp_path, url)
+        repo = f"someone/{checkpoints[family].name}"
+        h.add_folder(repo, checkpoints[family])
+        w = wizard
+        w.source_page.repo_edit.setText(repo)
+        w.next()
+        qtbot.waitUntil(lambda: w.currentId() == wz.PAGE_CHECK, timeout=T)
+        assert w.check.source == "hub" and w.check.args.model_type == family
+        store = _finish(qtbot, w)
+        _chat(store, family)
+    finally:
+        h.stop()
+
+
+def _refused_line(qtbot, w) -> str:
+    sp = w.source_page
+    qtbot.waitUntil(lambda: sp.task is None and "Refused" in sp.status.text(), timeout=T)
+    text = sp.status.text()
+    assert "\n" not in text and "Traceback" not in text
+    assert w.currentId() == wz.PAGE_SOURCE and w.check is None
+    assert not sp.isComplete() and not w.button(QWizard.NextButton).isEnabled()  # reason shown, Next off
+    return text
+
+
+def test_gguf_only_folder_gets_one_clear_line(qtbot, wizard, tmp_path):
+    d = tmp_path / "Qwen3-30B-A3B-GGUF"
+    d.mkdir()
+    (d / "Qwen3-30B-A3B-Q4_K_M.gguf").write_bytes(b"GGUF" + bytes(60))
+    w = wizard
+    w.source_page.local_radio.setChecked(True)
+    w.source_page.folder_edit.setText(str(d))
+    w.next()
+    text = _refused_line(qtbot, w)
+    assert "GGUF is not read" in text and "safetensors" in text and "Qwen3-30B-A3B-Q4_K_M.gguf" in text
+    w.source_page.folder_edit.setText(str(tmp_path))  # another input: Next is offered again
+    assert w.source_page.isComplete() and w.source_page.status.text() == ""
+
+
+def test_gguf_only_hub_repo_gets_one_clear_line(qtbot, wizard, tmp_path, monkeypatch):
+    d = tmp_path / "gguf-repo"
+    d.mkdir()
+    (d / "model-Q4_K_M.gguf").write_bytes(b"GGUF" + bytes(60))
+    (d / "README.md").write_text("quantized")
+    h = hubserver.FakeHub()
+    url = h.start()
+    try:
+        hubserver.hub_env(monkeypatch, tmp_path, url)
+        h.add_folder("someone/Model-GGUF", d)
+        w = wizard
+        w.source_page.repo_edit.setText("someone/Model-GGUF")
+        w.next()
+        text = _refused_line(qtbot, w)
+        assert "GGUF is not read" in text and "config.json" in text
+        assert h.weight_requests() == []
+    finally:
+        h.stop()
+
+
+def test_unsupported_model_type_gets_one_line_naming_the_families(qtbot, wizard, checkpoints, tmp_path):
+    d = tmp_path / "tiny-llama"
+    d.mkdir()
+    cfg = json.loads((checkpoints["mixtral"] / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (d / "config.json").write_text(json.dumps(cfg))
+    w = wizard
+    w.source_page.local_radio.setChecked(True)
+    w.source_page.folder_edit.setText(str(d))
+    w.next()
+    text = _refused_line(qtbot, w)
+    assert "'llama' is not supported" in text
+    for fam in FAMILIES:
+        assert fam in text
