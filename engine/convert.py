@@ -98,7 +98,9 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
 
     ``source`` provides ``args``, ``family``, ``get(hf_name)`` and ``nbytes(hf_name)`` for the
     family's dense tensors, ``expert(layer, e)`` and ``expert_nbytes(layer)`` for routed
-    experts (float32 arrays). Streaming: the dense dict plus one expert are in RAM at a time.
+    experts (float32 arrays); optionally ``quantized_expert(layer, e, quant, group_size)``
+    returning ``{proj: quantize(...)-shaped parts}`` (or None) to skip the float draw and the
+    quantization. Streaming: the dense dict plus one expert are in RAM at a time.
     config.json and the tokenizer files are copied from ``source_folder``.
 
     Raises:
@@ -159,8 +161,12 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
                 for e in range(E):
                     check_cancel()
                     slab[:] = 0
-                    for proj, w in source.expert(i, e).items():
-                        parts = quantize(w, quant, group_size)
+                    # A source may hand over quantized parts directly (synthetic "codes" draw).
+                    drawn = getattr(source, "quantized_expert", None)
+                    drawn = drawn(i, e, quant, group_size) if drawn is not None else None
+                    for proj, parts in (drawn.items() if drawn is not None else
+                                        ((p, quantize(w, quant, group_size))
+                                         for p, w in source.expert(i, e).items())):
                         for k, arr in parts.items():
                             _, off, _, _ = next(x for x in layout["fields"] if x[0] == f"{proj}.{k}")
                             b = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)

@@ -13,7 +13,50 @@ from pathlib import Path
 from .common import PRESETS, PeakRss, machine_info, md_table, write_results
 
 
+def _store_from_seed(a) -> int:
+    """Presets too large for a bf16 checkpoint on this disk: the quantized store straight from
+    the seed (synthetic.write_store_from_seed), timing the writer and its peak RSS."""
+    from ..synthetic import PRESETS as SHAPES, write_store_from_seed
+    from ..config import ModelArgs
+    from ..quant import slab_layout
+    cfg = SHAPES[a.preset]
+    args = ModelArgs.from_dict(cfg)
+    slot = slab_layout(a.quant, args.hidden_size, args.moe_intermediate_size)["slot_bytes"]
+    need = slot * args.num_moe_layers * args.num_experts + args.dense_param_count() * 1.1
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out).free
+    if free < need + a.keep_free_gb * 1e9:
+        print(f"not enough disk for the {a.preset} {a.quant} store: need {need / 1e9:.1f} GB + "
+              f"{a.keep_free_gb:g} GB kept free, {free / 1e9:.1f} GB free at {out}", file=sys.stderr)
+        return 2
+    st = out / f"{a.preset}-{a.quant}"
+    t0, last = time.perf_counter(), [0.0]
+
+    def progress(p):
+        now = time.perf_counter()
+        if now - last[0] > 30:
+            last[0] = now
+            print(f"{now - t0:.0f} s: {p.done / 1e9:.1f} / {p.total / 1e9:.1f} GB of source ({p.message})", flush=True)
+    with PeakRss() as pr:
+        write_store_from_seed(st, cfg, quant=a.quant, seed=a.seed, overwrite=True, progress=progress,
+                              expert_draw=a.expert_draw)
+    dt = time.perf_counter() - t0
+    size = sum(f.stat().st_size for f in st.rglob("*") if f.is_file())
+    res = {"preset": a.preset, "quant": a.quant, "expert_draw": a.expert_draw, "store": str(st),
+           "store_gb": size / 1e9, "write_s": dt, "write_peak_rss_gb": pr.peak / 1e9, "machine": machine_info()}
+    print(f"wrote {st} ({size / 1e9:.2f} GB) in {dt:.0f} s, peak RSS {pr.peak / 1e9:.2f} GB")
+    write_results(f"make_synthetic_{a.preset}_{a.quant}", res, md_table([res], [
+        ("preset", "preset", ""), ("quant", "quant", ""), ("expert draw", "expert_draw", ""),
+        ("store GB", "store_gb", ".2f"), ("write s", "write_s", ".0f"),
+        ("peak RSS GB", "write_peak_rss_gb", ".2f")]))
+    return 0
+
+
 def cmd_make_synthetic(a) -> int:
+    from ..synthetic import PRESETS as SHAPES
+    if a.preset in SHAPES:
+        return _store_from_seed(a)
     from ..synthetic import olmoe_config, write_checkpoint
     from ..config import ModelArgs
     cfg = olmoe_config(**PRESETS[a.preset])
@@ -57,9 +100,15 @@ def cmd_make_synthetic(a) -> int:
 def add_parser(bs) -> None:
     """Register `make-synthetic` under ``colibri bench``."""
     m = bs.add_parser("make-synthetic", help="write + convert a seeded random OLMoE-shaped model")
-    m.add_argument("--preset", choices=sorted(PRESETS), default="1b")
+    from ..synthetic import EXPERT_DRAWS, PRESETS as SHAPES
+    m.add_argument("--preset", choices=sorted(PRESETS) + sorted(SHAPES), default="1b",
+                   help=f"{', '.join(sorted(SHAPES))}: the quantized store is written straight from the seed")
     m.add_argument("--out", default="bench/work")
     m.add_argument("--quant", default="int8")
+    m.add_argument("--expert-draw", choices=EXPERT_DRAWS, default="exact",
+                   help="store-from-seed presets: 'codes' draws the experts' quantized codes directly (fast)")
+    m.add_argument("--keep-free-gb", type=float, default=3.0,
+                   help="store-from-seed presets: refuse unless this much disk stays free afterwards")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--force", action="store_true")
     m.set_defaults(fn=cmd_make_synthetic)
