@@ -114,6 +114,11 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
 
 def cmd_arm(a) -> int:
     """Internal: one arm in this (fresh) process; prints a JSON row."""
+    try:  # on a shared machine, an arm near the RAM limit is the first the OOM killer takes
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
     row = run_arm(a.store, json.loads(a.config), a.prompt_len, a.tokens, a.seed,
                   prompt_text=a.prompt_text, stream_file=a.stream_file)
     print("ARM " + json.dumps(row))
