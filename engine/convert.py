@@ -108,7 +108,9 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
 
     ``source`` provides ``args``, ``family``, ``get(hf_name)`` and ``nbytes(hf_name)`` for the
     family's dense tensors, ``expert(layer, e)`` and ``expert_nbytes(layer)`` for routed
-    experts (float32 arrays). Streaming: the dense dict plus one expert are in RAM at a time.
+    experts (float32 arrays); optionally ``quantized_expert(layer, e, quant, group_size)``
+    returning ``{proj: quantize(...)-shaped parts}`` (or None) to skip the float draw and the
+    quantization. Streaming: the dense dict plus one expert are in RAM at a time.
     config.json and the tokenizer files are copied from ``source_folder``.
 
     Raises:
@@ -144,6 +146,11 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
         if cancel is not None and cancel.is_set():
             raise Cancelled(f"conversion of {label} cancelled; nothing was written to {dst}")
 
+    def _finite(name: str, w: np.ndarray) -> np.ndarray:
+        """``w``, refused when it holds NaN/inf (or, in f16, values beyond its range)."""
+        check_finite(name, w, quant, str(label))
+        return w
+
     def get(name: str, stored_as: str) -> np.ndarray:
         """``source.get(name)``, refused when it holds NaN/inf (or, in f16, beyond its range)."""
         w = source.get(name)
@@ -178,9 +185,12 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
                 for e in range(E):
                     check_cancel()
                     slab[:] = 0
-                    for proj, w in source.expert(i, e).items():
-                        check_finite(en.name(e, proj), w, quant, label)
-                        parts = quantize(w, quant, group_size)
+                    # A source may hand over quantized parts directly (synthetic "codes" draw).
+                    drawn = getattr(source, "quantized_expert", None)
+                    drawn = drawn(i, e, quant, group_size) if drawn is not None else None
+                    for proj, parts in (drawn.items() if drawn is not None else
+                                        ((p, quantize(_finite(en.name(e, p), w), quant, group_size))
+                                         for p, w in source.expert(i, e).items())):
                         for k, arr in parts.items():
                             _, off, _, _ = next(x for x in layout["fields"] if x[0] == f"{proj}.{k}")
                             b = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import resource
 import subprocess
 import sys
 import time
@@ -35,6 +37,7 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
     try:
         if cfg_over.get("warm_all"):
             # "All resident": every expert loaded before the first token (not counted).
+            # Expert rows are MoE layers (dense MLP layers have none).
             for layer in range(eng.args.num_moe_layers):
                 eng.cache.load_experts(layer, np.arange(eng.args.num_experts))
         V = eng.args.vocab_size
@@ -51,7 +54,7 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
             req = GenerateRequest(prompt_ids=tuple(stream[:prompt_len]),
                                   forced_ids=tuple(stream[prompt_len:]) if forced else None,
                                   sampling=SamplingParams(max_new_tokens=tokens))
-        touched = np.zeros((eng.args.num_moe_layers, eng.args.num_experts), bool)
+        touched = np.zeros((eng.args.num_moe_layers, eng.args.num_experts), bool)  # [MoE row, expert]
         orig = eng.model.on_route
 
         def spy(layer, idx, logits):
@@ -87,7 +90,12 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
                "spec": {k: sum(getattr(m, k) for m in steps) for k in (
                    "spec_issued", "spec_completed", "spec_dropped_stale", "spec_dropped_guard",
                    "spec_dropped_full", "spec_used", "spec_wasted_bytes")},
-               "pilot_recall": recall, "demand_bytes": sum(m.demand_bytes for m in steps)}
+               "pilot_recall": recall, "demand_bytes": sum(m.demand_bytes for m in steps),
+               # distinct experts routed to per MoE layer (random weights route degenerately)
+               "distinct_per_layer": touched.sum(axis=1).astype(int).tolist(),
+               # high-water mark of this (fresh) process, opening included; Linux ru_maxrss is KiB
+               "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
+               "quant": eng.store.quant}
         # Decode only (steps after the first: the first covers the prompt's prefill and the
         # first token, where PILOT does not run); these are what tok/s and the ceiling compare.
         dec = steps[1:]
@@ -106,6 +114,11 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
 
 def cmd_arm(a) -> int:
     """Internal: one arm in this (fresh) process; prints a JSON row."""
+    try:  # on a shared machine, an arm near the RAM limit is the first the OOM killer takes
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("1000")
+    except OSError:
+        pass
     row = run_arm(a.store, json.loads(a.config), a.prompt_len, a.tokens, a.seed,
                   prompt_text=a.prompt_text, stream_file=a.stream_file)
     print("ARM " + json.dumps(row))
@@ -123,10 +136,12 @@ def arm_subprocess(store, over, prompt_len, tokens, seed, prompt_text=None, stre
         cmd += ["--prompt-text", prompt_text]
     if stream_file is not None:
         cmd += ["--stream-file", str(stream_file)]
+    load_before = os.getloadavg()[0]
     p = subprocess.run(cmd, capture_output=True, text=True)
     for line in p.stdout.splitlines():
         if line.startswith("ARM "):
-            return json.loads(line[4:])
+            # 1-minute load averages before and after the arm: this machine is shared
+            return {**json.loads(line[4:]), "load_avg_before": load_before, "load_avg": os.getloadavg()[0]}
     raise RuntimeError(f"arm {over} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
 
 

@@ -56,7 +56,10 @@ def _decode_ours(store: str, prompt: list, forced: list, tokens: int) -> dict:
             for k in ("q_proj", "k_proj", "v_proj", "o_proj"):
                 lin = ly[k]
                 per_layer += lin.w.nbytes + (lin.s.nbytes if lin.s is not None else 0)
-            per_layer += ly["router"].nbytes
+            # MoE layers read their router; dense MLP layers and shared experts their whole MLP
+            per_layer += ly["router"].nbytes if "router" in ly else 0
+            for k in ("mlp", "shared_expert"):
+                per_layer += sum(v.nbytes for v in (ly.get(k) or {}).values())
         lm = eng.model.lm_head
         bytes_per_token = (per_layer + lm.w.nbytes + (lm.s.nbytes if lm.s is not None else 0)
                            + args.num_moe_layers * args.num_experts_per_tok * eng.store.layout["data_bytes"])

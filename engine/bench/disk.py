@@ -12,7 +12,7 @@ def measure_disk(store: str, n: int = 48, qd: int = 4, seed: int = 0) -> dict:
     """O_DIRECT random slab reads: GB/s at queue depth 1 and ``qd`` (threads)."""
     from ..expert_store import ExpertStore
     st = ExpertStore(store, o_direct=True)
-    L, E = st.args.num_moe_layers, st.args.num_experts  # expert rows: MoE layers
+    L, E = st.args.num_moe_layers, st.args.num_experts  # expert rows = MoE layers
     rng = random.Random(seed)
     picks = [(rng.randrange(L), rng.randrange(E)) for _ in range(n * 2)]
     out = {"o_direct": st.o_direct, "slab_mb": st.slot_bytes / 1e6}

@@ -74,13 +74,14 @@ def cmd_make_synthetic(a) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out).free
-    if free < need * 1.05:
+    if free < need * 1.05 + a.keep_free_gb * 1e9:
         print(f"not enough disk: need {need / 1e9:.1f} GB ({'store' if a.direct_store else 'bf16 checkpoint + store'}),"
               f" {free / 1e9:.1f} GB free at {out}"
               + ("" if a.direct_store or a.quant not in DIRECT_QUANTS else "; --direct-store skips the checkpoint"),
               file=sys.stderr)
         return 2
     res = {"preset": a.preset, "model_type": args.model_type, "params": n_params, "quant": a.quant,
+           "expert_draw": a.expert_draw if a.direct_store else "exact",
            "mode": "direct-store" if a.direct_store else "checkpoint+convert", "machine": machine_info()}
     if a.direct_store:
         from ..synthetic import write_store_from_seed
@@ -90,7 +91,7 @@ def cmd_make_synthetic(a) -> int:
         t0 = time.perf_counter()
         with PeakRss() as pr:
             write_store_from_seed(st, cfg, quant=a.quant, seed=a.seed, overwrite=True,
-                                  progress=_progress_printer(f"writing {st.name}"))
+                                  progress=_progress_printer(f"writing {st.name}"), expert_draw=a.expert_draw)
         dt = time.perf_counter() - t0
         size = sum(f.stat().st_size for f in st.rglob("*") if f.is_file())
         res.update(store_write_s=dt, store_gb=size / 1e9, store_mb_per_s=size / 1e6 / dt,
@@ -138,6 +139,12 @@ def add_parser(bs) -> None:
     m.add_argument("--direct-store", action="store_true",
                    help="write the int8/int4 store straight from the seed, no bf16 checkpoint (for shapes too "
                         "large to write as one; no transformers / llama.cpp comparison is possible then)")
+    from ..synthetic import EXPERT_DRAWS
+    m.add_argument("--expert-draw", choices=EXPERT_DRAWS, default="exact",
+                   help="--direct-store: 'codes' draws the experts' quantized codes directly (fast; the "
+                        "default 'exact' quantizes the seeded bf16 draw, as the checkpoint mode does)")
+    m.add_argument("--keep-free-gb", type=float, default=3.0,
+                   help="refuse unless this much disk stays free afterwards (GB)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--force", action="store_true")
     m.set_defaults(fn=cmd_make_synthetic)

@@ -97,7 +97,7 @@ def _arm_ours(store: str, prompt: list, forced: list, threads: int, ctx: int, li
     eng = Engine.open(EngineConfig(store=store, **cfg))
     if limit_gb is None:
         # all resident, like llama.cpp's populated mmap: every expert is read during the load
-        for layer in range(eng.args.num_moe_layers):
+        for layer in range(eng.args.num_moe_layers):  # expert rows = MoE layers
             eng.cache.load_experts(layer, np.arange(E))
     load_s, io1 = time.perf_counter() - t0, proc_read_bytes()
     try:
