@@ -61,6 +61,10 @@ def embed_q8(ids, w, s, out):
     out[...] = w[ids].astype(np.float32) * s[ids][:, None]
 
 
+def embed_q4(ids, w, s, gs, out):
+    out[...] = _q4(w[ids], s[ids], gs)
+
+
 def rmsnorm(x, w, eps, out):
     var = np.mean(x.astype(np.float32) ** 2, axis=1, keepdims=True)
     out[...] = w * (x / np.sqrt(var + np.float32(eps)))
