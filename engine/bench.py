@@ -846,3 +846,4 @@ def add_bench_parser(sub) -> None:
 
     from .bench_peers import add_peers_parsers
     add_peers_parsers(bs)
+    __import__(__package__ + ".bench_kernels", fromlist=["add_parser"]).add_parser(bs)
