@@ -75,7 +75,10 @@ _numba_was_loaded = "numba" in sys.modules
 
 import numba  # noqa: E402
 import numpy as np  # noqa: E402
-from numba import njit, prange  # noqa: E402
+from llvmlite import ir  # noqa: E402
+from numba import njit, prange, types  # noqa: E402
+from numba.core import cgutils  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
 
 if _numba_was_loaded:  # numba read its config before us: apply the same choices directly
     if CACHE_DIR is not None:
@@ -98,8 +101,35 @@ def _start_threading_layer() -> str:
 THREADING_LAYER = _start_threading_layer()
 SERIALIZED = THREADING_LAYER not in ("omp", "tbb")  # workqueue (or unknown): not thread-safe
 
+
+
+def _q4_flavor() -> str:
+    """How q4 dot products run on this CPU: "vnni" (AVX-512 VNNI vpdpbusd), "bw" (AVX-512BW
+    vpmaddubsw + vpmaddwd) or "portable" (plain numba loops, any CPU). ``COLIBRI_Q4_KERNEL``
+    forces one (tests use it to check every path here); a forced choice compiles uncached, so
+    the on-disk cache only ever holds this machine's own choice."""
+    forced = os.environ.get("COLIBRI_Q4_KERNEL")
+    if forced:
+        if forced not in ("vnni", "bw", "portable"):
+            raise ValueError(f"COLIBRI_Q4_KERNEL={forced!r}: choose vnni, bw or portable")
+        return forced
+    import platform
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "portable"
+    try:
+        import llvmlite.binding as llb
+        feats = llb.get_host_cpu_features()
+    except Exception:
+        return "portable"
+    if feats.get("avx512bw") and feats.get("avx512f"):
+        return "vnni" if feats.get("avx512vnni") else "bw"
+    return "portable"
+
+
+Q4_FLAVOR = _q4_flavor()
 _FM = {"reassoc", "contract", "nsz", "arcp"}  # allow SIMD reductions; no inf/nan shortcuts
-_KW = dict(nogil=True, fastmath=_FM, cache=CACHE_DIR is not None)
+_KW = dict(nogil=True, fastmath=_FM,
+           cache=CACHE_DIR is not None and not os.environ.get("COLIBRI_Q4_KERNEL"))
 
 F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
@@ -130,11 +160,149 @@ def _dot_q8(x, w, s):
     return acc * s
 
 
+# --- q4: activations quantized like llama.cpp's Q8_0, integer dot products --------------------
+#
+# Per call, each activation row x [N] is quantized per weight group (gs columns) to int8:
+# d = max|x_g| / 127, q = rint(x * (127 / max|x_g|)), the x the weights meet is q * d (exactly
+# what kernels_ref.quantize_activations does). A group's dot product is then
+# d * s_w * sum_j q_j * (nibble_j - 8) = d * s_w * (sum_j q_j * nibble_j - 8 * sum_j q_j):
+# unsigned nibbles times signed bytes, the operand shape of AVX-512 VNNI's vpdpbusd, with the
+# "- 8" folded into c_g = 8 * d * sum_j q_j (computed once per row and group).
+
+_I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
+                                ir.FloatType())
+
+
+def _vec(t, n):
+    return ir.VectorType(t, n)
+
+
+def _const_vec(t, values):
+    return ir.Constant(_vec(t, len(values)), list(values))
+
+
+@intrinsic
+def _q4_pairs_simd(typingctx, xq, xs, w, ws, npairs):
+    """sum over group pairs p < npairs of xs[g] * ws[g] * sum_j nibble_j * xq_j, for gs = 32.
+
+    xq int8 [>= 64 npairs]: per pair of groups (A, B) the bytes [even columns of A (16),
+    of B (16), odd columns of A (16), of B (16)], which lines up with one 32-byte load of
+    the packed weights split into low nibbles then high nibbles. xs, ws float32 [>= 2 npairs];
+    w uint8 [>= 32 npairs]. 16 float lanes accumulate in registers, summed at the end in a
+    fixed tree order (deterministic)."""
+    sig = types.float32(xq, xs, w, ws, types.intp)
+
+    def codegen(context, builder, signature, args):
+        ptrs = [context.make_array(signature.args[i])(context, builder, value=args[i]).data for i in range(4)]
+        xqp, xsp, wp, wsp = ptrs
+        mod = builder.module
+        v64i8, v32i8, v32i16, v16i32, v16f, v2f = (_vec(_I8, 64), _vec(_I8, 32), _vec(_I16, 32),
+                                                   _vec(_I32, 16), _vec(_F32, 16), _vec(_F32, 2))
+        if Q4_FLAVOR == "vnni":
+            dp = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i32, [v16i32, v64i8, v64i8]),
+                                                "llvm.x86.avx512.vpdpbusd.512")
+        else:
+            mub = cgutils.get_or_insert_function(mod, ir.FunctionType(v32i16, [v64i8, v64i8]),
+                                                 "llvm.x86.avx512.pmaddubs.w.512")
+            mwd = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i32, [v32i16, v32i16]),
+                                                 "llvm.x86.avx512.pmaddw.d.512")
+        acc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
+        cat = _const_vec(_I32, range(64))
+        lanes = _const_vec(_I32, [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4)  # dword lane -> group A/B
+        with cgutils.for_range(builder, args[4]) as loop:
+            i = loop.index
+            wv = builder.load(builder.bitcast(builder.gep(wp, [builder.mul(i, ir.Constant(_I64, 32))]),
+                                              v32i8.as_pointer()), align=1)
+            nib = builder.shuffle_vector(builder.and_(wv, _const_vec(_I8, [15] * 32)),
+                                         builder.lshr(wv, _const_vec(_I8, [4] * 32)), cat)
+            xv = builder.load(builder.bitcast(builder.gep(xqp, [builder.mul(i, ir.Constant(_I64, 64))]),
+                                              v64i8.as_pointer()), align=1)
+            if Q4_FLAVOR == "vnni":
+                p32 = builder.call(dp, [ir.Constant(v16i32, [0] * 16), nib, xv])
+            else:
+                p32 = builder.call(mwd, [builder.call(mub, [nib, xv]), _const_vec(_I16, [1] * 32)])
+            g2 = builder.mul(i, ir.Constant(_I64, 2))
+            a2 = builder.load(builder.bitcast(builder.gep(xsp, [g2]), v2f.as_pointer()), align=4)
+            b2 = builder.load(builder.bitcast(builder.gep(wsp, [g2]), v2f.as_pointer()), align=4)
+            sc = builder.shuffle_vector(builder.fmul(a2, b2), ir.Constant(v2f, ir.Undefined), lanes)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(p32, v16f), sc)), acc)
+        v = builder.load(acc)
+        width = 16
+        while width > 1:
+            half = width // 2
+            v = builder.fadd(builder.shuffle_vector(v, v, _const_vec(_I32, range(half))),
+                             builder.shuffle_vector(v, v, _const_vec(_I32, range(half, width))))
+            width = half
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+    return sig, codegen
+
+
 @njit(inline="always", **_KW)
-def _dot_q4(xe, xo, w, s, sh, hg):
-    """One q4 row: xe, xo float32 [N/2] (even / odd columns of x), w uint8 [N/2], s [G].
-    sh = log2(gs / 2) when gs / 2 is a power of two (one vectorized loop), else -1 and
-    hg = gs / 2 bytes per group (a loop per group)."""
+def _quant_group(x, lo, gs, inv_out):
+    """(d, 127 / max|x|) of x[lo:lo + gs] (0, 0 for an all-zero group)."""
+    m = np.float32(0.0)
+    for j in range(lo, lo + gs):
+        m = max(m, abs(x[j]))
+    if m == 0:
+        return np.float32(0.0), np.float32(0.0)
+    return m / np.float32(127.0), np.float32(127.0) / m
+
+
+@njit(inline="always", **_KW)
+def _q4_prep_simd(x, xq, xs, c):
+    """Quantize x [N] (gs = 32) into the pair layout of _q4_pairs_simd; a last unpaired group
+    holds [16 even | 16 odd]. xs [G] scales, c [G] = 8 * xs * sum(q)."""
+    G = xs.shape[0]
+    paired = (G // 2) * 2
+    for g in range(G):
+        d, inv = _quant_group(x, g * 32, 32, 0)
+        xs[g] = d
+        base = (g // 2) * 64 + (g % 2) * 16
+        odd = 32 if g < paired else 16
+        tot = 0
+        for j in range(16):
+            a = np.int32(np.rint(x[g * 32 + 2 * j] * inv))
+            b = np.int32(np.rint(x[g * 32 + 2 * j + 1] * inv))
+            xq[base + j] = a
+            xq[base + odd + j] = b
+            tot += a + b
+        c[g] = np.float32(8.0) * d * np.float32(tot)
+
+
+@njit(inline="always", **_KW)
+def _q4_dot_simd(xq, xs, c, w, ws):
+    """One q4 row (gs = 32) against a row prepared by _q4_prep_simd."""
+    G = ws.shape[0]
+    acc = _q4_pairs_simd(xq, xs, w, ws, G // 2)
+    if G % 2:
+        g = G - 1
+        tot = 0
+        for j in range(16):
+            b = np.int32(w[g * 16 + j])
+            tot += np.int32(xq[g * 32 + j]) * (b & 15) + np.int32(xq[g * 32 + 16 + j]) * (b >> 4)
+        acc += np.float32(tot) * (xs[g] * ws[g])
+    corr = np.float32(0.0)
+    for g in range(G):
+        corr += ws[g] * c[g]
+    return acc - corr
+
+
+@njit(inline="always", **_KW)
+def _q4_prep_portable(x, gs, xe, xo):
+    """Quantize x [N] per group of gs like _q4_prep_simd, but keep the dequantized values
+    q * d as float32, split into even (xe) and odd (xo) columns [N / 2]."""
+    hg = gs // 2
+    for g in range(x.shape[0] // gs):
+        d, inv = _quant_group(x, g * gs, gs, 0)
+        for j in range(hg):
+            xe[g * hg + j] = np.float32(np.rint(x[g * gs + 2 * j] * inv)) * d
+            xo[g * hg + j] = np.float32(np.rint(x[g * gs + 2 * j + 1] * inv)) * d
+
+
+@njit(inline="always", **_KW)
+def _q4_dot_portable(xe, xo, w, s, sh, hg):
+    """One q4 row: xe, xo float32 [N/2], w uint8 [N/2], s [G]. sh = log2(gs / 2) when gs / 2 is
+    a power of two (one unit-stride loop LLVM vectorizes), else -1 (a loop per group)."""
     acc = np.float32(0.0)
     if sh >= 0:
         for k in range(w.shape[0]):
@@ -161,13 +329,44 @@ def _q4_shift(gs):
     return -1
 
 
+_Q4_SIMD = Q4_FLAVOR != "portable"
+
+
 @njit(inline="always", **_KW)
-def _split_even_odd(x, xe, xo):
-    """xe[t, k] = x[t, 2k], xo[t, k] = x[t, 2k + 1]."""
-    for t in range(x.shape[0]):
-        for k in range(xe.shape[1]):
-            xe[t, k] = x[t, 2 * k]
-            xo[t, k] = x[t, 2 * k + 1]
+def _q4_prepare_row(x, gs, simd, t, xq, xs, c, xe, xo):
+    if simd:
+        _q4_prep_simd(x[t], xq[t], xs[t], c[t])
+    else:
+        _q4_prep_portable(x[t], gs, xe[t], xo[t])
+
+
+@njit(inline="always", **_KW)
+def _q4_prepare(x, gs):
+    """Quantize the rows of x [T, N] once per call: (simd, xq, xs, c, xe, xo), the arrays of
+    the path not taken empty. Rows in parallel when there are enough of them."""
+    T, N = x.shape
+    simd = _Q4_SIMD and gs == 32
+    xq = np.empty((T, N if simd else 0), np.int8)
+    xs = np.empty((T, N // gs), np.float32)
+    c = np.empty((T, N // gs), np.float32)
+    xe = np.empty((T, 0 if simd else N // 2), np.float32)
+    xo = np.empty((T, 0 if simd else N // 2), np.float32)
+    if T >= 8:
+        for t in prange(T):
+            _q4_prepare_row(x, gs, simd, t, xq, xs, c, xe, xo)
+    else:
+        for t in range(T):
+            _q4_prepare_row(x, gs, simd, t, xq, xs, c, xe, xo)
+    return simd, xq, xs, c, xe, xo
+
+
+@njit(inline="always", **_KW)
+def _q4_out(P, w, s, sh, hg, o, t):
+    """Element (t, o) of quantize_activations(x) @ dequant(w, s)^T for x prepared as P."""
+    simd, xq, xs, c, xe, xo = P
+    if simd:
+        return _q4_dot_simd(xq[t], xs[t], c[t], w[o], s[o])
+    return _q4_dot_portable(xe[t], xo[t], w[o], s[o], sh, hg)
 
 
 # --- linear layers: out[T, O] = x[T, N] @ W^T ------------------------------------------------
@@ -195,15 +394,11 @@ def linear_q8(x, w, s, out):
 
 @njit(parallel=True, **_KW)
 def linear_q4(x, w, s, gs, out):
-    half = w.shape[1]
-    xe = np.empty((x.shape[0], half), np.float32)
-    xo = np.empty((x.shape[0], half), np.float32)
-    _split_even_odd(x, xe, xo)
-    sh = _q4_shift(gs)
-    hg = gs // 2
+    P = _q4_prepare(x, gs)
+    sh, hg = _q4_shift(gs), gs // 2
     for o in prange(w.shape[0]):
         for t in range(x.shape[0]):
-            out[t, o] = _dot_q4(xe[t], xo[t], w[o], s[o], sh, hg)
+            out[t, o] = _q4_out(P, w, s, sh, hg, o, t)
 
 
 # --- expert FFN: out[T, D] = down(silu(gate(x)) * up(x)) -----------------------------------
@@ -245,22 +440,15 @@ def expert_q8(x, gw, gs, uw, us, dw, ds, h, out):
 
 @njit(parallel=True, **_KW)
 def expert_q4(x, gw, gs, uw, us, dw, ds, gsz, h, out):
-    T = x.shape[0]
-    xe = np.empty((T, gw.shape[1]), np.float32)
-    xo = np.empty((T, gw.shape[1]), np.float32)
-    _split_even_odd(x, xe, xo)
-    sh = _q4_shift(gsz)
-    hg = gsz // 2
+    P = _q4_prepare(x, gsz)
+    sh, hg = _q4_shift(gsz), gsz // 2
     for i in prange(gw.shape[0]):
-        for t in range(T):
-            h[t, i] = _silu_mul(_dot_q4(xe[t], xo[t], gw[i], gs[i], sh, hg),
-                                _dot_q4(xe[t], xo[t], uw[i], us[i], sh, hg))
-    he = np.empty((T, dw.shape[1]), np.float32)
-    ho = np.empty((T, dw.shape[1]), np.float32)
-    _split_even_odd(h, he, ho)
+        for t in range(x.shape[0]):
+            h[t, i] = _silu_mul(_q4_out(P, gw, gs, sh, hg, i, t), _q4_out(P, uw, us, sh, hg, i, t))
+    Q = _q4_prepare(h, gsz)
     for o in prange(dw.shape[0]):
-        for t in range(T):
-            out[t, o] = _dot_q4(he[t], ho[t], dw[o], ds[o], sh, hg)
+        for t in range(x.shape[0]):
+            out[t, o] = _q4_out(Q, dw, ds, sh, hg, o, t)
 
 
 # --- embeddings -------------------------------------------------------------------------

@@ -31,8 +31,21 @@ def linear_q8(x, w, s, out):
     out[...] = (x @ w.astype(np.float32).T) * s
 
 
+def quantize_activations(x, gs):
+    """The activations the q4 kernels multiply: each row of x [T, N] quantized per group of gs
+    columns to int8 with d = max|x_g| / 127, q = rint(x * (127 / max|x_g|)); returns q * d
+    (float32 [T, N]), as llama.cpp's Q8_0 activations meet Q4_0 weights."""
+    T, N = x.shape
+    g = x.reshape(T, N // gs, gs).astype(np.float32)
+    m = np.abs(g).max(axis=2, keepdims=True)
+    with np.errstate(divide="ignore"):
+        inv = np.where(m > 0, np.float32(127.0) / m, np.float32(0.0)).astype(np.float32)
+    d = (m / np.float32(127.0)).astype(np.float32)
+    return (np.rint(g * inv).astype(np.float32) * d).reshape(T, N)
+
+
 def linear_q4(x, w, s, gs, out):
-    out[...] = x @ _q4(w, s, gs).T
+    out[...] = quantize_activations(x, gs) @ _q4(w, s, gs).T
 
 
 def _silu(g):
@@ -54,7 +67,9 @@ def expert_q8(x, gw, gs, uw, us, dw, ds, h, out):
 
 
 def expert_q4(x, gw, gs, uw, us, dw, ds, gsz, h, out):
-    expert_f32(x, _q4(gw, gs, gsz), _q4(uw, us, gsz), _q4(dw, ds, gsz), h, out)
+    xq = quantize_activations(x, gsz)
+    h[...] = _silu(xq @ _q4(gw, gs, gsz).T) * (xq @ _q4(uw, us, gsz).T)
+    out[...] = quantize_activations(h, gsz) @ _q4(dw, ds, gsz).T
 
 
 def embed_q8(ids, w, s, out):
