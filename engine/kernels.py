@@ -103,15 +103,16 @@ SERIALIZED = THREADING_LAYER not in ("omp", "tbb")  # workqueue (or unknown): no
 
 
 
-def _q4_flavor() -> str:
-    """How q4 dot products run on this CPU: "vnni" (AVX-512 VNNI vpdpbusd), "bw" (AVX-512BW
-    vpmaddubsw + vpmaddwd) or "portable" (plain numba loops, any CPU). ``COLIBRI_Q4_KERNEL``
+def _int_flavor() -> str:
+    """How the q4 / q8 dot products run on this CPU: "vnni" (AVX-512 VNNI vpdpbusd: q4 and q8),
+    "bw" (AVX-512BW vpmaddubsw + vpmaddwd: q4; q8 portable) or "portable" (plain numba loops,
+    any CPU). All paths compute the same real-valued expression. ``COLIBRI_INT_KERNEL``
     forces one (tests use it to check every path here); a forced choice compiles uncached, so
     the on-disk cache only ever holds this machine's own choice."""
-    forced = os.environ.get("COLIBRI_Q4_KERNEL")
+    forced = os.environ.get("COLIBRI_INT_KERNEL")
     if forced:
         if forced not in ("vnni", "bw", "portable"):
-            raise ValueError(f"COLIBRI_Q4_KERNEL={forced!r}: choose vnni, bw or portable")
+            raise ValueError(f"COLIBRI_INT_KERNEL={forced!r}: choose vnni, bw or portable")
         return forced
     import platform
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -126,10 +127,10 @@ def _q4_flavor() -> str:
     return "portable"
 
 
-Q4_FLAVOR = _q4_flavor()
+INT_FLAVOR = _int_flavor()
 _FM = {"reassoc", "contract", "nsz", "arcp"}  # allow SIMD reductions; no inf/nan shortcuts
 _KW = dict(nogil=True, fastmath=_FM,
-           cache=CACHE_DIR is not None and not os.environ.get("COLIBRI_Q4_KERNEL"))
+           cache=CACHE_DIR is not None and not os.environ.get("COLIBRI_INT_KERNEL"))
 
 F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
@@ -160,14 +161,7 @@ def _dot_q8(x, w, s):
     return acc * s
 
 
-# --- q4: activations quantized like llama.cpp's Q8_0, integer dot products --------------------
-#
-# Per call, each activation row x [N] is quantized per weight group (gs columns) to int8:
-# d = max|x_g| / 127, q = rint(x * (127 / max|x_g|)), the x the weights meet is q * d (exactly
-# what kernels_ref.quantize_activations does). A group's dot product is then
-# d * s_w * sum_j q_j * (nibble_j - 8) = d * s_w * (sum_j q_j * nibble_j - 8 * sum_j q_j):
-# unsigned nibbles times signed bytes, the operand shape of AVX-512 VNNI's vpdpbusd, with the
-# "- 8" folded into c_g = 8 * d * sum_j q_j (computed once per row and group).
+# --- LLVM vector helpers for the integer kernels' intrinsics -----------------------------
 
 _I8, _I16, _I32, _I64, _F32 = (ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64),
                                 ir.FloatType())
@@ -180,6 +174,141 @@ def _vec(t, n):
 def _const_vec(t, values):
     return ir.Constant(_vec(t, len(values)), list(values))
 
+
+def _tree_sum(builder, v):
+    """Sum of the lanes of a float vector in a fixed pairwise order (deterministic)."""
+    width = v.type.count
+    while width > 1:
+        half = width // 2
+        v = builder.fadd(builder.shuffle_vector(v, v, _const_vec(_I32, range(half))),
+                         builder.shuffle_vector(v, v, _const_vec(_I32, range(half, width))))
+        width = half
+    return builder.extract_element(v, ir.Constant(_I32, 0))
+
+
+# --- q8: activations quantized per block of 32 (llama.cpp's Q8_0), integer dot products -------
+#
+# Each activation row x [N] is quantized per block of 32 columns (the last block may be
+# shorter) to int8: d = max|x_b| / 127, q = rint(x * (127 / max|x_b|)); the x the weights meet
+# is q * d (kernels_ref.quantize_activations). With VNNI the block dot products run as
+# vpdpbusd(q + 128, w) - 128 * vpdpbusd(1, w): unsigned activation bytes times signed weights.
+
+@njit(inline="always", **_KW)
+def _quant_group(x, lo, gs):
+    """(d, 127 / max|x|) of x[lo:lo + gs] (0, 0 for an all-zero group)."""
+    m = np.float32(0.0)
+    for j in range(lo, lo + gs):
+        m = max(m, abs(x[j]))
+    if m == 0:
+        return np.float32(0.0), np.float32(0.0)
+    return m / np.float32(127.0), np.float32(127.0) / m
+
+
+QB = 32  # activation block of the q8 kernels (columns)
+
+
+@intrinsic
+def _q8_pairs_simd(typingctx, xu, xs, w, npairs):
+    """sum over block pairs p < npairs of xs[b] * sum_j (xu_j - 128) * w_j, blocks of 32.
+
+    xu uint8 [>= 64 npairs] = q + 128; xs float32 [>= 2 npairs]; w int8 [>= 64 npairs].
+    16 float lanes accumulate in registers, summed at the end in a fixed tree order."""
+    sig = types.float32(xu, xs, w, types.intp)
+
+    def codegen(context, builder, signature, args):
+        xup, xsp, wp = [context.make_array(signature.args[i])(context, builder, value=args[i]).data
+                        for i in range(3)]
+        mod = builder.module
+        v64i8, v16i32, v16f, v2f = _vec(_I8, 64), _vec(_I32, 16), _vec(_F32, 16), _vec(_F32, 2)
+        dp = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i32, [v16i32, v64i8, v64i8]),
+                                            "llvm.x86.avx512.vpdpbusd.512")
+        acc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
+        zero = ir.Constant(v16i32, [0] * 16)
+        lanes = _const_vec(_I32, [0] * 8 + [1] * 8)  # dword lane -> block A/B
+        with cgutils.for_range(builder, args[3]) as loop:
+            i = loop.index
+            off = builder.mul(i, ir.Constant(_I64, 64))
+            wv = builder.load(builder.bitcast(builder.gep(wp, [off]), v64i8.as_pointer()), align=1)
+            xv = builder.load(builder.bitcast(builder.gep(xup, [off]), v64i8.as_pointer()), align=1)
+            p = builder.call(dp, [zero, xv, wv])
+            wsum = builder.call(dp, [zero, _const_vec(_I8, [1] * 64), wv])
+            p = builder.sub(p, builder.shl(wsum, _const_vec(_I32, [7] * 16)))
+            a2 = builder.load(builder.bitcast(builder.gep(xsp, [builder.mul(i, ir.Constant(_I64, 2))]),
+                                              v2f.as_pointer()), align=4)
+            sc = builder.shuffle_vector(a2, ir.Constant(v2f, ir.Undefined), lanes)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(p, v16f), sc)), acc)
+        return _tree_sum(builder, builder.load(acc))
+    return sig, codegen
+
+
+_Q8_SIMD = INT_FLAVOR == "vnni"
+
+
+@njit(inline="always", **_KW)
+def _q8_prep(x, simd, xu, xs, xf):
+    """Quantize x [N] per block of QB: xs [NB] scales; xu [N] = q + 128 (simd) or xf [N] =
+    q * d (portable)."""
+    N = x.shape[0]
+    for b in range(xs.shape[0]):
+        lo = b * QB
+        n = min(QB, N - lo)
+        d, inv = _quant_group(x, lo, n)
+        xs[b] = d
+        if simd:
+            for j in range(lo, lo + n):
+                xu[j] = np.int32(np.rint(x[j] * inv)) + 128
+        else:
+            for j in range(lo, lo + n):
+                xf[j] = np.float32(np.rint(x[j] * inv)) * d
+
+
+@njit(inline="always", **_KW)
+def _q8_prepare(x):
+    """Quantize the rows of x [T, N] once per call: (simd, xu, xs, xf), unused arrays empty."""
+    T, N = x.shape
+    simd = _Q8_SIMD
+    xu = np.empty((T, N if simd else 0), np.uint8)
+    xf = np.empty((T, 0 if simd else N), np.float32)
+    xs = np.empty((T, (N + QB - 1) // QB), np.float32)
+    if T >= 8:
+        for t in prange(T):
+            _q8_prep(x[t], simd, xu[t], xs[t], xf[t])
+    else:
+        for t in range(T):
+            _q8_prep(x[t], simd, xu[t], xs[t], xf[t])
+    return simd, xu, xs, xf
+
+
+@njit(inline="always", **_KW)
+def _q8_out(P, w, s, o, t):
+    """Element (t, o) of quantize_activations(x) @ (w * s)^T for x prepared as P."""
+    simd, xu, xs, xf = P
+    if not simd:
+        return _dot_q8(xf[t], w[o], s[o])
+    N = w.shape[1]
+    npairs = N // 64
+    acc = _q8_pairs_simd(xu[t], xs[t], w[o], npairs)
+    lo = npairs * 64
+    b = npairs * 2
+    while lo < N:
+        hi = min(lo + QB, N)
+        tot = 0
+        for j in range(lo, hi):
+            tot += (np.int32(xu[t, j]) - 128) * np.int32(w[o, j])
+        acc += np.float32(tot) * xs[t, b]
+        lo = hi
+        b += 1
+    return acc * s[o]
+
+
+# --- q4: activations quantized like llama.cpp's Q8_0, integer dot products --------------------
+#
+# Per call, each activation row x [N] is quantized per weight group (gs columns) to int8:
+# d = max|x_g| / 127, q = rint(x * (127 / max|x_g|)), the x the weights meet is q * d (exactly
+# what kernels_ref.quantize_activations does). A group's dot product is then
+# d * s_w * sum_j q_j * (nibble_j - 8) = d * s_w * (sum_j q_j * nibble_j - 8 * sum_j q_j):
+# unsigned nibbles times signed bytes, the operand shape of AVX-512 VNNI's vpdpbusd, with the
+# "- 8" folded into c_g = 8 * d * sum_j q_j (computed once per row and group).
 
 @intrinsic
 def _q4_pairs_simd(typingctx, xq, xs, w, ws, npairs):
@@ -198,7 +327,7 @@ def _q4_pairs_simd(typingctx, xq, xs, w, ws, npairs):
         mod = builder.module
         v64i8, v32i8, v32i16, v16i32, v16f, v2f = (_vec(_I8, 64), _vec(_I8, 32), _vec(_I16, 32),
                                                    _vec(_I32, 16), _vec(_F32, 16), _vec(_F32, 2))
-        if Q4_FLAVOR == "vnni":
+        if INT_FLAVOR == "vnni":
             dp = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i32, [v16i32, v64i8, v64i8]),
                                                 "llvm.x86.avx512.vpdpbusd.512")
         else:
@@ -217,7 +346,7 @@ def _q4_pairs_simd(typingctx, xq, xs, w, ws, npairs):
                                          builder.lshr(wv, _const_vec(_I8, [4] * 32)), cat)
             xv = builder.load(builder.bitcast(builder.gep(xqp, [builder.mul(i, ir.Constant(_I64, 64))]),
                                               v64i8.as_pointer()), align=1)
-            if Q4_FLAVOR == "vnni":
+            if INT_FLAVOR == "vnni":
                 p32 = builder.call(dp, [ir.Constant(v16i32, [0] * 16), nib, xv])
             else:
                 p32 = builder.call(mwd, [builder.call(mub, [nib, xv]), _const_vec(_I16, [1] * 32)])
@@ -226,26 +355,8 @@ def _q4_pairs_simd(typingctx, xq, xs, w, ws, npairs):
             b2 = builder.load(builder.bitcast(builder.gep(wsp, [g2]), v2f.as_pointer()), align=4)
             sc = builder.shuffle_vector(builder.fmul(a2, b2), ir.Constant(v2f, ir.Undefined), lanes)
             builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(p32, v16f), sc)), acc)
-        v = builder.load(acc)
-        width = 16
-        while width > 1:
-            half = width // 2
-            v = builder.fadd(builder.shuffle_vector(v, v, _const_vec(_I32, range(half))),
-                             builder.shuffle_vector(v, v, _const_vec(_I32, range(half, width))))
-            width = half
-        return builder.extract_element(v, ir.Constant(_I32, 0))
+        return _tree_sum(builder, builder.load(acc))
     return sig, codegen
-
-
-@njit(inline="always", **_KW)
-def _quant_group(x, lo, gs, inv_out):
-    """(d, 127 / max|x|) of x[lo:lo + gs] (0, 0 for an all-zero group)."""
-    m = np.float32(0.0)
-    for j in range(lo, lo + gs):
-        m = max(m, abs(x[j]))
-    if m == 0:
-        return np.float32(0.0), np.float32(0.0)
-    return m / np.float32(127.0), np.float32(127.0) / m
 
 
 @njit(inline="always", **_KW)
@@ -255,7 +366,7 @@ def _q4_prep_simd(x, xq, xs, c):
     G = xs.shape[0]
     paired = (G // 2) * 2
     for g in range(G):
-        d, inv = _quant_group(x, g * 32, 32, 0)
+        d, inv = _quant_group(x, g * 32, 32)
         xs[g] = d
         base = (g // 2) * 64 + (g % 2) * 16
         odd = 32 if g < paired else 16
@@ -293,7 +404,7 @@ def _q4_prep_portable(x, gs, xe, xo):
     q * d as float32, split into even (xe) and odd (xo) columns [N / 2]."""
     hg = gs // 2
     for g in range(x.shape[0] // gs):
-        d, inv = _quant_group(x, g * gs, gs, 0)
+        d, inv = _quant_group(x, g * gs, gs)
         for j in range(hg):
             xe[g * hg + j] = np.float32(np.rint(x[g * gs + 2 * j] * inv)) * d
             xo[g * hg + j] = np.float32(np.rint(x[g * gs + 2 * j + 1] * inv)) * d
@@ -329,7 +440,7 @@ def _q4_shift(gs):
     return -1
 
 
-_Q4_SIMD = Q4_FLAVOR != "portable"
+_Q4_SIMD = INT_FLAVOR != "portable"
 
 
 @njit(inline="always", **_KW)
@@ -387,9 +498,10 @@ def linear_f16(x, w, lut, out):
 
 @njit(parallel=True, **_KW)
 def linear_q8(x, w, s, out):
+    P = _q8_prepare(x)
     for o in prange(w.shape[0]):
         for t in range(x.shape[0]):
-            out[t, o] = _dot_q8(x[t], w[o], s[o])
+            out[t, o] = _q8_out(P, w, s, o, t)
 
 
 @njit(parallel=True, **_KW)
@@ -430,12 +542,14 @@ def expert_f16(x, gw, uw, dw, lut, h, out):
 
 @njit(parallel=True, **_KW)
 def expert_q8(x, gw, gs, uw, us, dw, ds, h, out):
+    P = _q8_prepare(x)
     for i in prange(gw.shape[0]):
         for t in range(x.shape[0]):
-            h[t, i] = _silu_mul(_dot_q8(x[t], gw[i], gs[i]), _dot_q8(x[t], uw[i], us[i]))
+            h[t, i] = _silu_mul(_q8_out(P, gw, gs, i, t), _q8_out(P, uw, us, i, t))
+    Q = _q8_prepare(h)
     for o in prange(dw.shape[0]):
         for t in range(x.shape[0]):
-            out[t, o] = _dot_q8(h[t], dw[o], ds[o])
+            out[t, o] = _q8_out(Q, dw, ds, o, t)
 
 
 @njit(parallel=True, **_KW)

@@ -55,9 +55,13 @@ def weight(rng, O, N, kind, gs=32):
 
 
 def effective_x(kind, x, gs=32):
-    """The activations the kernel multiplies (float64): x itself, or for int4 x quantized per
-    group to int8 (kernels_ref.quantize_activations; both sides quantize identically)."""
-    return (R.quantize_activations(x, gs) if kind == "int4" else x).astype(np.float64)
+    """The activations the kernel multiplies (float64): x itself, or for int4 / int8 x quantized
+    per block to int8 (kernels_ref.quantize_activations; both sides quantize identically)."""
+    if kind == "int4":
+        return R.quantize_activations(x, gs).astype(np.float64)
+    if kind == "int8":
+        return R.quantize_activations(x, R.QB).astype(np.float64)
+    return x.astype(np.float64)
 
 
 def linear_args(kind, p, gs):
@@ -182,21 +186,21 @@ def test_rows_do_not_depend_on_T_or_threads(kind):
         numba.set_num_threads(n0)
 
 
-@pytest.mark.parametrize("flavor", sorted({"vnni", "bw", "portable"} - {K.Q4_FLAVOR}))
-def test_other_q4_paths_match_reference(flavor):
-    """The int4 tests again with each q4 path this CPU does not pick by default (forced with
-    COLIBRI_Q4_KERNEL, compiled uncached), so every path of linear_q4 / expert_q4 is checked
-    against kernels_ref where the CPU can run it."""
-    if os.environ.get("COLIBRI_Q4_KERNEL"):
+@pytest.mark.parametrize("flavor", sorted({"vnni", "bw", "portable"} - {K.INT_FLAVOR}))
+def test_other_integer_paths_match_reference(flavor):
+    """The int4 / int8 tests again with each integer path this CPU does not pick by default
+    (forced with COLIBRI_INT_KERNEL, compiled uncached), so every path of the q4 / q8 kernels
+    is checked against kernels_ref where the CPU can run it."""
+    if os.environ.get("COLIBRI_INT_KERNEL"):
         pytest.skip("already inside a forced-path run")
     import llvmlite.binding as llb
     feats = llb.get_host_cpu_features()
     need = {"vnni": ("avx512bw", "avx512vnni"), "bw": ("avx512bw",), "portable": ()}[flavor]
     if not all(feats.get(f) for f in need):
         pytest.skip(f"this CPU cannot run the {flavor} path")
-    env = _clean_env(COLIBRI_Q4_KERNEL=flavor, PYTHONPATH=str(ROOT))
+    env = _clean_env(COLIBRI_INT_KERNEL=flavor, PYTHONPATH=str(ROOT))
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                        "-k", "int4 or q4_other_group"], env=env, cwd=ROOT, capture_output=True, text=True,
+                        "-k", "(int4 or int8 or q4_other_group) and not embed"], env=env, cwd=ROOT, capture_output=True, text=True,
                        timeout=1200)
     assert p.returncode == 0, p.stdout[-3000:]
 
