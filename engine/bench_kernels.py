@@ -19,6 +19,8 @@ may be shared: read the ratios of interleaved arms, not absolute numbers).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -99,9 +101,41 @@ def _parse_arm(spec: str) -> tuple[str, str]:
     return label, path
 
 
+def _write(a, arms, rows, quiet: bool = False) -> None:
+    """Medians, ratios and every run -> bench/results/<name>.{json,md}."""
+    from .bench import machine_info, md_table, write_results
+    keys = [f"tg{a.tokens}"] + [f"pp{p}" for p in a.prompts]
+    med = {}
+    for system, label, _ in arms:
+        arm = f"{system}-{label}"
+        med[arm] = {k: float(np.median([r[k] for r in rows if r["arm"] == arm and k in r]))
+                    for k in keys if any(r["arm"] == arm and k in r for r in rows)}
+    ratios = {}
+    for ours_label, llama_label in a.pair:
+        o, ll = med.get(f"ours-{ours_label}", {}), med.get(f"llama-{llama_label}", {})
+        ratios[f"{ours_label}/{llama_label}"] = {k: o[k] / ll[k] for k in keys if k in o and k in ll}
+    ours_labels = [lb for lb, _ in a.ours]
+    if "int4" in ours_labels and "int8" in ours_labels:
+        o4, o8 = med.get("ours-int4", {}), med.get("ours-int8", {})
+        ratios["int4/int8"] = {k: o4[k] / o8[k] for k in keys if k in o4 and k in o8}
+    cols = [("arm", "arm", "")] + [(k + " tok/s", k, ".1f") for k in keys]
+    table = "Medians over %d interleaved repetitions, %d threads\n\n" % (a.reps, a.threads)
+    table += md_table([{"arm": arm, **m} for arm, m in med.items()], cols)
+    table += "\n\nRatios (median / median)\n\n" + md_table(
+        [{"arm": name, **r} for name, r in ratios.items()], [("pair", "arm", "")] + [(k, k, ".2f") for k in keys])
+    table += "\n\nEvery run\n\n" + md_table(rows, [("arm", "arm", ""), ("rep", "rep", "d"),
+                                                  ("load 1 min", "load_avg_1m", ".1f")] + cols[1:])
+    cmd = "colibri bench kernels " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "colibri bench kernels"
+    table += f"\n\nCommand: `{cmd}`\n"
+    data = {"machine": machine_info(), "command": cmd, "threads": a.threads, "tokens": a.tokens,
+            "prompts": a.prompts, "reps": a.reps, "ours": dict(a.ours), "llama": dict(a.llama),
+            "llama_bench": a.llama_bench, "rows": rows, "medians": med, "ratios": ratios}
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        write_results(a.name, data, table, a.out_dir)
+
+
 def main(a) -> int:
     """Run the interleaved arms; write bench/results/<name>.{json,md}. Returns 0, or 2 on bad input."""
-    from .bench import machine_info, md_table, write_results
     for label, path in a.ours:
         if not (Path(path) / "manifest.json").exists():
             print(f"--ours {label}={path}: no store there (manifest.json missing); make one with "
@@ -132,33 +166,8 @@ def main(a) -> int:
                    "wall_s": time.perf_counter() - t0, **r}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    keys = [f"tg{a.tokens}"] + [f"pp{p}" for p in a.prompts]
-    med = {}
-    for system, label, _ in arms:
-        arm = f"{system}-{label}"
-        med[arm] = {k: float(np.median([r[k] for r in rows if r["arm"] == arm and k in r]))
-                    for k in keys if any(r["arm"] == arm and k in r for r in rows)}
-    ratios = {}
-    for ours_label, llama_label in a.pair:
-        o, ll = med.get(f"ours-{ours_label}", {}), med.get(f"llama-{llama_label}", {})
-        ratios[f"{ours_label}/{llama_label}"] = {k: o[k] / ll[k] for k in keys if k in o and k in ll}
-    ours_labels = [lb for lb, _ in a.ours]
-    if "int4" in ours_labels and "int8" in ours_labels:
-        o4, o8 = med["ours-int4"], med["ours-int8"]
-        ratios["int4/int8"] = {k: o4[k] / o8[k] for k in keys if k in o4 and k in o8}
-    cols = [("arm", "arm", "")] + [(k + " tok/s", k, ".1f") for k in keys]
-    table = "Medians over %d interleaved repetitions, %d threads\n\n" % (a.reps, a.threads)
-    table += md_table([{"arm": arm, **m} for arm, m in med.items()], cols)
-    table += "\n\nRatios (median / median)\n\n" + md_table(
-        [{"arm": name, **r} for name, r in ratios.items()], [("pair", "arm", "")] + [(k, k, ".2f") for k in keys])
-    table += "\n\nEvery run\n\n" + md_table(rows, [("arm", "arm", ""), ("rep", "rep", "d"),
-                                                  ("load 1 min", "load_avg_1m", ".1f")] + cols[1:])
-    cmd = "colibri bench kernels " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "colibri bench kernels"
-    table += f"\n\nCommand: `{cmd}`\n"
-    write_results(a.name, {"machine": machine_info(), "command": cmd, "threads": a.threads, "tokens": a.tokens,
-                           "prompts": a.prompts, "reps": a.reps, "ours": dict(a.ours), "llama": dict(a.llama),
-                           "llama_bench": a.llama_bench, "rows": rows, "medians": med, "ratios": ratios},
-                  table, a.out_dir)
+            _write(a, arms, rows, quiet=True)  # partial results survive an interrupted run
+    _write(a, arms, rows)
     return 0
 
 
