@@ -33,7 +33,59 @@ import numpy as np
 DECODE_PROMPT = 16
 
 
-def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: int) -> dict:
+def _cpu_s(who: int) -> float:
+    import resource
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+def _ours_cpu_rates(run, vocab: int, tokens: int, prompts: list[int], seed: int) -> dict:
+    """Tokens per CPU-second of this process (all its threads), by difference so fixed costs
+    cancel: decode = (tokens - 16) / (cpu(16 + tokens) - cpu(16 + 16)); prefill = (P - 16) /
+    (cpu(prompt P) - cpu(prompt 16)) for the largest P <= 128."""
+    import resource
+    from .bench import forced_stream
+    who = resource.RUSAGE_SELF
+    s = forced_stream(vocab, DECODE_PROMPT + tokens, seed)
+    c0 = _cpu_s(who)
+    run(s[:DECODE_PROMPT], s[DECODE_PROMPT:DECODE_PROMPT + 16])
+    c1 = _cpu_s(who)
+    run(s[:DECODE_PROMPT], s[DECODE_PROMPT:])
+    c2 = _cpu_s(who)
+    out = {"tg_per_cpu_s": (tokens - 16) / max((c2 - c1) - (c1 - c0), 1e-9)}
+    big = max([p for p in prompts if 16 < p <= 128], default=None)
+    if big:
+        a = forced_stream(vocab, big + 1, seed + 77)
+        b = forced_stream(vocab, 17, seed + 78)
+        c0 = _cpu_s(who)
+        run(b[:16], b[16:])
+        c1 = _cpu_s(who)
+        run(a[:big], a[big:])
+        c2 = _cpu_s(who)
+        out[f"pp{big}_per_cpu_s"] = (big - 16) / max((c2 - c1) - (c1 - c0), 1e-9)
+    return out
+
+
+def _llama_cpu_rates(llama_bench: str, gguf: str, prompts: list[int], tokens: int, threads: int) -> dict:
+    """Tokens per CPU-second of llama-bench (child rusage), by difference: decode from -n tokens
+    vs -n 16 (its warm-up generates 1 token in both); prefill from -p P vs -p 16, where its
+    warm-up runs the whole prompt once more (so 2 (P - 16) tokens)."""
+    import resource
+    who = resource.RUSAGE_CHILDREN
+
+    def cpu(p: int, n: int) -> float:
+        c0 = _cpu_s(who)
+        _llama_arm(llama_bench, gguf, [p] if p else [], n, threads)
+        return _cpu_s(who) - c0
+    out = {"tg_per_cpu_s": (tokens - 16) / max(cpu(0, tokens) - cpu(0, 16), 1e-9)}
+    big = max([p for p in prompts if 16 < p <= 128], default=None)
+    if big:
+        out[f"pp{big}_per_cpu_s"] = 2 * (big - 16) / max(cpu(big, 0) - cpu(16, 0), 1e-9)
+    return out
+
+
+def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: int,
+              cpu_time: bool = False) -> dict:
     """One process: open ``store`` all resident, return prefill tok/s per prompt length and
     decode tok/s (see the module docstring)."""
     from .bench import forced_stream
@@ -66,19 +118,23 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
         s = forced_stream(args.vocab_size, DECODE_PROMPT + tokens, seed)
         fin = run(s[:DECODE_PROMPT], s[DECODE_PROMPT:])
         out[f"tg{tokens}"] = fin.decode_tok_per_s
+        if cpu_time:
+            out.update(_ours_cpu_rates(run, args.vocab_size, tokens, prompts, seed))
         return out
     finally:
         eng.close()
 
 
 def _llama_arm(llama_bench: str, gguf: str, prompts: list[int], tokens: int, threads: int) -> dict:
-    cmd = [llama_bench, "-m", gguf, "-t", str(threads), "-p", ",".join(map(str, prompts)), "-n", str(tokens),
-           "-r", "1", "-o", "json"]
+    cmd = [llama_bench, "-m", gguf, "-t", str(threads), "-p", ",".join(map(str, prompts)) or "0",
+           "-n", str(tokens), "-r", "1", "-o", "json"]
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
     out = {}
     for t in json.loads(p.stdout):
+        if t["n_prompt"] == 0 and t["n_gen"] == 0:
+            continue
         key = f"pp{t['n_prompt']}" if t["n_gen"] == 0 else f"tg{t['n_gen']}"
         out[key] = float(t["avg_ts"])
     return out
@@ -87,6 +143,8 @@ def _llama_arm(llama_bench: str, gguf: str, prompts: list[int], tokens: int, thr
 def _spawn_ours(label: str, store: str, a) -> dict:
     cmd = [sys.executable, "-m", "engine.bench_kernels", "--store", store, "--threads", str(a.threads),
            "--tokens", str(a.tokens), "--seed", str(a.seed), "--prompts", *map(str, a.prompts)]
+    if a.cpu_time:
+        cmd.append("--cpu-time")
     p = subprocess.run(cmd, capture_output=True, text=True)
     line = next((x for x in p.stdout.splitlines() if x.startswith("ARM ")), None)
     if p.returncode != 0 or line is None:
@@ -105,6 +163,9 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
     """Medians, ratios and every run -> bench/results/<name>.{json,md}."""
     from .bench import machine_info, md_table, write_results
     keys = [f"tg{a.tokens}"] + [f"pp{p}" for p in a.prompts]
+    if a.cpu_time:
+        big = max([p for p in a.prompts if 16 < p <= 128], default=None)
+        keys += ["tg_per_cpu_s"] + ([f"pp{big}_per_cpu_s"] if big else [])
     med = {}
     for system, label, _ in arms:
         arm = f"{system}-{label}"
@@ -118,7 +179,8 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
     if "int4" in ours_labels and "int8" in ours_labels:
         o4, o8 = med.get("ours-int4", {}), med.get("ours-int8", {})
         ratios["int4/int8"] = {k: o4[k] / o8[k] for k in keys if k in o4 and k in o8}
-    cols = [("arm", "arm", "")] + [(k + " tok/s", k, ".1f") for k in keys]
+    cols = [("arm", "arm", "")] + [(k.replace("_per_cpu_s", " tok/CPU-s") if "cpu" in k else k + " tok/s", k, ".1f")
+                                   for k in keys]
     table = "Medians over %d interleaved repetitions, %d threads\n\n" % (a.reps, a.threads)
     table += md_table([{"arm": arm, **m} for arm, m in med.items()], cols)
     table += "\n\nRatios (median / median)\n\n" + md_table(
@@ -157,8 +219,12 @@ def main(a) -> int:
             load = os.getloadavg()[0]
             t0 = time.perf_counter()
             try:
-                r = (_spawn_ours(label, path, a) if system == "ours"
-                     else _llama_arm(a.llama_bench, path, a.prompts, a.tokens, a.threads))
+                if system == "ours":
+                    r = _spawn_ours(label, path, a)
+                else:
+                    r = _llama_arm(a.llama_bench, path, a.prompts, a.tokens, a.threads)
+                    if a.cpu_time:
+                        r.update(_llama_cpu_rates(a.llama_bench, path, a.prompts, a.tokens, a.threads))
             except RuntimeError as e:
                 print(str(e), file=sys.stderr)
                 continue
@@ -185,6 +251,8 @@ def add_parser(subparsers) -> None:
     k.add_argument("--prompts", type=int, nargs="+", default=[16, 128, 512], help="prefill lengths (tokens)")
     k.add_argument("--tokens", type=int, default=64, help="decoded tokens (tg)")
     k.add_argument("--threads", type=int, default=2)
+    k.add_argument("--cpu-time", action="store_true",
+                   help="also tokens per CPU-second (rusage, by difference): robust on a shared machine")
     k.add_argument("--reps", type=int, default=3)
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--name", default="kernels_olmoe_1b_7b")
@@ -200,8 +268,9 @@ def _arm_main(argv: list[str]) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts", type=int, nargs="+", default=[16, 128, 512])
+    p.add_argument("--cpu-time", action="store_true")
     a = p.parse_args(argv)
-    r = _ours_arm(a.store, a.prompts, a.tokens, a.threads, a.seed)
+    r = _ours_arm(a.store, a.prompts, a.tokens, a.threads, a.seed, a.cpu_time)
     print("ARM " + json.dumps(r), flush=True)
     return 0
 

@@ -19,15 +19,15 @@ def test_bench_kernels_writes_results(tiny_checkpoint, tiny_store, tmp_path):
     s4 = convert_checkpoint(tiny_checkpoint, tmp_path / "tiny-int4", quant="int4")
     out = tmp_path / "results"
     p = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "kernels", "--ours", f"int4={s4}",
-                        f"int8={tiny_store}", "--prompts", "4", "9", "--tokens", "5", "--reps", "2", "--threads", "1",
+                        f"int8={tiny_store}", "--prompts", "4", "20", "--tokens", "20", "--reps", "2", "--threads", "1", "--cpu-time",
                         "--name", "k", "--out-dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads((out / "k.json").read_text())
     assert [r["arm"] for r in res["rows"]] == ["ours-int4", "ours-int8", "ours-int8", "ours-int4"]
     for arm in ("ours-int4", "ours-int8"):
-        assert set(res["medians"][arm]) == {"tg5", "pp4", "pp9"}
+        assert set(res["medians"][arm]) == {"tg20", "pp4", "pp20", "tg_per_cpu_s", "pp20_per_cpu_s"}
         assert all(v > 0 for v in res["medians"][arm].values())
-    assert set(res["ratios"]["int4/int8"]) == {"tg5", "pp4", "pp9"}
+    assert set(res["ratios"]["int4/int8"]) == {"tg20", "pp4", "pp20", "tg_per_cpu_s", "pp20_per_cpu_s"}
     assert "ours-int4" in (out / "k.md").read_text()
 
 
