@@ -11,6 +11,11 @@ Arms (each a fresh process, interleaved, the order reversed every other repetiti
 - llama-<label>: ``llama-bench -m GGUF -t threads -p P1,P2,.. -n tokens -r 1 -o json``
   (its own warm-up run; pp = prompt processing of P tokens, tg = generation of ``tokens``).
 
+``--cpu-time`` adds tokens per CPU-second for decode and for a prefill of <= 128 tokens, from
+rusage by difference (two runs of different length, so loading and warm-up cancel): on a
+machine shared with other jobs, wall-clock tok/s measures the scheduler (with 2 threads every
+parallel region waits for a descheduled partner); CPU time measures the kernels.
+
 Medians over repetitions and the ratios ours / llama.cpp are written to
 bench/results/<name>.{json,md}, with the machine's load average before every arm (the machine
 may be shared: read the ratios of interleaved arms, not absolute numbers).
