@@ -186,7 +186,8 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
         ratios["int4/int8"] = {k: o4[k] / o8[k] for k in keys if k in o4 and k in o8}
     cols = [("arm", "arm", "")] + [(k.replace("_per_cpu_s", " tok/CPU-s") if "cpu" in k else k + " tok/s", k, ".1f")
                                    for k in keys]
-    table = "Medians over %d interleaved repetitions, %d threads\n\n" % (a.reps, a.threads)
+    done = len({r["rep"] for r in rows})
+    table = "Medians over %d interleaved repetitions (of %d asked), %d threads\n\n" % (done, a.reps, a.threads)
     table += md_table([{"arm": arm, **m} for arm, m in med.items()], cols)
     table += "\n\nRatios (median / median)\n\n" + md_table(
         [{"arm": name, **r} for name, r in ratios.items()], [("pair", "arm", "")] + [(k, k, ".2f") for k in keys])
