@@ -28,11 +28,31 @@ def linear_f16(x, w, lut, out):
 
 
 def linear_q8(x, w, s, out):
-    out[...] = (x @ w.astype(np.float32).T) * s
+    out[...] = (quantize_activations(x, QB) @ w.astype(np.float32).T) * s
+
+
+def quantize_activations(x, gs):
+    """The activations the q4 and q8 kernels multiply: each row of x [T, N] quantized per block
+    of gs columns (the last block may be shorter) to int8 with d = max|x_b| / 127,
+    q = rint(x * (127 / max|x_b|)); returns q * d (float32 [T, N]), as llama.cpp's Q8_0
+    activations meet its Q4_0 / Q8_0 weights. q4 uses its group size, q8 blocks of 32."""
+    x = np.asarray(x, np.float32)
+    out = np.empty_like(x)
+    for lo in range(0, x.shape[1], gs):
+        g = x[:, lo:lo + gs]
+        m = np.abs(g).max(axis=1, keepdims=True)
+        with np.errstate(divide="ignore"):
+            inv = np.where(m > 0, np.float32(127.0) / m, np.float32(0.0)).astype(np.float32)
+        d = (m / np.float32(127.0)).astype(np.float32)
+        out[:, lo:lo + gs] = np.rint(g * inv).astype(np.float32) * d
+    return out
+
+
+QB = 32  # activation block of the q8 kernels
 
 
 def linear_q4(x, w, s, gs, out):
-    out[...] = x @ _q4(w, s, gs).T
+    out[...] = quantize_activations(x, gs) @ _q4(w, s, gs).T
 
 
 def _silu(g):
@@ -49,16 +69,23 @@ def expert_f16(x, gw, uw, dw, lut, h, out):
 
 
 def expert_q8(x, gw, gs, uw, us, dw, ds, h, out):
-    h[...] = _silu((x @ gw.astype(np.float32).T) * gs) * ((x @ uw.astype(np.float32).T) * us)
-    out[...] = (h @ dw.astype(np.float32).T) * ds
+    xq = quantize_activations(x, QB)
+    h[...] = _silu((xq @ gw.astype(np.float32).T) * gs) * ((xq @ uw.astype(np.float32).T) * us)
+    out[...] = (quantize_activations(h, QB) @ dw.astype(np.float32).T) * ds
 
 
 def expert_q4(x, gw, gs, uw, us, dw, ds, gsz, h, out):
-    expert_f32(x, _q4(gw, gs, gsz), _q4(uw, us, gsz), _q4(dw, ds, gsz), h, out)
+    xq = quantize_activations(x, gsz)
+    h[...] = _silu(xq @ _q4(gw, gs, gsz).T) * (xq @ _q4(uw, us, gsz).T)
+    out[...] = quantize_activations(h, gsz) @ _q4(dw, ds, gsz).T
 
 
 def embed_q8(ids, w, s, out):
     out[...] = w[ids].astype(np.float32) * s[ids][:, None]
+
+
+def embed_q4(ids, w, s, gs, out):
+    out[...] = _q4(w[ids], s[ids], gs)
 
 
 def rmsnorm(x, w, eps, out):

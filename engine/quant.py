@@ -114,6 +114,24 @@ def dequantize(parts: dict[str, np.ndarray], quant: str, group_size: int = 32) -
     return np.asarray(parts["w"], dtype=np.float32)
 
 
+def kind_of(w: np.ndarray, s: np.ndarray | None) -> str:
+    """The quantization of a stored matrix from its arrays alone: int8 (int8 w, scale per row),
+    int4 (uint8 w, 2-D group scales), f16 (uint16 w), f32 (float32 w).
+
+    Raises:
+        ValueError: the dtypes match no scheme of this module.
+    """
+    if w.dtype == np.int8 and s is not None and s.ndim == 1:
+        return "int8"
+    if w.dtype == np.uint8 and s is not None and s.ndim == 2:
+        return "int4"
+    if w.dtype == np.uint16 and s is None:
+        return "f16"
+    if w.dtype == np.float32 and s is None:
+        return "f32"
+    raise ValueError(f"weight dtype {w.dtype} with scales {None if s is None else s.shape} is no known quantization")
+
+
 def _field_specs(quant: str, O: int, N: int, gs: int) -> list[tuple[str, np.dtype, tuple]]:
     if quant == "int8":
         return [("w", np.dtype(np.int8), (O, N)), ("s", np.dtype(np.float32), (O,))]

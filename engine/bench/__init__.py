@@ -31,7 +31,7 @@ import functools
 import importlib
 
 VERBS = ("make_synthetic", "decode", "cache", "pilot", "disk", "replay", "matrix", "trace_heldout", "arm",
-         "gguf", "peers")
+         "gguf", "peers", "kernels")
 
 
 def add_bench_parser(sub) -> None:

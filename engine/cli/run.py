@@ -82,7 +82,7 @@ def cmd_convert(a) -> int:
     from ..convert import convert_checkpoint
     t0 = time.perf_counter()
     dst = convert_checkpoint(a.src, a.dst, quant=a.quant, overwrite=a.overwrite, group_size=a.group_size,
-                             progress=_progress_printer(f"converting ({a.quant})"))
+                             dense_quant=a.dense_quant, progress=_progress_printer(f"converting ({a.quant})"))
     print(f"store written to {dst} in {time.perf_counter() - t0:.1f} s")
     return 0
 
@@ -153,6 +153,9 @@ def add_parsers(sub) -> None:
     c.add_argument("dst")
     c.add_argument("--quant", choices=("int8", "int4", "f16", "f32"), default="int8")
     c.add_argument("--group-size", type=int, default=32, help="int4 group size")
+    c.add_argument("--dense-quant", choices=("int8", "int4", "f16", "f32"), default=None,
+                   help="resident dense weights; int4 = attention int4, embedding and lm_head int8 "
+                        "(default: int8 for int8/int4 stores, else the --quant)")
     c.add_argument("--overwrite", action="store_true")
     c.set_defaults(fn=cmd_convert)
 

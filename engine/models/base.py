@@ -32,6 +32,7 @@ from typing import Callable, NamedTuple, Protocol
 import numpy as np
 
 from ..errors import Cancelled, ConfigError
+from ..quant import kind_of
 
 if os.environ.get("COLIBRI_NO_NUMBA"):
     from .. import kernels_ref as K
@@ -458,9 +459,10 @@ class Linear:
     """A resident dense matrix [O, N] in one of the kinds of kernels.py, optional float32 bias [O]."""
 
     def __init__(self, dense: dict, name: str, kind: str, group_size: int = 32):
-        self.kind = kind
         self.w = dense[name + ".w"]
         self.s = dense.get(name + ".s")
+        # the arrays say what they are: a store may mix kinds (int4 attention, int8 lm_head)
+        self.kind = kind_of(self.w, self.s)
         self.bias = dense.get(name + ".bias")
         self.gs = group_size
         self.out_features = self.w.shape[0]
@@ -554,9 +556,9 @@ class MoEModel:
         self.expert_quant = expert_quant
         self.dense_quant = dq = dense_quant
         self.gs = group_size
-        self.embed_kind = dq
         self.embed_w = dense["embed_tokens.w"]
         self.embed_s = dense.get("embed_tokens.s")
+        self.embed_kind = kind_of(self.embed_w, self.embed_s)
         self.lm_head = Linear(dense, "lm_head", dq, group_size)
         self.norm = dense["norm"]
         self.moe_index = a.moe_index
@@ -606,6 +608,8 @@ class MoEModel:
         x = np.empty((len(ids), D), dtype=np.float32)  # [T, D]
         if self.embed_kind == "int8":
             K.embed_q8(ids, self.embed_w, self.embed_s, x)
+        elif self.embed_kind == "int4":
+            K.embed_q4(ids, self.embed_w, self.embed_s, self.gs, x)
         elif self.embed_kind == "f16":
             x[:] = K.F16_TABLE[self.embed_w[ids]]
         else:

@@ -1,0 +1,285 @@
+"""`colibri bench kernels`: our int4 / int8 stores, all experts resident, against native
+llama.cpp (`llama-bench`) on Q4_0 / Q8_0 GGUFs of the same model, same thread count.
+
+Arms (each a fresh process, interleaved, the order reversed every other repetition):
+- ours-<label>: a store opened with every expert resident (cap = num_experts, all loaded before
+  timing) and ``threads = threads``; one warm-up generation (JIT, first touches) not
+  counted. Prefill tok/s at each prompt length = the engine's ``prefill_tok_per_s``, each
+  on a fresh seeded random prompt (no KV prefix reuse); decode tok/s = teacher-forced random
+  stream (``forced_stream``) of ``tokens`` tokens after a 16-token prompt, the engine's own
+  ``decode_tok_per_s``.
+- llama-<label>: ``llama-bench -m GGUF -t threads -p P1,P2,.. -n tokens -r 1 -o json``
+  (its own warm-up run; pp = prompt processing of P tokens, tg = generation of ``tokens``).
+
+``--cpu-time`` adds tokens per CPU-second for decode and for a prefill of <= 128 tokens, from
+rusage by difference (two runs of different length, so loading and warm-up cancel): on a
+machine shared with other jobs, wall-clock tok/s measures the scheduler (with 2 threads every
+parallel region waits for a descheduled partner); CPU time measures the kernels.
+
+Medians over repetitions and the ratios ours / llama.cpp are written to
+bench/results/<name>.{json,md}, with the machine's load average before every arm (the machine
+may be shared: read the ratios of interleaved arms, not absolute numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+DECODE_PROMPT = 16
+
+
+def _cpu_s(who: int) -> float:
+    import resource
+    r = resource.getrusage(who)
+    return r.ru_utime + r.ru_stime
+
+
+def _ours_cpu_rates(run, vocab: int, tokens: int, prompts: list[int], seed: int) -> dict:
+    """Tokens per CPU-second of this process (all its threads), by difference so fixed costs
+    cancel: decode = (tokens - 16) / (cpu(16 + tokens) - cpu(16 + 16)); prefill = (P - 16) /
+    (cpu(prompt P) - cpu(prompt 16)) for the largest P <= 128."""
+    import resource
+    from .common import forced_stream
+    who = resource.RUSAGE_SELF
+    s = forced_stream(vocab, DECODE_PROMPT + tokens, seed)
+    c0 = _cpu_s(who)
+    run(s[:DECODE_PROMPT], s[DECODE_PROMPT:DECODE_PROMPT + 16])
+    c1 = _cpu_s(who)
+    run(s[:DECODE_PROMPT], s[DECODE_PROMPT:])
+    c2 = _cpu_s(who)
+    out = {"tg_per_cpu_s": (tokens - 16) / max((c2 - c1) - (c1 - c0), 1e-9)}
+    big = max([p for p in prompts if 16 < p <= 128], default=None)
+    if big:
+        a = forced_stream(vocab, big + 1, seed + 77)
+        b = forced_stream(vocab, 17, seed + 78)
+        c0 = _cpu_s(who)
+        run(b[:16], b[16:])
+        c1 = _cpu_s(who)
+        run(a[:big], a[big:])
+        c2 = _cpu_s(who)
+        out[f"pp{big}_per_cpu_s"] = (big - 16) / max((c2 - c1) - (c1 - c0), 1e-9)
+    return out
+
+
+def _llama_cpu_rates(llama_bench: str, gguf: str, prompts: list[int], tokens: int, threads: int) -> dict:
+    """Tokens per CPU-second of llama-bench (child rusage), by difference: decode from -n tokens
+    vs -n 16 (its warm-up generates 1 token in both); prefill from -p P vs -p 16, where its
+    warm-up runs the whole prompt once more (so 2 (P - 16) tokens)."""
+    import resource
+    who = resource.RUSAGE_CHILDREN
+
+    def cpu(p: int, n: int) -> float:
+        c0 = _cpu_s(who)
+        _llama_arm(llama_bench, gguf, [p] if p else [], n, threads)
+        return _cpu_s(who) - c0
+    out = {"tg_per_cpu_s": (tokens - 16) / max(cpu(0, tokens) - cpu(0, 16), 1e-9)}
+    big = max([p for p in prompts if 16 < p <= 128], default=None)
+    if big:
+        out[f"pp{big}_per_cpu_s"] = 2 * (big - 16) / max(cpu(big, 0) - cpu(16, 0), 1e-9)
+    return out
+
+
+def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: int,
+              cpu_time: bool = False) -> dict:
+    """One process: open ``store`` all resident, return prefill tok/s per prompt length and
+    decode tok/s (see the module docstring)."""
+    from .common import forced_stream
+    from ..config import EngineConfig, ModelArgs
+    from ..events import Finished, GenerateRequest, SamplingParams
+    from ..generate import Engine
+    args = ModelArgs.from_hf_config(Path(store) / "config.json")
+    E = args.num_experts
+    ctx = -(-(max(prompts + [DECODE_PROMPT + tokens]) + 2) // 256) * 256
+    eng = Engine.open(EngineConfig(store=store, cap=E, pilot=0, pinning=False, history=False, o_direct=False,
+                                   threads=threads, context_length=ctx))
+    try:
+        for layer in range(args.num_hidden_layers):
+            eng.cache.load_experts(layer, np.arange(E))
+
+        def run(prompt: list[int], forced: list[int]) -> Finished:
+            req = GenerateRequest(prompt_ids=tuple(prompt), forced_ids=tuple(forced),
+                                  sampling=SamplingParams(max_new_tokens=len(forced)))
+            fin = [e for e in eng.generate(req) if isinstance(e, Finished)][0]
+            if fin.error:
+                raise RuntimeError(f"{store}: {fin.error}")
+            return fin
+        warm = forced_stream(args.vocab_size, 40, seed + 999)
+        run(warm[:32], warm[32:])  # JIT for T = 32 and T = 1; not counted
+        out = {"quant": eng.store.quant, "dense_quant": eng.store.dense_quant}
+        for i, p in enumerate(prompts):
+            s = forced_stream(args.vocab_size, p + 1, seed + 1 + i)
+            fin = run(s[:p], s[p:])
+            out[f"pp{p}"] = fin.prefill_tok_per_s
+        s = forced_stream(args.vocab_size, DECODE_PROMPT + tokens, seed)
+        fin = run(s[:DECODE_PROMPT], s[DECODE_PROMPT:])
+        out[f"tg{tokens}"] = fin.decode_tok_per_s
+        if cpu_time:
+            out.update(_ours_cpu_rates(run, args.vocab_size, tokens, prompts, seed))
+        return out
+    finally:
+        eng.close()
+
+
+def _llama_arm(llama_bench: str, gguf: str, prompts: list[int], tokens: int, threads: int) -> dict:
+    cmd = [llama_bench, "-m", gguf, "-t", str(threads), "-p", ",".join(map(str, prompts)) or "0",
+           "-n", str(tokens), "-r", "1", "-o", "json"]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
+    out = {}
+    for t in json.loads(p.stdout):
+        if t["n_prompt"] == 0 and t["n_gen"] == 0:
+            continue
+        key = f"pp{t['n_prompt']}" if t["n_gen"] == 0 else f"tg{t['n_gen']}"
+        out[key] = float(t["avg_ts"])
+    return out
+
+
+def _spawn_ours(label: str, store: str, a) -> dict:
+    cmd = [sys.executable, "-m", "engine.bench.kernels", "--store", store, "--threads", str(a.threads),
+           "--tokens", str(a.tokens), "--seed", str(a.seed), "--prompts", *map(str, a.prompts)]
+    if a.cpu_time:
+        cmd.append("--cpu-time")
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("ARM ")), None)
+    if p.returncode != 0 or line is None:
+        raise RuntimeError(f"ours-{label} failed:\n{p.stderr[-3000:]}")
+    return json.loads(line[4:])
+
+
+def _parse_arm(spec: str) -> tuple[str, str]:
+    if "=" not in spec:
+        raise argparse.ArgumentTypeError(f"{spec!r}: expected LABEL=PATH")
+    label, path = spec.split("=", 1)
+    return label, path
+
+
+def _write(a, arms, rows, quiet: bool = False) -> None:
+    """Medians, ratios and every run -> bench/results/<name>.{json,md}."""
+    from .common import machine_info, md_table, write_results
+    keys = [f"tg{a.tokens}"] + [f"pp{p}" for p in a.prompts]
+    if a.cpu_time:
+        big = max([p for p in a.prompts if 16 < p <= 128], default=None)
+        keys += ["tg_per_cpu_s"] + ([f"pp{big}_per_cpu_s"] if big else [])
+    med = {}
+    for system, label, _ in arms:
+        arm = f"{system}-{label}"
+        med[arm] = {k: float(np.median([r[k] for r in rows if r["arm"] == arm and k in r]))
+                    for k in keys if any(r["arm"] == arm and k in r for r in rows)}
+    ratios = {}
+    for ours_label, llama_label in a.pair:
+        o, ll = med.get(f"ours-{ours_label}", {}), med.get(f"llama-{llama_label}", {})
+        ratios[f"{ours_label}/{llama_label}"] = {k: o[k] / ll[k] for k in keys if k in o and k in ll}
+    ours_labels = [lb for lb, _ in a.ours]
+    if "int4" in ours_labels and "int8" in ours_labels:
+        o4, o8 = med.get("ours-int4", {}), med.get("ours-int8", {})
+        ratios["int4/int8"] = {k: o4[k] / o8[k] for k in keys if k in o4 and k in o8}
+    cols = [("arm", "arm", "")] + [(k.replace("_per_cpu_s", " tok/CPU-s") if "cpu" in k else k + " tok/s", k, ".1f")
+                                   for k in keys]
+    done = len({r["rep"] for r in rows})
+    table = "Medians over %d interleaved repetitions (of %d asked), %d threads\n\n" % (done, a.reps, a.threads)
+    table += md_table([{"arm": arm, **m} for arm, m in med.items()], cols)
+    table += "\n\nRatios (median / median)\n\n" + md_table(
+        [{"arm": name, **r} for name, r in ratios.items()], [("pair", "arm", "")] + [(k, k, ".2f") for k in keys])
+    table += "\n\nEvery run\n\n" + md_table(rows, [("arm", "arm", ""), ("rep", "rep", "d"),
+                                                  ("load 1 min", "load_avg_1m", ".1f")] + cols[1:])
+    cmd = "colibri bench kernels " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "colibri bench kernels"
+    table += f"\n\nCommand: `{cmd}`\n"
+    data = {"machine": machine_info(), "command": cmd, "threads": a.threads, "tokens": a.tokens,
+            "prompts": a.prompts, "reps": a.reps, "ours": dict(a.ours), "llama": dict(a.llama),
+            "llama_bench": a.llama_bench, "rows": rows, "medians": med, "ratios": ratios}
+    with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
+        write_results(a.name, data, table, a.out_dir)
+
+
+def main(a) -> int:
+    """Run the interleaved arms; write bench/results/<name>.{json,md}. Returns 0, or 2 on bad input."""
+    for label, path in a.ours:
+        if not (Path(path) / "manifest.json").exists():
+            print(f"--ours {label}={path}: no store there (manifest.json missing); make one with "
+                  f"`colibri convert`", file=sys.stderr)
+            return 2
+    for label, path in a.llama:
+        if not Path(path).is_file():
+            print(f"--llama {label}={path}: no GGUF file there; see bench/README.md (`colibri bench gguf`)",
+                  file=sys.stderr)
+            return 2
+    if a.llama and not (Path(a.llama_bench).is_file() and os.access(a.llama_bench, os.X_OK)):
+        print(f"--llama-bench {a.llama_bench}: not an executable; build llama.cpp natively "
+              f"(bench/README.md)", file=sys.stderr)
+        return 2
+    arms = [("ours", lb, p) for lb, p in a.ours] + [("llama", lb, p) for lb, p in a.llama]
+    rows = []
+    for rep in range(a.reps):
+        for system, label, path in (arms if rep % 2 == 0 else arms[::-1]):
+            load = os.getloadavg()[0]
+            t0 = time.perf_counter()
+            try:
+                if system == "ours":
+                    r = _spawn_ours(label, path, a)
+                else:
+                    r = _llama_arm(a.llama_bench, path, a.prompts, a.tokens, a.threads)
+                    if a.cpu_time:
+                        r.update(_llama_cpu_rates(a.llama_bench, path, a.prompts, a.tokens, a.threads))
+            except RuntimeError as e:
+                print(str(e), file=sys.stderr)
+                continue
+            row = {"arm": f"{system}-{label}", "rep": rep, "load_avg_1m": load,
+                   "wall_s": time.perf_counter() - t0, **r}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            _write(a, arms, rows, quiet=True)  # partial results survive an interrupted run
+    _write(a, arms, rows)
+    return 0
+
+
+def add_parser(subparsers) -> None:
+    """Register `bench kernels` on the bench verb's subparsers."""
+    k = subparsers.add_parser("kernels", help="int4/int8 all resident vs native llama-bench Q4_0/Q8_0")
+    k.add_argument("--ours", type=_parse_arm, nargs="+", default=[], metavar="LABEL=STORE",
+                   help="our stores, e.g. int4=bench/work/olmoe-1b-7b-int4 int8=bench/work/olmoe-1b-7b-int8")
+    k.add_argument("--llama", type=_parse_arm, nargs="*", default=[], metavar="LABEL=GGUF",
+                   help="GGUFs for llama-bench, e.g. q4_0=...q4_0.gguf q8_0=...q8_0.gguf")
+    k.add_argument("--pair", type=lambda s: tuple(s.split("/", 1)), nargs="*",
+                   default=[("int4", "q4_0"), ("int8", "q8_0")], metavar="OURS/LLAMA",
+                   help="ratios to report")
+    k.add_argument("--llama-bench", default="llama-bench", help="path of the native llama-bench binary")
+    k.add_argument("--prompts", type=int, nargs="+", default=[16, 128, 512], help="prefill lengths (tokens)")
+    k.add_argument("--tokens", type=int, default=64, help="decoded tokens (tg)")
+    k.add_argument("--threads", type=int, default=2)
+    k.add_argument("--cpu-time", action="store_true",
+                   help="also tokens per CPU-second (rusage, by difference): robust on a shared machine")
+    k.add_argument("--reps", type=int, default=3)
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--name", default="kernels_olmoe_1b_7b")
+    k.add_argument("--out-dir", default="bench/results")
+    k.set_defaults(fn=main)
+
+
+def _arm_main(argv: list[str]) -> int:
+    """Internal: one "ours" arm in this fresh process; prints ``ARM {json}``."""
+    p = argparse.ArgumentParser(prog="python -m engine.bench.kernels")
+    p.add_argument("--store", required=True)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", type=int, nargs="+", default=[16, 128, 512])
+    p.add_argument("--cpu-time", action="store_true")
+    a = p.parse_args(argv)
+    r = _ours_arm(a.store, a.prompts, a.tokens, a.threads, a.seed, a.cpu_time)
+    print("ARM " + json.dumps(r), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_arm_main(sys.argv[1:]))

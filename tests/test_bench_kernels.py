@@ -1,0 +1,51 @@
+"""`colibri bench kernels` end to end on a tiny store (no llama.cpp here: the llama arms need a
+native build; their parsing is checked on a recorded llama-bench JSON line)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+
+from engine import convert_checkpoint
+from engine.bench import kernels as bench_kernels
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_kernels_writes_results(tiny_checkpoint, tiny_store, tmp_path):
+    s4 = convert_checkpoint(tiny_checkpoint, tmp_path / "tiny-int4", quant="int4")
+    out = tmp_path / "results"
+    p = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "kernels", "--ours", f"int4={s4}",
+                        f"int8={tiny_store}", "--prompts", "4", "20", "--tokens", "20", "--reps", "2", "--threads", "1", "--cpu-time",
+                        "--name", "k", "--out-dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((out / "k.json").read_text())
+    assert [r["arm"] for r in res["rows"]] == ["ours-int4", "ours-int8", "ours-int8", "ours-int4"]
+    for arm in ("ours-int4", "ours-int8"):
+        assert set(res["medians"][arm]) == {"tg20", "pp4", "pp20", "tg_per_cpu_s", "pp20_per_cpu_s"}
+        assert all(v > 0 for v in res["medians"][arm].values())
+    assert set(res["ratios"]["int4/int8"]) == {"tg20", "pp4", "pp20", "tg_per_cpu_s", "pp20_per_cpu_s"}
+    assert "ours-int4" in (out / "k.md").read_text()
+
+
+def test_bench_kernels_refuses_missing_inputs(tmp_path, capsys):
+    import argparse
+    sub = argparse.ArgumentParser().add_subparsers()
+    bench_kernels.add_parser(sub)
+    a = sub.choices["kernels"].parse_args(["--ours", f"int4={tmp_path / 'nope'}"])
+    assert bench_kernels.main(a) == 2
+    assert "no store there" in capsys.readouterr().err
+
+
+def test_llama_bench_json_is_parsed(monkeypatch):
+    recorded = [{"n_prompt": 16, "n_gen": 0, "avg_ts": 97.5}, {"n_prompt": 0, "n_gen": 64, "avg_ts": 52.25}]
+
+    class P:
+        returncode = 0
+        stdout = json.dumps(recorded)
+        stderr = ""
+    monkeypatch.setattr(bench_kernels.subprocess, "run", lambda *a, **k: P)
+    assert bench_kernels._llama_arm("llama-bench", "m.gguf", [16], 64, 2) == {"pp16": 97.5, "tg64": 52.25}

@@ -1,0 +1,364 @@
+"""Every numba kernel of engine/kernels.py against its numpy twin in engine/kernels_ref.py.
+
+Random shapes (odd sizes wherever the weight kind allows them), several T including 1, every
+weight kind. Plus the invariants the engine relies on: a row's result does not depend on T
+(the other rows of the call) nor on the number of threads, bit for bit; and the process-wide
+setup of kernels.py (issue #18 faults 7 and 8) in subprocesses.
+
+Tolerance (why it is not a guess): both sides compute the same real-valued expression in
+float32 with a different summation order. For a dot product of n terms, any order gives
+|fl(sum) - sum| <= gamma_n * sum|terms| with gamma_n = n*u / (1 - n*u), u = 2^-24 (Higham,
+"Accuracy and Stability of Numerical Algorithms", 2nd ed., eq. 3.5). Each side is within that
+bound of the exact value, so the two differ by at most twice it. The bound is computed per
+element from |x| @ |W|^T in float64 (n counts the extra roundings of scales and dequantization
+as 4 more terms); for the expert FFN it is propagated through silu (|silu'| < 1.1) and the
+down projection. A wrong nibble, scale or index moves results by O(|terms|), orders of
+magnitude above the bound, so the test cannot pass on a broken kernel.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+K = pytest.importorskip("engine.kernels")
+from engine import kernels_ref as R  # noqa: E402
+from engine.quant import dequantize, quantize  # noqa: E402
+
+U = 2.0 ** -24
+TS = (1, 2, 5, 17)
+KINDS = ("f32", "f16", "int8", "int4")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def gamma(n: int) -> float:
+    return n * U / (1 - n * U)
+
+
+def rng_for(*key) -> np.random.Generator:
+    return np.random.default_rng([abs(hash(str(k))) % (2 ** 32) for k in key])
+
+
+def weight(rng, O, N, kind, gs=32):
+    """(kernel args for the weight, dequantized float64 [O, N])."""
+    w = rng.standard_normal((O, N)).astype(np.float32) * 0.3
+    p = quantize(w, kind, gs)
+    deq = dequantize(p, kind, gs).astype(np.float64)
+    return p, deq
+
+
+def effective_x(kind, x, gs=32):
+    """The activations the kernel multiplies (float64): x itself, or for int4 / int8 x quantized
+    per block to int8 (kernels_ref.quantize_activations; both sides quantize identically)."""
+    if kind == "int4":
+        return R.quantize_activations(x, gs).astype(np.float64)
+    if kind == "int8":
+        return R.quantize_activations(x, R.QB).astype(np.float64)
+    return x.astype(np.float64)
+
+
+def linear_args(kind, p, gs):
+    if kind == "f32":
+        return (p["w"],)
+    if kind == "f16":
+        return (p["w"], K.F16_TABLE)
+    if kind == "int8":
+        return (p["w"], p["s"])
+    return (p["w"], p["s"], gs)
+
+
+def run_linear(mod, kind, x, p, gs, O):
+    out = np.full((x.shape[0], O), np.nan, np.float32)
+    getattr(mod, {"f32": "linear_f32", "f16": "linear_f16", "int8": "linear_q8", "int4": "linear_q4"}[kind])(
+        x, *linear_args(kind, p, gs), out)
+    return out
+
+
+def widths(kind, gs=32):
+    """Input widths N to try: odd and tiny ones where the kind allows them."""
+    if kind == "int4":
+        return (gs, 3 * gs, 8 * gs)
+    return (1, 7, 33, 250)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_linear_matches_reference(kind):
+    for N in widths(kind):
+        for O in (1, 3, 65):
+            rng = rng_for("linear", kind, N, O)
+            p, deq = weight(rng, O, N, kind)
+            for T in TS:
+                x = rng.standard_normal((T, N)).astype(np.float32)
+                got = run_linear(K, kind, x, p, 32, O)
+                ref = run_linear(R, kind, x, p, 32, O)
+                tol = 2 * gamma(N + 4) * (np.abs(effective_x(kind, x)) @ np.abs(deq).T) + 1e-30
+                err = np.abs(got.astype(np.float64) - ref)
+                assert np.all(err <= tol), (kind, N, O, T, float((err / tol).max()))
+
+
+@pytest.mark.parametrize("gs", [8, 6, 64])
+def test_linear_q4_other_group_sizes(gs):
+    """gs / 2 a power of two uses the single-loop path, other even sizes the per-group loop."""
+    rng = rng_for("q4gs", gs)
+    N, O = 4 * gs, 9
+    p, deq = weight(rng, O, N, "int4", gs)
+    for T in (1, 3):
+        x = rng.standard_normal((T, N)).astype(np.float32)
+        got = run_linear(K, "int4", x, p, gs, O)
+        ref = run_linear(R, "int4", x, p, gs, O)
+        tol = 2 * gamma(N + 4) * (np.abs(effective_x("int4", x, gs)) @ np.abs(deq).T)
+        assert np.all(np.abs(got - ref) <= tol)
+
+
+def expert_call(mod, kind, x, parts, gs, I, D):
+    g, u, d = parts
+    T = x.shape[0]
+    h = np.full((T, I), np.nan, np.float32)
+    out = np.full((T, D), np.nan, np.float32)
+    if kind == "f32":
+        mod.expert_f32(x, g["w"], u["w"], d["w"], h, out)
+    elif kind == "f16":
+        mod.expert_f16(x, g["w"], u["w"], d["w"], K.F16_TABLE, h, out)
+    elif kind == "int8":
+        mod.expert_q8(x, g["w"], g["s"], u["w"], u["s"], d["w"], d["s"], h, out)
+    else:
+        mod.expert_q4(x, g["w"], g["s"], u["w"], u["s"], d["w"], d["s"], gs, h, out)
+    return h, out
+
+
+def expert_shapes(kind):
+    return ((64, 32), (96, 160)) if kind == "int4" else ((5, 3), (33, 17), (64, 48))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_expert_matches_reference(kind):
+    for D, I in expert_shapes(kind):
+        rng = rng_for("expert", kind, D, I)
+        (pg, g64), (pu, u64), (pd, d64) = (weight(rng, I, D, kind), weight(rng, I, D, kind),
+                                           weight(rng, D, I, kind))
+        for T in TS:
+            x = rng.standard_normal((T, D)).astype(np.float32)
+            h1, o1 = expert_call(K, kind, x, (pg, pu, pd), 32, I, D)
+            h2, o2 = expert_call(R, kind, x, (pg, pu, pd), 32, I, D)
+            xe = effective_x(kind, x)
+            ax = np.abs(xe)
+            gv, uv = xe @ g64.T, xe @ u64.T
+            eg = gamma(D + 4) * (ax @ np.abs(g64).T)
+            eu = gamma(D + 4) * (ax @ np.abs(u64).T)
+            silu = gv / (1 + np.exp(-gv))
+            # h = silu(g) * u: |silu'| < 1.1, plus the roundings of exp, division and product
+            eh = 1.1 * eg * (np.abs(uv) + eu) + np.abs(silu) * eu + gamma(6) * np.abs(silu * uv)
+            assert np.all(np.abs(h1 - h2) <= 2 * eh), (kind, D, I, T, float((np.abs(h1 - h2) / eh).max()))
+            # down projection checked on the kernel's own h, so that int4's re-quantization of h
+            # sees identical inputs on both sides (a last-bit difference in h may flip a rint)
+            he = effective_x(kind, h1)
+            ref_o = he @ d64.T
+            eo = gamma(I + 4) * (np.abs(he) @ np.abs(d64).T)
+            assert np.all(np.abs(o1 - ref_o) <= 2 * eo), (kind, D, I, T, float((np.abs(o1 - ref_o) / eo).max()))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_rows_do_not_depend_on_T_or_threads(kind):
+    """Row t of a T-row call equals a 1-row call on that row, bit for bit, with 1 or all threads:
+    the prefill chunking, the routing of other tokens and numba_threads never change values."""
+    import numba
+    D, I = (64, 32) if kind == "int4" else (33, 17)
+    rng = rng_for("rows", kind)
+    parts = [weight(rng, I, D, kind)[0], weight(rng, I, D, kind)[0], weight(rng, D, I, kind)[0]]
+    x = rng.standard_normal((9, D)).astype(np.float32)
+    full_lin = run_linear(K, kind, x, parts[0], 32, I)
+    full_exp = expert_call(K, kind, x, parts, 32, I, D)[1]
+    n0 = numba.get_num_threads()
+    try:
+        for threads in sorted({1, n0}):
+            numba.set_num_threads(threads)
+            for t in range(x.shape[0]):
+                assert np.array_equal(run_linear(K, kind, x[t:t + 1], parts[0], 32, I), full_lin[t:t + 1])
+                assert np.array_equal(expert_call(K, kind, x[t:t + 1], parts, 32, I, D)[1], full_exp[t:t + 1])
+    finally:
+        numba.set_num_threads(n0)
+
+
+@pytest.mark.parametrize("flavor", sorted({"vnni", "bw", "portable"} - {K.INT_FLAVOR}))
+def test_other_integer_paths_match_reference(flavor):
+    """The int4 / int8 tests again with each integer path this CPU does not pick by default
+    (forced with COLIBRI_INT_KERNEL, compiled uncached), so every path of the q4 / q8 kernels
+    is checked against kernels_ref where the CPU can run it."""
+    if os.environ.get("COLIBRI_INT_KERNEL"):
+        pytest.skip("already inside a forced-path run")
+    import llvmlite.binding as llb
+    feats = llb.get_host_cpu_features()
+    need = {"vnni": ("avx512bw", "avx512vnni"), "bw": ("avx512bw",), "portable": ()}[flavor]
+    if not all(feats.get(f) for f in need):
+        pytest.skip(f"this CPU cannot run the {flavor} path")
+    env = _clean_env(COLIBRI_INT_KERNEL=flavor, PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                        "-k", "(int4 or int8 or q4_other_group) and not embed"], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=1200)
+    assert p.returncode == 0, p.stdout[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_embed_matches_reference(kind):
+    rng = rng_for("embed", kind)
+    V, D = 50, 96
+    p, deq = weight(rng, V, D, kind)
+    ids = rng.integers(0, V, 11)
+    got = np.full((len(ids), D), np.nan, np.float32)
+    ref = np.full((len(ids), D), np.nan, np.float32)
+    if kind == "int8":
+        K.embed_q8(ids, p["w"], p["s"], got)
+        R.embed_q8(ids, p["w"], p["s"], ref)
+    else:
+        K.embed_q4(ids, p["w"], p["s"], 32, got)
+        R.embed_q4(ids, p["w"], p["s"], 32, ref)
+    # one rounding each (q * scale): both sides are the correctly rounded product
+    assert np.array_equal(got, ref)
+    assert np.allclose(got, deq[ids], rtol=2 * U, atol=0)
+
+
+def test_rmsnorm_and_rope_match_reference():
+    for T, N in ((1, 1), (3, 7), (17, 64)):
+        rng = rng_for("norm", T, N)
+        x = rng.standard_normal((T, N)).astype(np.float32)
+        w = rng.standard_normal(N).astype(np.float32)
+        a = np.empty_like(x)
+        b = np.empty_like(x)
+        K.rmsnorm(x, w, 1e-6, a)
+        R.rmsnorm(x, w, 1e-6, b)
+        # mean of squares (N terms), sqrt, reciprocal, two products: gamma(N + 5) relative
+        assert np.allclose(a, b, rtol=2 * gamma(N + 5), atol=0)
+    for T, H, S in ((1, 1, 2), (5, 3, 8), (17, 4, 64)):
+        rng = rng_for("rope", T, H, S)
+        x = rng.standard_normal((T, H, S)).astype(np.float32)
+        ang = rng.uniform(-10, 10, (T, S // 2))
+        cos, sin = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+        a, b = x.copy(), x.copy()
+        K.rope(a, cos, sin)
+        R.rope(b, cos, sin)
+        # a*c - b*s: two products and a difference; bound 2 * gamma(3) * (|a c| + |b s|)
+        mag = np.abs(np.concatenate([x[..., S // 2:], x[..., :S // 2]], -1)) + np.abs(x)
+        assert np.all(np.abs(a - b) <= 2 * gamma(3) * mag)
+
+
+def test_attention_matches_reference():
+    for T, H, Hkv, S, pos0 in ((1, 2, 1, 4, 0), (1, 4, 2, 8, 20), (5, 3, 3, 16, 7), (17, 8, 2, 32, 0)):
+        rng = rng_for("att", T, H, Hkv, S, pos0)
+        C = pos0 + T + 3
+        q = rng.standard_normal((T, H, S)).astype(np.float32)
+        kc = rng.standard_normal((Hkv, C, S)).astype(np.float32)
+        vc = rng.standard_normal((Hkv, C, S)).astype(np.float32)
+        scale = np.float32(S ** -0.5)
+        a = np.full((T, H, S), np.nan, np.float32)
+        b = np.full((T, H, S), np.nan, np.float32)
+        K.attention(q, kc, vc, pos0, scale, a)
+        R.attention(q, kc, vc, pos0, scale, b)
+        # scores: S-term dots (relative gamma(S + 1)) pass through exp (error in the exponent
+        # becomes relative error of the weight: |score| * gamma); weights sum over n <= C
+        # terms; output = convex combination of |v| <= max|v|.
+        n = pos0 + T
+        score_err = gamma(S + 2) * np.abs(q).max() * np.abs(kc).max() * S * float(scale)
+        tol = 2 * (2 * score_err + gamma(n + 2)) * 2 * np.abs(vc).max()
+        assert np.abs(a - b).max() <= tol, (T, H, Hkv, S, pos0, np.abs(a - b).max(), tol)
+
+
+# --- process-wide setup (issue #18, faults 7 and 8) -----------------------------------------------
+
+def _clean_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_") and k != "XDG_CACHE_HOME"}
+    env.update(extra)
+    return env
+
+
+CONCURRENT = textwrap.dedent("""
+    import sys, threading
+    import numpy as np
+    from engine import kernels as K
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 256)).astype(np.float32)
+    w = rng.standard_normal((512, 256)).astype(np.float32)
+    ref = np.empty((8, 512), np.float32)
+    K.linear_f32(x, w, ref)
+    bad = []
+    def work():
+        out = np.empty((8, 512), np.float32)
+        q = np.empty((8, 4, 64), np.float32)
+        for _ in range(60):
+            K.linear_f32(x, w, out)
+            K.attention(x.reshape(8, 4, 64), w[:256].reshape(4, 64, 256)[:, :, :64].copy(),
+                        w[256:].reshape(4, 64, 256)[:, :, :64].copy(), 0, np.float32(0.125), q)
+            if not np.array_equal(out, ref):
+                bad.append(1)
+    ts = [threading.Thread(target=work) for _ in range(4)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    print("LAYER", K.THREADING_LAYER, "SERIALIZED", K.SERIALIZED, "BAD", len(bad))
+    sys.exit(1 if bad else 0)
+""")
+
+
+def test_concurrent_parallel_launches_survive_workqueue():
+    """Fault 18.7: two threads launching parallel kernels at once under numba's workqueue layer
+    aborted the process (SIGABRT). The launches must be serialized and the results right."""
+    env = _clean_env(NUMBA_THREADING_LAYER="workqueue", NUMBA_NUM_THREADS="2", PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", CONCURRENT], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, (p.returncode, p.stdout, p.stderr[-2000:])
+    assert "LAYER workqueue SERIALIZED True BAD 0" in p.stdout
+
+
+def test_default_threading_layer_is_thread_safe():
+    """Without the user choosing, the layer is OpenMP or TBB where present (both thread-safe);
+    only a machine with neither falls back to serialized workqueue."""
+    if K.THREADING_LAYER in ("omp", "tbb"):
+        assert not K.SERIALIZED
+    else:
+        assert K.SERIALIZED
+
+
+def test_read_only_install_without_writable_home(tmp_path):
+    """Fault 18.8: a read-only copy of the package and a HOME where nothing can be created.
+    Importing the engine and running a kernel must work (uncached)."""
+    pkg = tmp_path / "ro"
+    shutil.copytree(ROOT / "engine", pkg / "engine", ignore=shutil.ignore_patterns("__pycache__"))
+    # Root ignores permission bits, so make every cache location impossible for everyone: a
+    # *file* named __pycache__ in the package (numba's in-tree cache) and HOME pointing at a
+    # file (numba's user-wide cache and ours live under it); then drop the write bits too.
+    (pkg / "engine" / "__pycache__").write_text("")
+    home = tmp_path / "home-is-a-file"
+    home.write_text("")
+    for p in [pkg, *pkg.rglob("*")]:
+        p.chmod(0o555 if p.is_dir() else 0o444)
+    code = ("import numpy as np, engine, engine.kernels as K\n"
+            "x = np.ones((2, 64), np.float32); w = np.ones((3, 64), np.float32); o = np.empty((2, 3), np.float32)\n"
+            "K.linear_f32(x, w, o); assert (o == 64).all(), o\n"
+            "print('CACHE', K.CACHE_DIR)\n")
+    env = _clean_env(HOME=str(home), PYTHONPATH=str(pkg), PYTHONDONTWRITEBYTECODE="1")
+    try:
+        p = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True,
+                           text=True, timeout=600)
+    finally:
+        for q in [pkg, *pkg.rglob("*")]:
+            q.chmod(0o755 if q.is_dir() else 0o644)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "CACHE None" in p.stdout
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="XDG_CACHE_HOME is the Linux convention")
+def test_cache_goes_to_the_user_cache_folder(tmp_path):
+    """With a writable XDG cache folder numba caches there, never next to the package."""
+    cache_home = tmp_path / "xdg-cache"
+    code = "import engine.kernels as K; print('CACHE', K.CACHE_DIR)"
+    env = _clean_env(XDG_CACHE_HOME=str(cache_home), PYTHONPATH=str(ROOT))
+    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("CACHE "))
+    assert Path(line[6:]).resolve().is_relative_to(cache_home.resolve()), line
