@@ -24,6 +24,7 @@ from .heat import RoutingHeat, cap_pins, pins_per_layer
 from .metrics import MetricsTracker
 from .models import build_model
 from .models.base import mean_router_probs
+from .observers import Observer, ObserverFailure
 from .ram_budget import RssGuard, current_rss
 from .sizing import estimate_store, plan_estimate
 from .sampling import Sampler
@@ -32,6 +33,20 @@ from .tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 16
+
+
+class RoutingFeed(Observer):
+    """The engine's own routing observer: counts the routing heat (RoutingHeat.observe) and,
+    under the "ema" policy, feeds the cache the call's mean router probabilities
+    (ExpertCache.observe_probs) before the layer's experts are requested."""
+
+    def __init__(self, heat: RoutingHeat, cache: ExpertCache):
+        self.heat, self.cache = heat, cache
+
+    def on_route(self, layer: int, idx: np.ndarray, router_logits: np.ndarray) -> None:
+        self.heat.observe(layer, idx)
+        if self.cache.policy == "ema":
+            self.cache.observe_probs(layer, mean_router_probs(router_logits))
 
 
 class Engine:
@@ -95,7 +110,8 @@ class Engine:
                                  heat=self.heat.counts, checksum=config.checksum,
                                  io_threads=4)
         self.model = build_model(a, dense, store.dense_quant, store.quant, self.cache, ctx, store.group_size)
-        self.model.on_route = self._on_route
+        self.routing_feed = RoutingFeed(self.heat, self.cache)
+        self.model.subscribe(self.routing_feed)  # first: heat and EMA scores before anyone else
         self.guard = RssGuard(self.cache, self.plan.budget, read_rss=self.read_rss)
         self._kv_ids: list[int] = []
         self.pilot = None
@@ -150,12 +166,36 @@ class Engine:
         self.heat.pinned = pins.copy()
         self._pins_applied = True
 
-    def _on_route(self, layer: int, idx: np.ndarray, logits: np.ndarray) -> None:
-        self.heat.observe(layer, idx)
-        if self.cache.policy == "ema":
-            self.cache.observe_probs(layer, mean_router_probs(logits))
+    # --- observers ----------------------------------------------------------------------------
+
+    def subscribe(self, observer) -> None:
+        """Subscribe ``observer`` (engine/observers.py) to everything this engine publishes:
+        the model (forward, layers, routing), the cache (loads, evictions, pins) and, when
+        PILOT is on, its predictions. It is called after the engine's own observers (routing
+        heat, EMA scores, PILOT), so it sees their state after each event."""
+        self.model.subscribe(observer)
+        self.cache.subscribe(observer)
         if self.pilot is not None:
-            self.pilot.observe_route(layer, idx, logits)
+            self.pilot.subscribe(observer)
+
+    def unsubscribe(self, observer) -> None:
+        """Undo :meth:`subscribe` (no-op where it is not subscribed)."""
+        self.model.unsubscribe(observer)
+        self.cache.unsubscribe(observer)
+        if self.pilot is not None:
+            self.pilot.unsubscribe(observer)
+
+    def observer_failures(self) -> list[ObserverFailure]:
+        """Observer hooks that raised (and were unsubscribed) on the model, cache or PILOT."""
+        lists = [self.model.observers, self.cache.observers]
+        if self.pilot is not None:
+            lists.append(self.pilot.observers)
+        return [f for ol in lists for f in ol.failures]
+
+    def forget_prefix(self) -> None:
+        """Make the next generation prefill its whole prompt (no reuse of the KV rows of the
+        previous one). Benchmarks use it to time the full prefill."""
+        self._kv_ids = []
 
     # --- generation ---------------------------------------------------------------------------
 
@@ -227,8 +267,6 @@ class Engine:
         p = min(p, len(ids) - 1)
         self._kv_ids = self._kv_ids[:p]
         try:
-            if self.pilot is not None:
-                self.pilot.new_token()
             logits = self.model.forward(np.asarray(ids[p:]), p, cancel=cancel)
             self._kv_ids = list(ids)
             self.heat.tokens += len(ids) - p
@@ -259,8 +297,6 @@ class Engine:
                 if cancel.is_set():
                     reason = "cancelled"
                     break
-                if self.pilot is not None:
-                    self.pilot.new_token()
                 logits = self.model.forward(np.asarray([tok]), pos, cancel=cancel)
                 self._kv_ids.append(tok)
                 self.heat.tokens += 1

@@ -13,7 +13,18 @@ import time
 
 import numpy as np
 
+from ..observers import Observer
 from .common import forced_stream, heldout_stream
+
+
+class TouchedExperts(Observer):
+    """Observer: which (MoE layer, expert) pairs the routing has selected; mask bool [M, E]."""
+
+    def __init__(self, num_moe_layers: int, num_experts: int):
+        self.mask = np.zeros((num_moe_layers, num_experts), bool)
+
+    def on_route(self, layer: int, idx: np.ndarray, router_logits: np.ndarray) -> None:
+        self.mask[layer, np.unique(idx)] = True
 
 
 def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
@@ -35,7 +46,7 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
     try:
         if cfg_over.get("warm_all"):
             # "All resident": every expert loaded before the first token (not counted).
-            for layer in range(eng.args.num_hidden_layers):
+            for layer in range(eng.args.num_moe_layers):
                 eng.cache.load_experts(layer, np.arange(eng.args.num_experts))
         V = eng.args.vocab_size
         if prompt_text is not None:  # a real question, in the model's chat template when it has one
@@ -51,13 +62,8 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
             req = GenerateRequest(prompt_ids=tuple(stream[:prompt_len]),
                                   forced_ids=tuple(stream[prompt_len:]) if forced else None,
                                   sampling=SamplingParams(max_new_tokens=tokens))
-        touched = np.zeros((eng.args.num_hidden_layers, eng.args.num_experts), bool)
-        orig = eng.model.on_route
-
-        def spy(layer, idx, logits):
-            touched[layer, np.unique(idx)] = True
-            orig(layer, idx, logits)
-        eng.model.on_route = spy
+        touched = TouchedExperts(eng.args.num_moe_layers, eng.args.num_experts)
+        eng.subscribe(touched)
         prof = Profile(eng)
         fin = None
         for ev in eng.generate(req):
@@ -80,7 +86,7 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
                "ttft_s": fin.ttft_s, "peak_rss_gb": max((m.rss_bytes for m in steps), default=0) / 1e9,
                "cap": eng.cache.cap,
                "tokens": fin.generated_tokens, "finish": fin.finish_reason, "error": fin.error,
-               "distinct_experts": int(touched.sum()), "total_experts": int(touched.size),
+               "distinct_experts": int(touched.mask.sum()), "total_experts": int(touched.mask.size),
                "o_direct": eng.store.o_direct, "open_s": open_s,
                "sha256_ids": hashlib.sha256(json.dumps(list(fin.token_ids)).encode()).hexdigest()[:16],
                "decode_s": (fin.generated_tokens - 1) / fin.decode_tok_per_s if fin.decode_tok_per_s else 0.0,
