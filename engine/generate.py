@@ -17,7 +17,7 @@ import numpy as np
 
 from .config import EngineConfig
 from .errors import Cancelled, ContextOverflowError, EngineError
-from .events import Finished, GenerateRequest, Loaded, LoadProgress, TokenEvent
+from .events import Finished, FinishReason, GenerateRequest, Loaded, LoadProgress, TokenEvent
 from .expert_cache import ExpertCache
 from .expert_store import ExpertStore
 from .heat import RoutingHeat, cap_pins, pins_per_layer
@@ -255,7 +255,7 @@ class Engine:
         t0 = time.perf_counter()
         out_ids: list[int] = []
         text_parts: list[str] = []
-        reason = "length"
+        reason = FinishReason.LENGTH
         error = ""
         prefill_s = 0.0
         # Prefix reuse: keep the KV rows of the longest common prefix with the last run.
@@ -277,13 +277,13 @@ class Engine:
                 tok = sampler(logits[-1], context)
                 if forced is not None:
                     if len(out_ids) >= len(forced):
-                        reason = "length"
+                        reason = FinishReason.LENGTH
                         break
                     tok = int(forced[len(out_ids)])
                 step_t = time.perf_counter()
                 is_eos = forced is None and tok in self.tokenizer.eos_ids
                 if is_eos:
-                    reason = "stop"
+                    reason = FinishReason.STOP
                     text_parts.append(dec.flush())
                     break
                 out_ids.append(tok)
@@ -292,10 +292,10 @@ class Engine:
                 text_parts.append(piece)
                 yield TokenEvent(len(out_ids) - 1, tok, piece, time.perf_counter() - step_t)
                 if len(out_ids) >= sp.max_new_tokens or pos >= C:
-                    reason = "length"
+                    reason = FinishReason.LENGTH
                     break
                 if cancel.is_set():
-                    reason = "cancelled"
+                    reason = FinishReason.CANCELLED
                     break
                 logits = self.model.forward(np.asarray([tok]), pos, cancel=cancel)
                 self._kv_ids.append(tok)
@@ -309,14 +309,14 @@ class Engine:
                 self.guard.step(n)
                 self._maybe_pin()
         except Cancelled:
-            reason = "cancelled"
+            reason = FinishReason.CANCELLED
         except EngineError as e:
-            reason, error = "error", str(e)
+            reason, error = FinishReason.ERROR, str(e)
             log.error("generation failed: %s", e)
         except Exception as e:  # noqa: BLE001 - reported as a Finished(error) event
-            reason, error = "error", f"{type(e).__name__}: {e}"
+            reason, error = FinishReason.ERROR, f"{type(e).__name__}: {e}"
             log.exception("generation failed")
-        if reason != "stop":
+        if reason != FinishReason.STOP:
             text_parts.append(dec.flush())
         self._maybe_pin()
         if self.config.history:
