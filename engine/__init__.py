@@ -9,7 +9,7 @@ from .config import SUPPORTED_MODEL_TYPES, ModelArgs, describe_model, family_nam
 from .convert import ConversionCancelled, convert_checkpoint
 from .errors import (BudgetError, Cancelled, CheckpointError, ConfigError, ContextOverflowError, EngineError,
                      ErrorKind, ExpertReadError, StoreError, TokenizerError, error_kind)
-from .events import (ABSENT, LOADING, PINNED, RESIDENT, ChatMessage, EngineFailure, Finished,
+from .events import (ABSENT, LOADING, PINNED, RESIDENT, ChatMessage, EngineFailure, Finished, FinishReason,
                      GenerateRequest, Loaded, LoadProgress, ResidencySnapshot, SamplingParams,
                      StepMetrics, TokenEvent)
 from .chat_template import reasoning_open, split_reasoning
@@ -23,7 +23,8 @@ __all__ = [
     "POLICIES", "CHECKSUM_MODES", "SUPPORTED_MODEL_TYPES", "EngineConfig", "ModelArgs", "ConversionCancelled",
     "convert_checkpoint", "BudgetError", "Cancelled", "CheckpointError", "ConfigError", "ContextOverflowError",
     "EngineError", "ErrorKind", "ExpertReadError", "StoreError", "TokenizerError", "error_kind", "ABSENT",
-    "LOADING", "PINNED", "RESIDENT", "ChatMessage", "EngineFailure", "Finished", "GenerateRequest", "Loaded",
+    "LOADING", "PINNED", "RESIDENT", "ChatMessage", "EngineFailure", "Finished", "FinishReason",
+    "GenerateRequest", "Loaded",
     "LoadProgress", "ResidencySnapshot", "SamplingParams", "StepMetrics", "TokenEvent", "atomic_write_text",
     "Engine", "ENGINE", "SAMPLING", "Setting", "settings_table", "upgrade_keys", "validate", "format_bytes",
     "format_duration", "split_reasoning", "reasoning_open", "describe_model", "family_name", "supported_families",

@@ -8,6 +8,7 @@ so the same objects serve the CLI, the tests and the Qt bridge (which carries th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from .settings import SamplingParams  # noqa: F401  (declared in the settings table)
 
@@ -152,11 +153,20 @@ class ResidencySnapshot:
     token_index: int
 
 
+class FinishReason(StrEnum):
+    """Why a generation ended (a ``str``: compares equal to "stop", "length", ...)."""
+
+    STOP = "stop"            # an end-of-sequence token was sampled
+    LENGTH = "length"        # max_new_tokens, the forced ids or the context ran out
+    CANCELLED = "cancelled"  # the cancel event was set
+    ERROR = "error"          # a failure; Finished.error says what
+
+
 @dataclass(frozen=True)
 class Finished:
-    """End of one generation. finish_reason: "stop" | "length" | "cancelled" | "error"."""
+    """End of one generation. finish_reason: a FinishReason (stop, length, cancelled, error)."""
 
-    finish_reason: str
+    finish_reason: FinishReason
     prompt_tokens: int
     generated_tokens: int
     text: str

@@ -26,13 +26,14 @@ import mmap
 import threading
 import time
 from collections import OrderedDict
-from enum import IntEnum
+from enum import Enum, IntEnum
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from .errors import EngineError, ExpertReadError
 from .events import ABSENT, LOADING, PINNED, RESIDENT
+from .observers import ObserverList
 
 
 class SpecRefused(IntEnum):
@@ -42,6 +43,15 @@ class SpecRefused(IntEnum):
     ALREADY = -1  # the expert is resident or being loaded already
     GUARD = -2    # the eviction guard refused to evict the only candidate victim
     FULL = -3     # no slot can be freed (all pinned, busy or staged)
+
+
+class SpecDrop(Enum):
+    """Why a speculative load (PILOT) was dropped; ``ExpertCache.count_dropped`` counts it in
+    ``stats.spec_dropped_<value>``."""
+
+    STALE = "stale"  # its token or layer had passed before a worker got to it
+    GUARD = "guard"  # the eviction guard protected the victim
+    FULL = "full"    # no slot (or the prefetch queue was full)
 
 FREE = 0
 PROB_EMA_ALPHA = 0.2  # weight of the newest call in the "ema" policy's router-probability EMA
@@ -126,6 +136,7 @@ class ExpertCache:
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.stats = CacheStats()
+        self.observers = ObserverList()  # on_load, on_evict, on_pins (engine/observers.py)
         self._counted_hit: set = set()
         self.routed_now = np.zeros((num_layers, num_experts), bool)
         self.demand_inflight = 0  # demand reads issued and not finished (PILOT yields to them)
@@ -222,6 +233,7 @@ class ExpertCache:
         self.slot_state[layer, slot] = FREE
         self._views.pop((layer, int(e)), None)
         self.stats.evictions += 1
+        self.observers.publish("on_evict", layer, int(e))
 
     def _release_pages(self, layer: int, slot: int) -> None:
         off = (layer * self.max_cap + slot) * self.slot_bytes
@@ -311,6 +323,7 @@ class ExpertCache:
                 if speculative and not self.pinned[layer, expert]:
                     self._track(layer, slot)
                     self.layers[layer].staged[slot] = None
+                self.observers.publish("on_load", layer, expert, n, dt, speculative)
             self.cond.notify_all()
 
     def load_experts(self, layer: int, experts) -> None:
@@ -486,6 +499,24 @@ class ExpertCache:
     def load_speculative(self, layer: int, expert: int, slot: int) -> None:
         self._load(layer, expert, slot, True)
 
+    def count_dropped(self, reason: SpecDrop, n: int = 1) -> None:
+        """Count ``n`` speculative loads dropped for ``reason`` (stats.spec_dropped_*)."""
+        with self.lock:
+            name = "spec_dropped_" + SpecDrop(reason).value
+            setattr(self.stats, name, getattr(self.stats, name) + n)
+
+    # --- observers ------------------------------------------------------------------------------
+
+    def subscribe(self, observer) -> None:
+        """Publish loads, evictions and pin changes to ``observer`` (hooks ``on_load``,
+        ``on_evict``, ``on_pins`` of ``engine.observers.Observer``; called with the cache lock
+        held: record, never call back into the cache)."""
+        self.observers.subscribe(observer)
+
+    def unsubscribe(self, observer) -> None:
+        """Stop publishing to ``observer`` (no-op if it is not subscribed)."""
+        self.observers.unsubscribe(observer)
+
     # --- pinning, cap, residency --------------------------------------------------------------------
 
     def set_pinned(self, pinned: np.ndarray) -> None:
@@ -500,6 +531,7 @@ class ExpertCache:
                 if len(ids) > n:
                     pinned[layer] = False
                     pinned[layer, ids[np.argsort(-self.heat[layer, ids], kind="stable")][:max(0, n)]] = True
+            self.observers.publish("on_pins", pinned)
             for layer in range(self.L):
                 for e in np.nonzero(self.pinned[layer] != pinned[layer])[0]:
                     s = self.where[layer, e]

@@ -17,13 +17,14 @@ import numpy as np
 
 from .config import EngineConfig
 from .errors import Cancelled, ContextOverflowError, EngineError
-from .events import Finished, GenerateRequest, Loaded, LoadProgress, TokenEvent
+from .events import Finished, FinishReason, GenerateRequest, Loaded, LoadProgress, TokenEvent
 from .expert_cache import ExpertCache
 from .expert_store import ExpertStore
 from .heat import RoutingHeat, cap_pins, pins_per_layer
 from .metrics import MetricsTracker
 from .models import build_model
 from .models.base import mean_router_probs
+from .observers import Observer, ObserverFailure
 from .ram_budget import RssGuard, current_rss
 from .sizing import estimate_store, plan_estimate
 from .sampling import Sampler
@@ -33,6 +34,32 @@ from .tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 16
+
+
+class RoutingFeed(Observer):
+    """The engine's own routing observer: counts the routing heat (RoutingHeat.observe) and,
+    under the "ema" policy, feeds the cache the call's mean router probabilities
+    (ExpertCache.observe_probs) before the layer's experts are requested."""
+
+    def __init__(self, heat: RoutingHeat, cache: ExpertCache):
+        self.heat, self.cache = heat, cache
+
+    def on_route(self, layer: int, idx: np.ndarray, router_logits: np.ndarray) -> None:
+        self.heat.observe(layer, idx)
+        if self.cache.policy == "ema":
+            self.cache.observe_probs(layer, mean_router_probs(router_logits))
+
+
+class _GuardPoll(Observer):
+    """Polls the engine's RSS guard at every MoE layer start; when the guard unpinned experts
+    to lower the cap, the persisted pin set follows."""
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+
+    def on_layer_start(self, layer: int) -> None:
+        if self.engine.guard.poll() is not None:
+            self.engine.sync_pins()
 
 
 class Engine:
@@ -92,7 +119,8 @@ class Engine:
                                  heat=self.heat.counts, checksum=config.checksum,
                                  io_threads=4)
         self.model = build_model(a, dense, store.dense_quant, store.quant, self.cache, ctx, store.group_size)
-        self.model.on_route = self._on_route
+        self.routing_feed = RoutingFeed(self.heat, self.cache)
+        self.model.subscribe(self.routing_feed)  # first: heat and EMA scores before anyone else
         self.guard = RssGuard(self.cache, self.plan.budget, read_rss=self.read_rss,
                               pins_for_cap=lambda c: pins_per_layer(c, config.pin_per_layer))
         self._kv_ids: list[int] = []
@@ -129,19 +157,11 @@ class Engine:
             pass
 
     def _chain_layer_hook(self) -> None:
-        """Let the RSS guard look at every layer start (a safe point: no expert is acquired),
-        after the hook already there (PILOT's)."""
-        prev = self.model.on_layer_start
+        """Let the RSS guard look at every MoE layer start (a safe point: no expert is
+        acquired), through the model's observer protocol (after PILOT, which subscribed first)."""
+        self.model.subscribe(_GuardPoll(self))
 
-        def layer_start(i: int) -> None:
-            if prev is not None:
-                prev(i)
-            if self.guard.poll() is not None:
-                self._sync_pins()
-
-        self.model.on_layer_start = layer_start
-
-    def _sync_pins(self) -> None:
+    def sync_pins(self) -> None:
         """The guard unpinned experts to lower the cap: the persisted pin set follows."""
         self.heat.pinned = self.cache.pinned.copy()
 
@@ -174,12 +194,36 @@ class Engine:
         self.heat.pinned = pins.copy()
         self._pins_applied = True
 
-    def _on_route(self, layer: int, idx: np.ndarray, logits: np.ndarray) -> None:
-        self.heat.observe(layer, idx)
-        if self.cache.policy == "ema":
-            self.cache.observe_probs(layer, mean_router_probs(logits))
+    # --- observers ----------------------------------------------------------------------------
+
+    def subscribe(self, observer) -> None:
+        """Subscribe ``observer`` (engine/observers.py) to everything this engine publishes:
+        the model (forward, layers, routing), the cache (loads, evictions, pins) and, when
+        PILOT is on, its predictions. It is called after the engine's own observers (routing
+        heat, EMA scores, PILOT), so it sees their state after each event."""
+        self.model.subscribe(observer)
+        self.cache.subscribe(observer)
         if self.pilot is not None:
-            self.pilot.observe_route(layer, idx, logits)
+            self.pilot.subscribe(observer)
+
+    def unsubscribe(self, observer) -> None:
+        """Undo :meth:`subscribe` (no-op where it is not subscribed)."""
+        self.model.unsubscribe(observer)
+        self.cache.unsubscribe(observer)
+        if self.pilot is not None:
+            self.pilot.unsubscribe(observer)
+
+    def observer_failures(self) -> list[ObserverFailure]:
+        """Observer hooks that raised (and were unsubscribed) on the model, cache or PILOT."""
+        lists = [self.model.observers, self.cache.observers]
+        if self.pilot is not None:
+            lists.append(self.pilot.observers)
+        return [f for ol in lists for f in ol.failures]
+
+    def forget_prefix(self) -> None:
+        """Make the next generation prefill its whole prompt (no reuse of the KV rows of the
+        previous one). Benchmarks use it to time the full prefill."""
+        self._kv_ids = []
 
     # --- generation ---------------------------------------------------------------------------
 
@@ -240,7 +284,7 @@ class Engine:
         t0 = time.perf_counter()
         out_ids: list[int] = []
         text_parts: list[str] = []
-        reason = "length"
+        reason = FinishReason.LENGTH
         error = ""
         prefill_s = 0.0
         # Prefix reuse: keep the KV rows of the longest common prefix with the last run.
@@ -252,8 +296,6 @@ class Engine:
         p = min(p, len(ids) - 1)
         self._kv_ids = self._kv_ids[:p]
         try:
-            if self.pilot is not None:
-                self.pilot.new_token()
             logits = self.model.forward(np.asarray(ids[p:]), p, cancel=cancel)
             self._kv_ids = list(ids)
             self.heat.tokens += len(ids) - p
@@ -261,7 +303,7 @@ class Engine:
             context = list(ids)
             pos = len(ids)
             if self.guard.step(0) is not None:  # the prefill may have filled the cache
-                self._sync_pins()
+                self.sync_pins()
             while True:
                 if not np.isfinite(logits[-1]).all():
                     raise EngineError(
@@ -271,13 +313,13 @@ class Engine:
                 tok = sampler(logits[-1], context)
                 if forced is not None:
                     if len(out_ids) >= len(forced):
-                        reason = "length"
+                        reason = FinishReason.LENGTH
                         break
                     tok = int(forced[len(out_ids)])
                 step_t = time.perf_counter()
                 is_eos = forced is None and tok in self.tokenizer.eos_ids
                 if is_eos:
-                    reason = "stop"
+                    reason = FinishReason.STOP
                     text_parts.append(dec.flush())
                     break
                 out_ids.append(tok)
@@ -286,36 +328,34 @@ class Engine:
                 text_parts.append(piece)
                 yield TokenEvent(len(out_ids) - 1, tok, piece, time.perf_counter() - step_t)
                 if len(out_ids) >= sp.max_new_tokens or pos >= C:
-                    reason = "length"
+                    reason = FinishReason.LENGTH
                     break
                 if cancel.is_set():
-                    reason = "cancelled"
+                    reason = FinishReason.CANCELLED
                     break
-                if self.pilot is not None:
-                    self.pilot.new_token()
                 logits = self.model.forward(np.asarray([tok]), pos, cancel=cancel)
                 self._kv_ids.append(tok)
                 self.heat.tokens += 1
                 pos += 1
                 n = len(out_ids)
                 if self.guard.step(n) is not None:  # before the metrics: they show the RSS it left
-                    self._sync_pins()
+                    self.sync_pins()
                 yield tracker.step(n)
                 snap = tracker.residency(n, self.heat.counts)
                 if snap is not None:
                     yield snap
                 self._maybe_pin()
         except Cancelled:
-            reason = "cancelled"
+            reason = FinishReason.CANCELLED
         except EngineError as e:
             # Reported once, by whoever shows the Finished event (CLI line, app banner); a log
             # record at error level as well printed every failure twice on stderr.
-            reason, error = "error", str(e)
+            reason, error = FinishReason.ERROR, str(e)
             log.debug("generation failed: %s", e)
         except Exception as e:  # noqa: BLE001 - reported as a Finished(error) event
-            reason, error = "error", f"{type(e).__name__}: {e}"
+            reason, error = FinishReason.ERROR, f"{type(e).__name__}: {e}"
             log.debug("generation failed", exc_info=True)
-        if reason != "stop":
+        if reason != FinishReason.STOP:
             text_parts.append(dec.flush())
         self._maybe_pin()
         if self.config.history:

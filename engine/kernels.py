@@ -94,13 +94,19 @@ if _numba_was_loaded:  # numba read its config before us: apply the same choices
 
 
 def _start_threading_layer() -> str:
-    """Start numba's thread pool now and return the layer it chose ("omp", "tbb",
-    "workqueue"), or "unknown" if numba's (internal) launcher is unavailable."""
+    """Start numba's thread pool now (one call of a tiny parallel kernel: numba's public way)
+    and return the layer it chose ("omp", "tbb", "workqueue"), or "unknown" if none started."""
     try:
-        from numba.np.ufunc import parallel as _parallel
-        _parallel._launch_threads()
+        @njit(parallel=True, cache=True)
+        def _touch(n):
+            acc = 0
+            for i in prange(n):
+                acc += i
+            return acc
+
+        _touch(2)
         return str(numba.threading_layer())
-    except Exception:
+    except Exception:  # noqa: BLE001 - no layer at all: kernels then run serialized
         return "unknown"
 
 
@@ -201,10 +207,19 @@ def _tree_sum(builder, v):
 
 @njit(inline="always", **_KW)
 def _quant_group(x, lo, gs):
-    """(d, 127 / max|x|) of x[lo:lo + gs] (0, 0 for an all-zero group)."""
+    """(d, 127 / max|x|) of x[lo:lo + gs] (0, 0 for an all-zero group). A NaN in the group
+    makes d NaN (and an inf makes it inf), so a non-finite activation reaches the output as the
+    float kernels let it, instead of vanishing in the int8 cast (the engine's NaN check relies
+    on it)."""
     m = np.float32(0.0)
+    bad = False
     for j in range(lo, lo + gs):
-        m = max(m, abs(x[j]))
+        a = abs(x[j])
+        if a != a:
+            bad = True
+        m = max(m, a)
+    if bad:
+        return np.float32(np.nan), np.float32(0.0)
     if m == 0:
         return np.float32(0.0), np.float32(0.0)
     return m / np.float32(127.0), np.float32(127.0) / m

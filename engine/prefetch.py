@@ -36,11 +36,13 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from enum import Enum
 
 import numpy as np
 
-from .expert_cache import SpecRefused
+from .expert_cache import SpecDrop, SpecRefused
 from .models.base import K
+from .observers import Observer, ObserverList
 
 MAX_QUEUE = 4096
 SMALL_BATCH = 8
@@ -67,11 +69,19 @@ def guard_allows(victim_heat: int, victim_age: int, cand_heat: int, cand_age: in
     return not (sv + sv // 4 + 4 * 256 > sc)
 
 
+class QueuePut(Enum):
+    """Result of ``PrefetchQueue.put``."""
+
+    OK = "ok"        # queued
+    DUP = "dup"      # the same (layer, expert) is queued already
+    FULL = "full"    # the queue holds ``maxsize`` items
+
+
 class PrefetchQueue:
     """Bounded, de-duplicated multi-consumer queue of (layer, expert, generation) items.
 
-    ``put`` returns False when the item is already queued or the queue is full; ``get`` hands
-    each item to exactly one caller; ``clear`` drops everything (returns how many).
+    ``put`` returns a QueuePut; ``get`` hands each item to exactly one caller; ``clear`` drops
+    everything (returns how many).
     """
 
     def __init__(self, maxsize: int = MAX_QUEUE):
@@ -81,18 +91,18 @@ class PrefetchQueue:
         self._cv = threading.Condition()
         self._closed = False
 
-    def put(self, layer: int, expert: int, gen: int) -> str:
-        """Returns "ok", "dup" or "full"."""
+    def put(self, layer: int, expert: int, gen: int) -> QueuePut:
+        """Queue (layer, expert) for token generation ``gen``: OK, DUP or FULL."""
         with self._cv:
             key = (layer, expert)
             if key in self._keys:
-                return "dup"
+                return QueuePut.DUP
             if len(self._q) >= self.maxsize:
-                return "full"
+                return QueuePut.FULL
             self._keys.add(key)
             self._q.append((layer, expert, gen))
             self._cv.notify()
-            return "ok"
+            return QueuePut.OK
 
     def get(self, timeout: float = 0.1):
         """Next item or None on timeout/close."""
@@ -122,8 +132,15 @@ class PrefetchQueue:
         return len(self._q)
 
 
-class Pilot:
-    """Attaches to a model's hooks and an ExpertCache.
+class Pilot(Observer):
+    """An observer of a model (engine/observers.py) that prefetches into an ExpertCache.
+
+    The constructor subscribes it to ``model`` (forward start, layer start, post-attention and
+    post-MoE residuals, routing) and starts the loader workers; ``close`` unsubscribes and joins
+    them. It uses only public members of the model (``args``, ``num_moe_layers``, ``moe_norm``,
+    ``router_logits``) and the cache (``is_present``, ``wait_demand_idle``, ``try_speculate``,
+    ``load_speculative``, ``count_dropped``, ``clock``, ``last_use``). It publishes
+    ``on_prediction(layer, experts, distance)`` to its own subscribers (``subscribe``).
 
     Layers are MoE-layer indices (engine/models/base.py): "layer j + 1" is the next layer with
     routed experts, so dense layers in between are skipped (the prediction then crosses them).
@@ -162,9 +179,8 @@ class Pilot:
         self.prec_total = np.zeros((4, self.L, nr), np.int64)
         self.pred_rank = np.full((4, self.L, self.E), -1, np.int64)
         self._closed = False
-        model.on_layer_start = self._layer_start
-        model.on_after_attention = self._after_attention
-        model.on_after_moe = self._after_moe
+        self.observers = ObserverList(("on_prediction",))
+        model.subscribe(self)
         self.workers = [threading.Thread(target=self._work, name=f"colibri-pilot-{i}", daemon=True)
                         for i in range(config.pilot_workers)]
         for w in self.workers:
@@ -172,7 +188,14 @@ class Pilot:
 
     # --- compute-thread side ------------------------------------------------------------------------
 
-    def new_token(self) -> None:
+    def subscribe(self, observer) -> None:
+        """Publish this Pilot's predictions (``on_prediction``) to ``observer``."""
+        self.observers.subscribe(observer)
+
+    def unsubscribe(self, observer) -> None:
+        self.observers.unsubscribe(observer)
+
+    def on_forward_start(self, pos0: int, num_tokens: int) -> None:
         """A new forward starts: prune stale requests (the seeds' stale pruning)."""
         self.gen += 1
         self._tokens += 1
@@ -180,33 +203,35 @@ class Pilot:
             self.session_heat >>= 1
         n = self.queue.clear()
         if n:
-            with self.cache.lock:
-                self.cache.stats.spec_dropped_stale += n
+            self.cache.count_dropped(SpecDrop.STALE, n)
         self.predicted[:] = False
         self.pred_rank[:] = -1
         self.cur_layer = -1
 
-    def _layer_start(self, i: int) -> None:
-        self.cur_layer = i
+    def on_layer_start(self, layer: int) -> None:
+        self.cur_layer = layer
 
-    def _after_attention(self, i: int, x: np.ndarray) -> None:
+    def on_after_attention(self, layer: int, x: np.ndarray) -> None:
         self._small = x.shape[0] <= SMALL_BATCH
-        if self._small and self.mode >= 1 and i + 1 < self.L:
-            self._predict(i + 1, x[-1:], 1)
+        if self._small and self.mode >= 1 and layer + 1 < self.L:
+            self.predict(layer + 1, x[-1:], 1)
 
-    def _after_moe(self, i: int, x: np.ndarray) -> None:
+    def on_after_moe(self, layer: int, x: np.ndarray) -> None:
         if not self._small:
             return
-        if self.mode >= 2 and i + 2 < self.L:
-            self._predict(i + 2, x[-1:], 2)
-        if self.mode >= 3 and i + 3 < self.L:
-            self._predict(i + 3, x[-1:], 3)
+        if self.mode >= 2 and layer + 2 < self.L:
+            self.predict(layer + 2, x[-1:], 2)
+        if self.mode >= 3 and layer + 3 < self.L:
+            self.predict(layer + 3, x[-1:], 3)
 
     def precision(self, dist: int, layer: int, rank: int) -> float:
         """The gate's estimate: (hits + 3) / (predictions + 4) of the (dist, layer, rank) cell."""
         return (self.prec_hits[dist, layer, rank] + 3) / (self.prec_total[dist, layer, rank] + 4)
 
-    def _predict(self, t: int, x: np.ndarray, dist: int = 1) -> None:
+    def predict(self, t: int, x: np.ndarray, dist: int = 1) -> None:
+        """Predict MoE layer ``t``'s experts from the residual x float32 [1, D] taken ``dist``
+        layers before, publish them (``on_prediction``) and queue the non-resident ones the
+        precision gate lets through (``request``)."""
         m = self.model
         h = np.empty_like(x)
         K.rmsnorm(x, m.moe_norm(t), m.args.rms_norm_eps, h)
@@ -231,6 +256,7 @@ class Pilot:
             n = k
         ranked = order[:n]
         self.predicted[t, ranked] = True
+        self.observers.publish("on_prediction", t, ranked, dist)
         # Only candidates that are not resident would be loaded, and they are the hard ones
         # (residents are mostly experts the routing keeps returning to), so the gate scores
         # exactly those: the rank among this prediction's non-resident candidates.
@@ -239,13 +265,19 @@ class Pilot:
         if self.min_precision > 0:
             missing = [e for r, e in enumerate(missing) if self.precision(dist, t, r) >= self.min_precision]
         for e in sorted(missing):
-            r = self.queue.put(t, e, self.gen)
-            if r == "full":
-                with self.cache.lock:
-                    self.cache.stats.spec_dropped_full += 1
+            self.request(t, e)
 
-    def observe_route(self, layer: int, idx: np.ndarray, logits: np.ndarray) -> None:
+    def request(self, layer: int, expert: int) -> QueuePut:
+        """Queue a speculative load of ``expert`` of MoE layer ``layer`` for the current token
+        (a full queue counts as a FULL drop). Returns the queue's answer."""
+        r = self.queue.put(layer, expert, self.gen)
+        if r is QueuePut.FULL:
+            self.cache.count_dropped(SpecDrop.FULL)
+        return r
+
+    def on_route(self, layer: int, idx: np.ndarray, router_logits: np.ndarray) -> None:
         """Real routing of ``layer``: recall bookkeeping and the EMA (predictor only)."""
+        logits = router_logits
         np.add.at(self.session_heat[layer], idx.reshape(-1), 1)
         if idx.shape[0] > SMALL_BATCH:
             return
@@ -291,21 +323,19 @@ class Pilot:
                 if self.cache.wait_demand_idle(0.005):
                     break
             if gen != self.gen or layer <= self.cur_layer:
-                with self.cache.lock:
-                    self.cache.stats.spec_dropped_stale += 1
+                self.cache.count_dropped(SpecDrop.STALE)
                 continue
             slot = self.cache.try_speculate(layer, e, self._guard if self.use_guard else None)
             if slot == SpecRefused.GUARD:
-                with self.cache.lock:
-                    self.cache.stats.spec_dropped_guard += 1
+                self.cache.count_dropped(SpecDrop.GUARD)
             elif slot == SpecRefused.FULL:
-                with self.cache.lock:
-                    self.cache.stats.spec_dropped_full += 1
+                self.cache.count_dropped(SpecDrop.FULL)
             elif slot >= 0:
                 self.cache.load_speculative(layer, e, slot)
 
     def close(self) -> None:
-        """Stop and join every worker. Idempotent."""
+        """Unsubscribe from the model, stop and join every worker. Idempotent."""
+        self.model.unsubscribe(self)
         self._closed = True
         self.queue.close()
         for w in self.workers:

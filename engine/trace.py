@@ -20,14 +20,21 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import EngineError
 from .heat import cap_pins, choose_pins, pins_per_layer
 from .models.base import mean_router_probs
+from .observers import Observer
 
 TRACE_FORMAT = "colibri-route-trace"
 
 
-class TraceRecorder:
-    """Attach to an open Engine; records every MoE call's routing (and PILOT predictions)."""
+class TraceRecorder(Observer):
+    """An observer (engine/observers.py) that records every MoE call's routing, PILOT's
+    predictions for that call and every pin change of an open Engine.
+
+    ``TraceRecorder(engine)`` subscribes to the engine (``Engine.subscribe``); ``close()``
+    unsubscribes. ``save(path)`` writes the trace (JSON lines, see the module docstring).
+    """
 
     def __init__(self, engine):
         self.engine = engine
@@ -37,36 +44,45 @@ class TraceRecorder:
                        "pins": [np.nonzero(r)[0].tolist() for r in c.pinned],
                        "heat": c.heat.tolist(), "pin_per_layer": engine.config.pin_per_layer}
         self.records: list[dict] = []
-        self._forward = 0
-        model = engine.model
-        orig_route = model.on_route
-        orig_start = model.on_layer_start
+        self._forward = 0  # counts prefill chunks and decode steps (layer 0 starts)
+        self._pred: dict[int, set[int]] = {}  # this forward's PILOT predictions per layer
+        engine.subscribe(self)
 
-        def on_start(i):
-            if i == 0:
-                self._forward += 1
-            if orig_start is not None:
-                orig_start(i)
+    def on_forward_start(self, pos0: int, num_tokens: int) -> None:
+        self._pred.clear()
 
-        def on_route(layer, idx, logits):
-            pilot = engine.pilot
-            pred = np.nonzero(pilot.predicted[layer])[0].tolist() if pilot is not None else []
-            self.records.append({"f": self._forward, "l": layer, "idx": idx.tolist(), "pred": pred,
-                                 "p": mean_router_probs(logits).tolist()})
-            orig_route(layer, idx, logits)
+    def on_layer_start(self, layer: int) -> None:
+        if layer == 0:
+            self._forward += 1
 
-        orig_pin = c.set_pinned
+    def on_prediction(self, layer: int, experts: np.ndarray, distance: int) -> None:
+        self._pred.setdefault(layer, set()).update(int(e) for e in experts)
 
-        def set_pinned(p):
-            self.records.append({"pin": [np.nonzero(r)[0].tolist() for r in p]})
-            orig_pin(p)
+    def on_route(self, layer: int, idx: np.ndarray, router_logits: np.ndarray) -> None:
+        self.records.append({"f": self._forward, "l": layer, "idx": idx.tolist(),
+                             "pred": sorted(self._pred.get(layer, ())),
+                             "p": mean_router_probs(router_logits).tolist()})
 
-        model.on_layer_start = on_start
-        model.on_route = on_route
-        c.set_pinned = set_pinned
+    def on_pins(self, pinned: np.ndarray) -> None:
+        self.records.append({"pin": [np.nonzero(r)[0].tolist() for r in pinned]})
+
+    def close(self) -> None:
+        """Stop recording (unsubscribe). Idempotent."""
+        self.engine.unsubscribe(self)
 
     def save(self, path: str | Path) -> Path:
+        """Write the trace atomically to ``path``.
+
+        Raises:
+            EngineError: a hook of this recorder raised during the run (it was unsubscribed,
+                so the trace would be incomplete); nothing is written.
+        """
         from .fsutil import atomic_write_text
+        failed = [f for f in self.engine.observer_failures() if f.observer is self]
+        if failed:
+            f = failed[0]
+            raise EngineError(f"{path}: trace not written: the recorder failed in {f.hook} "
+                              f"({type(f.error).__name__}: {f.error}), so it would be incomplete")
         lines = [json.dumps(self.header)] + [json.dumps(r) for r in self.records]
         atomic_write_text(path, "\n".join(lines) + "\n")
         return Path(path)

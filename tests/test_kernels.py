@@ -103,6 +103,21 @@ def test_linear_matches_reference(kind):
                 assert np.all(err <= tol), (kind, N, O, T, float((err / tol).max()))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_non_finite_activations_stay_non_finite(kind):
+    """A NaN or inf in a row reaches that row's outputs as in the float kernels (the integer
+    paths quantize activations: a NaN must not vanish in the int8 cast), and other rows stay
+    finite; the engine's non-finite-logits check (fault 18.3 at run time) relies on it."""
+    N, O = 64, 5
+    rng = rng_for("nonfinite", kind, N, O)
+    p, _ = weight(rng, O, N, kind)
+    for bad in (np.nan, np.inf):
+        x = rng.standard_normal((3, N)).astype(np.float32)
+        x[1, 17] = bad
+        got = run_linear(K, kind, x, p, 32, O)
+        assert not np.isfinite(got[1]).any() and np.isfinite(got[[0, 2]]).all(), (kind, bad, got)
+
+
 @pytest.mark.parametrize("gs", [8, 6, 64])
 def test_linear_q4_other_group_sizes(gs):
     """gs / 2 a power of two uses the single-loop path, other even sizes the per-group loop."""

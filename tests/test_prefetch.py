@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 import threading
 
 import numpy as np
@@ -10,7 +11,8 @@ import pytest
 
 from engine import Engine, EngineConfig, Finished, GenerateRequest, SamplingParams
 from engine.generate import engine_threads_alive
-from engine.prefetch import PrefetchQueue, guard_allows, lfru_score
+from engine.observers import Observer
+from engine.prefetch import Pilot, PrefetchQueue, QueuePut, guard_allows, lfru_score
 
 
 def _run(store, **over):
@@ -90,7 +92,7 @@ def test_queue_every_item_claimed_exactly_once():
     for w in ws:
         w.start()
     for n in range(N):
-        assert q.put(n // 1000, n % 1000, 0) == "ok"
+        assert q.put(n // 1000, n % 1000, 0) is QueuePut.OK
     done.set()
     for w in ws:
         w.join()
@@ -100,10 +102,10 @@ def test_queue_every_item_claimed_exactly_once():
 
 def test_queue_dedup_and_bound():
     q = PrefetchQueue(maxsize=2)
-    assert q.put(1, 1, 0) == "ok"
-    assert q.put(1, 1, 0) == "dup"
-    assert q.put(1, 2, 0) == "ok"
-    assert q.put(1, 3, 0) == "full"
+    assert q.put(1, 1, 0) is QueuePut.OK
+    assert q.put(1, 1, 0) is QueuePut.DUP
+    assert q.put(1, 2, 0) is QueuePut.OK
+    assert q.put(1, 3, 0) is QueuePut.FULL
     assert q.clear() == 2 and len(q) == 0
 
 
@@ -136,27 +138,37 @@ def test_perfect_predictor_drops_under_half(medium_store):
     req = GenerateRequest(prompt_ids=tuple(stream[:8]), forced_ids=tuple(stream[8:]),
                           sampling=SamplingParams(max_new_tokens=72))
     routes = {}
-    with Engine.open(cfg) as eng:
-        orig = eng.model.on_route
 
-        def rec(layer, idx, logits):
-            routes[(eng.pilot.gen, layer)] = np.unique(idx)
-            orig(layer, idx, logits)
-        eng.model.on_route = rec
+    class Recorder(Observer):
+        forwards = 0
+
+        def on_forward_start(self, pos0, num_tokens):
+            self.forwards += 1
+
+        def on_route(self, layer, idx, router_logits):
+            routes[(self.forwards, layer)] = np.unique(idx)
+
+    with Engine.open(cfg) as eng:
+        eng.subscribe(Recorder())
         list(eng.generate(req))
-    with Engine.open(cfg) as eng:
-        p = eng.pilot
 
-        def oracle(t, x, dist=1):
-            for e in routes.get((p.gen, t), ()):
-                if not eng.cache.is_present(t, int(e)):
-                    p.queue.put(t, int(e), p.gen)
-        p._predict = oracle
+    class OraclePilot(Pilot):
+        """Queues exactly the experts the target layer will route to (same forward count as
+        the recording: ``gen`` counts forwards)."""
+
+        def predict(self, t, x, dist=1):
+            for e in routes.get((self.gen, t), ()):
+                if not self.cache.is_present(t, int(e)):
+                    self.request(t, int(e))
+
+    with Engine.open(replace(cfg, pilot=0)) as eng:
+        p = OraclePilot(eng.model, eng.cache, cfg)
         evs = list(eng.generate(req))
         m = [e for e in evs if type(e).__name__ == "StepMetrics"]
         issued = sum(x.spec_issued for x in m)
         guard = sum(x.spec_dropped_guard for x in m)
         print(f"oracle speculations: {issued} issued, {guard} dropped by the guard")
+        p.close()
         assert issued + guard > 20
         assert guard / (issued + guard) < 0.5, (guard, issued)
 

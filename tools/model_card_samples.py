@@ -43,11 +43,9 @@ def store_eval(store: Path, seqs) -> dict:
         pilot = eng.pilot
         pilot.recall_hits[:] = 0
         pilot.recall_total[:] = 0
-        for s in seqs[:16]:
-            pilot.new_token()
+        for s in seqs[:16]:  # each forward starts a new PILOT token (on_forward_start)
             eng.model.forward(np.asarray(s[:1]), 0)
             for i, t in enumerate(s[1:128], start=1):
-                pilot.new_token()
                 eng.model.forward(np.asarray([t]), i)
         ent = usage_entropy(eng.heat.session)
         out["usage_entropy"] = ent.tolist()

@@ -15,7 +15,18 @@ import time
 
 import numpy as np
 
+from ..observers import Observer
 from .common import add_stream_flags, forced_stream, heldout_stream
+
+
+class TouchedExperts(Observer):
+    """Observer: which (MoE layer, expert) pairs the routing has selected; mask bool [M, E]."""
+
+    def __init__(self, num_moe_layers: int, num_experts: int):
+        self.mask = np.zeros((num_moe_layers, num_experts), bool)
+
+    def on_route(self, layer: int, idx: np.ndarray, router_logits: np.ndarray) -> None:
+        self.mask[layer, np.unique(idx)] = True
 
 
 def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
@@ -54,13 +65,8 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
             req = GenerateRequest(prompt_ids=tuple(stream[:prompt_len]),
                                   forced_ids=tuple(stream[prompt_len:]) if forced else None,
                                   sampling=SamplingParams(max_new_tokens=tokens))
-        touched = np.zeros((eng.args.num_moe_layers, eng.args.num_experts), bool)  # [MoE row, expert]
-        orig = eng.model.on_route
-
-        def spy(layer, idx, logits):
-            touched[layer, np.unique(idx)] = True
-            orig(layer, idx, logits)
-        eng.model.on_route = spy
+        touched = TouchedExperts(eng.args.num_moe_layers, eng.args.num_experts)
+        eng.subscribe(touched)
         prof = Profile(eng)
         fin = None
         for ev in eng.generate(req):
@@ -83,7 +89,7 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
                "ttft_s": fin.ttft_s, "peak_rss_gb": max((m.rss_bytes for m in steps), default=0) / 1e9,
                "cap": eng.cache.cap,
                "tokens": fin.generated_tokens, "finish": fin.finish_reason, "error": fin.error,
-               "distinct_experts": int(touched.sum()), "total_experts": int(touched.size),
+               "distinct_experts": int(touched.mask.sum()), "total_experts": int(touched.mask.size),
                "o_direct": eng.store.o_direct, "open_s": open_s,
                "sha256_ids": hashlib.sha256(json.dumps(list(fin.token_ids)).encode()).hexdigest()[:16],
                "decode_s": (fin.generated_tokens - 1) / fin.decode_tok_per_s if fin.decode_tok_per_s else 0.0,

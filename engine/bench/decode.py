@@ -26,7 +26,7 @@ def _decode_ours(store: str, prompt: list, forced: list, tokens: int) -> dict:
     args = eng.args
     try:
         def once():
-            eng._kv_ids = []  # no prefix reuse: measure the whole prefill
+            eng.forget_prefix()  # no prefix reuse: measure the whole prefill
             req = GenerateRequest(prompt_ids=tuple(prompt), forced_ids=tuple(forced),
                                   sampling=SamplingParams(max_new_tokens=tokens))
             return [e for e in eng.generate(req) if isinstance(e, Finished)][0]

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from ..chat_template import raw_mode_warning
-from ..events import ChatMessage, Finished, GenerateRequest, StepMetrics, TokenEvent
+from ..events import ChatMessage, Finished, FinishReason, GenerateRequest, StepMetrics, TokenEvent
 from ..settings import ENGINE, SAMPLING
 from .flags import add_setting_flags, engine_config, sampling_params
 
@@ -69,7 +69,7 @@ def cmd_run(a) -> int:
         print()
         if trace:
             trace.save(a.trace)
-        if fin is not None and fin.finish_reason == "error":
+        if fin is not None and fin.finish_reason == FinishReason.ERROR:
             print(f"error: {fin.error}", file=sys.stderr)
             return 1
         if prof and fin:

@@ -80,7 +80,7 @@ def self_test(store: str | os.PathLike, max_new_tokens: int = 8) -> str:
         HubError: generation ended with an error (message included).
     """
     from ..config import EngineConfig
-    from ..events import ChatMessage, Finished, GenerateRequest, SamplingParams
+    from ..events import ChatMessage, Finished, FinishReason, GenerateRequest, SamplingParams
     from ..generate import Engine
     cfg = EngineConfig(store=str(store), context_length=256, pinning=False, history=False, pilot=0)
     sp = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens)
@@ -93,7 +93,7 @@ def self_test(store: str | os.PathLike, max_new_tokens: int = 8) -> str:
         for ev in eng.generate(req, threading.Event()):
             if isinstance(ev, Finished):
                 fin = ev
-    if fin is None or fin.finish_reason == "error":
+    if fin is None or fin.finish_reason == FinishReason.ERROR:
         raise HubError(f"{store}: self-test generation failed ({fin.error if fin else 'no result'}); the store "
                        f"may be corrupt - delete it and convert again")
     return fin.text

@@ -27,12 +27,13 @@ import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
 from ..errors import Cancelled, ConfigError
 from ..quant import kind_of
+from ..observers import ObserverList
 
 if os.environ.get("COLIBRI_NO_NUMBA"):
     from .. import kernels_ref as K
@@ -590,12 +591,19 @@ class MoEModel:
         self.v_cache.fill(0.0)
         self.cos, self.sin = rope_tables(S, a.rope_theta, self.C)  # [C, S/2]
         self.scale = np.float32(S ** -0.5)
-        # Observers (MoE-layer indices): routing (layer, idx[T, K], logits[T, E]) and the PILOT
-        # hooks; set by the engine. Dense layers call none of them.
-        self.on_route: Callable[[int, np.ndarray, np.ndarray], None] | None = None
-        self.on_after_attention: Callable[[int, np.ndarray], None] | None = None
-        self.on_after_moe: Callable[[int, np.ndarray], None] | None = None
-        self.on_layer_start: Callable[[int], None] | None = None
+        # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
+        # layer start, post-attention residual, routing, post-MoE residual. Dense layers
+        # publish nothing.
+        self.observers = ObserverList()
+
+    def subscribe(self, observer) -> None:
+        """Publish this model's forward, layer and routing events to ``observer`` (any object
+        with some of the hooks of ``engine.observers.Observer``), after earlier subscribers."""
+        self.observers.subscribe(observer)
+
+    def unsubscribe(self, observer) -> None:
+        """Stop publishing to ``observer`` (no-op if it is not subscribed)."""
+        self.observers.unsubscribe(observer)
 
     @property
     def kv_bytes(self) -> int:
@@ -704,8 +712,7 @@ class MoEModel:
         K.rmsnorm(x, ly["post_attention_layernorm"], a.rms_norm_eps, h)
         logits = self.router_logits(j, h)  # [T, E]
         idx, w = route(logits, a.num_experts_per_tok, a.norm_topk_prob)  # [T, K]
-        if self.on_route is not None:
-            self.on_route(j, idx, logits)
+        self.observers.publish("on_route", j, idx, logits)
         uniq = np.unique(idx)  # ascending expert ids
         order = self.experts.prepare(j, uniq)
         y = np.zeros((T, idx.shape[1], D), np.float32)  # [T, K, D]
@@ -746,6 +753,8 @@ class MoEModel:
         T = len(ids)
         if pos0 + T > self.C:
             raise ValueError(f"positions {pos0}..{pos0 + T - 1} exceed the context of {self.C} tokens")
+        obs = self.observers
+        obs.publish("on_forward_start", pos0, T)
         outs = []
         for c0 in range(0, T, PREFILL_CHUNK):
             chunk = ids[c0:c0 + PREFILL_CHUNK]
@@ -754,14 +763,14 @@ class MoEModel:
                 if cancel is not None and cancel.is_set():
                     raise Cancelled("cancelled")
                 j = self.moe_index[i]
-                if j >= 0 and self.on_layer_start is not None:
-                    self.on_layer_start(j)
+                if j >= 0:
+                    obs.publish("on_layer_start", j)
                 x += self.attention(i, x, pos0 + c0)
-                if j >= 0 and self.on_after_attention is not None:
-                    self.on_after_attention(j, x)
+                if j >= 0:
+                    obs.publish("on_after_attention", j, x)
                 x += self.mlp(i, x)
-                if j >= 0 and self.on_after_moe is not None:
-                    self.on_after_moe(j, x)
+                if j >= 0:
+                    obs.publish("on_after_moe", j, x)
             if all_logits:
                 outs.append(self.logits(x))
             elif c0 + PREFILL_CHUNK >= T:
