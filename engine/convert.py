@@ -71,6 +71,33 @@ def dense_quant_for(quant: str) -> str:
 LM_HEAD_QUANT = {"int4": "int8"}
 
 
+def check_destination(dst: Path, overwrite: bool) -> None:
+    """Refuse a destination a conversion must not write: a file, a folder that is not a
+    store (never deleted, even with ``overwrite``: it may hold the user's files), or an
+    existing store without ``overwrite``. A missing or empty folder is fine.
+
+    Raises:
+        FileExistsError: naming ``dst`` and what to do.
+    """
+    dst = Path(dst)
+    if not dst.exists() and not dst.is_symlink():
+        return
+    if not dst.is_dir() or dst.is_symlink():
+        raise FileExistsError(f"{dst}: exists and is not a folder; give a new folder path for the store")
+    if (dst / "manifest.json").is_file():
+        if not overwrite:
+            raise FileExistsError(f"{dst}: a store already exists; pass --overwrite to replace it")
+        return
+    try:
+        n = sum(1 for _ in dst.iterdir())
+    except OSError as e:
+        raise FileExistsError(f"{dst}: exists and cannot be listed ({e}); give a new folder path") from None
+    if n:
+        raise FileExistsError(f"{dst}: exists and is not a colibri store ({n} entries in it); nothing "
+                              f"was written and nothing there is touched - give a new or empty folder "
+                              f"for the store (--overwrite only replaces a store)")
+
+
 def _put(dense: dict, name: str, w: np.ndarray, quant: str, group_size: int = 32) -> None:
     for k, v in quantize(w, quant, group_size).items():
         dense[f"{name}.{k}"] = np.ascontiguousarray(v)
@@ -102,8 +129,7 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
     if quant not in QUANTS:
         raise ValueError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
     src, dst = Path(src), Path(dst)
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"{dst}: a store already exists; pass --overwrite to replace it")
+    check_destination(dst, overwrite)
     ck = Checkpoint(src)
     try:
         return write_store(ck, src, dst, quant, group_size, progress, cancel, extra_manifest, overwrite,
@@ -140,6 +166,7 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
     if quant == "int4" and (D % group_size or I % group_size):
         raise CheckpointError(f"{label}: int4 needs hidden_size ({D}) and the expert width ({I}) to be "
                               f"multiples of the group size {group_size}; use int8")
+    check_destination(dst, overwrite)
     dst.parent.mkdir(parents=True, exist_ok=True)
     seen = _identity(dst)
     _remove_stale_temps(dst)
@@ -359,6 +386,8 @@ def _publish(partial: Path, dst: Path, seen, manifest: dict, overwrite: bool) ->
                 raise FileExistsError(f"{dst}: another process published {why} here while this "
                                       f"conversion ran; pass --overwrite to replace it")
             log.warning("%s: replacing %s another process published", dst, why)
+        if now is not None:
+            check_destination(dst, True)  # never replace a folder that is not a store
         if now is None:
             os.rename(partial, dst)  # fails on an existing non-empty folder, never merges
         else:

@@ -61,7 +61,8 @@ class ExpertStore:
             hint = (f"it looks like a Hugging Face checkpoint: convert it first, e.g. "
                     f"`colibri convert {self.path} {self.path.name}-int8`"
                     if (self.path / "config.json").exists() else
-                    f"create one with `colibri convert HF_FOLDER {self.path}`")
+                    "`colibri models` lists your converted stores; make a new one with "
+                    "`colibri convert HF_FOLDER NEW_STORE_FOLDER`")
             raise StoreError(f"{mpath}: not found; {self.path} is not a converted store ({hint})") from None
         except PermissionError:
             raise StoreError(f"{mpath}: {_denied()}") from None

@@ -202,7 +202,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
 
 SAMPLING_SETTINGS: tuple[Setting, ...] = (
     _S("temperature", float, 0.0, "randomness of sampling; 0 = greedy (always the most likely token)",
-       "Temperature", group=SAMPLING, lo=0.0, hi=5.0, special="0 (greedy)", needs_reload=False, step=0.05),
+       "Temperature", group=SAMPLING, lo=0.0, hi=5.0, special="greedy", needs_reload=False, step=0.05),
     _S("top_k", int, 0, "sample only from the k most likely tokens", "Top-k", group=SAMPLING, lo=0, hi=100000,
        unit="tokens", special="off", needs_reload=False),
     _S("top_p", float, 1.0, "sample only from the smallest set of tokens whose probability adds up to p "

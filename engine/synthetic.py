@@ -304,13 +304,12 @@ def write_store_from_seed(dst: str | os.PathLike, config: dict, quant: str = "in
         ConfigError: invalid config. FileExistsError: ``dst`` exists and overwrite is False.
         ConversionCancelled: ``cancel`` was set (nothing is left behind).
     """
-    from .convert import write_store
+    from .convert import check_destination, write_store
     from .quant import QUANTS
     if quant not in QUANTS:
         raise ValueError(f"quant {quant!r}: choose one of {', '.join(QUANTS)}")
     dst = Path(dst)
-    if dst.exists() and not overwrite:
-        raise FileExistsError(f"{dst}: a store already exists; pass overwrite=True to replace it")
+    check_destination(dst, overwrite)
     src = SeededSource(config, seed, dtype, std, expert_draw)
     if expert_draw == "codes" and quant not in ("int8", "int4"):
         raise ValueError(f"expert_draw 'codes' needs quant int8 or int4, not {quant!r}")

@@ -177,3 +177,27 @@ def test_prompt_longer_than_context(tiny_store):
             eng.generate(GenerateRequest(prompt_ids=tuple(range(1, 17))))
         fin = list(eng.generate(GenerateRequest(prompt_ids=tuple(range(1, 10)))))[-1]
         assert fin.finish_reason in ("length", "stop")
+
+
+def test_overwrite_never_deletes_a_folder_that_is_not_a_store(tiny_checkpoint, tmp_path):
+    """`convert --overwrite` replaces a store, never a user's folder: a non-empty folder without
+    manifest.json is refused (its files untouched), with or without overwrite; a file is refused;
+    an empty folder is used; an existing store needs overwrite and is then replaced."""
+    from engine import convert_checkpoint
+    user = tmp_path / "Documents"
+    user.mkdir()
+    (user / "keep.txt").write_text("precious")
+    for ow in (False, True):
+        with pytest.raises(FileExistsError, match="not a colibri store"):
+            convert_checkpoint(tiny_checkpoint, user, quant="f32", overwrite=ow)
+    assert (user / "keep.txt").read_text() == "precious" and sorted(p.name for p in user.iterdir()) == ["keep.txt"]
+    f = tmp_path / "afile"
+    f.write_text("x")
+    with pytest.raises(FileExistsError, match="not a folder"):
+        convert_checkpoint(tiny_checkpoint, f, quant="f32", overwrite=True)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert (convert_checkpoint(tiny_checkpoint, empty, quant="f32") / "manifest.json").is_file()
+    with pytest.raises(FileExistsError, match="store already exists"):
+        convert_checkpoint(tiny_checkpoint, empty, quant="f32")
+    assert (convert_checkpoint(tiny_checkpoint, empty, quant="int8", overwrite=True) / "manifest.json").is_file()

@@ -4,7 +4,6 @@ fresh process (``colibri bench arm``, hidden) so every arm starts cold."""
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -98,7 +97,7 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
                    "spec_dropped_full", "spec_used", "spec_wasted_bytes")},
                "pilot_recall": recall, "demand_bytes": sum(m.demand_bytes for m in steps),
                # distinct experts routed to per MoE layer (random weights route degenerately)
-               "distinct_per_layer": touched.sum(axis=1).astype(int).tolist(),
+               "distinct_per_layer": touched.mask.sum(axis=1).astype(int).tolist(),
                # high-water mark of this (fresh) process, opening included; Linux ru_maxrss is KiB
                "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
                "quant": eng.store.quant}
@@ -153,7 +152,7 @@ def arm_subprocess(store, over, prompt_len, tokens, seed, prompt_text=None, stre
 
 def add_parser(bs) -> None:
     """Register `arm` under ``colibri bench``."""
-    r = bs.add_parser("arm", help=argparse.SUPPRESS)
+    r = bs.add_parser("arm")  # internal: one arm in a fresh process (hidden from the verb list)
     r.add_argument("--store", required=True)
     r.add_argument("--config", required=True)
     add_stream_flags(r, prompt_len=16, tokens=48)

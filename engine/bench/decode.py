@@ -3,7 +3,6 @@ resident; each system in its own fresh process (``bench decode-arm``, hidden).""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -172,7 +171,7 @@ def add_parser(bs) -> None:
     d.add_argument("--name", default="decode_1b")
     d.set_defaults(fn=cmd_decode)
 
-    da = bs.add_parser("decode-arm", help=argparse.SUPPRESS)
+    da = bs.add_parser("decode-arm")  # internal (hidden from the verb list)
     da.add_argument("--system", required=True)
     da.add_argument("--store", required=True)
     da.add_argument("--checkpoint", required=True)

@@ -5,7 +5,6 @@ and the bytes each decoded token read from the block device."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
@@ -389,7 +388,7 @@ def add_parser(bs) -> None:
     p.add_argument("--name", default="peers_1b")
     p.set_defaults(fn=cmd_peers)
 
-    r = bs.add_parser("peer-arm", help=argparse.SUPPRESS)
+    r = bs.add_parser("peer-arm")  # internal (hidden from the verb list)
     r.add_argument("--system", choices=SYSTEMS, required=True)
     r.add_argument("--checkpoint", required=True)
     r.add_argument("--store", required=True)

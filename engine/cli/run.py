@@ -30,6 +30,8 @@ def cmd_run(a) -> int:
     """``colibri run``: generate from a prompt, streaming the text to stdout."""
     from ..generate import Engine
     from ..prof import Profile
+    if not a.prompt.strip():
+        raise ValueError("--prompt is empty: give the text to answer or continue")
     if a.trace:  # refuse a trace path that cannot be written before any compute
         t = Path(a.trace)
         if t.is_dir():
