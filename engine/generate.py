@@ -28,7 +28,7 @@ from .observers import Observer, ObserverFailure
 from .ram_budget import RssGuard, current_rss
 from .sizing import estimate_store, plan_estimate
 from .sampling import Sampler
-from .sysinfo import usable_cpus
+from .sysinfo import BudgetClaim, usable_cpus
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,8 @@ class Engine:
             ram_budget_bytes=self.plan.budget, dense_bytes=dense_bytes, expert_slot_bytes=store.slot_bytes,
             pilot=config.pilot, prewarmed_experts=pre_n, prewarm_seconds=pre_s, message=msg,
             has_chat_template=self.tokenizer.has_chat_template)
+        # other colibri processes size their automatic budget around this one (sysinfo)
+        self.budget_claim = BudgetClaim(self.plan.budget)
 
     def _apply_threads(self) -> None:
         """numba's thread count is per calling thread: set it in the thread that computes."""
@@ -396,6 +398,9 @@ class Engine:
             self.pilot.close()
         self.cache.close()
         self.store.close()
+        claim = getattr(self, "budget_claim", None)
+        if claim is not None:
+            claim.release()
 
     def __enter__(self):
         return self

@@ -196,6 +196,10 @@ def plan_cap(num_experts: int, slot_bytes: list[int], dense_bytes: int, kv_bytes
     if ram_budget_gb is None:
         if available is None:
             available, _ = probe_available()
+            # what other colibri processes have budgeted but not yet taken is not ours
+            # (issue 18 fault 11: two instances must not each take 88% of RAM)
+            from .sysinfo import others_unreserved
+            available = max(0, available - others_unreserved())
         base = rss_now if rss_now is not None else dense_bytes
         budget = int(base + AVAILABLE_SHARE * available)
     else:

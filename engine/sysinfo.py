@@ -237,3 +237,87 @@ def memory(root: str | os.PathLike | None = None,
         total = min(total, cg.limit) if total > 0 else cg.limit
         avail = min(avail, cg.available)
     return total, avail
+
+
+# --- RAM claimed by other colibri processes -------------------------------------------------
+#
+# Two processes that each size their automatic budget from the same "available" figure both
+# take 88% of it (issue 18, fault 11): an engine's expert arena is filled lazily, so the first
+# process's budget is not yet visible in the second's probe. Every open engine therefore
+# records its budget in a small claim file (one per process and engine, JSON {"pid", "budget"});
+# the automatic budget of another process subtracts what each live claim has not yet taken
+# (budget - that process's RSS). Files of dead processes are removed when read.
+
+def claims_dir() -> Path:
+    """Folder of the budget claims: ``COLIBRI_CLAIMS_DIR`` or the user cache folder's
+    ``budgets`` (platformdirs; shared by every colibri process of this user)."""
+    env = os.environ.get("COLIBRI_CLAIMS_DIR")
+    if env:
+        return Path(env)
+    import platformdirs
+    return Path(platformdirs.user_cache_dir("colibri-desktop", appauthor=False)) / "budgets"
+
+
+class BudgetClaim:
+    """This engine's RAM budget (bytes), visible to other colibri processes until
+    :meth:`release` (best effort: an unwritable folder means no claim, never an error)."""
+
+    def __init__(self, budget: int, folder: str | os.PathLike | None = None):
+        self.path: Path | None = None
+        d = Path(folder) if folder is not None else claims_dir()
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            p = d / f"{os.getpid()}-{id(self):x}.json"
+            tmp = p.with_suffix(".tmp")
+            tmp.write_text('{"pid": %d, "budget": %d}' % (os.getpid(), int(budget)), encoding="utf-8")
+            os.replace(tmp, p)
+            self.path = p
+        except OSError:
+            self.path = None
+
+    def release(self) -> None:
+        """Remove the claim. Idempotent."""
+        if self.path is not None:
+            try:
+                self.path.unlink()
+            except OSError:
+                pass
+            self.path = None
+
+
+def others_unreserved(folder: str | os.PathLike | None = None) -> int:
+    """Bytes other live colibri processes have claimed but not yet taken: the sum over their
+    claims of max(0, budget - that process's RSS). Claims of this process are not counted
+    (its own RSS is already in the budget's base); files of dead processes are removed."""
+    import json
+
+    import psutil
+    d = Path(folder) if folder is not None else claims_dir()
+    try:
+        files = list(d.glob("*.json"))
+    except OSError:
+        return 0
+    per_pid: dict[int, int] = {}
+    for f in files:
+        try:
+            c = json.loads(f.read_text(encoding="utf-8"))
+            pid, budget = int(c["pid"]), int(c["budget"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if pid == os.getpid():
+            continue
+        if not psutil.pid_exists(pid):
+            try:
+                f.unlink()
+            except OSError:
+                pass
+            continue
+        per_pid[pid] = per_pid.get(pid, 0) + max(0, budget)
+    total = 0
+    for pid, budget in per_pid.items():
+        try:
+            rss = psutil.Process(pid).memory_info().rss
+        except (psutil.Error, OSError):
+            continue
+        total += max(0, budget - rss)
+    return total

@@ -15,6 +15,7 @@ def _isolated_dirs(tmp_path_factory, monkeypatch):
     base = tmp_path_factory.getbasetemp()
     monkeypatch.setenv("COLIBRI_DATA_DIR", str(base / "userdata"))
     monkeypatch.setenv("COLIBRI_CONFIG_DIR", str(base / "userconfig"))
+    monkeypatch.setenv("COLIBRI_CLAIMS_DIR", str(base / "budget-claims"))
 
 
 @pytest.fixture(scope="session")

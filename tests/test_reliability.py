@@ -452,3 +452,45 @@ def test_corrupt_expert_error_printed_once(tiny_store, tmp_path):
     assert r.returncode != 0
     assert r.stderr.count("crc32") == 1, r.stderr
     assert "Traceback" not in r.stderr
+
+
+# --- fault 11 (last part): two instances must not each take 88% of RAM -------------------------
+
+def test_second_process_budgets_around_the_first(tmp_path, monkeypatch, tiny_store):
+    """Fault 11: an open engine claims its budget; another process's automatic budget leaves
+    out what that claim has not yet taken (budget - the claimant's RSS), so two processes no
+    longer each take 88% of available RAM. Dead claimants are forgotten."""
+    import psutil
+
+    from engine import sizing, sysinfo
+    monkeypatch.setenv("COLIBRI_CLAIMS_DIR", str(tmp_path / "claims"))
+    monkeypatch.setattr(sizing, "probe_available", lambda: (10 * GB, True))
+    plan = lambda: sizing.plan_cap(8, [1_000_000] * 2, 50_000_000, 1_000_000, None, None,  # noqa: E731
+                                   rss_now=100_000_000)
+    alone = plan().budget
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        claim = sysinfo.BudgetClaim(6 * GB)
+        data = json.loads(claim.path.read_text())
+        claim.path.write_text(json.dumps({"pid": other.pid, "budget": data["budget"]}))  # as if `other` claimed it
+        taken = psutil.Process(other.pid).memory_info().rss
+        assert sysinfo.others_unreserved() == 6 * GB - taken
+        second = plan().budget
+        assert alone - second == pytest.approx(0.88 * (6 * GB - taken), abs=2)
+        assert second < 0.88 * 10 * GB  # on main: both processes got 100 MB + 8.8 GB
+    finally:
+        other.kill()
+        other.wait()
+    assert sysinfo.others_unreserved() == 0 and not list((tmp_path / "claims").glob("*.json"))
+    assert plan().budget == alone
+
+
+def test_open_engine_claims_its_budget_until_closed(tmp_path, monkeypatch, tiny_store):
+    """Engine.open records its budget for other processes; close removes it."""
+    from engine import sysinfo
+    monkeypatch.setenv("COLIBRI_CLAIMS_DIR", str(tmp_path / "claims"))
+    with Engine.open(EngineConfig(store=str(tiny_store), ram_budget_gb=2.0, history=False)) as eng:
+        files = list((tmp_path / "claims").glob("*.json"))
+        assert len(files) == 1 and json.loads(files[0].read_text()) == {"pid": os.getpid(), "budget": eng.plan.budget}
+        assert sysinfo.others_unreserved() == 0  # this process's own claims are not subtracted
+    assert not list((tmp_path / "claims").glob("*.json"))
