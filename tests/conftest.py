@@ -7,6 +7,9 @@ import os
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# Tests are not benchmarks: OpenMP threads that sleep instead of spinning keep the suite's
+# time steady when the machine is shared (spinning threads slowed it 10-50x under load).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @pytest.fixture(autouse=True)
