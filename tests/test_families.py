@@ -63,7 +63,8 @@ def test_greedy_ids_do_not_depend_on_placement(family_stores, name):
     assert len(ref) == 12
     for kw in (dict(cap=1, policy="lfru", pilot=0), dict(cap=2, policy="ema", pilot=3, pilot_workers=2),
                dict(cap=3, policy="lru", pilot=1, pilot_workers=1, wide=2, spec_precision=0.0),
-               dict(cap=2, policy="ema", pilot=2, pinning=True, pin_per_layer=1)):
+               dict(cap=2, policy="ema", pilot=2, pinning=True, pin_per_layer=1),
+               dict(cap=E, policy="lru", pilot=0, threads=1), dict(cap=2, policy="ema", pilot=1, threads=2)):
         assert _greedy(store, **kw) == ref, kw
 
 
