@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QComboBox, QFileDialog, 
                                QWizardPage)
 
 from engine import EngineFailure, ErrorKind, LoadProgress, describe_model, supported_families
-from engine import library as hub
+from engine import library as lib
 
 from .workers import Lane, Task
 
@@ -155,7 +155,7 @@ class SourcePage(QWizardPage):
         return False
 
     def start_check(self, extra_result: tuple = (), extra_error: tuple = ()) -> None:
-        """Run hub.check_repo / hub.check_local in the background for the current input
+        """Run lib.check_repo / lib.check_local in the background for the current input
         (``extra_result`` / ``extra_error``: more receivers of its outcome)."""
         key = self.key()
         self.refused = None
@@ -164,13 +164,13 @@ class SourcePage(QWizardPage):
             repo, rev = key[1], key[2] or None
 
             def fn(progress, cancel):
-                return hub.check_repo(repo, rev, "int8", ctx)
+                return lib.check_repo(repo, rev, "int8", ctx)
             self.status.setText(f"Checking {repo} on the hub (config.json and the file list only)…")
         else:
             folder = key[1]
 
             def fn(progress, cancel):
-                return hub.check_local(folder, "int8", ctx)
+                return lib.check_local(folder, "int8", ctx)
             self.status.setText(f"Checking {folder}…")
         _error_style(self.status, "")
         self.wiz.check = None
@@ -240,10 +240,10 @@ class CheckPage(QWizardPage):
     def initializePage(self) -> None:
         self.show_check(self.wiz.check)
 
-    def show_check(self, c: hub.RepoCheck | None) -> None:
+    def show_check(self, c: lib.RepoCheck | None) -> None:
         if c is None:
             return
-        fb = hub.format_bytes
+        fb = lib.format_bytes
         a = c.args
         self.setSubTitle(f"{c.repo_id}" + (f" @ {c.commit[:12]}" if c.commit else "") +
                          f" — {describe_model(a)}")
@@ -312,7 +312,7 @@ class CheckPage(QWizardPage):
 
 class DownloadPage(QWizardPage):
     """Progress (bytes, speed, ETA), Cancel and Resume. Resuming continues from the bytes
-    already on disk (engine.hub.download)."""
+    already on disk (engine.lib.download)."""
 
     def __init__(self, wiz: "ModelWizard"):
         super().__init__(wiz)
@@ -368,7 +368,7 @@ class DownloadPage(QWizardPage):
         repo, rev = c.repo_id, c.commit
 
         def fn(progress, cancel):
-            return str(hub.download(repo, rev, c.download_dir, progress, cancel, check=c))
+            return str(lib.download(repo, rev, c.download_dir, progress, cancel, check=c))
         self.status.setText("Downloading…")
         _error_style(self.status, "")
         self.task = run_task(fn, progress=self._progress, result=self._done, error=self._failed)
@@ -386,7 +386,7 @@ class DownloadPage(QWizardPage):
     def _progress(self, ev: LoadProgress) -> None:
         if ev.total:
             self.bar.setValue(int(1000 * ev.done / ev.total))
-        self.bytes_label.setText(f"{hub.format_bytes(ev.done)} of {hub.format_bytes(ev.total)}")
+        self.bytes_label.setText(f"{lib.format_bytes(ev.done)} of {lib.format_bytes(ev.total)}")
         self.detail.setText(ev.message)
 
     @Slot(object)
@@ -481,8 +481,8 @@ class ConvertPage(QWizardPage):
         self.quant.blockSignals(True)
         self.quant.clear()
         for e in c.estimates:
-            self.quant.addItem(f"{e.quant} — store {hub.format_bytes(e.store_bytes)}, RAM ≥ "
-                               f"{hub.format_bytes(e.ram_needed)}", e.quant)
+            self.quant.addItem(f"{e.quant} — store {lib.format_bytes(e.store_bytes)}, RAM ≥ "
+                               f"{lib.format_bytes(e.ram_needed)}", e.quant)
         self.quant.setCurrentIndex(max(0, self.quant.findData("int8")))
         self.quant.blockSignals(False)
         if c.source == "local":
@@ -491,7 +491,7 @@ class ConvertPage(QWizardPage):
         self.delete_download.setChecked(c.source == "hub")
         if c.source == "hub":
             self.delete_download.setText(f"Delete the downloaded files after converting (frees "
-                                         f"{hub.format_bytes(c.download_bytes)})")
+                                         f"{lib.format_bytes(c.download_bytes)})")
         self.wiz.store_path = None
         self.bar.setValue(0)
         self.bytes_label.setText("")
@@ -502,7 +502,7 @@ class ConvertPage(QWizardPage):
         self.cancel()
 
     def target(self) -> Path:
-        return hub.models_dir() / hub.store_name(self.wiz.check.model_name, self.quant.currentData())
+        return lib.models_dir() / lib.store_name(self.wiz.check.model_name, self.quant.currentData())
 
     @Slot()
     def _quant_changed(self, *_a) -> None:
@@ -534,10 +534,10 @@ class ConvertPage(QWizardPage):
         delete_src = self.wiz.check.source == "hub" and self.delete_download.isChecked()
 
         def fn(progress, cancel):
-            store = hub.convert_downloaded(src, quant, progress, cancel, overwrite=overwrite, name=name)
+            store = lib.convert_downloaded(src, quant, progress, cancel, overwrite=overwrite, name=name)
             if delete_src:
                 try:
-                    hub.delete_download(src)
+                    lib.delete_download(src)
                 except (OSError, ValueError):
                     pass
             return str(store)
@@ -565,7 +565,7 @@ class ConvertPage(QWizardPage):
     def _progress(self, ev: LoadProgress) -> None:
         if ev.total:
             self.bar.setValue(int(1000 * ev.done / ev.total))
-        self.bytes_label.setText(f"{hub.format_bytes(ev.done)} of {hub.format_bytes(ev.total)} of weights")
+        self.bytes_label.setText(f"{lib.format_bytes(ev.done)} of {lib.format_bytes(ev.total)} of weights")
         self.tensor_label.setText(ev.message)
 
     @Slot(object)
@@ -631,7 +631,7 @@ class DonePage(QWizardPage):
         self.output.setPlainText("")
 
         def fn(progress, cancel):
-            return hub.self_test(store)
+            return lib.self_test(store)
         self.task = run_task(fn, result=self._done, error=self._failed)
         self.completeChanged.emit()
 
@@ -685,7 +685,7 @@ class ModelWizard(QWizard):
             settings = getattr(parent, "settings", None)
             context_length = getattr(getattr(settings, "engine", None), "context_length", 0) or 0
         self.context_length = int(context_length)
-        self.check: hub.RepoCheck | None = None
+        self.check: lib.RepoCheck | None = None
         self.source_dir: str | None = None
         self.store_path: str | None = None
         self.source_page = SourcePage(self)

@@ -23,7 +23,7 @@ from .expert_store import ExpertStore
 from .heat import RoutingHeat, cap_pins, pins_per_layer
 from .metrics import MetricsTracker
 from .models import build_model
-from .models.base import mean_router_probs
+from .models.base import K, mean_router_probs
 from .observers import Observer, ObserverFailure
 from .ram_budget import RssGuard, current_rss
 from .sizing import estimate_store, plan_estimate
@@ -152,11 +152,7 @@ class Engine:
 
     def _apply_threads(self) -> None:
         """numba's thread count is per calling thread: set it in the thread that computes."""
-        try:
-            import numba
-            numba.set_num_threads(max(1, min(self.threads, numba.config.NUMBA_NUM_THREADS)))
-        except (ImportError, ValueError):
-            pass
+        K.set_threads(self.threads)
 
     def _chain_layer_hook(self) -> None:
         """Let the RSS guard look at every MoE layer start (a safe point: no expert is

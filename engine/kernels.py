@@ -693,3 +693,9 @@ def _serialized(kernel):
 if SERIALIZED:  # no njit function calls these names, so rebinding them is safe
     for _name in PARALLEL_KERNELS:
         globals()[_name] = _serialized(globals()[_name])
+
+
+def set_threads(n: int) -> None:
+    """Threads of the parallel kernels launched from the calling thread (numba's count is per
+    thread), clamped to 1..NUMBA_NUM_THREADS."""
+    numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))

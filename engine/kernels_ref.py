@@ -113,3 +113,7 @@ def attention(q, kc, vc, pos0, scale, out):
             sc = kc[kh, :n] @ q[t, h] * scale
             p = np.exp(sc - sc.max())
             out[t, h] = (p / p.sum()) @ vc[kh, :n]
+
+
+def set_threads(n: int) -> None:
+    """Twin of kernels.set_threads: numpy runs on the calling thread; nothing to set."""
