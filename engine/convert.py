@@ -209,7 +209,10 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
         for t in tensors:
             check_cancel()
             w = get(t.hf, "f32" if t.kind == "keep" else dq)
-            if t.kind == "keep":
+            if t.split:  # one checkpoint tensor stored as several (MLA's kv_b_proj)
+                for name, part in fam.split_tensor(args, t, w).items():
+                    _put(dense, name, part, dq, group_size)
+            elif t.kind == "keep":
                 dense[t.ours] = w  # norms, routers, biases, gates stay float32: routing is sensitive
             elif t.ours in ("embed_tokens", "lm_head"):  # one embedding row read per token: int4 saves nothing
                 _put(dense, t.ours, w, LM_HEAD_QUANT.get(dq, dq), group_size)

@@ -50,8 +50,10 @@ def effective_context(args, context_length: int) -> int:
 
 
 def kv_bytes(args, context_length: int) -> int:
-    """KV cache bytes at ``context_length`` tokens: float32 K and V for every layer and KV head."""
-    return 2 * args.num_hidden_layers * args.num_key_value_heads * int(context_length) * args.head_dim * 4
+    """KV cache bytes at ``context_length`` tokens: float32 values, ``args.kv_values_per_token``
+    per token and layer (K and V of every KV head; MLA: the latent, kv_lora_rank +
+    qk_rope_head_dim)."""
+    return args.num_hidden_layers * args.kv_values_per_token * int(context_length) * 4
 
 
 def dense_bytes(args, quant: str) -> int:
