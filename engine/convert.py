@@ -202,7 +202,12 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
         check_finite(name, w, stored_as, str(file_of(name)) if file_of else str(label))
         return w
 
+    mtp = getattr(args, "num_nextn_predict_layers", 0)
+    skipped = ([f"model.layers.{args.num_hidden_layers + k}.* (multi-token-prediction layer, not used to "
+                f"generate)" for k in range(mtp)] if mtp else [])
     try:
+        for line in skipped:
+            report(f"skipping {line}", force=True)
         (partial / "experts").mkdir()
         dense: dict[str, np.ndarray] = {}
         counted: set[str] = set()
@@ -293,6 +298,7 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
             "num_experts": E,
             "experts": experts_meta,
             "files": {},
+            **({"skipped": skipped} if skipped else {}),
             **(extra_manifest or {}),
         }
         manifest["files"] = {rel: (partial / rel).stat().st_size
