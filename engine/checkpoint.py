@@ -4,6 +4,13 @@ The Hugging Face key layout of each family comes from its file in engine/models/
 (``dense_tensors``, ``expert_names``). Routed experts are read per expert, from per-expert
 tensors (published checkpoints, save_pretrained) or from slices of fused 3-D tensors
 (``mlp.experts.gate_up_proj`` [E, 2I, D] / ``down_proj`` [E, D, I]), one expert at a time.
+
+FP8 block-scaled checkpoints (DeepSeek-V3 / R1, Kimi-K2, the GLM FP8 releases): a matrix
+``X.weight`` stored as float8_e4m3fn [O, N] with ``X.weight_scale_inv`` float32
+[ceil(O / bo), ceil(N / bi)] (``quantization_config.weight_block_size`` [bo, bi], 128 x 128 in
+the published ones) reads as weight[o, n] * scale_inv[o // bo, n // bi] in float32, tensor by
+tensor, so the converter's peak RSS stays one tensor (source: DeepSeek-V3's
+inference/fp8_cast_bf16.py weight_dequant, and transformers' finegrained_fp8 integration).
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ class Checkpoint:
         self._where: dict[str, Path] = {}
         self._spans: dict[str, tuple[int, int, str, list]] = {}  # name -> (start, end, dtype, shape)
         self._fds: dict[Path, int] = {}
+        self._fp8_block = self._fp8_block_size()
         for f in self._files:
             h = self._open(f)
             for k in h.keys():
@@ -80,6 +88,27 @@ class Checkpoint:
                 f"experts (at least {want} tensors) but the weight files hold {len(self._where)}; "
                 f"config.json and the weights do not match - download the model again")
         self._check_tensors()
+
+    def _fp8_block_size(self) -> tuple[int, int]:
+        """``quantization_config.weight_block_size`` of an FP8 checkpoint (default 128 x 128)."""
+        try:
+            qc = json.loads((self.folder / "config.json").read_text(encoding="utf-8")).get("quantization_config")
+        except (OSError, ValueError):
+            qc = None
+        if not isinstance(qc, dict):
+            return (128, 128)
+        if qc.get("quant_method", "fp8") != "fp8":
+            raise CheckpointError(f"{self.folder / 'config.json'}: quantization_config.quant_method "
+                                  f"{qc.get('quant_method')!r} is not read; use the model's bf16 or FP8 release")
+        bs = qc.get("weight_block_size") or [128, 128]
+        if (not isinstance(bs, list) or len(bs) != 2 or
+                any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in bs)):
+            raise CheckpointError(f"{self.folder / 'config.json'}: quantization_config.weight_block_size "
+                                  f"{bs!r} must be two positive integers")
+        return (bs[0], bs[1])
+
+    def _scale_name(self, name: str) -> str:
+        return name + "_scale_inv"
 
     def _weight_files(self) -> list[Path]:
         index = self.folder / "model.safetensors.index.json"
@@ -157,9 +186,20 @@ class Checkpoint:
         if got != tuple(shape):
             raise CheckpointError(f"{f}: tensor '{name}' has shape {list(got)} but config.json "
                                   f"implies {list(shape)}; config and weights do not match")
-        if sl.get_dtype() not in ("BF16", "F16", "F32"):
+        if sl.get_dtype() == "F8_E4M3":
+            sn = self._scale_name(name)
+            bo, bi = self._fp8_block
+            want = (-(-got[0] // bo), -(-got[1] // bi)) if len(got) == 2 else None
+            if want is None or sn not in self._where:
+                raise CheckpointError(f"{f}: tensor '{name}' is float8 but has no block scales "
+                                      f"'{sn}'; only FP8 checkpoints with weight_scale_inv are read")
+            ssl = self._handles[self._where[sn]].get_slice(sn)
+            if tuple(ssl.get_shape()) != want or ssl.get_dtype() not in ("BF16", "F16", "F32"):
+                raise CheckpointError(f"{self._where[sn]}: tensor '{sn}' has shape {list(ssl.get_shape())} "
+                                      f"({ssl.get_dtype()}) but weight_block_size {[bo, bi]} implies {list(want)}")
+        elif sl.get_dtype() not in ("BF16", "F16", "F32"):
             raise CheckpointError(f"{f}: tensor '{name}' has dtype {sl.get_dtype()}; only "
-                                  f"bf16, f16 and f32 checkpoints are supported")
+                                  f"bf16, f16, f32 and block-scaled float8 (e4m3) checkpoints are supported")
         return True
 
     def _missing(self, name: str) -> CheckpointError:
@@ -214,7 +254,7 @@ class Checkpoint:
 
     def nbytes(self, name: str) -> int:
         sl = self._handles[self._where[name]].get_slice(name)
-        size = {"BF16": 2, "F16": 2, "F32": 4}[sl.get_dtype()]
+        size = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}[sl.get_dtype()]
         return int(np.prod(sl.get_shape())) * size
 
     def get(self, name: str) -> np.ndarray:
@@ -237,8 +277,17 @@ class Checkpoint:
                 os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
         except OSError as e:
             raise CheckpointError(f"{path}: reading tensor '{name}' failed ({e})") from None
-        np_dt = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32}[dt]
-        return np.frombuffer(raw, dtype=np_dt).reshape(shape).astype(np.float32)
+        np_dt = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32,
+                 "F8_E4M3": ml_dtypes.float8_e4m3fn}[dt]
+        w = np.frombuffer(raw, dtype=np_dt).reshape(shape).astype(np.float32)
+        if dt == "F8_E4M3":
+            if row is not None or w.ndim != 2:
+                raise CheckpointError(f"{path}: tensor '{name}' is float8 with {w.ndim + (row is not None)} "
+                                      f"dimensions; only 2-D block-scaled float8 matrices are read")
+            bo, bi = self._fp8_block
+            s = self._read(self._scale_name(name))  # [ceil(O / bo), ceil(N / bi)]
+            w *= np.repeat(np.repeat(s, bo, axis=0), bi, axis=1)[:w.shape[0], :w.shape[1]]
+        return w
 
     def close(self) -> None:
         self._handles.clear()

@@ -42,6 +42,8 @@ def describe_model(args: ModelArgs) -> str:
     layers = f"{L} layers ({M} MoE" + (f", {L - M} dense" if L > M else "") + ")"
     shared = (f", shared expert width {args.shared_expert_intermediate_size}"
               if args.shared_expert_intermediate_size else "")
+    if getattr(args, "kv_lora_rank", 0):
+        shared += f", latent attention (KV rank {args.kv_lora_rank} + {args.qk_rope_head_dim})"
     return (f"{family_name(args.model_type)} ({args.model_type}): {layers}, {args.num_experts} experts, "
             f"top-{args.num_experts_per_tok}, expert width {args.moe_intermediate_size}{shared}, "
             f"hidden {args.hidden_size}")

@@ -202,14 +202,22 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
         check_finite(name, w, stored_as, str(file_of(name)) if file_of else str(label))
         return w
 
+    mtp = getattr(args, "num_nextn_predict_layers", 0)
+    skipped = ([f"model.layers.{args.num_hidden_layers + k}.* (multi-token-prediction layer, not used to "
+                f"generate)" for k in range(mtp)] if mtp else [])
     try:
+        for line in skipped:
+            report(f"skipping {line}", force=True)
         (partial / "experts").mkdir()
         dense: dict[str, np.ndarray] = {}
         counted: set[str] = set()
         for t in tensors:
             check_cancel()
             w = get(t.hf, "f32" if t.kind == "keep" else dq)
-            if t.kind == "keep":
+            if t.split:  # one checkpoint tensor stored as several (MLA's kv_b_proj)
+                for name, part in fam.split_tensor(args, t, w).items():
+                    _put(dense, name, part, dq, group_size)
+            elif t.kind == "keep":
                 dense[t.ours] = w  # norms, routers, biases, gates stay float32: routing is sensitive
             elif t.ours in ("embed_tokens", "lm_head"):  # one embedding row read per token: int4 saves nothing
                 _put(dense, t.ours, w, LM_HEAD_QUANT.get(dq, dq), group_size)
@@ -290,6 +298,7 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
             "num_experts": E,
             "experts": experts_meta,
             "files": {},
+            **({"skipped": skipped} if skipped else {}),
             **(extra_manifest or {}),
         }
         manifest["files"] = {rel: (partial / rel).stat().st_size

@@ -95,8 +95,57 @@ def qwen2_moe_config(**kw) -> dict:
     return cfg
 
 
+def deepseek_v3_config(**kw) -> dict:
+    """A tiny DeepSeek-V3 config.json dict (DeepseekV3Config names) with the given overrides:
+    MLA with q LoRA, 8 experts in 4 groups (2 kept), a shared expert, layer 0 dense."""
+    cfg = {
+        "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 32, "kv_lora_rank": 32,
+        "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 4,
+        "topk_group": 2, "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "vocab_size": 300, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_interleave": True,
+        "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False,
+        "num_nextn_predict_layers": 1, "eos_token_id": 0, "bos_token_id": None,
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def deepseek_v2_config(**kw) -> dict:
+    """A tiny DeepSeek-V2-Lite-like config.json dict (plain q_proj, softmax greedy routing)."""
+    cfg = deepseek_v3_config(architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", q_lora_rank=None,
+                             topk_method="greedy", scoring_func="softmax", norm_topk_prob=False,
+                             routed_scaling_factor=1.0, n_shared_experts=2, n_group=None, topk_group=None)
+    for k in ("rope_interleave", "num_nextn_predict_layers"):
+        cfg.pop(k)
+    cfg.update(kw)
+    return cfg
+
+
+def glm4_moe_config(**kw) -> dict:
+    """A tiny GLM-4.5-like config.json dict (Glm4MoeConfig names): GQA 8/2, biases, q/k norm,
+    partial rotary 0.5, one dense layer, sigmoid routing over 2 groups."""
+    cfg = {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 16, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "n_group": 2,
+        "topk_group": 1, "norm_topk_prob": True, "routed_scaling_factor": 1.5, "use_qk_norm": True,
+        "attention_bias": True, "vocab_size": 300, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "tie_word_embeddings": False, "hidden_act": "silu", "num_nextn_predict_layers": 1,
+        "eos_token_id": 0, "bos_token_id": None,
+    }
+    cfg.update(kw)
+    return cfg
+
+
 CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config,
-           "qwen2_moe": qwen2_moe_config}
+           "qwen2_moe": qwen2_moe_config, "deepseek_v2": deepseek_v2_config, "deepseek_v3": deepseek_v3_config,
+           "glm4_moe": glm4_moe_config}
 
 # Exact shapes of published checkpoints (their config.json values; weights are random).
 PRESETS = {
@@ -114,6 +163,19 @@ PRESETS = {
         num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
         max_position_embeddings=32768, rms_norm_eps=1e-5,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, sliding_window=None),
+    # deepseek-ai/DeepSeek-V3 (and Kimi-K2's layout with 384 experts): 61 layers, the first 3
+    # dense, 256 routed experts of width 2048 in 8 groups (4 kept), top-8, one shared expert,
+    # MLA (q LoRA 1536, kv LoRA 512, rope 64, nope 128, v 128), YaRN x40.
+    "deepseek-v3": deepseek_v3_config(
+        hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61,
+        num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=256, num_experts_per_tok=8,
+        n_shared_experts=1, first_k_dense_replace=3, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+        vocab_size=129280, max_position_embeddings=163840,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+                         "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 1.0},
+        bos_token_id=0, eos_token_id=1),
 }
 
 

@@ -18,8 +18,9 @@ from engine.expert_store import ExpertStore
 from engine.generate import Engine
 from engine.models import SUPPORTED_MODEL_TYPES, family_for
 from engine.quant import slab_layout
-from engine.synthetic import (CONFIGS, PRESETS, mixtral_config, olmoe_config, qwen2_moe_config,
-                              qwen3_moe_config, write_checkpoint, write_store_from_seed)
+from engine.synthetic import (CONFIGS, PRESETS, deepseek_v2_config, deepseek_v3_config, glm4_moe_config,
+                              mixtral_config, olmoe_config, qwen2_moe_config, qwen3_moe_config, write_checkpoint,
+                              write_store_from_seed)
 
 # Family configs with dense layers, GQA, shared experts and windows (small but streaming).
 FAMILY_CONFIGS = {
@@ -30,6 +31,9 @@ FAMILY_CONFIGS = {
                                        sliding_window=5),
     "mixtral": mixtral_config(num_hidden_layers=3, sliding_window=6, head_dim=32),
     "qwen2_moe": qwen2_moe_config(num_hidden_layers=3, mlp_only_layers=[0], num_key_value_heads=2),
+    "deepseek_v3": deepseek_v3_config(),
+    "deepseek_v2": deepseek_v2_config(topk_method="group_limited_greedy", n_group=4, topk_group=2),
+    "glm4_moe": glm4_moe_config(),
 }
 
 

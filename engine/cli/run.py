@@ -111,12 +111,17 @@ def describe_store(path: str, context_length: int = 0) -> str:
             f"layers      {L} transformer layers: {M} MoE (routed experts)"
             + (f", {len(dense_layers)} dense MLP (layers {', '.join(map(str, dense_layers))}, resident)"
                if dense_layers else ", none dense")
-            + f"; hidden {a.hidden_size}, heads {a.num_attention_heads} (KV heads {a.num_key_value_heads}, "
-            f"head size {a.head_dim})",
+            + f"; hidden {a.hidden_size}, " + _attention_text(a),
+            f"KV cache    {a.kv_values_per_token} values per token and layer "
+            f"({format_bytes(a.kv_values_per_token * 4 * L)} per token of context)",
             f"experts     {a.num_experts} per MoE layer, top-{a.num_experts_per_tok} routed per token, width "
-            f"{a.moe_intermediate_size}, norm_topk_prob {a.norm_topk_prob}",
-            "shared      " + (f"one shared expert per MoE layer, width {a.shared_expert_intermediate_size} "
-                              f"(resident, computed every token)" if a.shared_expert_intermediate_size else "none"),
+            f"{a.moe_intermediate_size}, norm_topk_prob {a.norm_topk_prob}, router {a.scoring_func}"
+            + (f" in {a.n_group} groups (best {a.topk_group} kept, {a.topk_method})" if a.n_group > 1 else "")
+            + (", e_score_correction_bias for the choice" if a.router_bias else "")
+            + (f", routed_scaling_factor {a.routed_scaling_factor:g}" if a.routed_scaling_factor != 1.0 else ""),
+            "shared      " + (f"shared expert(s) per MoE layer, width {a.shared_expert_intermediate_size} "
+                              f"(resident, computed every token{', gated' if a.shared_expert_gated else ''})"
+                              if a.shared_expert_intermediate_size else "none"),
             f"vocab       {a.vocab_size}, context {a.max_position_embeddings}",
             f"quant       experts {m['quant']}" + (f" (group {m['group_size']})" if m.get("group_size") else "")
             + f", dense {m['dense_quant']}",
@@ -128,6 +133,17 @@ def describe_store(path: str, context_length: int = 0) -> str:
             f"{format_bytes(est.reserve_bytes)}); every expert in RAM: {format_bytes(est.all_in_ram_bytes)}",
         ]
         return "\n".join(lines)
+
+
+def _attention_text(a) -> str:
+    """The attention part of ``colibri info``'s layers line."""
+    if getattr(a, "kv_lora_rank", 0):
+        q = f"q LoRA rank {a.q_lora_rank}" if a.q_lora_rank else "plain q_proj"
+        return (f"heads {a.num_attention_heads}, multi-head latent attention (kv_lora_rank {a.kv_lora_rank}, "
+                f"qk_rope_head_dim {a.qk_rope_head_dim}, qk_nope_head_dim {a.qk_nope_head_dim}, v_head_dim "
+                f"{a.v_head_dim}, {q}); latent KV cache")
+    rot = f", rotary {a.rotary_dim} of {a.head_dim}" if a.rotary_dim and a.rotary_dim != a.head_dim else ""
+    return (f"heads {a.num_attention_heads} (KV heads {a.num_key_value_heads}, head size {a.head_dim}{rot})")
 
 
 def cmd_info(a) -> int:

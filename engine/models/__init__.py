@@ -11,9 +11,10 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import ConfigError
-from . import mixtral, olmoe, qwen2_moe, qwen3_moe
+from . import deepseek_v2, deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
 
-FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (olmoe, qwen3_moe, mixtral, qwen2_moe)}
+FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (olmoe, qwen3_moe, mixtral, qwen2_moe, deepseek_v2,
+                                                           deepseek_v3, glm4_moe)}
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 FAMILY_NAMES = {m.MODEL_TYPE: m.DISPLAY_NAME for m in FAMILIES.values()}
 
@@ -52,14 +53,16 @@ def dense_bytes(args, quant: str, group_size: int = 32) -> int:
     from ..quant import _field_specs
     dq = "int8" if quant in ("int8", "int4") else quant
     seen, total = set(), 0
-    for t in family_for(args.model_type).dense_tensors(args):
+    fam = family_for(args.model_type)
+    for t in fam.dense_tensors(args):
         if t.ours in seen:
             continue
         seen.add(t.ours)
         if t.kind == "keep":
             total += int(np.prod(t.shape)) * 4
         else:
-            total += sum(int(np.prod(shape)) * dt.itemsize for _, dt, shape in _field_specs(dq, *t.shape, group_size))
+            for _, shape2 in (fam.split_shapes(args, t) if t.split else [(t.ours, t.shape)]):
+                total += sum(int(np.prod(shape)) * dt.itemsize for _, dt, shape in _field_specs(dq, *shape2, group_size))
     return total
 
 

@@ -34,6 +34,7 @@ import numpy as np
 from ..errors import Cancelled, ConfigError
 from ..quant import kind_of
 from ..observers import ObserverList
+from .routing import route_tokens
 
 if os.environ.get("COLIBRI_NO_NUMBA"):
     from .. import kernels_ref as K
@@ -92,25 +93,61 @@ def int_list(cfg: dict, key: str, path: str, hi: int) -> tuple[int, ...]:
     return tuple(sorted(set(v)))
 
 
-def rope_theta(cfg: dict, path: str, default: float = 10000.0) -> float:
-    """RoPE base from ``rope_parameters.rope_theta`` (transformers 5) or ``rope_theta`` (4.x).
-
-    Raises:
-        ConfigError: a rope type other than "default" (YaRN, linear, ...) or a bad value.
-    """
+def _rope_dicts(cfg: dict, path: str) -> tuple[dict, dict]:
     rope = cfg.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{path}: key 'rope_parameters' must be an object")
     scaling = cfg.get("rope_scaling") or {}
     if not isinstance(scaling, dict):
         raise ConfigError(f"{path}: key 'rope_scaling' must be an object or null")
-    rtype = rope.get("rope_type", scaling.get("rope_type", "default"))
-    if rtype not in (None, "default"):
-        raise ConfigError(f"{path}: rope_type {rtype!r} is not supported (only 'default'); remove "
-                          f"rope_scaling from config.json to run at the native context length")
+    return rope, scaling
+
+
+def rope_theta(cfg: dict, path: str, default: float = 10000.0, allow: tuple[str, ...] = ("default",)) -> float:
+    """RoPE base from ``rope_parameters.rope_theta`` (transformers 5) or ``rope_theta`` (4.x).
+
+    ``allow``: the rope types the family reads (its other parameters are parsed by
+    :func:`yarn_params`).
+
+    Raises:
+        ConfigError: a rope type not in ``allow`` (linear, dynamic, ...) or a bad value.
+    """
+    rope, scaling = _rope_dicts(cfg, path)
+    rtype = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    if rtype not in (None, *allow):
+        raise ConfigError(f"{path}: rope_type {rtype!r} is not supported (only "
+                          f"{', '.join(repr(a) for a in allow)}); remove rope_scaling from config.json to run "
+                          f"at the native context length")
     if "rope_theta" in rope:
         return num(rope, "rope_theta", path + " rope_parameters", 1.0, 1e12, integer=False)
     return num(cfg, "rope_theta", path, 1.0, 1e12, integer=False, default=default)
+
+
+def yarn_params(cfg: dict, path: str, max_pos: int) -> tuple[tuple[str, float], ...]:
+    """YaRN RoPE scaling parameters (DeepSeek-V2/V3, Kimi-K2, GLM) as sorted (name, value)
+    pairs, or () when config.json asks for plain RoPE. Names as transformers'
+    ``_compute_yarn_parameters``: factor, original_max_position_embeddings, beta_fast,
+    beta_slow, mscale, mscale_all_dim, attention_factor (absent ones get its defaults).
+
+    Raises:
+        ConfigError: naming ``path`` and the key.
+    """
+    rope, scaling = _rope_dicts(cfg, path)
+    src = {**scaling, **rope}
+    if src.get("rope_type", src.get("type", "default")) != "yarn":
+        return ()
+    where = path + " rope_scaling"
+    out = {"factor": num(src, "factor", where, 1.0, 1e6, integer=False),
+           "original_max_position_embeddings": num(
+               src, "original_max_position_embeddings", where, 1, 1 << 24, integer=True,
+               default=cfg.get("original_max_position_embeddings") or max_pos),
+           "beta_fast": num(src, "beta_fast", where, 0.0, 1e6, integer=False, default=32.0),
+           "beta_slow": num(src, "beta_slow", where, 0.0, 1e6, integer=False, default=1.0)}
+    for k in ("mscale", "mscale_all_dim", "attention_factor"):
+        if src.get(k) is not None:
+            out[k] = num(src, k, where, 0.0, 1e6, integer=False)
+    out["truncate"] = 1.0 if flag(src, "truncate", where, True) else 0.0
+    return tuple(sorted(out.items()))
 
 
 def sparse_layers(cfg: dict, path: str, v: dict, family: str) -> dict:
@@ -149,6 +186,16 @@ class ModelArgs:
         moe_layers: transformer layers with routed experts (ascending); the others are dense.
         layer_windows: per transformer layer, the sliding-window size in tokens (0 = full
             causal attention); a query at position p sees keys p - w + 1 .. p.
+        shared_expert_gated: the shared expert is scaled by sigmoid(shared_expert_gate h)
+            (Qwen2-MoE); DeepSeek / GLM add theirs ungated.
+        rotary_dim: leading values of each head that RoPE rotates (GLM's
+            ``partial_rotary_factor``); 0 = all of head_dim. rope_scaling: YaRN parameters
+            (:func:`yarn_params`), () = plain RoPE.
+        scoring_func, topk_method, n_group, topk_group, routed_scaling_factor, router_bias: the
+            router (engine/models/routing.py): "softmax" or "sigmoid" scores; "greedy",
+            "group_limited_greedy" (DeepSeek-V2) or "noaux_tc" (DeepSeek-V3 / GLM: groups by
+            the sum of their top-2 biased scores); router_bias: an ``e_score_correction_bias``
+            used for the choice only.
     """
 
     model_type: str
@@ -171,8 +218,17 @@ class ModelArgs:
     qk_norm: str = "none"
     attention_bias: bool = False
     shared_expert_intermediate_size: int = 0
+    shared_expert_gated: bool = True
     moe_layers: tuple[int, ...] = ()
     layer_windows: tuple[int, ...] = ()
+    rotary_dim: int = 0
+    rope_scaling: tuple[tuple[str, float], ...] = ()
+    scoring_func: str = "softmax"
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_bias: bool = False
 
     @property
     def q_dim(self) -> int:
@@ -181,6 +237,11 @@ class ModelArgs:
     @property
     def kv_dim(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Values one token adds to one layer's KV cache: K and V of every KV head."""
+        return 2 * self.num_key_value_heads * self.head_dim
 
     @property
     def num_moe_layers(self) -> int:
@@ -202,11 +263,17 @@ class ModelArgs:
         attn += {"proj": self.q_dim + self.kv_dim, "head": 2 * self.head_dim}.get(self.qk_norm, 0)
         attn += (self.q_dim + 2 * self.kv_dim) if self.attention_bias else 0
         M, L = self.num_moe_layers, self.num_hidden_layers
-        moe = self.num_experts * D + (3 * D * self.shared_expert_intermediate_size + D
-                                      if self.shared_expert_intermediate_size else 0)
+        moe = self.moe_resident_params()
         dense_mlp = 3 * D * self.intermediate_size
         return (V * D * (1 if self.tie_word_embeddings else 2) + L * (attn + 2 * D) + M * moe
                 + (L - M) * dense_mlp + D)
+
+    def moe_resident_params(self) -> int:
+        """Resident parameters of one MoE layer: router [E, D] (+ correction bias [E]) and the
+        shared expert (3 D Is, + its gate [D] when gated)."""
+        D, E, Is = self.hidden_size, self.num_experts, self.shared_expert_intermediate_size
+        return (E * D + (E if self.router_bias else 0)
+                + ((3 * D * Is + (D if self.shared_expert_gated else 0)) if Is else 0))
 
     @classmethod
     def from_dict(cls, cfg: dict, path: str = "config.json") -> "ModelArgs":
@@ -266,7 +333,8 @@ def check_not_gguf(folder: Path, has_config: bool = False) -> None:
 
 def common_args(cfg: dict, path: str, family: str, *, expert_width_key: str,
                 experts_keys: tuple[str, ...] = ("num_experts",), head_dim_must_tile: bool = False,
-                eps_default: float = 1e-6, theta_default: float = 10000.0) -> dict:
+                eps_default: float = 1e-6, theta_default: float = 10000.0,
+                rope_types: tuple[str, ...] = ("default",)) -> dict:
     """The keys every family shares, validated: returns a dict of ModelArgs fields.
 
     ``expert_width_key``: the config key of the routed expert width ("intermediate_size" for
@@ -313,7 +381,7 @@ def common_args(cfg: dict, path: str, family: str, *, expert_width_key: str,
         num_key_value_heads=kv, head_dim=head_dim, model_type=cfg["model_type"],
         max_position_embeddings=n("max_position_embeddings", 1, 1 << 24, default=4096),
         rms_norm_eps=num(cfg, "rms_norm_eps", path, 1e-12, 1.0, integer=False, default=eps_default),
-        rope_theta=rope_theta(cfg, path, theta_default),
+        rope_theta=rope_theta(cfg, path, theta_default, rope_types),
         tie_word_embeddings=flag(cfg, "tie_word_embeddings", path, False),
     )
     return v
@@ -325,13 +393,17 @@ class Tensor(NamedTuple):
     """One resident tensor: Hugging Face name -> store canonical name.
 
     kind: "keep" (stored float32 as is: norms, routers, biases, gates) or "quant" (a matrix
-    stored in the store's dense quantization).
+    stored in the store's dense quantization). split: "" (stored as one tensor named
+    ``ours``) or the name of a family transform that stores it as several tensors (MLA's
+    kv_b_proj: ``family.split_shapes(args, t)`` lists them, ``family.split_tensor(args, t, w)``
+    makes them from the float32 checkpoint tensor).
     """
 
     hf: str
     ours: str
     shape: tuple[int, ...]
     kind: str
+    split: str = ""
 
 
 @dataclass(frozen=True)
@@ -389,27 +461,36 @@ def global_tensors(args: ModelArgs) -> list[Tensor]:
             Tensor(lm, "lm_head", (V, D), "quant")]
 
 
-def decoder_tensors(args: ModelArgs, block: str = "mlp") -> list[Tensor]:
+def decoder_tensors(args: ModelArgs, block: str = "mlp", shared: str = "mlp.shared_expert.",
+                    attention=None) -> list[Tensor]:
     """Every resident tensor of a pre-norm MoE decoder, Hugging Face -> store names.
 
     ``block``: the module holding the router and experts ("mlp" for OLMoE / Qwen,
     "block_sparse_moe" for Mixtral). MoE layers: router ``{block}.gate.weight`` [E, D] ->
     ``layers.i.router`` (float32), plus the shared expert (``mlp.shared_expert.*`` ->
     ``layers.i.shared_expert.*``, ``mlp.shared_expert_gate.weight`` [1, D]) when args has one.
-    Dense layers: ``mlp.{gate,up,down}_proj`` -> ``layers.i.mlp.*``.
+    Dense layers: ``mlp.{gate,up,down}_proj`` -> ``layers.i.mlp.*``. ``shared``: the shared
+    expert's module prefix (DeepSeek / GLM: "mlp.shared_experts."); its gate only when
+    ``args.shared_expert_gated``; the router's ``e_score_correction_bias`` [E] ->
+    ``layers.i.router_bias`` when ``args.router_bias``. ``attention``: the family's
+    ``(args, i) -> [Tensor]`` for layer i's norms and attention (default
+    :func:`attention_tensors`).
     """
     D, E = args.hidden_size, args.num_experts
     moe = set(args.moe_layers)
     out: list[Tensor] = []
     for i in range(args.num_hidden_layers):
         hp, cp = f"model.layers.{i}.", f"layers.{i}."
-        out += attention_tensors(args, i)
+        out += (attention or attention_tensors)(args, i)
         if i in moe:
             out.append(Tensor(f"{hp}{block}.gate.weight", cp + "router", (E, D), "keep"))
+            if args.router_bias:
+                out.append(Tensor(f"{hp}{block}.gate.e_score_correction_bias", cp + "router_bias", (E,), "keep"))
             Is = args.shared_expert_intermediate_size
             if Is:
-                out += mlp_tensors(hp + "mlp.shared_expert.", cp + "shared_expert.", D, Is)
-                out.append(Tensor(hp + "mlp.shared_expert_gate.weight", cp + "shared_expert_gate", (1, D), "keep"))
+                out += mlp_tensors(hp + shared, cp + "shared_expert.", D, Is)
+                if args.shared_expert_gated:
+                    out.append(Tensor(hp + "mlp.shared_expert_gate.weight", cp + "shared_expert_gate", (1, D), "keep"))
         else:
             out += mlp_tensors(hp + "mlp.", cp + "mlp.", D, args.intermediate_size)
     return out + global_tensors(args)
@@ -497,13 +578,59 @@ def run_expert(kind: str, v: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray
         K.expert_f32(x, v["gate_proj.w"], v["up_proj.w"], v["down_proj.w"], h, out)
 
 
-def rope_tables(head_dim: int, theta: float, n_pos: int) -> tuple[np.ndarray, np.ndarray]:
+def rope_tables(head_dim: int, theta: float, n_pos: int,
+                scaling: tuple[tuple[str, float], ...] = ()) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin float32 [n_pos, head_dim // 2], computed in float32 as transformers does
-    (inv_freq = 1 / theta^(2j / S); angle = pos * inv_freq)."""
+    (inv_freq = 1 / theta^(2j / S); angle = pos * inv_freq). ``head_dim``: the rotated width.
+
+    ``scaling`` (YaRN, :func:`yarn_params`): inv_freq blended between interpolated
+    (inv / factor) and extrapolated frequencies by a linear ramp between the dimensions of
+    beta_fast and beta_slow rotations over original_max_position_embeddings, and cos/sin
+    multiplied by the attention factor (0.1 ln(factor) + 1, or the mscale / mscale_all_dim
+    ratio); source: transformers' modeling_rope_utils._compute_yarn_parameters (after Peng et
+    al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models").
+    """
     inv = (np.float32(1.0) / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32)
                                                     / np.float32(head_dim)))).astype(np.float32)
+    factor = np.float32(1.0)
+    if scaling:
+        inv, factor = _yarn(head_dim, theta, dict(scaling))
     ang = np.arange(n_pos, dtype=np.float32)[:, None] * inv[None, :]  # [C, S/2]
-    return np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    return (np.cos(ang) * factor).astype(np.float32), (np.sin(ang) * factor).astype(np.float32)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention temperature 0.1 * mscale * ln(scale) + 1 (1 when scale <= 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(dim: int, base: float, p: dict) -> tuple[np.ndarray, np.float32]:
+    """(inv_freq float32 [dim/2], attention factor): transformers' _compute_yarn_parameters."""
+    factor = p["factor"]
+    orig = p["original_max_position_embeddings"]
+    if "attention_factor" in p:
+        att = p["attention_factor"]
+    elif p.get("mscale") and p.get("mscale_all_dim"):
+        att = yarn_mscale(factor, p["mscale"]) / yarn_mscale(factor, p["mscale_all_dim"])
+    else:
+        att = yarn_mscale(factor)
+
+    def correction_dim(rot):
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(p["beta_fast"] or 32.0), correction_dim(p["beta_slow"] or 1.0)
+    if p.get("truncate", 1.0):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+    extra = np.float32(1.0) / pos_freqs
+    inter = np.float32(1.0) / (np.float32(factor) * pos_freqs)
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extra_factor = np.float32(1.0) - ramp
+    inv = inter * (np.float32(1.0) - extra_factor) + extra * extra_factor
+    return inv.astype(np.float32), np.float32(att)
 
 
 def route(router_logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -569,19 +696,35 @@ class MoEModel:
         for i in range(a.num_hidden_layers):
             p = f"layers.{i}."
             ly = {"input_layernorm": dense[p + "input_layernorm"],
-                  "post_attention_layernorm": dense[p + "post_attention_layernorm"],
-                  "q_norm": dense.get(p + "q_norm"), "k_norm": dense.get(p + "k_norm")}
-            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                ly[n] = Linear(dense, p + n, dq, group_size)
+                  "post_attention_layernorm": dense[p + "post_attention_layernorm"]}
+            ly.update(self.attention_weights(dense, p))
             if self.moe_index[i] >= 0:
                 ly["router"] = dense[p + "router"]
+                ly["router_bias"] = dense.get(p + "router_bias")
                 if a.shared_expert_intermediate_size:
                     ly["shared_expert"] = _mlp_views(dense, p + "shared_expert.")
-                    ly["shared_expert_gate"] = dense[p + "shared_expert_gate"]
+                    ly["shared_expert_gate"] = dense.get(p + "shared_expert_gate")
             else:
                 ly["mlp"] = _mlp_views(dense, p + "mlp.")
             self.layers.append(ly)
         self.moe_layer_ids = list(a.moe_layers)
+        self.alloc_kv()
+        # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
+        # layer start, post-attention residual, routing, post-MoE residual. Dense layers
+        # publish nothing.
+        self.observers = ObserverList()
+
+    def attention_weights(self, dense: dict, p: str) -> dict:
+        """Layer ``p``'s attention weights (GQA: q/k/v/o Linear, optional q/k norms); a family
+        with another attention (MLA) overrides this, :meth:`alloc_kv` and :meth:`attention`."""
+        ly = {"q_norm": dense.get(p + "q_norm"), "k_norm": dense.get(p + "k_norm")}
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            ly[n] = Linear(dense, p + n, self.dense_quant, self.gs)
+        return ly
+
+    def alloc_kv(self) -> None:
+        """The KV cache k_cache, v_cache float32 [L, Hkv, C, S] and the RoPE tables."""
+        a = self.args
         L, Hkv, S = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
         # Filled (not np.zeros, whose pages appear lazily) so the KV the budget reserves is
         # resident from the start: RSS then matches the plan instead of creeping up later.
@@ -589,12 +732,9 @@ class MoEModel:
         self.v_cache = np.empty((L, Hkv, self.C, S), dtype=np.float32)
         self.k_cache.fill(0.0)
         self.v_cache.fill(0.0)
-        self.cos, self.sin = rope_tables(S, a.rope_theta, self.C)  # [C, S/2]
+        self.rotary_dim = a.rotary_dim or S
+        self.cos, self.sin = rope_tables(self.rotary_dim, a.rope_theta, self.C, a.rope_scaling)  # [C, R/2]
         self.scale = np.float32(S ** -0.5)
-        # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
-        # layer start, post-attention residual, routing, post-MoE residual. Dense layers
-        # publish nothing.
-        self.observers = ObserverList()
 
     def subscribe(self, observer) -> None:
         """Publish this model's forward, layer and routing events to ``observer`` (any object
@@ -653,8 +793,15 @@ class MoEModel:
         q3 = q.reshape(T, H, S)
         k3 = k.reshape(T, Hkv, S)
         cos, sin = self.cos[pos0:pos0 + T], self.sin[pos0:pos0 + T]
-        K.rope(q3, cos, sin)
-        K.rope(k3, cos, sin)
+        if self.rotary_dim == S:
+            K.rope(q3, cos, sin)
+            K.rope(k3, cos, sin)
+        else:  # partial rotary (GLM): the first rotary_dim values of each head turn
+            R = self.rotary_dim
+            for t3 in (q3, k3):
+                part = np.ascontiguousarray(t3[:, :, :R])
+                K.rope(part, cos, sin)
+                t3[:, :, :R] = part
         self.k_cache[i, :, pos0:pos0 + T] = k3.transpose(1, 0, 2)
         self.v_cache[i, :, pos0:pos0 + T] = v.reshape(T, Hkv, S).transpose(1, 0, 2)
         att = np.empty((T, H, S), np.float32)  # [T, H, S]
@@ -711,7 +858,7 @@ class MoEModel:
         h = np.empty_like(x)
         K.rmsnorm(x, ly["post_attention_layernorm"], a.rms_norm_eps, h)
         logits = self.router_logits(j, h)  # [T, E]
-        idx, w = route(logits, a.num_experts_per_tok, a.norm_topk_prob)  # [T, K]
+        idx, w = self.route(j, logits)  # [T, K]
         self.observers.publish("on_route", j, idx, logits)
         uniq = np.unique(idx)  # ascending expert ids
         order = self.experts.prepare(j, uniq)
@@ -732,11 +879,25 @@ class MoEModel:
         for k in range(1, idx.shape[1]):
             moe += y[:, k] * w[:, k:k + 1]
         if "shared_expert" in ly:
-            g = np.empty((T, 1), np.float32)
-            K.linear_f32(h, ly["shared_expert_gate"], g)
             s = self.dense_mlp(ly["shared_expert"], h, a.shared_expert_intermediate_size)
-            moe += s * (np.float32(1.0) / (np.float32(1.0) + np.exp(-g)))
+            if ly["shared_expert_gate"] is not None:
+                g = np.empty((T, 1), np.float32)
+                K.linear_f32(h, ly["shared_expert_gate"], g)
+                s *= np.float32(1.0) / (np.float32(1.0) + np.exp(-g))
+            moe += s
         return moe
+
+    def route(self, j: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Experts and weights of MoE layer j for router logits float32 [T, E]: (idx int64
+        [T, K] in rank order, w float32 [T, K]). Softmax top-K (:func:`route`) unless the
+        args name another router (engine/models/routing.py: sigmoid, groups, bias)."""
+        a = self.args
+        if a.scoring_func == "softmax" and a.topk_method == "greedy" and a.routed_scaling_factor == 1.0:
+            return route(logits, a.num_experts_per_tok, a.norm_topk_prob)
+        return route_tokens(logits, a.num_experts_per_tok, norm_topk_prob=a.norm_topk_prob,
+                            scoring_func=a.scoring_func, topk_method=a.topk_method, n_group=a.n_group,
+                            topk_group=a.topk_group, routed_scaling_factor=a.routed_scaling_factor,
+                            bias=self.layers[self.moe_layer_ids[j]]["router_bias"])
 
     # --- forward ----------------------------------------------------------------------------
 
