@@ -15,7 +15,7 @@ from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QCoreApplication, QEvent, Qt, Slot
 from PySide6.QtGui import QAction, QKeySequence, QShortcut
-from PySide6.QtWidgets import (QDockWidget, QFrame, QHBoxLayout, QInputDialog, QLabel, QMainWindow,
+from PySide6.QtWidgets import (QApplication, QDockWidget, QFrame, QHBoxLayout, QInputDialog, QLabel, QMainWindow,
                                QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout, QWidget)
 
 from engine import (ChatMessage, EngineConfig, EngineFailure, Finished, Loaded, LoadProgress,
@@ -803,7 +803,11 @@ class MainWindow(QMainWindow):
             save_settings(new)
         except OSError as e:
             self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {e}")
+        old_theme = self.settings.app.theme
         self.settings = new
+        if new.app.theme != old_theme:
+            from .resources import apply_theme
+            apply_theme(QApplication.instance(), new.app.theme)
         if needs_reload:
             cm = new.current_model
             self.open_model(cm if cm and Path(cm).exists() else None)
