@@ -1,8 +1,9 @@
 """Chat widgets: the conversation list, the transcript of message cards, and the prompt box.
 
 These widgets only display and emit user intents; MainWindow owns the history database and
-the engine. While an answer streams its text is appended as plain text; when it completes it
-is rendered as Markdown (``QTextDocument.setMarkdown``) with shaded code blocks. A leading
+the engine. An answer is rendered as Markdown while it streams and when it completes
+(colibri_app.markdown_view: Qt's Markdown for prose, Pygments-highlighted code blocks with a
+Copy button; each update re-renders only the block being written). A leading
 ``<think>...</think>`` reasoning block (engine.split_reasoning) is shown in a collapsed
 "Thinking" section above the answer, also while it streams; the saved text keeps it whole.
 A model without a chat template gets a banner and an explicit raw mode (issue 18, fault 5).
@@ -10,20 +11,19 @@ A model without a chat template gets a banner and an explicit raw mode (issue 18
 
 from __future__ import annotations
 
-import math
 import time
 
 from PySide6.QtCore import QEvent, Qt, QTimer, Signal
-from PySide6.QtGui import QColor, QGuiApplication, QKeySequence, QTextBlockFormat, QTextCursor, QTextFormat
+from PySide6.QtGui import QGuiApplication, QKeySequence, QTextCursor
 from PySide6.QtWidgets import (QAbstractItemView, QFrame, QHBoxLayout, QLabel, QLineEdit, QListWidget,
                                QListWidgetItem, QPlainTextEdit, QPushButton, QScrollArea, QSizePolicy,
-                               QTextBrowser, QToolButton, QVBoxLayout, QWidget)
+                               QToolButton, QVBoxLayout, QWidget)
 
 from engine import ChatMessage, GenerateRequest, SamplingParams, reasoning_open, split_reasoning
 
 from .history import COMPLETE, ERROR, INTERRUPTED, STOPPED, STREAMING, Conversation, Message
-
-CODE_BG = QColor("#f3f4f6")
+from .markdown_view import MarkdownBody, MessageText
+from .resources import THEME
 
 NO_TEMPLATE_TEXT = ("This model has no chat template, so it cannot hold a conversation: the system prompt "
                     "and earlier turns cannot be sent. Raw mode sends only your latest message, as plain "
@@ -59,66 +59,6 @@ def format_meta(meta: dict) -> str:
 
 
 # --- message cards --------------------------------------------------------------------------
-
-
-class MessageText(QTextBrowser):
-    """Read-only rich text that grows to fit its document (no vertical scroll bar)."""
-
-    def __init__(self, parent: QWidget | None = None):
-        super().__init__(parent)
-        self.setFrameShape(QFrame.NoFrame)
-        self.setOpenExternalLinks(True)
-        self.setVerticalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAsNeeded)
-        self.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
-        self.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard
-                                     | Qt.LinksAccessibleByMouse)
-        self.viewport().setAutoFillBackground(False)
-        self.setStyleSheet("QTextBrowser { background: transparent; }")
-        self.document().setDocumentMargin(2)
-        self.document().documentLayout().documentSizeChanged.connect(self._fit)
-        self._fit()
-
-    def append_plain(self, text: str) -> None:
-        """Append plain text at the end (streaming)."""
-        cur = QTextCursor(self.document())
-        cur.movePosition(QTextCursor.End)
-        cur.insertText(text)
-
-    def set_markdown(self, text: str) -> None:
-        """Render Markdown and shade code blocks."""
-        self.setMarkdown(text)
-        doc = self.document()
-        b = doc.begin()
-        while b.isValid():
-            f = b.blockFormat()
-            frag = b.begin()
-            mono = False
-            if not frag.atEnd():
-                fams = frag.fragment().charFormat().fontFamilies() or []
-                mono = "monospace" in fams and frag.fragment().length() == b.length() - 1
-            if f.hasProperty(QTextFormat.BlockCodeFence) or f.nonBreakableLines() or mono:
-                bf = QTextBlockFormat()
-                bf.setBackground(CODE_BG)
-                bf.setLeftMargin(6)
-                QTextCursor(b).mergeBlockFormat(bf)
-            b = b.next()
-
-    def wheelEvent(self, e):  # the transcript scrolls, not the message
-        e.ignore()
-
-    def _fit(self, *_):
-        doc_h = self.document().size().height()
-        h = int(math.ceil(doc_h)) + 2 * self.frameWidth() + 2
-        sb = self.horizontalScrollBar()
-        if sb.maximum() > 0:
-            h += sb.sizeHint().height()
-        if h != self.height():
-            self.setFixedHeight(h)
-
-    def resizeEvent(self, e):
-        super().resizeEvent(e)
-        self._fit()
 
 
 class MessageView(QFrame):
@@ -161,7 +101,7 @@ class MessageView(QFrame):
         self.think_text.setVisible(False)
         lay.addWidget(self.think_text)
         self._shown = ("", "", False)  # (reasoning, answer, still thinking) shown in the widgets
-        self.text = MessageText()
+        self.text = MarkdownBody()
         self.text.setAccessibleName("Message text")
         lay.addWidget(self.text)
         self.note = QLabel()
@@ -200,6 +140,11 @@ class MessageView(QFrame):
         return b
 
     @property
+    def code_blocks(self):
+        """The fenced code blocks of the answer (markdown_view.CodeBlock: .code, .copy())."""
+        return self.text.code_blocks()
+
+    @property
     def content(self) -> str:
         """The message text as far as it is known (with its reasoning block, as saved)."""
         return self._text
@@ -216,17 +161,14 @@ class MessageView(QFrame):
 
     def set_content(self, text: str, status: str, meta: dict | None = None) -> None:
         """Show a complete (or final) message: Markdown for answers, plain for the user."""
-        self._text, self.status = text, status
+        self._text, self.status, self._meta = text, status, meta
         if self.role != "assistant":
-            self.text.setPlainText(text)
+            self.text.set_plain(text)
         else:
             reasoning, answer = split_reasoning(text)
             thinking = reasoning_open(text) and status == STREAMING
             self._show_thinking(reasoning, thinking)
-            if status == STREAMING:
-                self.text.setPlainText(answer)
-            else:
-                self.text.set_markdown(answer)
+            self.text.set_text(answer, final=status != STREAMING)  # Markdown while streaming too
             self._shown = (reasoning, answer, thinking)
         self.note.setText(STATUS_NOTE.get(status, status))
         self.note.setProperty("kind", status)
@@ -242,18 +184,20 @@ class MessageView(QFrame):
         self.status = STREAMING
         self._text += piece
         if self.role != "assistant":
-            self.text.append_plain(piece)
+            self.text.set_plain(self._text)
             return
         reasoning, answer = split_reasoning(self._text)
         thinking = reasoning_open(self._text)
         old_reasoning, old_answer, old_thinking = self._shown
         if reasoning != old_reasoning or thinking != old_thinking:
             self._show_thinking(reasoning, thinking)
-        if answer.startswith(old_answer):
-            self.text.append_plain(answer[len(old_answer):])
-        else:  # a think block just opened or closed: the answer so far is different text
-            self.text.setPlainText(answer)
+        if answer != old_answer:
+            self.text.set_text(answer, final=False)   # re-renders only the block being written
         self._shown = (reasoning, answer, thinking)
+
+    def restyle(self) -> None:
+        """The colour scheme changed: render the text again (code colours, shading)."""
+        self.set_content(self._text, self.status, getattr(self, "_meta", None))
 
     def _show_thinking(self, reasoning: str, thinking_now: bool) -> None:
         has = bool(reasoning) or thinking_now
@@ -436,6 +380,11 @@ class ChatView(QWidget):
         il.addWidget(self.send_btn, 0, Qt.AlignBottom)
         lay.addWidget(box)
         self._update_send()
+        THEME.changed.connect(self._restyle)
+
+    def _restyle(self, _scheme: str = "") -> None:
+        for v in self.views.values():
+            v.restyle()
 
     # --- conversation -------------------------------------------------------------------------
 
