@@ -401,6 +401,7 @@ class ChatView(QWidget):
         self.views.clear()
         for m in messages:
             self.add_message(m)
+        self.empty_label.setVisible(not self.views)   # "Ask anything" again in an empty chat
         self._stick = True
         self.update_actions()
         self.scroll_to_bottom()
@@ -443,6 +444,23 @@ class ChatView(QWidget):
     def view(self, msg_id: int) -> MessageView | None:
         """The card of a message, if shown."""
         return self.views.get(msg_id)
+
+    def reveal_message(self, msg_id: int) -> bool:
+        """Scroll a message into view and mark it as the found one (a search hit)."""
+        v = self.views.get(msg_id)
+        if v is None:
+            return False
+        for other in self.views.values():
+            if other.property("found"):
+                other.setProperty("found", False)
+                other.style().unpolish(other)
+                other.style().polish(other)
+        v.setProperty("found", True)
+        v.style().unpolish(v)
+        v.style().polish(v)
+        self._stick = False
+        QTimer.singleShot(0, lambda: self.scroll.ensureWidgetVisible(v._wrap, 0, 40))
+        return True
 
     def update_actions(self) -> None:
         """Regenerate on the last answer, Edit on the last user message, nothing while busy."""
@@ -602,11 +620,18 @@ class ChatView(QWidget):
 # --- conversation list ----------------------------------------------------------------------
 
 
+def _elide(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
 class ConversationList(QFrame):
-    """Sidebar: New chat, search by title, the conversations, rename and delete."""
+    """Sidebar: New chat, search (titles and message text), the conversations, rename and
+    delete. A conversation found by its messages shows the best matching words under its title;
+    choosing it also emits ``message_selected`` for that message."""
 
     new_requested = Signal()
     selected = Signal(int)            #: conversation id
+    message_selected = Signal(int, int)   #: conversation id, message id (a search hit)
     rename_requested = Signal(int)    #: conversation id
     delete_requested = Signal(int)    #: conversation id
     search_changed = Signal(str)
@@ -626,13 +651,19 @@ class ConversationList(QFrame):
         lay.addWidget(self.new_btn)
         self.search = QLineEdit()
         self.search.setObjectName("searchEdit")
-        self.search.setPlaceholderText("Search chats")
-        self.search.setAccessibleName("Search conversations by title")
+        self.search.setPlaceholderText("Search chats and messages")
+        self.search.setAccessibleName("Search conversations and message text")
         self.search.setClearButtonEnabled(True)
         for b in self.search.findChildren(QToolButton):   # Qt's clear button
             b.setAccessibleName("Clear search")
         self.search.textChanged.connect(self.search_changed)
         lay.addWidget(self.search)
+        self.hits_label = QLabel()
+        self.hits_label.setObjectName("searchHits")
+        self.hits_label.setAccessibleName("Search results")
+        self.hits_label.setWordWrap(True)
+        self.hits_label.setVisible(False)
+        lay.addWidget(self.hits_label)
         self.list = QListWidget()
         self.list.setObjectName("conversationList")
         self.list.setAccessibleName("Conversations")
@@ -640,7 +671,7 @@ class ConversationList(QFrame):
         self.list.setContextMenuPolicy(Qt.ActionsContextMenu)
         self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self.list.setTextElideMode(Qt.ElideRight)
-        self.list.setUniformItemSizes(True)
+        self.list.setWordWrap(False)
         self.list.itemSelectionChanged.connect(self._on_select)
         self.list.itemDoubleClicked.connect(lambda it: self.rename_requested.emit(it.data(Qt.UserRole)))
         lay.addWidget(self.list, 1)
@@ -659,14 +690,24 @@ class ConversationList(QFrame):
         lay.addLayout(row)
         self._block = False
 
-    def set_conversations(self, convs: list[Conversation], current: int | None) -> None:
-        """Fill the list (keeping ``current`` selected, without emitting ``selected``)."""
+    def set_conversations(self, convs: list[Conversation], current: int | None,
+                          hits: dict[int, tuple[int, str]] | None = None) -> None:
+        """Fill the list (keeping ``current`` selected, without emitting ``selected``).
+        ``hits``: {conversation id: (message id, snippet)} for conversations found by the text
+        of a message; the snippet is shown under the title."""
         self._block = True
         self.list.clear()
+        hits = hits or {}
         for c in convs:
-            it = QListWidgetItem(c.title or "Untitled")
+            title = c.title or "Untitled"
+            hit = hits.get(c.id)
+            it = QListWidgetItem(f"{title}\n   {_elide(hit[1], 60)}" if hit else title)
             it.setData(Qt.UserRole, c.id)
-            it.setToolTip(f"{c.title}\nlast activity {time.strftime('%Y-%m-%d %H:%M', time.localtime(c.updated))}")
+            it.setData(Qt.UserRole + 2, hit[0] if hit else None)
+            tip = f"{c.title}\nlast activity {time.strftime('%Y-%m-%d %H:%M', time.localtime(c.updated))}"
+            if hit:
+                tip += f"\nfound: {hit[1]}"
+            it.setToolTip(tip)
             self.list.addItem(it)
             if c.id == current:
                 it.setSelected(True)
@@ -681,12 +722,29 @@ class ConversationList(QFrame):
         items = self.list.selectedItems()
         return items[0].data(Qt.UserRole) if items else None
 
+    def show_hits(self, query: str, n_conversations: int, n_messages: int) -> None:
+        """The line under the search box: what the search found ('' query hides it)."""
+        if not query:
+            self.hits_label.setVisible(False)
+            return
+        if n_conversations == 0:
+            text = f"Nothing found for “{query}”."
+        else:
+            text = (f"{n_conversations} chat{'s' if n_conversations != 1 else ''}"
+                    + (f", {n_messages} message{'s' if n_messages != 1 else ''}" if n_messages else "")
+                    + f" match “{query}”")
+        self.hits_label.setText(text)
+        self.hits_label.setVisible(True)
+
     def _on_select(self) -> None:
         cid = self.current_id()
         self.rename_btn.setEnabled(cid is not None)
         self.delete_btn.setEnabled(cid is not None)
         if not self._block and cid is not None:
             self.selected.emit(cid)
+            mid = self.list.selectedItems()[0].data(Qt.UserRole + 2)
+            if mid is not None:
+                self.message_selected.emit(cid, int(mid))
 
     def _emit_current(self, signal) -> None:
         cid = self.current_id()

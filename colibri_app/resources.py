@@ -107,6 +107,7 @@ QStatusBar::item { border: none; }
 #emptyLabel { color: %(faint)s; font-size: 14px; padding: 40px; }
 #assistantCard { background: %(surface)s; border: 1px solid %(border)s; border-radius: 10px; }
 #userCard { background: %(user_card)s; border: 1px solid %(user_border)s; border-radius: 10px; }
+#assistantCard[found="true"], #userCard[found="true"] { border: 2px solid %(accent)s; }
 #roleLabel { font-weight: 600; color: %(mid)s; font-size: 12px; }
 #metaLabel { color: %(muted)s; font-size: 11px; }
 #statusNote { color: %(status_note)s; font-size: 11px; }
