@@ -16,7 +16,7 @@ from pathlib import Path
 from PySide6.QtCore import QByteArray, QCoreApplication, QEvent, Qt, Slot
 from PySide6.QtGui import QAction, QColor, QIcon, QKeySequence, QPainter, QPixmap, QShortcut
 from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, QHBoxLayout, QInputDialog, QLabel,
-                               QMainWindow,
+                               QMainWindow, QSizePolicy,
                                QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout, QWidget)
 
 from engine import (ChatMessage, EngineConfig, EngineFailure, Finished, Loaded, LoadProgress,
@@ -91,6 +91,32 @@ def save_ui_state(state: dict) -> None:
 
 
 # --- widgets --------------------------------------------------------------------------------
+
+NARROW_PX = 900        # below this width the panels dock moves under the chat (2 x 2 cards)
+COMPACT_PX = 700       # below this the status bar keeps only model, speed and cap
+
+
+class ElidedLabel(QLabel):
+    """A one-line label that shrinks with an ellipsis instead of widening its parent (the
+    status bar's model name: a long name must not set the window's minimum width)."""
+
+    def __init__(self, text: str = "", parent: QWidget | None = None):
+        super().__init__(text, parent)
+        self.setMinimumWidth(40)
+        self.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Preferred)
+
+    def minimumSizeHint(self):  # noqa: N802 - Qt's name
+        h = super().minimumSizeHint()
+        h.setWidth(40)
+        return h
+
+    def paintEvent(self, e):  # noqa: N802
+        p = QPainter(self)
+        r = self.contentsRect().adjusted(self.margin() + 8, 0, -(self.margin() + 8), 0)
+        p.setPen(self.palette().color(self.foregroundRole()))
+        p.drawText(r, int(Qt.AlignVCenter | Qt.AlignLeft),
+                   self.fontMetrics().elidedText(self.text(), Qt.ElideMiddle, r.width()))
+        p.end()
 
 
 class Banner(QFrame):
@@ -343,9 +369,11 @@ class MainWindow(QMainWindow):
         self.dock.setWidget(self.panels)
         self.dock.setMinimumWidth(360)
         self.addDockWidget(Qt.RightDockWidgetArea, self.dock)
+        self._dock_stacked = False       # moved under the chat because the window is narrow
+        self.dock.dockLocationChanged.connect(self._dock_moved)
 
         sb = self.statusBar()
-        self.st_model = QLabel("no model")
+        self.st_model = ElidedLabel("no model")
         self.st_speed = QLabel("– tok/s")
         self.st_ttft = QLabel("TTFT –")
         self.st_cap = QLabel("cap –/layer")
@@ -358,6 +386,29 @@ class MainWindow(QMainWindow):
 
         QShortcut(QKeySequence(Qt.Key_Escape), self, activated=self._escape)
         self.resize(1400, 900)
+
+    # --- narrow windows -----------------------------------------------------------------------
+
+    def _dock_moved(self, area) -> None:
+        self.panels.set_columns(2 if area in (Qt.BottomDockWidgetArea, Qt.TopDockWidgetArea) else 1)
+
+    def resizeEvent(self, e) -> None:  # noqa: N802
+        """Narrow window: the panels move under the chat (and back when it is wide again, unless
+        the user moved them); the status bar drops TTFT and PILOT below COMPACT_PX."""
+        super().resizeEvent(e)
+        w = self.width()
+        docked_side = (not self.dock.isFloating()
+                       and self.dockWidgetArea(self.dock) in (Qt.RightDockWidgetArea, Qt.LeftDockWidgetArea))
+        if w < NARROW_PX and docked_side and not self.dock.isHidden():
+            self._dock_stacked = True
+            self.addDockWidget(Qt.BottomDockWidgetArea, self.dock)
+            self.resizeDocks([self.dock], [max(200, self.height() // 3)], Qt.Vertical)
+        elif w >= NARROW_PX + 80 and self._dock_stacked:
+            self._dock_stacked = False
+            if self.dockWidgetArea(self.dock) == Qt.BottomDockWidgetArea and not self.dock.isFloating():
+                self.addDockWidget(Qt.RightDockWidgetArea, self.dock)
+        for lab in (self.st_ttft, self.st_pilot):
+            lab.setVisible(w >= COMPACT_PX)
 
     def _build_menus(self) -> None:
         mb = self.menuBar()

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QRectF, QSize, Qt, QTimer
-from PySide6.QtWidgets import QFrame, QLabel, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from engine import ABSENT, LOADING, PINNED, RESIDENT, Loaded, ResidencySnapshot, StepMetrics
 
@@ -292,17 +292,17 @@ class PlotPanels(QWidget):
         self.heat_legend = QLabel()
         self.heat_title = "Expert residency (MoE layers × experts)"
 
-        lay = QVBoxLayout(self)
-        lay.setContentsMargins(8, 8, 8, 8)
-        lay.setSpacing(8)
+        self.grid = QGridLayout(self)
+        self.grid.setContentsMargins(8, 8, 8, 8)
+        self.grid.setSpacing(8)
         self.cards = [
             _Card("Expert cache hit rate per token (%)", self.hit_plot, self.hit_legend, "Hit rate panel"),
             _Card("SSD reads per token (MB)", self.ssd_plot, self.ssd_legend, "SSD traffic panel"),
             _Card("RAM vs budget (GB)", self.ram_plot, self.ram_legend, "RAM panel"),
             _Card(self.heat_title, self.heat_plot, self.heat_legend, "Residency heat map panel"),
         ]
-        for c, stretch in zip(self.cards, (2, 2, 2, 3)):
-            lay.addWidget(c, stretch)
+        self.columns = 0
+        self.set_columns(1)
 
         # sensible empty views until data arrives
         for w in (self.hit_plot, self.ssd_plot, self.ram_plot):
@@ -324,6 +324,28 @@ class PlotPanels(QWidget):
         self.scheme = ""
         self.apply_scheme(THEME.scheme)
         THEME.changed.connect(self.apply_scheme)
+
+    def set_columns(self, n: int) -> None:
+        """Lay the four cards out in ``n`` columns: 1 in a side dock (stacked, the map tallest),
+        2 (two rows) when the dock sits under the chat in a narrow window."""
+        n = max(1, min(4, int(n)))
+        if n == self.columns:
+            return
+        self.columns = n
+        for c in self.cards:
+            self.grid.removeWidget(c)
+        rows = (len(self.cards) + n - 1) // n
+        for r in range(4):
+            self.grid.setRowStretch(r, 0)
+        for c in range(4):
+            self.grid.setColumnStretch(c, 0)
+        for i, card in enumerate(self.cards):
+            self.grid.addWidget(card, i // n, i % n)
+        stretches = (2, 2, 2, 3) if n == 1 else (1,) * rows
+        for r in range(rows):
+            self.grid.setRowStretch(r, stretches[r])
+        for c in range(n):
+            self.grid.setColumnStretch(c, 1)
 
     def apply_scheme(self, scheme: str) -> None:
         """Repaint the plots in a colour scheme (resources.LIGHT / DARK): backgrounds, axes,
