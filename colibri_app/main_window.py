@@ -112,7 +112,7 @@ class ElidedLabel(QLabel):
 
     def paintEvent(self, e):  # noqa: N802
         p = QPainter(self)
-        r = self.contentsRect().adjusted(self.margin() + 8, 0, -(self.margin() + 8), 0)
+        r = self.contentsRect()
         p.setPen(self.palette().color(self.foregroundRole()))
         p.drawText(r, int(Qt.AlignVCenter | Qt.AlignLeft),
                    self.fontMetrics().elidedText(self.text(), Qt.ElideMiddle, r.width()))

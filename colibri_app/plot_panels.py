@@ -361,6 +361,7 @@ class PlotPanels(QWidget):
                 p.getAxis(ax).setTextPen(pg.mkPen(col["plot_text"]))
                 p.getAxis(ax).label.setDefaultTextColor(pg.mkColor(col["plot_text"]))
         self.curve_mean.setPen(pg.mkPen(col["plot_mean"], width=2))
+        self._set_hit_legend(None)
         self.heat_plot.setBackground(col["heat_bg"])
         self.heat_hint.setColor(col["muted"])
         self._heat_colours = heat_colours(col)
@@ -525,7 +526,7 @@ class PlotPanels(QWidget):
         pin, lru, mean = ("–", "–", "–") if v is None else (f"{v[0]:.0f}%", f"{v[1]:.0f}%", f"{v[2]:.0f}%")
         self.hit_legend.setText(" &nbsp; ".join([
             _swatch(C_PINNED, f"pinned {pin}"), _swatch(C_LRU, f"cached {lru}"),
-            _swatch(C_MEAN, f"rolling mean {mean}")]))
+            _swatch(_rgb(SCHEMES[getattr(self, "scheme", "") or "light"]["plot_mean"]), f"rolling mean {mean}")]))
 
     def _set_ssd_legend(self, v) -> None:
         d, s = ("–", "–") if v is None else (f"{v[0]:.2f}", f"{v[1]:.2f}")

@@ -90,6 +90,7 @@ class SourcePage(QWizardPage):
         self.url_note = QLabel()
         self.url_note.setObjectName("urlNote")
         self.url_note.setWordWrap(True)
+        self.url_note.setVisible(False)
         self.next_reason = QLabel()
         self.next_reason.setObjectName("nextReason")
         self.next_reason.setAccessibleName("Why Next is disabled")
@@ -152,13 +153,12 @@ class SourcePage(QWizardPage):
     def _repo_edited(self, text: str) -> None:
         """A pasted hub address becomes its repository id (and its revision, when it names one)."""
         t = text.strip()
+        self.url_note.setVisible(False)
         if not ("://" in t or t.lower().startswith(tuple(h + "/" for h in lib.HUB_HOSTS))):
-            self.url_note.setText("")
             return
         try:
             repo, rev = lib.parse_repo_id(t)
         except ValueError:
-            self.url_note.setText("")
             return
         self.repo_edit.blockSignals(True)
         self.repo_edit.setText(repo)
@@ -166,6 +166,7 @@ class SourcePage(QWizardPage):
         if rev and not self.revision_edit.text().strip():
             self.revision_edit.setText(rev)
         self.url_note.setText(f"Taken from the address: {repo}" + (f" at revision {rev}" if rev else "") + ".")
+        self.url_note.setVisible(True)
         self._changed()
 
     @Slot()

@@ -2,8 +2,10 @@
 """Cost of showing a streaming answer as Markdown: per-update time vs answer length.
 
 Streams a long synthetic answer (prose paragraphs and fenced Python code, 16 k characters by default)
-into an answer card a few characters at a time, as the chat's 40 ms flush does, and times
-each update on the GUI thread. Two arms, interleaved block by block in one run:
+into an answer card of the chat's transcript (a ChatView, 700 x 700, so only what is on screen
+is painted) a few characters at a time, as the chat's 40 ms flush does, and times each update
+plus the event processing (layout, paint) that follows it, on the GUI thread. Two arms,
+interleaved update by update in one run:
 
 - ``blocks``: the app (colibri_app.markdown_view): only the block being written re-renders.
 - ``whole``: re-rendering the whole answer with ``QTextDocument.setMarkdown`` each update
@@ -51,7 +53,8 @@ def main(argv=None) -> int:
     from PySide6.QtWidgets import QApplication
     qInstallMessageHandler(lambda *_a: None)   # offscreen "propagateSizeHints" noise
     app = QApplication.instance() or QApplication([])
-    from colibri_app.chat_view import MessageView
+    from PySide6.QtWidgets import QScrollArea
+    from colibri_app.chat_view import ChatView
     from colibri_app.history import STREAMING, Message
     from colibri_app.markdown_view import MessageText
     from colibri_app.resources import apply_theme
@@ -59,12 +62,16 @@ def main(argv=None) -> int:
     apply_theme(app, "light")
 
     text = answer(a.chars)
-    card = MessageView(Message(1, 1, "assistant", "", STREAMING))
-    card.resize(700, 600)
-    card.show()
+    chat = ChatView()
+    chat.resize(700, 700)
+    chat.show()
+    card = chat.add_message(Message(1, 1, "assistant", "", STREAMING))
+    scroll = QScrollArea()
+    scroll.setWidgetResizable(True)
     whole = MessageText()
-    whole.resize(700, 600)
-    whole.show()
+    scroll.setWidget(whole)
+    scroll.resize(700, 700)
+    scroll.show()
     times = {"blocks": [], "whole": []}
     cpu = {"blocks": 0.0, "whole": 0.0}
     pos = []

@@ -8,8 +8,6 @@ import json
 import os
 import sqlite3
 
-import pytest
-
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
 from PySide6.QtCore import Qt  # noqa: E402
@@ -168,12 +166,11 @@ def test_ask_anything_hint_comes_back_after_new_chat(qtbot, make_window):
     assert not win.chat.empty_label.isVisibleTo(win)
 
 
-@pytest.mark.parametrize("panels", [True, False])
-def test_window_can_be_narrow(qtbot, make_window, panels):
-    from colibri_app.main_window import MainWindow
+def test_window_can_be_narrow(qtbot, make_window):
+    """Before: at least 1124 px with a model open and the panels shown."""
     win = make_window()                      # a model open: the status bar holds its numbers
     win.st_model.setText("a-model-with-a-rather-long-name-int8 (int8)")
-    win.dock.setVisible(panels)
+    assert win.dock.isVisible()
 
     def narrow():
         win.resize(780, 700)                 # as a user drags the edge: in steps
@@ -182,9 +179,9 @@ def test_window_can_be_narrow(qtbot, make_window, panels):
     assert win.minimumSizeHint().width() <= 800
     qtbot.waitUntil(lambda: win.chat.width() >= 300, timeout=3000)   # the chat stays usable
     assert win.chat.send_btn.isVisibleTo(win) and win.chat.input.width() >= 150
-    if panels:                                                    # the panels stack under the chat
-        assert win.dockWidgetArea(win.dock) == Qt.BottomDockWidgetArea and win.panels.columns == 2
-        assert win.dock.isVisible() and win.dock.width() >= 600
-        win.resize(1300, 800)
-        qtbot.waitUntil(lambda: win.dockWidgetArea(win.dock) == Qt.RightDockWidgetArea, timeout=5000)
-        assert win.panels.columns == 1
+    # the panels stack under the chat (two by two), and go back beside it in a wide window
+    assert win.dockWidgetArea(win.dock) == Qt.BottomDockWidgetArea and win.panels.columns == 2
+    assert win.dock.isVisible() and win.dock.width() >= 600
+    win.resize(1300, 800)
+    qtbot.waitUntil(lambda: win.dockWidgetArea(win.dock) == Qt.RightDockWidgetArea, timeout=5000)
+    assert win.panels.columns == 1

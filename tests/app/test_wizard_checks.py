@@ -107,7 +107,7 @@ def test_pasted_hub_address_becomes_repo_id(qtbot, wizard, fake, pasted, revisio
     sp.repo_edit.setText(pasted)
     assert sp.repo_edit.text() == REPO
     assert sp.revision_edit.text() == revision
-    assert REPO in sp.url_note.text()
+    assert REPO in sp.url_note.text() and sp.url_note.isVisibleTo(wizard)
     assert sp.isComplete() and not _shown(sp.next_reason)
     w.next()
     qtbot.waitUntil(lambda: w.currentId() == wz.PAGE_CHECK, timeout=T)
