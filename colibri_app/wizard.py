@@ -588,6 +588,7 @@ class ConvertPage(QWizardPage):
         target = self.target()
         if (target / "manifest.json").exists() and not self.replace.isChecked():
             self.wiz.store_path = str(target)
+            self.wiz.converted_now = False
             self.status.setText(f"Using the existing store {target}.")
             _error_style(self.status, GREEN)
             self.completeChanged.emit()
@@ -636,6 +637,7 @@ class ConvertPage(QWizardPage):
     def _done(self, store: str) -> None:
         self._idle()
         self.wiz.store_path = store
+        self.wiz.converted_now = True
         self.bar.setValue(1000)
         self.status.setText(f"Converted into {store}.")
         _error_style(self.status, GREEN)
@@ -710,18 +712,23 @@ class DonePage(QWizardPage):
 
     @Slot(object)
     def _failed(self, f: EngineFailure) -> None:
-        """The store does not run: remove it from disk (and so from the library), keep Finish
-        ("Use this model") disabled, and say why and what to do."""
+        """The store does not run: remove it from disk (and so from the library) when this
+        wizard converted it (not for a RAM shortfall: the store may be fine), keep Finish ("Use
+        this model") disabled, and say why and what to do."""
         self.task = None
         self.tested = True
         store = self.wiz.store_path
         removed = ""
-        if store:
+        if f.kind == ErrorKind.BUDGET:   # the store may be fine; this machine lacks the RAM now
+            removed = " The store was kept: free some memory, then open it from File › Models…."
+        elif store and self.wiz.converted_now:
             try:
                 lib.delete_model(store)
                 removed = " The broken store was removed."
             except (OSError, ValueError) as e:
                 removed = f" The store could not be removed ({e}); delete it in File › Models…."
+        elif store:   # a store made earlier ("Use existing store"): the user decides
+            removed = " The store existed before this wizard; delete it in File › Models… if it stays broken."
         self.wiz.store_path = None
         self.output.setPlainText(f.message)
         self.info.setText(f"The self-test failed: {f.message}.{removed} “Use this model” is disabled: "
@@ -764,6 +771,7 @@ class ModelWizard(QWizard):
         self.check: lib.RepoCheck | None = None
         self.source_dir: str | None = None
         self.store_path: str | None = None
+        self.converted_now = False   # store_path was converted by this wizard (not an existing one)
         self.source_page = SourcePage(self)
         self.check_page = CheckPage(self)
         self.download_page = DownloadPage(self)

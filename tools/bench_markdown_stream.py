@@ -15,7 +15,8 @@ Reports the median and p95 update time in the first and last tenth of the answer
 time (rusage) of each arm. Offscreen:
 
     QT_QPA_PLATFORM=offscreen python tools/bench_markdown_stream.py [--chars 16000]
-Writes bench/results/markdown_stream.json and .md.
+Writes bench/results/markdown_stream.json and .md (``--arms blocks --name markdown_stream_blocks``:
+the app's arm alone, no other window to lay out).
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--chars", type=int, default=16000)
     ap.add_argument("--step", type=int, default=16, help="characters per update (~4 tokens)")
+    ap.add_argument("--arms", default="blocks,whole", help="comma-separated: blocks, whole")
+    ap.add_argument("--name", default="markdown_stream", help="results file name (without suffix)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     a = ap.parse_args(argv)
     os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
@@ -72,12 +75,15 @@ def main(argv=None) -> int:
     scroll.setWidget(whole)
     scroll.resize(700, 700)
     scroll.show()
+    arms = [x for x in a.arms.split(",") if x in ("blocks", "whole")]
+    if "whole" not in arms:
+        scroll.hide()
     times = {"blocks": [], "whole": []}
     cpu = {"blocks": 0.0, "whole": 0.0}
     pos = []
     for i in range(0, len(text), a.step):
         piece = text[i:i + a.step]
-        for arm in ("blocks", "whole"):   # interleaved: the same load for both arms
+        for arm in arms:   # interleaved: the same load for both arms
             r0 = resource.getrusage(resource.RUSAGE_SELF)
             t0 = time.perf_counter()
             if arm == "blocks":
@@ -92,7 +98,7 @@ def main(argv=None) -> int:
     n = len(pos)
     tenth = max(1, n // 10)
     rows = []
-    for arm in ("blocks", "whole"):
+    for arm in arms:
         t = np.array(times[arm]) * 1000
         rows.append({"arm": arm, "updates": n,
                      "first_med": float(np.median(t[:tenth])), "first_p95": float(np.percentile(t[:tenth], 95)),
@@ -106,7 +112,7 @@ def main(argv=None) -> int:
                                ("first 10% median", "first_med", ".2f"), ("first 10% p95", "first_p95", ".2f"),
                                ("last 10% median", "last_med", ".2f"), ("last 10% p95", "last_p95", ".2f"),
                                ("last/first", "growth", ".1f"), ("CPU s", "cpu_s", ".2f")]))
-    write_results("markdown_stream", {"chars": len(text), "step": a.step, "load_avg": load, "rows": rows,
+    write_results(a.name, {"chars": len(text), "step": a.step, "load_avg": load, "rows": rows,
                                       "blocks_rendered_chars": card.text.rendered_chars}, table, a.out)
     return 0
 

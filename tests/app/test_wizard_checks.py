@@ -165,3 +165,27 @@ def test_failed_self_test_removes_the_store(qtbot, wizard, tiny):
     w.model_ready.connect(fired.append)
     w.button(QWizard.FinishButton).click()
     assert fired == []
+
+
+def test_self_test_short_of_ram_keeps_the_store(qtbot, wizard, tiny, monkeypatch):
+    """A self-test that fails for lack of RAM says so and keeps the store (it may be fine);
+    "Use this model" stays disabled."""
+    from engine import BudgetError
+    w = wizard
+    w.source_page.local_radio.setChecked(True)
+    w.source_page.folder_edit.setText(str(tiny))
+    w.next()
+    qtbot.waitUntil(lambda: w.currentId() == wz.PAGE_CHECK, timeout=T)
+    w.next()
+    w.convert_page.convert_button.click()
+    qtbot.waitUntil(w.convert_page.isComplete, timeout=T)
+    store = Path(w.store_path)
+
+    def short(store, max_new_tokens=8):
+        raise BudgetError("the RAM budget 0.1 GB cannot hold the dense weights (0.2 GB)")
+    monkeypatch.setattr(lib, "self_test", short)
+    w.next()
+    dp = w.done_page
+    qtbot.waitUntil(lambda: dp.tested, timeout=T)
+    assert store.exists() and len(lib.list_models()) == 1
+    assert "kept" in dp.info.text() and not w.button(QWizard.FinishButton).isEnabled()
