@@ -242,12 +242,10 @@ class History:
             conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
             conn.commit()
         except sqlite3.OperationalError as e:
-            conn.rollback()
-            if "fts5" not in str(e).lower():
+            conn.rollback()   # the file stays at its version: migrated when a build has FTS5
+            if "no such module" not in str(e).lower():
                 raise
             log.warning("this SQLite has no FTS5 (%s): chat search scans the messages instead", e)
-            with conn:
-                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
 
     @staticmethod
     def _move_aside(p: Path) -> Path:
