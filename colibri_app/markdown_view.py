@@ -17,7 +17,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from PySide6.QtCore import Qt, Signal
+from PySide6.QtCore import Qt, QTimer, Signal
 from PySide6.QtGui import (QColor, QFont, QFontDatabase, QGuiApplication, QTextBlockFormat, QTextCharFormat,
                            QTextCursor, QTextFormat)
 from PySide6.QtWidgets import (QFrame, QHBoxLayout, QLabel, QSizePolicy, QTextBrowser, QToolButton, QVBoxLayout,
@@ -238,6 +238,7 @@ class CodeBlock(QFrame):
         self._style = ""
         self.highlighted_chars = 0   # characters run through the lexer (the cost measure)
 
+
     def set_code(self, code: str, lang: str = "", final: bool = True) -> None:
         """Show ``code``; while streaming (``final`` False) only lines completed since the last
         call are highlighted and appended; ``final`` highlights the whole block once."""
@@ -280,6 +281,8 @@ class CodeBlock(QFrame):
         """Put the code (without its fences) on the clipboard."""
         QGuiApplication.clipboard().setText(self.code)
         self.copy_btn.setText("Copied")
+        btn = self.copy_btn   # the timer dies with the button (context object)
+        QTimer.singleShot(1500, btn, lambda: btn.setText("Copy code"))
         self.copied.emit(self.code)
 
 
