@@ -36,8 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     if inst.mode == FOCUSED:
         print(f"colibri is already running on {inst.data_dir} ({inst.owner}); brought its window to the front.")
         return 0
-    apply_theme(app)
     settings, message = load_settings()
+    apply_theme(app, settings.app.theme)
     win = MainWindow(settings, settings_message=message, read_only=inst.read_only_reason)
     inst.listen(win.bring_to_front)
     win.show()

@@ -1,8 +1,9 @@
 """Chat widgets: the conversation list, the transcript of message cards, and the prompt box.
 
 These widgets only display and emit user intents; MainWindow owns the history database and
-the engine. While an answer streams its text is appended as plain text; when it completes it
-is rendered as Markdown (``QTextDocument.setMarkdown``) with shaded code blocks. A leading
+the engine. An answer is rendered as Markdown while it streams and when it completes
+(colibri_app.markdown_view: Qt's Markdown for prose, Pygments-highlighted code blocks with a
+Copy button; each update re-renders only the block being written). A leading
 ``<think>...</think>`` reasoning block (engine.split_reasoning) is shown in a collapsed
 "Thinking" section above the answer, also while it streams; the saved text keeps it whole.
 A model without a chat template gets a banner and an explicit raw mode (issue 18, fault 5).
@@ -10,20 +11,19 @@ A model without a chat template gets a banner and an explicit raw mode (issue 18
 
 from __future__ import annotations
 
-import math
 import time
 
 from PySide6.QtCore import QEvent, Qt, QTimer, Signal
-from PySide6.QtGui import QColor, QGuiApplication, QKeySequence, QTextBlockFormat, QTextCursor, QTextFormat
+from PySide6.QtGui import QGuiApplication, QKeySequence, QTextCursor
 from PySide6.QtWidgets import (QAbstractItemView, QFrame, QHBoxLayout, QLabel, QLineEdit, QListWidget,
                                QListWidgetItem, QPlainTextEdit, QPushButton, QScrollArea, QSizePolicy,
-                               QTextBrowser, QToolButton, QVBoxLayout, QWidget)
+                               QToolButton, QVBoxLayout, QWidget)
 
 from engine import ChatMessage, GenerateRequest, SamplingParams, reasoning_open, split_reasoning
 
 from .history import COMPLETE, ERROR, INTERRUPTED, STOPPED, STREAMING, Conversation, Message
-
-CODE_BG = QColor("#f3f4f6")
+from .markdown_view import MarkdownBody, MessageText
+from .resources import THEME
 
 NO_TEMPLATE_TEXT = ("This model has no chat template, so it cannot hold a conversation: the system prompt "
                     "and earlier turns cannot be sent. Raw mode sends only your latest message, as plain "
@@ -59,66 +59,6 @@ def format_meta(meta: dict) -> str:
 
 
 # --- message cards --------------------------------------------------------------------------
-
-
-class MessageText(QTextBrowser):
-    """Read-only rich text that grows to fit its document (no vertical scroll bar)."""
-
-    def __init__(self, parent: QWidget | None = None):
-        super().__init__(parent)
-        self.setFrameShape(QFrame.NoFrame)
-        self.setOpenExternalLinks(True)
-        self.setVerticalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
-        self.setHorizontalScrollBarPolicy(Qt.ScrollBarAsNeeded)
-        self.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
-        self.setTextInteractionFlags(Qt.TextSelectableByMouse | Qt.TextSelectableByKeyboard
-                                     | Qt.LinksAccessibleByMouse)
-        self.viewport().setAutoFillBackground(False)
-        self.setStyleSheet("QTextBrowser { background: transparent; }")
-        self.document().setDocumentMargin(2)
-        self.document().documentLayout().documentSizeChanged.connect(self._fit)
-        self._fit()
-
-    def append_plain(self, text: str) -> None:
-        """Append plain text at the end (streaming)."""
-        cur = QTextCursor(self.document())
-        cur.movePosition(QTextCursor.End)
-        cur.insertText(text)
-
-    def set_markdown(self, text: str) -> None:
-        """Render Markdown and shade code blocks."""
-        self.setMarkdown(text)
-        doc = self.document()
-        b = doc.begin()
-        while b.isValid():
-            f = b.blockFormat()
-            frag = b.begin()
-            mono = False
-            if not frag.atEnd():
-                fams = frag.fragment().charFormat().fontFamilies() or []
-                mono = "monospace" in fams and frag.fragment().length() == b.length() - 1
-            if f.hasProperty(QTextFormat.BlockCodeFence) or f.nonBreakableLines() or mono:
-                bf = QTextBlockFormat()
-                bf.setBackground(CODE_BG)
-                bf.setLeftMargin(6)
-                QTextCursor(b).mergeBlockFormat(bf)
-            b = b.next()
-
-    def wheelEvent(self, e):  # the transcript scrolls, not the message
-        e.ignore()
-
-    def _fit(self, *_):
-        doc_h = self.document().size().height()
-        h = int(math.ceil(doc_h)) + 2 * self.frameWidth() + 2
-        sb = self.horizontalScrollBar()
-        if sb.maximum() > 0:
-            h += sb.sizeHint().height()
-        if h != self.height():
-            self.setFixedHeight(h)
-
-    def resizeEvent(self, e):
-        super().resizeEvent(e)
-        self._fit()
 
 
 class MessageView(QFrame):
@@ -161,7 +101,7 @@ class MessageView(QFrame):
         self.think_text.setVisible(False)
         lay.addWidget(self.think_text)
         self._shown = ("", "", False)  # (reasoning, answer, still thinking) shown in the widgets
-        self.text = MessageText()
+        self.text = MarkdownBody()
         self.text.setAccessibleName("Message text")
         lay.addWidget(self.text)
         self.note = QLabel()
@@ -200,6 +140,11 @@ class MessageView(QFrame):
         return b
 
     @property
+    def code_blocks(self):
+        """The fenced code blocks of the answer (markdown_view.CodeBlock: .code, .copy())."""
+        return self.text.code_blocks()
+
+    @property
     def content(self) -> str:
         """The message text as far as it is known (with its reasoning block, as saved)."""
         return self._text
@@ -216,17 +161,14 @@ class MessageView(QFrame):
 
     def set_content(self, text: str, status: str, meta: dict | None = None) -> None:
         """Show a complete (or final) message: Markdown for answers, plain for the user."""
-        self._text, self.status = text, status
+        self._text, self.status, self._meta = text, status, meta
         if self.role != "assistant":
-            self.text.setPlainText(text)
+            self.text.set_plain(text)
         else:
             reasoning, answer = split_reasoning(text)
             thinking = reasoning_open(text) and status == STREAMING
             self._show_thinking(reasoning, thinking)
-            if status == STREAMING:
-                self.text.setPlainText(answer)
-            else:
-                self.text.set_markdown(answer)
+            self.text.set_text(answer, final=status != STREAMING)  # Markdown while streaming too
             self._shown = (reasoning, answer, thinking)
         self.note.setText(STATUS_NOTE.get(status, status))
         self.note.setProperty("kind", status)
@@ -242,18 +184,20 @@ class MessageView(QFrame):
         self.status = STREAMING
         self._text += piece
         if self.role != "assistant":
-            self.text.append_plain(piece)
+            self.text.set_plain(self._text)
             return
         reasoning, answer = split_reasoning(self._text)
         thinking = reasoning_open(self._text)
         old_reasoning, old_answer, old_thinking = self._shown
         if reasoning != old_reasoning or thinking != old_thinking:
             self._show_thinking(reasoning, thinking)
-        if answer.startswith(old_answer):
-            self.text.append_plain(answer[len(old_answer):])
-        else:  # a think block just opened or closed: the answer so far is different text
-            self.text.setPlainText(answer)
+        if answer != old_answer:
+            self.text.set_text(answer, final=False)   # re-renders only the block being written
         self._shown = (reasoning, answer, thinking)
+
+    def restyle(self) -> None:
+        """The colour scheme changed: render the text again (code colours, shading)."""
+        self.set_content(self._text, self.status, getattr(self, "_meta", None))
 
     def _show_thinking(self, reasoning: str, thinking_now: bool) -> None:
         has = bool(reasoning) or thinking_now
@@ -436,6 +380,11 @@ class ChatView(QWidget):
         il.addWidget(self.send_btn, 0, Qt.AlignBottom)
         lay.addWidget(box)
         self._update_send()
+        THEME.changed.connect(self._restyle)
+
+    def _restyle(self, _scheme: str = "") -> None:
+        for v in self.views.values():
+            v.restyle()
 
     # --- conversation -------------------------------------------------------------------------
 
@@ -452,6 +401,7 @@ class ChatView(QWidget):
         self.views.clear()
         for m in messages:
             self.add_message(m)
+        self.empty_label.setVisible(not self.views)   # "Ask anything" again in an empty chat
         self._stick = True
         self.update_actions()
         self.scroll_to_bottom()
@@ -494,6 +444,23 @@ class ChatView(QWidget):
     def view(self, msg_id: int) -> MessageView | None:
         """The card of a message, if shown."""
         return self.views.get(msg_id)
+
+    def reveal_message(self, msg_id: int) -> bool:
+        """Scroll a message into view and mark it as the found one (a search hit)."""
+        v = self.views.get(msg_id)
+        if v is None:
+            return False
+        for other in self.views.values():
+            if other.property("found"):
+                other.setProperty("found", False)
+                other.style().unpolish(other)
+                other.style().polish(other)
+        v.setProperty("found", True)
+        v.style().unpolish(v)
+        v.style().polish(v)
+        self._stick = False
+        QTimer.singleShot(0, lambda: self.scroll.ensureWidgetVisible(v._wrap, 0, 40))
+        return True
 
     def update_actions(self) -> None:
         """Regenerate on the last answer, Edit on the last user message, nothing while busy."""
@@ -653,11 +620,18 @@ class ChatView(QWidget):
 # --- conversation list ----------------------------------------------------------------------
 
 
+def _elide(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
 class ConversationList(QFrame):
-    """Sidebar: New chat, search by title, the conversations, rename and delete."""
+    """Sidebar: New chat, search (titles and message text), the conversations, rename and
+    delete. A conversation found by its messages shows the best matching words under its title;
+    choosing it also emits ``message_selected`` for that message."""
 
     new_requested = Signal()
     selected = Signal(int)            #: conversation id
+    message_selected = Signal(int, int)   #: conversation id, message id (a search hit)
     rename_requested = Signal(int)    #: conversation id
     delete_requested = Signal(int)    #: conversation id
     search_changed = Signal(str)
@@ -677,13 +651,19 @@ class ConversationList(QFrame):
         lay.addWidget(self.new_btn)
         self.search = QLineEdit()
         self.search.setObjectName("searchEdit")
-        self.search.setPlaceholderText("Search chats")
-        self.search.setAccessibleName("Search conversations by title")
+        self.search.setPlaceholderText("Search chats and messages")
+        self.search.setAccessibleName("Search conversations and message text")
         self.search.setClearButtonEnabled(True)
         for b in self.search.findChildren(QToolButton):   # Qt's clear button
             b.setAccessibleName("Clear search")
         self.search.textChanged.connect(self.search_changed)
         lay.addWidget(self.search)
+        self.hits_label = QLabel()
+        self.hits_label.setObjectName("searchHits")
+        self.hits_label.setAccessibleName("Search results")
+        self.hits_label.setWordWrap(True)
+        self.hits_label.setVisible(False)
+        lay.addWidget(self.hits_label)
         self.list = QListWidget()
         self.list.setObjectName("conversationList")
         self.list.setAccessibleName("Conversations")
@@ -691,7 +671,7 @@ class ConversationList(QFrame):
         self.list.setContextMenuPolicy(Qt.ActionsContextMenu)
         self.list.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self.list.setTextElideMode(Qt.ElideRight)
-        self.list.setUniformItemSizes(True)
+        self.list.setWordWrap(False)
         self.list.itemSelectionChanged.connect(self._on_select)
         self.list.itemDoubleClicked.connect(lambda it: self.rename_requested.emit(it.data(Qt.UserRole)))
         lay.addWidget(self.list, 1)
@@ -710,14 +690,24 @@ class ConversationList(QFrame):
         lay.addLayout(row)
         self._block = False
 
-    def set_conversations(self, convs: list[Conversation], current: int | None) -> None:
-        """Fill the list (keeping ``current`` selected, without emitting ``selected``)."""
+    def set_conversations(self, convs: list[Conversation], current: int | None,
+                          hits: dict[int, tuple[int, str]] | None = None) -> None:
+        """Fill the list (keeping ``current`` selected, without emitting ``selected``).
+        ``hits``: {conversation id: (message id, snippet)} for conversations found by the text
+        of a message; the snippet is shown under the title."""
         self._block = True
         self.list.clear()
+        hits = hits or {}
         for c in convs:
-            it = QListWidgetItem(c.title or "Untitled")
+            title = c.title or "Untitled"
+            hit = hits.get(c.id)
+            it = QListWidgetItem(f"{title}\n   {_elide(hit[1], 60)}" if hit else title)
             it.setData(Qt.UserRole, c.id)
-            it.setToolTip(f"{c.title}\nlast activity {time.strftime('%Y-%m-%d %H:%M', time.localtime(c.updated))}")
+            it.setData(Qt.UserRole + 2, hit[0] if hit else None)
+            tip = f"{c.title}\nlast activity {time.strftime('%Y-%m-%d %H:%M', time.localtime(c.updated))}"
+            if hit:
+                tip += f"\nfound: {hit[1]}"
+            it.setToolTip(tip)
             self.list.addItem(it)
             if c.id == current:
                 it.setSelected(True)
@@ -732,12 +722,29 @@ class ConversationList(QFrame):
         items = self.list.selectedItems()
         return items[0].data(Qt.UserRole) if items else None
 
+    def show_hits(self, query: str, n_conversations: int, n_messages: int) -> None:
+        """The line under the search box: what the search found ('' query hides it)."""
+        if not query:
+            self.hits_label.setVisible(False)
+            return
+        if n_conversations == 0:
+            text = f"Nothing found for “{query}”."
+        else:
+            text = (f"{n_conversations} chat{'s' if n_conversations != 1 else ''}"
+                    + (f", {n_messages} message{'s' if n_messages != 1 else ''}" if n_messages else "")
+                    + f" match “{query}”")
+        self.hits_label.setText(text)
+        self.hits_label.setVisible(True)
+
     def _on_select(self) -> None:
         cid = self.current_id()
         self.rename_btn.setEnabled(cid is not None)
         self.delete_btn.setEnabled(cid is not None)
         if not self._block and cid is not None:
             self.selected.emit(cid)
+            mid = self.list.selectedItems()[0].data(Qt.UserRole + 2)
+            if mid is not None:
+                self.message_selected.emit(cid, int(mid))
 
     def _emit_current(self, signal) -> None:
         cid = self.current_id()

@@ -7,6 +7,13 @@ Crash safety: an answer is written while it streams (status "streaming"); on the
 answer is kept. A file SQLite cannot read is moved aside (``history.sqlite3.corrupt-<time>``)
 and a fresh one is created; the message returned by :meth:`History.open` says where it went.
 Rows are read one by one and converted defensively, so one bad row never hides the others.
+
+Search: :meth:`History.search` finds words in message text with SQLite's FTS5 full-text index
+(``messages_fts``, an external-content table over ``messages.content`` kept in step by triggers;
+unicode61 tokenizer, diacritics folded, prefix matching). Schema version 2 added it: a version-1
+file is migrated in one transaction on open (index built from the existing messages), after a
+copy of the file is kept as ``history.sqlite3.v1-backup``; if the SQLite build has no FTS5 the
+history still opens and search falls back to a LIKE scan.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from engine import library
 log = logging.getLogger(__name__)
 
 FILENAME = "history.sqlite3"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DEFAULT_TITLE = "New chat"
 
 # Message status values.
@@ -50,6 +57,38 @@ CREATE TABLE IF NOT EXISTS messages (
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
 """
+
+# Version 2: full-text search over message text (https://sqlite.org/fts5.html, "External
+# Content Tables": the index holds no copy of the text; the triggers keep it in step).
+_FTS_SCHEMA = (
+    "CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(content, content='messages', "
+    "content_rowid='id', tokenize='unicode61 remove_diacritics 2')",
+    "CREATE TRIGGER IF NOT EXISTS messages_fts_ai AFTER INSERT ON messages BEGIN "
+    "INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content); END",
+    "CREATE TRIGGER IF NOT EXISTS messages_fts_ad AFTER DELETE ON messages BEGIN "
+    "INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content); END",
+    "CREATE TRIGGER IF NOT EXISTS messages_fts_au AFTER UPDATE OF content ON messages BEGIN "
+    "INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content); "
+    "INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content); END",
+)
+
+
+@dataclass(frozen=True)
+class SearchHit:
+    """A message whose text matches a search: ids, role, and ``snippet`` (a few words around
+    the match, the matched words between [ and ])."""
+
+    conversation_id: int
+    message_id: int
+    role: str
+    snippet: str
+
+
+def fts_query(text: str) -> str:
+    """The FTS5 query for words typed in the search box: every word must occur (AND), each as
+    a quoted prefix ("csv"* matches csv, csvfile), so no input is an FTS5 syntax error."""
+    words = [w for w in text.replace('"', " ").split() if w]
+    return " ".join(f'"{w}"*' for w in words)
 
 
 @dataclass(frozen=True)
@@ -169,13 +208,44 @@ class History:
             ok = conn.execute("PRAGMA quick_check").fetchone()
             if not ok or ok[0] != "ok":
                 raise sqlite3.DatabaseError(f"integrity check failed: {ok[0] if ok else 'no answer'}")
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
             with conn:
                 conn.executescript(_SCHEMA)
-                conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            if version < 2:
+                History._migrate_fts(conn, p, version)
         except BaseException:
             conn.close()
             raise
         return conn
+
+    @staticmethod
+    def _migrate_fts(conn: sqlite3.Connection, p: Path, version: int) -> None:
+        """Schema 1 -> 2: add the full-text index and build it from the existing messages, in
+        one transaction (a crash leaves version 1, migrated again next time). A file with
+        messages is first copied to ``<name>.v1-backup`` (SQLite's online backup API)."""
+        has_rows = conn.execute("SELECT EXISTS(SELECT 1 FROM messages)").fetchone()[0]
+        if version >= 1 and has_rows:
+            backup = p.with_name(p.name + ".v1-backup")
+            if not backup.exists():
+                tmp = backup.with_name(backup.name + ".partial")
+                dst = sqlite3.connect(str(tmp))
+                try:
+                    conn.backup(dst)
+                finally:
+                    dst.close()
+                os.replace(tmp, backup)
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            for stmt in _FTS_SCHEMA:
+                conn.execute(stmt)
+            conn.execute("INSERT INTO messages_fts(messages_fts) VALUES ('rebuild')")
+            conn.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            conn.commit()
+        except sqlite3.OperationalError as e:
+            conn.rollback()   # the file stays at its version: migrated when a build has FTS5
+            if "no such module" not in str(e).lower():
+                raise
+            log.warning("this SQLite has no FTS5 (%s): chat search scans the messages instead", e)
 
     @staticmethod
     def _move_aside(p: Path) -> Path:
@@ -330,6 +400,38 @@ class History:
         """Delete message ``msg_id`` and every later message of the conversation (edit, regenerate)."""
         with self.conn:
             self.conn.execute("DELETE FROM messages WHERE conversation_id=? AND id>=?", (conv_id, msg_id))
+
+    # --- search -------------------------------------------------------------------------------
+
+    @property
+    def has_fts(self) -> bool:
+        """True when the full-text index exists (else :meth:`search` scans with LIKE)."""
+        return next(iter(self._rows("SELECT 1 FROM sqlite_master WHERE name='messages_fts'")), None) is not None
+
+    def search(self, text: str, limit: int = 200) -> list[SearchHit]:
+        """Messages whose text holds every word of ``text`` (prefixes; case and diacritics
+        ignored), best match first (FTS5 bm25), at most ``limit``. [] for an empty query."""
+        q = fts_query(text)
+        if not q:
+            return []
+        out: list[SearchHit] = []
+        if self.has_fts:
+            rows = self._rows(
+                "SELECT m.conversation_id, m.id, m.role, snippet(messages_fts, 0, '[', ']', '…', 10) "
+                "FROM messages_fts JOIN messages m ON m.id = messages_fts.rowid "
+                "WHERE messages_fts MATCH ? ORDER BY bm25(messages_fts) LIMIT ?", (q, limit))
+        else:
+            words = [w for w in text.replace('"', " ").split() if w]
+            where = " AND ".join("content LIKE ? ESCAPE '\\'" for _ in words)
+            esc = [("%" + w.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%") for w in words]
+            rows = self._rows(f"SELECT conversation_id, id, role, substr(content, 1, 80) FROM messages "
+                              f"WHERE {where} ORDER BY id DESC LIMIT ?", (*esc, limit))
+        for r in rows:
+            try:
+                out.append(SearchHit(int(r[0]), int(r[1]), _text(r[2]), " ".join(_text(r[3]).split())))
+            except (TypeError, ValueError) as e:
+                log.warning("skipping unreadable search row: %s", e)
+        return out
 
     # --- helpers ------------------------------------------------------------------------------
 

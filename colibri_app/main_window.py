@@ -14,8 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QCoreApplication, QEvent, Qt, Slot
-from PySide6.QtGui import QAction, QKeySequence, QShortcut
-from PySide6.QtWidgets import (QDockWidget, QFrame, QHBoxLayout, QInputDialog, QLabel, QMainWindow,
+from PySide6.QtGui import QAction, QColor, QIcon, QKeySequence, QPainter, QPixmap, QShortcut
+from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, QHBoxLayout, QInputDialog, QLabel,
+                               QMainWindow, QSizePolicy,
                                QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout, QWidget)
 
 from engine import (ChatMessage, EngineConfig, EngineFailure, Finished, Loaded, LoadProgress,
@@ -32,6 +33,21 @@ from .settings_store import Settings, save_settings
 log = logging.getLogger(__name__)
 
 UI_STATE_FILE = "ui_state.json"
+GENERATING, WAITING = "generating…", "waiting"   # sidebar marks
+
+
+def mark_icon(mark: str) -> QIcon:
+    """A dot before a conversation in the sidebar: accent while generating, grey while waiting."""
+    from .resources import colors
+    pm = QPixmap(12, 12)
+    pm.fill(Qt.transparent)
+    p = QPainter(pm)
+    p.setRenderHint(QPainter.Antialiasing)
+    p.setPen(Qt.NoPen)
+    p.setBrush(QColor(colors()["mark"] if mark == GENERATING else colors()["faint"]))
+    p.drawEllipse(2, 2, 8, 8)
+    p.end()
+    return QIcon(pm)
 
 HINTS = {
     ErrorKind.STORE: "Open another model (File › Models…) or add one (File › Add model…).",
@@ -75,6 +91,32 @@ def save_ui_state(state: dict) -> None:
 
 
 # --- widgets --------------------------------------------------------------------------------
+
+NARROW_PX = 900        # below this width the panels dock moves under the chat (2 x 2 cards)
+COMPACT_PX = 700       # below this the status bar keeps only model, speed and cap
+
+
+class ElidedLabel(QLabel):
+    """A one-line label that shrinks with an ellipsis instead of widening its parent (the
+    status bar's model name: a long name must not set the window's minimum width)."""
+
+    def __init__(self, text: str = "", parent: QWidget | None = None):
+        super().__init__(text, parent)
+        self.setMinimumWidth(40)
+        self.setSizePolicy(QSizePolicy.Preferred, QSizePolicy.Preferred)
+
+    def minimumSizeHint(self):  # noqa: N802 - Qt's name
+        h = super().minimumSizeHint()
+        h.setWidth(40)
+        return h
+
+    def paintEvent(self, e):  # noqa: N802
+        p = QPainter(self)
+        r = self.contentsRect()
+        p.setPen(self.palette().color(self.foregroundRole()))
+        p.drawText(r, int(Qt.AlignVCenter | Qt.AlignLeft),
+                   self.fontMetrics().elidedText(self.text(), Qt.ElideMiddle, r.width()))
+        p.end()
 
 
 class Banner(QFrame):
@@ -124,6 +166,7 @@ class Banner(QFrame):
                             ErrorKind.BUDGET: "The RAM budget is too small for this model",
                             ErrorKind.CONFIG: "A setting is invalid",
                             ErrorKind.IO: "Reading the model from disk failed",
+                            ErrorKind.DISK: "The file could not be written",
                             ErrorKind.GENERATION: "The answer stopped because of an engine error",
                             ErrorKind.HISTORY: "The chat history was reset",
                             ErrorKind.SETTINGS: "Your settings could not be used",
@@ -273,6 +316,7 @@ class MainWindow(QMainWindow):
         self.sidebar.rename_requested.connect(lambda cid: self.rename_conversation(cid))
         self.sidebar.delete_requested.connect(lambda cid: self.delete_conversation(cid))
         self.sidebar.search_changed.connect(lambda _t: self._refresh_list())
+        self.sidebar.message_selected.connect(lambda _cid, mid: self.chat.reveal_message(mid))
 
         right = QWidget()
         right.setObjectName("rightColumn")
@@ -325,9 +369,11 @@ class MainWindow(QMainWindow):
         self.dock.setWidget(self.panels)
         self.dock.setMinimumWidth(360)
         self.addDockWidget(Qt.RightDockWidgetArea, self.dock)
+        self._dock_stacked = False       # moved under the chat because the window is narrow
+        self.dock.dockLocationChanged.connect(self._dock_moved)
 
         sb = self.statusBar()
-        self.st_model = QLabel("no model")
+        self.st_model = ElidedLabel("no model")
         self.st_speed = QLabel("– tok/s")
         self.st_ttft = QLabel("TTFT –")
         self.st_cap = QLabel("cap –/layer")
@@ -341,15 +387,43 @@ class MainWindow(QMainWindow):
         QShortcut(QKeySequence(Qt.Key_Escape), self, activated=self._escape)
         self.resize(1400, 900)
 
+    # --- narrow windows -----------------------------------------------------------------------
+
+    def _dock_moved(self, area) -> None:
+        self.panels.set_columns(2 if area in (Qt.BottomDockWidgetArea, Qt.TopDockWidgetArea) else 1)
+
+    def resizeEvent(self, e) -> None:  # noqa: N802
+        """Narrow window: the panels move under the chat (and back when it is wide again, unless
+        the user moved them); the status bar drops TTFT and PILOT below COMPACT_PX."""
+        super().resizeEvent(e)
+        w = self.width()
+        docked_side = (not self.dock.isFloating()
+                       and self.dockWidgetArea(self.dock) in (Qt.RightDockWidgetArea, Qt.LeftDockWidgetArea))
+        if w < NARROW_PX and docked_side and not self.dock.isHidden():
+            self._dock_stacked = True
+            self.addDockWidget(Qt.BottomDockWidgetArea, self.dock)
+            self.resizeDocks([self.dock], [max(200, self.height() // 3)], Qt.Vertical)
+        elif w >= NARROW_PX + 80 and self._dock_stacked:
+            self._dock_stacked = False
+            if self.dockWidgetArea(self.dock) == Qt.BottomDockWidgetArea and not self.dock.isFloating():
+                self.addDockWidget(Qt.RightDockWidgetArea, self.dock)
+        for lab in (self.st_ttft, self.st_pilot):
+            lab.setVisible(w >= COMPACT_PX)
+
     def _build_menus(self) -> None:
         mb = self.menuBar()
         file = mb.addMenu("&File")
         self.act_new = QAction("&New chat", self, shortcut=QKeySequence.New, triggered=self.new_chat)
         self.act_add = QAction("&Add model…", self, triggered=self.open_wizard)
         self.act_models = QAction("&Models…", self, triggered=self.open_library)
+        self.act_export = QAction("&Export chat…", self, shortcut=QKeySequence("Ctrl+Shift+E"),
+                                  triggered=lambda: self.export_conversation())
+        self.act_export.setEnabled(False)
         self.act_quit = QAction("&Quit", self, shortcut=QKeySequence.Quit, triggered=self.close)
         for a in (self.act_new, self.act_add, self.act_models):
             file.addAction(a)
+        file.addSeparator()
+        file.addAction(self.act_export)
         file.addSeparator()
         file.addAction(self.act_quit)
         settings = mb.addMenu("&Settings")
@@ -431,22 +505,39 @@ class MainWindow(QMainWindow):
     # --- conversations ------------------------------------------------------------------------
 
     def _refresh_list(self) -> None:
-        convs = self.history.conversations(self.sidebar.search.text().strip())
-        self.sidebar.set_conversations(convs, self.conv_id)
+        """Fill the sidebar: every conversation, or with a search the ones whose title or
+        message text matches (History.search, FTS5), with the matching words; the chat being
+        answered gets the "generating" mark, chats waiting for it "waiting"."""
+        query = self.sidebar.search.text().strip()
+        convs = self.history.conversations(query)
+        hits: dict[int, tuple[int, str]] = {}
+        n_messages = 0
+        if query:
+            found = self.history.search(query)
+            n_messages = len(found)
+            for h in found:
+                hits.setdefault(h.conversation_id, (h.message_id, h.snippet))
+            have = {c.id for c in convs}
+            convs += [c for c in (self.history.conversation(cid) for cid in hits if cid not in have) if c]
+        self.sidebar.set_conversations(convs, self.conv_id, hits)
+        self.sidebar.show_hits(query, len(convs), n_messages)
         # the chat being answered and the chats waiting for it are marked in the sidebar
         lst = self.sidebar.list
         for row in range(lst.count()):
             it = lst.item(row)
             cid = it.data(Qt.UserRole)
-            mark = ("answering…" if self.answer is not None and cid == self.answer.conv_id
-                    else "waiting" if cid in self.queued_conversations() else "")
+            mark = (GENERATING if self.answer is not None and cid == self.answer.conv_id
+                    else WAITING if cid in self.queued_conversations() else "")
             if mark:
-                it.setText(f"{it.text()}  · {mark}")
-                it.setToolTip(f"{it.toolTip()}\n{'the model is writing the answer' if mark != 'waiting' else 'waits for the answer in another chat'}")
+                first, _, rest = it.text().partition("\n")
+                it.setText(f"{first}  · {mark}" + (f"\n{rest}" if rest else ""))
+                it.setToolTip(f"{it.toolTip()}\n{'the model is writing the answer' if mark == GENERATING else 'waits for the answer in another chat'}")
+                it.setIcon(mark_icon(mark))
             it.setData(Qt.UserRole + 1, mark)
         if self.read_only:
             self.sidebar.rename_btn.setEnabled(False)
             self.sidebar.delete_btn.setEnabled(False)
+        self.act_export.setEnabled(self.conv_id is not None)
 
     def queued_conversations(self) -> list[int]:
         """Conversations whose message waits for the engine, in order."""
@@ -530,6 +621,31 @@ class MainWindow(QMainWindow):
             self.new_chat()
         else:
             self._refresh_list()
+
+    def export_conversation(self, path: str | None = None) -> Path | None:
+        """Export the chat on screen to Markdown (.md) or JSON (.json), chosen by the file name
+        (asked for when ``path`` is None); written atomically. Returns the file, or None."""
+        if self.conv_id is None:
+            return None
+        conv = self.history.conversation(self.conv_id)
+        if conv is None:
+            return None
+        from .export import export_conversation, suggested_name
+        if path is None:
+            start = str(Path.home() / suggested_name(conv, ".md"))
+            path, _flt = QFileDialog.getSaveFileName(self, "Export chat", start,
+                                                     "Markdown (*.md);;JSON (*.json)")
+            if not path:
+                return None
+        try:
+            out = export_conversation(conv, self.history.messages(conv.id), path,
+                                      model=self.loaded.model_name if self.loaded else "")
+        except (OSError, ValueError) as e:
+            self.banner.show_message(ErrorKind.DISK, f"The chat could not be exported to {path}: {e}",
+                                     hint="Choose another folder or file name.")
+            return None
+        self.statusBar().showMessage(f"Exported “{conv.title}” to {out}", 6000)
+        return out
 
     def _system_prompt_edited(self, text: str) -> None:
         if self._closing or self.read_only:
@@ -803,7 +919,11 @@ class MainWindow(QMainWindow):
             save_settings(new)
         except OSError as e:
             self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {e}")
+        old_theme = self.settings.app.theme
         self.settings = new
+        if new.app.theme != old_theme:
+            from .resources import apply_theme
+            apply_theme(QApplication.instance(), new.app.theme)
         if needs_reload:
             cm = new.current_model
             self.open_model(cm if cm and Path(cm).exists() else None)

@@ -13,9 +13,11 @@ import time
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QRectF, QSize, Qt, QTimer
-from PySide6.QtWidgets import QFrame, QLabel, QSizePolicy, QVBoxLayout, QWidget
+from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from engine import ABSENT, LOADING, PINNED, RESIDENT, Loaded, ResidencySnapshot, StepMetrics
+
+from .resources import SCHEMES, THEME
 
 REDRAW_MS = 100
 HISTORY = 600          # points kept per curve
@@ -36,15 +38,30 @@ C_BUDGET = (219, 68, 85)
 STATE_RGB = {ABSENT: (118, 124, 138), RESIDENT: (66, 133, 244), PINNED: (245, 166, 35), LOADING: (52, 199, 89)}
 GAP_RGB = (24, 27, 33)
 ROUTED_RGB = (255, 255, 255)
+DIM_RGB = (0, 0, 0)     # a rarely used expert fades towards this (the map's background)
+
+
+def _rgb(hex_colour: str) -> tuple[int, int, int]:
+    h = hex_colour.lstrip("#")
+    return int(h[0:2], 16), int(h[2:4], 16), int(h[4:6], 16)
+
+
+def heat_colours(scheme: dict) -> tuple[tuple, tuple, tuple]:
+    """(gap, routed outline, fade-to) colours of the residency map for a colour scheme
+    (resources.SCHEMES entry): on a dark map rare experts fade to black, on a light one to the
+    map's light background."""
+    bg = _rgb(scheme["heat_bg"])
+    dim = DIM_RGB if sum(bg) < 3 * 128 else bg
+    return _rgb(scheme["heat_gap"]), _rgb(scheme["heat_routed"]), dim
 
 
 def _hex(c) -> str:
     return "#%02x%02x%02x" % c
 
 
-def _swatch(c, text: str, outline: bool = False) -> str:
+def _swatch(c, text: str, outline: bool = False, bg: str = "#181b21", fg: str = "#ffffff") -> str:
     if outline:
-        box = "<span style='background-color:#181b21;color:#ffffff'>&#9633;</span>"
+        box = f"<span style='background-color:{bg};color:{fg}'>&#9633;</span>"
         return f"<span style='white-space:nowrap'>{box}&nbsp;{text}</span>"
     return f"<span style='white-space:nowrap'><span style='color:{_hex(c)}'>&#9632;</span>&nbsp;{text}</span>"
 
@@ -114,7 +131,8 @@ def rolling_mean(y: np.ndarray, w: int) -> np.ndarray:
     return (c[idx] - c[lo]) / (idx - lo)
 
 
-def residency_rgb(snap: ResidencySnapshot, cell: int = CELL_PX, cell_h: int | None = None) -> np.ndarray:
+def residency_rgb(snap: ResidencySnapshot, cell: int = CELL_PX, cell_h: int | None = None,
+                  colours: tuple[tuple, tuple, tuple] = (GAP_RGB, ROUTED_RGB, DIM_RGB)) -> np.ndarray:
     """uint8 [L * cell_h, E * cell, 3] image: state colour per expert, brightness from the log of
     its routing count, and the experts routed for the latest token marked white.
 
@@ -122,8 +140,10 @@ def residency_rgb(snap: ResidencySnapshot, cell: int = CELL_PX, cell_h: int | No
     on-screen size, so the image is drawn about 1:1 and stays crisp from 8 x 32 to 128 x 48
     experts x layers. A 1-px dark grid gap is drawn along a dimension whose cells are at least
     4 px; a routed expert gets a white outline when its cell is at least 5 x 5 px, else it is
-    filled white (an outline would not survive at 3 px).
+    filled white (an outline would not survive at 3 px). ``colours``: (gap, routed, fade-to) RGB
+    (heat_colours of the colour scheme; default: the dark map).
     """
+    gap_rgb, routed_rgb, dim_rgb = colours
     cw, ch = max(1, int(cell)), max(1, int(cell_h if cell_h is not None else cell))
     L, E = snap.num_layers, snap.num_experts
     state = np.asarray(snap.state, np.int16).reshape(L, E)
@@ -135,7 +155,8 @@ def residency_rgb(snap: ResidencySnapshot, cell: int = CELL_PX, cell_h: int | No
     for s, rgb in STATE_RGB.items():
         lut[s] = rgb
     base = lut[np.clip(state, 0, 3)]                                   # [L, E, 3]
-    colour = base * (0.35 + 0.65 * h)[..., None]
+    f = (0.35 + 0.65 * h)[..., None]
+    colour = np.asarray(dim_rgb, np.float64) * (1 - f) + base * f
     img = np.repeat(np.repeat(colour, ch, axis=0), cw, axis=1)         # [L*ch, E*cw, 3]
     yy = np.arange(L * ch) % ch
     xx = np.arange(E * cw) % cw
@@ -145,13 +166,13 @@ def residency_rgb(snap: ResidencySnapshot, cell: int = CELL_PX, cell_h: int | No
         ey, ex = ch - 1 - gap_y, cw - 1 - gap_x   # last pixel of the cell before the gap
         ring = (yy[:, None] == 0) | (yy[:, None] == ey) | (xx[None, :] == 0) | (xx[None, :] == ex)
         rmask &= ring
-    img[rmask] = ROUTED_RGB
+    img[rmask] = routed_rgb
     gap = np.zeros((L * ch, E * cw), bool)
     if gap_y:
         gap |= (yy == ch - 1)[:, None]
     if gap_x:
         gap |= (xx == cw - 1)[None, :]
-    img[gap] = GAP_RGB
+    img[gap] = gap_rgb
     return img.astype(np.uint8)
 
 
@@ -269,24 +290,19 @@ class PlotPanels(QWidget):
         hm.addItem(self.heat_item)
         hm.getViewBox().sigResized.connect(self._heat_resized)  # rebuild the image at the new cell size
         self.heat_legend = QLabel()
-        self.heat_legend.setText(" &nbsp; ".join([
-            _swatch(STATE_RGB[ABSENT], "absent"), _swatch(STATE_RGB[RESIDENT], "resident"),
-            _swatch(STATE_RGB[PINNED], "pinned"), _swatch(STATE_RGB[LOADING], "loading"),
-            _swatch(None, "routed now", outline=True),
-            "<span style='color:#80868b'>brightness = log routing count</span>"]))
         self.heat_title = "Expert residency (MoE layers × experts)"
 
-        lay = QVBoxLayout(self)
-        lay.setContentsMargins(8, 8, 8, 8)
-        lay.setSpacing(8)
+        self.grid = QGridLayout(self)
+        self.grid.setContentsMargins(8, 8, 8, 8)
+        self.grid.setSpacing(8)
         self.cards = [
             _Card("Expert cache hit rate per token (%)", self.hit_plot, self.hit_legend, "Hit rate panel"),
             _Card("SSD reads per token (MB)", self.ssd_plot, self.ssd_legend, "SSD traffic panel"),
             _Card("RAM vs budget (GB)", self.ram_plot, self.ram_legend, "RAM panel"),
             _Card(self.heat_title, self.heat_plot, self.heat_legend, "Residency heat map panel"),
         ]
-        for c, stretch in zip(self.cards, (2, 2, 2, 3)):
-            lay.addWidget(c, stretch)
+        self.columns = 0
+        self.set_columns(1)
 
         # sensible empty views until data arrives
         for w in (self.hit_plot, self.ssd_plot, self.ram_plot):
@@ -305,6 +321,57 @@ class PlotPanels(QWidget):
         self.timer.setInterval(REDRAW_MS)
         self.timer.timeout.connect(self.redraw)
         self.timer.start()
+        self.scheme = ""
+        self.apply_scheme(THEME.scheme)
+        THEME.changed.connect(self.apply_scheme)
+
+    def set_columns(self, n: int) -> None:
+        """Lay the four cards out in ``n`` columns: 1 in a side dock (stacked, the map tallest),
+        2 (two rows) when the dock sits under the chat in a narrow window."""
+        n = max(1, min(4, int(n)))
+        if n == self.columns:
+            return
+        self.columns = n
+        for c in self.cards:
+            self.grid.removeWidget(c)
+        rows = (len(self.cards) + n - 1) // n
+        for r in range(4):
+            self.grid.setRowStretch(r, 0)
+        for c in range(4):
+            self.grid.setColumnStretch(c, 0)
+        for i, card in enumerate(self.cards):
+            self.grid.addWidget(card, i // n, i % n)
+        stretches = (2, 2, 2, 3) if n == 1 else (1,) * rows
+        for r in range(rows):
+            self.grid.setRowStretch(r, stretches[r])
+        for c in range(n):
+            self.grid.setColumnStretch(c, 1)
+
+    def apply_scheme(self, scheme: str) -> None:
+        """Repaint the plots in a colour scheme (resources.LIGHT / DARK): backgrounds, axes,
+        the mean line, and the residency map (its background, grid gap and routed outline)."""
+        col = SCHEMES[scheme]
+        self.scheme = scheme
+        for w in (self.hit_plot, self.ssd_plot, self.ram_plot):
+            w.setBackground(col["plot_bg"])
+        for w in (self.hit_plot, self.ssd_plot, self.ram_plot, self.heat_plot):
+            p = w.getPlotItem()
+            for ax in ("left", "bottom"):
+                p.getAxis(ax).setPen(pg.mkPen(col["plot_axis"]))
+                p.getAxis(ax).setTextPen(pg.mkPen(col["plot_text"]))
+                p.getAxis(ax).label.setDefaultTextColor(pg.mkColor(col["plot_text"]))
+        self.curve_mean.setPen(pg.mkPen(col["plot_mean"], width=2))
+        self._set_hit_legend(None)
+        self.heat_plot.setBackground(col["heat_bg"])
+        self.heat_hint.setColor(col["muted"])
+        self._heat_colours = heat_colours(col)
+        self.heat_legend.setText(" &nbsp; ".join([
+            _swatch(STATE_RGB[ABSENT], "absent"), _swatch(STATE_RGB[RESIDENT], "resident"),
+            _swatch(STATE_RGB[PINNED], "pinned"), _swatch(STATE_RGB[LOADING], "loading"),
+            _swatch(None, "routed now", outline=True, bg=col["heat_bg"], fg=col["heat_routed"]),
+            f"<span style='color:{col['muted']}'>brightness = log routing count</span>"]))
+        if self.snapshot is not None:
+            self._dirty_heat = True
 
     # --- inputs (cheap: buffers only) ---------------------------------------------------------
 
@@ -360,7 +427,7 @@ class PlotPanels(QWidget):
             self._dirty_heat = False
             self.heat_hint.setVisible(False)
             s = self.snapshot
-            self.heat_image = residency_rgb(s, *self._cell_px(s.num_layers, s.num_experts))
+            self.heat_image = residency_rgb(s, *self._cell_px(s.num_layers, s.num_experts), self._heat_colours)
             self.heat_item.setImage(self.heat_image, levels=(0, 255), autoLevels=False)
             self.heat_item.setRect(QRectF(0, 0, s.num_experts, s.num_layers))
             if self._heat_shape != (s.num_layers, s.num_experts):
@@ -459,7 +526,7 @@ class PlotPanels(QWidget):
         pin, lru, mean = ("–", "–", "–") if v is None else (f"{v[0]:.0f}%", f"{v[1]:.0f}%", f"{v[2]:.0f}%")
         self.hit_legend.setText(" &nbsp; ".join([
             _swatch(C_PINNED, f"pinned {pin}"), _swatch(C_LRU, f"cached {lru}"),
-            _swatch(C_MEAN, f"rolling mean {mean}")]))
+            _swatch(_rgb(SCHEMES[getattr(self, "scheme", "") or "light"]["plot_mean"]), f"rolling mean {mean}")]))
 
     def _set_ssd_legend(self, v) -> None:
         d, s = ("–", "–") if v is None else (f"{v[0]:.2f}", f"{v[1]:.2f}")

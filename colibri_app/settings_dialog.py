@@ -21,11 +21,11 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QGroupBox, QHBoxLayout, QLabel, QLineEdit, QPushButton, QSpinBox, QVBoxLayout,
                                QWidget)
 
-from engine import ENGINE, SAMPLING, ConfigError, EngineConfig, Setting, settings_table, validate
+from engine import APP, ENGINE, SAMPLING, ConfigError, EngineConfig, Setting, settings_table, validate
 from .settings_store import Settings, save_settings
 
 RELOAD_MARK = "⟳"
-GROUP_TITLES = {ENGINE: "Engine", SAMPLING: "Generation"}
+GROUP_TITLES = {ENGINE: "Engine", SAMPLING: "Generation", APP: "Appearance"}
 QT_INT_MAX = 2 ** 31 - 1  # QSpinBox holds a C int; larger ranges (the seed) get a line edit
 AutoValues = Callable[[EngineConfig], "tuple[int, int] | None"]
 
@@ -78,8 +78,12 @@ class SettingsDialog(QDialog):
         note.setObjectName("reloadNote")
 
         groups = QHBoxLayout()
-        for group in (ENGINE, SAMPLING):
-            groups.addWidget(self._group(group), 1)
+        groups.addWidget(self._group(ENGINE), 1)
+        right = QVBoxLayout()
+        right.addWidget(self._group(SAMPLING))
+        right.addWidget(self._group(APP))   # the app's look: applied at once, never reopens the model
+        right.addStretch(1)
+        groups.addLayout(right, 1)
         self.cap_auto = self.auto_boxes["cap"]
         self.budget_auto = self.auto_boxes["ram_budget_gb"]
 
@@ -245,6 +249,8 @@ class SettingsDialog(QDialog):
             self._set(s, getattr(st.engine, s.name))
         for s in settings_table(SAMPLING):
             self._set(s, getattr(st.sampling, s.name))
+        for s in settings_table(APP):
+            self._set(s, getattr(st.app, s.name))
 
     def current_settings(self) -> Settings:
         """The settings the form describes (current_model kept from the dialog's settings).
@@ -256,7 +262,10 @@ class SettingsDialog(QDialog):
         engine = replace(be, **{s.name: self._get(s, getattr(be, s.name)) for s in settings_table(ENGINE)}).validated()
         sampling = replace(bs, **{s.name: self._get(s, getattr(bs, s.name)) for s in settings_table(SAMPLING)})
         validate(sampling, SAMPLING)
-        return replace(self._base, engine=engine, sampling=sampling)
+        ba = self._base.app
+        app = replace(ba, **{s.name: self._get(s, getattr(ba, s.name)) for s in settings_table(APP)})
+        validate(app, APP)
+        return replace(self._base, engine=engine, sampling=sampling, app=app)
 
     def _show_auto(self, engine: EngineConfig) -> None:
         """Write the values the engine would pick into the "auto" check boxes."""
@@ -296,8 +305,10 @@ class SettingsDialog(QDialog):
             self._show_auto(new.engine)
             if self._base.needs_reload(new):
                 self.status_label.setText(f"Pending changes marked {RELOAD_MARK} will reopen the model.")
-            elif new != self._base:
+            elif new.engine != self._base.engine or new.sampling != self._base.sampling:
                 self.status_label.setText("Pending changes apply to the next message.")
+            elif new != self._base:
+                self.status_label.setText("Pending changes apply at once.")
             else:
                 self.status_label.setText("")
         ok = self._valid is not None

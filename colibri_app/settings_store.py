@@ -13,8 +13,8 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from engine import (ENGINE, SAMPLING, ConfigError, EngineConfig, SamplingParams, library, settings_table, upgrade_keys,
-                    validate)
+from engine import (APP, ENGINE, SAMPLING, AppSettings, ConfigError, EngineConfig, SamplingParams, library,
+                    settings_table, upgrade_keys, validate)
 
 SETTINGS_FORMAT = "colibri-desktop-settings"
 SETTINGS_VERSION = 1
@@ -27,11 +27,13 @@ RELOAD_FIELDS = tuple(s.name for s in settings_table(ENGINE) if s.needs_reload)
 @dataclass(frozen=True)
 class Settings:
     """engine: EngineConfig without a store; sampling: defaults for the next message;
-    current_model: path of the store the app opens (None = the bundled default model)."""
+    current_model: path of the store the app opens (None = the bundled default model);
+    app: the app's own settings (AppSettings: the colour scheme)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=512))
     current_model: str | None = None
+    app: AppSettings = field(default_factory=AppSettings)
 
     def engine_config(self, store: str) -> EngineConfig:
         return replace(self.engine, store=store)
@@ -46,7 +48,8 @@ class Settings:
         e = asdict(self.engine)
         e.pop("store", None)
         return json.dumps({"format": SETTINGS_FORMAT, "version": SETTINGS_VERSION, "engine": e,
-                           "sampling": asdict(self.sampling), "current_model": self.current_model},
+                           "sampling": asdict(self.sampling), "current_model": self.current_model,
+                           "app": asdict(self.app)},
                           indent=1)
 
     @classmethod
@@ -75,7 +78,13 @@ class Settings:
         cm = d.get("current_model")
         if cm is not None and not isinstance(cm, str):
             raise ValueError("'current_model' must be a path or null")
-        return cls(engine=engine, sampling=sampling, current_model=cm)
+        a = d.get("app", {})  # absent in files written before the app settings existed
+        anames = {f.name for f in fields(AppSettings)}
+        if not isinstance(a, dict) or set(a) - anames:
+            raise ValueError("'app' has unknown keys")
+        app = AppSettings(**a)
+        validate(app, APP)
+        return cls(engine=engine, sampling=sampling, current_model=cm, app=app)
 
 
 def settings_path() -> Path:

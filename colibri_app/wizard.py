@@ -87,22 +87,33 @@ class SourcePage(QWizardPage):
         self.status = QLabel()
         self.status.setObjectName("sourceStatus")
         self.status.setWordWrap(True)
+        self.url_note = QLabel()
+        self.url_note.setObjectName("urlNote")
+        self.url_note.setWordWrap(True)
+        self.url_note.setVisible(False)
+        self.next_reason = QLabel()
+        self.next_reason.setObjectName("nextReason")
+        self.next_reason.setAccessibleName("Why Next is disabled")
+        self.next_reason.setWordWrap(True)
 
         g = QGridLayout()
         g.addWidget(self.hub_radio, 0, 0, 1, 3)
         g.addWidget(QLabel("Repository"), 1, 0)
         g.addWidget(self.repo_edit, 1, 1, 1, 2)
-        g.addWidget(QLabel("Revision"), 2, 0)
-        g.addWidget(self.revision_edit, 2, 1, 1, 2)
-        g.addWidget(self.local_radio, 3, 0, 1, 3)
-        g.addWidget(QLabel("Folder"), 4, 0)
-        g.addWidget(self.folder_edit, 4, 1)
-        g.addWidget(self.browse, 4, 2)
+        g.addWidget(self.url_note, 2, 1, 1, 2)
+        g.addWidget(QLabel("Revision"), 3, 0)
+        g.addWidget(self.revision_edit, 3, 1, 1, 2)
+        g.addWidget(self.local_radio, 4, 0, 1, 3)
+        g.addWidget(QLabel("Folder"), 5, 0)
+        g.addWidget(self.folder_edit, 5, 1)
+        g.addWidget(self.browse, 5, 2)
         lay = QVBoxLayout(self)
         lay.addLayout(g)
         lay.addWidget(self.supported)
         lay.addStretch(1)
         lay.addWidget(self.status)
+        lay.addWidget(self.next_reason)
+        self.repo_edit.textChanged.connect(self._repo_edited)
         for w in (self.repo_edit, self.revision_edit, self.folder_edit):
             w.textChanged.connect(self._changed)
         self.hub_radio.toggled.connect(self._changed)
@@ -116,6 +127,48 @@ class SourcePage(QWizardPage):
             return ("hub", self.repo_edit.text().strip(), self.revision_edit.text().strip())
         return ("local", self.folder_edit.text().strip())
 
+    def next_blocker(self) -> str:
+        """Why Next is disabled for the current input ("" when it is not): shown under the form."""
+        if self.task is not None:
+            return ""  # the status line says what is being checked
+        k = self.key()
+        if self.refused == k:
+            return "Change the model to try again (the reason is above)."
+        if k[0] == "hub":
+            try:
+                lib.parse_repo_id(k[1])
+            except ValueError as e:
+                return f"Next is disabled: {str(e)[0].upper()}{str(e)[1:]}."
+            return ""
+        if not k[1]:
+            return "Next is disabled: choose the model's folder (Browse…)."
+        p = Path(k[1]).expanduser()
+        if not p.exists():
+            return f"Next is disabled: the folder {p} does not exist."
+        if not p.is_dir():
+            return f"Next is disabled: {p} is a file, not a folder; choose the folder that holds config.json."
+        return ""
+
+    @Slot()
+    def _repo_edited(self, text: str) -> None:
+        """A pasted hub address becomes its repository id (and its revision, when it names one)."""
+        t = text.strip()
+        self.url_note.setVisible(False)
+        if not ("://" in t or t.lower().startswith(tuple(h + "/" for h in lib.HUB_HOSTS))):
+            return
+        try:
+            repo, rev = lib.parse_repo_id(t)
+        except ValueError:
+            return
+        self.repo_edit.blockSignals(True)
+        self.repo_edit.setText(repo)
+        self.repo_edit.blockSignals(False)
+        if rev and not self.revision_edit.text().strip():
+            self.revision_edit.setText(rev)
+        self.url_note.setText(f"Taken from the address: {repo}" + (f" at revision {rev}" if rev else "") + ".")
+        self.url_note.setVisible(True)
+        self._changed()
+
     @Slot()
     def _changed(self, *_a) -> None:
         hub_mode = self.hub_radio.isChecked()
@@ -126,7 +179,14 @@ class SourcePage(QWizardPage):
         if self.task is None and self.refused != self.key():
             self.status.setText("")
             self.refused = None
+        self._update_reason()
         self.completeChanged.emit()
+
+    def _update_reason(self) -> None:
+        why = self.next_blocker()
+        self.next_reason.setText(why)
+        _error_style(self.next_reason, ORANGE)
+        self.next_reason.setVisible(bool(why))
 
     @Slot()
     def _browse(self) -> None:
@@ -140,10 +200,7 @@ class SourcePage(QWizardPage):
         k = self.key()
         if self.refused == k:  # the reason is shown in the status line; change the input to retry
             return False
-        if k[0] == "hub":
-            parts = k[1].split("/")
-            return len(parts) == 2 and all(parts)
-        return bool(k[1]) and Path(k[1]).expanduser().is_dir()
+        return not self.next_blocker()
 
     def validatePage(self) -> bool:
         # Next starts a fresh check; when it succeeds, _check_done presses Next again.
@@ -175,6 +232,7 @@ class SourcePage(QWizardPage):
         _error_style(self.status, "")
         self.wiz.check = None
         self.task = run_task(fn, result=[self._check_done, *extra_result], error=[self._check_failed, *extra_error])
+        self._update_reason()
         self.completeChanged.emit()
 
     @Slot(object)
@@ -182,6 +240,7 @@ class SourcePage(QWizardPage):
         self.task = None
         self.wiz.check = chk
         self.status.setText("")
+        self._update_reason()
         self.completeChanged.emit()
         if self.wiz.currentId() == PAGE_SOURCE:
             self._advance = True
@@ -191,10 +250,13 @@ class SourcePage(QWizardPage):
     @Slot(object)
     def _check_failed(self, f: EngineFailure) -> None:
         self.task = None
-        if f.kind == ErrorKind.CONFIG:  # unsupported model_type, GGUF-only folder, bad config.json
+        # unsupported model_type, GGUF-only folder, bad config.json; no tokenizer / broken template
+        refused = f.kind in (ErrorKind.CONFIG, ErrorKind.TOKENIZER)
+        if refused:
             self.refused = self.key()
-        self.status.setText(f"Refused: {f.message}" if f.kind == ErrorKind.CONFIG else f.message)
+        self.status.setText(f"Refused: {f.message}" if refused else f.message)
         _error_style(self.status, RED)
+        self._update_reason()
         self.completeChanged.emit()
 
     def nextId(self) -> int:
@@ -271,6 +333,8 @@ class CheckPage(QWizardPage):
             f"{e.quant} store {fb(e.store_bytes)}, RAM ≥ {fb(e.ram_needed)}" for e in c.estimates))
         rows.append(f"<b>RAM</b>: needs ≥ {fb(c.estimate.ram_needed)} at {c.estimate.context_length} tokens of "
                     f"context; this machine has {fb(c.ram_total)} ({fb(c.ram_available)} available)")
+        if c.tokenizer_message:
+            rows.append(f"<b>Tokenizer</b>: {c.tokenizer_message}")
         if c.store_exists:
             rows.append(f"A converted store already exists at {c.store_dir}.")
         self.summary.setText("<br>".join(rows))
@@ -524,6 +588,7 @@ class ConvertPage(QWizardPage):
         target = self.target()
         if (target / "manifest.json").exists() and not self.replace.isChecked():
             self.wiz.store_path = str(target)
+            self.wiz.converted_now = False
             self.status.setText(f"Using the existing store {target}.")
             _error_style(self.status, GREEN)
             self.completeChanged.emit()
@@ -572,6 +637,7 @@ class ConvertPage(QWizardPage):
     def _done(self, store: str) -> None:
         self._idle()
         self.wiz.store_path = store
+        self.wiz.converted_now = True
         self.bar.setValue(1000)
         self.status.setText(f"Converted into {store}.")
         _error_style(self.status, GREEN)
@@ -646,10 +712,27 @@ class DonePage(QWizardPage):
 
     @Slot(object)
     def _failed(self, f: EngineFailure) -> None:
+        """The store does not run: remove it from disk (and so from the library) when this
+        wizard converted it (not for a RAM shortfall: the store may be fine), keep Finish ("Use
+        this model") disabled, and say why and what to do."""
         self.task = None
         self.tested = True
-        self.output.setPlainText(f.detail)
-        self.info.setText(f"The self-test failed: {f.message}")
+        store = self.wiz.store_path
+        removed = ""
+        if f.kind == ErrorKind.BUDGET:   # the store may be fine; this machine lacks the RAM now
+            removed = " The store was kept: free some memory, then open it from File › Models…."
+        elif store and self.wiz.converted_now:
+            try:
+                lib.delete_model(store)
+                removed = " The broken store was removed."
+            except (OSError, ValueError) as e:
+                removed = f" The store could not be removed ({e}); delete it in File › Models…."
+        elif store:   # a store made earlier ("Use existing store"): the user decides
+            removed = " The store existed before this wizard; delete it in File › Models… if it stays broken."
+        self.wiz.store_path = None
+        self.output.setPlainText(f.message)
+        self.info.setText(f"The self-test failed: {f.message}.{removed} “Use this model” is disabled: "
+                          f"Cancel, then add the model again (another quantization or a fresh download).")
         _error_style(self.info, RED)
         self.completeChanged.emit()
 
@@ -659,7 +742,7 @@ class DonePage(QWizardPage):
             QDesktopServices.openUrl(QUrl.fromLocalFile(self.wiz.store_path))
 
     def isComplete(self) -> bool:
-        return self.tested and self.task is None
+        return self.passed and self.task is None
 
     def nextId(self) -> int:
         return -1
@@ -688,6 +771,7 @@ class ModelWizard(QWizard):
         self.check: lib.RepoCheck | None = None
         self.source_dir: str | None = None
         self.store_path: str | None = None
+        self.converted_now = False   # store_path was converted by this wizard (not an existing one)
         self.source_page = SourcePage(self)
         self.check_page = CheckPage(self)
         self.download_page = DownloadPage(self)

@@ -15,8 +15,8 @@ from .events import (ABSENT, LOADING, PINNED, RESIDENT, ChatMessage, EngineFailu
 from .chat_template import reasoning_open, split_reasoning
 from .fsutil import atomic_write_text
 from .generate import Engine
-from .settings import (CHECKSUM_MODES, ENGINE, POLICIES, SAMPLING, EngineConfig, Setting, settings_table,
-                       upgrade_keys, validate)
+from .settings import (APP, CHECKSUM_MODES, ENGINE, POLICIES, SAMPLING, AppSettings, EngineConfig, Setting,
+                       settings_table, upgrade_keys, validate)
 from .units import format_bytes, format_duration
 
 __all__ = [
@@ -26,6 +26,6 @@ __all__ = [
     "LOADING", "PINNED", "RESIDENT", "ChatMessage", "EngineFailure", "Finished", "FinishReason",
     "GenerateRequest", "Loaded",
     "LoadProgress", "ResidencySnapshot", "SamplingParams", "StepMetrics", "TokenEvent", "atomic_write_text",
-    "Engine", "ENGINE", "SAMPLING", "Setting", "settings_table", "upgrade_keys", "validate", "format_bytes",
+    "Engine", "ENGINE", "SAMPLING", "APP", "AppSettings", "Setting", "settings_table", "upgrade_keys", "validate", "format_bytes",
     "format_duration", "split_reasoning", "reasoning_open", "describe_model", "family_name", "supported_families",
 ]

@@ -30,6 +30,8 @@ CHECKSUM_MODES = ("off", "first", "always")
 
 ENGINE = "engine"      # speed and memory only: never changes the generated tokens
 SAMPLING = "sampling"  # how the next token is chosen (applies to the next message)
+APP = "app"            # the desktop app's own look (no engine effect; no `colibri run` flag)
+THEMES = ("system", "light", "dark")
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ class Setting:
         default: the default value (None only with ``auto``).
         help: what it does (CLI help and dialog tooltip).
         label: the dialog's label.
-        group: ENGINE or SAMPLING (the dataclass it belongs to).
+        group: ENGINE, SAMPLING or APP (the dataclass it belongs to).
         lo, hi: inclusive range of numbers (``lo_open``: lo itself excluded).
         choices: allowed values (str or int settings); ``choice_labels``: how the dialog
             shows them.
@@ -217,9 +219,16 @@ SAMPLING_SETTINGS: tuple[Setting, ...] = (
 )
 
 
+APP_SETTINGS: tuple[Setting, ...] = (
+    _S("theme", str, "system", "colour scheme of the window: follow the desktop's light or dark setting, or "
+       "always light or dark", "Colour scheme", group=APP, choices=THEMES, choice_labels=("System", "Light", "Dark"),
+       needs_reload=False),
+)
+
+
 def settings_table(group: str | None = None) -> tuple[Setting, ...]:
     """The table (one group, or all of it), in display order."""
-    every = ENGINE_SETTINGS + SAMPLING_SETTINGS
+    every = ENGINE_SETTINGS + SAMPLING_SETTINGS + APP_SETTINGS
     return every if group is None else tuple(s for s in every if s.group == group)
 
 
@@ -326,5 +335,16 @@ def make_sampling_params():
     return cls
 
 
+def make_app_settings():
+    """Build the AppSettings dataclass (the desktop app's own settings) from APP_SETTINGS."""
+    cls = make_dataclass("AppSettings", [(s.name, _annotation(s), field(default=s.default))
+                                         for s in settings_table(APP)], frozen=True)
+    cls.__module__ = "engine.settings"
+    cls.__doc__ = "The desktop app's own settings (look only). Attributes:\n" + "\n".join(
+        f"    {s.name}: {s.help} ({s.range_text()}; default {s.default!r})." for s in settings_table(APP))
+    return cls
+
+
 EngineConfig = make_engine_config()
 SamplingParams = make_sampling_params()
+AppSettings = make_app_settings()

@@ -304,3 +304,20 @@ def test_cli_download_and_models(fake, capsys):
     listing = capsys.readouterr().out
     assert "tiny-olmoe" in listing and "OLMoE" in listing and "family" in listing
     assert main(["download", "meta/none"]) == 2
+
+
+def test_cli_download_pasted_address_and_failed_self_test(fake, capsys, monkeypatch):
+    """Issue 17.7 siblings in the CLI: a pasted hub address is the repo id; a store whose
+    self-test fails is removed (not left in the library)."""
+    from engine.cli import main
+    from engine.cli import models as cli_models
+
+    def broken(store, max_new_tokens=8):
+        raise hub.HubError(f"{store}: self-test generation failed (bad weights)")
+    monkeypatch.setattr(cli_models, "self_test", broken)
+    assert main(["download", f"https://huggingface.co/{REPO}/tree/main", "--quant", "int8", "--yes",
+                 "--keep-download"]) == 1
+    err = capsys.readouterr().err
+    assert "self-test" in err and "removed" in err and "Traceback" not in err
+    assert hub.list_models() == [] and not (paths.models_dir() / "tiny-olmoe-int8").exists()
+    assert (hub.download_dir_for(REPO) / WEIGHTS).exists()       # the download is kept for a retry

@@ -91,7 +91,7 @@ def test_flag_names_are_the_file_keys():
     p = build_parser()
     run = p._subparsers._group_actions[0].choices["run"]
     dests = {a.dest: a.option_strings for a in run._actions}
-    for s in settings_table():
+    for s in settings_table(ENGINE) + settings_table(SAMPLING):  # APP settings are the app's alone
         assert s.flag == "--" + s.name.replace("_", "-")
         assert s.flag in dests[s.name], s.name
     names = [s.name for s in settings_table(ENGINE)]

@@ -6,7 +6,8 @@ by tools/train_default_model.py), a synthetic random OLMoE is used instead and t
 so. History, settings and the converted model live in a temporary folder, so the user's own
 data is never touched.
 
-    QT_QPA_PLATFORM=offscreen python tools/screenshot.py [--out docs/screenshot.png]
+    QT_QPA_PLATFORM=offscreen python tools/screenshot.py [--out docs/screenshot.png] [--theme dark]
+        [--size 780x900] [--prompt "How do I read a CSV file?"]
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-gb", type=float, default=0.6,
                     help="RAM budget (GB) so the RAM panel shows a binding budget; 0 = automatic")
     ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--theme", default="light", choices=("system", "light", "dark"),
+                    help="colour scheme (Settings › Appearance)")
+    ap.add_argument("--prompt", help="the second question (the one captured mid-answer)")
     a = ap.parse_args(argv)
     tmp = isolated_user_dirs("colibri-shot-")
 
@@ -50,7 +54,9 @@ def main(argv=None) -> int:
                else "Write a function that returns the number of items in a container."]
 
     app = QApplication.instance() or QApplication([sys.argv[0]])
-    apply_theme(app)
+    apply_theme(app, a.theme)
+    if a.prompt:
+        prompts[1] = a.prompt
     settings = Settings(engine=EngineConfig(cap=a.cap, ram_budget_gb=a.budget_gb or None),
                         sampling=SamplingParams(max_new_tokens=160),
                         current_model=store)
@@ -58,8 +64,12 @@ def main(argv=None) -> int:
     w, h = (int(v) for v in a.size.split("x"))
     win.resize(w, h)
     win.show()
-    win.splitter.setSizes([230, w - 230])
-    win.resizeDocks([win.dock], [470], Qt.Horizontal)
+    app.processEvents()
+    win.resize(w, h)   # a narrow size applies once the panels have moved under the chat
+    app.processEvents()
+    if w >= 900:
+        win.splitter.setSizes([230, w - 230])
+        win.resizeDocks([win.dock], [470], Qt.Horizontal)
     deadline = time.monotonic() + a.timeout
 
     def pump(cond, what: str) -> None:

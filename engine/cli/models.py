@@ -7,9 +7,10 @@ import sys
 import threading
 import time
 
+from ..errors import EngineError
 from ..events import LoadProgress
-from ..library import (WIZARD_QUANTS, check_repo, convert_downloaded, download, format_bytes, list_models,
-                       models_dir, self_test)
+from ..library import (WIZARD_QUANTS, check_repo, convert_downloaded, delete_model, download, format_bytes,
+                       list_models, models_dir, self_test)
 
 
 def cli_progress(label: str):
@@ -54,7 +55,8 @@ def cmd_download(a) -> int:
         return 2
     cancel = threading.Event()
     try:
-        src = download(a.repo, a.revision, None, cli_progress("downloading"), cancel, check=chk)
+        # the checked repo id and commit: a pasted hub address names the same repository
+        src = download(chk.repo_id, chk.commit or a.revision, None, cli_progress("downloading"), cancel, check=chk)
     except KeyboardInterrupt:
         cancel.set()
         print("\ninterrupted; the bytes fetched so far are kept - run the same command again to resume",
@@ -69,7 +71,13 @@ def cmd_download(a) -> int:
         print(f"\ninterrupted; no store was written (the download is kept in {src})", file=sys.stderr)
         return 130
     print(f"\nconverted in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    text = self_test(store)
+    try:
+        text = self_test(store)
+    except EngineError as e:  # the store does not run: it is not kept in the library
+        delete_model(store)
+        print(f"colibri: the self-test of {store} failed ({e}); the store was removed (the download is "
+              f"kept in {src})", file=sys.stderr)
+        return 1
     print(f"self-test (8 greedy tokens): {text!r}", file=sys.stderr)
     if not a.keep_download:
         shutil.rmtree(src, ignore_errors=True)

@@ -6,7 +6,7 @@ Floor: above the inference core (``engine``), below the benchmarks and the CLI. 
 these names only (docs/engine-api.md); the modules are split by concern:
 
     paths          user folders (platformdirs), store names, free disk space
-    check          what a download / conversion will take: files, disk, RAM verdict
+    check          what a download / conversion will take: files, disk, RAM verdict, tokenizer
     download       resumable verified downloads from the hub
     models         convert a download, self-test, list / delete converted stores
     default_model  the small bundled model, converted on first use
@@ -19,8 +19,8 @@ from ..errors import Cancelled
 from ..fsutil import atomic_write_text
 from ..sizing import BudgetPlan, Estimate, estimate, machine_ram, plan_for_store, ram_verdict
 from ..units import format_bytes, format_duration
-from .check import (DISK_MARGIN_BYTES, NEEDED_PATTERNS, PARTIAL_DIR, WIZARD_QUANTS, RepoCheck, RepoFile,
-                    check_local, check_repo)
+from .check import (DISK_MARGIN_BYTES, HUB_HOSTS, NEEDED_PATTERNS, PARTIAL_DIR, WIZARD_QUANTS, RepoCheck,
+                    RepoFile, TokenizerCheck, check_local, check_repo, check_tokenizer, parse_repo_id)
 from .default_model import DEFAULT_MODEL, default_model_dir, default_store
 from .download import check_weight_file, delete_download, download
 from .errors import DiskSpaceError, DownloadCancelled, HubError, VerificationError
@@ -31,7 +31,8 @@ from .paths import (download_dir_for, downloads_dir, free_space, models_dir, res
 __all__ = [
     "Cancelled", "atomic_write_text", "BudgetPlan", "Estimate", "estimate", "machine_ram", "plan_for_store",
     "ram_verdict", "format_bytes", "format_duration", "DISK_MARGIN_BYTES", "NEEDED_PATTERNS", "PARTIAL_DIR",
-    "WIZARD_QUANTS", "RepoCheck", "RepoFile", "check_local", "check_repo", "DEFAULT_MODEL",
+    "WIZARD_QUANTS", "HUB_HOSTS", "RepoCheck", "RepoFile", "TokenizerCheck", "check_local", "check_repo", "check_tokenizer",
+    "parse_repo_id", "DEFAULT_MODEL",
     "default_model_dir", "default_store", "check_weight_file", "delete_download", "download",
     "DiskSpaceError", "DownloadCancelled", "HubError", "VerificationError", "ModelEntry",
     "convert_downloaded", "delete_model", "list_models", "self_test", "download_dir_for", "downloads_dir",

@@ -12,13 +12,16 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
+import shutil
 import tempfile
+from urllib.parse import unquote, urlsplit
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..checkpoint import Checkpoint
 from ..config import SUPPORTED_MODEL_TYPES, ModelArgs, describe_model, supported_families
-from ..errors import ConfigError
+from ..errors import ConfigError, TokenizerError
 from ..quant import QUANTS
 from ..sizing import MAX_DEFAULT_CONTEXT, Estimate, estimate, machine_ram, ram_verdict
 from ..units import format_bytes
@@ -34,6 +37,102 @@ WIZARD_QUANTS = ("int8", "int4", "f16")  # f32 is for tests only
 DEFAULT_CONTEXT = MAX_DEFAULT_CONTEXT  # the context the RAM verdict assumes by default
 DISK_MARGIN_BYTES = 64_000_000  # slack kept free on a target disk (manifest, fs overhead)
 PARTIAL_DIR = ".colibri-download"
+
+
+HUB_HOSTS = ("huggingface.co", "www.huggingface.co", "hf.co")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+def parse_repo_id(text: str) -> tuple[str, str | None]:
+    """A repository id typed or pasted by the user -> (``owner/name``, revision or None).
+
+    Accepts ``owner/name``, and a hub page address as copied from the browser:
+    ``https://huggingface.co/owner/name``, ``.../tree/<revision>[/folder]``,
+    ``.../blob/<revision>/<file>``, ``.../resolve/<revision>/<file>``, with or without the scheme,
+    ``hf.co`` (or the host of ``HF_ENDPOINT``) too, a query or a fragment. The revision is the one in the address (None when the
+    address names none).
+
+    Raises:
+        ValueError: the text is neither (message says what a repository id looks like); a
+            dataset or Space address is refused with its own sentence.
+    """
+    t = (text or "").strip()
+    example = "use owner/name, for example allenai/OLMoE-1B-7B-0924, or paste the model's hub address"
+    if not t:
+        raise ValueError(f"enter a repository: {example}")
+    low = t.lower()
+    hosts = HUB_HOSTS + ((urlsplit(_endpoint()).hostname or "",) if _endpoint() else ())
+    if "://" in t or any(low.startswith(h + "/") for h in hosts):
+        u = urlsplit(t if "://" in t else "https://" + t)
+        if (u.hostname or "").lower() not in hosts:
+            raise ValueError(f"{t!r} is not a Hugging Face hub address (host {u.hostname!r}); {example}")
+        parts = [unquote(p) for p in u.path.split("/") if p]
+        if parts and parts[0] in ("datasets", "spaces"):
+            raise ValueError(f"{t!r} is a {parts[0][:-1]}, not a model; {example}")
+        if len(parts) < 2:
+            raise ValueError(f"{t!r} names no repository (owner/name after the host); {example}")
+        repo, rest = f"{parts[0]}/{parts[1]}", parts[2:]
+        revision = rest[1] if len(rest) >= 2 and rest[0] in ("tree", "blob", "resolve", "commit") else None
+    else:
+        repo, revision = t, None
+    bits = repo.split("/")
+    if len(bits) != 2 or not all(_NAME_RE.match(b) for b in bits):
+        raise ValueError(f"{t!r} is not a hub repository id; {example}")
+    return repo, revision
+
+
+@dataclass(frozen=True)
+class TokenizerCheck:
+    """The tokenizer and chat template of a model folder, checked before converting.
+
+    has_chat_template: the folder ships a chat template that compiles and renders a one-message
+    conversation (False: the model can only continue raw text). message: one sentence for the
+    user (what was found, what it means)."""
+
+    has_chat_template: bool
+    message: str
+
+
+def check_tokenizer(folder: str | os.PathLike) -> TokenizerCheck:
+    """Load the folder's tokenizer (tokenizer.json via engine.Tokenizer) and render a
+    one-message conversation with its chat template, as the app will.
+
+    Raises:
+        TokenizerError: tokenizer.json missing, a Git LFS pointer or unreadable; a chat
+            template that does not compile or fails to render (message names the file and
+            what to do). A folder without any chat template is not an error (raw mode).
+    """
+    from ..tokenizer import Tokenizer
+    folder = Path(folder).expanduser()
+    tok = Tokenizer.from_dir(folder)
+    if not tok.has_chat_template:
+        return TokenizerCheck(False, "Tokenizer OK. No chat template: the model can only continue plain "
+                                     "text (raw mode), not hold a conversation.")
+    try:
+        tok.encode_chat([{"role": "user", "content": "Hello"}])
+    except TokenizerError as e:
+        raise TokenizerError(f"{folder}: the chat template cannot render a conversation ({e}); fix or "
+                             f"remove the chat template (tokenizer_config.json / chat_template.jinja)") from None
+    return TokenizerCheck(True, "Tokenizer and chat template OK.")
+
+
+def _hub_tokenizer_check(repo_id: str, names: set[str], fetch) -> TokenizerCheck:
+    """check_tokenizer for a hub repository before its weights are downloaded: tokenizer.json
+    must be listed; the small tokenizer files are fetched (``fetch(name) -> local path``) into
+    a temporary folder and checked as a local folder would be."""
+    if "tokenizer.json" not in names:
+        raise TokenizerError(
+            f"{repo_id}: the repository has no tokenizer.json (the Hugging Face fast tokenizer file); "
+            f"colibri cannot read this model's text without it. Choose a repository that includes "
+            f"tokenizer.json. Nothing was downloaded.")
+    small = [n for n in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                         "chat_template.jinja", "chat_template.json", "generation_config.json") if n in names]
+    with tempfile.TemporaryDirectory(prefix="colibri-tok-") as tmp:
+        for n in small:
+            path = Path(fetch(n, tmp))
+            if path.parent != Path(tmp):
+                os.replace(path, Path(tmp) / n)
+        return check_tokenizer(tmp)
 
 
 @dataclass(frozen=True)
@@ -84,6 +183,8 @@ class RepoCheck:
     ram_verdict: str
     ram_message: str
     estimates: tuple[Estimate, ...] = field(default=())
+    has_chat_template: bool = True
+    tokenizer_message: str = ""
 
     @property
     def ok(self) -> bool:
@@ -112,6 +213,8 @@ class RepoCheck:
         for e in self.estimates:
             lines.append(f"  {e.quant:<5} store {format_bytes(e.store_bytes):>10}, RAM needed "
                          f"{format_bytes(e.ram_needed):>10}")
+        if self.tokenizer_message:
+            lines.append(f"tokenizer  {self.tokenizer_message}")
         lines.append(f"disk       {'OK' if self.disk_ok else 'NOT ENOUGH'}: {self.disk_message}")
         lines.append(f"RAM        {self.ram_verdict.upper()}: {self.ram_message}")
         return "\n".join(lines)
@@ -204,7 +307,7 @@ def _decide_disk(download_dir: Path, missing: int, store_dir: Path, store_bytes:
 
 
 def _finish_check(*, source, repo_id, revision, commit, model_name, args, files, ignored, dl_dir,
-                  quant, context_length, copied_bytes) -> RepoCheck:
+                  quant, context_length, copied_bytes, tokenizer: TokenizerCheck) -> RepoCheck:
     ests = tuple(estimate(args, q, context_length, copied_bytes) for q in WIZARD_QUANTS)
     est = estimate(args, quant, context_length, copied_bytes)
     store_dir = models_dir() / store_name(model_name, quant)
@@ -219,7 +322,8 @@ def _finish_check(*, source, repo_id, revision, commit, model_name, args, files,
         download_missing=missing, download_free=dl_free, quant=quant, store_dir=str(store_dir),
         store_exists=(store_dir / "manifest.json").exists(), store_bytes=est.store_bytes, store_free=st_free,
         same_disk=same, disk_ok=disk_ok, disk_message=disk_msg, estimate=est, ram_total=ram_total,
-        ram_available=ram_avail, ram_verdict=verdict, ram_message=ram_msg, estimates=ests)
+        ram_available=ram_avail, ram_verdict=verdict, ram_message=ram_msg, estimates=ests,
+        has_chat_template=tokenizer.has_chat_template, tokenizer_message=tokenizer.message)
 
 
 def _repo_files(repo_id: str, revision: str | None) -> tuple[str, list, list[str]]:
@@ -258,15 +362,15 @@ def check_repo(repo_id: str, revision: str | None = None, quant: str = "int8",
         ConfigError: unsupported model_type (message names the supported architectures) or an
             invalid config.json - raised before any weights are requested.
         HubError: repo / revision not found, gated, no safetensors weights, network down.
-        ValueError: unknown quant or malformed repo id.
+        TokenizerError: no tokenizer.json in the repository, or a chat template that cannot
+            render (the small tokenizer files are fetched to check it; no weights are).
+        ValueError: unknown quant or malformed repo id (``repo_id`` may also be a hub address,
+            see parse_repo_id; its revision is used when ``revision`` is not given).
     """
     if quant not in QUANTS:
         raise ValueError(f"quantization {quant!r}: choose one of {', '.join(QUANTS)}")
-    repo_id = (repo_id or "").strip()
-    if repo_id.count("/") != 1 or not all(repo_id.split("/")):
-        raise ValueError(f"{repo_id!r} is not a hub repository id; use 'owner/name' "
-                         f"(for example allenai/OLMoE-1B-7B-0924)")
-    revision = (revision or "").strip() or None
+    repo_id, url_revision = parse_repo_id(repo_id)
+    revision = (revision or "").strip() or url_revision
     commit, files, ignored = _repo_files(repo_id, revision)
     names = {f.name for f in files}
     if "config.json" not in names:
@@ -298,10 +402,19 @@ def check_repo(repo_id: str, revision: str | None = None, quant: str = "int8",
                        f"checkpoints are supported (pickle .bin files are never loaded)")
     dl_dir = download_dir_for(repo_id, dest_root)
     files = [RepoFile(f.name, f.size, f.sha256, f.blob_id, _local_present(dl_dir, f)) for f in files]
+    complete = {f.name for f in files if f.present_bytes >= f.size}
+
+    def fetch(name: str, tmp: str) -> str:  # a file already downloaded is read from the download
+        if name in complete:
+            return shutil.copyfile(dl_dir / name, Path(tmp) / name)
+        return _hub_call(lambda: hf_hub_download(repo_id, name, revision=commit, local_dir=tmp,
+                                                 endpoint=_endpoint()), repo_id, revision, name)
+    tok = _hub_tokenizer_check(repo_id, names, fetch)
     copied = sum(f.size for f in files if not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json")
     return _finish_check(source="hub", repo_id=repo_id, revision=revision or "main", commit=commit,
                          model_name=repo_id.split("/")[1], args=args, files=files, ignored=ignored,
-                         dl_dir=dl_dir, quant=quant, context_length=context_length, copied_bytes=copied)
+                         dl_dir=dl_dir, quant=quant, context_length=context_length, copied_bytes=copied,
+                         tokenizer=tok)
 
 
 def check_local(folder: str | os.PathLike, quant: str = "int8",
@@ -311,11 +424,14 @@ def check_local(folder: str | os.PathLike, quant: str = "int8",
     Raises:
         ConfigError: unsupported model_type / invalid config.json.
         CheckpointError: missing or truncated weight files, Git LFS pointers, wrong shapes.
+        TokenizerError: no usable tokenizer.json, or a chat template that cannot render
+            (check_tokenizer).
     """
     folder = Path(folder).expanduser()
     args = ModelArgs.from_hf_config(folder)  # refuses unsupported model types with the list
     with Checkpoint(folder):  # pointers, truncated headers, missing tensors, shapes
         pass
+    tok = check_tokenizer(folder)
     files, ignored = [], []
     for p in sorted(folder.iterdir()):
         if p.is_file() and _is_needed(p.name):
@@ -325,4 +441,4 @@ def check_local(folder: str | os.PathLike, quant: str = "int8",
     copied = sum(f.size for f in files if not f.name.endswith(".safetensors"))
     return _finish_check(source="local", repo_id=str(folder), revision="", commit="", model_name=folder.name,
                          args=args, files=files, ignored=ignored, dl_dir=folder, quant=quant,
-                         context_length=context_length, copied_bytes=copied)
+                         context_length=context_length, copied_bytes=copied, tokenizer=tok)

@@ -15,7 +15,7 @@ from ..config import ModelArgs, family_name
 from ..events import LoadProgress
 from ..sizing import estimate
 from ..units import format_bytes
-from .check import DISK_MARGIN_BYTES, PARTIAL_DIR
+from .check import DISK_MARGIN_BYTES, PARTIAL_DIR, check_tokenizer
 from .errors import DiskSpaceError, HubError
 from .paths import free_space, models_dir, store_name
 
@@ -46,6 +46,8 @@ def convert_downloaded(src: str | os.PathLike, quant: str = "int8",
         DiskSpaceError: the store does not fit (numbers given), before writing.
         FileExistsError: the store exists and overwrite is False.
         ConfigError / CheckpointError: invalid source; Cancelled: ``cancel`` set.
+        TokenizerError: no usable tokenizer.json or a broken chat template (check_tokenizer),
+            before anything is written.
     """
     from ..convert import convert_checkpoint
     src = Path(src)
@@ -56,6 +58,7 @@ def convert_downloaded(src: str | os.PathLike, quant: str = "int8",
         raise FileExistsError(f"{dst}: a store already exists; delete it in the model library or choose "
                               f"to replace it")
     args = ModelArgs.from_hf_config(src)
+    check_tokenizer(src)  # a model without a usable tokenizer is refused before any conversion
     copied = sum(p.stat().st_size for p in src.iterdir() if p.is_file() and not p.name.endswith(".safetensors"))
     need = estimate(args, quant, 0, copied).store_bytes
     free = free_space(dst.parent)

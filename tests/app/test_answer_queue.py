@@ -45,8 +45,8 @@ def test_send_in_another_chat_while_answering_waits_visibly(qtbot, make_window):
     assert "Waiting for the answer in “Tell me a long story”" in win.queued_note.text.text()
     assert "Waiting for the answer in “Tell me a long story”" in win.chat.input.placeholderText()
     assert win.chat.send_btn.text() == "Send" and not win.chat.send_btn.isEnabled()
-    assert _marks(win) == {a: "answering…", b: "waiting"}
-    assert any("answering" in win.sidebar.list.item(i).text() for i in range(win.sidebar.list.count()))
+    assert _marks(win) == {a: "generating…", b: "waiting"}
+    assert any("generating" in win.sidebar.list.item(i).text() for i in range(win.sidebar.list.count()))
     if SHOTS:
         from PySide6.QtWidgets import QApplication
         from colibri_app.resources import apply_theme
@@ -66,7 +66,7 @@ def test_send_in_another_chat_while_answering_waits_visibly(qtbot, make_window):
     win.chat.send_btn.click()
     qtbot.waitUntil(lambda: win.answer is not None and win.answer.conv_id == b, timeout=30000)
     assert win.chat.send_btn.text() == "Send" and win.chat.send_btn.isEnabled()   # A is idle now: B answers
-    assert _marks(win) == {a: "", b: "answering…"}
+    assert _marks(win) == {a: "", b: "generating…"}
     win.select_conversation(b)
     assert win.chat.send_btn.text() == "Stop"
     qtbot.waitUntil(lambda: win.answer is None, timeout=120000)
