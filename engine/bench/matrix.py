@@ -136,7 +136,11 @@ def summary_row(r: dict) -> dict:
             "ceiling_share": r.get("of_ceiling"), "load_avg": r.get("load_avg"),
             "distinct_experts": r.get("distinct_experts"),
             "distinct_per_layer_min_median_max": [int(min(per)), float(np.median(per)), int(max(per))] if per else None,
-            "sha256_ids": r.get("sha256_ids"), "error": None if ok else r.get("error")}
+            "sha256_ids": r.get("sha256_ids"), "sha256_routing": r.get("sha256_routing"),
+            "guard_fired": r.get("guard_fired"), "gen_cpu_s": r.get("gen_cpu_s"),
+            # cores the arm actually got while generating (CPU s / wall s): low = a loaded machine
+            "cpu_per_wall": (r["gen_cpu_s"] / r["gen_wall_s"]) if ok and r.get("gen_wall_s") else None,
+            "error": None if ok else r.get("error")}
 
 
 def matrix_markdown(runs: list[dict], rows: list[dict], note: str | None = None) -> str:
@@ -160,7 +164,8 @@ def matrix_markdown(runs: list[dict], rows: list[dict], note: str | None = None)
         ("peak RSS GB", "peak_rss_gb", ".2f"), ("ceiling tok/s", "ceiling_tok_s", ".2f"),
         ("tok/s", "decode_tok_s", ".2f"), ("of ceiling", "ceiling_share", ".0%"), ("load", "load_avg", ".1f"),
         ("distinct experts", "distinct_experts", "d"), ("per layer min/med/max", "distinct_per_layer_min_median_max", ""),
-        ("sha256(ids)", "sha256_ids", "")])
+        ("guard fired", "guard_fired", "d"), ("CPU s", "gen_cpu_s", ".0f"), ("CPU/wall", "cpu_per_wall", ".2f"),
+        ("sha256(ids)", "sha256_ids", ""), ("sha256(routing)", "sha256_routing", "")])
     errs = [x for x in summ if x["error"] is not None]
     if errs:
         table += "\n\nFailed cells: " + "; ".join(f"{x['quant']} budget {x['budget_gb']} pilot {x['pilot']}: "
@@ -168,6 +173,10 @@ def matrix_markdown(runs: list[dict], rows: list[dict], note: str | None = None)
     for q in sorted({x["quant"] for x in summ if x["quant"]}):
         shas = {x["sha256_ids"] for x in summ if x["quant"] == q and x["sha256_ids"]}
         table += f"\n\n{q}: distinct generated-id hashes across its cells: {len(shas)} (1 = byte-identical)."
+        routes = {x["sha256_routing"] for x in summ if x["quant"] == q and x.get("sha256_routing")}
+        if routes:
+            table += (f" Distinct routing digests (every call's top-k ids, in order): {len(routes)} "
+                      f"(1 = the cells routed identically).")
     if note:
         table += "\n\n" + note
     return "\n".join(head) + "\n\n" + table
