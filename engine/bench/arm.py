@@ -39,6 +39,24 @@ class TouchedExperts(Observer):
         return self._h.hexdigest()[:16]
 
 
+def code_version() -> dict:
+    """Which engine this process imported: its folder and, when it is a git work tree, the
+    commit and whether files were modified (a results row then says what code produced it)."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    out = {"engine": str(root / "engine"), "commit": None, "dirty": None}
+    try:
+        c = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                           text=True, timeout=10)
+        d = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "engine"],
+                           capture_output=True, text=True, timeout=10)
+        if c.returncode == 0:
+            out.update(commit=c.stdout.strip(), dirty=bool(d.stdout.strip()))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
 def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
             forced: bool = True, prompt_text: str | None = None, stream_file: str | None = None) -> dict:
     """Open a fresh engine with the overrides, decode, return the measured row.
@@ -116,7 +134,7 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
                "distinct_per_layer": touched.mask.sum(axis=1).astype(int).tolist(),
                # high-water mark of this (fresh) process, opening included; Linux ru_maxrss is KiB
                "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
-               "quant": eng.store.quant,
+               "quant": eng.store.quant, "code": code_version(),
                # CPU seconds (user + system, every thread of this process) spent generating:
                # on a loaded machine this, not wall clock, says what the engine cost
                "gen_cpu_s": (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime),

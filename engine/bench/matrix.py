@@ -155,7 +155,8 @@ def matrix_markdown(runs: list[dict], rows: list[dict], note: str | None = None)
                     + "".join(f", {d[k]:.2f} GB/s {k[:-5].upper()}" for k in qd)
                     + f" ({d['slab_mb']:.2f} MB slabs); compute per token "
                     + (f"{cs:.3f} s" if cs is not None else "n/a") + f" ({u['compute_source']}); forced stream "
-                    f"of {u['prompt_len']} + {u['tokens']} tokens, seed {u['seed']}")
+                    f"of {u['prompt_len']} prompt + {u['tokens']} generated tokens ({u['tokens'] - 1} decode "
+                    f"steps), seed {u['seed']}")
     summ = [summary_row(r) for r in rows]
     table = md_table([x for x in summ if x["error"] is None], [
         ("quant", "quant", ""), ("budget GB", "budget_gb", ""), ("pilot", "pilot", "d"), ("workers", "workers", "d"),
