@@ -120,8 +120,12 @@ def test_quantized_kl_against_transformers(tmp_path, name, quant, kl_bound, top1
 # from N(0, 0.25) (router logits of std ~2 on normed inputs), every other matrix N(0, 0.08) as in
 # every config here. Measured: mean KL 6.5e-4, top-1 0.93. "mixtral-wide" (flat routers) stays
 # checked against the error of its own rounded weights: ours may exceed what transformers shows
-# with the rounded weights by at most the int8 bound (measured int8 1.57e-3 vs 0.91e-3), so a real
-# fault there (a wrong scale, routing or accumulation: KL far above the rounding's) still fails.
+# with the rounded weights by at most the int8 bound (measured int8 1.57e-3 vs 0.91e-3, int4
+# 5.71e-3 vs 5.43e-3), so a real fault there (a wrong scale, routing or accumulation: KL far above
+# the rounding's) still fails. int4 at width 64 exceeds the OLMoE bound (5e-3) in transformers
+# itself (rounded weights 5.4e-3 here; 6.3e-3 with the trained-like router on the "mixtral-gqa"
+# seed, ours 6.4e-3), so the int4 bound stays checked at width 32 (test above) and width 64 is
+# checked against its rounded weights only.
 
 def test_mixtral_width_64_int8_kl(tmp_path, record_property):
     m, d = hf_model(tmp_path, "mixtral-wide-router")
