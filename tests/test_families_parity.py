@@ -91,7 +91,8 @@ def test_f32_logits_match_transformers(tmp_path, name):
 # int8 per-row: the bound. int4 group-32: the bounds of test_parity.py's OLMoE test
 # (mean KL <= 5e-3 nats, top-1 >= 0.85 on these near-flat random logits).
 @pytest.mark.parametrize("quant,kl_bound,top1_bound", [("int8", 1e-3, 0.9), ("int4", 5e-3, 0.85)])
-@pytest.mark.parametrize("name", ["qwen3-dense-layer-gqa", "mixtral-gqa", "qwen2-dense-layer-gqa"])
+@pytest.mark.parametrize("name", ["qwen3-dense-layer-gqa", "qwen3-sparse-step-window", "mixtral-gqa",
+                                  "mixtral-window-headdim", "qwen2-dense-layer-gqa", "qwen2-shared-wide"])
 def test_quantized_kl_against_transformers(tmp_path, name, quant, kl_bound, top1_bound, record_property):
     m, d = hf_model(tmp_path, name)
     store = convert_checkpoint(d, tmp_path / f"store-{quant}", quant=quant)
