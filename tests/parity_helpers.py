@@ -45,12 +45,13 @@ def kl(ref_logits, got_logits):
     return (p.exp() * (p - q)).sum(-1).numpy()
 
 
-def saved_model(tmp_path, name, config_cls: str, model_cls: str, **config):
+def saved_model(tmp_path, name, config_cls: str, model_cls: str, router_std: float | None = None, **config):
     """A transformers model (``model_cls`` over ``config_cls(**config)``, seeded by ``name``)
     with widened weights, saved with save_pretrained to tmp_path / name: (model, folder).
 
     HF's init is tiny (std 0.02); matrices are redrawn from N(0, 0.08) and biases from
-    N(0, 0.05) so logits are not all ~0 (norm weights stay 1)."""
+    N(0, 0.05) so logits are not all ~0 (norm weights stay 1). ``router_std``: the routers
+    (``*.gate.weight``, [E, D]) are then redrawn from N(0, router_std)."""
     import transformers
     torch.manual_seed(sum(map(ord, name)))
     cfg = getattr(transformers, config_cls)(**config)
@@ -62,6 +63,10 @@ def saved_model(tmp_path, name, config_cls: str, model_cls: str, **config):
                 p.normal_(0, 0.08)
             elif not torch.all(p == 1):  # biases
                 p.normal_(0, 0.05)
+        if router_std is not None:
+            for n, p in m.named_parameters():
+                if n.endswith(".gate.weight"):
+                    p.normal_(0, router_std)
     d = tmp_path / name
     m.save_pretrained(d)
     return m, d
@@ -98,3 +103,28 @@ def teacher_forced_agreement(m, store, vocab: int, n: int = 256) -> tuple[float,
     finally:
         cache.close()
         st.close()
+
+
+def fake_quantized_copy(m, quant: str, group_size: int = 32):
+    """A copy of transformers model ``m`` whose weights are rounded as our stores round them,
+    by an independent torch implementation (not engine.quant): int8 = per row (last axis)
+    absmax / 127; int4 (routed experts only; everything else int8, as convert.py's default
+    dense quant) = per group of ``group_size`` absmax / 7, codes -8..7. Routers and norms stay
+    exact, as in our stores. Run through transformers' own forward (float activations), it
+    gives the error of the rounded weights alone."""
+    import copy
+    mq = copy.deepcopy(m)
+    with torch.no_grad():
+        for n, p in mq.named_parameters():
+            if p.dim() < 2 or n.endswith(".gate.weight") or n.endswith("shared_expert_gate.weight"):
+                continue
+            w = p.double()
+            if quant == "int4" and ".experts." in n:  # per-expert or fused 3-D expert tensors
+                sh = w.shape
+                g = w.reshape(*sh[:-1], sh[-1] // group_size, group_size)
+                s = g.abs().amax(-1, keepdim=True) / 7
+                p.copy_((torch.round(g / s).clamp(-8, 7) * s).reshape(sh).float())
+            else:
+                s = w.abs().amax(-1, keepdim=True) / 127
+                p.copy_((torch.round(w / s).clamp(-127, 127) * s).float())
+    return mq

@@ -66,6 +66,10 @@ def test_arm_disk_and_summary_use_moe_rows(stores):
         assert len(r["distinct_per_layer"]) == 3 and r["quant"] == "int4"
         assert r["distinct_experts"] == sum(r["distinct_per_layer"]) and r["max_rss_gb"] > 0
     assert resident["sha256_ids"] == small["sha256_ids"]
+    # what depends on the values: every call's top-k ids, identical across caps
+    assert resident["sha256_routing"] == small["sha256_routing"] and resident["route_calls"] == small["route_calls"] > 0
+    assert small["guard_fired"] == 0 and small["gen_cpu_s"] > 0 and small["gen_wall_s"] > 0
+    assert small["code"]["engine"].endswith("engine")
     assert resident["decode_hit_rate"] == 1.0 and small["decode_hit_rate"] < 1.0
     rows = []
     for r, b in ((resident, "all"), (small, 0.1)):
@@ -80,5 +84,7 @@ def test_arm_disk_and_summary_use_moe_rows(stores):
     md = matrix_markdown([run], rows + [{"quant": "int4", "budget_gb": 0.01, "pilot": 0, "hit_rate": None,
                                          "error": "budget too small"}], note="a note")
     assert "int4: distinct generated-id hashes across its cells: 1" in md
+    assert "Distinct routing digests (every call's top-k ids, in order): 1 " in md
+    assert s["sha256_routing"] == small["sha256_routing"] and s["cpu_per_wall"] > 0
     assert "Failed cells: int4 budget 0.01 pilot 0: budget too small" in md and md.endswith("a note")
     assert md.count("\n| int4 |") == 2

@@ -19,13 +19,42 @@ from .common import add_stream_flags, forced_stream, heldout_stream
 
 
 class TouchedExperts(Observer):
-    """Observer: which (MoE layer, expert) pairs the routing has selected; mask bool [M, E]."""
+    """Observer: which (MoE layer, expert) pairs the routing has selected (mask bool [M, E]),
+    and a digest of every routing decision in call order (``digest()``: sha256 of each call's
+    layer and int64 top-k ids [T, K]), so two cells can be compared call by call, not only by
+    how many experts they touched."""
 
     def __init__(self, num_moe_layers: int, num_experts: int):
         self.mask = np.zeros((num_moe_layers, num_experts), bool)
+        self._h = hashlib.sha256()
+        self.calls = 0
 
     def on_route(self, layer: int, idx: np.ndarray, router_logits: np.ndarray) -> None:
         self.mask[layer, np.unique(idx)] = True
+        self._h.update(np.int64(layer).tobytes() + np.ascontiguousarray(idx, np.int64).tobytes())
+        self.calls += 1
+
+    def digest(self) -> str:
+        """First 16 hex digits of the routing digest so far."""
+        return self._h.hexdigest()[:16]
+
+
+def code_version() -> dict:
+    """Which engine this process imported: its folder and, when it is a git work tree, the
+    commit and whether files were modified (a results row then says what code produced it)."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[2]
+    out = {"engine": str(root / "engine"), "commit": None, "dirty": None}
+    try:
+        c = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                           text=True, timeout=10)
+        d = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no", "engine"],
+                           capture_output=True, text=True, timeout=10)
+        if c.returncode == 0:
+            out.update(commit=c.stdout.strip(), dirty=bool(d.stdout.strip()))
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
 
 
 def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
@@ -68,11 +97,13 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
         eng.subscribe(touched)
         prof = Profile(eng)
         fin = None
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
         for ev in eng.generate(req):
             if isinstance(ev, StepMetrics):
                 prof.add(ev)
             elif isinstance(ev, Finished):
                 fin = ev
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
         steps = prof.steps
         recall = list(steps[-1].pilot_recall) if steps and steps[-1].pilot_recall else []
         # all-steps figures (prefill included; the decode-only ones follow below)
@@ -89,6 +120,9 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
                "cap": eng.cache.cap,
                "tokens": fin.generated_tokens, "finish": fin.finish_reason, "error": fin.error,
                "distinct_experts": int(touched.mask.sum()), "total_experts": int(touched.mask.size),
+               "sha256_routing": touched.digest(), "route_calls": touched.calls,
+               # RSS guard actions (token index or None = a layer-start poll, RSS bytes, old, new cap)
+               "guard_fired": eng.guard.fired, "guard_trail": [list(t) for t in eng.guard.trail],
                "o_direct": eng.store.o_direct, "open_s": open_s,
                "sha256_ids": hashlib.sha256(json.dumps(list(fin.token_ids)).encode()).hexdigest()[:16],
                "decode_s": (fin.generated_tokens - 1) / fin.decode_tok_per_s if fin.decode_tok_per_s else 0.0,
@@ -100,7 +134,12 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
                "distinct_per_layer": touched.mask.sum(axis=1).astype(int).tolist(),
                # high-water mark of this (fresh) process, opening included; Linux ru_maxrss is KiB
                "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
-               "quant": eng.store.quant}
+               "quant": eng.store.quant, "code": code_version(),
+               # CPU seconds (user + system, every thread of this process) spent generating:
+               # on a loaded machine this, not wall clock, says what the engine cost
+               "gen_cpu_s": (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime),
+               "gen_wall_s": fin.ttft_s + ((fin.generated_tokens - 1) / fin.decode_tok_per_s
+                                           if fin.decode_tok_per_s else 0.0)}
         # Decode only (steps after the first: the first covers the prompt's prefill and the
         # first token, where PILOT does not run); these are what tok/s and the ceiling compare.
         dec = steps[1:]

@@ -136,7 +136,11 @@ def summary_row(r: dict) -> dict:
             "ceiling_share": r.get("of_ceiling"), "load_avg": r.get("load_avg"),
             "distinct_experts": r.get("distinct_experts"),
             "distinct_per_layer_min_median_max": [int(min(per)), float(np.median(per)), int(max(per))] if per else None,
-            "sha256_ids": r.get("sha256_ids"), "error": None if ok else r.get("error")}
+            "sha256_ids": r.get("sha256_ids"), "sha256_routing": r.get("sha256_routing"),
+            "guard_fired": r.get("guard_fired"), "gen_cpu_s": r.get("gen_cpu_s"),
+            # cores the arm actually got while generating (CPU s / wall s): low = a loaded machine
+            "cpu_per_wall": (r["gen_cpu_s"] / r["gen_wall_s"]) if ok and r.get("gen_wall_s") else None,
+            "error": None if ok else r.get("error")}
 
 
 def matrix_markdown(runs: list[dict], rows: list[dict], note: str | None = None) -> str:
@@ -151,7 +155,8 @@ def matrix_markdown(runs: list[dict], rows: list[dict], note: str | None = None)
                     + "".join(f", {d[k]:.2f} GB/s {k[:-5].upper()}" for k in qd)
                     + f" ({d['slab_mb']:.2f} MB slabs); compute per token "
                     + (f"{cs:.3f} s" if cs is not None else "n/a") + f" ({u['compute_source']}); forced stream "
-                    f"of {u['prompt_len']} + {u['tokens']} tokens, seed {u['seed']}")
+                    f"of {u['prompt_len']} prompt + {u['tokens']} generated tokens ({u['tokens'] - 1} decode "
+                    f"steps), seed {u['seed']}")
     summ = [summary_row(r) for r in rows]
     table = md_table([x for x in summ if x["error"] is None], [
         ("quant", "quant", ""), ("budget GB", "budget_gb", ""), ("pilot", "pilot", "d"), ("workers", "workers", "d"),
@@ -160,7 +165,8 @@ def matrix_markdown(runs: list[dict], rows: list[dict], note: str | None = None)
         ("peak RSS GB", "peak_rss_gb", ".2f"), ("ceiling tok/s", "ceiling_tok_s", ".2f"),
         ("tok/s", "decode_tok_s", ".2f"), ("of ceiling", "ceiling_share", ".0%"), ("load", "load_avg", ".1f"),
         ("distinct experts", "distinct_experts", "d"), ("per layer min/med/max", "distinct_per_layer_min_median_max", ""),
-        ("sha256(ids)", "sha256_ids", "")])
+        ("guard fired", "guard_fired", "d"), ("CPU s", "gen_cpu_s", ".0f"), ("CPU/wall", "cpu_per_wall", ".2f"),
+        ("sha256(ids)", "sha256_ids", ""), ("sha256(routing)", "sha256_routing", "")])
     errs = [x for x in summ if x["error"] is not None]
     if errs:
         table += "\n\nFailed cells: " + "; ".join(f"{x['quant']} budget {x['budget_gb']} pilot {x['pilot']}: "
@@ -168,6 +174,10 @@ def matrix_markdown(runs: list[dict], rows: list[dict], note: str | None = None)
     for q in sorted({x["quant"] for x in summ if x["quant"]}):
         shas = {x["sha256_ids"] for x in summ if x["quant"] == q and x["sha256_ids"]}
         table += f"\n\n{q}: distinct generated-id hashes across its cells: {len(shas)} (1 = byte-identical)."
+        routes = {x["sha256_routing"] for x in summ if x["quant"] == q and x.get("sha256_routing")}
+        if routes:
+            table += (f" Distinct routing digests (every call's top-k ids, in order): {len(routes)} "
+                      f"(1 = the cells routed identically).")
     if note:
         table += "\n\n" + note
     return "\n".join(head) + "\n\n" + table
