@@ -97,7 +97,9 @@ def _start_threading_layer() -> str:
     """Start numba's thread pool now (one call of a tiny parallel kernel: numba's public way)
     and return the layer it chose ("omp", "tbb", "workqueue"), or "unknown" if none started."""
     try:
-        @njit(parallel=True, cache=True)
+        # cached like every kernel, i.e. only when a cache folder is writable: cache=True with
+        # none would make numba raise "no locator available" and leave the layer unstarted
+        @njit(parallel=True, cache=CACHE_DIR is not None)
         def _touch(n):
             acc = 0
             for i in prange(n):
