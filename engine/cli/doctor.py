@@ -321,7 +321,10 @@ def format_report(f: dict) -> str:
     add("colibri", f"{APP} {c['version']} ({'PyInstaller bundle' if c['install'] == 'bundle' else 'Python install'}"
         f" at {c['location']})")
     if c.get("build"):
-        add("build", ", ".join(f"{k} {v}" for k, v in c["build"].items()))
+        b = c["build"]
+        when = b.get("source_date_epoch")
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(when)) if isinstance(when, int) else "?"
+        add("build", f"{b.get('platform')} {b.get('arch')}, sources of {when}")
     add("python", f"{f['python']['version']} ({f['python']['implementation']}, {f['python']['executable']})")
     add("os", f"{f['os']['platform']} ({f['os']['machine']})")
     if err("packages"):
