@@ -51,7 +51,8 @@ def built(tmp_path_factory):
     line = next(x for x in p.stdout.splitlines() if x.startswith("SUMMARY "))
     summary = json.loads(line[len("SUMMARY "):])
     shutil.rmtree(out / "work", ignore_errors=True)
-    return Path(summary["bundle"]), summary
+    yield Path(summary["bundle"]), summary
+    shutil.rmtree(out, ignore_errors=True)  # ~0.7 GB: not kept among pytest's last temp folders
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +84,7 @@ def installed(built, tmp_path_factory):
 
     yield app, home, run, summary
     restore_writable(app, home)
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def _files(folder: Path) -> list[Path]:
