@@ -162,3 +162,12 @@ def test_doctor_on_a_read_only_data_folder(tmp_path, tiny_store, with_model):
     else:
         assert "none converted" in out
         assert "not measured:" in out and "not writable" in out, out
+
+
+@pytest.mark.parametrize("bad", ["0", "2000", "lots"])
+def test_doctor_refuses_a_bad_disk_test_size(capsys, bad):
+    with pytest.raises(SystemExit) as e:
+        main(["doctor", "--disk-test-mb", bad])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--disk-test-mb" in err and "from 1 to 1024" in err and len(err) < 400

@@ -402,6 +402,17 @@ def cmd_doctor(a) -> int:
     return 0
 
 
+def _test_mb(text: str) -> int:
+    import argparse
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if not 1 <= v <= 1024:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a whole number of MB from 1 to 1024")
+    return v
+
+
 def add_parsers(sub) -> None:
     """Add ``doctor`` to the ``colibri`` argparse subparsers ``sub``."""
     d = sub.add_parser("doctor", help="print what a bug report needs (versions, CPU, RAM, disk speed, models)",
@@ -410,6 +421,6 @@ def add_parsers(sub) -> None:
                                    "found. Paste the output into a bug report.")
     d.add_argument("--json", action="store_true", help="print the facts as one JSON object")
     d.add_argument("--no-disk-test", action="store_true", help="skip the disk read test")
-    d.add_argument("--disk-test-mb", type=int, default=DISK_TEST_BYTES >> 20, choices=range(1, 1025),
-                   metavar="MB", help="size of the disk test file (1-1024; default %(default)s)")
+    d.add_argument("--disk-test-mb", type=_test_mb, default=DISK_TEST_BYTES >> 20, metavar="MB",
+                   help="size of the disk test file (1-1024; default %(default)s)")
     d.set_defaults(fn=cmd_doctor)
