@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> int:
     worker thread). Returns the application's exit code.
     """
     from PySide6.QtCore import QTimer
+    from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication
 
     from engine import library as paths
@@ -30,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
     app.setApplicationName("colibri-desktop")
     app.setApplicationDisplayName("colibri")
     app.setOrganizationName("colibri")
+    app.setDesktopFileName("colibri-desktop")  # matches packaging/linux/colibri-desktop.desktop
+    icon = paths.resources_dir() / "icons" / "colibri-desktop.png"
+    if icon.is_file():
+        app.setWindowIcon(QIcon(str(icon)))
     # one instance per data folder: a second start brings the first window to the front, or
     # (when the first does not answer) opens the history read-only
     inst = claim(paths.user_data_dir())

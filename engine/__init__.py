@@ -5,6 +5,8 @@ library and ``engine.cli.main`` for the console script); see docs/engine-api.md 
 docs/architecture.md. This package never imports the library, the benchmarks or the CLI.
 """
 
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
+
 from .config import SUPPORTED_MODEL_TYPES, ModelArgs, describe_model, family_name, supported_families
 from .convert import ConversionCancelled, convert_checkpoint
 from .errors import (BudgetError, Cancelled, CheckpointError, ConfigError, ContextOverflowError, EngineError,

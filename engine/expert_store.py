@@ -1,8 +1,9 @@
 """The on-SSD expert store: manifest, dense weights, and one-read-per-expert slab access.
 
 Reads use ``os.preadv`` of one whole 4096-aligned slab into a caller-owned, 4096-aligned
-buffer. O_DIRECT (bypassing the page cache, so the RAM budget is real) is used where the
-filesystem accepts it; otherwise buffered reads, with one log line.
+buffer. Uncached reads (bypassing the page cache, so the RAM budget is real: O_DIRECT on Linux,
+F_NOCACHE on macOS, FILE_FLAG_NO_BUFFERING on Windows; engine.platform_io) are used where the
+platform and filesystem accept them; otherwise buffered reads, with one log line.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from .config import ModelArgs
 from .errors import ExpertReadError, StoreError
+from .platform_io import open_for_reads, positional_reader
 from .quant import ALIGN, QUANTS, aligned_empty, slab_layout, slab_views
 from .store_format import FORMAT_NAME, FORMAT_VERSION, check_store_files
 
@@ -102,7 +104,7 @@ class ExpertStore:
         self._verified = np.zeros((M, a.num_experts), dtype=bool)
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._preadv = os.preadv  # the one read call of the hot path (tests inject faults here)
+        self._preadv = positional_reader()  # the one read call of the hot path (tests inject faults here)
         self.o_direct = False
         self._open_files(o_direct)
 
@@ -139,53 +141,35 @@ class ExpertStore:
     # --- files --------------------------------------------------------------------------
 
     def _open_files(self, want_direct: bool) -> None:
+        """Open every expert file, uncached (engine.platform_io: O_DIRECT, F_NOCACHE or
+        FILE_FLAG_NO_BUFFERING) when ``want_direct`` and every file allows it, else all buffered."""
         files = sorted({e["file"] for row in self.experts for e in row})
-        direct_ok = want_direct and hasattr(os, "O_DIRECT")
+        direct_ok = want_direct
         for rel in files:
             p = self.path / rel
             if not p.exists():
                 self.close()
                 raise StoreError(f"{p}: expert file missing from the store; re-run `colibri convert`")
-            fd = None
             if not os.access(p, os.R_OK):
                 self.close()
                 raise StoreError(f"{p}: {_denied()}")
-            if direct_ok:
-                try:
-                    fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
-                    probe = aligned_empty(ALIGN)
-                    os.preadv(fd, [probe], 0)
-                except OSError as e:
-                    if fd is not None:
-                        os.close(fd)
-                    fd = None
+            try:
+                f = open_for_reads(p, uncached=direct_ok)
+                if direct_ok and not f.uncached:
+                    # one mode for the whole store: reopen the files opened uncached so far
                     direct_ok = False
-                    log.info("O_DIRECT not available on %s (%s); using buffered reads", p, e)
-            if fd is None:
-                try:
-                    fd = os.open(p, os.O_RDONLY)
-                except PermissionError:
-                    self.close()
-                    raise StoreError(f"{p}: {_denied()}") from None
-                except OSError as e:
-                    self.close()
-                    raise StoreError(f"{p}: cannot be opened ({e}); check the disk or re-convert the store") from None
-            self._fds[rel] = fd
-        # Some files may have been opened before O_DIRECT failed: reopen them buffered.
-        if want_direct and not direct_ok:
-            for rel, fd in list(self._fds.items()):
-                if os.O_DIRECT and (self._fd_flags(fd) & os.O_DIRECT):
-                    os.close(fd)
-                    self._fds[rel] = os.open(self.path / rel, os.O_RDONLY)
+                    log.info("uncached reads not available on %s (%s); using buffered reads", p, f.reason)
+                    for r, fd in list(self._fds.items()):
+                        os.close(fd)
+                        self._fds[r] = open_for_reads(self.path / r, uncached=False).fd
+            except PermissionError:
+                self.close()
+                raise StoreError(f"{p}: {_denied()}") from None
+            except OSError as e:
+                self.close()
+                raise StoreError(f"{p}: cannot be opened ({e}); check the disk or re-convert the store") from None
+            self._fds[rel] = f.fd
         self.o_direct = direct_ok
-
-    @staticmethod
-    def _fd_flags(fd: int) -> int:
-        try:
-            import fcntl
-            return fcntl.fcntl(fd, fcntl.F_GETFL)
-        except (ImportError, OSError):
-            return 0
 
     def close(self) -> None:
         """Close every file. Idempotent."""

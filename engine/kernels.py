@@ -97,7 +97,9 @@ def _start_threading_layer() -> str:
     """Start numba's thread pool now (one call of a tiny parallel kernel: numba's public way)
     and return the layer it chose ("omp", "tbb", "workqueue"), or "unknown" if none started."""
     try:
-        @njit(parallel=True, cache=True)
+        # cached like every kernel, i.e. only when a cache folder is writable: cache=True with
+        # none would make numba raise "no locator available" and leave the layer unstarted
+        @njit(parallel=True, cache=CACHE_DIR is not None)
         def _touch(n):
             acc = 0
             for i in prange(n):
@@ -699,3 +701,24 @@ def set_threads(n: int) -> None:
     """Threads of the parallel kernels launched from the calling thread (numba's count is per
     thread), clamped to 1..NUMBA_NUM_THREADS."""
     numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
+
+
+def cpu_features() -> dict[str, bool]:
+    """The host CPU's instruction-set features as LLVM (llvmlite) reports them, e.g.
+    {"avx2": True, "avx512f": True, "avx512vnni": False, ...}; {} when unknown. For reports
+    (``colibri doctor``); the kernels choose their path with INT_FLAVOR."""
+    try:
+        import llvmlite.binding as llb
+        return {str(k): bool(v) for k, v in llb.get_host_cpu_features().items()}
+    except Exception:  # noqa: BLE001 - llvmlite without host feature support
+        return {}
+
+
+def thread_limit() -> int:
+    """The most threads a parallel kernel may use in this process (NUMBA_NUM_THREADS)."""
+    return int(numba.config.NUMBA_NUM_THREADS)
+
+
+def current_threads() -> int:
+    """Threads of the parallel kernels launched from the calling thread now."""
+    return int(numba.get_num_threads())

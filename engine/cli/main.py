@@ -11,20 +11,23 @@ import logging
 import sys
 
 from ..errors import EngineError
-from . import models, run
+from . import doctor, models, run
 
 log = logging.getLogger("colibri")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The whole ``colibri`` argument parser: run, convert, info, download, models, bench."""
+    """The whole ``colibri`` argument parser: run, convert, info, download, models, doctor, bench."""
     from ..bench import add_bench_parser
     p = argparse.ArgumentParser(prog="colibri", description="Run MoE models larger than RAM. "
                                 "Without a command, `colibri` starts the desktop app.")
     p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("--version", action="version", version=doctor.version_line(),
+                   help="print the version and exit")
     sub = p.add_subparsers(dest="cmd", required=True)
     run.add_parsers(sub)
     models.add_parsers(sub)
+    doctor.add_parsers(sub)
     add_bench_parser(sub)
     return p
 

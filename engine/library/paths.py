@@ -11,19 +11,24 @@ import platformdirs
 APP_NAME = "colibri-desktop"
 
 
-def user_data_dir() -> Path:
-    """Models, chat history, routing heat. ``COLIBRI_DATA_DIR`` overrides (tests use it)."""
+def user_data_dir(create: bool = True) -> Path:
+    """Models, chat history, routing heat. ``COLIBRI_DATA_DIR`` overrides (tests use it).
+    Created if missing unless ``create`` is False (then it may not exist). Raises OSError when
+    it cannot be created."""
     d = os.environ.get("COLIBRI_DATA_DIR")
     p = Path(d) if d else Path(platformdirs.user_data_dir(APP_NAME, appauthor=False))
-    p.mkdir(parents=True, exist_ok=True)
+    if create:
+        p.mkdir(parents=True, exist_ok=True)
     return p
 
 
-def user_config_dir() -> Path:
-    """Settings file. ``COLIBRI_CONFIG_DIR`` overrides (tests use it)."""
+def user_config_dir(create: bool = True) -> Path:
+    """Settings file. ``COLIBRI_CONFIG_DIR`` overrides (tests use it). Created if missing
+    unless ``create`` is False. Raises OSError when it cannot be created."""
     d = os.environ.get("COLIBRI_CONFIG_DIR")
     p = Path(d) if d else Path(platformdirs.user_config_dir(APP_NAME, appauthor=False))
-    p.mkdir(parents=True, exist_ok=True)
+    if create:
+        p.mkdir(parents=True, exist_ok=True)
     return p
 
 
