@@ -217,6 +217,24 @@ SAMPLING_SETTINGS: tuple[Setting, ...] = (
 )
 
 
+def check_context_length(context_length: int, max_positions: int, model: str = "this model") -> int:
+    """The context length to use (``context_length``; 0 = the model's default) if the model
+    can take it.
+
+    Positions past ``max_positions`` (Hugging Face ``max_position_embeddings``) were never
+    trained: rotary embeddings there give garbage (issue 17), so a longer context is refused.
+
+    Raises:
+        ConfigError: the setting exceeds the model's limit; the message gives both numbers.
+    """
+    c = setting("context_length").check(context_length)
+    if max_positions > 0 and c > max_positions:
+        raise ConfigError(f"Context length {c} tokens is more than {model} was trained for "
+                          f"({max_positions} tokens): past that it writes garbage. Choose at most "
+                          f"{max_positions} tokens (0 = the model's default).")
+    return c
+
+
 def settings_table(group: str | None = None) -> tuple[Setting, ...]:
     """The table (one group, or all of it), in display order."""
     every = ENGINE_SETTINGS + SAMPLING_SETTINGS
