@@ -454,8 +454,8 @@ class MainWindow(QMainWindow):
         """Opening the model or starting a generation failed.
 
         A model that cannot be opened because it is broken (store or tokenizer errors) stops
-        being the current model, so the next start does not reopen it into the same error;
-        the banner offers the model library, and the bundled default model opens meanwhile."""
+        being the current model, so the next start does not reopen it into the same error
+        (it opens the bundled default model); the banner offers the model library."""
         if self.answer is not None:
             self._answer_ended(self.answer.fail(ev.message, ev.kind))
             return
@@ -473,9 +473,9 @@ class MainWindow(QMainWindow):
                 except OSError as e:
                     log.warning("could not save the settings: %s", e)
             self.banner.show_message(
-                ev.kind, ev.message, hint="The bundled default model is opened instead. Choose another model "
-                "in the library or add one (File › Add model…).", action=("Open Models…", self.open_library))
-            self.open_model(None)
+                ev.kind, ev.message, hint="Choose another model in the library or add one (File › Add model…); "
+                "the next start opens the bundled default model instead of this one.",
+                action=("Open Models…", self.open_library))
             return
         self.banner.show_message(ev.kind, ev.message)
 

@@ -33,12 +33,12 @@ Process-wide setup done here, before the first kernel compiles (issue #18, fault
 - threading layer: OpenMP, then TBB, then numba's ``workqueue`` (unless the user set
   ``NUMBA_THREADING_LAYER``). ``workqueue`` aborts the process when two threads launch parallel
   kernels at once, so under it (``SERIALIZED``) every parallel kernel runs under one lock.
-- OpenMP wait policy: ``OMP_WAIT_POLICY=PASSIVE`` (threads waiting at a barrier sleep instead
-  of spinning) unless the user set ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT`` or
-  ``KMP_BLOCKTIME``. Spinning threads fight any other busy program for the cores: with one core
-  busy, decode fell from ~800 to 10 tok/s (issue 17); ``colibri bench contention`` measures the
-  candidates (bench/results/contention_*.md). libgomp reads it when it loads, so it only takes
-  effect when nothing in the process loaded an OpenMP runtime before this module.
+- OpenMP wait policy: left to libgomp (spin a while, then sleep). Spinning threads fight any
+  other busy program for its core (issue 17: ~800 -> 10 tok/s with one core busy), but
+  ``OMP_WAIT_POLICY=PASSIVE`` cost 75% of the quiet speed of the default model (a futex wake
+  at each of the many small parallel regions of a token); instead the engine runs only as many
+  threads as there are free cores (threads = 0: engine.sysinfo.FreeCores). Measured by
+  ``colibri bench contention`` (bench/results/contention_*.md).
 """
 
 from __future__ import annotations
@@ -83,8 +83,6 @@ if CACHE_DIR is not None:
     os.environ["NUMBA_CACHE_DIR"] = CACHE_DIR
 if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
     os.environ["NUMBA_THREADING_LAYER_PRIORITY"] = "omp tbb workqueue"
-if not any(k in os.environ for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")):
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 _numba_was_loaded = "numba" in sys.modules
 
 import numba  # noqa: E402

@@ -196,8 +196,10 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "expert, or on every load", "Expert checksums", choices=CHECKSUM_MODES),
     _S("history", bool, True, "remember which experts are used (saved next to the model, per model) to "
        "pin and pre-warm the hottest", "Routing history", check_text="remember which experts are used (per model)"),
-    _S("threads", int, 0, "threads for the numeric kernels (numba)", "Compute threads", lo=0, hi=1024,
-       unit="threads", special="all cores", old_names=("numba_threads",)),
+    _S("threads", int, 0, "threads for the numeric kernels (numba); auto: the cores this process may use "
+       "(CPU affinity, cgroup quota) minus those other programs keep busy, re-counted while it generates "
+       "(measured: bench/results/contention_*.md)", "Compute threads", lo=0, hi=1024,
+       unit="threads", special="auto (free cores)", old_names=("numba_threads",)),
 )
 
 SAMPLING_SETTINGS: tuple[Setting, ...] = (

@@ -181,10 +181,12 @@ class _Arm:
             self.p.kill()
 
 
-def _start_busy(n: int, cpus: str | None, nice: int) -> list[subprocess.Popen]:
+def _start_busy(n: int, cpus: str | None, nice: int, rt: bool = False) -> list[subprocess.Popen]:
     procs = []
     for _ in range(n):
         cmd = [sys.executable, "-c", BUSY_CODE]
+        if rt:
+            cmd = ["chrt", "-r", "1"] + cmd
         if cpus:
             cmd = ["taskset", "-c", cpus] + cmd
         if nice:
@@ -251,13 +253,13 @@ def cmd_contention(a) -> int:
     try:
         for rep in range(a.reps):
             for li, ld in enumerate(loads):
-                busy = _start_busy(ld, a.busy_cpus, a.nice)
+                busy = _start_busy(ld, a.busy_cpus, a.nice, a.rt_all)
                 try:
                     k = (rep * len(loads) + li) % len(started)
                     for arm in started[k:] + started[:k]:
                         b0, t0 = _busy_ticks(), time.monotonic()
                         own0 = _proc_cpu_s([arm.p.pid] + [p.pid for p in busy])
-                        r = arm.run(realtime=a.quiet_rt and ld == 0)
+                        r = arm.run(realtime=a.rt_all or (a.quiet_rt and ld == 0))
                         dt = time.monotonic() - t0
                         own1 = _proc_cpu_s([arm.p.pid] + [p.pid for p in busy])
                         b1 = _busy_ticks()
@@ -298,7 +300,9 @@ def cmd_contention(a) -> int:
              + (f"; arms pinned to CPUs {a.cpus}" if a.cpus else "")
              + (f"; arms and busy processes at nice {a.nice}" if a.nice else "")
              + ("; quiet runs (0 busy) at real-time priority SCHED_RR 1 (the other programs of the "
-                "shared machine wait meanwhile)" if a.quiet_rt else "") + ".\n"
+                "shared machine wait meanwhile)" if a.quiet_rt and not a.rt_all else "")
+             + ("; every run with the arm and the busy processes at real-time priority SCHED_RR 1 (the "
+                "other programs of the shared machine wait meanwhile)" if a.rt_all else "") + ".\n"
              f"Background load from other programs during the measurements (not ours, not the busy processes): "
              f"median {_med(others) or 0:.2f} cores (min {min(others, default=0):.2f}, max {max(others, default=0):.2f}); "
              f"1-minute load average {min(la, default=0):.1f}–{max(la, default=0):.1f}.\n\n"
@@ -310,7 +314,7 @@ def cmd_contention(a) -> int:
                                          ("load avg", "loadavg_1m", ".2f")]))
     write_results(a.name, {"machine": machine_info(), "store": store, "tokens": a.tokens, "prompt_len": a.prompt_len,
                            "reps": a.reps, "loads": loads, "arms": {n: ARMS[n] for n in arms},
-                           "busy_cpus": a.busy_cpus, "cpus": a.cpus, "nice": a.nice, "quiet_rt": a.quiet_rt, "rows": rows, "summary": summary}, table)
+                           "busy_cpus": a.busy_cpus, "cpus": a.cpus, "nice": a.nice, "quiet_rt": a.quiet_rt, "rt_all": a.rt_all, "rows": rows, "summary": summary}, table)
     return 0
 
 
@@ -333,6 +337,10 @@ def add_parser(bs) -> None:
     c.add_argument("--quiet-rt", action="store_true",
                    help="measure the quiet runs (0 busy) with the arm at real-time priority SCHED_RR 1, so "
                         "other programs on a shared machine cannot slow it (needs root)")
+    c.add_argument("--rt-all", action="store_true",
+                   help="every measurement with the arm and the busy processes at real-time priority SCHED_RR 1: "
+                        "a clean machine with exactly the busy processes asked for (round-robin time slices "
+                        "between equals instead of CFS; needs root)")
     c.add_argument("--name", default="contention_default")
     c.set_defaults(fn=cmd_contention)
 
