@@ -68,8 +68,10 @@ def cmd_contention_arm(a) -> int:
     from ..sysinfo import usable_cpus
     threads = 0 if a.threads == "auto" else usable_cpus() if a.threads == "all" else int(a.threads)
     eng = Engine.open(EngineConfig(store=a.store, pilot=0, pinning=False, history=False, o_direct=False,
-                                   threads=threads))
+                                   threads=threads, ram_budget_gb=a.ram_budget_gb))
     stream = forced_stream(eng.args.vocab_size, a.prompt_len + a.tokens, a.seed)
+    if a.stream == "repeat":   # few distinct experts: several big-model arms fit in RAM at once
+        stream = stream[:a.prompt_len] + [stream[a.prompt_len]] * a.tokens
     prompt, forced = stream[:a.prompt_len], stream[a.prompt_len:]
     req = GenerateRequest(prompt_ids=tuple(prompt), forced_ids=tuple(forced),
                           sampling=SamplingParams(max_new_tokens=a.tokens))
@@ -133,7 +135,9 @@ class _Arm:
         env.update(env_add)
         cmd = [sys.executable, "-m", "engine.cli", "bench", "contention-arm", "--store", store,
                "--threads", threads, "--prompt-len", str(a.prompt_len), "--tokens", str(a.tokens),
-               "--seed", str(a.seed), "--max-seconds", str(a.max_seconds)]
+               "--seed", str(a.seed), "--max-seconds", str(a.max_seconds), "--stream", a.stream]
+        if a.ram_budget_gb:
+            cmd += ["--ram-budget-gb", str(a.ram_budget_gb)]
         if cpus:
             cmd = ["taskset", "-c", cpus] + cmd
         if nice:
@@ -294,7 +298,8 @@ def cmd_contention(a) -> int:
         cols.append((f"threads {ld}", f"threads_{ld}", ".0f"))
     others = [r["other_cores_busy"] for r in rows if r.get("other_cores_busy") is not None]
     la = [r["loadavg_1m"] for r in rows]
-    table = (f"Store: `{store}`; {a.tokens} tokens after a {a.prompt_len}-token prompt, {a.reps} reps, arms "
+    table = (f"Store: `{store}`; {a.tokens} tokens ({a.stream} stream) after a {a.prompt_len}-token prompt"
+             + (f", RAM budget {a.ram_budget_gb} GB per arm" if a.ram_budget_gb else "") + f", {a.reps} reps, arms "
              f"interleaved (order rotated per load and rep); busy processes `python -c \"{BUSY_CODE}\"`"
              + (f" pinned to CPUs {a.busy_cpus}" if a.busy_cpus else "")
              + (f"; arms pinned to CPUs {a.cpus}" if a.cpus else "")
@@ -314,7 +319,7 @@ def cmd_contention(a) -> int:
                                          ("load avg", "loadavg_1m", ".2f")]))
     write_results(a.name, {"machine": machine_info(), "store": store, "tokens": a.tokens, "prompt_len": a.prompt_len,
                            "reps": a.reps, "loads": loads, "arms": {n: ARMS[n] for n in arms},
-                           "busy_cpus": a.busy_cpus, "cpus": a.cpus, "nice": a.nice, "quiet_rt": a.quiet_rt, "rt_all": a.rt_all, "rows": rows, "summary": summary}, table)
+                           "busy_cpus": a.busy_cpus, "cpus": a.cpus, "nice": a.nice, "quiet_rt": a.quiet_rt, "rt_all": a.rt_all, "stream": a.stream, "ram_budget_gb": a.ram_budget_gb, "rows": rows, "summary": summary}, table)
     return 0
 
 
@@ -331,6 +336,10 @@ def add_parser(bs) -> None:
     c.add_argument("--arms", default=",".join(ARMS), help="comma-separated arm names: " + ", ".join(ARMS))
     c.add_argument("--cpus", default=None, help="pin the arms to these CPUs (taskset list, e.g. 0,1)")
     c.add_argument("--busy-cpus", default=None, help="pin the busy processes to these CPUs (e.g. 1)")
+    c.add_argument("--stream", choices=("random", "repeat"), default="random",
+                   help="forced decode stream: seeded random tokens, or the first one repeated (touches few "
+                        "experts, so several arms of a big model fit in RAM together)")
+    c.add_argument("--ram-budget-gb", type=float, default=None, help="each arm's RAM budget (default auto)")
     c.add_argument("--nice", type=int, default=0,
                    help="run the arms and the busy processes at this niceness (same for both; negative "
                         "values need root and shield the measurement from other programs on a shared machine)")
@@ -348,5 +357,7 @@ def add_parser(bs) -> None:
     ca.add_argument("--store", required=True)
     ca.add_argument("--threads", required=True, help="all, auto or a number")
     ca.add_argument("--max-seconds", type=float, default=10.0)
+    ca.add_argument("--stream", choices=("random", "repeat"), default="random")
+    ca.add_argument("--ram-budget-gb", type=float, default=None)
     add_stream_flags(ca, prompt_len=16, tokens=256)
     ca.set_defaults(fn=cmd_contention_arm)
