@@ -306,7 +306,8 @@ class SettingsDialog(QDialog):
             new = self.current_settings()
         except (ConfigError, ValueError) as e:
             self._valid = None
-            self.error_label.setText(f"Not applied: {e}")
+            from .engine_bridge import app_words
+            self.error_label.setText(f"Not applied: {app_words(str(e))}")
             self.error_label.show()
             self.status_label.setText("")
         else:
