@@ -315,7 +315,7 @@ class Engine:
         if len(ids) == 0:
             raise ValueError("the prompt is empty")
         if len(ids) >= C:
-            raise ContextOverflowError(self._overflow_message(len(ids), bool(request.messages)))
+            raise ContextOverflowError(self._overflow_message(len(ids), bool(request.messages), dropped))
         return self._run(ids, request, sampler, cancel, dropped)
 
     def answer_room(self, max_new_tokens: int) -> int:
@@ -374,11 +374,11 @@ class Engine:
             best = next((sc for sc in cands if len(sc[1]) <= slack), cands[-1])
         return best[1], best[0] - head
 
-    def _overflow_message(self, n: int, chat: bool) -> str:
+    def _overflow_message(self, n: int, chat: bool, dropped: int = 0) -> str:
         C, limit = self.context_length, int(self.args.max_position_embeddings)
         what = "The message" if chat else "The prompt"
         s = (f"{what} has {n} tokens but the context holds {C} tokens (one more is needed to answer)"
-             + ("; earlier messages were already left out" if chat else "") + ". Shorten it")
+             + (f"; the {dropped} earlier messages were already left out" if dropped else "") + ". Shorten it")
         if C < limit:
             s += f", or raise the context length (this model takes up to {limit} tokens)"
         else:
