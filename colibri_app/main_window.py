@@ -426,7 +426,8 @@ class MainWindow(QMainWindow):
             return   # a late progress event of an open that already ended
         self.loading.show_progress(ev)
         self.statusBar().showMessage(self.loading.label.text())
-        self._not_ready = self.loading.label.text()
+        self._not_ready = ("Preparing the compute kernels…" if ev.stage == "kernels" and ev.done < ev.total
+                           else self.loading.label.text())
         self._sync_chat()
 
     @Slot(object)
