@@ -315,7 +315,7 @@ def cmd_contention(a) -> int:
              + md_table(summary, cols)
              + "\n\n" + md_table(rows, [("rep", "rep", "d"), ("load", "load", "d"), ("arm", "arm", ""),
                                          ("tok/s", "decode_tok_per_s", ".1f"), ("TTFT s", "ttft_s", ".3f"),
-                                         ("CPU ms/tok", "cpu_s_per_token", ".5f"), ("threads", "threads_end", "d"),
+                                         ("CPU s/tok", "cpu_s_per_token", ".5f"), ("threads", "threads_end", "d"),
                                          ("other cores busy", "other_cores_busy", ".2f"),
                                          ("load avg", "loadavg_1m", ".2f")]))
     write_results(a.name, {"machine": machine_info(), "store": store, "tokens": a.tokens, "prompt_len": a.prompt_len,
