@@ -11,7 +11,7 @@ from dataclasses import replace
 
 from PySide6.QtCore import Qt
 
-from engine import EngineConfig, LoadProgress
+from engine import EngineConfig, EngineFailure, LoadProgress
 from colibri_app.main_window import HINTS
 from colibri_app.settings_store import load_settings
 
@@ -37,9 +37,12 @@ def _send(qtbot, win, text, timeout=60000):
 def test_failed_open_clears_the_opening_status(qtbot, make_window, tmp_path):
     win = make_window(wait_loaded=False)
     win.open_model(str(tmp_path / "missing-store"))
-    win.on_progress(LoadProgress("open", 0, 3, "", "opening the model"))   # what the lane reports first
+    qtbot.waitUntil(lambda: bool(win.banner.isVisible()), timeout=60000)
+    # the same sequence again, without the lane's timing: progress, then the failure
+    win.open_model(str(tmp_path / "missing-store"))
+    win.on_progress(LoadProgress("open", 0, 3, "", "opening the model"))
     assert "Opening the model" in win.statusBar().currentMessage()
-    qtbot.waitUntil(lambda: bool(win.banner.isVisible()), timeout=30000)
+    win.on_failed(EngineFailure(kind="store", message="the store is missing"))
     assert "Opening" not in win.statusBar().currentMessage()
     assert not win.loading.isVisible()
 
