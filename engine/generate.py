@@ -72,7 +72,8 @@ class Engine:
     Attributes: config (EngineConfig), store (ExpertStore), args (ModelArgs), tokenizer,
     model (the family's Model, engine/models), cache (ExpertCache;
     rows = MoE layers), heat (RoutingHeat), plan (BudgetPlan),
-    loaded (Loaded event), pilot (Pilot or None).
+    loaded (Loaded event), pilot (Pilot or None), threads (compute threads in use),
+    usable_threads (the most it may use), free_cores (sysinfo.FreeCores with threads = 0, else None).
     """
 
     def __init__(self):
@@ -97,7 +98,7 @@ class Engine:
         # programs keep busy, re-counted while generating (sysinfo.FreeCores; bench contention)
         self.usable_threads = config.threads or usable_cpus()
         self.threads = self.usable_threads
-        self._free = FreeCores() if config.threads == 0 else None
+        self.free_cores = FreeCores() if config.threads == 0 else None
         self._adapted_at = float("-inf")
         self._apply_threads()
         report = progress or (lambda ev: None)
@@ -160,7 +161,7 @@ class Engine:
             ram_budget_bytes=self.plan.budget, dense_bytes=dense_bytes, expert_slot_bytes=store.slot_bytes,
             pilot=config.pilot, prewarmed_experts=pre_n, prewarm_seconds=pre_s, message=msg,
             has_chat_template=self.tokenizer.has_chat_template, max_context=int(a.max_position_embeddings),
-            threads=self.threads, auto_threads=self._free is not None, pins_per_layer=self._pins_per_layer())
+            threads=self.threads, auto_threads=self.free_cores is not None, pins_per_layer=self._pins_per_layer())
         # other colibri processes size their automatic budget around this one (sysinfo)
         self.budget_claim = BudgetClaim(self.plan.budget)
 
@@ -192,12 +193,12 @@ class Engine:
     def _adapt_threads(self, force: bool = False) -> None:
         """threads = 0 (auto): at most every ADAPT_INTERVAL_S, set the compute threads to the
         cores other programs leave free (sysinfo.threads_for); a no-op for a fixed count."""
-        if self._free is None:
+        if self.free_cores is None:
             return
         now = time.monotonic()
         if not force and now - self._adapted_at < ADAPT_INTERVAL_S:
             return
-        others = self._free.others()
+        others = self.free_cores.others()
         if others is None:
             return
         self._adapted_at = now

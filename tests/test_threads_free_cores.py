@@ -104,7 +104,7 @@ def test_engine_auto_threads_follow_the_free_cores(tiny_store, tmp_path, monkeyp
         assert eng.loaded.auto_threads and eng.usable_threads == 2
         answers = []
         for others in (0.0, 1.0, 0.0):
-            eng._free.others = lambda o=others: o
+            eng.free_cores.others = lambda o=others: o
             eng._adapted_at = float("-inf")
             req = GenerateRequest(prompt="hello there", sampling=SamplingParams(max_new_tokens=6))
             evs = list(eng.generate(req))
@@ -120,7 +120,7 @@ def test_engine_auto_threads_follow_the_free_cores(tiny_store, tmp_path, monkeyp
 def test_fixed_thread_count_is_never_changed(tiny_store):
     cfg = EngineConfig(store=str(tiny_store), pilot=0, pinning=False, history=False, o_direct=False, threads=1)
     with Engine.open(cfg) as eng:
-        assert eng._free is None and not eng.loaded.auto_threads
+        assert eng.free_cores is None and not eng.loaded.auto_threads
         fin = [e for e in eng.generate(GenerateRequest(prompt="hi", sampling=SamplingParams(max_new_tokens=3)))
                if isinstance(e, Finished)][-1]
         assert fin.threads == 1

@@ -99,8 +99,8 @@ def cmd_contention_arm(a) -> int:
             if line.strip() == "run":
                 # the free-core count looks at the last interval: start it now, so that it sees
                 # the load of this measurement, not the arm that ran before (every arm waits alike)
-                if eng._free is not None:
-                    eng._free.others()
+                if eng.free_cores is not None:
+                    eng.free_cores.others()
                 time.sleep(0.15)
                 print("RES " + json.dumps(once()), flush=True)
     finally:

@@ -48,7 +48,9 @@ def test_failed_open_clears_the_opening_status(qtbot, make_window, tmp_path):
 
 
 def test_apply_that_reopens_during_an_answer_asks_first(qtbot, make_window):
-    win = make_window(max_new_tokens=400)
+    win = make_window(max_new_tokens=400, wait_loaded=False)
+    win.start()   # the first open of a process also prepares the kernels: slow on a loaded machine
+    qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=600000)
     asked = []
     win.ask_reload_during_answer = lambda: (asked.append(1), "cancel")[1]
     win.send("tell me everything")
