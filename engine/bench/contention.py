@@ -25,6 +25,12 @@ process's CPU seconds (rusage, every thread) per token, the thread count the eng
 the load average and the cores other programs (neither the arm nor the busy processes) kept
 busy during it (/proc/stat). Summary per arm: median tok/s per load, and the medians of the
 per-rep ratios "loaded / quiet" (same arm, same rep) and "quiet / today quiet".
+
+On a machine other jobs keep busy, ``--rt-all`` runs every measurement with the arm and the busy
+processes at real-time priority (SCHED_RR 1): a clean machine with exactly the busy processes
+asked for (round-robin slices between equals stand in for CFS); ``--quiet-rt`` does that for the
+quiet runs only, ``--nice`` sets one niceness for arms and busy processes. bench/README.md has
+the commands and the results that chose the default (threads = 0, auto).
 """
 
 from __future__ import annotations
