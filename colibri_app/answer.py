@@ -116,6 +116,11 @@ class AnswerStream(QObject):
                 "tok_per_s": round(ev.decode_tok_per_s, 2), "ttft_s": round(ev.ttft_s, 3),
                 "hit_rate": round(ev.hit_rate, 4), "mb_per_token": round(ev.mb_per_token, 3),
                 "finish_reason": ev.finish_reason}
+        if ev.dropped_messages:
+            meta["dropped_messages"] = ev.dropped_messages
+        if ev.finish_reason == "length" and 0 < ev.answer_room <= ev.generated_tokens and \
+                ev.answer_room < self.job.request.sampling.max_new_tokens:
+            meta["context_full"] = True
         self.history.update_message(self.asst_id, content=text, status=status, meta=meta)
         self.history.touch(self.conv_id)
         self._show_final(text, status, meta)

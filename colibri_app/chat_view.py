@@ -38,6 +38,12 @@ STATUS_NOTE = {
 }
 
 
+def rates_text(hit_rate: float, mb_per_token: float) -> tuple[str, str]:
+    """("hit rate N%", "X.XX MB/token"): how the answer line and the engine panels both show
+    an answer's whole hit rate and MB/token (engine.metrics.answer_rates, the same numbers)."""
+    return f"hit rate {100 * round(hit_rate, 4):.0f}%", f"{round(mb_per_token, 3):.2f} MB/token"
+
+
 def format_meta(meta: dict) -> str:
     """The line under an answer: tokens, tok/s, TTFT, hit rate, MB/token, finish reason."""
     if not meta:
@@ -50,11 +56,14 @@ def format_meta(meta: dict) -> str:
     if "ttft_s" in meta:
         parts.append(f"TTFT {meta['ttft_s']:.2f} s")
     if "hit_rate" in meta:
-        parts.append(f"hit rate {100 * meta['hit_rate']:.0f}%")
+        parts.append(rates_text(meta["hit_rate"], 0.0)[0])
     if "mb_per_token" in meta:
-        parts.append(f"{meta['mb_per_token']:.2f} MB/token")
+        parts.append(rates_text(1.0, meta["mb_per_token"])[1])
     if meta.get("finish_reason"):
-        parts.append(f"finish: {meta['finish_reason']}")
+        parts.append(f"finish: {meta['finish_reason']}" + (" (the context is full)" if meta.get("context_full") else ""))
+    if meta.get("dropped_messages"):
+        n = meta["dropped_messages"]
+        parts.append(f"{n} earliest message{'s' if n != 1 else ''} left out: the chat no longer fits the context")
     return "  ·  ".join(parts)
 
 

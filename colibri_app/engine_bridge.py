@@ -27,6 +27,39 @@ from .workers import Lane, Throttle
 
 log = logging.getLogger(__name__)
 
+#: Command-line words in engine messages and what the app calls the same thing (the CLI keeps
+#: its own words; the app shows these). Applied in order.
+_APP_WORDS: tuple[tuple[str, str], ...] = (
+    (r"(re-?run|run) `colibri convert[^`]*`( again)?", "add the model again (File › Add model…)"),
+    (r"re-convert it(: | with )`?colibri convert --overwrite [^`\n;]*`?", "add the model again (File › Add model…)"),
+    (r"convert your own copy with `colibri convert`", "add your own copy (File › Add model…)"),
+    (r"`colibri models` lists your converted stores; make a new one with `colibri convert [^`]*`",
+     "File › Models… lists your models; add one with File › Add model…"),
+    (r"convert it first, e\.g\. `colibri convert [^`]*`", "add it with File › Add model…"),
+    (r"\(`colibri convert --overwrite` refuses NaN/inf weights and names the tensor\)",
+     "(adding it again checks every weight and names a broken tensor)"),
+    (r"; pass --overwrite to replace it", "; choose another folder or allow replacing it"),
+    (r" \(--overwrite only replaces a store\)", ""),
+)
+
+
+def app_words(message: str) -> str:
+    """``message`` from the engine in the app's words: no command lines (`colibri convert
+    --overwrite`) and settings by their label in the dialog ("RAM budget"), not their file key
+    (``ram_budget_gb``)."""
+    import re
+
+    from engine import settings_table
+    out = message
+    for pat, rep in _APP_WORDS:
+        out = re.sub(pat, rep, out)
+    for st in settings_table():
+        out = re.sub(rf"setting '{st.name}'", st.label, out)
+        out = re.sub(rf"(?<![\w-]){re.escape(st.flag)}\b", f"“{st.label}”", out)
+        out = re.sub(rf"\b{st.name}\b", f"“{st.label}”", out) if "_" in st.name else out
+    return out
+
+
 EMIT_INTERVAL_S = 0.1  # metrics / residency / progress: at most ~10 emits per second
 GIL_SWITCH_S = 0.001   # the GUI thread gets the GIL back within ~1 ms (Python's default: 5 ms)
 SHUTDOWN_TIMEOUT_S = 30.0

@@ -55,7 +55,7 @@ HINTS = {
                          "(File › Add model…).",
     ErrorKind.BUDGET: "Raise the RAM budget or lower the expert slots per layer in Settings…, then try again.",
     ErrorKind.CONFIG: "Correct the setting in Settings…",
-    ErrorKind.CONTEXT: "Start a new chat (Ctrl+N), shorten the message, or raise the context length in Settings…",
+    ErrorKind.CONTEXT: "Start a new chat (Ctrl+N) or shorten the message.",
     ErrorKind.IO: "Check the disk that holds the model, then try again.",
     ErrorKind.GENERATION: "Try again (Regenerate), or start a new chat. If it keeps happening, restart the app.",
     ErrorKind.HISTORY: "Your earlier chats are kept in the file named above.",
@@ -147,6 +147,13 @@ class Banner(QFrame):
         col.addWidget(self.text)
         col.addWidget(self.hint)
         lay.addLayout(col, 1)
+        self.action = QPushButton()
+        self.action.setObjectName("bannerDismiss")
+        self.action.setAccessibleName("Banner action")
+        self.action.hide()
+        self.action.clicked.connect(self._act)
+        self._action_fn = None
+        lay.addWidget(self.action, 0, Qt.AlignTop)
         self.dismiss = QPushButton("Dismiss")
         self.dismiss.setObjectName("bannerDismiss")
         self.dismiss.setAccessibleName("Dismiss message")
@@ -154,9 +161,22 @@ class Banner(QFrame):
         lay.addWidget(self.dismiss, 0, Qt.AlignTop)
         self.hide()
 
-    def show_message(self, kind: str, message: str, hint: str = "", error: bool = True) -> None:
-        """Show ``message`` (with a hint picked from ``kind`` unless given)."""
+    def _act(self) -> None:
+        fn = self._action_fn
+        self.hide()
+        if fn is not None:
+            fn()
+
+    def show_message(self, kind: str, message: str, hint: str = "", error: bool = True,
+                     action: tuple[str, object] | None = None) -> None:
+        """Show ``message`` (in the app's words: engine_bridge.app_words) with a hint picked from
+        ``kind`` unless given; ``action`` = (button text, callable) adds a button beside Dismiss."""
+        from .engine_bridge import app_words
+        message = app_words(message)
         self.kind = kind
+        self._action_fn = action[1] if action else None
+        self.action.setText(action[0] if action else "")
+        self.action.setVisible(action is not None)
         self.setProperty("level", "error" if error else "info")
         self.style().unpolish(self)
         self.style().polish(self)
@@ -203,6 +223,9 @@ class LoadingPanel(QFrame):
             text = f"Converting the default model… {pct}%"
         elif ev.stage == "prewarm":
             text = f"Pre-warming pinned experts… {ev.done}/{ev.total}"
+        elif ev.stage == "kernels":
+            text = ("Preparing the compute kernels… (the first start compiles them; this takes a few "
+                    "seconds once)" if ev.done < ev.total else "Compute kernels ready")
         else:
             text = f"Opening the model… {ev.message}" if ev.message else "Opening the model…"
         self.label.setText(text)
@@ -378,9 +401,12 @@ class MainWindow(QMainWindow):
         self.st_ttft = QLabel("TTFT –")
         self.st_cap = QLabel("cap –/layer")
         self.st_pilot = QLabel("PILOT –")
+        self.st_threads = QLabel("threads –")
+        self.st_threads.setAccessibleName("Compute threads in use")
+        self.st_threads.setToolTip("Compute threads the engine uses now (Settings › Compute threads)")
         for lab, name in ((self.st_speed, "Tokens per second"), (self.st_ttft, "Time to first token"),
                           (self.st_cap, "Expert slots per layer"), (self.st_pilot, "PILOT prefetch mode"),
-                          (self.st_model, "Model")):
+                          (self.st_threads, "Compute threads in use"), (self.st_model, "Model")):
             lab.setAccessibleName(name)
             sb.addPermanentWidget(lab)
 
@@ -456,6 +482,7 @@ class MainWindow(QMainWindow):
 
     def open_model(self, store: str | None) -> None:
         """(Re)open a model on the worker thread; None = the bundled default model."""
+        self._opening = store or ""
         self.loaded = None
         self._not_ready = "Loading the model…"
         self._sync_chat()
@@ -467,9 +494,15 @@ class MainWindow(QMainWindow):
 
     @Slot(object)
     def on_progress(self, ev: LoadProgress) -> None:
-        """Converting / opening progress."""
+        """Converting / opening progress (the prompt box says why it waits, e.g. while the
+        compute kernels are prepared)."""
+        if self.loaded is not None:
+            return   # a late progress event of an open that already ended
         self.loading.show_progress(ev)
-        self.statusBar().showMessage(self.loading.label.text(), 3000)
+        self.statusBar().showMessage(self.loading.label.text())
+        self._not_ready = ("Preparing the compute kernels…" if ev.stage == "kernels" and ev.done < ev.total
+                           else self.loading.label.text())
+        self._sync_chat()
 
     @Slot(object)
     def on_loaded(self, ev: Loaded) -> None:
@@ -486,20 +519,39 @@ class MainWindow(QMainWindow):
         self.st_pilot.setText(f"PILOT {ev.pilot}")
         self.setWindowTitle(f"colibri — {ev.model_name}")
         self.st_model.setToolTip(f"{ev.store_path}\n{ev.message}")
+        self.st_threads.setText(self._threads_text(ev.threads, ev.auto_threads))
         self.statusBar().showMessage("Model ready", 4000)
         self._sync_chat()
         self._start_next()
 
     @Slot(object)
     def on_failed(self, ev: EngineFailure) -> None:
-        """Opening the model or starting a generation failed."""
+        """Opening the model or starting a generation failed.
+
+        A model that cannot be opened because it is broken (store or tokenizer errors) stops
+        being the current model, so the next start does not reopen it into the same error
+        (it opens the bundled default model); the banner offers the model library."""
         if self.answer is not None:
             self._answer_ended(self.answer.fail(ev.message, ev.kind))
             return
         self.loading.hide()
+        self.statusBar().clearMessage()   # no stale "Opening the model…"
         self.st_model.setText("no model")
         self._not_ready = "No model is open — see the message above."
         self._sync_chat()
+        failed = getattr(self, "_opening", "")
+        if failed and ev.kind in (ErrorKind.STORE, ErrorKind.TOKENIZER) and not self.read_only:
+            if self.settings.current_model == failed:
+                self.settings = replace(self.settings, current_model="")
+                try:
+                    save_settings(self.settings)
+                except OSError as e:
+                    log.warning("could not save the settings: %s", e)
+            self.banner.show_message(
+                ev.kind, ev.message, hint="Choose another model in the library or add one (File › Add model…); "
+                "the next start opens the bundled default model instead of this one.",
+                action=("Open Models…", self.open_library))
+            return
         self.banner.show_message(ev.kind, ev.message)
 
     # --- conversations ------------------------------------------------------------------------
@@ -807,7 +859,13 @@ class MainWindow(QMainWindow):
         self.st_speed.setText(f"{m.tok_per_s:.1f} tok/s")
         self.st_ttft.setText(f"TTFT {m.ttft_s:.2f} s")
         self.st_cap.setText(f"cap {m.cap_per_layer}/{self.loaded.num_experts if self.loaded else '?'} per layer")
+        if m.threads:
+            self.threads_in_use = m.threads
+            self.st_threads.setText(self._threads_text(m.threads, bool(self.loaded and self.loaded.auto_threads)))
 
+    @staticmethod
+    def _threads_text(n: int, auto: bool) -> str:
+        return f"{n} thread{'s' if n != 1 else ''}" + (" (auto)" if auto else "")
     @Slot(object)
     def on_residency(self, snap: ResidencySnapshot) -> None:
         """Residency map update."""
@@ -822,6 +880,9 @@ class MainWindow(QMainWindow):
             if ev.decode_tok_per_s:
                 self.st_speed.setText(f"{ev.decode_tok_per_s:.1f} tok/s")
             self.st_ttft.setText(f"TTFT {ev.ttft_s:.2f} s")
+            self.panels.on_finished(ev)   # the panels end on the answer line's own numbers
+        if ev.threads:
+            self.threads_in_use = ev.threads
         self._answer_ended(self.answer.finish(ev))
 
     def _answer_ended(self, end: AnswerEnd) -> None:
@@ -831,6 +892,10 @@ class MainWindow(QMainWindow):
         self.controller.job_done()
         self._sync_chat()
         self._refresh_list()
+        if getattr(self, "_reload_after_answer", False) and not self._closing:
+            self._reload_after_answer = False
+            self._reopen_current()   # the waiting messages start once it is open (on_loaded)
+            return
         self._start_next()
 
     def _escape(self) -> None:
@@ -866,6 +931,8 @@ class MainWindow(QMainWindow):
             self._not_available("Settings")
             return
         dlg = SettingsDialog(self.settings, self, auto_values=self.auto_values, save=None)  # saved here, once
+        if self.loaded is not None and hasattr(dlg, "show_in_use"):
+            dlg.show_in_use(self.values_in_use(), self.loaded.max_context, self.loaded.model_name)
         dlg.applied.connect(self.apply_settings)
         if hasattr(dlg, "reset_history_requested"):
             dlg.reset_history_requested.connect(self.reset_routing_history)
@@ -899,6 +966,18 @@ class MainWindow(QMainWindow):
         dlg.finished.connect(lambda *_: self._dialogs.remove(dlg) if dlg in self._dialogs else None)
         dlg.open()
 
+    def values_in_use(self) -> dict[str, str]:
+        """What the open engine uses for the settings whose 0 means "the engine decides":
+        {setting name: text}, shown by the settings dialog beside "auto"."""
+        if self.loaded is None:
+            return {}
+        ev = self.loaded
+        n = getattr(self, "threads_in_use", 0) or ev.threads
+        pins = ev.pins_per_layer
+        return {"threads": f"{n} now" if ev.auto_threads else f"{n}",
+                "context_length": f"{ev.context_length} tokens",
+                "pin_per_layer": f"{pins} per layer"}
+
     def auto_values(self, engine: EngineConfig) -> tuple[int, int] | None:
         """(cap per layer, RAM budget bytes) the engine picks for "auto" with ``engine``'s
         settings on the open model: the open engine's own numbers while the sizing settings
@@ -911,10 +990,33 @@ class MainWindow(QMainWindow):
         plan = library.plan_for_store(self.loaded.store_path, engine)
         return plan.cap, plan.budget
 
+    def ask_reload_during_answer(self) -> str:
+        """Ask whether settings that reopen the model may stop the answer being written:
+        "stop" (stop it and apply now), "wait" (apply when it ends) or "cancel"."""
+        box = QMessageBox(QMessageBox.Warning, "Reopen the model?",
+                          "These settings reopen the model. The answer being written would stop.",
+                          QMessageBox.NoButton, self)
+        stop = box.addButton("Stop the answer and apply", QMessageBox.DestructiveRole)
+        wait = box.addButton("Apply when the answer ends", QMessageBox.AcceptRole)
+        box.addButton(QMessageBox.Cancel)
+        box.setDefaultButton(wait)
+        box.exec()
+        return {id(stop): "stop", id(wait): "wait"}.get(id(box.clickedButton()), "cancel")
+
     @Slot(object, bool)
     def apply_settings(self, new: Settings, needs_reload: bool) -> None:
         """Save the new settings (the only save of an Apply); reopen the engine if they require
-        it (else the sampling settings simply apply to the next message)."""
+        it (else the sampling settings simply apply to the next message). While an answer is
+        being written, a reopen asks first (:meth:`ask_reload_during_answer`)."""
+        if needs_reload and self.answer is not None:
+            choice = self.ask_reload_during_answer()
+            if choice == "cancel":
+                self.statusBar().showMessage("Settings not applied: the answer is still being written", 6000)
+                return
+            if choice == "wait":
+                self._reload_after_answer = True
+                needs_reload = False
+                self.statusBar().showMessage("The settings apply when the answer ends", 6000)
         try:
             save_settings(new)
         except OSError as e:
@@ -925,8 +1027,12 @@ class MainWindow(QMainWindow):
             from .resources import apply_theme
             apply_theme(QApplication.instance(), new.app.theme)
         if needs_reload:
-            cm = new.current_model
-            self.open_model(cm if cm and Path(cm).exists() else None)
+            self._reload_after_answer = False
+            self._reopen_current()
+
+    def _reopen_current(self) -> None:
+        cm = self.settings.current_model
+        self.open_model(cm if cm and Path(cm).exists() else None)
 
     def reset_routing_history(self) -> None:
         """Forget the open model's routing heat and pins (on the worker thread)."""

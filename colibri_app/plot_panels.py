@@ -409,7 +409,16 @@ class PlotPanels(QWidget):
         self.ram_ring.append(x, m.rss_bytes / 1e9, m.cache_bytes / 1e9)
         if m.budget_bytes:
             self.budget_gb = m.budget_bytes / 1e9
+        self.answer_rates = (m.total_hit_rate, m.total_mb_per_token)
         self._dirty_lines = True
+
+    def on_finished(self, ev) -> None:
+        """The answer ended: the legends show its whole-answer hit rate and MB/token, the very
+        numbers of the line under the answer (Finished; StepMetrics.total_* while streaming)."""
+        self.answer_rates = (ev.hit_rate, ev.mb_per_token)
+        self._legend_t = 0.0
+        self._dirty_lines = True
+        self.redraw()
 
     def on_residency(self, snap: ResidencySnapshot) -> None:
         """Record the latest residency snapshot (drawn on the next tick)."""
@@ -522,17 +531,28 @@ class PlotPanels(QWidget):
 
     # --- legends ------------------------------------------------------------------------------
 
+    def _answer_texts(self) -> tuple[str, str]:
+        """("hit rate N%", "X MB/token") of the answer so far, formatted by the answer line's
+        own function (chat_view.rates_text)."""
+        from .chat_view import rates_text
+        r = getattr(self, "answer_rates", None)
+        if r is None:
+            return "hit rate –", "– MB/token"
+        return rates_text(r[0], r[1])
+
     def _set_hit_legend(self, v) -> None:
         pin, lru, mean = ("–", "–", "–") if v is None else (f"{v[0]:.0f}%", f"{v[1]:.0f}%", f"{v[2]:.0f}%")
         self.hit_legend.setText(" &nbsp; ".join([
             _swatch(C_PINNED, f"pinned {pin}"), _swatch(C_LRU, f"cached {lru}"),
-            _swatch(_rgb(SCHEMES[getattr(self, "scheme", "") or "light"]["plot_mean"]), f"rolling mean {mean}")]))
+            _swatch(_rgb(SCHEMES[getattr(self, "scheme", "") or "light"]["plot_mean"]), f"rolling mean {mean}"),
+            f"<span style='white-space:nowrap'>answer: {self._answer_texts()[0]}</span>"]))
 
     def _set_ssd_legend(self, v) -> None:
         d, s = ("–", "–") if v is None else (f"{v[0]:.2f}", f"{v[1]:.2f}")
         self.ssd_legend.setText(" &nbsp; ".join([
             _swatch(C_DEMAND, f"demand {d} MB"), _swatch(C_SPEC, f"speculative {s} MB"),
-            "<span style='color:#80868b'>(stacked)</span>"]))
+            "<span style='color:#80868b'>(stacked)</span>",
+            f"<span style='white-space:nowrap'>answer: {self._answer_texts()[1]}</span>"]))
 
     def _set_ram_legend(self, v) -> None:
         fmt = lambda x: "–" if x is None else f"{x:.2f} GB"  # noqa: E731

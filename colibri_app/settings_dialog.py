@@ -267,6 +267,25 @@ class SettingsDialog(QDialog):
         validate(app, APP)
         return replace(self._base, engine=engine, sampling=sampling, app=app)
 
+    def show_in_use(self, in_use: dict[str, str], max_context: int = 0, model: str = "") -> None:
+        """Show what the open engine uses where a setting's special value lets it decide
+        (``in_use``: {setting name: text}, e.g. {"threads": "2 now"}): the spin box's special
+        text reads "<special>: <text>". ``max_context``: the open model's context limit
+        (max_position_embeddings); the context length box stops there and says why."""
+        for name, text in in_use.items():
+            w = self.fields.get(name)
+            st = next((x for x in settings_table() if x.name == name), None)
+            if w is None or st is None or not st.special or not hasattr(w, "setSpecialValueText"):
+                continue
+            w.setSpecialValueText(f"{st.special}: {text}")
+        w = self.fields.get("context_length")
+        if max_context > 0 and w is not None and hasattr(w, "setMaximum"):
+            w.setMaximum(max_context)
+            why = (f"{model or 'The open model'} was trained for at most {max_context} tokens; a longer "
+                   f"context writes garbage, so it is refused.")
+            w.setToolTip(f"{w.toolTip()}\n{why}")
+            self.context_limit_text = why
+
     def _show_auto(self, engine: EngineConfig) -> None:
         """Write the values the engine would pick into the "auto" check boxes."""
         picked = None
@@ -296,7 +315,8 @@ class SettingsDialog(QDialog):
             new = self.current_settings()
         except (ConfigError, ValueError) as e:
             self._valid = None
-            self.error_label.setText(f"Not applied: {e}")
+            from .engine_bridge import app_words
+            self.error_label.setText(f"Not applied: {app_words(str(e))}")
             self.error_label.show()
             self.status_label.setText("")
         else:

@@ -82,6 +82,10 @@ class Loaded:
     prewarm_seconds: float = 0.0
     message: str = ""
     has_chat_template: bool = True  #: False: only raw prompts can run (GenerateRequest.prompt)
+    max_context: int = 0            #: the model's limit (max_position_embeddings), tokens
+    threads: int = 0                #: compute threads in use now (threads = 0: re-counted while generating)
+    auto_threads: bool = False      #: the thread count follows the free cores (setting 0)
+    pins_per_layer: int = 0         #: experts per layer hot pinning may hold (setting 0: slots / 4)
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,9 @@ class StepMetrics:
     spec_used: int = 0
     spec_wasted_bytes: int = 0
     pilot_recall: tuple[float, ...] = ()
+    threads: int = 0  #: compute threads used for this token
+    total_hit_rate: float = 1.0      #: this answer so far (metrics.answer_rates: as Finished.hit_rate)
+    total_mb_per_token: float = 0.0  #: this answer so far (as Finished.mb_per_token)
 
 
 # Residency states in ResidencySnapshot.state
@@ -164,7 +171,15 @@ class FinishReason(StrEnum):
 
 @dataclass(frozen=True)
 class Finished:
-    """End of one generation. finish_reason: a FinishReason (stop, length, cancelled, error)."""
+    """End of one generation. finish_reason: a FinishReason (stop, length, cancelled, error).
+
+    hit_rate and mb_per_token cover the whole generation (prefill and decode): every demand
+    lookup, and demand + speculative bytes read over the generated tokens; StepMetrics carries
+    the same totals (``total_hit_rate``, ``total_mb_per_token``) so panels and the per-answer
+    line agree. dropped_messages: the oldest turns left out because the conversation no longer
+    fit (never the system prompt). answer_room: tokens the answer could use,
+    min(max_new_tokens, context - prompt). threads: compute threads at the end.
+    """
 
     finish_reason: FinishReason
     prompt_tokens: int
@@ -178,6 +193,9 @@ class Finished:
     mb_per_token: float
     felt_wait_s: float
     error: str = ""
+    dropped_messages: int = 0
+    answer_room: int = 0
+    threads: int = 0
 
 
 @dataclass(frozen=True)

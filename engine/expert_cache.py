@@ -588,6 +588,27 @@ class ExpertCache:
         self._release_pages(layer, v)
         return True
 
+    def forget(self) -> None:
+        """Evict every unpinned expert and zero the counters and the access clock, as if the
+        cache had just been made (the engine's kernel warm-up at open uses it, so that the
+        warm-up leaves no trace in residency, hit rates or benchmarks' cold starts)."""
+        with self.lock:
+            for layer in range(self.L):
+                ly = self.layers[layer]
+                while ly.live > 0:
+                    v = self._pick_victim(layer)
+                    if v < 0:
+                        break
+                    self._evict(layer, v)
+                    ly.live -= 1
+                    ly.free.append(v)
+                    self._release_pages(layer, v)
+            self.stats = CacheStats()
+            self.last_use[:] = 0
+            self.clock = 0
+            self.routed_now[:] = False
+            self._counted_hit.clear()
+
     def set_cap(self, cap: int, max_pins: int | None = None) -> int:
         """Change the slots per layer (1..arena size). Lowering first unpins the coldest pins
         beyond ``max_pins`` (default and upper bound: cap - 1, so one slot per layer always

@@ -21,19 +21,23 @@ from .events import Finished, FinishReason, GenerateRequest, Loaded, LoadProgres
 from .expert_cache import ExpertCache
 from .expert_store import ExpertStore
 from .heat import RoutingHeat, cap_pins, pins_per_layer
-from .metrics import MetricsTracker
+from .metrics import MetricsTracker, answer_rates
 from .models import build_model
 from .models.base import K, mean_router_probs
 from .observers import Observer, ObserverFailure
 from .ram_budget import RssGuard, current_rss
 from .sizing import estimate_store, plan_estimate
 from .sampling import Sampler
-from .sysinfo import BudgetClaim, usable_cpus
+from .settings import check_context_length
+from .sysinfo import BudgetClaim, FreeCores, threads_for, usable_cpus
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 WARMUP_TOKENS = 16
+#: (model class, dense quant, expert quant) whose kernels this process has already run
+_WARMED: set[tuple] = set()
+ADAPT_INTERVAL_S = 0.25  # threads = 0 (auto): re-count the free cores this often while generating
 
 
 class RoutingFeed(Observer):
@@ -68,7 +72,8 @@ class Engine:
     Attributes: config (EngineConfig), store (ExpertStore), args (ModelArgs), tokenizer,
     model (the family's Model, engine/models), cache (ExpertCache;
     rows = MoE layers), heat (RoutingHeat), plan (BudgetPlan),
-    loaded (Loaded event), pilot (Pilot or None).
+    loaded (Loaded event), pilot (Pilot or None), threads (compute threads in use),
+    usable_threads (the most it may use), free_cores (sysinfo.FreeCores with threads = 0, else None).
     """
 
     def __init__(self):
@@ -89,7 +94,12 @@ class Engine:
         self.read_rss = read_rss
         self._closed = False
         self._lock = threading.Lock()
-        self.threads = config.threads or usable_cpus()  # 0 = affinity and cgroup CPU quota
+        # threads = 0 (auto): the cores the CPU affinity and cgroup quota allow, minus those other
+        # programs keep busy, re-counted while generating (sysinfo.FreeCores; bench contention)
+        self.usable_threads = config.threads or usable_cpus()
+        self.threads = self.usable_threads
+        self.free_cores = FreeCores() if config.threads == 0 else None
+        self._adapted_at = float("-inf")
         self._apply_threads()
         report = progress or (lambda ev: None)
         report(LoadProgress("open", 0, 3, "", f"opening {config.store}"))
@@ -104,6 +114,9 @@ class Engine:
     def _open_rest(self, report) -> None:
         config, store = self.config, self.store
         a = self.args = store.args
+        # before any weight is read: a context the model was not trained for gives garbage
+        check_context_length(config.context_length, a.max_position_embeddings,
+                             f"the model {store.manifest.get('model_name', store.path.name)}")
         self.tokenizer = Tokenizer.from_dir(store.path)
         dense = store.load_dense()
         dense_bytes = sum(v.nbytes for v in dense.values())
@@ -119,6 +132,7 @@ class Engine:
                                  heat=self.heat.counts, checksum=config.checksum,
                                  io_threads=4)
         self.model = build_model(a, dense, store.dense_quant, store.quant, self.cache, ctx, store.group_size)
+        self.kernel_warmup_s = self._warm_kernels(report)
         self.routing_feed = RoutingFeed(self.heat, self.cache)
         self.model.subscribe(self.routing_feed)  # first: heat and EMA scores before anyone else
         self.guard = RssGuard(self.cache, self.plan.budget, read_rss=self.read_rss,
@@ -146,13 +160,52 @@ class Engine:
             num_experts_per_tok=a.num_experts_per_tok, context_length=ctx, cap_per_layer=self.cache.cap,
             ram_budget_bytes=self.plan.budget, dense_bytes=dense_bytes, expert_slot_bytes=store.slot_bytes,
             pilot=config.pilot, prewarmed_experts=pre_n, prewarm_seconds=pre_s, message=msg,
-            has_chat_template=self.tokenizer.has_chat_template)
+            has_chat_template=self.tokenizer.has_chat_template, max_context=int(a.max_position_embeddings),
+            threads=self.threads, auto_threads=self.free_cores is not None, pins_per_layer=self._pins_per_layer())
         # other colibri processes size their automatic budget around this one (sysinfo)
         self.budget_claim = BudgetClaim(self.plan.budget)
+
+    def _warm_kernels(self, report) -> float:
+        """Run the model's kernels once (a 2-token prefill and a 1-token decode step) before
+        "ready", so the first answer does not wait for numba to compile or load them (~8 s on a
+        fresh install, issue 17); once per process and kind of model. The KV rows written are
+        never reused (no prefix is kept) and ExpertCache.forget() undoes the loads, so nothing
+        of it shows in residency, counters or routing heat (no observer is subscribed yet).
+        Returns the seconds it took (0.0 when already warm)."""
+        key = (type(self.model).__name__, self.store.dense_quant, self.store.quant, self.store.group_size)
+        if key in _WARMED or self.context_length < 3:
+            return 0.0
+        report(LoadProgress("kernels", 0, 1, "", "preparing the compute kernels"))
+        t0 = time.perf_counter()
+        ids = [i % self.args.vocab_size for i in (1, 2, 3)]
+        self.model.forward(np.asarray(ids[:2]), 0)
+        self.model.forward(np.asarray(ids[2:]), 2)
+        self.cache.forget()
+        _WARMED.add(key)
+        dt = time.perf_counter() - t0
+        report(LoadProgress("kernels", 1, 1, "", f"compute kernels ready in {dt:.1f} s"))
+        return dt
 
     def _apply_threads(self) -> None:
         """numba's thread count is per calling thread: set it in the thread that computes."""
         K.set_threads(self.threads)
+
+    def _adapt_threads(self, force: bool = False) -> None:
+        """threads = 0 (auto): at most every ADAPT_INTERVAL_S, set the compute threads to the
+        cores other programs leave free (sysinfo.threads_for); a no-op for a fixed count."""
+        if self.free_cores is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._adapted_at < ADAPT_INTERVAL_S:
+            return
+        others = self.free_cores.others()
+        if others is None:
+            return
+        self._adapted_at = now
+        n = threads_for(self.usable_threads, others)
+        if n != self.threads:
+            self.threads = n
+            K.set_threads(n)
 
     def _chain_layer_hook(self) -> None:
         """Let the RSS guard look at every MoE layer start (a safe point: no expert is
@@ -257,25 +310,93 @@ class Engine:
         if self._closed:
             raise EngineError("engine is closed")
         cancel = cancel or threading.Event()
-        ids = self.prompt_ids(request)
         sampler = Sampler(request.sampling)
         C = self.context_length
+        ids, dropped = self.fit_prompt(request)
         if len(ids) == 0:
             raise ValueError("the prompt is empty")
         if len(ids) >= C:
-            raise ContextOverflowError(f"the prompt has {len(ids)} tokens but the context holds {C} "
-                                       f"(one more is needed to generate); shorten the conversation or "
-                                       f"raise the context length setting")
-        return self._run(ids, request, sampler, cancel)
+            raise ContextOverflowError(self._overflow_message(len(ids), bool(request.messages), dropped))
+        return self._run(ids, request, sampler, cancel, dropped)
 
-    def _run(self, ids, request, sampler, cancel) -> Iterator[object]:
+    def answer_room(self, max_new_tokens: int) -> int:
+        """Tokens a chat prompt must leave free for the answer: min(max_new_tokens, context / 4)
+        (a long setting must not make every later message refuse to fit)."""
+        return max(1, min(int(max_new_tokens), self.context_length // 4))
+
+    def fit_prompt(self, request: GenerateRequest) -> tuple[list[int], int]:
+        """(prompt token ids, oldest messages left out) for ``request``.
+
+        A chat whose prompt leaves less than :meth:`answer_room` tokens of the context drops
+        its oldest turns, a user message and the answers that follow it at a time, never the
+        system prompt(s) at its start nor the last user message. Among the shortened prompts
+        that fit, the one sharing the longest prefix with the KV rows kept from the previous
+        generation wins (so the next turns of a trimmed chat still reuse the prefill); with no
+        such prefix, enough turns are dropped to leave a quarter of the context free for the
+        turns to come. Raw prompts and token ids are never shortened (0 dropped). The result
+        may still not fit: :meth:`generate` refuses it then.
+        """
+        ids = self.prompt_ids(request)
+        msgs = request.messages
+        if request.prompt_ids is not None or not msgs:
+            return ids, 0
+        C = self.context_length
+        room = self.answer_room(request.sampling.max_new_tokens)
+        if len(ids) + room <= C:
+            return ids, 0
+        head = 0
+        while head < len(msgs) and msgs[head].role == "system":
+            head += 1
+        starts = [i for i in range(head + 1, len(msgs)) if msgs[i].role == "user"]
+        cands = []  # (start, ids) that fit, fewest dropped first
+        for st in starts:
+            c = self.tokenizer.encode_chat(tuple(msgs[:head]) + tuple(msgs[st:]))
+            if len(c) + room <= C:
+                cands.append((st, c))
+        if not cands:
+            if not starts:
+                return ids, 0
+            # even the last question alone leaves less room than wished: send it alone (the
+            # answer gets what is left) or let generate() refuse it
+            st = starts[-1]
+            return self.tokenizer.encode_chat(tuple(msgs[:head]) + tuple(msgs[st:])), st - head
+
+        def common(c: list[int]) -> int:
+            n = 0
+            for x, y in zip(c, self._kv_ids):
+                if x != y:
+                    break
+                n += 1
+            return n
+        base = common(cands[-1][1])  # what every candidate shares (the system prompt, template head)
+        best = max(cands, key=lambda sc: common(sc[1]))
+        if common(best[1]) <= base:
+            slack = C - room - C // 4
+            best = next((sc for sc in cands if len(sc[1]) <= slack), cands[-1])
+        return best[1], best[0] - head
+
+    def _overflow_message(self, n: int, chat: bool, dropped: int = 0) -> str:
+        C, limit = self.context_length, int(self.args.max_position_embeddings)
+        what = "The message" if chat else "The prompt"
+        s = (f"{what} has {n} tokens but the context holds {C} tokens (one more is needed to answer)"
+             + (f"; the {dropped} earlier messages were already left out" if dropped else "") + ". Shorten it")
+        if C < limit:
+            s += f", or raise the context length (this model takes up to {limit} tokens)"
+        else:
+            s += f" (this model takes at most {limit} tokens)"
+        return s + "."
+
+    def _run(self, ids, request, sampler, cancel, dropped=0) -> Iterator[object]:
         with self._lock:
-            yield from self._run_locked(ids, request, sampler, cancel)
+            yield from self._run_locked(ids, request, sampler, cancel, dropped)
 
-    def _run_locked(self, ids, request, sampler, cancel) -> Iterator[object]:
+    def _run_locked(self, ids, request, sampler, cancel, dropped=0) -> Iterator[object]:
         self._apply_threads()
+        self._adapt_threads(force=True)
         C = self.context_length
         sp = request.sampling
+        # the answer is capped by the room the context has left
+        max_new = min(sp.max_new_tokens, C - len(ids))
         forced = request.forced_ids
         tracker = MetricsTracker(self.cache, self.plan.budget, self.read_rss, self.pilot)
         dec = self.tokenizer.incremental_decoder()
@@ -325,12 +446,13 @@ class Engine:
                 piece = dec.push(tok)
                 text_parts.append(piece)
                 yield TokenEvent(len(out_ids) - 1, tok, piece, time.perf_counter() - step_t)
-                if len(out_ids) >= sp.max_new_tokens or pos >= C:
+                if len(out_ids) >= max_new or pos >= C:
                     reason = FinishReason.LENGTH
                     break
                 if cancel.is_set():
                     reason = FinishReason.CANCELLED
                     break
+                self._adapt_threads()
                 logits = self.model.forward(np.asarray([tok]), pos, cancel=cancel)
                 self._kv_ids.append(tok)
                 self.heat.tokens += 1
@@ -338,7 +460,7 @@ class Engine:
                 n = len(out_ids)
                 if self.guard.step(n) is not None:  # before the metrics: they show the RSS it left
                     self.sync_pins()
-                yield tracker.step(n)
+                yield tracker.step(n, self.threads)
                 snap = tracker.residency(n, self.heat.counts)
                 if snap is not None:
                     yield snap
@@ -365,17 +487,17 @@ class Engine:
         if snap is not None:
             yield snap
         tot = tracker.totals()
-        look = tot["hits"] + tot["misses"]
         n = len(out_ids)
+        hit_rate, mb_per_token = answer_rates(tot, n)
         dec_s = time.perf_counter() - (tracker.t_first or time.perf_counter())
         yield Finished(
             finish_reason=reason, prompt_tokens=len(ids), generated_tokens=n, text="".join(text_parts),
             token_ids=tuple(out_ids), ttft_s=tracker.ttft if tracker.t_first else time.perf_counter() - t0,
             decode_tok_per_s=(n - 1) / dec_s if n > 1 and dec_s > 0 else 0.0,
             prefill_tok_per_s=(len(ids) - p) / prefill_s if prefill_s > 0 else 0.0,
-            hit_rate=tot["hits"] / look if look else 1.0,
-            mb_per_token=(tot["demand_bytes"] + tot["spec_bytes"]) / 1e6 / max(n, 1),
-            felt_wait_s=tot["felt_wait_s"], error=error)
+            hit_rate=hit_rate, mb_per_token=mb_per_token,
+            felt_wait_s=tot["felt_wait_s"], error=error, dropped_messages=dropped, answer_room=max_new,
+            threads=self.threads)
 
     def reset_history(self) -> None:
         """Forget routing heat and pins (in memory and on disk)."""

@@ -33,6 +33,12 @@ Process-wide setup done here, before the first kernel compiles (issue #18, fault
 - threading layer: OpenMP, then TBB, then numba's ``workqueue`` (unless the user set
   ``NUMBA_THREADING_LAYER``). ``workqueue`` aborts the process when two threads launch parallel
   kernels at once, so under it (``SERIALIZED``) every parallel kernel runs under one lock.
+- OpenMP wait policy: left to libgomp (spin a while, then sleep). Spinning threads fight any
+  other busy program for its core (issue 17: ~800 -> 10 tok/s with one core busy), but
+  ``OMP_WAIT_POLICY=PASSIVE`` cost 80% of the quiet speed of the default model (a futex wake
+  at each of the many small parallel regions of a token); instead the engine runs only as many
+  threads as there are free cores (threads = 0: engine.sysinfo.FreeCores). Measured by
+  ``colibri bench contention`` (bench/results/contention_*.md).
 """
 
 from __future__ import annotations

@@ -19,6 +19,17 @@ def _rate(a: int, b: int) -> float:
     return a / b if b else 1.0
 
 
+def answer_rates(totals: dict, generated_tokens: int) -> tuple[float, float]:
+    """(hit rate, MB per token) of a whole answer so far, from cumulative cache counters
+    (``MetricsTracker.totals()``): hits / (hits + misses) over every demand lookup of the
+    prefill and the decode (1.0 with no lookups), and (demand + speculative bytes) / 1e6 per
+    generated token (at least 1). The one definition behind Finished, StepMetrics.total_* and
+    so the app's panels and per-answer line."""
+    look = totals["hits"] + totals["misses"]
+    return (_rate(totals["hits"], look),
+            (totals["demand_bytes"] + totals["spec_bytes"]) / 1e6 / max(int(generated_tokens), 1))
+
+
 class MetricsTracker:
     """Turns cumulative cache counters into per-token StepMetrics.
 
@@ -36,7 +47,8 @@ class MetricsTracker:
         self.peak_rss = 0
         self._last_res = 0.0
 
-    def step(self, token_index: int) -> StepMetrics:
+    def step(self, token_index: int, threads: int = 0) -> StepMetrics:
+        """Counters of the step that produced token ``token_index`` (tokens generated so far)."""
         now = time.perf_counter()
         if self.t_first is None:
             self.t_first = now
@@ -52,6 +64,7 @@ class MetricsTracker:
         el = now - self.t_first
         tps = decode_tokens / el if el > 0 and decode_tokens else 0.0
         recall = self.pilot.recall() if self.pilot is not None else ()
+        total_hit, total_mb = answer_rates({k: cur[k] - self.start[k] for k in cur}, token_index)
         return StepMetrics(
             token_index=token_index, hits=hits, misses=misses, pinned_hits=pin,
             hit_rate=_rate(hits, look), pinned_hit_rate=pin / look if look else 0.0,
@@ -64,7 +77,8 @@ class MetricsTracker:
             spec_issued=d["spec_issued"], spec_completed=d["spec_completed"],
             spec_dropped_stale=d["spec_dropped_stale"], spec_dropped_guard=d["spec_dropped_guard"],
             spec_dropped_full=d["spec_dropped_full"], spec_used=d["spec_used"],
-            spec_wasted_bytes=d["spec_wasted_bytes"], pilot_recall=tuple(recall))
+            spec_wasted_bytes=d["spec_wasted_bytes"], pilot_recall=tuple(recall), threads=threads,
+            total_hit_rate=total_hit, total_mb_per_token=total_mb)
 
     def totals(self) -> dict:
         """Counters accumulated since this tracker started."""

@@ -198,8 +198,10 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "expert, or on every load", "Expert checksums", choices=CHECKSUM_MODES),
     _S("history", bool, True, "remember which experts are used (saved next to the model, per model) to "
        "pin and pre-warm the hottest", "Routing history", check_text="remember which experts are used (per model)"),
-    _S("threads", int, 0, "threads for the numeric kernels (numba)", "Compute threads", lo=0, hi=1024,
-       unit="threads", special="all cores", old_names=("numba_threads",)),
+    _S("threads", int, 0, "threads for the numeric kernels (numba); auto: the cores this process may use "
+       "(CPU affinity, cgroup quota) minus those other programs keep busy, re-counted while it generates "
+       "(measured: bench/results/contention_*.md)", "Compute threads", lo=0, hi=1024,
+       unit="threads", special="auto (free cores)", old_names=("numba_threads",)),
 )
 
 SAMPLING_SETTINGS: tuple[Setting, ...] = (
@@ -224,6 +226,24 @@ APP_SETTINGS: tuple[Setting, ...] = (
        "always light or dark", "Colour scheme", group=APP, choices=THEMES, choice_labels=("System", "Light", "Dark"),
        needs_reload=False),
 )
+
+
+def check_context_length(context_length: int, max_positions: int, model: str = "this model") -> int:
+    """The context length to use (``context_length``; 0 = the model's default) if the model
+    can take it.
+
+    Positions past ``max_positions`` (Hugging Face ``max_position_embeddings``) were never
+    trained: rotary embeddings there give garbage (issue 17), so a longer context is refused.
+
+    Raises:
+        ConfigError: the setting exceeds the model's limit; the message gives both numbers.
+    """
+    c = setting("context_length").check(context_length)
+    if max_positions > 0 and c > max_positions:
+        raise ConfigError(f"Context length {c} tokens is more than {model} was trained for "
+                          f"({max_positions} tokens): past that it writes garbage. Choose at most "
+                          f"{max_positions} tokens (0 = the model's default).")
+    return c
 
 
 def settings_table(group: str | None = None) -> tuple[Setting, ...]:

@@ -18,7 +18,9 @@ Sizes are bytes (GB = 1e9 bytes), context lengths tokens.
 Automatic cap (after colibri's cap_for_ram, PR #1445):
     cap = (budget - dense - kv - reserve) // slots, clamped to [1, num_experts].
 The automatic budget is RSS after the dense weights are loaded + AVAILABLE_SHARE x available
-memory (ram_budget.probe_available). The pre-download verdict applies the same plan_cap to the
+memory (ram_budget.probe_available), but never more than the model can use: that RSS + KV +
+every expert of every layer + reserve (a 13 MB model took a 21 GB budget, and claimed it from
+other colibri processes; issue 17). The pre-download verdict applies the same plan_cap to the
 share of available memory the engine would budget.
 
 A new model family plugs in through its file in engine/models/ (``dense_tensors``, registered
@@ -173,11 +175,11 @@ class BudgetPlan:
     auto_cap: bool
 
     def describe(self) -> str:
-        """One line: cap, budget and its parts."""
-        return (f"{self.cap} slots/layer: {self.budget / GB:.2f} GB budget "
-                f"({'auto' if self.auto_budget else 'set'}), {self.dense / GB:.2f} GB dense, "
-                f"{self.kv / GB:.2f} GB KV, {self.reserve / GB:.2f} GB reserve, "
-                f"{self.slot_bytes_sum / 1e6:.1f} MB per slot across layers")
+        """One line: cap, budget and its parts (sizes in the unit that reads: kB, MB, GB)."""
+        return (f"{self.cap} slots/layer: {format_bytes(self.budget)} budget "
+                f"({'auto' if self.auto_budget else 'set'}), {format_bytes(self.dense)} dense, "
+                f"{format_bytes(self.kv)} KV, {format_bytes(self.reserve)} reserve, "
+                f"{format_bytes(self.slot_bytes_sum)} per slot across layers")
 
 
 def plan_cap(num_experts: int, slot_bytes: list[int], dense_bytes: int, kv_bytes: int,
@@ -203,17 +205,19 @@ def plan_cap(num_experts: int, slot_bytes: list[int], dense_bytes: int, kv_bytes
             from .sysinfo import others_unreserved
             available = max(0, available - others_unreserved())
         base = rss_now if rss_now is not None else dense_bytes
-        budget = int(base + AVAILABLE_SHARE * available)
+        # never more than the whole model can use: every expert cached (the RSS holds the dense)
+        whole = max(base, dense_bytes) + kv_bytes + num_experts * per + reserve
+        budget = int(min(base + AVAILABLE_SHARE * available, whole))
     else:
         budget = int(ram_budget_gb * GB)
     room = budget - dense_bytes - kv_bytes - reserve
     fit = room // per if per > 0 else num_experts
     if fit < 1:
         raise BudgetError(
-            f"RAM budget {budget / GB:.2f} GB cannot hold the dense weights ({dense_bytes / GB:.2f} GB) + "
-            f"KV cache ({kv_bytes / GB:.2f} GB) + reserve ({reserve / GB:.2f} GB) + one expert slot per "
-            f"layer ({per / GB:.3f} GB): {(dense_bytes + kv_bytes + reserve + per) / GB:.2f} GB needed. "
-            f"Raise ram_budget_gb, lower the context length, or use a smaller quantization.")
+            f"RAM budget {format_bytes(budget)} cannot hold the dense weights ({format_bytes(dense_bytes)}) + "
+            f"KV cache ({format_bytes(kv_bytes)}) + reserve ({format_bytes(reserve)}) + one expert slot per "
+            f"layer ({format_bytes(per)}): {format_bytes(dense_bytes + kv_bytes + reserve + per)} needed. "
+            f"Raise the RAM budget, lower the context length, or use a smaller quantization.")
     auto_cap = cap is None
     c = int(min(max(fit, 1), num_experts)) if auto_cap else int(min(cap, num_experts))
     return BudgetPlan(budget, dense_bytes, kv_bytes, reserve, per, c, ram_budget_gb is None, auto_cap)

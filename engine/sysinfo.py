@@ -321,3 +321,131 @@ def others_unreserved(folder: str | os.PathLike | None = None) -> int:
             continue
         total += max(0, budget - rss)
     return total
+
+
+# --- cores other programs keep busy ------------------------------------------------------------
+#
+# A parallel kernel with a static split waits at its barrier for its slowest thread; when another
+# program holds one of the cores, the thread that shares that core runs only part of the time
+# and every one of the hundreds of barriers per token waits for it (issue 17: 10.5 tok/s with
+# "all cores" and one busy core, 185 tok/s with one thread). The engine therefore runs as many
+# threads as there are cores the other programs leave free, measured while it runs:
+#
+#   others = (busy jiffies of this process's CPUs in /proc/stat over the interval
+#             - this process's own CPU time over the interval) / interval      [cores]
+#   threads = clamp(round(usable - others), 1, usable)     (round half down: 0.5 busy -> keep)
+#
+# /proc/stat (proc(5)): per CPU "cpuN user nice system idle iowait irq softirq steal guest
+# guest_nice" in USER_HZ ticks; busy = total - idle - iowait (guest is already inside user).
+# Steal counts as busy: the hypervisor gave that time to someone else. When this process is not
+# niced itself, the "nice" column (programs that lowered their priority: builds, indexers, test
+# runs at nice 10) is not counted: the scheduler gives their cores to us first. A first or stale sample
+# (no recent interval) uses the instantaneous ``procs_running`` of /proc/stat minus the calling
+# thread. Linux only; elsewhere :meth:`FreeCores.others` returns None (the count stays fixed).
+
+PROC_STAT = "/proc/stat"
+
+
+def _read_proc_stat(path: str | os.PathLike = PROC_STAT,
+                    count_nice: bool = True) -> tuple[dict[int, tuple[int, int]], int | None] | None:
+    """({cpu: (busy ticks, total ticks)}, procs_running) from /proc/stat, or None if unreadable.
+    ``count_nice`` False leaves the "nice" column out of busy."""
+    s = _read(Path(path))
+    if not s:
+        return None
+    cpus: dict[int, tuple[int, int]] = {}
+    running = None
+    for line in s.splitlines():
+        if line.startswith("cpu") and line[3:4].isdigit():
+            parts = line.split()
+            try:
+                vals = [int(x) for x in parts[1:9]]
+            except ValueError:
+                continue
+            vals += [0] * (8 - len(vals))
+            total = sum(vals)
+            busy = total - vals[3] - vals[4] - (0 if count_nice else vals[1])
+            cpus[int(parts[0][3:])] = (busy, total)
+        elif line.startswith("procs_running"):
+            try:
+                running = int(line.split()[1])
+            except (ValueError, IndexError):
+                pass
+    return cpus, running
+
+
+def _own_cpu_seconds() -> float:
+    """User + system CPU seconds of this whole process (every thread)."""
+    t = os.times()
+    return t.user + t.system
+
+
+def _affinity_set() -> set[int] | None:
+    try:
+        return set(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+
+
+class FreeCores:
+    """How many cores other programs keep busy, measured between calls (see the comment above).
+
+    Args:
+        stat_path: /proc/stat (tests pass a fake file).
+        cpus: the CPU numbers to look at (default: this process's affinity).
+        own_cpu_s: this process's CPU seconds so far (default: os.times()).
+        clock: monotonic seconds.
+        min_interval_s: a shorter interval returns None (ticks are 10 ms: too coarse).
+        count_nice: count niced programs as busy (default: only when this process is niced).
+        stale_s: a longer interval (the engine sat idle) restarts from the instantaneous
+            run-queue length instead of averaging over the idle time.
+    """
+
+    def __init__(self, stat_path: str | os.PathLike = PROC_STAT, cpus: set[int] | None = None,
+                 own_cpu_s=_own_cpu_seconds, clock=None, min_interval_s: float = 0.1, stale_s: float = 2.0,
+                 count_nice: bool | None = None):
+        import time as _time
+        if count_nice is None:
+            try:
+                count_nice = os.getpriority(os.PRIO_PROCESS, 0) > 0
+            except (AttributeError, OSError):
+                count_nice = True
+        self.count_nice = count_nice
+        self.stat_path = stat_path
+        self.cpus = cpus if cpus is not None else _affinity_set()
+        self.own_cpu_s = own_cpu_s
+        self.clock = clock or _time.monotonic
+        self.min_interval_s, self.stale_s = float(min_interval_s), float(stale_s)
+        self.tick_s = 1.0 / (os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100)
+        self._last: tuple[float, int, float] | None = None  # (time, busy ticks, own CPU s)
+
+    def _sample(self) -> tuple[float, int, float, int | None] | None:
+        st = _read_proc_stat(self.stat_path, self.count_nice)
+        if st is None or not st[0]:
+            return None
+        cpus, running = st
+        use = [c for c in cpus if self.cpus is None or c in self.cpus] or list(cpus)
+        return self.clock(), sum(cpus[c][0] for c in use), self.own_cpu_s(), running
+
+    def others(self) -> float | None:
+        """Cores (a float >= 0) other processes kept busy since the previous call, or None
+        when no estimate is possible (no /proc/stat, or the interval is under min_interval_s:
+        keep the previous choice)."""
+        s = self._sample()
+        if s is None:
+            return None
+        now, busy, own, running = s
+        last = self._last
+        if last is not None and now - last[0] < self.min_interval_s:
+            return None
+        self._last = (now, busy, own)
+        if last is None or now - last[0] > self.stale_s:
+            return None if running is None else float(max(0, running - 1))
+        dt = now - last[0]
+        return max(0.0, ((busy - last[1]) * self.tick_s - (own - last[2])) / dt)
+
+
+def threads_for(usable: int, others: float) -> int:
+    """Compute threads for ``usable`` cores when other programs keep ``others`` cores busy:
+    round(usable - others) with halves rounded down, clamped to 1..usable."""
+    return max(1, min(int(usable), math.ceil(usable - others - 0.5)))

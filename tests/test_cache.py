@@ -180,7 +180,7 @@ def test_auto_cap_is_monotone_in_budget_and_refuses_impossible():
 
 
 def test_engine_refuses_impossible_budget(tiny_store):
-    with pytest.raises(BudgetError, match="GB needed"):
+    with pytest.raises(BudgetError, match=r"MB needed\. Raise the RAM budget"):
         Engine.open(EngineConfig(store=str(tiny_store), ram_budget_gb=0.1))
 
 

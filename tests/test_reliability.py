@@ -465,7 +465,9 @@ def test_second_process_budgets_around_the_first(tmp_path, monkeypatch, tiny_sto
     from engine import sizing, sysinfo
     monkeypatch.setenv("COLIBRI_CLAIMS_DIR", str(tmp_path / "claims"))
     monkeypatch.setattr(sizing, "probe_available", lambda: (10 * GB, True))
-    plan = lambda: sizing.plan_cap(8, [1_000_000] * 2, 50_000_000, 1_000_000, None, None,  # noqa: E731
+    # 8192 experts of 1 MB per layer: more than 8.8 GB, so the automatic budget is not capped
+    # at "the whole model" (issue 17) and the claims decide it
+    plan = lambda: sizing.plan_cap(8192, [1_000_000] * 2, 50_000_000, 1_000_000, None, None,  # noqa: E731
                                    rss_now=100_000_000)
     alone = plan().budget
     other = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(60)"],

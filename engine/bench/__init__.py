@@ -20,6 +20,7 @@ clock. Verbs:
   replay          a routing trace through LRU, LFRU, EMA, ours and Belady
   trace-heldout   a routing trace of the default model over its held-out text
   gguf, peers     llama.cpp (Q8_0 GGUF) and transformers beside our engine, in cgroup memory limits
+  contention      decode tok/s of the compute-thread defaults with 0, 1, 2 busy background processes
 A new benchmark: add ``engine/bench/<verb>.py`` with ``cmd_<verb>(args) -> int`` and
 ``add_parser(bs)``, and list the module in VERBS.
 """
@@ -31,10 +32,10 @@ import functools
 import importlib
 
 VERBS = ("make_synthetic", "decode", "cache", "pilot", "disk", "replay", "matrix", "trace_heldout", "arm",
-         "gguf", "peers", "kernels")
+         "gguf", "peers", "kernels", "contention")
 
 
-INTERNAL_VERBS = ("arm", "decode-arm", "peer-arm")  # run by the verbs themselves, one arm per process
+INTERNAL_VERBS = ("arm", "decode-arm", "peer-arm", "contention-arm")  # run by the verbs themselves, one arm per process
 
 
 def add_bench_parser(sub) -> None:

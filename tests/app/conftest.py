@@ -51,7 +51,7 @@ def make_window(qtbot, app_dirs, app_store):
         win.show()
         if wait_loaded:
             win.start()
-            qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=30000)
+            qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=120000)  # shared, loaded CI machines
         return win
 
     yield make
