@@ -230,3 +230,47 @@ def test_replayed_routing_is_the_routing_the_model_uses(medium_store, logits_tra
         assert np.array_equal(idx, want), layer
         pos[layer] += n
     assert pos[0] == 5 + 3  # 4 forced tokens: the last is emitted without a forward
+
+
+def test_misses_are_read_in_compute_order_one_at_a_time():
+    """io_threads=1: a layer's misses are read one after another, in the order prepare returns
+    (the order the layer computes them), so the first needed is never behind the others."""
+    import time as _t
+
+    class SlowStore:
+        slot_bytes = 4096
+        path = "."
+        experts = None
+
+        def __init__(self):
+            self.order, self.inflight, self.max_inflight = [], 0, 0
+            self.lk = threading.Lock()
+
+        def read(self, layer, expert, buf, verify=False):
+            with self.lk:
+                self.inflight += 1
+                self.max_inflight = max(self.max_inflight, self.inflight)
+                self.order.append(expert)
+            _t.sleep(0.01)
+            with self.lk:
+                self.inflight -= 1
+            return 4096
+
+        def views(self, buf):
+            return {}
+    st = SlowStore()
+    cache = ExpertCache(st, 1, 16, cap=8, io_threads=1)
+    try:
+        cache.prepare(0, [2, 7])
+        for e in (2, 7):
+            cache.acquire(0, e)
+            cache.release(0, e)
+        st.order.clear()
+        order = cache.prepare(0, [2, 4, 7, 9, 12])  # the engine passes ascending ids (np.unique)
+        assert order == [2, 7, 4, 9, 12]  # hits first, then misses by id
+        for e in order:
+            cache.acquire(0, e)
+            cache.release(0, e)
+    finally:
+        cache.close()
+    assert st.order == [4, 9, 12] and st.max_inflight == 1
