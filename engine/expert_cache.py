@@ -161,8 +161,14 @@ class ExpertCache:
 
     # --- slot helpers (lock held) ----------------------------------------------------------------
 
+    def _slot_offset(self, layer: int, slot: int) -> int:
+        """Byte offset of (layer, slot) in the arena, as a Python int: slot ids often come
+        from the int32 index arrays, and an int32 product wraps past 2 GiB (numpy 2 keeps
+        the int32 type), which pointed slots of a > 2 GiB arena into other slots."""
+        return (int(layer) * self.max_cap + int(slot)) * int(self.slot_bytes)
+
     def _buf(self, layer: int, slot: int) -> np.ndarray:
-        off = (layer * self.max_cap + slot) * self.slot_bytes
+        off = self._slot_offset(layer, slot)
         return self.arena[off:off + self.slot_bytes]
 
     def _track(self, layer: int, slot: int) -> None:
@@ -252,7 +258,7 @@ class ExpertCache:
         self.observers.publish("on_evict", layer, int(e))
 
     def _release_pages(self, layer: int, slot: int) -> None:
-        off = (layer * self.max_cap + slot) * self.slot_bytes
+        off = self._slot_offset(layer, slot)
         try:
             self._arena_mm.madvise(mmap.MADV_DONTNEED, off, self.slot_bytes)
         except (AttributeError, OSError, ValueError):

@@ -274,3 +274,26 @@ def test_misses_are_read_in_compute_order_one_at_a_time():
     finally:
         cache.close()
     assert st.order == [4, 9, 12] and st.max_inflight == 1
+
+
+def test_arena_offsets_past_2_gib_do_not_wrap():
+    """Slot ids from the int32 index arrays: the arena offset of a slot past 2 GiB must not
+    wrap (it did: 7B store, 4 GB budget, cap 31 -> a 3.1 GB arena, evicted slots overlapped
+    others and decoding produced NaN logits). The arena is virtual: nothing is touched."""
+    class BigSlabStore:
+        slot_bytes = 64 << 20
+
+        def read(self, layer, expert, buf, verify=False):
+            return self.slot_bytes
+
+        def views(self, buf):
+            return {}
+    cache = ExpertCache(BigSlabStore(), 2, 40, cap=20, io_threads=1)  # 2.7 GB arena
+    try:
+        base = cache.arena.ctypes.data
+        for layer, slot in ((1, np.int32(19)), (1, np.int64(10)), (0, 19)):
+            b = cache._buf(layer, slot)
+            assert b.ctypes.data - base == (layer * 20 + int(slot)) * (64 << 20)
+            assert b.size == 64 << 20
+    finally:
+        cache.close()
