@@ -5,7 +5,8 @@ Store layout (folder)::
     manifest.json        format name/version, model_type (the family), quant, alignment, slab
                          layout; num_layers = M MoE layers (rows of the expert table),
                          num_hidden_layers = L, moe_layers = the transformer layer of each
-                         row; per MoE layer: slot bytes; per expert: file, offset, length, crc32
+                         row; per MoE layer: slot bytes; per expert: file, offset, length, xxh3_64
+                         (store version 2; version 1 stores carry crc32 and still open)
     dense.safetensors    embeddings, attention (+ biases, q/k norms), norms, routers, lm_head,
                          shared experts and dense-layer MLPs (canonical names, see
                          engine/models/base.py decoder_tensors): all resident
@@ -33,7 +34,6 @@ import shutil
 import tempfile
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -45,9 +45,10 @@ from .errors import Cancelled, CheckpointError, StoreError
 from .events import LoadProgress
 from .fsutil import fsync_dir, normalize_modes
 from .quant import ALIGN, QUANTS, check_finite, quantize, slab_layout
-from .store_format import FORMAT_NAME, FORMAT_VERSION, check_store_files
+from .store_format import CHECKSUM_OF_VERSION, FORMAT_NAME, FORMAT_VERSION, check_store_files, slab_checksum
 
 log = logging.getLogger(__name__)
+CHECKSUM = CHECKSUM_OF_VERSION[FORMAT_VERSION]  # each expert entry's checksum field (and the manifest's "checksum")
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
@@ -256,7 +257,7 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
                     offset = f.tell()
                     f.write(slab.tobytes())
                     metas.append({"file": rel, "offset": offset, "length": layout["slot_bytes"],
-                                  "crc32": zlib.crc32(slab)})
+                                  CHECKSUM: slab_checksum(CHECKSUM, slab)})
                     report(f"model.layers.{i} expert {e}")
                 f.flush()
                 os.fsync(f.fileno())
@@ -286,7 +287,7 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
             "dense_quant": dq,
             "group_size": group_size if "int4" in (quant, dq) else None,
             "alignment": ALIGN,
-            "checksum": "crc32",
+            "checksum": CHECKSUM,
             "dense_file": "dense.safetensors",
             "dense_bytes": dense_bytes,
             "slab_layout": {"fields": [list(x) for x in layout["fields"]],

@@ -14,9 +14,18 @@ see. Chosen by replaying the default model's held-out routing traces (``colibri 
 replay``): at cap = half the experts it hits 4 points more than LRU. Victim choice scans the
 cap's evictable slots (vectorised, O(cap)).
 
-Concurrency: one lock and one condition variable. Reads happen outside the lock, on the I/O
-pool; a second request for an expert that is loading waits for that load (never reads it
-twice). A failed read frees its slot again (the slot is never leaked).
+Concurrency: one lock and one condition variable. Reads happen outside the lock, on the
+cache's reader threads; a second request for an expert that is loading waits for that load
+(never reads it twice). A failed read frees its slot again (the slot is never leaked).
+
+Reader threads (``io_threads`` of them) take demand reads from one ordered queue: first the
+reads the compute is blocked on right now (``acquire`` found no slot at ``prepare`` time),
+then every other demand read in submission order, which is the layer's compute order (hits
+first, then misses by ascending id). With one reader (the engine's default on a disk whose
+bandwidth does not grow with queue depth) a layer's first-needed miss arrives after one slab
+read instead of after all of them sharing the disk; the kernels start on it while the next
+one is read. The compute thread never reads or checksums a slab itself: verification runs
+in the reader (``ExpertStore.read(verify=True)``).
 """
 
 from __future__ import annotations
@@ -27,7 +36,6 @@ import threading
 import time
 from collections import OrderedDict
 from enum import Enum, IntEnum
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -140,13 +148,27 @@ class ExpertCache:
         self._counted_hit: set = set()
         self.routed_now = np.zeros((num_layers, num_experts), bool)
         self.demand_inflight = 0  # demand reads issued and not finished (PILOT yields to them)
-        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix="colibri-io")
         self._closed = False
+        # demand reads: a heap of (urgency, sequence, layer, expert, slot); urgency 0 = the
+        # compute waits for it now (acquire), 1 = announced by prepare (in compute order)
+        self._readq: list[tuple[int, int, int, int, int]] = []
+        self._readq_seq = 0
+        self.io_threads = max(1, int(io_threads))
+        self._readers = [threading.Thread(target=self._reader, name=f"colibri-io-{i}", daemon=True)
+                         for i in range(self.io_threads)]
+        for t in self._readers:
+            t.start()
 
     # --- slot helpers (lock held) ----------------------------------------------------------------
 
+    def _slot_offset(self, layer: int, slot: int) -> int:
+        """Byte offset of (layer, slot) in the arena, as a Python int: slot ids often come
+        from the int32 index arrays, and an int32 product wraps past 2 GiB (numpy 2 keeps
+        the int32 type), which pointed slots of a > 2 GiB arena into other slots."""
+        return (int(layer) * self.max_cap + int(slot)) * int(self.slot_bytes)
+
     def _buf(self, layer: int, slot: int) -> np.ndarray:
-        off = (layer * self.max_cap + slot) * self.slot_bytes
+        off = self._slot_offset(layer, slot)
         return self.arena[off:off + self.slot_bytes]
 
     def _track(self, layer: int, slot: int) -> None:
@@ -236,7 +258,7 @@ class ExpertCache:
         self.observers.publish("on_evict", layer, int(e))
 
     def _release_pages(self, layer: int, slot: int) -> None:
-        off = (layer * self.max_cap + slot) * self.slot_bytes
+        off = self._slot_offset(layer, slot)
         try:
             self._arena_mm.madvise(mmap.MADV_DONTNEED, off, self.slot_bytes)
         except (AttributeError, OSError, ValueError):
@@ -326,6 +348,24 @@ class ExpertCache:
                 self.observers.publish("on_load", layer, expert, n, dt, speculative)
             self.cond.notify_all()
 
+    def _submit(self, layer: int, expert: int, slot: int, urgency: int) -> None:
+        """Queue a demand read of a reserved slot for the reader threads (lock held)."""
+        self._readq_seq += 1
+        heapq.heappush(self._readq, (urgency, self._readq_seq, layer, expert, slot))
+        self.demand_inflight += 1
+        self.cond.notify_all()
+
+    def _reader(self) -> None:
+        """A reader thread: take the most urgent queued demand read, read (and verify) it."""
+        while True:
+            with self.lock:
+                while not self._readq and not self._closed:
+                    self.cond.wait()
+                if not self._readq:  # closed and drained
+                    return
+                _u, _seq, layer, expert, slot = heapq.heappop(self._readq)
+            self._load(layer, expert, slot, False)
+
     def load_experts(self, layer: int, experts) -> None:
         """Make ``experts`` of ``layer`` resident now (pre-warm, "all resident" benchmarks): one
         prepare/acquire/release pass whose lookups are not counted as demand hits or misses.
@@ -354,7 +394,6 @@ class ExpertCache:
         Returns the order to compute them in: this call's hits (ascending id), then its misses
         (ascending id), so the kernels work on resident experts while the misses are read
         (the order is a function of the routing and the cache state only: replayable)."""
-        jobs = []
         hits_first: list[int] = []
         misses_after: list[int] = []
         with self.lock:
@@ -387,14 +426,9 @@ class ExpertCache:
                 slot = self._reserve(layer, e)
                 if slot < 0:
                     break
-                jobs.append((e, slot))
+                self._submit(layer, e, slot, 1)  # in compute order: the first needed is read first
             for s in held:
                 self.slot_busy[layer, s] -= 1
-        if jobs:
-            with self.lock:
-                self.demand_inflight += len(jobs)
-        for e, slot in jobs:
-            self._pool.submit(self._load, layer, e, slot, False)
         return hits_first + misses_after
 
     def acquire(self, layer: int, expert: int) -> dict:
@@ -422,12 +456,9 @@ class ExpertCache:
                             # (cap smaller than the call's distinct experts): it is a miss
                             self.stats.hits -= 1
                             self.stats.misses += 1
-                        self.demand_inflight += 1
-                        self.lock.release()
-                        try:
-                            self._load(layer, expert, slot, False)
-                        finally:
-                            self.lock.acquire()
+                        # read by a reader thread, before any other queued read: the compute
+                        # thread never reads or verifies a slab itself
+                        self._submit(layer, expert, slot, 0)
                         continue
                 self.cond.wait(0.05)
                 if time.perf_counter() - t0 > STALL_TIMEOUT_S:
@@ -662,8 +693,10 @@ class ExpertCache:
         return self.where[layer, expert] >= 0
 
     def close(self) -> None:
-        """Stop the I/O pool (waits for reads in flight). Idempotent."""
+        """Stop the reader threads (each finishes the queued reads first; a read that finishes
+        after close frees its slot). Idempotent."""
         with self.lock:
             self._closed = True
             self.cond.notify_all()
-        self._pool.shutdown(wait=True)
+        for t in self._readers:
+            t.join()

@@ -130,7 +130,7 @@ class Engine:
             self.heat.load(store.path)
         self.cache = ExpertCache(store, a.num_moe_layers, a.num_experts, self.plan.cap, config.policy,
                                  heat=self.heat.counts, checksum=config.checksum,
-                                 io_threads=4)
+                                 io_threads=config.io_threads)
         self.model = build_model(a, dense, store.dense_quant, store.quant, self.cache, ctx, store.group_size)
         self.kernel_warmup_s = self._warm_kernels(report)
         self.routing_feed = RoutingFeed(self.heat, self.cache)

@@ -196,6 +196,10 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        lo=0, hi=65536, unit="experts", special="auto (slots / 4)"),
     _S("checksum", str, "first", "verify expert slabs read from the SSD: never, on the first load of each "
        "expert, or on every load", "Expert checksums", choices=CHECKSUM_MODES),
+    _S("io_threads", int, 1, "expert reads in flight at once (the SSD queue depth); 1 reads a layer's misses "
+       "one after another in the order the layer computes them, so the first one needed arrives first "
+       "(measured best on the reference machine, whose disk is no faster at depth 4; see bench/README.md)",
+       "Read threads", lo=1, hi=16, unit="threads"),
     _S("history", bool, True, "remember which experts are used (saved next to the model, per model) to "
        "pin and pre-warm the hottest", "Routing history", check_text="remember which experts are used (per model)"),
     _S("threads", int, 0, "threads for the numeric kernels (numba); auto: the cores this process may use "

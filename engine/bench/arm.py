@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from ..observers import Observer
-from .common import add_stream_flags, forced_stream, heldout_stream
+from .common import BENCH_KEYS, add_stream_flags, forced_stream, heldout_stream
 
 
 class TouchedExperts(Observer):
@@ -63,17 +63,40 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
 
     The decoded stream is: ``prompt_text`` (greedy answer to a real question), else the ids of
     ``stream_file`` (real held-out text, teacher forced), else ``forced_stream`` (seeded random
-    ids, teacher forced)."""
+    ids, teacher forced).
+
+    Bench-only overrides (not engine settings): ``warm_all`` (every expert loaded before the
+    first token), ``routing_trace`` (a logits trace: the model's routing and PILOT's
+    predictions are replayed from it, ``engine.trace.RecordedRouting``; "realistic routing"),
+    ``routing_seed`` (its permutation seed, default 0).
+
+    Output identity: ``sha256_ids`` hashes the emitted ids (under teacher forcing those are the
+    forced ones), ``sha256_logits`` the float32 logits of every forward: the check that
+    placement changed no value. CPU: ``decode_cpu_s`` is this process's user + system CPU time
+    over the decode steps (rusage), ``decode_wall_s`` their wall time."""
     from ..config import EngineConfig
     from ..events import Finished, GenerateRequest, SamplingParams, StepMetrics
     from ..generate import Engine
     from ..prof import Profile
-    over = {k: v for k, v in cfg_over.items() if k != "warm_all"}
+    over = {k: v for k, v in cfg_over.items() if k not in BENCH_KEYS}
     cfg = EngineConfig(store=store, **over).validated()
     t_open = time.perf_counter()
     eng = Engine.open(cfg)
     open_s = time.perf_counter() - t_open
+    routing = None
     try:
+        if cfg_over.get("routing_trace"):
+            from ..trace import RecordedRouting
+            routing = RecordedRouting(cfg_over["routing_trace"], eng.args.num_moe_layers, eng.args.num_experts,
+                                      seed=int(cfg_over.get("routing_seed", 0))).install(eng.model)
+        logit_hash = hashlib.sha256()
+        fwd = eng.model.forward
+
+        def hashed_forward(*args, **kw):  # every forward's logits, in order
+            out = fwd(*args, **kw)
+            logit_hash.update(np.ascontiguousarray(out, np.float32).tobytes())
+            return out
+        eng.model.forward = hashed_forward
         if cfg_over.get("warm_all"):
             # "All resident": every expert loaded before the first token (not counted).
             # Expert rows are MoE layers (dense MLP layers have none).
@@ -97,13 +120,17 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
         eng.subscribe(touched)
         prof = Profile(eng)
         fin = None
-        ru0 = resource.getrusage(resource.RUSAGE_SELF)
+        ru_start = resource.getrusage(resource.RUSAGE_SELF)
+        ru0 = t_dec0 = None
         for ev in eng.generate(req):
             if isinstance(ev, StepMetrics):
                 prof.add(ev)
+                if ru0 is None:  # after the first step (prefill + first token): decode starts
+                    ru0, t_dec0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             elif isinstance(ev, Finished):
                 fin = ev
-        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        ru1, t_dec1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        dec_cpu = (ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime) if ru0 is not None else 0.0
         steps = prof.steps
         recall = list(steps[-1].pilot_recall) if steps and steps[-1].pilot_recall else []
         # all-steps figures (prefill included; the decode-only ones follow below)
@@ -125,6 +152,11 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
                "guard_fired": eng.guard.fired, "guard_trail": [list(t) for t in eng.guard.trail],
                "o_direct": eng.store.o_direct, "open_s": open_s,
                "sha256_ids": hashlib.sha256(json.dumps(list(fin.token_ids)).encode()).hexdigest()[:16],
+               "sha256_logits": logit_hash.hexdigest()[:16],
+               "routing": "realistic" if routing is not None else "forced",
+               "routing_fallbacks": routing.fallbacks if routing is not None else 0,
+               "decode_cpu_s": dec_cpu, "decode_wall_s": (t_dec1 - t_dec0) if t_dec0 is not None else 0.0,
+               "decode_steps": max(len(steps) - 1, 0),
                "decode_s": (fin.generated_tokens - 1) / fin.decode_tok_per_s if fin.decode_tok_per_s else 0.0,
                "spec": {k: sum(getattr(m, k) for m in steps) for k in (
                    "spec_issued", "spec_completed", "spec_dropped_stale", "spec_dropped_guard",
@@ -137,7 +169,7 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
                "quant": eng.store.quant, "code": code_version(),
                # CPU seconds (user + system, every thread of this process) spent generating:
                # on a loaded machine this, not wall clock, says what the engine cost
-               "gen_cpu_s": (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime),
+               "gen_cpu_s": (ru1.ru_utime - ru_start.ru_utime) + (ru1.ru_stime - ru_start.ru_stime),
                "gen_wall_s": fin.ttft_s + ((fin.generated_tokens - 1) / fin.decode_tok_per_s
                                            if fin.decode_tok_per_s else 0.0)}
         # Decode only (steps after the first: the first covers the prompt's prefill and the
@@ -154,6 +186,8 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
             decode_read_service_s=sum(m.read_service_s for m in dec))
         return row
     finally:
+        if routing is not None:
+            routing.uninstall()
         eng.close()
 
 def cmd_arm(a) -> int:
@@ -168,11 +202,15 @@ def cmd_arm(a) -> int:
     print("ARM " + json.dumps(row))
     return 0
 
-def arm_subprocess(store, over, prompt_len, tokens, seed, prompt_text=None, stream_file=None) -> dict:
+def arm_subprocess(store, over, prompt_len, tokens, seed, prompt_text=None, stream_file=None,
+                   cgroup_gb: float | None = None) -> dict:
     """Run one arm (run_arm) in a fresh ``colibri bench arm`` process; returns its JSON row.
+    ``cgroup_gb``: run it inside a cgroup v1 memory group with that limit (GB = 1e9 bytes;
+    ``peers.MemCgroup``); the row then has ``cgroup_max_usage_gb`` and ``cgroup_oom_kills``.
 
     Raises:
         RuntimeError: the arm process printed no row (its output tail is in the message).
+        OSError: the memory cgroup cannot be created.
     """
     cmd = [sys.executable, "-m", "engine.cli", "bench", "arm", "--store", store, "--config", json.dumps(over),
            "--prompt-len", str(prompt_len), "--tokens", str(tokens), "--seed", str(seed)]
@@ -181,12 +219,30 @@ def arm_subprocess(store, over, prompt_len, tokens, seed, prompt_text=None, stre
     if stream_file is not None:
         cmd += ["--stream-file", str(stream_file)]
     load_before = os.getloadavg()[0]
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    grp = extra = None
+    if cgroup_gb is not None:
+        from .peers import MemCgroup
+        grp = MemCgroup(int(cgroup_gb * 1e9))
+        cmd = grp.wrap(cmd)
+    try:
+        ch0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        ch1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if grp is not None:
+            g = grp.stats()
+            extra = {"cgroup_gb": cgroup_gb, "cgroup_max_usage_gb": g["cgroup_max_usage_bytes"] / 1e9,
+                     "cgroup_oom_kills": g["cgroup_oom_kills"]}
+    finally:
+        if grp is not None:
+            grp.remove()
     for line in p.stdout.splitlines():
         if line.startswith("ARM "):
             # 1-minute load averages before and after the arm: this machine is shared
-            return {**json.loads(line[4:]), "load_avg_before": load_before, "load_avg": os.getloadavg()[0]}
-    raise RuntimeError(f"arm {over} failed:\n{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
+            return {**json.loads(line[4:]), **(extra or {}), "load_avg_before": load_before,
+                    "load_avg": os.getloadavg()[0],
+                    "process_cpu_s": ch1.ru_utime + ch1.ru_stime - ch0.ru_utime - ch0.ru_stime}
+    raise RuntimeError(f"arm {over} failed{' (OOM-killed?)' if extra and extra['cgroup_oom_kills'] else ''}:\n"
+                       f"{p.stdout[-2000:]}\n{p.stderr[-4000:]}")
 
 
 def add_parser(bs) -> None:

@@ -24,6 +24,9 @@ PRESETS = {
                         num_experts_per_tok=8, vocab_size=50304, max_position_embeddings=4096),
 }
 
+BENCH_KEYS = ("warm_all", "routing_trace", "routing_seed")  # arm overrides that are not engine settings
+
+
 def machine_info() -> dict:
     """CPU, cores, RAM (GB), Python version and the time, recorded with every result."""
     import psutil
@@ -97,7 +100,12 @@ def check_arm_inputs(store: str, arms: list[dict], stream_file: str | None, need
         raise ValueError(f"--store {store}: not a converted store (no manifest.json); "
                          f"make one with `colibri convert HF_FOLDER STORE`")
     for over in arms:
-        EngineConfig(store=store, **{k: v for k, v in over.items() if k != "warm_all"}).validated()
+        EngineConfig(store=store, **{k: v for k, v in over.items() if k not in BENCH_KEYS}).validated()
+        if over.get("routing_trace"):
+            from ..config import ModelArgs
+            from ..trace import RecordedRouting
+            a = ModelArgs.from_hf_config(Path(store) / "config.json")
+            RecordedRouting(over["routing_trace"], a.num_moe_layers, a.num_experts)  # refuses a bad trace
     if stream_file is not None:
         try:
             n = len(heldout_stream(stream_file))

@@ -15,6 +15,11 @@ def cmd_trace_heldout(a) -> int:
     prompt, the rest is teacher forced, so the routing is the model's real routing on text it
     never trained on. All sequences run in one engine session, like a user's chats; pinning on,
     history off, PILOT 1 (its predictions go into the trace).
+
+    With ``--logits`` the trace also holds router and predictor logits (``RecordedRouting``
+    input) and each sequence's prompt is its first token only, so every later position is a
+    decode step with PILOT's predictor logits recorded (the routing is the same either way:
+    teacher forcing computes what a prefill computes, row by row).
     """
     from ..config import EngineConfig
     from ..library import default_model_dir, default_store
@@ -25,14 +30,17 @@ def cmd_trace_heldout(a) -> int:
     store = a.store or str(default_store())
     seqs = [json.loads(x)["ids"] for x in (src / "heldout_sample.jsonl").read_text().splitlines() if x.strip()]
     seqs = seqs[:a.sequences]
-    cfg = EngineConfig(store=store, cap=a.cap or None, pilot=1, pinning=True, history=False).validated()
+    cfg = EngineConfig(store=store, cap=a.cap or None, pilot=1, pinning=True, history=False,
+                       ram_budget_gb=a.ram_budget_gb).validated()
     with Engine.open(cfg) as eng:
-        rec = TraceRecorder(eng)
+        rec = TraceRecorder(eng, logits=a.logits)
         marker = eng.tokenizer.token_to_id("<|assistant|>")
         n_tok = 0
         for ids in seqs:
             ids = ids[:eng.args.max_position_embeddings - 1]
             cut = ids.index(marker) + 2 if marker is not None and marker in ids[:-3] else min(16, len(ids) - 1)
+            if a.logits:
+                cut = 1
             req = GenerateRequest(prompt_ids=tuple(ids[:cut]), forced_ids=tuple(ids[cut:]),
                                   sampling=SamplingParams(max_new_tokens=len(ids) - cut))
             for ev in eng.generate(req):
@@ -55,4 +63,7 @@ def add_parser(bs) -> None:
     th.add_argument("--sequences", type=int, default=64)
     th.add_argument("--cap", type=int, default=0, help="cap while recording (0 = auto)")
     th.add_argument("--out", default="bench/work/trace_default.jsonl")
+    th.add_argument("--ram-budget-gb", type=float, default=None, help="RAM budget of the engine (default: auto)")
+    th.add_argument("--logits", action="store_true",
+                    help="record router + PILOT predictor logits too (input of `bench overlap --routing realistic`)")
     th.set_defaults(fn=cmd_trace_heldout)

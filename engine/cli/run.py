@@ -54,7 +54,7 @@ def cmd_run(a) -> int:
         trace = None
         if a.trace:
             from ..trace import TraceRecorder
-            trace = TraceRecorder(eng)
+            trace = TraceRecorder(eng, logits=a.trace_logits)
         cancel = threading.Event()
         fin = None
         try:
@@ -162,6 +162,8 @@ def add_parsers(sub) -> None:
                    "model to continue (special tokens in it are recognised; --system is not used)")
     r.add_argument("--prof", action="store_true", help="print a closing profile (hit rate, MB/token, felt wait)")
     r.add_argument("--trace", help="record routing and PILOT predictions to this file")
+    r.add_argument("--trace-logits", action="store_true", help="also record router and PILOT predictor logits "
+                   "in the trace (drives `colibri bench overlap --routing realistic`)")
     add_setting_flags(r, SAMPLING)
     add_setting_flags(r, ENGINE)
     r.set_defaults(fn=cmd_run)

@@ -10,6 +10,7 @@ from typing import Callable
 from ..convert import convert_checkpoint
 from ..errors import StoreError
 from ..events import LoadProgress
+from ..store_format import FORMAT_VERSION
 from .paths import models_dir, resources_dir
 
 DEFAULT_MODEL = "colibri-stdlib-moe"
@@ -38,7 +39,10 @@ def default_store(progress: Callable[[LoadProgress], None] | None = None,
     m = dst / "manifest.json"
     if m.exists():
         try:
-            if json.loads(m.read_text(encoding="utf-8")).get("source_mtime") == stamp:
+            man = json.loads(m.read_text(encoding="utf-8"))
+            # rebuilt when the checkpoint changed or the store predates this engine's format
+            # (a version 1 store still opens; rebuilding gives it the faster checksums)
+            if man.get("source_mtime") == stamp and man.get("version") == FORMAT_VERSION:
                 return dst
         except (OSError, ValueError):
             pass
