@@ -44,6 +44,8 @@ else:
         from .. import kernels_ref as K
 
 PREFILL_CHUNK = 128
+KV_DTYPES = {"f16": np.uint16, "f32": np.float32}  # KV cache element: IEEE half bits or float32
+F16_MAX = 65504.0  # largest finite IEEE half
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # slab field names (store canonical)
 
 
@@ -544,13 +546,19 @@ class MoEModel:
         args: a family's ModelArgs. dense: canonical dense tensors (store names, see the
             family files). dense_quant / expert_quant: weight kinds. experts: the
             ExpertProvider (indexed by MoE layer). context_length: KV capacity C in tokens.
+            kv_dtype: "f16" (the cache holds K and V as IEEE half, rounded to nearest even
+            from the float32 projections, clipped to +-65504; half the RAM of "f32") or "f32".
 
     The KV cache holds C positions for every layer, also for sliding-window layers (the window
     only masks attention; it does not shrink the cache).
+
+    Raises:
+        ValueError: unknown kv_dtype.
     """
 
     def __init__(self, args: ModelArgs, dense: dict, dense_quant: str, expert_quant: str,
-                 experts: ExpertProvider, context_length: int, group_size: int = 32):
+                 experts: ExpertProvider, context_length: int, group_size: int = 32,
+                 kv_dtype: str = "f16"):
         self.args = a = args
         self.C = context_length
         self.experts = experts
@@ -582,13 +590,16 @@ class MoEModel:
                 ly["mlp"] = _mlp_views(dense, p + "mlp.")
             self.layers.append(ly)
         self.moe_layer_ids = list(a.moe_layers)
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
+        self.kv_dtype = kv_dtype
         L, Hkv, S = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
         # Filled (not np.zeros, whose pages appear lazily) so the KV the budget reserves is
         # resident from the start: RSS then matches the plan instead of creeping up later.
-        self.k_cache = np.empty((L, Hkv, self.C, S), dtype=np.float32)  # [L, Hkv, C, S]
-        self.v_cache = np.empty((L, Hkv, self.C, S), dtype=np.float32)
-        self.k_cache.fill(0.0)
-        self.v_cache.fill(0.0)
+        self.k_cache = np.empty((L, Hkv, self.C, S), dtype=KV_DTYPES[kv_dtype])  # [L, Hkv, C, S]
+        self.v_cache = np.empty((L, Hkv, self.C, S), dtype=KV_DTYPES[kv_dtype])
+        self.k_cache.fill(0)
+        self.v_cache.fill(0)
         self.cos, self.sin = rope_tables(S, a.rope_theta, self.C)  # [C, S/2]
         self.scale = np.float32(S ** -0.5)
         # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
@@ -655,8 +666,8 @@ class MoEModel:
         cos, sin = self.cos[pos0:pos0 + T], self.sin[pos0:pos0 + T]
         K.rope(q3, cos, sin)
         K.rope(k3, cos, sin)
-        self.k_cache[i, :, pos0:pos0 + T] = k3.transpose(1, 0, 2)
-        self.v_cache[i, :, pos0:pos0 + T] = v.reshape(T, Hkv, S).transpose(1, 0, 2)
+        self.k_cache[i, :, pos0:pos0 + T] = self._kv_store(k3.transpose(1, 0, 2))
+        self.v_cache[i, :, pos0:pos0 + T] = self._kv_store(v.reshape(T, Hkv, S).transpose(1, 0, 2))
         att = np.empty((T, H, S), np.float32)  # [T, H, S]
         kc, vc = self.k_cache[i], self.v_cache[i]
         w = self.windows[i]
@@ -670,6 +681,13 @@ class MoEModel:
             j0 = pos0 + t - w + 1
             K.attention(q3[t:t + 1], kc[:, j0:], vc[:, j0:], w - 1, self.scale, att[t:t + 1])
         return ly["o_proj"](att.reshape(T, H * S), np.empty_like(x))  # [T, D]
+
+    def _kv_store(self, x: np.ndarray) -> np.ndarray:
+        """float32 K or V rows as the cache holds them (f16: rounded to nearest even, clipped
+        to the finite half range so a huge value stays finite instead of becoming inf)."""
+        if self.kv_dtype == "f32":
+            return x
+        return np.clip(x, -F16_MAX, F16_MAX).astype(np.float16).view(np.uint16)
 
     def moe_norm(self, j: int) -> np.ndarray:
         """post_attention_layernorm weight float32 [D] of MoE layer j (PILOT's predictor input)."""
