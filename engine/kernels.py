@@ -19,10 +19,15 @@ products are integer: AVX-512 VNNI ``vpdpbusd`` through numba intrinsics (LLVM v
 CPUs that have it (``INT_FLAVOR`` "vnni"), AVX-512BW ``vpmaddubsw`` for q4 ("bw"), plain
 vectorizable numba loops on the dequantized activations elsewhere ("portable"). Every path
 computes the same real-valued expression, quantize_activations(x) @ dequant(W)^T, which is
-what kernels_ref computes. Measured on this repo's machine (AMD EPYC, AVX-512 VNNI; one
-thread, thread CPU time, 2048 x 1024 expert, T = 1 / 16): q8 41 / 33 -> 45 / 51 and q4
-2.7 / 2.5 -> 45 / 49 G multiply-adds per second (the old q4 loop read x with stride 2 and
-compiled to gathers).
+what kernels_ref computes. The SIMD paths run register tiles (see "register tiles" below): one
+pass over R weight rows serves TT tokens, with R x TT independent accumulators, and the
+nibbles' "- 8" (q4) and the unsigned activations' "+ 128" (q8) are folded into vpdpbusd's
+start values, so a group costs one vpdpbusd, one int -> float conversion, one multiply and one
+FMA per (row, token). Measured on this repo's machine (Intel Xeon with AVX-512 VNNI, shared
+with other jobs at load 20-30: one thread, thread CPU time, best of 40, a 2048 x 1024 expert in
+cache), before -> after the tiles: q4 T = 1 17 -> 31, T = 4 20 -> 49, T = 64 26 -> 46;
+q8 T = 1 18 -> 20, T = 64 27 -> 50 G multiply-adds per CPU-second. At T = 1 the expert
+weights come from DRAM and the kernels run at the memory bandwidth the machine gives.
 
 Process-wide setup done here, before the first kernel compiles (issue #18, faults 7 and 8):
 
@@ -410,6 +415,9 @@ def _load_at(builder, base, byte_off, vty, align):
     return builder.load(builder.bitcast(builder.gep(base, [byte_off]), vty.as_pointer()), align=align)
 
 
+PREFETCH_BYTES = 8192  # software prefetch distance (bytes ahead in each weight row) of the T = 1 tiles
+
+
 def _make_int_tile(kind: str, R: int, TT: int):
     """An intrinsic ``tile(xa, xs, xc, w, ws, o0, t0, npairs, res)`` for rows o0..o0+R-1 of w and
     tokens t0..t0+TT-1, writing the pair sums (before any tail / correction) to
@@ -457,9 +465,17 @@ def _make_int_tile(kind: str, R: int, TT: int):
                      if kind == "q4" else [])
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(TT)]
                     for _ in range(R)]
+            if PREFETCH_BYTES and TT == 1:  # decode: the weights stream from DRAM
+                pf = cgutils.get_or_insert_function(
+                    mod, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
             with cgutils.for_range(builder, np_) as loop:
                 i = loop.index
                 i8 = builder.mul(i, c64(8))  # two float32 scales per pair
+                if PREFETCH_BYTES and TT == 1:
+                    step = 32 if kind == "q4" else 64
+                    for r in range(R):
+                        ahead = builder.gep(wrow[r], [builder.add(builder.mul(i, c64(step)), c64(PREFETCH_BYTES))])
+                        builder.call(pf, [ahead, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
                 wv, wb = [], []
                 for r in range(R):
                     if kind == "q4":

@@ -731,21 +731,30 @@ class MoEModel:
         logits = self.router_logits(j, h)  # [T, E]
         idx, w = route(logits, a.num_experts_per_tok, a.norm_topk_prob)  # [T, K]
         self.observers.publish("on_route", j, idx, logits)
-        uniq = np.unique(idx)  # ascending expert ids
+        Kk = idx.shape[1]
+        # Group the T*K (token, rank) entries by expert with one stable sort: entry n = t*K + k,
+        # so each expert's entries come out in ascending token order, contiguous; its tokens'
+        # rows are gathered once into xs and its outputs land in one slice of outs.
+        flat = idx.reshape(-1)
+        by_e = np.argsort(flat, kind="stable")  # [T*K]
+        sorted_e = flat[by_e]
+        uniq, first = np.unique(sorted_e, return_index=True)  # ascending expert ids
+        bounds = dict(zip(uniq.tolist(), zip(first.tolist(), first[1:].tolist() + [len(flat)])))
         order = self.experts.prepare(j, uniq)
-        y = np.zeros((T, idx.shape[1], D), np.float32)  # [T, K, D]
+        xs = h if T == 1 else h[by_e // Kk]  # [T*K, D] (T = 1: each expert sees the one row)
+        outs = np.empty((T * Kk, D), np.float32)  # [T*K, D] in expert-sorted order
         scratch = np.empty((T, a.moe_intermediate_size), np.float32)  # [T, I]
-        for e in (uniq if order is None else order):  # outputs land by rank: order never changes values
-            rows, ranks = np.nonzero(idx == e)
-            n = len(rows)
-            xe = h if n == T else np.ascontiguousarray(h[rows])  # [n, D]; rows are sorted
-            out = np.empty((n, D), np.float32)
+        for e in (uniq.tolist() if order is None else order):  # order never changes values
+            lo, hi = bounds[int(e)]
+            n = hi - lo
             views = self.experts.acquire(j, int(e))
             try:
-                run_expert(self.expert_quant, views, xe, scratch[:n], out, self.gs)
+                run_expert(self.expert_quant, views, xs if T == 1 else xs[lo:hi], scratch[:n], outs[lo:hi], self.gs)
             finally:
                 self.experts.release(j, int(e))
-            y[rows, ranks] = out
+        y = np.empty((T * Kk, D), np.float32)
+        y[by_e] = outs
+        y = y.reshape(T, Kk, D)  # [T, K, D] by rank
         moe = y[:, 0] * w[:, 0:1]
         for k in range(1, idx.shape[1]):
             moe += y[:, k] * w[:, k:k + 1]
