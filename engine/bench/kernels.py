@@ -216,9 +216,10 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
             if o and ll:
                 ratios[f"{ours_label}/{llama_label}{sfx}"] = {k: o[k] / ll[k] for k in keys if k in o and k in ll}
     ours_labels = [lb for lb, _ in a.ours]
-    if "int4" in ours_labels and "int8" in ours_labels:
-        o4, o8 = med.get("ours-int4", {}), med.get("ours-int8", {})
-        ratios["int4/int8"] = {k: o4[k] / o8[k] for k in keys if k in o4 and k in o8}
+    for l4 in [lb for lb in ours_labels if lb.startswith("int4")]:
+        if "int8" in ours_labels:
+            o4, o8 = med.get(f"ours-{l4}", {}), med.get("ours-int8", {})
+            ratios[f"{l4}/int8"] = {k: o4[k] / o8[k] for k in keys if k in o4 and k in o8}
     cols = [("arm", "arm", "")] + [(k.replace("_per_cpu_s", " tok/CPU-s") if "cpu" in k else k + " tok/s", k, ".1f")
                                    for k in keys]
     if a.cgroup_gb:
@@ -256,15 +257,38 @@ def main(a) -> int:
         print(f"--llama-bench {a.llama_bench}: not an executable; build llama.cpp natively "
               f"(bench/README.md)", file=sys.stderr)
         return 2
-    arms = [("ours", lb, p, None) for lb, p in a.ours] + [("llama", lb, p, None) for lb, p in a.llama]
+    # Order: the pairs side by side (ours, then its llama.cpp peer), so an interrupted run still
+    # holds complete pairs; the cgroup arms of the first pair right after it; the rest after.
+    ours, llama = dict(a.ours), dict(a.llama)
+    arms, seen = [], set()
+
+    def add(system, label, limit=None):
+        src = ours if system == "ours" else llama
+        if label in src and (system, label, limit) not in seen:
+            seen.add((system, label, limit))
+            arms.append((system, label, src[label], limit))
+    cg_ok = False
     if a.cgroup_gb:
         from .peers import cgroup_available
-        ok, why = cgroup_available(a.cgroup_root)
-        if not ok:
+        cg_ok, why = cgroup_available(a.cgroup_root)
+        if not cg_ok:
             print(f"--cgroup-gb: {why}; the cgroup arms are skipped", file=sys.stderr)
-        else:
-            arms += [("ours", lb, p, a.cgroup_gb) for lb, p in a.ours if lb in (a.cgroup_arms or [lb])]
-            arms += [("llama", lb, p, a.cgroup_gb) for lb, p in a.llama if lb in (a.cgroup_arms or [lb])]
+    for n, (ol, ll) in enumerate(a.pair):
+        add("ours", ol)
+        add("llama", ll)
+        if n == 0 and cg_ok:
+            for system, label in (("ours", ol), ("llama", ll)):
+                if label in (a.cgroup_arms or [label]):
+                    add(system, label, a.cgroup_gb)
+    for lb in ours:
+        add("ours", lb)
+    for lb in llama:
+        add("llama", lb)
+    if cg_ok:
+        for system, src in (("ours", ours), ("llama", llama)):
+            for lb in src:
+                if lb in (a.cgroup_arms or [lb]):
+                    add(system, lb, a.cgroup_gb)
     rows = []
     for rep in range(a.reps):
         for system, label, path, limit in (arms if rep % 2 == 0 else arms[::-1]):
