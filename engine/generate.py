@@ -121,7 +121,8 @@ class Engine:
         dense = store.load_dense()
         dense_bytes = sum(v.nbytes for v in dense.values())
         # the one sizing rule (engine/sizing.py), with the dense bytes as loaded
-        self.sizing = replace(estimate_store(a, store.manifest, config.context_length), dense_bytes=dense_bytes)
+        self.sizing = replace(estimate_store(a, store.manifest, config.context_length, config.kv_dtype),
+                              dense_bytes=dense_bytes)
         ctx = self.context_length = self.sizing.context_length
         report(LoadProgress("open", 1, 3, "", "dense weights loaded"))
         self.plan = plan_estimate(self.sizing, config.ram_budget_gb, config.cap, rss_now=self.read_rss())
@@ -131,7 +132,8 @@ class Engine:
         self.cache = ExpertCache(store, a.num_moe_layers, a.num_experts, self.plan.cap, config.policy,
                                  heat=self.heat.counts, checksum=config.checksum,
                                  io_threads=config.io_threads)
-        self.model = build_model(a, dense, store.dense_quant, store.quant, self.cache, ctx, store.group_size)
+        self.model = build_model(a, dense, store.dense_quant, store.quant, self.cache, ctx, store.group_size,
+                                 kv_dtype=config.kv_dtype)
         self.kernel_warmup_s = self._warm_kernels(report)
         self.routing_feed = RoutingFeed(self.heat, self.cache)
         self.model.subscribe(self.routing_feed)  # first: heat and EMA scores before anyone else

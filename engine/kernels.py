@@ -19,10 +19,15 @@ products are integer: AVX-512 VNNI ``vpdpbusd`` through numba intrinsics (LLVM v
 CPUs that have it (``INT_FLAVOR`` "vnni"), AVX-512BW ``vpmaddubsw`` for q4 ("bw"), plain
 vectorizable numba loops on the dequantized activations elsewhere ("portable"). Every path
 computes the same real-valued expression, quantize_activations(x) @ dequant(W)^T, which is
-what kernels_ref computes. Measured on this repo's machine (AMD EPYC, AVX-512 VNNI; one
-thread, thread CPU time, 2048 x 1024 expert, T = 1 / 16): q8 41 / 33 -> 45 / 51 and q4
-2.7 / 2.5 -> 45 / 49 G multiply-adds per second (the old q4 loop read x with stride 2 and
-compiled to gathers).
+what kernels_ref computes. The SIMD paths run register tiles (see "register tiles" below): one
+pass over R weight rows serves TT tokens, with R x TT independent accumulators, and the
+nibbles' "- 8" (q4) and the unsigned activations' "+ 128" (q8) are folded into vpdpbusd's
+start values, so a group costs one vpdpbusd, one int -> float conversion, one multiply and one
+FMA per (row, token). Measured on this repo's machine (Intel Xeon with AVX-512 VNNI, shared
+with other jobs at load 20-30: one thread, thread CPU time, best of 40, a 2048 x 1024 expert in
+cache), before -> after the tiles: q4 T = 1 17 -> 31, T = 4 20 -> 49, T = 64 26 -> 46;
+q8 T = 1 18 -> 20, T = 64 27 -> 50 G multiply-adds per CPU-second. At T = 1 the expert
+weights come from DRAM and the kernels run at the memory bandwidth the machine gives.
 
 Process-wide setup done here, before the first kernel compiles (issue #18, faults 7 and 8):
 
@@ -236,40 +241,6 @@ def _quant_group(x, lo, gs):
 QB = 32  # activation block of the q8 kernels (columns)
 
 
-@intrinsic
-def _q8_pairs_simd(typingctx, xu, xs, w, npairs):
-    """sum over block pairs p < npairs of xs[b] * sum_j (xu_j - 128) * w_j, blocks of 32.
-
-    xu uint8 [>= 64 npairs] = q + 128; xs float32 [>= 2 npairs]; w int8 [>= 64 npairs].
-    16 float lanes accumulate in registers, summed at the end in a fixed tree order."""
-    sig = types.float32(xu, xs, w, types.intp)
-
-    def codegen(context, builder, signature, args):
-        xup, xsp, wp = [context.make_array(signature.args[i])(context, builder, value=args[i]).data
-                        for i in range(3)]
-        mod = builder.module
-        v64i8, v16i32, v16f, v2f = _vec(_I8, 64), _vec(_I32, 16), _vec(_F32, 16), _vec(_F32, 2)
-        dp = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i32, [v16i32, v64i8, v64i8]),
-                                            "llvm.x86.avx512.vpdpbusd.512")
-        acc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
-        zero = ir.Constant(v16i32, [0] * 16)
-        lanes = _const_vec(_I32, [0] * 8 + [1] * 8)  # dword lane -> block A/B
-        with cgutils.for_range(builder, args[3]) as loop:
-            i = loop.index
-            off = builder.mul(i, ir.Constant(_I64, 64))
-            wv = builder.load(builder.bitcast(builder.gep(wp, [off]), v64i8.as_pointer()), align=1)
-            xv = builder.load(builder.bitcast(builder.gep(xup, [off]), v64i8.as_pointer()), align=1)
-            p = builder.call(dp, [zero, xv, wv])
-            wsum = builder.call(dp, [zero, _const_vec(_I8, [1] * 64), wv])
-            p = builder.sub(p, builder.shl(wsum, _const_vec(_I32, [7] * 16)))
-            a2 = builder.load(builder.bitcast(builder.gep(xsp, [builder.mul(i, ir.Constant(_I64, 2))]),
-                                              v2f.as_pointer()), align=4)
-            sc = builder.shuffle_vector(a2, ir.Constant(v2f, ir.Undefined), lanes)
-            builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(p, v16f), sc)), acc)
-        return _tree_sum(builder, builder.load(acc))
-    return sig, codegen
-
-
 _Q8_SIMD = INT_FLAVOR == "vnni"
 
 
@@ -310,24 +281,10 @@ def _q8_prepare(x):
 
 @njit(inline="always", **_KW)
 def _q8_out(P, w, s, o, t):
-    """Element (t, o) of quantize_activations(x) @ (w * s)^T for x prepared as P."""
+    """Element (t, o) of quantize_activations(x) @ (w * s)^T for x prepared as P (portable
+    path; the SIMD path runs through the register tiles below)."""
     simd, xu, xs, xf = P
-    if not simd:
-        return _dot_q8(xf[t], w[o], s[o])
-    N = w.shape[1]
-    npairs = N // 64
-    acc = _q8_pairs_simd(xu[t], xs[t], w[o], npairs)
-    lo = npairs * 64
-    b = npairs * 2
-    while lo < N:
-        hi = min(lo + QB, N)
-        tot = 0
-        for j in range(lo, hi):
-            tot += (np.int32(xu[t, j]) - 128) * np.int32(w[o, j])
-        acc += np.float32(tot) * xs[t, b]
-        lo = hi
-        b += 1
-    return acc * s[o]
+    return _dot_q8(xf[t], w[o], s[o])
 
 
 # --- q4: activations quantized like llama.cpp's Q8_0, integer dot products --------------------
@@ -339,59 +296,14 @@ def _q8_out(P, w, s, o, t):
 # unsigned nibbles times signed bytes, the operand shape of AVX-512 VNNI's vpdpbusd, with the
 # "- 8" folded into c_g = 8 * d * sum_j q_j (computed once per row and group).
 
-@intrinsic
-def _q4_pairs_simd(typingctx, xq, xs, w, ws, npairs):
-    """sum over group pairs p < npairs of xs[g] * ws[g] * sum_j nibble_j * xq_j, for gs = 32.
-
-    xq int8 [>= 64 npairs]: per pair of groups (A, B) the bytes [even columns of A (16),
-    of B (16), odd columns of A (16), of B (16)], which lines up with one 32-byte load of
-    the packed weights split into low nibbles then high nibbles. xs, ws float32 [>= 2 npairs];
-    w uint8 [>= 32 npairs]. 16 float lanes accumulate in registers, summed at the end in a
-    fixed tree order (deterministic)."""
-    sig = types.float32(xq, xs, w, ws, types.intp)
-
-    def codegen(context, builder, signature, args):
-        ptrs = [context.make_array(signature.args[i])(context, builder, value=args[i]).data for i in range(4)]
-        xqp, xsp, wp, wsp = ptrs
-        mod = builder.module
-        v64i8, v32i8, v32i16, v16i32, v16f, v2f = (_vec(_I8, 64), _vec(_I8, 32), _vec(_I16, 32),
-                                                   _vec(_I32, 16), _vec(_F32, 16), _vec(_F32, 2))
-        if INT_FLAVOR == "vnni":
-            dp = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i32, [v16i32, v64i8, v64i8]),
-                                                "llvm.x86.avx512.vpdpbusd.512")
-        else:
-            mub = cgutils.get_or_insert_function(mod, ir.FunctionType(v32i16, [v64i8, v64i8]),
-                                                 "llvm.x86.avx512.pmaddubs.w.512")
-            mwd = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i32, [v32i16, v32i16]),
-                                                 "llvm.x86.avx512.pmaddw.d.512")
-        acc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
-        cat = _const_vec(_I32, range(64))
-        lanes = _const_vec(_I32, [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4)  # dword lane -> group A/B
-        with cgutils.for_range(builder, args[4]) as loop:
-            i = loop.index
-            wv = builder.load(builder.bitcast(builder.gep(wp, [builder.mul(i, ir.Constant(_I64, 32))]),
-                                              v32i8.as_pointer()), align=1)
-            nib = builder.shuffle_vector(builder.and_(wv, _const_vec(_I8, [15] * 32)),
-                                         builder.lshr(wv, _const_vec(_I8, [4] * 32)), cat)
-            xv = builder.load(builder.bitcast(builder.gep(xqp, [builder.mul(i, ir.Constant(_I64, 64))]),
-                                              v64i8.as_pointer()), align=1)
-            if INT_FLAVOR == "vnni":
-                p32 = builder.call(dp, [ir.Constant(v16i32, [0] * 16), nib, xv])
-            else:
-                p32 = builder.call(mwd, [builder.call(mub, [nib, xv]), _const_vec(_I16, [1] * 32)])
-            g2 = builder.mul(i, ir.Constant(_I64, 2))
-            a2 = builder.load(builder.bitcast(builder.gep(xsp, [g2]), v2f.as_pointer()), align=4)
-            b2 = builder.load(builder.bitcast(builder.gep(wsp, [g2]), v2f.as_pointer()), align=4)
-            sc = builder.shuffle_vector(builder.fmul(a2, b2), ir.Constant(v2f, ir.Undefined), lanes)
-            builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(p32, v16f), sc)), acc)
-        return _tree_sum(builder, builder.load(acc))
-    return sig, codegen
-
-
 @njit(inline="always", **_KW)
 def _q4_prep_simd(x, xq, xs, c):
-    """Quantize x [N] (gs = 32) into the pair layout of _q4_pairs_simd; a last unpaired group
-    holds [16 even | 16 odd]. xs [G] scales, c [G] = 8 * xs * sum(q)."""
+    """Quantize x [N] (gs = 32) into the pair layout of the q4 tiles: per pair of groups
+    (A, B) the bytes [even columns of A (16), of B (16), odd columns of A (16), of B (16)],
+    which lines up with one 32-byte load of the packed weights split into low nibbles then
+    high nibbles; a last unpaired group holds [16 even | 16 odd]. xs [G] scales. c int32
+    [N // 4]: per dword lane (4 consecutive bytes of xq) -8 * the sum of its q, the start
+    value of that lane's vpdpbusd, so a lane sums q * (nibble - 8) exactly in int32."""
     G = xs.shape[0]
     paired = (G // 2) * 2
     for g in range(G):
@@ -399,32 +311,12 @@ def _q4_prep_simd(x, xq, xs, c):
         xs[g] = d
         base = (g // 2) * 64 + (g % 2) * 16
         odd = 32 if g < paired else 16
-        tot = 0
         for j in range(16):
-            a = np.int32(np.rint(x[g * 32 + 2 * j] * inv))
-            b = np.int32(np.rint(x[g * 32 + 2 * j + 1] * inv))
-            xq[base + j] = a
-            xq[base + odd + j] = b
-            tot += a + b
-        c[g] = np.float32(8.0) * d * np.float32(tot)
-
-
-@njit(inline="always", **_KW)
-def _q4_dot_simd(xq, xs, c, w, ws):
-    """One q4 row (gs = 32) against a row prepared by _q4_prep_simd."""
-    G = ws.shape[0]
-    acc = _q4_pairs_simd(xq, xs, w, ws, G // 2)
-    if G % 2:
-        g = G - 1
-        tot = 0
-        for j in range(16):
-            b = np.int32(w[g * 16 + j])
-            tot += np.int32(xq[g * 32 + j]) * (b & 15) + np.int32(xq[g * 32 + 16 + j]) * (b >> 4)
-        acc += np.float32(tot) * (xs[g] * ws[g])
-    corr = np.float32(0.0)
-    for g in range(G):
-        corr += ws[g] * c[g]
-    return acc - corr
+            xq[base + j] = np.int32(np.rint(x[g * 32 + 2 * j] * inv))
+            xq[base + odd + j] = np.int32(np.rint(x[g * 32 + 2 * j + 1] * inv))
+    for k in range(c.shape[0]):
+        c[k] = -8 * (np.int32(xq[4 * k]) + np.int32(xq[4 * k + 1]) + np.int32(xq[4 * k + 2])
+                     + np.int32(xq[4 * k + 3]))
 
 
 @njit(inline="always", **_KW)
@@ -488,7 +380,7 @@ def _q4_prepare(x, gs):
     simd = _Q4_SIMD and gs == 32
     xq = np.empty((T, N if simd else 0), np.int8)
     xs = np.empty((T, N // gs), np.float32)
-    c = np.empty((T, N // gs), np.float32)
+    c = np.empty((T, N // 4 if simd else 0), np.int32)
     xe = np.empty((T, 0 if simd else N // 2), np.float32)
     xo = np.empty((T, 0 if simd else N // 2), np.float32)
     if T >= 8:
@@ -502,11 +394,253 @@ def _q4_prepare(x, gs):
 
 @njit(inline="always", **_KW)
 def _q4_out(P, w, s, sh, hg, o, t):
-    """Element (t, o) of quantize_activations(x) @ dequant(w, s)^T for x prepared as P."""
+    """Element (t, o) of quantize_activations(x) @ dequant(w, s)^T for x prepared as P (portable
+    path; the SIMD path runs through the register tiles below)."""
     simd, xq, xs, c, xe, xo = P
-    if simd:
-        return _q4_dot_simd(xq[t], xs[t], c[t], w[o], s[o])
     return _q4_dot_portable(xe[t], xo[t], w[o], s[o], sh, hg)
+
+
+# --- register tiles: R weight rows x TT tokens per pass over the weights (issue #19) ------------
+#
+# One pass over the packed weights of R rows computes the pair sums for TT tokens at once: each
+# row's nibbles are unpacked once per 64 columns and met by TT activation rows, each activation
+# chunk is loaded once and met by R weight rows, and the R x TT accumulators are independent
+# chains (the T = 1 loop of one row had a single chain of dependent FMAs). Every (row, token)
+# element runs exactly the operations of a 1 x 1 tile in the same order: integer dot product of a
+# group pair, int32 -> float, times xs * ws (lanes broadcast per group), fused multiply-add into
+# 16 float lanes, the lanes summed in a fixed tree order. Results therefore do not depend on the
+# tile shape, on T, or on the thread count (tests/test_kernels.py checks it bit for bit).
+
+def _row_ptr(context, builder, aryty, val, row):
+    """i8* to the first byte of row ``row`` of a 2-D array value."""
+    ary = context.make_array(aryty)(context, builder, value=val)
+    strides = cgutils.unpack_tuple(builder, ary.strides, aryty.ndim)
+    base = builder.bitcast(ary.data, _I8.as_pointer())
+    return builder.gep(base, [builder.mul(row, strides[0])])
+
+
+def _load_at(builder, base, byte_off, vty, align):
+    return builder.load(builder.bitcast(builder.gep(base, [byte_off]), vty.as_pointer()), align=align)
+
+
+PREFETCH_BYTES = 8192  # software prefetch distance (bytes ahead in each weight row) of the T = 1 tiles
+
+
+def _make_int_tile(kind: str, R: int, TT: int):
+    """An intrinsic ``tile(xa, xs, xc, w, ws, o0, t0, npairs, res)`` for rows o0..o0+R-1 of w and
+    tokens t0..t0+TT-1, writing the pair sums (before any tail / correction) to
+    res[r, t0 + t] (res float32 2-D, row r of the tile).
+
+    kind "q4": xa int8 [T, >= 64 npairs] in _q4_prep_simd's pair layout, xs float32 [T, G],
+    xc int32 [T, >= 16 npairs] lane start values (_q4_prep_simd), w uint8 [O, >= 32 npairs]
+    packed nibbles, ws float32 [O, G] group scales: the sum over group pairs of
+    xs[t, g] * ws[o, g] * sum_j (nibble_j - 8) * q_j.
+    kind "q8": xa uint8 [T, >= 64 npairs] = q + 128, xs float32 [T, NB] block scales, w int8
+    [O, >= 64 npairs]; xc and ws unused (the row scale is applied by the caller): the sum over
+    block pairs of xs[t, b] * sum_j q_j * w_j."""
+    def tile(typingctx, xa, xs, xc, w, ws, o0, t0, npairs, res):
+        sig = types.void(xa, xs, xc, w, ws, types.intp, types.intp, types.intp, res)
+
+        def codegen(context, builder, signature, args):
+            tys = signature.args
+            xa_, xs_, xc_, w_, ws_, o0_, t0_, np_, res_ = args
+            mod = builder.module
+            v64i8, v32i8, v32i16, v16i32, v16f, v2f = (_vec(_I8, 64), _vec(_I8, 32), _vec(_I16, 32),
+                                                       _vec(_I32, 16), _vec(_F32, 16), _vec(_F32, 2))
+            c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+            if INT_FLAVOR == "vnni" or kind == "q8":
+                dp = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i32, [v16i32, v64i8, v64i8]),
+                                                    "llvm.x86.avx512.vpdpbusd.512")
+            if INT_FLAVOR != "vnni" and kind == "q4":
+                mub = cgutils.get_or_insert_function(mod, ir.FunctionType(v32i16, [v64i8, v64i8]),
+                                                     "llvm.x86.avx512.pmaddubs.w.512")
+                mwd = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i32, [v32i16, v32i16]),
+                                                     "llvm.x86.avx512.pmaddw.d.512")
+            fma = cgutils.get_or_insert_function(mod, ir.FunctionType(v16f, [v16f, v16f, v16f]),
+                                                 "llvm.fma.v16f32")
+            zero = ir.Constant(v16i32, [0] * 16)
+            if kind == "q4":
+                lanes = _const_vec(_I32, [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4)
+            else:
+                lanes = _const_vec(_I32, [0] * 8 + [1] * 8)
+            cat = _const_vec(_I32, range(64))
+            wrow = [_row_ptr(context, builder, tys[3], w_, builder.add(o0_, c64(r))) for r in range(R)]
+            wsrow = ([_row_ptr(context, builder, tys[4], ws_, builder.add(o0_, c64(r))) for r in range(R)]
+                     if kind == "q4" else [])
+            xrow = [_row_ptr(context, builder, tys[0], xa_, builder.add(t0_, c64(t))) for t in range(TT)]
+            xsrow = [_row_ptr(context, builder, tys[1], xs_, builder.add(t0_, c64(t))) for t in range(TT)]
+            xcrow = ([_row_ptr(context, builder, tys[2], xc_, builder.add(t0_, c64(t))) for t in range(TT)]
+                     if kind == "q4" else [])
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(TT)]
+                    for _ in range(R)]
+            if PREFETCH_BYTES and TT == 1:  # decode: the weights stream from DRAM
+                pf = cgutils.get_or_insert_function(
+                    mod, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+            with cgutils.for_range(builder, np_) as loop:
+                i = loop.index
+                i8 = builder.mul(i, c64(8))  # two float32 scales per pair
+                if PREFETCH_BYTES and TT == 1:
+                    step = 32 if kind == "q4" else 64
+                    for r in range(R):
+                        ahead = builder.gep(wrow[r], [builder.add(builder.mul(i, c64(step)), c64(PREFETCH_BYTES))])
+                        builder.call(pf, [ahead, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+                wv, wb = [], []
+                for r in range(R):
+                    if kind == "q4":
+                        raw = _load_at(builder, wrow[r], builder.mul(i, c64(32)), v32i8, 1)
+                        wv.append(builder.shuffle_vector(builder.and_(raw, _const_vec(_I8, [15] * 32)),
+                                                         builder.lshr(raw, _const_vec(_I8, [4] * 32)), cat))
+                        b2 = _load_at(builder, wsrow[r], i8, v2f, 4)
+                        wb.append(builder.shuffle_vector(b2, ir.Constant(v2f, ir.Undefined), lanes))
+                    else:
+                        raw = _load_at(builder, wrow[r], builder.mul(i, c64(64)), v64i8, 1)
+                        wv.append(raw)
+                        # start value -128 * sum(w) per lane: (q + 128) * w summed from it is q * w
+                        wsum = builder.call(dp, [zero, _const_vec(_I8, [1] * 64), raw])
+                        wb.append(builder.sub(zero, builder.shl(wsum, _const_vec(_I32, [7] * 16))))
+                xv, xb, xc = [], [], []
+                for t in range(TT):
+                    xv.append(_load_at(builder, xrow[t], builder.mul(i, c64(64)), v64i8, 1))
+                    a2 = _load_at(builder, xsrow[t], i8, v2f, 4)
+                    xb.append(builder.shuffle_vector(a2, ir.Constant(v2f, ir.Undefined), lanes))
+                    if kind == "q4":  # start value -8 * sum(q) per lane: nibble * q from it is (nibble - 8) * q
+                        xc.append(_load_at(builder, xcrow[t], builder.mul(i, c64(64)), v16i32, 4))
+                for r in range(R):
+                    for t in range(TT):
+                        if kind == "q4":
+                            if INT_FLAVOR == "vnni":
+                                p32 = builder.call(dp, [xc[t], wv[r], xv[t]])
+                            else:
+                                p32 = builder.add(xc[t], builder.call(mwd, [builder.call(mub, [wv[r], xv[t]]),
+                                                                            _const_vec(_I16, [1] * 32)]))
+                            sc = builder.fmul(xb[t], wb[r])
+                        else:
+                            p32 = builder.call(dp, [wb[r], xv[t], wv[r]])
+                            sc = xb[t]
+                        acc = accs[r][t]
+                        builder.store(builder.call(fma, [builder.sitofp(p32, v16f), sc, builder.load(acc)]), acc)
+            for r in range(R):
+                rp = builder.bitcast(_row_ptr(context, builder, tys[8], res_, c64(r)), _F32.as_pointer())
+                for t in range(TT):
+                    builder.store(_tree_sum(builder, builder.load(accs[r][t])),
+                                  builder.gep(rp, [builder.add(t0_, c64(t))]))
+            return context.get_dummy_value()
+        return sig, codegen
+    tile.__name__ = f"_{kind}_tile_{R}x{TT}"
+    return intrinsic(tile)
+
+
+RB, TB = 4, 4  # row block of the tiled loops; token tile
+_q4_tile_4x1 = _make_int_tile("q4", 4, 1)
+_q4_tile_2x4 = _make_int_tile("q4", 2, 4)
+_q4_tile_1x4 = _make_int_tile("q4", 1, 4)
+_q4_tile_1x1 = _make_int_tile("q4", 1, 1)
+_q8_tile_4x1 = _make_int_tile("q8", 4, 1)
+_q8_tile_2x4 = _make_int_tile("q8", 2, 4)
+_q8_tile_1x4 = _make_int_tile("q8", 1, 4)
+_q8_tile_1x1 = _make_int_tile("q8", 1, 1)
+
+
+@njit(inline="always", **_KW)
+def _q4_block_pairs(xq, xs, xc, w, ws, o0, nr, npairs, res):
+    """Pair sums of rows o0..o0+nr-1 (nr <= RB) for every token into res[:nr, :T]."""
+    T = xq.shape[0]
+    if nr == RB:
+        t = 0
+        while t + TB <= T:
+            _q4_tile_2x4(xq, xs, xc, w, ws, o0, t, npairs, res)
+            _q4_tile_2x4(xq, xs, xc, w, ws, o0 + 2, t, npairs, res[2:])
+            t += TB
+        while t < T:
+            _q4_tile_4x1(xq, xs, xc, w, ws, o0, t, npairs, res)
+            t += 1
+    else:
+        for r in range(nr):
+            t = 0
+            while t + TB <= T:
+                _q4_tile_1x4(xq, xs, xc, w, ws, o0 + r, t, npairs, res[r:])
+                t += TB
+            while t < T:
+                _q4_tile_1x1(xq, xs, xc, w, ws, o0 + r, t, npairs, res[r:])
+                t += 1
+
+
+@njit(inline="always", **_KW)
+def _q8_block_pairs(xu, xs, w, o0, nr, npairs, res):
+    """q8 twin of _q4_block_pairs (block pairs of 64 columns; row scales not applied)."""
+    T = xu.shape[0]
+    if nr == RB:
+        t = 0
+        while t + TB <= T:
+            _q8_tile_2x4(xu, xs, xs, w, xs, o0, t, npairs, res)
+            _q8_tile_2x4(xu, xs, xs, w, xs, o0 + 2, t, npairs, res[2:])
+            t += TB
+        while t < T:
+            _q8_tile_4x1(xu, xs, xs, w, xs, o0, t, npairs, res)
+            t += 1
+    else:
+        for r in range(nr):
+            t = 0
+            while t + TB <= T:
+                _q8_tile_1x4(xu, xs, xs, w, xs, o0 + r, t, npairs, res[r:])
+                t += TB
+            while t < T:
+                _q8_tile_1x1(xu, xs, xs, w, xs, o0 + r, t, npairs, res[r:])
+                t += 1
+
+
+@njit(inline="always", **_KW)
+def _q4_finish(acc, xq, xs, w, ws):
+    """A q4 element from its pair sum plus the last, unpaired group (odd G only)."""
+    g = ws.shape[0] - 1
+    tot = 0
+    for j in range(16):
+        b = np.int32(w[g * 16 + j])
+        tot += np.int32(xq[g * 32 + j]) * ((b & 15) - 8) + np.int32(xq[g * 32 + 16 + j]) * ((b >> 4) - 8)
+    return acc + np.float32(tot) * (xs[g] * ws[g])
+
+
+@njit(inline="always", **_KW)
+def _q8_finish(acc, xu, xs, w, s):
+    """A q8 element from its pair sum: the columns after the last full pair, times the row
+    scale, as _q8_out does."""
+    N = w.shape[0]
+    npairs = N // 64
+    lo = npairs * 64
+    b = npairs * 2
+    while lo < N:
+        hi = min(lo + QB, N)
+        tot = 0
+        for j in range(lo, hi):
+            tot += (np.int32(xu[j]) - 128) * np.int32(w[j])
+        acc += np.float32(tot) * xs[b]
+        lo = hi
+        b += 1
+    return acc * s
+
+
+@njit(inline="always", **_KW)
+def _q4_rows(P, w, s, o0, res):
+    """Elements (t, o) for o in o0..o0+nr-1 (nr = min(RB, O - o0)), all t, into res[:nr, :T]
+    (the SIMD path; P from _q4_prepare with simd True)."""
+    simd, xq, xs, c, xe, xo = P
+    nr = min(RB, w.shape[0] - o0)
+    _q4_block_pairs(xq, xs, c, w, s, o0, nr, s.shape[1] // 2, res)
+    if s.shape[1] % 2:
+        for r in range(nr):
+            for t in range(xq.shape[0]):
+                res[r, t] = _q4_finish(res[r, t], xq[t], xs[t], w[o0 + r], s[o0 + r])
+
+
+@njit(inline="always", **_KW)
+def _q8_rows(P, w, s, o0, res):
+    """q8 twin of _q4_rows (P from _q8_prepare with simd True)."""
+    simd, xu, xs, xf = P
+    nr = min(RB, w.shape[0] - o0)
+    _q8_block_pairs(xu, xs, w, o0, nr, w.shape[1] // 64, res)
+    for r in range(nr):
+        for t in range(xu.shape[0]):
+            res[r, t] = _q8_finish(res[r, t], xu[t], xs[t], w[o0 + r], s[o0 + r])
 
 
 # --- linear layers: out[T, O] = x[T, N] @ W^T ------------------------------------------------
@@ -528,18 +662,38 @@ def linear_f16(x, w, lut, out):
 @njit(parallel=True, **_KW)
 def linear_q8(x, w, s, out):
     P = _q8_prepare(x)
-    for o in prange(w.shape[0]):
-        for t in range(x.shape[0]):
-            out[t, o] = _q8_out(P, w, s, o, t)
+    T, O = x.shape[0], w.shape[0]
+    if P[0]:
+        for ob in prange((O + RB - 1) // RB):
+            o0 = ob * RB
+            res = np.empty((RB, T), np.float32)
+            _q8_rows(P, w, s, o0, res)
+            for r in range(min(RB, O - o0)):
+                for t in range(T):
+                    out[t, o0 + r] = res[r, t]
+    else:
+        for o in prange(O):
+            for t in range(T):
+                out[t, o] = _q8_out(P, w, s, o, t)
 
 
 @njit(parallel=True, **_KW)
 def linear_q4(x, w, s, gs, out):
     P = _q4_prepare(x, gs)
-    sh, hg = _q4_shift(gs), gs // 2
-    for o in prange(w.shape[0]):
-        for t in range(x.shape[0]):
-            out[t, o] = _q4_out(P, w, s, sh, hg, o, t)
+    T, O = x.shape[0], w.shape[0]
+    if P[0]:
+        for ob in prange((O + RB - 1) // RB):
+            o0 = ob * RB
+            res = np.empty((RB, T), np.float32)
+            _q4_rows(P, w, s, o0, res)
+            for r in range(min(RB, O - o0)):
+                for t in range(T):
+                    out[t, o0 + r] = res[r, t]
+    else:
+        sh, hg = _q4_shift(gs), gs // 2
+        for o in prange(O):
+            for t in range(T):
+                out[t, o] = _q4_out(P, w, s, sh, hg, o, t)
 
 
 # --- expert FFN: out[T, D] = down(silu(gate(x)) * up(x)) -----------------------------------
@@ -572,26 +726,68 @@ def expert_f16(x, gw, uw, dw, lut, h, out):
 @njit(parallel=True, **_KW)
 def expert_q8(x, gw, gs, uw, us, dw, ds, h, out):
     P = _q8_prepare(x)
-    for i in prange(gw.shape[0]):
-        for t in range(x.shape[0]):
-            h[t, i] = _silu_mul(_q8_out(P, gw, gs, i, t), _q8_out(P, uw, us, i, t))
+    T, I, D = x.shape[0], gw.shape[0], dw.shape[0]
+    if P[0]:
+        for ib in prange((I + RB - 1) // RB):
+            i0 = ib * RB
+            rg = np.empty((RB, T), np.float32)
+            ru = np.empty((RB, T), np.float32)
+            _q8_rows(P, gw, gs, i0, rg)
+            _q8_rows(P, uw, us, i0, ru)
+            for r in range(min(RB, I - i0)):
+                for t in range(T):
+                    h[t, i0 + r] = _silu_mul(rg[r, t], ru[r, t])
+    else:
+        for i in prange(I):
+            for t in range(T):
+                h[t, i] = _silu_mul(_q8_out(P, gw, gs, i, t), _q8_out(P, uw, us, i, t))
     Q = _q8_prepare(h)
-    for o in prange(dw.shape[0]):
-        for t in range(x.shape[0]):
-            out[t, o] = _q8_out(Q, dw, ds, o, t)
+    if Q[0]:
+        for ob in prange((D + RB - 1) // RB):
+            o0 = ob * RB
+            res = np.empty((RB, T), np.float32)
+            _q8_rows(Q, dw, ds, o0, res)
+            for r in range(min(RB, D - o0)):
+                for t in range(T):
+                    out[t, o0 + r] = res[r, t]
+    else:
+        for o in prange(D):
+            for t in range(T):
+                out[t, o] = _q8_out(Q, dw, ds, o, t)
 
 
 @njit(parallel=True, **_KW)
 def expert_q4(x, gw, gs, uw, us, dw, ds, gsz, h, out):
     P = _q4_prepare(x, gsz)
+    T, I, D = x.shape[0], gw.shape[0], dw.shape[0]
     sh, hg = _q4_shift(gsz), gsz // 2
-    for i in prange(gw.shape[0]):
-        for t in range(x.shape[0]):
-            h[t, i] = _silu_mul(_q4_out(P, gw, gs, sh, hg, i, t), _q4_out(P, uw, us, sh, hg, i, t))
+    if P[0]:
+        for ib in prange((I + RB - 1) // RB):
+            i0 = ib * RB
+            rg = np.empty((RB, T), np.float32)
+            ru = np.empty((RB, T), np.float32)
+            _q4_rows(P, gw, gs, i0, rg)
+            _q4_rows(P, uw, us, i0, ru)
+            for r in range(min(RB, I - i0)):
+                for t in range(T):
+                    h[t, i0 + r] = _silu_mul(rg[r, t], ru[r, t])
+    else:
+        for i in prange(I):
+            for t in range(T):
+                h[t, i] = _silu_mul(_q4_out(P, gw, gs, sh, hg, i, t), _q4_out(P, uw, us, sh, hg, i, t))
     Q = _q4_prepare(h, gsz)
-    for o in prange(dw.shape[0]):
-        for t in range(x.shape[0]):
-            out[t, o] = _q4_out(Q, dw, ds, sh, hg, o, t)
+    if Q[0]:
+        for ob in prange((D + RB - 1) // RB):
+            o0 = ob * RB
+            res = np.empty((RB, T), np.float32)
+            _q4_rows(Q, dw, ds, o0, res)
+            for r in range(min(RB, D - o0)):
+                for t in range(T):
+                    out[t, o0 + r] = res[r, t]
+    else:
+        for o in prange(D):
+            for t in range(T):
+                out[t, o] = _q4_out(Q, dw, ds, sh, hg, o, t)
 
 
 # --- embeddings -------------------------------------------------------------------------
@@ -647,12 +843,38 @@ def rope(x, cos, sin):
                 x[t, h, j + half] = b * cos[t, j] + a * sin[t, j]
 
 
+@intrinsic
+def _kv_f32(typingctx, v):
+    """The float32 value of one KV-cache element: float32 as is, uint16 as IEEE half bits
+    (exact widening; LLVM turns a loop of them into vcvtph2ps)."""
+    if isinstance(v, types.Integer) and v.bitwidth == 16:
+        def cg(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), _F32)
+        return types.float32(v), cg
+    if v == types.float32:
+        def cg_id(context, builder, signature, args):
+            return args[0]
+        return types.float32(v), cg_id
+    return None
+
+
+@njit(inline="always", **_KW)
+def _dot_kv(x, k):
+    acc = np.float32(0.0)
+    for i in range(x.shape[0]):
+        acc += x[i] * _kv_f32(k[i])
+    return acc
+
+
 @njit(parallel=True, **_KW)
 def attention(q, kc, vc, pos0, scale, out):
     """Causal attention of T new queries at positions pos0..pos0+T-1 over the KV cache.
 
-    q [T, H, S]; kc, vc [Hkv, C, S] (positions < pos0 + T already written); out [T, H, S].
-    Grouped-query: query head h reads KV head h // (H // Hkv).
+    q float32 [T, H, S]; kc, vc [Hkv, C, S] float32, or uint16 holding IEEE half bits (the
+    16-bit KV cache: widened exactly to float32 as they are read); positions < pos0 + T
+    already written; out float32 [T, H, S]. Grouped-query: query head h reads KV head
+    h // (H // Hkv). Scores, softmax and the weighted sum are float32 whatever the cache
+    holds.
     """
     T, H, S = q.shape
     rep = H // kc.shape[0]
@@ -664,7 +886,7 @@ def attention(q, kc, vc, pos0, scale, out):
         sc = np.empty(n, dtype=np.float32)
         m = np.float32(-np.inf)
         for j in range(n):
-            v = _dot_f32(q[t, h], kc[kh, j]) * scale
+            v = _dot_kv(q[t, h], kc[kh, j]) * scale
             sc[j] = v
             if v > m:
                 m = v
@@ -679,7 +901,7 @@ def attention(q, kc, vc, pos0, scale, out):
         for j in range(n):
             p = sc[j] * inv
             for d in range(S):
-                out[t, h, d] += p * vc[kh, j, d]
+                out[t, h, d] += p * _kv_f32(vc[kh, j, d])
 
 
 # --- launch safety ------------------------------------------------------------------------

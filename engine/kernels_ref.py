@@ -103,7 +103,14 @@ def rope(x, cos, sin):
     x[:, :, half:] = b * c + a * s
 
 
+def kv_f32(a):
+    """float32 values of a KV cache array: float32 as is, uint16 as IEEE half bits."""
+    return a.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else a
+
+
 def attention(q, kc, vc, pos0, scale, out):
+    n_used = pos0 + q.shape[0]
+    kc, vc = kv_f32(kc[:, :n_used]), kv_f32(vc[:, :n_used])
     T, H, S = q.shape
     rep = H // kc.shape[0]
     for t in range(T):

@@ -27,6 +27,7 @@ from .errors import ConfigError
 
 POLICIES = ("lru", "lfru", "ema")
 CHECKSUM_MODES = ("off", "first", "always")
+KV_DTYPES = ("f16", "f32")  # KV cache element (engine.models.base.KV_DTYPES, engine.sizing.KV_ELEMENT_BYTES)
 
 ENGINE = "engine"      # speed and memory only: never changes the generated tokens
 SAMPLING = "sampling"  # how the next token is chosen (applies to the next message)
@@ -187,6 +188,9 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        unit="GB", auto=True, decimals=1, step=0.5),
     _S("context_length", int, 0, "tokens of conversation the model sees (KV cache; more uses more RAM)",
        "Context length", lo=0, hi=1 << 20, unit="tokens", special="model default (≤ 4096)", step=256),
+    _S("kv_dtype", str, "f16", "element of the KV cache: f16 (IEEE half, half the RAM per token of context; "
+       "measured on the bundled model: mean KL vs f32 3.5e-8 nats, bf16 4.9e-5, so f16) or f32",
+       "KV cache precision", choices=KV_DTYPES, choice_labels=("f16 – half the RAM", "f32 – exact")),
     _S("o_direct", bool, True, "read experts with O_DIRECT, bypassing the OS page cache, so the RAM "
        "budget is real (where supported)", "Direct I/O", check_text="O_DIRECT reads (bypass the page cache)"),
     _S("pinning", bool, True, "after warm-up keep the most used experts of each layer resident, and load "

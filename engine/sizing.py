@@ -9,7 +9,7 @@ Sizes are bytes (GB = 1e9 bytes), context lengths tokens.
             quantization (engine.models.dense_bytes: the tensor list convert.py writes;
             attention, norms, routers, embeddings, biases, shared experts, dense-layer MLPs).
     kv      2 (K and V) x transformer layers (num_hidden_layers) x KV heads x context x
-            head_dim x 4 bytes (float32).
+            head_dim x 2 bytes (the kv_dtype setting's default f16; 4 bytes with f32).
     slots   one routed-expert slab per MoE layer (``manifest["slot_bytes"]``, else
             engine.models.expert_slot_bytes over moe_intermediate_size); dense layers
             (Qwen's mlp_only_layers / decoder_sparse_step) have no expert row.
@@ -51,11 +51,21 @@ def effective_context(args, context_length: int) -> int:
     return int(context_length) or min(args.max_position_embeddings, MAX_DEFAULT_CONTEXT)
 
 
-def kv_bytes(args, context_length: int) -> int:
-    """KV cache bytes at ``context_length`` tokens: float32 values, ``args.kv_values_per_token``
-    per token and layer (K and V of every KV head; MLA: the latent, kv_lora_rank +
-    qk_rope_head_dim)."""
-    return args.num_hidden_layers * args.kv_values_per_token * int(context_length) * 4
+KV_ELEMENT_BYTES = {"f16": 2, "f32": 4}  # bytes of one KV cache element per kv_dtype setting
+DEFAULT_KV_DTYPE = "f16"  # the kv_dtype setting's default (engine.settings)
+
+
+def kv_bytes(args, context_length: int, kv_dtype: str = DEFAULT_KV_DTYPE) -> int:
+    """KV cache bytes at ``context_length`` tokens: ``args.kv_values_per_token`` elements per
+    token and layer (K and V of every KV head; MLA: the latent, kv_lora_rank +
+    qk_rope_head_dim), each 2 bytes (kv_dtype "f16") or 4 ("f32").
+
+    Raises:
+        ValueError: unknown kv_dtype.
+    """
+    if kv_dtype not in KV_ELEMENT_BYTES:
+        raise ValueError(f"kv_dtype {kv_dtype!r}: choose one of {', '.join(KV_ELEMENT_BYTES)}")
+    return args.num_hidden_layers * args.kv_values_per_token * int(context_length) * KV_ELEMENT_BYTES[kv_dtype]
 
 
 def dense_bytes(args, quant: str) -> int:
@@ -107,12 +117,13 @@ class Estimate:
 
 
 def estimate(args, quant: str = "int8", context_length: int = MAX_DEFAULT_CONTEXT,
-             extra_store_bytes: int = 0) -> Estimate:
+             extra_store_bytes: int = 0, kv_dtype: str = DEFAULT_KV_DTYPE) -> Estimate:
     """Store size and minimum RAM of ``args`` converted at ``quant`` (before any conversion).
 
     Args:
         context_length: tokens of KV cache (0 = the engine's default for this model).
         extra_store_bytes: copied files (tokenizer, config) to add to the store size.
+        kv_dtype: the KV cache element ("f16" or "f32", the kv_dtype setting).
     Raises:
         ValueError: unknown quant.
     """
@@ -124,7 +135,7 @@ def estimate(args, quant: str = "int8", context_length: int = MAX_DEFAULT_CONTEX
     M, E = args.num_moe_layers, args.num_experts  # expert rows: one per MoE layer
     experts = M * E * slot
     dense = dense_bytes(args, quant)
-    kv = kv_bytes(args, ctx)
+    kv = kv_bytes(args, ctx, kv_dtype)
     slots = M * slot
     n_dense = 3 * len(family_for(args.model_type).dense_tensors(args))  # arrays in dense.safetensors (about)
     # + manifest (~120 B per expert) + dense.safetensors header (~128 B per array)
@@ -145,12 +156,13 @@ def read_manifest(store: str | Path) -> dict:
     return m
 
 
-def estimate_store(args, manifest: dict, context_length: int) -> Estimate:
-    """The Estimate of a converted store from its manifest (exact dense and slot bytes)."""
+def estimate_store(args, manifest: dict, context_length: int, kv_dtype: str = DEFAULT_KV_DTYPE) -> Estimate:
+    """The Estimate of a converted store from its manifest (exact dense and slot bytes), with
+    the KV cache at ``kv_dtype`` ("f16" or "f32")."""
     layer_slots = tuple(int(b) for b in manifest["slot_bytes"])
     ctx = effective_context(args, context_length)
     dense = int(manifest["dense_bytes"])
-    kv = kv_bytes(args, ctx)
+    kv = kv_bytes(args, ctx, kv_dtype)
     slots = sum(layer_slots)
     E = args.num_experts
     return Estimate(str(manifest.get("quant", "")), max(layer_slots), E * slots, dense, 0, kv, slots,

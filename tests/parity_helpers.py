@@ -11,12 +11,14 @@ from engine.expert_store import ExpertStore
 from engine.models import build_model
 
 
-def open_model(store_dir, cap=None, context=256):
-    """(model, store, cache) over a converted store, all experts cached unless ``cap``."""
+def open_model(store_dir, cap=None, context=256, kv_dtype="f16"):
+    """(model, store, cache) over a converted store, all experts cached unless ``cap``; the KV
+    cache at ``kv_dtype`` (the engine's default f16, or f32 for the exact path)."""
     st = ExpertStore(store_dir, o_direct=False)
     a = st.args
     cache = ExpertCache(st, a.num_moe_layers, a.num_experts, cap or a.num_experts)
-    return build_model(a, st.load_dense(), st.dense_quant, st.quant, cache, context, st.group_size), st, cache
+    return (build_model(a, st.load_dense(), st.dense_quant, st.quant, cache, context, st.group_size,
+                        kv_dtype=kv_dtype), st, cache)
 
 
 def hf_logits(m, ids):
@@ -74,8 +76,10 @@ def saved_model(tmp_path, name, config_cls: str, model_cls: str, router_std: flo
 
 def assert_f32_parity(m, store, vocab: int, n_prefill: int = 24, n_decode: int = 16) -> None:
     """Our f32 store's logits within 1e-4 x logit scale of transformers' at every prefill
-    position and over ``n_decode`` steps through the KV cache (transformers' cached decode)."""
-    ours, st, cache = open_model(store)
+    position and over ``n_decode`` steps through the KV cache (transformers' cached decode).
+    The exact path: f32 weights and an f32 KV cache (the f16 cache's own bound is
+    tests/test_kv_cache.py's KL; the quantized-store KL tests run with it)."""
+    ours, st, cache = open_model(store, kv_dtype="f32")
     try:
         rng = np.random.default_rng(0)
         ids = rng.integers(0, vocab, n_prefill).tolist()

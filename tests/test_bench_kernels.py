@@ -49,3 +49,25 @@ def test_llama_bench_json_is_parsed(monkeypatch):
         stderr = ""
     monkeypatch.setattr(bench_kernels.subprocess, "run", lambda *a, **k: P)
     assert bench_kernels._llama_arm("llama-bench", "m.gguf", [16], 64, 2) == {"pp16": 97.5, "tg64": 52.25}
+
+
+def test_bench_kernels_cgroup_arm(tiny_store, tmp_path):
+    """--cgroup-gb: the arm streams the store at that budget inside a memory cgroup of the same
+    size and reports decode tok/s, hit rate, MB read per token and the cgroup's peak."""
+    import pytest
+    from engine.bench.peers import cgroup_available
+    ok, why = cgroup_available()
+    if not ok:
+        pytest.skip(why)
+    out = tmp_path / "results"
+    p = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "kernels", "--ours", f"int8={tiny_store}",
+                        "--prompts", "4", "--tokens", "12", "--reps", "1", "--threads", "1", "--cgroup-gb", "2",
+                        "--name", "k", "--out-dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((out / "k.json").read_text())
+    rows = {r["arm"]: r for r in res["rows"]}
+    assert set(rows) == {"ours-int8", "ours-int8@2GB"}
+    r = rows["ours-int8@2GB"]
+    assert r["budget_gb"] == 2.0 and r["tg12"] > 0 and 0 <= r["hit_rate"] <= 1 and r["mb_per_token"] >= 0
+    assert 0 < r["cgroup_max_usage_bytes"] <= 2e9 and r["cgroup_oom_kills"] == 0
+    assert res["cgroup_gb"] == 2.0 and "MB read / token" in (out / "k.md").read_text()

@@ -119,10 +119,11 @@ def test_latent_kv_cache_size_and_absorbed_equals_expanded(tmp_path):
     store = convert_checkpoint(d, tmp_path / "f32", quant="f32")
     a = ModelArgs.from_hf_config(store)
     assert a.kv_values_per_token == a.kv_lora_rank + a.qk_rope_head_dim == 40
-    assert sizing.kv_bytes(a, 100) == a.num_hidden_layers * 100 * 40 * 4
+    assert sizing.kv_bytes(a, 100, "f32") == a.num_hidden_layers * 100 * 40 * 4
+    assert sizing.kv_bytes(a, 100) == a.num_hidden_layers * 100 * 40 * 2  # f16, the default
     ours, st, cache = open_model(store, context=64)
     try:
-        assert ours.kv_bytes == a.num_hidden_layers * 64 * 40 * 4
+        assert ours.kv_bytes == a.num_hidden_layers * 64 * 40 * {"f16": 2, "f32": 4}[ours.kv_dtype]
         ids = np.random.default_rng(3).integers(0, V, 20)
         absorbed = np.concatenate([ours.forward(ids[:12], 0, all_logits=True)]
                                   + [ours.forward(ids[t:t + 1], t) for t in range(12, 20)])

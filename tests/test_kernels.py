@@ -263,7 +263,10 @@ def test_rmsnorm_and_rope_match_reference():
         assert np.all(np.abs(a - b) <= 2 * gamma(3) * mag)
 
 
-def test_attention_matches_reference():
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+def test_attention_matches_reference(kv):
+    """float32 caches, and the 16-bit cache (uint16 IEEE half bits, widened exactly as read)
+    against the reference on the same half values."""
     for T, H, Hkv, S, pos0 in ((1, 2, 1, 4, 0), (1, 4, 2, 8, 20), (5, 3, 3, 16, 7), (17, 8, 2, 32, 0)):
         rng = rng_for("att", T, H, Hkv, S, pos0)
         C = pos0 + T + 3
@@ -273,8 +276,17 @@ def test_attention_matches_reference():
         scale = np.float32(S ** -0.5)
         a = np.full((T, H, S), np.nan, np.float32)
         b = np.full((T, H, S), np.nan, np.float32)
-        K.attention(q, kc, vc, pos0, scale, a)
-        R.attention(q, kc, vc, pos0, scale, b)
+        if kv == "f16":
+            kh, vh = kc.astype(np.float16).view(np.uint16), vc.astype(np.float16).view(np.uint16)
+            K.attention(q, kh, vh, pos0, scale, a)
+            R.attention(q, kh, vh, pos0, scale, b)
+            kc, vc = R.kv_f32(kh), R.kv_f32(vh)
+            c = np.full((T, H, S), np.nan, np.float32)
+            R.attention(q, kc, vc, pos0, scale, c)  # the widening is exact: same as float32 caches
+            assert np.array_equal(b, c)
+        else:
+            K.attention(q, kc, vc, pos0, scale, a)
+            R.attention(q, kc, vc, pos0, scale, b)
         # scores: S-term dots (relative gamma(S + 1)) pass through exp (error in the exponent
         # becomes relative error of the weight: |score| * gamma); weights sum over n <= C
         # terms; output = convex combination of |v| <= max|v|.

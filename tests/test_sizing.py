@@ -4,6 +4,8 @@ what Engine.open then does."""
 from __future__ import annotations
 
 import json
+
+import numpy as np
 import pytest
 
 from engine import Engine, EngineConfig, ModelArgs, convert_checkpoint
@@ -92,7 +94,9 @@ def test_verdict_before_conversion_equals_engine_open_for_every_family(family_ch
             assert eng.plan == predicted
             assert (before.dense_bytes, before.kv_bytes, before.slots_bytes) == (
                 eng.loaded.dense_bytes, eng.plan.kv, eng.plan.slot_bytes_sum)
-            assert before.kv_bytes == 2 * args.num_hidden_layers * args.num_key_value_heads * 96 * args.head_dim * 4
+            # the default KV cache is f16: 2 bytes per element, and the arrays are what the plan says
+            assert before.kv_bytes == 2 * args.num_hidden_layers * args.num_key_value_heads * 96 * args.head_dim * 2
+            assert eng.model.kv_bytes == before.kv_bytes and eng.model.k_cache.dtype == np.uint16
             assert eng.cache.cap == predicted.cap and eng.cache.L == args.num_moe_layers
         if over.get("ram_budget_gb") == budget_gb:
             assert predicted.cap == 3

@@ -11,6 +11,11 @@ Arms (each a fresh process, interleaved, the order reversed every other repetiti
 - llama-<label>: ``llama-bench -m GGUF -t threads -p P1,P2,.. -n tokens -r 1 -o json``
   (its own warm-up run; pp = prompt processing of P tokens, tg = generation of ``tokens``).
 
+``--cgroup-gb G`` adds, per arm, the same model inside a cgroup v1 memory limit of G GB
+(engine.bench.peers.MemCgroup): ours streamed at a RAM budget of G GB (automatic cap, O_DIRECT,
+nothing pre-loaded; decode tok/s, hit rate, MB read per token) and ``llama-bench -p 0 -n
+tokens`` on its mmap'd GGUF in the same limit (the kernel evicts and re-reads its pages).
+
 ``--cpu-time`` adds tokens per CPU-second for decode and for a prefill of <= 128 tokens, from
 rusage by difference (two runs of different length, so loading and warm-up cancel): on a
 machine shared with other jobs, wall-clock tok/s measures the scheduler (with 2 threads every
@@ -90,9 +95,11 @@ def _llama_cpu_rates(llama_bench: str, gguf: str, prompts: list[int], tokens: in
 
 
 def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: int,
-              cpu_time: bool = False) -> dict:
+              cpu_time: bool = False, budget_gb: float | None = None) -> dict:
     """One process: open ``store`` all resident, return prefill tok/s per prompt length and
-    decode tok/s (see the module docstring)."""
+    decode tok/s (see the module docstring). With ``budget_gb``: the store streamed at that RAM
+    budget instead (automatic cap, O_DIRECT, nothing pre-loaded): decode tok/s, hit rate and
+    MB read per token of the teacher-forced stream only."""
     from .common import forced_stream
     from ..config import EngineConfig, ModelArgs
     from ..events import Finished, GenerateRequest, SamplingParams
@@ -100,10 +107,25 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
     args = ModelArgs.from_hf_config(Path(store) / "config.json")
     E = args.num_experts
     ctx = -(-(max(prompts + [DECODE_PROMPT + tokens]) + 2) // 256) * 256
+    if budget_gb is not None:
+        eng = Engine.open(EngineConfig(store=store, ram_budget_gb=budget_gb, pilot=0, pinning=False, history=False,
+                                       threads=threads, context_length=ctx))
+        try:
+            s = forced_stream(args.vocab_size, DECODE_PROMPT + tokens, seed)
+            req = GenerateRequest(prompt_ids=tuple(s[:DECODE_PROMPT]), forced_ids=tuple(s[DECODE_PROMPT:]),
+                                  sampling=SamplingParams(max_new_tokens=tokens))
+            fin = [e for e in eng.generate(req) if isinstance(e, Finished)][0]
+            if fin.error:
+                raise RuntimeError(f"{store}: {fin.error}")
+            return {"quant": eng.store.quant, "dense_quant": eng.store.dense_quant, "budget_gb": budget_gb,
+                    "cap": eng.cache.cap, f"tg{tokens}": fin.decode_tok_per_s, "hit_rate": fin.hit_rate,
+                    "mb_per_token": fin.mb_per_token}
+        finally:
+            eng.close()
     eng = Engine.open(EngineConfig(store=store, cap=E, pilot=0, pinning=False, history=False, o_direct=False,
                                    threads=threads, context_length=ctx))
     try:
-        for layer in range(args.num_hidden_layers):
+        for layer in range(args.num_moe_layers):
             eng.cache.load_experts(layer, np.arange(E))
 
         def run(prompt: list[int], forced: list[int]) -> Finished:
@@ -130,9 +152,12 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
         eng.close()
 
 
-def _llama_arm(llama_bench: str, gguf: str, prompts: list[int], tokens: int, threads: int) -> dict:
+def _llama_arm(llama_bench: str, gguf: str, prompts: list[int], tokens: int, threads: int,
+               wrap=None) -> dict:
     cmd = [llama_bench, "-m", gguf, "-t", str(threads), "-p", ",".join(map(str, prompts)) or "0",
            "-n", str(tokens), "-r", "1", "-o", "json"]
+    if wrap is not None:
+        cmd = wrap(cmd)
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{p.stderr[-2000:]}")
@@ -145,11 +170,15 @@ def _llama_arm(llama_bench: str, gguf: str, prompts: list[int], tokens: int, thr
     return out
 
 
-def _spawn_ours(label: str, store: str, a) -> dict:
+def _spawn_ours(label: str, store: str, a, budget_gb: float | None = None, wrap=None) -> dict:
     cmd = [sys.executable, "-m", "engine.bench.kernels", "--store", store, "--threads", str(a.threads),
            "--tokens", str(a.tokens), "--seed", str(a.seed), "--prompts", *map(str, a.prompts)]
-    if a.cpu_time:
+    if a.cpu_time and budget_gb is None:
         cmd.append("--cpu-time")
+    if budget_gb is not None:
+        cmd += ["--budget-gb", str(budget_gb)]
+    if wrap is not None:
+        cmd = wrap(cmd)
     p = subprocess.run(cmd, capture_output=True, text=True)
     line = next((x for x in p.stdout.splitlines() if x.startswith("ARM ")), None)
     if p.returncode != 0 or line is None:
@@ -171,21 +200,30 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
     if a.cpu_time:
         big = max([p for p in a.prompts if 16 < p <= 128], default=None)
         keys += ["tg_per_cpu_s"] + ([f"pp{big}_per_cpu_s"] if big else [])
+    keys_all = keys + ["hit_rate", "mb_per_token"]
     med = {}
-    for system, label, _ in arms:
-        arm = f"{system}-{label}"
+    for system, label, _, limit in arms:
+        arm = f"{system}-{label}" + (f"@{limit:g}GB" if limit is not None else "")
         med[arm] = {k: float(np.median([r[k] for r in rows if r["arm"] == arm and k in r]))
-                    for k in keys if any(r["arm"] == arm and k in r for r in rows)}
+                    for k in keys_all if any(r["arm"] == arm and k in r for r in rows)}
     ratios = {}
     for ours_label, llama_label in a.pair:
         o, ll = med.get(f"ours-{ours_label}", {}), med.get(f"llama-{llama_label}", {})
         ratios[f"{ours_label}/{llama_label}"] = {k: o[k] / ll[k] for k in keys if k in o and k in ll}
+        if a.cgroup_gb:
+            sfx = f"@{a.cgroup_gb:g}GB"
+            o, ll = med.get(f"ours-{ours_label}{sfx}", {}), med.get(f"llama-{llama_label}{sfx}", {})
+            if o and ll:
+                ratios[f"{ours_label}/{llama_label}{sfx}"] = {k: o[k] / ll[k] for k in keys if k in o and k in ll}
     ours_labels = [lb for lb, _ in a.ours]
-    if "int4" in ours_labels and "int8" in ours_labels:
-        o4, o8 = med.get("ours-int4", {}), med.get("ours-int8", {})
-        ratios["int4/int8"] = {k: o4[k] / o8[k] for k in keys if k in o4 and k in o8}
+    for l4 in [lb for lb in ours_labels if lb.startswith("int4")]:
+        if "int8" in ours_labels:
+            o4, o8 = med.get(f"ours-{l4}", {}), med.get("ours-int8", {})
+            ratios[f"{l4}/int8"] = {k: o4[k] / o8[k] for k in keys if k in o4 and k in o8}
     cols = [("arm", "arm", "")] + [(k.replace("_per_cpu_s", " tok/CPU-s") if "cpu" in k else k + " tok/s", k, ".1f")
                                    for k in keys]
+    if a.cgroup_gb:
+        cols += [("hit rate", "hit_rate", ".3f"), ("MB read / token", "mb_per_token", ".1f")]
     done = len({r["rep"] for r in rows})
     table = "Medians over %d interleaved repetitions (of %d asked), %d threads\n\n" % (done, a.reps, a.threads)
     table += md_table([{"arm": arm, **m} for arm, m in med.items()], cols)
@@ -197,7 +235,8 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
     table += f"\n\nCommand: `{cmd}`\n"
     data = {"machine": machine_info(), "command": cmd, "threads": a.threads, "tokens": a.tokens,
             "prompts": a.prompts, "reps": a.reps, "ours": dict(a.ours), "llama": dict(a.llama),
-            "llama_bench": a.llama_bench, "rows": rows, "medians": med, "ratios": ratios}
+            "llama_bench": a.llama_bench, "cgroup_gb": a.cgroup_gb, "rows": rows, "medians": med,
+            "ratios": ratios, "load_avg_1m": [r["load_avg_1m"] for r in rows]}
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         write_results(a.name, data, table, a.out_dir)
 
@@ -218,23 +257,66 @@ def main(a) -> int:
         print(f"--llama-bench {a.llama_bench}: not an executable; build llama.cpp natively "
               f"(bench/README.md)", file=sys.stderr)
         return 2
-    arms = [("ours", lb, p) for lb, p in a.ours] + [("llama", lb, p) for lb, p in a.llama]
+    # Order: the pairs side by side (ours, then its llama.cpp peer), so an interrupted run still
+    # holds complete pairs; the cgroup arms of the first pair right after it; the rest after.
+    ours, llama = dict(a.ours), dict(a.llama)
+    arms, seen = [], set()
+
+    def add(system, label, limit=None):
+        src = ours if system == "ours" else llama
+        if label in src and (system, label, limit) not in seen:
+            seen.add((system, label, limit))
+            arms.append((system, label, src[label], limit))
+    cg_ok = False
+    if a.cgroup_gb:
+        from .peers import cgroup_available
+        cg_ok, why = cgroup_available(a.cgroup_root)
+        if not cg_ok:
+            print(f"--cgroup-gb: {why}; the cgroup arms are skipped", file=sys.stderr)
+    for n, (ol, ll) in enumerate(a.pair):
+        add("ours", ol)
+        add("llama", ll)
+        if n == 0 and cg_ok:
+            for system, label in (("ours", ol), ("llama", ll)):
+                if label in (a.cgroup_arms or [label]):
+                    add(system, label, a.cgroup_gb)
+    for lb in ours:
+        add("ours", lb)
+    for lb in llama:
+        add("llama", lb)
+    if cg_ok:
+        for system, src in (("ours", ours), ("llama", llama)):
+            for lb in src:
+                if lb in (a.cgroup_arms or [lb]):
+                    add(system, lb, a.cgroup_gb)
     rows = []
     for rep in range(a.reps):
-        for system, label, path in (arms if rep % 2 == 0 else arms[::-1]):
+        for system, label, path, limit in (arms if rep % 2 == 0 else arms[::-1]):
             load = os.getloadavg()[0]
             t0 = time.perf_counter()
+            grp = None
             try:
+                if limit is not None:
+                    from .peers import MemCgroup
+                    grp = MemCgroup(int(limit * 1e9), a.cgroup_root)
                 if system == "ours":
-                    r = _spawn_ours(label, path, a)
+                    r = _spawn_ours(label, path, a, budget_gb=limit, wrap=grp.wrap if grp else None)
+                elif limit is not None:  # llama.cpp's mmap in the same memory limit: decode only
+                    r = _llama_arm(a.llama_bench, path, [], a.tokens, a.threads, wrap=grp.wrap)
                 else:
                     r = _llama_arm(a.llama_bench, path, a.prompts, a.tokens, a.threads)
                     if a.cpu_time:
                         r.update(_llama_cpu_rates(a.llama_bench, path, a.prompts, a.tokens, a.threads))
-            except RuntimeError as e:
+                if grp is not None:
+                    r.update(grp.stats())
+            except (RuntimeError, OSError) as e:
                 print(str(e), file=sys.stderr)
                 continue
-            row = {"arm": f"{system}-{label}", "rep": rep, "load_avg_1m": load,
+            finally:
+                if grp is not None:
+                    grp.remove()
+            name = f"{system}-{label}" + (f"@{limit:g}GB" if limit is not None else "")
+            row = {"arm": name, "rep": rep, "load_avg_1m": load,
                    "wall_s": time.perf_counter() - t0, **r}
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -259,6 +341,12 @@ def add_parser(subparsers) -> None:
     k.add_argument("--threads", type=int, default=2)
     k.add_argument("--cpu-time", action="store_true",
                    help="also tokens per CPU-second (rusage, by difference): robust on a shared machine")
+    k.add_argument("--cgroup-gb", type=float, default=None,
+                   help="also run each pair in a cgroup v1 memory limit of this many GB: ours streamed at "
+                        "that RAM budget, llama-bench tg on its mmap in the same limit")
+    k.add_argument("--cgroup-arms", nargs="*", default=None, metavar="LABEL",
+                   help="labels that get a cgroup arm (default: every arm)")
+    k.add_argument("--cgroup-root", default="/sys/fs/cgroup/memory")
     k.add_argument("--reps", type=int, default=3)
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--name", default="kernels_olmoe_1b_7b")
@@ -275,8 +363,9 @@ def _arm_main(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompts", type=int, nargs="+", default=[16, 128, 512])
     p.add_argument("--cpu-time", action="store_true")
+    p.add_argument("--budget-gb", type=float, default=None)
     a = p.parse_args(argv)
-    r = _ours_arm(a.store, a.prompts, a.tokens, a.threads, a.seed, a.cpu_time)
+    r = _ours_arm(a.store, a.prompts, a.tokens, a.threads, a.seed, a.cpu_time, a.budget_gb)
     print("ARM " + json.dumps(r), flush=True)
     return 0
 

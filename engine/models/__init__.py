@@ -38,10 +38,11 @@ def family_for(model_type, path: str = "config.json") -> ModuleType:
 
 
 def build_model(args, dense: dict, dense_quant: str, expert_quant: str, experts, context_length: int,
-                group_size: int = 32):
-    """The family's Model over resident ``dense`` tensors and an ExpertProvider (see base.MoEModel)."""
+                group_size: int = 32, kv_dtype: str = "f16"):
+    """The family's Model over resident ``dense`` tensors and an ExpertProvider (see base.MoEModel;
+    kv_dtype "f16" or "f32": the KV cache element)."""
     return family_for(args.model_type).Model(args, dense, dense_quant, expert_quant, experts,
-                                             context_length, group_size)
+                                             context_length, group_size, kv_dtype=kv_dtype)
 
 
 def dense_bytes(args, quant: str, group_size: int = 32) -> int:

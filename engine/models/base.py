@@ -45,6 +45,8 @@ else:
         from .. import kernels_ref as K
 
 PREFILL_CHUNK = 128
+KV_DTYPES = {"f16": np.uint16, "f32": np.float32}  # KV cache element: IEEE half bits or float32
+F16_MAX = 65504.0  # largest finite IEEE half
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # slab field names (store canonical)
 
 
@@ -671,13 +673,19 @@ class MoEModel:
         args: a family's ModelArgs. dense: canonical dense tensors (store names, see the
             family files). dense_quant / expert_quant: weight kinds. experts: the
             ExpertProvider (indexed by MoE layer). context_length: KV capacity C in tokens.
+            kv_dtype: "f16" (the cache holds K and V as IEEE half, rounded to nearest even
+            from the float32 projections, clipped to +-65504; half the RAM of "f32") or "f32".
 
     The KV cache holds C positions for every layer, also for sliding-window layers (the window
     only masks attention; it does not shrink the cache).
+
+    Raises:
+        ValueError: unknown kv_dtype.
     """
 
     def __init__(self, args: ModelArgs, dense: dict, dense_quant: str, expert_quant: str,
-                 experts: ExpertProvider, context_length: int, group_size: int = 32):
+                 experts: ExpertProvider, context_length: int, group_size: int = 32,
+                 kv_dtype: str = "f16"):
         self.args = a = args
         self.C = context_length
         self.experts = experts
@@ -708,6 +716,9 @@ class MoEModel:
                 ly["mlp"] = _mlp_views(dense, p + "mlp.")
             self.layers.append(ly)
         self.moe_layer_ids = list(a.moe_layers)
+        if kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
+        self.kv_dtype = kv_dtype
         self.alloc_kv()
         # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
         # layer start, post-attention residual, routing, post-MoE residual. Dense layers
@@ -723,15 +734,15 @@ class MoEModel:
         return ly
 
     def alloc_kv(self) -> None:
-        """The KV cache k_cache, v_cache float32 [L, Hkv, C, S] and the RoPE tables."""
+        """The KV cache k_cache, v_cache [L, Hkv, C, S] (KV_DTYPES[kv_dtype]) and the RoPE tables."""
         a = self.args
         L, Hkv, S = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
         # Filled (not np.zeros, whose pages appear lazily) so the KV the budget reserves is
         # resident from the start: RSS then matches the plan instead of creeping up later.
-        self.k_cache = np.empty((L, Hkv, self.C, S), dtype=np.float32)  # [L, Hkv, C, S]
-        self.v_cache = np.empty((L, Hkv, self.C, S), dtype=np.float32)
-        self.k_cache.fill(0.0)
-        self.v_cache.fill(0.0)
+        self.k_cache = np.empty((L, Hkv, self.C, S), dtype=KV_DTYPES[self.kv_dtype])  # [L, Hkv, C, S]
+        self.v_cache = np.empty((L, Hkv, self.C, S), dtype=KV_DTYPES[self.kv_dtype])
+        self.k_cache.fill(0)
+        self.v_cache.fill(0)
         self.rotary_dim = a.rotary_dim or S
         self.cos, self.sin = rope_tables(self.rotary_dim, a.rope_theta, self.C, a.rope_scaling)  # [C, R/2]
         self.scale = np.float32(S ** -0.5)
@@ -802,8 +813,8 @@ class MoEModel:
                 part = np.ascontiguousarray(t3[:, :, :R])
                 K.rope(part, cos, sin)
                 t3[:, :, :R] = part
-        self.k_cache[i, :, pos0:pos0 + T] = k3.transpose(1, 0, 2)
-        self.v_cache[i, :, pos0:pos0 + T] = v.reshape(T, Hkv, S).transpose(1, 0, 2)
+        self.k_cache[i, :, pos0:pos0 + T] = self._kv_store(k3.transpose(1, 0, 2))
+        self.v_cache[i, :, pos0:pos0 + T] = self._kv_store(v.reshape(T, Hkv, S).transpose(1, 0, 2))
         att = np.empty((T, H, S), np.float32)  # [T, H, S]
         kc, vc = self.k_cache[i], self.v_cache[i]
         w = self.windows[i]
@@ -817,6 +828,13 @@ class MoEModel:
             j0 = pos0 + t - w + 1
             K.attention(q3[t:t + 1], kc[:, j0:], vc[:, j0:], w - 1, self.scale, att[t:t + 1])
         return ly["o_proj"](att.reshape(T, H * S), np.empty_like(x))  # [T, D]
+
+    def _kv_store(self, x: np.ndarray) -> np.ndarray:
+        """float32 K or V rows as the cache holds them (f16: rounded to nearest even, clipped
+        to the finite half range so a huge value stays finite instead of becoming inf)."""
+        if self.kv_dtype == "f32":
+            return x
+        return np.clip(x, -F16_MAX, F16_MAX).astype(np.float16).view(np.uint16)
 
     def moe_norm(self, j: int) -> np.ndarray:
         """post_attention_layernorm weight float32 [D] of MoE layer j (PILOT's predictor input)."""
@@ -860,21 +878,30 @@ class MoEModel:
         logits = self.router_logits(j, h)  # [T, E]
         idx, w = self.route(j, logits)  # [T, K]
         self.observers.publish("on_route", j, idx, logits)
-        uniq = np.unique(idx)  # ascending expert ids
+        Kk = idx.shape[1]
+        # Group the T*K (token, rank) entries by expert with one stable sort: entry n = t*K + k,
+        # so each expert's entries come out in ascending token order, contiguous; its tokens'
+        # rows are gathered once into xs and its outputs land in one slice of outs.
+        flat = idx.reshape(-1)
+        by_e = np.argsort(flat, kind="stable")  # [T*K]
+        sorted_e = flat[by_e]
+        uniq, first = np.unique(sorted_e, return_index=True)  # ascending expert ids
+        bounds = dict(zip(uniq.tolist(), zip(first.tolist(), first[1:].tolist() + [len(flat)])))
         order = self.experts.prepare(j, uniq)
-        y = np.zeros((T, idx.shape[1], D), np.float32)  # [T, K, D]
+        xs = h if T == 1 else h[by_e // Kk]  # [T*K, D] (T = 1: each expert sees the one row)
+        outs = np.empty((T * Kk, D), np.float32)  # [T*K, D] in expert-sorted order
         scratch = np.empty((T, a.moe_intermediate_size), np.float32)  # [T, I]
-        for e in (uniq if order is None else order):  # outputs land by rank: order never changes values
-            rows, ranks = np.nonzero(idx == e)
-            n = len(rows)
-            xe = h if n == T else np.ascontiguousarray(h[rows])  # [n, D]; rows are sorted
-            out = np.empty((n, D), np.float32)
+        for e in (uniq.tolist() if order is None else order):  # order never changes values
+            lo, hi = bounds[int(e)]
+            n = hi - lo
             views = self.experts.acquire(j, int(e))
             try:
-                run_expert(self.expert_quant, views, xe, scratch[:n], out, self.gs)
+                run_expert(self.expert_quant, views, xs if T == 1 else xs[lo:hi], scratch[:n], outs[lo:hi], self.gs)
             finally:
                 self.experts.release(j, int(e))
-            y[rows, ranks] = out
+        y = np.empty((T * Kk, D), np.float32)
+        y[by_e] = outs
+        y = y.reshape(T, Kk, D)  # [T, K, D] by rank
         moe = y[:, 0] * w[:, 0:1]
         for k in range(1, idx.shape[1]):
             moe += y[:, k] * w[:, k:k + 1]

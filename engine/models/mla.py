@@ -162,7 +162,8 @@ class MLAModel(base.MoEModel):
 
     Args (beyond MoEModel's): absorb: run the absorbed form (default) or expand the cached
         latents into per-head keys and values (reference; same values up to rounding).
-    The cache ``kv_cache`` float32 [L, 1, C, r + dr] holds c (first r) and k_pe per position.
+    The cache ``kv_cache`` [L, 1, C, r + dr] (float32, or IEEE-half bits as uint16 for kv_dtype
+    "f16") holds c (first r) and k_pe per position.
     """
 
     absorb = True
@@ -182,8 +183,8 @@ class MLAModel(base.MoEModel):
     def alloc_kv(self) -> None:
         a = self.args
         L, W = a.num_hidden_layers, a.kv_lora_rank + a.qk_rope_head_dim
-        self.kv_cache = np.empty((L, 1, self.C, W), dtype=np.float32)  # [L, 1, C, r + dr]
-        self.kv_cache.fill(0.0)  # resident from the start, as the budget plans (see MoEModel)
+        self.kv_cache = np.empty((L, 1, self.C, W), dtype=base.KV_DTYPES[self.kv_dtype])  # [L, 1, C, r + dr]
+        self.kv_cache.fill(0)  # resident from the start, as the budget plans (see MoEModel)
         self.rotary_dim = a.qk_rope_head_dim
         self.cos, self.sin = base.rope_tables(a.qk_rope_head_dim, a.rope_theta, self.C, a.rope_scaling)
         scale = a.qk_head_dim ** -0.5
@@ -225,8 +226,8 @@ class MLAModel(base.MoEModel):
         K.rope(q_pe, cos, sin)
         K.rope(k_pe, cos, sin)
         cache = self.kv_cache[i]  # [1, C, r + dr]
-        cache[0, pos0:pos0 + T, :r] = c
-        cache[0, pos0:pos0 + T, r:] = k_pe[:, 0]
+        cache[0, pos0:pos0 + T, :r] = self._kv_store(c)
+        cache[0, pos0:pos0 + T, r:] = self._kv_store(k_pe[:, 0])
         if self.absorb:
             qc = np.empty((T, H, r + dr), np.float32)  # [T, H, r + dr]: (q_lat, q_pe)
             lat = np.empty((T, r), np.float32)
@@ -250,7 +251,8 @@ class MLAModel(base.MoEModel):
         H, dn, dr, dv, r = (a.num_attention_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim,
                             a.kv_lora_rank)
         n = pos0 + T
-        c, kpe = cache[0, :n, :r], cache[0, :n, r:]  # [n, r], [n, dr]
+        lat = cache[0, :n] if self.kv_dtype == "f32" else cache[0, :n].view(np.float16).astype(np.float32)
+        c, kpe = lat[:, :r], lat[:, r:]  # [n, r], [n, dr]
         eye_k, eye_v = np.eye(dn, dtype=np.float32), np.eye(r, dtype=np.float32)
         kc = np.empty((H, n, dn + dr), np.float32)
         vc = np.empty((H, n, dv), np.float32)
