@@ -20,7 +20,7 @@ from PySide6.QtCore import QObject, QTimer
 
 from engine import ErrorKind, Finished, StepMetrics, TokenEvent
 
-from .history import COMPLETE, ERROR, STOPPED, STREAMING, History
+from .history import COMPLETE, ERROR, STOPPED, STREAMING, History, _num
 
 FLUSH_MS = 40          # streamed text reaches the transcript at most every 40 ms
 SAVE_EVERY_S = 1.0     # crash-safety checkpoint of a streaming answer, at most once per second
@@ -116,6 +116,10 @@ class AnswerStream(QObject):
                 "tok_per_s": round(ev.decode_tok_per_s, 2), "ttft_s": round(ev.ttft_s, 3),
                 "hit_rate": round(ev.hit_rate, 4), "mb_per_token": round(ev.mb_per_token, 3),
                 "finish_reason": ev.finish_reason}
+        if ev.seed is not None:  # shown under a sampled answer: Settings > Seed = it reproduces the answer
+            row = self.history.message(self.asst_id)
+            if row is None or _num(row.sampling.get("temperature", 1.0)) > 0:
+                meta["seed"] = ev.seed
         self.history.update_message(self.asst_id, content=text, status=status, meta=meta)
         self.history.touch(self.conv_id)
         self._show_final(text, status, meta)

@@ -55,6 +55,8 @@ def format_meta(meta: dict) -> str:
         parts.append(f"{meta['mb_per_token']:.2f} MB/token")
     if meta.get("finish_reason"):
         parts.append(f"finish: {meta['finish_reason']}")
+    if meta.get("seed") is not None:
+        parts.append(f"seed {meta['seed']}")
     return "  ·  ".join(parts)
 
 

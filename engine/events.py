@@ -178,6 +178,7 @@ class Finished:
     mb_per_token: float
     felt_wait_s: float
     error: str = ""
+    seed: int | None = None  #: the sampling seed used (SamplingParams.seed, or the fresh one for "auto")
 
 
 @dataclass(frozen=True)

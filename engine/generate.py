@@ -375,7 +375,7 @@ class Engine:
             prefill_tok_per_s=(len(ids) - p) / prefill_s if prefill_s > 0 else 0.0,
             hit_rate=tot["hits"] / look if look else 1.0,
             mb_per_token=(tot["demand_bytes"] + tot["spec_bytes"]) / 1e6 / max(n, 1),
-            felt_wait_s=tot["felt_wait_s"], error=error)
+            felt_wait_s=tot["felt_wait_s"], error=error, seed=sampler.seed)
 
     def reset_history(self) -> None:
         """Forget routing heat and pins (in memory and on disk)."""
