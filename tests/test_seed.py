@@ -46,3 +46,18 @@ def test_finished_reports_the_seed_and_it_reproduces(store):
         x, y = run(None), run(None)
         assert x.seed != y.seed and x.token_ids != y.token_ids
         assert run(x.seed).token_ids == x.token_ids and run(x.seed).seed == x.seed
+
+
+def test_colibri_run_prints_the_auto_seed_and_it_reproduces(store, capsys):
+    import re
+
+    from colibri_app.launcher import main as colibri
+    base = ["run", "--model", str(store), "--prompt", "hello", "--raw", "--max-new-tokens", "8",
+            "--no-history", "--threads", "1", "--temperature", "0.7"]
+    assert colibri(base) == 0
+    cap = capsys.readouterr()
+    m = re.search(r"seed (\d+) \(--seed \1 reproduces this answer\)", cap.err)
+    assert m, cap.err
+    assert colibri(base + ["--seed", m.group(1)]) == 0
+    again = capsys.readouterr()
+    assert again.out == cap.out and "reproduces" not in again.err   # a given seed is not repeated
