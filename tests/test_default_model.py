@@ -94,8 +94,8 @@ def test_model_card_reports_the_measured_numbers():
     ev = json.loads((MODEL / "engine_eval.json").read_text())
     before = json.loads((MODEL / "eval_before.json").read_text())
     for e in (ev, before):
-        assert f"{e['f32']['nll']:.3f}" in card
-        assert f"{e['heldout_text_f32']['nats_per_char']:.3f}" in card
+        assert f"{e['int8']['nll']:.3f}" in card
+        assert f"{e['heldout_text']['nats_per_char']:.3f}" in card
         for t in ("0.0", "0.7"):
             assert f"{e['score_t' + t]['all']['rouge_l']:.3f}" in card
     assert card.count("**Q: ") == 10

@@ -80,7 +80,8 @@ def test_wheel_carries_the_model_and_colibri_run_answers(tmp_path):
     assert where[0].startswith(str(purelib)), where            # the installed copy, not the repo
     assert where[1] == str(purelib / "colibri_resources" / "models" / MODEL), where
     r = subprocess.run([str(venv / "bin" / "colibri"), "run", "--prompt", "What does `json.dumps` do?",
-                        "--max-new-tokens", "24"], cwd=outside, env=env, capture_output=True, text=True,
+                        "--max-new-tokens", "24", "--ram-budget-gb", "2"],   # auto follows the RAM free now
+                       cwd=outside, env=env, capture_output=True, text=True,
                        timeout=900)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip(), r.stderr[-3000:]

@@ -106,7 +106,7 @@ def main() -> int:
         lines += ["## Before and after (`python tools/model_card_samples.py`, colibri's engine)", ""]
         qn = len(ev.get("answers_t0.0", []))
         lines += [
-            f"Held-out text: the {ev['heldout_text_f32']['texts']} documents of this model's `heldout_sample.jsonl` "
+            f"Held-out text: the {ev['heldout_text']['texts']} documents of this model's `heldout_sample.jsonl` "
             "(held-out modules only), each model with its own tokenizer, so nats/character compares them. "
             f"Answers: {qn} questions about the held-out modules (`heldout_questions.json`): half "
             "\"What does `X` do?\", half \"How do I <task>?\" with the task taken from X's docstring, so the "
@@ -128,8 +128,8 @@ def main() -> int:
                     vals.append("n/a")
             lines.append(f"| {label} | " + " | ".join(vals) + " |")
 
-        row("held-out loss, own sample (nats/token, f32)", lambda e: f"{e['f32']['nll']:.3f}")
-        row("held-out text (nats/character, same text)", lambda e: f"{e['heldout_text_f32']['nats_per_char']:.3f}")
+        row("held-out loss, own sample (nats/token)", lambda e: f"{e['int8']['nll']:.3f}")
+        row("held-out text (nats/character, same text)", lambda e: f"{e['heldout_text']['nats_per_char']:.3f}")
         for temp in (0.0, 0.7):
             name = "greedy" if temp == 0 else f"temperature {temp}"
             row(f"ROUGE-L, {name}", lambda e, temp=temp: quality_rows(e, temp)["rouge"])
@@ -146,7 +146,7 @@ def main() -> int:
         lines += [
             "## Routing (colibri's engine, int8 store, held-out text)",
             f"- Held-out NLL (same sample): transformers f32 {ev.get('transformers_heldout_loss', float('nan')):.4f}, "
-            f"colibri f32 store {ev['f32']['nll']:.4f}, colibri int8 store {ev['int8']['nll']:.4f} nats/token.",
+            f"colibri int8 store {ev['int8']['nll']:.4f} nats/token.",
             "- Expert-usage entropy per layer, as a share of log(num_experts) = "
             f"{math.log(E):.3f}: " + ", ".join(f"{e / math.log(E):.3f}" for e in ent) + ".",
             "- PILOT=1 recall per layer (share of the experts a layer routes to that were predicted from",
