@@ -37,8 +37,9 @@ from engine.evaluate import teacher_forced_nll, usage_entropy  # noqa: E402
 TEMPERATURES = (0.0, 0.7)
 MAX_NEW = 96
 # Every expert resident and a fixed budget: the numbers do not depend on placement, and the
-# run does not slow down when the machine is busy (auto sizing follows the RAM free right now).
-PLACEMENT = dict(ram_budget_gb=4.0, pinning=False, history=False)
+# run does not slow down when the machine is busy (auto sizing follows the RAM free right now;
+# several kernel threads wait for each other when other programs hold the cores).
+PLACEMENT = dict(ram_budget_gb=4.0, pinning=False, history=False, threads=1)
 
 
 def heldout(model_dir: Path) -> list[list[int]]:

@@ -137,6 +137,18 @@ def main() -> int:
                 quality_rows(e, temp)["names"], quality_rows(e, temp)["names_what"], quality_rows(e, temp)["names_howto"]))
             row(f"answers that end by themselves, {name}", lambda e, temp=temp: quality_rows(e, temp)["stopped"])
         lines.append("")
+        if before:
+            g, gb = ev["score_t0.0"]["all"], before["score_t0.0"]["all"]
+            lines += [
+                f"Verdict: the language model improved (held-out text {before['heldout_text']['nats_per_char']:.3f} -> "
+                f"{ev['heldout_text']['nats_per_char']:.3f} nats/character), the answers did "
+                + ("not: " if g["rouge_l"] <= gb["rouge_l"] or g["names_right"] == 0 else "too: ")
+                + f"ROUGE-L {gb['rouge_l']:.3f} -> {g['rouge_l']:.3f}, names right {gb['names_right']:.0%} -> "
+                f"{g['names_right']:.0%}. "
+                + ("The model has not learnt to copy the name it is asked about from the question into its "
+                   "answer (it writes the answer's format, `name`: summary, with a name of its own); its "
+                   "answers are not useful yet." if g["names_right"] == 0 else ""),
+                ""]
         dec = ev.get("temperature_decision")
         if dec:
             lines += [dec, ""]
