@@ -20,7 +20,7 @@ from PySide6.QtCore import QObject, QTimer
 
 from engine import ErrorKind, Finished, StepMetrics, TokenEvent
 
-from .history import COMPLETE, ERROR, STOPPED, STREAMING, History
+from .history import COMPLETE, ERROR, STOPPED, STREAMING, History, _num
 
 FLUSH_MS = 40          # streamed text reaches the transcript at most every 40 ms
 SAVE_EVERY_S = 1.0     # crash-safety checkpoint of a streaming answer, at most once per second
@@ -121,6 +121,10 @@ class AnswerStream(QObject):
         if ev.finish_reason == "length" and 0 < ev.answer_room <= ev.generated_tokens and \
                 ev.answer_room < self.job.request.sampling.max_new_tokens:
             meta["context_full"] = True
+        if ev.seed is not None:  # shown under a sampled answer: Settings > Seed = it reproduces the answer
+            row = self.history.message(self.asst_id)
+            if row is None or _num(row.sampling.get("temperature", 1.0)) > 0:
+                meta["seed"] = ev.seed
         self.history.update_message(self.asst_id, content=text, status=status, meta=meta)
         self.history.touch(self.conv_id)
         self._show_final(text, status, meta)

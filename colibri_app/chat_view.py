@@ -64,6 +64,8 @@ def format_meta(meta: dict) -> str:
     if meta.get("dropped_messages"):
         n = meta["dropped_messages"]
         parts.append(f"{n} earliest message{'s' if n != 1 else ''} left out: the chat no longer fits the context")
+    if meta.get("seed") is not None:
+        parts.append(f"seed {meta['seed']}")
     return "  ·  ".join(parts)
 
 

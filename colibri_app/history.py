@@ -31,6 +31,10 @@ from engine import library
 log = logging.getLogger(__name__)
 
 FILENAME = "history.sqlite3"
+# 1: conversations, messages.  2: the full-text index messages_fts (set by _migrate_fts when
+# this SQLite has FTS5). Columns added since version 1 (messages.seed and messages.sampling_json:
+# the sampling seed and parameters an answer was generated with, so it can be reproduced) are
+# added to an older file in place by _migrate, whatever its version (old answers get NULL / '{}').
 SCHEMA_VERSION = 2
 DEFAULT_TITLE = "New chat"
 
@@ -53,7 +57,9 @@ CREATE TABLE IF NOT EXISTS messages (
     content TEXT NOT NULL DEFAULT '',
     status TEXT NOT NULL DEFAULT 'complete',
     meta_json TEXT NOT NULL DEFAULT '{}',
-    created REAL NOT NULL
+    created REAL NOT NULL,
+    seed INTEGER,
+    sampling_json TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
 """
@@ -91,6 +97,13 @@ def fts_query(text: str) -> str:
     return " ".join(f'"{w}"*' for w in words)
 
 
+# Columns added after version 1: (table, column, declaration), added by _migrate when missing.
+_ADDED_COLUMNS = (
+    ("messages", "seed", "INTEGER"),
+    ("messages", "sampling_json", "TEXT NOT NULL DEFAULT '{}'"),
+)
+
+
 @dataclass(frozen=True)
 class Conversation:
     """One conversation (times are Unix seconds)."""
@@ -114,6 +127,8 @@ class Message:
     status: str
     meta: dict = field(default_factory=dict)
     created: float = 0.0
+    seed: int | None = None   #: sampling seed of an answer (None: not recorded, e.g. before v2)
+    sampling: dict = field(default_factory=dict)  #: the SamplingParams fields the answer used
 
 
 def history_path() -> Path:
@@ -213,6 +228,7 @@ class History:
                 conn.executescript(_SCHEMA)
             if version < 2:
                 History._migrate_fts(conn, p, version)
+            History._migrate(conn)
         except BaseException:
             conn.close()
             raise
@@ -246,6 +262,36 @@ class History:
             if "no such module" not in str(e).lower():
                 raise
             log.warning("this SQLite has no FTS5 (%s): chat search scans the messages instead", e)
+
+    @staticmethod
+    def _migrate(conn: sqlite3.Connection) -> None:
+        """Add the columns an older file lacks (_ADDED_COLUMNS), in one transaction (ALTER
+        TABLE ... ADD COLUMN keeps every row; SQLite rolls the whole transaction back if
+        anything fails, so the file is either fully migrated or untouched). The version number
+        is _migrate_fts's; a file from a newer version is used as it is."""
+        have = {t: {r[1] for r in conn.execute(f"PRAGMA table_info({t})")} for t, _, _ in _ADDED_COLUMNS}
+        missing = [(t, c, d) for t, c, d in _ADDED_COLUMNS if c not in have[t]]
+        if not missing:
+            return
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for t, c, d in missing:
+                conn.execute(f"ALTER TABLE {t} ADD COLUMN {c} {d}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        if missing:
+            log.info("chat history: added %s", ", ".join(f"{t}.{c}" for t, c, _ in missing))
+
+    def _message_columns(self) -> str:
+        """The SELECT list for messages: seed and sampling_json only when the file has them (a
+        version-1 file opened read-only is never migrated)."""
+        if not hasattr(self, "_cols"):
+            names = {r[1] for r in self.conn.execute("PRAGMA table_info(messages)")}
+            extra = ", seed, sampling_json" if {"seed", "sampling_json"} <= names else ", NULL, '{}'"
+            self._cols = "id, conversation_id, role, content, status, meta_json, created" + extra
+        return self._cols
 
     @staticmethod
     def _move_aside(p: Path) -> Path:
@@ -342,15 +388,17 @@ class History:
     def messages(self, conv_id: int) -> list[Message]:
         """A conversation's messages in order; unreadable rows are skipped (and logged)."""
         out = []
-        for row in self._rows("SELECT id, conversation_id, role, content, status, meta_json, created "
+        for row in self._rows(f"SELECT {self._message_columns()} "
                               "FROM messages WHERE conversation_id=? ORDER BY id", (conv_id,)):
             try:
                 role = _text(row[2])
                 if role not in ("user", "assistant", "system"):
                     raise ValueError(f"unknown role {role!r}")
                 status = _text(row[4])
+                seed = int(row[7]) if isinstance(row[7], int) and row[7] >= 0 else None
                 out.append(Message(int(row[0]), int(row[1]), role, _text(row[3]),
-                                   status if status in STATUSES else INTERRUPTED, _meta(row[5]), _num(row[6])))
+                                   status if status in STATUSES else INTERRUPTED, _meta(row[5]), _num(row[6]),
+                                   seed, _meta(row[8])))
             except (TypeError, ValueError) as e:
                 log.warning("skipping unreadable message row: %s", e)
         return out
@@ -363,13 +411,16 @@ class History:
         return next((m for m in self.messages(int(row[0])) if m.id == msg_id), None)
 
     def add_message(self, conv_id: int, role: str, content: str, status: str = COMPLETE,
-                    meta: dict | None = None) -> int:
-        """Append a message; returns its id."""
+                    meta: dict | None = None, seed: int | None = None,
+                    sampling: dict | None = None) -> int:
+        """Append a message; returns its id. ``seed`` / ``sampling``: for an answer, the sampling
+        seed (0 <= seed < 2**63) and SamplingParams fields it is generated with."""
         now = time.time()
         with self.conn:
             cur = self.conn.execute(
-                "INSERT INTO messages(conversation_id, role, content, status, meta_json, created) "
-                "VALUES (?,?,?,?,?,?)", (conv_id, role, content, status, json.dumps(meta or {}), now))
+                "INSERT INTO messages(conversation_id, role, content, status, meta_json, created, seed, "
+                "sampling_json) VALUES (?,?,?,?,?,?,?,?)",
+                (conv_id, role, content, status, json.dumps(meta or {}), now, seed, json.dumps(sampling or {})))
             self.conn.execute("UPDATE conversations SET updated=? WHERE id=?", (now, conv_id))
         return cur.lastrowid
 

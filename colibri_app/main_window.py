@@ -10,7 +10,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from PySide6.QtCore import QByteArray, QCoreApplication, QEvent, Qt, Slot
@@ -20,7 +20,7 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, Q
                                QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout, QWidget)
 
 from engine import (ChatMessage, EngineConfig, EngineFailure, Finished, Loaded, LoadProgress,
-                    ErrorKind, ResidencySnapshot, StepMetrics, TokenEvent, library)
+                    ErrorKind, ResidencySnapshot, SamplingParams, StepMetrics, TokenEvent, fresh_seed, library)
 
 from .chat_view import ChatView, ConversationList
 from .answer import AnswerEnd, AnswerStream
@@ -288,6 +288,7 @@ class MainWindow(QMainWindow):
         self.loaded: Loaded | None = None
         self.answer: AnswerStream | None = None     # the answer being written (one engine: one at a time)
         self.queue: list[tuple[int, int]] = []      # (conversation, question) waiting for the engine
+        self._regenerating: set[int] = set()        # questions whose next answer is a Regenerate
         self._not_ready = "Loading the model…"      # why Send is off while no model is open
         self.conv_id: int | None = None
         self._pending_system = ""
@@ -761,7 +762,20 @@ class MainWindow(QMainWindow):
         user = users[-1]
         if user.status == ERROR:
             self.history.update_message(user.id, status=COMPLETE)
+        self._regenerating.add(user.id)
         self._request_answer(self.conv_id, user.id)
+
+    def _answer_sampling(self, user_id: int) -> SamplingParams:
+        """The sampling of the next answer to ``user_id``: the settings', with a fresh seed when
+        the Seed setting is auto or the answer is a Regenerate (so Regenerate always gives a new
+        draw; a fixed Seed reproduces an answer when the question is sent again).  The seed is
+        stored with the answer (history ``seed`` column) and shown under it."""
+        sp = self.settings.sampling
+        regen = user_id in self._regenerating
+        self._regenerating.discard(user_id)
+        if sp.seed is None or regen:
+            sp = replace(sp, seed=fresh_seed())
+        return sp
 
     def edit_message(self, user_id: int) -> None:
         """Put the last user message in the prompt box; sending replaces it and what followed."""
@@ -814,14 +828,16 @@ class MainWindow(QMainWindow):
             return
         conv_id, user_id = self.queue.pop(0)
         messages = self._context(conv_id)
-        asst_id = self.history.add_message(conv_id, "assistant", "", STREAMING)
+        sampling = self._answer_sampling(user_id)
+        asst_id = self.history.add_message(conv_id, "assistant", "", STREAMING, seed=sampling.seed,
+                                           sampling=asdict(sampling))
         if conv_id == self.conv_id:
             self.chat.add_message(Message(asst_id, conv_id, "assistant", "", STREAMING))
             self.chat.scroll_to_bottom()
         self.panels.new_generation()
         if self.banner.kind in (ErrorKind.CONTEXT, ErrorKind.GENERATION):
             self.banner.hide()
-        job = self.controller.generate(self.chat.build_request(messages, self.settings.sampling))
+        job = self.controller.generate(self.chat.build_request(messages, sampling))
         self.answer = AnswerStream(self.history, self.chat, job, conv_id, user_id, asst_id, self)
         self._sync_chat()
         self._refresh_list()

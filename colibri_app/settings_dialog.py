@@ -130,7 +130,7 @@ class SettingsDialog(QDialog):
             w = QLineEdit()
             digits = len(str(int(s.hi)))
             w.setValidator(QRegularExpressionValidator(QRegularExpression(rf"\d{{0,{digits}}}"), w))
-            w.setPlaceholderText(str(s.default))
+            w.setPlaceholderText("" if s.default is None else str(s.default))
         else:
             w = QSpinBox() if s.type is int else QDoubleSpinBox()
             if s.type is float:

@@ -17,7 +17,9 @@ from engine import (APP, ENGINE, SAMPLING, AppSettings, ConfigError, EngineConfi
                     settings_table, upgrade_keys, validate)
 
 SETTINGS_FORMAT = "colibri-desktop-settings"
-SETTINGS_VERSION = 1
+# 2: the sampling seed may be null ("auto": a new seed for every answer, the default).  A
+# version-1 file is read with its seed 0 (version 1's default; "auto" did not exist) as auto.
+SETTINGS_VERSION = 2
 FILENAME = "settings.json"
 
 # Settings whose change reopens the engine (from the settings table, engine.settings).
@@ -58,8 +60,9 @@ class Settings:
         d = json.loads(text)
         if not isinstance(d, dict) or d.get("format") != SETTINGS_FORMAT:
             raise ValueError("not a colibri-desktop settings file")
-        if d.get("version") != SETTINGS_VERSION:
-            raise ValueError(f"settings version {d.get('version')!r} is not {SETTINGS_VERSION}")
+        version = d.get("version")
+        if version not in (1, SETTINGS_VERSION):
+            raise ValueError(f"settings version {version!r} is not {SETTINGS_VERSION}")
         e = d.get("engine", {})
         if not isinstance(e, dict):
             raise ValueError("'engine' must be an object")
@@ -73,6 +76,8 @@ class Settings:
         snames = {f.name for f in fields(SamplingParams)}
         if not isinstance(s, dict) or set(s) - snames:
             raise ValueError("'sampling' has unknown keys")
+        if version == 1 and s.get("seed") == 0:
+            s = {**s, "seed": None}
         sampling = SamplingParams(**s)
         validate(sampling, SAMPLING)
         cm = d.get("current_model")

@@ -17,6 +17,7 @@ from .events import (ABSENT, LOADING, PINNED, RESIDENT, ChatMessage, EngineFailu
 from .chat_template import reasoning_open, split_reasoning
 from .fsutil import atomic_write_text
 from .generate import Engine
+from .sampling import fresh_seed
 from .settings import (APP, CHECKSUM_MODES, ENGINE, POLICIES, SAMPLING, AppSettings, EngineConfig, Setting,
                        settings_table, upgrade_keys, validate)
 from .units import format_bytes, format_duration
@@ -29,5 +30,5 @@ __all__ = [
     "GenerateRequest", "Loaded",
     "LoadProgress", "ResidencySnapshot", "SamplingParams", "StepMetrics", "TokenEvent", "atomic_write_text",
     "Engine", "ENGINE", "SAMPLING", "APP", "AppSettings", "Setting", "settings_table", "upgrade_keys", "validate", "format_bytes",
-    "format_duration", "split_reasoning", "reasoning_open", "describe_model", "family_name", "supported_families",
+    "format_duration", "fresh_seed", "split_reasoning", "reasoning_open", "describe_model", "family_name", "supported_families",
 ]

@@ -196,6 +196,7 @@ class Finished:
     dropped_messages: int = 0
     answer_room: int = 0
     threads: int = 0
+    seed: int | None = None  #: the sampling seed used (SamplingParams.seed, or the fresh one for "auto")
 
 
 @dataclass(frozen=True)

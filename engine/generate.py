@@ -499,7 +499,7 @@ class Engine:
             prefill_tok_per_s=(len(ids) - p) / prefill_s if prefill_s > 0 else 0.0,
             hit_rate=hit_rate, mb_per_token=mb_per_token,
             felt_wait_s=tot["felt_wait_s"], error=error, dropped_messages=dropped, answer_room=max_new,
-            threads=self.threads)
+            threads=self.threads, seed=sampler.seed)
 
     def reset_history(self) -> None:
         """Forget routing heat and pins (in memory and on disk)."""

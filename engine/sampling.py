@@ -8,6 +8,7 @@ so a sampler built with the same params replays the same tokens for the same log
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,6 +21,12 @@ log = logging.getLogger(__name__)
 # Top-p first looks at this many most likely tokens (growing x8 until the nucleus fits),
 # so a 50k vocabulary is never fully sorted.
 _TOP_P_FIRST_WINDOW = 64
+
+
+def fresh_seed() -> int:
+    """A new sampling seed, 0 <= seed < 2**63 (the Seed setting's range), from the OS entropy
+    source (``secrets``), for answers whose Seed setting is "auto" and for Regenerate."""
+    return secrets.randbits(63)
 
 
 def validate_sampling_params(params: SamplingParams) -> None:
@@ -35,7 +42,10 @@ class Sampler:
     """Chooses the next token from a logits vector.
 
     ``Sampler(params)`` validates ``params`` (ValueError naming the setting) and owns a
-    ``numpy.random.Generator(PCG64(params.seed))``.
+    ``numpy.random.Generator(PCG64(seed))``; ``seed`` (int, 0 <= seed < 2**63) is
+    ``params.seed``, or when that is None ("auto") a fresh one from the OS entropy source
+    (``secrets.randbits(63)``), kept in ``self.seed`` so the caller can store it and replay the
+    same tokens later with ``SamplingParams(seed=that)``.
 
     ``sampler(logits, context_ids) -> int``:
       logits: np.ndarray, shape (V,), float (float32 from the engine); never modified.
@@ -50,7 +60,8 @@ class Sampler:
         validate_sampling_params(params)
         self.params = params
         self.greedy = params.temperature <= 0
-        self._rng = np.random.Generator(np.random.PCG64(int(params.seed)))
+        self.seed = fresh_seed() if params.seed is None else int(params.seed)
+        self._rng = np.random.Generator(np.random.PCG64(self.seed))
         self._warned_nonfinite = False
 
     def _warn_once(self, what: str) -> None:

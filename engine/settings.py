@@ -222,8 +222,9 @@ SAMPLING_SETTINGS: tuple[Setting, ...] = (
        step=0.05),
     _S("repetition_penalty", float, 1.0, "above 1 discourages tokens already in the conversation (CTRL; "
        "1 = off)", "Repetition penalty", group=SAMPLING, lo=0.5, hi=2.0, needs_reload=False, step=0.05),
-    _S("seed", int, 0, "same seed + same input = same output when sampling", "Seed", group=SAMPLING, lo=0,
-       hi=2 ** 63 - 1, needs_reload=False),
+    _S("seed", int, None, "same seed + same input = same output when sampling; auto = a new seed for "
+       "every answer (the seed used is reported with the answer, so it can be reproduced)", "Seed",
+       group=SAMPLING, lo=0, hi=2 ** 63 - 1, needs_reload=False, auto=True),
     _S("max_new_tokens", int, 256, "longest answer, in tokens", "Max new tokens", group=SAMPLING, lo=1,
        hi=1 << 20, unit="tokens", needs_reload=False, step=64),
 )

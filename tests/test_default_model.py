@@ -72,5 +72,60 @@ def test_topology_and_size():
     cfg = json.loads((MODEL / "config.json").read_text())
     assert cfg["model_type"] == "olmoe" and cfg["num_hidden_layers"] >= 8
     assert cfg["num_experts"] >= 32 and cfg["num_experts_per_tok"] >= 4
-    assert (MODEL / "model.safetensors").stat().st_size <= 50_000_000
+    total = sum(f.stat().st_size for f in MODEL.iterdir() if f.is_file())
+    assert total <= 60_000_000, total
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        assert (MODEL / f).exists(), f
+    assert json.loads((MODEL / "tokenizer_config.json").read_text())["chat_template"]
     assert "PSF" in (MODEL / "README.md").read_text()
+
+
+def test_heldout_questions_are_about_heldout_modules():
+    log = json.loads((MODEL / "training_log.json").read_text())
+    held = set(log["corpus"]["heldout_top_level_modules"])
+    qs = json.loads((MODEL / "heldout_questions.json").read_text())
+    assert len(qs) == 50 and {q["kind"] for q in qs} == {"what", "howto"}
+    assert all(q["about"].split(".")[0] in held for q in qs)
+    assert len({q["about"] for q in qs}) == 50
+
+
+def test_model_card_reports_the_measured_numbers():
+    card = (MODEL / "README.md").read_text()
+    ev = json.loads((MODEL / "engine_eval.json").read_text())
+    before = json.loads((MODEL / "eval_before.json").read_text())
+    for e in (ev, before):
+        assert f"{e['int8']['nll']:.3f}" in card
+        assert f"{e['heldout_text']['nats_per_char']:.3f}" in card
+        for t in ("0.0", "0.7"):
+            assert f"{e['score_t' + t]['all']['rouge_l']:.3f}" in card
+    assert card.count("**Q: ") == 10
+    for a in [a for a in ev["answers_t0.0"] if a["kind"] == "what"][:5]:
+        assert a["answer"].strip() in card                  # verbatim
+
+
+N_ANSWERS = 10
+MIN_NAMED, MIN_ROUGE = 5, 0.25   # half the answers name the function; the previous model: 0 and 0.19
+
+
+@pytest.mark.xfail(strict=True, reason="issue 17 point 1 is not met yet: the bundled model (70 min on a "
+                   "shared CPU) names 0 of 50 held-out functions (model card); passes once a model that does ships")
+def test_answers_name_the_function(stores):
+    """The bundled model answers held-out questions ("What does `cmath.tan` do?", modules it
+    never saw) with the function's name and words of its docstring; the model it replaced
+    answered "Return the file." to everything (0 of 10 named the function)."""
+    import sys
+    sys.path.insert(0, str(MODEL.parent.parent.parent / "tools"))
+    from model_card_samples import names_right, rouge_l
+
+    from engine import ChatMessage, Finished, GenerateRequest, SamplingParams
+
+    qs = [q for q in json.loads((MODEL / "heldout_questions.json").read_text()) if q["kind"] == "what"][:N_ANSWERS]
+    named, rouge = 0, 0.0
+    with Engine.open(EngineConfig(store=str(stores["int8"]), history=False)) as eng:
+        for q in qs:
+            req = GenerateRequest(messages=(ChatMessage("user", q["question"]),),
+                                  sampling=SamplingParams(temperature=0.0, max_new_tokens=48))
+            fin = [e for e in eng.generate(req) if isinstance(e, Finished)][0]
+            named += names_right(fin.text, q["names"])
+            rouge += rouge_l(fin.text, q["reference"]) / len(qs)
+    assert named >= MIN_NAMED and rouge >= MIN_ROUGE, (named, rouge)

@@ -8,11 +8,18 @@ this file.  What it does, end to end and deterministically (seeded):
    tests, GUI/demo modules and modules with import side effects) and reads, with ``inspect``, every
    public function, class and method: its docstring, signature and source.  The parent turns them
    into chat conversations (several question phrasings) in exactly the chat-template format,
-   e.g. user "What does `json.dumps` do?" -> assistant: first paragraph of the docstring;
-   user "Write a function that <first docstring line>" -> assistant: the library's source code;
-   plus plain source-code chunks of the module files for completion.
+   e.g. user "What does `json.dumps` do?" -> assistant "`json.dumps`: " + the docstring's summary;
+   "How do I get the square root of x?" (the task from the summary's imperative verb) -> "Use
+   `math.sqrt(x, /)`. Return the square root of x."; "Show me an example of `X`." -> X's doctest
+   examples (``doctest.DocTestParser``); "Write a function that <first docstring line>" -> the
+   library's source code; "Explain the `for` statement in Python." -> the language reference and
+   library topics of ``pydoc_data.topics`` (what ``help('for')`` shows), whose method entries
+   (``str.join(iterable)`` + description) also become questions; plus plain source-code chunks of
+   the module files and topic chunks for completion.
    A fixed, seeded ~5 % of the top-level modules is held out (never trained on, not even by the
-   tokenizer); a 64-sequence sample of it measures the held-out loss.
+   tokenizer; topic paragraphs naming them are dropped); a 64-sequence sample of it measures the
+   held-out loss, and 50 questions about it (heldout_questions.json) the answer quality
+   (tools/model_card_samples.py).
 2. Tokenizer.  Byte-level BPE (``tokenizers``), ByteLevel pre-tokenizer and decoder, special tokens
    <|endoftext|> <|pad|> <|system|> <|user|> <|assistant|> <|end|>; a Jinja chat template.
 3. Model.  A genuine ``transformers.OlmoeForCausalLM`` (fine-grained MoE scaled down: 8 layers,
@@ -21,9 +28,15 @@ this file.  What it does, end to end and deterministically (seeded):
 4. Output (``--out``, default resources/models/colibri-stdlib-moe/): a standard Hugging Face OLMoE
    checkpoint (config.json, generation_config.json, model.safetensors), tokenizer.json,
    tokenizer_config.json, training_log.json (steps, tokens, time, losses, routing statistics),
-   heldout_sample.jsonl and questions.json.
+   heldout_sample.jsonl, questions.json and heldout_questions.json.  With ``--checkpoint-dir``
+   a loadable checkpoint (model + tokenizer) is also saved at every evaluation (atomically, in
+   ``latest/``), so a run cut short still leaves its last one.
 
-Reproduce:  python tools/train_default_model.py --minutes 50
+Reproduce (the bundled model).  1 torch thread: on the shared 2-core machine (load average
+~25) a 2-thread run used 0.7 CPU for 111 tokens/s (a 6 M-active variant, so not a clean
+comparison), the 1-thread run of this model 0.5 CPU for ~800 tokens/s:
+  python tools/train_default_model.py --cache-dir /tmp/colibri-train-cache --minutes 70 \
+      --threads 1 --vocab 8192 --batch 8 --warmup 60
 """
 
 from __future__ import annotations
@@ -279,7 +292,23 @@ def _extract_child(out_path: str) -> None:
         json.dump(data, f)
 
 
-def extract_stdlib(cache_dir: Path) -> dict:
+def extract_stdlib(cache_dir: Path, reuse: Path | None = None) -> dict:
+    """The extraction JSON (see _extract_child), made in a child process; ``reuse``: a cache
+    folder where the extraction of this exact Python and tool version is kept between runs."""
+    if reuse is not None:
+        import hashlib
+        key = hashlib.sha256((sys.version + Path(__file__).read_text().split("# --- 1b.")[0])
+                             .encode()).hexdigest()[:16]
+        cached = reuse / f"stdlib_extract-{key}.json"
+        if cached.exists():
+            with open(cached, encoding="utf-8") as f:
+                return json.load(f)
+        data = extract_stdlib(cache_dir)
+        reuse.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, cached)
+        return data
     out = cache_dir / "stdlib_extract.json"
     # a minimal, fixed environment: the corpus must not depend on (or contain) this machine's
     env = {"PATH": os.defpath, "LANG": "C.UTF-8", "PYTHONHASHSEED": "0", "PYTHONWARNINGS": "ignore",
@@ -409,6 +438,7 @@ def build_items(data: dict, heldout_tops: set[str]):
                 "source": it["source"], "doc": _clip_doc(doc) if summary else ""}
         first = summary.split(". ")[0].rstrip(".") if seed["summary"] else ""
         seed["first_line"] = first if 8 <= len(first) <= 200 else ""
+        seed["examples"] = doctest_examples(doc) if doc else []
         if not (seed["summary"] or seed["source"]):
             continue
         (held if set(it["owners"]) & heldout_tops else train).append(seed)
@@ -417,7 +447,7 @@ def build_items(data: dict, heldout_tops: set[str]):
         if not _good_summary(s, m["name"]):
             continue
         seed = {"name": m["name"], "kind": "module", "summary": s, "signature": "", "source": "",
-                "first_line": "", "doc": ""}
+                "first_line": "", "doc": "", "examples": []}
         (held if m["top"] in heldout_tops else train).append(seed)
     return train, held
 
@@ -458,7 +488,198 @@ def code_chunks(data: dict, heldout_tops: set[str], min_lines=12, max_lines=40):
     return train, held
 
 
+def doctest_examples(doc: str, max_chars: int = 600) -> list[str]:
+    """The interactive examples (doctest blocks: ``>>>`` lines and their expected output) of a
+    docstring, each at most ``max_chars`` characters, found with the standard library's own
+    ``doctest.DocTestParser``."""
+    import doctest
+
+    try:
+        exs = doctest.DocTestParser().get_examples(doc)
+    except ValueError:  # malformed doctest (inconsistent indentation)
+        return []
+    blocks, cur, last_line = [], [], None
+    for ex in exs:
+        if cur and last_line is not None and ex.lineno > last_line + 1:
+            blocks.append(cur)
+            cur = []
+        src = ex.source.rstrip("\n").split("\n")
+        text = ">>> " + "\n... ".join(src) + ("\n" + ex.want.rstrip("\n") if ex.want.strip() else "")
+        cur.append(text)
+        last_line = ex.lineno + len(src) + len(ex.want.splitlines())
+    if cur:
+        blocks.append(cur)
+    out = []
+    for b in blocks:
+        t = "\n".join(b)
+        if 10 <= len(t) <= max_chars and EOT not in t and END not in t:
+            out.append(t)
+    return out
+
+
+# Imperative first words of docstring summaries -> the verb of a "How do I ...?" question.
+# ("Return the square root of x" -> "How do I get the square root of x?")
+HOWTO_VERBS = {
+    "return": "get", "get": "get", "compute": "compute", "calculate": "calculate",
+    "create": "create", "make": "make", "build": "build", "construct": "construct",
+    "convert": "convert", "read": "read", "write": "write", "open": "open", "close": "close",
+    "remove": "remove", "delete": "delete", "add": "add", "insert": "insert", "find": "find",
+    "search": "search", "test": "test", "check": "check", "parse": "parse", "format": "format",
+    "encode": "encode", "decode": "decode", "compress": "compress", "decompress": "decompress",
+    "copy": "copy", "move": "move", "rename": "rename", "send": "send", "receive": "receive",
+    "start": "start", "stop": "stop", "run": "run", "call": "call", "generate": "generate",
+    "split": "split", "join": "join", "sort": "sort", "load": "load", "dump": "dump",
+    "serialize": "serialize", "deserialize": "deserialize", "register": "register",
+    "unregister": "unregister", "wait": "wait", "acquire": "acquire", "release": "release",
+    "update": "update", "reset": "reset", "clear": "clear", "print": "print", "display": "display",
+    "iterate": "iterate", "apply": "apply", "replace": "replace", "translate": "translate",
+    "escape": "escape", "quote": "quote", "unquote": "unquote", "normalize": "normalize",
+    "validate": "validate", "initialize": "initialize", "extract": "extract", "append": "append",
+    "extend": "extend", "pop": "pop", "push": "push", "count": "count", "match": "match",
+    "filter": "filter", "list": "list", "walk": "walk", "change": "change", "set": "set",
+    "determine": "determine", "emit": "emit", "execute": "execute", "evaluate": "evaluate",
+    "flush": "flush", "truncate": "truncate", "seek": "seek", "fetch": "fetch", "lock": "lock",
+    "unlock": "unlock", "schedule": "schedule", "cancel": "cancel", "submit": "submit",
+    "connect": "connect", "bind": "bind", "listen": "listen", "accept": "accept", "shut": "shut",
+    "retrieve": "retrieve", "store": "store", "save": "save", "restore": "restore", "wrap": "wrap",
+    "fill": "fill", "indent": "indent", "dedent": "dedent", "shorten": "shorten", "strip": "strip",
+    "pad": "pad", "round": "round", "truncating": "", "hash": "hash", "sign": "sign",
+    "verify": "verify", "install": "install", "import": "import", "reload": "reload",
+    "merge": "merge", "compare": "compare", "shuffle": "shuffle", "choose": "choose",
+    "select": "select", "pick": "pick", "log": "log", "raise": "raise", "handle": "handle",
+    "send_": "send", "transform": "transform", "expand": "expand", "resolve": "resolve",
+}
+
+
+def howto_question(seed) -> str | None:
+    """'Return True if the path exists' -> 'check if the path exists';
+    'Return the square root of x.' -> 'get the square root of x'.  None when the summary does
+    not start with a known verb (so the question would not read as English)."""
+    fl = seed["first_line"]
+    if not fl or seed["kind"] == "module":
+        return None
+    w, _, rest = fl.partition(" ")
+    lw = w.lower().rstrip(",:")
+    if not rest:
+        return None
+    if lw in ("return", "returns") and re.match(r"(?i)(true|a true value|whether|nonzero)\b", rest):
+        rest = re.sub(r"(?i)^(true|a true value|nonzero)\s+(if|when|iff)\s+", "", rest)
+        rest = re.sub(r"(?i)^whether\s+", "", rest)
+        return f"check if {rest}"
+    base = lw[:-1] if lw.endswith("s") and lw[:-1] in HOWTO_VERBS else lw
+    if lw.endswith("es") and lw[:-2] in HOWTO_VERBS:
+        base = lw[:-2]
+    if lw.endswith("ies") and lw[:-3] + "y" in HOWTO_VERBS:
+        base = lw[:-3] + "y"
+    verb = HOWTO_VERBS.get(base)
+    if not verb:
+        return None
+    return f"{verb} {rest}"
+
+
+HOWTO_TEMPLATES = [
+    "How do I {t}?",
+    "How can I {t} in Python?",
+    "How do I {t} with the standard library?",
+    "Which function can I use to {t}?",
+    "What should I use to {t}?",
+    "I need to {t}. What can I use?",
+]
+EXAMPLE_TEMPLATES = [
+    "Show me an example of `{n}`.",
+    "Give an example of using `{n}`.",
+    "How is `{n}` used? Show an example.",
+    "Can you show `{n}` in action?",
+]
+TOPIC_TEMPLATES = [
+    "Explain {t} in Python.",
+    "How does {t} work in Python?",
+    "Tell me about {t}.",
+    "What does the Python language reference say about {t}?",
+    "Describe {t}.",
+]
+
+
+def _topic_phrase(key: str, title: str) -> str:
+    import keyword
+
+    if keyword.iskeyword(key) or key in ("async", "await"):
+        return f"the `{key}` statement" if key not in ("in", "lambda", "await", "yield") else f"`{key}`"
+    title = re.sub(r'"', "`", title.strip())
+    return title[:1].lower() + title[1:] if title else key.replace("-", " ")
+
+
+def topic_docs(heldout_tops: set[str]):
+    """The language reference and library topics shipped with Python (``pydoc_data.topics``,
+    what ``help('for')`` shows), as (question phrase, answer) pairs and as plain text chunks;
+    also the method entries of library topics ("str.join(iterable)" + its description) as
+    (name, signature, description) records.  Paragraphs that name a held-out module are dropped."""
+    from pydoc_data.topics import topics
+
+    held = re.compile(r"\b(" + "|".join(re.escape(t) for t in sorted(heldout_tops)) + r")\b")
+    pairs, chunks, methods = [], [], []
+    for key in sorted(topics):
+        text = topics[key].replace(EOT, "").replace(END, "")
+        lines = text.splitlines()
+        title = lines[0].strip() if lines else key
+        body = "\n".join(lines[2:]) if len(lines) > 2 and set(lines[1].strip()) <= {"*", "="} else text
+        paras = [p.strip("\n") for p in re.split(r"\n\s*\n", body) if p.strip()]
+        paras = [p for p in paras if not held.search(p)]
+        # chunks of <= 1200 characters at paragraph boundaries
+        cur = ""
+        first = True
+        for para in paras:
+            if cur and len(cur) + len(para) > 1200:
+                chunks.append((key, title, cur, first))
+                first = False
+                cur = ""
+            cur = (cur + "\n\n" + para) if cur else para
+        if cur:
+            chunks.append((key, title, cur, first))
+        # method entries: "str.join(iterable)" at column 0 followed by an indented description
+        for i, para in enumerate(paras[:-1]):
+            m = re.fullmatch(r"(?:(?:class|classmethod|staticmethod) )?([A-Za-z_][\w.]*)(\(.*\))?", para.strip())
+            if not m or "\n" in para.strip() or "." not in m.group(1):
+                continue
+            desc = paras[i + 1]
+            if not desc.startswith("   "):
+                continue
+            d = textwrap.dedent(desc).strip()
+            if len(d) >= 12:
+                methods.append({"name": m.group(1), "signature": m.group(2) or "",
+                                "summary": _oneline(d), "topic": key})
+    for key, title, chunk, first in chunks:
+        pairs.append({"key": key, "phrase": _topic_phrase(key, title), "text": chunk, "first": first})
+    return pairs, [f"{EOT}{c[2]}\n" for c in chunks], methods
+
+
 def conversation(seed, rng: random.Random, category: str):
+    """One chat (list of messages) for a seed, or None.  category: 'qa', 'write', 'howto',
+    'example'."""
+    n, k = seed["name"], seed["kind"]
+    if category == "howto":
+        t = howto_question(seed)
+        if not t:
+            return None
+        q = rng.choice(HOWTO_TEMPLATES).format(t=t)
+        sig = re.sub(r"^\((self|cls)(, )?", "(", seed["signature"]) if seed["kind"] == "method" else seed["signature"]
+        sig = sig if sig and len(sig) <= 80 else ""
+        a = f"Use `{n}{sig}`. {seed['summary']}"
+        if seed.get("examples") and rng.random() < 0.3:
+            a += f"\n\n```pycon\n{rng.choice(seed['examples'])}\n```"
+        return [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+    if category == "example":
+        if not seed.get("examples"):
+            return None
+        q = rng.choice(EXAMPLE_TEMPLATES).format(n=n)
+        a = f"`{n}`: {seed['summary']}\n\n" if seed["summary"] else ""
+        return [{"role": "user", "content": q},
+                {"role": "assistant", "content": a + f"```pycon\n{rng.choice(seed['examples'])}\n```"}]
+    return _conversation(seed, rng, category)
+
+
+def _conversation(seed, rng: random.Random, category: str):
+
     """One chat (list of messages) for a seed, or None.  category: 'qa' or 'write'."""
     n, k = seed["name"], seed["kind"]
     if category == "write":
@@ -473,7 +694,7 @@ def conversation(seed, rng: random.Random, category: str):
         return None
     if k == "module":
         q = rng.choice(MODULE_TEMPLATES).format(n=n)
-        a = seed["summary"]
+        a = f"`{n}`: {seed['summary']}"
     elif seed["doc"] and len(seed["doc"]) > len(seed["summary"]) + 40 and rng.random() < 0.25:
         q = rng.choice(FULLDOC_TEMPLATES).format(n=n)
         a = seed["doc"]
@@ -483,18 +704,35 @@ def conversation(seed, rng: random.Random, category: str):
     else:
         q = rng.choice(DOC_TEMPLATES).format(n=n, k={"function": "function", "method": "method",
                                                       "class": "class"}[k])
-        a = seed["summary"]
+        a = f"`{n}`: {seed['summary']}"
     return [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+
+
+def next_texts_preview(pools, topic_text, train_code, n):
+    rng = random.Random(0)
+    out = []
+    while len(out) < n:
+        cat = rng.choice(list(pools) + ["topic_text", "code"])
+        t = (rng.choice(topic_text) if cat == "topic_text" else rng.choice(train_code)
+             if cat == "code" else make_doc(pools[cat], rng, cat))
+        if t:
+            out.append(t)
+    return out
 
 
 def make_doc(seeds, rng: random.Random, category: str) -> str | None:
     """A rendered training document: one conversation, sometimes with a system prompt or a
     second turn (multi-turn)."""
     seed = rng.choice(seeds)
-    conv = conversation(seed, rng, category)
+    if category == "topic":
+        tpl = rng.choice(TOPIC_TEMPLATES) if seed["first"] else "Tell me more about {t}."
+        conv = [{"role": "user", "content": tpl.format(t=seed["phrase"])},
+                {"role": "assistant", "content": seed["text"]}]
+    else:
+        conv = conversation(seed, rng, category)
     if conv is None:
         return None
-    if category == "qa" and rng.random() < 0.2:
+    if category in ("qa", "howto") and rng.random() < 0.2:
         extra = conversation(rng.choice(seeds), rng, "qa")
         if extra:
             conv = conv + extra
@@ -699,6 +937,14 @@ def main(argv=None) -> int:
     ap.add_argument("--eval-only", action="store_true",
                     help="no training: reload the checkpoint in --out, recompute the held-out loss "
                          "and routing statistics on its heldout_sample.jsonl, update training_log.json")
+    ap.add_argument("--cache-dir", type=Path, default=None,
+                    help="keep the standard-library extraction here between runs (same Python)")
+    ap.add_argument("--checkpoint-dir", type=Path, default=None,
+                    help="save a loadable checkpoint (model + tokenizer) here at every evaluation")
+    ap.add_argument("--corpus-only", action="store_true",
+                    help="build the corpus and tokenizer, print statistics and sample documents, stop")
+    ap.add_argument("--questions-out", type=Path, default=None,
+                    help="write the 50 held-out evaluation questions (JSON) here and stop")
     ap.add_argument("--_extract", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._extract:
@@ -724,7 +970,7 @@ def main(argv=None) -> int:
 
     # 1. corpus
     log(f"extracting the standard library of Python {platform.python_version()} (child process)")
-    data = extract_stdlib(work)
+    data = extract_stdlib(work, args.cache_dir)
     tops = sorted({m["top"] for m in data["modules"]})
     rng = random.Random(args.seed)
     n_held = max(1, round(args.heldout_frac * len(tops)))
@@ -734,10 +980,31 @@ def main(argv=None) -> int:
     log(f"{len(data['modules'])} modules ({len(tops)} top-level), {len(data['items'])} objects; "
         f"held out {sorted(heldout_tops)}; seeds train {len(train_seeds)} held {len(held_seeds)}; "
         f"code chunks train {len(train_code)} held {len(held_code)}")
+    topic_pairs, topic_text, topic_methods = topic_docs(heldout_tops)
+    known = {s["name"] for s in train_seeds}
+    for tm in topic_methods:  # str.join etc. from the library topics, when inspect had no docstring
+        if tm["name"] not in known and _good_summary(tm["summary"], tm["name"]):
+            first = tm["summary"].split(". ")[0].rstrip(".")
+            train_seeds.append({"name": tm["name"], "kind": "method", "signature": tm["signature"],
+                                "summary": tm["summary"], "source": "", "doc": "",
+                                "first_line": first if 8 <= len(first) <= 200 else "", "examples": []})
     qa_train = [s for s in train_seeds if s["summary"]]
     wr_train = [s for s in train_seeds if s["source"] and s["first_line"] and s["kind"] != "module"]
     qa_held = [s for s in held_seeds if s["summary"]]
     wr_held = [s for s in held_seeds if s["source"] and s["first_line"] and s["kind"] != "module"]
+    ho_train = [s for s in qa_train if howto_question(s)]
+    ex_train = [s for s in train_seeds if s.get("examples")]
+    ho_held = [s for s in qa_held if howto_question(s)]
+    log(f"topics: {len(topic_pairs)} chunks of {len({t['key'] for t in topic_pairs})} pydoc topics, "
+        f"{len(topic_methods)} method entries; how-to seeds {len(ho_train)} (held {len(ho_held)}), "
+        f"doctest-example seeds {len(ex_train)}")
+    if args.questions_out:
+        qs = heldout_questions(qa_held, 50, args.seed)
+        args.questions_out.write_text(json.dumps(qs, indent=1, ensure_ascii=False) + "\n")
+        log(f"wrote {len(qs)} held-out questions to {args.questions_out}")
+        return 0
+    pools = {"qa": qa_train, "write": wr_train, "howto": ho_train, "example": ex_train,
+             "topic": topic_pairs}
 
     # the training renderer must equal the Jinja chat template
     import jinja2
@@ -757,6 +1024,10 @@ def main(argv=None) -> int:
     trng = random.Random(args.seed + 1)
     tok_texts = [render_chat(c) for s in qa_train if (c := conversation(s, trng, "qa"))]
     tok_texts += [render_chat(c) for s in wr_train if (c := conversation(s, trng, "write"))]
+    tok_texts += [render_chat(c) for s in ho_train if (c := conversation(s, trng, "howto"))]
+    tok_texts += [render_chat(c) for s in ex_train if (c := conversation(s, trng, "example"))]
+    tok_texts += [make_doc([t], trng, "topic") for t in topic_pairs]
+    tok_texts += topic_text
     tok_texts += train_code
     log(f"training byte-level BPE tokenizer, vocab {args.vocab}, on {sum(map(len, tok_texts)) / 1e6:.1f} M chars")
     tok = train_tokenizer(tok_texts, args.vocab)
@@ -795,6 +1066,18 @@ def main(argv=None) -> int:
             got += 1
     held_ids = [s["ids"] for s in sample]
     log(f"held-out sample: {len(sample)} sequences, {sum(map(len, held_ids))} tokens")
+    if args.corpus_only:
+        prng = random.Random(7)
+        for cat in list(pools) + ["topic_text", "code"]:
+            for _ in range(2):
+                t = (prng.choice(topic_text) if cat == "topic_text" else prng.choice(train_code)
+                     if cat == "code" else make_doc(pools[cat], prng, cat))
+                if t:
+                    print(f"----- {cat} ({len(tok.encode(t).ids)} tokens)\n{t[:700]}")
+        chars = sum(len(t) for t in next_texts_preview(pools, topic_text, train_code, 2000))
+        log(f"corpus-only: done ({chars} chars in 2000 sampled documents)")
+        shutil.rmtree(work, ignore_errors=True)
+        return 0
 
     # a same-shaped sample of training documents (to compare train vs held-out loss)
     srng = random.Random(args.seed + 3)
@@ -835,7 +1118,8 @@ def main(argv=None) -> int:
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
     # data stream: documents drawn by category, concatenated, cut into windows
-    weights = {"qa": 0.40, "write": 0.25, "code": 0.35}
+    weights = {"qa": 0.24, "howto": 0.14, "example": 0.06, "write": 0.16, "topic": 0.10,
+               "topic_text": 0.04, "code": 0.26}
     drng = random.Random(args.seed + 4)
     code_order = list(range(len(train_code)))
     drng.shuffle(code_order)
@@ -851,8 +1135,10 @@ def main(argv=None) -> int:
                     code_pos[0] = 0
                 res.append(train_code[code_order[code_pos[0]]])
                 code_pos[0] += 1
+            elif cat == "topic_text":
+                res.append(drng.choice(topic_text))
             else:
-                t = make_doc(qa_train if cat == "qa" else wr_train, drng, cat)
+                t = make_doc(pools[cat], drng, cat)
                 if t:
                     res.append(t)
         return res
@@ -889,6 +1175,36 @@ def main(argv=None) -> int:
                       "heldout_loss": round(h, 4), "train_sample_loss": round(tr, 4)})
         log(f"eval step {step}: held-out loss {h:.4f} nats/token (ppl {math.exp(h):.1f}), "
             f"train-sample loss {tr:.4f}")
+        if args.checkpoint_dir and step > 0:
+            save_checkpoint(args.checkpoint_dir, step)
+
+    def save_checkpoint(root: Path, step: int):
+        """A loadable checkpoint (HF OLMoE + tokenizer + the held-out sample) in root/latest,
+        written to a temp folder and renamed into place, so a cut run leaves the last whole one."""
+        root.mkdir(parents=True, exist_ok=True)
+        tmpd = Path(tempfile.mkdtemp(prefix="ckpt_", dir=root))
+        impl = model.config._experts_implementation
+        model.config._experts_implementation = "eager"
+        m2 = model.to(save_dtype) if save_dtype != torch.float32 else model
+        m2.generation_config = GenerationConfig(bos_token_id=eot_id, eos_token_id=[end_id, eot_id],
+                                                pad_token_id=ids_of[PAD])
+        m2.save_pretrained(tmpd, safe_serialization=True)
+        if save_dtype != torch.float32:
+            model.to(torch.float32)
+        model.config._experts_implementation = impl
+        tok.save(str(tmpd / "tokenizer.json"))
+        (tmpd / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(args.max_pos), indent=2) + "\n")
+        with open(tmpd / "heldout_sample.jsonl", "w", encoding="utf-8") as f:
+            for s_ in sample:
+                f.write(json.dumps({"kind": s_["kind"], "n_tokens": len(s_["ids"]), "ids": s_["ids"],
+                                    "text": s_["text"]}, ensure_ascii=False) + "\n")
+        (tmpd / "checkpoint.json").write_text(json.dumps({"step": step, "evaluations": evals}, indent=1))
+        old_ = root / "latest"
+        if old_.exists():
+            shutil.rmtree(root / "previous", ignore_errors=True)
+            os.replace(old_, root / "previous")
+        os.replace(tmpd, old_)
+        log(f"checkpoint (step {step}) saved in {old_}")
 
     log(f"training for {args.minutes} min: batch {args.batch} x seq {args.seq_len}, lr {args.lr}, "
         f"warmup {args.warmup}, aux coef {args.aux_coef}")
@@ -989,6 +1305,8 @@ def main(argv=None) -> int:
     # questions for the model card, and transformers' greedy answers as a reference
     questions = pick_questions(qa_train, wr_train)
     (out / "questions.json").write_text(json.dumps(questions, indent=2, ensure_ascii=False) + "\n")
+    (out / "heldout_questions.json").write_text(
+        json.dumps(heldout_questions(qa_held, 50, args.seed), indent=1, ensure_ascii=False) + "\n")
     refs = []
     with torch.no_grad():
         for q in questions:
@@ -1022,6 +1340,10 @@ def main(argv=None) -> int:
             "qa_seeds_train": len(qa_train), "write_seeds_train": len(wr_train),
             "code_chunks_train": len(train_code), "code_chunks_heldout": len(held_code),
             "mixture_weights": weights,
+            "extra": {"pydoc_topic_chunks": len(topic_pairs),
+                      "pydoc_topics": len({t["key"] for t in topic_pairs}),
+                      "topic_method_entries": len(topic_methods), "howto_seeds_train": len(ho_train),
+                      "howto_seeds_heldout": len(ho_held), "doctest_example_seeds_train": len(ex_train)},
         },
         "tokenizer": {"type": "byte-level BPE (tokenizers)", "vocab_size": tok.get_vocab_size(),
                       "special_token_ids": ids_of, "chat_template": CHAT_TEMPLATE},
@@ -1093,6 +1415,31 @@ def reevaluate(out: Path, threads: int) -> int:
     tlog["routing_computed_on"] = "reloaded checkpoint (--eval-only, float32, eager experts)"
     lp.write_text(json.dumps(tlog, indent=1) + "\n")
     return 0 if stats["min_entropy_ratio"] >= 0.8 else 1
+
+
+def heldout_questions(qa_held, n: int = 50, seed: int = 1234) -> list[dict]:
+    """``n`` questions about the held-out modules (never trained on), half "What does `X` do?"
+    and half "How do I <task>?" (the task from X's docstring summary, so the answer has to
+    name X itself), each with the docstring summary as the reference answer and the names a
+    right answer mentions (X's last dotted part, or X's top-level module).  Disjoint objects,
+    chosen with random.Random(seed + 5) so every model is scored on the same questions."""
+    rng = random.Random(seed + 5)
+    objs = sorted((s for s in qa_held if s["kind"] != "module"), key=lambda s: s["name"])
+    howto = [s for s in objs if howto_question(s)]
+    rng.shuffle(howto)
+    ho = howto[:n // 2]
+    used = {s["name"] for s in ho}
+    rest = [s for s in objs if s["name"] not in used]
+    rng.shuffle(rest)
+    wd = rest[:n - len(ho)]
+    out = []
+    for s in wd:
+        out.append({"kind": "what", "about": s["name"], "question": f"What does `{s['name']}` do?",
+                    "reference": s["summary"], "names": [s["name"].rsplit(".", 1)[-1], s["name"].split(".")[0]]})
+    for s in ho:
+        out.append({"kind": "howto", "about": s["name"], "question": f"How do I {howto_question(s)}?",
+                    "reference": s["summary"], "names": [s["name"].rsplit(".", 1)[-1], s["name"].split(".")[0]]})
+    return out
 
 
 def pick_questions(qa_train, wr_train):

@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Write resources/models/colibri-stdlib-moe/README.md (the model card) from training_log.json
-(written by tools/train_default_model.py) and engine_eval.json (tools/model_card_samples.py).
+(tools/train_default_model.py), engine_eval.json (tools/model_card_samples.py on this model) and,
+when present, eval_before.json (tools/model_card_samples.py on the previous default model, same
+held-out questions and texts: the before/after table).
 
-Reproduce:  python tools/write_model_card.py
+Reproduce:  python tools/write_model_card.py [MODEL_DIR]
 """
 
 from __future__ import annotations
@@ -14,29 +16,61 @@ from pathlib import Path
 
 MODEL = Path(sys.argv[1]) if len(sys.argv) > 1 else (
     Path(__file__).resolve().parent.parent / "resources" / "models" / "colibri-stdlib-moe")
+N_SAMPLES = 10
+
+
+def _pct(x: float) -> str:
+    return f"{100 * x:.0f}%"
+
+
+def quality_rows(ev: dict, t: float) -> dict:
+    s = ev.get(f"score_t{t}")
+    if not s:
+        return {}
+    return {"rouge": f"{s['all']['rouge_l']:.3f}",
+            "names": _pct(s["all"]["names_right"]),
+            "names_what": _pct(s.get("what", {}).get("names_right", 0.0)),
+            "names_howto": _pct(s.get("howto", {}).get("names_right", 0.0)),
+            "stopped": _pct(s["all"]["stopped"])}
 
 
 def main() -> int:
     log = json.loads((MODEL / "training_log.json").read_text())
-    ev_path = MODEL / "engine_eval.json"
-    ev = json.loads(ev_path.read_text()) if ev_path.exists() else None
+    ev = json.loads((MODEL / "engine_eval.json").read_text()) if (MODEL / "engine_eval.json").exists() else None
+    before = json.loads((MODEL / "eval_before.json").read_text()) if (MODEL / "eval_before.json").exists() else None
     m, t, c = log["model"], log["training"], log["corpus"]
     size = (MODEL / "model.safetensors").stat().st_size
+    extra = c.get("extra", {})
     lines = [
         "# colibri-stdlib-moe",
         "",
         "The default model of colibri-desktop: a tiny Mixture-of-Experts language model (a genuine",
-        "Hugging Face `OlmoeForCausalLM`) trained on this machine on the Python standard library, so",
-        "the app works offline on first run and its expert cache and prefetcher are tuned on real",
-        "(non-random) routing.",
+        "Hugging Face `OlmoeForCausalLM`) trained on this machine on what the Python installation",
+        "itself holds, so the app works offline on first run and its expert cache and prefetcher are",
+        "tuned on real (non-random) routing.",
         "",
         "## Corpus",
-        f"- {c['source']}.",
+        f"- {c['source']}; the language reference and library topics of `pydoc_data.topics` "
+        "(what `help('for')` shows); doctest examples found in the docstrings.",
         f"- {c['modules']} modules ({c['top_level_modules']} top-level), {c['objects']} documented objects, turned into",
-        "  chat turns (\"What does `json.dumps` do?\" -> the docstring's summary; \"Write a function that ...\"",
-        "  -> the library's own source) plus plain source chunks for completion.",
-        f"- Held out by module (never trained on, not even by the tokenizer): {', '.join(c['heldout_top_level_modules'])}.",
-        "- Licence of the corpus: PSF License Agreement (the Python standard library).",
+        "  chat turns in the model's chat template:",
+        "  - \"What does `json.dumps` do?\" -> \"`json.dumps`: \" + the docstring's summary (also the full",
+        "    docstring, the signature, and two-question conversations);",
+        "  - \"How do I get the square root of x?\" (the task taken from the summary) -> \"Use",
+        "    `math.sqrt(x, /)`. Return the square root of x.\", sometimes with a doctest example;",
+        "  - \"Show me an example of `collections.Counter.most_common`.\" -> the docstring's doctest;",
+        "  - \"Write a function that ...\" -> the library's own source;",
+        "  - \"Explain the `for` statement in Python.\" -> the language reference text (pydoc topics),",
+        "    and the method entries of the library topics (`str.join(iterable)` ...) as questions;",
+        "  - plain source chunks of the module files and of the topics, for completion.",
+    ]
+    if extra:
+        lines.append("- " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in extra.items()) + ".")
+    lines += [
+        f"- Mixture (share of training documents): " + ", ".join(f"{k} {v:.0%}" for k, v in c["mixture_weights"].items()) + ".",
+        f"- Held out by module (never trained on, not even by the tokenizer; topic paragraphs naming them are",
+        f"  dropped): {', '.join(c['heldout_top_level_modules'])}.",
+        "- Licence of the corpus: PSF License Agreement (the Python standard library and its documentation).",
         "",
         "## Model",
         f"- OLMoE: {m['layers']} layers, hidden {m['hidden_size']}, {m['attention_heads']} heads, "
@@ -45,11 +79,22 @@ def main() -> int:
         f"- {m['parameters'] / 1e6:.2f} M parameters ({m['active_parameters_per_token'] / 1e6:.2f} M active per token); "
         f"`model.safetensors` {size / 1e6:.1f} MB ({m['dtype']}).",
         f"- Router load-balancing loss on (coefficient {m['router_aux_loss_coef']}).",
+    ]
+    sp = MODEL / "architecture_sweep.json"
+    sweep = json.loads(sp.read_text()) if sp.exists() else None
+    if sweep:
+        lines += ["- Architecture: chosen after a sweep (" + sweep["how"] + "):", "",
+                  "| variant | params (active) | held-out loss at step " + str(sweep["step"]) + " | note |",
+                  "|---|---|---|---|"]
+        for v in sweep["variants"]:
+            lines.append(f"| {v['name']} | {v['params']} | {v['heldout_loss']} | {v['note']} |")
+        lines += ["", sweep["decision"]]
+    lines += [
         "",
         "## Training",
         f"- {t['steps']} steps, {t['tokens_seen'] / 1e6:.2f} M tokens, {t['train_seconds'] / 60:.1f} min on "
-        f"{log['machine']['cpu']} ({log['machine']['logical_cpus']} logical CPUs, {log['machine']['torch_threads']} torch threads), "
-        f"stopped by {t['stopped_by']}.",
+        f"{log['machine']['cpu']} ({log['machine']['logical_cpus']} logical CPUs shared with other jobs, "
+        f"{log['machine']['torch_threads']} torch thread(s)), stopped by {t['stopped_by']}.",
         f"- {t['optimizer']}; peak lr {t['lr_peak']}, {t['schedule']}; batch {t['batch']} x {t['seq_len']} tokens; seed {t['seed']}.",
         f"- Final train loss {t['final_train_loss']} nats/token; **held-out loss {log['heldout_loss']} nats/token** "
         f"(ppl {math.exp(log['heldout_loss']):.1f}), {log['heldout_loss_definition']}.",
@@ -57,34 +102,87 @@ def main() -> int:
         f"{log['versions']['transformers']}).",
         "",
     ]
-    r = log.get("routing", {})
     if ev:
+        lines += ["## Before and after (`python tools/model_card_samples.py`, colibri's engine)", ""]
+        qn = len(ev.get("answers_t0.0", []))
+        lines += [
+            f"Held-out text: the {ev['heldout_text']['texts']} documents of this model's `heldout_sample.jsonl` "
+            "(held-out modules only), each model with its own tokenizer, so nats/character compares them. "
+            f"Answers: {qn} questions about the held-out modules (`heldout_questions.json`): half "
+            "\"What does `X` do?\", half \"How do I <task>?\" with the task taken from X's docstring, so the "
+            "answer has to come up with the name. ROUGE-L: F1 of the longest common word subsequence with "
+            "the docstring summary (Lin 2004). Names right: the answer mentions X's name or its module. "
+            f"int8 store, at most {ev['max_new_tokens']} new tokens; sampled answers use seed = question number.",
+            "",
+        ]
+        cols = [("before", before), ("after", ev)] if before else [("after", ev)]
+        head = "| | " + " | ".join(f"{n} ({e['model'] if n == 'before' else 'this model'})" for n, e in cols) + " |"
+        lines += [head, "|---" * (len(cols) + 1) + "|"]
+
+        def row(label, fn):
+            vals = []
+            for _, e in cols:
+                try:
+                    vals.append(fn(e))
+                except (KeyError, TypeError):
+                    vals.append("n/a")
+            lines.append(f"| {label} | " + " | ".join(vals) + " |")
+
+        row("held-out loss, own sample (nats/token)", lambda e: f"{e['int8']['nll']:.3f}")
+        row("held-out text (nats/character, same text)", lambda e: f"{e['heldout_text']['nats_per_char']:.3f}")
+        for temp in (0.0, 0.7):
+            name = "greedy" if temp == 0 else f"temperature {temp}"
+            row(f"ROUGE-L, {name}", lambda e, temp=temp: quality_rows(e, temp)["rouge"])
+            row(f"names right, {name} (what / how-to)", lambda e, temp=temp: "{} ({} / {})".format(
+                quality_rows(e, temp)["names"], quality_rows(e, temp)["names_what"], quality_rows(e, temp)["names_howto"]))
+            row(f"answers that end by themselves, {name}", lambda e, temp=temp: quality_rows(e, temp)["stopped"])
+        lines.append("")
+        if before:
+            g, gb = ev["score_t0.0"]["all"], before["score_t0.0"]["all"]
+            lines += [
+                f"Verdict: the language model improved (held-out text {before['heldout_text']['nats_per_char']:.3f} -> "
+                f"{ev['heldout_text']['nats_per_char']:.3f} nats/character), the answers did "
+                + ("not: " if g["rouge_l"] <= gb["rouge_l"] or g["names_right"] == 0 else "too: ")
+                + f"ROUGE-L {gb['rouge_l']:.3f} -> {g['rouge_l']:.3f}, names right {gb['names_right']:.0%} -> "
+                f"{g['names_right']:.0%}. "
+                + ("The model has not learnt to copy the name it is asked about from the question into its "
+                   "answer (it writes the answer's format, `name`: summary, with a name of its own); its "
+                   "answers are not useful yet." if g["names_right"] == 0 else ""),
+                ""]
+        dec = ev.get("temperature_decision")
+        if dec:
+            lines += [dec, ""]
         E = m["experts"]
         ent = ev["int8"]["usage_entropy"]
         rec = ev["int8"]["pilot1_recall"]
         lines += [
-            "## Checked with colibri's engine (`python tools/model_card_samples.py`)",
-            f"- Held-out NLL (same sample): transformers f32 {ev['transformers_heldout_loss']:.4f}, colibri f32 store "
-            f"{ev['f32']['nll']:.4f}, colibri int8 store {ev['int8']['nll']:.4f} nats/token.",
-            "- Expert-usage entropy per layer on held-out text, as a share of log(num_experts) = "
+            "## Routing (colibri's engine, int8 store, held-out text)",
+            f"- Held-out NLL (same sample): transformers f32 {ev.get('transformers_heldout_loss', float('nan')):.4f}, "
+            f"colibri int8 store {ev['int8']['nll']:.4f} nats/token.",
+            "- Expert-usage entropy per layer, as a share of log(num_experts) = "
             f"{math.log(E):.3f}: " + ", ".join(f"{e / math.log(E):.3f}" for e in ent) + ".",
             "- PILOT=1 recall per layer (share of the experts a layer routes to that were predicted from",
             "  the previous layer's post-attention state with this layer's own norm and router; layer 0",
             "  is never predicted): " + ", ".join(f"{x:.2f}" for x in rec) + ".",
             "",
-            "## Sample answers (greedy, generated by the colibri engine, int8 store)",
-            "",
         ]
-        for a in ev["answers_int8"]:
-            lines += [f"**Q: {a['question']}**", "", "```text", a["answer"].strip(), "```", ""]
-    elif r:
-        lines += ["## Routing (from training_log.json)", "", "```json", json.dumps(r, indent=1)[:3000], "```", ""]
+        ans = ev.get("answers_t0.0", [])
+        if ans:
+            picks = [a for a in ans if a["kind"] == "what"][:N_SAMPLES // 2]
+            picks += [a for a in ans if a["kind"] == "howto"][:N_SAMPLES - len(picks)]
+            old = {a["question"]: a for a in (before or {}).get("answers_t0.0", [])}
+            lines += [f"## {len(picks)} sample answers (held-out questions, greedy, verbatim)", ""]
+            for a in picks:
+                lines += [f"**Q: {a['question']}**", "", "This model:", "", "```text", a["answer"].strip(), "```", ""]
+                if a["question"] in old:
+                    lines += ["Before:", "", "```text", old[a["question"]]["answer"].strip(), "```", ""]
     lines += [
         "## Intended use and limits",
         "- Intended use: the offline default model of colibri-desktop, a demo of SSD-streamed MoE",
         "  inference, and a realistic routing workload for tuning the expert cache and PILOT.",
-        "- Limits: tiny and briefly trained; it imitates the style of Python documentation and code,",
-        "  often confidently wrong. Not for real use; do not trust its answers.",
+        "- Limits: tiny and briefly trained on a shared CPU; it imitates the style of Python",
+        "  documentation and often names a plausible but wrong function. Not for real use; do not",
+        "  trust its answers.",
         "",
     ]
     (MODEL / "README.md").write_text("\n".join(lines))

@@ -74,6 +74,8 @@ def cmd_run(a) -> int:
         if fin is not None and fin.finish_reason == FinishReason.ERROR:
             print(f"error: {fin.error}", file=sys.stderr)
             return 1
+        if fin is not None and req.sampling.temperature > 0 and req.sampling.seed is None:
+            print(f"seed {fin.seed} (--seed {fin.seed} reproduces this answer)", file=sys.stderr)
         if prof and fin:
             print(prof.report(fin), file=sys.stderr)
     return 0

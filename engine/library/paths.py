@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 from pathlib import Path
@@ -39,9 +40,31 @@ def models_dir() -> Path:
     return p
 
 
+RESOURCES_PACKAGE = "colibri_resources"
+
+
 def resources_dir() -> Path:
-    """The ``resources/`` folder shipped beside the ``engine`` package (bundled model, icons)."""
-    return Path(__file__).resolve().parent.parent.parent / "resources"
+    """The folder holding the bundled data (``models/<name>/``, the default model).
+
+    Two layouts: a source tree, an editable install or a frozen bundle keeps ``resources/``
+    beside the ``engine`` package; an installed wheel (``pip install .``, pipx) carries the same
+    files as the data-only package ``colibri_resources`` (pyproject.toml package data), found
+    with importlib.  The folder beside ``engine`` wins when it has ``models/``, so a source tree
+    always uses its own copy.  If neither exists the beside-path is returned (callers report
+    the missing model with this path).
+    """
+    beside = Path(__file__).resolve().parent.parent.parent / "resources"
+    if (beside / "models").is_dir():
+        return beside
+    try:
+        spec = importlib.util.find_spec(RESOURCES_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            if (Path(loc) / "models").is_dir():
+                return Path(loc)
+    return beside
 
 
 def downloads_dir() -> Path:

@@ -283,7 +283,10 @@ def test_system_prompt_is_sent_first(qtbot, make_window):
     assert win.history.conversation(win.conv_id).system_prompt == "You are terse."
     msgs = sent[0].messages
     assert (msgs[0].role, msgs[0].content) == ("system", "You are terse.") and msgs[-1].content == "hi"
-    assert sent[0].sampling == win.settings.sampling
+    # the settings' sampling, with the fresh seed drawn for this answer (Seed: auto) and stored with it
+    assert win.settings.sampling.seed is None and isinstance(sent[0].sampling.seed, int)
+    assert replace(sent[0].sampling, seed=None) == win.settings.sampling
+    assert win.history.messages(win.conv_id)[-1].seed == sent[0].sampling.seed
 
 
 def test_settings_applied_reload_and_sampling(qtbot, make_window, app_store):

@@ -60,6 +60,8 @@ def test_valid_change_applies_saves_and_survives_restart(dialog, qtbot):
     F = d.fields
     F["temperature"].setValue(0.7)
     F["top_k"].setValue(40)
+    assert d.auto_boxes["seed"].isChecked() and not F["seed"].isEnabled()   # default: a new seed per answer
+    d.auto_boxes["seed"].setChecked(False)
     F["seed"].setText("1234")
     assert "next message" in d.status_label.text()
     with qtbot.waitSignal(d.applied) as sig:
@@ -105,6 +107,7 @@ def test_invalid_input_refused_in_place(dialog, qtbot):
     F["smooth"].setValue(3.0)
     assert F["smooth"].value() == pytest.approx(0.95)
     # letters cannot be typed into the seed
+    d.auto_boxes["seed"].setChecked(False)
     F["seed"].clear()
     qtbot.keyClicks(F["seed"], "12ab")
     assert F["seed"].text() == "12"
