@@ -20,6 +20,7 @@ clock. Verbs:
   replay          a routing trace through LRU, LFRU, EMA, ours and Belady
   trace-heldout   a routing trace of the default model over its held-out text
   gguf, peers     llama.cpp (Q8_0 GGUF) and transformers beside our engine, in cgroup memory limits
+  serve           the OpenAI-compatible server vs the engine called directly; multi-turn prefill
 A new benchmark: add ``engine/bench/<verb>.py`` with ``cmd_<verb>(args) -> int`` and
 ``add_parser(bs)``, and list the module in VERBS.
 """
@@ -31,7 +32,7 @@ import functools
 import importlib
 
 VERBS = ("make_synthetic", "decode", "cache", "pilot", "disk", "replay", "matrix", "trace_heldout", "arm",
-         "gguf", "peers", "kernels")
+         "gguf", "peers", "kernels", "serve")
 
 
 INTERNAL_VERBS = ("arm", "decode-arm", "peer-arm")  # run by the verbs themselves, one arm per process
