@@ -401,3 +401,69 @@ def test_reasoning_splitter_prompt_opened(size):
     s = ReasoningSplitter(prompt_opened=True)
     parts = [s.push(p) for p in _pieces(text, size)] + [s.flush()]
     assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == split_reasoning(text)
+
+
+# --- roles, reasoning, a non-streamed disconnect -------------------------------------------------
+
+
+def test_tool_and_developer_roles_render_through_the_template(client, engine):
+    msgs = [{"role": "developer", "content": "Be brief."},
+            {"role": "user", "content": "List the files."},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "ls", "arguments": '{"path": "."}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "a.py b.py"},
+            {"role": "user", "content": [{"type": "text", "text": "Which one"}, {"type": "text", "text": "is first?"}]}]
+    r = client.chat.completions.create(model="colibri-stdlib-moe", messages=msgs, max_tokens=4)
+    want = engine.tokenizer.encode_chat([
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "List the files."},
+        {"role": "assistant", "content": ""}, {"role": "tool", "content": "a.py b.py"},
+        {"role": "user", "content": "Which one\nis first?"}])
+    assert r.usage.prompt_tokens == len(want)
+
+
+@pytest.fixture(scope="module")
+def thinking_server(default_store, tmp_path_factory):
+    """The default model with a template that opens a <think> block for the answer."""
+    import json
+    import shutil
+    d = tmp_path_factory.mktemp("think") / "store"
+    shutil.copytree(default_store, d)
+    tc = json.loads((d / "tokenizer_config.json").read_text())
+    assert tc["chat_template"].endswith("{{ '<|assistant|>\n' }}{% endif %}")
+    tc["chat_template"] = tc["chat_template"].replace("{{ '<|assistant|>\n' }}", "{{ '<|assistant|>\n<think>\n' }}")
+    (d / "tokenizer_config.json").write_text(json.dumps(tc))
+    with Engine.open(EngineConfig(store=str(d), **ENGINE_KW)) as eng:
+        srv = LocalServer.for_engine(eng, ServerOptions(port=0), SamplingParams(max_new_tokens=8))
+        srv.start()
+        yield srv
+        srv.stop()
+
+
+def test_reasoning_content_when_the_prompt_opens_a_think_block(thinking_server):
+    c = openai.OpenAI(base_url=thinking_server.url, api_key="x", max_retries=0, timeout=120)
+    kw = dict(model="colibri-stdlib-moe", messages=chat(LONG_PROMPT))
+    m = c.chat.completions.create(**kw).choices[0].message
+    reasoning = m.model_extra["reasoning_content"]
+    assert reasoning and m.content == ""   # 8 tokens: the block is never closed
+    parts = []
+    for ch in c.chat.completions.create(stream=True, **kw):
+        for choice in ch.choices:
+            parts.append((choice.delta.model_extra or {}).get("reasoning_content") or "")
+            assert not choice.delta.content
+    assert "".join(parts) == reasoning
+
+
+def test_non_streamed_client_that_leaves_cancels_its_generation(engine, server):
+    slow = SlowDown(0.05)
+    engine.model.subscribe(slow)
+    try:
+        before = metrics(server.url).get("colibri_generations_total{reason=cancelled}", 0)
+        body = {"model": "colibri-stdlib-moe", "messages": chat(LONG_PROMPT), "max_tokens": 400}
+        with pytest.raises(httpx2.TimeoutException):
+            httpx2.post(server.url + "/chat/completions", json=body, timeout=httpx2.Timeout(30, read=1.0))
+        assert wait_until(lambda: not server.queue.busy, timeout_s=30)
+        m = metrics(server.url)
+        assert m["colibri_generations_total{reason=cancelled}"] == before + 1
+        assert m["colibri_cancel_overrun_tokens"] <= 1
+    finally:
+        engine.model.unsubscribe(slow)
