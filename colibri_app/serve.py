@@ -155,6 +155,7 @@ class ServeDialog(QDialog):
     def __init__(self, port: int = DEFAULT_PORT, api_key: str = "", parent: QWidget | None = None):
         super().__init__(parent)
         self.setWindowTitle("Serve on this computer")
+        self.setMinimumWidth(440)
         lay = QVBoxLayout(self)
         info = QLabel("Other programs on this computer (editors, scripts) can use the open model through an "
                       "OpenAI-compatible API at http://127.0.0.1:PORT/v1. The chat and the server take turns "

@@ -79,7 +79,8 @@ class ServerOptions:
                               f"--api-key KEY (clients send 'Authorization: Bearer KEY'), or keep the "
                               f"default --host 127.0.0.1")
         if self.api_key and (self.api_key != self.api_key.strip() or len(self.api_key) < 8):
-            raise ConfigError("--api-key: use at least 8 characters, without surrounding spaces")
+            raise ConfigError("the API key (--api-key) must have at least 8 characters, without surrounding "
+                              "spaces")
         return self
 
 
