@@ -858,6 +858,7 @@ class MainWindow(QMainWindow):
         except OSError as e:
             self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {e}")
         self.settings = new
+        self.serve.set_defaults(new.sampling)   # the server's defaults follow the sampling settings
         if needs_reload:
             cm = new.current_model
             self.open_model(cm if cm and Path(cm).exists() else None)

@@ -84,6 +84,11 @@ class ServeController(QObject):
         self.refresh()
         return srv.url
 
+    def set_defaults(self, sampling) -> None:
+        """The SamplingParams used for what a request leaves out (the app's sampling settings)."""
+        if self.server is not None:
+            self.server.api.defaults = sampling
+
     def stop(self) -> None:
         """Stop serving (running and waiting requests are cancelled). Idempotent."""
         srv, self.server = self.server, None

@@ -7,8 +7,9 @@ chat, the whole prompt prefilled each time (``Engine.forget_prefix``). Arms alte
 reversed every other repetition. The server arm is a real HTTP client (``http.client``,
 streamed SSE) on a loopback port. Per arm: time to first token and decode tok/s measured by the
 caller (first / last streamed token), CPU seconds of the process (rusage: engine, server and
-client threads together) per generated token, and the engine's own TTFT and tok/s. Overhead per
-token = server - direct, in wall and CPU milliseconds.
+client threads together) per generated token, the client thread's own CPU (``time.thread_time``,
+subtracted for the server's overhead without its client), and the engine's own TTFT and tok/s.
+Overhead per token = server - direct, in wall and CPU milliseconds (medians).
 
 Multi-turn: turn 1, then turn 2 = turn 1 + its answer + a new question; the server reports the
 prompt tokens it computed (``colibri_last_prefill_tokens`` in /metrics). With the KV prefix
@@ -50,7 +51,10 @@ def _direct(eng, msgs, tokens: int) -> dict:
             text.append(ev.text)
         elif isinstance(ev, Finished):
             fin = ev
-    return _row("direct", t0, c0, times, "".join(text), fin.generated_tokens, fin)
+    r = _row("direct", t0, c0, times, "".join(text), fin.generated_tokens, fin)
+    r["client_cpu_ms_per_token"] = 0.0
+    r["cpu_ms_per_token_without_client"] = r["cpu_ms_per_token"]
+    return r
 
 
 def _served(eng, srv, msgs, tokens: int) -> dict:
@@ -58,7 +62,7 @@ def _served(eng, srv, msgs, tokens: int) -> dict:
     eng.forget_prefix()
     body = json.dumps({"model": srv.api.served().model_id, "messages": msgs, "max_tokens": tokens,
                        "temperature": 0, "stream": True, "stream_options": {"include_usage": True}})
-    c0, t0 = _cpu_s(), time.perf_counter()
+    c0, t0, th0 = _cpu_s(), time.perf_counter(), time.thread_time()
     conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=600)
     conn.request("POST", "/v1/chat/completions", body=body, headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
@@ -83,7 +87,12 @@ def _served(eng, srv, msgs, tokens: int) -> dict:
                 times.append(time.perf_counter())
                 text.append(piece)
     conn.close()
-    return _row("server", t0, c0, times, "".join(text), usage["completion_tokens"], None)
+    r = _row("server", t0, c0, times, "".join(text), usage["completion_tokens"], None)
+    # this thread is the HTTP client: its CPU is not the server's
+    client = time.thread_time() - th0
+    r["client_cpu_ms_per_token"] = 1e3 * client / max(r["tokens"], 1)
+    r["cpu_ms_per_token_without_client"] = r["cpu_ms_per_token"] - r["client_cpu_ms_per_token"]
+    return r
 
 
 def _row(arm, t0, c0, times, text, n, fin) -> dict:
@@ -171,9 +180,12 @@ def cmd_serve(a) -> int:
         return statistics.median(r[key] for r in rows if r["arm"] == arm)
     texts = {r["text"] for r in rows}
     summary = {k: {arm: med(arm, k) for arm in ("direct", "server")}
-               for k in ("ttft_s", "decode_tok_per_s", "cpu_ms_per_token", "wall_ms_per_token")}
+               for k in ("ttft_s", "decode_tok_per_s", "cpu_ms_per_token", "cpu_ms_per_token_without_client",
+                         "client_cpu_ms_per_token", "wall_ms_per_token")}
     summary["overhead_wall_ms_per_token"] = summary["wall_ms_per_token"]["server"] - summary["wall_ms_per_token"]["direct"]
     summary["overhead_cpu_ms_per_token"] = summary["cpu_ms_per_token"]["server"] - summary["cpu_ms_per_token"]["direct"]
+    summary["server_overhead_cpu_ms_per_token"] = (summary["cpu_ms_per_token_without_client"]["server"]
+                                                   - summary["cpu_ms_per_token_without_client"]["direct"])
     summary["overhead_ttft_ms"] = 1e3 * (summary["ttft_s"]["server"] - summary["ttft_s"]["direct"])
     summary["decode_ratio_server_over_direct"] = (summary["decode_tok_per_s"]["server"]
                                                   / summary["decode_tok_per_s"]["direct"])
@@ -182,14 +194,18 @@ def cmd_serve(a) -> int:
         r.pop("text")
     table = md_table(rows, [("rep", "rep", "d"), ("arm", "arm", ""), ("tokens", "tokens", "d"),
                             ("TTFT s", "ttft_s", ".4f"), ("decode tok/s", "decode_tok_per_s", ".1f"),
-                            ("CPU ms/token", "cpu_ms_per_token", ".2f"), ("wall ms/token", "wall_ms_per_token", ".2f"),
+                            ("CPU ms/token", "cpu_ms_per_token", ".2f"),
+                            ("client CPU ms/token", "client_cpu_ms_per_token", ".2f"),
+                            ("wall ms/token", "wall_ms_per_token", ".2f"),
                             ("load", "load_avg", ".1f")])
     s = summary
     table += (f"\n\nMedians: TTFT direct {1e3 * s['ttft_s']['direct']:.1f} ms, server {1e3 * s['ttft_s']['server']:.1f} ms "
               f"({s['overhead_ttft_ms']:+.1f} ms); decode direct {s['decode_tok_per_s']['direct']:.1f} tok/s, server "
               f"{s['decode_tok_per_s']['server']:.1f} tok/s (ratio {s['decode_ratio_server_over_direct']:.3f}); "
               f"overhead per token {s['overhead_wall_ms_per_token']:+.2f} ms wall, "
-              f"{s['overhead_cpu_ms_per_token']:+.2f} ms CPU; same text in every run: {s['identical_text']}.\n\n"
+              f"{s['overhead_cpu_ms_per_token']:+.2f} ms CPU with the in-process HTTP client "
+              f"({s['server_overhead_cpu_ms_per_token']:+.2f} ms CPU without the client thread's); direct CPU "
+              f"{s['cpu_ms_per_token']['direct']:.2f} ms/token; same text in every run: {s['identical_text']}.\n\n"
               f"Multi-turn: turn 1 prompt {multi['turn1_prompt_tokens']} tokens (computed {multi['turn1_prefill_tokens']}), "
               f"answer {multi['turn1_completion_tokens']}; turn 2 prompt {multi['turn2_prompt_tokens']} tokens, "
               f"computed {multi['turn2_prefill_tokens']} = its new tokens {multi['turn2_new_tokens']}: "

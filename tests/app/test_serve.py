@@ -4,6 +4,7 @@ chat and the server sharing the one engine; the status bar shows the URL and the
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 from PySide6.QtCore import Qt
@@ -44,6 +45,11 @@ def test_serve_toggle_start_request_count_stop(qtbot, make_window):
     assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
     qtbot.waitUntil(lambda: "1 request" in win.st_server.text(), timeout=5000)
     assert [m.id for m in client.models.list().data] == [model]
+    # what a request leaves out follows the app's sampling settings
+    win.apply_settings(replace(win.settings, sampling=replace(win.settings.sampling, max_new_tokens=2)), False)
+    t, box = _in_background(lambda: client.completions.create(model=model, prompt="hello"))
+    qtbot.waitUntil(lambda: not t.is_alive(), timeout=60000)
+    assert box["result"].usage.completion_tokens == 2
     win.stop_serving()
     assert not win.act_serve.isChecked() and not win.st_server.isVisible() and win.serve.server is None
     with pytest.raises(httpx2.TransportError):
