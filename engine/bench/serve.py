@@ -155,7 +155,8 @@ def cmd_serve(a) -> int:
     if store is None:
         from ..library import default_store
         store = str(default_store())
-    cfg = EngineConfig(store=store, history=False, pinning=False, ram_budget_gb=a.ram_budget_gb).validated()
+    cfg = EngineConfig(store=store, history=False, pinning=False, ram_budget_gb=a.ram_budget_gb,
+                       threads=a.threads).validated()
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": a.prompt}]
     rows = []
     with Engine.open(cfg) as eng:
@@ -213,6 +214,7 @@ def cmd_serve(a) -> int:
               f"{multi['turn2_cold_prefill_tokens']}; {multi['turn2_wall_s']:.3f} s vs {multi['turn2_cold_wall_s']:.3f} s; "
               f"same answer: {multi['same_answer_warm_and_cold']}).")
     write_results(a.name, {"machine": machine_info(), "store": store, "prompt": a.prompt, "tokens": a.tokens,
+                           "threads": a.threads,
                            "reps": a.reps, "rows": rows, "summary": summary, "multi_turn": multi}, table)
     return 0
 
@@ -225,5 +227,8 @@ def add_parser(bs) -> None:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--ram-budget-gb", type=float, default=2.0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="compute threads (1: the CPU time counts compute, not the spin-waits of OpenMP "
+                        "threads on a shared machine; 0 = all cores)")
     p.add_argument("--name", default="serve_default")
     p.set_defaults(fn=cmd_serve)
