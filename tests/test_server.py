@@ -467,3 +467,17 @@ def test_non_streamed_client_that_leaves_cancels_its_generation(engine, server):
         assert m["colibri_cancel_overrun_tokens"] <= 1
     finally:
         engine.model.unsubscribe(slow)
+
+
+def test_bench_serve_reports_overhead_and_multi_turn_prefill(default_store, tmp_path, capsys):
+    import json
+    from engine.cli import main
+    assert main(["bench", "serve", "--store", default_store, "--tokens", "6", "--reps", "1", "--ram-budget-gb", "2",
+                 "--out-dir", str(tmp_path), "--name", "serve_t"]) == 0
+    d = json.loads((tmp_path / "serve_t.json").read_text())
+    assert [r["arm"] for r in d["rows"]] == ["direct", "server"] and all(r["tokens"] == 6 for r in d["rows"])
+    assert d["summary"]["identical_text"] is True
+    assert "overhead_cpu_ms_per_token" in d["summary"] and "server_overhead_cpu_ms_per_token" in d["summary"]
+    mt = d["multi_turn"]
+    assert mt["turn2_prefill_is_only_new_tokens"] and mt["turn2_prefill_tokens"] < mt["turn2_cold_prefill_tokens"]
+    assert "Multi-turn" in (tmp_path / "serve_t.md").read_text()

@@ -215,7 +215,8 @@ def cmd_serve(a) -> int:
               f"same answer: {multi['same_answer_warm_and_cold']}).")
     write_results(a.name, {"machine": machine_info(), "store": store, "prompt": a.prompt, "tokens": a.tokens,
                            "threads": a.threads,
-                           "reps": a.reps, "rows": rows, "summary": summary, "multi_turn": multi}, table)
+                           "reps": a.reps, "rows": rows, "summary": summary, "multi_turn": multi}, table,
+                  out_dir=a.out_dir)
     return 0
 
 
@@ -231,4 +232,5 @@ def add_parser(bs) -> None:
                    help="compute threads (1: the CPU time counts compute, not the spin-waits of OpenMP "
                         "threads on a shared machine; 0 = all cores)")
     p.add_argument("--name", default="serve_default")
+    p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(fn=cmd_serve)
