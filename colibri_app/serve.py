@@ -5,7 +5,9 @@ The chat and the server share the one engine: a server request waits in the serv
 queue, then runs as a task of the app's engine lane (colibri_app/engine_bridge.py), in order
 with the chat's answers, on the same thread. :class:`ServeController` owns the server and its
 status; :class:`ServeDialog` asks for the port and the optional API key. The server listens on
-127.0.0.1 only (this computer).
+127.0.0.1 only (this computer). A request reaches the lane through the GUI thread's event loop
+(the lane is driven from there), so a client must not block that thread: clients are other
+programs, or, in tests, other threads.
 """
 
 from __future__ import annotations
