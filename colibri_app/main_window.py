@@ -27,6 +27,7 @@ from .answer import AnswerEnd, AnswerStream
 from .engine_bridge import EngineController
 from .history import COMPLETE, DEFAULT_TITLE, ERROR, STREAMING, History, Message
 from .plot_panels import PlotPanels
+from .serve import ServeController, ServeDialog
 from .workers import shutdown_all
 from .settings_store import Settings, save_settings
 
@@ -311,6 +312,10 @@ class MainWindow(QMainWindow):
         w.residency.connect(self.on_residency, q)
         w.finished.connect(self.on_finished, q)
         w.failed.connect(self.on_failed, q)
+        # "Serve on this computer": the server shares the engine (its requests run on the lane)
+        self.serve = ServeController(self.controller, self)
+        self.serve.status_changed.connect(self._serve_status)
+        self._serve_port, self._serve_key = 8000, ""
 
         self._build_ui()
         self._build_menus()
@@ -320,7 +325,7 @@ class MainWindow(QMainWindow):
             self.read_only_note.text.setText(read_only)
             self.read_only_note.show()
             self._not_ready = "Read-only: this window does not open a model."
-            for act in (self.act_settings, self.act_add, self.act_models, self.act_new):
+            for act in (self.act_settings, self.act_add, self.act_models, self.act_new, self.act_serve):
                 act.setEnabled(False)
             self.sidebar.new_btn.setEnabled(False)
             self.chat.system_edit.setReadOnly(True)
@@ -405,6 +410,12 @@ class MainWindow(QMainWindow):
         self.st_threads = QLabel("threads –")
         self.st_threads.setAccessibleName("Compute threads in use")
         self.st_threads.setToolTip("Compute threads the engine uses now (Settings › Compute threads)")
+        self.st_server = QLabel()
+        self.st_server.setObjectName("serverStatus")
+        self.st_server.setAccessibleName("Local server")
+        self.st_server.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.st_server.hide()
+        sb.addPermanentWidget(self.st_server)
         for lab, name in ((self.st_speed, "Tokens per second"), (self.st_ttft, "Time to first token"),
                           (self.st_cap, "Expert slots per layer"), (self.st_pilot, "PILOT prefetch mode"),
                           (self.st_threads, "Compute threads in use"), (self.st_model, "Model")):
@@ -457,6 +468,11 @@ class MainWindow(QMainWindow):
         self.act_settings = QAction("&Settings…", self, shortcut=QKeySequence("Ctrl+,"),
                                     triggered=self.open_settings)
         settings.addAction(self.act_settings)
+        server = mb.addMenu("Se&rver")
+        self.act_serve = QAction("Serve on this computer…", self, checkable=True)
+        self.act_serve.setToolTip("Serve the open model on an OpenAI-compatible API at http://127.0.0.1:PORT/v1")
+        self.act_serve.triggered.connect(self._serve_toggled)
+        server.addAction(self.act_serve)
         view = mb.addMenu("&View")
         self.act_panels = self.dock.toggleViewAction()
         self.act_panels.setText("Engine &panels")
@@ -491,6 +507,7 @@ class MainWindow(QMainWindow):
         self.loading.bar.setRange(0, 0)
         self.loading.show()
         self.st_model.setText("loading…")
+        self.serve.model_closed()
         self.controller.open(self.settings.engine_config(store or ""))
 
     @Slot(object)
@@ -522,6 +539,7 @@ class MainWindow(QMainWindow):
         self.st_model.setToolTip(f"{ev.store_path}\n{ev.message}")
         self.st_threads.setText(self._threads_text(ev.threads, ev.auto_threads))
         self.statusBar().showMessage("Model ready", 4000)
+        self.serve.model_loaded()
         self._sync_chat()
         self._start_next()
 
@@ -934,6 +952,42 @@ class MainWindow(QMainWindow):
         """Ctrl+L: put the cursor in the prompt box."""
         self.chat.input.setFocus()
 
+    # --- serve on this computer ---------------------------------------------------------------
+
+    def _serve_toggled(self, checked: bool) -> None:
+        if not checked:
+            self.stop_serving()
+            return
+        dlg = ServeDialog(self._serve_port, self._serve_key, self)
+        dlg.accepted.connect(lambda: self.start_serving(*dlg.values()))
+        dlg.rejected.connect(lambda: self.act_serve.setChecked(self.serve.serving))
+        self._show_dialog(dlg)
+
+    def start_serving(self, port: int, api_key: str = "") -> bool:
+        """Serve the open model on 127.0.0.1:``port`` (0 = a free port); the status bar shows
+        the URL and the request count. A failure (port in use, short key) shows a banner."""
+        try:
+            url = self.serve.start(port, api_key, self.settings.sampling)
+        except (ValueError, OSError) as e:   # ConfigError is a ValueError
+            self.act_serve.setChecked(False)
+            self.banner.show_message(ErrorKind.CONFIG, f"The server could not start: {e}",
+                                     hint="Choose another port (Server › Serve on this computer…).")
+            return False
+        self._serve_port, self._serve_key = (port or self._serve_port), api_key
+        self.act_serve.setChecked(True)
+        self.statusBar().showMessage(f"Serving the model on {url}", 6000)
+        return True
+
+    def stop_serving(self) -> None:
+        """Stop the local server (its running and waiting requests are cancelled)."""
+        self.serve.stop()
+        self.act_serve.setChecked(False)
+
+    @Slot(str)
+    def _serve_status(self, text: str) -> None:
+        self.st_server.setText(text)
+        self.st_server.setVisible(bool(text))
+
     # --- dialogs owned by other modules (lazy, optional) --------------------------------------
 
     def _not_available(self, what: str) -> None:
@@ -1042,6 +1096,7 @@ class MainWindow(QMainWindow):
         if new.app.theme != old_theme:
             from .resources import apply_theme
             apply_theme(QApplication.instance(), new.app.theme)
+        self.serve.set_defaults(new.sampling)   # the server's defaults follow the sampling settings
         if needs_reload:
             self._reload_after_answer = False
             self._reopen_current()
@@ -1079,6 +1134,13 @@ class MainWindow(QMainWindow):
                 self.splitter.setSizes(sizes)
             if "panels_visible" in st:
                 self.dock.setVisible(bool(st["panels_visible"]))
+            serve = st.get("serve")
+            if isinstance(serve, dict):
+                port, key = serve.get("port"), serve.get("api_key", "")
+                if isinstance(port, int) and 1024 <= port <= 65535:
+                    self._serve_port = port
+                if isinstance(key, str):
+                    self._serve_key = key
         except (ValueError, TypeError) as e:
             log.warning("ignoring the saved window state: %s", e)
         last = st.get("last_conversation")
@@ -1095,6 +1157,7 @@ class MainWindow(QMainWindow):
             "splitter": [int(s) for s in self.splitter.sizes()],
             "panels_visible": not self.dock.isHidden(),
             "last_conversation": self.conv_id,
+            "serve": {"port": self._serve_port, "api_key": self._serve_key},
         }
 
     def closeEvent(self, e) -> None:
@@ -1107,6 +1170,7 @@ class MainWindow(QMainWindow):
         self._closing = True
         if not self.read_only:
             save_ui_state(self.ui_state())
+        self.serve.stop()   # before the engine lane ends: its requests run there
         self.controller.shutdown()
         # and every other background task (wizard download / conversion, library scan): cancel
         # and join them now, while the objects they report to still exist (issue 18 fault 6)

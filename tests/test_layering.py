@@ -5,14 +5,16 @@ importing every engine module with Qt and the app blocked.
 Floors (docs/architecture.md), lowest first; a module may import its own floor and the ones
 below, never one above:
 
-    0 core      engine/*.py and any engine subpackage other than the three below
+    0 core      engine/*.py and any engine subpackage other than the four below
     1 library   engine/library/
-    2 bench     engine/bench/
-    3 cli       engine/cli/
-    4 app       colibri_app/
+    2 server    engine/server/
+    3 bench     engine/bench/
+    4 cli       engine/cli/
+    5 app       colibri_app/
 
 The engine never imports Qt (PySide6, shiboken6), pyqtgraph or colibri_app. colibri_app uses
-only the public API: names in ``engine.__all__`` and ``engine.library.__all__``, and the CLI's
+only the public API: names in ``engine.__all__``, ``engine.library.__all__`` and
+``engine.server.__all__``, and the CLI's
 ``main`` (in the launcher only).
 """
 
@@ -24,9 +26,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-FLOORS = ("core", "library", "bench", "cli", "app")
+FLOORS = ("core", "library", "server", "bench", "cli", "app")
+APP = len(FLOORS) - 1
 QT = ("PySide6", "shiboken6", "pyqtgraph")
-APP_MAY_IMPORT = {"engine": "engine/__init__.py", "engine.library": "engine/library/__init__.py"}
+APP_MAY_IMPORT = {"engine": "engine/__init__.py", "engine.library": "engine/library/__init__.py",
+                  "engine.server": "engine/server/__init__.py"}
 CLI_ENTRY = ("engine.cli", "main")  # the launcher's one reach into the CLI
 
 
@@ -34,11 +38,11 @@ def floor_of(module: str) -> int | None:
     """The floor of a dotted module name, or None for modules outside the project."""
     top = module.split(".")
     if top[0] == "colibri_app":
-        return 4
+        return APP
     if top[0] != "engine":
         return None
-    if len(top) > 1 and top[1] in ("library", "bench", "cli"):
-        return {"library": 1, "bench": 2, "cli": 3}[top[1]]
+    if len(top) > 1 and top[1] in FLOORS[1:APP]:
+        return FLOORS.index(top[1])
     return 0
 
 
@@ -109,19 +113,19 @@ def check_tree(root: Path) -> list[str]:
         for line, target, names in imports_of(root, path):
             top = target.split(".")[0]
             f = floor_of(target)
-            if me < 4 and (top in QT or top == "colibri_app"):
+            if me < APP and (top in QT or top == "colibri_app"):
                 bad.append(f"{where}:{line}: the engine imports {target}")
             elif f is not None and f > me:
                 bad.append(f"{where}:{line}: {FLOORS[me]} imports {target} ({FLOORS[f]}, a floor above)")
-            elif me == 4 and f is not None and f < 4:
+            elif me == APP and f is not None and f < APP:
                 if target in exported:
                     missing = [n for n in names if n not in exported[target]]
                     if missing:
                         bad.append(f"{where}:{line}: {', '.join(missing)} not in {target}.__all__")
                 elif path.name != "launcher.py" or (target, names) not in (
                         (CLI_ENTRY[0], (CLI_ENTRY[1],)), (".".join(CLI_ENTRY), ())):
-                    bad.append(f"{where}:{line}: the app imports {target} (only engine, engine.library "
-                               f"and, in launcher.py, engine.cli.main)")
+                    bad.append(f"{where}:{line}: the app imports {target} (only engine, engine.library, "
+                               f"engine.server and, in launcher.py, engine.cli.main)")
     return bad
 
 
@@ -130,13 +134,15 @@ def test_tree_respects_the_floors():
 
 
 def _mini_tree(tmp_path: Path) -> Path:
-    for d in ("engine/library", "engine/bench", "engine/cli", "colibri_app"):
+    for d in ("engine/library", "engine/server", "engine/bench", "engine/cli", "colibri_app"):
         (tmp_path / d).mkdir(parents=True, exist_ok=True)
         (tmp_path / d / "__init__.py").write_text("__all__ = ['ok']\nok = 1\n")
     (tmp_path / "engine" / "core_mod.py").write_text("import numpy\nfrom . import errors\n")
     (tmp_path / "engine" / "errors.py").write_text("")
     (tmp_path / "engine" / "library" / "lib_mod.py").write_text("from ..errors import x\n")
     (tmp_path / "engine" / "cli" / "main.py").write_text("from ..bench import y\nfrom ..library import z\n")
+    (tmp_path / "engine" / "bench" / "srv.py").write_text("from ..server import ok\n")
+    (tmp_path / "engine" / "server" / "api.py").write_text("from ..library import ok\nfrom .. import errors\n")
     (tmp_path / "colibri_app" / "launcher.py").write_text("def main():\n    from engine.cli import main\n")
     return tmp_path
 
@@ -159,12 +165,14 @@ def test_checker_catches_every_kind(tmp_path):
         "import importlib\n\n\ndef f():\n    importlib.import_module('engine.bench')\n\n\n"
         "def g():\n    from .. import cli\n")
     (root / "engine" / "bench" / "b.py").write_text("def f():\n    import engine.cli.main\n")
+    (root / "engine" / "server" / "s.py").write_text("from ..bench import y\n")
     (root / "engine" / "errors.py").write_text("def f():\n    from PySide6 import QtCore\n    import colibri_app\n")
     (root / "colibri_app" / "w.py").write_text("from engine.library import ok, secret\nimport engine.model\n"
                                                "from engine.cli import main\n")
     bad = "\n".join(check_tree(root))
     for needle in ("lib_mod.py:5: library imports engine.bench", "lib_mod.py:9: library imports engine.cli",
-                   "b.py:2: bench imports engine.cli.main", "errors.py:2: the engine imports PySide6",
+                   "b.py:2: bench imports engine.cli.main", "s.py:1: server imports engine.bench",
+                   "errors.py:2: the engine imports PySide6",
                    "errors.py:3: the engine imports colibri_app", "w.py:1: secret not in engine.library.__all__",
                    "w.py:2: the app imports engine.model", "w.py:3: the app imports engine.cli"):
         assert needle in bad, (needle, bad)
@@ -202,6 +210,6 @@ def test_engine_imports_without_qt_or_app():
 def test_core_import_does_not_load_the_upper_floors():
     """``import engine`` (what the app and every test do first) loads only the core."""
     code = "import sys, engine; print(sorted(m for m in sys.modules if m.startswith(('engine.library', " \
-           "'engine.bench', 'engine.cli'))))"
+           "'engine.server', 'engine.bench', 'engine.cli'))))"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])

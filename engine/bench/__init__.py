@@ -22,6 +22,7 @@ clock. Verbs:
   trace-heldout   a routing trace of the default model over its held-out text
   gguf, peers     llama.cpp (Q8_0 GGUF) and transformers beside our engine, in cgroup memory limits
   contention      decode tok/s of the compute-thread defaults with 0, 1, 2 busy background processes
+  serve           the OpenAI-compatible server vs the engine called directly; multi-turn prefill
 A new benchmark: add ``engine/bench/<verb>.py`` with ``cmd_<verb>(args) -> int`` and
 ``add_parser(bs)``, and list the module in VERBS.
 """
@@ -33,7 +34,7 @@ import functools
 import importlib
 
 VERBS = ("make_synthetic", "decode", "cache", "pilot", "disk", "replay", "matrix", "trace_heldout", "arm",
-         "gguf", "peers", "kernels", "contention", "overlap")
+         "gguf", "peers", "kernels", "contention", "overlap", "serve")
 
 
 INTERNAL_VERBS = ("arm", "decode-arm", "peer-arm", "contention-arm")  # run by the verbs themselves, one arm per process

@@ -11,13 +11,13 @@ import logging
 import sys
 
 from ..errors import EngineError
-from . import doctor, models, run
+from . import doctor, models, run, serve
 
 log = logging.getLogger("colibri")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The whole ``colibri`` argument parser: run, convert, info, download, models, doctor, bench."""
+    """The whole ``colibri`` argument parser: run, convert, info, download, models, serve, doctor, bench."""
     from ..bench import add_bench_parser
     p = argparse.ArgumentParser(prog="colibri", description="Run MoE models larger than RAM. "
                                 "Without a command, `colibri` starts the desktop app.")
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
     run.add_parsers(sub)
     models.add_parsers(sub)
+    serve.add_parsers(sub)
     doctor.add_parsers(sub)
     add_bench_parser(sub)
     return p

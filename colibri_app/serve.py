@@ -1,0 +1,198 @@
+""""Serve on this computer": the OpenAI-compatible server (engine.server) over the model the
+window has open.
+
+The chat and the server share the one engine: a server request waits in the server's FIFO
+queue, then runs as a task of the app's engine lane (colibri_app/engine_bridge.py), in order
+with the chat's answers, on the same thread. :class:`ServeController` owns the server and its
+status; :class:`ServeDialog` asks for the port and the optional API key. The server listens on
+127.0.0.1 only (this computer). A request reaches the lane through the GUI thread's event loop
+(the lane is driven from there), so a client must not block that thread: clients are other
+programs, or, in tests, other threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from PySide6.QtCore import QObject, QTimer, Signal, Slot
+from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QFormLayout, QLabel, QLineEdit, QSpinBox,
+                               QVBoxLayout, QWidget)
+
+from engine.server import DEFAULT_PORT, LocalServer, NoModel, ServedModel, ServerOptions
+
+log = logging.getLogger(__name__)
+
+HOST = "127.0.0.1"
+STATUS_INTERVAL_MS = 1000
+
+
+class ServeController(QObject):
+    """The app's local server.
+
+    Args:
+        controller: the window's EngineController (its lane runs the server's generations,
+            its worker holds the open Engine).
+
+    Signals: ``status_changed(str)`` (the status bar text, "" when not serving),
+    ``failed(str)`` (the server could not start).
+    """
+
+    status_changed = Signal(str)
+    failed = Signal(str)
+    _post = Signal(object)   # (fn, job, done, box) from the server's queue thread to the GUI thread
+
+    def __init__(self, controller, parent: QObject | None = None):
+        super().__init__(parent)
+        self.controller = controller
+        self.server: LocalServer | None = None
+        self._served: ServedModel | None = None
+        self._post.connect(self._submit)   # queued: emitted on the server's thread
+        self.timer = QTimer(self)
+        self.timer.setInterval(STATUS_INTERVAL_MS)
+        self.timer.timeout.connect(self.refresh)
+
+    # --- the model being served (GUI thread) --------------------------------------------------
+
+    def model_loaded(self) -> None:
+        """The window opened a model: serve it."""
+        eng = self.controller.worker.engine
+        self._served = ServedModel.from_engine(eng) if eng is not None else None
+        self.refresh()
+
+    def model_closed(self) -> None:
+        """The window is (re)opening a model: requests get 503 until it is ready."""
+        self._served = None
+        self.refresh()
+
+    # --- start / stop -------------------------------------------------------------------------
+
+    @property
+    def serving(self) -> bool:
+        return self.server is not None
+
+    def start(self, port: int = DEFAULT_PORT, api_key: str = "", defaults=None) -> str:
+        """Listen on 127.0.0.1:``port`` (0 = a free port); returns the URL.
+
+        Raises:
+            ConfigError: a bad port or key; OSError: the port is in use.
+        """
+        self.stop()
+        srv = LocalServer(lambda: self._served, self._run, ServerOptions(host=HOST, port=port, api_key=api_key),
+                          defaults)
+        srv.start()
+        self.server = srv
+        self.timer.start()
+        self.refresh()
+        return srv.url
+
+    def set_defaults(self, sampling) -> None:
+        """The SamplingParams used for what a request leaves out (the app's sampling settings)."""
+        if self.server is not None:
+            self.server.api.defaults = sampling
+
+    def stop(self) -> None:
+        """Stop serving (running and waiting requests are cancelled). Idempotent."""
+        srv, self.server = self.server, None
+        self.timer.stop()
+        if srv is not None:
+            srv.stop()
+        self.status_changed.emit("")
+
+    def status_text(self) -> str:
+        """"Serving http://127.0.0.1:8000/v1 · 3 requests" (or "" when not serving)."""
+        if self.server is None:
+            return ""
+        n = self.server.stats.request_count("/v1/")
+        waiting = self.server.queue.depth
+        text = f"Serving {self.server.url} · {n} request{'s' if n != 1 else ''}"
+        if waiting:
+            text += f" · {waiting} waiting"
+        if self._served is None:
+            text += " · no model open"
+        return text
+
+    @Slot()
+    def refresh(self) -> None:
+        self.status_changed.emit(self.status_text())
+
+    # --- running jobs on the app's engine lane ------------------------------------------------
+
+    def _run(self, fn, job) -> None:
+        """The server's runner (its queue thread): run ``fn(engine)`` as a task of the engine
+        lane and wait for it. Raises NoModel when no model (or another model) is open."""
+        done = threading.Event()
+        box: dict = {}
+        self._post.emit((fn, job, done, box))
+        while not done.wait(0.25):
+            if self.server is None and job.cancel.is_set():   # stopping: the lane may be gone too
+                return
+        if "error" in box:
+            raise box["error"]
+
+    @Slot(object)
+    def _submit(self, item) -> None:
+        fn, job, done, box = item
+        worker = self.controller.worker
+        if job.cancel.is_set():   # its client left (or the server stopped) before it got here
+            done.set()
+            return
+
+        def task(ctx) -> None:
+            try:
+                eng = worker.engine
+                if eng is None or eng is not job.model_key:
+                    raise NoModel("the model changed while the request waited; send it again")
+                fn(eng)
+            except BaseException as e:  # noqa: BLE001 - handed to the server's queue thread
+                box["error"] = e
+            finally:
+                done.set()
+
+        try:
+            self.controller.lane.submit(task, "server-generate", cancel=job.cancel, skip_if_cancelled=False)
+        except RuntimeError as e:   # the lane is shut down (the window is closing)
+            box["error"] = NoModel(str(e))
+            done.set()
+
+
+class ServeDialog(QDialog):
+    """Asks for the port and the optional API key of "Serve on this computer"."""
+
+    def __init__(self, port: int = DEFAULT_PORT, api_key: str = "", parent: QWidget | None = None):
+        super().__init__(parent)
+        self.setWindowTitle("Serve on this computer")
+        self.setMinimumWidth(440)
+        lay = QVBoxLayout(self)
+        info = QLabel("Other programs on this computer (editors, scripts) can use the open model through an "
+                      "OpenAI-compatible API at http://127.0.0.1:PORT/v1. The chat and the server take turns "
+                      "on the one engine.")
+        info.setWordWrap(True)
+        lay.addWidget(info)
+        form = QFormLayout()
+        self.port = QSpinBox()
+        self.port.setRange(1024, 65535)
+        self.port.setValue(port if 1024 <= port <= 65535 else DEFAULT_PORT)
+        self.port.setAccessibleName("Server port")
+        form.addRow("Port", self.port)
+        self.key = QLineEdit(api_key)
+        self.key.setEchoMode(QLineEdit.PasswordEchoOnEdit)
+        self.key.setPlaceholderText("optional; at least 8 characters")
+        self.key.setAccessibleName("API key")
+        self.key.setToolTip("Clients must send 'Authorization: Bearer <key>'. Leave empty for none.")
+        form.addRow("API key", self.key)
+        lay.addLayout(form)
+        self.error = QLabel()
+        self.error.setObjectName("bannerText")
+        self.error.setWordWrap(True)
+        self.error.hide()
+        lay.addWidget(self.error)
+        buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
+        buttons.button(QDialogButtonBox.Ok).setText("Start serving")
+        buttons.accepted.connect(self.accept)
+        buttons.rejected.connect(self.reject)
+        lay.addWidget(buttons)
+
+    def values(self) -> tuple[int, str]:
+        """(port, api key)."""
+        return self.port.value(), self.key.text().strip()

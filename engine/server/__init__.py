@@ -1,0 +1,22 @@
+"""The OpenAI-compatible local server (``colibri serve``, and "Serve on this computer" in the app).
+
+Floor: above the inference core and the model library, below the benchmarks and the CLI
+(docs/architecture.md). Starlette + uvicorn serve the API; one engine answers every client
+through a bounded FIFO of jobs. Modules:
+
+    server       ServerOptions (host, port, key, CORS, limits) and LocalServer (uvicorn on a thread)
+    openai_api   the endpoints, request checks and OpenAI-shaped responses and errors
+    jobs         Job, JobQueue (bounded FIFO, one dispatcher), run_job, DirectRunner
+    textstream   stop strings and the <think> reasoning split, streamed
+    stats        ServerStats and the Prometheus exposition of /metrics
+
+The app uses the names in ``__all__`` (docs/engine-api.md).
+"""
+
+from .jobs import DirectRunner, Job, JobQueue, JobResult, NoModel, QueueFull, run_job
+from .openai_api import ApiError, ServedModel
+from .server import DEFAULT_PORT, LocalServer, ServerOptions, is_loopback
+from .stats import ServerStats
+
+__all__ = ["DEFAULT_PORT", "LocalServer", "ServerOptions", "ServedModel", "ServerStats", "is_loopback",
+           "Job", "JobQueue", "JobResult", "NoModel", "QueueFull", "DirectRunner", "run_job", "ApiError"]

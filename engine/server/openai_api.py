@@ -1,0 +1,617 @@
+"""The OpenAI-compatible HTTP API (Starlette; SSE through sse-starlette).
+
+Endpoints: ``GET /health``, ``GET /v1/models``, ``GET /v1/models/{id}``,
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /metrics`` (Prometheus text).
+Request and response bodies follow the OpenAI API reference (chat completions, completions,
+models; streamed as ``chat.completion.chunk`` / ``text_completion`` server-sent events ending
+in ``data: [DONE]``). Every refusal is an OpenAI-shaped error body
+``{"error": {"message", "type", "param", "code"}}`` with a 4xx status; a failure inside the
+engine is a 500 with the same shape, never a traceback.
+
+Parameter ranges are the settings table's (engine/settings.py): ``temperature``, ``top_p``,
+``seed``, ``max_tokens`` (max_new_tokens) and the extensions ``top_k`` and
+``repetition_penalty`` are checked by the same ``Setting.check`` as ``colibri run``'s flags.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import secrets
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..chat_template import THINK_OPEN
+from ..errors import ConfigError, EngineError
+from ..events import SamplingParams
+from ..settings import setting
+from .jobs import Job, JobQueue, QueueFull
+from .stats import ServerStats, exposition
+
+log = logging.getLogger(__name__)
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOPS = 4  # the OpenAI API's limit
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """The model a server answers with (one at a time).
+
+    model_id: the name clients pass as ``model`` (and /v1/models lists); aliases: other
+    accepted names (the store folder name); tokenizer: engine.tokenizer.Tokenizer;
+    context_length: tokens; vocab_size: the model's token ids are in [0, vocab_size);
+    created: Unix seconds; key: identity of the engine (the runner checks a job was made for
+    the engine it runs on).
+    """
+
+    model_id: str
+    tokenizer: Any
+    context_length: int
+    vocab_size: int
+    created: int
+    key: object
+    aliases: tuple[str, ...] = ()
+
+    @classmethod
+    def from_engine(cls, engine) -> "ServedModel":
+        """What ``engine`` (an open Engine) serves."""
+        from pathlib import Path
+        folder = Path(engine.loaded.store_path).name
+        name = engine.loaded.model_name or folder
+        return cls(model_id=name, tokenizer=engine.tokenizer, context_length=engine.context_length,
+                   vocab_size=engine.args.vocab_size, created=int(time.time()), key=engine,
+                   aliases=(folder,) if folder != name else ())
+
+
+class ApiError(Exception):
+    """A refusal with an HTTP status and an OpenAI-shaped body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers or {}
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.param, self.code, self.type, self.headers)
+
+
+def error_body(message: str, param: str | None = None, code: str | None = None,
+               type_: str = "invalid_request_error") -> dict:
+    """The OpenAI error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   type_: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
+    if status >= 500 and type_ == "invalid_request_error":
+        type_ = "server_error"
+    return JSONResponse(error_body(message, param, code, type_), status_code=status, headers=headers)
+
+
+# --- request parsing ---------------------------------------------------------------------------
+
+
+async def read_json(request: Request, max_bytes: int) -> dict:
+    """The request body as a JSON object, at most ``max_bytes`` bytes.
+
+    Raises ApiError: 413 too large, 400 not JSON or not an object."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > max_bytes:
+                raise ApiError(413, f"the request body has {int(declared)} bytes; the limit is {max_bytes} "
+                                    f"(colibri serve --max-body-bytes)", code="request_too_large")
+        except ValueError:
+            raise ApiError(400, "invalid Content-Length header") from None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise ApiError(413, f"the request body is larger than the limit of {max_bytes} bytes "
+                                f"(colibri serve --max-body-bytes)", code="request_too_large")
+    try:
+        data = json.loads(bytes(body).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}",
+                       code="invalid_json")
+    return data
+
+
+def _check_setting(name: str, param: str, value: Any) -> Any:
+    try:
+        return setting(name).check(value)
+    except ConfigError as e:
+        msg = str(e).replace(f"setting '{name}'", f"'{param}'", 1)
+        raise ApiError(400, msg, param=param, code="invalid_value") from None
+
+
+def sampling_from(body: dict, defaults: SamplingParams) -> SamplingParams:
+    """SamplingParams of a request: the server's defaults (its sampling flags) overridden by
+    ``temperature``, ``top_p``, ``seed``, ``max_completion_tokens`` / ``max_tokens``, and the
+    extensions ``top_k``, ``repetition_penalty``. Unsupported features that would change the
+    answer (``n`` > 1, penalties, logprobs, structured output) are refused, not ignored.
+    Raises ApiError (400) naming the parameter."""
+    kw = {}
+    for param, name in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
+                        ("top_k", "top_k"), ("repetition_penalty", "repetition_penalty")):
+        if body.get(param) is not None:
+            kw[name] = _check_setting(name, param, body[param])
+    for param in ("max_tokens", "max_completion_tokens"):
+        if body.get(param) is not None:
+            kw["max_new_tokens"] = _check_setting("max_new_tokens", param, body[param])
+    n = body.get("n")
+    if n is not None and (isinstance(n, bool) or n != 1):
+        raise ApiError(400, f"'n' = {n!r}: only n = 1 is supported (one engine, one answer)", param="n",
+                       code="invalid_value")
+    for param in ("presence_penalty", "frequency_penalty"):
+        v = body.get(param)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != 0):
+            raise ApiError(400, f"'{param}' = {v!r} is not supported; use 'repetition_penalty' (1 = off)",
+                           param=param, code="unsupported_parameter")
+    for param in ("logprobs", "top_logprobs", "echo", "suffix", "logit_bias"):
+        v = body.get(param)
+        if v not in (None, False, 0, {}):
+            raise ApiError(400, f"'{param}' is not supported by this server", param=param,
+                           code="unsupported_parameter")
+    best_of = body.get("best_of")
+    if best_of not in (None, 1):
+        raise ApiError(400, "'best_of' other than 1 is not supported", param="best_of", code="unsupported_parameter")
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported",
+                       param="response_format", code="unsupported_parameter")
+    return replace(defaults, **kw)
+
+
+def stops_from(body: dict) -> tuple[str, ...]:
+    """The ``stop`` parameter: a string or a list of at most 4 strings."""
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,) if stop else ()
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop", code="invalid_type")
+    if len(stop) > MAX_STOPS:
+        raise ApiError(400, f"'stop' has {len(stop)} strings; at most {MAX_STOPS} are allowed", param="stop",
+                       code="invalid_value")
+    return tuple(s for s in stop if s)
+
+
+def stream_flags(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise ApiError(400, f"'stream' must be true or false, got {stream!r}", param="stream", code="invalid_type")
+    opts = body.get("stream_options")
+    include = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise ApiError(400, "'stream_options' must be an object", param="stream_options", code="invalid_type")
+        include = opts.get("include_usage", False)
+        if not isinstance(include, bool):
+            raise ApiError(400, "'stream_options.include_usage' must be true or false",
+                           param="stream_options", code="invalid_type")
+    return stream, include and stream
+
+
+def _text_content(content: Any, i: int) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for p in content:
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported (got {kind!r})",
+                               param=f"messages[{i}].content", code="unsupported_content")
+            parts.append(p["text"])
+        return "\n".join(parts)
+    raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
+                   param=f"messages[{i}].content", code="invalid_type")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    """The ``messages`` of a chat request as the dicts the chat template reads: roles system
+    (``developer`` too), user, assistant (``tool_calls`` with their JSON ``arguments`` parsed, as
+    Hugging Face templates expect, ``reasoning_content``), tool (``tool_call_id``, ``name``)."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages",
+                       code="invalid_value")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'",
+                           param=f"messages[{i}]", code="invalid_type")
+        role = m.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"messages[{i}].role = {role!r}: must be one of {', '.join(ROLES)}",
+                           param=f"messages[{i}].role", code="invalid_value")
+        d: dict[str, Any] = {"role": "system" if role == "developer" else role,
+                             "content": _text_content(m.get("content"), i)}
+        for k in ("name", "tool_call_id", "reasoning_content"):
+            if isinstance(m.get(k), str):
+                d[k] = m[k]
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise ApiError(400, f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls",
+                               code="invalid_type")
+            fixed = []
+            for c in calls:
+                c = dict(c) if isinstance(c, dict) else {}
+                fn = dict(c.get("function") or {})
+                if isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except ValueError:
+                        pass
+                c["function"] = fn
+                fixed.append(c)
+            d["tool_calls"] = fixed
+        out.append(d)
+    return out
+
+
+# --- the app -----------------------------------------------------------------------------------
+
+
+class _Guard:
+    """Pure ASGI middleware: the API key (``Authorization: Bearer KEY``, constant-time
+    comparison, every path but /health) and the request counts by endpoint and status."""
+
+    def __init__(self, app, api_key: str, stats: ServerStats):
+        self.app, self.stats = app, stats
+        self.key = api_key.encode("utf-8") if api_key else b""
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        endpoint = next((e for e in ENDPOINTS if path == e or path.startswith(e + "/")), "other")
+        status = [0]
+
+        async def counting_send(msg):
+            if msg["type"] == "http.response.start":
+                status[0] = msg["status"]
+            await send(msg)
+
+        try:
+            if self.key and path != "/health" and scope.get("method") != "OPTIONS":
+                given = b""
+                for k, v in scope.get("headers", ()):
+                    if k == b"authorization":
+                        given = v
+                        break
+                token = given[7:].strip() if given[:7].lower() == b"bearer " else b""
+                if not hmac.compare_digest(token, self.key):
+                    resp = error_response(401, "a valid API key is required: send 'Authorization: Bearer "
+                                          "<key>' (the key given to colibri serve --api-key)",
+                                          code="invalid_api_key")
+                    return await resp(scope, receive, counting_send)
+            await self.app(scope, receive, counting_send)
+        finally:
+            self.stats.on_request(endpoint, status[0] or 499)
+
+
+class Api:
+    """The endpoints over a model provider and a job queue.
+
+    Args:
+        served: () -> ServedModel | None (None while no model is open: 503).
+        queue: the JobQueue that runs generations one at a time.
+        stats: ServerStats.
+        defaults: SamplingParams used where a request gives no value (the server's flags).
+        max_body_bytes: request body limit (413 above it).
+    """
+
+    def __init__(self, served: Callable[[], ServedModel | None], queue: JobQueue, stats: ServerStats,
+                 defaults: SamplingParams, max_body_bytes: int):
+        self.served, self.queue, self.stats = served, queue, stats
+        self.defaults, self.max_body_bytes = defaults, int(max_body_bytes)
+
+    # --- helpers -----------------------------------------------------------------------------
+
+    def _model(self, body: dict | None = None) -> ServedModel:
+        m = self.served()
+        if m is None:
+            raise ApiError(503, "no model is open yet (the app is loading or switching models); retry shortly",
+                           code="model_not_ready", type_="server_error", headers={"Retry-After": "2"})
+        if body is not None:
+            want = body.get("model")
+            if want is not None and not isinstance(want, str):
+                raise ApiError(400, "'model' must be a string", param="model", code="invalid_type")
+            if want and want != m.model_id and want not in m.aliases:
+                raise ApiError(404, f"the model {want!r} does not exist here; this server serves {m.model_id!r} "
+                                    f"(GET /v1/models)", param="model", code="model_not_found")
+        return m
+
+    def _check_prompt(self, m: ServedModel, ids: list[int], param: str) -> None:
+        if not ids:
+            raise ApiError(400, f"'{param}' is empty", param=param, code="invalid_value")
+        if len(ids) >= m.context_length:
+            raise ApiError(400, f"this model's context holds {m.context_length} tokens, but the prompt has "
+                                f"{len(ids)} (one more is needed to answer); shorten the {param}",
+                           param=param, code="context_length_exceeded")
+
+    def _submit(self, m: ServedModel, ids, sp, stops, chat, opened, emit) -> Job:
+        job = Job(ids=list(ids), sampling=sp, emit=emit, stops=stops, chat=chat, prompt_opened=opened,
+                  model_key=m.key)
+        try:
+            self.queue.submit(job)
+        except QueueFull as e:
+            raise ApiError(503, f"{e}; retry after {e.retry_after_s} s", code="queue_full", type_="server_error",
+                           headers={"Retry-After": str(e.retry_after_s)}) from None
+        except RuntimeError as e:
+            raise ApiError(503, str(e), code="shutting_down", type_="server_error") from None
+        return job
+
+    @staticmethod
+    def _usage(res) -> dict:
+        return {"prompt_tokens": res.prompt_tokens, "completion_tokens": res.completion_tokens,
+                "total_tokens": res.prompt_tokens + res.completion_tokens}
+
+    # --- endpoints ---------------------------------------------------------------------------
+
+    async def health(self, request: Request) -> Response:
+        m = self.served()
+        body = {"status": "ok" if m else "loading", "model": m.model_id if m else None,
+                "queue_depth": self.queue.depth, "busy": self.queue.busy}
+        return JSONResponse(body, status_code=200 if m else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        data = await run_in_threadpool(exposition, self.stats, self.queue,
+                                       lambda: (self.served() or ServedModel("", None, 0, 0, 0, None)).model_id)
+        return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def _model_obj(self, m: ServedModel) -> dict:
+        return {"id": m.model_id, "object": "model", "created": m.created, "owned_by": "colibri",
+                "context_length": m.context_length}
+
+    async def models(self, request: Request) -> Response:
+        m = self.served()
+        return JSONResponse({"object": "list", "data": [self._model_obj(m)] if m else []})
+
+    async def model(self, request: Request) -> Response:
+        m = self._model()
+        name = request.path_params["model"]
+        if name != m.model_id and name not in m.aliases:
+            raise ApiError(404, f"the model {name!r} does not exist here; this server serves {m.model_id!r}",
+                           param="model", code="model_not_found")
+        return JSONResponse(self._model_obj(m))
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await read_json(request, self.max_body_bytes)
+        m = self._model(body)
+        msgs = chat_messages(body)
+        sp = sampling_from(body, self.defaults)
+        stops = stops_from(body)
+        stream, include_usage = stream_flags(body)
+        tools = body.get("tools")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ApiError(400, "'tools' must be a list of objects", param="tools", code="invalid_type")
+        kwargs = body.get("chat_template_kwargs") or {}
+        if not isinstance(kwargs, dict):
+            raise ApiError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs",
+                           code="invalid_type")
+        if not m.tokenizer.has_chat_template:
+            raise ApiError(400, f"the model {m.model_id!r} has no chat template, so it cannot take chat "
+                                f"messages; use POST /v1/completions with a raw prompt", param="messages",
+                           code="no_chat_template")
+        try:
+            ids = await run_in_threadpool(lambda: m.tokenizer.encode_chat(msgs, tools=tools or None, **kwargs))
+        except (EngineError, TypeError, ValueError) as e:
+            raise ApiError(400, f"the messages cannot be rendered with the model's chat template: {e}",
+                           param="messages", code="invalid_messages") from None
+        self._check_prompt(m, ids, "messages")
+        tail = m.tokenizer.decode(ids[-8:], skip_special_tokens=False)
+        opened = tail.rstrip().endswith(THINK_OPEN)
+        return await self._generate(request, m, ids, sp, stops, stream, include_usage, chat=True,
+                                    opened=opened)
+
+    async def completions(self, request: Request) -> Response:
+        body = await read_json(request, self.max_body_bytes)
+        m = self._model(body)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        sp = sampling_from(body, self.defaults)
+        stops = stops_from(body)
+        stream, include_usage = stream_flags(body)
+        if isinstance(prompt, str):
+            ids = await run_in_threadpool(m.tokenizer.encode, prompt)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < m.vocab_size]
+            if bad:
+                raise ApiError(400, f"'prompt': token id {bad[0]} is outside the vocabulary [0, {m.vocab_size})",
+                               param="prompt", code="invalid_value")
+            ids = list(prompt)
+        else:
+            raise ApiError(400, "'prompt' must be a string, a list of one string or a list of token ids "
+                                "(one prompt per request)", param="prompt", code="invalid_value")
+        self._check_prompt(m, ids, "prompt")
+        return await self._generate(request, m, ids, sp, stops, stream, include_usage, chat=False, opened=False)
+
+    # --- generation --------------------------------------------------------------------------
+
+    async def _generate(self, request, m, ids, sp, stops, stream, include_usage, chat, opened) -> Response:
+        loop = asyncio.get_running_loop()
+        rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        if not stream:
+            return await self._whole(request, loop, m, ids, sp, stops, chat, opened, rid, created, obj)
+        q: asyncio.Queue = asyncio.Queue()
+
+        def emit(item):
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the event loop is gone (server stopped)
+                pass
+
+        job = self._submit(m, ids, sp, stops, chat, opened, emit)
+        chunk_obj = obj + ".chunk" if chat else obj
+
+        def chunk(choice: dict | None, usage=None) -> str:
+            d = {"id": rid, "object": chunk_obj, "created": created, "model": m.model_id,
+                 "choices": [choice] if choice is not None else []}
+            if include_usage:
+                d["usage"] = usage
+            return json.dumps(d, ensure_ascii=False)
+
+        async def events():
+            try:
+                if chat:
+                    yield {"data": chunk({"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None})}
+                while True:
+                    item = await q.get()
+                    if item[0] == "delta":
+                        _, r, c = item
+                        if chat:
+                            delta = {}
+                            if r:
+                                delta["reasoning_content"] = r
+                            if c:
+                                delta["content"] = c
+                            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}
+                        else:
+                            choice = {"index": 0, "text": c, "logprobs": None, "finish_reason": None}
+                        yield {"data": chunk(choice)}
+                        continue
+                    res = item[1]
+                    if res.finish_reason in ("error", "cancelled"):
+                        msg = res.error or "the generation was cancelled (the server is stopping)"
+                        yield {"data": json.dumps(error_body(msg, type_="server_error"))}
+                    else:
+                        end = ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": res.finish_reason}
+                               if chat else
+                               {"index": 0, "text": "", "logprobs": None, "finish_reason": res.finish_reason})
+                        yield {"data": chunk(end)}
+                        if include_usage:
+                            yield {"data": chunk(None, self._usage(res))}
+                    yield {"data": "[DONE]"}
+                    return
+            finally:
+                if job.state != "done":   # the client left (the stream task was cancelled)
+                    job.client_gone()
+                    self.queue.withdraw(job)
+
+        return EventSourceResponse(events(), sep="\n", ping=15)
+
+    async def _whole(self, request, loop, m, ids, sp, stops, chat, opened, rid, created, obj) -> Response:
+        reasoning: list[str] = []
+        content: list[str] = []
+        done = asyncio.Event()
+
+        def emit(item):  # engine thread: the lists are read only after "done"
+            if item[0] == "delta":
+                if item[1]:
+                    reasoning.append(item[1])
+                if item[2]:
+                    content.append(item[2])
+            else:
+                try:
+                    loop.call_soon_threadsafe(done.set)
+                except RuntimeError:
+                    pass
+
+        job = self._submit(m, ids, sp, stops, chat, opened, emit)
+
+        async def client_left():
+            while True:
+                msg = await request.receive()
+                if msg["type"] == "http.disconnect":
+                    return
+
+        watch = asyncio.ensure_future(client_left())
+        waiter = asyncio.ensure_future(done.wait())
+        try:
+            await asyncio.wait({watch, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not waiter.done():
+                waiter.cancel()
+                job.client_gone()
+                self.queue.withdraw(job)
+        if job.state != "done":
+            return Response(status_code=499)
+        res = job.result
+        if res.finish_reason == "error":
+            raise ApiError(res.status, res.error, code="engine_error" if res.status >= 500 else "invalid_request",
+                           type_="server_error" if res.status >= 500 else "invalid_request_error")
+        if res.finish_reason == "cancelled":
+            raise ApiError(503, "the generation was cancelled (the server is stopping)", code="cancelled",
+                           type_="server_error")
+        text = "".join(content)
+        if chat:
+            msg = {"role": "assistant", "content": text}
+            if reasoning or (job.prompt_opened and not text):
+                msg["reasoning_content"] = "".join(reasoning)
+            choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": res.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": res.finish_reason}
+        return JSONResponse({"id": rid, "object": obj, "created": created, "model": m.model_id,
+                             "system_fingerprint": None, "choices": [choice], "usage": self._usage(res)})
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    msg = {404: f"there is no endpoint {request.url.path} (see GET /v1/models, POST /v1/chat/completions)",
+           405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+    return error_response(exc.status_code, msg, code=code, headers=getattr(exc, "headers", None))
+
+
+async def _api_error(request: Request, exc: ApiError) -> Response:
+    return exc.response()
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    log.exception("request failed: %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(500, f"internal server error ({type(exc).__name__}); see the server log",
+                          code="internal_error", type_="server_error")
+
+
+def build_app(api: Api, api_key: str = "", cors_origins: tuple[str, ...] = ()) -> Starlette:
+    """The Starlette application of ``api``: routes, OpenAI-shaped error handlers, the API-key
+    guard and, only when ``cors_origins`` are given, CORS for those origins."""
+    routes = [
+        Route("/health", api.health, methods=["GET"]),
+        Route("/metrics", api.metrics, methods=["GET"]),
+        Route("/v1/models", api.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", api.model, methods=["GET"]),
+        Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+        Route("/v1/completions", api.completions, methods=["POST"]),
+    ]
+    middleware = []
+    if cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
+                                     allow_methods=["GET", "POST", "OPTIONS"],
+                                     allow_headers=["Authorization", "Content-Type"]))
+    middleware.append(Middleware(_Guard, api_key=api_key, stats=api.stats))
+    return Starlette(routes=routes, middleware=middleware, exception_handlers={
+        ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error})
