@@ -162,6 +162,9 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
     dq = dense_quant_for(quant) if dense_quant is None else dense_quant
     if dq not in QUANTS:
         raise ValueError(f"--dense-quant {dq!r}: choose one of {', '.join(QUANTS)}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or not 2 <= group_size <= 4096:
+        raise ValueError(f"--group-size {group_size}: give an even number of columns per int4 scale "
+                         f"between 2 and 4096 (32 is the default)")
     if "int4" in (quant, dq) and group_size % 2:
         raise ValueError(f"--group-size {group_size}: int4 needs an even group size (32 is the default)")
     if quant == "int4" and (D % group_size or I % group_size):

@@ -351,3 +351,24 @@ def test_routing_identical_across_cap_guard_pilot_threads(routed_store):
         assert r["routing"] == ref["routing"], name
         assert (r["mask"] == ref["mask"]).all(), name
         assert np.array_equal(r["logits"], ref["logits"]), name
+
+
+def test_rope_scaling_beside_rope_parameters_is_not_ignored():
+    """A legacy rope_scaling next to a default rope_parameters is read (YaRN) or refused (linear),
+    never dropped; two different scaling types are refused (found by the new-user review)."""
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    a = ModelArgs.from_dict(deepseek_v3_config(rope_scaling=yarn))
+    assert dict(a.rope_scaling)["factor"] == 4.0
+    with pytest.raises(ConfigError, match="rope_type 'linear'"):
+        ModelArgs.from_dict(glm4_moe_config(rope_scaling={"type": "linear", "factor": 2.0}))
+    with pytest.raises(ConfigError, match="keep one"):
+        ModelArgs.from_dict(deepseek_v3_config(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0},
+                                               rope_scaling={"type": "linear", "factor": 2.0}))
+
+
+@pytest.mark.parametrize("gs", [0, -4, 7, 5000])
+def test_bad_group_size_is_one_clear_error(tmp_path, gs):
+    from engine.cli.main import main
+    ck = write_checkpoint(tmp_path / "ck", glm4_moe_config(num_hidden_layers=2), seed=1, tokenizer=False)
+    assert main(["convert", str(ck), str(tmp_path / "out"), "--quant", "int4", "--group-size", str(gs)]) == 2
+    assert not (tmp_path / "out").exists()

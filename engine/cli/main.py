@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return a.fn(a) or 0
     except (EngineError, OSError, ValueError) as e:  # OSError: disk full, permissions, ...
+        from .models import end_progress_line
+        end_progress_line()
         print(f"colibri: error: {e}", file=sys.stderr)
         return 2
 

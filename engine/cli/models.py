@@ -13,11 +13,26 @@ from ..library import (WIZARD_QUANTS, check_repo, convert_downloaded, delete_mod
                        list_models, models_dir, self_test)
 
 
+_LINE_OPEN = [False]  # a progress line is on stderr without its newline yet
+
+
+def end_progress_line() -> None:
+    """End an unfinished progress line, so the next message (an error) starts on its own line."""
+    if _LINE_OPEN[0]:
+        print(file=sys.stderr, flush=True)
+        _LINE_OPEN[0] = False
+
+
 def cli_progress(label: str):
-    """A LoadProgress callback printing one updating stderr line (at most twice a second)."""
+    """A LoadProgress callback printing one updating stderr line (at most twice a second);
+    notices (messages starting with "skipping ") get a whole line of their own."""
     last = [0.0]
 
     def cb(ev: LoadProgress) -> None:
+        if ev.message.startswith("skipping "):
+            end_progress_line()
+            print(f"{label}: {ev.message}", file=sys.stderr, flush=True)
+            return
         now = time.monotonic()
         if now - last[0] < 0.5 and ev.done < ev.total:
             return
@@ -25,8 +40,9 @@ def cli_progress(label: str):
         pct = 100 * ev.done / ev.total if ev.total else 100.0
         print(f"\r{label}: {format_bytes(ev.done):>9} / {format_bytes(ev.total)} ({pct:5.1f}%) "
               f"{ev.message[:60]:<60}", end="", file=sys.stderr, flush=True)
+        _LINE_OPEN[0] = True
         if ev.total and ev.done >= ev.total:
-            print(file=sys.stderr)
+            end_progress_line()
     return cb
 
 

@@ -88,6 +88,9 @@ def cmd_convert(a) -> int:
     dst = convert_checkpoint(a.src, a.dst, quant=a.quant, overwrite=a.overwrite, group_size=a.group_size,
                              dense_quant=a.dense_quant, progress=_progress_printer(f"converting ({a.quant})"))
     print(f"store written to {dst} in {time.perf_counter() - t0:.1f} s")
+    if not (Path(dst) / "tokenizer.json").exists():
+        print(f"note: {a.src} has no tokenizer.json, so the store cannot chat or take a text prompt; copy the "
+              f"model's tokenizer.json (and tokenizer_config.json) into {dst}", file=sys.stderr)
     return 0
 
 
@@ -111,7 +114,8 @@ def describe_store(path: str, context_length: int = 0) -> str:
             f"model       {m.get('model_name')}, converted {m.get('created')} from {m.get('source')}",
             f"family      {describe_model(a)}",
             f"layers      {L} transformer layers: {M} MoE (routed experts)"
-            + (f", {len(dense_layers)} dense MLP (layers {', '.join(map(str, dense_layers))}, resident)"
+            + (f", {len(dense_layers)} dense MLP (layer{'s' if len(dense_layers) > 1 else ''} "
+               f"{', '.join(map(str, dense_layers))}, resident)"
                if dense_layers else ", none dense")
             + f"; hidden {a.hidden_size}, " + _attention_text(a),
             f"KV cache    {a.kv_values_per_token} values per token and layer "
@@ -121,7 +125,8 @@ def describe_store(path: str, context_length: int = 0) -> str:
             + (f" in {a.n_group} groups (best {a.topk_group} kept, {a.topk_method})" if a.n_group > 1 else "")
             + (", e_score_correction_bias for the choice" if a.router_bias else "")
             + (f", routed_scaling_factor {a.routed_scaling_factor:g}" if a.routed_scaling_factor != 1.0 else ""),
-            "shared      " + (f"shared expert(s) per MoE layer, width {a.shared_expert_intermediate_size} "
+            "shared      " + (f"{getattr(a, 'n_shared_experts', 0) or 1} shared expert(s) per MoE layer, total width "
+                              f"{a.shared_expert_intermediate_size} "
                               f"(resident, computed every token{', gated' if a.shared_expert_gated else ''})"
                               if a.shared_expert_intermediate_size else "none"),
             f"vocab       {a.vocab_size}, context {a.max_position_embeddings}",
@@ -170,7 +175,9 @@ def add_parsers(sub) -> None:
     add_setting_flags(r, ENGINE)
     r.set_defaults(fn=cmd_run)
 
-    c = sub.add_parser("convert", help="convert a Hugging Face MoE folder (OLMoE, Qwen3-MoE, Mixtral, Qwen2-MoE) into a store")
+    from ..models import FAMILY_NAMES
+    c = sub.add_parser("convert", help=f"convert a Hugging Face MoE folder ({', '.join(FAMILY_NAMES.values())}) "
+                                       f"into a store")
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument("--quant", choices=("int8", "int4", "f16", "f32"), default="int8")

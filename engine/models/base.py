@@ -105,6 +105,21 @@ def _rope_dicts(cfg: dict, path: str) -> tuple[dict, dict]:
     return rope, scaling
 
 
+def rope_type(cfg: dict, path: str) -> str:
+    """The RoPE type config.json asks for: ``rope_parameters.rope_type`` (transformers 5) or
+    the legacy ``rope_scaling`` ``rope_type`` / ``type``; "default" when neither scales.
+
+    Raises:
+        ConfigError: the two keys name different scaling types.
+    """
+    rope, scaling = _rope_dicts(cfg, path)
+    a = rope.get("rope_type") or "default"
+    b = scaling.get("rope_type") or scaling.get("type") or "default"
+    if a != "default" and b != "default" and a != b:
+        raise ConfigError(f"{path}: rope_parameters says rope_type {a!r} but rope_scaling says {b!r}; keep one")
+    return a if a != "default" else b
+
+
 def rope_theta(cfg: dict, path: str, default: float = 10000.0, allow: tuple[str, ...] = ("default",)) -> float:
     """RoPE base from ``rope_parameters.rope_theta`` (transformers 5) or ``rope_theta`` (4.x).
 
@@ -114,8 +129,8 @@ def rope_theta(cfg: dict, path: str, default: float = 10000.0, allow: tuple[str,
     Raises:
         ConfigError: a rope type not in ``allow`` (linear, dynamic, ...) or a bad value.
     """
-    rope, scaling = _rope_dicts(cfg, path)
-    rtype = rope.get("rope_type", scaling.get("rope_type", scaling.get("type", "default")))
+    rope, _ = _rope_dicts(cfg, path)
+    rtype = rope_type(cfg, path)
     if rtype not in (None, *allow):
         raise ConfigError(f"{path}: rope_type {rtype!r} is not supported (only "
                           f"{', '.join(repr(a) for a in allow)}); remove rope_scaling from config.json to run "
@@ -134,10 +149,10 @@ def yarn_params(cfg: dict, path: str, max_pos: int) -> tuple[tuple[str, float], 
     Raises:
         ConfigError: naming ``path`` and the key.
     """
-    rope, scaling = _rope_dicts(cfg, path)
-    src = {**scaling, **rope}
-    if src.get("rope_type", src.get("type", "default")) != "yarn":
+    if rope_type(cfg, path) != "yarn":
         return ()
+    rope, scaling = _rope_dicts(cfg, path)
+    src = {**rope, **scaling} if (rope.get("rope_type") or "default") == "default" else {**scaling, **rope}
     where = path + " rope_scaling"
     out = {"factor": num(src, "factor", where, 1.0, 1e6, integer=False),
            "original_max_position_embeddings": num(
