@@ -13,6 +13,7 @@ from engine import (CheckpointError, ConfigError, ContextOverflowError, Engine, 
                     ExpertReadError, GenerateRequest, StoreError, convert_checkpoint)
 from engine.config import ModelArgs
 from engine.convert import ConversionCancelled
+from engine.store_format import FORMAT_VERSION
 from engine.expert_store import ExpertStore
 from engine.quant import ALIGN, dequantize_int4, quantize_int4
 from engine.synthetic import olmoe_config, write_checkpoint
@@ -26,7 +27,7 @@ def copy_ck(src, tmp_path, name="ck"):
 
 def test_store_layout_one_aligned_slab_per_expert(tiny_store):
     m = json.loads((tiny_store / "manifest.json").read_text())
-    assert m["format"] == "colibri-expert-store" and m["version"] == 1
+    assert m["format"] == "colibri-expert-store" and m["version"] == FORMAT_VERSION == 2
     assert m["quant"] == "int8" and m["alignment"] == ALIGN
     offsets = set()
     for row in m["experts"]:

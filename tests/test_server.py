@@ -135,7 +135,7 @@ def test_max_tokens_and_max_completion_tokens(client):
 
 
 def test_completions_raw_prompt(client, engine):
-    prompt = "import os\n\n\ndef main():\n"
+    prompt = "def read_csv(path):\n    "  # the bundled model continues it past 8 tokens
     r = client.completions.create(model="colibri-stdlib-moe", prompt=prompt, max_tokens=8)
     ref = direct(engine, prompt=prompt, sampling=SamplingParams(max_new_tokens=8))
     assert r.object == "text_completion" and r.choices[0].text == ref.text
@@ -479,5 +479,8 @@ def test_bench_serve_reports_overhead_and_multi_turn_prefill(default_store, tmp_
     assert d["summary"]["identical_text"] is True
     assert "overhead_cpu_ms_per_token" in d["summary"] and "server_overhead_cpu_ms_per_token" in d["summary"]
     mt = d["multi_turn"]
-    assert mt["turn2_prefill_is_only_new_tokens"] and mt["turn2_prefill_tokens"] < mt["turn2_cold_prefill_tokens"]
+    # at most one token at the answer's end is read again: its text can re-tokenize differently
+    # (BPE merges across the cut) from the ids the model generated
+    assert mt["turn2_prefill_tokens"] <= mt["turn2_new_tokens"] + 1
+    assert mt["turn2_prefill_tokens"] < mt["turn2_cold_prefill_tokens"]
     assert "Multi-turn" in (tmp_path / "serve_t.md").read_text()

@@ -223,7 +223,8 @@ def collect(disk_test: bool = True, budget_bytes: int = DISK_TEST_BYTES,
                                "location": str(Path(__file__).resolve().parents[2])}}
     if is_frozen():
         try:
-            info = json.loads((Path(sys._MEIPASS) / "BUILDINFO.json").read_text(encoding="utf-8"))
+            bundle = getattr(sys, "_MEIPASS")  # PyInstaller's documented bundle folder
+            info = json.loads((Path(bundle) / "BUILDINFO.json").read_text(encoding="utf-8"))
             facts["colibri"]["build"] = {k: info.get(k) for k in ("platform", "arch", "source_date_epoch")}
         except (OSError, ValueError, AttributeError):
             facts["colibri"]["build"] = None

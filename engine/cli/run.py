@@ -114,8 +114,7 @@ def describe_store(path: str, context_length: int = 0) -> str:
             f"model       {m.get('model_name')}, converted {m.get('created')} from {m.get('source')}",
             f"family      {describe_model(a)}",
             f"layers      {L} transformer layers: {M} MoE (routed experts)"
-            + (f", {len(dense_layers)} dense MLP (layer{'s' if len(dense_layers) > 1 else ''} "
-               f"{', '.join(map(str, dense_layers))}, resident)"
+            + (f", {len(dense_layers)} dense MLP (layers {', '.join(map(str, dense_layers))}, resident)"
                if dense_layers else ", none dense")
             + f"; hidden {a.hidden_size}, " + _attention_text(a),
             f"KV cache    {a.kv_values_per_token} values per token and layer "
@@ -125,8 +124,9 @@ def describe_store(path: str, context_length: int = 0) -> str:
             + (f" in {a.n_group} groups (best {a.topk_group} kept, {a.topk_method})" if a.n_group > 1 else "")
             + (", e_score_correction_bias for the choice" if a.router_bias else "")
             + (f", routed_scaling_factor {a.routed_scaling_factor:g}" if a.routed_scaling_factor != 1.0 else ""),
-            "shared      " + (f"{getattr(a, 'n_shared_experts', 0) or 1} shared expert(s) per MoE layer, total width "
-                              f"{a.shared_expert_intermediate_size} "
+            "shared      " + (("one shared expert per MoE layer, width" if getattr(a, "n_shared_experts", 1) <= 1
+                               else f"{a.n_shared_experts} shared experts per MoE layer, total width")
+                              + f" {a.shared_expert_intermediate_size} "
                               f"(resident, computed every token{', gated' if a.shared_expert_gated else ''})"
                               if a.shared_expert_intermediate_size else "none"),
             f"vocab       {a.vocab_size}, context {a.max_position_embeddings}",
