@@ -167,6 +167,27 @@ def yarn_params(cfg: dict, path: str, max_pos: int) -> tuple[tuple[str, float], 
     return tuple(sorted(out.items()))
 
 
+def expert_groups(cfg: dict, path: str, num_experts: int, num_experts_per_tok: int,
+                  topk_group_default: int | None = None) -> tuple[int, int]:
+    """(n_group, topk_group) of a group-limited router (DeepSeek, GLM), validated: the experts
+    split evenly into n_group groups and the topk_group kept groups hold at least K experts.
+    ``topk_group_default`` None = n_group.
+
+    Raises:
+        ConfigError: naming ``path`` and the key.
+    """
+    E = num_experts
+    n_group = num(cfg, "n_group", path, 1, E, integer=True, default=1)
+    if E % n_group:
+        raise ConfigError(f"{path}: the {E} routed experts must be a multiple of n_group ({n_group})")
+    topk_group = num(cfg, "topk_group", path, 1, n_group, integer=True,
+                     default=n_group if topk_group_default is None else topk_group_default)
+    if num_experts_per_tok > topk_group * (E // n_group):
+        raise ConfigError(f"{path}: num_experts_per_tok ({num_experts_per_tok}) exceeds the experts of "
+                          f"topk_group ({topk_group}) groups of {E // n_group}")
+    return n_group, topk_group
+
+
 def sparse_layers(cfg: dict, path: str, v: dict, family: str) -> dict:
     """Qwen2-MoE / Qwen3-MoE layer kinds: layer i has routed experts iff i is not in
     ``mlp_only_layers`` and (i + 1) % ``decoder_sparse_step`` == 0; the others are dense

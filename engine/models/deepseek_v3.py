@@ -67,13 +67,7 @@ def deepseek_fields(cfg: dict, path: str, family: str, *, v3: bool) -> dict:
     if scoring != ("sigmoid" if v3 else "softmax"):
         raise ConfigError(f"{path}: scoring_func {scoring!r} is not supported for {family}")
     grouped = method != "greedy"
-    n_group = base.num(cfg, "n_group", path, 1, E, integer=True, default=1) if grouped else 1
-    if E % n_group:
-        raise ConfigError(f"{path}: n_routed_experts ({E}) must be a multiple of n_group ({n_group})")
-    topk_group = base.num(cfg, "topk_group", path, 1, n_group, integer=True, default=n_group) if grouped else 1
-    if grouped and v["num_experts_per_tok"] > topk_group * (E // n_group):
-        raise ConfigError(f"{path}: num_experts_per_tok ({v['num_experts_per_tok']}) exceeds the experts of "
-                          f"topk_group ({topk_group}) groups of {E // n_group}")
+    n_group, topk_group = base.expert_groups(cfg, path, E, v["num_experts_per_tok"]) if grouped else (1, 1)
     mtp = base.num(cfg, "num_nextn_predict_layers", path, 0, 64, integer=True, default=0)
     return dict(**v, norm_topk_prob=base.flag(cfg, "norm_topk_prob", path, v3),
                 attention_bias=base.flag(cfg, "attention_bias", path, False),

@@ -51,13 +51,7 @@ class ModelArgs(base.ModelArgs):
         rd = int(S * prf)
         if rd < 2 or rd % 2:
             raise ConfigError(f"{path}: partial_rotary_factor {prf} x head_dim {S} = {rd} rotary values must be even")
-        n_group = base.num(cfg, "n_group", path, 1, E, integer=True, default=1)
-        if E % n_group:
-            raise ConfigError(f"{path}: n_routed_experts ({E}) must be a multiple of n_group ({n_group})")
-        topk_group = base.num(cfg, "topk_group", path, 1, n_group, integer=True, default=1)
-        if v["num_experts_per_tok"] > topk_group * (E // n_group):
-            raise ConfigError(f"{path}: num_experts_per_tok ({v['num_experts_per_tok']}) exceeds the experts of "
-                              f"topk_group ({topk_group}) groups of {E // n_group}")
+        n_group, topk_group = base.expert_groups(cfg, path, E, v["num_experts_per_tok"], topk_group_default=1)
         n_shared = base.num(cfg, "n_shared_experts", path, 0, 1 << 10, integer=True, default=1)
         return cls(**v, norm_topk_prob=base.flag(cfg, "norm_topk_prob", path, True),
                    qk_norm="head" if base.flag(cfg, "use_qk_norm", path, False) else "none",
