@@ -209,17 +209,17 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
     ratios = {}
     for ours_label, llama_label in a.pair:
         o, ll = med.get(f"ours-{ours_label}", {}), med.get(f"llama-{llama_label}", {})
-        ratios[f"{ours_label}/{llama_label}"] = {k: o[k] / ll[k] for k in keys if k in o and k in ll}
+        ratios[f"{ours_label}/{llama_label}"] = {k: o[k] / ll[k] for k in keys if k in o and ll.get(k)}
         if a.cgroup_gb:
             sfx = f"@{a.cgroup_gb:g}GB"
             o, ll = med.get(f"ours-{ours_label}{sfx}", {}), med.get(f"llama-{llama_label}{sfx}", {})
             if o and ll:
-                ratios[f"{ours_label}/{llama_label}{sfx}"] = {k: o[k] / ll[k] for k in keys if k in o and k in ll}
+                ratios[f"{ours_label}/{llama_label}{sfx}"] = {k: o[k] / ll[k] for k in keys if k in o and ll.get(k)}
     ours_labels = [lb for lb, _ in a.ours]
     for l4 in [lb for lb in ours_labels if lb.startswith("int4")]:
         if "int8" in ours_labels:
             o4, o8 = med.get(f"ours-{l4}", {}), med.get("ours-int8", {})
-            ratios[f"{l4}/int8"] = {k: o4[k] / o8[k] for k in keys if k in o4 and k in o8}
+            ratios[f"{l4}/int8"] = {k: o4[k] / o8[k] for k in keys if k in o4 and o8.get(k)}
     cols = [("arm", "arm", "")] + [(k.replace("_per_cpu_s", " tok/CPU-s") if "cpu" in k else k + " tok/s", k, ".1f")
                                    for k in keys]
     if a.cgroup_gb:
