@@ -14,24 +14,7 @@ from PySide6.QtCore import Qt
 from engine import EngineConfig, EngineFailure, LoadProgress
 from colibri_app.main_window import HINTS
 from colibri_app.settings_store import load_settings
-
-
-
-def _wait_finished(qtbot, win, action, timeout=60000):
-    """Run ``action`` and wait until the window has handled the answer's end; returns Finished."""
-    got = []
-    win.controller.worker.finished.connect(got.append, Qt.DirectConnection)
-    try:
-        action()
-        assert win.answer is not None
-        qtbot.waitUntil(lambda: bool(got and win.answer is None), timeout=timeout)
-    finally:
-        win.controller.worker.finished.disconnect(got.append)
-    return got[-1]
-
-
-def _send(qtbot, win, text, timeout=60000):
-    return _wait_finished(qtbot, win, lambda: win.send(text), timeout)
+from answer_helpers import send as _send, wait_finished as _wait_finished
 
 
 def test_failed_open_clears_the_opening_status(qtbot, make_window, tmp_path):

@@ -15,31 +15,11 @@ from PySide6.QtWidgets import QAbstractButton, QLineEdit, QListWidget, QMessageB
 from engine import EngineConfig, LoadProgress, SamplingParams
 from colibri_app.history import COMPLETE, ERROR, INTERRUPTED, STOPPED, STREAMING, History, history_path
 from colibri_app.main_window import MainWindow, ui_state_path
+from answer_helpers import send as _send, wait_finished as _wait_finished
 
 
 def _engine_threads():
     return [t.name for t in threading.enumerate() if t.name.startswith(("colibri-io", "colibri-pilot"))]
-
-
-def _wait_finished(qtbot, win, action, timeout=60000):
-    """Run ``action`` and wait until the window has handled the answer's end; returns Finished.
-
-    (Events are collected with a plain callable: pytest-qt's waitSignal on a signal emitted
-    from another thread would stop its timer from that thread.)"""
-    got = []
-    win.controller.worker.finished.connect(got.append, Qt.DirectConnection)
-    try:
-        action()
-        assert win.answer is not None
-        qtbot.waitUntil(lambda: bool(got and win.answer is None), timeout=timeout)
-    finally:
-        win.controller.worker.finished.disconnect(got.append)
-    return got[-1]
-
-
-def _send(qtbot, win, text, timeout=60000):
-    """Send and wait for the answer to end; returns the Finished event."""
-    return _wait_finished(qtbot, win, lambda: win.send(text), timeout)
 
 
 def test_prompt_streams_tokens_and_is_stored(qtbot, make_window):

@@ -16,18 +16,7 @@ from PySide6.QtCore import Qt
 from engine import SamplingParams
 from colibri_app.history import COMPLETE, SCHEMA_VERSION, History
 from colibri_app.settings_store import Settings
-
-
-def _wait_finished(qtbot, win, action, timeout=60000):
-    got = []
-    win.controller.worker.finished.connect(got.append, Qt.DirectConnection)
-    try:
-        action()
-        assert win.answer is not None
-        qtbot.waitUntil(lambda: bool(got and win.answer is None), timeout=timeout)
-    finally:
-        win.controller.worker.finished.disconnect(got.append)
-    return got[-1]
+from answer_helpers import send as _send, wait_finished as _wait_finished
 
 
 def _answer(win):
