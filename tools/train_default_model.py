@@ -934,6 +934,13 @@ def main(argv=None) -> int:
     ap.add_argument("--heldout-n", type=int, default=64)
     ap.add_argument("--max-mb", type=float, default=50.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--mixture", default="0.24,0.14,0.06,0.16,0.10,0.04,0.26",
+                    help="shares of qa,howto,example,write,topic,topic_text,code documents")
+    ap.add_argument("--name-split", type=float, default=0.0,
+                    help="name-split augmentation: probability of cutting each token of a "
+                         "backticked name (0 = off)")
+    ap.add_argument("--name-split-docs", type=float, default=0.5,
+                    help="share of training documents the name-split augmentation applies to")
     ap.add_argument("--eval-only", action="store_true",
                     help="no training: reload the checkpoint in --out, recompute the held-out loss "
                          "and routing statistics on its heldout_sample.jsonl, update training_log.json")
@@ -1038,6 +1045,55 @@ def main(argv=None) -> int:
     def encode(texts):
         return [e.ids for e in tok.encode_batch(texts)]
 
+    # Name-split augmentation (a deterministic, seeded variant of BPE-dropout, Provilkov et al.
+    # 2020, applied to backticked names only): in a share of the training documents every
+    # token of a `name` is, with probability --name-split, cut at a random character and both
+    # halves re-encoded, with the same segmentation for every occurrence of the name in the
+    # document.  Held-out names are split into unusual pieces by a tokenizer that never saw
+    # them; this makes copying the asked name from the question into the answer a skill the
+    # model must learn on token sequences it has not memorized.  Boundaries are between a
+    # backtick and a letter or digit, which are pre-token boundaries of the ByteLevel
+    # pre-tokenizer, so the text between names tokenizes exactly as the whole text would.
+    name_re = re.compile(r"(?<=`)([A-Za-z][\w.]*[A-Za-z0-9])(?=`)")
+    arng = random.Random(args.seed + 5)
+
+    def split_name(name: str) -> list[int]:
+        out_ids = []
+        for tid in tok.encode(name).ids:
+            piece = tok.decode([tid])
+            if len(piece) >= 2 and arng.random() < args.name_split:
+                cut = arng.randrange(1, len(piece))
+                out_ids += tok.encode(piece[:cut]).ids + tok.encode(piece[cut:]).ids
+            else:
+                out_ids.append(tid)
+        return out_ids
+
+    def encode_train(texts):
+        if args.name_split <= 0:
+            return encode(texts)
+        res = []
+        for text in texts:
+            if arng.random() >= args.name_split_docs or "`" not in text:
+                res.append(tok.encode(text).ids)
+                continue
+            parts = name_re.split(text)
+            memo, ids = {}, []
+            for i, part in enumerate(parts):
+                if not part:
+                    continue
+                if i % 2:
+                    if part not in memo:
+                        memo[part] = split_name(part)
+                    ids += memo[part]
+                else:
+                    ids += tok.encode(part).ids
+            res.append(ids)
+        return res
+
+    _chk = "<|user|>\nWhat does `json.dumps` do?<|end|>\n<|assistant|>\n`json.dumps`: Serialize `obj`.<|end|>\n"
+    _parts = name_re.split(_chk)
+    assert sum((tok.encode(p_).ids for p_ in _parts if p_), []) == tok.encode(_chk).ids, "name split boundaries"
+
     # held-out sample: whole documents of at most 256 tokens, so text <-> ids round-trips
     hrng = random.Random(args.seed + 2)
     sample = []
@@ -1118,8 +1174,12 @@ def main(argv=None) -> int:
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
     # data stream: documents drawn by category, concatenated, cut into windows
-    weights = {"qa": 0.24, "howto": 0.14, "example": 0.06, "write": 0.16, "topic": 0.10,
-               "topic_text": 0.04, "code": 0.26}
+    mix = args.mixture.split(",")
+    if len(mix) != 7 or not all(re.fullmatch(r"\d+(\.\d*)?", w) for w in mix) or sum(map(float, mix)) <= 0:
+        raise SystemExit(f"--mixture {args.mixture!r}: give 7 non-negative shares "
+                         "(qa,howto,example,write,topic,topic_text,code), e.g. 0.3,0.15,0.05,0.1,0.1,0.05,0.25")
+    weights = dict(zip(("qa", "howto", "example", "write", "topic", "topic_text", "code"),
+                       (float(w) for w in args.mixture.split(","))))
     drng = random.Random(args.seed + 4)
     code_order = list(range(len(train_code)))
     drng.shuffle(code_order)
@@ -1148,7 +1208,7 @@ def main(argv=None) -> int:
 
     def next_batch():
         while len(buf) < need:
-            for ids in encode(next_texts(64)):
+            for ids in encode_train(next_texts(64)):
                 buf.extend(ids)
         x = torch.tensor(buf[:need]).view(args.batch, args.seq_len)
         del buf[:need]
