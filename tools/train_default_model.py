@@ -720,10 +720,53 @@ def next_texts_preview(pools, topic_text, train_code, n):
     return out
 
 
+COPY_TEMPLATES = [
+    ("Repeat after me: {l}", "{l}"),
+    ("Please say {l} back to me.", "{l}"),
+    ("Which names did I mention? I used {l}.", "You mentioned {l}."),
+    ("Write these names again: {l}", "{l}"),
+    ("I am looking at {l}. Which names was that?", "{l}"),
+]
+
+
+def _random_identifier(rng: random.Random) -> str:
+    """A made-up dotted Python name (``xvq.load_items``-like), so a copy drill cannot be answered
+    from memory."""
+    def word():
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+    parts = ["_".join(word() for _ in range(rng.choice((1, 1, 2)))) for _ in range(rng.randint(1, 3))]
+    if rng.random() < 0.3:
+        parts[-1] = parts[-1][:1].upper() + parts[-1][1:]
+    return ".".join(parts)
+
+
+def copy_drill(seeds, rng: random.Random):
+    """A copy drill: the user names one to three things in backticks (real library names or
+    made-up identifiers) and the assistant repeats them in order.  Copying a name from the
+    question into the answer is what a "What does `X` do?" answer needs for a name the model
+    never saw; induction-style copying forms fast on dense drills like these and slowly, if at
+    all, from one copy per document (Olsson et al. 2022, "In-context learning and induction
+    heads")."""
+    names = [rng.choice(seeds)["name"] if rng.random() < 0.5 else _random_identifier(rng)
+             for _ in range(rng.choice((1, 1, 2, 3)))]
+    shown = [f"`{n}`" for n in names]
+    listed = shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
+    q, a = rng.choice(COPY_TEMPLATES)
+    return [{"role": "user", "content": q.format(l=listed)},
+            {"role": "assistant", "content": a.format(l=listed)}]
+
+
 def make_doc(seeds, rng: random.Random, category: str) -> str | None:
     """A rendered training document: one conversation, sometimes with a system prompt or a
     second turn (multi-turn)."""
     seed = rng.choice(seeds)
+    if category == "copy":
+        conv = copy_drill(seeds, rng)
+        if rng.random() < 0.5:  # then a real question about a name, which must be copied too
+            extra = conversation(rng.choice(seeds), rng, "qa")
+            if extra:
+                conv = conv + extra
+        return render_chat(conv)
     if category == "topic":
         tpl = rng.choice(TOPIC_TEMPLATES) if seed["first"] else "Tell me more about {t}."
         conv = [{"role": "user", "content": tpl.format(t=seed["phrase"])},
@@ -934,8 +977,10 @@ def main(argv=None) -> int:
     ap.add_argument("--heldout-n", type=int, default=64)
     ap.add_argument("--max-mb", type=float, default=50.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="continue from this checkpoint's weights (same shape and tokenizer)")
     ap.add_argument("--mixture", default="0.24,0.14,0.06,0.16,0.10,0.04,0.26",
-                    help="shares of qa,howto,example,write,topic,topic_text,code documents")
+                    help="shares of qa,howto,example,write,topic,topic_text,code[,copy] documents (copy: copy drills)")
     ap.add_argument("--name-split", type=float, default=0.0,
                     help="name-split augmentation: probability of cutting each token of a "
                          "backticked name (0 = off)")
@@ -1010,7 +1055,7 @@ def main(argv=None) -> int:
         args.questions_out.write_text(json.dumps(qs, indent=1, ensure_ascii=False) + "\n")
         log(f"wrote {len(qs)} held-out questions to {args.questions_out}")
         return 0
-    pools = {"qa": qa_train, "write": wr_train, "howto": ho_train, "example": ex_train,
+    pools = {"qa": qa_train, "copy": qa_train, "write": wr_train, "howto": ho_train, "example": ex_train,
              "topic": topic_pairs}
 
     # the training renderer must equal the Jinja chat template
@@ -1156,7 +1201,20 @@ def main(argv=None) -> int:
     est_bytes = n_params * (4 if save_dtype == torch.float32 else 2)
     if est_bytes > args.max_mb * 1e6:
         raise SystemExit(f"checkpoint would be {est_bytes / 1e6:.1f} MB > {args.max_mb} MB; shrink the model")
-    model = OlmoeForCausalLM(cfg)
+    if args.init_from:
+        # continued training: the weights of an earlier run of the same shape and tokenizer
+        model = OlmoeForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        if (model.config.hidden_size, model.config.num_hidden_layers, model.config.num_experts,
+                model.config.intermediate_size, model.config.vocab_size) != (
+                cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts, cfg.intermediate_size, cfg.vocab_size):
+            raise SystemExit(f"--init-from {args.init_from}: its shape differs from the arguments' model")
+        from tokenizers import Tokenizer
+        init_tok = Tokenizer.from_file(str(Path(args.init_from) / "tokenizer.json"))
+        if init_tok.get_vocab() != tok.get_vocab():
+            raise SystemExit(f"--init-from {args.init_from}: its tokenizer differs from this run's")
+        log(f"weights from {args.init_from}")
+    else:
+        model = OlmoeForCausalLM(cfg)
     model.config._experts_implementation = "grouped_mm"  # training speed only (same math as eager)
     real = sum(p.numel() for p in model.parameters())
     assert real == n_params, (real, n_params)
@@ -1175,11 +1233,12 @@ def main(argv=None) -> int:
 
     # data stream: documents drawn by category, concatenated, cut into windows
     mix = args.mixture.split(",")
-    if len(mix) != 7 or not all(re.fullmatch(r"\d+(\.\d*)?", w) for w in mix) or sum(map(float, mix)) <= 0:
-        raise SystemExit(f"--mixture {args.mixture!r}: give 7 non-negative shares "
-                         "(qa,howto,example,write,topic,topic_text,code), e.g. 0.3,0.15,0.05,0.1,0.1,0.05,0.25")
-    weights = dict(zip(("qa", "howto", "example", "write", "topic", "topic_text", "code"),
-                       (float(w) for w in args.mixture.split(","))))
+    mix = mix + ["0"] * (len(mix) == 7)  # 7 shares: no copy drills (the previous recipe)
+    if len(mix) != 8 or not all(re.fullmatch(r"\d+(\.\d*)?", w) for w in mix) or sum(map(float, mix)) <= 0:
+        raise SystemExit(f"--mixture {args.mixture!r}: give 8 non-negative shares "
+                         "(qa,howto,example,write,topic,topic_text,code,copy), e.g. 0.3,0.15,0.05,0.1,0.1,0.05,0.2,0.05")
+    weights = dict(zip(("qa", "howto", "example", "write", "topic", "topic_text", "code", "copy"),
+                       (float(w) for w in mix)))
     drng = random.Random(args.seed + 4)
     code_order = list(range(len(train_code)))
     drng.shuffle(code_order)
