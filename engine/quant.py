@@ -105,7 +105,8 @@ def dequantize_mxfp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
     v = np.empty((O, half * 2), dtype=np.float32)
     v[:, 0::2] = FP4_VALUES[packed & 0x0F]
     v[:, 1::2] = FP4_VALUES[packed >> 4]
-    return (v.reshape(O, -1, MXFP4_BLOCK) * E8M0_VALUES[scale][:, :, None]).reshape(O, half * 2)
+    with np.errstate(over="ignore"):  # 6 x 2^127 (scale byte 254) is beyond float32: inf, as transformers'
+        return (v.reshape(O, -1, MXFP4_BLOCK) * E8M0_VALUES[scale][:, :, None]).reshape(O, half * 2)
 
 
 F16_MAX = float(np.finfo(np.float16).max)  # 65504: larger magnitudes become inf in f16
