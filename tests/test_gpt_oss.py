@@ -318,3 +318,88 @@ def test_store_sizes_and_layout(stores):
         assert a.dense_param_count() == sum(int(np.prod(v.shape)) for k, v in
                                             load_file(str(store / "dense.safetensors")).items()
                                             if not k.endswith(".s"))
+
+
+# --- harmony: the chat template and the channels of the answer -------------------------------------
+
+HARMONY_SPECIAL = ["<|startoftext|>", "<|endoftext|>", "<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                   "<|constrain|>", "<|return|>", "<|call|>"]
+REASONED = ("<|channel|>analysis<|message|>The user asks if 7 is prime. It has no divisor.<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>Yes, 7 is prime.<|return|>")
+
+
+def _harmony_folder(d):
+    """A harmony tokenizer folder: byte-level BPE + the markers as special tokens, the
+    gpt-oss-style template of tests/chat_templates/gpt_oss.jinja, eos <|return|> / <|call|>."""
+    from pathlib import Path
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=290, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["The user asks if 7 is prime. It has no divisor. Yes, 7 is prime. analysis final"] * 5,
+                            trainer)
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in HARMONY_SPECIAL])
+    tok.save(str(d / "tokenizer.json"))
+    (d / "chat_template.jinja").write_text((Path(__file__).parent / "chat_templates" / "gpt_oss.jinja").read_text())
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|startoftext|>", "eos_token": "<|return|>",
+        "pad_token": "<|endoftext|>"}))
+    (d / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [tok.token_to_id(t) for t in ("<|return|>", "<|endoftext|>", "<|call|>")]}))
+    return d
+
+
+def _stream(tok, ids):
+    dec = tok.incremental_decoder()
+    pieces = [dec.push(i) for i in ids]
+    return "".join(pieces) + dec.flush(), dec
+
+
+def test_harmony_channels_become_reasoning_and_answer(tmp_path):
+    from engine.chat_template import split_reasoning
+    from engine.harmony import HarmonyDecoder
+    from engine.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(_harmony_folder(tmp_path))
+    assert tok.eos_ids == {tok.token_to_id(t) for t in ("<|return|>", "<|endoftext|>", "<|call|>")}
+    text, dec = _stream(tok, tok.encode(REASONED))
+    assert isinstance(dec, HarmonyDecoder) and dec.channels == ["analysis", "final"]
+    assert text == "<think>The user asks if 7 is prime. It has no divisor.</think>Yes, 7 is prime."
+    assert split_reasoning(text) == ("The user asks if 7 is prime. It has no divisor.", "Yes, 7 is prime.")
+    # cut inside the analysis (max_new_tokens): still thinking, nothing shown as the answer
+    cut = tok.encode(REASONED)[:8]
+    assert split_reasoning(_stream(tok, cut)[0])[1] == ""
+    # a tool call on the commentary channel: the header (recipient, constraint) is not shown
+    call = tok.encode('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "P"}<|call|>')
+    text, dec = _stream(tok, call)
+    assert text == '{"city": "P"}' and dec.channels == ["commentary"]
+    # output that never follows the format is still shown
+    assert _stream(tok, tok.encode("Yes, 7 is prime. " * 8))[0] == "Yes, 7 is prime. " * 8
+    # with the special tokens shown, the plain decoder (raw harmony text)
+    assert not isinstance(tok.incremental_decoder(skip_special_tokens=False), HarmonyDecoder)
+
+
+def test_harmony_chat_through_the_engine(tmp_path):
+    """A gpt-oss store with a harmony tokenizer: the prompt is the model's template (ending in
+    <|start|>assistant), the answer's analysis channel comes back as a <think> block, and the
+    next turn gives the template the answer as content (the template drops old reasoning)."""
+    from engine.chat_template import split_reasoning
+    from engine.events import ChatMessage
+    ck = write_checkpoint(tmp_path / "ck", gpt_oss_config(num_hidden_layers=2), seed=3, tokenizer=False)
+    _harmony_folder(ck)
+    store = convert_checkpoint(ck, tmp_path / "st", quant="int8")
+    with _open(store, cap=2, pilot=0) as eng:
+        msgs = (ChatMessage("system", "Answer briefly."), ChatMessage("user", "Is 7 prime?"))
+        prompt = eng.tokenizer.apply_chat_template(msgs)
+        assert prompt.endswith("<|start|>user<|message|>Is 7 prime?<|end|><|start|>assistant")
+        assert "# Instructions\n\nAnswer briefly." in prompt
+        forced = tuple(eng.tokenizer.encode(REASONED))
+        req = GenerateRequest(messages=msgs, forced_ids=forced, sampling=SamplingParams(max_new_tokens=len(forced)))
+        fin = [e for e in eng.generate(req) if isinstance(e, Finished)][-1]
+        assert fin.error == "", fin.error
+        assert split_reasoning(fin.text) == ("The user asks if 7 is prime. It has no divisor.", "Yes, 7 is prime.")
+        nxt = eng.tokenizer.apply_chat_template(msgs + (ChatMessage("assistant", fin.text), ChatMessage("user", "9?")))
+        assert "<|start|>assistant<|channel|>final<|message|>Yes, 7 is prime.<|end|><|start|>user" in nxt
+        assert "divisor" not in nxt
