@@ -403,3 +403,37 @@ def test_harmony_chat_through_the_engine(tmp_path):
         nxt = eng.tokenizer.apply_chat_template(msgs + (ChatMessage("assistant", fin.text), ChatMessage("user", "9?")))
         assert "<|start|>assistant<|channel|>final<|message|>Yes, 7 is prime.<|end|><|start|>user" in nxt
         assert "divisor" not in nxt
+
+
+def test_mxfp4_store_from_seed(tmp_path):
+    """write_store_from_seed at mxfp4 equals converting the seeded checkpoint (float experts
+    rounded by quantize_mxfp4); the "codes" draw (the benchmarks' big stores) opens and runs."""
+    from engine.synthetic import write_store_from_seed
+    cfg = gpt_oss_config(num_hidden_layers=2)
+    s1 = convert_checkpoint(write_checkpoint(tmp_path / "ck", cfg, seed=4, tokenizer=False), tmp_path / "a",
+                            quant="mxfp4")
+    s2 = write_store_from_seed(tmp_path / "b", cfg, quant="mxfp4", seed=4)
+    m1, m2 = (json.loads((s / "manifest.json").read_text()) for s in (s1, s2))
+    assert m1["experts"] == m2["experts"] and m1["slab_layout"] == m2["slab_layout"]
+    s3 = write_store_from_seed(tmp_path / "c", cfg, quant="mxfp4", seed=4, expert_draw="codes")
+    with _open(s3, cap=2, pilot=0) as eng:
+        assert len(_greedy(eng, n=4)) == 4
+
+
+def test_mxfp4_swiglu_expert_of_other_families():
+    """--quant mxfp4 also serves the SwiGLU experts of the other families (run_expert)."""
+    from engine.models.base import run_expert
+    from engine.quant import quantize
+    rng = np.random.default_rng(2)
+    D, I, T = 64, 96, 3
+    v, deq = {}, {}
+    for p, (O, N) in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
+        parts = quantize(rng.standard_normal((O, N)).astype(np.float32) * 0.2, "mxfp4")
+        v.update({f"{p}.{k}": a for k, a in parts.items()})
+        deq[p] = dequantize_mxfp4(parts["w"], parts["s"]).astype(np.float64)
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    out = np.empty((T, D), np.float32)
+    run_expert("mxfp4", v, x, np.empty((T, I), np.float32), out, 32)
+    g, u = x @ deq["gate_proj"].T, x @ deq["up_proj"].T
+    ref = (g / (1 + np.exp(-g)) * u) @ deq["down_proj"].T
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
