@@ -437,3 +437,25 @@ def test_mxfp4_swiglu_expert_of_other_families():
     g, u = x @ deq["gate_proj"].T, x @ deq["up_proj"].T
     ref = (g / (1 + np.exp(-g)) * u) @ deq["down_proj"].T
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_published_config_json_keys():
+    """config.json as openai/gpt-oss-120b publishes it (legacy rope_scaling + rope_theta, MXFP4
+    quantization_config, experts_per_token beside num_experts_per_tok)."""
+    cfg = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+           "attention_dropout": 0.0, "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64,
+           "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096, "initializer_range": 0.02,
+           "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 18,
+           "max_position_embeddings": 131072, "num_attention_heads": 64, "num_experts_per_tok": 4,
+           "num_hidden_layers": 36, "num_key_value_heads": 8, "num_local_experts": 128, "output_router_logits": False,
+           "pad_token_id": 199999, "quantization_config": {"modules_to_not_convert": [
+               "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"],
+               "quant_method": "mxfp4"},
+           "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                   "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                   "truncate": False},
+           "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+           "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088}
+    a = ModelArgs.from_dict(cfg)
+    assert a.rope_theta == 150000 and dict(a.rope_scaling)["factor"] == 32.0 and dict(a.rope_scaling)["truncate"] == 0
+    assert a.layer_windows[:3] == (128, 0, 128) and a.num_experts == 128 and a.swiglu_alpha == 1.702
