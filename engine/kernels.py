@@ -699,7 +699,8 @@ def linear_q4(x, w, s, gs, out):
 
 _FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                  -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)  # e2m1 code -> value
-_E8M0 = np.append(np.ldexp(1.0, np.arange(255) - 127), np.inf).astype(np.float32)  # scale byte X -> 2^(X - 127); 255 (NaN in OCP MX) -> inf, as ldexp gives
+# e8m0 scale byte X -> 2^(X - 127); 255 (NaN in OCP MX) -> inf, as transformers' ldexp gives
+_E8M0 = np.append(np.ldexp(1.0, np.arange(255) - 127), np.inf).astype(np.float32)
 
 
 @njit(parallel=True, **_KW)

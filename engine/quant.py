@@ -28,7 +28,8 @@ EXPERT_ONLY_QUANTS = ("mxfp4",)  # store quantizations of the routed experts onl
 MXFP4_BLOCK = 32  # columns per e8m0 scale
 FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)  # e2m1 code -> value
-E8M0_VALUES = np.append(np.ldexp(1.0, np.arange(255) - 127), np.inf).astype(np.float32)  # scale byte X -> 2^(X - 127); 255 (NaN in OCP MX) -> inf, as ldexp gives
+# e8m0 scale byte X -> 2^(X - 127); 255 (NaN in OCP MX) -> inf, as transformers' ldexp gives
+E8M0_VALUES = np.append(np.ldexp(1.0, np.arange(255) - 127), np.inf).astype(np.float32)
 _FP4_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
 ALIGN = 4096  # slab alignment on disk and in RAM: one O_DIRECT read per expert
 _FIELD_ALIGN = 64

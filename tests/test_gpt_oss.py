@@ -372,7 +372,8 @@ def test_harmony_channels_become_reasoning_and_answer(tmp_path):
     cut = tok.encode(REASONED)[:8]
     assert split_reasoning(_stream(tok, cut)[0])[1] == ""
     # a tool call on the commentary channel: the header (recipient, constraint) is not shown
-    call = tok.encode('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "P"}<|call|>')
+    call = tok.encode('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
+                      '{"city": "P"}<|call|>')
     text, dec = _stream(tok, call)
     assert text == '{"city": "P"}' and dec.channels == ["commentary"]
     # output that never follows the format is still shown
