@@ -26,7 +26,7 @@ from pathlib import Path
 from .common import PRESETS as OLMOE_PRESETS
 from .common import PeakRss, machine_info, md_table, write_results
 
-DIRECT_QUANTS = ("int8", "int4")
+DIRECT_QUANTS = ("int8", "int4", "mxfp4")
 
 
 def preset_names() -> list[str]:
@@ -154,7 +154,7 @@ def add_parser(bs) -> None:
                       "Qwen3-30B-A3B, Mixtral-8x7B) and convert it, or write the store directly")
     m.add_argument("--preset", choices=preset_names(), default="1b")
     m.add_argument("--out", default="bench/work")
-    m.add_argument("--quant", default="int8", choices=("int8", "int4", "f16", "f32"))
+    m.add_argument("--quant", default="int8", choices=("int8", "int4", "f16", "f32", "mxfp4"))
     m.add_argument("--direct-store", action="store_true",
                    help="write the int8/int4 store straight from the seed, no bf16 checkpoint (for shapes too "
                         "large to write as one; no transformers / llama.cpp comparison is possible then)")
