@@ -147,6 +147,8 @@ def _cli_as_nobody(args: list[str]) -> tuple[int, str]:
     import traceback
 
     from engine import cli
+    from engine.cli.main import build_parser
+    build_parser()  # import every command's modules now: the stdlib is not readable for nobody
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child
