@@ -281,7 +281,8 @@ def collect(disk_test: bool = True, budget_bytes: int = DISK_TEST_BYTES,
         if (data / "models").is_dir():  # never create folders just to report them
             try:
                 out["converted"] = [{"name": m.name, "quant": m.quantization, "family": m.family_label,
-                                     "size_bytes": m.size_bytes, "path": m.path} for m in list_models()]
+                                     "size_bytes": m.size_bytes, "path": m.path, "ok": m.ok,
+                                     "problem": m.problem, "advice": m.advice} for m in list_models()]
             except OSError as e:
                 out["problem"] = str(e)
         return out
@@ -392,7 +393,10 @@ def format_report(f: dict) -> str:
             add("models", f"none converted in {mo['models_folder']}" + (f" ({mo['problem']})" if mo.get("problem") else ""))
         for i, m in enumerate(conv):
             add("models" if i == 0 else "", f"{m['name']} {m['quant']} {m['family']} {format_bytes(m['size_bytes'])}  "
-                f"{m['path']}")
+                f"{m['path']}" + ("" if m.get("ok", True) else "  BROKEN"))
+            if not m.get("ok", True):
+                add("", f"  {m['problem']}")
+                add("", f"  {m['advice']}")
     return "\n".join(L)
 
 

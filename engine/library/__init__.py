@@ -24,7 +24,9 @@ from .check import (DISK_MARGIN_BYTES, HUB_HOSTS, NEEDED_PATTERNS, PARTIAL_DIR, 
 from .default_model import DEFAULT_MODEL, default_model_dir, default_store
 from .download import check_weight_file, delete_download, download
 from .errors import DiskSpaceError, DownloadCancelled, HubError, VerificationError
-from .models import ModelEntry, convert_downloaded, delete_model, list_models, self_test
+from ..expert_store import store_problem
+from .models import (ModelEntry, convert_downloaded, delete_model, list_models, looks_like_store, repair_advice,
+                     self_test)
 from .paths import (download_dir_for, downloads_dir, free_space, models_dir, resources_dir, store_name,
                     user_config_dir, user_data_dir)
 
@@ -35,6 +37,7 @@ __all__ = [
     "parse_repo_id", "DEFAULT_MODEL",
     "default_model_dir", "default_store", "check_weight_file", "delete_download", "download",
     "DiskSpaceError", "DownloadCancelled", "HubError", "VerificationError", "ModelEntry",
-    "convert_downloaded", "delete_model", "list_models", "self_test", "download_dir_for", "downloads_dir",
+    "convert_downloaded", "delete_model", "list_models", "looks_like_store", "repair_advice", "self_test",
+    "store_problem", "download_dir_for", "downloads_dir",
     "free_space", "models_dir", "resources_dir", "store_name", "user_config_dir", "user_data_dir",
 ]

@@ -105,7 +105,11 @@ def self_test(store: str | os.PathLike, max_new_tokens: int = 8) -> str:
 @dataclass(frozen=True)
 class ModelEntry:
     """A converted store in models_dir(): size_bytes on disk, created (ISO time, UTC),
-    family: the manifest's model_type ("olmoe" for stores written before families)."""
+    family: the manifest's model_type ("olmoe" for stores written before families).
+
+    problem: "" for a healthy store, else why it cannot be used (one sentence naming the
+    broken file: engine.expert_store.store_problem); advice: what to do about it (re-convert
+    with the command that made it, or delete it)."""
 
     name: str
     source: str
@@ -114,11 +118,18 @@ class ModelEntry:
     created: str
     path: str
     family: str = "olmoe"
+    problem: str = ""
+    advice: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True when the store passed the checks (it can be opened)."""
+        return not self.problem
 
     @property
     def family_label(self) -> str:
         """The family's display name, e.g. "Qwen3-MoE"."""
-        return family_name(self.family)
+        return family_name(self.family) if self.family else "?"
 
 
 def _dir_size(p: Path) -> int:
@@ -132,31 +143,77 @@ def _dir_size(p: Path) -> int:
     return n
 
 
-def list_models() -> list[ModelEntry]:
-    """Converted stores in ``models_dir()`` (folders with a manifest.json), newest first.
+STORE_MARKERS = ("manifest.json", "dense.safetensors", "experts")
 
-    Unfinished conversions (``*.partial``) and unreadable manifests are skipped.
+
+def looks_like_store(p: Path) -> bool:
+    """True for a folder holding any part of a store (manifest.json, dense.safetensors or
+    experts/), healthy or not: what the library lists and may delete."""
+    return p.is_dir() and any((p / n).exists() for n in STORE_MARKERS)
+
+
+def repair_advice(path: Path, manifest: dict | None) -> str:
+    """What to do about a broken store: re-convert it (the command that made it, when the
+    manifest says) or delete it."""
+    m = manifest if isinstance(manifest, dict) else {}
+    repo, quant = m.get("hub_repo"), m.get("quant")
+    q = f" --quant {quant}" if quant in ("int8", "int4", "f16", "f32") else ""
+    if isinstance(repo, str) and repo:
+        redo = f"`colibri download {repo}{q} --overwrite`"
+    elif isinstance(m.get("source"), str) and m["source"] and not m["source"].startswith("hf://"):
+        redo = f"`colibri convert --overwrite{q} {m['source']} {path}`"
+    else:
+        redo = f"`colibri convert --overwrite HF_FOLDER {path}` (or Add model… in the app)"
+    return (f"Re-convert it with {redo}, or delete it (Models › Delete… in the app, or remove the "
+            f"folder {path}).")
+
+
+def _entry(p: Path) -> ModelEntry | None:
+    """The library entry of the folder ``p`` (None when it holds no part of a store)."""
+    from ..expert_store import store_problem
+    if not looks_like_store(p):
+        return None
+    try:
+        m = json.loads((p / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        m = None
+    if not isinstance(m, dict):
+        m = None
+    d = m or {}
+    problem = store_problem(p) or ""
+    return ModelEntry(name=str(d.get("model_name") or p.name), source=str(d.get("source") or ""),
+                      quantization=str(d.get("quant") or "?"), size_bytes=_dir_size(p),
+                      created=str(d.get("created") or ""), path=str(p),
+                      family=str(d.get("model_type") or ("olmoe" if m else "")),
+                      problem=problem, advice=repair_advice(p, m) if problem else "")
+
+
+def list_models() -> list[ModelEntry]:
+    """Converted stores in ``models_dir()``, newest first: every folder holding a part of a
+    store (manifest.json, dense.safetensors or experts/). Each is checked with the engine's one
+    store validation (engine.expert_store.store_problem: manifest, config.json, every file's
+    size, the dense header); a broken one is listed with ``problem`` and ``advice`` set,
+    never skipped and never raised.
+
+    Skipped: hidden folders (unfinished ``.NAME.*.partial`` conversions, ``.old-`` /
+    ``.deleting-`` leftovers), files, folders with no part of a store.
+    Raises:
+        OSError: the models folder cannot be created or listed (the message names it).
     """
     out = []
     for p in sorted(models_dir().iterdir()):
-        if not p.is_dir() or p.name.endswith(".partial") or ".old-" in p.name or ".deleting-" in p.name:
+        if p.name.startswith(".") or p.name.endswith(".partial") or ".old-" in p.name or ".deleting-" in p.name:
             continue
-        try:
-            m = json.loads((p / "manifest.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            continue
-        if not isinstance(m, dict):
-            continue
-        out.append(ModelEntry(name=str(m.get("model_name") or p.name), source=str(m.get("source") or ""),
-                              quantization=str(m.get("quant") or "?"), size_bytes=_dir_size(p),
-                              created=str(m.get("created") or ""), path=str(p),
-                              family=str(m.get("model_type") or "olmoe")))
+        e = _entry(p)
+        if e is not None:
+            out.append(e)
     out.sort(key=lambda e: e.created, reverse=True)
     return out
 
 
 def delete_model(path: str | os.PathLike) -> None:
-    """Delete a converted store; only folders inside ``models_dir()`` holding a manifest.json.
+    """Delete a converted store, healthy or broken; only folders inside ``models_dir()``
+    holding a part of a store (:func:`looks_like_store`).
 
     Raises:
         ValueError: ``path`` is outside models_dir(), is models_dir() itself, or not a store.
@@ -165,8 +222,9 @@ def delete_model(path: str | os.PathLike) -> None:
     p = Path(path).resolve()
     if p == root or root not in p.parents:
         raise ValueError(f"{p}: not inside the models folder {root}; refusing to delete it")
-    if not (p / "manifest.json").is_file():
-        raise ValueError(f"{p}: not a converted store (no manifest.json); refusing to delete it")
+    if not looks_like_store(p):
+        raise ValueError(f"{p}: not a converted store (no manifest.json, dense.safetensors or experts/); "
+                         f"refusing to delete it")
     trash = p.with_name(p.name + f".deleting-{os.getpid()}")
     os.replace(p, trash)  # disappears from the library at once, even if removal is slow
     shutil.rmtree(trash, ignore_errors=True)
