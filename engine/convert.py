@@ -21,7 +21,7 @@ refuses NaN/inf weights (and weights beyond the f16 range in an f16 store) namin
 and publishes atomically: everything is written to a folder unique to this conversion
 (``.DST.<pid>.<random>.partial`` next to DST), fsynced, checked against its manifest (file
 list and sizes, the ``files`` table), given the umask's ordinary modes, and renamed to DST
-under a lock file (``.DST.lock``). When another process published DST while this one was
+under a lock file (``.DST.lock``, removed afterwards; engine.fsutil.FileLock). When another process published DST while this one was
 converting, its store is verified and used, and this one's copy is discarded.
 """
 
@@ -43,7 +43,7 @@ from safetensors.numpy import save_file
 from .checkpoint import Checkpoint
 from .errors import Cancelled, CheckpointError, StoreError
 from .events import LoadProgress
-from .fsutil import fsync_dir, normalize_modes
+from .fsutil import FileLock, fsync_dir, normalize_modes
 from .quant import ALIGN, QUANTS, check_finite, quantize, slab_layout
 from .store_format import CHECKSUM_OF_VERSION, FORMAT_NAME, FORMAT_VERSION, check_store_files, slab_checksum
 
@@ -354,27 +354,10 @@ def _remove_stale_temps(dst: Path) -> None:
             pass  # alive (another user's process): leave it
 
 
-class _PublishLock:
-    """An exclusive advisory lock (flock) on ``.DST.lock`` next to the store, held while a
-    conversion publishes (no-op where fcntl is missing)."""
-
-    def __init__(self, dst: Path):
-        self.path = dst.with_name(f".{dst.name}.lock")
-        self.fd = None
-
-    def __enter__(self):
-        try:
-            import fcntl
-        except ImportError:
-            return self
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
-
-    def __exit__(self, *exc):
-        if self.fd is not None:
-            os.close(self.fd)  # closing releases the flock
-            self.fd = None
+def _publish_lock(dst: Path) -> FileLock:
+    """The lock held while a conversion publishes ``dst``: ``.DST.lock`` next to it, removed on
+    release (success or failure); a stale one from a killed process never blocks (fsutil.FileLock)."""
+    return FileLock(dst.with_name(f".{dst.name}.lock"))
 
 
 def _publish(partial: Path, dst: Path, seen, manifest: dict, overwrite: bool) -> None:
@@ -382,7 +365,7 @@ def _publish(partial: Path, dst: Path, seen, manifest: dict, overwrite: bool) ->
     at ``dst`` since the conversion started (``seen``), another process published first:
     keep theirs when it verifies and holds the same conversion; otherwise replace it only
     with ``overwrite`` (else FileExistsError)."""
-    with _PublishLock(dst):
+    with _publish_lock(dst):
         now = _identity(dst)
         if now is not None and now != seen:
             try:
