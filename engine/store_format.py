@@ -41,6 +41,24 @@ def slab_checksum(kind: str, data) -> int:
     raise ValueError(f"unknown slab checksum {kind!r} (known: crc32, xxh3_64)")
 
 
+def reconvert_command(folder: str | os.PathLike, manifest: dict | None) -> str:
+    """The command that converts the store at ``folder`` again, from what its manifest says
+    (in backquotes): ``colibri download REPO --quant Q --overwrite`` for a hub model,
+    ``colibri convert --overwrite --quant Q SRC FOLDER`` for a local source, else a template
+    with HF_FOLDER."""
+    m = manifest if isinstance(manifest, dict) else {}
+    quant = m.get("quant")
+    q = f" --quant {quant}" if quant in ("int8", "int4", "f16", "f32") else ""
+    repo, src = m.get("hub_repo"), m.get("source")
+    if isinstance(src, str) and src.startswith("hf://") and not (isinstance(repo, str) and repo):
+        repo = src[len("hf://"):].split("@", 1)[0]
+    if isinstance(repo, str) and repo:
+        return f"`colibri download {repo}{q} --overwrite`"
+    if isinstance(src, str) and src:
+        return f"`colibri convert --overwrite{q} {src} {folder}`"
+    return f"`colibri convert --overwrite{q} HF_FOLDER {folder}`"
+
+
 def check_store_files(folder: str | os.PathLike, manifest: dict) -> None:
     """Every file a store's manifest names is there with the right size: the dense file and
     each expert file (the manifest's ``files`` sizes when recorded; at least the end of its
@@ -51,9 +69,7 @@ def check_store_files(folder: str | os.PathLike, manifest: dict) -> None:
         StoreError: naming the missing, short or damaged file and saying to re-convert.
     """
     folder = Path(folder)
-    src = manifest.get("source") if isinstance(manifest, dict) else None
-    redo = (f"re-convert it: colibri convert --overwrite {src} {folder}" if src else
-            f"re-convert it with `colibri convert --overwrite SRC {folder}`")
+    redo = f"re-convert it with {reconvert_command(folder, manifest)}"
     try:
         need: dict[str, int] = {}
         for row in manifest["experts"]:

@@ -133,3 +133,17 @@ def test_a_broken_default_model_is_converted_again(models):
     _truncate(st / "experts" / "layer_000.bin")
     assert store_problem(st)
     assert lib.default_store() == st and store_problem(st) is None
+
+
+def test_the_remedy_names_the_command_that_made_the_store(tiny_store, models):
+    """A hub download is re-made with `colibri download REPO`, never `colibri convert hf://...`."""
+    st = models / "hubbed-int8"
+    shutil.copytree(tiny_store, st)
+    m = json.loads((st / "manifest.json").read_text())
+    m.update(source="hf://allenai/tiny-olmoe@0123abcd", hub_repo="allenai/tiny-olmoe")
+    (st / "manifest.json").write_text(json.dumps(m))
+    _truncate(st / "experts" / "layer_000.bin")
+    [e] = lib.list_models()
+    for text in (e.problem, e.advice):
+        assert "`colibri download allenai/tiny-olmoe --quant int8 --overwrite`" in text, text
+        assert "convert --overwrite hf://" not in text

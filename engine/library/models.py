@@ -154,18 +154,10 @@ def looks_like_store(p: Path) -> bool:
 
 def repair_advice(path: Path, manifest: dict | None) -> str:
     """What to do about a broken store: re-convert it (the command that made it, when the
-    manifest says) or delete it."""
-    m = manifest if isinstance(manifest, dict) else {}
-    repo, quant = m.get("hub_repo"), m.get("quant")
-    q = f" --quant {quant}" if quant in ("int8", "int4", "f16", "f32") else ""
-    if isinstance(repo, str) and repo:
-        redo = f"`colibri download {repo}{q} --overwrite`"
-    elif isinstance(m.get("source"), str) and m["source"] and not m["source"].startswith("hf://"):
-        redo = f"`colibri convert --overwrite{q} {m['source']} {path}`"
-    else:
-        redo = f"`colibri convert --overwrite HF_FOLDER {path}` (or Add model… in the app)"
-    return (f"Re-convert it with {redo}, or delete it (Models › Delete… in the app, or remove the "
-            f"folder {path}).")
+    manifest says: store_format.reconvert_command) or delete it."""
+    from ..store_format import reconvert_command
+    return (f"Re-convert it with {reconvert_command(path, manifest)} (or Add model… in the app), or "
+            f"delete it (Models › Delete… in the app, or remove the folder {path}).")
 
 
 def _entry(p: Path) -> ModelEntry | None:
