@@ -95,6 +95,7 @@ def save_ui_state(state: dict) -> None:
 
 NARROW_PX = 900        # below this width the panels dock moves under the chat (2 x 2 cards)
 COMPACT_PX = 700       # below this the status bar keeps only model, speed and cap
+STATUS_SPACING_PX = 8  # space QStatusBar keeps around each permanent label (approximate, generous)
 
 
 class ElidedLabel(QLabel):
@@ -421,6 +422,8 @@ class MainWindow(QMainWindow):
                           (self.st_threads, "Compute threads in use"), (self.st_model, "Model")):
             lab.setAccessibleName(name)
             sb.addPermanentWidget(lab)
+        self._status_stepped_aside: list[QLabel] = []
+        sb.messageChanged.connect(self._fit_status_message)
 
         QShortcut(QKeySequence(Qt.Key_Escape), self, activated=self._escape)
         self.resize(1400, 900)
@@ -447,6 +450,36 @@ class MainWindow(QMainWindow):
                 self.addDockWidget(Qt.RightDockWidgetArea, self.dock)
         for lab in (self.st_ttft, self.st_pilot):
             lab.setVisible(w >= COMPACT_PX)
+        self._fit_status_message(self.statusBar().currentMessage())
+
+    def status_message_room(self) -> int:
+        """Pixels the status bar leaves a temporary message left of its visible permanent labels."""
+        sb = self.statusBar()
+        used = 0
+        for lab in (self.st_server, self.st_speed, self.st_ttft, self.st_cap, self.st_pilot, self.st_threads,
+                    self.st_model):
+            if not lab.isHidden():
+                used += lab.sizeHint().width() + STATUS_SPACING_PX   # the model name too: it takes its whole width
+        return sb.width() - used - STATUS_SPACING_PX * 3
+
+    def _fit_status_message(self, text: str = "") -> None:
+        """A temporary status message ("Model ready", "Exported … to …") shows left of the
+        permanent labels; in a narrow window the least needed labels (threads, cap, speed) step
+        aside while it shows, so it is not cut to its first letter, and come back when it ends.
+        The whole message is the status bar's tooltip too."""
+        for lab in self._status_stepped_aside:
+            lab.show()
+        self._status_stepped_aside = []
+        self.statusBar().setToolTip(text or "")
+        if not text:
+            return
+        need = self.statusBar().fontMetrics().horizontalAdvance(text)
+        for lab in (self.st_threads, self.st_cap, self.st_speed):
+            if need <= self.status_message_room():
+                break
+            if not lab.isHidden():
+                lab.hide()
+                self._status_stepped_aside.append(lab)
 
     def _build_menus(self) -> None:
         mb = self.menuBar()
