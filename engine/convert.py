@@ -45,7 +45,8 @@ from .errors import Cancelled, CheckpointError, StoreError
 from .events import LoadProgress
 from .fsutil import FileLock, fsync_dir, normalize_modes
 from .quant import ALIGN, QUANTS, check_finite, quantize, slab_layout
-from .store_format import CHECKSUM_OF_VERSION, FORMAT_NAME, FORMAT_VERSION, check_store_files, slab_checksum
+from .store_format import (CHECKSUM_OF_VERSION, FORMAT_NAME, FORMAT_VERSION, check_store_files, looks_like_store,
+                           slab_checksum)
 
 log = logging.getLogger(__name__)
 CHECKSUM = CHECKSUM_OF_VERSION[FORMAT_VERSION]  # each expert entry's checksum field (and the manifest's "checksum")
@@ -75,7 +76,8 @@ LM_HEAD_QUANT = {"int4": "int8"}
 def check_destination(dst: Path, overwrite: bool) -> None:
     """Refuse a destination a conversion must not write: a file, a folder that is not a
     store (never deleted, even with ``overwrite``: it may hold the user's files), or an
-    existing store without ``overwrite``. A missing or empty folder is fine.
+    existing store (healthy or broken: store_format.looks_like_store) without ``overwrite``.
+    A missing or empty folder is fine.
 
     Raises:
         FileExistsError: naming ``dst`` and what to do.
@@ -85,7 +87,7 @@ def check_destination(dst: Path, overwrite: bool) -> None:
         return
     if not dst.is_dir() or dst.is_symlink():
         raise FileExistsError(f"{dst}: exists and is not a folder; give a new folder path for the store")
-    if (dst / "manifest.json").is_file():
+    if looks_like_store(dst):  # healthy or broken (say, its manifest.json is gone)
         if not overwrite:
             raise FileExistsError(f"{dst}: a store already exists; pass --overwrite to replace it")
         return

@@ -41,6 +41,17 @@ def slab_checksum(kind: str, data) -> int:
     raise ValueError(f"unknown slab checksum {kind!r} (known: crc32, xxh3_64)")
 
 
+STORE_MARKERS = ("manifest.json", "dense.safetensors", "experts")
+
+
+def looks_like_store(path: str | os.PathLike) -> bool:
+    """True for a folder holding any part of a store (manifest.json, dense.safetensors or
+    experts/), healthy or broken: what the library lists and deletes, and what
+    ``convert --overwrite`` may replace."""
+    p = Path(path)
+    return p.is_dir() and not p.is_symlink() and any((p / n).exists() for n in STORE_MARKERS)
+
+
 def reconvert_command(folder: str | os.PathLike, manifest: dict | None) -> str:
     """The command that converts the store at ``folder`` again, from what its manifest says
     (in backquotes): ``colibri download REPO --quant Q --overwrite`` for a hub model,

@@ -147,3 +147,13 @@ def test_the_remedy_names_the_command_that_made_the_store(tiny_store, models):
     for text in (e.problem, e.advice):
         assert "`colibri download allenai/tiny-olmoe --quant int8 --overwrite`" in text, text
         assert "convert --overwrite hf://" not in text
+
+
+def test_overwrite_replaces_a_store_whose_manifest_is_gone(tiny_checkpoint, tiny_store, models, capsys):
+    """The advice works for every broken store: `colibri convert --overwrite` replaces one
+    without a manifest (it used to be 'not a colibri store'); without --overwrite it is refused."""
+    st = _broken_copy(tiny_store, models, "manifest-missing")
+    assert main(["convert", str(tiny_checkpoint), str(st)]) == 2
+    assert "a store already exists; pass --overwrite" in capsys.readouterr().err
+    assert main(["convert", "--overwrite", str(tiny_checkpoint), str(st)]) == 0
+    assert store_problem(st) is None

@@ -14,6 +14,7 @@ from typing import Callable
 from ..config import ModelArgs, family_name
 from ..events import LoadProgress
 from ..sizing import estimate
+from ..store_format import looks_like_store
 from ..units import format_bytes
 from .check import DISK_MARGIN_BYTES, PARTIAL_DIR, check_tokenizer
 from .errors import DiskSpaceError, HubError
@@ -141,15 +142,6 @@ def _dir_size(p: Path) -> int:
             except OSError:
                 pass
     return n
-
-
-STORE_MARKERS = ("manifest.json", "dense.safetensors", "experts")
-
-
-def looks_like_store(p: Path) -> bool:
-    """True for a folder holding any part of a store (manifest.json, dense.safetensors or
-    experts/), healthy or not: what the library lists and may delete."""
-    return p.is_dir() and any((p / n).exists() for n in STORE_MARKERS)
 
 
 def repair_advice(path: Path, manifest: dict | None) -> str:

@@ -56,3 +56,33 @@ def test_library_lists_broken_stores_with_reason_and_remedy(qtbot, app_dirs, app
     qtbot.waitUntil(lambda: not d.busy and d.table.rowCount() == 2, timeout=T)
     assert not half.exists() and good.exists() and short.exists()
     assert json.loads((good / "manifest.json").read_text())["quant"] == "int8"
+
+
+def test_wizard_never_offers_a_broken_store_as_existing(qtbot, app_dirs, tmp_path_factory, wizard_dialog):
+    """Before: a store folder at the target with a truncated expert file was "Use existing
+    store" and became the current model. Now the page says it is broken and converting
+    replaces it with a healthy store."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import hubserver
+    from colibri_app import wizard as wz
+    from engine.expert_store import store_problem
+    tiny = hubserver.tiny_checkpoint(tmp_path_factory.mktemp("ckpt-broken"))
+    target = lib.models_dir() / lib.store_name(tiny.name, "int8")
+    lib.convert_downloaded(tiny, "int8")
+    f = target / "experts" / "layer_000.bin"
+    os.truncate(f, f.stat().st_size // 2)
+    w = wizard_dialog
+    w.source_page.local_radio.setChecked(True)
+    w.source_page.folder_edit.setText(str(tiny))
+    w.next()
+    qtbot.waitUntil(lambda: w.currentId() == wz.PAGE_CHECK, timeout=T)
+    w.next()
+    cp = w.convert_page
+    assert w.currentId() == wz.PAGE_CONVERT
+    assert "is broken" in cp.status.text() and str(f) in cp.status.text(), cp.status.text()
+    assert cp.convert_button.text() == "Convert" and not cp.replace.isVisibleTo(cp)
+    cp.convert_button.click()
+    qtbot.waitUntil(cp.isComplete, timeout=T)
+    assert w.store_path == str(target) and store_problem(target) is None
