@@ -339,21 +339,37 @@ def _identity(path: Path):
     return (st.st_dev, st.st_ino, created)
 
 
+def pid_is_gone(pid: int) -> bool:
+    """True when no process ``pid`` exists (a process of another user counts as alive)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive (another user's process)
+    return False
+
+
 def _remove_stale_temps(dst: Path) -> None:
-    """Delete temp folders of conversions to ``dst`` whose process is gone (a crash or kill)."""
+    """Delete what a conversion to ``dst`` whose process is gone (a crash or kill) left: its
+    temp folder ``.DST.<pid>.<random>.partial`` and the old store it was replacing,
+    ``.DST.old-<pid>``. (A stale ``.DST.lock`` needs nothing: fsutil.FileLock.)"""
     for p in dst.parent.glob(f".{dst.name}.*.partial"):
         try:
             pid = int(p.name[len(dst.name) + 2:].split(".", 1)[0])
         except ValueError:
             continue
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if pid_is_gone(pid):
             shutil.rmtree(p, ignore_errors=True)
-        except OSError:
-            pass  # alive (another user's process): leave it
+    for p in dst.parent.glob(f".{dst.name}.old-*"):
+        try:
+            pid = int(p.name.rsplit("-", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        if pid_is_gone(pid):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _publish_lock(dst: Path) -> FileLock:

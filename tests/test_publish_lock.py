@@ -98,3 +98,32 @@ def test_file_lock_removes_its_file_after_an_error(tmp_path):
             assert path.exists()
             raise RuntimeError("boom")
     assert not path.exists()
+
+
+def _dead_pid() -> int:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+def test_leftovers_of_killed_processes_are_removed(tiny_checkpoint, tiny_store, tmp_path, monkeypatch):
+    """Siblings of the stale lock: the old store a killed publish was replacing
+    (``.NAME.old-PID``) goes at the next conversion to NAME; a store a killed delete was
+    removing (``NAME.deleting-PID``) goes at the next listing. A live process's are kept."""
+    import shutil
+    from engine import library as lib
+    monkeypatch.setenv("COLIBRI_DATA_DIR", str(tmp_path / "data"))
+    models = lib.models_dir()
+    dead = _dead_pid()
+    dst = models / "tiny-int8"
+    shutil.copytree(tiny_store, models / f".tiny-int8.old-{dead}")
+    shutil.copytree(tiny_store, models / f".tiny-int8.old-{os.getppid()}")     # alive: kept
+    convert_checkpoint(tiny_checkpoint, dst, quant="int8")
+    assert _leftovers(models) == [f".tiny-int8.old-{os.getppid()}"]
+    shutil.copytree(tiny_store, models / f"gone-int8.deleting-{dead}")
+    shutil.copytree(tiny_store, models / f"busy-int8.deleting-{os.getppid()}")
+    assert [e.path for e in lib.list_models()] == [str(dst)]
+    assert sorted(p.name for p in models.iterdir() if not p.name.startswith(".")) == [
+        f"busy-int8.deleting-{os.getppid()}", "tiny-int8"]

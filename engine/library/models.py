@@ -179,14 +179,21 @@ def list_models() -> list[ModelEntry]:
     size, the dense header); a broken one is listed with ``problem`` and ``advice`` set,
     never skipped and never raised.
 
-    Skipped: hidden folders (unfinished ``.NAME.*.partial`` conversions, ``.old-`` /
-    ``.deleting-`` leftovers), files, folders with no part of a store.
+    Skipped: hidden folders (unfinished ``.NAME.*.partial`` conversions, ``.old-`` leftovers),
+    files, folders with no part of a store. A ``NAME.deleting-PID`` folder whose process is
+    gone (a delete killed mid-way) is removed.
     Raises:
         OSError: the models folder cannot be created or listed (the message names it).
     """
+    from ..convert import pid_is_gone
     out = []
     for p in sorted(models_dir().iterdir()):
-        if p.name.startswith(".") or p.name.endswith(".partial") or ".old-" in p.name or ".deleting-" in p.name:
+        if ".deleting-" in p.name:  # a delete_model that was killed mid-way: finish it
+            pid = p.name.rsplit("-", 1)[1]
+            if pid.isdigit() and pid_is_gone(int(pid)):
+                shutil.rmtree(p, ignore_errors=True)
+            continue
+        if p.name.startswith(".") or p.name.endswith(".partial") or ".old-" in p.name:
             continue
         e = _entry(p)
         if e is not None:
