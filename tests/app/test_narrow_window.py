@@ -18,9 +18,14 @@ LONG = "Waiting for the engine to finish the conversion of the model you chose i
 
 
 def _to_min_size(qtbot, win) -> None:
-    for _ in range(3):                 # the panels move under the chat, then the minimum drops
-        win.resize(win.minimumSizeHint().expandedTo(win.minimumSize()))
-        qtbot.wait(50)
+    def at_min() -> bool:              # the panels move under the chat, then the minimum drops
+        low = win.minimumSizeHint().expandedTo(win.minimumSize())
+        if (win.width(), win.height()) == (low.width(), low.height()):
+            return True
+        win.resize(low)
+        return False
+    qtbot.waitUntil(at_min, timeout=10000)
+    qtbot.wait(50)
     low = win.minimumSizeHint().expandedTo(win.minimumSize())
     assert (win.width(), win.height()) == (low.width(), low.height())
     assert win.width() < 700, win.width()       # really narrow: the dock is under the chat
@@ -105,7 +110,8 @@ def test_minimum_size_window_cuts_no_text(qtbot, make_window):
     if shots:
         win.grab().save(os.path.join(shots, "narrow-window.png"))
     # wide again: the whole placeholder sentence
-    win.resize(1400, 900)
-    qtbot.wait(50)
-    assert edit.placeholderText() == "Message the model…  (Enter to send, Shift+Enter for a new line)"
+    full = "Message the model…  (Enter to send, Shift+Enter for a new line)"
+    win.resize(2000, 900)
+    qtbot.waitUntil(lambda: edit.placeholder_room() >= edit.fontMetrics().horizontalAdvance(full), timeout=5000)
+    qtbot.waitUntil(lambda: edit.placeholderText() == full, timeout=2000)
     assert edit.toolTip() == ""

@@ -70,7 +70,8 @@ def test_store_that_is_broken_is_refused_not_replaced(capsys, tmp_path, app_stor
     assert a.size == (800, 600) and a.store == app_store
 
 
-def test_size_below_the_window_minimum_is_refused(qapp, capsys, tmp_path, app_store):
+def test_size_below_the_window_minimum_is_refused(qapp, capsys, tmp_path, app_store, monkeypatch):
+    monkeypatch.setattr("colibri_app.resources.apply_theme", lambda *a, **k: None)  # keep the shared app unthemed
     out = tmp_path / "shot.png"
     assert screenshot.main(["--store", app_store, "--size", "200x150", "--out", str(out)]) == 2
     err = capsys.readouterr().err
