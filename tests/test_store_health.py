@@ -127,7 +127,9 @@ def test_folders_that_are_not_stores_are_not_listed(tiny_store, models):
         lib.delete_model(models / "holiday-photos")
 
 
-def test_a_broken_default_model_is_converted_again(models):
+def test_a_broken_default_model_is_converted_again(models, tiny_checkpoint, monkeypatch):
+    import engine.library.default_model as dm
+    monkeypatch.setattr(dm, "default_model_dir", lambda: tiny_checkpoint)   # a tiny "bundled" model: fast
     st = lib.default_store()
     assert store_problem(st) is None
     _truncate(st / "experts" / "layer_000.bin")
