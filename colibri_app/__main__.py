@@ -8,12 +8,31 @@ import signal
 import sys
 
 
+def folder_problem_at_start() -> str | None:
+    """None when the data and config folders exist or could be created, else the sentence
+    saying which one is a file (or cannot be created) and what to do (engine.library)."""
+    from engine import library as paths
+    for folder in (paths.user_data_dir, paths.user_config_dir):
+        try:
+            folder()
+        except OSError as e:  # FolderError: the message names the path, the variable and the remedy
+            return str(e)
+    return None
+
+
+def show_fatal(text: str) -> None:
+    """Tell the user why the app cannot start (a modal message box; tests replace it)."""
+    from PySide6.QtWidgets import QMessageBox
+    QMessageBox.critical(None, "colibri cannot start", text)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Create the QApplication, load the settings, show the window and open the model.
 
     The model is ``settings.current_model`` when it exists, else the bundled default model
     (converted into the user data directory on first run, with visible progress, on the
-    worker thread). Returns the application's exit code.
+    worker thread). Returns the application's exit code (2, after a message box, when the data
+    or config folder cannot be used: folder_problem_at_start).
     """
     from PySide6.QtCore import QTimer
     from PySide6.QtGui import QIcon
@@ -35,6 +54,11 @@ def main(argv: list[str] | None = None) -> int:
     icon = paths.resources_dir() / "icons" / "colibri-desktop.png"
     if icon.is_file():
         app.setWindowIcon(QIcon(str(icon)))
+    why = folder_problem_at_start()
+    if why:
+        print(f"colibri: error: {why}", file=sys.stderr)
+        show_fatal(why)
+        return 2
     # one instance per data folder: a second start brings the first window to the front, or
     # (when the first does not answer) opens the history read-only
     inst = claim(paths.user_data_dir())

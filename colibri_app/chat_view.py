@@ -254,7 +254,35 @@ class PromptEdit(QPlainTextEdit):
         self.setTabChangesFocus(True)
         self.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Fixed)
         self.document().documentLayout().documentSizeChanged.connect(self._fit)
+        self._placeholders: tuple[str, ...] = ()
         self._fit()
+
+    def set_placeholders(self, *texts: str) -> None:
+        """The placeholder, longest first: the first variant that fits on the box's one line
+        is shown (the last one elided when none does), again at every resize; a placeholder
+        never wraps onto a second line the one-line box cannot show (the full text is the
+        tooltip when a shorter one is shown)."""
+        self._placeholders = tuple(t for t in texts if t)
+        self._fit_placeholder()
+
+    def placeholder_room(self) -> int:
+        """Pixels one line of placeholder text may take (the viewport minus the document margins)."""
+        return max(0, self.viewport().width() - 2 * int(self.document().documentMargin()) - 2)
+
+    def _fit_placeholder(self) -> None:
+        if not self._placeholders:
+            return
+        fm, room = self.fontMetrics(), self.placeholder_room()
+        text = next((t for t in self._placeholders if fm.horizontalAdvance(t) <= room), None)
+        if text is None:
+            text = fm.elidedText(self._placeholders[-1], Qt.ElideRight, room)
+        if text != self.placeholderText():
+            self.setPlaceholderText(text)
+        self.setToolTip("" if text == self._placeholders[0] else self._placeholders[0])
+
+    def resizeEvent(self, e):  # noqa: N802 - Qt's name
+        super().resizeEvent(e)
+        self._fit_placeholder()
 
     def keyPressEvent(self, e):
         if e.key() in (Qt.Key_Return, Qt.Key_Enter) and not (e.modifiers() & Qt.ShiftModifier):
@@ -355,6 +383,7 @@ class ChatView(QWidget):
         self.empty_label = QLabel("Ask anything. Enter sends, Shift+Enter adds a line.")
         self.empty_label.setObjectName("emptyLabel")
         self.empty_label.setAlignment(Qt.AlignCenter)
+        self.empty_label.setWordWrap(True)   # a narrow window wraps it instead of widening the page
         self.msg_layout.addWidget(self.empty_label)
         self.msg_layout.addStretch(1)
         self.scroll.setWidget(self.inner)
@@ -379,7 +408,7 @@ class ChatView(QWidget):
         self.input = PromptEdit()
         self.input.setObjectName("promptEdit")
         self.input.setAccessibleName("Message input")
-        self.input.setPlaceholderText("Loading the model…")
+        self.input.set_placeholders("Loading the model…")
         self.input.submitted.connect(self._submit)
         il.addWidget(self.input, 1)
         self.send_btn = QPushButton("Send")
@@ -510,17 +539,24 @@ class ChatView(QWidget):
         self.update_actions()
 
     def _update_placeholder(self) -> None:
+        """The prompt box's placeholder for the current state, with shorter variants for a
+        narrow window (PromptEdit.set_placeholders picks the one that fits)."""
         if getattr(self, "_placeholder", ""):
-            text = self._placeholder
+            texts = (self._placeholder,)
         elif not self.ready:
-            text = "Loading the model…"
+            texts = ("Loading the model…",)
         elif not self.can_send_chat:
-            text = "This model has no chat template: choose “Use raw mode” above to send plain text"
+            texts = ("This model has no chat template: choose “Use raw mode” above to send plain text",
+                     "No chat template: choose “Use raw mode” above", "Choose “Use raw mode” above",
+                     "“Use raw mode” above")
         elif self.raw_mode:
-            text = "Raw mode: your text is sent as is for the model to continue  (Enter to send)"
+            texts = ("Raw mode: your text is sent as is for the model to continue  (Enter to send)",
+                     "Raw mode: text for the model to continue  (Enter to send)", "Raw mode  (Enter to send)",
+                     "Raw mode")
         else:
-            text = "Message the model…  (Enter to send, Shift+Enter for a new line)"
-        self.input.setPlaceholderText(text)
+            texts = ("Message the model…  (Enter to send, Shift+Enter for a new line)",
+                     "Message the model…  (Enter to send)", "Message the model…")
+        self.input.set_placeholders(*texts)
 
     # --- chat template / raw mode ---------------------------------------------------------
 

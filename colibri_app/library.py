@@ -1,5 +1,7 @@
-"""The model library: converted models (name, source, quantization, size on disk, date) with
-Set as current, Delete (confirmed) and Open folder.
+"""The model library: converted models (name, source, quantization, size on disk, date,
+status) with Set as current, Delete (confirmed) and Open folder. A broken store (the engine's
+one store validation, engine.library.list_models) is listed as "Broken" with the reason and
+what to do; it cannot be set as current, only deleted (or re-converted).
 
 Scanning (which sums every store's files) and deleting run as tasks of the library lane
 (colibri_app.workers), so a large store never freezes the window."""
@@ -9,16 +11,18 @@ from __future__ import annotations
 from pathlib import Path
 
 from PySide6.QtCore import Qt, QUrl, Signal, Slot
-from PySide6.QtGui import QDesktopServices, QFont
+from PySide6.QtGui import QDesktopServices, QFont, QPalette
 from PySide6.QtWidgets import (QAbstractItemView, QDialog, QDialogButtonBox, QHBoxLayout, QHeaderView, QLabel,
-                               QMessageBox, QPushButton, QTableWidget, QTableWidgetItem, QVBoxLayout, QWidget)
+                               QMessageBox, QPushButton, QStyle, QTableWidget, QTableWidgetItem, QVBoxLayout,
+                               QWidget)
 
 from engine import EngineFailure
 from engine import library as lib
 
 from .workers import Lane, Task
 
-COLUMNS = ("Name", "Source", "Quantization", "Family", "Size on disk", "Converted")
+COLUMNS = ("Name", "Source", "Quantization", "Family", "Size on disk", "Converted", "Status")
+STATUS_COLUMN = COLUMNS.index("Status")
 SCANNING = "Scanning the models folder…"
 _LANE: Lane | None = None
 
@@ -138,14 +142,21 @@ class ModelLibraryDialog(QDialog):
                 repo, _, commit = src.rpartition("@")
                 src = f"{repo}@{commit[:12]}"
             vals = (e.name + ("  (current)" if is_cur else ""), src, e.quantization, e.family_label,
-                    lib.format_bytes(e.size_bytes), e.created.replace("T", " ").rstrip("Z"))
+                    lib.format_bytes(e.size_bytes), e.created.replace("T", " ").rstrip("Z"),
+                    "OK" if e.ok else "Broken")
+            tip = f"{e.path}\nsource: {e.source}" + ("" if e.ok else f"\n\nBroken: {e.problem}\n{e.advice}")
             for j, v in enumerate(vals):
                 it = QTableWidgetItem(v)
-                it.setToolTip(f"{e.path}\nsource: {e.source}")
+                it.setToolTip(tip)
                 if is_cur:
                     it.setFont(bold)
                 if j == 4:
                     it.setTextAlignment(Qt.AlignRight | Qt.AlignVCenter)
+                if not e.ok:
+                    it.setForeground(self.palette().color(QPalette.PlaceholderText))
+                    if j == STATUS_COLUMN:
+                        it.setIcon(self.style().standardIcon(QStyle.SP_MessageBoxWarning))
+                        it.setForeground(self.palette().color(QPalette.Text))
                 self.table.setItem(i, j, it)
         self.table.resizeColumnsToContents()
         self.empty.setVisible(not self.entries)
@@ -169,14 +180,26 @@ class ModelLibraryDialog(QDialog):
             b.setEnabled(e is not None)
         if self.busy:
             self.delete_button.setEnabled(False)
-        if e is not None and _same(e.path, self.current):
+        if e is not None and (_same(e.path, self.current) or not e.ok):
             self.set_button.setEnabled(False)
+        if e is not None and not e.ok:
+            self.status.setText(self.broken_text(e))
+        elif self.status.text().startswith("Broken: "):
+            self.status.setText("")
+
+    @staticmethod
+    def broken_text(e: lib.ModelEntry) -> str:
+        """The status line of a broken store: why, naming the file, and what to do."""
+        return f"Broken: {e.problem}\n{e.advice}"
 
     @Slot()
     def set_current(self) -> None:
         """Make the selected model current (emits current_changed)."""
         e = self.selected()
         if e is None or _same(e.path, self.current):
+            return
+        if not e.ok:
+            self.status.setText(self.broken_text(e))
             return
         self.current = e.path
         self.current_changed.emit(e.path)

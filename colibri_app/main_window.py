@@ -13,10 +13,10 @@ import logging
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, QCoreApplication, QEvent, Qt, Slot
+from PySide6.QtCore import QByteArray, QCoreApplication, QEvent, QSize, Qt, Slot
 from PySide6.QtGui import QAction, QColor, QIcon, QKeySequence, QPainter, QPixmap, QShortcut
 from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, QHBoxLayout, QInputDialog, QLabel,
-                               QMainWindow, QSizePolicy,
+                               QMainWindow, QScrollArea, QSizePolicy,
                                QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout, QWidget)
 
 from engine import (ChatMessage, EngineConfig, EngineFailure, Finished, Loaded, LoadProgress,
@@ -95,6 +95,28 @@ def save_ui_state(state: dict) -> None:
 
 NARROW_PX = 900        # below this width the panels dock moves under the chat (2 x 2 cards)
 COMPACT_PX = 700       # below this the status bar keeps only model, speed and cap
+STATUS_SPACING_PX = 8  # space QStatusBar keeps around each permanent label (approximate, generous)
+
+
+class VerticalScroll(QScrollArea):
+    """A scroll area that scrolls its widget vertically only: as wide as the widget's minimum
+    (plus the scroll bar), so it is never cut on the right; as short as MIN_SCROLL_PX."""
+
+    MIN_SCROLL_PX = 160
+
+    def minimumSizeHint(self):  # noqa: N802 - Qt's name
+        w = self.widget()
+        if w is None:
+            return super().minimumSizeHint()
+        inner = w.minimumSizeHint().expandedTo(w.minimumSize())
+        extra = self.verticalScrollBar().sizeHint().width() + 2 * self.frameWidth()
+        return QSize(inner.width() + extra, min(inner.height(), self.MIN_SCROLL_PX))
+
+    def sizeHint(self):  # noqa: N802
+        w = self.widget()
+        if w is None:
+            return super().sizeHint()
+        return w.sizeHint() + QSize(self.verticalScrollBar().sizeHint().width() + 2 * self.frameWidth(), 0)
 
 
 class ElidedLabel(QLabel):
@@ -395,7 +417,15 @@ class MainWindow(QMainWindow):
         self.dock.setAccessibleName("Engine panels dock")
         self.dock.setFeatures(QDockWidget.DockWidgetClosable | QDockWidget.DockWidgetMovable
                               | QDockWidget.DockWidgetFloatable)
-        self.dock.setWidget(self.panels)
+        # the panels scroll when the dock is shorter than their cards need (PlotPanels keeps that
+        # minimum), so a short window neither cuts the plots' axis labels nor grows past the screen
+        self.panels_scroll = VerticalScroll()
+        self.panels_scroll.setObjectName("panelsScroll")
+        self.panels_scroll.setWidgetResizable(True)
+        self.panels_scroll.setFrameShape(QFrame.NoFrame)
+        self.panels_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
+        self.panels_scroll.setWidget(self.panels)
+        self.dock.setWidget(self.panels_scroll)
         self.dock.setMinimumWidth(360)
         self.addDockWidget(Qt.RightDockWidgetArea, self.dock)
         self._dock_stacked = False       # moved under the chat because the window is narrow
@@ -421,6 +451,8 @@ class MainWindow(QMainWindow):
                           (self.st_threads, "Compute threads in use"), (self.st_model, "Model")):
             lab.setAccessibleName(name)
             sb.addPermanentWidget(lab)
+        self._status_stepped_aside: list[QLabel] = []
+        sb.messageChanged.connect(self._fit_status_message)
 
         QShortcut(QKeySequence(Qt.Key_Escape), self, activated=self._escape)
         self.resize(1400, 900)
@@ -429,6 +461,7 @@ class MainWindow(QMainWindow):
 
     def _dock_moved(self, area) -> None:
         self.panels.set_columns(2 if area in (Qt.BottomDockWidgetArea, Qt.TopDockWidgetArea) else 1)
+        self.panels_scroll.updateGeometry()   # its minimum width follows the panels' columns
 
     def resizeEvent(self, e) -> None:  # noqa: N802
         """Narrow window: the panels move under the chat (and back when it is wide again, unless
@@ -440,13 +473,45 @@ class MainWindow(QMainWindow):
         if w < NARROW_PX and docked_side and not self.dock.isHidden():
             self._dock_stacked = True
             self.addDockWidget(Qt.BottomDockWidgetArea, self.dock)
-            self.resizeDocks([self.dock], [max(200, self.height() // 3)], Qt.Vertical)
+            # as tall as the 2 x 2 cards need when the window can spare it (else they scroll)
+            need = self.panels.grid.totalMinimumHeightForWidth(max(1, self.width() - 20)) + 30
+            self.resizeDocks([self.dock], [max(200, min(need, int(self.height() * 0.55)))], Qt.Vertical)
         elif w >= NARROW_PX + 80 and self._dock_stacked:
             self._dock_stacked = False
             if self.dockWidgetArea(self.dock) == Qt.BottomDockWidgetArea and not self.dock.isFloating():
                 self.addDockWidget(Qt.RightDockWidgetArea, self.dock)
         for lab in (self.st_ttft, self.st_pilot):
             lab.setVisible(w >= COMPACT_PX)
+        self._fit_status_message(self.statusBar().currentMessage())
+
+    def status_message_room(self) -> int:
+        """Pixels the status bar leaves a temporary message left of its visible permanent labels."""
+        sb = self.statusBar()
+        used = 0
+        for lab in (self.st_server, self.st_speed, self.st_ttft, self.st_cap, self.st_pilot, self.st_threads,
+                    self.st_model):
+            if not lab.isHidden():
+                used += lab.sizeHint().width() + STATUS_SPACING_PX   # the model name too: it takes its whole width
+        return sb.width() - used - STATUS_SPACING_PX * 3
+
+    def _fit_status_message(self, text: str = "") -> None:
+        """A temporary status message ("Model ready", "Exported … to …") shows left of the
+        permanent labels; in a narrow window the least needed labels (threads, cap, speed) step
+        aside while it shows, so it is not cut to its first letter, and come back when it ends.
+        The whole message is the status bar's tooltip too."""
+        for lab in self._status_stepped_aside:
+            lab.show()
+        self._status_stepped_aside = []
+        self.statusBar().setToolTip(text or "")
+        if not text:
+            return
+        need = self.statusBar().fontMetrics().horizontalAdvance(text)
+        for lab in (self.st_threads, self.st_cap, self.st_speed):
+            if need <= self.status_message_room():
+                break
+            if not lab.isHidden():
+                lab.hide()
+                self._status_stepped_aside.append(lab)
 
     def _build_menus(self) -> None:
         mb = self.menuBar()

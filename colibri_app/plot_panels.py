@@ -13,6 +13,7 @@ import time
 import numpy as np
 import pyqtgraph as pg
 from PySide6.QtCore import QRectF, QSize, Qt, QTimer
+from PySide6.QtGui import QFontMetrics, QTextOption
 from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
 from engine import ABSENT, LOADING, PINNED, RESIDENT, Loaded, ResidencySnapshot, StepMetrics
@@ -176,6 +177,10 @@ def residency_rgb(snap: ResidencySnapshot, cell: int = CELL_PX, cell_h: int | No
     return img.astype(np.uint8)
 
 
+LABEL_OVERHANG_PX = 12       # how far a plot's first x label may reach left of its axis (else pyqtgraph hides it)
+TICK_GAP_PX = 6              # least space between two tick labels of the residency map
+
+
 class _Card(QFrame):
     """A titled panel: title, legend line, then the plot."""
 
@@ -201,8 +206,18 @@ class _PlotWidget(pg.PlotWidget):
         return QSize(320, 100)
 
 
+class _BottomAxis(pg.AxisItem):
+    """The x axis, whose first tick label may overhang its left end (over the empty corner
+    under the y axis) by LABEL_OVERHANG_PX: pyqtgraph hides a label reaching past the axis,
+    and with the grid on it ignores its own ``hideOverlappingLabels`` tolerance, so a narrow
+    panel lost its "0". The right end stays strict: past it a label would be cut by the card."""
+
+    def boundingRect(self):  # noqa: N802 - Qt's name
+        return super().boundingRect().adjusted(-LABEL_OVERHANG_PX, 0, 0, 0)
+
+
 def _plot(left: str, bottom: str = "token") -> pg.PlotWidget:
-    w = _PlotWidget(background="w")
+    w = _PlotWidget(background="w", axisItems={"bottom": _BottomAxis("bottom")})
     w.setMinimumHeight(90)
     w.setSizePolicy(QSizePolicy.Expanding, QSizePolicy.Expanding)
     p = w.getPlotItem()
@@ -310,6 +325,9 @@ class PlotPanels(QWidget):
         sp.setYRange(0, 1, padding=0)
         rp.setYRange(0, 1, padding=0)
         self.heat_hint = pg.TextItem("the map fills in while the model answers", color=(150, 156, 168), anchor=(0.5, 0.5))
+        # wrapped and centred inside the map (its width follows the view: _heat_resized), so a
+        # narrow panel never cuts it or draws it over the axis labels
+        self.heat_hint.textItem.document().setDefaultTextOption(QTextOption(Qt.AlignHCenter))
         hm.addItem(self.heat_hint)
         hm.setXRange(0, 8, padding=0)
         hm.setYRange(0, 2, padding=0)
@@ -346,6 +364,15 @@ class PlotPanels(QWidget):
             self.grid.setRowStretch(r, stretches[r])
         for c in range(n):
             self.grid.setColumnStretch(c, 1)
+
+    def resizeEvent(self, e) -> None:  # noqa: N802 - Qt's name
+        """Keep the panels' minimum height at what their cards need at this width (a narrow
+        dock wraps the legends onto more lines): Qt's minimum size ignores wrapped labels, so a
+        small window squeezed the cards and cut the plots' axis labels off at the bottom."""
+        super().resizeEvent(e)
+        need = self.grid.totalMinimumHeightForWidth(self.width())
+        if need > 0 and need != self.minimumHeight():
+            self.setMinimumHeight(need)
 
     def apply_scheme(self, scheme: str) -> None:
         """Repaint the plots in a colour scheme (resources.LIGHT / DARK): backgrounds, axes,
@@ -458,6 +485,12 @@ class PlotPanels(QWidget):
         return max(1, int(w // max(1, experts))), max(1, int(h // max(1, layers)))
 
     def _heat_resized(self) -> None:
+        vb = self.heat_plot.getPlotItem().getViewBox()
+        room = max(40.0, vb.width() - 12.0)
+        if abs(self.heat_hint.textItem.textWidth() - room) >= 1:
+            self.heat_hint.setTextWidth(room)
+        if self._heat_shape != (0, 0):
+            self._set_ticks(*self._heat_shape)
         if self.snapshot is not None:
             self._dirty_heat = True
 
@@ -522,10 +555,27 @@ class PlotPanels(QWidget):
         else:
             p.setYRange(lo, hi, padding=0)
 
+    def tick_steps(self, layers: int, experts: int) -> tuple[int, int]:
+        """(layer step, expert step) of the residency map's tick labels: at most 8 labels per
+        axis, and labels far enough apart on screen that they never touch (an expert label
+        needs its width plus a gap, a layer label its line height), for the map's current
+        size in pixels (a narrow window packs 32 experts into ~250 px)."""
+        vb = self.heat_plot.getPlotItem().getViewBox()
+        fm = QFontMetrics(self.heat_plot.getPlotItem().getAxis("bottom").style.get("tickFont") or self.font())
+        step_e = max(1, math.ceil(experts / 8))
+        step_l = max(1, math.ceil(layers / 8))
+        if vb.width() >= 8 and vb.height() >= 8:
+            cell_w, cell_h = vb.width() / max(1, experts), vb.height() / max(1, layers)
+            step_e = max(step_e, math.ceil((fm.horizontalAdvance(str(max(0, experts - 1))) + TICK_GAP_PX) / cell_w))
+            step_l = max(step_l, math.ceil((fm.height() + 1) / cell_h))
+        return step_l, step_e
+
     def _set_ticks(self, layers: int, experts: int) -> None:
+        step_l, step_e = self.tick_steps(layers, experts)
+        if (step_l, step_e, layers, experts) == getattr(self, "_ticks_for", None):
+            return
+        self._ticks_for = (step_l, step_e, layers, experts)
         hm = self.heat_plot.getPlotItem()
-        step_e = max(1, int(math.ceil(experts / 8)))
-        step_l = max(1, int(math.ceil(layers / 8)))
         hm.getAxis("bottom").setTicks([[(e + 0.5, str(e)) for e in range(0, experts, step_e)]])
         hm.getAxis("left").setTicks([[(l + 0.5, str(l)) for l in range(0, layers, step_l)]])
 

@@ -572,10 +572,17 @@ class ConvertPage(QWizardPage):
     def _quant_changed(self, *_a) -> None:
         if self.task is not None or self.wiz.check is None:
             return
-        exists = (self.target() / "manifest.json").exists()
-        self.replace.setVisible(exists)
-        self.convert_button.setText("Convert" if not exists or self.replace.isChecked() else "Use existing store")
-        self.status.setText(f"A store already exists at {self.target()}." if exists else "")
+        target = self.target()
+        exists = lib.looks_like_store(target)
+        broken = lib.store_problem(target) if exists else None
+        # a broken store is never offered for use: converting replaces it
+        self.replace.setVisible(exists and not broken)
+        self.convert_button.setText("Convert" if not exists or broken or self.replace.isChecked()
+                                    else "Use existing store")
+        if broken:
+            self.status.setText(f"The store at {target} is broken ({broken}). Converting replaces it.")
+        else:
+            self.status.setText(f"A store already exists at {target}." if exists else "")
         _error_style(self.status, "")
         self.wiz.store_path = None
         self.completeChanged.emit()
@@ -586,7 +593,9 @@ class ConvertPage(QWizardPage):
         if self.task is not None:
             return
         target = self.target()
-        if (target / "manifest.json").exists() and not self.replace.isChecked():
+        exists = lib.looks_like_store(target)
+        broken = exists and lib.store_problem(target) is not None
+        if exists and not broken and not self.replace.isChecked():
             self.wiz.store_path = str(target)
             self.wiz.converted_now = False
             self.status.setText(f"Using the existing store {target}.")
@@ -594,7 +603,7 @@ class ConvertPage(QWizardPage):
             self.completeChanged.emit()
             return
         src, quant = self.wiz.source_dir, self.quant.currentData()
-        overwrite = self.replace.isChecked()
+        overwrite = self.replace.isChecked() or broken
         name = self.wiz.check.model_name
         delete_src = self.wiz.check.source == "hub" and self.delete_download.isChecked()
 

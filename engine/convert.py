@@ -21,7 +21,7 @@ refuses NaN/inf weights (and weights beyond the f16 range in an f16 store) namin
 and publishes atomically: everything is written to a folder unique to this conversion
 (``.DST.<pid>.<random>.partial`` next to DST), fsynced, checked against its manifest (file
 list and sizes, the ``files`` table), given the umask's ordinary modes, and renamed to DST
-under a lock file (``.DST.lock``). When another process published DST while this one was
+under a lock file (``.DST.lock``, removed afterwards; engine.fsutil.FileLock). When another process published DST while this one was
 converting, its store is verified and used, and this one's copy is discarded.
 """
 
@@ -43,9 +43,10 @@ from safetensors.numpy import save_file
 from .checkpoint import Checkpoint
 from .errors import Cancelled, CheckpointError, StoreError
 from .events import LoadProgress
-from .fsutil import fsync_dir, normalize_modes
+from .fsutil import FileLock, fsync_dir, normalize_modes
 from .quant import ALIGN, EXPERT_ONLY_QUANTS, QUANTS, check_finite, quantize, slab_layout
-from .store_format import CHECKSUM_OF_VERSION, FORMAT_NAME, FORMAT_VERSION, check_store_files, slab_checksum
+from .store_format import (CHECKSUM_OF_VERSION, FORMAT_NAME, FORMAT_VERSION, check_store_files, looks_like_store,
+                           slab_checksum)
 
 log = logging.getLogger(__name__)
 CHECKSUM = CHECKSUM_OF_VERSION[FORMAT_VERSION]  # each expert entry's checksum field (and the manifest's "checksum")
@@ -75,7 +76,8 @@ LM_HEAD_QUANT = {"int4": "int8"}
 def check_destination(dst: Path, overwrite: bool) -> None:
     """Refuse a destination a conversion must not write: a file, a folder that is not a
     store (never deleted, even with ``overwrite``: it may hold the user's files), or an
-    existing store without ``overwrite``. A missing or empty folder is fine.
+    existing store (healthy or broken: store_format.looks_like_store) without ``overwrite``.
+    A missing or empty folder is fine.
 
     Raises:
         FileExistsError: naming ``dst`` and what to do.
@@ -85,7 +87,7 @@ def check_destination(dst: Path, overwrite: bool) -> None:
         return
     if not dst.is_dir() or dst.is_symlink():
         raise FileExistsError(f"{dst}: exists and is not a folder; give a new folder path for the store")
-    if (dst / "manifest.json").is_file():
+    if looks_like_store(dst):  # healthy or broken (say, its manifest.json is gone)
         if not overwrite:
             raise FileExistsError(f"{dst}: a store already exists; pass --overwrite to replace it")
         return
@@ -350,44 +352,43 @@ def _identity(path: Path):
     return (st.st_dev, st.st_ino, created)
 
 
+def pid_is_gone(pid: int) -> bool:
+    """True when no process ``pid`` exists (a process of another user counts as alive)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive (another user's process)
+    return False
+
+
 def _remove_stale_temps(dst: Path) -> None:
-    """Delete temp folders of conversions to ``dst`` whose process is gone (a crash or kill)."""
+    """Delete what a conversion to ``dst`` whose process is gone (a crash or kill) left: its
+    temp folder ``.DST.<pid>.<random>.partial`` and the old store it was replacing,
+    ``.DST.old-<pid>``. (A stale ``.DST.lock`` needs nothing: fsutil.FileLock.)"""
     for p in dst.parent.glob(f".{dst.name}.*.partial"):
         try:
             pid = int(p.name[len(dst.name) + 2:].split(".", 1)[0])
         except ValueError:
             continue
-        if pid == os.getpid():
-            continue
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if pid_is_gone(pid):
             shutil.rmtree(p, ignore_errors=True)
-        except OSError:
-            pass  # alive (another user's process): leave it
-
-
-class _PublishLock:
-    """An exclusive advisory lock (flock) on ``.DST.lock`` next to the store, held while a
-    conversion publishes (no-op where fcntl is missing)."""
-
-    def __init__(self, dst: Path):
-        self.path = dst.with_name(f".{dst.name}.lock")
-        self.fd = None
-
-    def __enter__(self):
+    for p in dst.parent.glob(f".{dst.name}.old-*"):
         try:
-            import fcntl
-        except ImportError:
-            return self
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-        return self
+            pid = int(p.name.rsplit("-", 1)[1])
+        except (ValueError, IndexError):
+            continue
+        if pid_is_gone(pid):
+            shutil.rmtree(p, ignore_errors=True)
 
-    def __exit__(self, *exc):
-        if self.fd is not None:
-            os.close(self.fd)  # closing releases the flock
-            self.fd = None
+
+def _publish_lock(dst: Path) -> FileLock:
+    """The lock held while a conversion publishes ``dst``: ``.DST.lock`` next to it, removed on
+    release (success or failure); a stale one from a killed process never blocks (fsutil.FileLock)."""
+    return FileLock(dst.with_name(f".{dst.name}.lock"))
 
 
 def _publish(partial: Path, dst: Path, seen, manifest: dict, overwrite: bool) -> None:
@@ -395,7 +396,7 @@ def _publish(partial: Path, dst: Path, seen, manifest: dict, overwrite: bool) ->
     at ``dst`` since the conversion started (``seen``), another process published first:
     keep theirs when it verifies and holds the same conversion; otherwise replace it only
     with ``overwrite`` (else FileExistsError)."""
-    with _PublishLock(dst):
+    with _publish_lock(dst):
         now = _identity(dst)
         if now is not None and now != seen:
             try:

@@ -42,6 +42,110 @@ def _denied() -> str:
             f"`colibri convert`")
 
 
+def read_manifest(path: str | os.PathLike) -> tuple[dict, ModelArgs, str]:
+    """Read and check a store's manifest.json against its config.json, and check that every
+    file the manifest names is there with its size (store_format.check_store_files: the
+    expert files, the dense file and its safetensors header). Reads no expert slab.
+
+    Returns: (manifest dict, ModelArgs of config.json, checksum kind "crc32" / "xxh3_64").
+    Raises:
+        StoreError: a missing, unreadable, half-written or damaged manifest, an unknown format
+            or version, a table that disagrees with config.json, a missing or short file;
+            the message names the file and says to re-convert.
+        ConfigError: config.json is missing or invalid (message names it).
+    """
+    path = Path(path)
+    mpath = path / "manifest.json"
+    if path.name.endswith(".partial"):
+        raise StoreError(f"{path}: is an unfinished conversion; run `colibri convert` again")
+    try:
+        m = json.loads(mpath.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        hint = (f"it looks like a Hugging Face checkpoint: convert it first, e.g. "
+                f"`colibri convert {path} {path.name}-int8`"
+                if (path / "config.json").exists() and not (path / "dense.safetensors").exists() else
+                "`colibri models` lists your converted stores; make a new one with "
+                "`colibri convert HF_FOLDER NEW_STORE_FOLDER`")
+        raise StoreError(f"{mpath}: not found; {path} is not a converted store ({hint})") from None
+    except PermissionError:
+        raise StoreError(f"{mpath}: {_denied()}") from None
+    except IsADirectoryError:
+        raise StoreError(f"{mpath}: is a folder, not the store's manifest file; re-run `colibri convert`") from None
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{mpath}: unreadable or half-written ({type(e).__name__}: {e}); re-run "
+                         f"`colibri convert --overwrite`") from None
+    if not isinstance(m, dict):
+        raise StoreError(f"{mpath}: not a store manifest (a JSON object is expected); re-run `colibri convert`")
+    if m.get("format") != FORMAT_NAME:
+        raise StoreError(f"{mpath}: format {m.get('format')!r} is not {FORMAT_NAME!r}; re-run `colibri convert`")
+    if m.get("version") not in READ_VERSIONS:
+        raise StoreError(f"{mpath}: store version {m.get('version')!r}, this engine reads versions "
+                         f"{', '.join(map(str, READ_VERSIONS))} (it writes {FORMAT_VERSION}); re-run "
+                         f"`colibri convert --overwrite` with this engine")
+    # the checksum each expert entry carries: the manifest says; version 1 wrote "crc32"
+    ck = m.get("checksum") or CHECKSUM_OF_VERSION[m["version"]]
+    a = ModelArgs.from_hf_config(path / "config.json")
+    M = a.num_moe_layers
+    # Stores written before families existed have no "moe_layers": every layer was MoE.
+    moe_layers = m.get("moe_layers", None)
+    if moe_layers is None:
+        moe_layers = list(range(m["num_layers"])) if type(m.get("num_layers")) is int else None
+    if not isinstance(moe_layers, list) or m.get("model_type", a.model_type) != a.model_type or \
+            (m.get("num_layers"), m.get("num_experts")) != (M, a.num_experts) or \
+            list(moe_layers) != list(a.moe_layers) or not isinstance(m.get("experts"), list) or len(m["experts"]) != M or \
+            any(not isinstance(row, list) or len(row) != a.num_experts for row in m["experts"]):
+        raise StoreError(f"{mpath}: expert table does not match config.json ({a.model_type}: "
+                         f"{M} MoE layers x {a.num_experts} experts); re-convert")
+    _check_manifest(mpath, m, a, ck)
+    check_store_files(path, m)
+    return m, a, ck
+
+
+def _check_manifest(mpath: Path, m: dict, a: ModelArgs, ck: str) -> None:
+    """Types and ranges of every manifest field the engine uses (a damaged manifest is a
+    StoreError naming it, never a KeyError or TypeError later)."""
+    try:
+        ok_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+        if ck not in CHECKSUM_OF_VERSION.values():
+            raise ValueError(f"checksum {ck!r}")
+        if m["quant"] not in QUANTS or m["dense_quant"] not in QUANTS:
+            raise ValueError(f"quant {m['quant']!r} / dense_quant {m['dense_quant']!r}")
+        gs = m.get("group_size")
+        if gs is not None and not (ok_int(gs) and gs > 0 and gs % 2 == 0):
+            raise ValueError(f"group_size {gs!r}")
+        lay = m["slab_layout"]
+        want = slab_layout(m["quant"], a.hidden_size, a.moe_intermediate_size, gs or 32, bias=a.expert_bias)
+        got = {"fields": lay["fields"], "data_bytes": lay["data_bytes"], "slot_bytes": lay["slot_bytes"]}
+        if got != json.loads(json.dumps(want)):
+            raise ValueError("slab_layout does not match config.json and the quantization")
+        sb = m["slot_bytes"]
+        if not isinstance(sb, list) or len(sb) != a.num_moe_layers or any(v != want["slot_bytes"] for v in sb):
+            raise ValueError("slot_bytes per layer")
+        if not isinstance(m["dense_file"], str):
+            raise ValueError("dense_file")
+        for row in m["experts"]:
+            for e in row:
+                if not (isinstance(e["file"], str) and ok_int(e["offset"]) and e["offset"] >= 0
+                        and e["offset"] % ALIGN == 0 and e["length"] == want["slot_bytes"]
+                        and ok_int(e[ck])):
+                    raise ValueError(f"expert entry {e!r}")
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise StoreError(f"{mpath}: damaged ({type(e).__name__}: {e}); re-run `colibri convert --overwrite`") from None
+
+
+def store_problem(path: str | os.PathLike) -> str | None:
+    """None when the store at ``path`` passes :func:`read_manifest`'s checks, else the reason
+    (one sentence naming the file, from the StoreError / ConfigError). The one validation
+    ``colibri models``, ``colibri doctor`` and the app's model library show. Never raises for
+    a broken store (I/O errors become the reason too)."""
+    from .errors import EngineError
+    try:
+        read_manifest(path)
+    except (EngineError, OSError) as e:
+        return str(e)
+    return None
+
+
 class ExpertStore:
     """An opened store folder.
 
@@ -57,48 +161,10 @@ class ExpertStore:
 
     def __init__(self, path: str | os.PathLike, o_direct: bool = True):
         self.path = Path(path)
-        mpath = self.path / "manifest.json"
-        if self.path.name.endswith(".partial"):
-            raise StoreError(f"{self.path}: is an unfinished conversion; run `colibri convert` again")
-        try:
-            m = json.loads(mpath.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            hint = (f"it looks like a Hugging Face checkpoint: convert it first, e.g. "
-                    f"`colibri convert {self.path} {self.path.name}-int8`"
-                    if (self.path / "config.json").exists() else
-                    "`colibri models` lists your converted stores; make a new one with "
-                    "`colibri convert HF_FOLDER NEW_STORE_FOLDER`")
-            raise StoreError(f"{mpath}: not found; {self.path} is not a converted store ({hint})") from None
-        except PermissionError:
-            raise StoreError(f"{mpath}: {_denied()}") from None
-        except (OSError, ValueError) as e:
-            raise StoreError(f"{mpath}: unreadable ({e}); re-run `colibri convert`") from None
-        if not isinstance(m, dict):
-            raise StoreError(f"{mpath}: not a store manifest (a JSON object is expected); re-run `colibri convert`")
-        if m.get("format") != FORMAT_NAME:
-            raise StoreError(f"{mpath}: format {m.get('format')!r} is not {FORMAT_NAME!r}")
-        if m.get("version") not in READ_VERSIONS:
-            raise StoreError(f"{mpath}: store version {m.get('version')!r}, this engine reads versions "
-                             f"{', '.join(map(str, READ_VERSIONS))} (it writes {FORMAT_VERSION}); re-run "
-                             f"`colibri convert --overwrite` with this engine")
-        # the checksum each expert entry carries: the manifest says; version 1 wrote "crc32"
-        self.checksum_kind = m.get("checksum") or CHECKSUM_OF_VERSION[m["version"]]
+        m, self.args, self.checksum_kind = read_manifest(self.path)
         self.manifest = m
-        self.args = ModelArgs.from_hf_config(self.path / "config.json")
         a = self.args
         M = a.num_moe_layers
-        # Stores written before families existed have no "moe_layers": every layer was MoE.
-        moe_layers = m.get("moe_layers", None)
-        if moe_layers is None:
-            moe_layers = list(range(m["num_layers"])) if type(m.get("num_layers")) is int else None
-        if not isinstance(moe_layers, list) or m.get("model_type", a.model_type) != a.model_type or \
-                (m.get("num_layers"), m.get("num_experts")) != (M, a.num_experts) or \
-                list(moe_layers) != list(a.moe_layers) or not isinstance(m.get("experts"), list) or len(m["experts"]) != M or \
-                any(not isinstance(row, list) or len(row) != a.num_experts for row in m["experts"]):
-            raise StoreError(f"{mpath}: expert table does not match config.json ({a.model_type}: "
-                             f"{M} MoE layers x {a.num_experts} experts); re-convert")
-        self._check_manifest(mpath, m)
-        check_store_files(self.path, m)
         self.quant = m["quant"]
         self.dense_quant = m["dense_quant"]
         self.group_size = m.get("group_size") or 32
@@ -113,39 +179,6 @@ class ExpertStore:
         self._preadv = positional_reader()  # the one read call of the hot path (tests inject faults here)
         self.o_direct = False
         self._open_files(o_direct)
-
-    def _check_manifest(self, mpath: Path, m: dict) -> None:
-        """Types and ranges of every manifest field the engine uses (a damaged manifest is a
-        StoreError naming it, never a KeyError or TypeError later)."""
-        a = self.args
-        try:
-            ok_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
-            if self.checksum_kind not in CHECKSUM_OF_VERSION.values():
-                raise ValueError(f"checksum {self.checksum_kind!r}")
-            ck = self.checksum_kind
-            if m["quant"] not in QUANTS or m["dense_quant"] not in QUANTS:
-                raise ValueError(f"quant {m['quant']!r} / dense_quant {m['dense_quant']!r}")
-            gs = m.get("group_size")
-            if gs is not None and not (ok_int(gs) and gs > 0 and gs % 2 == 0):
-                raise ValueError(f"group_size {gs!r}")
-            lay = m["slab_layout"]
-            want = slab_layout(m["quant"], a.hidden_size, a.moe_intermediate_size, gs or 32, bias=a.expert_bias)
-            got = {"fields": lay["fields"], "data_bytes": lay["data_bytes"], "slot_bytes": lay["slot_bytes"]}
-            if got != json.loads(json.dumps(want)):
-                raise ValueError("slab_layout does not match config.json and the quantization")
-            sb = m["slot_bytes"]
-            if not isinstance(sb, list) or len(sb) != a.num_moe_layers or any(v != want["slot_bytes"] for v in sb):
-                raise ValueError("slot_bytes per layer")
-            if not isinstance(m["dense_file"], str):
-                raise ValueError("dense_file")
-            for row in m["experts"]:
-                for e in row:
-                    if not (isinstance(e["file"], str) and ok_int(e["offset"]) and e["offset"] >= 0
-                            and e["offset"] % ALIGN == 0 and e["length"] == want["slot_bytes"]
-                            and ok_int(e[ck])):
-                        raise ValueError(f"expert entry {e!r}")
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise StoreError(f"{mpath}: damaged ({type(e).__name__}: {e}); re-run `colibri convert --overwrite`") from None
 
     # --- files --------------------------------------------------------------------------
 

@@ -84,3 +84,55 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes, mode: int | None = 
 def atomic_write_text(path: str | os.PathLike, text: str, mode: int | None = None) -> None:
     """:func:`atomic_write_bytes` of ``text`` encoded as UTF-8."""
     atomic_write_bytes(path, text.encode("utf-8"), mode)
+
+
+class FileLock:
+    """An exclusive advisory lock (``flock``) on the file ``path``, for ``with``; the file is
+    removed when the lock is released (after success and after an error alike).
+
+    The rule: the lock file's existence means nothing, only the flock held on it does. A
+    process killed while holding the lock leaves the file but not the lock (the kernel drops a
+    flock when its holder dies), so the next ``FileLock`` on the path takes it at once and then
+    removes the stale file. Removing the file while others wait is safe: after taking the flock
+    a holder checks that the path still names the inode it locked (``fstat`` vs ``stat``) and
+    starts over otherwise, so two holders never lock different files of one name.
+    Where ``fcntl`` is missing (Windows) this is a no-op and creates no file.
+
+    Raises (on enter): OSError when the lock file cannot be created (the message names it).
+    Source: the lock-file protocol of flock(2) (BSD ``flock``), as in e.g. the ``filelock``
+    package's UnixFileLock.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.fd: int | None = None
+
+    def __enter__(self) -> "FileLock":
+        try:
+            import fcntl
+        except ImportError:
+            return self
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                try:
+                    same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+            except BaseException:
+                os.close(fd)
+                raise
+            if same:
+                self.fd = fd
+                return self
+            os.close(fd)  # the holder before us removed the file: lock the new one
+
+    def __exit__(self, *exc) -> None:
+        if self.fd is not None:
+            try:
+                os.unlink(self.path)  # while still holding the lock (see the class doc)
+            except OSError:
+                pass
+            os.close(self.fd)  # closing releases the flock
+            self.fd = None

@@ -68,23 +68,40 @@ def _writable_dir(path: str) -> bool:
         return False
 
 
-def _numba_cache_dir() -> str | None:
-    """The folder numba caches compiled kernels in, or None when no folder is writable.
+def _cache_dir_problem(path: str, env: str | None) -> str:
+    """Why ``path`` cannot be the kernel cache: a file in the way (and what to do), else unwritable."""
+    q = os.path.abspath(os.path.expanduser(path))
+    a = q
+    while not os.path.isdir(a) and os.path.dirname(a) != a:
+        if os.path.lexists(a):
+            head = (f"{path} is a file, not a folder" if a == q else
+                    f"{path} cannot be created: {a} is a file, not a folder")
+            todo = (f"point {env} at a folder or unset it" if env else "move or rename that file")
+            return f"{head}; {todo} (kernels compile at every start until then)"
+        a = os.path.dirname(a)
+    via = f"{env}=" if env else ""
+    return f"{via}{path} is not writable; kernels compile at every start (make it writable" + (
+        f" or point {env} at a folder you can write)" if env else ")")
+
+
+def _numba_cache_dir() -> tuple[str | None, str]:
+    """(the folder numba caches compiled kernels in, or None when no folder is writable;
+    why not, "" when there is one).
 
     ``NUMBA_CACHE_DIR`` if the user set it (and it is writable), else
     ``<platformdirs user cache>/colibri-desktop/numba``."""
     user = os.environ.get("NUMBA_CACHE_DIR")
     if user:
-        return user if _writable_dir(user) else None
+        return (user, "") if _writable_dir(user) else (None, _cache_dir_problem(user, "NUMBA_CACHE_DIR"))
     try:
         import platformdirs
         d = os.path.join(platformdirs.user_cache_dir("colibri-desktop", appauthor=False), "numba")
     except Exception:  # platformdirs cannot name a folder (no HOME at all)
-        return None
-    return d if _writable_dir(d) else None
+        return None, "no user cache folder (no home folder); kernels compile at every start"
+    return (d, "") if _writable_dir(d) else (None, _cache_dir_problem(d, None))
 
 
-CACHE_DIR = _numba_cache_dir()
+CACHE_DIR, CACHE_PROBLEM = _numba_cache_dir()  # CACHE_PROBLEM: why CACHE_DIR is None ("" otherwise)
 if CACHE_DIR is not None:
     os.environ["NUMBA_CACHE_DIR"] = CACHE_DIR
 if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:

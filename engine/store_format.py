@@ -41,18 +41,46 @@ def slab_checksum(kind: str, data) -> int:
     raise ValueError(f"unknown slab checksum {kind!r} (known: crc32, xxh3_64)")
 
 
+STORE_MARKERS = ("manifest.json", "dense.safetensors", "experts")
+
+
+def looks_like_store(path: str | os.PathLike) -> bool:
+    """True for a folder holding any part of a store (manifest.json, dense.safetensors or
+    experts/), healthy or broken: what the library lists and deletes, and what
+    ``convert --overwrite`` may replace."""
+    p = Path(path)
+    return p.is_dir() and not p.is_symlink() and any((p / n).exists() for n in STORE_MARKERS)
+
+
+def reconvert_command(folder: str | os.PathLike, manifest: dict | None) -> str:
+    """The command that converts the store at ``folder`` again, from what its manifest says
+    (in backquotes): ``colibri download REPO --quant Q --overwrite`` for a hub model,
+    ``colibri convert --overwrite --quant Q SRC FOLDER`` for a local source, else a template
+    with HF_FOLDER."""
+    m = manifest if isinstance(manifest, dict) else {}
+    quant = m.get("quant")
+    q = f" --quant {quant}" if quant in ("int8", "int4", "f16", "f32") else ""
+    repo, src = m.get("hub_repo"), m.get("source")
+    if isinstance(src, str) and src.startswith("hf://") and not (isinstance(repo, str) and repo):
+        repo = src[len("hf://"):].split("@", 1)[0]
+    if isinstance(repo, str) and repo:
+        return f"`colibri download {repo}{q} --overwrite`"
+    if isinstance(src, str) and src:
+        return f"`colibri convert --overwrite{q} {src} {folder}`"
+    return f"`colibri convert --overwrite{q} HF_FOLDER {folder}`"
+
+
 def check_store_files(folder: str | os.PathLike, manifest: dict) -> None:
     """Every file a store's manifest names is there with the right size: the dense file and
     each expert file (the manifest's ``files`` sizes when recorded; at least the end of its
-    last expert slab always).
+    last expert slab always), and the dense file's safetensors header is whole
+    (:func:`check_safetensors_header`). Reads a few KB, never a slab.
 
     Raises:
-        StoreError: naming the missing or short file and saying to re-convert.
+        StoreError: naming the missing, short or damaged file and saying to re-convert.
     """
     folder = Path(folder)
-    src = manifest.get("source") if isinstance(manifest, dict) else None
-    redo = (f"re-convert it: colibri convert --overwrite {src} {folder}" if src else
-            f"re-convert it with `colibri convert --overwrite SRC {folder}`")
+    redo = f"re-convert it with {reconvert_command(folder, manifest)}"
     try:
         need: dict[str, int] = {}
         for row in manifest["experts"]:
@@ -78,3 +106,60 @@ def check_store_files(folder: str | os.PathLike, manifest: dict) -> None:
         if got < size or (rel in exact and got != size):
             raise StoreError(f"{p}: is {got} bytes but the manifest says {size} (an interrupted or "
                              f"concurrent conversion); {redo}")
+    dense = folder / manifest["dense_file"]
+    try:
+        why = check_safetensors_header(dense)
+    except PermissionError:
+        raise StoreError(f"{dense}: permission denied: this user cannot read this store file; make it readable "
+                         f"(chmod -R a+rX {folder}) or convert your own copy with `colibri convert`") from None
+    if why:
+        raise StoreError(f"{dense}: the dense weights file is damaged ({why}); {redo}")
+
+
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
+
+
+def check_safetensors_header(path: str | os.PathLike) -> str | None:
+    """None when ``path`` starts with a whole safetensors header (8-byte little-endian
+    length N, N bytes of JSON object) whose tensors' ``data_offsets`` all end inside the file;
+    else what is wrong, in a few words. Reads 8 + N bytes.
+
+    Raises:
+        PermissionError: the file may not be read (the caller says what to do).
+
+    Format: https://github.com/huggingface/safetensors (README, "Format").
+    """
+    import json
+    import struct
+    try:
+        size = os.stat(path).st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return f"{size} bytes, shorter than a safetensors header"
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                return f"header length {n} does not fit in the file's {size} bytes"
+            meta = json.loads(f.read(n).decode("utf-8"))
+    except PermissionError:
+        raise
+    except OSError as e:
+        return f"cannot be read: {e.strerror or e}"
+    except (ValueError, UnicodeDecodeError) as e:
+        return f"the header is not JSON ({e})"
+    if not isinstance(meta, dict):
+        return "the header is not a JSON object"
+    end = 0
+    for name, t in meta.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, stop = (int(x) for x in t["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            return f"tensor {name!r} has no valid data_offsets"
+        if not 0 <= begin <= stop:
+            return f"tensor {name!r} has data_offsets {t['data_offsets']}"
+        end = max(end, stop)
+    if 8 + n + end > size:
+        return f"truncated: the tensors need {8 + n + end} bytes, the file has {size}"
+    return None

@@ -110,7 +110,9 @@ def test_doctor_when_the_data_folder_cannot_be_created(capsys, tmp_path, monkeyp
     monkeypatch.setenv("COLIBRI_DATA_DIR", str(blocker / "data"))
     monkeypatch.setenv("COLIBRI_CONFIG_DIR", str(blocker / "cfg"))
     out = _doctor(capsys)
-    assert "not created yet" in out and "none converted" in out
+    assert "not created yet" not in out and "none converted" in out   # it can never be created
+    assert f"{blocker / 'data'} cannot be created: {blocker} is a file, not a folder" in out
+    assert "Point COLIBRI_DATA_DIR at a folder" in out and "Point COLIBRI_CONFIG_DIR at a folder" in out
     assert "MB/s" in out and str(tmp_path) in out  # measured on the disk the folder would be on
     assert not blocker.read_text() and sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 

@@ -6,9 +6,36 @@ default model, or on a synthetic random OLMoE when the default model is not ther
 
 from __future__ import annotations
 
+import argparse
 import os
 import tempfile
 from pathlib import Path
+
+
+def number(kind, lo: float, what: str, zero_ok: bool = False):
+    """An argparse ``type``: ``kind(text)`` (int or float) of at least ``lo`` (or 0 when
+    ``zero_ok``); ArgumentTypeError "'TEXT': give WHAT" otherwise (NaN included)."""
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {what}") from None
+        if v != v or not (v >= lo or (zero_ok and v == 0)):
+            raise argparse.ArgumentTypeError(f"{text!r}: give {what}")
+        return v
+    return parse
+
+
+def check_store_arg(ap: argparse.ArgumentParser, store: str | None) -> None:
+    """Refuse a ``--store`` that is not a healthy converted store (the engine's one store
+    validation) with ``ap.error`` naming the broken file, instead of the app silently opening
+    the default model."""
+    if store is None:
+        return
+    from engine.library import store_problem
+    why = store_problem(Path(store).expanduser())
+    if why:
+        ap.error(f"--store {store}: {why}")
 
 
 def isolated_user_dirs(prefix: str) -> Path:

@@ -31,21 +31,22 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from app_harness import isolated_user_dirs, pick_model  # noqa: E402
+from app_harness import check_store_arg, isolated_user_dirs, number, pick_model  # noqa: E402
 
 PROBE_MS = 10
 TARGET_P99_MS = 50.0
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens", type=int, default=200)
-    ap.add_argument("--cap", type=int, default=24,
+    ap = argparse.ArgumentParser(prog="bench_gui_stall.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=number(int, 1, "a whole number of tokens, 1 or more"), default=200)
+    ap.add_argument("--cap", type=number(int, 1, "a whole number of expert slots per layer, 1 or more"), default=24,
                     help="expert slots per layer (fewer = more streaming from the SSD)")
     ap.add_argument("--store", help="an already converted store to use instead of the default model")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "gui_stall.json"))
-    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--timeout", type=number(float, 1.0, "a timeout in seconds, at least 1"), default=600.0)
     a = ap.parse_args(argv)
+    check_store_arg(ap, a.store)
     tmp = isolated_user_dirs("colibri-stall-")
 
     from PySide6.QtCore import QElapsedTimer, QEventLoop, Qt, QTimer

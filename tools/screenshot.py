@@ -21,23 +21,62 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
-from app_harness import isolated_user_dirs, pick_model  # noqa: E402
+from app_harness import check_store_arg, isolated_user_dirs, number, pick_model  # noqa: E402
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "docs" / "screenshot.png"))
-    ap.add_argument("--size", default="1400x900")
-    ap.add_argument("--cap", type=int, default=24,
-                    help="expert slots per layer (fewer = more streaming from the SSD)")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp")  # formats Qt's QImage.save always writes
+MAX_SIDE = 8000
+
+
+def _size(text: str) -> tuple[int, int]:
+    """``--size WxH`` -> (W, H) in pixels; ArgumentTypeError naming the value otherwise."""
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give WIDTHxHEIGHT in pixels, e.g. 1400x900") from None
+    if not (1 <= w <= MAX_SIDE and 1 <= h <= MAX_SIDE):
+        raise argparse.ArgumentTypeError(f"{text!r}: width and height must be 1 to {MAX_SIDE} pixels")
+    return w, h
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked before anything starts: a bad value ends with one
+    ``screenshot.py: error: ...`` line naming the option and what to give (exit code 2), never a
+    traceback and never a silent fallback (a --store that is not a healthy store, an --out that
+    cannot be written or is not an image name, an empty --prompt are refused)."""
+    ap = argparse.ArgumentParser(prog="screenshot.py", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "docs" / "screenshot.png"),
+                    help=f"image file to write ({', '.join(IMAGE_SUFFIXES)})")
+    ap.add_argument("--size", default="1400x900", type=_size, help="window size WIDTHxHEIGHT (pixels)")
+    ap.add_argument("--cap", type=number(int, 1, "a whole number of expert slots per layer, 1 or more"),
+                    default=24, help="expert slots per layer (fewer = more streaming from the SSD)")
     ap.add_argument("--store", help="an already converted store to use instead of the default model")
-    ap.add_argument("--budget-gb", type=float, default=0.6,
+    ap.add_argument("--budget-gb", type=number(float, 0.1, "a RAM budget in GB, at least 0.1 (0 = automatic)",
+                                               zero_ok=True), default=0.6,
                     help="RAM budget (GB) so the RAM panel shows a binding budget; 0 = automatic")
-    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--timeout", type=number(float, 1.0, "a timeout in seconds, at least 1"), default=300.0)
     ap.add_argument("--theme", default="light", choices=("system", "light", "dark"),
                     help="colour scheme (Settings › Appearance)")
     ap.add_argument("--prompt", help="the second question (the one captured mid-answer)")
     a = ap.parse_args(argv)
+    out = Path(a.out).expanduser()
+    if out.suffix.lower() not in IMAGE_SUFFIXES:
+        ap.error(f"--out {a.out}: give an image file name ending in {', '.join(IMAGE_SUFFIXES)}")
+    if out.is_dir():
+        ap.error(f"--out {a.out}: is a folder; give a file name, e.g. {out / 'screenshot.png'}")
+    from engine.library import folder_problem
+    why = folder_problem(out.parent, None, "the screenshot")
+    if why:
+        ap.error(f"--out {a.out}: {why}")
+    if a.prompt is not None and not a.prompt.strip():
+        ap.error("--prompt is empty: give the question to capture, or leave --prompt out for the default one")
+    check_store_arg(ap, a.store)
+    a.out = str(out)
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
     tmp = isolated_user_dirs("colibri-shot-")
 
     from PySide6.QtCore import QEventLoop, Qt
@@ -61,7 +100,13 @@ def main(argv=None) -> int:
                         sampling=SamplingParams(max_new_tokens=160),
                         current_model=store)
     win = MainWindow(settings)
-    w, h = (int(v) for v in a.size.split("x"))
+    w, h = a.size
+    low = win.minimumSizeHint().expandedTo(win.minimumSize())
+    if w < low.width() or h < low.height():
+        win.close()
+        print(f"screenshot.py: error: --size {w}x{h}: the window cannot be smaller than "
+              f"{low.width()}x{low.height()} (its minimum size); give at least that", file=sys.stderr)
+        return 2
     win.resize(w, h)
     win.show()
     app.processEvents()
@@ -112,7 +157,8 @@ def _run(a, app, win, prompts, pump) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if not img.save(str(out)):
-        raise SystemExit(f"could not write {out}")
+        raise SystemExit(f"screenshot.py: error: could not write {out} (check the folder's permissions and "
+                         f"free space)")
     print(f"saved {out} ({img.width()}x{img.height()}); {len(tokens)} tokens streamed, "
           f"{len(p.hit_ring)} metric points, generating={win.answer is not None}")
     return 0

@@ -180,16 +180,21 @@ def _writable(folder: Path) -> tuple[bool, str]:
         return False, str(e.strerror or e)
 
 
-def _folder_fact(p: Path) -> dict:
-    from ..library import free_space
-    d: dict = {"path": str(p), "exists": p.is_dir()}
+def _folder_fact(p: Path, env: str | None = None, what: str = "data") -> dict:
+    """{path, exists, writable, problem, not_a_folder, free_bytes} of a user folder; a path
+    that is (or lies under) a file is ``not_a_folder`` with the library's sentence saying what
+    to do (engine.library.folder_problem)."""
+    from ..library import folder_problem, free_space
+    d: dict = {"path": str(p), "exists": p.is_dir(), "not_a_folder": False}
     if d["exists"]:
         d["writable"], why = _writable(p)
         if why:
             d["problem"] = why
     else:
         d["writable"] = False
-        d["problem"] = "not created yet"
+        why = folder_problem(p, env, what)
+        d["not_a_folder"] = why is not None
+        d["problem"] = why or "not created yet"
     try:
         d["free_bytes"] = free_space(p)
     except OSError as e:
@@ -255,7 +260,7 @@ def collect(disk_test: bool = True, budget_bytes: int = DISK_TEST_BYTES,
         return {"threading_layer": K.THREADING_LAYER, "serialized": K.SERIALIZED, "default": default,
                 "settings_file": saved, "in_use": saved or default,  # 0 = all usable CPUs
                 "limit": K.thread_limit(),
-                "numba_cache": K.CACHE_DIR}
+                "numba_cache": K.CACHE_DIR, "numba_cache_problem": K.CACHE_PROBLEM}
     _section(facts, "threads", threads)
 
     def memory():
@@ -271,17 +276,22 @@ def collect(disk_test: bool = True, budget_bytes: int = DISK_TEST_BYTES,
 
     data = user_data_dir(create=False)
     config = user_config_dir(create=False)
-    _section(facts, "data_folder", lambda: _folder_fact(data))
-    _section(facts, "config_folder", lambda: _folder_fact(config))
+    _section(facts, "data_folder", lambda: _folder_fact(data, "COLIBRI_DATA_DIR", "models, downloads and chats"))
+    _section(facts, "config_folder", lambda: _folder_fact(config, "COLIBRI_CONFIG_DIR", "settings"))
 
     def models():
         out = {"models_folder": str(data / "models"), "converted": [], "default_model": {}}
         src = default_model_dir()
         out["default_model"] = {"name": DEFAULT_MODEL, "bundled": (src / "config.json").is_file(), "path": str(src)}
-        if (data / "models").is_dir():  # never create folders just to report them
+        from ..library import folder_problem
+        why = folder_problem(data / "models", None, "converted models")
+        if why:
+            out["problem"] = why
+        elif (data / "models").is_dir():  # never create folders just to report them
             try:
                 out["converted"] = [{"name": m.name, "quant": m.quantization, "family": m.family_label,
-                                     "size_bytes": m.size_bytes, "path": m.path} for m in list_models()]
+                                     "size_bytes": m.size_bytes, "path": m.path, "ok": m.ok,
+                                     "problem": m.problem, "advice": m.advice} for m in list_models()]
             except OSError as e:
                 out["problem"] = str(e)
         return out
@@ -350,7 +360,8 @@ def format_report(f: dict) -> str:
         add("threads", f"{t['in_use']} for the kernels (default {t['default']}: all usable CPUs"
             + (f"; settings file says {saved}" if saved is not None else "") + f"; at most {t['limit']}), "
             f"numba threading layer {t['threading_layer']}" + (" (serialized)" if t["serialized"] else ""))
-        add("numba cache", t["numba_cache"] or "none: no writable cache folder, kernels compile at every start")
+        add("numba cache", t["numba_cache"] or "none: " + (t.get("numba_cache_problem") or
+                                                           "no writable cache folder, kernels compile at every start"))
     if err("memory"):
         add("memory", err("memory"))
     else:
@@ -365,8 +376,8 @@ def format_report(f: dict) -> str:
             add(label, err(key))
             continue
         d = f[key]
-        state = ("writable" if d["writable"] else "not created yet" if not d["exists"] else
-                 f"NOT writable ({d.get('problem', '?')})")
+        state = ("writable" if d["writable"] else f"NOT A FOLDER: {d['problem']}" if d.get("not_a_folder") else
+                 "not created yet" if not d["exists"] else f"NOT writable ({d.get('problem', '?')})")
         free = "" if d.get("free_bytes") is None else f", {format_bytes(d['free_bytes'])} free"
         add(label, f"{d['path']} ({state}{free})")
     if "disk_read" in f:
@@ -392,7 +403,10 @@ def format_report(f: dict) -> str:
             add("models", f"none converted in {mo['models_folder']}" + (f" ({mo['problem']})" if mo.get("problem") else ""))
         for i, m in enumerate(conv):
             add("models" if i == 0 else "", f"{m['name']} {m['quant']} {m['family']} {format_bytes(m['size_bytes'])}  "
-                f"{m['path']}")
+                f"{m['path']}" + ("" if m.get("ok", True) else "  BROKEN"))
+            if not m.get("ok", True):
+                add("", f"  {m['problem']}")
+                add("", f"  {m['advice']}")
     return "\n".join(L)
 
 

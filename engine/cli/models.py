@@ -102,7 +102,8 @@ def cmd_download(a) -> int:
 
 
 def cmd_models(a) -> int:
-    """``colibri models``: table of converted stores."""
+    """``colibri models``: table of converted stores; a broken store is listed as BROKEN with
+    the reason (naming the file) and what to do. Exit code 1 when any store is broken."""
     ms = list_models()
     if not ms:
         print(f"no converted models in {models_dir()} (add one with `colibri download REPO`)")
@@ -111,6 +112,12 @@ def cmd_models(a) -> int:
     for m in ms:
         print(f"{m.name[:32]:<32} {m.quantization:<5} {m.family_label:<10} {format_bytes(m.size_bytes):>10}  "
               f"{m.created:<20} {m.source}\n{'':<82}{m.path}")
+        if not m.ok:
+            print(f"{'':<4}BROKEN: {m.problem}\n{'':<4}{m.advice}")
+    broken = sum(not m.ok for m in ms)
+    if broken:
+        print(f"colibri: {broken} of {len(ms)} stores are broken (see BROKEN above)", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -23,10 +23,12 @@ from .check import (DISK_MARGIN_BYTES, HUB_HOSTS, NEEDED_PATTERNS, PARTIAL_DIR, 
                     RepoFile, TokenizerCheck, check_local, check_repo, check_tokenizer, parse_repo_id)
 from .default_model import DEFAULT_MODEL, default_model_dir, default_store
 from .download import check_weight_file, delete_download, download
-from .errors import DiskSpaceError, DownloadCancelled, HubError, VerificationError
-from .models import ModelEntry, convert_downloaded, delete_model, list_models, self_test
-from .paths import (download_dir_for, downloads_dir, free_space, models_dir, resources_dir, store_name,
-                    user_config_dir, user_data_dir)
+from .errors import DiskSpaceError, DownloadCancelled, FolderError, HubError, VerificationError
+from ..expert_store import store_problem
+from .models import (ModelEntry, convert_downloaded, delete_model, list_models, looks_like_store, repair_advice,
+                     self_test)
+from .paths import (blocking_file, download_dir_for, downloads_dir, folder_problem, free_space, models_dir,
+                    resources_dir, store_name, user_config_dir, user_data_dir)
 
 __all__ = [
     "Cancelled", "atomic_write_text", "BudgetPlan", "Estimate", "estimate", "machine_ram", "plan_for_store",
@@ -34,7 +36,8 @@ __all__ = [
     "WIZARD_QUANTS", "HUB_HOSTS", "RepoCheck", "RepoFile", "TokenizerCheck", "check_local", "check_repo", "check_tokenizer",
     "parse_repo_id", "DEFAULT_MODEL",
     "default_model_dir", "default_store", "check_weight_file", "delete_download", "download",
-    "DiskSpaceError", "DownloadCancelled", "HubError", "VerificationError", "ModelEntry",
-    "convert_downloaded", "delete_model", "list_models", "self_test", "download_dir_for", "downloads_dir",
+    "DiskSpaceError", "DownloadCancelled", "FolderError", "blocking_file", "folder_problem", "HubError", "VerificationError", "ModelEntry",
+    "convert_downloaded", "delete_model", "list_models", "looks_like_store", "repair_advice", "self_test",
+    "store_problem", "download_dir_for", "downloads_dir",
     "free_space", "models_dir", "resources_dir", "store_name", "user_config_dir", "user_data_dir",
 ]

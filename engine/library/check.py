@@ -24,6 +24,7 @@ from ..config import SUPPORTED_MODEL_TYPES, ModelArgs, describe_model, supported
 from ..errors import ConfigError, TokenizerError
 from ..quant import QUANTS
 from ..sizing import MAX_DEFAULT_CONTEXT, Estimate, estimate, machine_ram, ram_verdict
+from ..store_format import looks_like_store
 from ..units import format_bytes
 from .errors import HubError
 from .paths import download_dir_for, free_space, models_dir, same_disk, store_name
@@ -320,7 +321,7 @@ def _finish_check(*, source, repo_id, revision, commit, model_name, args, files,
         source=source, repo_id=repo_id, revision=revision, commit=commit, model_name=model_name, args=args,
         files=tuple(files), ignored_files=tuple(ignored), download_dir=str(dl_dir), download_bytes=total_dl,
         download_missing=missing, download_free=dl_free, quant=quant, store_dir=str(store_dir),
-        store_exists=(store_dir / "manifest.json").exists(), store_bytes=est.store_bytes, store_free=st_free,
+        store_exists=looks_like_store(store_dir), store_bytes=est.store_bytes, store_free=st_free,
         same_disk=same, disk_ok=disk_ok, disk_message=disk_msg, estimate=est, ram_total=ram_total,
         ram_available=ram_avail, ram_verdict=verdict, ram_message=ram_msg, estimates=ests,
         has_chat_template=tokenizer.has_chat_template, tokenizer_message=tokenizer.message)

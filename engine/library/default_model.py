@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from pathlib import Path
 from typing import Callable
@@ -10,9 +11,11 @@ from typing import Callable
 from ..convert import convert_checkpoint
 from ..errors import StoreError
 from ..events import LoadProgress
+from ..expert_store import store_problem
 from ..store_format import FORMAT_VERSION
 from .paths import models_dir, resources_dir
 
+log = logging.getLogger(__name__)
 DEFAULT_MODEL = "colibri-stdlib-moe"
 DEFAULT_QUANT = "int8"
 
@@ -25,7 +28,7 @@ def default_model_dir() -> Path:
 def default_store(progress: Callable[[LoadProgress], None] | None = None,
                   cancel: threading.Event | None = None, quant: str = DEFAULT_QUANT) -> Path:
     """Path of the converted default model in the user data directory, converting it first
-    if needed (atomic; a store from an older checkpoint is rebuilt).
+    if needed (atomic; a store from an older checkpoint, or a broken one, is rebuilt).
 
     Raises:
         StoreError: the bundled model is missing from resources/ (broken install).
@@ -40,11 +43,15 @@ def default_store(progress: Callable[[LoadProgress], None] | None = None,
     if m.exists():
         try:
             man = json.loads(m.read_text(encoding="utf-8"))
-            # rebuilt when the checkpoint changed or the store predates this engine's format
-            # (a version 1 store still opens; rebuilding gives it the faster checksums)
+            # rebuilt when the checkpoint changed, the store predates this engine's format
+            # (a version 1 store still opens; rebuilding gives it the faster checksums) or it
+            # is broken (a truncated or missing file: the library's one validation)
             if man.get("source_mtime") == stamp and man.get("version") == FORMAT_VERSION:
-                return dst
-        except (OSError, ValueError):
+                why = store_problem(dst)
+                if why is None:
+                    return dst
+                log.warning("the converted default model is broken (%s); converting it again", why)
+        except (OSError, ValueError, AttributeError):
             pass
     convert_checkpoint(src, dst, quant=quant, overwrite=True, progress=progress, cancel=cancel,
                        extra_manifest={"source_mtime": stamp})

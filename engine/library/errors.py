@@ -24,4 +24,12 @@ class VerificationError(HubError):
     kind = ErrorKind.IO
 
 
+class FolderError(EngineError, NotADirectoryError):
+    """A user folder (data, config, models, downloads) cannot be used: it is a file, or it
+    cannot be created. An OSError too, so callers that catch OSError keep working; the
+    message names the path (and the environment variable that chose it) and what to do."""
+
+    kind = ErrorKind.DISK
+
+
 DownloadCancelled = Cancelled  # the old name; one Cancelled class for every cancel

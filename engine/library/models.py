@@ -14,6 +14,7 @@ from typing import Callable
 from ..config import ModelArgs, family_name
 from ..events import LoadProgress
 from ..sizing import estimate
+from ..store_format import looks_like_store
 from ..units import format_bytes
 from .check import DISK_MARGIN_BYTES, PARTIAL_DIR, check_tokenizer
 from .errors import DiskSpaceError, HubError
@@ -105,7 +106,11 @@ def self_test(store: str | os.PathLike, max_new_tokens: int = 8) -> str:
 @dataclass(frozen=True)
 class ModelEntry:
     """A converted store in models_dir(): size_bytes on disk, created (ISO time, UTC),
-    family: the manifest's model_type ("olmoe" for stores written before families)."""
+    family: the manifest's model_type ("olmoe" for stores written before families).
+
+    problem: "" for a healthy store, else why it cannot be used (one sentence naming the
+    broken file: engine.expert_store.store_problem); advice: what to do about it (re-convert
+    with the command that made it, or delete it)."""
 
     name: str
     source: str
@@ -114,11 +119,18 @@ class ModelEntry:
     created: str
     path: str
     family: str = "olmoe"
+    problem: str = ""
+    advice: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """True when the store passed the checks (it can be opened)."""
+        return not self.problem
 
     @property
     def family_label(self) -> str:
         """The family's display name, e.g. "Qwen3-MoE"."""
-        return family_name(self.family)
+        return family_name(self.family) if self.family else "?"
 
 
 def _dir_size(p: Path) -> int:
@@ -132,31 +144,67 @@ def _dir_size(p: Path) -> int:
     return n
 
 
-def list_models() -> list[ModelEntry]:
-    """Converted stores in ``models_dir()`` (folders with a manifest.json), newest first.
+def repair_advice(path: Path, manifest: dict | None) -> str:
+    """What to do about a broken store: re-convert it (the command that made it, when the
+    manifest says: store_format.reconvert_command) or delete it."""
+    from ..store_format import reconvert_command
+    return (f"Re-convert it with {reconvert_command(path, manifest)} (or Add model… in the app), or "
+            f"delete it (Models › Delete… in the app, or remove the folder {path}).")
 
-    Unfinished conversions (``*.partial``) and unreadable manifests are skipped.
+
+def _entry(p: Path) -> ModelEntry | None:
+    """The library entry of the folder ``p`` (None when it holds no part of a store)."""
+    from ..expert_store import store_problem
+    if not looks_like_store(p):
+        return None
+    try:
+        m = json.loads((p / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        m = None
+    if not isinstance(m, dict):
+        m = None
+    d = m or {}
+    problem = store_problem(p) or ""
+    return ModelEntry(name=str(d.get("model_name") or p.name), source=str(d.get("source") or ""),
+                      quantization=str(d.get("quant") or "?"), size_bytes=_dir_size(p),
+                      created=str(d.get("created") or ""), path=str(p),
+                      family=str(d.get("model_type") or ("olmoe" if m else "")),
+                      problem=problem, advice=repair_advice(p, m) if problem else "")
+
+
+def list_models() -> list[ModelEntry]:
+    """Converted stores in ``models_dir()``, newest first: every folder holding a part of a
+    store (manifest.json, dense.safetensors or experts/). Each is checked with the engine's one
+    store validation (engine.expert_store.store_problem: manifest, config.json, every file's
+    size, the dense header); a broken one is listed with ``problem`` and ``advice`` set,
+    never skipped and never raised.
+
+    Skipped: hidden folders (unfinished ``.NAME.*.partial`` conversions, ``.old-`` leftovers),
+    files, folders with no part of a store. A ``NAME.deleting-PID`` folder whose process is
+    gone (a delete killed mid-way) is removed.
+    Raises:
+        OSError: the models folder cannot be created or listed (the message names it).
     """
+    from ..convert import pid_is_gone
     out = []
     for p in sorted(models_dir().iterdir()):
-        if not p.is_dir() or p.name.endswith(".partial") or ".old-" in p.name or ".deleting-" in p.name:
+        if ".deleting-" in p.name:  # a delete_model that was killed mid-way: finish it
+            pid = p.name.rsplit("-", 1)[1]
+            if pid.isdigit() and pid_is_gone(int(pid)):
+                shutil.rmtree(p, ignore_errors=True)
             continue
-        try:
-            m = json.loads((p / "manifest.json").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        if p.name.startswith(".") or p.name.endswith(".partial") or ".old-" in p.name:
             continue
-        if not isinstance(m, dict):
-            continue
-        out.append(ModelEntry(name=str(m.get("model_name") or p.name), source=str(m.get("source") or ""),
-                              quantization=str(m.get("quant") or "?"), size_bytes=_dir_size(p),
-                              created=str(m.get("created") or ""), path=str(p),
-                              family=str(m.get("model_type") or "olmoe")))
+        e = _entry(p)
+        if e is not None:
+            out.append(e)
     out.sort(key=lambda e: e.created, reverse=True)
     return out
 
 
 def delete_model(path: str | os.PathLike) -> None:
-    """Delete a converted store; only folders inside ``models_dir()`` holding a manifest.json.
+    """Delete a converted store, healthy or broken; only folders inside ``models_dir()``
+    holding a part of a store (:func:`looks_like_store`).
 
     Raises:
         ValueError: ``path`` is outside models_dir(), is models_dir() itself, or not a store.
@@ -165,8 +213,9 @@ def delete_model(path: str | os.PathLike) -> None:
     p = Path(path).resolve()
     if p == root or root not in p.parents:
         raise ValueError(f"{p}: not inside the models folder {root}; refusing to delete it")
-    if not (p / "manifest.json").is_file():
-        raise ValueError(f"{p}: not a converted store (no manifest.json); refusing to delete it")
+    if not looks_like_store(p):
+        raise ValueError(f"{p}: not a converted store (no manifest.json, dense.safetensors or experts/); "
+                         f"refusing to delete it")
     trash = p.with_name(p.name + f".deleting-{os.getpid()}")
     os.replace(p, trash)  # disappears from the library at once, even if removal is slow
     shutil.rmtree(trash, ignore_errors=True)

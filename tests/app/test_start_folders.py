@@ -1,0 +1,24 @@
+"""The app start with a data or config folder that is a file (new-user review, fault 3): one
+message box (and one stderr line) saying which path is a file and what to do, exit code 2,
+no window and no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+import colibri_app.__main__ as start
+
+
+@pytest.mark.parametrize("var", ["COLIBRI_DATA_DIR", "COLIBRI_CONFIG_DIR"])
+def test_app_start_with_a_folder_that_is_a_file(qapp, tmp_path, monkeypatch, capsys, var):
+    f = tmp_path / "x"
+    f.write_text("")
+    monkeypatch.setenv("COLIBRI_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("COLIBRI_CONFIG_DIR", str(tmp_path / "cfg"))
+    monkeypatch.setenv(var, str(f))
+    shown = []
+    monkeypatch.setattr(start, "show_fatal", shown.append)
+    assert start.main([]) == 2
+    assert len(shown) == 1 and shown[0].startswith(f"{var}={f}: {f} is a file, not a folder. Point {var}")
+    assert capsys.readouterr().err.startswith(f"colibri: error: {var}={f}")
+    assert f.read_text() == ""
