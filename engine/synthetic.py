@@ -143,9 +143,33 @@ def glm4_moe_config(**kw) -> dict:
     return cfg
 
 
+def deepseek_v32_config(**kw) -> dict:
+    """A tiny DeepSeek-V3.2 config.json dict: deepseek_v3_config's model plus the sparse-attention
+    indexer (16 heads of 16, index_topk 8, so prompts of more than 8 tokens are sparse)."""
+    cfg = deepseek_v3_config(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
+                             index_n_heads=16, index_head_dim=16, index_topk=8)
+    cfg.pop("rope_interleave")
+    cfg.update(kw)
+    return cfg
+
+
+def glm_moe_dsa_config(**kw) -> dict:
+    """A tiny GLM-5 config.json dict (GlmMoeDsaConfig names): DeepSeek-V3.2's layer with 2 groups
+    (1 kept), layer 0 dense, and the last layer "shared" (it reuses the previous layer's indexer
+    selection) unless ``indexer_types`` is given."""
+    cfg = deepseek_v32_config(architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", n_group=2,
+                              topk_group=1, rms_norm_eps=1e-5)
+    cfg.pop("topk_method")
+    cfg.pop("scoring_func")
+    cfg.update(kw)
+    L = cfg["num_hidden_layers"]
+    cfg.setdefault("indexer_types", ["full"] + ["shared" if i == L - 1 else "full" for i in range(1, L)])
+    return cfg
+
+
 CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config,
            "qwen2_moe": qwen2_moe_config, "deepseek_v2": deepseek_v2_config, "deepseek_v3": deepseek_v3_config,
-           "glm4_moe": glm4_moe_config}
+           "glm4_moe": glm4_moe_config, "deepseek_v32": deepseek_v32_config, "glm_moe_dsa": glm_moe_dsa_config}
 
 # Exact shapes of published checkpoints (their config.json values; weights are random).
 PRESETS = {
