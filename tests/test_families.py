@@ -375,3 +375,21 @@ def test_bad_group_size_is_one_clear_error(tmp_path, gs):
     ck = write_checkpoint(tmp_path / "ck", glm4_moe_config(num_hidden_layers=2), seed=1, tokenizer=False)
     assert main(["convert", str(ck), str(tmp_path / "out"), "--quant", "int4", "--group-size", str(gs)]) == 2
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name,n_index", [("deepseek_v32", 3), ("glm_moe_dsa", 2)])
+def test_info_counts_the_indexer_keys_in_the_kv_cache(family_stores, name, n_index):
+    """Sparse attention: ``colibri info`` names the indexer and counts its keys (index_head_dim
+    values on each layer that runs one) next to the latent in the KV bytes per token."""
+    from engine.cli.run import describe_store
+    from engine.sizing import kv_bytes
+    _, store = family_stores[name]
+    a = ModelArgs.from_hf_config(store)
+    assert a.indexer_layers == tuple(range(3))[:n_index] and a.index_topk == 8
+    per_token = 3 * (32 + 8) + n_index * 16
+    assert a.kv_values_all_layers == per_token and kv_bytes(a, 10) == 10 * per_token * 2
+    text = describe_store(str(store))
+    assert f"40 values per token and layer + 16 indexer-key values on the {n_index} layers with an indexer" in text
+    assert f"({per_token * 4} B per token of context at f32" in text.replace(".0 B", " B")
+    assert "index_topk 8 past tokens" in text
+    assert ("1 of 3 layers reuse the previous layer's choice" in text) == (name == "glm_moe_dsa")
