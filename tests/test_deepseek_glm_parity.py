@@ -22,8 +22,8 @@ from engine import convert_checkpoint  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
 from engine.models.routing import route_tokens  # noqa: E402
 from engine import sizing  # noqa: E402
-from parity_helpers import (assert_f32_parity, open_model, saved_model,  # noqa: E402
-                            teacher_forced_agreement)
+from parity_helpers import (assert_f32_parity, fake_quantized_copy, hf_logits, kl, open_model,  # noqa: E402
+                            saved_model, teacher_forced_agreement)
 
 pytestmark = pytest.mark.parity
 
@@ -96,12 +96,20 @@ def test_f32_logits_match_transformers(tmp_path, name):
 
 
 # int8 per-row against transformers. The issue's bound (1e-3 nats) holds for DeepSeek-V2 and
-# GLM-4-MoE. DeepSeek-V3 on these random weights (N(0, 0.08)) measures 1.5e-3 ("qproj-onegroup":
-# unnormalised sigmoid weights, 2 shared experts) and 3.3e-3 ("dense-groups-yarn": routed scaling
+# GLM-4-MoE. DeepSeek-V3 on these random weights (N(0, 0.08)) measures 1.4e-3 ("qproj-onegroup":
+# unnormalised sigmoid weights, 2 shared experts) and 3.2e-3 ("dense-groups-yarn": routed scaling
 # 2.5, YaRN mscale^2 1.30); isolating tensors on the latter, int8 o_proj alone gives 1.8e-3 (8.4e-4
-# with exact activations) while int8 experts alone give 5.8e-4: the attention output is
-# multiplied into the residual far beyond a trained model's scale. Not yet met for V3 (issue 14);
-# the test pins what holds so a regression shows.
+# with exact activations) while int8 experts alone give 5.8e-4. The cause is the random model, not
+# our store: transformers' own DeepseekV3ForCausalLM with the same weights rounded by an independent
+# torch quantizer (fake_quantized_copy) measures 2.1e-3 and 3.0e-3, so the test also checks ours
+# against that (at most the int8 bound above it). The config is not the culprit either: logits
+# have std 0.64 (max 2.9), no huge logit scale; the real configs' initializer_range (0.02) at
+# hidden 64 gives near-uniform outputs (entropy 5.53 of ln 256 = 5.55 nats) where any KL is
+# tiny (ours 1.9e-6 / 5.1e-6) and so proves nothing, and 1/sqrt(hidden) = 0.125 (the
+# activation-preserving scale; the real 0.02 at hidden 7168 is 0.21 at hidden 64) gives 4.5e-3 /
+# 7.2e-3 (rounded weights in transformers 2.6e-3 / 9.7e-3). A trained-like router (N(0, 0.25), as
+# Mixtral's test) does not fix it either (2.7e-3 / 1.5e-3). Not met for V3 (issue 14); the test
+# pins what holds so a regression shows.
 @pytest.mark.parametrize("name,bound", [("dsv2-lite-greedy", 1e-3), ("glm-qknorm-bias-groups", 1e-3),
                                         ("dsv3-qproj-onegroup", 2.5e-3), ("dsv3-dense-groups-yarn", 5e-3)])
 def test_int8_kl_against_transformers(tmp_path, name, bound, record_property):
@@ -112,6 +120,10 @@ def test_int8_kl_against_transformers(tmp_path, name, bound, record_property):
     print(f"{name} int8: mean KL {mean_kl:.2e} nats, top-1 agreement {top1:.3f}")
     assert mean_kl <= bound
     assert top1 >= 0.85
+    if bound > 1e-3:  # above the issue's bound: not above what the rounded weights do in transformers
+        ids = np.random.default_rng(1).integers(0, V, 256).tolist()  # teacher_forced_agreement's ids
+        rounded = float(kl(hf_logits(m, ids), hf_logits(fake_quantized_copy(m, "int8"), ids)).mean())
+        assert mean_kl <= rounded + 1e-3, rounded
 
 
 def test_latent_kv_cache_size_and_absorbed_equals_expanded(tmp_path):
