@@ -143,6 +143,18 @@ def glm4_moe_config(**kw) -> dict:
     return cfg
 
 
+def glm4_moe_lite_config(**kw) -> dict:
+    """A tiny GLM-4.7-Flash config.json dict (Glm4MoeLiteConfig names): deepseek_v3_config's MLA
+    and router with ``mlp_layer_types`` (layer 0 dense) instead of first_k_dense_replace."""
+    cfg = deepseek_v3_config(architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite", n_group=2,
+                             topk_group=1, rms_norm_eps=1e-5, routed_scaling_factor=1.8)
+    for k in ("topk_method", "scoring_func", "first_k_dense_replace"):
+        cfg.pop(k)
+    cfg.update(kw)
+    cfg.setdefault("mlp_layer_types", ["dense"] + ["sparse"] * (cfg["num_hidden_layers"] - 1))
+    return cfg
+
+
 def deepseek_v32_config(**kw) -> dict:
     """A tiny DeepSeek-V3.2 config.json dict: deepseek_v3_config's model plus the sparse-attention
     indexer (16 heads of 16, index_topk 8, so prompts of more than 8 tokens are sparse)."""
@@ -169,7 +181,8 @@ def glm_moe_dsa_config(**kw) -> dict:
 
 CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config,
            "qwen2_moe": qwen2_moe_config, "deepseek_v2": deepseek_v2_config, "deepseek_v3": deepseek_v3_config,
-           "glm4_moe": glm4_moe_config, "deepseek_v32": deepseek_v32_config, "glm_moe_dsa": glm_moe_dsa_config}
+           "glm4_moe": glm4_moe_config, "deepseek_v32": deepseek_v32_config, "glm_moe_dsa": glm_moe_dsa_config,
+           "glm4_moe_lite": glm4_moe_lite_config}
 
 # Exact shapes of published checkpoints (their config.json values; weights are random).
 PRESETS = {

@@ -19,7 +19,7 @@ from engine.generate import Engine
 from engine.models import SUPPORTED_MODEL_TYPES, family_for
 from engine.quant import slab_layout
 from engine.synthetic import (CONFIGS, PRESETS, deepseek_v2_config, deepseek_v3_config, deepseek_v32_config,
-                              glm4_moe_config, glm_moe_dsa_config, mixtral_config, olmoe_config, qwen2_moe_config, qwen3_moe_config, write_checkpoint,
+                              glm4_moe_config, glm4_moe_lite_config, glm_moe_dsa_config, mixtral_config, olmoe_config, qwen2_moe_config, qwen3_moe_config, write_checkpoint,
                               write_store_from_seed)
 
 # Family configs with dense layers, GQA, shared experts and windows (small but streaming).
@@ -34,6 +34,8 @@ FAMILY_CONFIGS = {
     "deepseek_v3": deepseek_v3_config(),
     "deepseek_v2": deepseek_v2_config(topk_method="group_limited_greedy", n_group=4, topk_group=2),
     "glm4_moe": glm4_moe_config(),
+    "glm4_moe_lite": glm4_moe_lite_config(mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+                                          num_hidden_layers=4),
     # sparse attention: the 20-token prompt + 12 new tokens exceed index_topk 8
     "deepseek_v32": deepseek_v32_config(),
     "glm_moe_dsa": glm_moe_dsa_config(),

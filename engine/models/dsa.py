@@ -87,21 +87,9 @@ def dsa_fields(cfg: dict, path: str, family: str, *, shared_layers: bool) -> dic
     """
     cfg = dict(cfg)
     cfg.pop("rope_interleave", None)  # the MLA of both always rotates interleaved pairs
-    cfg.setdefault("first_k_dense_replace", 3)
-    L = base.num(cfg, "num_hidden_layers", path, 1, 4096, integer=True, family=family)
-    types = cfg.get("mlp_layer_types")
-    if types is not None:
-        if not isinstance(types, list) or len(types) != L or any(t not in ("dense", "sparse") for t in types):
-            raise ConfigError(f"{path}: key 'mlp_layer_types' must list 'dense' or 'sparse' for each of the "
-                              f"{L} layers, got {types!r}")
-        cfg["first_k_dense_replace"] = types.index("sparse") if "sparse" in types else L
-    v = deepseek_v3.deepseek_fields(cfg, path, family, v3=True)
+    v = deepseek_v3.layer_typed_fields(cfg, path, family, first_k_dense_default=3)
     v.pop("rope_interleave")
-    if types is not None:
-        v["moe_layers"] = tuple(i for i, t in enumerate(types) if t == "sparse")
-        if len(v["moe_layers"]) < L:
-            v["intermediate_size"] = base.num(cfg, "intermediate_size", path, 1, 1 << 24, integer=True,
-                                              family=family)
+    L = v["num_hidden_layers"]
     if not v["q_lora_rank"]:
         raise ConfigError(f"{path}: key 'q_lora_rank' is required for {family}: the sparse-attention indexer "
                           f"reads the q LoRA activations")
