@@ -196,6 +196,53 @@ def test_group_limited_router_equals_transformers(v3):
         assert all(abs(mine[e] - ref[e]) <= 1e-5 * max(1.0, abs(ref[e])) for e in ref)
 
 
+@pytest.mark.parametrize("v3", [True, False])
+def test_router_ties_inside_the_choice_match_transformers(v3):
+    """Exact ties that occur: experts 4-5 (group 2) are copies of experts 0-1 (group 0), router
+    rows and correction biases alike, so groups 0 and 2 tie on every token and experts 0 and 4
+    (1 and 5) tie whenever both groups are kept. Where the tie is inside the choice (both tied
+    groups or experts kept, or both left out) transformers' choice is determined and ours equals
+    it, experts and weights; where it straddles the boundary (torch.topk keeps whichever its C++
+    library's nth_element leaves; see engine/models/routing.py) ours keeps the lower index."""
+    kw = dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5) if v3 else \
+        dict(n_group=4, topk_group=2, topk_method="group_limited_greedy", routed_scaling_factor=16.0)
+    r = _hf_router(v3, **kw)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        w = torch.randn(8, 64, generator=g) * 0.3
+        w[4:6] = w[0:2]
+        r.weight.copy_(w)
+        if v3:
+            b = torch.randn(8, generator=g) * 0.3
+            b[4:6] = b[0:2]
+            r.e_score_correction_bias.copy_(b)
+        logits, tw, ti = r(torch.randn(512, 64, generator=g))
+    z = logits.numpy()
+    bias = r.e_score_correction_bias.numpy() if v3 else None
+    idx, wt = route_tokens(z, 2, norm_topk_prob=v3, scoring_func="sigmoid" if v3 else "softmax",
+                           topk_method="noaux_tc" if v3 else "group_limited_greedy", n_group=4, topk_group=2,
+                           routed_scaling_factor=kw["routed_scaling_factor"], bias=bias)
+    p = 1 / (1 + np.exp(-z)) + bias if v3 else np.exp(z) / np.exp(z).sum(1, keepdims=True)
+    grp = p.reshape(-1, 4, 2)
+    gs = np.sort(grp, axis=2)[:, :, ::-1][:, :, :2].sum(2) if v3 else grp.max(2)  # [T, 4] group scores
+    inside = straddle = 0
+    for t in range(512):
+        top_groups = np.argsort(-gs[t], kind="stable")
+        kept = np.repeat(np.isin(np.arange(4), top_groups[:2]), 2)
+        choice = np.sort(np.where(kept, p[t], -np.inf))[::-1]
+        group_tie_at_boundary = gs[t][top_groups[1]] == gs[t][top_groups[2]]
+        if group_tie_at_boundary or choice[1] == choice[2]:
+            straddle += 1
+            assert group_tie_at_boundary and not {4, 5} & set(idx[t].tolist())  # we keep the lower group, 0
+            continue
+        inside += kept[0] and kept[4]  # both tied groups kept: experts 0 / 4 and 1 / 5 tie in the choice
+        mine = dict(zip(idx[t].tolist(), wt[t].tolist()))
+        ref = dict(zip(ti[t].tolist(), tw[t].tolist()))
+        assert mine.keys() == ref.keys(), t
+        assert all(abs(mine[e] - ref[e]) <= 1e-5 * max(1.0, abs(ref[e])) for e in ref)
+    assert inside >= 50 and straddle >= 50, (inside, straddle)
+
+
 def test_exact_ties_go_to_the_lower_index():
     """Our documented rule on exact ties (group scores or expert scores): larger first, then the
     lower index. (torch.topk on the CPU breaks exact ties by the order libstdc++'s nth_element
