@@ -59,7 +59,8 @@ def kv_bytes(args, context_length: int, kv_dtype: str = DEFAULT_KV_DTYPE) -> int
     """KV cache bytes at ``context_length`` tokens: ``args.kv_values_per_token`` elements per
     token and layer (K and V of every KV head; MLA: the latent, kv_lora_rank +
     qk_rope_head_dim; DeepSeek sparse attention: plus index_head_dim indexer-key values on the
-    layers that run their own indexer; ``args.kv_values_all_layers`` in all), each 2 bytes (kv_dtype "f16") or 4 ("f32").
+    layers that run their own indexer; ``args.kv_values_all_layers`` in all), each 2 bytes
+    (kv_dtype "f16") or 4 ("f32").
 
     Raises:
         ValueError: unknown kv_dtype.

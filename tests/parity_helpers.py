@@ -114,8 +114,9 @@ def fake_quantized_copy(m, quant: str, group_size: int = 32):
     by an independent torch implementation (not engine.quant): int8 = per row (last axis)
     absmax / 127; int4 (routed experts only; everything else int8, as convert.py's default
     dense quant) = per group of ``group_size`` absmax / 7, codes -8..7. Routers, norms and the
-    sparse-attention indexer's weights_proj stay exact, as in our stores. Run through transformers' own forward (float activations), it
-    gives the error of the rounded weights alone."""
+    sparse-attention indexer's weights_proj stay exact, as in our stores. Run through
+    transformers' own forward (float activations), it gives the error of the rounded weights
+    alone."""
     import copy
     mq = copy.deepcopy(m)
     with torch.no_grad():

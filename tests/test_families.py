@@ -19,7 +19,8 @@ from engine.generate import Engine
 from engine.models import SUPPORTED_MODEL_TYPES, family_for
 from engine.quant import slab_layout
 from engine.synthetic import (CONFIGS, PRESETS, deepseek_v2_config, deepseek_v3_config, deepseek_v32_config,
-                              glm4_moe_config, glm4_moe_lite_config, glm_moe_dsa_config, mixtral_config, olmoe_config, qwen2_moe_config, qwen3_moe_config, write_checkpoint,
+                              glm4_moe_config, glm4_moe_lite_config, glm_moe_dsa_config, mixtral_config,
+                              olmoe_config, qwen2_moe_config, qwen3_moe_config, write_checkpoint,
                               write_store_from_seed)
 
 # Family configs with dense layers, GQA, shared experts and windows (small but streaming).
