@@ -213,6 +213,17 @@ PRESETS = {
                          "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
                          "mscale": 1.0, "mscale_all_dim": 1.0},
         bos_token_id=0, eos_token_id=1),
+    # GLM-5 (zai-org/GLM-5) as transformers' GlmMoeDsaConfig defaults give it: 78 layers, the
+    # first 3 dense, 256 experts of width 2048, top-8, one shared expert, MLA (q LoRA 2048, kv
+    # LoRA 512, rope 64, nope 192, v 256) with DeepSeek sparse attention (32 indexer heads of 128,
+    # index_topk 2048, an indexer on every layer).
+    "glm-5": glm_moe_dsa_config(
+        hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048, num_hidden_layers=78,
+        num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512,
+        qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=256, num_experts_per_tok=8,
+        n_shared_experts=1, first_k_dense_replace=3, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+        vocab_size=154880, max_position_embeddings=202752, index_n_heads=32, index_head_dim=128,
+        index_topk=2048, indexer_types=["full"] * 78, bos_token_id=0, eos_token_id=1),
 }
 
 

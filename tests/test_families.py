@@ -396,3 +396,14 @@ def test_info_counts_the_indexer_keys_in_the_kv_cache(family_stores, name, n_ind
     assert f"({per_token * 4} B per token of context at f32" in text.replace(".0 B", " B")
     assert "index_topk 8 past tokens" in text
     assert ("1 of 3 layers reuse the previous layer's choice" in text) == (name == "glm_moe_dsa")
+
+
+def test_glm5_preset_sizes_its_latent_and_indexer_cache():
+    """GLM-5's shape: the KV cache per token is 78 layers x (512 + 64) latent values plus 78 x 128
+    indexer-key values, 109,824 bytes at f16 (the expanded heads would be 78 x 2 x 64 x 256)."""
+    from engine.sizing import kv_bytes
+    a = ModelArgs.from_dict(PRESETS["glm-5"])
+    assert (a.model_type, a.num_hidden_layers, a.num_moe_layers, a.num_experts, a.index_topk) == \
+        ("glm_moe_dsa", 78, 75, 256, 2048)
+    assert a.kv_values_all_layers == 78 * (512 + 64) + 78 * 128
+    assert kv_bytes(a, 1) == 109_824
