@@ -11,6 +11,12 @@ FP8 block-scaled checkpoints (DeepSeek-V3 / R1, Kimi-K2, the GLM FP8 releases): 
 the published ones) reads as weight[o, n] * scale_inv[o // bo, n // bi] in float32, tensor by
 tensor, so the converter's peak RSS stays one tensor (source: DeepSeek-V3's
 inference/fp8_cast_bf16.py weight_dequant, and transformers' finegrained_fp8 integration).
+
+Families whose experts exist only as fused tensors of their own layout (gpt-oss) name them
+with ``family.expert_tensors(args, i, mxfp4)`` and turn one expert's slices into store parts
+with ``family.expert_from_fused`` (float) / ``family.expert_from_mxfp4`` (the published MXFP4
+blocks and e8m0 scales, ``quantization_config.quant_method: mxfp4``, kept as bytes for an
+mxfp4 store: :meth:`Checkpoint.quantized_expert`; decoded exactly for any other store).
 """
 
 from __future__ import annotations
@@ -67,6 +73,7 @@ class Checkpoint:
         self.args = ModelArgs.from_hf_config(self.folder / "config.json")
         self.family = family_for(self.args.model_type)
         self._fused: dict[int, tuple[str, str]] = {}  # transformer layer -> (gate_up, down) names
+        self._family_fused: dict[int, tuple[dict, bool]] = {}  # layer -> ({name: shape}, mxfp4) (gpt-oss)
         self._files = self._weight_files()
         self._handles: dict[Path, object] = {}
         self._where: dict[str, Path] = {}
@@ -97,6 +104,8 @@ class Checkpoint:
             qc = None
         if not isinstance(qc, dict):
             return (128, 128)
+        if qc.get("quant_method") == "mxfp4" and hasattr(self.family, "expert_from_mxfp4"):
+            return (128, 128)  # MXFP4 experts (gpt-oss): read by the family's layout, no FP8 blocks
         if qc.get("quant_method", "fp8") != "fp8":
             raise CheckpointError(f"{self.folder / 'config.json'}: quantization_config.quant_method "
                                   f"{qc.get('quant_method')!r} is not read; use the model's bf16 or FP8 release")
@@ -176,8 +185,9 @@ class Checkpoint:
                 self._spans[k] = (base + s, base + e, v["dtype"], v["shape"])
         self._fds[path] = os.open(path, os.O_RDONLY)
 
-    def _check_one(self, name: str, shape: tuple) -> bool:
-        """False if ``name`` is absent; raises if present with the wrong shape or dtype."""
+    def _check_one(self, name: str, shape: tuple, raw: bool = False) -> bool:
+        """False if ``name`` is absent; raises if present with the wrong shape or dtype
+        (``raw``: must be uint8, the MXFP4 blocks and scales)."""
         f = self._where.get(name)
         if f is None:
             return False
@@ -186,6 +196,11 @@ class Checkpoint:
         if got != tuple(shape):
             raise CheckpointError(f"{f}: tensor '{name}' has shape {list(got)} but config.json "
                                   f"implies {list(shape)}; config and weights do not match")
+        if raw:
+            if sl.get_dtype() != "U8":
+                raise CheckpointError(f"{f}: tensor '{name}' has dtype {sl.get_dtype()}; MXFP4 blocks and "
+                                      f"scales are uint8 (U8) - the checkpoint is damaged, download it again")
+            return True
         if sl.get_dtype() == "F8_E4M3":
             sn = self._scale_name(name)
             bo, bi = self._fp8_block
@@ -216,6 +231,9 @@ class Checkpoint:
         shapes = base.expert_shapes(a)
         E, I, D = a.num_experts, a.moe_intermediate_size, a.hidden_size
         for i in a.moe_layers:
+            if hasattr(self.family, "expert_tensors"):  # the family's own fused layout (gpt-oss)
+                self._check_family_experts(i)
+                continue
             en = self.family.expert_names(a, i)
             fused = next((p for p in en.fused_prefixes if p + "gate_up_proj" in self._where), None)
             if fused is not None and en.name(0, "gate_proj") not in self._where:
@@ -230,9 +248,47 @@ class Checkpoint:
                     if not self._check_one(en.name(e, p), shapes[p]):
                         raise self._missing(en.name(e, p))
 
+    def _check_family_experts(self, i: int) -> None:
+        """Layer i's experts in the family's fused layout: MXFP4 (blocks + scales) when its
+        gate_up_proj_blocks is present, else bf16 / f16 / f32. Raises CheckpointError."""
+        a = self.args
+        mx = self.family.expert_tensors(a, i, mxfp4=True)
+        use_mx = next(iter(mx)) in self._where
+        if use_mx and (a.hidden_size % 32 or a.moe_intermediate_size % 32):
+            raise CheckpointError(f"{self.folder}: MXFP4 experts need hidden_size and intermediate_size to be "
+                                  f"multiples of 32 (config.json says {a.hidden_size} and {a.moe_intermediate_size})")
+        names = mx if use_mx else self.family.expert_tensors(a, i)
+        for n, shape in names.items():
+            if not self._check_one(n, shape, raw=use_mx and not n.endswith("_bias")):
+                raise self._missing(n)
+        self._family_fused[i] = (names, use_mx)
+
+    def _family_rows(self, layer: int, e: int) -> dict[str, np.ndarray]:
+        names, mx = self._family_fused[layer]
+        return {n: (self._read_raw(n, e) if mx and not n.endswith("_bias") else self._read(n, e)) for n in names}
+
+    def is_mxfp4(self, layer: int) -> bool:
+        """True when transformer layer ``layer``'s experts are stored as MXFP4 blocks + scales."""
+        return self._family_fused.get(layer, ({}, False))[1]
+
+    def quantized_expert(self, layer: int, e: int, quant: str, group_size: int
+                         ) -> dict[str, dict[str, np.ndarray]] | None:
+        """An MXFP4 expert converted to an mxfp4 store: its codes, scale bytes and float32
+        biases as stored ({proj: {"w", "s", "b"}}, never decoded); None otherwise (the
+        converter then quantizes :meth:`expert`)."""
+        if quant != "mxfp4" or not self.is_mxfp4(layer):
+            return None
+        return self.family.expert_from_mxfp4(self.args, layer, self._family_rows(layer, e))
+
     def expert(self, layer: int, e: int) -> dict[str, np.ndarray]:
         """Expert ``e`` of transformer layer ``layer``: {"gate_proj": [I, D], "up_proj": [I, D],
-        "down_proj": [D, I]} float32, read alone (a fused tensor is read one expert's rows)."""
+        "down_proj": [D, I]} float32, read alone (a fused tensor is read one expert's rows);
+        gpt-oss adds the biases "gate_proj.b", "up_proj.b", "down_proj.b"."""
+        if layer in self._family_fused:
+            rows = self._family_rows(layer, e)
+            if self.is_mxfp4(layer):
+                return self.family.dequantized_expert(self.args, layer, rows)
+            return self.family.expert_from_fused(self.args, layer, rows)
         if layer in self._fused:
             gu, dn = self._fused[layer]
             I = self.args.moe_intermediate_size
@@ -243,6 +299,8 @@ class Checkpoint:
 
     def expert_nbytes(self, layer: int) -> int:
         """Checkpoint bytes of one expert of transformer layer ``layer``."""
+        if layer in self._family_fused:
+            return sum(self.nbytes(n) for n in self._family_fused[layer][0]) // self.args.num_experts
         if layer in self._fused:
             return sum(self.nbytes(n) for n in self._fused[layer]) // self.args.num_experts
         en = self.family.expert_names(self.args, layer)
@@ -254,15 +312,16 @@ class Checkpoint:
 
     def nbytes(self, name: str) -> int:
         sl = self._handles[self._where[name]].get_slice(name)
-        size = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1}[sl.get_dtype()]
+        size = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1}[sl.get_dtype()]
         return int(np.prod(sl.get_shape())) * size
 
     def get(self, name: str) -> np.ndarray:
         """The tensor ``name`` as a new float32 array (read with pread, page cache dropped)."""
         return self._read(name)
 
-    def _read(self, name: str, row: int | None = None) -> np.ndarray:
-        """Tensor ``name`` (or only its ``row``-th slice along dim 0) as float32."""
+    def _bytes(self, name: str, row: int | None = None) -> tuple[bytes, str, list]:
+        """The stored bytes of tensor ``name`` (or its ``row``-th slice along dim 0), its dtype
+        name and shape (read with pread, page cache dropped)."""
         path = self._where[name]
         start, end, dt, shape = self._spans[name]
         if row is not None:
@@ -277,6 +336,20 @@ class Checkpoint:
                 os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
         except OSError as e:
             raise CheckpointError(f"{path}: reading tensor '{name}' failed ({e})") from None
+        return raw, dt, shape
+
+    def _read_raw(self, name: str, row: int | None = None) -> np.ndarray:
+        """A uint8 tensor (MXFP4 blocks / scales) or its ``row``-th slice, as stored."""
+        raw, _, shape = self._bytes(name, row)
+        return np.frombuffer(raw, dtype=np.uint8).reshape(shape)
+
+    def _read(self, name: str, row: int | None = None) -> np.ndarray:
+        """Tensor ``name`` (or only its ``row``-th slice along dim 0) as float32."""
+        path = self._where[name]
+        raw, dt, shape = self._bytes(name, row)
+        if dt == "U8":
+            raise CheckpointError(f"{path}: tensor '{name}' is uint8 where a float tensor belongs; "
+                                  f"the checkpoint is damaged or of another layout - download it again")
         np_dt = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32,
                  "F8_E4M3": ml_dtypes.float8_e4m3fn}[dt]
         w = np.frombuffer(raw, dtype=np_dt).reshape(shape).astype(np.float32)

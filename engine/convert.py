@@ -44,7 +44,7 @@ from .checkpoint import Checkpoint
 from .errors import Cancelled, CheckpointError, StoreError
 from .events import LoadProgress
 from .fsutil import fsync_dir, normalize_modes
-from .quant import ALIGN, QUANTS, check_finite, quantize, slab_layout
+from .quant import ALIGN, EXPERT_ONLY_QUANTS, QUANTS, check_finite, quantize, slab_layout
 from .store_format import CHECKSUM_OF_VERSION, FORMAT_NAME, FORMAT_VERSION, check_store_files, slab_checksum
 
 log = logging.getLogger(__name__)
@@ -60,8 +60,8 @@ ConversionCancelled = Cancelled  # the old name (one Cancelled class: engine.err
 
 def dense_quant_for(quant: str) -> str:
     """Default quantization of the resident dense matrices (attention, embedding, lm_head):
-    int8 for the int8 and int4 stores, else exact. ``convert --dense-quant`` overrides it."""
-    return "int8" if quant in ("int8", "int4") else quant
+    int8 for the int8, int4 and mxfp4 stores, else exact. ``convert --dense-quant`` overrides it."""
+    return "int8" if quant in ("int8", "int4", "mxfp4") else quant
 
 
 # --dense-quant int4 quantizes the attention matrices only; embedding and lm_head stay int8.
@@ -113,7 +113,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
 
     Args:
         quant: "int8" (per-row), "int4" (group-wise, ``group_size`` columns per scale, two
-            values per byte), "f16" or "f32" (exact, for tests).
+            values per byte), "mxfp4" (routed experts as MXFP4: an MXFP4 checkpoint's blocks
+            and scales kept as they are, a float one rounded to it), "f16" or "f32" (exact).
         dense_quant: quantization of the resident dense matrices (one of QUANTS; None = the
             default of :func:`dense_quant_for`). int4 uses ``group_size`` like the experts.
         overwrite: replace an existing store at ``dst``.
@@ -160,8 +161,9 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
     D, I, E, M = args.hidden_size, args.moe_intermediate_size, args.num_experts, args.num_moe_layers
     label = source_folder
     dq = dense_quant_for(quant) if dense_quant is None else dense_quant
-    if dq not in QUANTS:
-        raise ValueError(f"--dense-quant {dq!r}: choose one of {', '.join(QUANTS)}")
+    if dq not in QUANTS or dq in EXPERT_ONLY_QUANTS:
+        raise ValueError(f"--dense-quant {dq!r}: choose one of "
+                         f"{', '.join(q for q in QUANTS if q not in EXPERT_ONLY_QUANTS)}")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or not 2 <= group_size <= 4096:
         raise ValueError(f"--group-size {group_size}: give an even number of columns per int4 scale "
                          f"between 2 and 4096 (32 is the default)")
@@ -170,13 +172,16 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
     if quant == "int4" and (D % group_size or I % group_size):
         raise CheckpointError(f"{label}: int4 needs hidden_size ({D}) and the expert width ({I}) to be "
                               f"multiples of the group size {group_size}; use int8")
+    if quant == "mxfp4" and (D % 32 or I % 32):
+        raise CheckpointError(f"{label}: mxfp4 needs hidden_size ({D}) and the expert width ({I}) to be "
+                              f"multiples of 32; use int8")
     check_destination(dst, overwrite)
     dst.parent.mkdir(parents=True, exist_ok=True)
     seen = _identity(dst)
     _remove_stale_temps(dst)
     partial = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{os.getpid()}.", suffix=".partial", dir=dst.parent))
 
-    layout = slab_layout(quant, D, I, group_size)
+    layout = slab_layout(quant, D, I, group_size, bias=args.expert_bias)
     tensors = fam.dense_tensors(args)
     total = sum(source.nbytes(h) for h in {t.hf for t in tensors})
     total += sum(source.expert_nbytes(i) * E for i in args.moe_layers)
@@ -250,8 +255,7 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
                     drawn = getattr(source, "quantized_expert", None)
                     drawn = drawn(i, e, quant, group_size) if drawn is not None else None
                     for proj, parts in (drawn.items() if drawn is not None else
-                                        ((p, quantize(_finite(en.name(e, p), w), quant, group_size))
-                                         for p, w in source.expert(i, e).items())):
+                                        _expert_parts(source.expert(i, e), en, e, quant, group_size, _finite)):
                         for k, arr in parts.items():
                             _, off, _, _ = next(x for x in layout["fields"] if x[0] == f"{proj}.{k}")
                             b = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
@@ -322,6 +326,15 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
         return dst
     finally:
         shutil.rmtree(partial, ignore_errors=True)  # gone after a publish; else nothing half-made stays
+
+
+def _expert_parts(expert: dict, en, e: int, quant: str, group_size: int, finite):
+    """(proj, {field: array}) of one float32 expert {proj: [O, N], "proj.b": [O] (gpt-oss biases)}:
+    matrices quantized to ``quant``, biases kept float32 as field "b"."""
+    for key, w in expert.items():
+        proj, _, sub = key.partition(".")
+        w = finite(en.name(e, proj), w)
+        yield proj, ({sub: np.asarray(w, dtype=np.float32)} if sub else quantize(w, quant, group_size))
 
 
 def _identity(path: Path):

@@ -11,7 +11,8 @@ do not depend on T, on thread count, or on where an expert's bytes came from.
 
 Weight kinds: f32 (w float32 [O, N]), f16 (w uint16 IEEE-half bits [O, N], decoded through a
 65536-entry table), q8 (w int8 [O, N], s float32 [O]), q4 (w uint8 [O, N // 2], two values
-per byte, low nibble = even column, value = nibble - 8; s float32 [O, G]).
+per byte, low nibble = even column, value = nibble - 8; s float32 [O, G]), mxfp4 (w uint8
+[O, N // 2] e2m1 codes, low nibble = even column; s uint8 [O, N // 32] e8m0 exponents).
 
 int8 and int4 (issue #19): the activation rows are quantized once per call to int8 per block
 (32 columns for q8, the weight group for q4; llama.cpp's Q8_0 activations) and the block dot
@@ -696,6 +697,32 @@ def linear_q4(x, w, s, gs, out):
                 out[t, o] = _q4_out(P, w, s, sh, hg, o, t)
 
 
+_FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                 -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)  # e2m1 code -> value
+# e8m0 scale byte X -> 2^(X - 127); 255 (NaN in OCP MX) -> inf, as transformers' ldexp gives
+_E8M0 = np.append(np.ldexp(1.0, np.arange(255) - 127), np.inf).astype(np.float32)
+
+
+@njit(parallel=True, **_KW)
+def linear_mxfp4(x, w, s, out):
+    """out[T, O] = x[T, N] @ W^T for an MXFP4 matrix (engine/quant.py): w uint8 [O, N // 2]
+    (low nibble = even column), s uint8 [O, N // 32] e8m0 scale bytes. Each weight row is
+    decoded exactly to float32 once (code value x 2^(X - 127)) and dotted with every row of x
+    in float32 (the activations are not quantized), so results do not depend on T."""
+    T, N = x.shape
+    O = w.shape[0]
+    for o in prange(O):
+        row = np.empty(N, np.float32)
+        for g in range(N // 32):
+            sc = _E8M0[s[o, g]]
+            for b in range(16):
+                byte = w[o, g * 16 + b]
+                row[g * 32 + 2 * b] = _FP4[byte & 15] * sc
+                row[g * 32 + 2 * b + 1] = _FP4[byte >> 4] * sc
+        for t in range(T):
+            out[t, o] = _dot_f32(x[t], row)
+
+
 # --- expert FFN: out[T, D] = down(silu(gate(x)) * up(x)) -----------------------------------
 
 @njit(inline="always", **_KW)
@@ -904,10 +931,45 @@ def attention(q, kc, vc, pos0, scale, out):
                 out[t, h, d] += p * _kv_f32(vc[kh, j, d])
 
 
+@njit(parallel=True, **_KW)
+def attention_sink(q, kc, vc, pos0, scale, sinks, out):
+    """:func:`attention` with a learned sink logit per query head (gpt-oss): sinks float32 [H]
+    joins each head's softmax as one more logit whose value row is zero, so the weights of the
+    real keys sum to less than one: p_j = exp(s_j - m) / (sum_i exp(s_i - m) + exp(sink_h - m)),
+    m the largest of the scores and the sink (transformers' models/gpt_oss eager_attention_forward:
+    softmax over [scores, sink], sink column dropped)."""
+    T, H, S = q.shape
+    rep = H // kc.shape[0]
+    for th in prange(T * H):
+        t = th // H
+        h = th - t * H
+        kh = h // rep
+        n = pos0 + t + 1
+        sc = np.empty(n, dtype=np.float32)
+        m = np.float32(sinks[h])
+        for j in range(n):
+            v = _dot_kv(q[t, h], kc[kh, j]) * scale
+            sc[j] = v
+            if v > m:
+                m = v
+        tot = np.float32(math.exp(np.float32(sinks[h]) - m))
+        for j in range(n):
+            e = np.float32(math.exp(sc[j] - m))
+            sc[j] = e
+            tot += e
+        inv = np.float32(1.0) / tot
+        for d in range(S):
+            out[t, h, d] = 0.0
+        for j in range(n):
+            p = sc[j] * inv
+            for d in range(S):
+                out[t, h, d] += p * _kv_f32(vc[kh, j, d])
+
+
 # --- launch safety ------------------------------------------------------------------------
 
-PARALLEL_KERNELS = ("linear_f32", "linear_f16", "linear_q8", "linear_q4", "expert_f32", "expert_f16",
-                    "expert_q8", "expert_q4", "attention")
+PARALLEL_KERNELS = ("linear_f32", "linear_f16", "linear_q8", "linear_q4", "linear_mxfp4", "expert_f32",
+                    "expert_f16", "expert_q8", "expert_q4", "attention", "attention_sink")
 _LAUNCH_LOCK = threading.Lock()
 
 

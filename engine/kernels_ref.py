@@ -55,6 +55,19 @@ def linear_q4(x, w, s, gs, out):
     out[...] = quantize_activations(x, gs) @ _q4(w, s, gs).T
 
 
+_FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                 -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
+
+
+def linear_mxfp4(x, w, s, out):
+    O, half = w.shape
+    v = np.empty((O, half * 2), dtype=np.float32)
+    v[:, 0::2] = _FP4[w & 15]
+    v[:, 1::2] = _FP4[w >> 4]
+    sc = np.ldexp(np.float32(1.0), s.astype(np.int32) - 127).astype(np.float32)
+    out[...] = x @ (v.reshape(O, -1, 32) * sc[:, :, None]).reshape(O, -1).T
+
+
 def _silu(g):
     return g / (1.0 + np.exp(-g))
 
@@ -120,6 +133,21 @@ def attention(q, kc, vc, pos0, scale, out):
             sc = kc[kh, :n] @ q[t, h] * scale
             p = np.exp(sc - sc.max())
             out[t, h] = (p / p.sum()) @ vc[kh, :n]
+
+
+def attention_sink(q, kc, vc, pos0, scale, sinks, out):
+    n_used = pos0 + q.shape[0]
+    kc, vc = kv_f32(kc[:, :n_used]), kv_f32(vc[:, :n_used])
+    T, H, S = q.shape
+    rep = H // kc.shape[0]
+    for t in range(T):
+        n = pos0 + t + 1
+        for h in range(H):
+            kh = h // rep
+            sc = kc[kh, :n] @ q[t, h] * scale
+            m = max(sc.max(), sinks[h])
+            p = np.exp(sc - m)
+            out[t, h] = (p / (p.sum() + np.exp(sinks[h] - m))) @ vc[kh, :n]
 
 
 def set_threads(n: int) -> None:

@@ -7,6 +7,13 @@ Key: O output rows, N input columns, G = N // group_size.
 - int4: symmetric group-wise along the input: scale[o, g] = max|w[o, g*gs:(g+1)*gs]| / 7,
   q in [-7, 7] stored as the nibble q + 8, two per byte: low nibble = even column, high
   nibble = odd column (the layout colibri's format 2/4 uses).
+- mxfp4: the OCP Microscaling FP4 format gpt-oss checkpoints are published in: blocks of 32
+  input columns share one e8m0 scale byte X (value 2^(X - 127)); each value is an e2m1 code
+  (sign bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), two per byte: low nibble = even column,
+  high nibble = odd column (transformers' integrations/mxfp4.py convert_moe_packed_tensors).
+  w uint8 [O, N // 2], s uint8 [O, N // 32]. Stored as published (no re-rounding), so an MXFP4
+  checkpoint converts to an mxfp4 store byte for byte; a float checkpoint is rounded to it by
+  :func:`quantize_mxfp4`. A store quantization of the routed experts only (dense stays int8).
 - f16 / f32: exact modes for tests (f16 stored as raw IEEE half bits, read as uint16).
 """
 
@@ -16,7 +23,14 @@ import numpy as np
 
 from .errors import CheckpointError
 
-QUANTS = ("int8", "int4", "f16", "f32")
+QUANTS = ("int8", "int4", "f16", "f32", "mxfp4")
+EXPERT_ONLY_QUANTS = ("mxfp4",)  # store quantizations of the routed experts only (not --dense-quant)
+MXFP4_BLOCK = 32  # columns per e8m0 scale
+FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)  # e2m1 code -> value
+# e8m0 scale byte X -> 2^(X - 127); 255 (NaN in OCP MX) -> inf, as transformers' ldexp gives
+E8M0_VALUES = np.append(np.ldexp(1.0, np.arange(255) - 127), np.inf).astype(np.float32)
+_FP4_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
 ALIGN = 4096  # slab alignment on disk and in RAM: one O_DIRECT read per expert
 _FIELD_ALIGN = 64
 
@@ -60,6 +74,42 @@ def dequantize_int4(packed: np.ndarray, scale: np.ndarray, group_size: int) -> n
     return (q.reshape(O, -1, group_size) * scale[:, :, None]).reshape(O, half * 2)
 
 
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """w: float32 [O, N] -> (codes uint8 [O, N // 2], scale bytes uint8 [O, N // 32]).
+
+    Per block of 32 columns (OCP MX v1.0, section 6.3): X = floor(log2(max|w|)) - 2 (2 = the
+    largest e2m1 exponent), clamped to [-127, 127]; each w / 2^X rounded to the nearest e2m1
+    magnitude (saturating at 6), sign in bit 3. An all-zero block gets X = -127 and zero codes.
+
+    Raises:
+        ValueError: N is not a multiple of 32.
+    """
+    w = np.asarray(w, dtype=np.float32)
+    O, N = w.shape
+    if N % MXFP4_BLOCK:
+        raise ValueError(f"mxfp4: input width {N} is not a multiple of {MXFP4_BLOCK}")
+    g = w.reshape(O, N // MXFP4_BLOCK, MXFP4_BLOCK)
+    amax = np.max(np.abs(g), axis=2)  # [O, G]
+    with np.errstate(divide="ignore"):
+        x = np.where(amax > 0, np.floor(np.log2(np.where(amax > 0, amax, 1))) - 2, -127)
+    x = np.clip(x, -127, 127).astype(np.int32)
+    v = g / np.ldexp(np.float32(1.0), x)[:, :, None].astype(np.float32)
+    mag = np.searchsorted(_FP4_MIDPOINTS, np.abs(v), side="left").astype(np.uint8)  # 0..7
+    code = (mag | np.where(np.signbit(v) & (mag > 0), 8, 0).astype(np.uint8)).reshape(O, N)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).astype(np.uint8)
+    return packed, (x + 127).astype(np.uint8)
+
+
+def dequantize_mxfp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """codes uint8 [O, N // 2] + scale bytes uint8 [O, N // 32] -> float32 [O, N] (exact)."""
+    O, half = packed.shape
+    v = np.empty((O, half * 2), dtype=np.float32)
+    v[:, 0::2] = FP4_VALUES[packed & 0x0F]
+    v[:, 1::2] = FP4_VALUES[packed >> 4]
+    with np.errstate(over="ignore"):  # 6 x 2^127 (scale byte 254) is beyond float32: inf, as transformers'
+        return (v.reshape(O, -1, MXFP4_BLOCK) * E8M0_VALUES[scale][:, :, None]).reshape(O, half * 2)
+
+
 F16_MAX = float(np.finfo(np.float16).max)  # 65504: larger magnitudes become inf in f16
 
 
@@ -100,6 +150,9 @@ def quantize(w: np.ndarray, quant: str, group_size: int = 32) -> dict[str, np.nd
         return {"w": np.asarray(w, dtype=np.float16).view(np.uint16)}
     if quant == "f32":
         return {"w": np.ascontiguousarray(w, dtype=np.float32)}
+    if quant == "mxfp4":
+        q, s = quantize_mxfp4(w)
+        return {"w": q, "s": s}
     raise ValueError(f"unknown quantization {quant!r}; choose one of {QUANTS}")
 
 
@@ -111,12 +164,15 @@ def dequantize(parts: dict[str, np.ndarray], quant: str, group_size: int = 32) -
         return dequantize_int4(parts["w"], parts["s"], group_size)
     if quant == "f16":
         return parts["w"].view(np.float16).astype(np.float32)
+    if quant == "mxfp4":
+        return dequantize_mxfp4(parts["w"], parts["s"])
     return np.asarray(parts["w"], dtype=np.float32)
 
 
 def kind_of(w: np.ndarray, s: np.ndarray | None) -> str:
     """The quantization of a stored matrix from its arrays alone: int8 (int8 w, scale per row),
-    int4 (uint8 w, 2-D group scales), f16 (uint16 w), f32 (float32 w).
+    int4 (uint8 w, 2-D float32 group scales), mxfp4 (uint8 w, 2-D uint8 e8m0 scales), f16
+    (uint16 w), f32 (float32 w).
 
     Raises:
         ValueError: the dtypes match no scheme of this module.
@@ -124,7 +180,7 @@ def kind_of(w: np.ndarray, s: np.ndarray | None) -> str:
     if w.dtype == np.int8 and s is not None and s.ndim == 1:
         return "int8"
     if w.dtype == np.uint8 and s is not None and s.ndim == 2:
-        return "int4"
+        return "mxfp4" if s.dtype == np.uint8 else "int4"
     if w.dtype == np.uint16 and s is None:
         return "f16"
     if w.dtype == np.float32 and s is None:
@@ -141,11 +197,16 @@ def _field_specs(quant: str, O: int, N: int, gs: int) -> list[tuple[str, np.dtyp
         return [("w", np.dtype(np.uint16), (O, N))]
     if quant == "f32":
         return [("w", np.dtype(np.float32), (O, N))]
+    if quant == "mxfp4":
+        return [("w", np.dtype(np.uint8), (O, N // 2)), ("s", np.dtype(np.uint8), (O, N // MXFP4_BLOCK))]
     raise ValueError(f"unknown quantization {quant!r}")
 
 
-def slab_layout(quant: str, hidden_size: int, intermediate_size: int, group_size: int = 32) -> dict:
+def slab_layout(quant: str, hidden_size: int, intermediate_size: int, group_size: int = 32,
+                bias: bool = False) -> dict:
     """Byte layout of one expert slab: gate_proj [I, D], up_proj [I, D], down_proj [D, I].
+    ``bias`` (gpt-oss): each projection also holds its float32 bias "{proj}.b" ([I], [I], [D])
+    after its weights, in the same slab (still one read per expert).
 
     Returns {"fields": [(name, offset, dtype str, shape), ...], "data_bytes": int,
     "slot_bytes": int (data rounded up to ALIGN)}. Names are "gate_proj.w", "gate_proj.s", ...
@@ -154,7 +215,8 @@ def slab_layout(quant: str, hidden_size: int, intermediate_size: int, group_size
     fields = []
     off = 0
     for proj, (O, N) in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
-        for name, dt, shape in _field_specs(quant, O, N, group_size):
+        specs = _field_specs(quant, O, N, group_size) + ([("b", np.dtype(np.float32), (O,))] if bias else [])
+        for name, dt, shape in specs:
             off = -(-off // _FIELD_ALIGN) * _FIELD_ALIGN
             fields.append((f"{proj}.{name}", off, dt.str, tuple(shape)))
             off += int(np.prod(shape)) * dt.itemsize

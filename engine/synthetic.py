@@ -179,10 +179,30 @@ def glm_moe_dsa_config(**kw) -> dict:
     return cfg
 
 
+def gpt_oss_config(**kw) -> dict:
+    """A tiny gpt-oss config.json dict (GptOssConfig names): GQA 4/2, head_dim 16, 8 experts
+    top-2 of width 32, alternating sliding (window 6) / full layers, YaRN as published."""
+    cfg = {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 64,
+        "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 300,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "sliding_window": 6,
+        "layer_types": None, "attention_bias": True, "swiglu_alpha": 1.702, "swiglu_limit": 7.0,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 4096},
+        "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 0, "bos_token_id": None,
+    }
+    cfg.update(kw)
+    if cfg["layer_types"] is None:
+        cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                              for i in range(cfg["num_hidden_layers"])]
+    return cfg
+
+
 CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config,
            "qwen2_moe": qwen2_moe_config, "deepseek_v2": deepseek_v2_config, "deepseek_v3": deepseek_v3_config,
-           "glm4_moe": glm4_moe_config, "deepseek_v32": deepseek_v32_config, "glm_moe_dsa": glm_moe_dsa_config,
-           "glm4_moe_lite": glm4_moe_lite_config}
+           "glm4_moe": glm4_moe_config, "gpt_oss": gpt_oss_config, "deepseek_v32": deepseek_v32_config,
+           "glm_moe_dsa": glm_moe_dsa_config, "glm4_moe_lite": glm4_moe_lite_config}
 
 # Exact shapes of published checkpoints (their config.json values; weights are random).
 PRESETS = {
@@ -213,6 +233,19 @@ PRESETS = {
                          "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
                          "mscale": 1.0, "mscale_all_dim": 1.0},
         bos_token_id=0, eos_token_id=1),
+    # openai/gpt-oss-120b: 36 layers x 128 experts of width 2880, top-4, GQA 64/8 x 64, sliding
+    # window 128 on every other layer, YaRN x32; published with MXFP4 experts (~61 GB at mxfp4).
+    "gpt-oss-120b": gpt_oss_config(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=36, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=128, num_experts_per_tok=4, vocab_size=201088,
+        max_position_embeddings=131072, sliding_window=128, layer_types=None,
+        bos_token_id=199998, eos_token_id=200002),
+    # openai/gpt-oss-20b: 24 layers x 32 experts, top-4 (same widths as 120b).
+    "gpt-oss-20b": gpt_oss_config(
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+        max_position_embeddings=131072, sliding_window=128, layer_types=None,
+        bos_token_id=199998, eos_token_id=200002),
     # GLM-5 (zai-org/GLM-5) as transformers' GlmMoeDsaConfig defaults give it: 78 layers, the
     # first 3 dense, 256 experts of width 2048, top-8, one shared expert, MLA (q LoRA 2048, kv
     # LoRA 512, rope 64, nope 192, v 256) with DeepSeek sparse attention (32 indexer heads of 128,
@@ -255,6 +288,7 @@ DTYPES = {"bf16": ml_dtypes.bfloat16, "f16": np.float16, "f32": np.float32}
 # How write_store_from_seed draws routed experts: "exact" = write_checkpoint's float tensors,
 # quantized; "codes" = quantized codes drawn directly (SeededSource.quantized_expert).
 EXPERT_DRAWS = ("exact", "codes")
+CODE_QUANTS = ("int8", "int4", "mxfp4")  # the quantizations expert_draw="codes" draws directly
 
 
 def seeded_tensor(seed: int, n: int, shape: tuple[int, ...], std: float) -> np.ndarray:
@@ -345,6 +379,9 @@ class SeededSource:
         return int(np.prod(self.names[name])) * self.itemsize
 
     def expert(self, layer: int, e: int) -> dict[str, np.ndarray]:
+        if hasattr(self.family, "expert_tensors"):  # fused-only families (gpt-oss): slice expert e
+            rows = {n: self.get(n)[e] for n in self.family.expert_tensors(self.args, layer)}
+            return self.family.expert_from_fused(self.args, layer, rows)
         en = self.family.expert_names(self.args, layer)
         return {p: self.get(en.name(e, p)) for p in base.EXPERT_PROJS}
 
@@ -357,18 +394,27 @@ class SeededSource:
         Codes are uniform random bytes from ``default_rng([seed, 1 << 30, layer, e])`` (int8:
         -128..127; int4: two nibbles -8..7 per byte); scales are ``std / rms(code)`` x U(0.9, 1.1),
         so dequantized weights have std ~``std`` like the exact draw. About 100x less CPU than
-        the float draw + quantization; the values differ from :meth:`expert`'s.
-        Raises: ValueError: quant is not int8 or int4.
+        the float draw + quantization; the values differ from :meth:`expert`'s. mxfp4: uniform
+        random code bytes and e8m0 scale bytes X with 2^(X - 127) ~ std / rms(e2m1 code) (3.0).
+        Families with expert biases (gpt-oss) get biases N(0, std) ("b").
+        Raises: ValueError: quant is not int8, int4 or mxfp4.
         """
         if self.expert_draw != "codes":
             return None
-        if quant not in ("int8", "int4"):
-            raise ValueError(f"expert_draw 'codes' needs quant int8 or int4, not {quant!r}")
+        if quant not in CODE_QUANTS:
+            raise ValueError(f"expert_draw 'codes' needs quant {', '.join(CODE_QUANTS)}, not {quant!r}")
         rng = np.random.default_rng([self.seed, 1 << 30, layer, e])
         D, I = self.args.hidden_size, self.args.moe_intermediate_size
         rms = 73.9 if quant == "int8" else 4.64  # sqrt(E[q^2]) of uniform -128..127 / -8..7
         out = {}
         for proj, (O, N) in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
+            if quant == "mxfp4":
+                w = np.frombuffer(rng.bytes(O * N // 2), np.uint8).reshape(O, N // 2)
+                x = np.log2(self.std / 3.0) + 127 + rng.integers(-1, 2, (O, N // 32))
+                out[proj] = {"w": w, "s": np.clip(np.rint(x), 0, 254).astype(np.uint8)}
+                if self.args.expert_bias:
+                    out[proj]["b"] = self.std * rng.standard_normal(O, dtype=np.float32)
+                continue
             if quant == "int8":
                 w = np.frombuffer(rng.bytes(O * N), np.int8).reshape(O, N)
                 ns = O
@@ -377,9 +423,13 @@ class SeededSource:
                 ns = O * (N // group_size)
             s = (self.std / rms) * (0.9 + 0.2 * rng.random(ns, dtype=np.float32))
             out[proj] = {"w": w, "s": s.astype(np.float32).reshape((O,) if quant == "int8" else (O, -1))}
+            if self.args.expert_bias:
+                out[proj]["b"] = self.std * rng.standard_normal(O, dtype=np.float32)
         return out
 
     def expert_nbytes(self, layer: int) -> int:
+        if hasattr(self.family, "expert_tensors"):
+            return sum(self.nbytes(n) for n in self.family.expert_tensors(self.args, layer)) // self.args.num_experts
         en = self.family.expert_names(self.args, layer)
         return sum(self.nbytes(en.name(0, p)) for p in base.EXPERT_PROJS)
 
@@ -421,8 +471,8 @@ def write_store_from_seed(dst: str | os.PathLike, config: dict, quant: str = "in
     dst = Path(dst)
     check_destination(dst, overwrite)
     src = SeededSource(config, seed, dtype, std, expert_draw)
-    if expert_draw == "codes" and quant not in ("int8", "int4"):
-        raise ValueError(f"expert_draw 'codes' needs quant int8 or int4, not {quant!r}")
+    if expert_draw == "codes" and quant not in CODE_QUANTS:
+        raise ValueError(f"expert_draw 'codes' needs quant {', '.join(CODE_QUANTS)}, not {quant!r}")
     side = dst.with_name(dst.name + ".files")  # config + tokenizer, copied into the store
     shutil.rmtree(side, ignore_errors=True)
     side.mkdir(parents=True)

@@ -337,7 +337,12 @@ class Tokenizer:
                              f"content, got {type(m).__name__}")
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
-        """A fresh :class:`IncrementalDecoder` over this tokenizer."""
+        """A fresh :class:`IncrementalDecoder` over this tokenizer; for a harmony tokenizer
+        (gpt-oss, engine/harmony.py) with special tokens skipped, a HarmonyDecoder, which shows
+        the analysis channel as a leading <think>...</think> block and the final channel as the answer."""
+        from .harmony import HarmonyDecoder, is_harmony
+        if skip_special_tokens and is_harmony(self):
+            return HarmonyDecoder(self)
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
 
 

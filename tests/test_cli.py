@@ -102,3 +102,25 @@ def test_make_synthetic_presets_and_direct_store(tmp_path, monkeypatch, capsys):
     assert res["mode"] == "direct-store" and res["store_gb"] > 0
     with Engine.open(EngineConfig(store=str(store), context_length=64, history=False)) as eng:
         assert eng.args.num_moe_layers == 2
+
+
+def test_make_synthetic_reduced_layers(tmp_path, monkeypatch, capsys):
+    """--layers / --dense-layers cut a preset down (for DeepSeek-V3-shaped stores that would not
+    fit the disk): the store has that many layers, the folder and the results say so, and a
+    layer count the preset cannot have is refused with the reason."""
+    import json
+    from engine import synthetic
+    monkeypatch.setitem(synthetic.PRESETS, "tiny-v3", synthetic.deepseek_v3_config(num_hidden_layers=4,
+                                                                                   first_k_dense_replace=2))
+    monkeypatch.chdir(tmp_path)
+    for bad, why in ((["--layers", "9"], "give 1..4"), (["--layers", "2"], "more than its 2 dense first layers"),
+                     (["--layers", "3", "--dense-layers", "3"], "fewer than the layers kept")):
+        assert colibri(["bench", "make-synthetic", "--preset", "tiny-v3", "--direct-store", "--quant", "int4",
+                        "--out", "work", *bad]) == 2
+        assert why in capsys.readouterr().err
+    assert colibri(["bench", "make-synthetic", "--preset", "tiny-v3", "--direct-store", "--quant", "int4",
+                    "--out", "work", "--layers", "3", "--dense-layers", "1"]) == 0
+    m = json.loads((tmp_path / "work" / "tiny-v3-3l-1d-int4" / "manifest.json").read_text())
+    assert m["model_type"] == "deepseek_v3" and m["num_layers"] == 2  # MoE layers: 3 kept, 1 dense
+    res = json.loads((tmp_path / "bench/results/make_synthetic_tiny-v3-3l-1d_int4_direct.json").read_text())
+    assert res["num_hidden_layers"] == 3

@@ -720,10 +720,53 @@ def next_texts_preview(pools, topic_text, train_code, n):
     return out
 
 
+COPY_TEMPLATES = [
+    ("Repeat after me: {l}", "{l}"),
+    ("Please say {l} back to me.", "{l}"),
+    ("Which names did I mention? I used {l}.", "You mentioned {l}."),
+    ("Write these names again: {l}", "{l}"),
+    ("I am looking at {l}. Which names was that?", "{l}"),
+]
+
+
+def _random_identifier(rng: random.Random) -> str:
+    """A made-up dotted Python name (``xvq.load_items``-like), so a copy drill cannot be answered
+    from memory."""
+    def word():
+        return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 8)))
+    parts = ["_".join(word() for _ in range(rng.choice((1, 1, 2)))) for _ in range(rng.randint(1, 3))]
+    if rng.random() < 0.3:
+        parts[-1] = parts[-1][:1].upper() + parts[-1][1:]
+    return ".".join(parts)
+
+
+def copy_drill(seeds, rng: random.Random):
+    """A copy drill: the user names one to three things in backticks (real library names or
+    made-up identifiers) and the assistant repeats them in order.  Copying a name from the
+    question into the answer is what a "What does `X` do?" answer needs for a name the model
+    never saw; induction-style copying forms fast on dense drills like these and slowly, if at
+    all, from one copy per document (Olsson et al. 2022, "In-context learning and induction
+    heads")."""
+    names = [rng.choice(seeds)["name"] if rng.random() < 0.5 else _random_identifier(rng)
+             for _ in range(rng.choice((1, 1, 2, 3)))]
+    shown = [f"`{n}`" for n in names]
+    listed = shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
+    q, a = rng.choice(COPY_TEMPLATES)
+    return [{"role": "user", "content": q.format(l=listed)},
+            {"role": "assistant", "content": a.format(l=listed)}]
+
+
 def make_doc(seeds, rng: random.Random, category: str) -> str | None:
     """A rendered training document: one conversation, sometimes with a system prompt or a
     second turn (multi-turn)."""
     seed = rng.choice(seeds)
+    if category == "copy":
+        conv = copy_drill(seeds, rng)
+        if rng.random() < 0.5:  # then a real question about a name, which must be copied too
+            extra = conversation(rng.choice(seeds), rng, "qa")
+            if extra:
+                conv = conv + extra
+        return render_chat(conv)
     if category == "topic":
         tpl = rng.choice(TOPIC_TEMPLATES) if seed["first"] else "Tell me more about {t}."
         conv = [{"role": "user", "content": tpl.format(t=seed["phrase"])},
@@ -934,6 +977,15 @@ def main(argv=None) -> int:
     ap.add_argument("--heldout-n", type=int, default=64)
     ap.add_argument("--max-mb", type=float, default=50.0)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="continue from this checkpoint's weights (same shape and tokenizer)")
+    ap.add_argument("--mixture", default="0.24,0.14,0.06,0.16,0.10,0.04,0.26",
+                    help="shares of qa,howto,example,write,topic,topic_text,code[,copy] documents (copy: copy drills)")
+    ap.add_argument("--name-split", type=float, default=0.0,
+                    help="name-split augmentation: probability of cutting each token of a "
+                         "backticked name (0 = off)")
+    ap.add_argument("--name-split-docs", type=float, default=0.5,
+                    help="share of training documents the name-split augmentation applies to")
     ap.add_argument("--eval-only", action="store_true",
                     help="no training: reload the checkpoint in --out, recompute the held-out loss "
                          "and routing statistics on its heldout_sample.jsonl, update training_log.json")
@@ -1003,7 +1055,7 @@ def main(argv=None) -> int:
         args.questions_out.write_text(json.dumps(qs, indent=1, ensure_ascii=False) + "\n")
         log(f"wrote {len(qs)} held-out questions to {args.questions_out}")
         return 0
-    pools = {"qa": qa_train, "write": wr_train, "howto": ho_train, "example": ex_train,
+    pools = {"qa": qa_train, "copy": qa_train, "write": wr_train, "howto": ho_train, "example": ex_train,
              "topic": topic_pairs}
 
     # the training renderer must equal the Jinja chat template
@@ -1037,6 +1089,55 @@ def main(argv=None) -> int:
 
     def encode(texts):
         return [e.ids for e in tok.encode_batch(texts)]
+
+    # Name-split augmentation (a deterministic, seeded variant of BPE-dropout, Provilkov et al.
+    # 2020, applied to backticked names only): in a share of the training documents every
+    # token of a `name` is, with probability --name-split, cut at a random character and both
+    # halves re-encoded, with the same segmentation for every occurrence of the name in the
+    # document.  Held-out names are split into unusual pieces by a tokenizer that never saw
+    # them; this makes copying the asked name from the question into the answer a skill the
+    # model must learn on token sequences it has not memorized.  Boundaries are between a
+    # backtick and a letter or digit, which are pre-token boundaries of the ByteLevel
+    # pre-tokenizer, so the text between names tokenizes exactly as the whole text would.
+    name_re = re.compile(r"(?<=`)([A-Za-z][\w.]*[A-Za-z0-9])(?=`)")
+    arng = random.Random(args.seed + 5)
+
+    def split_name(name: str) -> list[int]:
+        out_ids = []
+        for tid in tok.encode(name).ids:
+            piece = tok.decode([tid])
+            if len(piece) >= 2 and arng.random() < args.name_split:
+                cut = arng.randrange(1, len(piece))
+                out_ids += tok.encode(piece[:cut]).ids + tok.encode(piece[cut:]).ids
+            else:
+                out_ids.append(tid)
+        return out_ids
+
+    def encode_train(texts):
+        if args.name_split <= 0:
+            return encode(texts)
+        res = []
+        for text in texts:
+            if arng.random() >= args.name_split_docs or "`" not in text:
+                res.append(tok.encode(text).ids)
+                continue
+            parts = name_re.split(text)
+            memo, ids = {}, []
+            for i, part in enumerate(parts):
+                if not part:
+                    continue
+                if i % 2:
+                    if part not in memo:
+                        memo[part] = split_name(part)
+                    ids += memo[part]
+                else:
+                    ids += tok.encode(part).ids
+            res.append(ids)
+        return res
+
+    _chk = "<|user|>\nWhat does `json.dumps` do?<|end|>\n<|assistant|>\n`json.dumps`: Serialize `obj`.<|end|>\n"
+    _parts = name_re.split(_chk)
+    assert sum((tok.encode(p_).ids for p_ in _parts if p_), []) == tok.encode(_chk).ids, "name split boundaries"
 
     # held-out sample: whole documents of at most 256 tokens, so text <-> ids round-trips
     hrng = random.Random(args.seed + 2)
@@ -1100,7 +1201,20 @@ def main(argv=None) -> int:
     est_bytes = n_params * (4 if save_dtype == torch.float32 else 2)
     if est_bytes > args.max_mb * 1e6:
         raise SystemExit(f"checkpoint would be {est_bytes / 1e6:.1f} MB > {args.max_mb} MB; shrink the model")
-    model = OlmoeForCausalLM(cfg)
+    if args.init_from:
+        # continued training: the weights of an earlier run of the same shape and tokenizer
+        model = OlmoeForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        if (model.config.hidden_size, model.config.num_hidden_layers, model.config.num_experts,
+                model.config.intermediate_size, model.config.vocab_size) != (
+                cfg.hidden_size, cfg.num_hidden_layers, cfg.num_experts, cfg.intermediate_size, cfg.vocab_size):
+            raise SystemExit(f"--init-from {args.init_from}: its shape differs from the arguments' model")
+        from tokenizers import Tokenizer
+        init_tok = Tokenizer.from_file(str(Path(args.init_from) / "tokenizer.json"))
+        if init_tok.get_vocab() != tok.get_vocab():
+            raise SystemExit(f"--init-from {args.init_from}: its tokenizer differs from this run's")
+        log(f"weights from {args.init_from}")
+    else:
+        model = OlmoeForCausalLM(cfg)
     model.config._experts_implementation = "grouped_mm"  # training speed only (same math as eager)
     real = sum(p.numel() for p in model.parameters())
     assert real == n_params, (real, n_params)
@@ -1118,8 +1232,13 @@ def main(argv=None) -> int:
                             lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
 
     # data stream: documents drawn by category, concatenated, cut into windows
-    weights = {"qa": 0.24, "howto": 0.14, "example": 0.06, "write": 0.16, "topic": 0.10,
-               "topic_text": 0.04, "code": 0.26}
+    mix = args.mixture.split(",")
+    mix = mix + ["0"] * (len(mix) == 7)  # 7 shares: no copy drills (the previous recipe)
+    if len(mix) != 8 or not all(re.fullmatch(r"\d+(\.\d*)?", w) for w in mix) or sum(map(float, mix)) <= 0:
+        raise SystemExit(f"--mixture {args.mixture!r}: give 8 non-negative shares "
+                         "(qa,howto,example,write,topic,topic_text,code,copy), e.g. 0.3,0.15,0.05,0.1,0.1,0.05,0.2,0.05")
+    weights = dict(zip(("qa", "howto", "example", "write", "topic", "topic_text", "code", "copy"),
+                       (float(w) for w in mix)))
     drng = random.Random(args.seed + 4)
     code_order = list(range(len(train_code)))
     drng.shuffle(code_order)
@@ -1148,7 +1267,7 @@ def main(argv=None) -> int:
 
     def next_batch():
         while len(buf) < need:
-            for ids in encode(next_texts(64)):
+            for ids in encode_train(next_texts(64)):
                 buf.extend(ids)
         x = torch.tensor(buf[:need]).view(args.batch, args.seq_len)
         del buf[:need]

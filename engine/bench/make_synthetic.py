@@ -26,7 +26,7 @@ from pathlib import Path
 from .common import PRESETS as OLMOE_PRESETS
 from .common import PeakRss, machine_info, md_table, write_results
 
-DIRECT_QUANTS = ("int8", "int4")
+DIRECT_QUANTS = ("int8", "int4", "mxfp4")
 
 
 def preset_names() -> list[str]:
@@ -64,11 +64,30 @@ def cmd_make_synthetic(a) -> int:
         print(f"--direct-store writes --quant {' or '.join(DIRECT_QUANTS)} (got {a.quant!r})", file=sys.stderr)
         return 2
     cfg = preset_config(a.preset)
+    name = a.preset
+    if a.dense_layers is not None:
+        if "first_k_dense_replace" not in cfg or not 0 <= a.dense_layers < (a.layers or cfg["num_hidden_layers"]):
+            print(f"--dense-layers {a.dense_layers}: only for presets with dense first layers "
+                  "(first_k_dense_replace), and fewer than the layers kept", file=sys.stderr)
+            return 2
+        cfg["first_k_dense_replace"] = a.dense_layers
+        name = f"{name}-{a.dense_layers}d"
+    if a.layers:
+        dense_first = int(cfg.get("first_k_dense_replace", 0) or 0)
+        if not 1 <= a.layers <= int(cfg["num_hidden_layers"]) or a.layers <= dense_first:
+            print(f"--layers {a.layers}: give 1..{cfg['num_hidden_layers']} (the preset's layer count)"
+                  + (f", more than its {dense_first} dense first layers" if dense_first else ""), file=sys.stderr)
+            return 2
+        cfg["num_hidden_layers"] = a.layers
+        for key in ("max_window_layers",):
+            if key in cfg:
+                cfg[key] = min(int(cfg[key]), a.layers)
+        name = f"{a.preset}-{a.layers}l" + name[len(a.preset):]
     args = ModelArgs.from_dict(cfg)
     n_params = (args.dense_param_count() + args.num_moe_layers * args.num_experts * 3
                 * args.hidden_size * args.moe_intermediate_size)
     store_bytes = estimate(args, a.quant, 0).store_bytes
-    ck, st = Path(a.out) / f"{a.preset}-hf", Path(a.out) / f"{a.preset}-{a.quant}"
+    ck, st = Path(a.out) / f"{name}-hf", Path(a.out) / f"{name}-{a.quant}"
     have_ck = (ck / "config.json").exists() and not a.force
     need = store_bytes + (0 if a.direct_store or have_ck else n_params * 2)  # + bf16 checkpoint
     out = Path(a.out)
@@ -80,7 +99,7 @@ def cmd_make_synthetic(a) -> int:
               + ("" if a.direct_store or a.quant not in DIRECT_QUANTS else "; --direct-store skips the checkpoint"),
               file=sys.stderr)
         return 2
-    res = {"preset": a.preset, "model_type": args.model_type, "params": n_params, "quant": a.quant,
+    res = {"preset": a.preset, "num_hidden_layers": args.num_hidden_layers, "model_type": args.model_type, "params": n_params, "quant": a.quant,
            "expert_draw": a.expert_draw if a.direct_store else "exact",
            "mode": "direct-store" if a.direct_store else "checkpoint+convert", "machine": machine_info()}
     if a.direct_store:
@@ -98,7 +117,7 @@ def cmd_make_synthetic(a) -> int:
                    store_peak_rss_gb=pr.peak / 1e9)
         print(f"wrote {st} ({n_params / 1e9:.2f} B params, {size / 1e9:.2f} GB) in {dt:.0f} s, "
               f"peak RSS {pr.peak / 1e9:.2f} GB")
-        write_results(f"make_synthetic_{a.preset}_{a.quant}_direct", res, md_table([res], [
+        write_results(f"make_synthetic_{name}_{a.quant}_direct", res, md_table([res], [
             ("preset", "preset", ""), ("quant", "quant", ""), ("params (B)", "params", ".3g"),
             ("store GB", "store_gb", ".2f"), ("write s", "store_write_s", ".0f"),
             ("MB/s", "store_mb_per_s", ".0f"), ("peak RSS GB", "store_peak_rss_gb", ".2f")]))
@@ -123,7 +142,7 @@ def cmd_make_synthetic(a) -> int:
                    source_gb=src_bytes / 1e9)
         print(f"converted {src_bytes / 1e9:.2f} GB in {dt:.0f} s ({src_bytes / 1e6 / dt:.0f} MB/s), "
               f"converter peak RSS {peak / 1e9:.2f} GB")
-        write_results(f"make_synthetic_{a.preset}", res, md_table([res], [
+        write_results(f"make_synthetic_{name}", res, md_table([res], [
             ("preset", "preset", ""), ("params (B)", "params", ".3g"), ("convert s", "convert_s", ".0f"),
             ("MB/s", "convert_mb_per_s", ".0f"), ("converter peak RSS GB", "convert_peak_rss_gb", ".2f")]))
     return 0
@@ -135,7 +154,7 @@ def add_parser(bs) -> None:
                       "Qwen3-30B-A3B, Mixtral-8x7B) and convert it, or write the store directly")
     m.add_argument("--preset", choices=preset_names(), default="1b")
     m.add_argument("--out", default="bench/work")
-    m.add_argument("--quant", default="int8", choices=("int8", "int4", "f16", "f32"))
+    m.add_argument("--quant", default="int8", choices=("int8", "int4", "f16", "f32", "mxfp4"))
     m.add_argument("--direct-store", action="store_true",
                    help="write the int8/int4 store straight from the seed, no bf16 checkpoint (for shapes too "
                         "large to write as one; no transformers / llama.cpp comparison is possible then)")
@@ -145,6 +164,11 @@ def add_parser(bs) -> None:
                         "default 'exact' quantizes the seeded bf16 draw, as the checkpoint mode does)")
     m.add_argument("--keep-free-gb", type=float, default=3.0,
                    help="refuse unless this much disk stays free afterwards (GB)")
+    m.add_argument("--layers", type=int, default=0,
+                   help="keep only the first N layers of the preset (its dense first layers included), for "
+                        "shapes whose store would not fit the disk; the folders are named <preset>-<N>l-*")
+    m.add_argument("--dense-layers", type=int, default=None,
+                   help="with --layers: how many of the kept layers are dense (first_k_dense_replace)")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--force", action="store_true")
     m.set_defaults(fn=cmd_make_synthetic)

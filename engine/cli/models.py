@@ -121,7 +121,8 @@ def add_parsers(sub) -> None:
                                    "convert into a store in the user data folder, self-test, print the path.")
     d.add_argument("repo", help="hub repository id, e.g. allenai/OLMoE-1B-7B-0924")
     d.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
-    d.add_argument("--quant", choices=WIZARD_QUANTS + ("f32",), default="int8", help="store quantization")
+    d.add_argument("--quant", choices=WIZARD_QUANTS + ("mxfp4", "f32"), default="int8",
+                   help="store quantization (mxfp4: gpt-oss's MXFP4 experts kept as published)")
     d.add_argument("--context-length", type=int, default=0,
                    help="context the RAM estimate assumes (0 = model default, up to 4096)")
     d.add_argument("--yes", action="store_true", help="continue despite a RAM warning")

@@ -190,7 +190,8 @@ def add_parsers(sub) -> None:
                                        f"into a store")
     c.add_argument("src")
     c.add_argument("dst")
-    c.add_argument("--quant", choices=("int8", "int4", "f16", "f32"), default="int8")
+    c.add_argument("--quant", choices=("int8", "int4", "f16", "f32", "mxfp4"), default="int8",
+                   help="expert quantization; mxfp4 keeps an MXFP4 checkpoint's experts (gpt-oss) as they are")
     c.add_argument("--group-size", type=int, default=32, help="int4 group size")
     c.add_argument("--dense-quant", choices=("int8", "int4", "f16", "f32"), default=None,
                    help="resident dense weights; int4 = attention int4, embedding and lm_head int8 "

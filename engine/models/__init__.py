@@ -11,12 +11,12 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import ConfigError
-from . import (deepseek_v2, deepseek_v3, deepseek_v32, glm4_moe, glm4_moe_lite, glm_moe_dsa, mixtral, olmoe,
-               qwen2_moe, qwen3_moe)
+from . import (deepseek_v2, deepseek_v3, deepseek_v32, glm4_moe, glm4_moe_lite, glm_moe_dsa, gpt_oss,
+               mixtral, olmoe, qwen2_moe, qwen3_moe)
 
 FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (olmoe, qwen3_moe, mixtral, qwen2_moe, deepseek_v2,
-                                                           deepseek_v3, glm4_moe, glm4_moe_lite, deepseek_v32,
-                                                           glm_moe_dsa)}
+                                                           deepseek_v3, glm4_moe, gpt_oss, glm4_moe_lite,
+                                                           deepseek_v32, glm_moe_dsa)}
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 FAMILY_NAMES = {m.MODEL_TYPE: m.DISPLAY_NAME for m in FAMILIES.values()}
 
@@ -54,7 +54,7 @@ def dense_bytes(args, quant: str, group_size: int = 32) -> int:
     import numpy as np
 
     from ..quant import _field_specs
-    dq = "int8" if quant in ("int8", "int4") else quant
+    dq = "int8" if quant in ("int8", "int4", "mxfp4") else quant
     seen, total = set(), 0
     fam = family_for(args.model_type)
     for t in fam.dense_tensors(args):
@@ -73,4 +73,5 @@ def expert_slot_bytes(args, quant: str, group_size: int = 32) -> int:
     """Bytes of one routed expert's slab (one read, 4096-aligned) at ``quant``; the routed
     experts of a store take ``args.num_moe_layers * args.num_experts`` of them."""
     from ..quant import slab_layout
-    return slab_layout(quant, args.hidden_size, args.moe_intermediate_size, group_size)["slot_bytes"]
+    return slab_layout(quant, args.hidden_size, args.moe_intermediate_size, group_size,
+                       bias=args.expert_bias)["slot_bytes"]

@@ -229,6 +229,8 @@ class ModelArgs:
         rotary_dim: leading values of each head that RoPE rotates (GLM's
             ``partial_rotary_factor``); 0 = all of head_dim. rope_scaling: YaRN parameters
             (:func:`yarn_params`), () = plain RoPE.
+        expert_bias: every routed expert projection has a float32 bias, stored in its slab
+            (gpt-oss; :func:`engine.quant.slab_layout` ``bias``).
         scoring_func, topk_method, n_group, topk_group, routed_scaling_factor, router_bias: the
             router (engine/models/routing.py): "softmax" or "sigmoid" scores; "greedy",
             "group_limited_greedy" (DeepSeek-V2) or "noaux_tc" (DeepSeek-V3 / GLM: groups by
@@ -267,6 +269,7 @@ class ModelArgs:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     router_bias: bool = False
+    expert_bias: bool = False
 
     @property
     def q_dim(self) -> int:
@@ -560,7 +563,9 @@ def hf_names(family, args: ModelArgs) -> dict[str, tuple[int, ...]]:
     moe = set(args.moe_layers)
     for i in range(args.num_hidden_layers):
         names.update({t.hf: t.shape for t in by_layer.get(i, [])})
-        if i in moe:
+        if i in moe and hasattr(family, "expert_tensors"):  # fused experts only (gpt-oss)
+            names.update(family.expert_tensors(args, i))
+        elif i in moe:
             en = family.expert_names(args, i)
             for e in range(args.num_experts):
                 for p in EXPERT_PROJS:
@@ -601,6 +606,8 @@ class Linear:
             K.linear_f32(x, self.w, out)
         elif self.kind == "f16":
             K.linear_f16(x, self.w, K.F16_TABLE, out)
+        elif self.kind == "mxfp4":
+            K.linear_mxfp4(x, self.w, self.s, out)
         else:
             K.linear_q4(x, self.w, self.s, self.gs, out)
         if self.bias is not None:
@@ -608,9 +615,35 @@ class Linear:
         return out
 
 
+def linear_views(kind: str, v: dict, proj: str, x: np.ndarray, out: np.ndarray, gs: int) -> np.ndarray:
+    """out[T, O] = x[T, N] @ W^T (+ the bias "{proj}.b" when the slab holds one) for the
+    projection ``proj`` of the slab views ``v`` at weight kind ``kind``."""
+    w, s = v[proj + ".w"], v.get(proj + ".s")
+    if kind == "int8":
+        K.linear_q8(x, w, s, out)
+    elif kind == "int4":
+        K.linear_q4(x, w, s, gs, out)
+    elif kind == "mxfp4":
+        K.linear_mxfp4(x, w, s, out)
+    elif kind == "f16":
+        K.linear_f16(x, w, K.F16_TABLE, out)
+    else:
+        K.linear_f32(x, w, out)
+    b = v.get(proj + ".b")
+    if b is not None:
+        out += b
+    return out
+
+
 def run_expert(kind: str, v: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray, gs: int) -> None:
     """out[T, D] = down(silu(gate(x)) * up(x)) for x [T, D] with the weight views ``v``
     (slab fields "gate_proj.w", "gate_proj.s", ...); h [T, I] is scratch."""
+    if kind == "mxfp4":  # no fused kernel: three MXFP4 matmuls
+        u = linear_views(kind, v, "up_proj", x, np.empty_like(h), gs)
+        linear_views(kind, v, "gate_proj", x, h, gs)
+        h *= u / (np.float32(1.0) + np.exp(-h))
+        linear_views(kind, v, "down_proj", h, out, gs)
+        return
     if kind == "int8":
         K.expert_q8(x, v["gate_proj.w"], v["gate_proj.s"], v["up_proj.w"], v["up_proj.s"],
                     v["down_proj.w"], v["down_proj.s"], h, out)
@@ -865,12 +898,19 @@ class MoEModel:
         # mask kv_idx > q_idx - w). Queries at p < w see every earlier key (one causal call);
         # later ones attend a cache view starting at their window's first key.
         n_full = T if not w else min(T, max(0, w - pos0))
+        sinks = ly.get("sinks")  # gpt-oss: a learned sink logit per head joins the softmax
         if n_full:
-            K.attention(q3[:n_full], kc, vc, pos0, self.scale, att[:n_full])
+            self._attend(q3[:n_full], kc, vc, pos0, sinks, att[:n_full])
         for t in range(n_full, T):
             j0 = pos0 + t - w + 1
-            K.attention(q3[t:t + 1], kc[:, j0:], vc[:, j0:], w - 1, self.scale, att[t:t + 1])
+            self._attend(q3[t:t + 1], kc[:, j0:], vc[:, j0:], w - 1, sinks, att[t:t + 1])
         return ly["o_proj"](att.reshape(T, H * S), np.empty_like(x))  # [T, D]
+
+    def _attend(self, q, kc, vc, pos0, sinks, out) -> None:
+        if sinks is None:
+            K.attention(q, kc, vc, pos0, self.scale, out)
+        else:
+            K.attention_sink(q, kc, vc, pos0, self.scale, sinks, out)
 
     def _kv_store(self, x: np.ndarray) -> np.ndarray:
         """float32 K or V rows as the cache holds them (f16: rounded to nearest even, clipped
@@ -939,7 +979,7 @@ class MoEModel:
             n = hi - lo
             views = self.experts.acquire(j, int(e))
             try:
-                run_expert(self.expert_quant, views, xs if T == 1 else xs[lo:hi], scratch[:n], outs[lo:hi], self.gs)
+                self.expert_forward(views, xs if T == 1 else xs[lo:hi], scratch[:n], outs[lo:hi])
             finally:
                 self.experts.release(j, int(e))
         y = np.empty((T * Kk, D), np.float32)
@@ -956,6 +996,11 @@ class MoEModel:
                 s *= np.float32(1.0) / (np.float32(1.0) + np.exp(-g))
             moe += s
         return moe
+
+    def expert_forward(self, views: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray) -> None:
+        """One routed expert on rows x [T, D] into out [T, D] (h [T, I] scratch): SwiGLU
+        (:func:`run_expert`); a family with another expert MLP (gpt-oss) overrides it."""
+        run_expert(self.expert_quant, views, x, h, out, self.gs)
 
     def route(self, j: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Experts and weights of MoE layer j for router logits float32 [T, E]: (idx int64
