@@ -143,6 +143,42 @@ def glm4_moe_config(**kw) -> dict:
     return cfg
 
 
+def glm4_moe_lite_config(**kw) -> dict:
+    """A tiny GLM-4.7-Flash config.json dict (Glm4MoeLiteConfig names): deepseek_v3_config's MLA
+    and router with ``mlp_layer_types`` (layer 0 dense) instead of first_k_dense_replace."""
+    cfg = deepseek_v3_config(architectures=["Glm4MoeLiteForCausalLM"], model_type="glm4_moe_lite", n_group=2,
+                             topk_group=1, rms_norm_eps=1e-5, routed_scaling_factor=1.8)
+    for k in ("topk_method", "scoring_func", "first_k_dense_replace"):
+        cfg.pop(k)
+    cfg.update(kw)
+    cfg.setdefault("mlp_layer_types", ["dense"] + ["sparse"] * (cfg["num_hidden_layers"] - 1))
+    return cfg
+
+
+def deepseek_v32_config(**kw) -> dict:
+    """A tiny DeepSeek-V3.2 config.json dict: deepseek_v3_config's model plus the sparse-attention
+    indexer (16 heads of 16, index_topk 8, so prompts of more than 8 tokens are sparse)."""
+    cfg = deepseek_v3_config(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
+                             index_n_heads=16, index_head_dim=16, index_topk=8)
+    cfg.pop("rope_interleave")
+    cfg.update(kw)
+    return cfg
+
+
+def glm_moe_dsa_config(**kw) -> dict:
+    """A tiny GLM-5 config.json dict (GlmMoeDsaConfig names): DeepSeek-V3.2's layer with 2 groups
+    (1 kept), layer 0 dense, and the last layer "shared" (it reuses the previous layer's indexer
+    selection) unless ``indexer_types`` is given."""
+    cfg = deepseek_v32_config(architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", n_group=2,
+                              topk_group=1, rms_norm_eps=1e-5)
+    cfg.pop("topk_method")
+    cfg.pop("scoring_func")
+    cfg.update(kw)
+    L = cfg["num_hidden_layers"]
+    cfg.setdefault("indexer_types", ["full"] + ["shared" if i == L - 1 else "full" for i in range(1, L)])
+    return cfg
+
+
 def gpt_oss_config(**kw) -> dict:
     """A tiny gpt-oss config.json dict (GptOssConfig names): GQA 4/2, head_dim 16, 8 experts
     top-2 of width 32, alternating sliding (window 6) / full layers, YaRN as published."""
@@ -165,7 +201,8 @@ def gpt_oss_config(**kw) -> dict:
 
 CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config,
            "qwen2_moe": qwen2_moe_config, "deepseek_v2": deepseek_v2_config, "deepseek_v3": deepseek_v3_config,
-           "glm4_moe": glm4_moe_config, "gpt_oss": gpt_oss_config}
+           "glm4_moe": glm4_moe_config, "gpt_oss": gpt_oss_config, "deepseek_v32": deepseek_v32_config,
+           "glm_moe_dsa": glm_moe_dsa_config, "glm4_moe_lite": glm4_moe_lite_config}
 
 # Exact shapes of published checkpoints (their config.json values; weights are random).
 PRESETS = {
@@ -209,6 +246,17 @@ PRESETS = {
         num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
         max_position_embeddings=131072, sliding_window=128, layer_types=None,
         bos_token_id=199998, eos_token_id=200002),
+    # GLM-5 (zai-org/GLM-5) as transformers' GlmMoeDsaConfig defaults give it: 78 layers, the
+    # first 3 dense, 256 experts of width 2048, top-8, one shared expert, MLA (q LoRA 2048, kv
+    # LoRA 512, rope 64, nope 192, v 256) with DeepSeek sparse attention (32 indexer heads of 128,
+    # index_topk 2048, an indexer on every layer).
+    "glm-5": glm_moe_dsa_config(
+        hidden_size=6144, intermediate_size=12288, moe_intermediate_size=2048, num_hidden_layers=78,
+        num_attention_heads=64, num_key_value_heads=64, q_lora_rank=2048, kv_lora_rank=512,
+        qk_nope_head_dim=192, qk_rope_head_dim=64, v_head_dim=256, n_routed_experts=256, num_experts_per_tok=8,
+        n_shared_experts=1, first_k_dense_replace=3, n_group=1, topk_group=1, routed_scaling_factor=2.5,
+        vocab_size=154880, max_position_embeddings=202752, index_n_heads=32, index_head_dim=128,
+        index_topk=2048, indexer_types=["full"] * 78, bos_token_id=0, eos_token_id=1),
 }
 
 

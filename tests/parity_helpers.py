@@ -113,14 +113,15 @@ def fake_quantized_copy(m, quant: str, group_size: int = 32):
     """A copy of transformers model ``m`` whose weights are rounded as our stores round them,
     by an independent torch implementation (not engine.quant): int8 = per row (last axis)
     absmax / 127; int4 (routed experts only; everything else int8, as convert.py's default
-    dense quant) = per group of ``group_size`` absmax / 7, codes -8..7. Routers and norms stay
-    exact, as in our stores. Run through transformers' own forward (float activations), it
-    gives the error of the rounded weights alone."""
+    dense quant) = per group of ``group_size`` absmax / 7, codes -8..7. Routers, norms and the
+    sparse-attention indexer's weights_proj stay exact, as in our stores. Run through
+    transformers' own forward (float activations), it gives the error of the rounded weights
+    alone."""
     import copy
     mq = copy.deepcopy(m)
     with torch.no_grad():
         for n, p in mq.named_parameters():
-            if p.dim() < 2 or n.endswith(".gate.weight") or n.endswith("shared_expert_gate.weight"):
+            if p.dim() < 2 or n.endswith((".gate.weight", "shared_expert_gate.weight", "indexer.weights_proj.weight")):
                 continue
             w = p.double()
             if quant == "int4" and ".experts." in n:  # per-expert or fused 3-D expert tensors

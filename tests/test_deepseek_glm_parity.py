@@ -1,4 +1,5 @@
-"""DeepSeek-V2, DeepSeek-V3 (Kimi-K2) and GLM-4-MoE against transformers' own classes.
+"""DeepSeek-V2, DeepSeek-V3 (Kimi-K2), GLM-4-MoE and GLM-4.7-Flash (glm4_moe_lite) against
+transformers' own classes (sparse attention: test_dsa_parity.py).
 
 Checkpoints are built and saved by transformers (save_pretrained) in two configurations per
 family (with and without dense first layers, q LoRA or a plain q_proj, plain or
@@ -22,8 +23,8 @@ from engine import convert_checkpoint  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
 from engine.models.routing import route_tokens  # noqa: E402
 from engine import sizing  # noqa: E402
-from parity_helpers import (assert_f32_parity, open_model, saved_model,  # noqa: E402
-                            teacher_forced_agreement)
+from parity_helpers import (assert_f32_parity, fake_quantized_copy, hf_logits, kl, open_model,  # noqa: E402
+                            saved_model, teacher_forced_agreement)
 
 pytestmark = pytest.mark.parity
 
@@ -66,6 +67,15 @@ CONFIGS = {
         moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1, first_k_dense_replace=0,
         norm_topk_prob=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                               "partial_rotary_factor": 0.25})),
+    # GLM-4.7-Flash: MLA with q LoRA, GLM routing over 2 groups (1 kept), mlp_layer_types' default
+    # (layer 0 dense), routed scaling 1.8
+    "glm-lite-qlora-groups": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
+        **MLA, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+        topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True)),
+    # plain q_proj, every layer MoE (mlp_layer_types), rotate-half RoPE, 2 shared experts, top-3
+    "glm-lite-qproj-allmoe": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
+        **MLA, q_lora_rank=None, n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=2,
+        mlp_layer_types=["sparse"] * 3, rope_interleave=False, norm_topk_prob=False)),
 }
 
 
@@ -90,28 +100,45 @@ def test_f32_logits_match_transformers(tmp_path, name):
     if a.num_nextn_predict_layers:  # the MTP layer is named as skipped (transformers builds none)
         import json
         assert "multi-token-prediction" in json.loads((store / "manifest.json").read_text())["skipped"][0]
-    if "dense" in name or "lite" in name:
+    assert a.num_moe_layers == sum(hasattr(layer.mlp, "gate") for layer in m.model.layers)
+    if "dense" in name or "lite-greedy" in name or "qlora-groups" in name:
         assert a.num_moe_layers == a.num_hidden_layers - 1
     assert_f32_parity(m, store, V, n_prefill=40)
 
 
 # int8 per-row against transformers. The issue's bound (1e-3 nats) holds for DeepSeek-V2 and
-# GLM-4-MoE. DeepSeek-V3 on these random weights (N(0, 0.08)) measures 1.5e-3 ("qproj-onegroup":
-# unnormalised sigmoid weights, 2 shared experts) and 3.3e-3 ("dense-groups-yarn": routed scaling
+# GLM-4-MoE. DeepSeek-V3 on these random weights (N(0, 0.08)) measures 1.4e-3 ("qproj-onegroup":
+# unnormalised sigmoid weights, 2 shared experts) and 3.2e-3 ("dense-groups-yarn": routed scaling
 # 2.5, YaRN mscale^2 1.30); isolating tensors on the latter, int8 o_proj alone gives 1.8e-3 (8.4e-4
-# with exact activations) while int8 experts alone give 5.8e-4: the attention output is
-# multiplied into the residual far beyond a trained model's scale. Not yet met for V3 (issue 14);
-# the test pins what holds so a regression shows.
+# with exact activations) while int8 experts alone give 5.8e-4. The cause is the random model, not
+# our store: transformers' own DeepseekV3ForCausalLM with the same weights rounded by an independent
+# torch quantizer (fake_quantized_copy) measures 2.1e-3 and 3.0e-3, so the test also checks ours
+# against that (at most the int8 bound above it). The config is not the culprit either: logits
+# have std 0.64 (max 2.9), no huge logit scale; the real configs' initializer_range (0.02) at
+# hidden 64 gives near-uniform outputs (entropy 5.53 of ln 256 = 5.55 nats) where any KL is
+# tiny (ours 1.9e-6 / 5.1e-6) and so proves nothing, and 1/sqrt(hidden) = 0.125 (the
+# activation-preserving scale; the real 0.02 at hidden 7168 is 0.21 at hidden 64) gives 4.5e-3 /
+# 7.2e-3 (rounded weights in transformers 2.6e-3 / 9.7e-3). A trained-like router (N(0, 0.25), as
+# Mixtral's test) does not fix it either (2.7e-3 / 1.5e-3). GLM-4.7-Flash ("glm-lite-qlora-groups",
+# the same MLA under GLM routing) is the same case: ours 2.6e-3, transformers with rounded weights
+# 2.6e-3. Not met for V3 and GLM-4.7-Flash (issue 14); the test pins what holds so a regression
+# shows, and checks ours against the rounded weights' own KL.
 @pytest.mark.parametrize("name,bound", [("dsv2-lite-greedy", 1e-3), ("glm-qknorm-bias-groups", 1e-3),
+                                        ("glm-lite-qlora-groups", 4e-3),
                                         ("dsv3-qproj-onegroup", 2.5e-3), ("dsv3-dense-groups-yarn", 5e-3)])
 def test_int8_kl_against_transformers(tmp_path, name, bound, record_property):
     m, d = hf_model(tmp_path, name)
     store = convert_checkpoint(d, tmp_path / f"{name}-int8", quant="int8")
     mean_kl, top1 = teacher_forced_agreement(m, store, V)
     record_property("mean_kl", mean_kl)
-    print(f"{name} int8: mean KL {mean_kl:.2e} nats, top-1 agreement {top1:.3f}")
+    ids = np.random.default_rng(1).integers(0, V, 256).tolist()  # teacher_forced_agreement's ids
+    rounded = float(kl(hf_logits(m, ids), hf_logits(fake_quantized_copy(m, "int8"), ids)).mean())
+    print(f"{name} int8: mean KL {mean_kl:.2e} nats (transformers with rounded weights {rounded:.2e}), "
+          f"top-1 agreement {top1:.3f}")
     assert mean_kl <= bound
     assert top1 >= 0.85
+    if bound > 1e-3:  # above the issue's bound: not above what the rounded weights do in transformers
+        assert mean_kl <= rounded + 1e-3, rounded
 
 
 def test_latent_kv_cache_size_and_absorbed_equals_expanded(tmp_path):
@@ -121,9 +148,12 @@ def test_latent_kv_cache_size_and_absorbed_equals_expanded(tmp_path):
     assert a.kv_values_per_token == a.kv_lora_rank + a.qk_rope_head_dim == 40
     assert sizing.kv_bytes(a, 100, "f32") == a.num_hidden_layers * 100 * 40 * 4
     assert sizing.kv_bytes(a, 100) == a.num_hidden_layers * 100 * 40 * 2  # f16, the default
-    ours, st, cache = open_model(store, context=64)
+    # f32 cache: with the f16 one a last-bit difference upstream can round a latent value to the
+    # neighbouring half (5e-4 relative), which shows as 2e-5 x the logit scale (absorbed and
+    # expanded agree to 6e-7 on the same f32 cache)
+    ours, st, cache = open_model(store, context=64, kv_dtype="f32")
     try:
-        assert ours.kv_bytes == a.num_hidden_layers * 64 * 40 * {"f16": 2, "f32": 4}[ours.kv_dtype]
+        assert ours.kv_bytes == a.num_hidden_layers * 64 * 40 * 4
         ids = np.random.default_rng(3).integers(0, V, 20)
         absorbed = np.concatenate([ours.forward(ids[:12], 0, all_logits=True)]
                                   + [ours.forward(ids[t:t + 1], t) for t in range(12, 20)])
@@ -167,6 +197,53 @@ def test_group_limited_router_equals_transformers(v3):
         ref = dict(zip(ti[t].tolist(), tw[t].tolist()))
         assert mine.keys() == ref.keys(), t
         assert all(abs(mine[e] - ref[e]) <= 1e-5 * max(1.0, abs(ref[e])) for e in ref)
+
+
+@pytest.mark.parametrize("v3", [True, False])
+def test_router_ties_inside_the_choice_match_transformers(v3):
+    """Exact ties that occur: experts 4-5 (group 2) are copies of experts 0-1 (group 0), router
+    rows and correction biases alike, so groups 0 and 2 tie on every token and experts 0 and 4
+    (1 and 5) tie whenever both groups are kept. Where the tie is inside the choice (both tied
+    groups or experts kept, or both left out) transformers' choice is determined and ours equals
+    it, experts and weights; where it straddles the boundary (torch.topk keeps whichever its C++
+    library's nth_element leaves; see engine/models/routing.py) ours keeps the lower index."""
+    kw = dict(n_group=4, topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5) if v3 else \
+        dict(n_group=4, topk_group=2, topk_method="group_limited_greedy", routed_scaling_factor=16.0)
+    r = _hf_router(v3, **kw)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        w = torch.randn(8, 64, generator=g) * 0.3
+        w[4:6] = w[0:2]
+        r.weight.copy_(w)
+        if v3:
+            b = torch.randn(8, generator=g) * 0.3
+            b[4:6] = b[0:2]
+            r.e_score_correction_bias.copy_(b)
+        logits, tw, ti = r(torch.randn(512, 64, generator=g))
+    z = logits.numpy()
+    bias = r.e_score_correction_bias.numpy() if v3 else None
+    idx, wt = route_tokens(z, 2, norm_topk_prob=v3, scoring_func="sigmoid" if v3 else "softmax",
+                           topk_method="noaux_tc" if v3 else "group_limited_greedy", n_group=4, topk_group=2,
+                           routed_scaling_factor=kw["routed_scaling_factor"], bias=bias)
+    p = 1 / (1 + np.exp(-z)) + bias if v3 else np.exp(z) / np.exp(z).sum(1, keepdims=True)
+    grp = p.reshape(-1, 4, 2)
+    gs = np.sort(grp, axis=2)[:, :, ::-1][:, :, :2].sum(2) if v3 else grp.max(2)  # [T, 4] group scores
+    inside = straddle = 0
+    for t in range(512):
+        top_groups = np.argsort(-gs[t], kind="stable")
+        kept = np.repeat(np.isin(np.arange(4), top_groups[:2]), 2)
+        choice = np.sort(np.where(kept, p[t], -np.inf))[::-1]
+        group_tie_at_boundary = gs[t][top_groups[1]] == gs[t][top_groups[2]]
+        if group_tie_at_boundary or choice[1] == choice[2]:
+            straddle += 1
+            assert group_tie_at_boundary and not {4, 5} & set(idx[t].tolist())  # we keep the lower group, 0
+            continue
+        inside += kept[0] and kept[4]  # both tied groups kept: experts 0 / 4 and 1 / 5 tie in the choice
+        mine = dict(zip(idx[t].tolist(), wt[t].tolist()))
+        ref = dict(zip(ti[t].tolist(), tw[t].tolist()))
+        assert mine.keys() == ref.keys(), t
+        assert all(abs(mine[e] - ref[e]) <= 1e-5 * max(1.0, abs(ref[e])) for e in ref)
+    assert inside >= 50 and straddle >= 50, (inside, straddle)
 
 
 def test_exact_ties_go_to_the_lower_index():

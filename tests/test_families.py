@@ -18,8 +18,9 @@ from engine.expert_store import ExpertStore
 from engine.generate import Engine
 from engine.models import SUPPORTED_MODEL_TYPES, family_for
 from engine.quant import slab_layout
-from engine.synthetic import (CONFIGS, PRESETS, deepseek_v2_config, deepseek_v3_config, glm4_moe_config,
-                              mixtral_config, olmoe_config, qwen2_moe_config, qwen3_moe_config, write_checkpoint,
+from engine.synthetic import (CONFIGS, PRESETS, deepseek_v2_config, deepseek_v3_config, deepseek_v32_config,
+                              glm4_moe_config, glm4_moe_lite_config, glm_moe_dsa_config, mixtral_config,
+                              olmoe_config, qwen2_moe_config, qwen3_moe_config, write_checkpoint,
                               write_store_from_seed)
 
 # Family configs with dense layers, GQA, shared experts and windows (small but streaming).
@@ -34,6 +35,11 @@ FAMILY_CONFIGS = {
     "deepseek_v3": deepseek_v3_config(),
     "deepseek_v2": deepseek_v2_config(topk_method="group_limited_greedy", n_group=4, topk_group=2),
     "glm4_moe": glm4_moe_config(),
+    "glm4_moe_lite": glm4_moe_lite_config(mlp_layer_types=["dense", "sparse", "sparse", "dense"],
+                                          num_hidden_layers=4),
+    # sparse attention: the 20-token prompt + 12 new tokens exceed index_topk 8
+    "deepseek_v32": deepseek_v32_config(),
+    "glm_moe_dsa": glm_moe_dsa_config(),
 }
 
 
@@ -372,3 +378,32 @@ def test_bad_group_size_is_one_clear_error(tmp_path, gs):
     ck = write_checkpoint(tmp_path / "ck", glm4_moe_config(num_hidden_layers=2), seed=1, tokenizer=False)
     assert main(["convert", str(ck), str(tmp_path / "out"), "--quant", "int4", "--group-size", str(gs)]) == 2
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name,n_index", [("deepseek_v32", 3), ("glm_moe_dsa", 2)])
+def test_info_counts_the_indexer_keys_in_the_kv_cache(family_stores, name, n_index):
+    """Sparse attention: ``colibri info`` names the indexer and counts its keys (index_head_dim
+    values on each layer that runs one) next to the latent in the KV bytes per token."""
+    from engine.cli.run import describe_store
+    from engine.sizing import kv_bytes
+    _, store = family_stores[name]
+    a = ModelArgs.from_hf_config(store)
+    assert a.indexer_layers == tuple(range(3))[:n_index] and a.index_topk == 8
+    per_token = 3 * (32 + 8) + n_index * 16
+    assert a.kv_values_all_layers == per_token and kv_bytes(a, 10) == 10 * per_token * 2
+    text = describe_store(str(store))
+    assert f"40 values per token and layer + 16 indexer-key values on the {n_index} layers with an indexer" in text
+    assert f"({per_token * 4} B per token of context at f32" in text.replace(".0 B", " B")
+    assert "index_topk 8 past tokens" in text
+    assert ("1 of 3 layers reuse the previous layer's choice" in text) == (name == "glm_moe_dsa")
+
+
+def test_glm5_preset_sizes_its_latent_and_indexer_cache():
+    """GLM-5's shape: the KV cache per token is 78 layers x (512 + 64) latent values plus 78 x 128
+    indexer-key values, 109,824 bytes at f16 (the expanded heads would be 78 x 2 x 64 x 256)."""
+    from engine.sizing import kv_bytes
+    a = ModelArgs.from_dict(PRESETS["glm-5"])
+    assert (a.model_type, a.num_hidden_layers, a.num_moe_layers, a.num_experts, a.index_topk) == \
+        ("glm_moe_dsa", 78, 75, 256, 2048)
+    assert a.kv_values_all_layers == 78 * (512 + 64) + 78 * 128
+    assert kv_bytes(a, 1) == 109_824

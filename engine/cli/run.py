@@ -117,8 +117,11 @@ def describe_store(path: str, context_length: int = 0) -> str:
             + (f", {len(dense_layers)} dense MLP (layers {', '.join(map(str, dense_layers))}, resident)"
                if dense_layers else ", none dense")
             + f"; hidden {a.hidden_size}, " + _attention_text(a),
-            f"KV cache    {a.kv_values_per_token} values per token and layer "
-            f"({format_bytes(a.kv_values_per_token * 4 * L)} per token of context)",
+            f"KV cache    {a.kv_values_per_token} values per token and layer"
+            + (f" + {a.index_head_dim} indexer-key values on the {len(a.indexer_layers)} layers with an indexer"
+               if getattr(a, "indexer_layers", ()) else "")
+            + f" ({format_bytes(a.kv_values_all_layers * 4)} per token of context at f32, "
+            f"{format_bytes(a.kv_values_all_layers * 2)} at f16)",
             f"experts     {a.num_experts} per MoE layer, top-{a.num_experts_per_tok} routed per token, width "
             f"{a.moe_intermediate_size}, norm_topk_prob {a.norm_topk_prob}, router {a.scoring_func}"
             + (f" in {a.n_group} groups (best {a.topk_group} kept, {a.topk_method})" if a.n_group > 1 else "")
@@ -146,9 +149,16 @@ def _attention_text(a) -> str:
     """The attention part of ``colibri info``'s layers line."""
     if getattr(a, "kv_lora_rank", 0):
         q = f"q LoRA rank {a.q_lora_rank}" if a.q_lora_rank else "plain q_proj"
-        return (f"heads {a.num_attention_heads}, multi-head latent attention (kv_lora_rank {a.kv_lora_rank}, "
-                f"qk_rope_head_dim {a.qk_rope_head_dim}, qk_nope_head_dim {a.qk_nope_head_dim}, v_head_dim "
-                f"{a.v_head_dim}, {q}); latent KV cache")
+        out = (f"heads {a.num_attention_heads}, multi-head latent attention (kv_lora_rank {a.kv_lora_rank}, "
+               f"qk_rope_head_dim {a.qk_rope_head_dim}, qk_nope_head_dim {a.qk_nope_head_dim}, v_head_dim "
+               f"{a.v_head_dim}, {q}); latent KV cache")
+        if getattr(a, "indexer_layers", ()):
+            L = a.num_hidden_layers
+            shared = L - len(a.indexer_layers)
+            out += (f"; sparse attention: each query attends the index_topk {a.index_topk} past tokens its "
+                    f"indexer picks (index_n_heads {a.index_n_heads}, index_head_dim {a.index_head_dim}"
+                    + (f"; {shared} of {L} layers reuse the previous layer's choice" if shared else "") + ")")
+        return out
     rot = f", rotary {a.rotary_dim} of {a.head_dim}" if a.rotary_dim and a.rotary_dim != a.head_dim else ""
     return (f"heads {a.num_attention_heads} (KV heads {a.num_key_value_heads}, head size {a.head_dim}{rot})")
 

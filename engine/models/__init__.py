@@ -11,10 +11,12 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import ConfigError
-from . import deepseek_v2, deepseek_v3, glm4_moe, gpt_oss, mixtral, olmoe, qwen2_moe, qwen3_moe
+from . import (deepseek_v2, deepseek_v3, deepseek_v32, glm4_moe, glm4_moe_lite, glm_moe_dsa, gpt_oss,
+               mixtral, olmoe, qwen2_moe, qwen3_moe)
 
 FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (olmoe, qwen3_moe, mixtral, qwen2_moe, deepseek_v2,
-                                                           deepseek_v3, glm4_moe, gpt_oss)}
+                                                           deepseek_v3, glm4_moe, gpt_oss, glm4_moe_lite,
+                                                           deepseek_v32, glm_moe_dsa)}
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 FAMILY_NAMES = {m.MODEL_TYPE: m.DISPLAY_NAME for m in FAMILIES.values()}
 

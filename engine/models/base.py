@@ -285,6 +285,13 @@ class ModelArgs:
         return 2 * self.num_key_value_heads * self.head_dim
 
     @property
+    def kv_values_all_layers(self) -> int:
+        """Values one token adds to the KV cache over all layers (sizing's KV bytes): L x
+        kv_values_per_token, unless a family caches more on some layers than on others
+        (DeepSeek sparse attention's indexer keys)."""
+        return self.num_hidden_layers * self.kv_values_per_token
+
+    @property
     def num_moe_layers(self) -> int:
         """M: layers with routed experts (rows of the expert table, the cache and the heat)."""
         return len(self.moe_layers)

@@ -82,6 +82,32 @@ def deepseek_fields(cfg: dict, path: str, family: str, *, v3: bool) -> dict:
                 num_nextn_predict_layers=mtp)
 
 
+def layer_typed_fields(cfg: dict, path: str, family: str, first_k_dense_default: int) -> dict:
+    """:func:`deepseek_fields` (V3 router) for the families whose config.json may list
+    ``mlp_layer_types`` ("dense" / "sparse" per layer: GLM-4.7-Flash, DeepSeek-V3.2, GLM-5)
+    instead of ``first_k_dense_replace`` (default ``first_k_dense_default``, as transformers).
+
+    Raises:
+        ConfigError: naming ``path`` and the key.
+    """
+    cfg = dict(cfg)
+    cfg.setdefault("first_k_dense_replace", first_k_dense_default)
+    L = base.num(cfg, "num_hidden_layers", path, 1, 4096, integer=True, family=family)
+    types = cfg.get("mlp_layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) != L or any(t not in ("dense", "sparse") for t in types):
+            raise ConfigError(f"{path}: key 'mlp_layer_types' must list 'dense' or 'sparse' for each of the "
+                              f"{L} layers, got {types!r}")
+        cfg["first_k_dense_replace"] = types.index("sparse") if "sparse" in types else L
+    v = deepseek_fields(cfg, path, family, v3=True)
+    if types is not None:
+        v["moe_layers"] = tuple(i for i, t in enumerate(types) if t == "sparse")
+        if len(v["moe_layers"]) < L:
+            v["intermediate_size"] = base.num(cfg, "intermediate_size", path, 1, 1 << 24, integer=True,
+                                              family=family)
+    return v
+
+
 def dense_tensors(args: ModelArgs) -> list[base.Tensor]:
     return base.decoder_tensors(args, "mlp", shared="mlp.shared_experts.", attention=mla.attention_tensors)
 

@@ -207,8 +207,9 @@ class MLAModel(base.MoEModel):
         eps = a.rms_norm_eps
         h = np.empty_like(x)  # [T, D]
         K.rmsnorm(x, ly["input_layernorm"], eps, h)
+        qa = None
         if "q_a_proj" in ly:
-            qa = ly["q_a_proj"](h, np.empty((T, a.q_lora_rank), np.float32))
+            qa = ly["q_a_proj"](h, np.empty((T, a.q_lora_rank), np.float32))  # [T, qr]
             K.rmsnorm(qa, ly["q_a_layernorm"], eps, qa)
             q = ly["q_b_proj"](qa, np.empty((T, H * (dn + dr)), np.float32))
         else:
@@ -228,6 +229,7 @@ class MLAModel(base.MoEModel):
         cache = self.kv_cache[i]  # [1, C, r + dr]
         cache[0, pos0:pos0 + T, :r] = self._kv_store(c)
         cache[0, pos0:pos0 + T, r:] = self._kv_store(k_pe[:, 0])
+        sel = self.select(i, h, qa, pos0, T)
         if self.absorb:
             qc = np.empty((T, H, r + dr), np.float32)  # [T, H, r + dr]: (q_lat, q_pe)
             lat = np.empty((T, r), np.float32)
@@ -235,18 +237,44 @@ class MLAModel(base.MoEModel):
                 qc[:, hh, :r] = ly["k_absorb"][hh](np.ascontiguousarray(q3[:, hh, :dn]), lat)
             qc[:, :, r:] = q_pe
             o = np.empty((T, H, r + dr), np.float32)
-            K.attention(qc, cache, cache, pos0, self.scale, o)  # one latent "KV head" for all heads
+            if sel is None:
+                K.attention(qc, cache, cache, pos0, self.scale, o)  # one latent "KV head" for all heads
+            else:
+                self._attend_selected(qc, cache, pos0, sel, o)
             att = np.empty((T, H, dv), np.float32)
             vh = np.empty((T, dv), np.float32)
             for hh in range(H):
                 att[:, hh] = ly["v_absorb"][hh](np.ascontiguousarray(o[:, hh, :r]), vh)
         else:
-            att = self._expanded(ly, q3, q_pe, cache, pos0, T)
+            att = self._expanded(ly, q3, q_pe, cache, pos0, T, sel)
         return ly["o_proj"](att.reshape(T, H * dv), np.empty_like(x))  # [T, D]
 
-    def _expanded(self, ly, q3, q_pe, cache, pos0: int, T: int) -> np.ndarray:
+    def select(self, i: int, h: np.ndarray, qa: np.ndarray | None, pos0: int, T: int) -> list | None:
+        """The past positions each of the T queries at pos0.. may attend: None = all (causal
+        attention), or a list of T entries, each None (all causal positions) or int64 [k]
+        ascending positions. Plain MLA: None; DeepSeek sparse attention (dsa.py) overrides it.
+        h: the normed layer input float32 [T, D]; qa: q_a_layernorm(q_a_proj(h)) [T, qr] or None."""
+        return None
+
+    def _attend_selected(self, qc: np.ndarray, cache: np.ndarray, pos0: int, sel: list, o: np.ndarray) -> None:
+        """Absorbed attention where query t sees only the cached positions ``sel[t]`` (None:
+        every position <= pos0 + t). Queries with None come first (positions before the
+        selection starts to matter) and run as one causal call; each other query attends the
+        rows it selected, gathered in ascending order."""
+        T = qc.shape[0]
+        n_all = 0
+        while n_all < T and sel[n_all] is None:
+            n_all += 1
+        if n_all:
+            K.attention(qc[:n_all], cache, cache, pos0, self.scale, o[:n_all])
+        for t in range(n_all, T):
+            g = np.ascontiguousarray(cache[:, sel[t]])  # [1, k, r + dr]
+            K.attention(qc[t:t + 1], g, g, g.shape[1] - 1, self.scale, o[t:t + 1])
+
+    def _expanded(self, ly, q3, q_pe, cache, pos0: int, T: int, sel: list | None = None) -> np.ndarray:
         """The expanded form: per-head keys [W_uk c, k_pe] and values W_uv c for every cached
-        position (float32 weights dequantized on the fly; reference only)."""
+        position (float32 weights dequantized on the fly; reference only); ``sel`` as
+        :meth:`select` returns it masks the positions a query did not select."""
         a = self.args
         H, dn, dr, dv, r = (a.num_attention_heads, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim,
                             a.kv_lora_rank)
@@ -265,6 +293,10 @@ class MLAModel(base.MoEModel):
         q = np.concatenate([q3[:, :, :dn], q_pe], axis=2)  # [T, H, dn + dr]
         s = np.einsum("thd,hnd->thn", q, kc) * self.scale  # [T, H, n]
         mask = np.arange(n)[None, :] > (pos0 + np.arange(T))[:, None]  # [T, n] future keys
+        for t, st in enumerate(sel or ()):
+            if st is not None:
+                mask[t] = True
+                mask[t, st] = False
         s = np.where(mask[:, None, :], -np.inf, s)
         s = np.exp(s - s.max(axis=2, keepdims=True))
         s /= s.sum(axis=2, keepdims=True)

@@ -17,11 +17,23 @@ Three families of rules, all from router logits float32 [T, E] (E experts, K per
 Source: transformers' models/deepseek_v2 (DeepseekV2TopkRouter), models/deepseek_v3
 (DeepseekV3TopkRouter) and models/glm4_moe (Glm4MoeTopkRouter).
 
-Ties. transformers uses ``torch.topk``; with real-valued router weights exact ties are rare,
-except where scores are masked to a constant (0 or -inf) or when rows of the router are equal.
+Ties. transformers selects with ``torch.topk`` (the topk_group best of n_group groups, then
+the K best of E experts). On the CPU torch.topk runs the C++ standard library's
+``std::nth_element`` (or ``std::partial_sort`` when 64 K <= n) over (value, index) pairs
+compared by value only, so which of several exactly equal values it keeps at the boundary is
+whatever that library's introselect leaves: top-2 of [1, 1, 0.5, 1] -> {1, 3}, top-4 of 16
+equal values -> {9, 10, 11, 12} (torch 2.13 with libstdc++); libc++ (macOS) and the CUDA
+kernel are free to differ. That is not a rule one can follow portably, so we do not imitate it.
 Our rule, at every selection step: the larger value first, and among equal values the lower
-index first (a stable sort). ``tests/test_deepseek_glm_parity.py`` checks that it picks the
-experts torch.topk picks on group ties built on purpose.
+index first (a stable sort). The two choose the same experts with the same weights whenever
+the values at the boundary do not tie (ties above or below it do not change the chosen set):
+``tests/test_deepseek_glm_parity.py`` builds routers with duplicated experts (equal router
+rows and correction biases, so whole groups tie on every token) and checks that ours equals
+transformers' DeepseekV3TopkRouter / DeepseekV2TopkRouter on every token where the tie is
+inside the choice, and keeps the lower group where it straddles the boundary. A tie at the
+boundary needs equal router rows (and biases) or sigmoid scores saturated to exactly 1.0
+(logits above about 17 in float32); masked experts (0 or -inf) never reach the boundary
+because the kept groups hold at least K experts (checked when the config is read).
 """
 
 from __future__ import annotations
