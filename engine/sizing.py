@@ -58,14 +58,17 @@ DEFAULT_KV_DTYPE = "f16"  # the kv_dtype setting's default (engine.settings)
 def kv_bytes(args, context_length: int, kv_dtype: str = DEFAULT_KV_DTYPE) -> int:
     """KV cache bytes at ``context_length`` tokens: ``args.kv_values_per_token`` elements per
     token and layer (K and V of every KV head; MLA: the latent, kv_lora_rank +
-    qk_rope_head_dim), each 2 bytes (kv_dtype "f16") or 4 ("f32").
+    qk_rope_head_dim), each 2 bytes (kv_dtype "f16") or 4 ("f32"), in the
+    ``args.num_kv_layers`` layers that have a KV cache, plus ``args.recurrent_state_bytes``
+    (a hybrid family's linear-attention state, float32, whatever the context length).
 
     Raises:
         ValueError: unknown kv_dtype.
     """
     if kv_dtype not in KV_ELEMENT_BYTES:
         raise ValueError(f"kv_dtype {kv_dtype!r}: choose one of {', '.join(KV_ELEMENT_BYTES)}")
-    return args.num_hidden_layers * args.kv_values_per_token * int(context_length) * KV_ELEMENT_BYTES[kv_dtype]
+    return (args.num_kv_layers * args.kv_values_per_token * int(context_length) * KV_ELEMENT_BYTES[kv_dtype]
+            + args.recurrent_state_bytes)
 
 
 def dense_bytes(args, quant: str) -> int:
