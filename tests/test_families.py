@@ -19,8 +19,8 @@ from engine.generate import Engine
 from engine.models import SUPPORTED_MODEL_TYPES, family_for
 from engine.quant import slab_layout
 from engine.synthetic import (CONFIGS, PRESETS, deepseek_v2_config, deepseek_v3_config, glm4_moe_config,
-                              mixtral_config, olmoe_config, qwen2_moe_config, qwen3_moe_config, write_checkpoint,
-                              write_store_from_seed)
+                              mixtral_config, olmoe_config, qwen2_moe_config, qwen3_5_moe_text_config,
+                              qwen3_moe_config, qwen3_next_config, write_checkpoint, write_store_from_seed)
 
 # Family configs with dense layers, GQA, shared experts and windows (small but streaming).
 FAMILY_CONFIGS = {
@@ -34,6 +34,10 @@ FAMILY_CONFIGS = {
     "deepseek_v3": deepseek_v3_config(),
     "deepseek_v2": deepseek_v2_config(topk_method="group_limited_greedy", n_group=4, topk_group=2),
     "glm4_moe": glm4_moe_config(),
+    # hybrid: Gated DeltaNet layers 0-2 + a gated full-attention layer 3; layer 1 dense
+    "qwen3_next": qwen3_next_config(mlp_only_layers=[1]),
+    "qwen3_5_moe_text": qwen3_5_moe_text_config(num_hidden_layers=3, layer_types=[
+        "linear_attention", "full_attention", "linear_attention"]),
 }
 
 
