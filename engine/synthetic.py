@@ -175,10 +175,23 @@ def qwen3_5_moe_text_config(**kw) -> dict:
     return cfg
 
 
+def qwen3_5_moe_config(**kw) -> dict:
+    """A tiny Qwen3.5-MoE config.json dict as published (Qwen3_5MoeConfig: the language model's
+    keys, :func:`qwen3_5_moe_text_config` with ``kw``, under ``text_config``; a vision tower
+    config beside it, whose weights the synthetic checkpoint leaves out)."""
+    text = qwen3_5_moe_text_config(**kw)
+    text.pop("architectures")
+    return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+            "text_config": text, "tie_word_embeddings": text.pop("tie_word_embeddings", False),
+            "vision_config": {"model_type": "qwen3_5_moe_vision", "depth": 1, "hidden_size": 32, "num_heads": 2,
+                              "intermediate_size": 32, "out_hidden_size": text["hidden_size"]},
+            "eos_token_id": text.get("eos_token_id")}
+
+
 CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config,
            "qwen2_moe": qwen2_moe_config, "deepseek_v2": deepseek_v2_config, "deepseek_v3": deepseek_v3_config,
            "glm4_moe": glm4_moe_config, "qwen3_next": qwen3_next_config,
-           "qwen3_5_moe_text": qwen3_5_moe_text_config}
+           "qwen3_5_moe_text": qwen3_5_moe_text_config, "qwen3_5_moe": qwen3_5_moe_config}
 
 # Exact shapes of published checkpoints (their config.json values; weights are random).
 PRESETS = {

@@ -1,7 +1,7 @@
 """The hybrid families (Qwen3-Next, Qwen3.5-MoE text) against transformers' own classes.
 
 Qwen3NextForCausalLM and Qwen3_5MoeForCausalLM checkpoints are built and saved by transformers
-(two configurations each: grouped value heads, GQA, dense layers, dk != dv, conv widths,
+(two configurations each, and the published multimodal Qwen3.5 checkpoint layout: grouped value heads, GQA, dense layers, dk != dv, conv widths,
 partial rotary factors, linear / full layer patterns), converted at f32 and compared at every
 position of a 150-token prefill (more than one 128-token prefill chunk and two 64-token chunks
 of the chunked gated delta rule) and over 16 decode steps through the recurrent state and the
@@ -55,13 +55,25 @@ CONFIGS = {
         head_dim=16, partial_rotary_factor=0.5, linear_num_key_heads=1, linear_num_value_heads=4,
         linear_key_head_dim=16, linear_value_head_dim=8, linear_conv_kernel_dim=2, num_experts_per_tok=3,
         shared_expert_intermediate_size=48)),
+    # Qwen3.5-MoE as published: the multimodal Qwen3_5MoeForConditionalGeneration (a tiny vision
+    # tower, weights under model.language_model.), run on text; 2 key / 2 value heads, 3 layers
+    "q35-published": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration", dict(
+        num_hidden_layers=3, layer_types=[LIN, FULL, LIN], num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, num_experts_per_tok=2, shared_expert_intermediate_size=32)),
 }
+VISION = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=64, patch_size=4,
+              num_position_embeddings=16)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_f32_logits_match_transformers(tmp_path, name):
     cfg_cls, model_cls, kw = CONFIGS[name]
-    m, d = saved_model(tmp_path, name, cfg_cls, model_cls, **{**BASE, **kw})
+    if cfg_cls == "Qwen3_5MoeConfig":
+        m, d = saved_model(tmp_path, name, cfg_cls, model_cls, text_config={**BASE, **kw}, vision_config=VISION)
+        assert any(k.startswith("model.visual.") for k in m.state_dict())
+    else:
+        m, d = saved_model(tmp_path, name, cfg_cls, model_cls, **{**BASE, **kw})
     store = convert_checkpoint(d, tmp_path / f"{name}-f32", quant="f32")
     a = ModelArgs.from_hf_config(store)
     assert a.model_type == m.config.model_type and list(a.layer_types) == kw["layer_types"]

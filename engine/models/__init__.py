@@ -12,11 +12,11 @@ from types import ModuleType
 
 from ..errors import ConfigError
 from . import deepseek_v2, deepseek_v3, glm4_moe, mixtral, olmoe, qwen2_moe, qwen3_moe
-from . import qwen3_5_moe, qwen3_next
+from . import qwen3_5_moe, qwen3_5_moe_text, qwen3_next
 
 FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (olmoe, qwen3_moe, mixtral, qwen2_moe, deepseek_v2,
                                                            deepseek_v3, glm4_moe)}
-FAMILIES.update({m.MODEL_TYPE: m for m in (qwen3_next, qwen3_5_moe)})
+FAMILIES.update({m.MODEL_TYPE: m for m in (qwen3_next, qwen3_5_moe_text, qwen3_5_moe)})
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 FAMILY_NAMES = {m.MODEL_TYPE: m.DISPLAY_NAME for m in FAMILIES.values()}
 

@@ -1,6 +1,6 @@
 """Qwen3-Next (Qwen3-Next-80B-A3B, Qwen3-Coder-Next): the hybrid decoder of Gated DeltaNet
 linear-attention layers and gated full-attention layers, with routed experts and a sigmoid-gated
-shared expert. Also the base of the Qwen3.5 MoE text model (engine/models/qwen3_5_moe.py).
+shared expert. Also the base of the Qwen3.5 MoE text model (engine/models/qwen3_5_moe_text.py; the published multimodal checkpoints: qwen3_5_moe.py).
 
 Follows transformers' models/qwen3_next/modeling_qwen3_next.py (the arithmetic; its torch
 fallback ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` /
