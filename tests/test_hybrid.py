@@ -18,7 +18,7 @@ from engine.cli.run import describe_store
 from engine.config import EngineConfig, ModelArgs
 from engine.events import Finished, FinishReason, GenerateRequest, SamplingParams
 from engine.generate import Engine
-from engine.models.qwen3_next import chunk_gated_delta, recurrent_gated_delta
+from engine import kernels, kernels_ref
 from engine.synthetic import qwen3_5_moe_text_config, qwen3_next_config, write_checkpoint
 
 HYBRID = {
@@ -151,8 +151,20 @@ def test_forward_at_an_unknown_state_is_refused(hybrid_stores):
         assert m.rewind(3) == 1
 
 
+def _recurrence(q, k, v, g, beta, S):
+    """The gated delta rule token by token (the definition): [H, T, dv], S updated."""
+    out = np.empty((q.shape[0], q.shape[1], v.shape[2]), np.float64)
+    for t in range(q.shape[1]):
+        S *= np.exp(g[:, t])[:, None, None]
+        delta = (v[:, t] - np.einsum("hk,hkv->hv", k[:, t], S)) * beta[:, t, None]
+        S += k[:, t, :, None] * delta[:, None, :]
+        out[:, t] = np.einsum("hk,hkv->hv", q[:, t], S)
+    return out
+
+
+@pytest.mark.parametrize("impl", [kernels, kernels_ref], ids=["numba", "numpy"])
 @pytest.mark.parametrize("T,chunk", [(1, 64), (63, 64), (130, 64), (17, 4)])
-def test_chunked_rule_equals_the_recurrence(T, chunk):
+def test_chunked_rule_equals_the_recurrence(impl, T, chunk):
     rng = np.random.default_rng(T)
     H, dk, dv = 3, 8, 5
     q = rng.standard_normal((H, T, dk)).astype(np.float32)
@@ -160,11 +172,13 @@ def test_chunked_rule_equals_the_recurrence(T, chunk):
     k /= np.linalg.norm(k, axis=-1, keepdims=True)
     v = rng.standard_normal((H, T, dv)).astype(np.float32)
     g = -rng.uniform(0.0, 3.0, (H, T)).astype(np.float32)
+    g[0, T // 2] = -200.0  # a decay far below the floor: the state before it is forgotten
     beta = rng.uniform(0.0, 1.0, (H, T)).astype(np.float32)
     S0 = rng.standard_normal((H, dk, dv)).astype(np.float32)
-    S1, S2 = S0.copy(), S0.copy()
-    got = chunk_gated_delta(q, k, v, g, beta, S1, chunk)
-    want = np.stack([recurrent_gated_delta(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], S2) for t in range(T)], 1)
+    S1, S2 = S0.copy(), S0.astype(np.float64)
+    got = np.empty((H, T, dv), np.float32)
+    impl.gated_delta(q, k, v, g, beta, S1, chunk, got)
+    want = _recurrence(q, k, v, g, beta, S2)
     np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max())
     np.testing.assert_allclose(S1, S2, atol=2e-5 * np.abs(S2).max())
 

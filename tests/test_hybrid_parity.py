@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 
 from engine import convert_checkpoint  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
-from engine.models.qwen3_next import chunk_gated_delta, recurrent_gated_delta  # noqa: E402
+from engine import kernels, kernels_ref  # noqa: E402
 from parity_helpers import assert_f32_parity, saved_model  # noqa: E402
 
 pytestmark = pytest.mark.parity
@@ -87,11 +87,12 @@ def _torch_rules():
     return q.torch_chunk_gated_delta_rule, q.torch_recurrent_gated_delta_rule
 
 
+@pytest.mark.parametrize("impl", [kernels, kernels_ref], ids=["numba", "numpy"])
 @pytest.mark.parametrize("T,nk,nv,dk,dv,a_max", [(150, 2, 4, 16, 8, 1.0), (70, 1, 2, 8, 16, 16.0), (5, 2, 2, 4, 4, 3.0)])
-def test_gated_delta_rules_match_transformers_torch_fallback(T, nk, nv, dk, dv, a_max):
-    """Our chunked rule (prefill) and recurrent step (decode) against transformers' torch
-    functions, from a non-zero initial state, with decays from mild to A = 16 (the range of
-    transformers' A_log init)."""
+def test_gated_delta_rule_matches_transformers_torch_fallback(impl, T, nk, nv, dk, dv, a_max):
+    """Our gated delta rule, chunked (prefill) and one token at a time (decode), against
+    transformers' torch functions (chunked and recurrent), from a non-zero initial state, with
+    decays from mild to A = 16 (the range of transformers' A_log init)."""
     chunk_rule, rec_rule = _torch_rules()
     rng = np.random.default_rng(T)
     q = rng.standard_normal((1, T, nk, dk)).astype(np.float32)
@@ -103,19 +104,24 @@ def test_gated_delta_rules_match_transformers_torch_fallback(T, nk, nv, dk, dv, 
     t = [torch.tensor(x) for x in (q, k, v, g, beta, S0)]
     ref, ref_S = chunk_rule(*t[:5], initial_state=t[5], output_final_state=True, use_qk_l2norm_in_kernel=True)
     rec, rec_S = rec_rule(*t[:5], initial_state=t[5], output_final_state=True, use_qk_l2norm_in_kernel=True)
+    ref, ref_S, rec, rec_S = (x.numpy()[0] for x in (ref, ref_S, rec, rec_S))
 
-    def prep(x):  # our inputs: l2-normed per head, q scaled, value heads expanded, [H, T, d]
+    def prep(x):  # our inputs: l2-normed per head, value heads expanded, [H, T, d]
         x = x[0] / np.sqrt((x[0] ** 2).sum(-1, keepdims=True) + 1e-6)
         return np.ascontiguousarray(np.repeat(x, nv // nk, axis=1).transpose(1, 0, 2), np.float32)
     qq, kk = prep(q) * np.float32(dk ** -0.5), prep(k)
     vv = np.ascontiguousarray(v[0].transpose(1, 0, 2))
     gg, bb = np.ascontiguousarray(g[0].T), np.ascontiguousarray(beta[0].T)
-    S = S0[0].copy()
-    ours = chunk_gated_delta(qq, kk, vv, gg, bb, S).transpose(1, 0, 2)
-    scale = np.abs(ref.numpy()).max()
-    assert np.abs(ours - ref.numpy()[0]).max() <= 1e-5 * scale
-    assert np.abs(S - ref_S.numpy()[0]).max() <= 1e-5 * np.abs(ref_S.numpy()).max()
-    S2 = S0[0].copy()
-    steps = np.stack([recurrent_gated_delta(qq[:, i], kk[:, i], vv[:, i], gg[:, i], bb[:, i], S2) for i in range(T)], 0)
-    assert np.abs(steps - rec.numpy()[0]).max() <= 1e-5 * scale
-    assert np.abs(S2 - rec_S.numpy()[0]).max() <= 1e-5 * np.abs(rec_S.numpy()).max()
+    S, out = S0[0].copy(), np.empty((nv, T, dv), np.float32)
+    impl.gated_delta(qq, kk, vv, gg, bb, S, 64, out)
+    scale = np.abs(ref).max()
+    assert np.abs(out.transpose(1, 0, 2) - ref).max() <= 1e-5 * scale
+    assert np.abs(S - ref_S).max() <= 1e-5 * np.abs(ref_S).max()
+    S2, o1 = S0[0].copy(), np.empty((nv, 1, dv), np.float32)
+    steps = []
+    for i in range(T):
+        sl = np.s_[:, i:i + 1]
+        impl.gated_delta(*(np.ascontiguousarray(x[sl]) for x in (qq, kk, vv, gg, bb)), S2, 64, o1)
+        steps.append(o1[:, 0].copy())
+    assert np.abs(np.stack(steps) - rec).max() <= 1e-5 * scale
+    assert np.abs(S2 - rec_S).max() <= 1e-5 * np.abs(rec_S).max()

@@ -270,57 +270,6 @@ def _l2norm(x: np.ndarray) -> np.ndarray:
     return x / np.sqrt((x * x).sum(-1, keepdims=True) + np.float32(1e-6))
 
 
-def recurrent_gated_delta(q, k, v, g, beta, S) -> np.ndarray:
-    """One token of the gated delta rule for every value head.
-
-    q, k float32 [H, dk] (l2-normed, q scaled), v [H, dv], g (log decay, <= 0), beta [H];
-    S float32 [H, dk, dv] updated in place. Returns o float32 [H, dv]."""
-    S *= np.exp(g)[:, None, None]
-    kv = np.einsum("hk,hkv->hv", k, S)
-    delta = (v - kv) * beta[:, None]
-    S += k[:, :, None] * delta[:, None, :]
-    return np.einsum("hk,hkv->hv", q, S)
-
-
-def chunk_gated_delta(q, k, v, g, beta, S, chunk: int = CHUNK) -> np.ndarray:
-    """The gated delta rule over T tokens in chunks of ``chunk`` (equal to T recurrent steps).
-
-    q, k float32 [H, T, dk] (l2-normed, q scaled), v [H, T, dv], g, beta [H, T]; S float32
-    [H, dk, dv] the state before the first token, updated in place to the state after the
-    last. Returns o float32 [H, T, dv].
-
-    Per chunk of n tokens with state S0 and c = cumsum(g): A_ij = beta_i k_i.k_j e^(c_i - c_j)
-    (j < i); (I + A) [U | W] = [beta v | beta k e^c]; pseudo-values P = U - W S0;
-    o = (q e^c) S0 + ((q k^T) e^(c_i - c_j), j <= i) P; S = e^(c_n) S0 + (k e^(c_n - c))^T P.
-    Source: transformers' torch_chunk_gated_delta_rule (the same chunk equations; the last
-    chunk is shorter instead of zero-padded, which changes nothing).
-    """
-    H, T, dk = q.shape
-    dv = v.shape[-1]
-    out = np.empty((H, T, dv), np.float32)
-    for c0 in range(0, T, chunk):
-        c1 = min(T, c0 + chunk)
-        n = c1 - c0
-        qc, kc, vc, bc = q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1]
-        c = np.cumsum(g[:, c0:c1], axis=1, dtype=np.float32)  # [H, n]
-        lower = np.tril(np.ones((n, n), bool))
-        diff = np.where(lower, c[:, :, None] - c[:, None, :], np.float32(-np.inf))
-        decay = np.exp(diff).astype(np.float32)  # [H, n, n], 0 above the diagonal
-        kb = kc * bc[..., None]
-        A = (kb @ kc.transpose(0, 2, 1)) * decay
-        M = np.tril(A, -1) + np.eye(n, dtype=np.float32)
-        ec = np.exp(c)[..., None]  # [H, n, 1]
-        rhs = np.concatenate([vc * bc[..., None], kb * ec], axis=-1)  # [H, n, dv + dk]
-        sol = np.linalg.solve(M, rhs).astype(np.float32)
-        P = sol[..., :dv] - sol[..., dv:] @ S  # [H, n, dv]
-        att = (qc @ kc.transpose(0, 2, 1)) * decay
-        out[:, c0:c1] = (qc * ec) @ S + att @ P
-        last = c[:, -1]
-        S *= np.exp(last)[:, None, None]
-        S += (kc * np.exp(last[:, None] - c)[..., None]).transpose(0, 2, 1) @ P
-    return out
-
-
 class Model(base.MoEModel):
     """The Qwen3-Next forward: Gated DeltaNet and gated full-attention layers over the shared
     MoE decoder (routed experts + the sigmoid-gated shared expert).
@@ -545,12 +494,11 @@ class Model(base.MoEModel):
             q, k = np.repeat(q, rep, axis=1), np.repeat(k, rep, axis=1)
         beta = _sigmoid(b)  # [T, nv]
         g = ly["neg_A"] * np.logaddexp(np.float32(0.0), ga + ly["dt_bias"]).astype(np.float32)  # [T, nv]
-        S = self.rec_state[r]
-        if T == 1:
-            o = recurrent_gated_delta(q[0], k[0], v[0], g[0], beta[0], S)[None]  # [1, nv, dv]
-        else:
-            o = chunk_gated_delta(*(np.ascontiguousarray(t.transpose(1, 0, 2), np.float32) for t in (q, k, v)),
-                                  np.ascontiguousarray(g.T), np.ascontiguousarray(beta.T), S).transpose(1, 0, 2)
+        o = np.empty((nv, T, dv), np.float32)  # [nv, T, dv]
+        K.gated_delta(*(np.ascontiguousarray(t.transpose(1, 0, 2), np.float32) for t in (q, k, v)),
+                      np.ascontiguousarray(g.T, np.float32), np.ascontiguousarray(beta.T, np.float32),
+                      self.rec_state[self.state_row[i]], CHUNK, o)
+        o = o.transpose(1, 0, 2)  # [T, nv, dv]
         o = o / np.sqrt((o * o).mean(-1, keepdims=True) + np.float32(a.rms_norm_eps))
         o = o * ly["linear_norm"] * _silu(z.reshape(T, nv, dv))
         return ly["out_proj"](np.ascontiguousarray(o.reshape(T, Vd), np.float32), np.empty_like(x))
