@@ -929,10 +929,11 @@ def gated_delta(q, k, v, g, beta, S, chunk, out):
     """
     H, T, dk = q.shape
     dv = v.shape[2]
+    m = min(chunk, T)
     for h in prange(H):
-        c = np.empty(chunk, np.float32)
-        D = np.zeros((chunk, chunk), np.float32)
-        P = np.empty((chunk, dv), np.float32)
+        c = np.empty(m, np.float32)
+        D = np.zeros((m, m), np.float32)
+        P = np.empty((m, dv), np.float32)
         ks = np.empty(dv, np.float32)
         for c0 in range(0, T, chunk):
             n = min(chunk, T - c0)
@@ -981,9 +982,10 @@ def gated_delta(q, k, v, g, beta, S, chunk, out):
                             out[h, t, d] += a * P[j, d]
             last = c[n - 1]
             en = np.float32(math.exp(last)) if last >= DELTA_EXP_FLOOR else np.float32(0.0)
-            for e in range(dk):
-                for d in range(dv):
-                    S[h, e, d] *= en
+            if en != 1.0:
+                for e in range(dk):
+                    for d in range(dv):
+                        S[h, e, d] *= en
             for j in range(n):
                 x = last - c[j]
                 w = np.float32(math.exp(x)) if x >= DELTA_EXP_FLOOR else np.float32(0.0)
