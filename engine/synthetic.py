@@ -195,6 +195,17 @@ CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixt
 
 # Exact shapes of published checkpoints (their config.json values; weights are random).
 PRESETS = {
+    # Qwen/Qwen3-Next-80B-A3B (and Qwen3-Coder-Next): 48 layers, every 4th gated full attention
+    # (16 heads, 2 KV heads of 256, rotary 64), the others Gated DeltaNet (16 key / 32 value heads
+    # of 128); 512 experts of width 512, top-10, a gated shared expert of 512.
+    "qwen3-next-80b-a3b": qwen3_next_config(
+        hidden_size=2048, intermediate_size=5120, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10, vocab_size=151936,
+        max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], bos_token_id=151643, eos_token_id=151645),
     # Qwen/Qwen3-30B-A3B: 48 layers x 128 experts, top-8, ~31 GB at int8, ~16 GB at int4.
     "qwen3-30b-a3b": qwen3_moe_config(
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,

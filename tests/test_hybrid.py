@@ -199,3 +199,14 @@ def test_sizing_counts_full_layer_kv_and_the_recurrent_state(hybrid_stores, kv_d
     text = describe_store(str(store), 96)
     assert "1 gated full-attention layers" in text and "3 Gated DeltaNet linear-attention layers" in text
     assert "recurrent state of the 3 linear-attention layers" in text
+
+
+def test_qwen3_next_80b_preset_sizes():
+    from engine.synthetic import PRESETS
+    a = ModelArgs.from_dict(PRESETS["qwen3-next-80b-a3b"])
+    assert (a.num_hidden_layers, a.num_moe_layers, len(a.full_layers), a.full_layers[:2]) == (48, 48, 12, (3, 7))
+    assert (a.num_experts, a.num_experts_per_tok, a.rotary_dim, a.conv_dim) == (512, 10, 64, 8192)
+    # live + snapshot state of 36 linear layers: conv 3 x 8192 + S 32 x 128 x 128, float32
+    assert a.recurrent_state_bytes == 2 * 36 * 4 * (3 * 8192 + 32 * 128 * 128) == 158_072_832
+    assert sizing.kv_bytes(a, 4096) == 12 * 2 * 2 * 256 * 4096 * 2 + a.recurrent_state_bytes
+    assert 2.3e9 < a.dense_param_count() < 2.4e9  # attention, linear layers, shared experts, embeddings
