@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from engine import convert_checkpoint  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
 from engine import kernels, kernels_ref  # noqa: E402
-from parity_helpers import assert_f32_parity, saved_model  # noqa: E402
+from parity_helpers import assert_f32_parity, hf_logits, kl, saved_model, teacher_forced_agreement  # noqa: E402
 
 pytestmark = pytest.mark.parity
 
@@ -125,3 +125,43 @@ def test_gated_delta_rule_matches_transformers_torch_fallback(impl, T, nk, nv, d
         steps.append(o1[:, 0].copy())
     assert np.abs(np.stack(steps) - rec).max() <= 1e-5 * scale
     assert np.abs(S2 - rec_S).max() <= 1e-5 * np.abs(rec_S).max()
+
+
+def _rounded_copy(m):
+    """transformers model ``m`` with every matrix rounded as our int8 stores round them (per row,
+    absmax / 127; an independent torch rounding), routers, gates, norms, A_log, dt_bias and the
+    conv1d kernel exact as in our stores: run through transformers' own forward (float
+    activations), the error of the rounded weights alone."""
+    import copy
+    mq = copy.deepcopy(m)
+    with torch.no_grad():
+        for n, p in mq.named_parameters():
+            if p.dim() < 2 or n.endswith(".gate.weight") or "shared_expert_gate" in n or "conv1d" in n:
+                continue
+            w = p.double()
+            s = w.abs().amax(-1, keepdim=True) / 127
+            p.copy_((torch.round(w / s).clamp(-127, 127) * s).float())
+    return mq
+
+
+# int8 (per-row weights, per-block int8 activations in the integer kernels, f16 KV cache). On
+# these random configs transformers itself, run on the same weights rounded the same way, is
+# already at mean KL 5.2e-3 (next-grouped-gqa; 4.2e-3 of it from rounding the linear layers'
+# projections alone) and 3.5e-3 (q35-one-key-head) against the exact model: above the 1e-3 the
+# attention-only families meet, so the bound is relative to that, as for Mixtral at width 64
+# (test_families_parity.py). Measured: ours 7.5e-3 / 4.2e-3; a real fault (a wrong scale, a
+# mis-grouped projection, a stale state) gives far more.
+@pytest.mark.parametrize("name", ["next-grouped-gqa", "q35-one-key-head"])
+def test_int8_kl_is_the_rounded_weights(tmp_path, name, record_property):
+    cfg_cls, model_cls, kw = CONFIGS[name]
+    m, d = saved_model(tmp_path, name, cfg_cls, model_cls, **{**BASE, **kw})
+    store = convert_checkpoint(d, tmp_path / "int8", quant="int8")
+    ours, top1 = teacher_forced_agreement(m, store, V)
+    ids = np.random.default_rng(1).integers(0, V, 256).tolist()  # teacher_forced_agreement's ids
+    ref = hf_logits(m, ids)
+    rounded = float(kl(ref, hf_logits(_rounded_copy(m), ids)).mean())
+    record_property("mean_kl", ours)
+    record_property("rounded_weights_kl", rounded)
+    print(f"{name} int8: ours {ours:.2e} nats (top-1 {top1:.3f}), transformers on the rounded weights {rounded:.2e}")
+    assert ours <= 1.5 * rounded + 1e-3
+    assert top1 >= 0.75
