@@ -1,13 +1,15 @@
-"""The hybrid families (Qwen3-Next, Qwen3.5-MoE text) against transformers' own classes.
+"""The hybrid families (Qwen3-Next, Qwen3.5-MoE) against transformers' own classes.
 
 Qwen3NextForCausalLM and Qwen3_5MoeForCausalLM checkpoints are built and saved by transformers
-(two configurations each, and the published multimodal Qwen3.5 checkpoint layout: grouped value heads, GQA, dense layers, dk != dv, conv widths,
-partial rotary factors, linear / full layer patterns), converted at f32 and compared at every
+(two configurations each: grouped value heads, GQA, dense layers, dk != dv, conv widths,
+partial rotary factors, linear / full layer patterns; and the published multimodal layout,
+Qwen3_5MoeForConditionalGeneration run on text), converted at f32 and compared at every
 position of a 150-token prefill (more than one 128-token prefill chunk and two 64-token chunks
 of the chunked gated delta rule) and over 16 decode steps through the recurrent state and the
 KV cache. transformers runs its torch fallbacks of the gated delta rule and the causal conv
 (neither flash-linear-attention nor causal-conv1d is installed), which are the oracle; our
-chunked and recurrent rules are also checked against those functions directly.
+gated delta rule kernels (numba and numpy, chunked and one token at a time) are also checked
+against those functions directly, and the int8 stores' KL against the rounded weights' own.
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def _torch_rules():
 
 
 @pytest.mark.parametrize("impl", [kernels, kernels_ref], ids=["numba", "numpy"])
-@pytest.mark.parametrize("T,nk,nv,dk,dv,a_max", [(150, 2, 4, 16, 8, 1.0), (70, 1, 2, 8, 16, 16.0), (5, 2, 2, 4, 4, 3.0)])
+@pytest.mark.parametrize("T,nk,nv,dk,dv,a_max", [(150, 2, 4, 16, 8, 1.0), (70, 1, 2, 8, 16, 16.0),
+                                                 (5, 2, 2, 4, 4, 3.0)])
 def test_gated_delta_rule_matches_transformers_torch_fallback(impl, T, nk, nv, dk, dv, a_max):
     """Our gated delta rule, chunked (prefill) and one token at a time (decode), against
     transformers' torch functions (chunked and recurrent), from a non-zero initial state, with

@@ -1,6 +1,7 @@
 """Qwen3-Next (Qwen3-Next-80B-A3B, Qwen3-Coder-Next): the hybrid decoder of Gated DeltaNet
 linear-attention layers and gated full-attention layers, with routed experts and a sigmoid-gated
-shared expert. Also the base of the Qwen3.5 MoE text model (engine/models/qwen3_5_moe_text.py; the published multimodal checkpoints: qwen3_5_moe.py).
+shared expert. Also the base of the Qwen3.5 MoE language model (engine/models/qwen3_5_moe_text.py;
+the published multimodal checkpoints: qwen3_5_moe.py).
 
 Follows transformers' models/qwen3_next/modeling_qwen3_next.py (the arithmetic; its torch
 fallback ``torch_chunk_gated_delta_rule`` / ``torch_recurrent_gated_delta_rule`` /
@@ -28,11 +29,13 @@ Mamba2 with Delta Rule", arXiv 2412.06464):
     per value head: S <- exp(g) S;  S <- S + k (beta (v - k^T S))^T;  o = q^T S   (S [dk, dv])
     out = out_proj(rmsnorm(o) * norm.weight * silu(z))                          per head over dv
 
-Prefill runs the chunked form (chunks of CHUNK = 64 tokens, the WY / UT-transform form of
-transformers' torch_chunk_gated_delta_rule and the paper's section 3): inside a chunk of n
-tokens with cumulative log decays c_i, (I + strict_lower(beta_i k_i.k_j e^(c_i - c_j))) solves
-for the pseudo-values of all n tokens at once, so the cost is O(T n (dk + dv)) per head instead
-of T sequential rank-1 updates, and never quadratic in T; decode runs the one-step recurrence.
+The rule runs as one numba kernel (engine/kernels.py ``gated_delta``, numpy twin in
+kernels_ref.py) in chunks of CHUNK = 64 tokens, the WY / UT-transform form of transformers'
+torch_chunk_gated_delta_rule and the paper's section 3: inside a chunk of n tokens with
+cumulative log decays c_i, a unit lower-triangular system (I + strict_lower(beta_i k_i.k_j
+e^(c_i - c_j))) gives the pseudo-values of all n tokens at once, so a prefill costs
+O(T (dk dv + n (dk + dv))) per head, never quadratic in T; a decode step (T = 1) is the
+one-step recurrence.
 
 Checkpoint names (Qwen3-Next): model.layers.N.linear_attn.{in_proj_qkvz, in_proj_ba, conv1d,
 dt_bias, A_log, norm, out_proj} or model.layers.N.self_attn.{q,k,v,o}_proj / q_norm / k_norm;
@@ -350,6 +353,8 @@ class Model(base.MoEModel):
         earlier state, and at most the previous answer is recomputed. One snapshot costs one
         more state (counted in the budget); states at more positions would cost one each.
         """
+        if not self.state_row:  # no linear layer: the KV cache alone, positional
+            return p
         s = max((x for x in (self.state_pos, self.snap_pos) if 0 <= x <= p), default=0)
         self._state_at(s)
         return s
@@ -359,7 +364,8 @@ class Model(base.MoEModel):
 
         Raises:
             ValueError: no state at ``pos0`` is known (call :meth:`rewind` first)."""
-        if pos0 == self.state_pos:
+        if pos0 == self.state_pos or not self.state_row:
+            self.state_pos = pos0
             return
         if pos0 == self.snap_pos:
             self.conv_state[:] = self.conv_snap
@@ -385,10 +391,12 @@ class Model(base.MoEModel):
 
         Raises:
             Cancelled: ``cancel`` was set (the live state is then unknown until rewound).
-            ValueError: the positions exceed the context capacity, or no state at pos0.
+            ValueError: no tokens, the positions exceed the context capacity, or no state at pos0.
         """
         ids = np.asarray(ids, dtype=np.int64)
         T = len(ids)
+        if T == 0:
+            raise ValueError("forward needs at least one token")
         if pos0 + T > self.C:
             raise ValueError(f"positions {pos0}..{pos0 + T - 1} exceed the context of {self.C} tokens")
         self._state_at(pos0)
@@ -468,7 +476,8 @@ class Model(base.MoEModel):
         """Gated DeltaNet on x [T, D], continuing layer i's conv and recurrent state."""
         a, ly = self.args, self.layers[i]
         T = x.shape[0]
-        nk, nv, dk, dv = a.linear_num_key_heads, a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
+        nk, nv = a.linear_num_key_heads, a.linear_num_value_heads
+        dk, dv = a.linear_key_head_dim, a.linear_value_head_dim
         Kd, Vd = a.key_dim, a.value_dim
         h = np.empty_like(x)
         K.rmsnorm(x, ly["input_layernorm"], a.rms_norm_eps, h)
