@@ -343,8 +343,8 @@ class Model(base.MoEModel):
     def rewind(self, p: int) -> int:
         """Prepare to continue at a position s <= p whose state is known, and return s: the
         live state if it is at s, else the prefill snapshot, else 0 (zero state). The KV rows
-        below p stay valid; the caller recomputes positions s..p-1 (same values: the KV rows
-        and the state they rewrite come out as before).
+        below p stay valid; the caller recomputes positions s..p-1 (the KV rows they rewrite
+        come out as before, up to the float rounding of another chunking).
 
         Why a snapshot and not only recomputation: generate's reused prefix ends where the
         previous prompt and answer diverge from the new prompt, which for the next chat turn is
