@@ -415,6 +415,7 @@ class Engine:
                 break
             p += 1
         p = min(p, len(ids) - 1)
+        p = self.model.rewind(p)  # a family with recurrent state may resume earlier (qwen3_next.py)
         self._kv_ids = self._kv_ids[:p]
         try:
             logits = self.model.forward(np.asarray(ids[p:]), p, cancel=cancel)

@@ -150,5 +150,38 @@ def attention_sink(q, kc, vc, pos0, scale, sinks, out):
             out[t, h] = (p / (p.sum() + np.exp(sinks[h] - m))) @ vc[kh, :n]
 
 
+DELTA_EXP_FLOOR = np.float32(-80.0)
+DELTA_TINY = np.float32(1e-30)
+
+
+def _exp_floor(x):
+    x = np.asarray(x, np.float32)
+    return np.exp(np.where(x < DELTA_EXP_FLOOR, np.float32(-np.inf), x)).astype(np.float32)
+
+
+def gated_delta(q, k, v, g, beta, S, chunk, out):
+    """The chunked gated delta rule in matrix form (transformers' torch_chunk_gated_delta_rule:
+    (I + A) [U | W] = [beta v | beta k e^c], P = U - W S0), per chunk for all heads at once."""
+    H, T, dk = q.shape
+    dv = v.shape[-1]
+    for c0 in range(0, T, chunk):
+        c1 = min(T, c0 + chunk)
+        n = c1 - c0
+        qc, kc, vc, bc = q[:, c0:c1], k[:, c0:c1], v[:, c0:c1], beta[:, c0:c1]
+        c = np.cumsum(g[:, c0:c1], axis=1, dtype=np.float32)  # [H, n]
+        lower = np.tril(np.ones((n, n), bool))
+        decay = _exp_floor(np.where(lower, c[:, :, None] - c[:, None, :], np.float32(-np.inf)))  # [H, n, n]
+        kb = kc * bc[..., None]
+        M = np.tril((kb @ kc.transpose(0, 2, 1)) * decay, -1) + np.eye(n, dtype=np.float32)
+        ec = _exp_floor(c)[..., None]  # [H, n, 1]
+        sol = np.linalg.solve(M, np.concatenate([vc * bc[..., None], kb * ec], axis=-1)).astype(np.float32)
+        P = sol[..., :dv] - sol[..., dv:] @ S  # [H, n, dv]
+        out[:, c0:c1] = (qc * ec) @ S + ((qc @ kc.transpose(0, 2, 1)) * decay) @ P
+        last = c[:, -1]
+        S *= _exp_floor(last)[:, None, None]
+        S += (kc * _exp_floor(last[:, None] - c)[..., None]).transpose(0, 2, 1) @ P
+        S[np.abs(S) < DELTA_TINY] = 0
+
+
 def set_threads(n: int) -> None:
     """Twin of kernels.set_threads: numpy runs on the calling thread; nothing to set."""

@@ -59,15 +59,18 @@ def kv_bytes(args, context_length: int, kv_dtype: str = DEFAULT_KV_DTYPE) -> int
     """KV cache bytes at ``context_length`` tokens: ``args.kv_values_per_token`` elements per
     token and layer (K and V of every KV head; MLA: the latent, kv_lora_rank +
     qk_rope_head_dim; DeepSeek sparse attention: plus index_head_dim indexer-key values on the
-    layers that run their own indexer; ``args.kv_values_all_layers`` in all), each 2 bytes
-    (kv_dtype "f16") or 4 ("f32").
+    layers that run their own indexer; ``args.kv_values_all_layers`` in all, over the
+    ``args.num_kv_layers`` layers that have a KV cache), each 2 bytes (kv_dtype "f16") or 4
+    ("f32"), plus ``args.recurrent_state_bytes`` (a hybrid family's linear-attention state,
+    float32, whatever the context length).
 
     Raises:
         ValueError: unknown kv_dtype.
     """
     if kv_dtype not in KV_ELEMENT_BYTES:
         raise ValueError(f"kv_dtype {kv_dtype!r}: choose one of {', '.join(KV_ELEMENT_BYTES)}")
-    return args.kv_values_all_layers * int(context_length) * KV_ELEMENT_BYTES[kv_dtype]
+    return (args.kv_values_all_layers * int(context_length) * KV_ELEMENT_BYTES[kv_dtype]
+            + args.recurrent_state_bytes)
 
 
 def dense_bytes(args, quant: str) -> int:

@@ -199,13 +199,72 @@ def gpt_oss_config(**kw) -> dict:
     return cfg
 
 
+
+
+def qwen3_next_config(**kw) -> dict:
+    """A tiny Qwen3-Next config.json dict (Qwen3NextConfig names): Gated DeltaNet layers (2 key /
+    4 value heads of 16) with a gated full-attention layer every 4th (the last one when fewer
+    layers), GQA 4/2, partial rotary 0.25, 8 experts top-2 and a gated shared expert."""
+    cfg = {
+        "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "num_experts": 8, "num_experts_per_tok": 2,
+        "vocab_size": 300, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        "norm_topk_prob": True, "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 0,
+        "bos_token_id": None,
+    }
+    cfg.update(kw)
+    if "layer_types" not in kw:
+        L, every = cfg["num_hidden_layers"], min(4, cfg["num_hidden_layers"])
+        cfg["layer_types"] = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(L)]
+    return cfg
+
+
+def qwen3_5_moe_text_config(**kw) -> dict:
+    """A tiny Qwen3.5-MoE text config.json dict (Qwen3_5MoeTextConfig names): as
+    :func:`qwen3_next_config`, every layer MoE (mlp_only_layers / decoder_sparse_step / intermediate_size
+    are not Qwen3.5 keys and are dropped)."""
+    cfg = qwen3_next_config(architectures=["Qwen3_5MoeForCausalLM"], model_type="qwen3_5_moe_text", **kw)
+    for k in ("intermediate_size", "mlp_only_layers", "decoder_sparse_step", "norm_topk_prob"):
+        cfg.pop(k, None)
+    return cfg
+
+
+def qwen3_5_moe_config(**kw) -> dict:
+    """A tiny Qwen3.5-MoE config.json dict as published (Qwen3_5MoeConfig: the language model's
+    keys, :func:`qwen3_5_moe_text_config` with ``kw``, under ``text_config``; a vision tower
+    config beside it, whose weights the synthetic checkpoint leaves out)."""
+    text = qwen3_5_moe_text_config(**kw)
+    text.pop("architectures")
+    return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+            "text_config": text, "tie_word_embeddings": text.pop("tie_word_embeddings", False),
+            "vision_config": {"model_type": "qwen3_5_moe_vision", "depth": 1, "hidden_size": 32, "num_heads": 2,
+                              "intermediate_size": 32, "out_hidden_size": text["hidden_size"]},
+            "eos_token_id": text.get("eos_token_id")}
+
+
 CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixtral_config,
            "qwen2_moe": qwen2_moe_config, "deepseek_v2": deepseek_v2_config, "deepseek_v3": deepseek_v3_config,
            "glm4_moe": glm4_moe_config, "gpt_oss": gpt_oss_config, "deepseek_v32": deepseek_v32_config,
-           "glm_moe_dsa": glm_moe_dsa_config, "glm4_moe_lite": glm4_moe_lite_config}
+           "glm_moe_dsa": glm_moe_dsa_config, "glm4_moe_lite": glm4_moe_lite_config, "qwen3_next": qwen3_next_config,
+           "qwen3_5_moe_text": qwen3_5_moe_text_config, "qwen3_5_moe": qwen3_5_moe_config}
 
 # Exact shapes of published checkpoints (their config.json values; weights are random).
 PRESETS = {
+    # Qwen/Qwen3-Next-80B-A3B (and Qwen3-Coder-Next): 48 layers, every 4th gated full attention
+    # (16 heads, 2 KV heads of 256, rotary 64), the others Gated DeltaNet (16 key / 32 value heads
+    # of 128); 512 experts of width 512, top-10, a gated shared expert of 512.
+    "qwen3-next-80b-a3b": qwen3_next_config(
+        hidden_size=2048, intermediate_size=5120, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, num_experts=512, num_experts_per_tok=10, vocab_size=151936,
+        max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], bos_token_id=151643, eos_token_id=151645),
     # Qwen/Qwen3-30B-A3B: 48 layers x 128 experts, top-8, ~31 GB at int8, ~16 GB at int4.
     "qwen3-30b-a3b": qwen3_moe_config(
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,

@@ -20,8 +20,8 @@ from engine.models import SUPPORTED_MODEL_TYPES, family_for
 from engine.quant import slab_layout
 from engine.synthetic import (CONFIGS, PRESETS, deepseek_v2_config, deepseek_v3_config, deepseek_v32_config,
                               glm4_moe_config, glm4_moe_lite_config, glm_moe_dsa_config, mixtral_config,
-                              olmoe_config, qwen2_moe_config, qwen3_moe_config, write_checkpoint,
-                              write_store_from_seed)
+                              olmoe_config, qwen2_moe_config, qwen3_5_moe_config, qwen3_5_moe_text_config,
+                              qwen3_moe_config, qwen3_next_config, write_checkpoint, write_store_from_seed)
 
 # Family configs with dense layers, GQA, shared experts and windows (small but streaming).
 FAMILY_CONFIGS = {
@@ -40,6 +40,11 @@ FAMILY_CONFIGS = {
     # sparse attention: the 20-token prompt + 12 new tokens exceed index_topk 8
     "deepseek_v32": deepseek_v32_config(),
     "glm_moe_dsa": glm_moe_dsa_config(),
+    # hybrid: Gated DeltaNet layers 0-2 + a gated full-attention layer 3; layer 1 dense
+    "qwen3_next": qwen3_next_config(mlp_only_layers=[1]),
+    "qwen3_5_moe_text": qwen3_5_moe_text_config(num_hidden_layers=3, layer_types=[
+        "linear_attention", "full_attention", "linear_attention"]),
+    "qwen3_5_moe": qwen3_5_moe_config(num_hidden_layers=2, num_experts_per_tok=3),  # as published: text_config, model.language_model.*
 }
 
 

@@ -116,6 +116,7 @@ def test_verdict_uses_the_same_cap_rule(tiny_store):
     ("qwen3_moe_config", dict(num_hidden_layers=4, mlp_only_layers=[1], decoder_sparse_step=1)),  # a dense layer
     ("qwen2_moe_config", dict(num_hidden_layers=3, mlp_only_layers=[0], num_key_value_heads=2)),  # shared experts
     ("mixtral_config", dict(num_hidden_layers=2, head_dim=32)),
+    ("qwen3_next_config", dict(mlp_only_layers=[1])),  # KV in the full layer only, + the recurrent state
 ])
 def test_every_family_is_sized_as_engine_open_does(tmp_path, make, kw):
     """The numbers before a download (from config.json alone) equal Engine.open's for every

@@ -52,9 +52,12 @@ def _decode_ours(store: str, prompt: list, forced: list, tokens: int) -> dict:
         total = fin2.ttft_s + (fin2.generated_tokens - 1) / max(fin2.decode_tok_per_s, 1e-9)
         per_layer = 0
         for ly in eng.model.layers:
-            for k in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                lin = ly[k]
-                per_layer += lin.w.nbytes + (lin.s.nbytes if lin.s is not None else 0)
+            # the token mixer's matrices: attention, or a linear-attention layer's (Qwen3-Next)
+            for k in ("q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b",
+                      "in_proj_a", "out_proj"):
+                lin = ly.get(k)
+                if lin is not None:
+                    per_layer += lin.w.nbytes + (lin.s.nbytes if lin.s is not None else 0)
             # MoE layers read their router; dense MLP layers and shared experts their whole MLP
             per_layer += ly["router"].nbytes if "router" in ly else 0
             for k in ("mlp", "shared_expert"):

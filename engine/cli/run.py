@@ -121,7 +121,10 @@ def describe_store(path: str, context_length: int = 0) -> str:
             + (f" + {a.index_head_dim} indexer-key values on the {len(a.indexer_layers)} layers with an indexer"
                if getattr(a, "indexer_layers", ()) else "")
             + f" ({format_bytes(a.kv_values_all_layers * 4)} per token of context at f32, "
-            f"{format_bytes(a.kv_values_all_layers * 2)} at f16)",
+            f"{format_bytes(a.kv_values_all_layers * 2)} at f16"
+            + (f", in the {a.num_kv_layers} full-attention layers; recurrent state of the {L - a.num_kv_layers} "
+               f"linear-attention layers {format_bytes(a.recurrent_state_bytes)} (live + prefix snapshot, "
+               f"float32, any context)" if a.recurrent_state_bytes else "") + ")",
             f"experts     {a.num_experts} per MoE layer, top-{a.num_experts_per_tok} routed per token, width "
             f"{a.moe_intermediate_size}, norm_topk_prob {a.norm_topk_prob}, router {a.scoring_func}"
             + (f" in {a.n_group} groups (best {a.topk_group} kept, {a.topk_method})" if a.n_group > 1 else "")
@@ -160,7 +163,12 @@ def _attention_text(a) -> str:
                     + (f"; {shared} of {L} layers reuse the previous layer's choice" if shared else "") + ")")
         return out
     rot = f", rotary {a.rotary_dim} of {a.head_dim}" if a.rotary_dim and a.rotary_dim != a.head_dim else ""
-    return (f"heads {a.num_attention_heads} (KV heads {a.num_key_value_heads}, head size {a.head_dim}{rot})")
+    text = f"heads {a.num_attention_heads} (KV heads {a.num_key_value_heads}, head size {a.head_dim}{rot})"
+    if getattr(a, "linear_layers", ()):
+        text = (f"{len(a.full_layers)} gated full-attention layers ({text}), {len(a.linear_layers)} Gated DeltaNet "
+                f"linear-attention layers ({a.linear_num_key_heads} key / {a.linear_num_value_heads} value heads "
+                f"of {a.linear_key_head_dim} / {a.linear_value_head_dim}, conv {a.linear_conv_kernel_dim})")
+    return text
 
 
 def cmd_info(a) -> int:

@@ -285,11 +285,22 @@ class ModelArgs:
         return 2 * self.num_key_value_heads * self.head_dim
 
     @property
+    def num_kv_layers(self) -> int:
+        """Layers holding a KV cache (all of them here; a hybrid family's full-attention ones)."""
+        return self.num_hidden_layers
+
+    @property
+    def recurrent_state_bytes(self) -> int:
+        """Bytes of per-layer recurrent state a family holds whatever the context length
+        (linear attention, Qwen3-Next); counted with the KV cache by the budget. 0 here."""
+        return 0
+
+    @property
     def kv_values_all_layers(self) -> int:
-        """Values one token adds to the KV cache over all layers (sizing's KV bytes): L x
-        kv_values_per_token, unless a family caches more on some layers than on others
-        (DeepSeek sparse attention's indexer keys)."""
-        return self.num_hidden_layers * self.kv_values_per_token
+        """Values one token adds to the KV cache over all layers (sizing's KV bytes):
+        num_kv_layers x kv_values_per_token, unless a family caches more on some layers than on
+        others (DeepSeek sparse attention's indexer keys)."""
+        return self.num_kv_layers * self.kv_values_per_token
 
     @property
     def num_moe_layers(self) -> int:
@@ -822,6 +833,12 @@ class MoEModel:
         self.rotary_dim = a.rotary_dim or S
         self.cos, self.sin = rope_tables(self.rotary_dim, a.rope_theta, self.C, a.rope_scaling)  # [C, R/2]
         self.scale = np.float32(S ** -0.5)
+
+    def rewind(self, p: int) -> int:
+        """Prepare to continue at a position s <= p whose cached state is valid, given that the
+        KV rows of positions < p are; returns s (here p: the KV cache is positional). A family
+        with recurrent state (Qwen3-Next) returns an earlier position it holds the state of."""
+        return p
 
     def subscribe(self, observer) -> None:
         """Publish this model's forward, layer and routing events to ``observer`` (any object
