@@ -4,7 +4,12 @@
 when present, eval_before.json (tools/model_card_samples.py on the previous default model, same
 held-out questions and texts: the before/after table).
 
-Reproduce:  python tools/write_model_card.py [MODEL_DIR]
+A model trained in stages (``--init-from``: each stage continues the previous one's weights)
+lists every stage: ``python tools/write_model_card.py MODEL_DIR --stages STAGE1_DIR STAGE2_DIR``
+records the earlier stages' training_log.json summaries in MODEL_DIR/training_stages.json (the
+last stage is MODEL_DIR's own training_log.json), and later runs read that file.
+
+Reproduce:  python tools/write_model_card.py [MODEL_DIR] [--stages DIR ...]
 """
 
 from __future__ import annotations
@@ -14,8 +19,35 @@ import math
 import sys
 from pathlib import Path
 
-MODEL = Path(sys.argv[1]) if len(sys.argv) > 1 else (
+_ARGS = sys.argv[1:]
+_STAGES = _ARGS[_ARGS.index("--stages") + 1:] if "--stages" in _ARGS else []
+_ARGS = _ARGS[:_ARGS.index("--stages")] if "--stages" in _ARGS else _ARGS
+MODEL = Path(_ARGS[0]) if _ARGS else (
     Path(__file__).resolve().parent.parent / "resources" / "models" / "colibri-stdlib-moe")
+
+
+def stage_summary(log: dict) -> dict:
+    """The card's record of one training stage (from its training_log.json)."""
+    t = log["training"]
+    return {"command": log["command"], "steps": t["steps"], "tokens": t["tokens_seen"],
+            "minutes": round(t["train_seconds"] / 60, 1), "stopped_by": t["stopped_by"],
+            "lr_peak": t["lr_peak"], "mixture": log["corpus"]["mixture_weights"],
+            "name_split": log["args"].get("name_split", 0.0), "heldout_loss": log["heldout_loss"]}
+
+
+def training_stages(log: dict) -> list[dict]:
+    """Every stage, oldest first: those recorded in training_stages.json (written from
+    ``--stages`` folders), then this model's own run."""
+    sp = MODEL / "training_stages.json"
+    if _STAGES:
+        old = {st["command"]: st for st in (json.loads(sp.read_text()) if sp.exists() else [])}
+        earlier = [stage_summary(json.loads((Path(d) / "training_log.json").read_text())) for d in _STAGES]
+        for st in earlier:  # a hand-written note (why a stage was stopped) survives a rewrite
+            if old.get(st["command"], {}).get("note"):
+                st["note"] = old[st["command"]]["note"]
+        sp.write_text(json.dumps(earlier, indent=1) + "\n")
+    earlier = json.loads(sp.read_text()) if sp.exists() else []
+    return earlier + [stage_summary(log)] if earlier else []
 N_SAMPLES = 10
 
 
@@ -64,6 +96,18 @@ def main() -> int:
         "    and the method entries of the library topics (`str.join(iterable)` ...) as questions;",
         "  - plain source chunks of the module files and of the topics, for completion.",
     ]
+    if c["mixture_weights"].get("copy", 0) > 0:
+        lines += [
+            "  - copy drills: the user names one to three things in backticks (real library names or",
+            "    made-up identifiers such as `xvq.load_items`) and the assistant repeats them, often",
+            "    followed by a real question; they teach the model to copy a name it never saw from the",
+            "    question into the answer, which a \"What does `X` do?\" answer about a held-out module needs."]
+    if log["args"].get("name_split", 0) > 0:
+        lines += [
+            f"- Name-split augmentation (a seeded variant of BPE-dropout, Provilkov et al. 2020, on backticked",
+            f"  names only): in {log['args'].get('name_split_docs', 0.5):.0%} of the training documents each token of a "
+            f"`name` is cut at a random character with probability {log['args']['name_split']}, the same way at every",
+            "  occurrence in the document, so names come in pieces the model cannot have memorized."]
     if extra:
         lines.append("- " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in extra.items()) + ".")
     lines += [
@@ -84,21 +128,38 @@ def main() -> int:
     sweep = json.loads(sp.read_text()) if sp.exists() else None
     if sweep:
         lines += ["- Architecture: chosen after a sweep (" + sweep["how"] + "):", "",
-                  "| variant | params (active) | held-out loss at step " + str(sweep["step"]) + " | note |",
+                  "| variant | params (active) | held-out loss " + sweep.get("at", f"at step {sweep.get('step')}") + " | note |",
                   "|---|---|---|---|"]
         for v in sweep["variants"]:
             lines.append(f"| {v['name']} | {v['params']} | {v['heldout_loss']} | {v['note']} |")
         lines += ["", sweep["decision"]]
+    stages = training_stages(log)
+    lines += ["", "## Training"]
+    if stages:
+        tot_min = sum(st["minutes"] for st in stages)
+        lines += [
+            f"- {len(stages)} stages, each continuing the previous one's weights (`--init-from`), "
+            f"{sum(st['steps'] for st in stages)} steps, {sum(st['tokens'] for st in stages) / 1e6:.2f} M tokens, "
+            f"{tot_min:.1f} min of training in all:", "",
+            "| stage | minutes | steps | tokens (M) | peak lr | name-split | copy drills | qa / howto / code share | held-out loss after | stopped |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+        for i, st in enumerate(stages, 1):
+            mx = st["mixture"]
+            lines.append(f"| {i} | {st['minutes']} | {st['steps']} | {st['tokens'] / 1e6:.2f} | {st['lr_peak']} | "
+                         f"{st['name_split']} | {mx.get('copy', 0):.0%} | {mx['qa']:.0%} / {mx['howto']:.0%} / "
+                         f"{mx['code']:.0%} | {st['heldout_loss']} | {st.get('note') or st['stopped_by']} |")
+        lines += ["", "- Stage commands (in order; each stage's `--out` folder was renamed `stageN` before the next "
+                  "stage's `--init-from` read it):", ""]
+        lines += [f"  {i}. `{st['command']}`" for i, st in enumerate(stages, 1)]
+        lines += [""]
     lines += [
-        "",
-        "## Training",
-        f"- {t['steps']} steps, {t['tokens_seen'] / 1e6:.2f} M tokens, {t['train_seconds'] / 60:.1f} min on "
+        f"- {'Last stage: ' if stages else ''}{t['steps']} steps, {t['tokens_seen'] / 1e6:.2f} M tokens, {t['train_seconds'] / 60:.1f} min on "
         f"{log['machine']['cpu']} ({log['machine']['logical_cpus']} logical CPUs shared with other jobs, "
         f"{log['machine']['torch_threads']} torch thread(s)), stopped by {t['stopped_by']}.",
         f"- {t['optimizer']}; peak lr {t['lr_peak']}, {t['schedule']}; batch {t['batch']} x {t['seq_len']} tokens; seed {t['seed']}.",
         f"- Final train loss {t['final_train_loss']} nats/token; **held-out loss {log['heldout_loss']} nats/token** "
         f"(ppl {math.exp(log['heldout_loss']):.1f}), {log['heldout_loss_definition']}.",
-        f"- Reproduce: `{log['command']}` (torch {log['versions']['torch']}, transformers "
+        (f"- Reproduce: the stage commands above, in order (torch" if stages else f"- Reproduce: `{log['command']}` (torch") + f" {log['versions']['torch']}, transformers "
         f"{log['versions']['transformers']}).",
         "",
     ]
@@ -147,7 +208,10 @@ def main() -> int:
                 f"{g['names_right']:.0%}. "
                 + ("The model has not learnt to copy the name it is asked about from the question into its "
                    "answer (it writes the answer's format, `name`: summary, with a name of its own); its "
-                   "answers are not useful yet." if g["names_right"] == 0 else ""),
+                   "answers are not useful yet." if g["names_right"] == 0 else
+                   f"It has begun to copy the asked name into its answer ({ev['score_t0.0'].get('what', {}).get('names_right', 0):.0%} "
+                   "of the \"What does `X` do?\" answers name X or its module), but the summaries it writes are "
+                   "mostly wrong: a tiny model trained for 90 minutes on one CPU core."),
                 ""]
         dec = ev.get("temperature_decision")
         if dec:

@@ -78,10 +78,14 @@ def cmd_make_synthetic(a) -> int:
             print(f"--layers {a.layers}: give 1..{cfg['num_hidden_layers']} (the preset's layer count)"
                   + (f", more than its {dense_first} dense first layers" if dense_first else ""), file=sys.stderr)
             return 2
+        L0 = int(cfg["num_hidden_layers"])
         cfg["num_hidden_layers"] = a.layers
         for key in ("max_window_layers",):
             if key in cfg:
                 cfg[key] = min(int(cfg[key]), a.layers)
+        for key, v in list(cfg.items()):  # per-layer lists (layer_types, mlp_layer_types, ...)
+            if isinstance(v, list) and len(v) == L0 and key not in ("architectures", "eos_token_id"):
+                cfg[key] = v[:a.layers]
         name = f"{a.preset}-{a.layers}l" + name[len(a.preset):]
     args = ModelArgs.from_dict(cfg)
     n_params = (args.dense_param_count() + args.num_moe_layers * args.num_experts * 3
