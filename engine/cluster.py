@@ -182,6 +182,10 @@ class ExpertShard:
         if self.delay_s > 0:
             time.sleep(self.delay_s)
         self._K.set_threads(self.threads)
+        if not xs.flags.writeable or not xs.flags.c_contiguous:
+            # Ray hands numpy arguments over read-only: numba would compile (minutes on a busy
+            # machine) and cache another specialisation for them; a copy of kilobytes is free
+            xs = np.array(xs, np.float32, order="C")
         N = int(sum(counts))
         out = np.empty((N, self.D), np.float32)
         scratch = np.empty((max(counts) if counts else 1, self.I), np.float32)
@@ -519,9 +523,18 @@ class ClusterExperts:
                         if w.reason.startswith("timed out") and w.actor is not None:
                             w.pending = w.actor.ping.remote()
                         else:
-                            alive = any(n["NodeID"] == w.node_id and n.get("Alive") for n in ray.nodes())
-                            if not alive:
-                                continue
+                            nodes = [n for n in ray.nodes() if n.get("Alive")]
+                            if not any(n["NodeID"] == w.node_id for n in nodes):
+                                # its computer left: one that joined since (a new Ray node)
+                                # with room for the share and no share of its own takes over
+                                taken = {x.node_id for x in self.workers if x is not w}
+                                new = [n for n in nodes if n["NodeID"] not in taken
+                                       and n["Resources"].get(RESOURCE, 0) >= w.mb]
+                                if not new:
+                                    continue
+                                w.node_id = new[0]["NodeID"]
+                                w.address = new[0].get("NodeManagerAddress", w.address)
+                                w.ram_bytes = int(new[0]["Resources"][RESOURCE]) << 20
                             self._kill(w)
                             self._launch(w)
                             w.state = "down"  # stays down (served from the SSD) until loaded
