@@ -64,6 +64,27 @@ def ray_available() -> bool:
         return False
 
 
+def check_address(address: str, timeout_s: float = 5.0) -> tuple[str, int]:
+    """(host, port) of a Ray head address "host:port" after a TCP connect to it succeeded
+    (Ray itself retries a dead address for minutes).
+
+    Raises:
+        ConfigError: naming the setting, when the address is malformed or nothing listens.
+    """
+    import socket
+    host, sep, port = address.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"setting 'cluster' = {address!r}: give the head's address as host:port, e.g. "
+                          f"192.168.1.20:6380 (as `colibri cluster head` prints), or clear it")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise ConfigError(f"setting 'cluster' = {address!r}: no cluster head answers there ({e}); start one "
+                          f"with `colibri cluster head` on that computer, or clear the setting") from None
+    return host, int(port)
+
+
 def _ray():
     try:
         import ray
@@ -389,6 +410,7 @@ class ClusterExperts:
         if os.environ.get("COLIBRI_NO_NUMBA"):
             env["COLIBRI_NO_NUMBA"] = os.environ["COLIBRI_NO_NUMBA"]
         if not ray.is_initialized():
+            check_address(address)
             try:
                 ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False,
                          runtime_env={"env_vars": env})
@@ -702,6 +724,7 @@ def cluster_nodes(address: str) -> list[dict]:
     ray = _ray()
     owns = not ray.is_initialized()
     if owns:
+        check_address(address)
         try:
             ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
         except Exception as e:  # noqa: BLE001

@@ -46,6 +46,9 @@ def test_plan_placement_by_budget_and_heat():
 # --- a local cluster ---------------------------------------------------------------------------
 
 ray = pytest.importorskip("ray")
+# A local cluster (head + 2 workers, ~100 s to start at nice 19 on the loaded 2-core machine)
+# and its tests took 5.5 min there: slow. The placement and address tests are not.
+slow = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +101,7 @@ def _placements():
     return {"by-budget": (None, {}), "alternating": (alt, {}), "one-worker-small-cache": (one, {"cap": 2})}
 
 
+@slow
 @pytest.mark.parametrize("name", list(_placements()))
 def test_ids_identical_to_one_machine(store, cluster, reference, name):
     from engine.cluster import ClusterOptions
@@ -117,6 +121,7 @@ def test_ids_identical_to_one_machine(store, cluster, reference, name):
     assert st.layer_calls > 0 and "workers up" in st.summary()
 
 
+@slow
 def test_worker_killed_mid_answer_completes_identically(store, cluster, reference):
     """SIGKILL worker 0's actor at token 3: the rest of the answer uses the SSD for its
     experts, same ids; the monitor re-creates the actor and the next answer uses it again."""
@@ -157,6 +162,7 @@ def test_worker_killed_mid_answer_completes_identically(store, cluster, referenc
         assert eng.cluster_status().workers[0].calls > calls
 
 
+@slow
 def test_timeout_falls_back_identically(store, cluster, reference):
     """Every worker call sleeps 300 ms against a 50 ms timeout: each layer falls back to the
     SSD, the ids do not change."""
@@ -167,6 +173,7 @@ def test_timeout_falls_back_identically(store, cluster, reference):
     assert sum(w.failures for w in st.workers) >= 1
 
 
+@slow
 def test_cli_status_lists_the_workers(cluster):
     r = subprocess.run([sys.executable, "-m", "engine.cli", "cluster", "status", cluster.address],
                        capture_output=True, text=True, timeout=600, cwd=ROOT,
@@ -178,6 +185,7 @@ def test_cli_status_lists_the_workers(cluster):
     assert len(rows) == 2 and all(" up " in ln and want in ln for ln in rows), r.stdout
 
 
+@slow
 def test_nothing_left_after_close(store, cluster, reference):
     """After close: no engine thread, no ExpertShard actor process, Ray disconnected."""
     import psutil
