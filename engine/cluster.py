@@ -371,7 +371,7 @@ class _LayerCall:
 
     def collect(self, outs: np.ndarray, xs: np.ndarray, scratch: np.ndarray) -> None:
         """Fill ``outs`` rows of every remote expert of this call (see ClusterExperts.dispatch)."""
-        self.owner._collect(self, outs, xs, scratch)
+        self.owner.collect(self, outs, xs, scratch)
 
 
 class ClusterExperts:
@@ -633,7 +633,9 @@ class ClusterExperts:
             calls.append((wk, es, ref))
         return _LayerCall(self, layer, calls, bounds, single, t0)
 
-    def _collect(self, call: _LayerCall, outs: np.ndarray, xs: np.ndarray, scratch: np.ndarray) -> None:
+    def collect(self, call: "_LayerCall", outs: np.ndarray, xs: np.ndarray, scratch: np.ndarray) -> None:
+        """Wait for ``call``'s answers (until the timeout) and fill their rows of ``outs``; the
+        experts of a worker that failed or timed out are computed here from the local cache."""
         from .models.base import run_expert
         ray = self.ray
         deadline = call.t0 + self.timeout_s
