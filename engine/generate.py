@@ -73,7 +73,8 @@ class Engine:
     model (the family's Model, engine/models), cache (ExpertCache;
     rows = MoE layers), heat (RoutingHeat), plan (BudgetPlan),
     loaded (Loaded event), pilot (Pilot or None), threads (compute threads in use),
-    usable_threads (the most it may use), free_cores (sysinfo.FreeCores with threads = 0, else None).
+    usable_threads (the most it may use), free_cores (sysinfo.FreeCores with threads = 0, else None),
+    cluster (engine.cluster.ClusterExperts when the cluster setting names a Ray head, else None).
     """
 
     def __init__(self):

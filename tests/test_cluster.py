@@ -205,6 +205,15 @@ def test_nothing_left_after_close(store, cluster, reference):
     assert not [t for t in threading.enumerate() if t.name.startswith("colibri-cluster")]
 
 
+def test_cluster_cli_refuses_bad_input(capsys):
+    from engine.cli import main
+    assert main(["cluster", "join", "127.0.0.1:1", "--ram-gb", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--ram-gb 0" in err and "Traceback" not in err
+    assert main(["cluster", "status", "no-port-here"]) == 2
+    assert "host:port" in capsys.readouterr().err
+
+
 def test_bad_address_is_a_clear_error(store):
     from engine import ConfigError, Engine, EngineConfig
     import socket

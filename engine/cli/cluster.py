@@ -71,9 +71,10 @@ def cmd_head(a) -> int:
 
 def cmd_join(a) -> int:
     """Join the cluster at ADDRESS as a worker lending ``--ram-gb`` of RAM to experts."""
-    if not a.ram_gb > 0:
-        raise ConfigError(f"--ram-gb {a.ram_gb}: give the RAM (GB) this computer lends to experts, e.g. --ram-gb 8")
-    mb = int(a.ram_gb * 1024)
+    mb = int(a.ram_gb * 1024) if a.ram_gb == a.ram_gb else 0  # whole MiB (NaN: 0)
+    if mb < 1:
+        raise ConfigError(f"--ram-gb {a.ram_gb}: give the RAM (GB) this computer lends to experts, at least "
+                          f"0.001, e.g. --ram-gb 8")
     args = ["--address", a.address, "--resources", json.dumps({RESOURCE: mb})]
     if a.threads:
         args += ["--num-cpus", str(a.threads)]
