@@ -259,6 +259,8 @@ def cmd_cluster(a) -> int:
             "delay_note": "injected: every worker call sleeps delay_ms on the worker before computing"}
     be = break_even_rows(slab, args.num_experts_per_tok)
     data["break_even"] = be
+    ray_ms = min((r["layer_rtt_ms"] for r in rows if r["workers"] and r["delay_ms"] == 0), default=None)
+    data["ray_overhead_ms"] = ray_ms
     table = (f"# colibri bench cluster: {Path(a.store).name} ({args.model_type}, {M} MoE layers x {E} experts, "
              f"top-{args.num_experts_per_tok}, slab {slab / 1e6:.2f} MB), desktop cache {a.cap}/layer\n\n"
              f"Greedy ids identical across every arm: {'yes' if same else 'NO'}. Load average at the end: "
@@ -271,7 +273,12 @@ def cmd_cluster(a) -> int:
              + "Per MoE layer of a decode token, streaming reads (1 - hit) x K missed slabs at the disk's "
                "rate; expert-parallel pays one LAN round trip instead (calls to the workers overlap; the "
                "kilobytes of hidden states are negligible). Break-even RTT = (1 - hit) K slab / disk rate; "
-               f"below with this store's slab ({slab / 1e6:.2f} MB) and K = {args.num_experts_per_tok}.\n\n"
+               f"below with this store's slab ({slab / 1e6:.2f} MB) and K = {args.num_experts_per_tok}. "
+               + (f"Ray's own cost per layer, measured here as the layer round trip of the fastest "
+                  f"0-delay arm, was {ray_ms:.2f} ms: it adds to the LAN RTT on this side of the "
+                  f"comparison (it includes the workers' compute, which streaming does here too)."
+                  if ray_ms is not None else "")
+               + "\n\n"
              + md_table(be, [("disk GB/s", "disk_gbps", "g"), ("hit rate", "hit_rate", "g"),
                              ("break-even RTT ms", "break_even_rtt_ms", ".2f")]
                         + [(f"gain/layer at {r:g} ms RTT (ms)", f"gain_ms_at_{r:g}", "+.2f") for r in LAN_RTT_MS]))
