@@ -52,6 +52,7 @@ RESOURCE = "colibri_expert_mb"  # Ray custom resource of a joined worker: its ex
 LOCAL = -1  # placement value: served by this computer (its cache, streamed from the SSD)
 LOAD_TIMEOUT_S = 600.0  # a worker that has not loaded its share by then is left down
 MONITOR_INTERVAL_S = 0.5
+INCOMPATIBLE = "incompatible: "  # a worker's reason when it runs other kernels / another engine (never retried)
 ENGINE_ROOT = str(Path(__file__).resolve().parent.parent)  # the folder holding the engine package
 
 
@@ -349,7 +350,8 @@ class ClusterOptions:
 
 class _Worker:
     __slots__ = ("index", "node_id", "address", "ram_bytes", "cpus", "items", "actor", "state", "reason",
-                 "calls", "failures", "rtt_s", "sent", "received", "pid", "same_cpu", "pending", "mb")
+                 "calls", "failures", "rtt_s", "sent", "received", "pid", "same_cpu", "pending", "mb", "retry_at",
+                 "backoff")
 
     def __init__(self, index, node_id, address, ram_bytes, cpus):
         self.index, self.node_id, self.address, self.ram_bytes, self.cpus = index, node_id, address, ram_bytes, cpus
@@ -361,6 +363,8 @@ class _Worker:
         self.same_cpu = True
         self.pending = None  # ObjectRef of a load/ping the monitor waits for
         self.mb = 0
+        self.retry_at = 0.0  # monotonic time of the monitor's next attempt at a failed worker
+        self.backoff = MONITOR_INTERVAL_S
 
 
 class _LayerCall:
@@ -465,7 +469,8 @@ class ClusterExperts:
             try:
                 self._finish_load(w, ray.get(ref, timeout=max(0.1, deadline - time.monotonic())))
             except Exception as e:  # noqa: BLE001 - that worker stays down: its experts stream from the SSD
-                self._down(w, f"could not load its experts ({type(e).__name__}: {e})")
+                self._down(w, (INCOMPATIBLE + str(e)) if isinstance(e, EngineError) else
+                           f"could not load its experts ({type(e).__name__}: {e})")
                 w.pending = None
         self._monitor = threading.Thread(target=self._watch, name="colibri-cluster-monitor", daemon=True)
         self._monitor.start()
@@ -538,7 +543,8 @@ class ClusterExperts:
             for w in self.workers:
                 if self._closed:
                     return
-                if w.state != "down" or not w.items:
+                if w.state != "down" or not w.items or w.reason.startswith(INCOMPATIBLE) \
+                        or time.monotonic() < w.retry_at:
                     continue
                 try:
                     if w.pending is None:
@@ -573,9 +579,13 @@ class ClusterExperts:
                         with self._lock:
                             w.state, w.reason = "up", ""
                     log.info("cluster worker %s is back", w.address)
-                except Exception as e:  # noqa: BLE001 - try again later
+                    w.backoff = MONITOR_INTERVAL_S
+                except Exception as e:  # noqa: BLE001 - try again later, less and less often
                     w.pending = None
-                    w.reason = f"actor lost ({type(e).__name__})"
+                    w.reason = (INCOMPATIBLE + str(e)) if isinstance(e, EngineError) else \
+                        f"actor lost ({type(e).__name__})"
+                    w.retry_at = time.monotonic() + w.backoff
+                    w.backoff = min(60.0, w.backoff * 2)
 
     def _kill(self, w: _Worker) -> None:
         if w.actor is not None:
