@@ -13,7 +13,7 @@ Per MoE layer and worker: one batched actor call for all the experts routed ther
 hidden-state rows each expert sees, float32; the expert outputs come back, float32), all
 workers' calls in flight at once while this computer computes its local experts. The outputs
 land in the same rows of the same buffer the single-machine loop fills, computed by the same
-kernel (``engine.models.base.run_expert``) on the same rows, and :meth:`MoEModel.moe` then
+expert MLP (the family's ``Model.expert_forward``, :func:`expert_function`) on the same rows, and :meth:`MoEModel.moe` then
 sums them in rank order exactly as it always does: the generated ids are byte-identical to
 one machine's (tests/test_cluster.py), provided the workers run the same kernels (same
 engine version, same numba or reference kernels, same CPU instruction set: a worker whose
@@ -96,6 +96,17 @@ def _ray():
                           "cluster setting to run on this computer only") from None
 
 
+def expert_function(args, expert_quant: str, group_size: int):
+    """The family's routed-expert MLP, ``Model.expert_forward(views, x, h, out)`` (SwiGLU via
+    run_expert, or a family's own: gpt-oss), bound to a bare model object that holds only what
+    that method reads (args, expert_quant, gs): the workers and the SSD fallback compute
+    exactly what MoEModel.moe computes, without the dense weights."""
+    from .models import family_for
+    obj = object.__new__(family_for(args.model_type).Model)
+    obj.args, obj.expert_quant, obj.gs = args, expert_quant, group_size
+    return obj.expert_forward
+
+
 # --- the worker side ---------------------------------------------------------------------------
 
 
@@ -134,12 +145,13 @@ class ExpertShard:
             self.store = None
         if self.store is not None:
             self.layout, self.slot_bytes = self.store.layout, self.store.slot_bytes
-            self.quant, self.gs = self.store.quant, self.store.group_size
-            self.D, self.I = self.store.args.hidden_size, self.store.args.moe_intermediate_size
+            self.quant, self.gs, args = self.store.quant, self.store.group_size, self.store.args
         else:
             m = meta or {}
             self.layout, self.slot_bytes = m["layout"], int(m["slot_bytes"])
-            self.quant, self.gs, self.D, self.I = m["quant"], int(m["group_size"]), int(m["D"]), int(m["I"])
+            self.quant, self.gs, args = m["quant"], int(m["group_size"]), m["args"]
+        self.D, self.I = args.hidden_size, args.moe_intermediate_size
+        self.forward = expert_function(args, self.quant, self.gs)
         self.arena = aligned_empty(max(1, len(self.items)) * self.slot_bytes)
         self.views: dict[tuple[int, int], dict] = {}
         self._slab_views = slab_views
@@ -200,7 +212,6 @@ class ExpertShard:
         Raises:
             KeyError: an expert this shard does not hold (a placement bug).
         """
-        from .models.base import run_expert
         if self.delay_s > 0:
             time.sleep(self.delay_s)
         self._K.set_threads(self.threads)
@@ -215,7 +226,7 @@ class ExpertShard:
         for e, n in zip(experts, counts):
             v = self.views[(int(layer), int(e))]
             x = xs if single else xs[off:off + n]
-            run_expert(self.quant, v, x, scratch[:n], out[off:off + n], self.gs)
+            self.forward(v, x, scratch[:n], out[off:off + n])
             off += n
         return out
 
@@ -404,6 +415,7 @@ class ClusterExperts:
         self.timeout_s = float(timeout_s)
         self.M, self.E = cache.L, cache.E
         self.D = store.args.hidden_size
+        self.expert_forward = expert_function(store.args, store.quant, store.group_size)
         self._lock = threading.Lock()
         self._closed = False
         self._owns_ray = False
@@ -488,7 +500,7 @@ class ClusterExperts:
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
         st = self.store
         meta = {"layout": st.layout, "slot_bytes": st.slot_bytes, "quant": st.quant, "group_size": st.group_size,
-                "D": st.args.hidden_size, "I": st.args.moe_intermediate_size}
+                "args": st.args}
         threads = self.options.worker_threads or w.cpus or 1
         w.mb = max(1, -(-len(w.items) * st.slot_bytes // (1 << 20)))
         w.actor = _remote_shard(ray).options(
@@ -646,7 +658,6 @@ class ClusterExperts:
     def collect(self, call: "_LayerCall", outs: np.ndarray, xs: np.ndarray, scratch: np.ndarray) -> None:
         """Wait for ``call``'s answers (until the timeout) and fill their rows of ``outs``; the
         experts of a worker that failed or timed out are computed here from the local cache."""
-        from .models.base import run_expert
         ray = self.ray
         deadline = call.t0 + self.timeout_s
         fallback: list[int] = []
@@ -679,8 +690,7 @@ class ClusterExperts:
                 lo, hi = call.bounds[e]
                 v = self.cache.acquire(layer, e)
                 try:
-                    run_expert(self.cache.store.quant, v, xs if call.single else xs[lo:hi], scratch[:hi - lo],
-                               outs[lo:hi], self.cache.store.group_size)
+                    self.expert_forward(v, xs if call.single else xs[lo:hi], scratch[:hi - lo], outs[lo:hi])
                 finally:
                     self.cache.release(layer, e)
 

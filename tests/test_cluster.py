@@ -122,6 +122,25 @@ def test_ids_identical_to_one_machine(store, cluster, reference, name):
 
 
 @slow
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_ids_identical_for_other_families(tmp_path, cluster, family):
+    """A shared expert (Qwen2-MoE) and another expert MLP with biases and a clamped SwiGLU
+    (gpt-oss, Model.expert_forward) compute the same on the workers."""
+    from engine import synthetic
+    from engine.cluster import ClusterOptions
+    cfg = getattr(synthetic, f"{family}_config")()
+    st = str(synthetic.write_store_from_seed(tmp_path / family, cfg, seed=11))
+    ref, _ = _run(st, max_new=6)
+    from engine.expert_store import ExpertStore
+    with ExpertStore(st) as s:
+        pl = np.zeros((s.args.num_moe_layers, s.args.num_experts), np.int16)
+    pl[:, 1::2] = 1
+    pl[:, 0] = LOCAL
+    ids, status = _run(st, max_new=6, cluster=cluster.address, options=ClusterOptions(placement=pl))
+    assert ids == ref and all(w.calls > 0 and w.failures == 0 for w in status.workers), status.workers
+
+
+@slow
 def test_worker_killed_mid_answer_completes_identically(store, cluster, reference):
     """SIGKILL worker 0's actor at token 3: the rest of the answer uses the SSD for its
     experts, same ids; the monitor re-creates the actor and the next answer uses it again."""

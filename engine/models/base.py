@@ -1030,7 +1030,9 @@ class MoEModel:
 
     def expert_forward(self, views: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray) -> None:
         """One routed expert on rows x [T, D] into out [T, D] (h [T, I] scratch): SwiGLU
-        (:func:`run_expert`); a family with another expert MLP (gpt-oss) overrides it."""
+        (:func:`run_expert`); a family with another expert MLP (gpt-oss) overrides it, reading
+        only ``args``, ``expert_quant`` and ``gs`` (engine/cluster.py runs it on workers that
+        hold no dense weights: ``cluster.expert_function``)."""
         run_expert(self.expert_quant, views, x, h, out, self.gs)
 
     def route(self, j: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
