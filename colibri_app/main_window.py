@@ -446,6 +446,12 @@ class MainWindow(QMainWindow):
         self.st_server.setTextInteractionFlags(Qt.TextSelectableByMouse)
         self.st_server.hide()
         sb.addPermanentWidget(self.st_server)
+        self.st_cluster = QLabel()  # expert-parallel serving (Settings › Cluster address); hidden when off
+        self.st_cluster.setObjectName("clusterStatus")
+        self.st_cluster.setAccessibleName("Cluster")
+        self.st_cluster.setToolTip("Experts served by other computers' RAM (Settings › Cluster address)")
+        self.st_cluster.hide()
+        sb.addPermanentWidget(self.st_cluster)
         for lab, name in ((self.st_speed, "Tokens per second"), (self.st_ttft, "Time to first token"),
                           (self.st_cap, "Expert slots per layer"), (self.st_pilot, "PILOT prefetch mode"),
                           (self.st_threads, "Compute threads in use"), (self.st_model, "Model")):
@@ -603,6 +609,8 @@ class MainWindow(QMainWindow):
         self.setWindowTitle(f"colibri — {ev.model_name}")
         self.st_model.setToolTip(f"{ev.store_path}\n{ev.message}")
         self.st_threads.setText(self._threads_text(ev.threads, ev.auto_threads))
+        self.st_cluster.setText(ev.cluster)
+        self.st_cluster.setVisible(bool(ev.cluster))
         self.statusBar().showMessage("Model ready", 4000)
         self.serve.model_loaded()
         self._sync_chat()
@@ -958,6 +966,8 @@ class MainWindow(QMainWindow):
         self.st_speed.setText(f"{m.tok_per_s:.1f} tok/s")
         self.st_ttft.setText(f"TTFT {m.ttft_s:.2f} s")
         self.st_cap.setText(f"cap {m.cap_per_layer}/{self.loaded.num_experts if self.loaded else '?'} per layer")
+        if m.cluster:
+            self.st_cluster.setText(m.cluster)
         if m.threads:
             self.threads_in_use = m.threads
             self.st_threads.setText(self._threads_text(m.threads, bool(self.loaded and self.loaded.auto_threads)))

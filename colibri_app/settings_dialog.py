@@ -126,6 +126,9 @@ class SettingsDialog(QDialog):
         elif s.choices:
             w = QComboBox()
             w.addItems([str(x) for x in (s.choice_labels or s.choices)])
+        elif s.type is str:  # free text (the cluster address)
+            w = QLineEdit()
+            w.setPlaceholderText("this computer only")
         elif s.type is int and (s.hi or 0) > QT_INT_MAX:
             w = QLineEdit()
             digits = len(str(int(s.hi)))
@@ -231,6 +234,8 @@ class SettingsDialog(QDialog):
             return w.isChecked()
         if isinstance(w, QComboBox):
             return s.choices[w.currentIndex()]
+        if isinstance(w, QLineEdit) and s.type is str:
+            return s.check(w.text().strip())
         if isinstance(w, QLineEdit):
             text = w.text().strip()
             if not text:

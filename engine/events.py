@@ -86,6 +86,7 @@ class Loaded:
     threads: int = 0                #: compute threads in use now (threads = 0: re-counted while generating)
     auto_threads: bool = False      #: the thread count follows the free cores (setting 0)
     pins_per_layer: int = 0         #: experts per layer hot pinning may hold (setting 0: slots / 4)
+    cluster: str = ""               #: expert-parallel serving: ClusterStatus.summary() ("" = off)
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,7 @@ class StepMetrics:
     threads: int = 0  #: compute threads used for this token
     total_hit_rate: float = 1.0      #: this answer so far (metrics.answer_rates: as Finished.hit_rate)
     total_mb_per_token: float = 0.0  #: this answer so far (as Finished.mb_per_token)
+    cluster: str = ""  #: expert-parallel serving: ClusterStatus.summary() now ("" = off)
 
 
 # Residency states in ResidencySnapshot.state

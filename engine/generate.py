@@ -73,7 +73,8 @@ class Engine:
     model (the family's Model, engine/models), cache (ExpertCache;
     rows = MoE layers), heat (RoutingHeat), plan (BudgetPlan),
     loaded (Loaded event), pilot (Pilot or None), threads (compute threads in use),
-    usable_threads (the most it may use), free_cores (sysinfo.FreeCores with threads = 0, else None).
+    usable_threads (the most it may use), free_cores (sysinfo.FreeCores with threads = 0, else None),
+    cluster (engine.cluster.ClusterExperts when the cluster setting names a Ray head, else None).
     """
 
     def __init__(self):
@@ -81,8 +82,12 @@ class Engine:
 
     @classmethod
     def open(cls, config: EngineConfig, progress: Callable[[LoadProgress], None] | None = None,
-             read_rss: Callable[[], int] = current_rss) -> "Engine":
+             read_rss: Callable[[], int] = current_rss, cluster_options=None) -> "Engine":
         """Open ``config.store``.
+
+        ``config.cluster`` (a Ray address) serves the experts placed on the cluster's workers
+        there (engine/cluster.py); ``cluster_options`` (engine.cluster.ClusterOptions: a fixed
+        placement, an injected per-call delay) is for tests and benchmarks.
 
         Raises:
             ConfigError: a setting is out of range.
@@ -94,6 +99,8 @@ class Engine:
         self.read_rss = read_rss
         self._closed = False
         self._lock = threading.Lock()
+        self.cluster = None
+        self._cluster_options = cluster_options
         # threads = 0 (auto): the cores the CPU affinity and cgroup quota allow, minus those other
         # programs keep busy, re-counted while generating (sysinfo.FreeCores; bench contention)
         self.usable_threads = config.threads or usable_cpus()
@@ -107,6 +114,10 @@ class Engine:
         try:
             self._open_rest(report)
         except BaseException:
+            if self.cluster is not None:
+                self.cluster.close()
+            if getattr(self, "cache", None) is not None:
+                self.cache.close()
             self.store.close()
             raise
         return self
@@ -132,7 +143,16 @@ class Engine:
         self.cache = ExpertCache(store, a.num_moe_layers, a.num_experts, self.plan.cap, config.policy,
                                  heat=self.heat.counts, checksum=config.checksum,
                                  io_threads=config.io_threads)
-        self.model = build_model(a, dense, store.dense_quant, store.quant, self.cache, ctx, store.group_size,
+        experts = self.cache
+        if config.cluster:
+            from .cluster import ClusterExperts
+            report(LoadProgress("cluster", 0, 1, "", f"placing experts on the cluster at {config.cluster}"))
+            experts = self.cluster = ClusterExperts(
+                store, self.cache, self.heat.counts, config.cluster,
+                local_keep=pins_per_layer(self.plan.cap, config.pin_per_layer) if config.pinning else 0,
+                timeout_s=config.cluster_timeout_ms / 1000.0, options=self._cluster_options)
+            report(LoadProgress("cluster", 1, 1, "", self.cluster.status().summary()))
+        self.model = build_model(a, dense, store.dense_quant, store.quant, experts, ctx, store.group_size,
                                  kv_dtype=config.kv_dtype)
         self.kernel_warmup_s = self._warm_kernels(report)
         self.routing_feed = RoutingFeed(self.heat, self.cache)
@@ -151,6 +171,8 @@ class Engine:
         self._pins_applied = bool(self.cache.pinned.any())
         report(LoadProgress("open", 3, 3, "", "ready"))
         msg = self.plan.describe()
+        if self.cluster is not None:
+            msg += "; " + self.cluster.status().summary()
         if pre_n:
             msg += f"; pre-warmed {pre_n} experts in {pre_s:.2f} s"
         if self.heat.message:
@@ -163,7 +185,8 @@ class Engine:
             ram_budget_bytes=self.plan.budget, dense_bytes=dense_bytes, expert_slot_bytes=store.slot_bytes,
             pilot=config.pilot, prewarmed_experts=pre_n, prewarm_seconds=pre_s, message=msg,
             has_chat_template=self.tokenizer.has_chat_template, max_context=int(a.max_position_embeddings),
-            threads=self.threads, auto_threads=self.free_cores is not None, pins_per_layer=self._pins_per_layer())
+            threads=self.threads, auto_threads=self.free_cores is not None, pins_per_layer=self._pins_per_layer(),
+            cluster="" if self.cluster is None else self.cluster.status().summary())
         # other colibri processes size their automatic budget around this one (sysinfo)
         self.budget_claim = BudgetClaim(self.plan.budget)
 
@@ -183,6 +206,8 @@ class Engine:
         self.model.forward(np.asarray(ids[:2]), 0)
         self.model.forward(np.asarray(ids[2:]), 2)
         self.cache.forget()
+        if self.cluster is not None:
+            self.cluster.forget()
         _WARMED.add(key)
         dt = time.perf_counter() - t0
         report(LoadProgress("kernels", 1, 1, "", f"compute kernels ready in {dt:.1f} s"))
@@ -463,7 +488,8 @@ class Engine:
                 n = len(out_ids)
                 if self.guard.step(n) is not None:  # before the metrics: they show the RSS it left
                     self.sync_pins()
-                yield tracker.step(n, self.threads)
+                m = tracker.step(n, self.threads)
+                yield m if self.cluster is None else replace(m, cluster=self.cluster.status().summary())
                 snap = tracker.residency(n, self.heat.counts)
                 if snap is not None:
                     yield snap
@@ -502,6 +528,11 @@ class Engine:
             felt_wait_s=tot["felt_wait_s"], error=error, dropped_messages=dropped, answer_room=max_new,
             threads=self.threads, seed=sampler.seed)
 
+    def cluster_status(self):
+        """engine.cluster.ClusterStatus (workers, which experts live where: placement int16
+        [M, E], -1 = this computer; states, round trips, bytes) or None without a cluster."""
+        return None if self.cluster is None else self.cluster.status()
+
     def reset_history(self) -> None:
         """Forget routing heat and pins (in memory and on disk)."""
         self.heat.reset()
@@ -517,6 +548,8 @@ class Engine:
         self._closed = True
         if self.pilot is not None:
             self.pilot.close()
+        if self.cluster is not None:
+            self.cluster.close()
         self.cache.close()
         self.store.close()
         claim = getattr(self, "budget_claim", None)
@@ -532,5 +565,6 @@ class Engine:
 
 def engine_threads_alive() -> list[str]:
     """Names of live threads the engine started (tests check none survive close())."""
-    return [t.name for t in threading.enumerate() if t.name.startswith(("colibri-io", "colibri-pilot"))]
+    return [t.name for t in threading.enumerate()
+            if t.name.startswith(("colibri-io", "colibri-pilot", "colibri-cluster"))]
 

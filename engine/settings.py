@@ -210,6 +210,13 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "(CPU affinity, cgroup quota) minus those other programs keep busy, re-counted while it generates "
        "(measured: bench/results/contention_*.md)", "Compute threads", lo=0, hi=1024,
        unit="threads", special="auto (free cores)", old_names=("numba_threads",)),
+    _S("cluster", str, "", "expert-parallel serving: the address (host:port) of a Ray cluster started with "
+       "`colibri cluster head`; the computers joined to it with `colibri cluster join` hold shares of the "
+       "experts in their RAM and compute them, this computer keeps the hottest (empty = this computer only; "
+       "needs `pip install 'colibri-desktop[cluster]'`)", "Cluster address"),
+    _S("cluster_timeout_ms", int, 1000, "a cluster worker that has not answered a layer's call after this "
+       "long is treated as down: its experts are read from this computer's SSD until it answers again",
+       "Cluster timeout", lo=10, hi=600000, unit="ms", step=100),
 )
 
 SAMPLING_SETTINGS: tuple[Setting, ...] = (

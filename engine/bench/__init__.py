@@ -34,6 +34,7 @@ import functools
 import importlib
 
 VERBS = ("make_synthetic", "decode", "cache", "pilot", "disk", "replay", "matrix", "trace_heldout", "arm",
+         "cluster",
          "gguf", "peers", "kernels", "contention", "overlap", "serve")
 
 

@@ -11,7 +11,7 @@ import logging
 import sys
 
 from ..errors import EngineError
-from . import doctor, models, run, serve
+from . import cluster, doctor, models, run, serve
 
 log = logging.getLogger("colibri")
 
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_parsers(sub)
     models.add_parsers(sub)
     serve.add_parsers(sub)
+    cluster.add_parsers(sub)
     doctor.add_parsers(sub)
     add_bench_parser(sub)
     return p

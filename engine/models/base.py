@@ -591,7 +591,13 @@ class ExpertProvider(Protocol):
     """Where expert weights come from. ``prepare`` announces the experts a layer is about to
     use (so misses can be read concurrently) and may return the order to compute them in
     (resident ones first); ``acquire`` returns the slab's views and pins it until ``release``.
-    ``layer`` is the MoE-layer index j (see the module docstring)."""
+    ``layer`` is the MoE-layer index j (see the module docstring).
+
+    Optional: ``dispatch(layer, xs, bounds, single)`` (engine/cluster.py). A provider that has
+    it computes some experts elsewhere: its ``prepare`` returns only the experts to compute
+    here, ``dispatch`` gets every expert's rows (``xs[lo:hi]`` for ``bounds[e] = (lo, hi)``,
+    or the one row xs [1, D] when ``single``) and returns None or an object whose
+    ``collect(outs, xs, scratch)`` fills rows lo:hi of outs [T*K, D] for the others."""
 
     def prepare(self, layer: int, experts: np.ndarray) -> list[int] | None: ...
     def acquire(self, layer: int, expert: int) -> dict: ...
@@ -991,6 +997,12 @@ class MoEModel:
         xs = h if T == 1 else h[by_e // Kk]  # [T*K, D] (T = 1: each expert sees the one row)
         outs = np.empty((T * Kk, D), np.float32)  # [T*K, D] in expert-sorted order
         scratch = np.empty((T, a.moe_intermediate_size), np.float32)  # [T, I]
+        # A provider that computes experts elsewhere (engine/cluster.py) sends their rows now,
+        # computes nothing of them here (its prepare returned only the local ones) and fills
+        # their rows of outs in collect, while the local experts run below: the same rows,
+        # the same kernel, so the sum below is the same.
+        dispatch = getattr(self.experts, "dispatch", None)
+        call = dispatch(j, xs, bounds, T == 1) if dispatch is not None else None
         for e in (uniq.tolist() if order is None else order):  # order never changes values
             lo, hi = bounds[int(e)]
             n = hi - lo
@@ -999,6 +1011,8 @@ class MoEModel:
                 self.expert_forward(views, xs if T == 1 else xs[lo:hi], scratch[:n], outs[lo:hi])
             finally:
                 self.experts.release(j, int(e))
+        if call is not None:
+            call.collect(outs, xs, scratch)
         y = np.empty((T * Kk, D), np.float32)
         y[by_e] = outs
         y = y.reshape(T, Kk, D)  # [T, K, D] by rank
@@ -1016,7 +1030,9 @@ class MoEModel:
 
     def expert_forward(self, views: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray) -> None:
         """One routed expert on rows x [T, D] into out [T, D] (h [T, I] scratch): SwiGLU
-        (:func:`run_expert`); a family with another expert MLP (gpt-oss) overrides it."""
+        (:func:`run_expert`); a family with another expert MLP (gpt-oss) overrides it, reading
+        only ``args``, ``expert_quant`` and ``gs`` (engine/cluster.py runs it on workers that
+        hold no dense weights: ``cluster.expert_function``)."""
         run_expert(self.expert_quant, views, x, h, out, self.gs)
 
     def route(self, j: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

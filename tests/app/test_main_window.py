@@ -372,3 +372,13 @@ def test_menu_dialogs_are_wired(qtbot, make_window, app_store):
     qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=30000)
     lib.reject()
     qtbot.waitUntil(lambda: not win._dialogs, timeout=3000)
+
+
+def test_cluster_line_in_the_status_bar(qtbot, make_window):
+    """Hidden without a cluster; Loaded.cluster (ClusterStatus.summary) shows in the status bar."""
+    from dataclasses import replace
+    win = make_window()
+    assert win.loaded.cluster == "" and not win.st_cluster.isVisible()
+    line = "cluster: 2/2 workers up, 48 experts remote, 0 here"
+    win.on_loaded(replace(win.loaded, cluster=line))
+    assert win.st_cluster.isVisible() and win.st_cluster.text() == line

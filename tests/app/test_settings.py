@@ -193,3 +193,16 @@ def test_one_save_per_apply(qtbot, make_window, monkeypatch):
         qtbot.mouseClick(_apply_button(d), Qt.LeftButton)
     assert len(saves) == 1 and saves[0][1].sampling.temperature == 0.5
     d.reject()
+
+
+def test_cluster_address_is_a_text_field(dialog):
+    """The cluster setting (engine/cluster.py) is free text; a change reopens the model."""
+    from PySide6.QtWidgets import QLineEdit
+    d = dialog()
+    w = d.fields["cluster"]
+    assert isinstance(w, QLineEdit) and w.text() == "" and "colibri cluster head" in w.toolTip()
+    w.setText(" 192.168.1.20:6380 ")
+    new = d.current_settings()
+    assert new.engine.cluster == "192.168.1.20:6380" and Settings().needs_reload(new)
+    assert RELOAD_MARK in d.status_label.text() or "reopen" in d.status_label.text()
+    assert isinstance(d.fields["cluster_timeout_ms"].value(), int)
