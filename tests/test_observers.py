@@ -175,6 +175,10 @@ def _own_names(tree) -> set[str]:
     return {"self", "cls"} | {n.name for n in ast.walk(tree) if isinstance(n, ast.ClassDef)}
 
 
+# namedtuple's public methods start with an underscore so as not to clash with field names
+NAMEDTUPLE_API = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+
+
 def _scan(path: Path, src: str | None = None) -> tuple[list[str], list[str]]:
     """(assignments to / setattr of ``on_*`` attributes of another object, private attributes
     of another object used) in one module. "Another object": anything but self, cls or a class
@@ -198,7 +202,7 @@ def _scan(path: Path, src: str | None = None) -> tuple[list[str], list[str]]:
                 and str(n.args[1].value).startswith("on_")):
             hooks.append(f"{path.name}:{n.lineno}: {ast.unparse(n)}")
         if (isinstance(n, ast.Attribute) and n.attr.startswith("_") and not n.attr.startswith("__")
-                and foreign(n.value)):
+                and n.attr not in NAMEDTUPLE_API and foreign(n.value)):
             private.append(f"{path.name}:{n.lineno}: {ast.unparse(n)}")
     return hooks, private
 
