@@ -49,7 +49,7 @@ def test_codes_draw_keeps_dense_and_layout_changes_only_expert_values(stores, tm
 
 
 def test_codes_draw_refuses_float_stores(tmp_path):
-    with pytest.raises(ValueError, match="int8 or int4"):
+    with pytest.raises(ValueError, match="needs quant int8, int4, mxfp4"):
         write_store_from_seed(tmp_path / "f16", CFG, quant="f16", expert_draw="codes")
     with pytest.raises(ValueError, match="expert_draw"):
         SeededSource(CFG, expert_draw="fast")

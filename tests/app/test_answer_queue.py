@@ -57,6 +57,9 @@ def test_send_in_another_chat_while_answering_waits_visibly(qtbot, make_window):
     qtbot.keyClick(win, Qt.Key_Escape)
     win.stop()
     assert not win.controller.job.cancel.is_set() and win.answer.conv_id == a
+    # (under load the first token can take long: wait until the answer has streamed some text
+    # while the other chat is on screen)
+    qtbot.waitUntil(lambda: bool(win.answer.full_text), timeout=180_000)
     # the answering chat has the Stop button; stopping it starts the waiting one
     win.select_conversation(a)
     assert win.chat.send_btn.text() == "Stop" and not win.queued_note.isVisible()
