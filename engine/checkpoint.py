@@ -33,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from .config import ModelArgs
 from .errors import CheckpointError
 from .models import base, family_for
+from .quant import mxfp4_nonfinite_block
 
 LFS_MAGIC = b"version https://git-lfs"
 
@@ -264,8 +265,22 @@ class Checkpoint:
         self._family_fused[i] = (names, use_mx)
 
     def _family_rows(self, layer: int, e: int) -> dict[str, np.ndarray]:
+        """Expert ``e``'s slices of layer ``layer``'s fused tensors; MXFP4 blocks / scales as
+        stored, refused (CheckpointError naming the ``*_scales`` tensor, expert, row and block)
+        when a block decodes to NaN or inf."""
         names, mx = self._family_fused[layer]
-        return {n: (self._read_raw(n, e) if mx and not n.endswith("_bias") else self._read(n, e)) for n in names}
+        rows = {n: (self._read_raw(n, e) if mx and not n.endswith("_bias") else self._read(n, e)) for n in names}
+        for n in names if mx else ():
+            if n.endswith("_scales"):
+                hit = mxfp4_nonfinite_block(rows[n[:-len("_scales")] + "_blocks"], rows[n])
+                if hit is not None:
+                    r, g, byte = hit
+                    raise CheckpointError(
+                        f"{self._where[n]}: tensor '{n}' expert {e} row {r} block {g}: scale byte {byte} "
+                        f"decodes to {'NaN' if byte == 255 else 'inf'} (MXFP4 scales are finite below 255, and "
+                        f"254 only under codes below 2); the checkpoint is broken: download it again. "
+                        f"Nothing was converted.")
+        return rows
 
     def is_mxfp4(self, layer: int) -> bool:
         """True when transformer layer ``layer``'s experts are stored as MXFP4 blocks + scales."""
