@@ -186,6 +186,23 @@ class Checkpoint:
                 self._spans[k] = (base + s, base + e, v["dtype"], v["shape"])
         self._fds[path] = os.open(path, os.O_RDONLY)
 
+    def _defaults_hint(self) -> str:
+        """'' or, for a family with ``DEFAULTED_KEYS``, the ones config.json (or its
+        ``text_config``) lacks and the defaults used for them: "; config.json has no 'k' (...)"."""
+        keys = getattr(self.family, "DEFAULTED_KEYS", None)
+        try:
+            cfg = json.loads((self.folder / "config.json").read_text(encoding="utf-8")) if keys else None
+        except (OSError, ValueError):
+            cfg = None
+        if not isinstance(cfg, dict):
+            return ""
+        cfg = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+        absent = [k for k in keys if k not in cfg]
+        if not absent:
+            return ""
+        return "; " + ", ".join(f"config.json has no '{k}' (transformers' default {keys[k]} was used)"
+                                for k in absent) + " - add the model's values from its original config.json"
+
     def _check_one(self, name: str, shape: tuple, raw: bool = False) -> bool:
         """False if ``name`` is absent; raises if present with the wrong shape or dtype
         (``raw``: must be uint8, the MXFP4 blocks and scales)."""
@@ -196,7 +213,7 @@ class Checkpoint:
         got = tuple(sl.get_shape())
         if got != tuple(shape):
             raise CheckpointError(f"{f}: tensor '{name}' has shape {list(got)} but config.json "
-                                  f"implies {list(shape)}; config and weights do not match")
+                                  f"implies {list(shape)}; config and weights do not match{self._defaults_hint()}")
         if raw:
             if sl.get_dtype() != "U8":
                 raise CheckpointError(f"{f}: tensor '{name}' has dtype {sl.get_dtype()}; MXFP4 blocks and "
