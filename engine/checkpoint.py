@@ -33,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 from .config import ModelArgs
 from .errors import CheckpointError
 from .models import base, family_for
+from .quant import mxfp4_nonfinite_block
 
 LFS_MAGIC = b"version https://git-lfs"
 
@@ -185,6 +186,23 @@ class Checkpoint:
                 self._spans[k] = (base + s, base + e, v["dtype"], v["shape"])
         self._fds[path] = os.open(path, os.O_RDONLY)
 
+    def _defaults_hint(self) -> str:
+        """'' or, for a family with ``DEFAULTED_KEYS``, the ones config.json (or its
+        ``text_config``) lacks and the defaults used for them: "; config.json has no 'k' (...)"."""
+        keys = getattr(self.family, "DEFAULTED_KEYS", None)
+        try:
+            cfg = json.loads((self.folder / "config.json").read_text(encoding="utf-8")) if keys else None
+        except (OSError, ValueError):
+            cfg = None
+        if not isinstance(cfg, dict):
+            return ""
+        cfg = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
+        absent = [k for k in keys if k not in cfg]
+        if not absent:
+            return ""
+        return "; " + ", ".join(f"config.json has no '{k}' (transformers' default {keys[k]} was used)"
+                                for k in absent) + " - add the model's values from its original config.json"
+
     def _check_one(self, name: str, shape: tuple, raw: bool = False) -> bool:
         """False if ``name`` is absent; raises if present with the wrong shape or dtype
         (``raw``: must be uint8, the MXFP4 blocks and scales)."""
@@ -195,7 +213,7 @@ class Checkpoint:
         got = tuple(sl.get_shape())
         if got != tuple(shape):
             raise CheckpointError(f"{f}: tensor '{name}' has shape {list(got)} but config.json "
-                                  f"implies {list(shape)}; config and weights do not match")
+                                  f"implies {list(shape)}; config and weights do not match{self._defaults_hint()}")
         if raw:
             if sl.get_dtype() != "U8":
                 raise CheckpointError(f"{f}: tensor '{name}' has dtype {sl.get_dtype()}; MXFP4 blocks and "
@@ -264,8 +282,22 @@ class Checkpoint:
         self._family_fused[i] = (names, use_mx)
 
     def _family_rows(self, layer: int, e: int) -> dict[str, np.ndarray]:
+        """Expert ``e``'s slices of layer ``layer``'s fused tensors; MXFP4 blocks / scales as
+        stored, refused (CheckpointError naming the ``*_scales`` tensor, expert, row and block)
+        when a block decodes to NaN or inf."""
         names, mx = self._family_fused[layer]
-        return {n: (self._read_raw(n, e) if mx and not n.endswith("_bias") else self._read(n, e)) for n in names}
+        rows = {n: (self._read_raw(n, e) if mx and not n.endswith("_bias") else self._read(n, e)) for n in names}
+        for n in names if mx else ():
+            if n.endswith("_scales"):
+                hit = mxfp4_nonfinite_block(rows[n[:-len("_scales")] + "_blocks"], rows[n])
+                if hit is not None:
+                    r, g, byte = hit
+                    raise CheckpointError(
+                        f"{self._where[n]}: tensor '{n}' expert {e} row {r} block {g}: scale byte {byte} "
+                        f"decodes to {'NaN' if byte == 255 else 'inf'} (MXFP4 scales are finite below 255, and "
+                        f"254 only under codes below 2); the checkpoint is broken: download it again. "
+                        f"Nothing was converted.")
+        return rows
 
     def is_mxfp4(self, layer: int) -> bool:
         """True when transformer layer ``layer``'s experts are stored as MXFP4 blocks + scales."""

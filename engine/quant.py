@@ -110,6 +110,27 @@ def dequantize_mxfp4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
         return (v.reshape(O, -1, MXFP4_BLOCK) * E8M0_VALUES[scale][:, :, None]).reshape(O, half * 2)
 
 
+def mxfp4_nonfinite_block(blocks: np.ndarray, scales: np.ndarray) -> tuple[int, int, int] | None:
+    """The first MXFP4 block that decodes to NaN or inf, as (row, block, scale byte), else None.
+
+    blocks: uint8 [O, G, 16] (two E2M1 codes a byte), scales: uint8 [O, G] (e8m0). A block is
+    non-finite when its scale byte is 255 (NaN in the OCP Microscaling spec v1.0) or 254
+    (2^127) under a code of magnitude >= 2 (2 x 2^127 overflows float32), the values
+    :func:`dequantize_mxfp4` would give. Cost: one pass over the scales, and over the blocks of
+    the (rare) rows scaled by 254."""
+    scales = np.asarray(scales)
+    bad = scales == 255
+    hi = scales == 254
+    if hi.any():
+        b = np.asarray(blocks)
+        big = (((b & 0x07) >= 4) | (((b >> 4) & 0x07) >= 4)).any(axis=-1)  # |code| >= 2.0 in the block
+        bad |= hi & big
+    if not bad.any():
+        return None
+    r, g = (int(i) for i in np.unravel_index(int(np.argmax(bad.reshape(-1))), bad.shape))
+    return r, g, int(scales[r, g])
+
+
 F16_MAX = float(np.finfo(np.float16).max)  # 65504: larger magnitudes become inf in f16
 
 

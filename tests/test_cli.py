@@ -124,3 +124,18 @@ def test_make_synthetic_reduced_layers(tmp_path, monkeypatch, capsys):
     assert m["model_type"] == "deepseek_v3" and m["num_layers"] == 2  # MoE layers: 3 kept, 1 dense
     res = json.loads((tmp_path / "bench/results/make_synthetic_tiny-v3-3l-1d_int4_direct.json").read_text())
     assert res["num_hidden_layers"] == 3
+
+
+@pytest.mark.parametrize("ctx,said", [("-5", "setting 'context_length' = -5"),
+                                      ("4096", "more than .* was trained for \\(2048 tokens\\)")])
+def test_info_refuses_a_context_length_run_would_refuse(tmp_path, capsys, ctx, said):
+    """`colibri info --context-length` takes the values `colibri run` takes: a negative one or
+    one past the model's max_position_embeddings is one error line, not a RAM estimate "at -5
+    tokens" (before the fix)."""
+    import re
+
+    from engine.synthetic import qwen3_next_config, write_store_from_seed
+    store = write_store_from_seed(tmp_path / "qn", qwen3_next_config(num_hidden_layers=2), quant="int8")
+    assert colibri(["info", str(store), "--context-length", ctx]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("colibri: error:") and len(err.splitlines()) == 1 and re.search(said, err), err

@@ -462,3 +462,39 @@ def test_published_config_json_keys():
     a = ModelArgs.from_dict(cfg)
     assert a.rope_theta == 150000 and dict(a.rope_scaling)["factor"] == 32.0 and dict(a.rope_scaling)["truncate"] == 0
     assert a.layer_windows[:3] == (128, 0, 128) and a.num_experts == 128 and a.swiglu_alpha == 1.702
+
+
+@pytest.mark.parametrize("quant", ["mxfp4", "int8"])
+@pytest.mark.parametrize("byte,code", [(255, 0x11), (254, 0x77)], ids=["nan-scale", "beyond-f32"])
+def test_mxfp4_scale_that_decodes_to_nan_or_inf_is_refused_naming_the_tensor(tmp_path, quant, byte, code):
+    """A scale byte 255 (NaN in OCP MX) or 254 under a code of magnitude >= 2 (beyond float32)
+    is refused at convert with the checkpoint's own ``*_scales`` name, the expert, row and
+    block - also at --quant mxfp4, where the bytes are otherwise kept as they are (before: the
+    store was written and `colibri run` then failed on non-finite logits)."""
+    from engine.errors import CheckpointError
+    cfg = gpt_oss_config(num_hidden_layers=2)
+    ck = write_checkpoint(tmp_path / "ck", cfg, seed=1, tokenizer=False)
+    f = next(ck.glob("model*.safetensors"))
+    w = load_file(str(f))
+    E, D, I = cfg["num_local_experts"], cfg["hidden_size"], cfg["intermediate_size"]
+    rng = np.random.default_rng(0)
+    for i in range(2):
+        pre = f"model.layers.{i}.mlp.experts."
+        for proj, (O, N) in (("gate_up_proj", (2 * I, D)), ("down_proj", (D, I))):
+            w.pop(pre + proj, None)
+            for e in range(E):  # per-expert names, if the writer used them
+                for k in [k for k in w if k.startswith(f"{pre}{e}.")]:
+                    del w[k]
+            w.setdefault(pre + proj + "_bias", np.zeros((E, O), np.float32))
+            w[pre + proj + "_blocks"] = rng.integers(0, 256, (E, O, N // 32, 16), dtype=np.uint8)
+            w[pre + proj + "_scales"] = np.full((E, O, N // 32), 120, np.uint8)
+    bad = "model.layers.1.mlp.experts.down_proj_scales"
+    w[bad][2, 5, 0] = byte
+    w["model.layers.1.mlp.experts.down_proj_blocks"][2, 5, 0, 3] = code
+    save_file(w, str(f), metadata={"format": "pt"})
+    c = json.loads((ck / "config.json").read_text())
+    c["quantization_config"] = {"quant_method": "mxfp4"}
+    (ck / "config.json").write_text(json.dumps(c))
+    with pytest.raises(CheckpointError, match=rf"{f.name}: tensor '{bad}' expert 2 row 5 block 0: scale byte {byte}"):
+        convert_checkpoint(ck, tmp_path / "st", quant=quant)
+    assert not (tmp_path / "st").exists()

@@ -210,3 +210,35 @@ def test_qwen3_next_80b_preset_sizes():
     assert a.recurrent_state_bytes == 2 * 36 * 4 * (3 * 8192 + 32 * 128 * 128) == 158_072_832
     assert sizing.kv_bytes(a, 4096) == 12 * 2 * 2 * 256 * 4096 * 2 + a.recurrent_state_bytes
     assert 2.3e9 < a.dense_param_count() < 2.4e9  # attention, linear layers, shared experts, embeddings
+
+
+@pytest.mark.parametrize("make", ["qwen3_next", "qwen3_5_moe"])
+@pytest.mark.parametrize("key", ["linear_num_value_heads", "linear_key_head_dim"])
+def test_config_missing_a_linear_attention_key_names_it(tmp_path, make, key):
+    """A config.json without a linear-attention width (transformers' default then applies, 32
+    value heads / 128 wide, which the weights contradict) is refused naming the absent key and
+    the default used - not only the tensor whose shape disagrees."""
+    import json
+
+    from engine.errors import CheckpointError
+    from engine.synthetic import qwen3_5_moe_config
+    cfg = qwen3_next_config(num_hidden_layers=2) if make == "qwen3_next" else qwen3_5_moe_config(num_hidden_layers=2)
+    ck = write_checkpoint(tmp_path / "ck", cfg, seed=1, tokenizer=False)
+    c = json.loads((ck / "config.json").read_text())
+    del (c.get("text_config") or c)[key]
+    (ck / "config.json").write_text(json.dumps(c))
+    with pytest.raises(CheckpointError, match=rf"linear_attn.*config.json has no '{key}'.*default"):
+        convert_checkpoint(ck, tmp_path / "st", quant="int8")
+
+
+def test_config_missing_linear_num_key_heads_names_it(tmp_path):
+    """Without linear_num_key_heads transformers' default 16 does not divide the 4 value heads:
+    the error says the key is absent, not only that 4 is not a multiple of 16."""
+    from engine.errors import ConfigError
+    import json
+    ck = write_checkpoint(tmp_path / "ck", qwen3_next_config(num_hidden_layers=2), seed=1, tokenizer=False)
+    c = json.loads((ck / "config.json").read_text())
+    del c["linear_num_key_heads"]
+    (ck / "config.json").write_text(json.dumps(c))
+    with pytest.raises(ConfigError, match=r"ck/config.json: .*'linear_num_key_heads' is absent \(transformers' default 16\)"):
+        convert_checkpoint(ck, tmp_path / "st", quant="int8")

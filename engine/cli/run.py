@@ -98,15 +98,18 @@ def describe_store(path: str, context_length: int = 0) -> str:
     """A few lines describing a converted store (``colibri info``): family, MoE and dense
     layers, shared expert, experts and top-k, slab bytes, and the RAM estimate of the one
     sizing rule (engine.sizing) at ``context_length`` tokens (0 = the engine's default).
-    Raises StoreError."""
+    Raises StoreError; ConfigError for a context length `colibri run` would refuse (negative,
+    beyond the settings range or the model's max_position_embeddings)."""
     from ..config import describe_model
     from ..expert_store import ExpertStore
+    from ..settings import check_context_length
     from ..sizing import estimate_store
     from ..units import format_bytes
     with ExpertStore(path, o_direct=False) as st:
         m, a = st.manifest, st.args
         L, M = a.num_hidden_layers, a.num_moe_layers
         n_exp = M * a.num_experts
+        context_length = check_context_length(context_length, a.max_position_embeddings, str(path))
         est = estimate_store(a, m, context_length)
         dense_layers = sorted(set(range(L)) - set(a.moe_layers))
         lines = [

@@ -20,6 +20,7 @@ from . import base, qwen3_5_moe_text, qwen3_next
 
 MODEL_TYPE = "qwen3_5_moe"
 DISPLAY_NAME = "Qwen3.5-MoE"
+DEFAULTED_KEYS = qwen3_next.DEFAULTED_KEYS  # absent keys take transformers' defaults, named on a mismatch
 PREFIX = "model.language_model."
 
 

@@ -23,6 +23,7 @@ from . import base, qwen3_next
 
 MODEL_TYPE = "qwen3_5_moe_text"
 DISPLAY_NAME = "Qwen3.5-MoE (text)"
+DEFAULTED_KEYS = qwen3_next.DEFAULTED_KEYS  # absent keys take transformers' defaults, named on a mismatch
 
 
 @dataclass(frozen=True, kw_only=True)

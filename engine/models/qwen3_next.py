@@ -67,6 +67,10 @@ MODEL_TYPE = "qwen3_next"
 DISPLAY_NAME = "Qwen3-Next"
 CHUNK = 64  # tokens per chunk of the chunked gated delta rule (transformers' default chunk_size)
 LAYER_TYPES = ("linear_attention", "full_attention")
+# config.json keys that may be absent, with transformers' Qwen3NextConfig defaults (the widths of
+# Qwen3-Next-80B); the checkpoint names an absent one when a weight's shape then disagrees
+DEFAULTED_KEYS = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                  "linear_num_key_heads": 16, "linear_num_value_heads": 32}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,14 +158,15 @@ def hybrid_fields(cfg: dict, path: str, family: str) -> dict:
     def n(key, lo, hi, default=None):
         return base.num(cfg, key, path, lo, hi, integer=True, family=family, default=default)
 
-    lin = {"linear_conv_kernel_dim": n("linear_conv_kernel_dim", 1, 64, 4),
-           "linear_key_head_dim": n("linear_key_head_dim", 1, 1 << 16, 128),
-           "linear_value_head_dim": n("linear_value_head_dim", 1, 1 << 16, 128),
-           "linear_num_key_heads": n("linear_num_key_heads", 1, 1 << 12, 16),
-           "linear_num_value_heads": n("linear_num_value_heads", 1, 1 << 12, 32)}
+    lin = {k: n(k, 1, hi, DEFAULTED_KEYS[k]) for k, hi in (
+        ("linear_conv_kernel_dim", 64), ("linear_key_head_dim", 1 << 16), ("linear_value_head_dim", 1 << 16),
+        ("linear_num_key_heads", 1 << 12), ("linear_num_value_heads", 1 << 12))}
     if lin["linear_num_value_heads"] % lin["linear_num_key_heads"]:
+        gone = [k for k in ("linear_num_value_heads", "linear_num_key_heads") if k not in cfg]
         raise ConfigError(f"{path}: linear_num_value_heads ({lin['linear_num_value_heads']}) must be a multiple "
-                          f"of linear_num_key_heads ({lin['linear_num_key_heads']})")
+                          f"of linear_num_key_heads ({lin['linear_num_key_heads']})"
+                          + "".join(f"; '{k}' is absent (transformers' default {DEFAULTED_KEYS[k]}): add the "
+                                    f"model's value" for k in gone))
     types = cfg.get("layer_types")
     if types is None:
         every = n("full_attention_interval", 1, 1 << 16, 4)
