@@ -16,7 +16,7 @@ from PySide6.QtCore import QRectF, QSize, Qt, QTimer
 from PySide6.QtGui import QFontMetrics, QTextOption
 from PySide6.QtWidgets import QFrame, QGridLayout, QLabel, QSizePolicy, QVBoxLayout, QWidget
 
-from engine import ABSENT, LOADING, PINNED, RESIDENT, Loaded, ResidencySnapshot, StepMetrics
+from engine import ABSENT, LOADING, PINNED, REMOTE, RESIDENT, Loaded, ResidencySnapshot, StepMetrics
 
 from .resources import SCHEMES, THEME
 
@@ -36,7 +36,8 @@ C_SPEC = (155, 120, 230)
 C_RSS = (66, 133, 244)
 C_CACHE = (46, 170, 120)
 C_BUDGET = (219, 68, 85)
-STATE_RGB = {ABSENT: (118, 124, 138), RESIDENT: (66, 133, 244), PINNED: (245, 166, 35), LOADING: (52, 199, 89)}
+STATE_RGB = {ABSENT: (118, 124, 138), RESIDENT: (66, 133, 244), PINNED: (245, 166, 35), LOADING: (52, 199, 89),
+             REMOTE: (156, 92, 214)}  # REMOTE: in a cluster worker's RAM (expert-parallel serving)
 GAP_RGB = (24, 27, 33)
 ROUTED_RGB = (255, 255, 255)
 DIM_RGB = (0, 0, 0)     # a rarely used expert fades towards this (the map's background)
@@ -152,10 +153,10 @@ def residency_rgb(snap: ResidencySnapshot, cell: int = CELL_PX, cell_h: int | No
     routed = np.asarray(snap.routed, bool).reshape(L, E)
     top = heat.max()
     h = heat / top if top > 0 else np.zeros_like(heat)
-    lut = np.zeros((4, 3))
+    lut = np.zeros((len(STATE_RGB), 3))
     for s, rgb in STATE_RGB.items():
         lut[s] = rgb
-    base = lut[np.clip(state, 0, 3)]                                   # [L, E, 3]
+    base = lut[np.clip(state, 0, len(STATE_RGB) - 1)]                                   # [L, E, 3]
     f = (0.35 + 0.65 * h)[..., None]
     colour = np.asarray(dim_rgb, np.float64) * (1 - f) + base * f
     img = np.repeat(np.repeat(colour, ch, axis=0), cw, axis=1)         # [L*ch, E*cw, 3]
@@ -305,6 +306,7 @@ class PlotPanels(QWidget):
         hm.addItem(self.heat_item)
         hm.getViewBox().sigResized.connect(self._heat_resized)  # rebuild the image at the new cell size
         self.heat_legend = QLabel()
+        self.show_remote = False  # the legend names REMOTE once a snapshot has such an expert
         self.heat_title = "Expert residency (MoE layers × experts)"
 
         self.grid = QGridLayout(self)
@@ -395,6 +397,7 @@ class PlotPanels(QWidget):
         self.heat_legend.setText(" &nbsp; ".join([
             _swatch(STATE_RGB[ABSENT], "absent"), _swatch(STATE_RGB[RESIDENT], "resident"),
             _swatch(STATE_RGB[PINNED], "pinned"), _swatch(STATE_RGB[LOADING], "loading"),
+            *([_swatch(STATE_RGB[REMOTE], "on another computer")] if self.show_remote else []),
             _swatch(None, "routed now", outline=True, bg=col["heat_bg"], fg=col["heat_routed"]),
             f"<span style='color:{col['muted']}'>brightness = log routing count</span>"]))
         if self.snapshot is not None:
@@ -451,6 +454,9 @@ class PlotPanels(QWidget):
         """Record the latest residency snapshot (drawn on the next tick)."""
         self.snapshot = snap
         self._dirty_heat = True
+        if not self.show_remote and REMOTE in snap.state:
+            self.show_remote = True
+            self.apply_scheme(self.scheme)
 
     # --- drawing (timer) ----------------------------------------------------------------------
 

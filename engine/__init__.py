@@ -11,7 +11,7 @@ from .config import SUPPORTED_MODEL_TYPES, ModelArgs, describe_model, family_nam
 from .convert import ConversionCancelled, convert_checkpoint
 from .errors import (BudgetError, Cancelled, CheckpointError, ConfigError, ContextOverflowError, EngineError,
                      ErrorKind, ExpertReadError, StoreError, TokenizerError, error_kind)
-from .events import (ABSENT, LOADING, PINNED, RESIDENT, ChatMessage, EngineFailure, Finished, FinishReason,
+from .events import (ABSENT, LOADING, PINNED, REMOTE, RESIDENT, ChatMessage, EngineFailure, Finished, FinishReason,
                      GenerateRequest, Loaded, LoadProgress, ResidencySnapshot, SamplingParams,
                      StepMetrics, TokenEvent)
 from .chat_template import reasoning_open, split_reasoning
@@ -25,7 +25,7 @@ from .units import format_bytes, format_duration
 __all__ = [
     "POLICIES", "CHECKSUM_MODES", "SUPPORTED_MODEL_TYPES", "EngineConfig", "ModelArgs", "ConversionCancelled",
     "convert_checkpoint", "BudgetError", "Cancelled", "CheckpointError", "ConfigError", "ContextOverflowError",
-    "EngineError", "ErrorKind", "ExpertReadError", "StoreError", "TokenizerError", "error_kind", "ABSENT",
+    "EngineError", "ErrorKind", "ExpertReadError", "StoreError", "TokenizerError", "error_kind", "ABSENT", "REMOTE",
     "LOADING", "PINNED", "RESIDENT", "ChatMessage", "EngineFailure", "Finished", "FinishReason",
     "GenerateRequest", "Loaded",
     "LoadProgress", "ResidencySnapshot", "SamplingParams", "StepMetrics", "TokenEvent", "atomic_write_text",

@@ -704,6 +704,14 @@ class ClusterExperts:
 
     # --- status ---------------------------------------------------------------------------------------
 
+    def remote_mask(self) -> np.ndarray:
+        """bool [M, E]: the experts held by a worker that is up now (the residency panel's
+        REMOTE state); a down worker's experts are served here and show as this computer's."""
+        with self._lock:
+            up = np.array([w.state == "up" for w in self.workers] + [False], bool)
+            pl = self.placement
+        return up[np.where(pl >= 0, pl, len(up) - 1)] & (pl >= 0)
+
     def status(self) -> ClusterStatus:
         """The workers, the placement and the counters now."""
         with self._lock:

@@ -141,15 +141,17 @@ class StepMetrics:
     cluster: str = ""  #: expert-parallel serving: ClusterStatus.summary() now ("" = off)
 
 
-# Residency states in ResidencySnapshot.state
-ABSENT, RESIDENT, PINNED, LOADING = 0, 1, 2, 3
+# Residency states in ResidencySnapshot.state (REMOTE: not in this computer's cache, held in the
+# RAM of a worker of an expert-parallel cluster that is up, engine/cluster.py)
+ABSENT, RESIDENT, PINNED, LOADING, REMOTE = 0, 1, 2, 3, 4
 
 
 @dataclass(frozen=True)
 class ResidencySnapshot:
     """MoE layers x experts view of the expert cache (one row per layer with routed experts).
 
-    state: flattened row-major [num_layers * num_experts] of ABSENT / RESIDENT / PINNED / LOADING.
+    state: flattened row-major [num_layers * num_experts] of ABSENT / RESIDENT / PINNED / LOADING
+        / REMOTE (on a cluster worker that is up).
     heat: same shape, routing counts of this model (persisted history plus this session).
     routed: same shape, 1 where the expert was routed for the latest token.
     """

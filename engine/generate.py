@@ -425,7 +425,8 @@ class Engine:
         # the answer is capped by the room the context has left
         max_new = min(sp.max_new_tokens, C - len(ids))
         forced = request.forced_ids
-        tracker = MetricsTracker(self.cache, self.plan.budget, self.read_rss, self.pilot)
+        tracker = MetricsTracker(self.cache, self.plan.budget, self.read_rss, self.pilot,
+                                 remote=self.cluster.remote_mask if getattr(self, "cluster", None) else None)
         dec = self.tokenizer.incremental_decoder()
         t0 = time.perf_counter()
         out_ids: list[int] = []

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from .events import ResidencySnapshot, StepMetrics
+from .events import ABSENT, REMOTE, ResidencySnapshot, StepMetrics
 
 
 def _rate(a: int, b: int) -> float:
@@ -37,8 +37,9 @@ class MetricsTracker:
         cache: ExpertCache (stats, cap, resident_bytes); budget: bytes; read_rss: () -> bytes.
     """
 
-    def __init__(self, cache, budget: int, read_rss, pilot=None):
+    def __init__(self, cache, budget: int, read_rss, pilot=None, remote=None):
         self.cache, self.budget, self.read_rss, self.pilot = cache, budget, read_rss, pilot
+        self.remote = remote  # () -> bool [M, E]: experts a cluster worker that is up holds, or None
         self.start = cache.stats.snapshot()
         self.prev = dict(self.start)
         self.t_start = time.perf_counter()
@@ -92,6 +93,8 @@ class MetricsTracker:
             return None
         self._last_res = now
         st = self.cache.residency()
+        if self.remote is not None:
+            st = np.where((st == ABSENT) & self.remote(), REMOTE, st)
         c = self.cache
         return ResidencySnapshot(num_layers=c.L, num_experts=c.E, state=tuple(st.reshape(-1).tolist()),
                                  heat=tuple(heat.reshape(-1).tolist()),

@@ -243,3 +243,17 @@ def test_bad_address_is_a_clear_error(store):
     with pytest.raises(ConfigError, match="setting 'cluster'"):
         Engine.open(EngineConfig(store=store, history=False, cluster=f"127.0.0.1:{port}"))
     assert time.monotonic() - t0 < 120
+
+
+def test_remote_mask_is_the_experts_of_workers_that_are_up():
+    """The residency panel's REMOTE state: experts placed on a worker that is up; a down
+    worker's experts are served here (SSD fallback) and are not remote."""
+    import threading
+    from types import SimpleNamespace
+    from engine.cluster import ClusterExperts
+    pl = np.array([[-1, 0, 1, 1], [0, -1, -1, 1]], np.int16)
+    fake = SimpleNamespace(_lock=threading.Lock(), placement=pl,
+                           workers=[SimpleNamespace(state="up"), SimpleNamespace(state="down")])
+    assert ClusterExperts.remote_mask(fake).tolist() == [[False, True, False, False], [True, False, False, False]]
+    fake.workers[1].state = "up"
+    assert (ClusterExperts.remote_mask(fake) == (pl >= 0)).all()

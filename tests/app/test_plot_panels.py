@@ -107,3 +107,34 @@ def test_heat_map_128_experts_x_48_layers_is_built_at_screen_size(qtbot):
     qtbot.waitUntil(lambda: p._cell_px(32, 8) != (cw, ch), timeout=5000)
     p.redraw()
     assert p.heat_image.shape[:2] == (32 * p._cell_px(32, 8)[1], 8 * p._cell_px(32, 8)[0])
+
+
+def test_remote_experts_have_their_own_colour_and_legend(qtbot):
+    """Experts held by an expert-parallel cluster worker (REMOTE) are drawn in their own colour,
+    and the legend names them once a snapshot has one (a single machine never shows it)."""
+    from engine import REMOTE
+    img = residency_rgb(ResidencySnapshot(1, 2, (REMOTE, ABSENT), (5, 5), (0, 0), 0))
+    c = img[CELL_PX // 2, CELL_PX // 2].astype(int)
+    assert np.argmax(c) == np.argmax(STATE_RGB[REMOTE]) and tuple(STATE_RGB[REMOTE]) != tuple(STATE_RGB[ABSENT])
+    p = PlotPanels()
+    qtbot.addWidget(p)
+    p.on_residency(ResidencySnapshot(1, 2, (RESIDENT, ABSENT), (1, 1), (0, 0), 0))
+    assert "on another computer" not in p.heat_legend.text()
+    p.on_residency(ResidencySnapshot(1, 2, (RESIDENT, REMOTE), (1, 1), (0, 0), 1))
+    assert "on another computer" in p.heat_legend.text()
+
+
+def test_metrics_mark_cluster_experts_remote():
+    """MetricsTracker.residency turns an absent expert that a worker holds into REMOTE; a
+    cached one stays what the cache says."""
+    from types import SimpleNamespace
+    from engine import REMOTE
+    from engine.metrics import MetricsTracker
+    st = np.array([[ABSENT, RESIDENT, ABSENT]], np.int8)
+    cache = SimpleNamespace(L=1, E=3, residency=lambda: st.copy(), routed_now=np.zeros((1, 3), bool),
+                            stats=SimpleNamespace(snapshot=lambda: {}))
+    on_worker = np.array([[True, True, False]])
+    snap = MetricsTracker(cache, 1, lambda: 0, remote=lambda: on_worker).residency(0, np.zeros((1, 3)), force=True)
+    assert snap.state == (REMOTE, RESIDENT, ABSENT)
+    snap = MetricsTracker(cache, 1, lambda: 0).residency(0, np.zeros((1, 3)), force=True)
+    assert snap.state == (ABSENT, RESIDENT, ABSENT)
