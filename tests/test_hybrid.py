@@ -197,7 +197,7 @@ def test_sizing_counts_full_layer_kv_and_the_recurrent_state(hybrid_stores, kv_d
         assert eng.model.kv_bytes == sizing.kv_bytes(a, 96, kv_dtype) == eng.plan.kv
         assert eng.model.k_cache.shape == (1, 2, 96, 16)
     text = describe_store(str(store), 96)
-    assert "1 gated full-attention layers" in text and "3 Gated DeltaNet linear-attention layers" in text
+    assert "1 gated full-attention layer (" in text and "3 Gated DeltaNet linear-attention layers" in text
     assert "recurrent state of the 3 linear-attention layers" in text
 
 

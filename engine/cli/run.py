@@ -13,6 +13,11 @@ from ..settings import ENGINE, SAMPLING
 from .flags import add_setting_flags, engine_config, sampling_params
 
 
+
+def _layers(n: int, kind: str) -> str:
+    """'1 full-attention layer' / '3 full-attention layers'."""
+    return f"{n} {kind} layer" + ("" if n == 1 else "s")
+
 def _progress_printer(label: str):
     from .models import cli_progress  # one progress line format for every command
     return cli_progress(label)
@@ -125,8 +130,8 @@ def describe_store(path: str, context_length: int = 0) -> str:
                if getattr(a, "indexer_layers", ()) else "")
             + f" ({format_bytes(a.kv_values_all_layers * 4)} per token of context at f32, "
             f"{format_bytes(a.kv_values_all_layers * 2)} at f16"
-            + (f", in the {a.num_kv_layers} full-attention layers; recurrent state of the {L - a.num_kv_layers} "
-               f"linear-attention layers {format_bytes(a.recurrent_state_bytes)} (live + prefix snapshot, "
+            + (f", in the {_layers(a.num_kv_layers, 'full-attention')}; recurrent state of the "
+               f"{_layers(L - a.num_kv_layers, 'linear-attention')} {format_bytes(a.recurrent_state_bytes)} (live + prefix snapshot, "
                f"float32, any context)" if a.recurrent_state_bytes else "") + ")",
             f"experts     {a.num_experts} per MoE layer, top-{a.num_experts_per_tok} routed per token, width "
             f"{a.moe_intermediate_size}, norm_topk_prob {a.norm_topk_prob}, router {a.scoring_func}"
@@ -168,8 +173,8 @@ def _attention_text(a) -> str:
     rot = f", rotary {a.rotary_dim} of {a.head_dim}" if a.rotary_dim and a.rotary_dim != a.head_dim else ""
     text = f"heads {a.num_attention_heads} (KV heads {a.num_key_value_heads}, head size {a.head_dim}{rot})"
     if getattr(a, "linear_layers", ()):
-        text = (f"{len(a.full_layers)} gated full-attention layers ({text}), {len(a.linear_layers)} Gated DeltaNet "
-                f"linear-attention layers ({a.linear_num_key_heads} key / {a.linear_num_value_heads} value heads "
+        text = (f"{_layers(len(a.full_layers), 'gated full-attention')} ({text}), "
+                f"{_layers(len(a.linear_layers), 'Gated DeltaNet linear-attention')} ({a.linear_num_key_heads} key / {a.linear_num_value_heads} value heads "
                 f"of {a.linear_key_head_dim} / {a.linear_value_head_dim}, conv {a.linear_conv_kernel_dim})")
     return text
 
