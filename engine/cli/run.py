@@ -13,10 +13,10 @@ from ..settings import ENGINE, SAMPLING
 from .flags import add_setting_flags, engine_config, sampling_params
 
 
-
 def _layers(n: int, kind: str) -> str:
     """'1 full-attention layer' / '3 full-attention layers'."""
     return f"{n} {kind} layer" + ("" if n == 1 else "s")
+
 
 def _progress_printer(label: str):
     from .models import cli_progress  # one progress line format for every command
