@@ -9,9 +9,10 @@ Default mode: write a bf16 Hugging Face checkpoint (``OUT/<preset>-hf``), then c
 subprocess (``OUT/<preset>-<quant>``). ``--direct-store`` writes the quantized store straight
 from the seed (engine.synthetic.write_store_from_seed) for shapes too large to write as a bf16
 checkpoint first (Qwen3-30B-A3B: 61 GB of bf16); the weights equal those of the default mode.
-What it skips: no checkpoint exists, so nothing can be compared with transformers or
-llama.cpp (no `bench decode` / `gguf` / `peers` on it), the converter's reading of safetensors
-is not measured, and the tokenizer is the small synthetic BPE (benchmarks force token ids).
+What it skips: no checkpoint exists, so nothing can be compared with transformers (no `bench
+decode` / `peers` on it; llama.cpp gets the same weights from `bench gguf --preset P --from-seed`
+with the same --seed / --layers / --expert-draw), the converter's reading of safetensors is not
+measured, and the tokenizer is the small synthetic BPE (benchmarks force token ids).
 """
 
 from __future__ import annotations
@@ -43,6 +44,35 @@ def preset_config(name: str) -> dict:
     return olmoe_config(**OLMOE_PRESETS[name])
 
 
+def cut_layers(cfg: dict, preset: str, layers: int = 0, dense_layers: int | None = None) -> tuple[dict, str]:
+    """``cfg`` (preset ``preset``'s config dict, changed in place) with only its first ``layers``
+    layers (0 = all; per-layer lists cut too) and ``dense_layers`` dense first layers, and the
+    folder name stem (``<preset>[-<N>l][-<D>d]``). Raises ValueError (the message names the
+    option) when the numbers do not fit the preset."""
+    name = preset
+    if dense_layers is not None:
+        if "first_k_dense_replace" not in cfg or not 0 <= dense_layers < (layers or cfg["num_hidden_layers"]):
+            raise ValueError(f"--dense-layers {dense_layers}: only for presets with dense first layers "
+                             "(first_k_dense_replace), and fewer than the layers kept")
+        cfg["first_k_dense_replace"] = dense_layers
+        name = f"{name}-{dense_layers}d"
+    if layers:
+        dense_first = int(cfg.get("first_k_dense_replace", 0) or 0)
+        if not 1 <= layers <= int(cfg["num_hidden_layers"]) or layers <= dense_first:
+            raise ValueError(f"--layers {layers}: give 1..{cfg['num_hidden_layers']} (the preset's layer count)"
+                             + (f", more than its {dense_first} dense first layers" if dense_first else ""))
+        L0 = int(cfg["num_hidden_layers"])
+        cfg["num_hidden_layers"] = layers
+        for key in ("max_window_layers",):
+            if key in cfg:
+                cfg[key] = min(int(cfg[key]), layers)
+        for key, v in list(cfg.items()):  # per-layer lists (layer_types, mlp_layer_types, ...)
+            if isinstance(v, list) and len(v) == L0 and key not in ("architectures", "eos_token_id"):
+                cfg[key] = v[:layers]
+        name = f"{preset}-{layers}l" + name[len(preset):]
+    return cfg, name
+
+
 def _progress_printer(label: str):
     """A LoadProgress callback printing every ~5% of bytes (stdout, one line each)."""
     last = [-1]
@@ -63,30 +93,11 @@ def cmd_make_synthetic(a) -> int:
     if a.direct_store and a.quant not in DIRECT_QUANTS:
         print(f"--direct-store writes --quant {' or '.join(DIRECT_QUANTS)} (got {a.quant!r})", file=sys.stderr)
         return 2
-    cfg = preset_config(a.preset)
-    name = a.preset
-    if a.dense_layers is not None:
-        if "first_k_dense_replace" not in cfg or not 0 <= a.dense_layers < (a.layers or cfg["num_hidden_layers"]):
-            print(f"--dense-layers {a.dense_layers}: only for presets with dense first layers "
-                  "(first_k_dense_replace), and fewer than the layers kept", file=sys.stderr)
-            return 2
-        cfg["first_k_dense_replace"] = a.dense_layers
-        name = f"{name}-{a.dense_layers}d"
-    if a.layers:
-        dense_first = int(cfg.get("first_k_dense_replace", 0) or 0)
-        if not 1 <= a.layers <= int(cfg["num_hidden_layers"]) or a.layers <= dense_first:
-            print(f"--layers {a.layers}: give 1..{cfg['num_hidden_layers']} (the preset's layer count)"
-                  + (f", more than its {dense_first} dense first layers" if dense_first else ""), file=sys.stderr)
-            return 2
-        L0 = int(cfg["num_hidden_layers"])
-        cfg["num_hidden_layers"] = a.layers
-        for key in ("max_window_layers",):
-            if key in cfg:
-                cfg[key] = min(int(cfg[key]), a.layers)
-        for key, v in list(cfg.items()):  # per-layer lists (layer_types, mlp_layer_types, ...)
-            if isinstance(v, list) and len(v) == L0 and key not in ("architectures", "eos_token_id"):
-                cfg[key] = v[:a.layers]
-        name = f"{a.preset}-{a.layers}l" + name[len(a.preset):]
+    try:
+        cfg, name = cut_layers(preset_config(a.preset), a.preset, a.layers, a.dense_layers)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
     args = ModelArgs.from_dict(cfg)
     n_params = (args.dense_param_count() + args.num_moe_layers * args.num_experts * 3
                 * args.hidden_size * args.moe_intermediate_size)
@@ -161,7 +172,8 @@ def add_parser(bs) -> None:
     m.add_argument("--quant", default="int8", choices=("int8", "int4", "f16", "f32", "mxfp4"))
     m.add_argument("--direct-store", action="store_true",
                    help="write the int8/int4 store straight from the seed, no bf16 checkpoint (for shapes too "
-                        "large to write as one; no transformers / llama.cpp comparison is possible then)")
+                        "large to write as one; no transformers comparison then; llama.cpp's GGUF of the same "
+                        "weights: `bench gguf --preset P --from-seed`)")
     from ..synthetic import EXPERT_DRAWS
     m.add_argument("--expert-draw", choices=EXPERT_DRAWS, default="exact",
                    help="--direct-store: 'codes' draws the experts' quantized codes directly (fast; the "
