@@ -96,11 +96,13 @@ def assert_f32_parity(m, store, vocab: int, n_prefill: int = 24, n_decode: int =
         st.close()
 
 
-def teacher_forced_agreement(m, store, vocab: int, n: int = 256) -> tuple[float, float]:
-    """(mean KL(transformers || ours) in nats, top-1 agreement) over ``n`` teacher-forced positions."""
+def teacher_forced_agreement(m, store, vocab: int, n: int = 256, ids=None) -> tuple[float, float]:
+    """(mean KL(transformers || ours) in nats, top-1 agreement) over ``n`` teacher-forced positions
+    of random ids, or over the given ``ids`` (e.g. held-out text)."""
     ours, st, cache = open_model(store)
     try:
-        ids = np.random.default_rng(1).integers(0, vocab, n).tolist()
+        if ids is None:
+            ids = np.random.default_rng(1).integers(0, vocab, n).tolist()
         ref = hf_logits(m, ids)
         got = ours.forward(np.array(ids), 0, all_logits=True)
         return float(kl(ref, got).mean()), float((ref.argmax(-1) == got.argmax(-1)).mean())
