@@ -121,8 +121,12 @@ def test_f32_logits_match_transformers(tmp_path, name):
 # 7.2e-3 (rounded weights in transformers 2.6e-3 / 9.7e-3). A trained-like router (N(0, 0.25), as
 # Mixtral's test) does not fix it either (2.7e-3 / 1.5e-3). GLM-4.7-Flash ("glm-lite-qlora-groups",
 # the same MLA under GLM routing) is the same case: ours 2.6e-3, transformers with rounded weights
-# 2.6e-3. Not met for V3 and GLM-4.7-Flash (issue 14); the test pins what holds so a regression
-# shows, and checks ours against the rounded weights' own KL.
+# 2.6e-3. On these random weights the bound is not met for V3 and GLM-4.7-Flash; the test pins
+# what holds so a regression shows, and checks ours against the rounded weights' own KL (the worst
+# case). On trained weights the issue's bound holds for all three: tests/test_int8_trained.py trains
+# these configurations briefly on text and measures, on held-out text, ours 5.2e-5
+# ("qproj-onegroup"), 1.2e-4 ("dense-groups-yarn") and 3.7e-5 ("glm-lite-qlora-groups") against
+# transformers' rounded weights' 4.3e-5, 7.6e-5 and 2.3e-5, asserting <= 1e-3.
 @pytest.mark.parametrize("name,bound", [("dsv2-lite-greedy", 1e-3), ("glm-qknorm-bias-groups", 1e-3),
                                         ("glm-lite-qlora-groups", 4e-3),
                                         ("dsv3-qproj-onegroup", 2.5e-3), ("dsv3-dense-groups-yarn", 5e-3)])

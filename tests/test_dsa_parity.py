@@ -98,8 +98,12 @@ def test_f32_logits_match_transformers(tmp_path, name):
 # with a margin for what ours rounds beyond the weights (the f16 KV cache and indexer keys, the
 # int8 kernels' activation blocks), which swaps a few more boundary tokens: ours <= 1.25 x
 # rounded + 1e-3. A real fault fails it: without the selection (dense MLA) the int8 store's mean KL
-# is 0.29 / 0.20 nats, with the indexer's RoPE left out 0.24 / 0.17. A trained indexer ranks the
-# tokens the attention needs far above the boundary, where swaps carry little attention.
+# is 0.29 / 0.20 nats, with the indexer's RoPE left out 0.24 / 0.17. These random weights are the
+# worst case. On trained weights (tests/test_int8_trained.py: both configurations trained on text,
+# the indexer by KL towards the main attention as DeepSeek-V3.2 does, its top-8 then holding 99%
+# of the best top-8's attention mass) the issue's bound holds: on held-out text ours 2.8e-4 / 7.1e-5
+# against the rounded weights' 1.6e-4 / 5.7e-5, while the selection itself matters there (the
+# trained GLM-5 model's sparse vs dense attention differ by 8.4e-2 nats).
 @pytest.mark.parametrize("name", ["glm5-dense-shared", "dsv32-allmoe-yarn"])
 def test_int8_kl_against_the_roundings_own(tmp_path, name, record_property):
     m, d = hf_model(tmp_path, name)
