@@ -263,6 +263,7 @@ class PlotPanels(QWidget):
         self._last_index = -1
         self._dirty_lines = self._dirty_heat = False
         self._heat_shape = (0, 0)
+        self.moe_layers: tuple[int, ...] = ()  # the transformer layer of each map row (Loaded)
         self._ranges: dict = {}
         self._legend_t = 0.0
 
@@ -411,6 +412,8 @@ class PlotPanels(QWidget):
             r.clear()
         self._x_base, self._last_index = 0, -1
         self.budget_gb = ev.ram_budget_bytes / 1e9
+        self.moe_layers = tuple(getattr(ev, "moe_layers", ()) or ())
+        self._ticks_for = None
         self.snapshot = None
         self.heat_image = None
         hm = self.heat_plot.getPlotItem()
@@ -583,7 +586,18 @@ class PlotPanels(QWidget):
         self._ticks_for = (step_l, step_e, layers, experts)
         hm = self.heat_plot.getPlotItem()
         hm.getAxis("bottom").setTicks([[(e + 0.5, str(e)) for e in range(0, experts, step_e)]])
-        hm.getAxis("left").setTicks([[(l + 0.5, str(l)) for l in range(0, layers, step_l)]])
+        hm.getAxis("left").setTicks([[(r + 0.5, str(n)) for r, n in self.layer_ticks(layers, step_l)]])
+
+    def layer_ticks(self, layers: int, step: int) -> list[tuple[int, int]]:
+        """(row, label) of the map's layer ticks: rows are MoE layers, labelled with their
+        transformer layer (DeepSeek-V3's first MoE row is layer 3: its 3 dense layers have no
+        row), at the layers that are multiples of ``step`` when those are ``step`` rows apart
+        (consecutive MoE layers), else every ``step``-th row."""
+        ids = self.moe_layers if len(self.moe_layers) == layers else tuple(range(layers))
+        rows = [r for r in range(layers) if ids[r] % step == 0]
+        if len(rows) < 2 or any(b - a < step for a, b in zip(rows, rows[1:])):
+            rows = list(range(0, layers, step))
+        return [(r, ids[r]) for r in rows]
 
     # --- legends ------------------------------------------------------------------------------
 

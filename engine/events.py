@@ -87,6 +87,7 @@ class Loaded:
     auto_threads: bool = False      #: the thread count follows the free cores (setting 0)
     pins_per_layer: int = 0         #: experts per layer hot pinning may hold (setting 0: slots / 4)
     cluster: str = ""               #: expert-parallel serving: ClusterStatus.summary() ("" = off)
+    moe_layers: tuple[int, ...] = ()  #: the transformer layer of each MoE row (() = rows 0..num_layers-1)
 
 
 @dataclass(frozen=True)

@@ -186,7 +186,8 @@ class Engine:
             pilot=config.pilot, prewarmed_experts=pre_n, prewarm_seconds=pre_s, message=msg,
             has_chat_template=self.tokenizer.has_chat_template, max_context=int(a.max_position_embeddings),
             threads=self.threads, auto_threads=self.free_cores is not None, pins_per_layer=self._pins_per_layer(),
-            cluster="" if self.cluster is None else self.cluster.status().summary())
+            cluster="" if self.cluster is None else self.cluster.status().summary(),
+            moe_layers=tuple(int(i) for i in a.moe_layers))
         # other colibri processes size their automatic budget around this one (sysinfo)
         self.budget_claim = BudgetClaim(self.plan.budget)
 
