@@ -71,3 +71,57 @@ def test_bench_kernels_cgroup_arm(tiny_store, tmp_path):
     assert r["budget_gb"] == 2.0 and r["tg12"] > 0 and 0 <= r["hit_rate"] <= 1 and r["mb_per_token"] >= 0
     assert 0 < r["cgroup_max_usage_bytes"] <= 2e9 and r["cgroup_oom_kills"] == 0
     assert res["cgroup_gb"] == 2.0 and "MB read / token" in (out / "k.md").read_text()
+
+
+def test_llama_cgroup_arm_reads_per_token_by_difference(monkeypatch):
+    """The llama.cpp cgroup arm: two cold runs (-n tokens, -n 16), each in a fresh group after
+    evicting the GGUF's pages; MB read per token from the difference of their block reads."""
+    calls, evicted, groups = [], [], []
+    reads = iter([0, 9_000_000_000, 9_000_000_000, 11_000_000_000])  # run 64: 9 GB, run 16: 2 GB
+
+    class G:
+        def __init__(self):
+            self.removed = False
+            groups.append(self)
+
+        def wrap(self, cmd):
+            return cmd
+
+        def stats(self):
+            return {"cgroup_max_usage_bytes": 8e9, "cgroup_oom_kills": 0}
+
+        def remove(self):
+            self.removed = True
+
+    def fake_llama(bench, gguf, prompts, n, threads, wrap=None, extra=()):
+        calls.append((prompts, n, wrap is not None, list(extra)))
+        return {f"tg{n}": 4.0 if n == 64 else 3.0}
+    monkeypatch.setattr(bench_kernels, "_llama_arm", fake_llama)
+    monkeypatch.setattr(bench_kernels, "_children_read_bytes", lambda: next(reads))
+    monkeypatch.setattr(bench_kernels, "_evict", lambda paths: evicted.append(list(paths)))
+    r = bench_kernels._llama_cgroup_arm("llama-bench", "m.gguf", 64, 2, G)
+    flags = ["-lm", "mmap", "--repack", "0"]  # mapped, not repacked into anonymous memory
+    assert calls == [([], 64, True, flags), ([], 16, True, flags)] and evicted == [["m.gguf"], ["m.gguf"]]
+    assert len(groups) == 2 and all(g.removed for g in groups)
+    assert r["tg64"] == 4.0 and "tg16" not in r and r["read_gb"] == 9.0
+    assert abs(r["mb_per_token"] - 7000 / 48) < 1e-9 and r["cgroup_max_usage_bytes"] == 8e9
+
+
+def test_bench_kernels_cgroup_only(tiny_store, tmp_path):
+    """--cgroup-only: only the cgroup arm runs (a store larger than RAM streams at the budget;
+    no all-resident arm), and no unconstrained ratio is reported."""
+    import pytest
+    from engine.bench.peers import cgroup_available
+    ok, why = cgroup_available()
+    if not ok:
+        pytest.skip(why)
+    out = tmp_path / "results"
+    p = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "kernels", "--ours", f"int8={tiny_store}",
+                        "--prompts", "4", "--tokens", "12", "--reps", "1", "--threads", "1", "--cgroup-gb", "1",
+                        "--cgroup-only", "--pair", "int8/q8_0", "--name", "k", "--out-dir", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads((out / "k.json").read_text())
+    assert [r["arm"] for r in res["rows"]] == ["ours-int8@1GB"]
+    assert res["rows"][0]["tg12"] > 0 and res["rows"][0]["cgroup_oom_kills"] == 0
+    assert res["ratios"] == {}

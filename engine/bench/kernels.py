@@ -14,7 +14,16 @@ Arms (each a fresh process, interleaved, the order reversed every other repetiti
 ``--cgroup-gb G`` adds, per arm, the same model inside a cgroup v1 memory limit of G GB
 (engine.bench.peers.MemCgroup): ours streamed at a RAM budget of G GB (automatic cap, O_DIRECT,
 nothing pre-loaded; decode tok/s, hit rate, MB read per token) and ``llama-bench -p 0 -n
-tokens`` on its mmap'd GGUF in the same limit (the kernel evicts and re-reads its pages).
+tokens`` on its mmap'd GGUF in the same limit (the kernel evicts and re-reads its pages). Before
+every cgroup arm the arm's files are evicted from the page cache (posix_fadvise DONTNEED on
+them only): pages cached by an earlier arm stay charged to that arm's group, so a later
+llama.cpp arm would otherwise map them for free, past its limit. The llama.cpp cgroup arms run
+with ``-lm mmap --repack 0`` (``--llama-cgroup-flags``): repacked Q4_0 weights live in anonymous
+memory and a limit below the model's size OOM-kills llama-bench. llama.cpp's MB read per token
+is taken by difference from the block reads of two runs (``-n tokens`` and ``-n 16``, each
+cold in a fresh group; rusage ru_inblock of the child, mmap faults included), so loading and
+the first fill of the cache cancel as in ours' decode-only figure. ``--cgroup-only`` skips the
+unconstrained arms (a store or GGUF larger than RAM: Qwen3-30B-A3B at an 8 GB limit).
 
 ``--cpu-time`` adds tokens per CPU-second for decode and for a prefill of <= 128 tokens, from
 rusage by difference (two runs of different length, so loading and warm-up cancel): on a
@@ -153,9 +162,9 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
 
 
 def _llama_arm(llama_bench: str, gguf: str, prompts: list[int], tokens: int, threads: int,
-               wrap=None) -> dict:
+               wrap=None, extra: list[str] = ()) -> dict:
     cmd = [llama_bench, "-m", gguf, "-t", str(threads), "-p", ",".join(map(str, prompts)) or "0",
-           "-n", str(tokens), "-r", "1", "-o", "json"]
+           "-n", str(tokens), "-r", "1", "-o", "json", *extra]
     if wrap is not None:
         cmd = wrap(cmd)
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -167,6 +176,55 @@ def _llama_arm(llama_bench: str, gguf: str, prompts: list[int], tokens: int, thr
             continue
         key = f"pp{t['n_prompt']}" if t["n_gen"] == 0 else f"tg{t['n_gen']}"
         out[key] = float(t["avg_ts"])
+    return out
+
+
+def _evict(paths) -> None:
+    """Drop ``paths``' pages (files, or every file under a folder) from the page cache."""
+    from .peers import model_files
+    os.sync()
+    for f in model_files(*paths):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _children_read_bytes() -> int:
+    """Bytes the waited-for children read from storage (ru_inblock, 512-byte units)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock * 512
+
+
+LLAMA_CGROUP_FLAGS = "-lm mmap --repack 0"
+
+
+def _llama_cgroup_arm(llama_bench: str, gguf: str, tokens: int, threads: int, group,
+                      flags: str = LLAMA_CGROUP_FLAGS) -> dict:
+    """``llama-bench -p 0 -n tokens FLAGS`` cold in a fresh memory group (``group()`` makes
+    one, with ``wrap``, ``stats``, ``remove``), then ``-n 16`` likewise: tg from the first, MB
+    read per token = (read(tokens) - read(16)) / (tokens - 16), and the group's stats of the
+    first. FLAGS by default map the file and keep its weights there: llama.cpp's CPU back end
+    otherwise repacks Q4_0 into anonymous memory (``--repack 1``), which a limit smaller than
+    the model OOM-kills instead of paging."""
+    import shlex
+    out, read = {}, {}
+    for n in (tokens, 16) if tokens > 16 else (tokens,):
+        _evict([gguf])
+        grp = group()
+        try:
+            r0 = _children_read_bytes()
+            r = _llama_arm(llama_bench, gguf, [], n, threads, wrap=grp.wrap, extra=shlex.split(flags))
+            read[n] = _children_read_bytes() - r0
+            if n == tokens:
+                out.update(r)
+                out.update(grp.stats())
+        finally:
+            grp.remove()
+    out["read_gb"] = read[tokens] / 1e9
+    if len(read) == 2:
+        out["mb_per_token"] = max(read[tokens] - read[16], 0) / 1e6 / (tokens - 16)
     return out
 
 
@@ -196,7 +254,7 @@ def _parse_arm(spec: str) -> tuple[str, str]:
 def _write(a, arms, rows, quiet: bool = False) -> None:
     """Medians, ratios and every run -> bench/results/<name>.{json,md}."""
     from .common import machine_info, md_table, write_results
-    keys = [f"tg{a.tokens}"] + [f"pp{p}" for p in a.prompts]
+    keys = [f"tg{a.tokens}"] + ([] if a.cgroup_only else [f"pp{p}" for p in a.prompts])  # cgroup arms: tg only
     if a.cpu_time:
         big = max([p for p in a.prompts if 16 < p <= 128], default=None)
         keys += ["tg_per_cpu_s"] + ([f"pp{big}_per_cpu_s"] if big else [])
@@ -209,7 +267,8 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
     ratios = {}
     for ours_label, llama_label in a.pair:
         o, ll = med.get(f"ours-{ours_label}", {}), med.get(f"llama-{llama_label}", {})
-        ratios[f"{ours_label}/{llama_label}"] = {k: o[k] / ll[k] for k in keys if k in o and ll.get(k)}
+        if o and ll:
+            ratios[f"{ours_label}/{llama_label}"] = {k: o[k] / ll[k] for k in keys if k in o and ll.get(k)}
         if a.cgroup_gb:
             sfx = f"@{a.cgroup_gb:g}GB"
             o, ll = med.get(f"ours-{ours_label}{sfx}", {}), med.get(f"llama-{llama_label}{sfx}", {})
@@ -273,16 +332,21 @@ def main(a) -> int:
         cg_ok, why = cgroup_available(a.cgroup_root)
         if not cg_ok:
             print(f"--cgroup-gb: {why}; the cgroup arms are skipped", file=sys.stderr)
+    if a.cgroup_only and not cg_ok:
+        print("--cgroup-only: no cgroup arm can run; nothing to do", file=sys.stderr)
+        return 2
+    free = not a.cgroup_only  # the unconstrained arms
     for n, (ol, ll) in enumerate(a.pair):
-        add("ours", ol)
-        add("llama", ll)
+        if free:
+            add("ours", ol)
+            add("llama", ll)
         if n == 0 and cg_ok:
             for system, label in (("ours", ol), ("llama", ll)):
                 if label in (a.cgroup_arms or [label]):
                     add(system, label, a.cgroup_gb)
-    for lb in ours:
+    for lb in ours if free else ():
         add("ours", lb)
-    for lb in llama:
+    for lb in llama if free else ():
         add("llama", lb)
     if cg_ok:
         for system, src in (("ours", ours), ("llama", llama)):
@@ -296,13 +360,16 @@ def main(a) -> int:
             t0 = time.perf_counter()
             grp = None
             try:
-                if limit is not None:
-                    from .peers import MemCgroup
+                from .peers import MemCgroup
+                if system == "ours" and limit is not None:
+                    _evict([path])
                     grp = MemCgroup(int(limit * 1e9), a.cgroup_root)
                 if system == "ours":
                     r = _spawn_ours(label, path, a, budget_gb=limit, wrap=grp.wrap if grp else None)
                 elif limit is not None:  # llama.cpp's mmap in the same memory limit: decode only
-                    r = _llama_arm(a.llama_bench, path, [], a.tokens, a.threads, wrap=grp.wrap)
+                    r = _llama_cgroup_arm(a.llama_bench, path, a.tokens, a.threads,
+                                          lambda: MemCgroup(int(limit * 1e9), a.cgroup_root),
+                                          a.llama_cgroup_flags)
                 else:
                     r = _llama_arm(a.llama_bench, path, a.prompts, a.tokens, a.threads)
                     if a.cpu_time:
@@ -344,6 +411,11 @@ def add_parser(subparsers) -> None:
     k.add_argument("--cgroup-gb", type=float, default=None,
                    help="also run each pair in a cgroup v1 memory limit of this many GB: ours streamed at "
                         "that RAM budget, llama-bench tg on its mmap in the same limit")
+    k.add_argument("--cgroup-only", action="store_true",
+                   help="with --cgroup-gb: only the cgroup arms (for a model larger than RAM)")
+    k.add_argument("--llama-cgroup-flags", default=LLAMA_CGROUP_FLAGS,
+                   help="llama-bench flags of the cgroup arms (default %(default)r: mmap, no Q4_0 repacking "
+                        "into anonymous memory, which OOMs under a limit smaller than the model)")
     k.add_argument("--cgroup-arms", nargs="*", default=None, metavar="LABEL",
                    help="labels that get a cgroup arm (default: every arm)")
     k.add_argument("--cgroup-root", default="/sys/fs/cgroup/memory")
