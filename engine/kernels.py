@@ -566,8 +566,8 @@ def _q4_block_pairs(xq, xs, xc, w, ws, o0, nr, npairs, res):
     if nr == RB:
         t = 0
         while t + TB <= T:
-            _q4_tile_2x4(xq, xs, xc, w, ws, o0, t, npairs, res)
-            _q4_tile_2x4(xq, xs, xc, w, ws, o0 + 2, t, npairs, res[2:])
+            for r2 in range(0, RB, 2):
+                _q4_tile_2x4(xq, xs, xc, w, ws, o0 + r2, t, npairs, res[r2:])
             t += TB
         while t < T:
             _q4_tile_4x1(xq, xs, xc, w, ws, o0, t, npairs, res)
@@ -590,8 +590,8 @@ def _q8_block_pairs(xu, xs, w, o0, nr, npairs, res):
     if nr == RB:
         t = 0
         while t + TB <= T:
-            _q8_tile_2x4(xu, xs, xs, w, xs, o0, t, npairs, res)
-            _q8_tile_2x4(xu, xs, xs, w, xs, o0 + 2, t, npairs, res[2:])
+            for r2 in range(0, RB, 2):
+                _q8_tile_2x4(xu, xs, xs, w, xs, o0 + r2, t, npairs, res[r2:])
             t += TB
         while t < T:
             _q8_tile_4x1(xu, xs, xs, w, xs, o0, t, npairs, res)
@@ -682,9 +682,11 @@ def linear_q8(x, w, s, out):
     P = _q8_prepare(x)
     T, O = x.shape[0], w.shape[0]
     if P[0]:
-        for ob in prange((O + RB - 1) // RB):
+        nb = (O + RB - 1) // RB
+        scr = np.empty((nb, RB, T), np.float32)  # one allocation per call, not one per block
+        for ob in prange(nb):
             o0 = ob * RB
-            res = np.empty((RB, T), np.float32)
+            res = scr[ob]
             _q8_rows(P, w, s, o0, res)
             for r in range(min(RB, O - o0)):
                 for t in range(T):
@@ -700,9 +702,11 @@ def linear_q4(x, w, s, gs, out):
     P = _q4_prepare(x, gs)
     T, O = x.shape[0], w.shape[0]
     if P[0]:
-        for ob in prange((O + RB - 1) // RB):
+        nb = (O + RB - 1) // RB
+        scr = np.empty((nb, RB, T), np.float32)  # one allocation per call, not one per block
+        for ob in prange(nb):
             o0 = ob * RB
-            res = np.empty((RB, T), np.float32)
+            res = scr[ob]
             _q4_rows(P, w, s, o0, res)
             for r in range(min(RB, O - o0)):
                 for t in range(T):
@@ -772,10 +776,13 @@ def expert_q8(x, gw, gs, uw, us, dw, ds, h, out):
     P = _q8_prepare(x)
     T, I, D = x.shape[0], gw.shape[0], dw.shape[0]
     if P[0]:
-        for ib in prange((I + RB - 1) // RB):
+        nb = (I + RB - 1) // RB
+        scg = np.empty((nb, RB, T), np.float32)  # one allocation per call, not one per block
+        scu = np.empty((nb, RB, T), np.float32)
+        for ib in prange(nb):
             i0 = ib * RB
-            rg = np.empty((RB, T), np.float32)
-            ru = np.empty((RB, T), np.float32)
+            rg = scg[ib]
+            ru = scu[ib]
             _q8_rows(P, gw, gs, i0, rg)
             _q8_rows(P, uw, us, i0, ru)
             for r in range(min(RB, I - i0)):
@@ -787,9 +794,11 @@ def expert_q8(x, gw, gs, uw, us, dw, ds, h, out):
                 h[t, i] = _silu_mul(_q8_out(P, gw, gs, i, t), _q8_out(P, uw, us, i, t))
     Q = _q8_prepare(h)
     if Q[0]:
-        for ob in prange((D + RB - 1) // RB):
+        nb = (D + RB - 1) // RB
+        scd = np.empty((nb, RB, T), np.float32)
+        for ob in prange(nb):
             o0 = ob * RB
-            res = np.empty((RB, T), np.float32)
+            res = scd[ob]
             _q8_rows(Q, dw, ds, o0, res)
             for r in range(min(RB, D - o0)):
                 for t in range(T):
@@ -806,10 +815,13 @@ def expert_q4(x, gw, gs, uw, us, dw, ds, gsz, h, out):
     T, I, D = x.shape[0], gw.shape[0], dw.shape[0]
     sh, hg = _q4_shift(gsz), gsz // 2
     if P[0]:
-        for ib in prange((I + RB - 1) // RB):
+        nb = (I + RB - 1) // RB
+        scg = np.empty((nb, RB, T), np.float32)  # one allocation per call, not one per block
+        scu = np.empty((nb, RB, T), np.float32)
+        for ib in prange(nb):
             i0 = ib * RB
-            rg = np.empty((RB, T), np.float32)
-            ru = np.empty((RB, T), np.float32)
+            rg = scg[ib]
+            ru = scu[ib]
             _q4_rows(P, gw, gs, i0, rg)
             _q4_rows(P, uw, us, i0, ru)
             for r in range(min(RB, I - i0)):
@@ -821,9 +833,11 @@ def expert_q4(x, gw, gs, uw, us, dw, ds, gsz, h, out):
                 h[t, i] = _silu_mul(_q4_out(P, gw, gs, sh, hg, i, t), _q4_out(P, uw, us, sh, hg, i, t))
     Q = _q4_prepare(h, gsz)
     if Q[0]:
-        for ob in prange((D + RB - 1) // RB):
+        nb = (D + RB - 1) // RB
+        scd = np.empty((nb, RB, T), np.float32)
+        for ob in prange(nb):
             o0 = ob * RB
-            res = np.empty((RB, T), np.float32)
+            res = scd[ob]
             _q4_rows(Q, dw, ds, o0, res)
             for r in range(min(RB, D - o0)):
                 for t in range(T):
