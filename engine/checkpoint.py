@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -36,6 +37,12 @@ from .models import base, family_for
 from .quant import mxfp4_nonfinite_block
 
 LFS_MAGIC = b"version https://git-lfs"
+
+# why a checkpoint tensor may go unused (Checkpoint.skipped_tensors): a name fragment -> hint
+_UNUSED_HINTS = (("_scale_inv", "; its weight is not float8"), ("q_norm", "; use_qk_norm is false"),
+                 ("k_norm", "; use_qk_norm is false"),
+                 ("_proj.bias", "; attention_bias is false"), ("q_a_", "; q_lora_rank is null"),
+                 ("inv_freq", "; rotary frequencies are computed from config.json"))
 
 
 def is_lfs_pointer(path: Path) -> bool:
@@ -60,7 +67,10 @@ class Checkpoint:
 
     Opening checks (before any compute): config.json valid; every weight file present, not a
     Git LFS pointer, with a complete safetensors header; every expected tensor present with
-    the shape the config implies; dtype bf16 / f16 / f32.
+    the shape the config implies; dtype bf16 / f16 / f32, or float8 with float block scales
+    (``weight_scale_inv``) of the shape ``weight_block_size`` implies (the scales must be
+    positive and finite: checked when the tensor is read, naming the scale tensor).
+    Tensors config.json does not use are listed by :meth:`skipped_tensors`.
 
     Raises:
         ConfigError, CheckpointError: naming the file or tensor and what to do.
@@ -80,6 +90,7 @@ class Checkpoint:
         self._where: dict[str, Path] = {}
         self._spans: dict[str, tuple[int, int, str, list]] = {}  # name -> (start, end, dtype, shape)
         self._fds: dict[Path, int] = {}
+        self._used: set[str] = set()  # the tensors the config reads (filled by _check_tensors)
         self._fp8_block = self._fp8_block_size()
         for f in self._files:
             h = self._open(f)
@@ -103,6 +114,9 @@ class Checkpoint:
             qc = json.loads((self.folder / "config.json").read_text(encoding="utf-8")).get("quantization_config")
         except (OSError, ValueError):
             qc = None
+        # why 128 x 128 is assumed (named when the scales do not fit it), or None
+        self._fp8_block_assumed = ("quantization_config" if not isinstance(qc, dict) else
+                                   "quantization_config.weight_block_size" if not qc.get("weight_block_size") else None)
         if not isinstance(qc, dict):
             return (128, 128)
         if qc.get("quant_method") == "mxfp4" and hasattr(self.family, "expert_from_mxfp4"):
@@ -116,6 +130,40 @@ class Checkpoint:
             raise CheckpointError(f"{self.folder / 'config.json'}: quantization_config.weight_block_size "
                                   f"{bs!r} must be two positive integers")
         return (bs[0], bs[1])
+
+    def skipped_tensors(self) -> list[str]:
+        """The checkpoint's tensors that config.json does not use, one line per group:
+        ``model.layers.N.*`` for a layer beyond num_hidden_layers (the multi-token-prediction
+        layers, described by num_nextn_predict_layers or not), else names with the layer
+        number replaced by ``*`` (q/k norms under use_qk_norm false, ...), with a count."""
+        a = self.args
+        nhl, mtp = a.num_hidden_layers, getattr(a, "num_nextn_predict_layers", 0)
+        beyond: dict[int, int] = {}
+        other: dict[str, int] = {}
+        for n in self._where:
+            if n in self._used:
+                continue
+            m = re.match(r"model\.layers\.(\d+)\.", n)
+            if m and int(m.group(1)) >= nhl:
+                beyond[int(m.group(1))] = beyond.get(int(m.group(1)), 0) + 1
+            else:
+                g = re.sub(r"\.layers\.\d+\.", ".layers.*.", n)
+                other[g] = other.get(g, 0) + 1
+        lines = []
+        for L in sorted(beyond):
+            k = beyond[L]
+            if L - nhl < mtp:
+                why = "multi-token-prediction layer, not used to generate"
+            else:
+                why = (f"a layer beyond num_hidden_layers {nhl} that num_nextn_predict_layers {mtp} "
+                       f"does not describe (a multi-token-prediction layer?), not used")
+            lines.append(f"model.layers.{L}.* ({k} tensor{'s' * (k > 1)}: {why})")
+        for g in sorted(other):
+            k = other[g]
+            hint = next((h for key, h in _UNUSED_HINTS if key in g), "")
+            lines.append(f"{g} ({k} tensor{'s' * (k > 1)}: not used by config.json's {a.model_type} "
+                         f"settings{hint})")
+        return lines
 
     def _scale_name(self, name: str) -> str:
         return name + "_scale_inv"
@@ -209,6 +257,7 @@ class Checkpoint:
         f = self._where.get(name)
         if f is None:
             return False
+        self._used.add(name)
         sl = self._handles[f].get_slice(name)
         got = tuple(sl.get_shape())
         if got != tuple(shape):
@@ -226,10 +275,22 @@ class Checkpoint:
             if want is None or sn not in self._where:
                 raise CheckpointError(f"{f}: tensor '{name}' is float8 but has no block scales "
                                       f"'{sn}'; only FP8 checkpoints with weight_scale_inv are read")
+            self._used.add(sn)
             ssl = self._handles[self._where[sn]].get_slice(sn)
-            if tuple(ssl.get_shape()) != want or ssl.get_dtype() not in ("BF16", "F16", "F32"):
+            if ssl.get_dtype() not in ("BF16", "F16", "F32"):
+                raise CheckpointError(f"{self._where[sn]}: tensor '{sn}' has dtype {ssl.get_dtype()}; FP8 block "
+                                      f"scales must be float32 (or bf16 / f16) - the checkpoint is damaged or "
+                                      f"was written by another tool: download the model's FP8 release again")
+            if tuple(ssl.get_shape()) != want:
+                if self._fp8_block_assumed:
+                    src = (f"config.json has no {self._fp8_block_assumed}, so {bo}x{bi} "
+                           f"blocks were assumed; add \"quantization_config\": {{\"quant_method\": \"fp8\", "
+                           f"\"weight_block_size\": [rows, cols]}} with the model's values to config.json")
+                else:
+                    src = (f"config.json's quantization_config.weight_block_size {[bo, bi]} implies "
+                           f"{list(want)}; config and weights do not match")
                 raise CheckpointError(f"{self._where[sn]}: tensor '{sn}' has shape {list(ssl.get_shape())} "
-                                      f"({ssl.get_dtype()}) but weight_block_size {[bo, bi]} implies {list(want)}")
+                                      f"for '{name}' {list(got)}, but {src}")
         elif sl.get_dtype() not in ("BF16", "F16", "F32"):
             raise CheckpointError(f"{f}: tensor '{name}' has dtype {sl.get_dtype()}; only "
                                   f"bf16, f16, f32 and block-scaled float8 (e4m3) checkpoints are supported")
@@ -390,7 +451,15 @@ class Checkpoint:
                 raise CheckpointError(f"{path}: tensor '{name}' is float8 with {w.ndim + (row is not None)} "
                                       f"dimensions; only 2-D block-scaled float8 matrices are read")
             bo, bi = self._fp8_block
-            s = self._read(self._scale_name(name))  # [ceil(O / bo), ceil(N / bi)]
+            sn = self._scale_name(name)
+            s = self._read(sn)  # [ceil(O / bo), ceil(N / bi)]
+            bad = ~(np.isfinite(s) & (s > 0))
+            if bad.any():
+                r, c = (int(x) for x in np.argwhere(bad)[0])
+                raise CheckpointError(
+                    f"{self._where[sn]}: tensor '{sn}' element [{r}, {c}] = {s[r, c]} ({int(bad.sum())} of "
+                    f"{s.size} block scales are zero, negative, NaN or inf); FP8 block scales are positive and "
+                    f"finite - the checkpoint is broken: download it again. Nothing was converted.")
             w *= np.repeat(np.repeat(s, bo, axis=0), bi, axis=1)[:w.shape[0], :w.shape[1]]
         return w
 

@@ -213,9 +213,9 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
         check_finite(name, w, stored_as, str(file_of(name)) if file_of else str(label))
         return w
 
-    mtp = getattr(args, "num_nextn_predict_layers", 0)
-    skipped = ([f"model.layers.{args.num_hidden_layers + k}.* (multi-token-prediction layer, not used to "
-                f"generate)" for k in range(mtp)] if mtp else [])
+    # the checkpoint's tensors config.json does not use (MTP layers, q/k norms under
+    # use_qk_norm false, ...): named as notes and in the manifest, only when some exist
+    skipped = list(getattr(source, "skipped_tensors", lambda: [])())
     try:
         for line in skipped:
             report(f"skipping {line}", force=True)
