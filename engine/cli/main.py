@@ -48,6 +48,11 @@ def main(argv: list[str] | None = None) -> int:
         end_progress_line()
         print(f"colibri: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl+C in a command without its own handling: one line, no traceback
+        from .models import end_progress_line
+        end_progress_line()
+        print("colibri: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -23,10 +24,31 @@ def _progress_printer(label: str):
     return cli_progress(label)
 
 
-def resolve_store(model: str | None) -> str:
-    """The store to open: ``model``, else the bundled default model (converted on first use)."""
-    if model:
+def resolve_model_name(model: str) -> str:
+    """``model`` as given when it is an existing path or looks like one; else a bare name from
+    ``colibri models`` (the manifest's model name or the store's folder name in the library's
+    models folder, as the app lists them) resolved to that store's path.
+    Raises ValueError: the name matches several stores (their folder names are listed)."""
+    if Path(model).exists() or os.sep in model or "/" in model:
         return model
+    from ..library import list_models
+    try:
+        ms = list_models()
+    except OSError:
+        return model
+    hits = [m for m in ms if Path(m.path).name == model] or [m for m in ms if m.name == model]
+    if len(hits) > 1:
+        raise ValueError(f"--model {model}: {len(hits)} converted models have that name ("
+                         + ", ".join(Path(m.path).name for m in hits) + "); give the folder name or the path "
+                         f"(see `colibri models`)")
+    return hits[0].path if hits else model
+
+
+def resolve_store(model: str | None) -> str:
+    """The store to open: ``model`` (a path, or a name listed by ``colibri models``), else the
+    bundled default model (converted on first use)."""
+    if model:
+        return resolve_model_name(model)
     from ..library import default_store
     return str(default_store(progress=_progress_printer("converting the default model (first run)")))
 
@@ -90,8 +112,14 @@ def cmd_convert(a) -> int:
     """``colibri convert SRC DST``: convert a Hugging Face checkpoint folder into a store."""
     from ..convert import convert_checkpoint
     t0 = time.perf_counter()
-    dst = convert_checkpoint(a.src, a.dst, quant=a.quant, overwrite=a.overwrite, group_size=a.group_size,
-                             dense_quant=a.dense_quant, progress=_progress_printer(f"converting ({a.quant})"))
+    try:
+        dst = convert_checkpoint(a.src, a.dst, quant=a.quant, overwrite=a.overwrite, group_size=a.group_size,
+                                 dense_quant=a.dense_quant, progress=_progress_printer(f"converting ({a.quant})"))
+    except KeyboardInterrupt:  # the converter removed its partial folder on the way out
+        from .models import end_progress_line
+        end_progress_line()
+        print(f"colibri: interrupted; no store was written to {a.dst}", file=sys.stderr)
+        return 130
     print(f"store written to {dst} in {time.perf_counter() - t0:.1f} s")
     if not (Path(dst) / "tokenizer.json").exists():
         print(f"note: {a.src} has no tokenizer.json, so the store cannot chat or take a text prompt; copy the "
@@ -153,7 +181,28 @@ def describe_store(path: str, context_length: int = 0) -> str:
             f"{format_bytes(est.kv_bytes)} + one slot per MoE layer {format_bytes(est.slots_bytes)} + reserve "
             f"{format_bytes(est.reserve_bytes)}); every expert in RAM: {format_bytes(est.all_in_ram_bytes)}",
         ]
+        lines.insert(5, "rope        " + _rope_text(a))
+        if getattr(a, "indexer_layers", ()) and a.index_topk >= est.context_length:
+            lines.append(f"note        index_topk {a.index_topk} >= the context {est.context_length} tokens: "
+                         f"every query attends every past token, so attention is dense at this context "
+                         f"(the indexer only picks among fewer tokens than it may keep)")
+        if not (Path(st.path) / "tokenizer.json").exists():
+            lines.append(f"warning     the store has no tokenizer.json: it cannot take a text prompt or chat; copy "
+                         f"the model's tokenizer.json (and tokenizer_config.json) into {st.path}")
         return "\n".join(lines)
+
+
+def _rope_text(a) -> str:
+    """The rotary embedding line of ``colibri info``: theta, then YaRN's parameters or "no scaling"."""
+    text = f"theta {getattr(a, 'rope_theta', 0):g}"
+    sc = dict(getattr(a, "rope_scaling", ()) or ())
+    if not sc:
+        return text + ", no scaling (plain RoPE)"
+    text += (f", YaRN scaling factor {sc.get('factor', 1.0):g} (original context "
+             f"{int(sc.get('original_max_position_embeddings', 0))}, beta_fast {sc.get('beta_fast', 32.0):g}, "
+             f"beta_slow {sc.get('beta_slow', 1.0):g}")
+    text += "".join(f", {k} {sc[k]:g}" for k in ("mscale", "mscale_all_dim", "attention_factor") if k in sc)
+    return text + ")"
 
 
 def _attention_text(a) -> str:
@@ -171,7 +220,10 @@ def _attention_text(a) -> str:
                     + (f"; {shared} of {L} layers reuse the previous layer's choice" if shared else "") + ")")
         return out
     rot = f", rotary {a.rotary_dim} of {a.head_dim}" if a.rotary_dim and a.rotary_dim != a.head_dim else ""
-    text = f"heads {a.num_attention_heads} (KV heads {a.num_key_value_heads}, head size {a.head_dim}{rot})"
+    extra = {"head": ", q/k RMSNorm per head", "proj": ", q/k RMSNorm over the projection"}.get(
+        getattr(a, "qk_norm", "none"), "")
+    extra += ", q/k/v biases" if getattr(a, "attention_bias", False) else ""
+    text = f"heads {a.num_attention_heads} (KV heads {a.num_key_value_heads}, head size {a.head_dim}{rot}{extra})"
     if getattr(a, "linear_layers", ()):
         text = (f"{_layers(len(a.full_layers), 'gated full-attention')} ({text}), "
                 f"{_layers(len(a.linear_layers), 'Gated DeltaNet linear-attention')} ({a.linear_num_key_heads} key / {a.linear_num_value_heads} value heads "
@@ -181,7 +233,7 @@ def _attention_text(a) -> str:
 
 def cmd_info(a) -> int:
     """``colibri info STORE``."""
-    print(describe_store(a.store, a.context_length))
+    print(describe_store(resolve_model_name(a.store), a.context_length))
     return 0
 
 
