@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .config import EngineConfig
-from .errors import Cancelled, ContextOverflowError, EngineError
+from .errors import Cancelled, ContextOverflowError, EngineError, ExpertReadError
 from .events import Finished, FinishReason, GenerateRequest, Loaded, LoadProgress, TokenEvent
 from .expert_cache import ExpertCache
 from .expert_store import ExpertStore
@@ -204,8 +204,16 @@ class Engine:
         report(LoadProgress("kernels", 0, 1, "", "preparing the compute kernels"))
         t0 = time.perf_counter()
         ids = [i % self.args.vocab_size for i in (1, 2, 3)]
-        self.model.forward(np.asarray(ids[:2]), 0)
-        self.model.forward(np.asarray(ids[2:]), 2)
+        try:
+            self.model.forward(np.asarray(ids[:2]), 0)
+            self.model.forward(np.asarray(ids[2:]), 2)
+        except ExpertReadError:
+            # a damaged expert slab is the store's problem, not the warm-up's: the model opens,
+            # and a generation that routes to that expert ends with this error (named there)
+            self.cache.forget()
+            if self.cluster is not None:
+                self.cluster.forget()
+            return time.perf_counter() - t0
         self.cache.forget()
         if self.cluster is not None:
             self.cluster.forget()
