@@ -16,9 +16,6 @@ Needs the ``gguf`` package (the ``peers`` extra); skipped without it.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +27,8 @@ from engine.bench.gguf import gguf_plan, int4_codes_to_q4_0, plan_bytes, write_g
 from engine.config import ModelArgs  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.synthetic import SeededSource, qwen3_moe_config, write_checkpoint  # noqa: E402
+from llama_helpers import agreement, llama_logits  # noqa: E402
+from llama_helpers import kl as _kl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = qwen3_moe_config(hidden_size=128, intermediate_size=192, moe_intermediate_size=64, num_hidden_layers=2,
@@ -180,14 +179,6 @@ def test_cli_from_seed(tmp_path, monkeypatch, capsys):
                         "--keep-free-gb", "1e9"), "not enough disk")]:
         assert run(*argv) == 2, argv
         assert msg in capsys.readouterr().err, argv
-def _kl(p_logits, q_logits):
-    p = np.exp(p_logits - p_logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    lq = q_logits - q_logits.max(-1, keepdims=True)
-    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
-    return (p * (np.log(p) - lq)).sum(-1)
-
-
 def _transformers_logits(folder) -> np.ndarray:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -233,15 +224,9 @@ def test_llama_cpp_logits_on_seed_gguf_match_transformers(kind, tiny_ck, seed_gg
     llama_cpp = pytest.importorskip("llama_cpp")
     ref = hf_logits if kind == "f16" else \
         _transformers_logits(_dequantized_checkpoint(seed_ggufs[kind], tiny_ck, tmp_path / "deq"))
-    llm = llama_cpp.Llama(model_path=seed_ggufs[kind], n_ctx=64, n_batch=64, n_ubatch=64, n_threads=1,
-                          logits_all=True, verbose=False)
-    llm.eval(IDS)
-    got = np.array(llm.scores[:len(IDS)], dtype=np.float32)
+    got, _ = llama_logits(llama_cpp, seed_ggufs[kind], IDS, threads=1)
     assert got.shape == ref.shape == (len(IDS), 512)
-    agree = got.argmax(-1) == ref.argmax(-1)
-    top2 = np.sort(ref, -1)[:, -2:]
-    margin = top2[:, 1] - top2[:, 0]
-    max_abs, scale, kl = float(np.abs(got - ref).max()), float(np.abs(ref).max()), _kl(ref, got)
+    agree, margin, max_abs, scale, kl = agreement(ref, got)
     kl_ck = _kl(hf_logits, got)
     vs = "the checkpoint" if kind == "f16" else "its decoded weights"
     print(f"\nqwen3moe GGUF {kind} (from seed) vs transformers f32 on {vs}, {len(IDS)} positions: top-1 "

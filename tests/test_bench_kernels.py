@@ -15,14 +15,27 @@ from engine.bench import kernels as bench_kernels
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _bench_kernels(out: Path, *args: str) -> dict:
+    """Run `colibri bench kernels ARGS --name k --out-dir out` in a child; its k.json."""
+    p = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "kernels", *args, "--name", "k",
+                        "--out-dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads((out / "k.json").read_text())
+
+
+def _cgroup_or_skip() -> None:
+    import pytest
+    from engine.bench.peers import cgroup_available
+    ok, why = cgroup_available()
+    if not ok:
+        pytest.skip(why)
+
+
 def test_bench_kernels_writes_results(tiny_checkpoint, tiny_store, tmp_path):
     s4 = convert_checkpoint(tiny_checkpoint, tmp_path / "tiny-int4", quant="int4")
     out = tmp_path / "results"
-    p = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "kernels", "--ours", f"int4={s4}",
-                        f"int8={tiny_store}", "--prompts", "4", "20", "--tokens", "20", "--reps", "2", "--threads", "1", "--cpu-time",
-                        "--name", "k", "--out-dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    res = json.loads((out / "k.json").read_text())
+    res = _bench_kernels(out, "--ours", f"int4={s4}", f"int8={tiny_store}", "--prompts", "4", "20", "--tokens", "20",
+                         "--reps", "2", "--threads", "1", "--cpu-time")
     assert [r["arm"] for r in res["rows"]] == ["ours-int4", "ours-int8", "ours-int8", "ours-int4"]
     for arm in ("ours-int4", "ours-int8"):
         assert set(res["medians"][arm]) == {"tg20", "pp4", "pp20", "tg_per_cpu_s", "pp20_per_cpu_s"}
@@ -54,17 +67,10 @@ def test_llama_bench_json_is_parsed(monkeypatch):
 def test_bench_kernels_cgroup_arm(tiny_store, tmp_path):
     """--cgroup-gb: the arm streams the store at that budget inside a memory cgroup of the same
     size and reports decode tok/s, hit rate, MB read per token and the cgroup's peak."""
-    import pytest
-    from engine.bench.peers import cgroup_available
-    ok, why = cgroup_available()
-    if not ok:
-        pytest.skip(why)
+    _cgroup_or_skip()
     out = tmp_path / "results"
-    p = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "kernels", "--ours", f"int8={tiny_store}",
-                        "--prompts", "4", "--tokens", "12", "--reps", "1", "--threads", "1", "--cgroup-gb", "2",
-                        "--name", "k", "--out-dir", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    res = json.loads((out / "k.json").read_text())
+    res = _bench_kernels(out, "--ours", f"int8={tiny_store}", "--prompts", "4", "--tokens", "12",
+                         "--reps", "1", "--threads", "1", "--cgroup-gb", "2")
     rows = {r["arm"]: r for r in res["rows"]}
     assert set(rows) == {"ours-int8", "ours-int8@2GB"}
     r = rows["ours-int8@2GB"]
@@ -110,18 +116,9 @@ def test_llama_cgroup_arm_reads_per_token_by_difference(monkeypatch):
 def test_bench_kernels_cgroup_only(tiny_store, tmp_path):
     """--cgroup-only: only the cgroup arm runs (a store larger than RAM streams at the budget;
     no all-resident arm), and no unconstrained ratio is reported."""
-    import pytest
-    from engine.bench.peers import cgroup_available
-    ok, why = cgroup_available()
-    if not ok:
-        pytest.skip(why)
-    out = tmp_path / "results"
-    p = subprocess.run([sys.executable, "-m", "engine.cli", "bench", "kernels", "--ours", f"int8={tiny_store}",
-                        "--prompts", "4", "--tokens", "12", "--reps", "1", "--threads", "1", "--cgroup-gb", "1",
-                        "--cgroup-only", "--pair", "int8/q8_0", "--name", "k", "--out-dir", str(out)],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert p.returncode == 0, p.stderr[-3000:]
-    res = json.loads((out / "k.json").read_text())
+    _cgroup_or_skip()
+    res = _bench_kernels(tmp_path / "results", "--ours", f"int8={tiny_store}", "--prompts", "4", "--tokens", "12",
+                         "--reps", "1", "--threads", "1", "--cgroup-gb", "1", "--cgroup-only", "--pair", "int8/q8_0")
     assert [r["arm"] for r in res["rows"]] == ["ours-int8@1GB"]
     assert res["rows"][0]["tg12"] > 0 and res["rows"][0]["cgroup_oom_kills"] == 0
     assert res["ratios"] == {}

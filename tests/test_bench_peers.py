@@ -15,6 +15,7 @@ gguf = pytest.importorskip("gguf")
 from engine.bench.gguf import gguf_plan, write_gguf  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
+from llama_helpers import agreement, llama_logits  # noqa: E402
 from engine.synthetic import olmoe_config, write_checkpoint  # noqa: E402
 
 CFG = dict(hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -92,15 +93,6 @@ def test_refuses_what_llama_cpp_olmoe_cannot_run(tmp_path):
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "x.gguf.partial").exists()
 
 
-def _kl(p_logits, q_logits):
-    p = np.exp(p_logits - p_logits.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    lq = q_logits - q_logits.max(-1, keepdims=True)
-    lq -= np.log(np.exp(lq).sum(-1, keepdims=True))
-    lp = np.log(p)
-    return (p * (lp - lq)).sum(-1)
-
-
 def test_llama_cpp_logits_match_transformers(olmoe_gguf, hf_logits):
     """F16 GGUF: the same numbers up to f16 rounding (layout and conventions exact). Q8_0: the
     weight and activation quantization noise of llama.cpp's Q8_0 kernels only: small KL, and
@@ -108,17 +100,9 @@ def test_llama_cpp_logits_match_transformers(olmoe_gguf, hf_logits):
     llama_cpp = pytest.importorskip("llama_cpp")
     ck, out, kind = olmoe_gguf
     ref = hf_logits
-    llm = llama_cpp.Llama(model_path=str(out), n_ctx=64, n_batch=64, n_ubatch=64, n_threads=2,
-                          logits_all=True, verbose=False)
-    llm.eval(IDS)
-    got = np.array(llm.scores[:len(IDS)], dtype=np.float32)
+    got, llm = llama_logits(llama_cpp, out, IDS, threads=2)
     assert got.shape == ref.shape == (len(IDS), 512)
-    agree = got.argmax(-1) == ref.argmax(-1)
-    top2 = np.sort(ref, -1)[:, -2:]
-    margin = top2[:, 1] - top2[:, 0]
-    max_abs = float(np.abs(got - ref).max())
-    kl = _kl(ref, got)
-    scale = float(np.abs(ref).max())
+    agree, margin, max_abs, scale, kl = agreement(ref, got)
     print(f"\nGGUF {kind} vs transformers f32 over {len(IDS)} positions: top-1 agreement {agree.mean():.3f} "
           f"(disagreements at reference top-2 margins {np.round(margin[~agree], 3).tolist()}, median margin "
           f"{np.median(margin):.3f}), max |dlogit| {max_abs:.4f} of max |logit| {scale:.3f}, "
