@@ -207,16 +207,16 @@ class Engine:
         try:
             self.model.forward(np.asarray(ids[:2]), 0)
             self.model.forward(np.asarray(ids[2:]), 2)
+            warmed = True
         except ExpertReadError:
             # a damaged expert slab is the store's problem, not the warm-up's: the model opens,
             # and a generation that routes to that expert ends with this error (named there)
-            self.cache.forget()
-            if self.cluster is not None:
-                self.cluster.forget()
-            return time.perf_counter() - t0
+            warmed = False
         self.cache.forget()
         if self.cluster is not None:
             self.cluster.forget()
+        if not warmed:
+            return time.perf_counter() - t0
         _WARMED.add(key)
         dt = time.perf_counter() - t0
         report(LoadProgress("kernels", 1, 1, "", f"compute kernels ready in {dt:.1f} s"))

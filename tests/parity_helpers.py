@@ -135,3 +135,16 @@ def fake_quantized_copy(m, quant: str, group_size: int = 32):
                 s = w.abs().amax(-1, keepdim=True) / 127
                 p.copy_((torch.round(w / s).clamp(-127, 127) * s).float())
     return mq
+
+
+def assert_absorbed_equals_expanded(ours, ids, n_prefill: int) -> None:
+    """An MLA model's decode with kv_b_proj absorbed into the query/output paths equals the
+    expanded path: a prefill of ids[:n_prefill] and one-token steps for the rest, both ways,
+    logits within 1e-5 x their scale. Leaves ``ours.absorb`` False."""
+    def run():
+        return np.concatenate([ours.forward(ids[:n_prefill], 0, all_logits=True)]
+                              + [ours.forward(ids[t:t + 1], t) for t in range(n_prefill, len(ids))])
+    absorbed = run()
+    ours.absorb = False
+    expanded = run()
+    assert np.abs(absorbed - expanded).max() <= 1e-5 * np.abs(expanded).max()

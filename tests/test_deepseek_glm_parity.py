@@ -23,7 +23,7 @@ from engine import convert_checkpoint  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
 from engine.models.routing import route_tokens  # noqa: E402
 from engine import sizing  # noqa: E402
-from parity_helpers import (assert_f32_parity, fake_quantized_copy, hf_logits, kl, open_model,  # noqa: E402
+from parity_helpers import (assert_absorbed_equals_expanded, assert_f32_parity, fake_quantized_copy, hf_logits, kl, open_model,  # noqa: E402
                             saved_model, teacher_forced_agreement)
 
 pytestmark = pytest.mark.parity
@@ -159,12 +159,7 @@ def test_latent_kv_cache_size_and_absorbed_equals_expanded(tmp_path):
     try:
         assert ours.kv_bytes == a.num_hidden_layers * 64 * 40 * 4
         ids = np.random.default_rng(3).integers(0, V, 20)
-        absorbed = np.concatenate([ours.forward(ids[:12], 0, all_logits=True)]
-                                  + [ours.forward(ids[t:t + 1], t) for t in range(12, 20)])
-        ours.absorb = False
-        expanded = np.concatenate([ours.forward(ids[:12], 0, all_logits=True)]
-                                  + [ours.forward(ids[t:t + 1], t) for t in range(12, 20)])
-        assert np.abs(absorbed - expanded).max() <= 1e-5 * np.abs(expanded).max()
+        assert_absorbed_equals_expanded(ours, ids, 12)
     finally:
         cache.close()
         st.close()

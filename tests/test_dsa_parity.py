@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from engine import convert_checkpoint, sizing  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
 from engine.models.dsa import topk_positions  # noqa: E402
-from parity_helpers import (assert_f32_parity, fake_quantized_copy, hf_decode_logits, hf_logits, kl,  # noqa: E402
+from parity_helpers import (assert_absorbed_equals_expanded, assert_f32_parity, fake_quantized_copy, hf_decode_logits, hf_logits, kl,  # noqa: E402
                             open_model, saved_model, teacher_forced_agreement)
 
 pytestmark = pytest.mark.parity
@@ -130,12 +130,7 @@ def test_indexer_keys_are_in_the_kv_cache_and_absorbed_equals_expanded(tmp_path)
     try:
         assert ours.kv_bytes == 64 * (3 * 40 + 2 * 16) * 4
         ids = np.random.default_rng(3).integers(0, V, 30)
-        absorbed = np.concatenate([ours.forward(ids[:20], 0, all_logits=True)]
-                                  + [ours.forward(ids[t:t + 1], t) for t in range(20, 30)])
-        ours.absorb = False
-        expanded = np.concatenate([ours.forward(ids[:20], 0, all_logits=True)]
-                                  + [ours.forward(ids[t:t + 1], t) for t in range(20, 30)])
-        assert np.abs(absorbed - expanded).max() <= 1e-5 * np.abs(expanded).max()
+        assert_absorbed_equals_expanded(ours, ids, 20)
     finally:
         cache.close()
         st.close()
