@@ -678,10 +678,65 @@ def conversation(seed, rng: random.Random, category: str):
     return _conversation(seed, rng, category)
 
 
+# Module-swap augmentation (set by main from --module-swap): in this share of the "What does
+# `mod.name` do?" conversations (and their full-docstring / signature variants) the module path
+# is replaced by another one, a real training module or a made-up path, in the question and the
+# answer alike, the summary kept.  The summary is carried by the base name (`tan`: "Return the
+# tangent of x"), not by the module, so a held-out `cmath.tan` gets math.tan's summary and its own
+# name copied.  A standard data augmentation by substitution of an entity for another of the same
+# type (as in e.g. Dhole et al. 2021, "NL-Augmenter", entity/name replacement; Wei and Zou 2019,
+# "EDA"); made-up paths never use a held-out top-level module's name.
+MODULE_SWAP = {"p": 0.0, "modules": [], "module_set": set(), "banned": set()}
+
+
+def _module_of(name: str, modules: list[str]) -> str:
+    """The longest training module name that is a dotted prefix of ``name`` ('' if none)."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        m = ".".join(parts[:i])
+        if m in MODULE_SWAP["module_set"]:
+            return m
+    return ""
+
+
+def _made_up_word(rng: random.Random) -> str:
+    """A word made of pieces of real module names ('json' + 'string' -> 'jsring') or of random
+    letters: names that tokenize like a module the model never saw."""
+    mods = MODULE_SWAP["modules"]
+    if mods and rng.random() < 0.6:
+        a = rng.choice(mods).split(".")[-1]
+        b = rng.choice(mods).split(".")[-1]
+        w = a[:rng.randint(1, max(1, len(a)))] + b[rng.randint(0, max(0, len(b) - 1)):]
+        w = re.sub(r"[^a-z0-9_]", "", w.lower()).strip("_")
+        if len(w) >= 2 and w[0].isalpha():
+            return w
+    return "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9)))
+
+
+def swapped_module(module: str, rng: random.Random) -> str:
+    """Another module path for ``module``: a real training module (40%) or a made-up path of
+    one to three segments; never a held-out top-level module's name."""
+    mods = MODULE_SWAP["modules"]
+    for _ in range(20):
+        if mods and rng.random() < 0.4:
+            m = rng.choice(mods)
+        else:
+            m = ".".join(_made_up_word(rng) for _ in range(rng.choice((1, 1, 1, 2, 2, 3))))
+        if m != module and m.split(".")[0] not in MODULE_SWAP["banned"]:
+            return m
+    return module
+
+
 def _conversation(seed, rng: random.Random, category: str):
 
     """One chat (list of messages) for a seed, or None.  category: 'qa' or 'write'."""
     n, k = seed["name"], seed["kind"]
+    if category == "qa" and k != "module" and MODULE_SWAP["p"] > 0:
+        mod = _module_of(n, MODULE_SWAP["modules"])
+        if mod and rng.random() < MODULE_SWAP["p"]:
+            seed = dict(seed, name=swapped_module(mod, rng) + n[len(mod):])
+            seed["doc"] = ""  # the full docstring may name the real module
+            n = seed["name"]
     if category == "write":
         if not (seed["source"] and seed["first_line"]) or k == "module":
             return None
@@ -747,8 +802,19 @@ def copy_drill(seeds, rng: random.Random):
     never saw; induction-style copying forms fast on dense drills like these and slowly, if at
     all, from one copy per document (Olsson et al. 2022, "In-context learning and induction
     heads")."""
-    names = [rng.choice(seeds)["name"] if rng.random() < 0.5 else _random_identifier(rng)
-             for _ in range(rng.choice((1, 1, 2, 3)))]
+    def pick():
+        r = rng.random()
+        if r < 0.45:
+            return rng.choice(seeds)["name"]
+        if r < 0.7 and MODULE_SWAP["modules"]:
+            # a dotted path whose module is made up or swapped, the rest real: copying the
+            # module segment exactly (a held-out `typing.X` came back as `tyed.X`)
+            n = rng.choice(seeds)["name"]
+            mod = _module_of(n, MODULE_SWAP["modules"])
+            if mod:
+                return swapped_module(mod, rng) + n[len(mod):]
+        return _random_identifier(rng)
+    names = [pick() for _ in range(rng.choice((1, 1, 2, 3)))]
     shown = [f"`{n}`" for n in names]
     listed = shown[0] if len(shown) == 1 else ", ".join(shown[:-1]) + " and " + shown[-1]
     q, a = rng.choice(COPY_TEMPLATES)
@@ -949,7 +1015,19 @@ def log(msg: str) -> None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, default=50.0, help="training wall-clock budget")
+    ap.add_argument("--minutes", type=float, default=50.0,
+                    help="training budget in minutes of the clock chosen by --clock")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="what --minutes counts: wall-clock time, or this process's CPU time "
+                         "(time.process_time), which does not run while other programs preempt it")
+    ap.add_argument("--max-wall-minutes", type=float, default=0.0,
+                    help="with --clock cpu: also stop after this many wall-clock minutes of training "
+                         "(0 = no limit); the cosine follows whichever clock is further along")
+    ap.add_argument("--compile", action="store_true",
+                    help="torch.compile the training forward (throughput only; same math)")
+    ap.add_argument("--module-swap", type=float, default=0.0,
+                    help="module-swap augmentation: share of 'What does `mod.name` do?' conversations "
+                         "whose module path is replaced by another real or made-up one (0 = off)")
     ap.add_argument("--steps", type=int, default=0,
                     help="train this many steps unless --minutes runs out first; the cosine follows "
                          "whichever of steps/N and time/budget is further along (0 = by time only)")
@@ -1055,6 +1133,11 @@ def main(argv=None) -> int:
         args.questions_out.write_text(json.dumps(qs, indent=1, ensure_ascii=False) + "\n")
         log(f"wrote {len(qs)} held-out questions to {args.questions_out}")
         return 0
+    # (the swap share is switched on after the tokenizer and the evaluation samples are made,
+    # so they are the same as without the augmentation)
+    MODULE_SWAP.update(p=0.0, banned=set(heldout_tops),
+                       modules=sorted({m["name"] for m in data["modules"] if m["top"] not in heldout_tops}))
+    MODULE_SWAP["module_set"] = set(MODULE_SWAP["modules"])
     pools = {"qa": qa_train, "copy": qa_train, "write": wr_train, "howto": ho_train, "example": ex_train,
              "topic": topic_pairs}
 
@@ -1168,9 +1251,10 @@ def main(argv=None) -> int:
     held_ids = [s["ids"] for s in sample]
     log(f"held-out sample: {len(sample)} sequences, {sum(map(len, held_ids))} tokens")
     if args.corpus_only:
+        MODULE_SWAP["p"] = args.module_swap
         prng = random.Random(7)
         for cat in list(pools) + ["topic_text", "code"]:
-            for _ in range(2):
+            for _ in range(5 if cat in ("qa", "copy") else 2):
                 t = (prng.choice(topic_text) if cat == "topic_text" else prng.choice(train_code)
                      if cat == "code" else make_doc(pools[cat], prng, cat))
                 if t:
@@ -1192,6 +1276,8 @@ def main(argv=None) -> int:
         ids = tok.encode(text).ids
         if 16 <= len(ids) <= 256:
             train_sample.append(ids)
+
+    MODULE_SWAP["p"] = args.module_swap  # training documents from here on
 
     # 3. model
     cfg = model_config(args, tok.get_vocab_size())
@@ -1328,16 +1414,28 @@ def main(argv=None) -> int:
     log(f"training for {args.minutes} min: batch {args.batch} x seq {args.seq_len}, lr {args.lr}, "
         f"warmup {args.warmup}, aux coef {args.aux_coef}")
     model.train()
+    fwd = torch.compile(model) if args.compile else model
     evaluate(0, 0, 0.0)  # before the clock starts
     step, tokens, t_train, t_data = 0, 0, 0.0, 0.0
     ce_hist, aux_hist = [], []
     t_loop = time.time()
+    c_loop = time.process_time()
+    wall_cap = args.max_wall_minutes * 60.0 if args.clock == "cpu" and args.max_wall_minutes > 0 else 0.0
+
+    def clock():
+        """Seconds of the budget used: wall clock or this process's CPU time (--clock)."""
+        return time.process_time() - c_loop if args.clock == "cpu" else time.time() - t_loop
+
+    def budget_frac():
+        f = clock() / budget
+        return max(f, (time.time() - t_loop) / wall_cap) if wall_cap else f
+
     next_eval = args.eval_every_min * 60.0
     while not stop["flag"]:
-        elapsed = time.time() - t_loop
-        if elapsed >= budget or (args.steps and step >= args.steps):
+        elapsed = clock()
+        if budget_frac() >= 1.0 or (args.steps and step >= args.steps):
             break
-        frac = max(step / args.steps, elapsed / budget) if args.steps else elapsed / budget
+        frac = max(step / args.steps, budget_frac()) if args.steps else budget_frac()
         lr = lr_at(step, frac)
         for g in opt.param_groups:
             g["lr"] = lr
@@ -1345,7 +1443,7 @@ def main(argv=None) -> int:
         x = next_batch()
         t_data += time.time() - t0
         # no labels: transformers would add its layer-pooled aux loss; we add the per-layer one
-        outp = model(input_ids=x, output_router_logits=True)
+        outp = fwd(input_ids=x, output_router_logits=True)
         ce_loss = torch.nn.functional.cross_entropy(
             outp.logits[:, :-1].reshape(-1, outp.logits.shape[-1]).float(), x[:, 1:].reshape(-1))
         aux_loss = per_layer_aux_loss(outp.router_logits, E, K)
@@ -1372,14 +1470,16 @@ def main(argv=None) -> int:
                 f"aux {sum(aux_hist[-25:]) / len(aux_hist[-25:]):.4f} gnorm {float(gn):.2f} "
                 f"H/logE min {min(ents):.3f} mean {sum(ents) / len(ents):.3f} "
                 f"{tokens / max(t_train, 1e-9):.0f} tok/s (data {t_data / max(t_train, 1e-9):.0%}), "
-                f"{(time.time() - t_loop) / 60:.1f}/{args.minutes} min")
+                f"{clock() / 60:.1f}/{args.minutes} {args.clock} min, wall {(time.time() - t_loop) / 60:.1f} min")
         if not math.isfinite(ce):
             raise SystemExit("loss is not finite")
-        if next_eval <= time.time() - t_loop < budget:  # the final evaluation follows the loop
+        if next_eval <= clock() and budget_frac() < 1.0:  # the final evaluation follows the loop
             evaluate(step, tokens, t_train)
             next_eval += args.eval_every_min * 60.0
     loop_seconds = time.time() - t_loop
-    log(f"training stopped after {step} steps, {tokens} tokens, {loop_seconds / 60:.1f} min")
+    loop_cpu_seconds = time.process_time() - c_loop
+    log(f"training stopped after {step} steps, {tokens} tokens, {loop_seconds / 60:.1f} wall min, "
+        f"{loop_cpu_seconds / 60:.1f} CPU min")
 
     model.eval()
     heldout = held_out_nll(model, held_ids, torch)
@@ -1489,9 +1589,14 @@ def main(argv=None) -> int:
                 if args.steps else f"the {args.minutes}-minute budget"),
             "batch": args.batch, "seq_len": args.seq_len, "grad_clip": 1.0, "seed": args.seed,
             "steps": step, "tokens_seen": tokens, "train_seconds": round(t_train, 1),
-            "loop_seconds": round(loop_seconds, 1), "budget_minutes": args.minutes,
+            "loop_seconds": round(loop_seconds, 1), "loop_cpu_seconds": round(loop_cpu_seconds, 1),
+            "budget_minutes": args.minutes, "budget_clock": args.clock,
+            "max_wall_minutes": args.max_wall_minutes,
             "stopped_by": "steps" if args.steps and step >= args.steps else (
-                "signal" if stop["flag"] else "time budget"),
+                "signal" if stop["flag"] else
+                "wall-clock cap" if wall_cap and (time.time() - t_loop) >= wall_cap
+                and clock() < budget else "time budget"),
+            "module_swap": args.module_swap,
             "final_train_loss": round(sum(ce_hist[-50:]) / max(1, len(ce_hist[-50:])), 4),
             "final_train_loss_definition": "mean cross-entropy (nats/token, aux loss excluded) of the last 50 training steps",
             "final_aux_loss": round(sum(aux_hist[-50:]) / max(1, len(aux_hist[-50:])), 4),
