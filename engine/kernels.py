@@ -569,8 +569,9 @@ def _q4_block_pairs(xq, xs, xc, w, ws, o0, nr, npairs, res):
             for r2 in range(0, RB, 2):
                 _q4_tile_2x4(xq, xs, xc, w, ws, o0 + r2, t, npairs, res[r2:])
             t += TB
-        while t < T:
-            _q4_tile_4x1(xq, xs, xc, w, ws, o0, t, npairs, res)
+        while t < T:  # one row per pass: from DRAM 2x the 4-row tile's bandwidth (see RB)
+            for r in range(RB):
+                _q4_tile_1x1(xq, xs, xc, w, ws, o0 + r, t, npairs, res[r:])
             t += 1
     else:
         for r in range(nr):
@@ -593,8 +594,9 @@ def _q8_block_pairs(xu, xs, w, o0, nr, npairs, res):
             for r2 in range(0, RB, 2):
                 _q8_tile_2x4(xu, xs, xs, w, xs, o0 + r2, t, npairs, res[r2:])
             t += TB
-        while t < T:
-            _q8_tile_4x1(xu, xs, xs, w, xs, o0, t, npairs, res)
+        while t < T:  # one row per pass (see _q4_block_pairs)
+            for r in range(RB):
+                _q8_tile_1x1(xu, xs, xs, w, xs, o0 + r, t, npairs, res[r:])
             t += 1
     else:
         for r in range(nr):
