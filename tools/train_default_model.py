@@ -683,9 +683,9 @@ def conversation(seed, rng: random.Random, category: str):
 # is replaced by another one, a real training module or a made-up path, in the question and the
 # answer alike, the summary kept.  The summary is carried by the base name (`tan`: "Return the
 # tangent of x"), not by the module, so a held-out `cmath.tan` gets math.tan's summary and its own
-# name copied.  A standard data augmentation by substitution of an entity for another of the same
-# type (as in e.g. Dhole et al. 2021, "NL-Augmenter", entity/name replacement; Wei and Zou 2019,
-# "EDA"); made-up paths never use a held-out top-level module's name.
+# name copied.  A standard data augmentation: a mention replaced by another of the same type
+# ("mention replacement", Dai and Adel 2020, "An Analysis of Simple Data Augmentation for Named
+# Entity Recognition"); made-up paths never use a held-out top-level module's name.
 MODULE_SWAP = {"p": 0.0, "modules": [], "module_set": set(), "banned": set()}
 
 

@@ -101,7 +101,17 @@ def main() -> int:
             "  - copy drills: the user names one to three things in backticks (real library names or",
             "    made-up identifiers such as `xvq.load_items`) and the assistant repeats them, often",
             "    followed by a real question; they teach the model to copy a name it never saw from the",
-            "    question into the answer, which a \"What does `X` do?\" answer about a held-out module needs."]
+            "    question into the answer, which a \"What does `X` do?\" answer about a held-out module needs."
+            + (" About half of the made-up names are dotted paths of a real name whose module is swapped"
+               " (`jsring.Counter.most_common`), so a module segment is copied exactly." if "module_swap" in log["args"] else "")]
+    if log["args"].get("module_swap", 0) > 0:
+        lines += [
+            f"- Module-swap augmentation (mention replacement, a standard data augmentation: Dai and Adel 2020,",
+            f"  \"An Analysis of Simple Data Augmentation for Named Entity Recognition\"): in {log['args']['module_swap']:.0%} of the",
+            "  \"What does `mod.name` do?\" conversations (and their signature variants) the module path is replaced,",
+            "  in the question and the answer alike, by another training module or a made-up path (never a held-out",
+            "  module's name), the summary kept: the summary goes with the base name (`tan`: \"Return the tangent",
+            "  of x\"), so a held-out `cmath.tan` can get math.tan's words and its own name copied."]
     if log["args"].get("name_split", 0) > 0:
         lines += [
             f"- Name-split augmentation (a seeded variant of BPE-dropout, Provilkov et al. 2020, on backticked",
@@ -153,8 +163,12 @@ def main() -> int:
         lines += [f"  {i}. `{st['command']}`" for i, st in enumerate(stages, 1)]
         lines += [""]
     lines += [
-        f"- {'Last stage: ' if stages else ''}{t['steps']} steps, {t['tokens_seen'] / 1e6:.2f} M tokens, {t['train_seconds'] / 60:.1f} min on "
-        f"{log['machine']['cpu']} ({log['machine']['logical_cpus']} logical CPUs shared with other jobs, "
+        f"- {'Last stage: ' if stages else ''}{t['steps']} steps, {t['tokens_seen'] / 1e6:.2f} M tokens, "
+        + (f"{t['loop_cpu_seconds'] / 60:.1f} CPU minutes ({t['loop_seconds'] / 60:.1f} wall-clock minutes; the budget, "
+           f"{t['budget_minutes']} min, counted this process's CPU time, so the minutes the other jobs' processes "
+           f"preempted it are not charged{'' if not t.get('max_wall_minutes') else ', with a ' + str(t['max_wall_minutes']) + '-minute wall-clock cap'}) on "
+           if t.get("budget_clock") == "cpu" and "loop_cpu_seconds" in t else f"{t['train_seconds'] / 60:.1f} min on ")
+        + f"{log['machine']['cpu']} ({log['machine']['logical_cpus']} logical CPUs shared with other jobs, "
         f"{log['machine']['torch_threads']} torch thread(s)), stopped by {t['stopped_by']}.",
         f"- {t['optimizer']}; peak lr {t['lr_peak']}, {t['schedule']}; batch {t['batch']} x {t['seq_len']} tokens; seed {t['seed']}.",
         f"- Final train loss {t['final_train_loss']} nats/token; **held-out loss {log['heldout_loss']} nats/token** "
@@ -200,10 +214,13 @@ def main() -> int:
         lines.append("")
         if before:
             g, gb = ev["score_t0.0"]["all"], before["score_t0.0"]["all"]
+            better_lm = ev['heldout_text']['nats_per_char'] < before['heldout_text']['nats_per_char']
             lines += [
-                f"Verdict: the language model improved (held-out text {before['heldout_text']['nats_per_char']:.3f} -> "
+                f"Verdict: the language model {'improved' if better_lm else 'did not improve'} (held-out text "
+                f"{before['heldout_text']['nats_per_char']:.3f} -> "
                 f"{ev['heldout_text']['nats_per_char']:.3f} nats/character), the answers did "
-                + ("not: " if g["rouge_l"] <= gb["rouge_l"] or g["names_right"] == 0 else "too: ")
+                + ("not: " if g["rouge_l"] <= gb["rouge_l"] or g["names_right"] == 0 else
+                   ("too: " if better_lm else "improve: "))
                 + f"ROUGE-L {gb['rouge_l']:.3f} -> {g['rouge_l']:.3f}, names right {gb['names_right']:.0%} -> "
                 f"{g['names_right']:.0%}. "
                 + ("The model has not learnt to copy the name it is asked about from the question into its "
@@ -214,6 +231,16 @@ def main() -> int:
                    "mostly wrong: a tiny model trained for 90 minutes on one CPU core."),
                 ""]
         dec = ev.get("temperature_decision")
+        if not dec and "score_t0.7" in ev:
+            g0, g7 = ev["score_t0.0"]["all"], ev["score_t0.7"]["all"]
+            greedy_better = (g0["rouge_l"], g0["names_right"]) >= (g7["rouge_l"], g7["names_right"])
+            dec = (f"Greedy against temperature 0.7 on the same {len(ev['answers_t0.0'])} questions: ROUGE-L "
+                   f"{g0['rouge_l']:.3f} against {g7['rouge_l']:.3f}, names right {g0['names_right']:.0%} against "
+                   f"{g7['names_right']:.0%}: " + (
+                       "greedy answers score better, so temperature 0 stays the default; Regenerate still draws a "
+                       "fresh seed, which changes the answer once the temperature is raised." if greedy_better else
+                       "sampled answers score better on this measure, an argument for a temperature above 0 as the "
+                       "default."))
         if dec:
             lines += [dec, ""]
         E = m["experts"]
