@@ -394,6 +394,12 @@ class ExpertCache:
         Returns the order to compute them in: this call's hits (ascending id), then its misses
         (ascending id), so the kernels work on resident experts while the misses are read
         (the order is a function of the routing and the cache state only: replayable)."""
+        hits, misses = self.prepare_split(layer, experts)
+        return hits + misses
+
+    def prepare_split(self, layer: int, experts) -> tuple[list[int], list[int]]:
+        """:meth:`prepare`, returning (hits, misses) apart: the decode step computes all its
+        hits in one kernel call (engine/models/base.py) while the misses are read."""
         hits_first: list[int] = []
         misses_after: list[int] = []
         with self.lock:
@@ -429,7 +435,7 @@ class ExpertCache:
                 self._submit(layer, e, slot, 1)  # in compute order: the first needed is read first
             for s in held:
                 self.slot_busy[layer, s] -= 1
-        return hits_first + misses_after
+        return hits_first, misses_after
 
     def acquire(self, layer: int, expert: int) -> dict:
         """Views of the expert's slab, resident and marked busy until ``release``.

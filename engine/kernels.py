@@ -850,6 +850,134 @@ def expert_q4(x, gw, gs, uw, us, dw, ds, gsz, h, out):
                 out[t, o] = _q4_out(Q, dw, ds, sh, hg, o, t)
 
 
+# --- a decode step's routed experts in one call (T = 1) ----------------------------------------
+#
+# At T = 1 a MoE layer runs K experts on the same row. One call per layer instead of one per
+# expert: the gate/up rows of all K experts are one parallel loop and their down rows another,
+# so the threads stream K experts' weights back to back (not K short loops with a fork/join
+# each) and Python dispatches once. Every element runs exactly the operations of expert_q4 /
+# expert_q8 at T = 1 (same activation quantization, same 1 x 1 tiles, same tails), so out[k]
+# is bit-identical to the one-expert kernel on expert k (tests/test_kernels.py).
+
+@njit(inline="always", **_KW)
+def _q4_rows_t(P, w, s, o0, t, res):
+    """_q4_rows for the one activation row t: rows o0..o0+nr-1 into res[:nr, t] (the 1 x 1
+    tiles and tail of _q4_rows' T = 1 path)."""
+    simd, xq, xs, c, xe, xo = P
+    nr = min(RB, w.shape[0] - o0)
+    npairs = s.shape[1] // 2
+    for r in range(nr):
+        _q4_tile_1x1(xq, xs, c, w, s, o0 + r, t, npairs, res[r:])
+    if s.shape[1] % 2:
+        for r in range(nr):
+            res[r, t] = _q4_finish(res[r, t], xq[t], xs[t], w[o0 + r], s[o0 + r])
+
+
+@njit(inline="always", **_KW)
+def _q8_rows_t(P, w, s, o0, t, res):
+    """_q8_rows for the one activation row t (see _q4_rows_t)."""
+    simd, xu, xs, xf = P
+    nr = min(RB, w.shape[0] - o0)
+    npairs = w.shape[1] // 64
+    for r in range(nr):
+        _q8_tile_1x1(xu, xs, xs, w, xs, o0 + r, t, npairs, res[r:])
+    for r in range(nr):
+        res[r, t] = _q8_finish(res[r, t], xu[t], xs[t], w[o0 + r], s[o0 + r])
+
+
+@njit(parallel=True, **_KW)
+def experts_q4_t1(x, gw, gs, uw, us, dw, ds, gsz, h, out):
+    """n int4 experts on one row: out[k] = expert_q4(x, gw[k], gs[k], ...) for k < n.
+
+    x float32 [1, D]; gw, uw, dw: tuples of n uint8 arrays ([I, D/2], [I, D/2], [D, I/2]);
+    gs, us, ds: tuples of n float32 group scales ([I, G], [I, G], [D, I/gsz]); h float32
+    [n, I] scratch; out float32 [n, D]. Bit-identical to n expert_q4 calls."""
+    n = len(gw)
+    P = _q4_prepare(x, gsz)
+    I, D = gw[0].shape[0], dw[0].shape[0]
+    sh, hg = _q4_shift(gsz), gsz // 2
+    if P[0]:
+        nbi = (I + RB - 1) // RB
+        scg = np.empty((n * nbi, RB, 1), np.float32)
+        scu = np.empty((n * nbi, RB, 1), np.float32)
+        for b in prange(n * nbi):
+            k = b // nbi
+            i0 = (b - k * nbi) * RB
+            rg = scg[b]
+            ru = scu[b]
+            _q4_rows(P, gw[k], gs[k], i0, rg)
+            _q4_rows(P, uw[k], us[k], i0, ru)
+            for r in range(min(RB, I - i0)):
+                h[k, i0 + r] = _silu_mul(rg[r, 0], ru[r, 0])
+    else:
+        for b in prange(n * I):
+            k = b // I
+            i = b - k * I
+            h[k, i] = _silu_mul(_q4_out(P, gw[k], gs[k], sh, hg, i, 0), _q4_out(P, uw[k], us[k], sh, hg, i, 0))
+    Q = _q4_prepare(h, gsz)  # each row quantized on its own, as expert_q4 quantizes its h
+    if Q[0]:
+        nbd = (D + RB - 1) // RB
+        scd = np.empty((n * nbd, RB, n), np.float32)
+        for b in prange(n * nbd):
+            k = b // nbd
+            o0 = (b - k * nbd) * RB
+            res = scd[b]
+            _q4_rows_t(Q, dw[k], ds[k], o0, k, res)
+            for r in range(min(RB, D - o0)):
+                out[k, o0 + r] = res[r, k]
+    else:
+        for b in prange(n * D):
+            k = b // D
+            o = b - k * D
+            out[k, o] = _q4_out(Q, dw[k], ds[k], sh, hg, o, k)
+
+
+@njit(parallel=True, **_KW)
+def experts_q8_t1(x, gw, gs, uw, us, dw, ds, h, out):
+    """n int8 experts on one row: out[k] = expert_q8(x, gw[k], gs[k], ...) for k < n.
+
+    x float32 [1, D]; gw, uw, dw: tuples of n int8 arrays ([I, D], [I, D], [D, I]); gs, us,
+    ds: tuples of n float32 row scales; h float32 [n, I] scratch; out float32 [n, D].
+    Bit-identical to n expert_q8 calls."""
+    n = len(gw)
+    P = _q8_prepare(x)
+    I, D = gw[0].shape[0], dw[0].shape[0]
+    if P[0]:
+        nbi = (I + RB - 1) // RB
+        scg = np.empty((n * nbi, RB, 1), np.float32)
+        scu = np.empty((n * nbi, RB, 1), np.float32)
+        for b in prange(n * nbi):
+            k = b // nbi
+            i0 = (b - k * nbi) * RB
+            rg = scg[b]
+            ru = scu[b]
+            _q8_rows(P, gw[k], gs[k], i0, rg)
+            _q8_rows(P, uw[k], us[k], i0, ru)
+            for r in range(min(RB, I - i0)):
+                h[k, i0 + r] = _silu_mul(rg[r, 0], ru[r, 0])
+    else:
+        for b in prange(n * I):
+            k = b // I
+            i = b - k * I
+            h[k, i] = _silu_mul(_q8_out(P, gw[k], gs[k], i, 0), _q8_out(P, uw[k], us[k], i, 0))
+    Q = _q8_prepare(h)
+    if Q[0]:
+        nbd = (D + RB - 1) // RB
+        scd = np.empty((n * nbd, RB, n), np.float32)
+        for b in prange(n * nbd):
+            k = b // nbd
+            o0 = (b - k * nbd) * RB
+            res = scd[b]
+            _q8_rows_t(Q, dw[k], ds[k], o0, k, res)
+            for r in range(min(RB, D - o0)):
+                out[k, o0 + r] = res[r, k]
+    else:
+        for b in prange(n * D):
+            k = b // D
+            o = b - k * D
+            out[k, o] = _q8_out(Q, dw[k], ds[k], o, k)
+
+
 # --- embeddings -------------------------------------------------------------------------
 
 @njit(**_KW)

@@ -93,6 +93,16 @@ def expert_q4(x, gw, gs, uw, us, dw, ds, gsz, h, out):
     out[...] = quantize_activations(h, gsz) @ _q4(dw, ds, gsz).T
 
 
+def experts_q4_t1(x, gw, gs, uw, us, dw, ds, gsz, h, out):
+    for k in range(len(gw)):
+        expert_q4(x, gw[k], gs[k], uw[k], us[k], dw[k], ds[k], gsz, h[k:k + 1], out[k:k + 1])
+
+
+def experts_q8_t1(x, gw, gs, uw, us, dw, ds, h, out):
+    for k in range(len(gw)):
+        expert_q8(x, gw[k], gs[k], uw[k], us[k], dw[k], ds[k], h[k:k + 1], out[k:k + 1])
+
+
 def embed_q8(ids, w, s, out):
     out[...] = w[ids].astype(np.float32) * s[ids][:, None]
 

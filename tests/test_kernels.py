@@ -201,6 +201,37 @@ def test_rows_do_not_depend_on_T_or_threads(kind):
         numba.set_num_threads(n0)
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_decode_experts_in_one_call_equal_one_call_each(kind):
+    """experts_q4_t1 / experts_q8_t1 (a decode step's experts in one call) give each expert's
+    row bit for bit as expert_q4 / expert_q8 on that expert alone, with 1 or all threads, for
+    odd group counts and widths that are not a multiple of the row block; and match kernels_ref."""
+    import numba
+    shapes = ((96, 64, 3), (64, 32, 1), (160, 96, 10)) if kind == "int4" else ((33, 17, 3), (64, 48, 1), (70, 66, 8))
+    n0 = numba.get_num_threads()
+    try:
+        for D, I, n in shapes:
+            rng = rng_for("t1", kind, D, I, n)
+            experts = [[weight(rng, I, D, kind)[0], weight(rng, I, D, kind)[0], weight(rng, D, I, kind)[0]]
+                       for _ in range(n)]
+            x = rng.standard_normal((1, D)).astype(np.float32)
+            each = np.stack([expert_call(K, kind, x, parts, 32, I, D)[1][0] for parts in experts])
+            f = [tuple(parts[m][key] for parts in experts) for m in range(3) for key in ("w", "s")]
+            extra = (32,) if kind == "int4" else ()
+            name = "experts_q4_t1" if kind == "int4" else "experts_q8_t1"
+            for threads in sorted({1, n0}):
+                numba.set_num_threads(threads)
+                out = np.full((n, D), np.nan, np.float32)
+                getattr(K, name)(x, *f, *extra, np.full((n, I), np.nan, np.float32), out)
+                assert np.array_equal(out, each), (kind, D, I, n, threads)
+            ref = np.full((n, D), np.nan, np.float32)
+            getattr(R, name)(x, *f, *extra, np.full((n, I), np.nan, np.float32), ref)
+            assert np.array_equal(ref, np.stack([expert_call(R, kind, x, parts, 32, I, D)[1][0] for parts in experts]))
+            assert np.allclose(out, ref, rtol=1e-3, atol=1e-3 * float(np.abs(ref).max()))
+    finally:
+        numba.set_num_threads(n0)
+
+
 @pytest.mark.parametrize("flavor", sorted({"vnni", "bw", "portable"} - {K.INT_FLAVOR}))
 def test_other_integer_paths_match_reference(flavor):
     """The int4 / int8 tests again with each integer path this CPU does not pick by default

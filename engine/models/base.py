@@ -593,6 +593,9 @@ class ExpertProvider(Protocol):
     (resident ones first); ``acquire`` returns the slab's views and pins it until ``release``.
     ``layer`` is the MoE-layer index j (see the module docstring).
 
+    Optional: ``prepare_split(layer, experts) -> (hits, misses)`` (engine/expert_cache.py):
+    ``prepare`` with the experts resident now apart, so a decode step runs them in one call.
+
     Optional: ``dispatch(layer, xs, bounds, single)`` (engine/cluster.py). A provider that has
     it computes some experts elsewhere: its ``prepare`` returns only the experts to compute
     here, ``dispatch`` gets every expert's rows (``xs[lo:hi]`` for ``bounds[e] = (lo, hi)``,
@@ -984,6 +987,70 @@ class MoEModel:
         logits = self.router_logits(j, h)  # [T, E]
         idx, w = self.route(j, logits)  # [T, K]
         self.observers.publish("on_route", j, idx, logits)
+        split = getattr(self.experts, "prepare_split", None)
+        if (T == 1 and split is not None and self.expert_quant in ("int4", "int8")
+                and type(self).expert_forward is MoEModel.expert_forward):
+            moe = self._moe_t1(j, h, idx, w, split)
+        else:
+            moe = self._moe_grouped(j, h, idx, w)
+        if "shared_expert" in ly:
+            s = self.dense_mlp(ly["shared_expert"], h, a.shared_expert_intermediate_size)
+            if ly["shared_expert_gate"] is not None:
+                g = np.empty((T, 1), np.float32)
+                K.linear_f32(h, ly["shared_expert_gate"], g)
+                s *= np.float32(1.0) / (np.float32(1.0) + np.exp(-g))
+            moe += s
+        return moe
+
+    def _moe_t1(self, j: int, h: np.ndarray, idx: np.ndarray, w: np.ndarray, split) -> np.ndarray:
+        """The routed experts of a decode step (h [1, D] normed, idx/w [1, K] by rank): the
+        experts resident at ``prepare`` time in one kernel call (K.experts_q4_t1 / _q8_t1),
+        then each miss as its read completes, by :func:`run_expert`. Every expert's row is
+        bit-identical to :meth:`_moe_grouped`'s and the rows are combined in the same rank
+        order, so the values do not depend on which experts were hits."""
+        D = h.shape[1]
+        ranked = [int(e) for e in idx[0]]
+        rank_of = {e: k for k, e in enumerate(ranked)}
+        hits, misses = split(j, sorted(ranked))
+        y = np.empty((len(ranked), D), np.float32)  # [K, D] by rank
+        if hits:
+            views = []
+            try:
+                for e in hits:
+                    views.append(self.experts.acquire(j, e))
+                n = len(views)
+                f = [tuple(v[name] for v in views) for name in
+                     ("gate_proj.w", "gate_proj.s", "up_proj.w", "up_proj.s", "down_proj.w", "down_proj.s")]
+                out = np.empty((n, D), np.float32)
+                scratch = np.empty((n, f[0][0].shape[0]), np.float32)
+                if self.expert_quant == "int4":
+                    K.experts_q4_t1(h, *f, self.gs, scratch, out)
+                else:
+                    K.experts_q8_t1(h, *f, scratch, out)
+            finally:
+                for e in hits[:len(views)]:
+                    self.experts.release(j, e)
+            for r, e in enumerate(hits):
+                y[rank_of[e]] = out[r]
+        if misses:
+            scratch = np.empty((1, self.args.moe_intermediate_size), np.float32)
+            for e in misses:
+                views = self.experts.acquire(j, e)
+                try:
+                    k = rank_of[e]
+                    self.expert_forward(views, h, scratch, y[k:k + 1])
+                finally:
+                    self.experts.release(j, e)
+        moe = y[None, 0] * w[:, 0:1]
+        for k in range(1, len(ranked)):
+            moe += y[None, k] * w[:, k:k + 1]
+        return moe
+
+    def _moe_grouped(self, j: int, h: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """The routed experts for rows h [T, D] (normed), idx/w [T, K] by rank: rows grouped
+        by expert, each expert acquired once and run on all its rows, combined by rank."""
+        a = self.args
+        T, D = h.shape
         Kk = idx.shape[1]
         # Group the T*K (token, rank) entries by expert with one stable sort: entry n = t*K + k,
         # so each expert's entries come out in ascending token order, contiguous; its tokens'
@@ -1019,13 +1086,6 @@ class MoEModel:
         moe = y[:, 0] * w[:, 0:1]
         for k in range(1, idx.shape[1]):
             moe += y[:, k] * w[:, k:k + 1]
-        if "shared_expert" in ly:
-            s = self.dense_mlp(ly["shared_expert"], h, a.shared_expert_intermediate_size)
-            if ly["shared_expert_gate"] is not None:
-                g = np.empty((T, 1), np.float32)
-                K.linear_f32(h, ly["shared_expert_gate"], g)
-                s *= np.float32(1.0) / (np.float32(1.0) + np.exp(-g))
-            moe += s
         return moe
 
     def expert_forward(self, views: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray) -> None:
