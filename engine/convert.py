@@ -6,7 +6,7 @@ Store layout (folder)::
                          layout; num_layers = M MoE layers (rows of the expert table),
                          num_hidden_layers = L, moe_layers = the transformer layer of each
                          row; per MoE layer: slot bytes; per expert: file, offset, length, xxh3_64
-                         (store version 2; version 1 stores carry crc32 and still open)
+                         (store version 3: int4 scales in half precision; versions 1-2 still open)
     dense.safetensors    embeddings, attention (+ biases, q/k norms), norms, routers, lm_head,
                          shared experts and dense-layer MLPs (canonical names, see
                          engine/models/base.py decoder_tensors): all resident

@@ -114,7 +114,8 @@ def _check_manifest(mpath: Path, m: dict, a: ModelArgs, ck: str) -> None:
         if gs is not None and not (ok_int(gs) and gs > 0 and gs % 2 == 0):
             raise ValueError(f"group_size {gs!r}")
         lay = m["slab_layout"]
-        want = slab_layout(m["quant"], a.hidden_size, a.moe_intermediate_size, gs or 32, bias=a.expert_bias)
+        want = slab_layout(m["quant"], a.hidden_size, a.moe_intermediate_size, gs or 32, bias=a.expert_bias,
+                           f32_int4_scales=m.get("version", FORMAT_VERSION) < 3)
         got = {"fields": lay["fields"], "data_bytes": lay["data_bytes"], "slot_bytes": lay["slot_bytes"]}
         if got != json.loads(json.dumps(want)):
             raise ValueError("slab_layout does not match config.json and the quantization")

@@ -11,7 +11,7 @@ do not depend on T, on thread count, or on where an expert's bytes came from.
 
 Weight kinds: f32 (w float32 [O, N]), f16 (w uint16 IEEE-half bits [O, N], decoded through a
 65536-entry table), q8 (w int8 [O, N], s float32 [O]), q4 (w uint8 [O, N // 2], two values
-per byte, low nibble = even column, value = nibble - 8; s float32 [O, G]), mxfp4 (w uint8
+per byte, low nibble = even column, value = nibble - 8; s [O, G] uint16 half bits, or float32 in stores before format 3), mxfp4 (w uint8
 [O, N // 2] e2m1 codes, low nibble = even column; s uint8 [O, N // 32] e8m0 exponents).
 
 int8 and int4 (issue #19): the activation rows are quantized once per call to int8 per block
@@ -218,6 +218,24 @@ def _const_vec(t, values):
     return ir.Constant(_vec(t, len(values)), list(values))
 
 
+@intrinsic
+def _sc(typingctx, a, i):
+    """Element i of a 1-D int4 group-scale array as float32: uint16 IEEE half bits (store
+    format 3) widened (vcvtph2ps), float32 (older stores) as is."""
+    if not (isinstance(a, types.Array) and a.ndim == 1 and a.dtype in (types.uint16, types.float32)):
+        return None
+    sig = types.float32(a, types.intp)
+
+    def codegen(context, builder, signature, args):
+        aty = signature.args[0]
+        ary = context.make_array(aty)(context, builder, value=args[0])
+        v = builder.load(cgutils.get_item_pointer(context, builder, aty, ary, [args[1]]))
+        if aty.dtype == types.uint16:
+            return builder.fpext(builder.bitcast(v, ir.HalfType()), _F32)
+        return v
+    return sig, codegen
+
+
 def _tree_sum(builder, v):
     """Sum of the lanes of a float vector in a fixed pairwise order (deterministic)."""
     width = v.type.count
@@ -357,10 +375,10 @@ def _q4_dot_portable(xe, xo, w, s, sh, hg):
     if sh >= 0:
         for k in range(w.shape[0]):
             b = np.int32(w[k])
-            acc += s[k >> sh] * (xe[k] * np.float32((b & 15) - 8) + xo[k] * np.float32((b >> 4) - 8))
+            acc += _sc(s, k >> sh) * (xe[k] * np.float32((b & 15) - 8) + xo[k] * np.float32((b >> 4) - 8))
     else:
         for g in range(s.shape[0]):
-            sc = s[g]
+            sc = _sc(s, g)
             for k in range(g * hg, (g + 1) * hg):
                 b = np.int32(w[k])
                 acc += sc * (xe[k] * np.float32((b & 15) - 8) + xo[k] * np.float32((b >> 4) - 8))
@@ -451,7 +469,7 @@ def _make_int_tile(kind: str, R: int, TT: int):
 
     kind "q4": xa int8 [T, >= 64 npairs] in _q4_prep_simd's pair layout, xs float32 [T, G],
     xc int32 [T, >= 16 npairs] lane start values (_q4_prep_simd), w uint8 [O, >= 32 npairs]
-    packed nibbles, ws float32 [O, G] group scales: the sum over group pairs of
+    packed nibbles, ws [O, G] group scales (uint16 half bits or float32): the sum over group pairs of
     xs[t, g] * ws[o, g] * sum_j (nibble_j - 8) * q_j.
     kind "q8": xa uint8 [T, >= 64 npairs] = q + 128, xs float32 [T, NB] block scales, w int8
     [O, >= 64 npairs]; xc and ws unused (the row scale is applied by the caller): the sum over
@@ -462,6 +480,7 @@ def _make_int_tile(kind: str, R: int, TT: int):
         def codegen(context, builder, signature, args):
             tys = signature.args
             xa_, xs_, xc_, w_, ws_, o0_, t0_, np_, res_ = args
+            half_scales = kind == "q4" and tys[4].dtype == types.uint16
             mod = builder.module
             v64i8, v32i8, v32i16, v16i32, v16f, v2f = (_vec(_I8, 64), _vec(_I8, 32), _vec(_I16, 32),
                                                        _vec(_I32, 16), _vec(_F32, 16), _vec(_F32, 2))
@@ -508,7 +527,12 @@ def _make_int_tile(kind: str, R: int, TT: int):
                         raw = _load_at(builder, wrow[r], builder.mul(i, c64(32)), v32i8, 1)
                         wv.append(builder.shuffle_vector(builder.and_(raw, _const_vec(_I8, [15] * 32)),
                                                          builder.lshr(raw, _const_vec(_I8, [4] * 32)), cat))
-                        b2 = _load_at(builder, wsrow[r], i8, v2f, 4)
+                        if half_scales:  # two IEEE half scales (format 3), widened
+                            b2 = builder.fpext(builder.bitcast(
+                                _load_at(builder, wsrow[r], builder.mul(i, c64(4)), _vec(_I16, 2), 2),
+                                _vec(ir.HalfType(), 2)), v2f)
+                        else:
+                            b2 = _load_at(builder, wsrow[r], i8, v2f, 4)
                         wb.append(builder.shuffle_vector(b2, ir.Constant(v2f, ir.Undefined), lanes))
                     else:
                         raw = _load_at(builder, wrow[r], builder.mul(i, c64(64)), v64i8, 1)
@@ -617,7 +641,7 @@ def _q4_finish(acc, xq, xs, w, ws):
     for j in range(16):
         b = np.int32(w[g * 16 + j])
         tot += np.int32(xq[g * 32 + j]) * ((b & 15) - 8) + np.int32(xq[g * 32 + 16 + j]) * ((b >> 4) - 8)
-    return acc + np.float32(tot) * (xs[g] * ws[g])
+    return acc + np.float32(tot) * (xs[g] * _sc(ws, g))
 
 
 @njit(inline="always", **_KW)
@@ -997,7 +1021,7 @@ def embed_q4(ids, w, s, gs, out):
         r = ids[t]
         for k in range(w.shape[1]):
             b = np.int32(w[r, k])
-            sc = s[r, (2 * k) // gs]
+            sc = _sc(s[r], (2 * k) // gs)
             out[t, 2 * k] = np.float32((b & 15) - 8) * sc
             out[t, 2 * k + 1] = np.float32((b >> 4) - 8) * sc
 

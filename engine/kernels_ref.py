@@ -16,6 +16,7 @@ def _q4(w, s, gs):
     q = np.empty((O, half * 2), dtype=np.float32)
     q[:, 0::2] = (w & 15).astype(np.float32) - 8
     q[:, 1::2] = (w >> 4).astype(np.float32) - 8
+    s = s.view(np.float16).astype(np.float32) if s.dtype == np.uint16 else s  # half bits (format 3)
     return (q.reshape(O, -1, gs) * s[:, :, None]).reshape(O, -1)
 
 

@@ -4,9 +4,12 @@ Key: O output rows, N input columns, G = N // group_size.
 
 - int8: symmetric per output row: scale[o] = max|w[o]| / 127, q = rint(w / scale) in [-127, 127],
   w ~= q * scale (as colibri's convert_olmoe_merged.py, and llama.cpp's Q8 family).
-- int4: symmetric group-wise along the input: scale[o, g] = max|w[o, g*gs:(g+1)*gs]| / 7,
-  q in [-7, 7] stored as the nibble q + 8, two per byte: low nibble = even column, high
-  nibble = odd column (the layout colibri's format 2/4 uses).
+- int4: symmetric group-wise along the input: scale[o, g] = max|w[o, g*gs:(g+1)*gs]| / 7
+  rounded to IEEE half precision (stored as its uint16 bits, as llama.cpp's Q4_0 stores its
+  block scale in f16: 2 bytes per 32 weights instead of 4, an int4 slab 10% smaller), q =
+  rint(w / scale) in [-7, 7] with that rounded scale, stored as the nibble q + 8, two per
+  byte: low nibble = even column, high nibble = odd column (the layout colibri's format 2/4
+  uses). Stores written before format 3 hold float32 scales; both are read.
 - mxfp4: the OCP Microscaling FP4 format gpt-oss checkpoints are published in: blocks of 32
   input columns share one e8m0 scale byte X (value 2^(X - 127)); each value is an e2m1 code
   (sign bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), two per byte: low nibble = even column,
@@ -48,8 +51,17 @@ def dequantize_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return q.astype(np.float32) * scale[:, None]
 
 
+F16_MIN_NORMAL = 2.0 ** -14  # smallest positive normal IEEE half: the floor of an int4 scale
+F16_MAX = 65504.0
+
+
 def quantize_int4(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarray]:
-    """w: float32 [O, N] -> (packed uint8 [O, N//2], scale float32 [O, N//group_size]).
+    """w: float32 [O, N] -> (packed uint8 [O, N//2], scale uint16 [O, N//group_size]: the
+    IEEE half bits of each group's scale, see the module docstring).
+
+    The scale is max|w_g| / 7 rounded to half precision and kept within [2^-14, 65504] (an
+    all-zero group gets 2^-14 and zero codes); the codes are rounded with that stored scale,
+    so dequantization reproduces exactly what the codes were chosen for.
 
     Raises:
         ValueError: N is not a multiple of group_size or group_size is odd.
@@ -60,18 +72,26 @@ def quantize_int4(w: np.ndarray, group_size: int) -> tuple[np.ndarray, np.ndarra
         raise ValueError(f"int4: input width {N} is not a multiple of the group size {group_size}")
     g = w.reshape(O, N // group_size, group_size)  # [O, G, gs]
     amax = np.max(np.abs(g), axis=2)  # [O, G]
-    scale = (np.maximum(amax, 1e-12) / 7.0).astype(np.float32)
-    q = np.clip(np.rint(g / scale[:, :, None]), -7, 7).astype(np.int16).reshape(O, N) + 8
+    s16 = np.clip(amax / np.float32(7.0), F16_MIN_NORMAL, F16_MAX).astype(np.float16)
+    q = np.clip(np.rint(g / s16.astype(np.float32)[:, :, None]), -7, 7).astype(np.int16).reshape(O, N) + 8
     packed = (q[:, 0::2] | (q[:, 1::2] << 4)).astype(np.uint8)  # [O, N//2]
-    return packed, scale
+    return packed, s16.view(np.uint16)
+
+
+def int4_scales(scale: np.ndarray) -> np.ndarray:
+    """Group scales as float32: uint16 half bits (format 3) decoded, float32 (older stores) as is."""
+    if scale.dtype == np.uint16:
+        return scale.view(np.float16).astype(np.float32)
+    return np.asarray(scale, dtype=np.float32)
 
 
 def dequantize_int4(packed: np.ndarray, scale: np.ndarray, group_size: int) -> np.ndarray:
+    """packed uint8 [O, N//2], scale uint16 half bits or float32 [O, G] -> float32 [O, N]."""
     O, half = packed.shape
     q = np.empty((O, half * 2), dtype=np.float32)
     q[:, 0::2] = (packed & 0x0F).astype(np.float32) - 8.0
     q[:, 1::2] = (packed >> 4).astype(np.float32) - 8.0
-    return (q.reshape(O, -1, group_size) * scale[:, :, None]).reshape(O, half * 2)
+    return (q.reshape(O, -1, group_size) * int4_scales(scale)[:, :, None]).reshape(O, half * 2)
 
 
 def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -192,7 +212,7 @@ def dequantize(parts: dict[str, np.ndarray], quant: str, group_size: int = 32) -
 
 def kind_of(w: np.ndarray, s: np.ndarray | None) -> str:
     """The quantization of a stored matrix from its arrays alone: int8 (int8 w, scale per row),
-    int4 (uint8 w, 2-D float32 group scales), mxfp4 (uint8 w, 2-D uint8 e8m0 scales), f16
+    int4 (uint8 w, 2-D group scales: uint16 half bits or float32), mxfp4 (uint8 w, 2-D uint8 e8m0 scales), f16
     (uint16 w), f32 (float32 w).
 
     Raises:
@@ -209,11 +229,13 @@ def kind_of(w: np.ndarray, s: np.ndarray | None) -> str:
     raise ValueError(f"weight dtype {w.dtype} with scales {None if s is None else s.shape} is no known quantization")
 
 
-def _field_specs(quant: str, O: int, N: int, gs: int) -> list[tuple[str, np.dtype, tuple]]:
+def _field_specs(quant: str, O: int, N: int, gs: int, f32_int4_scales: bool = False
+                 ) -> list[tuple[str, np.dtype, tuple]]:
     if quant == "int8":
         return [("w", np.dtype(np.int8), (O, N)), ("s", np.dtype(np.float32), (O,))]
     if quant == "int4":
-        return [("w", np.dtype(np.uint8), (O, N // 2)), ("s", np.dtype(np.float32), (O, N // gs))]
+        sdt = np.float32 if f32_int4_scales else np.uint16  # float32 in stores before format 3
+        return [("w", np.dtype(np.uint8), (O, N // 2)), ("s", np.dtype(sdt), (O, N // gs))]
     if quant == "f16":
         return [("w", np.dtype(np.uint16), (O, N))]
     if quant == "f32":
@@ -224,10 +246,11 @@ def _field_specs(quant: str, O: int, N: int, gs: int) -> list[tuple[str, np.dtyp
 
 
 def slab_layout(quant: str, hidden_size: int, intermediate_size: int, group_size: int = 32,
-                bias: bool = False) -> dict:
+                bias: bool = False, f32_int4_scales: bool = False) -> dict:
     """Byte layout of one expert slab: gate_proj [I, D], up_proj [I, D], down_proj [D, I].
     ``bias`` (gpt-oss): each projection also holds its float32 bias "{proj}.b" ([I], [I], [D])
-    after its weights, in the same slab (still one read per expert).
+    after its weights, in the same slab (still one read per expert). ``f32_int4_scales``: the
+    layout of stores before format 3 (float32 int4 group scales).
 
     Returns {"fields": [(name, offset, dtype str, shape), ...], "data_bytes": int,
     "slot_bytes": int (data rounded up to ALIGN)}. Names are "gate_proj.w", "gate_proj.s", ...
@@ -236,7 +259,8 @@ def slab_layout(quant: str, hidden_size: int, intermediate_size: int, group_size
     fields = []
     off = 0
     for proj, (O, N) in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
-        specs = _field_specs(quant, O, N, group_size) + ([("b", np.dtype(np.float32), (O,))] if bias else [])
+        specs = (_field_specs(quant, O, N, group_size, f32_int4_scales)
+                 + ([("b", np.dtype(np.float32), (O,))] if bias else []))
         for name, dt, shape in specs:
             off = -(-off // _FIELD_ALIGN) * _FIELD_ALIGN
             fields.append((f"{proj}.{name}", off, dt.str, tuple(shape)))

@@ -15,9 +15,11 @@ FORMAT_NAME = "colibri-expert-store"  # manifest.json "format"
 #   2: each expert entry carries "xxh3_64" (xxHash XXH3 64-bit, seed 0, of the slab), manifest
 #      "checksum": "xxh3_64": ~10x less CPU per slab than zlib's CRC-32 (0.25 vs 2.3 ms for a
 #      6.3 MB slab on the reference machine), so verification hides behind the next read.
-FORMAT_VERSION = 2
-READ_VERSIONS = (1, 2)
-CHECKSUM_OF_VERSION = {1: "crc32", 2: "xxh3_64"}  # the manifest "checksum" each version writes
+#   3: int4 group scales stored as IEEE half bits (uint16) instead of float32 (engine/quant.py):
+#      int4 slabs 10% smaller; checksum as 2. Versions 1 and 2 (float32 scales) are still read.
+FORMAT_VERSION = 3
+READ_VERSIONS = (1, 2, 3)
+CHECKSUM_OF_VERSION = {1: "crc32", 2: "xxh3_64", 3: "xxh3_64"}  # the manifest "checksum" each version writes
 
 
 def slab_checksum(kind: str, data) -> int:

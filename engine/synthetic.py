@@ -451,7 +451,8 @@ class SeededSource:
         None (write_store then quantizes :meth:`expert`).
 
         Codes are uniform random bytes from ``default_rng([seed, 1 << 30, layer, e])`` (int8:
-        -128..127; int4: two nibbles -8..7 per byte); scales are ``std / rms(code)`` x U(0.9, 1.1),
+        -128..127; int4: two nibbles -8..7 per byte); scales are ``std / rms(code)`` x U(0.9, 1.1)
+        (int4: rounded to half precision, stored as uint16 bits),
         so dequantized weights have std ~``std`` like the exact draw. About 100x less CPU than
         the float draw + quantization; the values differ from :meth:`expert`'s. mxfp4: uniform
         random code bytes and e8m0 scale bytes X with 2^(X - 127) ~ std / rms(e2m1 code) (3.0).
@@ -480,8 +481,10 @@ class SeededSource:
             else:
                 w = np.frombuffer(rng.bytes(O * N // 2), np.uint8).reshape(O, N // 2)
                 ns = O * (N // group_size)
-            s = (self.std / rms) * (0.9 + 0.2 * rng.random(ns, dtype=np.float32))
-            out[proj] = {"w": w, "s": s.astype(np.float32).reshape((O,) if quant == "int8" else (O, -1))}
+            s = ((self.std / rms) * (0.9 + 0.2 * rng.random(ns, dtype=np.float32))).astype(np.float32)
+            if quant == "int4":  # store format 3: half-precision group scales (engine/quant.py)
+                s = s.astype(np.float16).view(np.uint16)
+            out[proj] = {"w": w, "s": s.reshape((O,) if quant == "int8" else (O, -1))}
             if self.args.expert_bias:
                 out[proj]["b"] = self.std * rng.standard_normal(O, dtype=np.float32)
         return out

@@ -27,7 +27,7 @@ def copy_ck(src, tmp_path, name="ck"):
 
 def test_store_layout_one_aligned_slab_per_expert(tiny_store):
     m = json.loads((tiny_store / "manifest.json").read_text())
-    assert m["format"] == "colibri-expert-store" and m["version"] == FORMAT_VERSION == 2
+    assert m["format"] == "colibri-expert-store" and m["version"] == FORMAT_VERSION == 3
     assert m["quant"] == "int8" and m["alignment"] == ALIGN
     offsets = set()
     for row in m["experts"]:

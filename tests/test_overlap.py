@@ -28,9 +28,9 @@ def _corrupt(store_dir, layer, expert):
         fh.write(bytes([b[0] ^ 0x5A]))
 
 
-def test_new_stores_carry_xxh3_and_version_2(tiny_store):
+def test_new_stores_carry_xxh3_and_version_3(tiny_store):
     m = json.loads((tiny_store / "manifest.json").read_text())
-    assert m["version"] == 2 and m["checksum"] == "xxh3_64"
+    assert m["version"] == 3 and m["checksum"] == "xxh3_64"
     assert all(isinstance(e["xxh3_64"], int) for row in m["experts"] for e in row)
 
 
@@ -121,13 +121,65 @@ def test_version_1_store_still_opens_and_verifies_crc32(tiny_store, tmp_path):
         st.close()
 
 
+def _as_version_2_int4(src, dst):
+    """Rewrite an int4 store (format 3: half-precision group scales) as format 2 wrote it:
+    float32 scales, so every slab is re-laid out (new offsets, lengths, checksums)."""
+    import xxhash
+
+    from engine.quant import int4_scales, slab_layout, slab_views
+    shutil.copytree(src, dst)
+    m = json.loads((dst / "manifest.json").read_text())
+    a = json.loads((dst / "config.json").read_text())
+    lay = slab_layout("int4", a["hidden_size"], a["intermediate_size"], m["group_size"], f32_int4_scales=True)
+    new3 = m["slab_layout"]
+    out = open(dst / "experts_v2.bin", "wb")
+    off = 0
+    for row in m["experts"]:
+        for e in row:
+            with open(src / e["file"], "rb") as fh:
+                fh.seek(e["offset"])
+                v = slab_views(np.frombuffer(fh.read(e["length"]), np.uint8), new3)
+            buf = np.zeros(lay["slot_bytes"], np.uint8)
+            for name, o, dt, shape in lay["fields"]:
+                x = int4_scales(v[name]) if name.endswith(".s") else v[name]
+                buf[o:o + x.nbytes] = np.ascontiguousarray(x, np.dtype(dt)).view(np.uint8).reshape(-1)
+            out.write(buf.tobytes())
+            e.update(file="experts_v2.bin", offset=off, length=lay["slot_bytes"], xxh3_64=xxhash.xxh3_64_intdigest(buf))
+            off += lay["slot_bytes"]
+    out.close()
+    m["slab_layout"] = json.loads(json.dumps(lay))
+    m["slot_bytes"] = [lay["slot_bytes"]] * len(m["slot_bytes"])
+    m["version"] = 2
+    (dst / "manifest.json").write_text(json.dumps(m))
+    return lay, new3
+
+
+def test_version_2_int4_store_with_float32_scales_opens_and_decodes_the_same(tiny_checkpoint, tmp_path):
+    """Format 3 stores int4 group scales as half bits (slabs ~10% smaller); a format-2 int4
+    store (float32 scales) still opens, verifies and gives the same tokens and logits."""
+    from engine import convert_checkpoint
+    v3 = convert_checkpoint(tiny_checkpoint, tmp_path / "v3", quant="int4")
+    lay2, lay3 = _as_version_2_int4(v3, tmp_path / "v2")
+    assert json.loads((v3 / "manifest.json").read_text())["version"] == 3
+    assert {f[0]: f[2] for f in lay3["fields"]}["gate_proj.s"] == "<u2"
+    assert lay3["data_bytes"] < lay2["data_bytes"]
+    req = GenerateRequest(prompt_ids=(5, 6, 7, 9), sampling=SamplingParams(max_new_tokens=6))
+    got = {}
+    for name, d in (("v3", v3), ("v2", tmp_path / "v2")):
+        with Engine.open(EngineConfig(store=str(d), history=False, pinning=False, checksum="always", cap=2)) as eng:
+            assert eng.store.quant == "int4"
+            got[name] = (list(eng.generate(req))[-1].token_ids, eng.model.forward(np.array([5, 6, 7]), 0, all_logits=True))
+    assert got["v2"][0] == got["v3"][0]
+    assert np.array_equal(got["v2"][1], got["v3"][1])
+
+
 def test_unknown_store_version_asks_for_a_reconvert(tiny_store, tmp_path):
     dst = tmp_path / "v9"
     shutil.copytree(tiny_store, dst)
     m = json.loads((dst / "manifest.json").read_text())
     m["version"] = 9
     (dst / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(StoreError, match=r"store version 9.*reads versions 1, 2.*colibri convert --overwrite"):
+    with pytest.raises(StoreError, match=r"store version 9.*reads versions 1, 2, 3.*colibri convert --overwrite"):
         ExpertStore(dst)
 
 

@@ -111,9 +111,10 @@ def _q8_0(x: np.ndarray) -> np.ndarray:
 
 
 def int4_codes_to_q4_0(w: np.ndarray, s: np.ndarray) -> np.ndarray:
-    """Our int4 (engine.quant: nibble q + 8, low nibble = even column, high = odd, one float32
-    scale per group of 32 along the row) as Q4_0 bytes [O, N / 32 * 18]: the same nibbles
-    regrouped (element j low, j + 16 high), the scale rounded to f16.
+    """Our int4 (engine.quant: nibble q + 8, low nibble = even column, high = odd, one scale per
+    group of 32 along the row: half bits in store format 3, float32 before) as Q4_0 bytes
+    [O, N / 32 * 18]: the same nibbles regrouped (element j low, j + 16 high), the scale as f16
+    (exactly ours for a format-3 store; rounded from float32 for an older one).
 
     Raises: ValueError: the scales are not one per 32 columns.
     """
@@ -126,7 +127,8 @@ def int4_codes_to_q4_0(w: np.ndarray, s: np.ndarray) -> np.ndarray:
     nib[:, 1::2] = w >> 4
     nib = nib.reshape(O, N // BLOCK, 2, BLOCK // 2)
     out = np.empty((O, N // BLOCK, BLOCK_BYTES["q4_0"]), np.uint8)
-    out[:, :, :2] = s.astype(np.float16).view(np.uint8).reshape(O, N // BLOCK, 2)
+    s16 = s.view(np.float16) if s.dtype == np.uint16 else s.astype(np.float16)
+    out[:, :, :2] = np.ascontiguousarray(s16).view(np.uint8).reshape(O, N // BLOCK, 2)
     out[:, :, 2:] = nib[:, :, 0, :] | (nib[:, :, 1, :] << 4)
     return out.reshape(O, -1)
 
