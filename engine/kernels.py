@@ -28,7 +28,11 @@ FMA per (row, token). Measured on this repo's machine (Intel Xeon with AVX-512 V
 with other jobs at load 20-30: one thread, thread CPU time, best of 40, a 2048 x 1024 expert in
 cache), before -> after the tiles: q4 T = 1 17 -> 31, T = 4 20 -> 49, T = 64 26 -> 46;
 q8 T = 1 18 -> 20, T = 64 27 -> 50 G multiply-adds per CPU-second. At T = 1 the expert
-weights come from DRAM and the kernels run at the memory bandwidth the machine gives.
+weights come from DRAM, and there one row per pass (the 1 x 1 tile) streams faster than R rows
+at once: on an AMD EPYC Zen 4 (2 vCPUs), weights cycled through 400 MB so they come from DRAM,
+2 threads, q4 [50304, 2048] 13.4 GB/s with the 4 x 1 tile -> 18.7-27 GB/s with 1 x 1 (R = 2, 4,
+8: 6-14 GB/s; software prefetch distance 0-16 KB changed nothing), q8 at 1 thread 7.6 -> 19 GB/s.
+So token rows that do not fill a token tile run 1 x 1 per weight row (_q4_block_pairs).
 
 Process-wide setup done here, before the first kernel compiles (issue #18, faults 7 and 8):
 
@@ -573,14 +577,41 @@ def _make_int_tile(kind: str, R: int, TT: int):
 
 
 RB, TB = 4, 4  # row block of the tiled loops; token tile
-_q4_tile_4x1 = _make_int_tile("q4", 4, 1)
 _q4_tile_2x4 = _make_int_tile("q4", 2, 4)
 _q4_tile_1x4 = _make_int_tile("q4", 1, 4)
 _q4_tile_1x1 = _make_int_tile("q4", 1, 1)
-_q8_tile_4x1 = _make_int_tile("q8", 4, 1)
 _q8_tile_2x4 = _make_int_tile("q8", 2, 4)
 _q8_tile_1x4 = _make_int_tile("q8", 1, 4)
 _q8_tile_1x1 = _make_int_tile("q8", 1, 1)
+
+
+_q4_tile_1x3 = _make_int_tile("q4", 1, 3)
+_q4_tile_1x2 = _make_int_tile("q4", 1, 2)
+_q8_tile_1x3 = _make_int_tile("q8", 1, 3)
+_q8_tile_1x2 = _make_int_tile("q8", 1, 2)
+
+
+@njit(inline="always", **_KW)
+def _q4_tail(xq, xs, xc, w, ws, o, t, n, npairs, res):
+    """Tokens t..t+n-1 (n < TB) of row o in one pass over the row (a 1 x n tile; nothing for
+    n = 0): a prefill expert that 2 or 3 tokens chose reads its weights once, not per token."""
+    if n == 3:
+        _q4_tile_1x3(xq, xs, xc, w, ws, o, t, npairs, res)
+    elif n == 2:
+        _q4_tile_1x2(xq, xs, xc, w, ws, o, t, npairs, res)
+    elif n == 1:
+        _q4_tile_1x1(xq, xs, xc, w, ws, o, t, npairs, res)
+
+
+@njit(inline="always", **_KW)
+def _q8_tail(xu, xs, xc, w, ws, o, t, n, npairs, res):
+    """q8 twin of _q4_tail."""
+    if n == 3:
+        _q8_tile_1x3(xu, xs, xc, w, ws, o, t, npairs, res)
+    elif n == 2:
+        _q8_tile_1x2(xu, xs, xc, w, ws, o, t, npairs, res)
+    elif n == 1:
+        _q8_tile_1x1(xu, xs, xc, w, ws, o, t, npairs, res)
 
 
 @njit(inline="always", **_KW)
@@ -593,19 +624,15 @@ def _q4_block_pairs(xq, xs, xc, w, ws, o0, nr, npairs, res):
             for r2 in range(0, RB, 2):
                 _q4_tile_2x4(xq, xs, xc, w, ws, o0 + r2, t, npairs, res[r2:])
             t += TB
-        while t < T:  # one row per pass: from DRAM 2x the 4-row tile's bandwidth (see RB)
-            for r in range(RB):
-                _q4_tile_1x1(xq, xs, xc, w, ws, o0 + r, t, npairs, res[r:])
-            t += 1
+        for r in range(RB):  # the last T % TB tokens: one weight row per pass (see RB), all of them at once
+            _q4_tail(xq, xs, xc, w, ws, o0 + r, t, T - t, npairs, res[r:])
     else:
         for r in range(nr):
             t = 0
             while t + TB <= T:
                 _q4_tile_1x4(xq, xs, xc, w, ws, o0 + r, t, npairs, res[r:])
                 t += TB
-            while t < T:
-                _q4_tile_1x1(xq, xs, xc, w, ws, o0 + r, t, npairs, res[r:])
-                t += 1
+            _q4_tail(xq, xs, xc, w, ws, o0 + r, t, T - t, npairs, res[r:])
 
 
 @njit(inline="always", **_KW)
@@ -618,19 +645,15 @@ def _q8_block_pairs(xu, xs, w, o0, nr, npairs, res):
             for r2 in range(0, RB, 2):
                 _q8_tile_2x4(xu, xs, xs, w, xs, o0 + r2, t, npairs, res[r2:])
             t += TB
-        while t < T:  # one row per pass (see _q4_block_pairs)
-            for r in range(RB):
-                _q8_tile_1x1(xu, xs, xs, w, xs, o0 + r, t, npairs, res[r:])
-            t += 1
+        for r in range(RB):  # the last T % TB tokens: one weight row per pass (see RB), all of them at once
+            _q8_tail(xu, xs, xs, w, xs, o0 + r, t, T - t, npairs, res[r:])
     else:
         for r in range(nr):
             t = 0
             while t + TB <= T:
                 _q8_tile_1x4(xu, xs, xs, w, xs, o0 + r, t, npairs, res[r:])
                 t += TB
-            while t < T:
-                _q8_tile_1x1(xu, xs, xs, w, xs, o0 + r, t, npairs, res[r:])
-                t += 1
+            _q8_tail(xu, xs, xs, w, xs, o0 + r, t, T - t, npairs, res[r:])
 
 
 @njit(inline="always", **_KW)
