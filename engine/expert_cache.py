@@ -480,24 +480,62 @@ class ExpertCache:
                         f"(cap {self.layers[layer].cap}); raise the cap or the RAM budget")
             if t0 is not None:
                 self.stats.felt_wait_s += time.perf_counter() - t0
-            self._counted_hit.discard((layer, expert))
-            self.slot_busy[layer, s] += 1
-            self.clock += 1
-            self.last_use[layer, expert] = self.clock
-            if self.slot_spec[layer, s]:
-                self.slot_spec[layer, s] = False
-                self.stats.spec_used += 1
-                self.layers[layer].staged.pop(s, None)
-            self.touch(layer, s)
-            return self._views[(layer, expert)]
+            return self._take(layer, expert, s)
+
+    def _take(self, layer: int, expert: int, s: int) -> dict:
+        """The bookkeeping of acquiring resident slot ``s`` of ``expert`` (lock held): busy,
+        use clock, a staged speculation counted as used, most recent; returns its views."""
+        self._counted_hit.discard((layer, expert))
+        self.slot_busy[layer, s] += 1
+        self.clock += 1
+        self.last_use[layer, expert] = self.clock
+        if self.slot_spec[layer, s]:
+            self.slot_spec[layer, s] = False
+            self.stats.spec_used += 1
+            self.layers[layer].staged.pop(s, None)
+        self.touch(layer, s)
+        return self._views[(layer, expert)]
+
+    def acquire_many(self, layer: int, experts: list[int]) -> list[dict]:
+        """:meth:`acquire` of each of ``experts`` (ints) in order, in one lock round-trip while
+        they are resident (a decode step's hits, just returned by :meth:`prepare_split`); one
+        that is not (evicted since, or failed) goes through :meth:`acquire`. Release them with
+        :meth:`release_many`. The same state changes, in the same order, as one acquire each.
+
+        Raises:
+            ExpertReadError: a read failed twice (the experts acquired before it are released).
+        """
+        out: list[dict] = []
+        with self.lock:
+            for e in experts:
+                s = self.where[layer, e]
+                if s < 0 or self.slot_state[layer, s] != _RESIDENT:
+                    break
+                out.append(self._take(layer, e, s))
+        try:
+            for e in experts[len(out):]:
+                out.append(self.acquire(layer, e))
+        except BaseException:
+            self.release_many(layer, experts[:len(out)])
+            raise
+        return out
 
     def release(self, layer: int, expert: int) -> None:
         with self.lock:
-            s = self.where[layer, expert]
-            if s >= 0:
-                self.slot_busy[layer, s] -= 1
-                if self.slot_busy[layer, s] == 0:
-                    self.cond.notify_all()  # a cap reduction may be waiting for this slot
+            self._give_back(layer, expert)
+
+    def release_many(self, layer: int, experts: list[int]) -> None:
+        """:meth:`release` of each of ``experts`` in one lock round-trip."""
+        with self.lock:
+            for e in experts:
+                self._give_back(layer, e)
+
+    def _give_back(self, layer: int, expert: int) -> None:
+        s = self.where[layer, expert]
+        if s >= 0:
+            self.slot_busy[layer, s] -= 1
+            if self.slot_busy[layer, s] == 0:
+                self.cond.notify_all()  # a cap reduction may be waiting for this slot
 
     # --- speculative loads (PILOT) ------------------------------------------------------------------
 

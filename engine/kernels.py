@@ -1027,6 +1027,25 @@ def experts_q8_t1(x, gw, gs, uw, us, dw, ds, h, out):
 
 # --- embeddings -------------------------------------------------------------------------
 
+@njit(nogil=True, cache=_KW["cache"])  # no fastmath: no FMA contraction, numpy's rounding
+def combine_ranked(y, w, out):
+    """out[t] = y[t, 0] * w[t, 0] + y[t, 1] * w[t, 1] + ... in rank order, each product and
+    each sum rounded to float32 (the same operations, in the same order, as numpy's
+    ``out = y[:, 0] * w[:, 0:1]; out += y[:, k] * w[:, k:k + 1]``: bit-identical to it).
+
+    y float32 [T, K, D] expert outputs by rank, w float32 [T, K] routing weights, out float32
+    [T, D]. One call instead of 2K numpy operations per MoE layer."""
+    T, Kk, D = y.shape
+    for t in range(T):
+        w0 = w[t, 0]
+        for d in range(D):
+            out[t, d] = y[t, 0, d] * w0
+        for k in range(1, Kk):
+            wk = w[t, k]
+            for d in range(D):
+                out[t, d] = out[t, d] + y[t, k, d] * wk
+
+
 @njit(**_KW)
 def embed_q8(ids, w, s, out):
     """out[T, D] = dequantized rows ``ids`` of the int8 table w [V, D] with scales s [V]."""
@@ -1272,12 +1291,12 @@ def gated_delta(q, k, v, g, beta, S, chunk, out):
 
 # --- launch safety ------------------------------------------------------------------------
 
+# Every parallel kernel: with a threading layer that is not thread-safe (SERIALIZED), each is
+# launched under one lock (a list was defined twice here, the second one missing the decode
+# experts, MXFP4 and sink attention kernels).
 PARALLEL_KERNELS = ("linear_f32", "linear_f16", "linear_q8", "linear_q4", "linear_mxfp4", "expert_f32",
-                    "expert_f16", "expert_q8", "expert_q4", "attention", "attention_sink")
-
-
-PARALLEL_KERNELS = ("linear_f32", "linear_f16", "linear_q8", "linear_q4", "expert_f32", "expert_f16",
-                    "expert_q8", "expert_q4", "attention", "gated_delta")
+                    "expert_f16", "expert_q8", "expert_q4", "experts_q4_t1", "experts_q8_t1",
+                    "attention", "attention_sink", "gated_delta")
 _LAUNCH_LOCK = threading.Lock()
 
 

@@ -320,3 +320,65 @@ def test_ema_policy_evicts_lowest_router_probability():
         assert cache.where[0, 0] >= 0 and cache.where[0, 2] >= 0
     finally:
         cache.close()
+
+
+def _state(cache):
+    st = cache.stats
+    return (st.hits, st.misses, st.spec_used, cache.clock, cache.last_use.copy(), cache.slot_busy.copy(),
+            cache.residency().copy(), [list(ly.lru) for ly in cache.layers])
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfru"])
+def test_acquire_many_changes_state_as_one_acquire_each(policy):
+    """acquire_many / release_many (a decode step's hits in one lock round-trip) leave the cache
+    exactly as acquire / release of each expert in turn: counters, use clock, busy counts,
+    eviction order; an expert evicted after prepare_split is read again through acquire."""
+    def run(many):
+        cache = ExpertCache(FakeStore(), 1, 16, 6, policy=policy, io_threads=1)
+        try:
+            for step in ([0, 1, 2, 3], [2, 3, 4, 5], [5, 0, 1, 2], [7, 8, 2, 3]):
+                hits, misses = cache.prepare_split(0, sorted(step))
+                if many:
+                    views = cache.acquire_many(0, hits)
+                    assert [int(v["buf"][0]) for v in views] == [FakeStore.pattern(0, e) for e in hits]
+                    cache.release_many(0, hits)
+                else:
+                    for e in hits:
+                        cache.acquire(0, e)
+                        cache.release(0, e)
+                for e in misses:
+                    cache.acquire(0, e)
+                    cache.release(0, e)
+            # a hit evicted between prepare_split and acquire_many is loaded again by acquire
+            hits, _ = cache.prepare_split(0, [2, 3])
+            with cache.lock:
+                cache._evict(0, int(cache.where[0, 3]))
+            views = cache.acquire_many(0, hits) if many else [cache.acquire(0, e) for e in hits]
+            assert [int(v["buf"][0]) for v in views] == [FakeStore.pattern(0, e) for e in hits]
+            cache.release_many(0, hits) if many else [cache.release(0, e) for e in hits]
+            return _state(cache)
+        finally:
+            cache.close()
+    a, b = run(False), run(True)
+    assert a[:4] == b[:4]
+    for x, y in zip(a[4:7], b[4:7]):
+        assert np.array_equal(x, y)
+    assert a[7] == b[7]
+
+
+def test_acquire_many_releases_what_it_took_when_a_read_fails():
+    """A failing read inside acquire_many releases the experts it had already acquired (no slot
+    stays busy) and raises the named ExpertReadError."""
+    store = FakeStore()
+    cache = ExpertCache(store, 1, 16, 6, policy="lru", io_threads=1)
+    try:
+        cache.prepare_split(0, [0, 1])
+        for e in (0, 1):
+            cache.acquire(0, e)
+            cache.release(0, e)
+        store.fail_rate = 1.0
+        with pytest.raises(ExpertReadError, match="expert 9"):
+            cache.acquire_many(0, [0, 1, 9])
+        assert int(cache.slot_busy.sum()) == 0
+    finally:
+        cache.close()

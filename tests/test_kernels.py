@@ -422,3 +422,18 @@ def test_cache_goes_to_the_user_cache_folder(tmp_path):
     assert p.returncode == 0, p.stderr[-3000:]
     line = next(x for x in p.stdout.splitlines() if x.startswith("CACHE "))
     assert Path(line[6:]).resolve().is_relative_to(cache_home.resolve()), line
+
+
+def test_combine_ranked_equals_numpy_rank_order_sum():
+    """combine_ranked (the MoE layer's weighted sum of its experts' rows, one call) gives numpy's
+    y[:, 0] * w[:, 0:1] + y[:, 1] * w[:, 1:2] + ... bit for bit, for T = 1 and T > 1, K = 1..8."""
+    rng = np.random.default_rng(7)
+    for T, Kk, D in ((1, 8, 2048), (1, 1, 5), (3, 2, 33), (16, 4, 96)):
+        y = (rng.standard_normal((T, Kk, D)) * 10).astype(np.float32)
+        w = rng.random((T, Kk)).astype(np.float32)
+        want = y[:, 0] * w[:, 0:1]
+        for k in range(1, Kk):
+            want += y[:, k] * w[:, k:k + 1]
+        out = np.full((T, D), np.nan, np.float32)
+        K.combine_ranked(y, w, out)
+        assert np.array_equal(out, want), (T, Kk, D)

@@ -594,7 +594,9 @@ class ExpertProvider(Protocol):
     ``layer`` is the MoE-layer index j (see the module docstring).
 
     Optional: ``prepare_split(layer, experts) -> (hits, misses)`` (engine/expert_cache.py):
-    ``prepare`` with the experts resident now apart, so a decode step runs them in one call.
+    ``prepare`` with the experts resident now apart, so a decode step runs them in one call,
+    taken with ``acquire_many(layer, experts) -> [views]`` and given back with
+    ``release_many(layer, experts)`` (one lock round-trip each).
 
     Optional: ``dispatch(layer, xs, bounds, single)`` (engine/cluster.py). A provider that has
     it computes some experts elsewhere: its ``prepare`` returns only the experts to compute
@@ -741,7 +743,10 @@ def route(router_logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.n
     p = np.exp(z)
     p /= p.sum(axis=1, keepdims=True)  # [T, E]
     idx = np.argsort(-p, axis=1, kind="stable")[:, :k]  # [T, K]
-    w = np.take_along_axis(p, idx, axis=1).astype(np.float32)  # [T, K]
+    if p.shape[0] == 1:  # a decode step: plain indexing, the same values as take_along_axis
+        w = p[0][idx]  # [1, K], a copy
+    else:
+        w = np.take_along_axis(p, idx, axis=1).astype(np.float32)  # [T, K]
     if norm_topk_prob:
         w /= w.sum(axis=1, keepdims=True)
     return idx, w
@@ -753,7 +758,12 @@ def mean_router_probs(router_logits: np.ndarray) -> np.ndarray:
     z = router_logits - router_logits.max(axis=1, keepdims=True)
     p = np.exp(z)
     p /= p.sum(axis=1, keepdims=True)
+    if p.shape[0] == 1:  # the mean of one row is the row (x / 1 is exact)
+        return p[0]
     return p.mean(axis=0, dtype=np.float32)
+
+
+_T1_FIELDS = ("gate_proj.w", "gate_proj.s", "up_proj.w", "up_proj.s", "down_proj.w", "down_proj.s")
 
 
 def _mlp_views(dense: dict, prefix: str) -> dict:
@@ -816,6 +826,7 @@ class MoEModel:
             raise ValueError(f"kv_dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
         self.kv_dtype = kv_dtype
         self.alloc_kv()
+        self._fields_memo: dict[tuple[int, int], tuple] = {}  # _t1_fields
         # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
         # layer start, post-attention residual, routing, post-MoE residual. Dense layers
         # publish nothing.
@@ -988,7 +999,8 @@ class MoEModel:
         idx, w = self.route(j, logits)  # [T, K]
         self.observers.publish("on_route", j, idx, logits)
         split = getattr(self.experts, "prepare_split", None)
-        if (T == 1 and split is not None and self.expert_quant in ("int4", "int8")
+        if (T == 1 and split is not None and hasattr(self.experts, "acquire_many")
+                and self.expert_quant in ("int4", "int8")
                 and type(self).expert_forward is MoEModel.expert_forward):
             moe = self._moe_t1(j, h, idx, w, split)
         else:
@@ -1009,18 +1021,15 @@ class MoEModel:
         bit-identical to :meth:`_moe_grouped`'s and the rows are combined in the same rank
         order, so the values do not depend on which experts were hits."""
         D = h.shape[1]
-        ranked = [int(e) for e in idx[0]]
+        ranked = idx[0].tolist()
         rank_of = {e: k for k, e in enumerate(ranked)}
         hits, misses = split(j, sorted(ranked))
-        y = np.empty((len(ranked), D), np.float32)  # [K, D] by rank
+        y = np.empty((1, len(ranked), D), np.float32)  # [1, K, D] by rank
         if hits:
-            views = []
+            views = self.experts.acquire_many(j, hits)
             try:
-                for e in hits:
-                    views.append(self.experts.acquire(j, e))
+                f = tuple(zip(*[self._t1_fields(j, e, v) for e, v in zip(hits, views)]))
                 n = len(views)
-                f = [tuple(v[name] for v in views) for name in
-                     ("gate_proj.w", "gate_proj.s", "up_proj.w", "up_proj.s", "down_proj.w", "down_proj.s")]
                 out = np.empty((n, D), np.float32)
                 scratch = np.empty((n, f[0][0].shape[0]), np.float32)
                 if self.expert_quant == "int4":
@@ -1028,23 +1037,30 @@ class MoEModel:
                 else:
                     K.experts_q8_t1(h, *f, scratch, out)
             finally:
-                for e in hits[:len(views)]:
-                    self.experts.release(j, e)
-            for r, e in enumerate(hits):
-                y[rank_of[e]] = out[r]
+                self.experts.release_many(j, hits)
+            y[0, [rank_of[e] for e in hits]] = out
         if misses:
             scratch = np.empty((1, self.args.moe_intermediate_size), np.float32)
             for e in misses:
                 views = self.experts.acquire(j, e)
                 try:
                     k = rank_of[e]
-                    self.expert_forward(views, h, scratch, y[k:k + 1])
+                    self.expert_forward(views, h, scratch, y[0, k:k + 1])
                 finally:
                     self.experts.release(j, e)
-        moe = y[None, 0] * w[:, 0:1]
-        for k in range(1, len(ranked)):
-            moe += y[None, k] * w[:, k:k + 1]
+        moe = np.empty((1, D), np.float32)
+        K.combine_ranked(y, w, moe)
         return moe
+
+    def _t1_fields(self, j: int, e: int, views: dict) -> tuple:
+        """The six weight arrays (gate/up/down .w and .s) of expert e's slab ``views``, memoised
+        per (layer, expert) while the cache hands out the same views dict (a reload makes a
+        new one, which is looked up again)."""
+        memo = self._fields_memo.get((j, e))
+        if memo is None or memo[0] is not views:
+            memo = (views, tuple(views[name] for name in _T1_FIELDS))
+            self._fields_memo[(j, e)] = memo
+        return memo[1]
 
     def _moe_grouped(self, j: int, h: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
         """The routed experts for rows h [T, D] (normed), idx/w [T, K] by rank: rows grouped
@@ -1083,9 +1099,8 @@ class MoEModel:
         y = np.empty((T * Kk, D), np.float32)
         y[by_e] = outs
         y = y.reshape(T, Kk, D)  # [T, K, D] by rank
-        moe = y[:, 0] * w[:, 0:1]
-        for k in range(1, idx.shape[1]):
-            moe += y[:, k] * w[:, k:k + 1]
+        moe = np.empty((T, D), np.float32)
+        K.combine_ranked(y, np.ascontiguousarray(w, dtype=np.float32), moe)
         return moe
 
     def expert_forward(self, views: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray) -> None:
