@@ -795,9 +795,57 @@ def linear_mxfp4(x, w, s, out):
 
 # --- expert FFN: out[T, D] = down(silu(gate(x)) * up(x)) -----------------------------------
 
+@intrinsic
+def _f64_bits(typingctx, b):
+    """The float64 whose IEEE bits are the int64 ``b`` (a bitcast)."""
+    if isinstance(b, types.Integer) and b.bitwidth == 64:
+        def cg(context, builder, signature, args):
+            return builder.bitcast(args[0], ir.DoubleType())
+        return types.float64(b), cg
+    return None
+
+
+@njit(inline="always", **_KW)
+def _exp32(x):
+    """e**x of a float32 as float32, in plain arithmetic: no call to the C library.
+
+    Every kernel's exponential (SiLU, softmax) goes through here. numba's ``math.exp`` links to
+    the C library's ``exp``/``expf``, and which variant that symbol binds to differed between the
+    process that compiled a kernel and a later process that loaded it from numba's cache: the
+    attention kernel gave other bits at 64+ keys on the first run after install than on every
+    run after it, so a whole token stream changed from its 48th decode token on (measured on
+    OLMoE-1B-7B int4). Here: n = round(x / ln 2), r = x - n ln 2 in float64 (|r| <= 0.347),
+    e**r by its Taylor series to degree 12 (truncation < 1e-15 relative), times 2**n built from
+    its bits; one rounding to float32, so within half a float32 ulp of e**x but for ties.
+    Returns 0 below -104 (under the smallest float32), inf above 88.8, NaN for NaN."""
+    if x != x:
+        return x
+    xd = np.float64(x)
+    if xd < -104.0:
+        return np.float32(0.0)
+    if xd > 88.8:
+        return np.float32(np.inf)
+    n = math.floor(xd * 1.4426950408889634 + 0.5)
+    r = (xd - n * 0.693145751953125) - n * 1.4286068202862268e-06  # ln 2 = hi + lo, hi exact in 17 bits
+    p = 1.0 / 479001600.0
+    p = p * r + 1.0 / 39916800.0
+    p = p * r + 1.0 / 3628800.0
+    p = p * r + 1.0 / 362880.0
+    p = p * r + 1.0 / 40320.0
+    p = p * r + 1.0 / 5040.0
+    p = p * r + 1.0 / 720.0
+    p = p * r + 1.0 / 120.0
+    p = p * r + 1.0 / 24.0
+    p = p * r + 1.0 / 6.0
+    p = p * r + 0.5
+    p = p * r + 1.0
+    p = p * r + 1.0
+    return np.float32(p * _f64_bits(np.int64(n + 1023) << 52))
+
+
 @njit(inline="always", **_KW)
 def _silu_mul(g, u):
-    return g / (np.float32(1.0) + np.float32(math.exp(-g))) * u
+    return g / (np.float32(1.0) + _exp32(-g)) * u
 
 
 @njit(parallel=True, **_KW)
@@ -1146,7 +1194,7 @@ def attention(q, kc, vc, pos0, scale, out):
                 m = v
         tot = np.float32(0.0)
         for j in range(n):
-            e = np.float32(math.exp(sc[j] - m))
+            e = _exp32(sc[j] - m)
             sc[j] = e
             tot += e
         inv = np.float32(1.0) / tot
@@ -1179,9 +1227,9 @@ def attention_sink(q, kc, vc, pos0, scale, sinks, out):
             sc[j] = v
             if v > m:
                 m = v
-        tot = np.float32(math.exp(np.float32(sinks[h]) - m))
+        tot = _exp32(np.float32(sinks[h]) - m)
         for j in range(n):
-            e = np.float32(math.exp(sc[j] - m))
+            e = _exp32(sc[j] - m)
             sc[j] = e
             tot += e
         inv = np.float32(1.0) / tot
@@ -1233,10 +1281,10 @@ def gated_delta(q, k, v, g, beta, S, chunk, out):
             for i in range(n):
                 for j in range(i + 1):
                     x = c[i] - c[j]
-                    D[i, j] = np.float32(math.exp(x)) if x >= DELTA_EXP_FLOOR else np.float32(0.0)
+                    D[i, j] = _exp32(x) if x >= DELTA_EXP_FLOOR else np.float32(0.0)
             for i in range(n):  # pseudo-values, and the read of S0 into the outputs
                 t = c0 + i
-                ei = np.float32(math.exp(c[i])) if c[i] >= DELTA_EXP_FLOOR else np.float32(0.0)
+                ei = _exp32(c[i]) if c[i] >= DELTA_EXP_FLOOR else np.float32(0.0)
                 for d in range(dv):
                     ks[d] = 0.0
                     out[h, t, d] = 0.0
@@ -1270,14 +1318,14 @@ def gated_delta(q, k, v, g, beta, S, chunk, out):
                         for d in range(dv):
                             out[h, t, d] += a * P[j, d]
             last = c[n - 1]
-            en = np.float32(math.exp(last)) if last >= DELTA_EXP_FLOOR else np.float32(0.0)
+            en = _exp32(last) if last >= DELTA_EXP_FLOOR else np.float32(0.0)
             if en != 1.0:
                 for e in range(dk):
                     for d in range(dv):
                         S[h, e, d] *= en
             for j in range(n):
                 x = last - c[j]
-                w = np.float32(math.exp(x)) if x >= DELTA_EXP_FLOOR else np.float32(0.0)
+                w = _exp32(x) if x >= DELTA_EXP_FLOOR else np.float32(0.0)
                 if w != 0.0:
                     for e in range(dk):
                         kw = k[h, c0 + j, e] * w
