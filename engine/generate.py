@@ -155,6 +155,15 @@ class Engine:
         self.model = build_model(a, dense, store.dense_quant, store.quant, experts, ctx, store.group_size,
                                  kv_dtype=config.kv_dtype)
         self.kernel_warmup_s = self._warm_kernels(report)
+        if config.ram_budget_gb is None and self.kernel_warmup_s > 0:
+            # An automatic budget is the RSS plus what the model needs: measured again after the
+            # first compile, whose code and compiler memory (100-300 MB) are the process's own and
+            # not the cache's; planned before it, the guard saw that growth as the cache's and
+            # cut a tiny model's cap to 1 in its first answer.
+            plan = plan_estimate(self.sizing, None, config.cap, rss_now=self.read_rss())
+            self.plan = replace(plan, cap=min(plan.cap, self.cache.max_cap))  # the arena is sized
+            if self.plan.cap != self.cache.cap:
+                self.cache.set_cap(self.plan.cap)
         self.routing_feed = RoutingFeed(self.heat, self.cache)
         self.model.subscribe(self.routing_feed)  # first: heat and EMA scores before anyone else
         self.guard = RssGuard(self.cache, self.plan.budget, read_rss=self.read_rss,

@@ -805,7 +805,7 @@ def _f64_bits(typingctx, b):
     return None
 
 
-@njit(inline="always", **_KW)
+@njit(nogil=True, cache=_KW["cache"])  # no fastmath: the same bits inlined in any kernel (see below)
 def _exp32(x):
     """e**x of a float32 as float32, in plain arithmetic: no call to the C library.
 
@@ -817,7 +817,12 @@ def _exp32(x):
     OLMoE-1B-7B int4). Here: n = round(x / ln 2), r = x - n ln 2 in float64 (|r| <= 0.347),
     e**r by its Taylor series to degree 12 (truncation < 1e-15 relative), times 2**n built from
     its bits; one rounding to float32, so within half a float32 ulp of e**x but for ties.
-    Returns 0 below -104 (under the smallest float32), inf above 88.8, NaN for NaN."""
+    Returns 0 below -104 (under the smallest float32), inf above 88.8, NaN for NaN.
+
+    Compiled without fastmath and not inlined by numba (LLVM may still inline it; its
+    instructions keep their own strict flags): under the kernels' reassoc/contract flags the
+    polynomial was reassociated differently in the vectorized and the scalar loops, and
+    experts_q4_t1 and expert_q4 then differed in the last bit."""
     if x != x:
         return x
     xd = np.float64(x)
@@ -984,10 +989,14 @@ def _q8_rows_t(P, w, s, o0, t, res):
 def experts_q4_t1(x, gw, gs, uw, us, dw, ds, gsz, h, out):
     """n int4 experts on one row: out[k] = expert_q4(x, gw[k], gs[k], ...) for k < n.
 
-    x float32 [1, D]; gw, uw, dw: tuples of n uint8 arrays ([I, D/2], [I, D/2], [D, I/2]);
-    gs, us, ds: tuples of n float32 group scales ([I, G], [I, G], [D, I/gsz]); h float32
-    [n, I] scratch; out float32 [n, D]. Bit-identical to n expert_q4 calls."""
-    n = len(gw)
+    x float32 [1, D]; gw, uw, dw: tuples of >= n uint8 arrays ([I, D/2], [I, D/2], [D, I/2]);
+    gs, us, ds: tuples of >= n group scales ([I, G], [I, G], [D, I/gsz], uint16 half bits or
+    float32); h float32 [n, I] scratch; out float32 [n, D]; n = out.shape[0]. Entries past n
+    are not read: the caller pads the tuples to num_experts_per_tok, so one compiled
+    specialization serves every hit count (numba compiles one per tuple length, each adding
+    tens of MB of compiler memory to the RSS the budget guard watches). Bit-identical to n
+    expert_q4 calls."""
+    n = out.shape[0]
     P = _q4_prepare(x, gsz)
     I, D = gw[0].shape[0], dw[0].shape[0]
     sh, hg = _q4_shift(gsz), gsz // 2
@@ -1031,10 +1040,11 @@ def experts_q4_t1(x, gw, gs, uw, us, dw, ds, gsz, h, out):
 def experts_q8_t1(x, gw, gs, uw, us, dw, ds, h, out):
     """n int8 experts on one row: out[k] = expert_q8(x, gw[k], gs[k], ...) for k < n.
 
-    x float32 [1, D]; gw, uw, dw: tuples of n int8 arrays ([I, D], [I, D], [D, I]); gs, us,
-    ds: tuples of n float32 row scales; h float32 [n, I] scratch; out float32 [n, D].
-    Bit-identical to n expert_q8 calls."""
-    n = len(gw)
+    x float32 [1, D]; gw, uw, dw: tuples of >= n int8 arrays ([I, D], [I, D], [D, I]); gs, us,
+    ds: tuples of >= n float32 row scales; h float32 [n, I] scratch; out float32 [n, D];
+    n = out.shape[0] (entries past n not read, see experts_q4_t1). Bit-identical to n
+    expert_q8 calls."""
+    n = out.shape[0]
     P = _q8_prepare(x)
     I, D = gw[0].shape[0], dw[0].shape[0]
     if P[0]:

@@ -95,12 +95,12 @@ def expert_q4(x, gw, gs, uw, us, dw, ds, gsz, h, out):
 
 
 def experts_q4_t1(x, gw, gs, uw, us, dw, ds, gsz, h, out):
-    for k in range(len(gw)):
+    for k in range(out.shape[0]):
         expert_q4(x, gw[k], gs[k], uw[k], us[k], dw[k], ds[k], gsz, h[k:k + 1], out[k:k + 1])
 
 
 def experts_q8_t1(x, gw, gs, uw, us, dw, ds, h, out):
-    for k in range(len(gw)):
+    for k in range(out.shape[0]):
         expert_q8(x, gw[k], gs[k], uw[k], us[k], dw[k], ds[k], h[k:k + 1], out[k:k + 1])
 
 

@@ -224,6 +224,11 @@ def test_decode_experts_in_one_call_equal_one_call_each(kind):
                 out = np.full((n, D), np.nan, np.float32)
                 getattr(K, name)(x, *f, *extra, np.full((n, I), np.nan, np.float32), out)
                 assert np.array_equal(out, each), (kind, D, I, n, threads)
+            # tuples padded past n (the engine pads to K: one specialization): entries past n unread
+            fp = [t + (t[0],) * 2 for t in f]
+            outp = np.full((n, D), np.nan, np.float32)
+            getattr(K, name)(x, *fp, *extra, np.full((n, I), np.nan, np.float32), outp)
+            assert np.array_equal(outp, each), (kind, D, I, n, "padded")
             ref = np.full((n, D), np.nan, np.float32)
             getattr(R, name)(x, *f, *extra, np.full((n, I), np.nan, np.float32), ref)
             assert np.array_equal(ref, np.stack([expert_call(R, kind, x, parts, 32, I, D)[1][0] for parts in experts]))

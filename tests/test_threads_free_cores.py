@@ -148,7 +148,10 @@ def test_automatic_budget_fits_the_model_and_reads_well(tiny_store):
     with Engine.open(cfg) as eng:
         est = eng.sizing
         rss_base = eng.plan.budget - est.kv_bytes - est.expert_bytes - est.reserve_bytes
-        assert eng.plan.budget < 2e9                     # not "21 GB" for a model of a few MB
+        # not "21 GB" for a model of a few MB: the RSS it was planned on plus the model (the
+        # process's RSS varies with what ran before in it: ~2 GB late in the test suite)
+        assert rss_base <= eng.read_rss() + 50e6
+        assert eng.plan.budget < rss_base + 1e9
         assert rss_base > 0                              # the whole model fits: capped there
         assert eng.cache.cap == eng.args.num_experts     # and every expert still fits
         msg = eng.loaded.message

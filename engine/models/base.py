@@ -1028,8 +1028,10 @@ class MoEModel:
         if hits:
             views = self.experts.acquire_many(j, hits)
             try:
-                f = tuple(zip(*[self._t1_fields(j, e, v) for e, v in zip(hits, views)]))
+                fields = [self._t1_fields(j, e, v) for e, v in zip(hits, views)]
                 n = len(views)
+                # padded to K entries: one compiled kernel for every hit count (experts_q4_t1)
+                f = tuple(zip(*(fields + [fields[0]] * (len(ranked) - n))))
                 out = np.empty((n, D), np.float32)
                 scratch = np.empty((n, f[0][0].shape[0]), np.float32)
                 if self.expert_quant == "int4":
