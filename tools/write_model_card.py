@@ -7,7 +7,10 @@ held-out questions and texts: the before/after table).
 A model trained in stages (``--init-from``: each stage continues the previous one's weights)
 lists every stage: ``python tools/write_model_card.py MODEL_DIR --stages STAGE1_DIR STAGE2_DIR``
 records the earlier stages' training_log.json summaries in MODEL_DIR/training_stages.json (the
-last stage is MODEL_DIR's own training_log.json), and later runs read that file.
+last stage is MODEL_DIR's own training_log.json), and later runs read that file.  A ``--stages``
+entry may also be an earlier model's training_stages.json (its stages are taken as recorded), so
+a stage continuing a shipped model lists ``OLD/training_stages.json OLD`` (OLD's earlier stages,
+then OLD's own run).
 
 Reproduce:  python tools/write_model_card.py [MODEL_DIR] [--stages DIR ...]
 """
@@ -32,7 +35,9 @@ def stage_summary(log: dict) -> dict:
     return {"command": log["command"], "steps": t["steps"], "tokens": t["tokens_seen"],
             "minutes": round(t["train_seconds"] / 60, 1), "stopped_by": t["stopped_by"],
             "lr_peak": t["lr_peak"], "mixture": log["corpus"]["mixture_weights"],
-            "name_split": log["args"].get("name_split", 0.0), "heldout_loss": log["heldout_loss"]}
+            "name_split": log["args"].get("name_split", 0.0), "heldout_loss": log["heldout_loss"],
+            **({"cpu_minutes": round(t["loop_cpu_seconds"] / 60, 1), "module_swap": log["args"].get("module_swap", 0.0)}
+               if t.get("budget_clock") == "cpu" and "loop_cpu_seconds" in t else {})}
 
 
 def training_stages(log: dict) -> list[dict]:
@@ -41,7 +46,13 @@ def training_stages(log: dict) -> list[dict]:
     sp = MODEL / "training_stages.json"
     if _STAGES:
         old = {st["command"]: st for st in (json.loads(sp.read_text()) if sp.exists() else [])}
-        earlier = [stage_summary(json.loads((Path(d) / "training_log.json").read_text())) for d in _STAGES]
+        earlier = []
+        for d in _STAGES:  # a stage folder (its training_log.json) or an earlier training_stages.json
+            d = Path(d)
+            if d.is_file():
+                earlier += json.loads(d.read_text())
+            else:
+                earlier.append(stage_summary(json.loads((d / "training_log.json").read_text())))
         for st in earlier:  # a hand-written note (why a stage was stopped) survives a rewrite
             if old.get(st["command"], {}).get("note"):
                 st["note"] = old[st["command"]]["note"]
@@ -63,7 +74,9 @@ def quality_rows(ev: dict, t: float) -> dict:
             "names": _pct(s["all"]["names_right"]),
             "names_what": _pct(s.get("what", {}).get("names_right", 0.0)),
             "names_howto": _pct(s.get("howto", {}).get("names_right", 0.0)),
-            "stopped": _pct(s["all"]["stopped"])}
+            "stopped": _pct(s["all"]["stopped"]),
+            "rouge_what": f"{s.get('what', {}).get('rouge_l', 0.0):.3f}",
+            "rouge_howto": f"{s.get('howto', {}).get('rouge_l', 0.0):.3f}"}
 
 
 def main() -> int:
@@ -150,13 +163,15 @@ def main() -> int:
         lines += [
             f"- {len(stages)} stages, each continuing the previous one's weights (`--init-from`), "
             f"{sum(st['steps'] for st in stages)} steps, {sum(st['tokens'] for st in stages) / 1e6:.2f} M tokens, "
-            f"{tot_min:.1f} min of training in all:", "",
-            "| stage | minutes | steps | tokens (M) | peak lr | name-split | copy drills | qa / howto / code share | held-out loss after | stopped |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            f"{tot_min:.1f} min of training in all (minutes of the training steps by the wall clock; a stage "
+            "budgeted in CPU time (`--clock cpu`) also shows its process CPU minutes):", "",
+            "| stage | minutes | steps | tokens (M) | peak lr | name-split | module swap | copy drills | qa / howto / code share | held-out loss after | stopped |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
         for i, st in enumerate(stages, 1):
             mx = st["mixture"]
-            lines.append(f"| {i} | {st['minutes']} | {st['steps']} | {st['tokens'] / 1e6:.2f} | {st['lr_peak']} | "
-                         f"{st['name_split']} | {mx.get('copy', 0):.0%} | {mx['qa']:.0%} / {mx['howto']:.0%} / "
+            mins = f"{st['minutes']}" + (f" ({st['cpu_minutes']} CPU)" if "cpu_minutes" in st else "")
+            lines.append(f"| {i} | {mins} | {st['steps']} | {st['tokens'] / 1e6:.2f} | {st['lr_peak']} | "
+                         f"{st['name_split']} | {st.get('module_swap', 0):.0%} | {mx.get('copy', 0):.0%} | {mx['qa']:.0%} / {mx['howto']:.0%} / "
                          f"{mx['code']:.0%} | {st['heldout_loss']} | {st.get('note') or st['stopped_by']} |")
         lines += ["", "- Stage commands (in order; each stage's `--out` folder was renamed `stageN` before the next "
                   "stage's `--init-from` read it):", ""]
@@ -207,13 +222,16 @@ def main() -> int:
         row("held-out text (nats/character, same text)", lambda e: f"{e['heldout_text']['nats_per_char']:.3f}")
         for temp in (0.0, 0.7):
             name = "greedy" if temp == 0 else f"temperature {temp}"
-            row(f"ROUGE-L, {name}", lambda e, temp=temp: quality_rows(e, temp)["rouge"])
+            row(f"ROUGE-L, {name} (what / how-to)", lambda e, temp=temp: "{} ({} / {})".format(
+                quality_rows(e, temp)["rouge"], quality_rows(e, temp)["rouge_what"], quality_rows(e, temp)["rouge_howto"]))
             row(f"names right, {name} (what / how-to)", lambda e, temp=temp: "{} ({} / {})".format(
                 quality_rows(e, temp)["names"], quality_rows(e, temp)["names_what"], quality_rows(e, temp)["names_howto"]))
             row(f"answers that end by themselves, {name}", lambda e, temp=temp: quality_rows(e, temp)["stopped"])
         lines.append("")
         if before:
             g, gb = ev["score_t0.0"]["all"], before["score_t0.0"]["all"]
+            train_minutes = (sum(st["minutes"] for st in stages) if stages
+                             else t["train_seconds"] / 60)
             better_lm = ev['heldout_text']['nats_per_char'] < before['heldout_text']['nats_per_char']
             lines += [
                 f"Verdict: the language model {'improved' if better_lm else 'did not improve'} (held-out text "
@@ -228,7 +246,7 @@ def main() -> int:
                    "answers are not useful yet." if g["names_right"] == 0 else
                    f"It has begun to copy the asked name into its answer ({ev['score_t0.0'].get('what', {}).get('names_right', 0):.0%} "
                    "of the \"What does `X` do?\" answers name X or its module), but the summaries it writes are "
-                   "mostly wrong: a tiny model trained for 90 minutes on one CPU core."),
+                   f"mostly wrong: a tiny model trained for {train_minutes:.0f} minutes on one CPU core."),
                 ""]
         dec = ev.get("temperature_decision")
         if not dec and "score_t0.7" in ev:
