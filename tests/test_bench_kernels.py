@@ -122,3 +122,11 @@ def test_bench_kernels_cgroup_only(tiny_store, tmp_path):
     assert [r["arm"] for r in res["rows"]] == ["ours-int8@1GB"]
     assert res["rows"][0]["tg12"] > 0 and res["rows"][0]["cgroup_oom_kills"] == 0
     assert res["ratios"] == {}
+
+
+def test_cpu_rate_with_no_positive_difference_is_left_blank():
+    """A by-difference CPU rate whose difference is 0 or negative (noise) is left out, not
+    divided by ~0 (a llama-bench tg arm read 4.8e10 tok/CPU-s that way)."""
+    from engine.bench.kernels import _rates
+    assert _rates(tg_per_cpu_s=(48, 2.0), pp128_per_cpu_s=(224, 0.0)) == {"tg_per_cpu_s": 24.0}
+    assert _rates(tg_per_cpu_s=(48, -0.01)) == {}

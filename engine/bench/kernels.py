@@ -58,6 +58,14 @@ def _cpu_s(who: int) -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _rates(**by_key: tuple[float, float]) -> dict:
+    """{key: tokens / CPU seconds} for each (tokens, CPU-second difference); a key whose
+    difference is not positive (the shorter run cost as much CPU as the longer, i.e. noise
+    larger than the signal) is left out (a blank cell) instead of dividing by ~0: a
+    llama-bench tg arm once read 4.8e10 tok/CPU-s that way."""
+    return {k: n / d for k, (n, d) in by_key.items() if d > 0}
+
+
 def _ours_cpu_rates(run, vocab: int, tokens: int, prompts: list[int], seed: int) -> dict:
     """Tokens per CPU-second of this process (all its threads), by difference so fixed costs
     cancel: decode = (tokens - 16) / (cpu(16 + tokens) - cpu(16 + 16)); prefill = (P - 16) /
@@ -71,7 +79,7 @@ def _ours_cpu_rates(run, vocab: int, tokens: int, prompts: list[int], seed: int)
     c1 = _cpu_s(who)
     run(s[:DECODE_PROMPT], s[DECODE_PROMPT:])
     c2 = _cpu_s(who)
-    out = {"tg_per_cpu_s": (tokens - 16) / max((c2 - c1) - (c1 - c0), 1e-9)}
+    out = _rates(tg_per_cpu_s=(tokens - 16, (c2 - c1) - (c1 - c0)))
     big = max([p for p in prompts if 16 < p <= 128], default=None)
     if big:
         a = forced_stream(vocab, big + 1, seed + 77)
@@ -81,7 +89,7 @@ def _ours_cpu_rates(run, vocab: int, tokens: int, prompts: list[int], seed: int)
         c1 = _cpu_s(who)
         run(a[:big], a[big:])
         c2 = _cpu_s(who)
-        out[f"pp{big}_per_cpu_s"] = (big - 16) / max((c2 - c1) - (c1 - c0), 1e-9)
+        out.update(_rates(**{f"pp{big}_per_cpu_s": (big - 16, (c2 - c1) - (c1 - c0))}))
     return out
 
 
@@ -96,10 +104,10 @@ def _llama_cpu_rates(llama_bench: str, gguf: str, prompts: list[int], tokens: in
         c0 = _cpu_s(who)
         _llama_arm(llama_bench, gguf, [p] if p else [], n, threads)
         return _cpu_s(who) - c0
-    out = {"tg_per_cpu_s": (tokens - 16) / max(cpu(0, tokens) - cpu(0, 16), 1e-9)}
+    out = _rates(tg_per_cpu_s=(tokens - 16, cpu(0, tokens) - cpu(0, 16)))
     big = max([p for p in prompts if 16 < p <= 128], default=None)
     if big:
-        out[f"pp{big}_per_cpu_s"] = 2 * (big - 16) / max(cpu(big, 0) - cpu(16, 0), 1e-9)
+        out.update(_rates(**{f"pp{big}_per_cpu_s": (2 * (big - 16), cpu(big, 0) - cpu(16, 0))}))
     return out
 
 
