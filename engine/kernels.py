@@ -591,27 +591,23 @@ _q8_tile_1x3 = _make_int_tile("q8", 1, 3)
 _q8_tile_1x2 = _make_int_tile("q8", 1, 2)
 
 
-@njit(inline="always", **_KW)
-def _q4_tail(xq, xs, xc, w, ws, o, t, n, npairs, res):
+def _make_tail(tile3, tile2, tile1):
     """Tokens t..t+n-1 (n < TB) of row o in one pass over the row (a 1 x n tile; nothing for
-    n = 0): a prefill expert that 2 or 3 tokens chose reads its weights once, not per token."""
-    if n == 3:
-        _q4_tile_1x3(xq, xs, xc, w, ws, o, t, npairs, res)
-    elif n == 2:
-        _q4_tile_1x2(xq, xs, xc, w, ws, o, t, npairs, res)
-    elif n == 1:
-        _q4_tile_1x1(xq, xs, xc, w, ws, o, t, npairs, res)
+    n = 0): a prefill expert that 2 or 3 tokens chose reads its weights once, not per token.
+    One factory for the q4 and q8 tiles (same arguments: xa, xs, xc, w, ws, o0, t0, npairs, res)."""
+    @njit(inline="always", **_KW)
+    def tail(xa, xs, xc, w, ws, o, t, n, npairs, res):
+        if n == 3:
+            tile3(xa, xs, xc, w, ws, o, t, npairs, res)
+        elif n == 2:
+            tile2(xa, xs, xc, w, ws, o, t, npairs, res)
+        elif n == 1:
+            tile1(xa, xs, xc, w, ws, o, t, npairs, res)
+    return tail
 
 
-@njit(inline="always", **_KW)
-def _q8_tail(xu, xs, xc, w, ws, o, t, n, npairs, res):
-    """q8 twin of _q4_tail."""
-    if n == 3:
-        _q8_tile_1x3(xu, xs, xc, w, ws, o, t, npairs, res)
-    elif n == 2:
-        _q8_tile_1x2(xu, xs, xc, w, ws, o, t, npairs, res)
-    elif n == 1:
-        _q8_tile_1x1(xu, xs, xc, w, ws, o, t, npairs, res)
+_q4_tail = _make_tail(_q4_tile_1x3, _q4_tile_1x2, _q4_tile_1x1)
+_q8_tail = _make_tail(_q8_tile_1x3, _q8_tile_1x2, _q8_tile_1x1)
 
 
 @njit(inline="always", **_KW)
