@@ -222,6 +222,45 @@ def _const_vec(t, values):
     return ir.Constant(_vec(t, len(values)), list(values))
 
 
+# --- strict float operations --------------------------------------------------------------
+#
+# The kernels compile with reassoc / contract / arcp so that LLVM may vectorize float
+# reductions. Under those flags the same expression can round differently in two compiled
+# copies: contraction into an FMA and reassociation depend on the code around it, and on this
+# CPU the process that compiled a kernel and a later process that loaded the same kernel from
+# numba's cache disagreed in the last bit of an int4 row with an odd group count (_q4_finish):
+# a token stream then changed between the first run after install and every later run, and
+# experts_q4_t1 (the decode hits) and expert_q4 (the misses) disagreed, so the cache size
+# changed the output (CI, Sapphire Rapids). Code whose bits must not depend on where it is
+# compiled (SiLU, exp, the per-element scale and tail of the integer tiles) uses these: one
+# IEEE instruction each, flagged only ``nsz``. numba's fastmath pass adds its flags only to
+# float instructions that have none, so these keep exactly IEEE rounding (nsz changes no
+# nonzero result), vectorized or not, inlined or not, fresh or cached.
+
+_STRICT_FLAG = "nsz"
+
+
+def _strict(instr):
+    """Mark a float instruction strict (see above) and return it."""
+    instr.flags.append(_STRICT_FLAG)
+    return instr
+
+
+def _strict_binop(op: str):
+    def impl(typingctx, a, b):
+        if isinstance(a, types.Float) and a == b:
+            def codegen(context, builder, signature, args):
+                return _strict(getattr(builder, op)(args[0], args[1]))
+            return a(a, b), codegen
+        return None
+    impl.__name__ = "_s" + op[1:]
+    impl.__doc__ = f"a {op[1:]} b for two floats of one type, rounded once (IEEE, no fastmath)."
+    return intrinsic(impl)
+
+
+_sadd, _ssub, _smul, _sdiv = (_strict_binop(op) for op in ("fadd", "fsub", "fmul", "fdiv"))
+
+
 @intrinsic
 def _sc(typingctx, a, i):
     """Element i of a 1-D int4 group-scale array as float32: uint16 IEEE half bits (store
@@ -245,8 +284,8 @@ def _tree_sum(builder, v):
     width = v.type.count
     while width > 1:
         half = width // 2
-        v = builder.fadd(builder.shuffle_vector(v, v, _const_vec(_I32, range(half))),
-                         builder.shuffle_vector(v, v, _const_vec(_I32, range(half, width))))
+        v = _strict(builder.fadd(builder.shuffle_vector(v, v, _const_vec(_I32, range(half))),
+                                 builder.shuffle_vector(v, v, _const_vec(_I32, range(half, width)))))
         width = half
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
@@ -559,7 +598,7 @@ def _make_int_tile(kind: str, R: int, TT: int):
                             else:
                                 p32 = builder.add(xc[t], builder.call(mwd, [builder.call(mub, [wv[r], xv[t]]),
                                                                             _const_vec(_I16, [1] * 32)]))
-                            sc = builder.fmul(xb[t], wb[r])
+                            sc = _strict(builder.fmul(xb[t], wb[r]))
                         else:
                             p32 = builder.call(dp, [wb[r], xv[t], wv[r]])
                             sc = xb[t]
@@ -660,7 +699,7 @@ def _q4_finish(acc, xq, xs, w, ws):
     for j in range(16):
         b = np.int32(w[g * 16 + j])
         tot += np.int32(xq[g * 32 + j]) * ((b & 15) - 8) + np.int32(xq[g * 32 + 16 + j]) * ((b >> 4) - 8)
-    return acc + np.float32(tot) * (xs[g] * _sc(ws, g))
+    return _sadd(acc, _smul(np.float32(tot), _smul(xs[g], _sc(ws, g))))
 
 
 @njit(inline="always", **_KW)
@@ -676,10 +715,10 @@ def _q8_finish(acc, xu, xs, w, s):
         tot = 0
         for j in range(lo, hi):
             tot += (np.int32(xu[j]) - 128) * np.int32(w[j])
-        acc += np.float32(tot) * xs[b]
+        acc = _sadd(acc, _smul(np.float32(tot), xs[b]))
         lo = hi
         b += 1
-    return acc * s
+    return _smul(acc, s)
 
 
 @njit(inline="always", **_KW)
@@ -791,18 +830,12 @@ def linear_mxfp4(x, w, s, out):
 
 # --- expert FFN: out[T, D] = down(silu(gate(x)) * up(x)) -----------------------------------
 
+_EXP_TAYLOR = (1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0, 1.0 / 40320.0,
+               1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0)  # 1/12! .. 1/0!
+
+
 @intrinsic
-def _f64_bits(typingctx, b):
-    """The float64 whose IEEE bits are the int64 ``b`` (a bitcast)."""
-    if isinstance(b, types.Integer) and b.bitwidth == 64:
-        def cg(context, builder, signature, args):
-            return builder.bitcast(args[0], ir.DoubleType())
-        return types.float64(b), cg
-    return None
-
-
-@njit(nogil=True, cache=_KW["cache"])  # no fastmath: the same bits inlined in any kernel (see below)
-def _exp32(x):
+def _exp32(typingctx, x):
     """e**x of a float32 as float32, in plain arithmetic: no call to the C library.
 
     Every kernel's exponential (SiLU, softmax) goes through here. numba's ``math.exp`` links to
@@ -810,43 +843,47 @@ def _exp32(x):
     process that compiled a kernel and a later process that loaded it from numba's cache: the
     attention kernel gave other bits at 64+ keys on the first run after install than on every
     run after it, so a whole token stream changed from its 48th decode token on (measured on
-    OLMoE-1B-7B int4). Here: n = round(x / ln 2), r = x - n ln 2 in float64 (|r| <= 0.347),
-    e**r by its Taylor series to degree 12 (truncation < 1e-15 relative), times 2**n built from
-    its bits; one rounding to float32, so within half a float32 ulp of e**x but for ties.
-    Returns 0 below -104 (under the smallest float32), inf above 88.8, NaN for NaN.
+    OLMoE-1B-7B int4). Here: n = round(x / ln 2), r = x - n ln 2 in float64 (|r| <= 0.347,
+    ln 2 split hi + lo with hi exact in 17 bits, Cody & Waite 1980), e**r by its Taylor series
+    to degree 12 in Horner form (truncation < 1e-15 relative), times 2**n built from its bits;
+    one rounding to float32, so within half a float32 ulp of e**x but for ties (equal to float64
+    exp rounded to float32 on [-110, 90], tests/test_kernels.py). Returns 0 below -104 (under
+    the smallest float32), inf above 88.8, NaN for NaN.
 
-    Compiled without fastmath and not inlined by numba (LLVM may still inline it; its
-    instructions keep their own strict flags): under the kernels' reassoc/contract flags the
-    polynomial was reassociated differently in the vectorized and the scalar loops, and
-    experts_q4_t1 and expert_q4 then differed in the last bit."""
-    if x != x:
-        return x
-    xd = np.float64(x)
-    if xd < -104.0:
-        return np.float32(0.0)
-    if xd > 88.8:
-        return np.float32(np.inf)
-    n = math.floor(xd * 1.4426950408889634 + 0.5)
-    r = (xd - n * 0.693145751953125) - n * 1.4286068202862268e-06  # ln 2 = hi + lo, hi exact in 17 bits
-    p = 1.0 / 479001600.0
-    p = p * r + 1.0 / 39916800.0
-    p = p * r + 1.0 / 3628800.0
-    p = p * r + 1.0 / 362880.0
-    p = p * r + 1.0 / 40320.0
-    p = p * r + 1.0 / 5040.0
-    p = p * r + 1.0 / 720.0
-    p = p * r + 1.0 / 120.0
-    p = p * r + 1.0 / 24.0
-    p = p * r + 1.0 / 6.0
-    p = p * r + 0.5
-    p = p * r + 1.0
-    p = p * r + 1.0
-    return np.float32(p * _f64_bits(np.int64(n + 1023) << 52))
+    Emitted as strict instructions inlined into the caller (see "strict float operations"):
+    the same bits in every kernel, vectorized or scalar, compiled fresh or loaded from the
+    cache, whatever fastmath flags the caller has."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        f64 = ir.DoubleType()
+        c = lambda v: ir.Constant(f64, v)  # noqa: E731
+        v = args[0]
+        xd = builder.fpext(v, f64)
+        nan = _strict(builder.fcmp_unordered("uno", v, v))
+        lo = _strict(builder.fcmp_ordered("<", xd, c(-104.0)))
+        hi = _strict(builder.fcmp_ordered(">", xd, c(88.8)))
+        # the polynomial on x clamped to [-104, 88.8] (NaN -> 0): finite in every lane
+        xc = builder.select(nan, c(0.0), builder.select(lo, c(-104.0), builder.select(hi, c(88.8), xd)))
+        floor = builder.module.declare_intrinsic("llvm.floor", [f64])
+        nf = builder.call(floor, [_strict(builder.fadd(_strict(builder.fmul(xc, c(1.4426950408889634))), c(0.5)))])
+        r = _strict(builder.fsub(xc, _strict(builder.fmul(nf, c(0.693145751953125)))))
+        r = _strict(builder.fsub(r, _strict(builder.fmul(nf, c(1.4286068202862268e-06)))))
+        p = c(_EXP_TAYLOR[0])
+        for k in _EXP_TAYLOR[1:]:
+            p = _strict(builder.fadd(_strict(builder.fmul(p, r)), c(k)))
+        n = builder.fptosi(nf, _I64)
+        two_n = builder.bitcast(builder.shl(builder.add(n, ir.Constant(_I64, 1023)), ir.Constant(_I64, 52)), f64)
+        res = builder.fptrunc(_strict(builder.fmul(p, two_n)), _F32)
+        return builder.select(nan, v, builder.select(lo, ir.Constant(_F32, 0.0),
+                                                     builder.select(hi, ir.Constant(_F32, float("inf")), res)))
+    return types.float32(x), codegen
 
 
 @njit(inline="always", **_KW)
 def _silu_mul(g, u):
-    return g / (np.float32(1.0) + _exp32(-g)) * u
+    return _smul(_sdiv(g, _sadd(np.float32(1.0), _exp32(-g))), u)
 
 
 @njit(parallel=True, **_KW)
@@ -1202,7 +1239,7 @@ def attention(q, kc, vc, pos0, scale, out):
         for j in range(n):
             e = _exp32(sc[j] - m)
             sc[j] = e
-            tot += e
+            tot = _sadd(tot, e)  # strict, in key order: no fresh-vs-cached rounding (see _exp32)
         inv = np.float32(1.0) / tot
         for d in range(S):
             out[t, h, d] = 0.0
@@ -1237,7 +1274,7 @@ def attention_sink(q, kc, vc, pos0, scale, sinks, out):
         for j in range(n):
             e = _exp32(sc[j] - m)
             sc[j] = e
-            tot += e
+            tot = _sadd(tot, e)  # strict, in key order: no fresh-vs-cached rounding (see _exp32)
         inv = np.float32(1.0) / tot
         for d in range(S):
             out[t, h, d] = 0.0

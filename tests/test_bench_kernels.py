@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from engine import convert_checkpoint
 from engine.bench import kernels as bench_kernels
@@ -31,16 +32,21 @@ def _cgroup_or_skip() -> None:
         pytest.skip(why)
 
 
+@pytest.mark.slow  # 2 stores x 2 reps x decode, prefill and CPU-time runs in a subprocess
 def test_bench_kernels_writes_results(tiny_checkpoint, tiny_store, tmp_path):
     s4 = convert_checkpoint(tiny_checkpoint, tmp_path / "tiny-int4", quant="int4")
     out = tmp_path / "results"
-    res = _bench_kernels(out, "--ours", f"int4={s4}", f"int8={tiny_store}", "--prompts", "4", "20", "--tokens", "20",
+    # CPU rates are by difference (decode 16 + 48 vs 16 + 16 tokens, prompt 112 vs 16): wide
+    # enough apart that the tiny model's difference is not lost in the timer's noise (at 20 vs 16
+    # tokens a non-positive difference left the cell blank, as _rates should)
+    res = _bench_kernels(out, "--ours", f"int4={s4}", f"int8={tiny_store}", "--prompts", "4", "112", "--tokens", "48",
                          "--reps", "2", "--threads", "1", "--cpu-time")
     assert [r["arm"] for r in res["rows"]] == ["ours-int4", "ours-int8", "ours-int8", "ours-int4"]
+    keys = {"tg48", "pp4", "pp112", "tg_per_cpu_s", "pp112_per_cpu_s"}
     for arm in ("ours-int4", "ours-int8"):
-        assert set(res["medians"][arm]) == {"tg20", "pp4", "pp20", "tg_per_cpu_s", "pp20_per_cpu_s"}
+        assert set(res["medians"][arm]) == keys
         assert all(v > 0 for v in res["medians"][arm].values())
-    assert set(res["ratios"]["int4/int8"]) == {"tg20", "pp4", "pp20", "tg_per_cpu_s", "pp20_per_cpu_s"}
+    assert set(res["ratios"]["int4/int8"]) == keys
     assert "ours-int4" in (out / "k.md").read_text()
 
 

@@ -154,6 +154,7 @@ def _as_version_2_int4(src, dst):
     return lay, new3
 
 
+@pytest.mark.slow  # every q4 kernel compiled again for float32 scales: ~45 s on 2 cores
 def test_version_2_int4_store_with_float32_scales_opens_and_decodes_the_same(tiny_checkpoint, tmp_path):
     """Format 3 stores int4 group scales as half bits (slabs ~10% smaller); a format-2 int4
     store (float32 scales) still opens, verifies and gives the same tokens and logits."""

@@ -41,6 +41,7 @@ def _copy_source(dst: Path) -> Path:
     return src
 
 
+@pytest.mark.slow  # builds the wheel and installs it into a fresh venv
 def test_wheel_carries_the_model_and_colibri_run_answers(tmp_path):
     if not (REPO / "resources" / "models" / MODEL / "model.safetensors").exists():
         pytest.skip("default model not trained yet")
