@@ -258,7 +258,7 @@ def _strict_binop(op: str):
     return intrinsic(impl)
 
 
-_sadd, _ssub, _smul, _sdiv = (_strict_binop(op) for op in ("fadd", "fsub", "fmul", "fdiv"))
+_sadd, _smul, _sdiv = (_strict_binop(op) for op in ("fadd", "fmul", "fdiv"))
 
 
 @intrinsic
