@@ -17,8 +17,11 @@ per byte, low nibble = even column, value = nibble - 8; s [O, G] uint16 half bit
 int8 and int4 (issue #19): the activation rows are quantized once per call to int8 per block
 (32 columns for q8, the weight group for q4; llama.cpp's Q8_0 activations) and the block dot
 products are integer: AVX-512 VNNI ``vpdpbusd`` through numba intrinsics (LLVM vector IR) on
-CPUs that have it (``INT_FLAVOR`` "vnni"), AVX-512BW ``vpmaddubsw`` for q4 ("bw"), plain
-vectorizable numba loops on the dequantized activations elsewhere ("portable"). Every path
+CPUs that have it (``INT_FLAVOR`` "vnni"), AVX-512BW ``vpmaddubsw`` for q4 ("bw"), AVX2
+``vpmaddubsw`` on 256-bit halves for q4 and q8 ("avx2": AMD before Zen 4, Intel desktop chips
+since Alder Lake), plain vectorizable numba loops on the dequantized activations elsewhere
+("portable"). On an AMD EPYC Zen 3 (AVX2, no AVX-512; one thread, best of up to 60 calls)
+linear_q4 ran 2.0-2.5 G multiply-adds/s portable and 14-26 with "avx2" at T = 1-64. Every path
 computes the same real-valued expression, quantize_activations(x) @ dequant(W)^T, which is
 what kernels_ref computes. The SIMD paths run register tiles (see "register tiles" below): one
 pass over R weight rows serves TT tokens, with R x TT independent accumulators, and the
@@ -152,14 +155,15 @@ SERIALIZED = THREADING_LAYER not in ("omp", "tbb")  # workqueue (or unknown): no
 
 def _int_flavor() -> str:
     """How the q4 / q8 dot products run on this CPU: "vnni" (AVX-512 VNNI vpdpbusd: q4 and q8),
-    "bw" (AVX-512BW vpmaddubsw + vpmaddwd: q4; q8 portable) or "portable" (plain numba loops,
-    any CPU). All paths compute the same real-valued expression. ``COLIBRI_INT_KERNEL``
-    forces one (tests use it to check every path here); a forced choice compiles uncached, so
-    the on-disk cache only ever holds this machine's own choice."""
+    "bw" (AVX-512BW vpmaddubsw + vpmaddwd: q4; q8 portable), "avx2" (the same two instructions
+    on 256-bit halves, for q8 with vpsignb: q4 and q8) or "portable" (plain numba loops, any
+    CPU). All paths compute the same real-valued expression. ``COLIBRI_INT_KERNEL`` forces one
+    (tests use it to check every path here); a forced choice compiles uncached, so the on-disk
+    cache only ever holds this machine's own choice."""
     forced = os.environ.get("COLIBRI_INT_KERNEL")
     if forced:
-        if forced not in ("vnni", "bw", "portable"):
-            raise ValueError(f"COLIBRI_INT_KERNEL={forced!r}: choose vnni, bw or portable")
+        if forced not in ("vnni", "bw", "avx2", "portable"):
+            raise ValueError(f"COLIBRI_INT_KERNEL={forced!r}: choose vnni, bw, avx2 or portable")
         return forced
     import platform
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -171,6 +175,8 @@ def _int_flavor() -> str:
         return "portable"
     if feats.get("avx512bw") and feats.get("avx512f"):
         return "vnni" if feats.get("avx512vnni") else "bw"
+    if feats.get("avx2") and feats.get("fma"):
+        return "avx2"
     return "portable"
 
 
@@ -320,7 +326,7 @@ def _quant_group(x, lo, gs):
 QB = 32  # activation block of the q8 kernels (columns)
 
 
-_Q8_SIMD = INT_FLAVOR == "vnni"
+_Q8_SIMD = INT_FLAVOR in ("vnni", "avx2")
 
 
 @njit(inline="always", **_KW)
@@ -528,14 +534,63 @@ def _make_int_tile(kind: str, R: int, TT: int):
             v64i8, v32i8, v32i16, v16i32, v16f, v2f = (_vec(_I8, 64), _vec(_I8, 32), _vec(_I16, 32),
                                                        _vec(_I32, 16), _vec(_F32, 16), _vec(_F32, 2))
             c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
-            if INT_FLAVOR == "vnni" or kind == "q8":
+            # lane_dot(start, u, s): v16i32 start + per dword lane the sum of its 4 byte products
+            # u (unsigned) * s (signed), exact in int32 on every path. q4 runs the CPU's path; q8
+            # runs vnni or avx2 (_Q8_SIMD), and elsewhere compiles the plain-IR version, which
+            # the portable q8 kernels never call but LLVM must still be able to select.
+            flavor = INT_FLAVOR if kind == "q4" or INT_FLAVOR in ("vnni", "avx2") else "portable"
+            lo32, hi32 = _const_vec(_I32, range(32)), _const_vec(_I32, range(32, 64))
+            if flavor == "vnni":
                 dp = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i32, [v16i32, v64i8, v64i8]),
                                                     "llvm.x86.avx512.vpdpbusd.512")
-            if INT_FLAVOR != "vnni" and kind == "q4":
+
+                def lane_dot(start, u, s):
+                    return builder.call(dp, [start, u, s])
+            elif flavor == "bw":
                 mub = cgutils.get_or_insert_function(mod, ir.FunctionType(v32i16, [v64i8, v64i8]),
                                                      "llvm.x86.avx512.pmaddubs.w.512")
                 mwd = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i32, [v32i16, v32i16]),
                                                      "llvm.x86.avx512.pmaddw.d.512")
+
+                def lane_dot(start, u, s):  # q4 only: pairs <= 2 * 15 * 127, no saturation
+                    return builder.add(start, builder.call(mwd, [builder.call(mub, [u, s]),
+                                                                 _const_vec(_I16, [1] * 32)]))
+            elif flavor == "avx2":
+                # the 512-bit pair product in two 256-bit halves: lanes 0-7 from bytes 0-31, lanes
+                # 8-15 from bytes 32-63, the same int32 lane sums as the bw / vnni paths. q4:
+                # unsigned nibbles times signed q (pairs <= 2 * 15 * 127, no saturation). q8: the
+                # signed weights through llama.cpp's sign trick, |w| times q with w's sign
+                # (vpsignb; pairs <= 2 * 128 * 127 < 32767, no saturation)
+                v16i16, v8i32 = _vec(_I16, 16), _vec(_I32, 8)
+                mub2 = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i16, [v32i8, v32i8]),
+                                                      "llvm.x86.avx2.pmadd.ub.sw")
+                mwd2 = cgutils.get_or_insert_function(mod, ir.FunctionType(v8i32, [v16i16, v16i16]),
+                                                      "llvm.x86.avx2.pmadd.wd")
+                ones16 = _const_vec(_I16, [1] * 16)
+
+                def lane_dot(start, u, s):
+                    half = [builder.call(mwd2, [builder.call(mub2, [builder.shuffle_vector(u, u, m),
+                                                                    builder.shuffle_vector(s, s, m)]), ones16])
+                            for m in (lo32, hi32)]
+                    return builder.add(start, builder.shuffle_vector(half[0], half[1], _const_vec(_I32, range(16))))
+
+                if kind == "q8":
+                    psign = cgutils.get_or_insert_function(mod, ir.FunctionType(v32i8, [v32i8, v32i8]),
+                                                           "llvm.x86.avx2.psign.b")
+
+                    def sign_by(a, b):  # a with b's sign (0 where b is 0), per byte
+                        halves = [builder.call(psign, [builder.shuffle_vector(a, a, m),
+                                                       builder.shuffle_vector(b, b, m)]) for m in (lo32, hi32)]
+                        return builder.shuffle_vector(halves[0], halves[1], _const_vec(_I32, range(64)))
+            else:  # portable: plain LLVM IR, any target
+                v64i32 = _vec(_I32, 64)
+
+                def lane_dot(start, u, s):
+                    prod = builder.mul(builder.zext(u, v64i32), builder.sext(s, v64i32))
+                    for k in range(4):
+                        part = builder.shuffle_vector(prod, prod, _const_vec(_I32, range(k, 64, 4)))
+                        start = builder.add(start, part)
+                    return start
             fma = cgutils.get_or_insert_function(mod, ir.FunctionType(v16f, [v16f, v16f, v16f]),
                                                  "llvm.fma.v16f32")
             zero = ir.Constant(v16i32, [0] * 16)
@@ -580,9 +635,12 @@ def _make_int_tile(kind: str, R: int, TT: int):
                     else:
                         raw = _load_at(builder, wrow[r], builder.mul(i, c64(64)), v64i8, 1)
                         wv.append(raw)
-                        # start value -128 * sum(w) per lane: (q + 128) * w summed from it is q * w
-                        wsum = builder.call(dp, [zero, _const_vec(_I8, [1] * 64), raw])
-                        wb.append(builder.sub(zero, builder.shl(wsum, _const_vec(_I32, [7] * 16))))
+                        if flavor == "avx2":  # |w| (as unsigned bytes); q gets w's sign below
+                            wb.append(sign_by(raw, raw))
+                        else:
+                            # start value -128 * sum(w) per lane: (q + 128) * w summed from it is q * w
+                            wsum = lane_dot(zero, _const_vec(_I8, [1] * 64), raw)
+                            wb.append(builder.sub(zero, builder.shl(wsum, _const_vec(_I32, [7] * 16))))
                 xv, xb, xc = [], [], []
                 for t in range(TT):
                     xv.append(_load_at(builder, xrow[t], builder.mul(i, c64(64)), v64i8, 1))
@@ -593,14 +651,14 @@ def _make_int_tile(kind: str, R: int, TT: int):
                 for r in range(R):
                     for t in range(TT):
                         if kind == "q4":
-                            if INT_FLAVOR == "vnni":
-                                p32 = builder.call(dp, [xc[t], wv[r], xv[t]])
-                            else:
-                                p32 = builder.add(xc[t], builder.call(mwd, [builder.call(mub, [wv[r], xv[t]]),
-                                                                            _const_vec(_I16, [1] * 32)]))
+                            p32 = lane_dot(xc[t], wv[r], xv[t])
                             sc = _strict(builder.fmul(xb[t], wb[r]))
+                        elif flavor == "avx2":  # q = (q + 128) xor 128 as a signed byte
+                            q = builder.xor(xv[t], _const_vec(_I8, [-128] * 64))
+                            p32 = lane_dot(zero, wb[r], sign_by(q, wv[r]))
+                            sc = xb[t]
                         else:
-                            p32 = builder.call(dp, [wb[r], xv[t], wv[r]])
+                            p32 = lane_dot(wb[r], xv[t], wv[r])
                             sc = xb[t]
                         acc = accs[r][t]
                         builder.store(builder.call(fma, [builder.sitofp(p32, v16f), sc, builder.load(acc)]), acc)
@@ -616,10 +674,14 @@ def _make_int_tile(kind: str, R: int, TT: int):
 
 
 RB, TB = 4, 4  # row block of the tiled loops; token tile
-_q4_tile_2x4 = _make_int_tile("q4", 2, 4)
+# rows per token-tile pass in the row block: 2 (2 x 4 tiles, 8 accumulators of 16 lanes) on
+# AVX-512's 32 vector registers; 1 on AVX2's 16 (the 2 x 4 tile spills there): AMD EPYC Zen 3,
+# one thread, linear_q4 at T = 4-64: 14-19 G multiply-adds/s with 2 x 4, 18-26 with 1 x 4
+_TR = 1 if INT_FLAVOR == "avx2" else 2
+_q4_tile_rx4 = _make_int_tile("q4", _TR, 4)
 _q4_tile_1x4 = _make_int_tile("q4", 1, 4)
 _q4_tile_1x1 = _make_int_tile("q4", 1, 1)
-_q8_tile_2x4 = _make_int_tile("q8", 2, 4)
+_q8_tile_rx4 = _make_int_tile("q8", _TR, 4)
 _q8_tile_1x4 = _make_int_tile("q8", 1, 4)
 _q8_tile_1x1 = _make_int_tile("q8", 1, 1)
 
@@ -656,8 +718,8 @@ def _q4_block_pairs(xq, xs, xc, w, ws, o0, nr, npairs, res):
     if nr == RB:
         t = 0
         while t + TB <= T:
-            for r2 in range(0, RB, 2):
-                _q4_tile_2x4(xq, xs, xc, w, ws, o0 + r2, t, npairs, res[r2:])
+            for r2 in range(0, RB, _TR):
+                _q4_tile_rx4(xq, xs, xc, w, ws, o0 + r2, t, npairs, res[r2:])
             t += TB
         for r in range(RB):  # the last T % TB tokens: one weight row per pass (see RB), all of them at once
             _q4_tail(xq, xs, xc, w, ws, o0 + r, t, T - t, npairs, res[r:])
@@ -677,8 +739,8 @@ def _q8_block_pairs(xu, xs, w, o0, nr, npairs, res):
     if nr == RB:
         t = 0
         while t + TB <= T:
-            for r2 in range(0, RB, 2):
-                _q8_tile_2x4(xu, xs, xs, w, xs, o0 + r2, t, npairs, res[r2:])
+            for r2 in range(0, RB, _TR):
+                _q8_tile_rx4(xu, xs, xs, w, xs, o0 + r2, t, npairs, res[r2:])
             t += TB
         for r in range(RB):  # the last T % TB tokens: one weight row per pass (see RB), all of them at once
             _q8_tail(xu, xs, xs, w, xs, o0 + r, t, T - t, npairs, res[r:])

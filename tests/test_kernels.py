@@ -238,7 +238,7 @@ def test_decode_experts_in_one_call_equal_one_call_each(kind):
 
 
 @pytest.mark.slow  # every q4 / q8 kernel compiled uncached again: ~4 min per path on 2 cores
-@pytest.mark.parametrize("flavor", sorted({"vnni", "bw", "portable"} - {K.INT_FLAVOR}))
+@pytest.mark.parametrize("flavor", sorted({"vnni", "bw", "avx2", "portable"} - {K.INT_FLAVOR}))
 def test_other_integer_paths_match_reference(flavor):
     """The int4 / int8 tests again with each integer path this CPU does not pick by default
     (forced with COLIBRI_INT_KERNEL, compiled uncached), so every path of the q4 / q8 kernels
@@ -247,7 +247,8 @@ def test_other_integer_paths_match_reference(flavor):
         pytest.skip("already inside a forced-path run")
     import llvmlite.binding as llb
     feats = llb.get_host_cpu_features()
-    need = {"vnni": ("avx512bw", "avx512vnni"), "bw": ("avx512bw",), "portable": ()}[flavor]
+    need = {"vnni": ("avx512bw", "avx512vnni"), "bw": ("avx512bw",), "avx2": ("avx2", "fma"),
+            "portable": ()}[flavor]
     if not all(feats.get(f) for f in need):
         pytest.skip(f"this CPU cannot run the {flavor} path")
     env = _clean_env(COLIBRI_INT_KERNEL=flavor, PYTHONPATH=str(ROOT))
@@ -544,3 +545,56 @@ def test_exp32_is_correctly_rounded():
     out = np.empty_like(sp)
     run(sp, out)
     assert np.isnan(out[0]) and out[1] == np.inf and out[2] == 0.0
+
+
+# --- every integer path compiles for the CPUs it targets (fault: int4 aborted on AVX2 CPUs) ----
+
+TARGET_CHECK = textwrap.dedent("""
+    import numpy as np
+    from engine import kernels as K, kernels_ref as R
+    rng = np.random.default_rng(0)
+    for T in (1, 5):
+        for N in (64 * 3, 64 * 3 + 32):   # paired and unpaired last group / block
+            x = rng.standard_normal((T, N)).astype(np.float32)
+            w4 = rng.integers(0, 256, (9, N // 2), dtype=np.uint8)
+            s4 = (rng.random((9, N // 32)).astype(np.float16) + np.float16(0.5)).view(np.uint16)
+            w8 = rng.integers(-128, 128, (9, N), dtype=np.int8)   # -128 too: the sign trick
+            s8 = rng.random(9).astype(np.float32)
+            for name, args in (("linear_q4", (w4, s4, 32)), ("linear_q8", (w8, s8))):
+                got = np.full((T, 9), np.nan, np.float32)
+                ref = np.full((T, 9), np.nan, np.float32)
+                getattr(K, name)(x, *args, got)
+                getattr(R, name)(x, *args, ref)
+                assert np.allclose(got, ref, rtol=1e-4, atol=1e-4 * float(np.abs(ref).max())), (name, T, N)
+    print("ok", K.INT_FLAVOR)
+""")
+
+
+@pytest.mark.parametrize("cpu,flavor,need", [
+    ("x86-64", "portable", ()),                  # any x86-64 (and the code path of every non-x86 CPU)
+    # ~40 s of compiling each; the first one catches the fault in the default run
+    pytest.param("haswell", "avx2", ("avx2", "fma"), marks=pytest.mark.slow),  # AMD before Zen 4, Intel desktops since Alder Lake
+    pytest.param("haswell", "portable", ("avx2", "fma"), marks=pytest.mark.slow),
+    pytest.param("skylake-avx512", "bw", ("avx512bw",), marks=pytest.mark.slow),  # no VNNI: q8 must not emit vpdpbusd
+])
+def test_integer_kernels_compile_and_run_for_the_cpu_they_target(cpu, flavor, need):
+    """Each integer path, compiled by numba for a CPU model without the instructions of the
+    faster paths (NUMBA_CPU_NAME), compiles and matches kernels_ref. The tiles of every path are
+    compiled even where the path does not call them, so an AVX-512 intrinsic left in them
+    aborted the whole process ("LLVM ERROR: Do not know how to split the result of this
+    operator", exit 134) at the first int4 linear on an AVX2-only CPU."""
+    import llvmlite.binding as llb
+    feats = llb.get_host_cpu_features()
+    if platform_machine() not in ("x86_64", "amd64") or not all(feats.get(f) for f in need):
+        pytest.skip(f"this CPU cannot run code built for {cpu}")
+    env = _clean_env(COLIBRI_INT_KERNEL=flavor, NUMBA_CPU_NAME=cpu, PYTHONPATH=str(ROOT),
+                     NUMBA_CACHE_DIR=str(Path(os.environ.get("TMPDIR", "/tmp")) / "colibri-target-check"))
+    p = subprocess.run([sys.executable, "-c", TARGET_CHECK], env=env, cwd=ROOT, capture_output=True,
+                       text=True, timeout=900)
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    assert p.stdout.split() == ["ok", flavor]
+
+
+def platform_machine() -> str:
+    import platform
+    return platform.machine().lower()
