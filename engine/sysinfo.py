@@ -57,6 +57,22 @@ class CgroupMemory:
         return max(0, self.limit - max(0, self.usage - self.reclaimable))
 
 
+def cpu_name() -> str:
+    """The CPU's model name ("AMD EPYC 7B13", "Intel(R) Xeon(R) Platinum 8481C"): the first
+    "model name" / "Hardware" / "cpu model" line of /proc/cpuinfo, else platform.processor(),
+    else the machine type; "unknown" when none says. Recorded with benchmark results, since
+    the machines change and a kernel's speed depends on the CPU's instruction sets."""
+    import platform
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.lower().startswith(("model name", "hardware", "cpu model")):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def _read(p: Path) -> str | None:
     try:
         return p.read_text(encoding="ascii", errors="replace").strip()

@@ -74,7 +74,7 @@ def test_doctor_json_facts(capsys, tmp_path, monkeypatch):
     assert f["python"]["version"] == ".".join(map(str, sys.version_info[:3]))
     assert f["threads"]["default"] >= 1 and f["threads"]["in_use"] == f["threads"]["default"]
     assert f["memory"]["total_bytes"] > 0 and 0 < f["memory"]["available_bytes"] <= f["memory"]["total_bytes"]
-    assert f["cpu"]["usable_cpus"] >= 1 and f["cpu"]["int_kernels"] in ("vnni", "bw", "portable")
+    assert f["cpu"]["usable_cpus"] >= 1 and f["cpu"]["int_kernels"] in ("vnni", "bw", "avx2", "portable")
     d = f["disk_read"]
     assert 0 < d["bytes_read"] <= 4 << 20 and d["mb_per_s"] > 0 and d["path"] == str(tmp_path)
     assert f["models"]["converted"] == [] and f["models"]["default_model"]["bundled"]
@@ -173,3 +173,16 @@ def test_doctor_refuses_a_bad_disk_test_size(capsys, bad):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "--disk-test-mb" in err and "from 1 to 1024" in err and len(err) < 400
+
+
+def test_benchmark_results_name_the_cpu_and_the_integer_kernel_path():
+    """Machines change between runs and an int4 kernel's speed depends on the instruction sets
+    (AVX-512 VNNI vs AVX2 vs portable), so every result records the CPU's model name and the
+    integer path the kernels took; `colibri doctor` reports the same name."""
+    from engine import kernels
+    from engine.bench.common import machine_info
+    from engine.sysinfo import cpu_name
+
+    m = machine_info()
+    assert m["int_kernels"] == kernels.INT_FLAVOR in ("vnni", "bw", "avx2", "portable")
+    assert m["cpu_model"] == cpu_name() and m["cpu_model"].strip() not in ("", "unknown")

@@ -28,9 +28,14 @@ BENCH_KEYS = ("warm_all", "routing_trace", "routing_seed")  # arm overrides that
 
 
 def machine_info() -> dict:
-    """CPU, cores, RAM (GB), Python version and the time, recorded with every result."""
+    """CPU, its model name and integer-kernel path (kernels.INT_FLAVOR: "vnni", "bw", "avx2" or
+    "portable"), cores, RAM (GB), Python version and the time, recorded with every result."""
     import psutil
-    return {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+
+    from .. import kernels
+    from ..sysinfo import cpu_name
+    return {"cpu": platform.processor() or platform.machine(), "cpu_model": cpu_name(),
+            "int_kernels": kernels.INT_FLAVOR, "cores": os.cpu_count(),
             "ram_gb": round(psutil.virtual_memory().total / 1e9, 1), "python": platform.python_version(),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 

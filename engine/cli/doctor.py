@@ -72,17 +72,6 @@ def package_versions() -> dict[str, str]:
     return out
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            for line in f:
-                if line.lower().startswith(("model name", "hardware", "cpu model")):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
 @dataclass
 class DiskSpeed:
     """Result of :func:`disk_read_speed`: bytes read in seconds (0 when not measured), the
@@ -240,9 +229,9 @@ def collect(disk_test: bool = True, budget_bytes: int = DISK_TEST_BYTES,
 
     def cpu():
         from .. import kernels as K
-        from ..sysinfo import affinity_cpus, cgroup_cpu_quota, usable_cpus
+        from ..sysinfo import affinity_cpus, cgroup_cpu_quota, cpu_name, usable_cpus
         feats = K.cpu_features()
-        return {"name": _cpu_name(), "logical_cpus": os.cpu_count(), "affinity_cpus": affinity_cpus(),
+        return {"name": cpu_name(), "logical_cpus": os.cpu_count(), "affinity_cpus": affinity_cpus(),
                 "cgroup_cpu_quota": cgroup_cpu_quota(), "usable_cpus": usable_cpus(),
                 "features": {f: feats[f] for f in CPU_FLAGS if f in feats},
                 "int_kernels": K.INT_FLAVOR}
