@@ -675,8 +675,9 @@ def _make_int_tile(kind: str, R: int, TT: int):
 
 RB, TB = 4, 4  # row block of the tiled loops; token tile
 # rows per token-tile pass in the row block: 2 (2 x 4 tiles, 8 accumulators of 16 lanes) on
-# AVX-512's 32 vector registers; 1 on AVX2's 16 (the 2 x 4 tile spills there): AMD EPYC Zen 3,
-# one thread, linear_q4 at T = 4-64: 14-19 G multiply-adds/s with 2 x 4, 18-26 with 1 x 4
+# AVX-512's 32 vector registers; 1 on AVX2's 16. AMD EPYC Zen 3, one thread, linear_q4 at
+# T = 4-64: by wall time 14-19 G multiply-adds/s with 2 x 4 and 18-26 with 1 x 4, but by
+# thread CPU time (the suite running beside it) 1 x 2 to 2 x 4 all ran ~20: a weak preference
 _TR = 1 if INT_FLAVOR == "avx2" else 2
 _q4_tile_rx4 = _make_int_tile("q4", _TR, 4)
 _q4_tile_1x4 = _make_int_tile("q4", 1, 4)
