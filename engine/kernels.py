@@ -865,6 +865,91 @@ def linear_q4(x, w, s, gs, out):
                 out[t, o] = _q4_out(P, w, s, sh, hg, o, t)
 
 
+@njit(parallel=True, **_KW)
+def linears_q4(x, w, s, gs, out):
+    """Several int4 matrices on the same rows in one call: out[m] = linear_q4(x, w[m], s[m], gs)
+    for every m (a decode step's q / k / v projections).
+
+    x float32 [T, N]; w: tuple of uint8 [O_m, N // 2]; s: tuple of group scales [O_m, G] (all
+    uint16 half bits or all float32); out: tuple of float32 [T, O_m]. x is quantized once, and
+    one parallel launch covers the row blocks of every matrix: at T = 1 on an AMD EPYC Zen 4
+    (2 threads, weights from DRAM) three [2048, 2048] matrices took 3 x 140 us as three
+    linear_q4 calls and ~230 us as one [6144, 2048] call (kernel launch and ramp-up per call).
+    Each row runs linear_q4's code, so the values are bit-identical to separate calls."""
+    P = _q4_prepare(x, gs)
+    T, M = x.shape[0], len(w)
+    if P[0]:
+        nbm = np.empty(M + 1, np.int64)  # first row block of each matrix
+        nbm[0] = 0
+        for m in range(M):
+            nbm[m + 1] = nbm[m] + (w[m].shape[0] + RB - 1) // RB
+        scr = np.empty((nbm[M], RB, T), np.float32)
+        for b in prange(nbm[M]):
+            m = 0
+            while b >= nbm[m + 1]:
+                m += 1
+            o0 = (b - nbm[m]) * RB
+            res = scr[b]
+            _q4_rows(P, w[m], s[m], o0, res)
+            om = out[m]
+            for r in range(min(RB, w[m].shape[0] - o0)):
+                for t in range(T):
+                    om[t, o0 + r] = res[r, t]
+    else:
+        sh, hg = _q4_shift(gs), gs // 2
+        nrm = np.empty(M + 1, np.int64)
+        nrm[0] = 0
+        for m in range(M):
+            nrm[m + 1] = nrm[m] + w[m].shape[0]
+        for b in prange(nrm[M]):
+            m = 0
+            while b >= nrm[m + 1]:
+                m += 1
+            o = b - nrm[m]
+            om = out[m]
+            for t in range(T):
+                om[t, o] = _q4_out(P, w[m], s[m], sh, hg, o, t)
+
+
+@njit(parallel=True, **_KW)
+def linears_q8(x, w, s, out):
+    """q8 twin of linears_q4: out[m] = linear_q8(x, w[m], s[m]) for every m, x quantized once,
+    one launch; w: tuple of int8 [O_m, N], s: tuple of float32 [O_m], out: tuple of float32
+    [T, O_m]. Bit-identical to separate linear_q8 calls."""
+    P = _q8_prepare(x)
+    T, M = x.shape[0], len(w)
+    if P[0]:
+        nbm = np.empty(M + 1, np.int64)
+        nbm[0] = 0
+        for m in range(M):
+            nbm[m + 1] = nbm[m] + (w[m].shape[0] + RB - 1) // RB
+        scr = np.empty((nbm[M], RB, T), np.float32)
+        for b in prange(nbm[M]):
+            m = 0
+            while b >= nbm[m + 1]:
+                m += 1
+            o0 = (b - nbm[m]) * RB
+            res = scr[b]
+            _q8_rows(P, w[m], s[m], o0, res)
+            om = out[m]
+            for r in range(min(RB, w[m].shape[0] - o0)):
+                for t in range(T):
+                    om[t, o0 + r] = res[r, t]
+    else:
+        nrm = np.empty(M + 1, np.int64)
+        nrm[0] = 0
+        for m in range(M):
+            nrm[m + 1] = nrm[m] + w[m].shape[0]
+        for b in prange(nrm[M]):
+            m = 0
+            while b >= nrm[m + 1]:
+                m += 1
+            o = b - nrm[m]
+            om = out[m]
+            for t in range(T):
+                om[t, o] = _q8_out(P, w[m], s[m], o, t)
+
+
 _FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                  -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)  # e2m1 code -> value
 # e8m0 scale byte X -> 2^(X - 127); 255 (NaN in OCP MX) -> inf, as transformers' ldexp gives
@@ -1463,7 +1548,8 @@ def gated_delta(q, k, v, g, beta, S, chunk, out):
 # Every parallel kernel: with a threading layer that is not thread-safe (SERIALIZED), each is
 # launched under one lock (a list was defined twice here, the second one missing the decode
 # experts, MXFP4 and sink attention kernels).
-PARALLEL_KERNELS = ("linear_f32", "linear_f16", "linear_q8", "linear_q4", "linear_mxfp4", "expert_f32",
+PARALLEL_KERNELS = ("linear_f32", "linear_f16", "linear_q8", "linear_q4", "linears_q8", "linears_q4",
+                    "linear_mxfp4", "expert_f32",
                     "expert_f16", "expert_q8", "expert_q4", "experts_q4_t1", "experts_q8_t1",
                     "attention", "attention_sink", "gated_delta")
 _LAUNCH_LOCK = threading.Lock()

@@ -56,6 +56,16 @@ def linear_q4(x, w, s, gs, out):
     out[...] = quantize_activations(x, gs) @ _q4(w, s, gs).T
 
 
+def linears_q4(x, w, s, gs, out):
+    for wm, sm, om in zip(w, s, out):
+        linear_q4(x, wm, sm, gs, om)
+
+
+def linears_q8(x, w, s, out):
+    for wm, sm, om in zip(w, s, out):
+        linear_q8(x, wm, sm, om)
+
+
 _FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                  -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=np.float32)
 

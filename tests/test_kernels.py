@@ -205,9 +205,15 @@ def test_rows_do_not_depend_on_T_or_threads(kind):
 def test_decode_experts_in_one_call_equal_one_call_each(kind):
     """experts_q4_t1 / experts_q8_t1 (a decode step's experts in one call) give each expert's
     row bit for bit as expert_q4 / expert_q8 on that expert alone, with 1 or all threads, for
-    odd group counts and widths that are not a multiple of the row block; and match kernels_ref."""
+    odd group counts and widths that are not a multiple of the row block; and match kernels_ref.
+
+    Every call passes tuples of PAD entries, as the engine pads them to num_experts_per_tok
+    (one compiled specialization per tuple length; each costs ~25 s of compilation on 2 cores,
+    and the forced-path runs compile it again per path): n < PAD checks that entries past n
+    are never read, n = PAD the unpadded call."""
     import numba
-    shapes = ((96, 64, 3), (64, 32, 1), (160, 96, 10)) if kind == "int4" else ((33, 17, 3), (64, 48, 1), (70, 66, 8))
+    PAD = 4
+    shapes = ((96, 64, 3), (64, 32, 1), (160, 96, PAD)) if kind == "int4" else ((33, 17, 3), (64, 48, 1), (70, 66, PAD))
     n0 = numba.get_num_threads()
     try:
         for D, I, n in shapes:
@@ -217,18 +223,14 @@ def test_decode_experts_in_one_call_equal_one_call_each(kind):
             x = rng.standard_normal((1, D)).astype(np.float32)
             each = np.stack([expert_call(K, kind, x, parts, 32, I, D)[1][0] for parts in experts])
             f = [tuple(parts[m][key] for parts in experts) for m in range(3) for key in ("w", "s")]
+            fp = [t + (t[0],) * (PAD - n) for t in f]  # padded past n: those entries are not read
             extra = (32,) if kind == "int4" else ()
             name = "experts_q4_t1" if kind == "int4" else "experts_q8_t1"
             for threads in sorted({1, n0}):
                 numba.set_num_threads(threads)
                 out = np.full((n, D), np.nan, np.float32)
-                getattr(K, name)(x, *f, *extra, np.full((n, I), np.nan, np.float32), out)
+                getattr(K, name)(x, *fp, *extra, np.full((n, I), np.nan, np.float32), out)
                 assert np.array_equal(out, each), (kind, D, I, n, threads)
-            # tuples padded past n (the engine pads to K: one specialization): entries past n unread
-            fp = [t + (t[0],) * 2 for t in f]
-            outp = np.full((n, D), np.nan, np.float32)
-            getattr(K, name)(x, *fp, *extra, np.full((n, I), np.nan, np.float32), outp)
-            assert np.array_equal(outp, each), (kind, D, I, n, "padded")
             ref = np.full((n, D), np.nan, np.float32)
             getattr(R, name)(x, *f, *extra, np.full((n, I), np.nan, np.float32), ref)
             assert np.array_equal(ref, np.stack([expert_call(R, kind, x, parts, 32, I, D)[1][0] for parts in experts]))
@@ -237,25 +239,91 @@ def test_decode_experts_in_one_call_equal_one_call_each(kind):
         numba.set_num_threads(n0)
 
 
-@pytest.mark.slow  # every q4 / q8 kernel compiled uncached again: ~4 min per path on 2 cores
-@pytest.mark.parametrize("flavor", sorted({"vnni", "bw", "avx2", "portable"} - {K.INT_FLAVOR}))
-def test_other_integer_paths_match_reference(flavor):
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_linears_in_one_call_equal_separate_calls(kind):
+    """linears_q4 / linears_q8 (q / k / v in one call) give each matrix's output bit for bit as
+    its own linear_q4 / linear_q8 call, at T = 1 (decode) and T = 9 (tokens past a token tile,
+    prange quantization), with 1 or all threads, for row counts that are not a multiple of the
+    row block; and match kernels_ref."""
+    import numba
+    N = 96 if kind == "int4" else 70
+    rows = (64, 30, 13)
+    rng = rng_for("linears", kind)
+    parts = [weight(rng, O, N, kind)[0] for O in rows]
+    w, s = tuple(p["w"] for p in parts), tuple(p["s"] for p in parts)
+    extra = (32,) if kind == "int4" else ()
+    name = "linears_q4" if kind == "int4" else "linears_q8"
+    n0 = numba.get_num_threads()
+    try:
+        for T in (1, 9):
+            x = rng.standard_normal((T, N)).astype(np.float32)
+            each = [run_linear(K, kind, x, p, 32, O) for p, O in zip(parts, rows)]
+            for threads in sorted({1, n0}):
+                numba.set_num_threads(threads)
+                outs = tuple(np.full((T, O), np.nan, np.float32) for O in rows)
+                getattr(K, name)(x, w, s, *extra, outs)
+                for o, e in zip(outs, each):
+                    assert np.array_equal(o, e), (kind, T, threads)
+            refs = tuple(np.full((T, O), np.nan, np.float32) for O in rows)
+            getattr(R, name)(x, w, s, *extra, refs)
+            for r, p, O in zip(refs, parts, rows):
+                assert np.array_equal(r, run_linear(R, kind, x, p, 32, O))
+    finally:
+        numba.set_num_threads(n0)
+
+
+_FLAVOR_NEEDS = {"vnni": ("avx512bw", "avx512vnni"), "bw": ("avx512bw",), "avx2": ("avx2", "fma"),
+                 "portable": ()}
+_OTHER_FLAVORS = sorted(set(_FLAVOR_NEEDS) - {K.INT_FLAVOR})
+
+
+def _runnable(flavor: str) -> bool:
+    import llvmlite.binding as llb
+    feats = llb.get_host_cpu_features()
+    return all(feats.get(f) for f in _FLAVOR_NEEDS[flavor])
+
+
+@pytest.fixture(scope="module")
+def forced_path_runs(request, tmp_path_factory):
+    """One pytest subprocess per integer path that this module's selected forced-path tests
+    ask for and this CPU can run, all started at once: each compiles every q4 / q8 kernel
+    uncached (~5 min of one core), and compilation is single-threaded, so on 2 cores running
+    them side by side takes about half the time of running them one after another."""
+    wanted = sorted({item.callspec.params["flavor"] for item in request.session.items
+                     if item.originalname == "test_other_integer_paths_match_reference"})
+    procs = {}
+    logs = tmp_path_factory.mktemp("forced-paths")
+    for flavor in wanted if not os.environ.get("COLIBRI_INT_KERNEL") else ():
+        if not _runnable(flavor):
+            continue
+        env = _clean_env(COLIBRI_INT_KERNEL=flavor, PYTHONPATH=str(ROOT))
+        log = open(logs / f"{flavor}.log", "w+")  # a file, not a pipe: no process waits on a full pipe
+        procs[flavor] = (subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+             "-k", "(int4 or int8 or q4_other_group) and not embed"],
+            env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT), log)
+    yield procs
+    for p, log in procs.values():
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+        log.close()
+
+
+@pytest.mark.slow  # every q4 / q8 kernel compiled uncached again: ~5 min of one core per path
+@pytest.mark.parametrize("flavor", _OTHER_FLAVORS)
+def test_other_integer_paths_match_reference(flavor, forced_path_runs):
     """The int4 / int8 tests again with each integer path this CPU does not pick by default
     (forced with COLIBRI_INT_KERNEL, compiled uncached), so every path of the q4 / q8 kernels
     is checked against kernels_ref where the CPU can run it."""
     if os.environ.get("COLIBRI_INT_KERNEL"):
         pytest.skip("already inside a forced-path run")
-    import llvmlite.binding as llb
-    feats = llb.get_host_cpu_features()
-    need = {"vnni": ("avx512bw", "avx512vnni"), "bw": ("avx512bw",), "avx2": ("avx2", "fma"),
-            "portable": ()}[flavor]
-    if not all(feats.get(f) for f in need):
+    if not _runnable(flavor):
         pytest.skip(f"this CPU cannot run the {flavor} path")
-    env = _clean_env(COLIBRI_INT_KERNEL=flavor, PYTHONPATH=str(ROOT))
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                        "-k", "(int4 or int8 or q4_other_group) and not embed"], env=env, cwd=ROOT, capture_output=True, text=True,
-                       timeout=1200)
-    assert p.returncode == 0, p.stdout[-3000:]
+    p, log = forced_path_runs[flavor]
+    p.wait(timeout=1800)
+    log.seek(0)
+    assert p.returncode == 0, log.read()[-3000:]
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

@@ -637,6 +637,43 @@ class Linear:
         return out
 
 
+class LinearGroup:
+    """Resident matrices applied to the same input x [T, N] (the attention's q / k / v): one
+    kernel call for all of them (K.linears_q4 / linears_q8: x quantized once, one parallel
+    launch) when they are all int4 with the same scale dtype or all int8, with identical array
+    types (one compiled specialization); otherwise each Linear on its own. Values are
+    bit-identical either way (tests/test_kernels.py, tests/test_families.py)."""
+
+    def __init__(self, parts: list[Linear]):
+        self.parts = parts
+        first = parts[0]
+
+        def sig(p):
+            return (p.kind, p.gs, p.w.dtype, p.w.ndim, p.w.flags.c_contiguous, p.w.flags.writeable,
+                    p.s.dtype, p.s.ndim, p.s.flags.c_contiguous, p.s.flags.writeable)
+        same = (len(parts) > 1 and first.kind in ("int4", "int8")
+                and all(p.kind == first.kind for p in parts) and all(sig(p) == sig(first) for p in parts))
+        self.kind = first.kind if same else None
+        self.w = tuple(p.w for p in parts)
+        self.s = tuple(p.s for p in parts)
+        self.gs = first.gs
+
+    def __call__(self, x: np.ndarray, outs: tuple) -> tuple:
+        """outs: float32 [T, O_m] per part, filled with x @ W_m^T (+ bias); returns outs."""
+        if self.kind == "int4":
+            K.linears_q4(x, self.w, self.s, self.gs, outs)
+        elif self.kind == "int8":
+            K.linears_q8(x, self.w, self.s, outs)
+        else:
+            for p, o in zip(self.parts, outs):
+                p(x, o)
+            return outs
+        for p, o in zip(self.parts, outs):
+            if p.bias is not None:
+                o += p.bias
+        return outs
+
+
 def linear_views(kind: str, v: dict, proj: str, x: np.ndarray, out: np.ndarray, gs: int) -> np.ndarray:
     """out[T, O] = x[T, N] @ W^T (+ the bias "{proj}.b" when the slab holds one) for the
     projection ``proj`` of the slab views ``v`` at weight kind ``kind``."""
@@ -838,6 +875,7 @@ class MoEModel:
         ly = {"q_norm": dense.get(p + "q_norm"), "k_norm": dense.get(p + "k_norm")}
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
             ly[n] = Linear(dense, p + n, self.dense_quant, self.gs)
+        ly["qkv"] = LinearGroup([ly["q_proj"], ly["k_proj"], ly["v_proj"]])
         return ly
 
     def alloc_kv(self) -> None:
@@ -907,9 +945,9 @@ class MoEModel:
         H, Hkv, S = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         h = np.empty_like(x)  # [T, D]
         K.rmsnorm(x, ly["input_layernorm"], a.rms_norm_eps, h)
-        q = ly["q_proj"](h, np.empty((T, H * S), np.float32))  # [T, H*S]
-        k = ly["k_proj"](h, np.empty((T, Hkv * S), np.float32))  # [T, Hkv*S]
-        v = ly["v_proj"](h, np.empty((T, Hkv * S), np.float32))  # [T, Hkv*S]
+        q, k, v = ly["qkv"](h, (np.empty((T, H * S), np.float32),  # [T, H*S]
+                                np.empty((T, Hkv * S), np.float32),  # [T, Hkv*S]
+                                np.empty((T, Hkv * S), np.float32)))  # [T, Hkv*S]
         self.qk_norm(i, q, k)
         if a.clip_qkv is not None:
             for t in (q, k, v):

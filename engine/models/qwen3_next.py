@@ -61,7 +61,7 @@ import numpy as np
 
 from ..errors import Cancelled, ConfigError
 from . import base
-from .base import PREFILL_CHUNK, K, Linear, Tensor
+from .base import PREFILL_CHUNK, K, Linear, LinearGroup, Tensor
 
 MODEL_TYPE = "qwen3_next"
 DISPLAY_NAME = "Qwen3-Next"
@@ -308,6 +308,8 @@ class Model(base.MoEModel):
             return super().attention_weights(dense, p)
         ly = {n: Linear(dense, p + n, dq, gs) for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
                                                         "out_proj")}
+        ly["in_proj_qkvz"] = LinearGroup([ly["in_proj_qkv"], ly["in_proj_z"]])  # one call each (same input)
+        ly["in_proj_ba"] = LinearGroup([ly["in_proj_b"], ly["in_proj_a"]])
         conv = np.asarray(dense[p + "conv1d"], np.float32)  # [Cc, 1, Kc]
         ly["conv1d"] = np.ascontiguousarray(conv[:, 0, :].T)  # [Kc, Cc]
         ly["neg_A"] = -np.exp(np.asarray(dense[p + "A_log"], np.float32))  # [nv]
@@ -455,11 +457,11 @@ class Model(base.MoEModel):
         H, Hkv, S, R = a.num_attention_heads, a.num_key_value_heads, a.head_dim, self.rotary_dim
         h = np.empty_like(x)
         K.rmsnorm(x, ly["input_layernorm"], a.rms_norm_eps, h)
-        qg = ly["q_proj"](h, np.empty((T, 2 * H * S), np.float32)).reshape(T, H, 2 * S)
+        qg, k, v = ly["qkv"](h, (np.empty((T, 2 * H * S), np.float32), np.empty((T, Hkv * S), np.float32),
+                                 np.empty((T, Hkv * S), np.float32)))
+        qg = qg.reshape(T, H, 2 * S)
         q = np.ascontiguousarray(qg[:, :, :S])  # [T, H, S]
         gate = qg[:, :, S:].reshape(T, H * S)
-        k = ly["k_proj"](h, np.empty((T, Hkv * S), np.float32))
-        v = ly["v_proj"](h, np.empty((T, Hkv * S), np.float32))
         q2, k2 = q.reshape(-1, S), k.reshape(-1, S)
         K.rmsnorm(q2, ly["q_norm"], a.rms_norm_eps, q2)
         K.rmsnorm(k2, ly["k_norm"], a.rms_norm_eps, k2)
@@ -486,10 +488,9 @@ class Model(base.MoEModel):
         Kd, Vd = a.key_dim, a.value_dim
         h = np.empty_like(x)
         K.rmsnorm(x, ly["input_layernorm"], a.rms_norm_eps, h)
-        qkv = ly["in_proj_qkv"](h, np.empty((T, a.conv_dim), np.float32))  # [T, Cc]
-        z = ly["in_proj_z"](h, np.empty((T, Vd), np.float32))
-        b = ly["in_proj_b"](h, np.empty((T, nv), np.float32))
-        ga = ly["in_proj_a"](h, np.empty((T, nv), np.float32))
+        qkv, z = ly["in_proj_qkvz"](h, (np.empty((T, a.conv_dim), np.float32),  # [T, Cc]
+                                        np.empty((T, Vd), np.float32)))
+        b, ga = ly["in_proj_ba"](h, (np.empty((T, nv), np.float32), np.empty((T, nv), np.float32)))
         r = self.state_row[i]
         w = ly["conv1d"]  # [Kc, Cc]
         kc = w.shape[0] - 1
