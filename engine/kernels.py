@@ -865,6 +865,25 @@ def linear_q4(x, w, s, gs, out):
                 out[t, o] = _q4_out(P, w, s, sh, hg, o, t)
 
 
+@njit(inline="always", **_KW)
+def _starts(w, per):
+    """Prefix sums [M + 1] of the units (row blocks of ``per`` rows) of each matrix in w."""
+    st = np.empty(len(w) + 1, np.int64)
+    st[0] = 0
+    for m in range(len(w)):
+        st[m + 1] = st[m] + (w[m].shape[0] + per - 1) // per
+    return st
+
+
+@njit(inline="always", **_KW)
+def _which(b, st):
+    """The matrix m whose units st[m] <= b < st[m + 1] hold unit b (few matrices: a scan)."""
+    m = 0
+    while b >= st[m + 1]:
+        m += 1
+    return m
+
+
 @njit(parallel=True, **_KW)
 def linears_q4(x, w, s, gs, out):
     """Several int4 matrices on the same rows in one call: out[m] = linear_q4(x, w[m], s[m], gs)
@@ -877,18 +896,13 @@ def linears_q4(x, w, s, gs, out):
     linear_q4 calls and ~230 us as one [6144, 2048] call (kernel launch and ramp-up per call).
     Each row runs linear_q4's code, so the values are bit-identical to separate calls."""
     P = _q4_prepare(x, gs)
-    T, M = x.shape[0], len(w)
+    T = x.shape[0]
     if P[0]:
-        nbm = np.empty(M + 1, np.int64)  # first row block of each matrix
-        nbm[0] = 0
-        for m in range(M):
-            nbm[m + 1] = nbm[m] + (w[m].shape[0] + RB - 1) // RB
-        scr = np.empty((nbm[M], RB, T), np.float32)
-        for b in prange(nbm[M]):
-            m = 0
-            while b >= nbm[m + 1]:
-                m += 1
-            o0 = (b - nbm[m]) * RB
+        st = _starts(w, RB)
+        scr = np.empty((st[-1], RB, T), np.float32)
+        for b in prange(st[-1]):
+            m = _which(b, st)
+            o0 = (b - st[m]) * RB
             res = scr[b]
             _q4_rows(P, w[m], s[m], o0, res)
             om = out[m]
@@ -897,18 +911,12 @@ def linears_q4(x, w, s, gs, out):
                     om[t, o0 + r] = res[r, t]
     else:
         sh, hg = _q4_shift(gs), gs // 2
-        nrm = np.empty(M + 1, np.int64)
-        nrm[0] = 0
-        for m in range(M):
-            nrm[m + 1] = nrm[m] + w[m].shape[0]
-        for b in prange(nrm[M]):
-            m = 0
-            while b >= nrm[m + 1]:
-                m += 1
-            o = b - nrm[m]
+        st = _starts(w, 1)
+        for b in prange(st[-1]):
+            m = _which(b, st)
             om = out[m]
             for t in range(T):
-                om[t, o] = _q4_out(P, w[m], s[m], sh, hg, o, t)
+                om[t, b - st[m]] = _q4_out(P, w[m], s[m], sh, hg, b - st[m], t)
 
 
 @njit(parallel=True, **_KW)
@@ -917,18 +925,13 @@ def linears_q8(x, w, s, out):
     one launch; w: tuple of int8 [O_m, N], s: tuple of float32 [O_m], out: tuple of float32
     [T, O_m]. Bit-identical to separate linear_q8 calls."""
     P = _q8_prepare(x)
-    T, M = x.shape[0], len(w)
+    T = x.shape[0]
     if P[0]:
-        nbm = np.empty(M + 1, np.int64)
-        nbm[0] = 0
-        for m in range(M):
-            nbm[m + 1] = nbm[m] + (w[m].shape[0] + RB - 1) // RB
-        scr = np.empty((nbm[M], RB, T), np.float32)
-        for b in prange(nbm[M]):
-            m = 0
-            while b >= nbm[m + 1]:
-                m += 1
-            o0 = (b - nbm[m]) * RB
+        st = _starts(w, RB)
+        scr = np.empty((st[-1], RB, T), np.float32)
+        for b in prange(st[-1]):
+            m = _which(b, st)
+            o0 = (b - st[m]) * RB
             res = scr[b]
             _q8_rows(P, w[m], s[m], o0, res)
             om = out[m]
@@ -936,18 +939,12 @@ def linears_q8(x, w, s, out):
                 for t in range(T):
                     om[t, o0 + r] = res[r, t]
     else:
-        nrm = np.empty(M + 1, np.int64)
-        nrm[0] = 0
-        for m in range(M):
-            nrm[m + 1] = nrm[m] + w[m].shape[0]
-        for b in prange(nrm[M]):
-            m = 0
-            while b >= nrm[m + 1]:
-                m += 1
-            o = b - nrm[m]
+        st = _starts(w, 1)
+        for b in prange(st[-1]):
+            m = _which(b, st)
             om = out[m]
             for t in range(T):
-                om[t, o] = _q8_out(P, w[m], s[m], o, t)
+                om[t, b - st[m]] = _q8_out(P, w[m], s[m], b - st[m], t)
 
 
 _FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
