@@ -884,6 +884,26 @@ def _which(b, st):
     return m
 
 
+def _make_block_into(rows):
+    """Row block b (of _starts(w, RB)) of the matrices w into out[m] by ``rows`` (_q4_rows or
+    _q8_rows: the same arguments P, w, s, o0, res), through the block's scratch scr[b]."""
+    @njit(inline="always", **_KW)
+    def block_into(P, w, s, st, b, scr, out):
+        m = _which(b, st)
+        o0 = (b - st[m]) * RB
+        res = scr[b]
+        rows(P, w[m], s[m], o0, res)
+        om = out[m]
+        for r in range(min(RB, w[m].shape[0] - o0)):
+            for t in range(om.shape[0]):
+                om[t, o0 + r] = res[r, t]
+    return block_into
+
+
+_q4_block_into = _make_block_into(_q4_rows)
+_q8_block_into = _make_block_into(_q8_rows)
+
+
 @njit(parallel=True, **_KW)
 def linears_q4(x, w, s, gs, out):
     """Several int4 matrices on the same rows in one call: out[m] = linear_q4(x, w[m], s[m], gs)
@@ -901,14 +921,7 @@ def linears_q4(x, w, s, gs, out):
         st = _starts(w, RB)
         scr = np.empty((st[-1], RB, T), np.float32)
         for b in prange(st[-1]):
-            m = _which(b, st)
-            o0 = (b - st[m]) * RB
-            res = scr[b]
-            _q4_rows(P, w[m], s[m], o0, res)
-            om = out[m]
-            for r in range(min(RB, w[m].shape[0] - o0)):
-                for t in range(T):
-                    om[t, o0 + r] = res[r, t]
+            _q4_block_into(P, w, s, st, b, scr, out)
     else:
         sh, hg = _q4_shift(gs), gs // 2
         st = _starts(w, 1)
@@ -930,14 +943,7 @@ def linears_q8(x, w, s, out):
         st = _starts(w, RB)
         scr = np.empty((st[-1], RB, T), np.float32)
         for b in prange(st[-1]):
-            m = _which(b, st)
-            o0 = (b - st[m]) * RB
-            res = scr[b]
-            _q8_rows(P, w[m], s[m], o0, res)
-            om = out[m]
-            for r in range(min(RB, w[m].shape[0] - o0)):
-                for t in range(T):
-                    om[t, o0 + r] = res[r, t]
+            _q8_block_into(P, w, s, st, b, scr, out)
     else:
         st = _starts(w, 1)
         for b in prange(st[-1]):
