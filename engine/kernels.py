@@ -682,6 +682,16 @@ _TR = 1 if INT_FLAVOR == "avx2" else 2
 _q4_tile_rx4 = _make_int_tile("q4", _TR, 4)
 _q4_tile_1x4 = _make_int_tile("q4", 1, 4)
 _q4_tile_1x1 = _make_int_tile("q4", 1, 1)
+# Decode (T = 1) stays one weight row per pass. Measured on AMD EPYC Zen 4, 2 threads, OLMoE-1B-7B
+# int4-dense4 by tools/profile_forward.py, interleaved with the 1 x 1 code: a 4 x 1 tile over the
+# row block (sharing the activation loads) made the experts 20-21 -> 28-31 ms per token, and two
+# 2 x 1 tiles 17-21 -> 28-29: R rows of a row-major matrix are R short streams 1 KB apart,
+# where 1 x 1 walks the block as one sequential stream. With the rows interleaved every 32
+# bytes (llama.cpp's repacked layout) a 4 x 1 tile gave bit-identical sums and ~31 GB/s on a
+# [65536, 2048] matrix, the same as 1 x 1 (both at this machine's DRAM bandwidth), so the T = 1
+# tile is not what holds decode back: the experts of a token run at ~25 GB/s alone (16 layers
+# x 8 experts cycled, 453 MB) and ~22 GB/s inside the forward. Dropping the software prefetch
+# (PREFETCH_BYTES = 0) made them ~10% slower.
 _q8_tile_rx4 = _make_int_tile("q8", _TR, 4)
 _q8_tile_1x4 = _make_int_tile("q8", 1, 4)
 _q8_tile_1x1 = _make_int_tile("q8", 1, 1)
