@@ -1198,12 +1198,17 @@ def experts_q4_t1(x, gw, gs, uw, us, dw, ds, gsz, h, out):
         nbi = (I + RB - 1) // RB
         scg = np.empty((n * nbi, RB, 1), np.float32)
         scu = np.empty((n * nbi, RB, 1), np.float32)
+        # the gate rows of all n experts, then their up rows: each thread streams one matrix at
+        # a time (alternating gate and up blocks, two streams, read at ~24 GB/s against ~31
+        # for one; Zen 4, 2 threads); the same sums, so the same values
+        for b in prange(n * nbi):
+            k = b // nbi
+            _q4_rows(P, gw[k], gs[k], (b - k * nbi) * RB, scg[b])
         for b in prange(n * nbi):
             k = b // nbi
             i0 = (b - k * nbi) * RB
             rg = scg[b]
             ru = scu[b]
-            _q4_rows(P, gw[k], gs[k], i0, rg)
             _q4_rows(P, uw[k], us[k], i0, ru)
             for r in range(min(RB, I - i0)):
                 h[k, i0 + r] = _silu_mul(rg[r, 0], ru[r, 0])
