@@ -142,6 +142,11 @@ def kv_f32(a):
     return a.view(np.float16).astype(np.float32) if a.dtype == np.uint16 else a
 
 
+def kv_put_f16(src, dst):
+    """dst[...] = IEEE half bits of src clipped to the finite half range (numpy's rounding)."""
+    dst[...] = np.clip(src, -65504.0, 65504.0).astype(np.float16).view(np.uint16)
+
+
 def attention(q, kc, vc, pos0, scale, out):
     n_used = pos0 + q.shape[0]
     kc, vc = kv_f32(kc[:, :n_used]), kv_f32(vc[:, :n_used])

@@ -666,3 +666,34 @@ def test_integer_kernels_compile_and_run_for_the_cpu_they_target(cpu, flavor, ne
 def platform_machine() -> str:
     import platform
     return platform.machine().lower()
+
+
+def test_kv_put_f16_rounds_exactly_as_numpy():
+    """K and V rows enter an f16 KV cache through K.kv_put_f16 (integer arithmetic): the bits
+    must be numpy's clip + astype(float16) (kernels_ref) for every exponent, the rounding ties
+    (to even, both parities), the subnormal halves and their boundary, signed zeros, values past
+    the half range (clipped, never inf), NaN (stays NaN, numpy's payload) and inf; into a strided cache view, in
+    both loop forms (serial below 65536 values, parallel above)."""
+    rng = np.random.default_rng(7)
+    bits = [rng.integers(0, 2 ** 32, 300_000, dtype=np.uint64).astype(np.uint32)]
+    for e in range(95, 145):  # every exponent from below the subnormal halves to past 65504
+        m = np.concatenate([np.arange(0, 1 << 14, dtype=np.uint32),  # low bits: every tie pattern
+                            rng.integers(0, 1 << 23, 4096, dtype=np.uint64).astype(np.uint32),
+                            np.array([0x7FFFFF, 0x400000, 0x401000, 0x403000, 0x3FF000], np.uint32)])
+        for sign in (0, 1):
+            bits.append((np.uint32(sign << 31) | np.uint32(e << 23) | m).astype(np.uint32))
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 65504.0, 65519.99, 65520.0, 1e9, -1e9,
+                        2.0 ** -24, 2.0 ** -25, 3 * 2.0 ** -26, 2.0 ** -14, 6.1e-5, 1.0, -1.0], np.float32)
+    x = np.concatenate([b.view(np.float32) for b in bits] + [special])
+    n = (len(x) // 64) * 64
+    src = x[:n].reshape(-1, 4, 16)
+    want = np.empty(src.shape, np.uint16)
+    R.kv_put_f16(src, want)
+    for rows in (8, src.shape[0]):  # 512 values (serial loop) and all of them (parallel loop)
+        cache = np.zeros((4, rows + 3, 16), np.uint16)  # [H, C, S]: written through a transposed view
+        K.kv_put_f16(src[:rows], cache[:, 2:2 + rows].transpose(1, 0, 2))
+        got = cache[:, 2:2 + rows].transpose(1, 0, 2)
+        assert np.array_equal(got, want[:rows])  # NaN payloads too
+        assert np.isnan(got[np.isnan(src[:rows])].view(np.float16)).all()
+        assert not np.isinf(got.view(np.float16)).any()
+        assert (cache[:, :2] == 0).all() and (cache[:, 2 + rows:] == 0).all()

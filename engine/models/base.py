@@ -46,7 +46,6 @@ else:
 
 PREFILL_CHUNK = 128
 KV_DTYPES = {"f16": np.uint16, "f32": np.float32}  # KV cache element: IEEE half bits or float32
-F16_MAX = 65504.0  # largest finite IEEE half
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # slab field names (store canonical)
 
 
@@ -964,8 +963,8 @@ class MoEModel:
                 part = np.ascontiguousarray(t3[:, :, :R])
                 K.rope(part, cos, sin)
                 t3[:, :, :R] = part
-        self.k_cache[i, :, pos0:pos0 + T] = self._kv_store(k3.transpose(1, 0, 2))
-        self.v_cache[i, :, pos0:pos0 + T] = self._kv_store(v.reshape(T, Hkv, S).transpose(1, 0, 2))
+        self._kv_write(self.k_cache[i, :, pos0:pos0 + T].transpose(1, 0, 2), k3)  # [T, Hkv, S] views
+        self._kv_write(self.v_cache[i, :, pos0:pos0 + T].transpose(1, 0, 2), v.reshape(T, Hkv, S))
         att = np.empty((T, H, S), np.float32)  # [T, H, S]
         kc, vc = self.k_cache[i], self.v_cache[i]
         w = self.windows[i]
@@ -987,12 +986,17 @@ class MoEModel:
         else:
             K.attention_sink(q, kc, vc, pos0, self.scale, sinks, out)
 
-    def _kv_store(self, x: np.ndarray) -> np.ndarray:
-        """float32 K or V rows as the cache holds them (f16: rounded to nearest even, clipped
-        to the finite half range so a huge value stays finite instead of becoming inf)."""
+    def _kv_write(self, dst: np.ndarray, src: np.ndarray) -> None:
+        """Write float32 K or V rows src into the cache slice dst (same shape, 2-D or 3-D, any
+        strides) as the cache holds them: float32 as is; f16 rounded to nearest even and
+        clipped to the finite half range, so a huge value stays finite instead of becoming inf
+        (K.kv_put_f16: numpy's rounding bit for bit, without numpy's temporaries)."""
         if self.kv_dtype == "f32":
-            return x
-        return np.clip(x, -F16_MAX, F16_MAX).astype(np.float16).view(np.uint16)
+            dst[...] = src
+        elif src.ndim == 2:
+            K.kv_put_f16(src[None], dst[None])
+        else:
+            K.kv_put_f16(src, dst)
 
     def moe_norm(self, j: int) -> np.ndarray:
         """post_attention_layernorm weight float32 [D] of MoE layer j (PILOT's predictor input)."""

@@ -238,7 +238,7 @@ class DSAModel(mla.MLAModel):
         key = _layernorm(key, ix["k_norm"], ix["k_norm_bias"], INDEXER_LN_EPS)[:, None, :]  # [T, 1, Di]
         self._rope_head(key, pos0)
         kc = self.index_cache[self.index_row[i]]  # [C, Di]
-        kc[pos0:pos0 + T] = self._kv_store(key[:, 0])
+        self._kv_write(kc[pos0:pos0 + T], key[:, 0])
         n = pos0 + T
         t0 = max(0, k - pos0)  # queries before t0 see at most k causal positions: all of them
         if t0 >= T:

@@ -227,8 +227,8 @@ class MLAModel(base.MoEModel):
         K.rope(q_pe, cos, sin)
         K.rope(k_pe, cos, sin)
         cache = self.kv_cache[i]  # [1, C, r + dr]
-        cache[0, pos0:pos0 + T, :r] = self._kv_store(c)
-        cache[0, pos0:pos0 + T, r:] = self._kv_store(k_pe[:, 0])
+        self._kv_write(cache[0, pos0:pos0 + T, :r], c)
+        self._kv_write(cache[0, pos0:pos0 + T, r:], k_pe[:, 0])
         sel = self.select(i, h, qa, pos0, T)
         if self.absorb:
             qc = np.empty((T, H, r + dr), np.float32)  # [T, H, r + dr]: (q_lat, q_pe)
