@@ -150,6 +150,7 @@ class ExpertCache:
         # took the GIL and the lock and slept again, and the compute thread waited for the GIL:
         # ~1.6 ms per MoE layer's release when the machine was busy (cProfile of 64 decode steps).
         self.cond = threading.Condition(self.lock)
+        self._cond_waiters = 0  # threads in cond.wait (lock held to change): no waiter, no notify
         self._readq_cv = threading.Condition(self.lock)
         self._idle_cv = threading.Condition(self.lock)
         self.stats = CacheStats()
@@ -208,8 +209,29 @@ class ExpertCache:
         """Mark a resident slot most recently used (lock held)."""
         if self.pinned[layer, self.slot_expert[layer, slot]]:
             return
-        self._untrack(layer, slot)
-        self._track(layer, slot)
+        if self.policy == "lfru":
+            self._untrack(layer, slot)
+            self._track(layer, slot)
+            return
+        # _untrack + _track for the lru / ema order, in two dict operations (a decode step
+        # touches each hit twice: ~16 times per MoE layer)
+        ly = self.layers[layer]
+        if slot in ly.lru:
+            ly.lru.move_to_end(slot)
+        else:
+            ly.lru[slot] = None
+        if ly.staged:
+            ly.staged.pop(slot, None)
+
+    def _wait_slot_state(self) -> None:
+        """Wait (lock held) up to 50 ms for a slot-state change: a load finished or a slot
+        given back (``cond``). Counted, so giving back an expert notifies only when a thread
+        waits: 8 per MoE layer of every decode step, almost never with a waiter."""
+        self._cond_waiters += 1
+        try:
+            self.cond.wait(0.05)
+        finally:
+            self._cond_waiters -= 1
 
     def _pick_victim(self, layer: int, allow_staged: bool = True) -> int:
         """Least valuable evictable slot of ``layer`` under the policy, or -1. Skips busy slots;
@@ -436,16 +458,17 @@ class ExpertCache:
             # While reserving, this call's hits are held busy so a miss never evicts an expert
             # the same call is about to use; misses that find no other victim load in acquire,
             # after the call's earlier experts have been used and become evictable.
-            held = [self.where[layer, e] for e in experts if (layer, int(e)) in self._counted_hit]
-            for s in held:
-                self.slot_busy[layer, s] += 1
-            for e in missing:
-                slot = self._reserve(layer, e)
-                if slot < 0:
-                    break
-                self._submit(layer, e, slot, 1)  # in compute order: the first needed is read first
-            for s in held:
-                self.slot_busy[layer, s] -= 1
+            if missing:  # (nothing to reserve: no hold needed; the decode step of a warm cache)
+                held = [self.where[layer, e] for e in experts if (layer, int(e)) in self._counted_hit]
+                for s in held:
+                    self.slot_busy[layer, s] += 1
+                for e in missing:
+                    slot = self._reserve(layer, e)
+                    if slot < 0:
+                        break
+                    self._submit(layer, e, slot, 1)  # in compute order: the first needed is read first
+                for s in held:
+                    self.slot_busy[layer, s] -= 1
         return hits_first, misses_after
 
     def acquire(self, layer: int, expert: int) -> dict:
@@ -477,7 +500,7 @@ class ExpertCache:
                         # thread never reads or verifies a slab itself
                         self._submit(layer, expert, slot, 0)
                         continue
-                self.cond.wait(0.05)
+                self._wait_slot_state()
                 if time.perf_counter() - t0 > STALL_TIMEOUT_S:
                     s = self.where[layer, expert]
                     if s >= 0 and self.slot_state[layer, s] == _LOADING:
@@ -545,7 +568,7 @@ class ExpertCache:
         s = self.where[layer, expert]
         if s >= 0:
             self.slot_busy[layer, s] -= 1
-            if self.slot_busy[layer, s] == 0:
+            if self.slot_busy[layer, s] == 0 and self._cond_waiters:
                 self.cond.notify_all()  # a cap reduction may be waiting for this slot
 
     # --- speculative loads (PILOT) ------------------------------------------------------------------
@@ -714,7 +737,7 @@ class ExpertCache:
                     if self._evict_one_for_shrink(layer):
                         n += 1
                     else:
-                        self.cond.wait(0.05)
+                        self._wait_slot_state()
                 ly.cap = cap
         return n
 
