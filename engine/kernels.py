@@ -692,6 +692,17 @@ _q4_tile_1x1 = _make_int_tile("q4", 1, 1)
 # tile is not what holds decode back: the experts of a token run at ~25 GB/s alone (16 layers
 # x 8 experts cycled, 453 MB) and ~22 GB/s inside the forward. Dropping the software prefetch
 # (PREFETCH_BYTES = 0) made them ~10% slower.
+# Also measured there, 2026-12-03 (noisy host: interleaved A/B in one process, best and median),
+# none kept: (a) the decode experts kernel in 2 parallel regions instead of 4 (gate and up rows
+# in one loop split by thread, each thread quantizing its own experts' h): same speed; (b)
+# prefetching the next expert's first 8 KB near the end of each matrix: same; (c) numba's
+# dynamic chunks (set_parallel_chunksize 32 / 128): 5-12% slower; (d) two FMA chains per
+# element (even / odd pairs): no faster at one thread from L3 (the 1 x 1 loop is not bound by
+# the FMA latency), and it changes the sums; (e) RB rows one after another in one intrinsic
+# instead of RB 1 x 1 tiles: within the noise. What was measured: linear_q4 at T = 1, one thread,
+# L3-resident: 16.7 / 18.9 / 20-22 / 22.4 / 24.3 GB/s for 256 / 512 / 1024 / 2048 / 4096-byte
+# rows (~7 ns per row on top of ~25 GB/s); a token's experts (453 MB, 2 threads) read at ~0.75-0.8x
+# the rate of a big [65536, 2048] matrix measured beside them (24.5 vs 31.3 GB/s).
 _q8_tile_rx4 = _make_int_tile("q8", _TR, 4)
 _q8_tile_1x4 = _make_int_tile("q8", 1, 4)
 _q8_tile_1x1 = _make_int_tile("q8", 1, 1)
