@@ -1477,6 +1477,89 @@ def _dot_kv(x, k):
     return _sadd(_sadd(_sadd(a0, a4), _sadd(a1, a5)), _sadd(_sadd(a2, a6), _sadd(a3, a7)))
 
 
+ATT_QB = 8  # queries of one head attended together in a prefill: each K / V row widened once for them
+
+
+@njit(inline="always", **_KW)
+def _attend_block(q, kc, vc, pos0, scale, sink, use_sink, t0, nq, h, kh, out):
+    """Causal attention of queries t0..t0+nq-1 of query head h over KV head kh (see
+    :func:`attention`), the block's queries together: each key and value row is widened to
+    float32 once for all of them (a decode step, nq = 1, reads the cache as it is). Every
+    output element runs the operations of one query alone in the same order (each score
+    :func:`_dot_kv`, the running maximum over keys in order, the exponentials, their strict sum
+    in key order, the weighted values strictly summed in key order), so the values do not
+    depend on the block, on T or on the thread count. ``sink``: gpt-oss's sink logit (used
+    when ``use_sink``), one more logit of the softmax whose value row is zero."""
+    S = q.shape[2]
+    if nq == 1:  # a decode step (or a last lone query): the cache rows read as they are
+        n = pos0 + t0 + 1
+        s1 = np.empty(n, dtype=np.float32)
+        m1 = sink if use_sink else np.float32(-np.inf)
+        for j in range(n):
+            v = _smul(_dot_kv(q[t0, h], kc[kh, j]), scale)
+            s1[j] = v
+            if v > m1:
+                m1 = v
+        tot = _exp32(sink - m1) if use_sink else np.float32(0.0)
+        for j in range(n):
+            e = _exp32(s1[j] - m1)
+            s1[j] = e
+            tot = _sadd(tot, e)  # strict, in key order: no fresh-vs-cached rounding (see _exp32)
+        inv1 = np.float32(1.0) / tot
+        for d in range(S):
+            out[t0, h, d] = 0.0
+        for j in range(n):
+            p = _smul(s1[j], inv1)
+            for d in range(S):
+                out[t0, h, d] += _smul(p, _kv_f32(vc[kh, j, d]))  # strict product: see _dot_kv
+        return
+    nmax = pos0 + t0 + nq  # keys seen by the block's last query
+    sc = np.empty((nq, nmax), np.float32)
+    m = np.empty(nq, np.float32)
+    for i in range(nq):
+        m[i] = sink if use_sink else np.float32(-np.inf)
+    row = np.empty(S, np.float32)
+    for j in range(nmax):
+        i0 = max(0, j - pos0 - t0)  # the first query of the block that sees key j
+        for d in range(S):
+            row[d] = _kv_f32(kc[kh, j, d])
+        for i in range(i0, nq):
+            v = _smul(_dot_kv(q[t0 + i, h], row), scale)
+            sc[i, j] = v
+            if v > m[i]:
+                m[i] = v
+    inv = np.empty(nq, np.float32)
+    for i in range(nq):
+        n = pos0 + t0 + i + 1
+        mi = m[i]
+        for j in range(n):  # no reduction in this loop: the exponentials vectorize
+            sc[i, j] = _exp32(sc[i, j] - mi)
+        tot = _exp32(sink - mi) if use_sink else np.float32(0.0)
+        for j in range(n):
+            tot = _sadd(tot, sc[i, j])  # strict, in key order: no fresh-vs-cached rounding (see _exp32)
+        inv[i] = np.float32(1.0) / tot
+        for d in range(S):
+            out[t0 + i, h, d] = 0.0
+    for j in range(nmax):
+        i0 = max(0, j - pos0 - t0)
+        for d in range(S):
+            row[d] = _kv_f32(vc[kh, j, d])
+        for i in range(i0, nq):
+            p = _smul(sc[i, j], inv[i])
+            for d in range(S):
+                out[t0 + i, h, d] = _sadd(out[t0 + i, h, d], _smul(p, row[d]))  # one rounding, as the decode path
+
+
+@njit(inline="always", **_KW)
+def _att_task(k, H, nblk):
+    """(query block, head) of task k of a prange over nblk * H: blocks in the order 0, last, 1,
+    last - 1, ..., so the contiguous share of tasks each thread gets holds about as many
+    (query, key) pairs as the others' (in query order the last share did ~3x the first's)."""
+    kb = k // H
+    b = kb // 2 if kb % 2 == 0 else nblk - 1 - kb // 2
+    return b, k - kb * H
+
+
 @njit(parallel=True, **_KW)
 def attention(q, kc, vc, pos0, scale, out):
     """Causal attention of T new queries at positions pos0..pos0+T-1 over the KV cache.
@@ -1485,34 +1568,15 @@ def attention(q, kc, vc, pos0, scale, out):
     16-bit KV cache: widened exactly to float32 as they are read); positions < pos0 + T
     already written; out float32 [T, H, S]. Grouped-query: query head h reads KV head
     h // (H // Hkv). Scores, softmax and the weighted sum are float32 whatever the cache
-    holds.
+    holds. Queries run in blocks of ATT_QB per head (:func:`_attend_block`), values unchanged.
     """
     T, H, S = q.shape
     rep = H // kc.shape[0]
-    for th in prange(T * H):
-        t = th // H
-        h = th - t * H
-        kh = h // rep
-        n = pos0 + t + 1
-        sc = np.empty(n, dtype=np.float32)
-        m = np.float32(-np.inf)
-        for j in range(n):
-            v = _smul(_dot_kv(q[t, h], kc[kh, j]), scale)
-            sc[j] = v
-            if v > m:
-                m = v
-        tot = np.float32(0.0)
-        for j in range(n):
-            e = _exp32(sc[j] - m)
-            sc[j] = e
-            tot = _sadd(tot, e)  # strict, in key order: no fresh-vs-cached rounding (see _exp32)
-        inv = np.float32(1.0) / tot
-        for d in range(S):
-            out[t, h, d] = 0.0
-        for j in range(n):
-            p = _smul(sc[j], inv)
-            for d in range(S):
-                out[t, h, d] += _smul(p, _kv_f32(vc[kh, j, d]))  # strict product: see _dot_kv
+    nblk = (T + ATT_QB - 1) // ATT_QB
+    for k in prange(nblk * H):
+        b, h = _att_task(k, H, nblk)
+        t0 = b * ATT_QB
+        _attend_block(q, kc, vc, pos0, scale, np.float32(0.0), False, t0, min(ATT_QB, T - t0), h, h // rep, out)
 
 
 @njit(parallel=True, **_KW)
@@ -1524,30 +1588,12 @@ def attention_sink(q, kc, vc, pos0, scale, sinks, out):
     softmax over [scores, sink], sink column dropped)."""
     T, H, S = q.shape
     rep = H // kc.shape[0]
-    for th in prange(T * H):
-        t = th // H
-        h = th - t * H
-        kh = h // rep
-        n = pos0 + t + 1
-        sc = np.empty(n, dtype=np.float32)
-        m = np.float32(sinks[h])
-        for j in range(n):
-            v = _smul(_dot_kv(q[t, h], kc[kh, j]), scale)
-            sc[j] = v
-            if v > m:
-                m = v
-        tot = _exp32(np.float32(sinks[h]) - m)
-        for j in range(n):
-            e = _exp32(sc[j] - m)
-            sc[j] = e
-            tot = _sadd(tot, e)  # strict, in key order: no fresh-vs-cached rounding (see _exp32)
-        inv = np.float32(1.0) / tot
-        for d in range(S):
-            out[t, h, d] = 0.0
-        for j in range(n):
-            p = _smul(sc[j], inv)
-            for d in range(S):
-                out[t, h, d] += _smul(p, _kv_f32(vc[kh, j, d]))  # strict product: see _dot_kv
+    nblk = (T + ATT_QB - 1) // ATT_QB
+    for k in prange(nblk * H):
+        b, h = _att_task(k, H, nblk)
+        t0 = b * ATT_QB
+        _attend_block(q, kc, vc, pos0, scale, np.float32(sinks[h]), True, t0, min(ATT_QB, T - t0), h, h // rep,
+                      out)
 
 
 # --- gated delta rule (Qwen3-Next / Qwen3.5 linear attention) -----------------------------

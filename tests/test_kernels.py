@@ -697,3 +697,35 @@ def test_kv_put_f16_rounds_exactly_as_numpy():
         assert np.isnan(got[np.isnan(src[:rows])].view(np.float16)).all()
         assert not np.isinf(got.view(np.float16)).any()
         assert (cache[:, :2] == 0).all() and (cache[:, 2 + rows:] == 0).all()
+
+
+@pytest.mark.parametrize("kv", ["f32", "f16"])
+@pytest.mark.parametrize("sink", [False, True])
+def test_attention_of_a_prompt_equals_its_queries_one_at_a_time(kv, sink):
+    """A prefill attends its queries in blocks of K.ATT_QB per head, each key / value row
+    widened once for the block; a decode step attends one query on its own. The bits must not
+    depend on which: T queries at once (blocks, a partial last block, GQA, balanced task order)
+    equal the same queries attended one at a time at their own positions, as decoding them
+    would. Also with gpt-oss's sink logit (attention_sink)."""
+    for T, H, Hkv, S, pos0 in ((19, 4, 4, 32, 5), (8, 8, 2, 16, 0), (33, 6, 3, 64, 40)):
+        rng = rng_for("att-blocks", kv, sink, T, H, Hkv, S, pos0)
+        C = pos0 + T + 2
+        q = rng.standard_normal((T, H, S)).astype(np.float32)
+        kc = rng.standard_normal((Hkv, C, S)).astype(np.float32) * 3
+        vc = rng.standard_normal((Hkv, C, S)).astype(np.float32)
+        if kv == "f16":
+            kc, vc = kc.astype(np.float16).view(np.uint16), vc.astype(np.float16).view(np.uint16)
+        sinks = rng.standard_normal(H).astype(np.float32)
+        scale = np.float32(S ** -0.5)
+
+        def run(qq, p0, out):
+            if sink:
+                K.attention_sink(qq, kc, vc, p0, scale, sinks, out)
+            else:
+                K.attention(qq, kc, vc, p0, scale, out)
+        whole = np.full((T, H, S), np.nan, np.float32)
+        run(q, pos0, whole)
+        one = np.full((T, H, S), np.nan, np.float32)
+        for t in range(T):
+            run(q[t:t + 1].copy(), pos0 + t, one[t:t + 1])
+        assert np.array_equal(whole.view(np.uint32), one.view(np.uint32))
