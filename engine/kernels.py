@@ -120,7 +120,7 @@ import numpy as np  # noqa: E402
 from llvmlite import ir  # noqa: E402
 from numba import njit, prange, types  # noqa: E402
 from numba.core import cgutils  # noqa: E402
-from numba.extending import intrinsic  # noqa: E402
+from numba.extending import intrinsic, overload  # noqa: E402
 
 if _numba_was_loaded:  # numba read its config before us: apply the same choices directly
     if CACHE_DIR is not None:
@@ -1454,13 +1454,98 @@ def kv_put_f16(src, dst):
                     dst[a, b, s] = _f16_bits(src[a, b, s])
 
 
+def _kv_vec8(builder, aty, ary, off):
+    """8 float32 lanes of a contiguous 1-D KV-side array from element ``off``: float32 as is,
+    uint16 IEEE half bits widened exactly (vcvtph2ps)."""
+    if aty.dtype == types.uint16:
+        p = builder.bitcast(builder.gep(builder.bitcast(ary.data, _I16.as_pointer()), [off]),
+                            _vec(_I16, 8).as_pointer())
+        return builder.fpext(builder.bitcast(builder.load(p, align=2), _vec(ir.HalfType(), 8)), _vec(_F32, 8))
+    p = builder.bitcast(builder.gep(builder.bitcast(ary.data, _F32.as_pointer()), [off]), _vec(_F32, 8).as_pointer())
+    return builder.load(p, align=4)
+
+
+def _kv_scalar(builder, aty, ary, i):
+    v = builder.load(builder.gep(builder.bitcast(ary.data, _I16.as_pointer() if aty.dtype == types.uint16
+                                                  else _F32.as_pointer()), [i]))
+    return builder.fpext(builder.bitcast(v, ir.HalfType()), _F32) if aty.dtype == types.uint16 else v
+
+
+def _contig_kv_pair(x, k):
+    return (isinstance(x, types.Array) and isinstance(k, types.Array) and x.ndim == 1 and k.ndim == 1
+            and x.layout == "C" and k.layout == "C" and x.dtype == types.float32
+            and k.dtype in (types.float32, types.uint16))
+
+
+@intrinsic
+def _dot8(typingctx, x, k):
+    """:func:`_dot_kv` on contiguous rows as explicit 8-lane vectors: lane r is the lane sum
+    a_r of _dot_kv (strict products and sums, dims i = r mod 8 in order), the tail joins lane 0,
+    then the same pairwise total. Per lane the same IEEE operations, so the same bits; LLVM did
+    not vectorize the scalar lanes (scalar vmulss / vaddss in the attention kernel)."""
+    if not _contig_kv_pair(x, k):
+        return None
+
+    def codegen(context, builder, signature, args):
+        xty, kty = signature.args
+        xa = context.make_array(xty)(context, builder, value=args[0])
+        ka = context.make_array(kty)(context, builder, value=args[1])
+        n = builder.extract_value(xa.shape, 0)
+        v8 = _vec(_F32, 8)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(v8, [0.0] * 8))
+        with cgutils.for_range(builder, builder.lshr(n, ir.Constant(_I64, 3))) as loop:
+            off = builder.shl(loop.index, ir.Constant(_I64, 3))
+            xp = builder.bitcast(builder.gep(builder.bitcast(xa.data, _F32.as_pointer()), [off]), v8.as_pointer())
+            prod = _strict(builder.fmul(builder.load(xp, align=4), _kv_vec8(builder, kty, ka, off)))
+            builder.store(_strict(builder.fadd(builder.load(acc), prod)), acc)
+        lanes = [builder.extract_element(builder.load(acc), ir.Constant(_I32, r)) for r in range(8)]
+        a0 = cgutils.alloca_once_value(builder, lanes[0])
+        n8 = builder.shl(builder.lshr(n, ir.Constant(_I64, 3)), ir.Constant(_I64, 3))
+        with cgutils.for_range_slice(builder, n8, n, ir.Constant(_I64, 1), inc=True) as (i, _):
+            xi = builder.load(builder.gep(builder.bitcast(xa.data, _F32.as_pointer()), [i]))
+            builder.store(_strict(builder.fadd(builder.load(a0), _strict(builder.fmul(xi, _kv_scalar(builder, kty, ka, i))))), a0)
+        a = [builder.load(a0)] + lanes[1:]
+        add = lambda u, v: _strict(builder.fadd(u, v))  # noqa: E731
+        return add(add(add(a[0], a[4]), add(a[1], a[5])), add(add(a[2], a[6]), add(a[3], a[7])))
+    return types.float32(x, k), codegen
+
+
+@intrinsic
+def _axpy8(typingctx, o, p, v):
+    """o[d] = o[d] + p * v[d] for every d (o float32 contiguous [S], v a contiguous KV row), each
+    product and sum one IEEE rounding, 8 lanes at a time: the weighted-value step of attention."""
+    if not (_contig_kv_pair(o, v) and p == types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        oty, _, vty = signature.args
+        oa = context.make_array(oty)(context, builder, value=args[0])
+        va = context.make_array(vty)(context, builder, value=args[2])
+        n = builder.extract_value(oa.shape, 0)
+        v8 = _vec(_F32, 8)
+        pv = builder.insert_element(ir.Constant(v8, ir.Undefined), args[1], ir.Constant(_I32, 0))
+        pv = builder.shuffle_vector(pv, ir.Constant(v8, ir.Undefined), _const_vec(_I32, [0] * 8))
+        with cgutils.for_range(builder, builder.lshr(n, ir.Constant(_I64, 3))) as loop:
+            off = builder.shl(loop.index, ir.Constant(_I64, 3))
+            op = builder.bitcast(builder.gep(builder.bitcast(oa.data, _F32.as_pointer()), [off]), v8.as_pointer())
+            prod = _strict(builder.fmul(pv, _kv_vec8(builder, vty, va, off)))
+            builder.store(_strict(builder.fadd(builder.load(op, align=4), prod)), op, align=4)
+        n8 = builder.shl(builder.lshr(n, ir.Constant(_I64, 3)), ir.Constant(_I64, 3))
+        with cgutils.for_range_slice(builder, n8, n, ir.Constant(_I64, 1), inc=True) as (i, _):
+            op = builder.gep(builder.bitcast(oa.data, _F32.as_pointer()), [i])
+            prod = _strict(builder.fmul(args[1], _kv_scalar(builder, vty, va, i)))
+            builder.store(_strict(builder.fadd(builder.load(op), prod)), op)
+        return context.get_dummy_value()
+    return types.void(o, p, v), codegen
+
+
 @njit(inline="always", **_KW)
-def _dot_kv(x, k):
+def _dot_kv_lanes(x, k):
     """x . k (x float32 [S], k a KV row) in a fixed order: 8 lane sums over i = lane mod 8, then
     the tail, then a fixed pairwise sum of the lanes, every product and sum strict. Left to
     fastmath, the reduction's order was chosen by LLVM and differed between the process that
     compiled the attention kernel and one that loaded it from numba's cache (AMD Zen 3: 1246 of
-    2048 outputs); the 8 independent strict lanes still vectorize (SLP) without reordering."""
+    2048 outputs). The scalar form, for rows that are not contiguous; :func:`_dot8` otherwise."""
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
     n8 = (x.shape[0] // 8) * 8
     for i in range(0, n8, 8):
@@ -1475,6 +1560,35 @@ def _dot_kv(x, k):
     for i in range(n8, x.shape[0]):
         a0 = _sadd(a0, _smul(x[i], _kv_f32(k[i])))
     return _sadd(_sadd(_sadd(a0, a4), _sadd(a1, a5)), _sadd(_sadd(a2, a6), _sadd(a3, a7)))
+
+
+def _dot_kv(x, k):
+    """x . k (x float32 [S], k a float32 or IEEE-half KV row [S]) in the fixed order of
+    :func:`_dot_kv_lanes`: explicit 8-lane vectors (:func:`_dot8`) for contiguous rows."""
+    raise NotImplementedError("called from numba kernels only")
+
+
+@overload(_dot_kv, inline="always", jit_options={"fastmath": _FM})
+def _ol_dot_kv(x, k):
+    if _contig_kv_pair(x, k):
+        return lambda x, k: _dot8(x, k)
+    return lambda x, k: _dot_kv_lanes(x, k)
+
+
+def _axpy_kv(o, p, v):
+    """o[:] = o + p * v (strict products and sums) for float32 o [S] and a KV row v [S]."""
+    raise NotImplementedError("called from numba kernels only")
+
+
+@overload(_axpy_kv, inline="always", jit_options={"fastmath": _FM})
+def _ol_axpy_kv(o, p, v):
+    if _contig_kv_pair(o, v):
+        return lambda o, p, v: _axpy8(o, p, v)
+
+    def scalar(o, p, v):
+        for d in range(o.shape[0]):
+            o[d] = _sadd(o[d], _smul(p, _kv_f32(v[d])))
+    return scalar
 
 
 ATT_QB = 8  # queries of one head attended together in a prefill: each K / V row widened once for them
@@ -1509,9 +1623,7 @@ def _attend_block(q, kc, vc, pos0, scale, sink, use_sink, t0, nq, h, kh, out):
         for d in range(S):
             out[t0, h, d] = 0.0
         for j in range(n):
-            p = _smul(s1[j], inv1)
-            for d in range(S):
-                out[t0, h, d] += _smul(p, _kv_f32(vc[kh, j, d]))  # strict product: see _dot_kv
+            _axpy_kv(out[t0, h], _smul(s1[j], inv1), vc[kh, j])  # strict products and sums: see _dot_kv
         return
     nmax = pos0 + t0 + nq  # keys seen by the block's last query
     sc = np.empty((nq, nmax), np.float32)
@@ -1545,9 +1657,7 @@ def _attend_block(q, kc, vc, pos0, scale, sink, use_sink, t0, nq, h, kh, out):
         for d in range(S):
             row[d] = _kv_f32(vc[kh, j, d])
         for i in range(i0, nq):
-            p = _smul(sc[i, j], inv[i])
-            for d in range(S):
-                out[t0 + i, h, d] = _sadd(out[t0 + i, h, d], _smul(p, row[d]))  # one rounding, as the decode path
+            _axpy_kv(out[t0 + i, h], _smul(sc[i, j], inv[i]), row)
 
 
 @njit(inline="always", **_KW)
