@@ -1434,6 +1434,14 @@ def _f16_bits(v):
     return np.uint16(sgn | h)
 
 
+@njit(inline="always", **_KW)
+def _f16_rows(src, dst):
+    """dst[b, s] = _f16_bits(src[b, s]) for float32 src [B, S], uint16 dst [B, S]."""
+    for b in range(src.shape[0]):
+        for s in range(src.shape[1]):
+            dst[b, s] = _f16_bits(src[b, s])
+
+
 @njit(parallel=True, **_KW)
 def kv_put_f16(src, dst):
     """dst[a, b, s] = the IEEE half bits of src[a, b, s] clipped to the finite half range
@@ -1444,14 +1452,15 @@ def kv_put_f16(src, dst):
     A, B, S = src.shape
     if A * B * S >= 65536:
         for a in prange(A):
-            for b in range(B):
-                for s in range(S):
-                    dst[a, b, s] = _f16_bits(src[a, b, s])
-    else:
+            _f16_rows(src[a], dst[a])
+    else:  # a decode step's rows: no parallel launch
         for a in range(A):
-            for b in range(B):
-                for s in range(S):
-                    dst[a, b, s] = _f16_bits(src[a, b, s])
+            _f16_rows(src[a], dst[a])
+
+
+def _f32_at(builder, ary, i):
+    """float* to element i of a contiguous float32 array struct ``ary``."""
+    return builder.gep(builder.bitcast(ary.data, _F32.as_pointer()), [i])
 
 
 def _kv_vec8(builder, aty, ary, off):
@@ -1461,7 +1470,7 @@ def _kv_vec8(builder, aty, ary, off):
         p = builder.bitcast(builder.gep(builder.bitcast(ary.data, _I16.as_pointer()), [off]),
                             _vec(_I16, 8).as_pointer())
         return builder.fpext(builder.bitcast(builder.load(p, align=2), _vec(ir.HalfType(), 8)), _vec(_F32, 8))
-    p = builder.bitcast(builder.gep(builder.bitcast(ary.data, _F32.as_pointer()), [off]), _vec(_F32, 8).as_pointer())
+    p = builder.bitcast(_f32_at(builder, ary, off), _vec(_F32, 8).as_pointer())
     return builder.load(p, align=4)
 
 
@@ -1495,14 +1504,14 @@ def _dot8(typingctx, x, k):
         acc = cgutils.alloca_once_value(builder, ir.Constant(v8, [0.0] * 8))
         with cgutils.for_range(builder, builder.lshr(n, ir.Constant(_I64, 3))) as loop:
             off = builder.shl(loop.index, ir.Constant(_I64, 3))
-            xp = builder.bitcast(builder.gep(builder.bitcast(xa.data, _F32.as_pointer()), [off]), v8.as_pointer())
+            xp = builder.bitcast(_f32_at(builder, xa, off), v8.as_pointer())
             prod = _strict(builder.fmul(builder.load(xp, align=4), _kv_vec8(builder, kty, ka, off)))
             builder.store(_strict(builder.fadd(builder.load(acc), prod)), acc)
         lanes = [builder.extract_element(builder.load(acc), ir.Constant(_I32, r)) for r in range(8)]
         a0 = cgutils.alloca_once_value(builder, lanes[0])
         n8 = builder.shl(builder.lshr(n, ir.Constant(_I64, 3)), ir.Constant(_I64, 3))
         with cgutils.for_range_slice(builder, n8, n, ir.Constant(_I64, 1), inc=True) as (i, _):
-            xi = builder.load(builder.gep(builder.bitcast(xa.data, _F32.as_pointer()), [i]))
+            xi = builder.load(_f32_at(builder, xa, i))
             builder.store(_strict(builder.fadd(builder.load(a0), _strict(builder.fmul(xi, _kv_scalar(builder, kty, ka, i))))), a0)
         a = [builder.load(a0)] + lanes[1:]
         add = lambda u, v: _strict(builder.fadd(u, v))  # noqa: E731
@@ -1527,12 +1536,12 @@ def _axpy8(typingctx, o, p, v):
         pv = builder.shuffle_vector(pv, ir.Constant(v8, ir.Undefined), _const_vec(_I32, [0] * 8))
         with cgutils.for_range(builder, builder.lshr(n, ir.Constant(_I64, 3))) as loop:
             off = builder.shl(loop.index, ir.Constant(_I64, 3))
-            op = builder.bitcast(builder.gep(builder.bitcast(oa.data, _F32.as_pointer()), [off]), v8.as_pointer())
+            op = builder.bitcast(_f32_at(builder, oa, off), v8.as_pointer())
             prod = _strict(builder.fmul(pv, _kv_vec8(builder, vty, va, off)))
             builder.store(_strict(builder.fadd(builder.load(op, align=4), prod)), op, align=4)
         n8 = builder.shl(builder.lshr(n, ir.Constant(_I64, 3)), ir.Constant(_I64, 3))
         with cgutils.for_range_slice(builder, n8, n, ir.Constant(_I64, 1), inc=True) as (i, _):
-            op = builder.gep(builder.bitcast(oa.data, _F32.as_pointer()), [i])
+            op = _f32_at(builder, oa, i)
             prod = _strict(builder.fmul(args[1], _kv_scalar(builder, vty, va, i)))
             builder.store(_strict(builder.fadd(builder.load(op), prod)), op)
         return context.get_dummy_value()

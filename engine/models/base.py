@@ -963,8 +963,7 @@ class MoEModel:
                 part = np.ascontiguousarray(t3[:, :, :R])
                 K.rope(part, cos, sin)
                 t3[:, :, :R] = part
-        self._kv_write(self.k_cache[i, :, pos0:pos0 + T].transpose(1, 0, 2), k3)  # [T, Hkv, S] views
-        self._kv_write(self.v_cache[i, :, pos0:pos0 + T].transpose(1, 0, 2), v.reshape(T, Hkv, S))
+        self._kv_append(i, pos0, k3, v.reshape(T, Hkv, S))
         att = np.empty((T, H, S), np.float32)  # [T, H, S]
         kc, vc = self.k_cache[i], self.v_cache[i]
         w = self.windows[i]
@@ -985,6 +984,13 @@ class MoEModel:
             K.attention(q, kc, vc, pos0, self.scale, out)
         else:
             K.attention_sink(q, kc, vc, pos0, self.scale, sinks, out)
+
+    def _kv_append(self, r: int, pos0: int, k3: np.ndarray, v3: np.ndarray) -> None:
+        """Store the K and V rows k3, v3 float32 [T, Hkv, S] of positions pos0..pos0+T-1 in
+        row r of the KV cache (k_cache / v_cache [L, Hkv, C, S])."""
+        T = k3.shape[0]
+        self._kv_write(self.k_cache[r, :, pos0:pos0 + T].transpose(1, 0, 2), k3)  # [T, Hkv, S] views
+        self._kv_write(self.v_cache[r, :, pos0:pos0 + T].transpose(1, 0, 2), v3)
 
     def _kv_write(self, dst: np.ndarray, src: np.ndarray) -> None:
         """Write float32 K or V rows src into the cache slice dst (same shape, 2-D or 3-D, any

@@ -472,8 +472,7 @@ class Model(base.MoEModel):
             K.rope(part, cos, sin)
             t3[:, :, :R] = part
         r = self.kv_row[i]
-        self._kv_write(self.k_cache[r, :, pos0:pos0 + T].transpose(1, 0, 2), k3)  # [T, Hkv, S] views
-        self._kv_write(self.v_cache[r, :, pos0:pos0 + T].transpose(1, 0, 2), v.reshape(T, Hkv, S))
+        self._kv_append(r, pos0, k3, v.reshape(T, Hkv, S))
         att = np.empty((T, H, S), np.float32)
         K.attention(q, self.k_cache[r], self.v_cache[r], pos0, self.scale, att)
         o = att.reshape(T, H * S) * _sigmoid(gate)
