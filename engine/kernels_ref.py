@@ -109,6 +109,28 @@ def experts_q4_t1(x, gw, gs, uw, us, dw, ds, gsz, h, out):
         expert_q4(x, gw[k], gs[k], uw[k], us[k], dw[k], ds[k], gsz, h[k:k + 1], out[k:k + 1])
 
 
+def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out):
+    D = x.shape[1]
+    G, Gd = D // gsz, I // gsz
+
+    def at(o, n, dt, shape):
+        return arena[o:o + n * np.dtype(dt).itemsize].view(dt).reshape(shape)
+    for e in range(starts.shape[0] - 1):
+        lo, hi = starts[e], starts[e + 1]
+        if hi > lo:
+            o = offs[e]
+            expert_q4(x[tok[lo:hi]], at(o[0], I * D // 2, np.uint8, (I, D // 2)), at(o[1], I * G, np.uint16, (I, G)),
+                      at(o[2], I * D // 2, np.uint8, (I, D // 2)), at(o[3], I * G, np.uint16, (I, G)),
+                      at(o[4], D * I // 2, np.uint8, (D, I // 2)), at(o[5], D * Gd, np.uint16, (D, Gd)),
+                      gsz, h[lo:hi], out[lo:hi])
+
+
+def combine_sorted(y, pos, w, out):
+    out[...] = y[pos[:, 0]] * w[:, 0:1]
+    for k in range(1, pos.shape[1]):
+        out += y[pos[:, k]] * w[:, k:k + 1]
+
+
 def experts_q8_t1(x, gw, gs, uw, us, dw, ds, h, out):
     for k in range(out.shape[0]):
         expert_q8(x, gw[k], gs[k], uw[k], us[k], dw[k], ds[k], h[k:k + 1], out[k:k + 1])

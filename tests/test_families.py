@@ -83,6 +83,34 @@ def test_greedy_ids_do_not_depend_on_placement(family_stores, name):
         assert _greedy(store, **kw) == ref, kw
 
 
+def _prefill_logits(store, sorted_path=True, **kw) -> np.ndarray:
+    cfg = EngineConfig(store=str(store), history=False, o_direct=False, **kw)
+    with Engine.open(cfg) as eng:
+        if not sorted_path:
+            eng.model._sorted_memo = False  # one expert_q4 call per expert (the old path)
+        logits = eng.model.forward(np.arange(5, 25), 0, all_logits=True)
+        return logits, eng.model._sorted_memo
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_int4_prefill_does_not_depend_on_placement(family_stores, tmp_path, name):
+    """An int4 store's prefill logits (20 tokens, every position) are bit-identical whether a
+    chunk's resident experts run in one experts_q4_sorted call (all resident, or some) or one
+    expert_q4 call each, at every cap, with PILOT and pinning."""
+    ck, _ = family_stores[name]
+    store = convert_checkpoint(ck, tmp_path / "int4", quant="int4")
+    E = ModelArgs.from_hf_config(store).num_experts
+    ref, _ = _prefill_logits(store, sorted_path=False, cap=E, pilot=0)
+    took = set()
+    for kw in (dict(cap=E, pilot=0), dict(cap=1, policy="lfru", pilot=0), dict(cap=2, policy="ema", pilot=2),
+               dict(cap=3, pilot=1, pinning=True, pin_per_layer=1), dict(cap=E, pilot=0, threads=1)):
+        got, path = _prefill_logits(store, **kw)
+        took.add(path)
+        assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), kw
+    # gpt-oss has its own expert MLP and MXFP4 experts: never the sorted path
+    assert took == ({False} if FAMILY_CONFIGS[name]["model_type"] == "gpt_oss" else {True}), took
+
+
 @pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
 def test_store_records_family_and_moe_layers(family_stores, name):
     _, store = family_stores[name]

@@ -499,6 +499,65 @@ def test_cache_goes_to_the_user_cache_folder(tmp_path):
     assert Path(line[6:]).resolve().is_relative_to(cache_home.resolve()), line
 
 
+def test_prefill_int4_experts_in_one_call_equal_one_call_each():
+    """experts_q4_sorted (a prefill chunk's resident experts in one call, reading their slabs
+    in an arena) gives every entry's row bit for bit as expert_q4 on that expert's rows alone,
+    with 1 or all threads, for experts chosen by 0, 1, 2, 5 and 9 rows (tiles and tails), odd
+    group counts, widths not a multiple of the row block, and scattered token indices; and
+    combine_sorted equals combine_ranked of the rows put back in rank order."""
+    import numba
+    n0 = numba.get_num_threads()
+    try:
+        for D, I, counts in ((96, 64, (2, 0, 5, 1)), (160, 96, (9, 3, 1)), (64, 32, (1,))):
+            rng = rng_for("sorted", D, I, len(counts))
+            experts = [[weight(rng, I, D, "int4")[0], weight(rng, I, D, "int4")[0], weight(rng, D, I, "int4")[0]]
+                       for _ in counts]
+            # the slabs packed into one arena, 64-byte aligned, in a shuffled order
+            parts = [(e, m, key) for e in range(len(counts)) for m in range(3) for key in ("w", "s")]
+            rng.shuffle(parts)
+            arena = np.zeros(sum(experts[e][m][k].nbytes + 64 for e, m, k in parts), np.uint8)
+            offs = np.zeros((len(counts), 6), np.int64)
+            at = 0
+            for e, m, key in parts:
+                a = experts[e][m][key]
+                arena[at:at + a.nbytes] = a.reshape(-1).view(np.uint8)
+                offs[e, 2 * m + (key == "s")] = at
+                at += -(-a.nbytes // 64) * 64
+            T = 13
+            x = rng.standard_normal((T, D)).astype(np.float32)
+            tok = np.concatenate([np.sort(rng.choice(T, c, replace=False)) for c in counts]).astype(np.int64)
+            starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+            each = np.zeros((len(tok), D), np.float32)
+            for e, parts_e in enumerate(experts):
+                lo, hi = starts[e], starts[e + 1]
+                if hi > lo:
+                    each[lo:hi] = expert_call(K, "int4", x[tok[lo:hi]], parts_e, 32, I, D)[1]
+            for threads in sorted({1, n0}):
+                numba.set_num_threads(threads)
+                out = np.full((len(tok), D), np.nan, np.float32)
+                K.experts_q4_sorted(x, tok, starts, arena, offs, I, 32, K.current_threads(),
+                                    np.full((len(tok), I), np.nan, np.float32), out)
+                assert np.array_equal(out, each), (D, I, counts, threads)
+            ref = np.full((len(tok), D), np.nan, np.float32)
+            R.experts_q4_sorted(x, tok, starts, arena, offs, I, 32, 1, np.full((len(tok), I), np.nan, np.float32), ref)
+            assert np.allclose(out, ref, rtol=1e-3, atol=1e-3 * float(np.abs(ref).max()))
+    finally:
+        numba.set_num_threads(n0)
+    rng = np.random.default_rng(8)
+    for T, Kk, D in ((3, 2, 33), (16, 4, 96), (5, 8, 64)):
+        y = (rng.standard_normal((T * Kk, D)) * 10).astype(np.float32)
+        pos = rng.permutation(T * Kk).reshape(T, Kk).astype(np.int64)
+        w = rng.random((T, Kk)).astype(np.float32)
+        want = np.full((T, D), np.nan, np.float32)
+        K.combine_ranked(np.ascontiguousarray(y[pos]), w, want)
+        out = np.full((T, D), np.nan, np.float32)
+        K.combine_sorted(y, pos, w, out)
+        assert np.array_equal(out, want), (T, Kk, D)
+        ref = np.empty_like(out)
+        R.combine_sorted(y, pos, w, ref)
+        assert np.array_equal(ref, want)
+
+
 def test_combine_ranked_equals_numpy_rank_order_sum():
     """combine_ranked (the MoE layer's weighted sum of its experts' rows, one call) gives numpy's
     y[:, 0] * w[:, 0:1] + y[:, 1] * w[:, 1:2] + ... bit for bit, for T = 1 and T > 1, K = 1..8."""

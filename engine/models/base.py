@@ -863,6 +863,8 @@ class MoEModel:
         self.kv_dtype = kv_dtype
         self.alloc_kv()
         self._fields_memo: dict[tuple[int, int], tuple] = {}  # _t1_fields
+        self._offs_memo: dict[tuple[int, int], tuple] = {}  # _sorted_offsets
+        self._sorted_memo: bool | None = None  # _sorted_ok
         # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
         # layer start, post-attention residual, routing, post-MoE residual. Dense layers
         # publish nothing.
@@ -1126,6 +1128,8 @@ class MoEModel:
         sorted_e = flat[by_e]
         uniq, first = np.unique(sorted_e, return_index=True)  # ascending expert ids
         bounds = dict(zip(uniq.tolist(), zip(first.tolist(), first[1:].tolist() + [len(flat)])))
+        if T > 1 and self._sorted_ok():
+            return self._moe_sorted(j, h, w, by_e, uniq, bounds)
         order = self.experts.prepare(j, uniq)
         xs = h if T == 1 else h[by_e // Kk]  # [T*K, D] (T = 1: each expert sees the one row)
         outs = np.empty((T * Kk, D), np.float32)  # [T*K, D] in expert-sorted order
@@ -1151,6 +1155,92 @@ class MoEModel:
         y = y.reshape(T, Kk, D)  # [T, K, D] by rank
         moe = np.empty((T, D), np.float32)
         K.combine_ranked(y, np.ascontiguousarray(w, dtype=np.float32), moe)
+        return moe
+
+    def _sorted_ok(self) -> bool:
+        """Whether a prefill chunk's resident experts can run in one K.experts_q4_sorted call:
+        int4 experts with half-precision scales (store format 3), the SwiGLU expert, and a
+        provider that keeps the slabs in one arena (ExpertCache) and computes nothing
+        elsewhere (no cluster dispatch)."""
+        ok = self._sorted_memo
+        if ok is None:
+            ex = self.experts
+            ok = (self.expert_quant == "int4" and type(self).expert_forward is MoEModel.expert_forward
+                  and isinstance(getattr(ex, "arena", None), np.ndarray)
+                  and hasattr(ex, "prepare_split") and hasattr(ex, "acquire_many")
+                  and getattr(ex, "dispatch", None) is None and self.args.hidden_size % 2 == 0
+                  and self.args.moe_intermediate_size % self.gs == 0 and self.args.hidden_size % self.gs == 0)
+            self._sorted_memo = ok
+        return ok
+
+    def _sorted_offsets(self, j: int, e: int, views: dict) -> np.ndarray | None:
+        """Byte offsets in the cache arena of expert e's six weight arrays (_T1_FIELDS), or None
+        when a view is not a plain slice of it with the dtype experts_q4_sorted reads; memoised
+        per (layer, expert) while the cache hands out the same views dict."""
+        memo = self._offs_memo.get((j, e))
+        if memo is not None and memo[0] is views:
+            return memo[1]
+        base = self.experts.arena.ctypes.data
+        offs = np.empty(6, np.int64)
+        for f, name in enumerate(_T1_FIELDS):
+            v = views[name]
+            want = np.uint8 if name.endswith(".w") else np.uint16
+            if v.dtype != want or not v.flags.c_contiguous:
+                return None
+            offs[f] = v.ctypes.data - base
+        self._offs_memo[(j, e)] = (views, offs)
+        return offs
+
+    def _moe_sorted(self, j: int, h: np.ndarray, w: np.ndarray, by_e: np.ndarray, uniq: np.ndarray,
+                    bounds: dict) -> np.ndarray:
+        """_moe_grouped's experts for a prefill chunk (h [T, D] normed, w [T, K]; by_e, uniq,
+        bounds: the entries grouped by expert): the experts resident at prepare time in one
+        K.experts_q4_sorted call reading their slabs in the arena, then each miss as its read
+        completes (run_expert on its gathered rows); the outputs combined in rank order by
+        K.combine_sorted. Every row is bit-identical to one expert_q4 call per expert, so the
+        values do not depend on which experts were resident."""
+        a = self.args
+        T, D = h.shape
+        Kk = w.shape[1]
+        M = by_e.shape[0]
+        tok = by_e // Kk  # [M] the row of h of each expert-ordered entry
+        outs = np.empty((M, D), np.float32)  # [M, D] in expert-sorted order
+        hits, misses = self.experts.prepare_split(j, uniq.tolist())
+        if hits:
+            views = self.experts.acquire_many(j, hits)
+            try:
+                offs = [self._sorted_offsets(j, e, v) for e, v in zip(hits, views)]
+                if any(o is None for o in offs):  # not in the arena: one expert at a time
+                    run, misses = [], sorted(hits + misses)
+                else:
+                    run = hits
+                if run:
+                    # the hits' entries, contiguous per expert; computed into a buffer of
+                    # their own, then copied into their rows of outs
+                    spans = [bounds[e] for e in run]
+                    sel = np.concatenate([np.arange(lo, hi) for lo, hi in spans])
+                    starts = np.zeros(len(run) + 1, np.int64)
+                    starts[1:] = np.cumsum([hi - lo for lo, hi in spans])
+                    part = np.empty((len(sel), D), np.float32)
+                    K.experts_q4_sorted(h, tok[sel], starts, self.experts.arena, np.stack(offs),
+                                        a.moe_intermediate_size, self.gs, K.current_threads(),
+                                        np.empty((len(sel), a.moe_intermediate_size), np.float32), part)
+                    outs[sel] = part
+            finally:
+                self.experts.release_many(j, hits)
+        if misses:
+            scratch = np.empty((T, a.moe_intermediate_size), np.float32)  # [T, I]
+            for e in misses:
+                lo, hi = bounds[int(e)]
+                views = self.experts.acquire(j, int(e))
+                try:
+                    self.expert_forward(views, h[tok[lo:hi]], scratch[:hi - lo], outs[lo:hi])
+                finally:
+                    self.experts.release(j, int(e))
+        pos = np.empty(M, np.int64)
+        pos[by_e] = np.arange(M)
+        moe = np.empty((T, D), np.float32)
+        K.combine_sorted(outs, pos.reshape(T, Kk), np.ascontiguousarray(w, dtype=np.float32), moe)
         return moe
 
     def expert_forward(self, views: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray) -> None:
