@@ -102,7 +102,7 @@ def main() -> int:
         m.forward(rng.integers(0, args.vocab_size, 32), 0)  # JIT warm-up (T = 32, T = 1)
         m.forward(rng.integers(0, args.vocab_size, 1), 32)
         for name in ("linear_f32", "linear_f16", "linear_q8", "linear_q4", "linears_q8", "linears_q4", "expert_f32", "expert_f16",
-                     "expert_q8", "expert_q4", "experts_q4_t1", "experts_q8_t1", "attention", "rmsnorm", "rope", "embed_q8", "embed_q4"):
+                     "expert_q8", "expert_q4", "experts_q4_t1", "experts_q8_t1", "experts_q4_sorted", "combine_sorted", "combine_ranked", "attention", "rmsnorm", "rope", "embed_q8", "embed_q4"):
             setattr(base.K, name, _timed(name, getattr(KM, name), args))
         _timed_method(m, "attention", "attention", depth=True)
         _timed_method(m, "moe", "moe")
