@@ -1190,107 +1190,144 @@ def _q8_rows_t(P, w, s, o0, t, res):
         res[r, t] = _q8_finish(res[r, t], xu[t], xs[t], w[o0 + r], s[o0 + r])
 
 
-@njit(parallel=True, **_KW)
-def experts_q4_t1(x, gw, gs, uw, us, dw, ds, gsz, h, out):
-    """n int4 experts on one row: out[k] = expert_q4(x, gw[k], gs[k], ...) for k < n.
+UB = 16  # row blocks per work unit of the arena kernels (their weight views made once per unit)
 
-    x float32 [1, D]; gw, uw, dw: tuples of >= n uint8 arrays ([I, D/2], [I, D/2], [D, I/2]);
-    gs, us, ds: tuples of >= n group scales ([I, G], [I, G], [D, I/gsz], uint16 half bits or
-    float32); h float32 [n, I] scratch; out float32 [n, D]; n = out.shape[0]. Entries past n
-    are not read: the caller pads the tuples to num_experts_per_tok, so one compiled
-    specialization serves every hit count (numba compiles one per tuple length, each adding
-    tens of MB of compiler memory to the RSS the budget guard watches). Bit-identical to n
-    expert_q4 calls."""
+
+@njit(inline="always", **_KW)
+def _arena_q4(arena, off, O, N, gsz):
+    """The int4 weights [O, N/2] uint8 and half-bit group scales [O, N/gsz] uint16 at byte
+    offsets off[0], off[1] of an expert arena (views, no copy)."""
+    w = arena[off[0]:off[0] + O * (N // 2)].reshape((O, N // 2))
+    s = arena[off[1]:off[1] + 2 * O * (N // gsz)].view(np.uint16).reshape((O, N // gsz))
+    return w, s
+
+
+@njit(inline="always", **_KW)
+def _arena_q8(arena, off, O, N):
+    """The int8 weights [O, N] and float32 row scales [O] at byte offsets off[0], off[1]."""
+    w = arena[off[0]:off[0] + O * N].view(np.int8).reshape((O, N))
+    s = arena[off[1]:off[1] + 4 * O].view(np.float32)
+    return w, s
+
+
+@njit(parallel=True, **_KW)
+def experts_q4_t1(x, arena, offs, I, gsz, h, out):
+    """n int4 experts on one row, reading their slabs in the expert cache's arena:
+    out[k] = expert_q4(x, gate_k, up_k, down_k) for k < n.
+
+    x float32 [1, D]; arena uint8 [bytes]; offs int64 [>= n, 6]: byte offsets in arena of
+    expert k's gate_proj.w [I, D/2] uint8, gate_proj.s [I, D/gsz] (uint16 half bits), up_proj.w,
+    up_proj.s, down_proj.w [D, I/2], down_proj.s [D, I/gsz]; h float32 [n, I] scratch; out
+    float32 [n, D]; n = out.shape[0]. Offsets, not arrays: a parallel region that captures
+    tuples of arrays pays for each array at every launch (numba 0.68, Zen 4: ~35 us for one
+    tuple of 8, ~94 us for six; this kernel passed six tuples of 8 to three regions, ~75 us of
+    a ~950 us decode layer). The views are made once per unit of UB row blocks (making them
+    per row block cost more than the tuples did). Bit-identical to n expert_q4 calls."""
     n = out.shape[0]
+    D = x.shape[1]
     P = _q4_prepare(x, gsz)
-    I, D = gw[0].shape[0], dw[0].shape[0]
     sh, hg = _q4_shift(gsz), gsz // 2
     if P[0]:
         nbi = (I + RB - 1) // RB
+        nui = (nbi + UB - 1) // UB
         scg = np.empty((n * nbi, RB, 1), np.float32)
         scu = np.empty((n * nbi, RB, 1), np.float32)
         # the gate rows of all n experts, then their up rows: each thread streams one matrix at
         # a time (alternating gate and up blocks, two streams, read at ~24 GB/s against ~31
         # for one; Zen 4, 2 threads); the same sums, so the same values
-        for b in prange(n * nbi):
-            k = b // nbi
-            _q4_rows(P, gw[k], gs[k], (b - k * nbi) * RB, scg[b])
-        for b in prange(n * nbi):
-            k = b // nbi
-            i0 = (b - k * nbi) * RB
-            rg = scg[b]
-            ru = scu[b]
-            _q4_rows(P, uw[k], us[k], i0, ru)
-            for r in range(min(RB, I - i0)):
-                h[k, i0 + r] = _silu_mul(rg[r, 0], ru[r, 0])
+        for u in prange(n * nui):
+            k = u // nui
+            gw, gs = _arena_q4(arena, offs[k, 0:2], I, D, gsz)
+            for ib in range((u - k * nui) * UB, min((u - k * nui + 1) * UB, nbi)):
+                _q4_rows(P, gw, gs, ib * RB, scg[k * nbi + ib])
+        for u in prange(n * nui):
+            k = u // nui
+            uw, us = _arena_q4(arena, offs[k, 2:4], I, D, gsz)
+            for ib in range((u - k * nui) * UB, min((u - k * nui + 1) * UB, nbi)):
+                i0 = ib * RB
+                rg = scg[k * nbi + ib]
+                ru = scu[k * nbi + ib]
+                _q4_rows(P, uw, us, i0, ru)
+                for r in range(min(RB, I - i0)):
+                    h[k, i0 + r] = _silu_mul(rg[r, 0], ru[r, 0])
     else:
-        for b in prange(n * I):
-            k = b // I
-            i = b - k * I
-            h[k, i] = _silu_mul(_q4_out(P, gw[k], gs[k], sh, hg, i, 0), _q4_out(P, uw[k], us[k], sh, hg, i, 0))
+        for k in prange(n):
+            gw, gs = _arena_q4(arena, offs[k, 0:2], I, D, gsz)
+            uw, us = _arena_q4(arena, offs[k, 2:4], I, D, gsz)
+            for i in range(I):
+                h[k, i] = _silu_mul(_q4_out(P, gw, gs, sh, hg, i, 0), _q4_out(P, uw, us, sh, hg, i, 0))
     Q = _q4_prepare(h, gsz)  # each row quantized on its own, as expert_q4 quantizes its h
     if Q[0]:
         nbd = (D + RB - 1) // RB
+        nud = (nbd + UB - 1) // UB
         scd = np.empty((n * nbd, RB, n), np.float32)
-        for b in prange(n * nbd):
-            k = b // nbd
-            o0 = (b - k * nbd) * RB
-            res = scd[b]
-            _q4_rows_t(Q, dw[k], ds[k], o0, k, res)
-            for r in range(min(RB, D - o0)):
-                out[k, o0 + r] = res[r, k]
+        for u in prange(n * nud):
+            k = u // nud
+            dw, ds = _arena_q4(arena, offs[k, 4:6], D, I, gsz)
+            for ob in range((u - k * nud) * UB, min((u - k * nud + 1) * UB, nbd)):
+                o0 = ob * RB
+                res = scd[k * nbd + ob]
+                _q4_rows_t(Q, dw, ds, o0, k, res)
+                for r in range(min(RB, D - o0)):
+                    out[k, o0 + r] = res[r, k]
     else:
-        for b in prange(n * D):
-            k = b // D
-            o = b - k * D
-            out[k, o] = _q4_out(Q, dw[k], ds[k], sh, hg, o, k)
+        for k in prange(n):
+            dw, ds = _arena_q4(arena, offs[k, 4:6], D, I, gsz)
+            for o in range(D):
+                out[k, o] = _q4_out(Q, dw, ds, sh, hg, o, k)
 
 
 @njit(parallel=True, **_KW)
-def experts_q8_t1(x, gw, gs, uw, us, dw, ds, h, out):
-    """n int8 experts on one row: out[k] = expert_q8(x, gw[k], gs[k], ...) for k < n.
-
-    x float32 [1, D]; gw, uw, dw: tuples of >= n int8 arrays ([I, D], [I, D], [D, I]); gs, us,
-    ds: tuples of >= n float32 row scales; h float32 [n, I] scratch; out float32 [n, D];
-    n = out.shape[0] (entries past n not read, see experts_q4_t1). Bit-identical to n
-    expert_q8 calls."""
+def experts_q8_t1(x, arena, offs, I, h, out):
+    """n int8 experts on one row from the arena (see experts_q4_t1): offs int64 [>= n, 6]
+    the byte offsets of gate_proj.w [I, D] int8, gate_proj.s [I] float32, up_proj.w, up_proj.s,
+    down_proj.w [D, I], down_proj.s [D]; h float32 [n, I] scratch; out float32 [n, D].
+    Bit-identical to n expert_q8 calls."""
     n = out.shape[0]
+    D = x.shape[1]
     P = _q8_prepare(x)
-    I, D = gw[0].shape[0], dw[0].shape[0]
     if P[0]:
         nbi = (I + RB - 1) // RB
+        nui = (nbi + UB - 1) // UB
         scg = np.empty((n * nbi, RB, 1), np.float32)
         scu = np.empty((n * nbi, RB, 1), np.float32)
-        for b in prange(n * nbi):
-            k = b // nbi
-            i0 = (b - k * nbi) * RB
-            rg = scg[b]
-            ru = scu[b]
-            _q8_rows(P, gw[k], gs[k], i0, rg)
-            _q8_rows(P, uw[k], us[k], i0, ru)
-            for r in range(min(RB, I - i0)):
-                h[k, i0 + r] = _silu_mul(rg[r, 0], ru[r, 0])
+        for u in prange(n * nui):
+            k = u // nui
+            gw, gs = _arena_q8(arena, offs[k, 0:2], I, D)
+            uw, us = _arena_q8(arena, offs[k, 2:4], I, D)
+            for ib in range((u - k * nui) * UB, min((u - k * nui + 1) * UB, nbi)):
+                i0 = ib * RB
+                rg = scg[k * nbi + ib]
+                ru = scu[k * nbi + ib]
+                _q8_rows(P, gw, gs, i0, rg)
+                _q8_rows(P, uw, us, i0, ru)
+                for r in range(min(RB, I - i0)):
+                    h[k, i0 + r] = _silu_mul(rg[r, 0], ru[r, 0])
     else:
-        for b in prange(n * I):
-            k = b // I
-            i = b - k * I
-            h[k, i] = _silu_mul(_q8_out(P, gw[k], gs[k], i, 0), _q8_out(P, uw[k], us[k], i, 0))
+        for k in prange(n):
+            gw, gs = _arena_q8(arena, offs[k, 0:2], I, D)
+            uw, us = _arena_q8(arena, offs[k, 2:4], I, D)
+            for i in range(I):
+                h[k, i] = _silu_mul(_q8_out(P, gw, gs, i, 0), _q8_out(P, uw, us, i, 0))
     Q = _q8_prepare(h)
     if Q[0]:
         nbd = (D + RB - 1) // RB
+        nud = (nbd + UB - 1) // UB
         scd = np.empty((n * nbd, RB, n), np.float32)
-        for b in prange(n * nbd):
-            k = b // nbd
-            o0 = (b - k * nbd) * RB
-            res = scd[b]
-            _q8_rows_t(Q, dw[k], ds[k], o0, k, res)
-            for r in range(min(RB, D - o0)):
-                out[k, o0 + r] = res[r, k]
+        for u in prange(n * nud):
+            k = u // nud
+            dw, ds = _arena_q8(arena, offs[k, 4:6], D, I)
+            for ob in range((u - k * nud) * UB, min((u - k * nud + 1) * UB, nbd)):
+                o0 = ob * RB
+                res = scd[k * nbd + ob]
+                _q8_rows_t(Q, dw, ds, o0, k, res)
+                for r in range(min(RB, D - o0)):
+                    out[k, o0 + r] = res[r, k]
     else:
-        for b in prange(n * D):
-            k = b // D
-            o = b - k * D
-            out[k, o] = _q8_out(Q, dw[k], ds[k], o, k)
+        for k in prange(n):
+            dw, ds = _arena_q8(arena, offs[k, 4:6], D, I)
+            for o in range(D):
+                out[k, o] = _q8_out(Q, dw, ds, o, k)
 
 
 # --- a prefill chunk's routed experts in one call (T > 1) -------------------------------------
@@ -1325,10 +1362,9 @@ def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out):
     M = tok.shape[0]
     n = starts.shape[0] - 1
     D = x.shape[1]
-    G, Gd = D // gsz, I // gsz
     simd = _Q4_SIMD and gsz == 32
     xq = np.empty((M, D if simd else 0), np.int8)
-    xs = np.empty((M, G), np.float32)
+    xs = np.empty((M, D // gsz), np.float32)
     c = np.empty((M, D // 4 if simd else 0), np.int32)
     xe = np.empty((M, 0 if simd else D // 2), np.float32)
     xo = np.empty((M, 0 if simd else D // 2), np.float32)
@@ -1351,10 +1387,8 @@ def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out):
             lo, hi = starts[e], starts[e + 1]
             if hi == lo:
                 continue
-            gw = arena[offs[e, 0]:offs[e, 0] + I * (D // 2)].reshape((I, D // 2))
-            gs = arena[offs[e, 1]:offs[e, 1] + 2 * I * G].view(np.uint16).reshape((I, G))
-            uw = arena[offs[e, 2]:offs[e, 2] + I * (D // 2)].reshape((I, D // 2))
-            us = arena[offs[e, 3]:offs[e, 3] + 2 * I * G].view(np.uint16).reshape((I, G))
+            gw, gs = _arena_q4(arena, offs[e, 0:2], I, D, gsz)
+            uw, us = _arena_q4(arena, offs[e, 2:4], I, D, gsz)
             P = (simd, xq[lo:hi], xs[lo:hi], c[lo:hi], xe[lo:hi], xo[lo:hi])
             rg = scg[ch, :, :hi - lo]
             ru = scu[ch, :, :hi - lo]
@@ -1380,8 +1414,7 @@ def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out):
             lo, hi = starts[e], starts[e + 1]
             if hi == lo:
                 continue
-            dw = arena[offs[e, 4]:offs[e, 4] + D * (I // 2)].reshape((D, I // 2))
-            ds = arena[offs[e, 5]:offs[e, 5] + 2 * D * Gd].view(np.uint16).reshape((D, Gd))
+            dw, ds = _arena_q4(arena, offs[e, 4:6], D, I, gsz)
             Qe = (Q[0], Q[1][lo:hi], Q[2][lo:hi], Q[3][lo:hi], Q[4][lo:hi], Q[5][lo:hi])
             res = scd[ch, :, :hi - lo]
             for ob in range(b0, b1):

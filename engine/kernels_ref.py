@@ -104,36 +104,49 @@ def expert_q4(x, gw, gs, uw, us, dw, ds, gsz, h, out):
     out[...] = quantize_activations(h, gsz) @ _q4(dw, ds, gsz).T
 
 
-def experts_q4_t1(x, gw, gs, uw, us, dw, ds, gsz, h, out):
+def _arena_at(arena, o, n, dt, shape):
+    return arena[o:o + n * np.dtype(dt).itemsize].view(dt).reshape(shape)
+
+
+def _arena_q4(arena, off, O, N, gsz):
+    return (_arena_at(arena, off[0], O * N // 2, np.uint8, (O, N // 2)),
+            _arena_at(arena, off[1], O * (N // gsz), np.uint16, (O, N // gsz)))
+
+
+def _arena_q8(arena, off, O, N):
+    return _arena_at(arena, off[0], O * N, np.int8, (O, N)), _arena_at(arena, off[1], O, np.float32, (O,))
+
+
+def experts_q4_t1(x, arena, offs, I, gsz, h, out):
+    D = x.shape[1]
     for k in range(out.shape[0]):
-        expert_q4(x, gw[k], gs[k], uw[k], us[k], dw[k], ds[k], gsz, h[k:k + 1], out[k:k + 1])
+        o = offs[k]
+        expert_q4(x, *_arena_q4(arena, o[0:2], I, D, gsz), *_arena_q4(arena, o[2:4], I, D, gsz),
+                  *_arena_q4(arena, o[4:6], D, I, gsz), gsz, h[k:k + 1], out[k:k + 1])
+
+
+def experts_q8_t1(x, arena, offs, I, h, out):
+    D = x.shape[1]
+    for k in range(out.shape[0]):
+        o = offs[k]
+        expert_q8(x, *_arena_q8(arena, o[0:2], I, D), *_arena_q8(arena, o[2:4], I, D),
+                  *_arena_q8(arena, o[4:6], D, I), h[k:k + 1], out[k:k + 1])
 
 
 def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out):
     D = x.shape[1]
-    G, Gd = D // gsz, I // gsz
-
-    def at(o, n, dt, shape):
-        return arena[o:o + n * np.dtype(dt).itemsize].view(dt).reshape(shape)
     for e in range(starts.shape[0] - 1):
         lo, hi = starts[e], starts[e + 1]
         if hi > lo:
             o = offs[e]
-            expert_q4(x[tok[lo:hi]], at(o[0], I * D // 2, np.uint8, (I, D // 2)), at(o[1], I * G, np.uint16, (I, G)),
-                      at(o[2], I * D // 2, np.uint8, (I, D // 2)), at(o[3], I * G, np.uint16, (I, G)),
-                      at(o[4], D * I // 2, np.uint8, (D, I // 2)), at(o[5], D * Gd, np.uint16, (D, Gd)),
-                      gsz, h[lo:hi], out[lo:hi])
+            expert_q4(x[tok[lo:hi]], *_arena_q4(arena, o[0:2], I, D, gsz), *_arena_q4(arena, o[2:4], I, D, gsz),
+                      *_arena_q4(arena, o[4:6], D, I, gsz), gsz, h[lo:hi], out[lo:hi])
 
 
 def combine_sorted(y, pos, w, out):
     out[...] = y[pos[:, 0]] * w[:, 0:1]
     for k in range(1, pos.shape[1]):
         out += y[pos[:, k]] * w[:, k:k + 1]
-
-
-def experts_q8_t1(x, gw, gs, uw, us, dw, ds, h, out):
-    for k in range(out.shape[0]):
-        expert_q8(x, gw[k], gs[k], uw[k], us[k], dw[k], ds[k], h[k:k + 1], out[k:k + 1])
 
 
 def embed_q8(ids, w, s, out):

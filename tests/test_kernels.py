@@ -201,19 +201,32 @@ def test_rows_do_not_depend_on_T_or_threads(kind):
         numba.set_num_threads(n0)
 
 
+def arena_of(experts, rng):
+    """Expert slabs packed into one uint8 arena as the expert cache holds them: (arena, offs
+    int64 [n, 6]) with the byte offsets of gate .w/.s, up .w/.s, down .w/.s of each expert
+    (experts: [[gate, up, down] per expert], each a dict with "w" and "s"), 64-byte aligned, the
+    arrays in a shuffled order so no kernel can assume one."""
+    parts = [(e, m, key) for e in range(len(experts)) for m in range(3) for key in ("w", "s")]
+    rng.shuffle(parts)
+    arena = np.zeros(sum(-(-experts[e][m][k].nbytes // 64) * 64 for e, m, k in parts), np.uint8)
+    offs = np.zeros((len(experts), 6), np.int64)
+    at = 0
+    for e, m, key in parts:
+        a = np.ascontiguousarray(experts[e][m][key])
+        arena[at:at + a.nbytes] = a.reshape(-1).view(np.uint8)
+        offs[e, 2 * m + (key == "s")] = at
+        at += -(-a.nbytes // 64) * 64
+    return arena, offs
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_decode_experts_in_one_call_equal_one_call_each(kind):
-    """experts_q4_t1 / experts_q8_t1 (a decode step's experts in one call) give each expert's
-    row bit for bit as expert_q4 / expert_q8 on that expert alone, with 1 or all threads, for
-    odd group counts and widths that are not a multiple of the row block; and match kernels_ref.
-
-    Every call passes tuples of PAD entries, as the engine pads them to num_experts_per_tok
-    (one compiled specialization per tuple length; each costs ~25 s of compilation on 2 cores,
-    and the forced-path runs compile it again per path): n < PAD checks that entries past n
-    are never read, n = PAD the unpadded call."""
+    """experts_q4_t1 / experts_q8_t1 (a decode step's experts in one call, reading their slabs
+    in an arena) give each expert's row bit for bit as expert_q4 / expert_q8 on that expert
+    alone, with 1 or all threads, for odd group counts and widths that are not a multiple of
+    the row block; and match kernels_ref. offs has more rows than n: rows past n are not read."""
     import numba
-    PAD = 4
-    shapes = ((96, 64, 3), (64, 32, 1), (160, 96, PAD)) if kind == "int4" else ((33, 17, 3), (64, 48, 1), (70, 66, PAD))
+    shapes = ((96, 64, 3), (64, 32, 1), (160, 96, 4)) if kind == "int4" else ((33, 17, 3), (64, 48, 1), (70, 66, 4))
     n0 = numba.get_num_threads()
     try:
         for D, I, n in shapes:
@@ -222,17 +235,17 @@ def test_decode_experts_in_one_call_equal_one_call_each(kind):
                        for _ in range(n)]
             x = rng.standard_normal((1, D)).astype(np.float32)
             each = np.stack([expert_call(K, kind, x, parts, 32, I, D)[1][0] for parts in experts])
-            f = [tuple(parts[m][key] for parts in experts) for m in range(3) for key in ("w", "s")]
-            fp = [t + (t[0],) * (PAD - n) for t in f]  # padded past n: those entries are not read
+            arena, offs = arena_of(experts, rng)
+            offs = np.concatenate([offs, np.full((2, 6), 1 << 40, np.int64)])  # past n: never read
             extra = (32,) if kind == "int4" else ()
             name = "experts_q4_t1" if kind == "int4" else "experts_q8_t1"
             for threads in sorted({1, n0}):
                 numba.set_num_threads(threads)
                 out = np.full((n, D), np.nan, np.float32)
-                getattr(K, name)(x, *fp, *extra, np.full((n, I), np.nan, np.float32), out)
+                getattr(K, name)(x, arena, offs, I, *extra, np.full((n, I), np.nan, np.float32), out)
                 assert np.array_equal(out, each), (kind, D, I, n, threads)
             ref = np.full((n, D), np.nan, np.float32)
-            getattr(R, name)(x, *f, *extra, np.full((n, I), np.nan, np.float32), ref)
+            getattr(R, name)(x, arena, offs, I, *extra, np.full((n, I), np.nan, np.float32), ref)
             assert np.array_equal(ref, np.stack([expert_call(R, kind, x, parts, 32, I, D)[1][0] for parts in experts]))
             assert np.allclose(out, ref, rtol=1e-3, atol=1e-3 * float(np.abs(ref).max()))
     finally:
@@ -512,17 +525,7 @@ def test_prefill_int4_experts_in_one_call_equal_one_call_each():
             rng = rng_for("sorted", D, I, len(counts))
             experts = [[weight(rng, I, D, "int4")[0], weight(rng, I, D, "int4")[0], weight(rng, D, I, "int4")[0]]
                        for _ in counts]
-            # the slabs packed into one arena, 64-byte aligned, in a shuffled order
-            parts = [(e, m, key) for e in range(len(counts)) for m in range(3) for key in ("w", "s")]
-            rng.shuffle(parts)
-            arena = np.zeros(sum(experts[e][m][k].nbytes + 64 for e, m, k in parts), np.uint8)
-            offs = np.zeros((len(counts), 6), np.int64)
-            at = 0
-            for e, m, key in parts:
-                a = experts[e][m][key]
-                arena[at:at + a.nbytes] = a.reshape(-1).view(np.uint8)
-                offs[e, 2 * m + (key == "s")] = at
-                at += -(-a.nbytes // 64) * 64
+            arena, offs = arena_of(experts, rng)
             T = 13
             x = rng.standard_normal((T, D)).astype(np.float32)
             tok = np.concatenate([np.sort(rng.choice(T, c, replace=False)) for c in counts]).astype(np.int64)
@@ -616,9 +619,12 @@ res["expert_q4"] = np.empty((n, D), np.float32)
 for k, (g, u, d) in enumerate(experts):
     K.expert_q4(x, *g, *u, *d, gs, np.empty((1, I), np.float32), res["expert_q4"][k:k + 1])
 if run == "loads":  # the decode hits' kernel compiled here, the misses' (expert_q4) loaded
-    f = [tuple(e[m][i] for e in experts) for m in range(3) for i in range(2)]
+    parts = [a for e in experts for m in e for a in m]  # gate w, s, up w, s, down w, s per expert
+    at = np.cumsum([0] + [a.nbytes for a in parts])
+    arena = np.concatenate([a.reshape(-1).view(np.uint8) for a in parts])
+    offs = at[:-1].reshape(n, 6).astype(np.int64)
     res["experts_q4_t1"] = np.empty((n, D), np.float32)
-    K.experts_q4_t1(x, *f, gs, np.empty((n, I), np.float32), res["experts_q4_t1"])
+    K.experts_q4_t1(x, arena, offs, I, gs, np.empty((n, I), np.float32), res["experts_q4_t1"])
 np.savez(path, **res)
 """
 

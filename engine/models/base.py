@@ -800,6 +800,7 @@ def mean_router_probs(router_logits: np.ndarray) -> np.ndarray:
 
 
 _T1_FIELDS = ("gate_proj.w", "gate_proj.s", "up_proj.w", "up_proj.s", "down_proj.w", "down_proj.s")
+_ARENA_DTYPES = {"int4": (np.dtype(np.uint8), np.dtype(np.uint16)), "int8": (np.dtype(np.int8), np.dtype(np.float32))}
 
 
 def _mlp_views(dense: dict, prefix: str) -> dict:
@@ -862,8 +863,7 @@ class MoEModel:
             raise ValueError(f"kv_dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
         self.kv_dtype = kv_dtype
         self.alloc_kv()
-        self._fields_memo: dict[tuple[int, int], tuple] = {}  # _t1_fields
-        self._offs_memo: dict[tuple[int, int], tuple] = {}  # _sorted_offsets
+        self._offs_memo: dict[tuple[int, int], tuple] = {}  # _arena_offsets
         self._sorted_memo: bool | None = None  # _sorted_ok
         # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
         # layer start, post-attention residual, routing, post-MoE residual. Dense layers
@@ -1050,7 +1050,7 @@ class MoEModel:
         self.observers.publish("on_route", j, idx, logits)
         split = getattr(self.experts, "prepare_split", None)
         if (T == 1 and split is not None and hasattr(self.experts, "acquire_many")
-                and self.expert_quant in ("int4", "int8")
+                and self.expert_quant in ("int4", "int8") and isinstance(getattr(self.experts, "arena", None), np.ndarray)
                 and type(self).expert_forward is MoEModel.expert_forward):
             moe = self._moe_t1(j, h, idx, w, split)
         else:
@@ -1066,10 +1066,11 @@ class MoEModel:
 
     def _moe_t1(self, j: int, h: np.ndarray, idx: np.ndarray, w: np.ndarray, split) -> np.ndarray:
         """The routed experts of a decode step (h [1, D] normed, idx/w [1, K] by rank): the
-        experts resident at ``prepare`` time in one kernel call (K.experts_q4_t1 / _q8_t1),
-        then each miss as its read completes, by :func:`run_expert`. Every expert's row is
-        bit-identical to :meth:`_moe_grouped`'s and the rows are combined in the same rank
-        order, so the values do not depend on which experts were hits."""
+        experts resident at ``prepare`` time in one kernel call reading their slabs in the
+        cache arena (K.experts_q4_t1 / _q8_t1), then each miss as its read completes, by
+        :func:`run_expert`. Every expert's row is bit-identical to :meth:`_moe_grouped`'s and
+        the rows are combined in the same rank order, so the values do not depend on which
+        experts were hits."""
         D = h.shape[1]
         ranked = idx[0].tolist()
         rank_of = {e: k for k, e in enumerate(ranked)}
@@ -1078,19 +1079,23 @@ class MoEModel:
         if hits:
             views = self.experts.acquire_many(j, hits)
             try:
-                fields = [self._t1_fields(j, e, v) for e, v in zip(hits, views)]
-                n = len(views)
-                # padded to K entries: one compiled kernel for every hit count (experts_q4_t1)
-                f = tuple(zip(*(fields + [fields[0]] * (len(ranked) - n))))
-                out = np.empty((n, D), np.float32)
-                scratch = np.empty((n, f[0][0].shape[0]), np.float32)
-                if self.expert_quant == "int4":
-                    K.experts_q4_t1(h, *f, self.gs, scratch, out)
+                offs = [self._arena_offsets(j, e, v) for e, v in zip(hits, views)]
+                if any(o is None for o in offs):  # a slab not in the arena (format 2 scales)
+                    scratch = np.empty((1, self.args.moe_intermediate_size), np.float32)
+                    for e, v in zip(hits, views):
+                        k = rank_of[e]
+                        self.expert_forward(v, h, scratch, y[0, k:k + 1])
                 else:
-                    K.experts_q8_t1(h, *f, scratch, out)
+                    out = np.empty((len(hits), D), np.float32)
+                    scratch = np.empty((len(hits), self.args.moe_intermediate_size), np.float32)
+                    I = self.args.moe_intermediate_size
+                    if self.expert_quant == "int4":
+                        K.experts_q4_t1(h, self.experts.arena, np.stack(offs), I, self.gs, scratch, out)
+                    else:
+                        K.experts_q8_t1(h, self.experts.arena, np.stack(offs), I, scratch, out)
+                    y[0, [rank_of[e] for e in hits]] = out
             finally:
                 self.experts.release_many(j, hits)
-            y[0, [rank_of[e] for e in hits]] = out
         if misses:
             scratch = np.empty((1, self.args.moe_intermediate_size), np.float32)
             for e in misses:
@@ -1103,16 +1108,6 @@ class MoEModel:
         moe = np.empty((1, D), np.float32)
         K.combine_ranked(y, w, moe)
         return moe
-
-    def _t1_fields(self, j: int, e: int, views: dict) -> tuple:
-        """The six weight arrays (gate/up/down .w and .s) of expert e's slab ``views``, memoised
-        per (layer, expert) while the cache hands out the same views dict (a reload makes a
-        new one, which is looked up again)."""
-        memo = self._fields_memo.get((j, e))
-        if memo is None or memo[0] is not views:
-            memo = (views, tuple(views[name] for name in _T1_FIELDS))
-            self._fields_memo[(j, e)] = memo
-        return memo[1]
 
     def _moe_grouped(self, j: int, h: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
         """The routed experts for rows h [T, D] (normed), idx/w [T, K] by rank: rows grouped
@@ -1173,19 +1168,21 @@ class MoEModel:
             self._sorted_memo = ok
         return ok
 
-    def _sorted_offsets(self, j: int, e: int, views: dict) -> np.ndarray | None:
-        """Byte offsets in the cache arena of expert e's six weight arrays (_T1_FIELDS), or None
-        when a view is not a plain slice of it with the dtype experts_q4_sorted reads; memoised
-        per (layer, expert) while the cache hands out the same views dict."""
+    def _arena_offsets(self, j: int, e: int, views: dict) -> np.ndarray | None:
+        """Byte offsets int64 [6] in the cache arena of expert e's six weight arrays
+        (_T1_FIELDS), for the kernels that read slabs in place (experts_q4_t1 / _q8_t1 /
+        experts_q4_sorted), or None when a view does not have the dtype they read (int4: uint8
+        nibbles and uint16 half scales; int8: int8 and float32); memoised per (layer, expert)
+        while the cache hands out the same views dict (a reload makes a new one)."""
         memo = self._offs_memo.get((j, e))
         if memo is not None and memo[0] is views:
             return memo[1]
+        want = _ARENA_DTYPES.get(self.expert_quant)
         base = self.experts.arena.ctypes.data
         offs = np.empty(6, np.int64)
         for f, name in enumerate(_T1_FIELDS):
             v = views[name]
-            want = np.uint8 if name.endswith(".w") else np.uint16
-            if v.dtype != want or not v.flags.c_contiguous:
+            if want is None or v.dtype != want[f % 2] or not v.flags.c_contiguous:
                 return None
             offs[f] = v.ctypes.data - base
         self._offs_memo[(j, e)] = (views, offs)
@@ -1209,7 +1206,7 @@ class MoEModel:
         if hits:
             views = self.experts.acquire_many(j, hits)
             try:
-                offs = [self._sorted_offsets(j, e, v) for e, v in zip(hits, views)]
+                offs = [self._arena_offsets(j, e, v) for e, v in zip(hits, views)]
                 if any(o is None for o in offs):  # not in the arena: one expert at a time
                     run, misses = [], sorted(hits + misses)
                 else:
