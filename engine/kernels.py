@@ -703,6 +703,12 @@ _q4_tile_1x1 = _make_int_tile("q4", 1, 1)
 # L3-resident: 16.7 / 18.9 / 20-22 / 22.4 / 24.3 GB/s for 256 / 512 / 1024 / 2048 / 4096-byte
 # rows (~7 ns per row on top of ~25 GB/s); a token's experts (453 MB, 2 threads) read at ~0.75-0.8x
 # the rate of a big [65536, 2048] matrix measured beside them (24.5 vs 31.3 GB/s).
+# Session 30 (same host kind, interleaved, best of 15), none kept: (f) weights on transparent huge
+# pages (an anonymous mapping advised MADV_HUGEPAGE, 2 MB-aligned): a plain float32 read of 512
+# MB ran 30 -> 33 GB/s with 2 threads, but linear_q4 at T = 1 over 64 [2048, 2048] matrices ran
+# 5-15% slower than on 4 KB pages in five runs out of five; (g) for T > 1, the token tiles
+# outermost over units of 64 rows (one tile's activations kept in L1 while they meet the unit's
+# rows): 2048 x 2048 at T = 128 91-99 GMAC/s against 87-100 for the row blocks outermost.
 _q8_tile_rx4 = _make_int_tile("q8", _TR, 4)
 _q8_tile_1x4 = _make_int_tile("q8", 1, 4)
 _q8_tile_1x1 = _make_int_tile("q8", 1, 1)
