@@ -1212,17 +1212,20 @@ class MoEModel:
                 else:
                     run = hits
                 if run:
-                    # the hits' entries, contiguous per expert; computed into a buffer of
-                    # their own, then copied into their rows of outs
                     spans = [bounds[e] for e in run]
-                    sel = np.concatenate([np.arange(lo, hi) for lo, hi in spans])
                     starts = np.zeros(len(run) + 1, np.int64)
                     starts[1:] = np.cumsum([hi - lo for lo, hi in spans])
-                    part = np.empty((len(sel), D), np.float32)
-                    K.experts_q4_sorted(h, tok[sel], starts, self.experts.arena, np.stack(offs),
+                    every = len(run) == len(uniq)  # all resident: straight into outs
+                    # else the hits' entries, contiguous per expert, into a buffer of their
+                    # own, then copied into their rows of outs
+                    sel = None if every else np.concatenate([np.arange(lo, hi) for lo, hi in spans])
+                    n = M if every else len(sel)
+                    part = outs if every else np.empty((n, D), np.float32)
+                    K.experts_q4_sorted(h, tok if every else tok[sel], starts, self.experts.arena, np.stack(offs),
                                         a.moe_intermediate_size, self.gs, K.current_threads(),
-                                        np.empty((len(sel), a.moe_intermediate_size), np.float32), part)
-                    outs[sel] = part
+                                        np.empty((n, a.moe_intermediate_size), np.float32), part)
+                    if not every:
+                        outs[sel] = part
             finally:
                 self.experts.release_many(j, hits)
         if misses:
