@@ -1216,6 +1216,15 @@ def _arena_q8(arena, off, O, N):
     return w, s
 
 
+@njit(inline="always", **_KW)
+def _unit(u, nu, nb):
+    """Work unit u of the arena kernels' loops over n experts x nu units of UB blocks (of nb
+    blocks per expert): (expert k, first block, end block)."""
+    k = u // nu
+    j = u - k * nu
+    return k, j * UB, min((j + 1) * UB, nb)
+
+
 @njit(parallel=True, **_KW)
 def experts_q4_t1(x, arena, offs, I, gsz, h, out):
     """n int4 experts on one row, reading their slabs in the expert cache's arena:
@@ -1242,14 +1251,14 @@ def experts_q4_t1(x, arena, offs, I, gsz, h, out):
         # a time (alternating gate and up blocks, two streams, read at ~24 GB/s against ~31
         # for one; Zen 4, 2 threads); the same sums, so the same values
         for u in prange(n * nui):
-            k = u // nui
+            k, b0, b1 = _unit(u, nui, nbi)
             gw, gs = _arena_q4(arena, offs[k, 0:2], I, D, gsz)
-            for ib in range((u - k * nui) * UB, min((u - k * nui + 1) * UB, nbi)):
+            for ib in range(b0, b1):
                 _q4_rows(P, gw, gs, ib * RB, scg[k * nbi + ib])
         for u in prange(n * nui):
-            k = u // nui
+            k, b0, b1 = _unit(u, nui, nbi)
             uw, us = _arena_q4(arena, offs[k, 2:4], I, D, gsz)
-            for ib in range((u - k * nui) * UB, min((u - k * nui + 1) * UB, nbi)):
+            for ib in range(b0, b1):
                 i0 = ib * RB
                 rg = scg[k * nbi + ib]
                 ru = scu[k * nbi + ib]
@@ -1268,9 +1277,9 @@ def experts_q4_t1(x, arena, offs, I, gsz, h, out):
         nud = (nbd + UB - 1) // UB
         scd = np.empty((n * nbd, RB, n), np.float32)
         for u in prange(n * nud):
-            k = u // nud
+            k, b0, b1 = _unit(u, nud, nbd)
             dw, ds = _arena_q4(arena, offs[k, 4:6], D, I, gsz)
-            for ob in range((u - k * nud) * UB, min((u - k * nud + 1) * UB, nbd)):
+            for ob in range(b0, b1):
                 o0 = ob * RB
                 res = scd[k * nbd + ob]
                 _q4_rows_t(Q, dw, ds, o0, k, res)
@@ -1298,10 +1307,10 @@ def experts_q8_t1(x, arena, offs, I, h, out):
         scg = np.empty((n * nbi, RB, 1), np.float32)
         scu = np.empty((n * nbi, RB, 1), np.float32)
         for u in prange(n * nui):
-            k = u // nui
+            k, b0, b1 = _unit(u, nui, nbi)
             gw, gs = _arena_q8(arena, offs[k, 0:2], I, D)
             uw, us = _arena_q8(arena, offs[k, 2:4], I, D)
-            for ib in range((u - k * nui) * UB, min((u - k * nui + 1) * UB, nbi)):
+            for ib in range(b0, b1):
                 i0 = ib * RB
                 rg = scg[k * nbi + ib]
                 ru = scu[k * nbi + ib]
@@ -1321,9 +1330,9 @@ def experts_q8_t1(x, arena, offs, I, h, out):
         nud = (nbd + UB - 1) // UB
         scd = np.empty((n * nbd, RB, n), np.float32)
         for u in prange(n * nud):
-            k = u // nud
+            k, b0, b1 = _unit(u, nud, nbd)
             dw, ds = _arena_q8(arena, offs[k, 4:6], D, I)
-            for ob in range((u - k * nud) * UB, min((u - k * nud + 1) * UB, nbd)):
+            for ob in range(b0, b1):
                 o0 = ob * RB
                 res = scd[k * nbd + ob]
                 _q8_rows_t(Q, dw, ds, o0, k, res)
