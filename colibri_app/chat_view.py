@@ -45,7 +45,8 @@ def rates_text(hit_rate: float, mb_per_token: float) -> tuple[str, str]:
 
 
 def format_meta(meta: dict) -> str:
-    """The line under an answer: tokens, tok/s, TTFT, hit rate, MB/token, finish reason."""
+    """The line under an answer: tokens, tok/s, TTFT, hit rate, MB/token, finish reason, the
+    documentation entries looked up for it."""
     if not meta:
         return ""
     parts = []
@@ -66,6 +67,8 @@ def format_meta(meta: dict) -> str:
         parts.append(f"{n} earliest message{'s' if n != 1 else ''} left out: the chat no longer fits the context")
     if meta.get("seed") is not None:
         parts.append(f"seed {meta['seed']}")
+    if meta.get("sources"):
+        parts.append("looked up: " + ", ".join(str(x) for x in meta["sources"]))
     return "  ·  ".join(parts)
 
 

@@ -15,6 +15,7 @@ from .events import (ABSENT, LOADING, PINNED, REMOTE, RESIDENT, ChatMessage, Eng
                      GenerateRequest, Loaded, LoadProgress, ResidencySnapshot, SamplingParams,
                      StepMetrics, TokenEvent)
 from .chat_template import reasoning_open, split_reasoning
+from .docs_lookup import DocEntry, DocsIndex
 from .fsutil import atomic_write_text
 from .generate import Engine
 from .sampling import fresh_seed
@@ -30,5 +31,5 @@ __all__ = [
     "GenerateRequest", "Loaded",
     "LoadProgress", "ResidencySnapshot", "SamplingParams", "StepMetrics", "TokenEvent", "atomic_write_text",
     "Engine", "ENGINE", "SAMPLING", "APP", "AppSettings", "Setting", "settings_table", "upgrade_keys", "validate", "format_bytes",
-    "format_duration", "fresh_seed", "split_reasoning", "reasoning_open", "describe_model", "family_name", "supported_families",
+    "format_duration", "fresh_seed", "DocEntry", "DocsIndex", "split_reasoning", "reasoning_open", "describe_model", "family_name", "supported_families",
 ]

@@ -53,7 +53,7 @@ CHECKSUM = CHECKSUM_OF_VERSION[FORMAT_VERSION]  # each expert entry's checksum f
 
 COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "special_tokens_map.json", "chat_template.jinja", "chat_template.json", "vocab.json", "merges.txt",
-                "README.md", "LICENSE")
+                "README.md", "LICENSE", "docs_index.jsonl")
 
 
 ConversionCancelled = Cancelled  # the old name (one Cancelled class: engine.errors.Cancelled)

@@ -88,6 +88,7 @@ class Loaded:
     pins_per_layer: int = 0         #: experts per layer hot pinning may hold (setting 0: slots / 4)
     cluster: str = ""               #: expert-parallel serving: ClusterStatus.summary() ("" = off)
     moe_layers: tuple[int, ...] = ()  #: the transformer layer of each MoE row (() = rows 0..num_layers-1)
+    docs_entries: int = 0           #: entries in the store's documentation index (0: no lookup)
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,9 @@ class Finished:
     the same totals (``total_hit_rate``, ``total_mb_per_token``) so panels and the per-answer
     line agree. dropped_messages: the oldest turns left out because the conversation no longer
     fit (never the system prompt). answer_room: tokens the answer could use,
-    min(max_new_tokens, context - prompt). threads: compute threads at the end.
+    min(max_new_tokens, context - prompt). threads: compute threads at the end. sources: the
+    names of the documentation entries given to the model with the question (documentation
+    lookup, engine.docs_lookup; () when off or when the model has no index).
     """
 
     finish_reason: FinishReason
@@ -201,6 +204,7 @@ class Finished:
     dropped_messages: int = 0
     answer_room: int = 0
     threads: int = 0
+    sources: tuple[str, ...] = ()
     seed: int | None = None  #: the sampling seed used (SamplingParams.seed, or the fresh one for "auto")
 
 

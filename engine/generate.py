@@ -16,7 +16,8 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .config import EngineConfig
-from .errors import Cancelled, ContextOverflowError, EngineError, ExpertReadError
+from .docs_lookup import DOCS_PER_QUESTION, INDEX_FILE, DocEntry, DocsIndex, last_user_text, with_docs
+from .errors import Cancelled, ContextOverflowError, EngineError, ExpertReadError, StoreError
 from .events import Finished, FinishReason, GenerateRequest, Loaded, LoadProgress, TokenEvent
 from .expert_cache import ExpertCache
 from .expert_store import ExpertStore
@@ -129,6 +130,13 @@ class Engine:
         check_context_length(config.context_length, a.max_position_embeddings,
                              f"the model {store.manifest.get('model_name', store.path.name)}")
         self.tokenizer = Tokenizer.from_dir(store.path)
+        self.docs = None  # the documentation index the store ships (engine.docs_lookup), if any
+        if (store.path / INDEX_FILE).exists():
+            try:
+                self.docs = DocsIndex.open(store.path / INDEX_FILE)
+            except (OSError, ValueError) as e:
+                raise StoreError(f"{e}. Delete {store.path / INDEX_FILE} to run the model without "
+                                 f"documentation lookup, or convert the model again") from None
         dense = store.load_dense()
         dense_bytes = sum(v.nbytes for v in dense.values())
         # the one sizing rule (engine/sizing.py), with the dense bytes as loaded
@@ -196,7 +204,7 @@ class Engine:
             has_chat_template=self.tokenizer.has_chat_template, max_context=int(a.max_position_embeddings),
             threads=self.threads, auto_threads=self.free_cores is not None, pins_per_layer=self._pins_per_layer(),
             cluster="" if self.cluster is None else self.cluster.status().summary(),
-            moe_layers=tuple(int(i) for i in a.moe_layers))
+            moe_layers=tuple(int(i) for i in a.moe_layers), docs_entries=len(self.docs or ()))
         # other colibri processes size their automatic budget around this one (sysinfo)
         self.budget_claim = BudgetClaim(self.plan.budget)
 
@@ -329,8 +337,24 @@ class Engine:
         can run; messages raise TokenizerError."""
         return self.tokenizer.has_chat_template
 
+    def lookup(self, request: GenerateRequest) -> list[DocEntry]:
+        """The documentation entries given with ``request`` (engine.docs_lookup): the best
+        DOCS_PER_QUESTION matches of its last user message when the store ships a documentation
+        index, the request is a chat and ``request.sampling.docs_lookup`` is on; else []."""
+        if self.docs is None or not request.sampling.docs_lookup or request.prompt_ids is not None:
+            return []
+        text = last_user_text(request.messages)
+        return self.docs.search(text, DOCS_PER_QUESTION) if text else []
+
+    def _encode_chat(self, messages, entries) -> list[int]:
+        return self.tokenizer.encode_chat(with_docs(messages, entries))
+
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
-        """Token ids of the request's prompt (chat template, raw text or ids)."""
+        """Token ids of the request's prompt (chat template with the documentation lookup's
+        block before the last user message, raw text or ids)."""
+        return self._prompt_ids(request, self.lookup(request))
+
+    def _prompt_ids(self, request: GenerateRequest, entries) -> list[int]:
         if request.prompt_ids is not None:
             ids = [int(t) for t in request.prompt_ids]
             bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
@@ -339,7 +363,7 @@ class Engine:
                                  f"[0, {self.args.vocab_size})")
             return ids
         if request.messages:
-            return self.tokenizer.encode_chat(request.messages)
+            return self._encode_chat(request.messages, entries)
         if request.prompt is not None:
             return self.tokenizer.encode(request.prompt)
         raise ValueError("empty request: give messages, prompt or prompt_ids")
@@ -357,12 +381,13 @@ class Engine:
         cancel = cancel or threading.Event()
         sampler = Sampler(request.sampling)
         C = self.context_length
-        ids, dropped = self.fit_prompt(request)
+        entries = self.lookup(request)
+        ids, dropped = self._fit_prompt(request, entries)
         if len(ids) == 0:
             raise ValueError("the prompt is empty")
         if len(ids) >= C:
             raise ContextOverflowError(self._overflow_message(len(ids), bool(request.messages), dropped))
-        return self._run(ids, request, sampler, cancel, dropped)
+        return self._run(ids, request, sampler, cancel, dropped, tuple(e.name for e in entries))
 
     def answer_room(self, max_new_tokens: int) -> int:
         """Tokens a chat prompt must leave free for the answer: min(max_new_tokens, context / 4)
@@ -379,9 +404,13 @@ class Engine:
         generation wins (so the next turns of a trimmed chat still reuse the prefill); with no
         such prefix, enough turns are dropped to leave a quarter of the context free for the
         turns to come. Raw prompts and token ids are never shortened (0 dropped). The result
-        may still not fit: :meth:`generate` refuses it then.
+        may still not fit: :meth:`generate` refuses it then. The documentation lookup's block
+        (:meth:`lookup`) stays right before the last user message in every shortened prompt.
         """
-        ids = self.prompt_ids(request)
+        return self._fit_prompt(request, self.lookup(request))
+
+    def _fit_prompt(self, request: GenerateRequest, entries) -> tuple[list[int], int]:
+        ids = self._prompt_ids(request, entries)
         msgs = request.messages
         if request.prompt_ids is not None or not msgs:
             return ids, 0
@@ -395,7 +424,7 @@ class Engine:
         starts = [i for i in range(head + 1, len(msgs)) if msgs[i].role == "user"]
         cands = []  # (start, ids) that fit, fewest dropped first
         for st in starts:
-            c = self.tokenizer.encode_chat(tuple(msgs[:head]) + tuple(msgs[st:]))
+            c = self._encode_chat(tuple(msgs[:head]) + tuple(msgs[st:]), entries)
             if len(c) + room <= C:
                 cands.append((st, c))
         if not cands:
@@ -404,7 +433,7 @@ class Engine:
             # even the last question alone leaves less room than wished: send it alone (the
             # answer gets what is left) or let generate() refuse it
             st = starts[-1]
-            return self.tokenizer.encode_chat(tuple(msgs[:head]) + tuple(msgs[st:])), st - head
+            return self._encode_chat(tuple(msgs[:head]) + tuple(msgs[st:]), entries), st - head
 
         def common(c: list[int]) -> int:
             n = 0
@@ -431,11 +460,11 @@ class Engine:
             s += f" (this model takes at most {limit} tokens)"
         return s + "."
 
-    def _run(self, ids, request, sampler, cancel, dropped=0) -> Iterator[object]:
+    def _run(self, ids, request, sampler, cancel, dropped=0, sources=()) -> Iterator[object]:
         with self._lock:
-            yield from self._run_locked(ids, request, sampler, cancel, dropped)
+            yield from self._run_locked(ids, request, sampler, cancel, dropped, sources)
 
-    def _run_locked(self, ids, request, sampler, cancel, dropped=0) -> Iterator[object]:
+    def _run_locked(self, ids, request, sampler, cancel, dropped=0, sources=()) -> Iterator[object]:
         self._apply_threads()
         self._adapt_threads(force=True)
         C = self.context_length
@@ -545,6 +574,7 @@ class Engine:
             prefill_tok_per_s=(len(ids) - p) / prefill_s if prefill_s > 0 else 0.0,
             hit_rate=hit_rate, mb_per_token=mb_per_token,
             felt_wait_s=tot["felt_wait_s"], error=error, dropped_messages=dropped, answer_room=max_new,
+            sources=sources,
             threads=self.threads, seed=sampler.seed)
 
     def cluster_status(self):

@@ -234,6 +234,11 @@ SAMPLING_SETTINGS: tuple[Setting, ...] = (
        group=SAMPLING, lo=0, hi=2 ** 63 - 1, needs_reload=False, auto=True),
     _S("max_new_tokens", int, 256, "longest answer, in tokens", "Max new tokens", group=SAMPLING, lo=1,
        hi=1 << 20, unit="tokens", needs_reload=False, step=64),
+    _S("docs_lookup", bool, True, "before each answer, look the question up in the model's documentation "
+       "index (the bundled model: the docstrings of the Python standard library) and give the best three "
+       "entries to the model with the question; the answer names them as its sources. Only models that ship "
+       "docs_index.jsonl have one", "Documentation lookup", group=SAMPLING, needs_reload=False,
+       check_text="look questions up in the model's documentation"),
 )
 
 

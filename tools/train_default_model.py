@@ -426,6 +426,73 @@ def _good_summary(p: str, name: str) -> bool:
     return True
 
 
+def index_summary(doc: str, name: str) -> str:
+    """The summary the documentation index shows for a docstring: its first paragraph, or the
+    next one when the first is only a call signature (``time() -> floating point number``)."""
+    paras = [_oneline(p) for p in re.split(r"\n\s*\n", doc or "") if p.strip()]
+    for p in paras[:3]:
+        if _good_summary(p, name):
+            return p
+    return ""
+
+
+def usage_counts(stdlib: str | Path, entries: list[dict]) -> None:
+    """Set ``uses`` on each entry: how often the standard library's own source uses it, the
+    documentation lookup's prior for how-to questions (``shutil.rmtree`` before
+    ``mailbox.MH.remove_folder``). Functions and classes: ``module.name`` written in the source
+    (``name(`` for builtins); methods: ``.name(`` calls, shared by the methods of that name;
+    modules: ``import`` statements. Test suites and site-packages are not counted."""
+    from collections import Counter
+    pairs, calls, imports = Counter(), Counter(), Counter()
+    root = Path(stdlib)
+    for f in root.rglob("*.py"):
+        rel = f.relative_to(root).parts
+        if rel and (rel[0] in ("test", "site-packages", "idlelib", "lib2to3", "tkinter") or "tests" in rel):
+            continue
+        try:
+            text = f.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            continue
+        pairs.update(re.findall(r"\b([A-Za-z_]\w*\.[A-Za-z_]\w*)\b", text))
+        calls.update(re.findall(r"(?<![\w.])([A-Za-z_]\w*)\(", text))
+        imports.update(re.findall(r"^\s*(?:import|from)\s+([\w.]+)", text, flags=re.M))
+        calls.update("." + m for m in re.findall(r"\.([A-Za-z_]\w*)\(", text))
+    n_methods = Counter(e["name"].rsplit(".", 1)[-1] for e in entries if e["kind"] == "method")
+    for e in entries:
+        parts = e["name"].split(".")
+        if e["kind"] == "module":
+            u = imports[e["name"]]
+        elif e["kind"] == "method":
+            u = calls["." + parts[-1]] // max(1, n_methods[parts[-1]])
+        elif len(parts) == 1:
+            u = calls[parts[0]]
+        else:
+            u = pairs[".".join(parts[-2:])]
+        e["uses"] = int(u)
+
+
+def docs_index_entries(data: dict, extra=()) -> list[dict]:
+    """Every documented object of the extraction (all modules, held-out ones included: the
+    index describes the user's Python, and training never searches it), plus ``extra`` seeds
+    (str.join etc. from the library topics), one per name, sorted by name."""
+    out = {}
+    for it in data["items"]:
+        s = index_summary(it["doc"], it["name"])
+        if s:
+            out.setdefault(it["name"], {"name": it["name"], "kind": it["kind"], "signature": it["signature"],
+                                        "summary": s})
+    for m in data["modules"]:
+        s = _oneline(m["summary"]) if m["summary"] else ""
+        if _good_summary(s, m["name"]):
+            out.setdefault(m["name"], {"name": m["name"], "kind": "module", "signature": "", "summary": s})
+    for t in extra:
+        if t.get("summary"):
+            out.setdefault(t["name"], {k: t.get(k, "") for k in ("name", "kind", "signature", "summary")})
+    entries = [out[k] for k in sorted(out)]
+    usage_counts(data["stdlib"], entries)
+    return entries
+
+
 def build_items(data: dict, heldout_tops: set[str]):
     """Split the extracted records into train / held-out 'seeds' (one per function, class,
     method or module).  An item is held out when any of its owning top-level modules is."""
@@ -822,6 +889,49 @@ def copy_drill(seeds, rng: random.Random):
             {"role": "assistant", "content": a.format(l=listed)}]
 
 
+# Documentation-grounded questions (set by main): the same questions as "qa" / "howto", with a
+# system message right before the question holding the entries the app's documentation lookup
+# (engine.docs_lookup) returns for it, searched in an index of the TRAINING seeds only (held-out
+# modules never appear, not even as context). The answer copies the asked entry's summary from
+# that block: reading, not recall, so it carries over to any documented name (retrieval-augmented
+# generation, Lewis et al. 2020). With module swap the asked name is replaced in the question,
+# the block and the answer alike, so memory of the real name cannot answer it; in 10% the
+# asked entry is left out of the block (a lookup miss) and the answer comes from memory.
+DOCS = {"index": None, "p_missing": 0.10}
+
+
+def docs_conversation(seeds, rng: random.Random):
+    """A "What does `X` do?" or how-to question answered from a documentation block (see DOCS)."""
+    from engine.docs_lookup import DocEntry, docs_block
+    seed = rng.choice(seeds)
+    if not seed["summary"] or len(seed["summary"]) > 300:
+        return None
+    n, k = seed["name"], seed["kind"]
+    if k != "module" and MODULE_SWAP["p"] > 0 and rng.random() < MODULE_SWAP["p"]:
+        mod = _module_of(n, MODULE_SWAP["modules"])
+        if mod:
+            n = swapped_module(mod, rng) + n[len(mod):]
+    sig = seed["signature"] if k != "module" else ""
+    howto = howto_question(seed) if k != "module" and rng.random() < 0.35 else None
+    if howto:
+        q = rng.choice(HOWTO_TEMPLATES).format(t=howto)
+        shown = re.sub(r"^\((self|cls)(, )?", "(", sig) if k == "method" else sig
+        a = f"Use `{n}{shown if shown and len(shown) <= 80 else ''}`. {seed['summary']}"
+    elif k == "module":
+        q = rng.choice(MODULE_TEMPLATES).format(n=n)
+        a = f"`{n}`: {seed['summary']}"
+    else:
+        q = rng.choice(DOC_TEMPLATES).format(n=n, k={"function": "function", "method": "method",
+                                                      "class": "class"}.get(k, "function"))
+        a = f"`{n}`: {seed['summary']}"
+    entries = DOCS["index"].search(q, 3)
+    entries = [e for e in entries if e.name != n]
+    if rng.random() >= DOCS["p_missing"]:
+        entries.insert(rng.randint(0, len(entries)) if howto else 0, DocEntry(n, k, sig, seed["summary"]))
+    block = [{"role": "system", "content": docs_block(entries[:3])}] if entries else []
+    return block + [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+
+
 def make_doc(seeds, rng: random.Random, category: str) -> str | None:
     """A rendered training document: one conversation, sometimes with a system prompt or a
     second turn (multi-turn)."""
@@ -832,6 +942,17 @@ def make_doc(seeds, rng: random.Random, category: str) -> str | None:
             extra = conversation(rng.choice(seeds), rng, "qa")
             if extra:
                 conv = conv + extra
+        return render_chat(conv)
+    if category == "docs":
+        conv = docs_conversation(seeds, rng)
+        if conv is None:
+            return None
+        if rng.random() < 0.2:  # an earlier turn without documentation
+            extra = conversation(rng.choice(seeds), rng, "qa")
+            if extra:
+                conv = extra + conv
+        if rng.random() < 0.2:
+            conv = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] + conv
         return render_chat(conv)
     if category == "topic":
         tpl = rng.choice(TOPIC_TEMPLATES) if seed["first"] else "Tell me more about {t}."
@@ -1058,7 +1179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--init-from", type=Path, default=None,
                     help="continue from this checkpoint's weights (same shape and tokenizer)")
     ap.add_argument("--mixture", default="0.24,0.14,0.06,0.16,0.10,0.04,0.26",
-                    help="shares of qa,howto,example,write,topic,topic_text,code[,copy] documents (copy: copy drills)")
+                    help="shares of qa,howto,example,write,topic,topic_text,code[,copy[,docs]] documents (copy: copy "
+                         "drills; docs: questions answered from a documentation-lookup block)")
     ap.add_argument("--name-split", type=float, default=0.0,
                     help="name-split augmentation: probability of cutting each token of a "
                          "backticked name (0 = off)")
@@ -1075,6 +1197,8 @@ def main(argv=None) -> int:
                     help="build the corpus and tokenizer, print statistics and sample documents, stop")
     ap.add_argument("--questions-out", type=Path, default=None,
                     help="write the 50 held-out evaluation questions (JSON) here and stop")
+    ap.add_argument("--docs-index-only", type=Path, default=None,
+                    help="write the documentation index (docs_index.jsonl) of this Python here and stop")
     ap.add_argument("--_extract", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args._extract:
@@ -1138,8 +1262,18 @@ def main(argv=None) -> int:
     MODULE_SWAP.update(p=0.0, banned=set(heldout_tops),
                        modules=sorted({m["name"] for m in data["modules"] if m["top"] not in heldout_tops}))
     MODULE_SWAP["module_set"] = set(MODULE_SWAP["modules"])
-    pools = {"qa": qa_train, "copy": qa_train, "write": wr_train, "howto": ho_train, "example": ex_train,
+    pools = {"qa": qa_train, "copy": qa_train, "docs": qa_train, "write": wr_train, "howto": ho_train, "example": ex_train,
              "topic": topic_pairs}
+    from engine.docs_lookup import INDEX_FILE, DocEntry, DocsIndex, write_index
+    DOCS["index"] = DocsIndex([DocEntry(t["name"], t["kind"], t["signature"], t["summary"]) for t in qa_train],
+                              "training seeds")
+    # what the app searches: every documented object of this Python, held-out modules included
+    # (they are part of the user's Python); training only ever searches DOCS["index"]
+    docs_all = docs_index_entries(data, [t for t in train_seeds if t["kind"] == "method" and not t["source"]])
+    if args.docs_index_only:
+        write_index(docs_all, args.docs_index_only)
+        log(f"wrote {len(docs_all)} documentation entries to {args.docs_index_only}")
+        return 0
 
     # the training renderer must equal the Jinja chat template
     import jinja2
@@ -1319,11 +1453,11 @@ def main(argv=None) -> int:
 
     # data stream: documents drawn by category, concatenated, cut into windows
     mix = args.mixture.split(",")
-    mix = mix + ["0"] * (len(mix) == 7)  # 7 shares: no copy drills (the previous recipe)
-    if len(mix) != 8 or not all(re.fullmatch(r"\d+(\.\d*)?", w) for w in mix) or sum(map(float, mix)) <= 0:
-        raise SystemExit(f"--mixture {args.mixture!r}: give 8 non-negative shares "
-                         "(qa,howto,example,write,topic,topic_text,code,copy), e.g. 0.3,0.15,0.05,0.1,0.1,0.05,0.2,0.05")
-    weights = dict(zip(("qa", "howto", "example", "write", "topic", "topic_text", "code", "copy"),
+    mix = mix + ["0"] * (9 - len(mix)) if len(mix) in (7, 8) else mix  # older recipes: no copy / docs
+    if len(mix) != 9 or not all(re.fullmatch(r"\d+(\.\d*)?", w) for w in mix) or sum(map(float, mix)) <= 0:
+        raise SystemExit(f"--mixture {args.mixture!r}: give 7 to 9 non-negative shares "
+                         "(qa,howto,example,write,topic,topic_text,code[,copy[,docs]]), e.g. 0.3,0.15,0.05,0.1,0.1,0.05,0.2,0.05")
+    weights = dict(zip(("qa", "howto", "example", "write", "topic", "topic_text", "code", "copy", "docs"),
                        (float(w) for w in mix)))
     drng = random.Random(args.seed + 4)
     code_order = list(range(len(train_code)))
@@ -1403,6 +1537,7 @@ def main(argv=None) -> int:
             for s_ in sample:
                 f.write(json.dumps({"kind": s_["kind"], "n_tokens": len(s_["ids"]), "ids": s_["ids"],
                                     "text": s_["text"]}, ensure_ascii=False) + "\n")
+        write_index(docs_all, tmpd / INDEX_FILE)
         (tmpd / "checkpoint.json").write_text(json.dumps({"step": step, "evaluations": evals}, indent=1))
         old_ = root / "latest"
         if old_.exists():
@@ -1523,6 +1658,7 @@ def main(argv=None) -> int:
 
     # questions for the model card, and transformers' greedy answers as a reference
     questions = pick_questions(qa_train, wr_train)
+    write_index(docs_all, out / INDEX_FILE)
     (out / "questions.json").write_text(json.dumps(questions, indent=2, ensure_ascii=False) + "\n")
     (out / "heldout_questions.json").write_text(
         json.dumps(heldout_questions(qa_held, 50, args.seed), indent=1, ensure_ascii=False) + "\n")

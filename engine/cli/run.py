@@ -103,6 +103,8 @@ def cmd_run(a) -> int:
             return 1
         if fin is not None and req.sampling.temperature > 0 and req.sampling.seed is None:
             print(f"seed {fin.seed} (--seed {fin.seed} reproduces this answer)", file=sys.stderr)
+        if fin is not None and fin.sources:
+            print(f"looked up: {', '.join(fin.sources)} (--no-docs-lookup answers without)", file=sys.stderr)
         if prof and fin:
             print(prof.report(fin), file=sys.stderr)
     return 0

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..convert import convert_checkpoint
+from ..docs_lookup import INDEX_FILE
 from ..errors import StoreError
 from ..events import LoadProgress
 from ..expert_store import store_problem
@@ -46,7 +47,8 @@ def default_store(progress: Callable[[LoadProgress], None] | None = None,
             # rebuilt when the checkpoint changed, the store predates this engine's format
             # (a version 1 store still opens; rebuilding gives it the faster checksums) or it
             # is broken (a truncated or missing file: the library's one validation)
-            if man.get("source_mtime") == stamp and man.get("version") == FORMAT_VERSION:
+            docs_ok = (src / INDEX_FILE).exists() == (dst / INDEX_FILE).exists()  # an index added or removed
+            if man.get("source_mtime") == stamp and man.get("version") == FORMAT_VERSION and docs_ok:
                 why = store_problem(dst)
                 if why is None:
                     return dst

@@ -35,6 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..chat_template import THINK_OPEN
+from ..docs_lookup import DOCS_PER_QUESTION, last_user_text, with_docs
 from ..errors import ConfigError, EngineError
 from ..events import SamplingParams
 from ..settings import setting
@@ -66,6 +67,7 @@ class ServedModel:
     created: int
     key: object
     aliases: tuple[str, ...] = ()
+    docs: Any = None  #: the engine's documentation index (engine.docs_lookup.DocsIndex) or None
 
     @classmethod
     def from_engine(cls, engine) -> "ServedModel":
@@ -75,7 +77,7 @@ class ServedModel:
         name = engine.loaded.model_name or folder
         return cls(model_id=name, tokenizer=engine.tokenizer, context_length=engine.context_length,
                    vocab_size=engine.args.vocab_size, created=int(time.time()), key=engine,
-                   aliases=(folder,) if folder != name else ())
+                   aliases=(folder,) if folder != name else (), docs=getattr(engine, "docs", None))
 
 
 class ApiError(Exception):
@@ -146,12 +148,14 @@ def _check_setting(name: str, param: str, value: Any) -> Any:
 def sampling_from(body: dict, defaults: SamplingParams) -> SamplingParams:
     """SamplingParams of a request: the server's defaults (its sampling flags) overridden by
     ``temperature``, ``top_p``, ``seed``, ``max_completion_tokens`` / ``max_tokens``, and the
-    extensions ``top_k``, ``repetition_penalty``. Unsupported features that would change the
+    extensions ``top_k``, ``repetition_penalty``, ``docs_lookup`` (false: no documentation
+    lookup for this request). Unsupported features that would change the
     answer (``n`` > 1, penalties, logprobs, structured output) are refused, not ignored.
     Raises ApiError (400) naming the parameter."""
     kw = {}
     for param, name in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
-                        ("top_k", "top_k"), ("repetition_penalty", "repetition_penalty")):
+                        ("top_k", "top_k"), ("repetition_penalty", "repetition_penalty"),
+                        ("docs_lookup", "docs_lookup")):
         if body.get(param) is not None:
             kw[name] = _check_setting(name, param, body[param])
     for param in ("max_tokens", "max_completion_tokens"):
@@ -421,6 +425,9 @@ class Api:
             raise ApiError(400, f"the model {m.model_id!r} has no chat template, so it cannot take chat "
                                 f"messages; use POST /v1/completions with a raw prompt", param="messages",
                            code="no_chat_template")
+        if m.docs is not None and sp.docs_lookup and not tools and (text := last_user_text(msgs)):
+            # the documentation lookup, as in the app (engine.Engine.lookup); not with tools
+            msgs = list(with_docs(msgs, m.docs.search(text, DOCS_PER_QUESTION)))
         try:
             ids = await run_in_threadpool(lambda: m.tokenizer.encode_chat(msgs, tools=tools or None, **kwargs))
         except (EngineError, TypeError, ValueError) as e:

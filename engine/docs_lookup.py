@@ -1,0 +1,219 @@
+"""Documentation lookup: the entries of a model's documentation index that best match a question,
+given to the model with the question (retrieval-augmented generation, Lewis et al. 2020,
+"Retrieval-Augmented Generation for Knowledge-Intensive NLP Tasks"; the desktop form is GPT4All's
+LocalDocs).
+
+A model folder (and the store converted from it) may ship ``docs_index.jsonl``: one JSON object
+per line, ``{"name": "csv.reader", "kind": "function", "signature": "(csvfile, ...)",
+"summary": "Return a reader object ..."}``. The bundled default model ships the docstring
+summaries of the Python standard library it was built from (tools/train_default_model.py) and was
+trained to answer from the block :func:`docs_block` renders; other models ship no index and are
+never given one.
+
+Ranking, in order:
+
+1. names the question spells out: a backticked or dotted name equal to an entry's name, else the
+   shortest entry whose name ends with it (```Path.glob``` -> ``pathlib.Path.glob``);
+2. SQLite FTS5 full-text search (https://sqlite.org/fts5.html) over the name's words and the
+   summary, Porter-stemmed, ranked by BM25 with the name's words weighted twice.
+
+The index lives in an in-memory SQLite database built when it is opened (~10 k entries: ~0.1 s).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sqlite3
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from .events import ChatMessage
+
+INDEX_FILE = "docs_index.jsonl"
+DOCS_PER_QUESTION = 3  # entries given with a question (what the default model was trained with)
+HEADER = "Python documentation:"
+MAX_SUMMARY_CHARS = 300
+MAX_SIGNATURE_CHARS = 60
+
+_STOP = frozenset("""a an and are as at be by can do does for from how i in into is it its me my of on or
+please show tell that the this to use using what when where which who why with you your explain
+mean means work works way python""".split())
+# the full-text score's prior: BM25 (lower is better) + _DEPTH_PENALTY per dot in the name -
+# _USE_BONUS * ln(1 + uses); tuned on how-to questions about training modules (tools/
+# train_default_model.py), not on the held-out ones
+_DEPTH_PENALTY = 1.0
+_USE_BONUS = 0.5
+_NAME = re.compile(r"`([^`\s]{1,120})`|\b([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)\b")
+_WORD = re.compile(r"[A-Za-z][A-Za-z0-9]+")
+
+
+@dataclass(frozen=True)
+class DocEntry:
+    """One documented object: dotted ``name``, ``kind`` (function, class, method, module),
+    ``signature`` ("(x, /)" or ""), and the docstring's first paragraph ``summary``."""
+
+    name: str
+    kind: str
+    signature: str
+    summary: str
+    uses: int = 0  #: how often the library's own source uses it (the full-text ranking's prior)
+
+    def line(self) -> str:
+        """The entry as the model reads it: ``- `name(signature)`: summary`` (signature left out
+        above MAX_SIGNATURE_CHARS, summary cut at MAX_SUMMARY_CHARS)."""
+        sig = self.signature if len(self.signature) <= MAX_SIGNATURE_CHARS else ""
+        s = self.summary if len(self.summary) <= MAX_SUMMARY_CHARS else self.summary[:MAX_SUMMARY_CHARS - 3] + "..."
+        return f"- `{self.name}{sig}`: {s}"
+
+
+def docs_block(entries) -> str:
+    """The system message given before the question: HEADER then one :meth:`DocEntry.line` per
+    entry. The default model's training renders it with this same function."""
+    return "\n".join([HEADER] + [e.line() for e in entries])
+
+
+def _role(m) -> str:
+    return m.get("role", "") if isinstance(m, dict) else m.role
+
+
+def last_user_text(messages) -> str | None:
+    """The content of the last user message (ChatMessage or OpenAI-style dict), or None."""
+    for m in reversed(tuple(messages)):
+        if _role(m) == "user":
+            c = m.get("content") if isinstance(m, dict) else m.content
+            return c if isinstance(c, str) else None
+    return None
+
+
+def with_docs(messages, entries) -> tuple:
+    """``messages`` (ChatMessage objects or OpenAI-style dicts) with a system message holding
+    :func:`docs_block` inserted right before the last user message (of the same type as the
+    messages); unchanged when ``entries`` is empty or there is no user message."""
+    msgs = tuple(messages)
+    last = max((i for i, m in enumerate(msgs) if _role(m) == "user"), default=None)
+    if not entries or last is None:
+        return msgs
+    block = docs_block(entries)
+    sys_msg = {"role": "system", "content": block} if isinstance(msgs[last], dict) else ChatMessage("system", block)
+    return msgs[:last] + (sys_msg,) + msgs[last:]
+
+
+def _name_words(name: str) -> str:
+    return " ".join([name] + [w for w in re.split(r"[._]+", name) if w])
+
+
+class DocsIndex:
+    """A searchable documentation index (see the module docstring).
+
+    Thread-safe: one lock around the SQLite connection.
+    """
+
+    def __init__(self, entries: list[DocEntry], source: str = "<memory>"):
+        if not entries:
+            raise ValueError(f"{source}: the documentation index is empty")
+        self.entries = list(entries)
+        self.source = source
+        self._by_name = {}
+        for i, e in enumerate(self.entries):
+            self._by_name.setdefault(e.name, i)
+        self._suffix: dict[str, list[int]] = {}
+        for i, e in enumerate(self.entries):
+            parts = e.name.split(".")
+            for j in range(1, len(parts)):
+                self._suffix.setdefault(".".join(parts[j:]), []).append(i)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(":memory:", check_same_thread=False)
+        self._db.execute("CREATE VIRTUAL TABLE docs USING fts5(name, summary, prior UNINDEXED, "
+                         "tokenize='porter unicode61')")
+        self._db.executemany("INSERT INTO docs(rowid, name, summary, prior) VALUES (?, ?, ?, ?)",
+                             [(i, _name_words(e.name), e.summary,
+                               _DEPTH_PENALTY * e.name.count(".") - _USE_BONUS * math.log1p(max(0, e.uses)))
+                              for i, e in enumerate(self.entries)])
+
+    @classmethod
+    def open(cls, path: str | Path) -> "DocsIndex":
+        """Read a ``docs_index.jsonl`` file.
+
+        Raises:
+            ValueError: a line is not a JSON object with string name and summary (the message
+                names the file and line), or the file has no entries.
+            OSError: the file cannot be read.
+        """
+        path = Path(path)
+        entries = []
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    d = json.loads(line)
+                    e = DocEntry(str(d["name"]), str(d.get("kind", "")), str(d.get("signature", "")),
+                                 str(d["summary"]), int(d.get("uses", 0)))
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise ValueError(f"{path}, line {n}: not a documentation entry ({exc}); "
+                                     f"rebuild the index or remove the file") from None
+                if e.name and e.summary:
+                    entries.append(e)
+        return cls(entries, str(path))
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def named(self, text: str) -> list[DocEntry]:
+        """Entries for the names ``text`` spells out (backticked or dotted), in order of
+        appearance: exact name, else the shortest name ending with ``.`` + it."""
+        out, seen = [], set()
+        for m in _NAME.finditer(text):
+            name = (m.group(1) or m.group(2)).strip("().,:;?!")
+            name = re.sub(r"\(.*$", "", name)
+            i = self._by_name.get(name)
+            if i is None:
+                cands = self._suffix.get(name, [])
+                if cands:
+                    i = min(cands, key=lambda c: (len(self.entries[c].name), c))
+            if i is not None and i not in seen:
+                seen.add(i)
+                out.append(self.entries[i])
+        return out
+
+    def search(self, text: str, k: int = 3) -> list[DocEntry]:
+        """The ``k`` entries that best match ``text`` (a question): named entries first, then
+        BM25 full-text matches. Empty when nothing matches. Deterministic (ties by index order).
+        """
+        if k <= 0:
+            return []
+        out = self.named(text)[:k]
+        words = [w.lower() for w in _WORD.findall(text)]
+        words = list(dict.fromkeys(w for w in words if w not in _STOP))
+        if len(out) < k and words:
+            q = " OR ".join(f'"{w}"*' if len(w) >= 4 else f'"{w}"' for w in words)  # read* finds reader
+            with self._lock:
+                rows = self._db.execute("SELECT rowid FROM docs WHERE docs MATCH ? "
+                                        "ORDER BY bm25(docs, 2.0, 1.0, 0.0) + prior, rowid LIMIT ?",
+                                        (q, 2 * k + len(out))).fetchall()
+            have = {e.name for e in out}
+            for (i,) in rows:
+                e = self.entries[i]
+                if e.name not in have:
+                    have.add(e.name)
+                    out.append(e)
+                if len(out) >= k:
+                    break
+        return out[:k]
+
+
+def write_index(entries, path: str | Path) -> None:
+    """Write ``entries`` (DocEntry or dicts with name, kind, signature, summary) as a
+    ``docs_index.jsonl`` at ``path`` (temp file, fsync, rename)."""
+    from .fsutil import atomic_write_text
+    lines = []
+    for e in entries:
+        d = e if isinstance(e, dict) else e.__dict__
+        row = {k: d.get(k, "") for k in ("name", "kind", "signature", "summary")}
+        if d.get("uses"):
+            row["uses"] = int(d["uses"])
+        lines.append(json.dumps(row, ensure_ascii=False))
+    atomic_write_text(Path(path), "\n".join(lines) + "\n")

@@ -1,0 +1,191 @@
+"""Documentation lookup (engine.docs_lookup, issue 17 point 1): a model that ships
+docs_index.jsonl is given the index entries matching each question, right before it; the answer
+names them; off, or without an index, the prompt is exactly the plain chat."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from engine import ChatMessage, Engine, EngineConfig, Finished, GenerateRequest, StoreError, convert_checkpoint
+from engine.docs_lookup import HEADER, INDEX_FILE, DocEntry, DocsIndex, docs_block, with_docs, write_index
+from engine.events import SamplingParams
+
+ENTRIES = [
+    DocEntry("csv.reader", "function", "(csvfile, dialect='excel')", "Return a reader object that iterates over lines of a CSV file."),
+    DocEntry("csv.writer", "function", "(csvfile)", "Return a writer object that writes rows to a CSV file."),
+    DocEntry("json.dumps", "function", "(obj)", "Serialize obj to a JSON formatted str."),
+    DocEntry("json.dump", "function", "(obj, fp)", "Serialize obj as a JSON formatted stream to fp."),
+    DocEntry("pathlib.Path.glob", "method", "(self, pattern)", "Iterate over this subtree and yield all existing files matching the pattern."),
+    DocEntry("glob.glob", "function", "", "Return a list of paths matching a pathname pattern."),
+    DocEntry("cmath.tan", "function", "(z, /)", "Return the tangent of z."),
+    DocEntry("math.tan", "function", "(x, /)", "Return the tangent of x (measured in radians)."),
+    DocEntry("tempfile.mkdtemp", "function", "(suffix=None)", "Create and return a unique temporary directory."),
+]
+
+
+@pytest.fixture(scope="module")
+def index():
+    return DocsIndex(ENTRIES)
+
+
+def names(es):
+    return [e.name for e in es]
+
+
+def test_a_named_object_comes_first(index):
+    assert names(index.search("What does `json.dumps` do?"))[0] == "json.dumps"
+    assert names(index.search("What does json.dump do?"))[0] == "json.dump"          # dotted, no backticks
+    assert names(index.search("What is `Path.glob`?"))[0] == "pathlib.Path.glob"     # a suffix of the name
+    assert names(index.search("Explain `cmath.tan()` please"))[0] == "cmath.tan"     # call parentheses
+    assert names(index.search("compare `math.tan` and `cmath.tan`"))[:2] == ["math.tan", "cmath.tan"]
+
+
+def test_full_text_ranks_by_the_question_words(index):
+    got = names(index.search("How do I read a CSV file?"))
+    assert got[0] == "csv.reader" and "csv.writer" in got
+    assert names(index.search("How do I make a temporary directory?"))[0] == "tempfile.mkdtemp"
+    assert index.search("zzz qqq") == [] and index.search("") == []                   # nothing matches
+    assert len(index.search("Return a file", k=2)) == 2 and index.search("csv", k=0) == []
+    assert index.search("How do I read a CSV file?") == index.search("How do I read a CSV file?")
+
+
+def test_block_and_placement():
+    block = docs_block(ENTRIES[:2])
+    assert block.splitlines()[0] == HEADER
+    assert block.splitlines()[1] == "- `csv.reader(csvfile, dialect='excel')`: " + ENTRIES[0].summary
+    long = DocEntry("m.f", "function", "(" + "a, " * 40 + ")", "x" * 400)
+    assert long.line().startswith("- `m.f`: ") and long.line().endswith("...") and len(long.line()) < 320
+    msgs = (ChatMessage("system", "be terse"), ChatMessage("user", "a"), ChatMessage("assistant", "b"),
+            ChatMessage("user", "c"))
+    out = with_docs(msgs, ENTRIES[:1])
+    assert [m.role for m in out] == ["system", "user", "assistant", "system", "user"]
+    assert out[3].content == docs_block(ENTRIES[:1]) and out[4].content == "c"
+    assert with_docs(msgs, []) == msgs
+    dicts = [{"role": "user", "content": "q"}]
+    assert with_docs(dicts, ENTRIES[:1])[0] == {"role": "system", "content": docs_block(ENTRIES[:1])}
+
+
+def test_index_file_round_trip_and_bad_files(tmp_path):
+    p = tmp_path / INDEX_FILE
+    write_index(ENTRIES, p)
+    assert DocsIndex.open(p).entries == ENTRIES
+    p.write_text(p.read_text() + "{not json\n")
+    with pytest.raises(ValueError) as e:
+        DocsIndex.open(p)
+    assert str(p) in str(e.value) and f"line {len(ENTRIES) + 1}" in str(e.value)
+    p.write_text('{"name": "x"}\n')                        # no summary
+    with pytest.raises(ValueError, match="line 1"):
+        DocsIndex.open(p)
+    p.write_text("\n")
+    with pytest.raises(ValueError, match="empty"):
+        DocsIndex.open(p)
+
+
+# --- the engine --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def docs_store(tiny_checkpoint, tmp_path_factory):
+    """The tiny chat model converted from a folder that ships docs_index.jsonl (convert copies it)."""
+    src = tmp_path_factory.mktemp("docs") / "ck"
+    shutil.copytree(tiny_checkpoint, src)
+    write_index(ENTRIES, src / INDEX_FILE)
+    st = convert_checkpoint(src, tmp_path_factory.mktemp("docs") / "st", quant="int8")
+    assert (st / INDEX_FILE).read_bytes() == (src / INDEX_FILE).read_bytes()
+    return st
+
+
+def _cfg(store, **kw):
+    return EngineConfig(store=str(store), pilot=0, pinning=False, history=False, o_direct=False, **kw)
+
+
+def _fin(eng, req) -> Finished:
+    return [e for e in eng.generate(req) if isinstance(e, Finished)][-1]
+
+
+def test_engine_gives_the_entries_before_the_question_and_reports_them(docs_store):
+    q = (ChatMessage("user", "What does `json.dumps` do?"),)
+    with Engine.open(_cfg(docs_store)) as eng:
+        if not eng.has_chat_template:
+            pytest.skip("the tiny model has no chat template")
+        assert eng.loaded.docs_entries == len(ENTRIES)
+        on = GenerateRequest(messages=q, sampling=SamplingParams(max_new_tokens=3))
+        off = GenerateRequest(messages=q, sampling=SamplingParams(max_new_tokens=3, docs_lookup=False))
+        expect = eng.docs.search(q[0].content, 3)
+        assert names(expect)[0] == "json.dumps"
+        assert eng.prompt_ids(on) == eng.tokenizer.encode_chat(with_docs(q, expect))
+        assert eng.prompt_ids(off) == eng.tokenizer.encode_chat(q)
+        fin = _fin(eng, on)
+        assert fin.sources == tuple(names(expect)) and fin.prompt_tokens == len(eng.prompt_ids(on))
+        assert _fin(eng, off).sources == ()
+        raw = GenerateRequest(prompt="What does json.dumps do?", sampling=SamplingParams(max_new_tokens=2))
+        assert _fin(eng, raw).sources == ()                 # raw prompts are never changed
+
+
+def test_a_trimmed_chat_keeps_the_block_before_the_last_question(docs_store):
+    with Engine.open(_cfg(docs_store, context_length=256)) as eng:
+        if not eng.has_chat_template:
+            pytest.skip("the tiny model has no chat template")
+        msgs = [ChatMessage("system", "You are terse.")]
+        for i in range(6):
+            msgs += [ChatMessage("user", f"question {i} " + "abc " * 40), ChatMessage("assistant", "xyz " * 40)]
+        msgs.append(ChatMessage("user", "How do I read a CSV file?"))
+        req = GenerateRequest(messages=tuple(msgs), sampling=SamplingParams(max_new_tokens=16))
+        ids, dropped = eng.fit_prompt(req)
+        assert dropped >= 2
+        entries = eng.lookup(req)
+        kept = tuple(msgs[:1]) + tuple(msgs[1 + dropped:])
+        assert ids == eng.tokenizer.encode_chat(with_docs(kept, entries))
+        text = eng.tokenizer.decode(ids, skip_special_tokens=False)
+        assert text.index(HEADER) < text.index("How do I read a CSV file?") and "csv.reader" in text
+
+
+def test_default_placement_never_changes_with_the_lookup_off_index_or_not(tiny_store, docs_store):
+    """Without an index, or with the lookup off, the tokens are those of the plain chat."""
+    q = (ChatMessage("user", "What does `json.dumps` do?"),)
+    sp = SamplingParams(max_new_tokens=6, docs_lookup=False)
+    with Engine.open(_cfg(tiny_store)) as a, Engine.open(_cfg(docs_store)) as b:
+        if not a.has_chat_template:
+            pytest.skip("the tiny model has no chat template")
+        assert a.docs is None and a.loaded.docs_entries == 0
+        fa = _fin(a, GenerateRequest(messages=q, sampling=SamplingParams(max_new_tokens=6)))
+        fb = _fin(b, GenerateRequest(messages=q, sampling=sp))
+        assert fa.token_ids == fb.token_ids and fa.sources == fb.sources == ()
+
+
+def test_a_broken_index_is_named_at_open(docs_store, tmp_path):
+    bad = tmp_path / "st"
+    shutil.copytree(docs_store, bad)
+    (bad / INDEX_FILE).write_text('{"name": 3\n')
+    with pytest.raises(StoreError) as e:
+        Engine.open(_cfg(bad))
+    assert INDEX_FILE in str(e.value) and "Delete" in str(e.value)
+
+
+def test_cli_run_names_what_it_looked_up(docs_store, capsys):
+    from engine.cli.main import main
+    with Engine.open(_cfg(docs_store)) as eng:
+        if not eng.has_chat_template:
+            pytest.skip("the tiny model has no chat template")
+    rc = main(["run", "--model", str(docs_store), "--prompt", "What does `cmath.tan` do?", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "looked up: cmath.tan" in err
+    rc = main(["run", "--model", str(docs_store), "--prompt", "What does `cmath.tan` do?", "--max-new-tokens", "2",
+               "--no-docs-lookup"])
+    assert rc == 0 and "looked up" not in capsys.readouterr().err
+
+
+def test_the_default_model_ships_an_index_of_its_python():
+    from engine.library import default_model_dir
+    p = default_model_dir() / INDEX_FILE
+    if not (default_model_dir() / "model.safetensors").exists():
+        pytest.skip("default model not trained yet")
+    ix = DocsIndex.open(p)
+    log = json.loads((default_model_dir() / "training_log.json").read_text())
+    held = set(log["corpus"]["heldout_top_level_modules"])
+    # the held-out modules are in the index (they are part of the user's Python) ...
+    assert any(e.name.split(".")[0] in held for e in ix.entries)
+    assert names(ix.search("What does `json.dumps` do?"))[0] == "json.dumps"
