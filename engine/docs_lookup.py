@@ -101,6 +101,26 @@ def with_docs(messages, entries) -> tuple:
     return msgs[:last] + (sys_msg,) + msgs[last:]
 
 
+def with_docs_each(messages, search) -> tuple:
+    """``messages`` with, before every user message, a system message holding
+    :func:`docs_block` of ``search(that message's text)`` (none where it finds nothing).
+
+    Every turn keeps the block it was answered with (the search is deterministic), so the
+    prompt of a chat's next turn starts with the previous turn's prompt and its KV rows are
+    reused; a block only before the last question would change the prompt from the first
+    turn on."""
+    out = []
+    for m in messages:
+        if _role(m) == "user":
+            c = m.get("content") if isinstance(m, dict) else m.content
+            entries = search(c) if isinstance(c, str) and c else []
+            if entries:
+                block = docs_block(entries)
+                out.append({"role": "system", "content": block} if isinstance(m, dict) else ChatMessage("system", block))
+        out.append(m)
+    return tuple(out)
+
+
 def _name_words(name: str) -> str:
     return " ".join([name] + [w for w in re.split(r"[._]+", name) if w])
 
@@ -108,7 +128,8 @@ def _name_words(name: str) -> str:
 class DocsIndex:
     """A searchable documentation index (see the module docstring).
 
-    Thread-safe: one lock around the SQLite connection.
+    Thread-safe: one lock around the SQLite connection; :meth:`search` results are memoized
+    (a chat searches each of its questions again at every turn).
     """
 
     def __init__(self, entries: list[DocEntry], source: str = "<memory>"):
@@ -125,6 +146,7 @@ class DocsIndex:
             for j in range(1, len(parts)):
                 self._suffix.setdefault(".".join(parts[j:]), []).append(i)
         self._lock = threading.Lock()
+        self._memo: dict[tuple[str, int], tuple[DocEntry, ...]] = {}
         self._db = sqlite3.connect(":memory:", check_same_thread=False)
         self._db.execute("CREATE VIRTUAL TABLE docs USING fts5(name, summary, prior UNINDEXED, "
                          "tokenize='porter unicode61')")
@@ -179,12 +201,21 @@ class DocsIndex:
                 out.append(self.entries[i])
         return out
 
-    def search(self, text: str, k: int = 3) -> list[DocEntry]:
+    def search(self, text: str, k: int = DOCS_PER_QUESTION) -> list[DocEntry]:
         """The ``k`` entries that best match ``text`` (a question): named entries first, then
         BM25 full-text matches. Empty when nothing matches. Deterministic (ties by index order).
         """
         if k <= 0:
             return []
+        key = (text, k)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = tuple(self._search(text, k))
+            if len(self._memo) > 4096:
+                self._memo.pop(next(iter(self._memo)))
+        return list(hit)
+
+    def _search(self, text: str, k: int) -> list[DocEntry]:
         out = self.named(text)[:k]
         words = [w.lower() for w in _WORD.findall(text)]
         words = list(dict.fromkeys(w for w in words if w not in _STOP))

@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .config import EngineConfig
-from .docs_lookup import DOCS_PER_QUESTION, INDEX_FILE, DocEntry, DocsIndex, last_user_text, with_docs
+from .docs_lookup import DOCS_PER_QUESTION, INDEX_FILE, DocEntry, DocsIndex, last_user_text, with_docs_each
 from .errors import Cancelled, ContextOverflowError, EngineError, ExpertReadError, StoreError
 from .events import Finished, FinishReason, GenerateRequest, Loaded, LoadProgress, TokenEvent
 from .expert_cache import ExpertCache
@@ -346,15 +346,20 @@ class Engine:
         text = last_user_text(request.messages)
         return self.docs.search(text, DOCS_PER_QUESTION) if text else []
 
-    def _encode_chat(self, messages, entries) -> list[int]:
-        return self.tokenizer.encode_chat(with_docs(messages, entries))
+    def _encode_chat(self, messages, docs: bool) -> list[int]:
+        if docs:  # each question with the block it is answered with (KV rows reused turn after turn)
+            messages = with_docs_each(messages, lambda text: self.docs.search(text, DOCS_PER_QUESTION))
+        return self.tokenizer.encode_chat(messages)
+
+    def _docs_on(self, request: GenerateRequest) -> bool:
+        return self.docs is not None and request.sampling.docs_lookup and request.prompt_ids is None
 
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         """Token ids of the request's prompt (chat template with the documentation lookup's
-        block before the last user message, raw text or ids)."""
-        return self._prompt_ids(request, self.lookup(request))
+        block before each user message, raw text or ids)."""
+        return self._prompt_ids(request, self._docs_on(request))
 
-    def _prompt_ids(self, request: GenerateRequest, entries) -> list[int]:
+    def _prompt_ids(self, request: GenerateRequest, docs: bool) -> list[int]:
         if request.prompt_ids is not None:
             ids = [int(t) for t in request.prompt_ids]
             bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
@@ -363,7 +368,7 @@ class Engine:
                                  f"[0, {self.args.vocab_size})")
             return ids
         if request.messages:
-            return self._encode_chat(request.messages, entries)
+            return self._encode_chat(request.messages, docs)
         if request.prompt is not None:
             return self.tokenizer.encode(request.prompt)
         raise ValueError("empty request: give messages, prompt or prompt_ids")
@@ -382,7 +387,7 @@ class Engine:
         sampler = Sampler(request.sampling)
         C = self.context_length
         entries = self.lookup(request)
-        ids, dropped = self._fit_prompt(request, entries)
+        ids, dropped = self._fit_prompt(request, self._docs_on(request))
         if len(ids) == 0:
             raise ValueError("the prompt is empty")
         if len(ids) >= C:
@@ -404,13 +409,13 @@ class Engine:
         generation wins (so the next turns of a trimmed chat still reuse the prefill); with no
         such prefix, enough turns are dropped to leave a quarter of the context free for the
         turns to come. Raw prompts and token ids are never shortened (0 dropped). The result
-        may still not fit: :meth:`generate` refuses it then. The documentation lookup's block
-        (:meth:`lookup`) stays right before the last user message in every shortened prompt.
+        may still not fit: :meth:`generate` refuses it then. With the documentation lookup each
+        user message keeps its block right before it, so a dropped turn takes its block along.
         """
-        return self._fit_prompt(request, self.lookup(request))
+        return self._fit_prompt(request, self._docs_on(request))
 
-    def _fit_prompt(self, request: GenerateRequest, entries) -> tuple[list[int], int]:
-        ids = self._prompt_ids(request, entries)
+    def _fit_prompt(self, request: GenerateRequest, docs: bool) -> tuple[list[int], int]:
+        ids = self._prompt_ids(request, docs)
         msgs = request.messages
         if request.prompt_ids is not None or not msgs:
             return ids, 0
@@ -424,7 +429,7 @@ class Engine:
         starts = [i for i in range(head + 1, len(msgs)) if msgs[i].role == "user"]
         cands = []  # (start, ids) that fit, fewest dropped first
         for st in starts:
-            c = self._encode_chat(tuple(msgs[:head]) + tuple(msgs[st:]), entries)
+            c = self._encode_chat(tuple(msgs[:head]) + tuple(msgs[st:]), docs)
             if len(c) + room <= C:
                 cands.append((st, c))
         if not cands:
@@ -433,7 +438,7 @@ class Engine:
             # even the last question alone leaves less room than wished: send it alone (the
             # answer gets what is left) or let generate() refuse it
             st = starts[-1]
-            return self._encode_chat(tuple(msgs[:head]) + tuple(msgs[st:]), entries), st - head
+            return self._encode_chat(tuple(msgs[:head]) + tuple(msgs[st:]), docs), st - head
 
         def common(c: list[int]) -> int:
             n = 0

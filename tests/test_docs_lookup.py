@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from engine import ChatMessage, Engine, EngineConfig, Finished, GenerateRequest, StoreError, convert_checkpoint
-from engine.docs_lookup import HEADER, INDEX_FILE, DocEntry, DocsIndex, docs_block, with_docs, write_index
+from engine.docs_lookup import HEADER, INDEX_FILE, DocEntry, DocsIndex, docs_block, with_docs, with_docs_each, write_index
 from engine.events import SamplingParams
 
 ENTRIES = [
@@ -125,6 +125,23 @@ def test_engine_gives_the_entries_before_the_question_and_reports_them(docs_stor
         assert _fin(eng, raw).sources == ()                 # raw prompts are never changed
 
 
+def test_each_turn_keeps_its_block_so_the_next_turn_reuses_the_prefill(docs_store):
+    with Engine.open(_cfg(docs_store)) as eng:
+        if not eng.has_chat_template:
+            pytest.skip("the tiny model has no chat template")
+        t1 = [ChatMessage("user", "What does `json.dumps` do?")]
+        f1 = _fin(eng, GenerateRequest(messages=tuple(t1), sampling=SamplingParams(max_new_tokens=4)))
+        t2 = t1 + [ChatMessage("assistant", f1.text), ChatMessage("user", "And `cmath.tan`?")]
+        ids1, ids2 = eng.prompt_ids(GenerateRequest(messages=tuple(t1))), eng.prompt_ids(GenerateRequest(messages=tuple(t2)))
+        assert ids2[:len(ids1)] == ids1                       # turn 1's prompt, block included
+        assert ids2 == eng.tokenizer.encode_chat(with_docs_each(t2, eng.docs.search))
+        text = eng.tokenizer.decode(ids2, skip_special_tokens=False)
+        second = text.rindex(HEADER)
+        assert text.count(HEADER) == 2 and second < text.index("- `cmath.tan(z, /)`", second) < text.index("And `cmath")
+        f2 = _fin(eng, GenerateRequest(messages=tuple(t2), sampling=SamplingParams(max_new_tokens=4)))
+        assert f2.sources[0] == "cmath.tan"
+
+
 def test_a_trimmed_chat_keeps_the_block_before_the_last_question(docs_store):
     with Engine.open(_cfg(docs_store, context_length=256)) as eng:
         if not eng.has_chat_template:
@@ -136,9 +153,9 @@ def test_a_trimmed_chat_keeps_the_block_before_the_last_question(docs_store):
         req = GenerateRequest(messages=tuple(msgs), sampling=SamplingParams(max_new_tokens=16))
         ids, dropped = eng.fit_prompt(req)
         assert dropped >= 2
-        entries = eng.lookup(req)
         kept = tuple(msgs[:1]) + tuple(msgs[1 + dropped:])
-        assert ids == eng.tokenizer.encode_chat(with_docs(kept, entries))
+        assert ids == eng.tokenizer.encode_chat(with_docs_each(kept, eng.docs.search))
+        assert eng.lookup(req)[0].name == "csv.reader"
         text = eng.tokenizer.decode(ids, skip_special_tokens=False)
         assert text.index(HEADER) < text.index("How do I read a CSV file?") and "csv.reader" in text
 

@@ -60,6 +60,14 @@ def chat(q: str) -> list[dict]:
     return [{"role": "system", "content": "You answer questions about Python."}, {"role": "user", "content": q}]
 
 
+def chat_ids(engine, msgs) -> list[int]:
+    """The prompt the server gives the model for ``msgs``: the chat template with the
+    documentation lookup's block before each user message (the default model ships an index;
+    engine.docs_lookup), as the app and ``colibri run`` do."""
+    from engine.docs_lookup import with_docs_each
+    return engine.tokenizer.encode_chat(with_docs_each(msgs, engine.docs.search) if engine.docs else msgs)
+
+
 def direct(engine, **req) -> Finished:
     """The engine's own answer (no server) for the same request."""
     fin = None
@@ -95,7 +103,7 @@ def test_chat_streamed_equals_whole_and_usage_is_our_tokenizers(client, engine, 
         stream_options={"include_usage": True}))
     assert s == text and len(text) > 10
     assert reason == whole.choices[0].finish_reason == "length"     # the long answer runs to max_tokens
-    ids = engine.tokenizer.encode_chat(msgs)
+    ids = chat_ids(engine, msgs)
     ref = direct(engine, prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=MAX))
     for u in (whole.usage, usage):
         assert u.prompt_tokens == len(ids)
@@ -105,6 +113,24 @@ def test_chat_streamed_equals_whole_and_usage_is_our_tokenizers(client, engine, 
     short = client.chat.completions.create(model="colibri-stdlib-moe", messages=chat(SHORT_PROMPT), max_tokens=64)
     assert short.choices[0].finish_reason == "stop"   # the end-of-turn token
     assert short.usage.completion_tokens < 64
+
+
+def test_documentation_lookup_as_in_the_app_and_off_on_request(client, engine):
+    """The server gives the model the documentation lookup's entries as the app does (the same
+    answer as the engine's own generate), and ``docs_lookup: false`` sends the plain chat."""
+    from engine import ChatMessage
+    msgs = [{"role": "user", "content": "What does `json.dumps` do?"}]
+    r = client.chat.completions.create(model="colibri-stdlib-moe", messages=msgs, temperature=0, max_tokens=12)
+    ref = direct(engine, messages=(ChatMessage("user", msgs[0]["content"]),),
+                 sampling=SamplingParams(max_new_tokens=12))
+    assert ref.sources[0] == "json.dumps" and r.usage.prompt_tokens == ref.prompt_tokens == len(chat_ids(engine, msgs))
+    assert r.choices[0].message.content == ref.text
+    off = client.chat.completions.create(model="colibri-stdlib-moe", messages=msgs, temperature=0, max_tokens=2,
+                                         extra_body={"docs_lookup": False})
+    assert off.usage.prompt_tokens == len(engine.tokenizer.encode_chat(msgs)) < r.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="docs_lookup"):
+        client.chat.completions.create(model="colibri-stdlib-moe", messages=msgs, max_tokens=2,
+                                       extra_body={"docs_lookup": "yes"})
 
 
 def test_stop_strings_end_the_answer(client):
@@ -157,13 +183,13 @@ def test_models_and_health(client, server):
 def test_multi_turn_prefills_only_the_new_tokens(client, engine, server):
     msgs = chat("What does `os.path.join` do?")
     r1 = client.chat.completions.create(model="colibri-stdlib-moe", messages=msgs)
-    ids1 = engine.tokenizer.encode_chat(msgs)
+    ids1 = chat_ids(engine, msgs)
     rows1 = list(engine._kv_ids)  # the KV rows turn 1 left: its prompt and the answer's tokens
     assert rows1[:len(ids1)] == ids1 and len(rows1) >= len(ids1) + r1.usage.completion_tokens - 1
     msgs2 = msgs + [{"role": "assistant", "content": r1.choices[0].message.content},
                     {"role": "user", "content": "And `os.path.split`?"}]
     client.chat.completions.create(model="colibri-stdlib-moe", messages=msgs2)
-    ids2 = engine.tokenizer.encode_chat(msgs2)
+    ids2 = chat_ids(engine, msgs2)
     m = metrics(server.url)
     # the KV rows of turn 1 are reused as they are, up to where the answer's text, tokenized
     # again inside the new prompt, first differs from the ids the model generated (a model may
@@ -421,7 +447,7 @@ def test_tool_and_developer_roles_render_through_the_template(client, engine):
             {"role": "tool", "tool_call_id": "call_1", "content": "a.py b.py"},
             {"role": "user", "content": [{"type": "text", "text": "Which one"}, {"type": "text", "text": "is first?"}]}]
     r = client.chat.completions.create(model="colibri-stdlib-moe", messages=msgs, max_tokens=4)
-    want = engine.tokenizer.encode_chat([
+    want = chat_ids(engine, [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "List the files."},
         {"role": "assistant", "content": ""}, {"role": "tool", "content": "a.py b.py"},
         {"role": "user", "content": "Which one\nis first?"}])

@@ -9,7 +9,9 @@
   tools/train_default_model.py; about modules the model never saw): ROUGE-L F1 of the answer
   against the docstring summary, and the share of answers naming the right function or module,
   greedy (temperature 0) and sampled (temperature 0.7, seed = question number), int8 store
-  (the app's default), max 96 new tokens.
+  (the app's default), max 96 new tokens. With the app's documentation lookup (the model ships
+  docs_index.jsonl: the entries matching each question are given with it, engine.docs_lookup)
+  and, greedy, without it (``score_t0.0_nodocs``: the model alone).
 
 Writes MODEL/engine_eval.json (or ``--out``) and prints a summary.
 Reproduce:  python tools/model_card_samples.py [MODEL_DIR] [--questions Q.json] [--texts S.jsonl]
@@ -125,20 +127,22 @@ def store_eval(store: Path, seqs) -> dict:
     return out
 
 
-def answer_all(store: Path, questions: list[dict], temperature: float) -> list[dict]:
-    """One answer per question; at temperature > 0 question i (from 1) is sampled with seed i."""
+def answer_all(store: Path, questions: list[dict], temperature: float, docs_lookup: bool = True) -> list[dict]:
+    """One answer per question; at temperature > 0 question i (from 1) is sampled with seed i.
+    docs_lookup: the app's documentation lookup (on by default; no effect without an index)."""
     cfg = EngineConfig(store=str(store), **PLACEMENT)
     res = []
     with Engine.open(cfg) as eng:
         for i, q in enumerate(questions, start=1):
             msgs = (ChatMessage("user", q["question"]),)
-            sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature, seed=i)
+            sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature, seed=i, docs_lookup=docs_lookup)
             fin = [e for e in eng.generate(GenerateRequest(messages=msgs, sampling=sp))
                    if isinstance(e, Finished)][0]
             res.append({"kind": q["kind"], "about": q["about"], "question": q["question"],
                         "answer": fin.text, "finish": str(getattr(fin.finish_reason, "value", fin.finish_reason)),
                         "rouge_l": rouge_l(fin.text, q["reference"]),
-                        "names_right": names_right(fin.text, q["names"]), "seed": i if temperature > 0 else None})
+                        "names_right": names_right(fin.text, q["names"]), "seed": i if temperature > 0 else None,
+                        "looked_up": list(fin.sources)})
             if i % 10 == 0:
                 print(f"  temperature {temperature}: {i}/{len(questions)} answered", file=sys.stderr, flush=True)
     return res
@@ -148,7 +152,9 @@ def score(answers: list[dict]) -> dict:
     def agg(rows):
         return {"n": len(rows), "rouge_l": float(np.mean([r["rouge_l"] for r in rows])) if rows else 0.0,
                 "names_right": float(np.mean([r["names_right"] for r in rows])) if rows else 0.0,
-                "stopped": float(np.mean([r["finish"] == "stop" for r in rows])) if rows else 0.0}
+                "stopped": float(np.mean([r["finish"] == "stop" for r in rows])) if rows else 0.0,
+                # the documentation lookup gave the asked object among its entries (0 without lookup)
+                "looked_up_right": float(np.mean([r["about"] in r.get("looked_up", []) for r in rows])) if rows else 0.0}
     out = {"all": agg(answers)}
     for k in sorted({r["kind"] for r in answers}):
         out[k] = agg([r for r in answers if r["kind"] == k])
@@ -181,10 +187,15 @@ def main(argv=None) -> int:
         if not args.no_answers:
             questions = json.loads(qpath.read_text())
             ev["questions"] = str(qpath.name)
+            ev["docs_lookup"] = (st / "docs_index.jsonl").exists()
             for t in TEMPERATURES:
                 ans = answer_all(Path(tmp) / "int8", questions, t)
                 ev[f"answers_t{t}"] = ans
                 ev[f"score_t{t}"] = score(ans)
+            if ev["docs_lookup"]:  # the model alone
+                ans = answer_all(Path(tmp) / "int8", questions, 0.0, docs_lookup=False)
+                ev["answers_t0.0_nodocs"] = ans
+                ev["score_t0.0_nodocs"] = score(ans)
     log_path = src / "training_log.json"
     if log_path.exists():
         log = json.loads(log_path.read_text())
@@ -196,9 +207,9 @@ def main(argv=None) -> int:
     print(f"held-out text {texts_path}: {h['nats_per_char']:.4f} nats/char, {h['nats_per_token']:.4f} nats/token")
     print("usage entropy / log(E):", [round(e / ev["int8"]["log_num_experts"], 3) for e in ev["int8"]["usage_entropy"]])
     print("PILOT=1 recall per layer:", [round(r, 3) for r in ev["int8"]["pilot1_recall"]])
-    for t in TEMPERATURES:
-        if f"score_t{t}" in ev:
-            print(f"temperature {t}: {json.dumps(ev[f'score_t{t}'])}")
+    for key in [f"score_t{t}" for t in TEMPERATURES] + ["score_t0.0_nodocs"]:
+        if key in ev:
+            print(f"{key}: {json.dumps(ev[key])}")
     print(f"wrote {out}")
     return 0
 

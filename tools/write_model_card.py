@@ -117,6 +117,14 @@ def main() -> int:
             "    question into the answer, which a \"What does `X` do?\" answer about a held-out module needs."
             + (" About half of the made-up names are dotted paths of a real name whose module is swapped"
                " (`jsring.Counter.most_common`), so a module segment is copied exactly." if "module_swap" in log["args"] else "")]
+    if c["mixture_weights"].get("docs", 0) > 0:
+        lines += [
+            "  - questions answered from documentation: the same \"What does `X` do?\" and how-to questions",
+            "    with, right before the question, the entries the app's documentation lookup returns for it",
+            "    (`engine.docs_lookup`, searched in an index of the training modules only); the answer copies",
+            "    the asked entry's summary from that block. With module swap the asked name is changed in the",
+            "    question, the block and the answer alike, so only reading can answer it; in 10% the asked entry",
+            "    is missing from the block (a lookup miss) and the answer comes from memory."]
     if log["args"].get("module_swap", 0) > 0:
         lines += [
             f"- Module-swap augmentation (mention replacement, a standard data augmentation: Dai and Adel 2020,",
@@ -227,6 +235,23 @@ def main() -> int:
             row(f"names right, {name} (what / how-to)", lambda e, temp=temp: "{} ({} / {})".format(
                 quality_rows(e, temp)["names"], quality_rows(e, temp)["names_what"], quality_rows(e, temp)["names_howto"]))
             row(f"answers that end by themselves, {name}", lambda e, temp=temp: quality_rows(e, temp)["stopped"])
+        if any("score_t0.0_nodocs" in e for _, e in cols):
+            def alone(e, what):
+                s_ = e.get("score_t0.0_nodocs") or (e["score_t0.0"] if not e.get("docs_lookup") else None)
+                if s_ is None:
+                    return "n/a"
+                if what == "rouge":
+                    return "{:.3f} ({:.3f} / {:.3f})".format(s_["all"]["rouge_l"], s_.get("what", {}).get("rouge_l", 0.0),
+                                                            s_.get("howto", {}).get("rouge_l", 0.0))
+                return "{} ({} / {})".format(_pct(s_["all"]["names_right"]), _pct(s_.get("what", {}).get("names_right", 0.0)),
+                                             _pct(s_.get("howto", {}).get("names_right", 0.0)))
+            row("documentation lookup (the app's default)", lambda e: "on" if e.get("docs_lookup") else "none")
+            row("lookup gave the asked object, greedy (what / how-to)", lambda e: "{} ({} / {})".format(
+                _pct(e["score_t0.0"]["all"].get("looked_up_right", 0.0)),
+                _pct(e["score_t0.0"].get("what", {}).get("looked_up_right", 0.0)),
+                _pct(e["score_t0.0"].get("howto", {}).get("looked_up_right", 0.0))))
+            row("ROUGE-L, greedy, the model alone: no lookup (what / how-to)", lambda e: alone(e, "rouge"))
+            row("names right, greedy, the model alone (what / how-to)", lambda e: alone(e, "names"))
         lines.append("")
         if before:
             g, gb = ev["score_t0.0"]["all"], before["score_t0.0"]["all"]

@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..chat_template import THINK_OPEN
-from ..docs_lookup import DOCS_PER_QUESTION, last_user_text, with_docs
+from ..docs_lookup import DOCS_PER_QUESTION, with_docs_each
 from ..errors import ConfigError, EngineError
 from ..events import SamplingParams
 from ..settings import setting
@@ -425,9 +425,9 @@ class Api:
             raise ApiError(400, f"the model {m.model_id!r} has no chat template, so it cannot take chat "
                                 f"messages; use POST /v1/completions with a raw prompt", param="messages",
                            code="no_chat_template")
-        if m.docs is not None and sp.docs_lookup and not tools and (text := last_user_text(msgs)):
-            # the documentation lookup, as in the app (engine.Engine.lookup); not with tools
-            msgs = list(with_docs(msgs, m.docs.search(text, DOCS_PER_QUESTION)))
+        if m.docs is not None and sp.docs_lookup and not tools:
+            # the documentation lookup, as in the app (engine.Engine._encode_chat); not with tools
+            msgs = list(with_docs_each(msgs, lambda text: m.docs.search(text, DOCS_PER_QUESTION)))
         try:
             ids = await run_in_threadpool(lambda: m.tokenizer.encode_chat(msgs, tools=tools or None, **kwargs))
         except (EngineError, TypeError, ValueError) as e:
