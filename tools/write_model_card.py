@@ -258,7 +258,23 @@ def main() -> int:
             train_minutes = (sum(st["minutes"] for st in stages) if stages
                              else t["train_seconds"] / 60)
             better_lm = ev['heldout_text']['nats_per_char'] < before['heldout_text']['nats_per_char']
-            lines += [
+            lookup = bool(ev.get("docs_lookup")) and "score_t0.0_nodocs" in ev
+            if lookup:
+                a0 = ev["score_t0.0_nodocs"]["all"]
+                gw = ev["score_t0.0"].get("what", {})
+                lines += [
+                    f"Verdict: the language model {'improved' if better_lm else 'did not improve'} (held-out text "
+                    f"{before['heldout_text']['nats_per_char']:.3f} -> {ev['heldout_text']['nats_per_char']:.3f} "
+                    "nats/character). With the documentation lookup the app gives it (on by default), the answers "
+                    f"improved: ROUGE-L {gb['rouge_l']:.3f} -> {g['rouge_l']:.3f}, names right {gb['names_right']:.0%} -> "
+                    f"{g['names_right']:.0%} ({gw.get('rouge_l', 0):.3f} and {gw.get('names_right', 0):.0%} on the "
+                    "\"What does `X` do?\" questions, whose X the lookup finds by name). It reads the entry for the "
+                    "asked name and copies its summary; it still writes wrong summaries on its own (the model alone: "
+                    f"ROUGE-L {a0['rouge_l']:.3f}, names right {a0['names_right']:.0%}), and a how-to answer is only "
+                    "as good as the lookup's full-text match.",
+                    ""]
+            else:
+                lines += [
                 f"Verdict: the language model {'improved' if better_lm else 'did not improve'} (held-out text "
                 f"{before['heldout_text']['nats_per_char']:.3f} -> "
                 f"{ev['heldout_text']['nats_per_char']:.3f} nats/character), the answers did "
@@ -315,8 +331,10 @@ def main() -> int:
         "- Intended use: the offline default model of colibri-desktop, a demo of SSD-streamed MoE",
         "  inference, and a realistic routing workload for tuning the expert cache and PILOT.",
         "- Limits: tiny and briefly trained on a shared CPU; it imitates the style of Python",
-        "  documentation and often names a plausible but wrong function. Not for real use; do not",
-        "  trust its answers.",
+        "  documentation and, on its own, often names a plausible but wrong function. With the",
+        "  documentation lookup it repeats what the looked-up entry says, which is only right when the",
+        "  lookup found the object asked about (the answer line names the entries). Not for real use;",
+        "  check what it says.",
         "",
     ]
     (MODEL / "README.md").write_text("\n".join(lines))
