@@ -36,6 +36,8 @@ INDEX_FILE = "docs_index.jsonl"
 DOCS_PER_QUESTION = 3  # entries given with a question (what the default model was trained with)
 HEADER = "Python documentation:"
 MAX_SUMMARY_CHARS = 300
+MAX_QUERY_WORDS = 48      # the first distinct words of a question that the full-text search uses
+MAX_MEMO_CHARS = 8192     # longer questions are not memoized
 MAX_SIGNATURE_CHARS = 60
 
 _STOP = frozenset("""a an and are as at be by can do does for from how i in into is it its me my of on or
@@ -207,18 +209,20 @@ class DocsIndex:
         """
         if k <= 0:
             return []
+        if len(text) > MAX_MEMO_CHARS:  # a pasted file: searched each time, not kept
+            return self._search(text, k)
         key = (text, k)
         hit = self._memo.get(key)
         if hit is None:
             hit = self._memo[key] = tuple(self._search(text, k))
-            if len(self._memo) > 4096:
+            if len(self._memo) > 1024:
                 self._memo.pop(next(iter(self._memo)))
         return list(hit)
 
     def _search(self, text: str, k: int) -> list[DocEntry]:
         out = self.named(text)[:k]
         words = [w.lower() for w in _WORD.findall(text)]
-        words = list(dict.fromkeys(w for w in words if w not in _STOP))
+        words = list(dict.fromkeys(w for w in words if w not in _STOP))[:MAX_QUERY_WORDS]
         if len(out) < k and words:
             q = " OR ".join(f'"{w}"*' if len(w) >= 4 else f'"{w}"' for w in words)  # read* finds reader
             with self._lock:

@@ -50,6 +50,10 @@ def test_full_text_ranks_by_the_question_words(index):
     assert index.search("zzz qqq") == [] and index.search("") == []                   # nothing matches
     assert len(index.search("Return a file", k=2)) == 2 and index.search("csv", k=0) == []
     assert index.search("How do I read a CSV file?") == index.search("How do I read a CSV file?")
+    # a pasted file as the question: bounded work, still an answer; odd characters are plain text
+    big = "How do I read a CSV file? " + " ".join(f"word{i}" for i in range(20000))
+    assert names(index.search(big))[0] == "csv.reader"
+    assert index.search('`"` OR * NEAR( ) ^ -csv {col}: "read"') is not None
 
 
 def test_block_and_placement():
