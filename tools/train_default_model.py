@@ -897,17 +897,28 @@ def copy_drill(seeds, rng: random.Random):
 # generation, Lewis et al. 2020). With module swap the asked name is replaced in the question,
 # the block and the answer alike, so memory of the real name cannot answer it; in 10% the
 # asked entry is left out of the block (a lookup miss) and the answer comes from memory.
-DOCS = {"index": None, "p_missing": 0.10}
+DOCS = {"index": None, "p_missing": 0.10, "p_made_up": 0.6}
 
 
 def docs_conversation(seeds, rng: random.Random):
-    """A "What does `X` do?" or how-to question answered from a documentation block (see DOCS)."""
+    """A "What does `X` do?" or how-to question answered from a documentation block (see DOCS).
+
+    In DOCS["p_made_up"] of them the asked object gets a made-up name (``xvq.load_items``, or a
+    real module with a made-up attribute), in the block, the question and the answer alike: the
+    model has memorized the summaries of the training names (and module swap keeps the base
+    name), so without names it cannot know, reading the block would never be needed to lower
+    the loss. A held-out name is exactly such a name."""
     from engine.docs_lookup import DocEntry, docs_block
     seed = rng.choice(seeds)
     if not seed["summary"] or len(seed["summary"]) > 300:
         return None
     n, k = seed["name"], seed["kind"]
-    if k != "module" and MODULE_SWAP["p"] > 0 and rng.random() < MODULE_SWAP["p"]:
+    made_up = k != "module" and rng.random() < DOCS["p_made_up"]
+    if made_up:
+        made = _random_identifier(rng)
+        mod = _module_of(n, MODULE_SWAP["modules"]) if rng.random() < 0.3 else ""
+        n = f"{mod}.{made.split('.')[-1]}" if mod else made
+    elif k != "module" and MODULE_SWAP["p"] > 0 and rng.random() < MODULE_SWAP["p"]:
         mod = _module_of(n, MODULE_SWAP["modules"])
         if mod:
             n = swapped_module(mod, rng) + n[len(mod):]
@@ -925,8 +936,8 @@ def docs_conversation(seeds, rng: random.Random):
                                                       "class": "class"}.get(k, "function"))
         a = f"`{n}`: {seed['summary']}"
     entries = DOCS["index"].search(q, 3)
-    entries = [e for e in entries if e.name != n]
-    if rng.random() >= DOCS["p_missing"]:
+    entries = [e for e in entries if e.name != n and e.name != seed["name"]]
+    if made_up or rng.random() >= DOCS["p_missing"]:  # (a made-up name is never a lookup miss: no one could answer)
         entries.insert(rng.randint(0, len(entries)) if howto else 0, DocEntry(n, k, sig, seed["summary"]))
     block = [{"role": "system", "content": docs_block(entries[:3])}] if entries else []
     return block + [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
@@ -1335,7 +1346,9 @@ def main(argv=None) -> int:
             return encode(texts)
         res = []
         for text in texts:
-            if arng.random() >= args.name_split_docs or "`" not in text:
+            # (not documents with a documentation block: its `name(signature)` entries are not
+            # split, so the answer's copy of the name must not be either)
+            if arng.random() >= args.name_split_docs or "`" not in text or "Python documentation:" in text:
                 res.append(tok.encode(text).ids)
                 continue
             parts = name_re.split(text)
