@@ -611,7 +611,11 @@ class MainWindow(QMainWindow):
         self.st_threads.setText(self._threads_text(ev.threads, ev.auto_threads))
         self.st_cluster.setText(ev.cluster)
         self.st_cluster.setVisible(bool(ev.cluster))
-        self.statusBar().showMessage("Model ready", 4000)
+        if ev.docs_problem:  # the model runs; answers are given without documentation lookup
+            self.st_model.setToolTip(self.st_model.toolTip() + "\n" + ev.docs_problem)
+            self.statusBar().showMessage(f"Model ready, without documentation lookup: {ev.docs_problem}", 20000)
+        else:
+            self.statusBar().showMessage("Model ready", 4000)
         self.serve.model_loaded()
         self._sync_chat()
         self._start_next()

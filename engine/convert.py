@@ -134,12 +134,30 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
         raise ValueError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite)
+    check_docs_index(Path(src))
     ck = Checkpoint(src)
     try:
         return write_store(ck, src, dst, quant, group_size, progress, cancel, extra_manifest, overwrite,
                            dense_quant)
     finally:
         ck.close()
+
+
+def check_docs_index(folder: Path) -> None:
+    """A documentation index shipped in ``folder`` (engine.docs_lookup) must read before it is
+    copied into a store.
+
+    Raises:
+        CheckpointError: naming the file, the line and what is wrong, and what to do.
+    """
+    from .docs_lookup import INDEX_FILE, DocsIndex
+    p = folder / INDEX_FILE
+    if p.exists():
+        try:
+            DocsIndex.open(p)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{e}. Fix the file, or delete it: the model then runs without "
+                                  f"documentation lookup") from None
 
 
 def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: int = 32,

@@ -123,6 +123,47 @@ def with_docs_each(messages, search) -> tuple:
     return tuple(out)
 
 
+MAX_NAME_CHARS = 200
+
+
+def _parse_line(raw: bytes, first: bool) -> DocEntry | None:
+    """One line of a docs_index.jsonl (bytes) -> a DocEntry, or None for a blank line.
+    Raises ValueError saying what is wrong with it (the caller adds the file and line)."""
+    try:
+        line = raw.decode("utf-8-sig" if first else "utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text (byte {exc.start} of the line is {raw[exc.start:exc.start + 1]!r})") from None
+    if not line.strip():
+        return None
+    try:
+        d = json.loads(line)
+    except RecursionError:
+        raise ValueError("not a documentation entry (nested too deeply)") from None
+    except ValueError as exc:
+        raise ValueError(f"not a documentation entry (not JSON: {exc})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"not a documentation entry (a JSON {type(d).__name__}, not an object)")
+    for key, need in (("name", True), ("summary", True), ("kind", False), ("signature", False)):
+        v = d.get(key)
+        if (v is None and need) or (v is not None and not isinstance(v, str)):
+            raise ValueError(f'"{key}" must be text' + (" and is required" if need else ""))
+    uses = d.get("uses", 0)
+    if isinstance(uses, bool) or not isinstance(uses, int) or uses < 0:
+        raise ValueError('"uses" must be a whole number >= 0')
+    name, summary = d["name"].strip(), d["summary"]
+    if len(name) > MAX_NAME_CHARS:
+        raise ValueError(f'"name" has {len(name)} characters; at most {MAX_NAME_CHARS}')
+    kind, sig = d.get("kind") or "", d.get("signature") or ""
+    for key, v in (("name", name), ("summary", summary), ("kind", kind), ("signature", sig)):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f'"{key}" holds an unpaired surrogate (\\ud800-\\udfff), not text') from None
+    if not name or not summary.strip():
+        return None
+    return DocEntry(name, kind, sig, summary, min(uses, 1 << 62))
+
+
 def _name_words(name: str) -> str:
     return " ".join([name] + [w for w in re.split(r"[._]+", name) if w])
 
@@ -135,9 +176,12 @@ class DocsIndex:
     """
 
     def __init__(self, entries: list[DocEntry], source: str = "<memory>"):
-        if not entries:
+        first: dict[str, DocEntry] = {}
+        for e in entries:
+            first.setdefault(e.name, e)  # a name given twice keeps its first entry
+        if not first:
             raise ValueError(f"{source}: the documentation index is empty")
-        self.entries = list(entries)
+        self.entries = list(first.values())
         self.source = source
         self._by_name = {}
         for i, e in enumerate(self.entries):
@@ -159,27 +203,26 @@ class DocsIndex:
 
     @classmethod
     def open(cls, path: str | Path) -> "DocsIndex":
-        """Read a ``docs_index.jsonl`` file.
+        """Read a ``docs_index.jsonl`` file (UTF-8, an optional byte-order mark; blank lines
+        skipped; a name given twice keeps its first entry).
 
         Raises:
-            ValueError: a line is not a JSON object with string name and summary (the message
-                names the file and line), or the file has no entries.
-            OSError: the file cannot be read.
+            ValueError: the message names the file and the line: not UTF-8 text, not a JSON
+                object, ``name`` / ``summary`` missing or not text, ``name`` longer than
+                MAX_NAME_CHARS, ``kind`` / ``signature`` not text, ``uses`` not a whole number
+                >= 0; or the file has no entries.
+            OSError: the file cannot be read (a folder, no permission).
         """
         path = Path(path)
-        entries = []
-        with path.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
+        entries, seen = [], set()
+        with path.open("rb") as f:
+            for n, raw in enumerate(f, 1):
                 try:
-                    d = json.loads(line)
-                    e = DocEntry(str(d["name"]), str(d.get("kind", "")), str(d.get("signature", "")),
-                                 str(d["summary"]), int(d.get("uses", 0)))
-                except (ValueError, KeyError, TypeError) as exc:
-                    raise ValueError(f"{path}, line {n}: not a documentation entry ({exc}); "
-                                     f"rebuild the index or remove the file") from None
-                if e.name and e.summary:
+                    e = _parse_line(raw, n == 1)
+                except ValueError as exc:
+                    raise ValueError(f"{path}, line {n}: {exc}") from None
+                if e is not None and e.name not in seen:
+                    seen.add(e.name)
                     entries.append(e)
         return cls(entries, str(path))
 

@@ -89,6 +89,7 @@ class Loaded:
     cluster: str = ""               #: expert-parallel serving: ClusterStatus.summary() ("" = off)
     moe_layers: tuple[int, ...] = ()  #: the transformer layer of each MoE row (() = rows 0..num_layers-1)
     docs_entries: int = 0           #: entries in the store's documentation index (0: no lookup)
+    docs_problem: str = ""          #: why the store's documentation index is not used ("" = fine or none)
 
 
 @dataclass(frozen=True)

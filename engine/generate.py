@@ -131,12 +131,15 @@ class Engine:
                              f"the model {store.manifest.get('model_name', store.path.name)}")
         self.tokenizer = Tokenizer.from_dir(store.path)
         self.docs = None  # the documentation index the store ships (engine.docs_lookup), if any
+        self.docs_problem = ""  # why a shipped index could not be used (the model runs without it)
         if (store.path / INDEX_FILE).exists():
             try:
                 self.docs = DocsIndex.open(store.path / INDEX_FILE)
             except (OSError, ValueError) as e:
-                raise StoreError(f"{e}. Delete {store.path / INDEX_FILE} to run the model without "
-                                 f"documentation lookup, or convert the model again") from None
+                self.docs_problem = (f"{e}. The model answers without documentation lookup; delete "
+                                     f"{store.path / INDEX_FILE} to silence this, or convert the model "
+                                     f"again from a folder with a good index")
+                log.warning("%s", self.docs_problem)
         dense = store.load_dense()
         dense_bytes = sum(v.nbytes for v in dense.values())
         # the one sizing rule (engine/sizing.py), with the dense bytes as loaded
@@ -204,7 +207,8 @@ class Engine:
             has_chat_template=self.tokenizer.has_chat_template, max_context=int(a.max_position_embeddings),
             threads=self.threads, auto_threads=self.free_cores is not None, pins_per_layer=self._pins_per_layer(),
             cluster="" if self.cluster is None else self.cluster.status().summary(),
-            moe_layers=tuple(int(i) for i in a.moe_layers), docs_entries=len(self.docs or ()))
+            moe_layers=tuple(int(i) for i in a.moe_layers), docs_entries=len(self.docs or ()),
+            docs_problem=self.docs_problem)
         # other colibri processes size their automatic budget around this one (sysinfo)
         self.budget_claim = BudgetClaim(self.plan.budget)
 
@@ -388,6 +392,9 @@ class Engine:
         C = self.context_length
         entries = self.lookup(request)
         ids, dropped = self._fit_prompt(request, self._docs_on(request))
+        if self._docs_on(request) and len(ids) >= C:  # it fits only without the looked-up entries
+            ids, dropped = self._fit_prompt(request, False)
+            entries = []
         if len(ids) == 0:
             raise ValueError("the prompt is empty")
         if len(ids) >= C:

@@ -72,17 +72,43 @@ def test_block_and_placement():
     assert with_docs(dicts, ENTRIES[:1])[0] == {"role": "system", "content": docs_block(ENTRIES[:1])}
 
 
-def test_index_file_round_trip_and_bad_files(tmp_path):
+GOOD = '{"name": "a.b", "summary": "Do b."}\n'
+
+
+@pytest.mark.parametrize("bad, says", [
+    (b"{not json\n", "not JSON"),
+    (b'{"name": "x"}\n', '"summary" must be text'),                 # no summary
+    (b'{"name": 3, "summary": "s"}\n', '"name" must be text'),
+    (b'{"name": null, "summary": "s"}\n', '"name" must be text'),
+    (b'{"name": ["a"], "summary": {"x": 1}}\n', '"name" must be text'),
+    (b'{"name": "a", "summary": "s", "kind": 1}\n', '"kind" must be text'),
+    (b'{"name": "a", "summary": "s", "uses": 1e400}\n', '"uses" must be a whole number'),
+    (b'{"name": "a", "summary": "s", "uses": -1}\n', '"uses" must be a whole number'),
+    (b'{"name": "a", "summary": "s", "uses": true}\n', '"uses" must be a whole number'),
+    (b"[" * 100000 + b"]" * 100000 + b"\n", "nested too deeply"),
+    (b'["a"]\n', "not an object"),
+    (b'{"name": "caf\xe9", "summary": "s"}\n', "not UTF-8"),                 # Latin-1
+    (b'{"name": "a", "summary": "bad \\ud800 x"}\n', "unpaired surrogate"),
+    (b'{"name": "' + b"n" * 300 + b'", "summary": "s"}\n', "at most 200"),
+])
+def test_each_bad_line_is_named(tmp_path, bad, says):
+    p = tmp_path / INDEX_FILE
+    p.write_bytes(GOOD.encode() + bad)
+    with pytest.raises(ValueError) as e:
+        DocsIndex.open(p)
+    assert str(p) in str(e.value) and "line 2" in str(e.value) and says in str(e.value), str(e.value)
+
+
+def test_index_file_round_trip_bom_duplicates_and_empty(tmp_path):
     p = tmp_path / INDEX_FILE
     write_index(ENTRIES, p)
     assert DocsIndex.open(p).entries == ENTRIES
-    p.write_text(p.read_text() + "{not json\n")
-    with pytest.raises(ValueError) as e:
-        DocsIndex.open(p)
-    assert str(p) in str(e.value) and f"line {len(ENTRIES) + 1}" in str(e.value)
-    p.write_text('{"name": "x"}\n')                        # no summary
-    with pytest.raises(ValueError, match="line 1"):
-        DocsIndex.open(p)
+    p.write_bytes(b"\xef\xbb\xbf" + p.read_bytes())          # a byte-order mark (Windows editors)
+    assert DocsIndex.open(p).entries == ENTRIES
+    dup = '{"name": "json.dumps", "summary": "An impostor."}\n'
+    p.write_text(p.read_text(encoding="utf-8-sig") + dup * 5)   # a name given twice keeps its first entry
+    ix = DocsIndex.open(p)
+    assert len(ix) == len(ENTRIES) and names(ix.search("What does json.dumps do? JSON"))[:2] == ["json.dumps", "json.dump"]
     p.write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         DocsIndex.open(p)
@@ -177,13 +203,46 @@ def test_default_placement_never_changes_with_the_lookup_off_index_or_not(tiny_s
         assert fa.token_ids == fb.token_ids and fa.sources == fb.sources == ()
 
 
-def test_a_broken_index_is_named_at_open(docs_store, tmp_path):
+def test_a_broken_index_is_named_and_the_model_runs_without_it(docs_store, tmp_path, capsys):
     bad = tmp_path / "st"
     shutil.copytree(docs_store, bad)
     (bad / INDEX_FILE).write_text('{"name": 3\n')
-    with pytest.raises(StoreError) as e:
-        Engine.open(_cfg(bad))
-    assert INDEX_FILE in str(e.value) and "Delete" in str(e.value)
+    q = (ChatMessage("user", "What does `json.dumps` do?"),)
+    with Engine.open(_cfg(bad)) as eng:
+        assert eng.docs is None and eng.loaded.docs_entries == 0
+        assert INDEX_FILE in eng.loaded.docs_problem and "line 1" in eng.loaded.docs_problem
+        if eng.has_chat_template:
+            fin = _fin(eng, GenerateRequest(messages=q, sampling=SamplingParams(max_new_tokens=2)))
+            assert fin.sources == () and fin.prompt_tokens == len(eng.tokenizer.encode_chat(q))
+    from engine.cli.main import main
+    assert main(["run", "--model", str(bad), "--prompt", "hi", "--max-new-tokens", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "warning:" in err and "line 1" in err and "Traceback" not in err
+
+
+def test_convert_refuses_a_broken_index_before_writing(tiny_checkpoint, tmp_path):
+    from engine import CheckpointError
+    src = tmp_path / "ck"
+    shutil.copytree(tiny_checkpoint, src)
+    (src / INDEX_FILE).write_text(GOOD + '{"name": "x", "summ')          # cut mid-line
+    with pytest.raises(CheckpointError) as e:
+        convert_checkpoint(src, tmp_path / "st", quant="int8")
+    assert "line 2" in str(e.value) and "delete it" in str(e.value) and not (tmp_path / "st").exists()
+
+
+def test_the_entries_are_left_out_when_only_the_question_fits(docs_store):
+    """A question that fits the context alone is answered without the entries, not refused."""
+    with Engine.open(_cfg(docs_store, context_length=128)) as eng:
+        if not eng.has_chat_template:
+            pytest.skip("the tiny model has no chat template")
+        text = "What does `json.dumps` do?"
+        while len(eng.tokenizer.encode_chat((ChatMessage("user", text + " ok"),))) < 120:
+            text += " ok"
+        req = GenerateRequest(messages=(ChatMessage("user", text),), sampling=SamplingParams(max_new_tokens=4))
+        assert eng.lookup(req) and len(eng.prompt_ids(req)) >= 128          # with the block: too long
+        fin = _fin(eng, req)
+        assert fin.finish_reason != "error" and fin.sources == ()
+        assert fin.prompt_tokens == len(eng.tokenizer.encode_chat(req.messages)) < 128
 
 
 def test_cli_run_names_what_it_looked_up(docs_store, capsys):

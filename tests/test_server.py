@@ -131,6 +131,14 @@ def test_documentation_lookup_as_in_the_app_and_off_on_request(client, engine):
     with pytest.raises(openai.BadRequestError, match="docs_lookup"):
         client.chat.completions.create(model="colibri-stdlib-moe", messages=msgs, max_tokens=2,
                                        extra_body={"docs_lookup": "yes"})
+    # a question that fits only without the entries is answered without them, not refused
+    text = "How do I copy a file with shutil?"
+    while len(engine.tokenizer.encode_chat([{"role": "user", "content": text + " please"}])) < engine.context_length - 20:
+        text += " please"
+    long = [{"role": "user", "content": text}]
+    assert len(chat_ids(engine, long)) >= engine.context_length
+    r = client.chat.completions.create(model="colibri-stdlib-moe", messages=long, max_tokens=2)
+    assert r.usage.prompt_tokens == len(engine.tokenizer.encode_chat(long))
 
 
 def test_stop_strings_end_the_answer(client):

@@ -70,6 +70,8 @@ def cmd_run(a) -> int:
     with Engine.open(cfg) as eng:
         if a.prof:
             print(f"[prof] {eng.loaded.message}", file=sys.stderr)
+        if eng.loaded.docs_problem and a.docs_lookup and not a.raw:
+            print(f"warning: {eng.loaded.docs_problem}", file=sys.stderr)
         if (not a.raw and not eng.has_chat_template) or (a.raw and a.system):  # never silently raw (18.5)
             print(raw_mode_warning(eng.loaded.store_path, eng.has_chat_template, bool(a.system)), file=sys.stderr)
         if a.raw or not eng.has_chat_template:

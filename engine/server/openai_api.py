@@ -425,11 +425,20 @@ class Api:
             raise ApiError(400, f"the model {m.model_id!r} has no chat template, so it cannot take chat "
                                 f"messages; use POST /v1/completions with a raw prompt", param="messages",
                            code="no_chat_template")
-        if m.docs is not None and sp.docs_lookup and not tools:
-            # the documentation lookup, as in the app (engine.Engine._encode_chat); not with tools
-            msgs = list(with_docs_each(msgs, lambda text: m.docs.search(text, DOCS_PER_QUESTION)))
+
+        def encode(ms):
+            return m.tokenizer.encode_chat(ms, tools=tools or None, **kwargs)
+
+        def prompt() -> list[int]:
+            if m.docs is not None and sp.docs_lookup and not tools:
+                # the documentation lookup, as in the app (engine.Engine._encode_chat; not with
+                # tools), unless the looked-up entries would make the prompt too long
+                looked = encode(list(with_docs_each(msgs, lambda text: m.docs.search(text, DOCS_PER_QUESTION))))
+                if len(looked) < m.context_length:
+                    return looked
+            return encode(msgs)
         try:
-            ids = await run_in_threadpool(lambda: m.tokenizer.encode_chat(msgs, tools=tools or None, **kwargs))
+            ids = await run_in_threadpool(prompt)
         except (EngineError, TypeError, ValueError) as e:
             raise ApiError(400, f"the messages cannot be rendered with the model's chat template: {e}",
                            param="messages", code="invalid_messages") from None

@@ -54,3 +54,14 @@ def test_settings_dialog_has_the_documentation_lookup_checkbox(qtbot):
     assert len(boxes) == 1 and boxes[0].isChecked()
     boxes[0].setChecked(False)
     assert dlg.current_settings().sampling.docs_lookup is False
+
+
+def test_a_broken_index_does_not_block_the_model(qtbot, make_window, app_store, tmp_path):
+    st = tmp_path / "broken-docs"
+    shutil.copytree(app_store, st)
+    (st / INDEX_FILE).write_text('{"name": "json.dumps", "summary": "x"}\n{"name": 3}\n')
+    win = make_window(store=str(st), max_new_tokens=2)
+    assert win.loaded.docs_entries == 0 and "line 2" in win.loaded.docs_problem
+    msg = win.statusBar().currentMessage()
+    assert "without documentation lookup" in msg and INDEX_FILE in msg
+    assert not win.banner.isVisible()                      # the model is usable: no error banner
