@@ -159,3 +159,21 @@ def test_overwrite_replaces_a_store_whose_manifest_is_gone(tiny_checkpoint, tiny
     assert "a store already exists; pass --overwrite" in capsys.readouterr().err
     assert main(["convert", "--overwrite", str(tiny_checkpoint), str(st)]) == 0
     assert store_problem(st) is None
+
+
+def test_a_damaged_index_of_the_default_model_is_converted_again(models, tiny_checkpoint, tmp_path, monkeypatch):
+    """The bundled model's documentation index (engine.docs_lookup): a damaged copy in the
+    converted store is rebuilt from the bundled one, not run without lookup."""
+    import shutil
+
+    import engine.library.default_model as dm
+    from engine.docs_lookup import INDEX_FILE, DocsIndex
+    src = tmp_path / "bundled"
+    shutil.copytree(tiny_checkpoint, src)
+    (src / INDEX_FILE).write_text('{"name": "json.dumps", "summary": "Serialize obj."}\n')
+    monkeypatch.setattr(dm, "default_model_dir", lambda: src)
+    st = lib.default_store()
+    (st / INDEX_FILE).write_text('{"name": "json.dumps", "summ')
+    assert lib.default_store() == st and len(DocsIndex.open(st / INDEX_FILE)) == 1
+    (st / INDEX_FILE).unlink()                                  # a missing copy, too
+    assert lib.default_store() == st and (st / INDEX_FILE).exists()

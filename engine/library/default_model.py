@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..convert import convert_checkpoint
-from ..docs_lookup import INDEX_FILE
+from ..docs_lookup import INDEX_FILE, DocsIndex
 from ..errors import StoreError
 from ..events import LoadProgress
 from ..expert_store import store_problem
@@ -48,6 +48,13 @@ def default_store(progress: Callable[[LoadProgress], None] | None = None,
             # (a version 1 store still opens; rebuilding gives it the faster checksums) or it
             # is broken (a truncated or missing file: the library's one validation)
             docs_ok = (src / INDEX_FILE).exists() == (dst / INDEX_FILE).exists()  # an index added or removed
+            if docs_ok and (dst / INDEX_FILE).exists():
+                try:  # a damaged copy of the bundled index is rebuilt, not run without lookup
+                    DocsIndex.open(dst / INDEX_FILE)
+                except (OSError, ValueError) as e:
+                    log.warning("the converted default model's documentation index is damaged (%s); "
+                                "converting it again", e)
+                    docs_ok = False
             if man.get("source_mtime") == stamp and man.get("version") == FORMAT_VERSION and docs_ok:
                 why = store_problem(dst)
                 if why is None:
