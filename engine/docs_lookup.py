@@ -38,7 +38,6 @@ HEADER = "Python documentation:"
 MAX_SUMMARY_CHARS = 300
 MAX_QUERY_WORDS = 48      # the first distinct words of a question that the full-text search uses
 MAX_MEMO_CHARS = 8192     # longer questions are not memoized
-MAX_SIGNATURE_CHARS = 60
 
 _STOP = frozenset("""a an and are as at be by can do does for from how i in into is it its me my of on or
 please show tell that the this to use using what when where which who why with you your explain
@@ -64,11 +63,13 @@ class DocEntry:
     uses: int = 0  #: how often the library's own source uses it (the full-text ranking's prior)
 
     def line(self) -> str:
-        """The entry as the model reads it: ``- `name(signature)`: summary`` (signature left out
-        above MAX_SIGNATURE_CHARS, summary cut at MAX_SUMMARY_CHARS)."""
-        sig = self.signature if len(self.signature) <= MAX_SIGNATURE_CHARS else ""
+        """The entry as the model reads it: ``- `name`: summary`` (the summary cut at
+        MAX_SUMMARY_CHARS). The name is written as the answer writes it, so the summary follows
+        the same two tokens (name, "`:") in the block and in the answer: copying it is a plain
+        induction step (Olsson et al. 2022); with the signature between them
+        (``- `name(sig)`: ...``) a tiny model did not learn to copy in 1,000 steps."""
         s = self.summary if len(self.summary) <= MAX_SUMMARY_CHARS else self.summary[:MAX_SUMMARY_CHARS - 3] + "..."
-        return f"- `{self.name}{sig}`: {s}"
+        return f"- `{self.name}`: {s}"
 
 
 def docs_block(entries) -> str:

@@ -924,10 +924,9 @@ def docs_conversation(seeds, rng: random.Random):
             n = swapped_module(mod, rng) + n[len(mod):]
     sig = seed["signature"] if k != "module" else ""
     howto = howto_question(seed) if k != "module" and rng.random() < 0.35 else None
-    if howto:
+    if howto:  # (the block shows no signatures: the answer names what it can copy)
         q = rng.choice(HOWTO_TEMPLATES).format(t=howto)
-        shown = re.sub(r"^\((self|cls)(, )?", "(", sig) if k == "method" else sig
-        a = f"Use `{n}{shown if shown and len(shown) <= 80 else ''}`. {seed['summary']}"
+        a = f"Use `{n}`: {seed['summary']}"
     elif k == "module":
         q = rng.choice(MODULE_TEMPLATES).format(n=n)
         a = f"`{n}`: {seed['summary']}"
