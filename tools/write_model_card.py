@@ -173,13 +173,13 @@ def main() -> int:
             f"{sum(st['steps'] for st in stages)} steps, {sum(st['tokens'] for st in stages) / 1e6:.2f} M tokens, "
             f"{tot_min:.1f} min of training in all (minutes of the training steps by the wall clock; a stage "
             "budgeted in CPU time (`--clock cpu`) also shows its process CPU minutes):", "",
-            "| stage | minutes | steps | tokens (M) | peak lr | name-split | module swap | copy drills | qa / howto / code share | held-out loss after | stopped |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| stage | minutes | steps | tokens (M) | peak lr | name-split | module swap | copy drills | docs questions | qa / howto / code share | held-out loss after | stopped |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for i, st in enumerate(stages, 1):
             mx = st["mixture"]
             mins = f"{st['minutes']}" + (f" ({st['cpu_minutes']} CPU)" if "cpu_minutes" in st else "")
             lines.append(f"| {i} | {mins} | {st['steps']} | {st['tokens'] / 1e6:.2f} | {st['lr_peak']} | "
-                         f"{st['name_split']} | {st.get('module_swap', 0):.0%} | {mx.get('copy', 0):.0%} | {mx['qa']:.0%} / {mx['howto']:.0%} / "
+                         f"{st['name_split']} | {st.get('module_swap', 0):.0%} | {mx.get('copy', 0):.0%} | {mx.get('docs', 0):.0%} | {mx['qa']:.0%} / {mx['howto']:.0%} / "
                          f"{mx['code']:.0%} | {st['heldout_loss']} | {st.get('note') or st['stopped_by']} |")
         lines += ["", "- Stage commands (in order; each stage's `--out` folder was renamed `stageN` before the next "
                   "stage's `--init-from` read it):", ""]
