@@ -1156,6 +1156,9 @@ def main(argv=None) -> int:
                          "(0 = no limit); the cosine follows whichever clock is further along")
     ap.add_argument("--compile", action="store_true",
                     help="torch.compile the training forward (throughput only; same math)")
+    ap.add_argument("--docs-made-up", type=float, default=0.6,
+                    help="share of the documentation-grounded questions (mixture share 'docs') asked "
+                         "about a made-up name, so only reading the block answers them")
     ap.add_argument("--module-swap", type=float, default=0.0,
                     help="module-swap augmentation: share of 'What does `mod.name` do?' conversations "
                          "whose module path is replaced by another real or made-up one (0 = off)")
@@ -1275,6 +1278,7 @@ def main(argv=None) -> int:
     pools = {"qa": qa_train, "copy": qa_train, "docs": qa_train, "write": wr_train, "howto": ho_train, "example": ex_train,
              "topic": topic_pairs}
     from engine.docs_lookup import INDEX_FILE, DocEntry, DocsIndex, write_index
+    DOCS["p_made_up"] = args.docs_made_up
     DOCS["index"] = DocsIndex([DocEntry(t["name"], t["kind"], t["signature"], t["summary"]) for t in qa_train],
                               "training seeds")
     # what the app searches: every documented object of this Python, held-out modules included
