@@ -120,6 +120,7 @@ class AnswerStream(QObject):
             meta["dropped_messages"] = ev.dropped_messages
         if ev.sources:  # the documentation lookup's entries the model was given with the question
             meta["sources"] = list(ev.sources)
+            meta["source_summaries"] = list(ev.source_summaries)
         if ev.finish_reason == "length" and 0 < ev.answer_room <= ev.generated_tokens and \
                 ev.answer_room < self.job.request.sampling.max_new_tokens:
             meta["context_full"] = True

@@ -122,6 +122,26 @@ class MessageView(QFrame):
         self.note.setObjectName("statusNote")
         self.note.setWordWrap(True)
         lay.addWidget(self.note)
+        # the documentation entries the answer was given (documentation lookup): collapsed
+        self.docs_btn = QToolButton()
+        self.docs_btn.setObjectName("thinkToggle")
+        self.docs_btn.setCheckable(True)
+        self.docs_btn.setAutoRaise(True)
+        self.docs_btn.setToolButtonStyle(Qt.ToolButtonTextBesideIcon)
+        self.docs_btn.setArrowType(Qt.RightArrow)
+        self.docs_btn.setCursor(Qt.PointingHandCursor)
+        self.docs_btn.setAccessibleName("Show the documentation this answer was given")
+        self.docs_btn.toggled.connect(self._toggle_docs)
+        self.docs_btn.setVisible(False)
+        lay.addWidget(self.docs_btn)
+        self.docs_text = QLabel()
+        self.docs_text.setObjectName("thinkText")
+        self.docs_text.setAccessibleName("Documentation looked up")
+        self.docs_text.setTextFormat(Qt.PlainText)
+        self.docs_text.setWordWrap(True)
+        self.docs_text.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.docs_text.setVisible(False)
+        lay.addWidget(self.docs_text)
         self.meta_label = QLabel()
         self.meta_label.setObjectName("metaLabel")
         self.meta_label.setAccessibleName("Answer statistics")
@@ -192,6 +212,25 @@ class MessageView(QFrame):
         line = format_meta(meta or {})
         self.meta_label.setText(line)
         self.meta_label.setVisible(bool(line))
+        self._show_docs(meta or {})
+
+    def _show_docs(self, meta: dict) -> None:
+        names = [str(x) for x in meta.get("sources") or []]
+        sums = [str(x) for x in meta.get("source_summaries") or []]
+        self.docs_btn.setVisible(bool(names))
+        if not names:
+            self.docs_text.setVisible(False)
+            return
+        self.docs_btn.setText(f"Documentation looked up ({len(names)})")
+        self.docs_text.setText("\n\n".join(f"{n}: {s}" if s else n for n, s in
+                                            zip(names, sums + [""] * (len(names) - len(sums)))))
+        self.docs_text.setVisible(self.docs_btn.isChecked())
+
+    def _toggle_docs(self, on: bool) -> None:
+        self.docs_btn.setArrowType(Qt.DownArrow if on else Qt.RightArrow)
+        self.docs_btn.setAccessibleName("Hide the documentation this answer was given" if on else
+                                        "Show the documentation this answer was given")
+        self.docs_text.setVisible(on)
 
     def append_stream(self, piece: str) -> None:
         """Append streamed text (plain while streaming); reasoning goes to the Thinking section."""

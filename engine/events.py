@@ -187,7 +187,8 @@ class Finished:
     fit (never the system prompt). answer_room: tokens the answer could use,
     min(max_new_tokens, context - prompt). threads: compute threads at the end. sources: the
     names of the documentation entries given to the model with the question (documentation
-    lookup, engine.docs_lookup; () when off or when the model has no index).
+    lookup, engine.docs_lookup; () when off or when the model has no index), and
+    source_summaries their summaries as the model read them (same order).
     """
 
     finish_reason: FinishReason
@@ -206,6 +207,7 @@ class Finished:
     answer_room: int = 0
     threads: int = 0
     sources: tuple[str, ...] = ()
+    source_summaries: tuple[str, ...] = ()
     seed: int | None = None  #: the sampling seed used (SamplingParams.seed, or the fresh one for "auto")
 
 

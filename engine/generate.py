@@ -399,7 +399,7 @@ class Engine:
             raise ValueError("the prompt is empty")
         if len(ids) >= C:
             raise ContextOverflowError(self._overflow_message(len(ids), bool(request.messages), dropped))
-        return self._run(ids, request, sampler, cancel, dropped, tuple(e.name for e in entries))
+        return self._run(ids, request, sampler, cancel, dropped, tuple(entries))
 
     def answer_room(self, max_new_tokens: int) -> int:
         """Tokens a chat prompt must leave free for the answer: min(max_new_tokens, context / 4)
@@ -586,7 +586,7 @@ class Engine:
             prefill_tok_per_s=(len(ids) - p) / prefill_s if prefill_s > 0 else 0.0,
             hit_rate=hit_rate, mb_per_token=mb_per_token,
             felt_wait_s=tot["felt_wait_s"], error=error, dropped_messages=dropped, answer_room=max_new,
-            sources=sources,
+            sources=tuple(e.name for e in sources), source_summaries=tuple(e.summary for e in sources),
             threads=self.threads, seed=sampler.seed)
 
     def cluster_status(self):

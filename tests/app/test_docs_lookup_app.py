@@ -34,13 +34,20 @@ def test_the_answer_line_names_what_was_looked_up(qtbot, make_window, docs_store
     fin = _wait_finished(qtbot, win, lambda: win.send("What does `json.dumps` do?"))
     m = _answer(win)
     assert fin.sources[0] == "json.dumps" and m.meta["sources"] == list(fin.sources)
-    assert "looked up: json.dumps" in win.chat.view(m.id).meta_label.text()
+    v = win.chat.view(m.id)
+    assert "looked up: json.dumps" in v.meta_label.text()
+    # the entries themselves, collapsed under the answer; opened, their summaries show
+    assert v.docs_btn.isVisible() and v.docs_btn.text() == f"Documentation looked up ({len(fin.sources)})"
+    assert not v.docs_text.isVisible()
+    v.docs_btn.click()
+    assert v.docs_text.isVisible() and "json.dumps: Serialize obj to a JSON formatted str." in v.docs_text.text()
+    assert m.meta["source_summaries"] == list(fin.source_summaries)
     # Settings > Documentation lookup off (applies to the next message): nothing looked up
     win.settings = replace(win.settings, sampling=replace(win.settings.sampling, docs_lookup=False))
     fin = _wait_finished(qtbot, win, lambda: win.send("What does `json.loads` do?"))
     m = _answer(win)
     assert fin.sources == () and "sources" not in m.meta
-    assert "looked up" not in win.chat.view(m.id).meta_label.text()
+    assert "looked up" not in win.chat.view(m.id).meta_label.text() and not win.chat.view(m.id).docs_btn.isVisible()
 
 
 def test_settings_dialog_has_the_documentation_lookup_checkbox(qtbot):
