@@ -284,6 +284,51 @@ class DocsIndex:
         return out[:k]
 
 
+class CopyPrior:
+    """The copy distribution of the looked-up entries, mixed into the model's next-token
+    distribution (``SamplingParams.docs_copy`` = lambda): p = (1 - lambda) p_model + lambda p_copy
+    when the answer's last tokens continue a span of an entry, p_model otherwise.
+
+    p_copy: the tokens that follow the longest suffix (MIN_MATCH..MAX_MATCH tokens) of the
+    answer so far found in an entry's line (``- `name`: summary``, tokenized alone), uniform over
+    the places where that suffix occurs. This is the interpolation of kNN-LM (Khandelwal et al.
+    2020, "Generalization through Memorization: Nearest Neighbor Language Models") with the
+    retrieved entries as the datastore and an n-gram match as the neighbour search; the
+    pointer-generator's copy distribution (See et al. 2017) plays the same role. The model still
+    writes every token: where it leaves the entries (its own words, the end of the answer)
+    nothing is proposed. Deterministic: greedy answers stay reproducible.
+    """
+
+    MIN_MATCH, MAX_MATCH = 2, 8
+
+    def __init__(self, sequences: list[list[int]], weight: float):
+        if not 0.0 <= weight <= 1.0:
+            raise ValueError(f"docs_copy {weight}: must be in [0, 1]")
+        self.seqs = [list(map(int, s)) for s in sequences if len(s) > self.MIN_MATCH]
+        self.weight = float(weight)
+
+    @classmethod
+    def for_entries(cls, tokenizer, entries, weight: float) -> "CopyPrior | None":
+        """A prior over ``entries`` (DocEntry) tokenized with ``tokenizer`` (engine Tokenizer),
+        or None when there is nothing to copy or the weight is 0."""
+        if not entries or weight <= 0:
+            return None
+        return cls([tokenizer.encode(e.line()) for e in entries], weight)
+
+    def propose(self, generated) -> dict[int, float] | None:
+        """p_copy as {token id: probability} for the answer's ids so far, or None."""
+        g = list(generated[-self.MAX_MATCH:])
+        for n in range(min(len(g), self.MAX_MATCH), self.MIN_MATCH - 1, -1):
+            tail = g[-n:]
+            nxt = [s[i + n] for s in self.seqs for i in range(len(s) - n) if s[i:i + n] == tail]
+            if nxt:
+                out: dict[int, float] = {}
+                for t in nxt:
+                    out[t] = out.get(t, 0.0) + 1.0 / len(nxt)
+                return out
+        return None
+
+
 def write_index(entries, path: str | Path) -> None:
     """Write ``entries`` (DocEntry or dicts with name, kind, signature, summary) as a
     ``docs_index.jsonl`` at ``path`` (temp file, fsync, rename)."""

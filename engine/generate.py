@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .config import EngineConfig
-from .docs_lookup import DOCS_PER_QUESTION, INDEX_FILE, DocEntry, DocsIndex, last_user_text, with_docs_each
+from .docs_lookup import DOCS_PER_QUESTION, INDEX_FILE, CopyPrior, DocEntry, DocsIndex, last_user_text, with_docs_each
 from .errors import Cancelled, ContextOverflowError, EngineError, ExpertReadError, StoreError
 from .events import Finished, FinishReason, GenerateRequest, Loaded, LoadProgress, TokenEvent
 from .expert_cache import ExpertCache
@@ -489,6 +489,7 @@ class Engine:
         dec = self.tokenizer.incremental_decoder()
         t0 = time.perf_counter()
         out_ids: list[int] = []
+        copier = CopyPrior.for_entries(self.tokenizer, sources, request.sampling.docs_copy)
         text_parts: list[str] = []
         reason = FinishReason.LENGTH
         error = ""
@@ -517,7 +518,8 @@ class Engine:
                         f"the model produced non-finite logits (NaN/inf) at output token {len(out_ids)}: "
                         f"{self.store.path} holds broken weights; convert the checkpoint again "
                         f"(`colibri convert --overwrite` refuses NaN/inf weights and names the tensor)")
-                tok = sampler(logits[-1], context)
+                prop = copier.propose(out_ids) if copier is not None else None
+                tok = sampler(logits[-1], context, None if prop is None else (copier.weight, prop))
                 if forced is not None:
                     if len(out_ids) >= len(forced):
                         reason = FinishReason.LENGTH

@@ -70,7 +70,8 @@ class Sampler:
             log.warning("sampler: %s in the logits; the model output is numerically broken "
                         "(this warning is shown once)", what)
 
-    def __call__(self, logits: np.ndarray, context_ids: Sequence[int] = ()) -> int:
+    def __call__(self, logits: np.ndarray, context_ids: Sequence[int] = (),
+                 copy: tuple[float, dict] | None = None) -> int:
         raw = np.asarray(logits)
         if raw.ndim != 1 or raw.shape[0] == 0:
             raise ValueError(f"logits must be a non-empty 1-D array (V,), got shape {raw.shape}")
@@ -95,6 +96,17 @@ class Sampler:
             ids = ids[(ids >= 0) & (ids < x.shape[0])]
             v = x[ids]
             x[ids] = np.where(v > 0, v / p.repetition_penalty, v * p.repetition_penalty)
+
+        if copy is not None:  # (lambda, {id: p}): the documentation copy prior (docs_lookup.CopyPrior)
+            lam, prop = copy
+            m = x.max()
+            q = np.exp(x - m)
+            q *= (1.0 - lam) / q.sum()
+            for t, pc in prop.items():
+                if 0 <= t < q.shape[0]:
+                    q[t] += lam * pc
+            with np.errstate(divide="ignore"):
+                x = np.log(q)
 
         if self.greedy or p.top_k == 1:
             return int(np.argmax(x))
