@@ -35,6 +35,9 @@ class GenerateRequest:
     ``Engine.has_chat_template`` / ``Loaded.has_chat_template`` and choose raw mode knowingly).
     ``forced_ids``: teacher forcing for benchmarks; when given, the token fed at each decode
     step comes from this tuple instead of the sampler (the sampled token is still reported).
+    ``docs_entries``: with ``prompt_ids`` built by the caller with the documentation lookup's
+    blocks (the server), the entries given with the last question (engine.docs_lookup.DocEntry):
+    they feed the copy prior and ``Finished.sources`` as the engine's own lookup would.
     """
 
     messages: tuple[ChatMessage, ...] = ()
@@ -42,6 +45,7 @@ class GenerateRequest:
     prompt_ids: tuple[int, ...] | None = None
     sampling: SamplingParams = field(default_factory=SamplingParams)
     forced_ids: tuple[int, ...] | None = None
+    docs_entries: tuple = ()
 
 
 # --- events ---------------------------------------------------------------------------

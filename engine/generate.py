@@ -345,7 +345,9 @@ class Engine:
         """The documentation entries given with ``request`` (engine.docs_lookup): the best
         DOCS_PER_QUESTION matches of its last user message when the store ships a documentation
         index, the request is a chat and ``request.sampling.docs_lookup`` is on; else []."""
-        if self.docs is None or not request.sampling.docs_lookup or request.prompt_ids is not None:
+        if request.prompt_ids is not None:  # the caller did the lookup (the server) or none
+            return list(request.docs_entries) if request.sampling.docs_lookup else []
+        if self.docs is None or not request.sampling.docs_lookup:
             return []
         text = last_user_text(request.messages)
         return self.docs.search(text, DOCS_PER_QUESTION) if text else []

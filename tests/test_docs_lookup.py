@@ -269,3 +269,50 @@ def test_the_default_model_ships_an_index_of_its_python():
     # the held-out modules are in the index (they are part of the user's Python) ...
     assert any(e.name.split(".")[0] in held for e in ix.entries)
     assert names(ix.search("What does `json.dumps` do?"))[0] == "json.dumps"
+
+
+# --- copy from documentation (CopyPrior, SamplingParams.docs_copy) ------------------------------
+
+
+def test_copy_prior_follows_the_longest_matching_span():
+    from engine.docs_lookup import CopyPrior
+    cp = CopyPrior([[1, 2, 3, 4, 5], [9, 2, 3, 7], [2, 3, 8]], 0.5)
+    assert cp.propose([]) is None and cp.propose([3]) is None         # fewer than 2 tokens: no match
+    assert cp.propose([2, 3]) == {4: 1 / 3, 7: 1 / 3, 8: 1 / 3}       # three places, uniform
+    assert cp.propose([1, 2, 3]) == {4: 1.0}                          # the longest suffix wins
+    assert cp.propose([6, 9, 2, 3]) == {7: 1.0}
+    assert cp.propose([4, 5]) is None                                 # the end of an entry: nothing
+    with pytest.raises(ValueError, match="docs_copy"):
+        CopyPrior([[1, 2, 3]], 1.5)
+
+
+def test_sampler_mixes_the_copy_distribution():
+    import numpy as np
+
+    from engine.sampling import Sampler
+    logits = np.log(np.array([0.6, 0.3, 0.1]))
+    greedy = Sampler(SamplingParams(temperature=0.0))
+    assert greedy(logits) == 0
+    assert greedy(logits, (), (0.5, {2: 1.0})) == 2                   # 0.5*0.1 + 0.5 > 0.5*0.6
+    assert greedy(logits, (), (0.2, {2: 1.0})) == 0                   # 0.8*0.1 + 0.2 < 0.8*0.6
+    assert greedy(logits, (), (0.0, {2: 1.0})) == 0
+    hot = Sampler(SamplingParams(temperature=1.0, seed=3))
+    draws = [hot(logits, (), (1.0, {1: 1.0})) for _ in range(20)]
+    assert set(draws) == {1}                                          # lambda 1: only what continues an entry
+
+
+def test_copy_changes_no_placement_and_zero_is_the_model_alone(docs_store):
+    q = (ChatMessage("user", "What does `json.dumps` do?"),)
+    outs = {}
+    for cap in (2, None):
+        with Engine.open(_cfg(docs_store, cap=cap)) as eng:
+            if not eng.has_chat_template:
+                pytest.skip("the tiny model has no chat template")
+            for lam in (0.0, 0.9):
+                fin = _fin(eng, GenerateRequest(messages=q, sampling=SamplingParams(max_new_tokens=12, docs_copy=lam)))
+                outs[cap, lam] = fin.token_ids
+            ids = eng.prompt_ids(GenerateRequest(messages=q))
+            plain = [e for e in eng.generate(GenerateRequest(prompt_ids=tuple(ids), sampling=SamplingParams(max_new_tokens=12)))
+                     if isinstance(e, Finished)][-1]
+            assert plain.token_ids == outs[cap, 0.0]                  # docs_copy 0: the model's own tokens
+    assert outs[2, 0.0] == outs[None, 0.0] and outs[2, 0.9] == outs[None, 0.9]

@@ -74,6 +74,7 @@ class Job:
     chat: bool = False
     prompt_opened: bool = False
     model_key: object = None
+    docs: tuple = ()               # the documentation entries given with the last question (DocEntry)
     cancel: threading.Event = field(default_factory=threading.Event)
     state: str = "new"             # new, queued, running, done
     tokens: int = 0                # TokenEvents seen so far (engine thread)
@@ -126,7 +127,8 @@ def run_job(engine, job: Job, stats=None) -> None:
     fin: Finished | None = None
     engine.model.subscribe(spy)
     try:
-        events = engine.generate(GenerateRequest(prompt_ids=tuple(job.ids), sampling=job.sampling), job.cancel)
+        events = engine.generate(GenerateRequest(prompt_ids=tuple(job.ids), sampling=job.sampling,
+                                                   docs_entries=job.docs), job.cancel)
         for ev in events:
             if isinstance(ev, TokenEvent):
                 job.tokens += 1

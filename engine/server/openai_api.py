@@ -35,7 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from ..chat_template import THINK_OPEN
-from ..docs_lookup import DOCS_PER_QUESTION, with_docs_each
+from ..docs_lookup import DOCS_PER_QUESTION, last_user_text, with_docs_each
 from ..errors import ConfigError, EngineError
 from ..events import SamplingParams
 from ..settings import setting
@@ -149,13 +149,13 @@ def sampling_from(body: dict, defaults: SamplingParams) -> SamplingParams:
     """SamplingParams of a request: the server's defaults (its sampling flags) overridden by
     ``temperature``, ``top_p``, ``seed``, ``max_completion_tokens`` / ``max_tokens``, and the
     extensions ``top_k``, ``repetition_penalty``, ``docs_lookup`` (false: no documentation
-    lookup for this request). Unsupported features that would change the
+    lookup for this request), ``docs_copy`` (0-1: how strongly the answer follows the entries). Unsupported features that would change the
     answer (``n`` > 1, penalties, logprobs, structured output) are refused, not ignored.
     Raises ApiError (400) naming the parameter."""
     kw = {}
     for param, name in (("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed"),
                         ("top_k", "top_k"), ("repetition_penalty", "repetition_penalty"),
-                        ("docs_lookup", "docs_lookup")):
+                        ("docs_lookup", "docs_lookup"), ("docs_copy", "docs_copy")):
         if body.get(param) is not None:
             kw[name] = _check_setting(name, param, body[param])
     for param in ("max_tokens", "max_completion_tokens"):
@@ -361,9 +361,9 @@ class Api:
                                 f"{len(ids)} (one more is needed to answer); shorten the {param}",
                            param=param, code="context_length_exceeded")
 
-    def _submit(self, m: ServedModel, ids, sp, stops, chat, opened, emit) -> Job:
+    def _submit(self, m: ServedModel, ids, sp, stops, chat, opened, emit, docs=()) -> Job:
         job = Job(ids=list(ids), sampling=sp, emit=emit, stops=stops, chat=chat, prompt_opened=opened,
-                  model_key=m.key)
+                  model_key=m.key, docs=tuple(docs))
         try:
             self.queue.submit(job)
         except QueueFull as e:
@@ -429,16 +429,17 @@ class Api:
         def encode(ms):
             return m.tokenizer.encode_chat(ms, tools=tools or None, **kwargs)
 
-        def prompt() -> list[int]:
+        def prompt() -> tuple[list[int], tuple]:
             if m.docs is not None and sp.docs_lookup and not tools:
                 # the documentation lookup, as in the app (engine.Engine._encode_chat; not with
                 # tools), unless the looked-up entries would make the prompt too long
                 looked = encode(list(with_docs_each(msgs, lambda text: m.docs.search(text, DOCS_PER_QUESTION))))
                 if len(looked) < m.context_length:
-                    return looked
-            return encode(msgs)
+                    text = last_user_text(msgs)
+                    return looked, tuple(m.docs.search(text, DOCS_PER_QUESTION)) if text else ()
+            return encode(msgs), ()
         try:
-            ids = await run_in_threadpool(prompt)
+            ids, docs = await run_in_threadpool(prompt)
         except (EngineError, TypeError, ValueError) as e:
             raise ApiError(400, f"the messages cannot be rendered with the model's chat template: {e}",
                            param="messages", code="invalid_messages") from None
@@ -446,7 +447,7 @@ class Api:
         tail = m.tokenizer.decode(ids[-8:], skip_special_tokens=False)
         opened = tail.rstrip().endswith(THINK_OPEN)
         return await self._generate(request, m, ids, sp, stops, stream, include_usage, chat=True,
-                                    opened=opened)
+                                    opened=opened, docs=docs)
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.max_body_bytes)
@@ -474,13 +475,13 @@ class Api:
 
     # --- generation --------------------------------------------------------------------------
 
-    async def _generate(self, request, m, ids, sp, stops, stream, include_usage, chat, opened) -> Response:
+    async def _generate(self, request, m, ids, sp, stops, stream, include_usage, chat, opened, docs=()) -> Response:
         loop = asyncio.get_running_loop()
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if not stream:
-            return await self._whole(request, loop, m, ids, sp, stops, chat, opened, rid, created, obj)
+            return await self._whole(request, loop, m, ids, sp, stops, chat, opened, rid, created, obj, docs)
         q: asyncio.Queue = asyncio.Queue()
 
         def emit(item):
@@ -489,7 +490,7 @@ class Api:
             except RuntimeError:  # the event loop is gone (server stopped)
                 pass
 
-        job = self._submit(m, ids, sp, stops, chat, opened, emit)
+        job = self._submit(m, ids, sp, stops, chat, opened, emit, docs)
         chunk_obj = obj + ".chunk" if chat else obj
 
         def chunk(choice: dict | None, usage=None) -> str:
@@ -539,7 +540,7 @@ class Api:
 
         return EventSourceResponse(events(), sep="\n", ping=15)
 
-    async def _whole(self, request, loop, m, ids, sp, stops, chat, opened, rid, created, obj) -> Response:
+    async def _whole(self, request, loop, m, ids, sp, stops, chat, opened, rid, created, obj, docs=()) -> Response:
         reasoning: list[str] = []
         content: list[str] = []
         done = asyncio.Event()
@@ -556,7 +557,7 @@ class Api:
                 except RuntimeError:
                     pass
 
-        job = self._submit(m, ids, sp, stops, chat, opened, emit)
+        job = self._submit(m, ids, sp, stops, chat, opened, emit, docs)
 
         async def client_left():
             while True:
