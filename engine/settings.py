@@ -239,7 +239,7 @@ SAMPLING_SETTINGS: tuple[Setting, ...] = (
        "entries to the model with the question; the answer names them as its sources. Only models that ship "
        "docs_index.jsonl have one", "Documentation lookup", group=SAMPLING, needs_reload=False,
        check_text="look questions up in the model's documentation"),
-    _S("docs_copy", float, 0.5, "how strongly the answer follows the looked-up entries: the next-token "
+    _S("docs_copy", float, 0.7, "how strongly the answer follows the looked-up entries: the next-token "
        "probabilities are mixed with those of continuing an entry's text where the answer is already "
        "repeating it (kNN-LM interpolation); 0 = the model alone. Chosen on questions about the training "
        "modules (model card)", "Copy from documentation", group=SAMPLING, lo=0.0, hi=1.0, needs_reload=False,

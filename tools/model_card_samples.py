@@ -24,6 +24,7 @@ import json
 import re
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -127,15 +128,19 @@ def store_eval(store: Path, seqs) -> dict:
     return out
 
 
-def answer_all(store: Path, questions: list[dict], temperature: float, docs_lookup: bool = True) -> list[dict]:
+def answer_all(store: Path, questions: list[dict], temperature: float, docs_lookup: bool = True,
+               docs_copy: float | None = None) -> list[dict]:
     """One answer per question; at temperature > 0 question i (from 1) is sampled with seed i.
-    docs_lookup: the app's documentation lookup (on by default; no effect without an index)."""
+    docs_lookup: the app's documentation lookup (on by default; no effect without an index);
+    docs_copy: the copy prior's weight (None: the app's default)."""
     cfg = EngineConfig(store=str(store), **PLACEMENT)
     res = []
     with Engine.open(cfg) as eng:
         for i, q in enumerate(questions, start=1):
             msgs = (ChatMessage("user", q["question"]),)
             sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=temperature, seed=i, docs_lookup=docs_lookup)
+            if docs_copy is not None:
+                sp = replace(sp, docs_copy=docs_copy)
             fin = [e for e in eng.generate(GenerateRequest(messages=msgs, sampling=sp))
                    if isinstance(e, Finished)][0]
             res.append({"kind": q["kind"], "about": q["about"], "question": q["question"],
@@ -192,10 +197,14 @@ def main(argv=None) -> int:
                 ans = answer_all(Path(tmp) / "int8", questions, t)
                 ev[f"answers_t{t}"] = ans
                 ev[f"score_t{t}"] = score(ans)
-            if ev["docs_lookup"]:  # the model alone
+            if ev["docs_lookup"]:  # the model alone, and the lookup without the copy prior
+                ev["docs_copy"] = SamplingParams().docs_copy
                 ans = answer_all(Path(tmp) / "int8", questions, 0.0, docs_lookup=False)
                 ev["answers_t0.0_nodocs"] = ans
                 ev["score_t0.0_nodocs"] = score(ans)
+                ans = answer_all(Path(tmp) / "int8", questions, 0.0, docs_copy=0.0)
+                ev["answers_t0.0_nocopy"] = ans
+                ev["score_t0.0_nocopy"] = score(ans)
     log_path = src / "training_log.json"
     if log_path.exists():
         log = json.loads(log_path.read_text())
@@ -207,7 +216,7 @@ def main(argv=None) -> int:
     print(f"held-out text {texts_path}: {h['nats_per_char']:.4f} nats/char, {h['nats_per_token']:.4f} nats/token")
     print("usage entropy / log(E):", [round(e / ev["int8"]["log_num_experts"], 3) for e in ev["int8"]["usage_entropy"]])
     print("PILOT=1 recall per layer:", [round(r, 3) for r in ev["int8"]["pilot1_recall"]])
-    for key in [f"score_t{t}" for t in TEMPERATURES] + ["score_t0.0_nodocs"]:
+    for key in [f"score_t{t}" for t in TEMPERATURES] + ["score_t0.0_nodocs", "score_t0.0_nocopy"]:
         if key in ev:
             print(f"{key}: {json.dumps(ev[key])}")
     print(f"wrote {out}")
