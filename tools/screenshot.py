@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Render the main window offscreen during a real generation and save docs/screenshot.png.
+"""Render the main window offscreen during a real generation and save docs/screenshot.png
+(the first answer complete, its "Documentation looked up" section open; the second mid-stream).
 
 Uses the bundled default model (engine.library.default_store()); if it is not there yet (it is trained
 by tools/train_default_model.py), a synthetic random OLMoE is used instead and the script says
@@ -140,6 +141,10 @@ def _run(a, app, win, prompts, pump) -> int:
     # one complete answer (rendered Markdown + statistics line), then capture the second mid-stream
     win.send(prompts[0])
     pump(lambda: win.answer is None, "the first answer")
+    first = [m for m in win.history.messages(win.conv_id) if m.role == "assistant"][-1]
+    v = win.chat.view(first.id)
+    if v is not None and v.docs_btn.isVisible():  # show the documentation the first answer was given
+        v.docs_btn.setChecked(True)
     tokens = []
     win.controller.worker.token.connect(tokens.append)
     win.send(prompts[1])
