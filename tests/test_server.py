@@ -393,8 +393,11 @@ def test_colibri_serve_greedy_equals_colibri_run(default_store):
                           "--system", "You answer questions about Python.", *flags],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
+    # Ctrl+C reaches the server even when the tests run in the background: a shell starts a
+    # background job with SIGINT ignored, children inherit that, and Python then keeps it ignored
     p = subprocess.Popen([sys.executable, "-m", "engine.cli", "serve", "--port", "0", *flags], cwd=ROOT, env=env,
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         line = p.stderr.readline()
         while line and "serving" not in line:
