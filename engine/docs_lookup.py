@@ -287,19 +287,21 @@ class DocsIndex:
 class CopyPrior:
     """The copy distribution of the looked-up entries, mixed into the model's next-token
     distribution (``SamplingParams.docs_copy`` = lambda): p = (1 - lambda) p_model + lambda p_copy
-    when the answer's last tokens continue a span of an entry, p_model otherwise.
+    when the answer is repeating one entry, p_model otherwise.
 
-    p_copy: the tokens that follow the longest suffix (MIN_MATCH..MAX_MATCH tokens) of the
-    answer so far found in an entry's line (``- `name`: summary``, tokenized alone), uniform over
-    the places where that suffix occurs. This is the interpolation of kNN-LM (Khandelwal et al.
-    2020, "Generalization through Memorization: Nearest Neighbor Language Models") with the
-    retrieved entries as the datastore and an n-gram match as the neighbour search; the
-    pointer-generator's copy distribution (See et al. 2017) plays the same role. The model still
-    writes every token: where it leaves the entries (its own words, the end of the answer)
-    nothing is proposed. Deterministic: greedy answers stay reproducible.
+    p_copy: the token that follows the longest suffix (MIN_MATCH..MAX_MATCH tokens) of the
+    answer so far found in the entries (``- `name`: summary`` with the whole summary, each
+    tokenized alone), when every place that suffix occurs continues with that same token; where
+    the places disagree (``json.dump`` / ``json.dumps``, ``Counter`` / ``Counter.update``) the
+    model chooses alone, so the prior never picks an entry for it. A token that would repeat an
+    (n+1)-gram the answer already holds is not proposed (no loops). This is the interpolation of
+    kNN-LM (Khandelwal et al. 2020, "Generalization through Memorization: Nearest Neighbor
+    Language Models") with the looked-up entries as the datastore; the pointer-generator's copy
+    distribution (See et al. 2017) plays the same role. The model still writes every token.
+    Deterministic: greedy answers stay reproducible.
     """
 
-    MIN_MATCH, MAX_MATCH = 2, 8
+    MIN_MATCH, MAX_MATCH = 2, 16
 
     def __init__(self, sequences: list[list[int]], weight: float):
         if not 0.0 <= weight <= 1.0:
@@ -309,23 +311,30 @@ class CopyPrior:
 
     @classmethod
     def for_entries(cls, tokenizer, entries, weight: float) -> "CopyPrior | None":
-        """A prior over ``entries`` (DocEntry) tokenized with ``tokenizer`` (engine Tokenizer),
-        or None when there is nothing to copy or the weight is 0."""
+        """A prior over ``entries`` (DocEntry: ``- `name`: summary`` with the summary whole)
+        tokenized with ``tokenizer`` (engine Tokenizer), or None when there is nothing to copy
+        or the weight is 0."""
         if not entries or weight <= 0:
             return None
-        return cls([tokenizer.encode(e.line()) for e in entries], weight)
+        return cls([tokenizer.encode(f"- `{e.name}`: {e.summary}") for e in entries], weight)
 
     def propose(self, generated) -> dict[int, float] | None:
-        """p_copy as {token id: probability} for the answer's ids so far, or None."""
-        g = list(generated[-self.MAX_MATCH:])
-        for n in range(min(len(g), self.MAX_MATCH), self.MIN_MATCH - 1, -1):
-            tail = g[-n:]
-            nxt = [s[i + n] for s in self.seqs for i in range(len(s) - n) if s[i:i + n] == tail]
-            if nxt:
-                out: dict[int, float] = {}
-                for t in nxt:
-                    out[t] = out.get(t, 0.0) + 1.0 / len(nxt)
-                return out
+        """p_copy as {token id: 1.0} for the answer's ids so far, or None (no match, the
+        matches disagree, or the token would repeat what the answer already says)."""
+        g = [int(t) for t in generated]
+        tail_max = g[-self.MAX_MATCH:]
+        for n in range(min(len(tail_max), self.MAX_MATCH), self.MIN_MATCH - 1, -1):
+            tail = tail_max[-n:]
+            nxt = {s[i + n] for s in self.seqs for i in range(len(s) - n) if s[i:i + n] == tail}
+            if not nxt:
+                continue
+            if len(nxt) > 1:
+                return None
+            t = nxt.pop()
+            gram = tail + [t]
+            if any(g[i:i + n + 1] == gram for i in range(len(g) - n)):
+                return None
+            return {t: 1.0}
         return None
 
 

@@ -138,7 +138,7 @@ class Setting:
         else:
             v = float(value)
             if not math.isfinite(v):
-                bad("must be a finite number")
+                bad("must be a finite number" + (f" in {self.range_text()}" if self.lo is not None or self.hi is not None else ""))
         if self.choices and v not in self.choices:
             bad(f"must be {self.range_text()}")
         too_low = self.lo is not None and (v <= self.lo if self.lo_open else v < self.lo)
@@ -236,13 +236,13 @@ SAMPLING_SETTINGS: tuple[Setting, ...] = (
        hi=1 << 20, unit="tokens", needs_reload=False, step=64),
     _S("docs_lookup", bool, True, "before each answer, look the question up in the model's documentation "
        "index (the bundled model: the docstrings of the Python standard library) and give the best three "
-       "entries to the model with the question; the answer names them as its sources. Only models that ship "
-       "docs_index.jsonl have one", "Documentation lookup", group=SAMPLING, needs_reload=False,
+       "entries to the model with the question; they are listed with the answer (\"looked up\"). Only models "
+       "that ship docs_index.jsonl have one", "Documentation lookup", group=SAMPLING, needs_reload=False,
        check_text="look questions up in the model's documentation"),
-    _S("docs_copy", float, 0.7, "how strongly the answer follows the looked-up entries: the next-token "
-       "probabilities are mixed with those of continuing an entry's text where the answer is already "
-       "repeating it (kNN-LM interpolation); 0 = the model alone. Chosen on questions about the training "
-       "modules (model card)", "Copy from documentation", group=SAMPLING, lo=0.0, hi=1.0, needs_reload=False,
+    _S("docs_copy", float, 0.7, "how strongly an answer that is quoting a looked-up entry keeps to that "
+       "entry's words: the next-token probabilities are mixed with those of continuing the entry (kNN-LM "
+       "interpolation); 0 = the model alone. The default scored best on test questions "
+       "(tools/choose_docs_copy.py)", "Copy from documentation", group=SAMPLING, lo=0.0, hi=1.0, needs_reload=False,
        step=0.1, decimals=2),
 )
 

@@ -274,14 +274,22 @@ def test_the_default_model_ships_an_index_of_its_python():
 # --- copy from documentation (CopyPrior, SamplingParams.docs_copy) ------------------------------
 
 
-def test_copy_prior_follows_the_longest_matching_span():
+def test_copy_prior_follows_one_entry_never_chooses_between_entries():
     from engine.docs_lookup import CopyPrior
     cp = CopyPrior([[1, 2, 3, 4, 5], [9, 2, 3, 7], [2, 3, 8]], 0.5)
     assert cp.propose([]) is None and cp.propose([3]) is None         # fewer than 2 tokens: no match
-    assert cp.propose([2, 3]) == {4: 1 / 3, 7: 1 / 3, 8: 1 / 3}       # three places, uniform
-    assert cp.propose([1, 2, 3]) == {4: 1.0}                          # the longest suffix wins
+    assert cp.propose([2, 3]) is None                                 # three entries disagree: the model picks
+    assert cp.propose([1, 2, 3]) == {4: 1.0}                          # the longest suffix is one entry
     assert cp.propose([6, 9, 2, 3]) == {7: 1.0}
     assert cp.propose([4, 5]) is None                                 # the end of an entry: nothing
+    same = CopyPrior([[1, 2, 3, 4], [8, 2, 3, 4]], 0.5)
+    assert same.propose([2, 3]) == {4: 1.0}                           # places that agree
+    rep = CopyPrior([[1, 5, 6, 5, 6, 7]], 1.0)
+    assert rep.propose([1, 5, 6]) == {5: 1.0} and rep.propose([1, 5, 6, 5, 6]) == {7: 1.0}
+    assert rep.propose([5, 6]) is None                                # inside the entry, two places disagree
+    loop = CopyPrior([[1, 2, 3]], 1.0)
+    assert loop.propose([1, 2]) == {3: 1.0}
+    assert loop.propose([1, 2, 3, 1, 2]) is None                      # would say "1 2 3" again: not proposed
     with pytest.raises(ValueError, match="docs_copy"):
         CopyPrior([[1, 2, 3]], 1.5)
 

@@ -107,6 +107,8 @@ def cmd_run(a) -> int:
             print(f"seed {fin.seed} (--seed {fin.seed} reproduces this answer)", file=sys.stderr)
         if fin is not None and fin.sources:
             print(f"looked up: {', '.join(fin.sources)} (--no-docs-lookup answers without)", file=sys.stderr)
+        elif fin is not None and a.docs_lookup and not a.raw and eng.docs is not None:
+            print("looked up: nothing in the model's documentation matched the question", file=sys.stderr)
         if prof and fin:
             print(prof.report(fin), file=sys.stderr)
     return 0
