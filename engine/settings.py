@@ -239,7 +239,7 @@ SAMPLING_SETTINGS: tuple[Setting, ...] = (
        "entries to the model with the question; they are listed with the answer (\"looked up\"). Only models "
        "that ship docs_index.jsonl have one", "Documentation lookup", group=SAMPLING, needs_reload=False,
        check_text="look questions up in the model's documentation"),
-    _S("docs_copy", float, 0.7, "how strongly an answer that is quoting a looked-up entry keeps to that "
+    _S("docs_copy", float, 0.5, "how strongly an answer that is quoting a looked-up entry keeps to that "
        "entry's words: the next-token probabilities are mixed with those of continuing the entry (kNN-LM "
        "interpolation); 0 = the model alone. The default scored best on test questions "
        "(tools/choose_docs_copy.py)", "Copy from documentation", group=SAMPLING, lo=0.0, hi=1.0, needs_reload=False,
