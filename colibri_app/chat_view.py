@@ -98,16 +98,7 @@ class MessageView(QFrame):
         self.role_label.setObjectName("roleLabel")
         lay.addWidget(self.role_label)
         # reasoning (<think>...</think>): a collapsed section, expandable
-        self.think_btn = QToolButton()
-        self.think_btn.setObjectName("thinkToggle")
-        self.think_btn.setCheckable(True)
-        self.think_btn.setAutoRaise(True)
-        self.think_btn.setToolButtonStyle(Qt.ToolButtonTextBesideIcon)
-        self.think_btn.setArrowType(Qt.RightArrow)
-        self.think_btn.setCursor(Qt.PointingHandCursor)
-        self.think_btn.setAccessibleName("Show the model's reasoning")
-        self.think_btn.toggled.connect(self._toggle_thinking)
-        self.think_btn.setVisible(False)
+        self.think_btn = self._disclosure("Show the model's reasoning", self._toggle_thinking)
         lay.addWidget(self.think_btn)
         self.think_text = MessageText()
         self.think_text.setObjectName("thinkText")
@@ -123,16 +114,7 @@ class MessageView(QFrame):
         self.note.setWordWrap(True)
         lay.addWidget(self.note)
         # the documentation entries the answer was given (documentation lookup): collapsed
-        self.docs_btn = QToolButton()
-        self.docs_btn.setObjectName("thinkToggle")
-        self.docs_btn.setCheckable(True)
-        self.docs_btn.setAutoRaise(True)
-        self.docs_btn.setToolButtonStyle(Qt.ToolButtonTextBesideIcon)
-        self.docs_btn.setArrowType(Qt.RightArrow)
-        self.docs_btn.setCursor(Qt.PointingHandCursor)
-        self.docs_btn.setAccessibleName("Show the documentation this answer was given")
-        self.docs_btn.toggled.connect(self._toggle_docs)
-        self.docs_btn.setVisible(False)
+        self.docs_btn = self._disclosure("Show the documentation this answer was given", self._toggle_docs)
         lay.addWidget(self.docs_btn)
         self.docs_text = QLabel()
         self.docs_text.setObjectName("thinkText")
@@ -161,6 +143,27 @@ class MessageView(QFrame):
         self.regen_btn.setVisible(False)
         self.edit_btn.setVisible(False)
         self.set_content(msg.content, msg.status, msg.meta)
+
+    @staticmethod
+    def _disclosure(accessible: str, toggled) -> QToolButton:
+        """A collapsed section's toggle (arrow and text; hidden until it has something to show)."""
+        b = QToolButton()
+        b.setObjectName("thinkToggle")
+        b.setCheckable(True)
+        b.setAutoRaise(True)
+        b.setToolButtonStyle(Qt.ToolButtonTextBesideIcon)
+        b.setArrowType(Qt.RightArrow)
+        b.setCursor(Qt.PointingHandCursor)
+        b.setAccessibleName(accessible)
+        b.toggled.connect(toggled)
+        b.setVisible(False)
+        return b
+
+    @staticmethod
+    def _set_open(btn: QToolButton, body: QWidget, on: bool, what: str) -> None:
+        btn.setArrowType(Qt.DownArrow if on else Qt.RightArrow)
+        btn.setAccessibleName(f"{'Hide' if on else 'Show'} {what}")
+        body.setVisible(on)
 
     def _action(self, text: str, accessible: str, signal) -> QToolButton:
         b = QToolButton()
@@ -227,10 +230,7 @@ class MessageView(QFrame):
         self.docs_text.setVisible(self.docs_btn.isChecked())
 
     def _toggle_docs(self, on: bool) -> None:
-        self.docs_btn.setArrowType(Qt.DownArrow if on else Qt.RightArrow)
-        self.docs_btn.setAccessibleName("Hide the documentation this answer was given" if on else
-                                        "Show the documentation this answer was given")
-        self.docs_text.setVisible(on)
+        self._set_open(self.docs_btn, self.docs_text, on, "the documentation this answer was given")
 
     def append_stream(self, piece: str) -> None:
         """Append streamed text (plain while streaming); reasoning goes to the Thinking section."""
@@ -272,9 +272,7 @@ class MessageView(QFrame):
         self.think_text.setVisible(self.think_btn.isChecked())
 
     def _toggle_thinking(self, on: bool) -> None:
-        self.think_btn.setArrowType(Qt.DownArrow if on else Qt.RightArrow)
-        self.think_btn.setAccessibleName("Hide the model's reasoning" if on else "Show the model's reasoning")
-        self.think_text.setVisible(on)
+        self._set_open(self.think_btn, self.think_text, on, "the model's reasoning")
 
     def set_actions(self, regenerate: bool, edit: bool, copy: bool = True) -> None:
         """Which actions this card shows (only the last answer / last user message get them)."""

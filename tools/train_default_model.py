@@ -955,16 +955,7 @@ def make_doc(seeds, rng: random.Random, category: str) -> str | None:
         return render_chat(conv)
     if category == "docs":
         conv = docs_conversation(seeds, rng)
-        if conv is None:
-            return None
-        if rng.random() < 0.2:  # an earlier turn without documentation
-            extra = conversation(rng.choice(seeds), rng, "qa")
-            if extra:
-                conv = extra + conv
-        if rng.random() < 0.2:
-            conv = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] + conv
-        return render_chat(conv)
-    if category == "topic":
+    elif category == "topic":
         tpl = rng.choice(TOPIC_TEMPLATES) if seed["first"] else "Tell me more about {t}."
         conv = [{"role": "user", "content": tpl.format(t=seed["phrase"])},
                 {"role": "assistant", "content": seed["text"]}]
@@ -972,10 +963,10 @@ def make_doc(seeds, rng: random.Random, category: str) -> str | None:
         conv = conversation(seed, rng, category)
     if conv is None:
         return None
-    if category in ("qa", "howto") and rng.random() < 0.2:
+    if category in ("qa", "howto", "docs") and rng.random() < 0.2:
         extra = conversation(rng.choice(seeds), rng, "qa")
-        if extra:
-            conv = conv + extra
+        if extra:  # a second question; a documentation block stays right before the last one
+            conv = extra + conv if category == "docs" else conv + extra
     if rng.random() < 0.2:
         conv = [{"role": "system", "content": rng.choice(SYSTEM_PROMPTS)}] + conv
     return render_chat(conv)
