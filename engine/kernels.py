@@ -46,12 +46,18 @@ Process-wide setup done here, before the first kernel compiles (issue #18, fault
 - threading layer: OpenMP, then TBB, then numba's ``workqueue`` (unless the user set
   ``NUMBA_THREADING_LAYER``). ``workqueue`` aborts the process when two threads launch parallel
   kernels at once, so under it (``SERIALIZED``) every parallel kernel runs under one lock.
-- OpenMP wait policy: left to libgomp (spin a while, then sleep). Spinning threads fight any
-  other busy program for its core (issue 17: ~800 -> 10 tok/s with one core busy), but
-  ``OMP_WAIT_POLICY=PASSIVE`` cost 80% of the quiet speed of the default model (a futex wake
-  at each of the many small parallel regions of a token); instead the engine runs only as many
-  threads as there are free cores (threads = 0: engine.sysinfo.FreeCores). Measured by
-  ``colibri bench contention`` (bench/results/contention_*.md).
+- OpenMP wait policy: spin a while, then sleep. Spinning threads fight any other busy program
+  for its core (issue 17: ~800 -> 10 tok/s with one core busy), but ``OMP_WAIT_POLICY=PASSIVE``
+  cost 80% of the quiet speed of the default model (a futex wake at each of the many small
+  parallel regions of a token); instead the engine runs only as many threads as there are free
+  cores (threads = 0: engine.sysinfo.FreeCores). Measured by ``colibri bench contention``
+  (bench/results/contention_*.md). The spin is shortened from libgomp's 300000 to
+  ``GOMP_SPINCOUNT=30000`` (issue 19; unless the user set GOMP_SPINCOUNT or OMP_WAIT_POLICY):
+  libgomp's default kept a worker spinning ~5-8 ms after every parallel region on this
+  machine's CPU, a whole core while a streaming decode waited for the disk (perf: 34% of a
+  streamed 7B run's CPU in libgomp; 0.30 -> 0.22 CPU s per token at an 8 GB budget), while
+  30000 (~0.5 ms) still covers the gaps between a token's kernels: the default model's quiet
+  decode 638 vs 630 tok/s, with one core busy 521 vs 530 (contention_spin30k_default).
 """
 
 from __future__ import annotations
@@ -113,6 +119,9 @@ if CACHE_DIR is not None:
     os.environ["NUMBA_CACHE_DIR"] = CACHE_DIR
 if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
     os.environ["NUMBA_THREADING_LAYER_PRIORITY"] = "omp tbb workqueue"
+GOMP_SPINCOUNT_DEFAULT = "30000"  # see the module docstring; read by libgomp when it loads
+if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT_DEFAULT
 _numba_was_loaded = "numba" in sys.modules
 
 import numba  # noqa: E402

@@ -416,3 +416,110 @@ def test_giving_back_experts_does_not_wake_idle_reader_threads(monkeypatch):
         assert after == before, (before, after)
     finally:
         cache.close()
+
+
+def _arena_mapping(cache):
+    """(perms, Rss bytes) of the /proc/self/smaps mapping holding the cache arena."""
+    addr = cache.arena.ctypes.data
+    perms = rss = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                inside = lo <= addr < hi
+                if inside:
+                    perms = head[1]
+            elif inside and head[0] == "Rss:":
+                rss = int(head[1]) * 1024
+                break
+    return perms, rss
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux /proc only")
+def test_cap_reduction_gives_memory_back_to_the_os():
+    """The arena is private anonymous memory: a shared anonymous mapping (Python's mmap
+    default) is shmem, where MADV_DONTNEED drops the RSS but keeps every page allocated."""
+    class BigStore(FakeStore):
+        slot_bytes = 1 << 20
+
+        def read(self, layer, expert, buf, verify=False):
+            buf[:] = self.pattern(layer, expert)
+            return self.slot_bytes
+
+    E = 16
+    cache = ExpertCache(BigStore(), 1, E, E, policy="lru", io_threads=2)
+    try:
+        cache.load_experts(0, list(range(E)))
+        perms, full = _arena_mapping(cache)
+        assert perms is not None and perms[3] == "p", f"arena mapping {perms}: not private"
+        assert full >= E * (1 << 20)
+        cache.set_cap(4)
+        _, after = _arena_mapping(cache)
+        assert after <= full - (E - 4) * (1 << 20) + (1 << 20)
+        for e in range(E):  # what stayed resident still reads back its own bytes
+            if cache.where[0, e] >= 0:
+                v = cache.acquire(0, e)
+                assert int(v["buf"][0]) == BigStore.pattern(0, e)
+                cache.release(0, e)
+    finally:
+        cache.close()
+
+
+def _wait_for(pred, seconds=10.0):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return pred()
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_populate_ahead_faults_the_next_free_slots_only():
+    """The next ``populate_ahead`` free slots of each layer get their pages before a read
+    needs them; no more (the RSS grows with use), and a cap reduction gives back the ones it
+    leaves no room for. The pages' contents are never changed."""
+    MB = 1 << 20
+
+    class BigStore(FakeStore):
+        slot_bytes = MB
+
+        def read(self, layer, expert, buf, verify=False):
+            buf[:] = self.pattern(layer, expert)
+            return self.slot_bytes
+
+    L, E = 2, 16
+    cache = ExpertCache(BigStore(), L, E, E, policy="lru", io_threads=2)
+    try:
+        if cache._populater is None:
+            pytest.skip("no libc madvise")
+        ahead = cache.populate_ahead
+        # at open: the top `ahead` free slots of every layer
+        assert _wait_for(lambda: int(cache._faulted.sum()) == ahead * L or not cache._populater.is_alive())
+        if not cache._populater.is_alive():
+            pytest.skip("kernel without MADV_POPULATE_WRITE")
+        time.sleep(0.2)
+        assert int(cache._faulted.sum()) == ahead * L  # not more
+        _, rss = _arena_mapping(cache)
+        assert ahead * L * MB <= rss <= (ahead * L + 1) * MB
+        # three loads in layer 0: the populater follows the free stack
+        cache.load_experts(0, [0, 1, 2])
+        nxt = cache.layers[0].free[-ahead:]
+        assert _wait_for(lambda: all(cache._faulted[0, v] for v in nxt))
+        time.sleep(0.2)
+        assert int(cache._faulted[0].sum()) == 3 + ahead
+        for e in (0, 1, 2):  # populate never touched loaded bytes
+            v = cache.acquire(0, e)
+            assert np.all(v["buf"] == BigStore.pattern(0, e))
+            cache.release(0, e)
+        # a cap of 2: layer 0 keeps its two residents and no free slot has room; layer 1's
+        # two populated free slots still have room
+        cache.set_cap(2)
+        time.sleep(0.2)
+        assert int(cache._faulted[0].sum()) == 2
+        assert int(cache._faulted[1].sum()) == min(ahead, 2)
+        _, rss = _arena_mapping(cache)
+        assert rss <= (2 + min(ahead, 2) + 1) * MB
+    finally:
+        cache.close()

@@ -14,6 +14,9 @@ process (``bench contention-arm``, hidden) started with its own environment, sin
   auto         threads = 0: the cores other programs leave free, re-counted while
                generating (sysinfo.FreeCores), libgomp's default wait
   auto-passive the same with OMP_WAIT_POLICY=PASSIVE
+  auto-spin30k threads = 0 with GOMP_SPINCOUNT=30000 (~0.5 ms of spinning here, then sleep):
+               the engine's default since issue 19 (a worker spinning ~5-8 ms after each
+               parallel region held a core while a streaming decode waited for the disk)
 
 Loads: 0, 1 and 2 busy background processes (``python -c "while True: pass"``, nice 0, started
 and stopped by this command). Order: for each rep, for each load, every arm once (the arm order
@@ -55,6 +58,7 @@ ARMS: dict[str, tuple[str, dict]] = {
     "workqueue": ("all", {"NUMBA_THREADING_LAYER": "workqueue"}),
     "auto": ("auto", {"GOMP_SPINCOUNT": "300000"}),
     "auto-passive": ("auto", {"OMP_WAIT_POLICY": "PASSIVE"}),
+    "auto-spin30k": ("auto", {"GOMP_SPINCOUNT": "30000"}),
 }
 #: the environment variables an arm sets itself (removed from the inherited environment first)
 ARM_ENV_KEYS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "NUMBA_THREADING_LAYER", "NUMBA_THREADING_LAYER_PRIORITY",
