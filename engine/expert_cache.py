@@ -30,6 +30,7 @@ in the reader (``ExpertStore.read(verify=True)``).
 
 from __future__ import annotations
 
+import errno
 import heapq
 import mmap
 import threading
@@ -103,20 +104,24 @@ MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault in writable pages of a range, d
 
 def _populate_call():
     """libc ``madvise`` through ctypes (which releases the GIL for the call: Python's
-    ``mmap.madvise`` holds it, and a 6 MB populate takes milliseconds), or None off Linux."""
-    import ctypes
-    import ctypes.util
+    ``mmap.madvise`` holds it, and a 6 MB populate takes milliseconds), or None off Linux
+    or without ctypes (a Python built without libffi)."""
     import sys
     if not sys.platform.startswith("linux"):
         return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        f = libc.madvise
-    except (OSError, AttributeError):
+        import ctypes
+        f = ctypes.CDLL(None, use_errno=True).madvise  # the process's own libc (no ldconfig run)
+    except (ImportError, OSError, AttributeError):
         return None
     f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     f.restype = ctypes.c_int
     return f
+
+
+def _errno() -> int:
+    import ctypes
+    return ctypes.get_errno()
 
 
 def _anonymous_map(n: int) -> mmap.mmap:
@@ -346,11 +351,11 @@ class ExpertCache:
     def _populate_wanted(self, layer: int) -> list[int]:
         """Free slots of ``layer`` a load will take next (the top of the free stack, as many
         as the cap leaves room for, at most ``populate_ahead``) whose pages are not in yet
-        (lock held)."""
+        (lock held), the next one first."""
         ly = self.layers[layer]
         room = min(ly.cap, ly.target) - ly.live
         n = max(0, min(room, self.populate_ahead, len(ly.free)))
-        return [v for v in ly.free[len(ly.free) - n:] if not self._faulted[layer, v]]
+        return [v for v in reversed(ly.free[len(ly.free) - n:]) if not self._faulted[layer, v]]
 
     def _populate_loop(self) -> None:
         """Populate-ahead thread (see __init__): nice 19 where the OS has per-thread
@@ -374,12 +379,19 @@ class ExpertCache:
             for layer, v in todo:
                 if self._closed:
                     return
-                if self._madvise(base + self._slot_offset(layer, v), self.slot_bytes, MADV_POPULATE_WRITE) != 0:
-                    return  # EINVAL: a kernel before 5.14; reads fault their pages as before
+                ok = self._madvise(base + self._slot_offset(layer, v), self.slot_bytes, MADV_POPULATE_WRITE) == 0
+                again = not ok and _errno() in (errno.EINTR, errno.EAGAIN)  # try again at the next wake
                 with self.lock:
-                    self._faulted[layer, v] = True
-                    if self.slot_state[layer, v] == FREE and v not in self._populate_room(layer):
-                        self._release_pages(layer, v)  # the cap shrank meanwhile
+                    if ok:
+                        self._faulted[layer, v] = True
+                    if self.slot_state[layer, v] == FREE and not (ok and v in self._populate_room(layer)):
+                        # the cap shrank meanwhile, or the populate failed part way (ENOMEM,
+                        # EINTR) with pages in that nothing tracks: given back now
+                        self._release_pages(layer, v)
+                if again:
+                    break
+                if not ok:
+                    return  # EINVAL (a kernel before 5.14), ENOMEM: reads fault their pages as before
 
     def _populate_room(self, layer: int) -> list[int]:
         """The free slots a load may still take under the cap (lock held)."""
@@ -834,10 +846,11 @@ class ExpertCache:
                     else:
                         self._wait_slot_state()
                 ly.cap = cap
-                room = set(self._populate_room(layer))
+                room = set(self._populate_room(layer))  # (a raised cap: the populater wakes below)
                 for v in ly.free:  # slots populated ahead that the new cap leaves no room for
                     if self._faulted[layer, v] and v not in room:
                         self._release_pages(layer, v)
+        self._populate_wake.set()
         return n
 
     @property
@@ -848,7 +861,9 @@ class ExpertCache:
         return self.layers[layer].live
 
     def resident_bytes(self) -> int:
-        return sum(ly.live for ly in self.layers) * self.slot_bytes
+        """Arena bytes in memory: live slots, and free slots whose pages are in (populated ahead,
+        within the cap's room). The RSS guard counts these as the cache's, not as other memory."""
+        return int(np.count_nonzero((self.slot_state != FREE) | self._faulted)) * self.slot_bytes
 
     def residency(self) -> np.ndarray:
         """int8 [L, E] of ABSENT / RESIDENT / PINNED / LOADING (events.py constants)."""

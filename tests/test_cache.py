@@ -523,3 +523,149 @@ def test_populate_ahead_faults_the_next_free_slots_only():
         assert rss <= (2 + min(ahead, 2) + 1) * MB
     finally:
         cache.close()
+
+
+class _MBStore(FakeStore):
+    slot_bytes = 1 << 20
+
+    def read(self, layer, expert, buf, verify=False):
+        buf[:] = self.pattern(layer, expert)
+        return self.slot_bytes
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux /proc only")
+def test_rss_guard_counts_populated_slots_as_cache_memory():
+    """Free slots populated ahead are cache memory (inside the cap's plan), so the RSS guard
+    must not count them as memory outside the cache: that lowered the cap by up to
+    ``populate_ahead`` slots more than the budget asks for."""
+    MB = 1 << 20
+    L, E = 4, 16
+    cache = ExpertCache(_MBStore(), L, E, E, policy="lru", io_threads=2)
+    try:
+        if cache._populater is None:
+            pytest.skip("no libc madvise")
+        for layer in range(L):
+            cache.load_experts(layer, list(range(6)))
+        want = (6 + cache.populate_ahead) * L
+        assert _wait_for(lambda: int(cache._faulted.sum()) == want or not cache._populater.is_alive())
+        if int(cache._faulted.sum()) != want:
+            pytest.skip("kernel without MADV_POPULATE_WRITE")
+        floor = 300 * MB
+        budget = floor + 4 * L * MB  # room for cap 4 in every layer
+        guard = RssGuard(cache, budget, read_rss=lambda: floor + _arena_mapping(cache)[1])
+        guard.step(0)
+        assert guard.fired == 1
+        assert 3 <= cache.cap <= 4, guard.trail  # 4 (3 if the kernel rounds the RSS up a little)
+    finally:
+        cache.close()
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux /proc only")
+def test_failed_populate_leaves_no_pages_the_cache_does_not_know(monkeypatch):
+    """A populate that fails part way (ENOMEM, EINTR, ...) may have faulted pages in: they must
+    still be known to the cache, or a cap reduction never gives them back."""
+    import engine.expert_cache as ec
+
+    MB = 1 << 20
+    real = ec._populate_call()
+    if real is None:
+        pytest.skip("no libc madvise")
+    calls = []
+
+    def flaky(addr, n, advice):
+        r = real(addr, n, advice)  # the pages come in, then the call reports a failure
+        calls.append(r)
+        return r if r != 0 else -1
+
+    monkeypatch.setattr(ec, "_populate_call", lambda: flaky)
+    cache = ExpertCache(_MBStore(), 1, 16, 16, policy="lru", io_threads=1)
+    try:
+        assert _wait_for(lambda: not cache._populater.is_alive())
+        if calls[0] != 0:
+            pytest.skip("kernel without MADV_POPULATE_WRITE")
+        assert len(calls) == 1  # the thread stops at the failure
+        _, rss = _arena_mapping(cache)
+        assert rss <= cache.resident_bytes(), rss  # no arena page the cache does not know of
+        cache.load_experts(0, [3])
+        cache.set_cap(1)
+        _, rss = _arena_mapping(cache)
+        assert rss <= cache.resident_bytes() <= MB, rss
+    finally:
+        cache.close()
+
+
+def test_cache_opens_without_ctypes(monkeypatch):
+    """A Python without ctypes (no _ctypes/libffi) opens the cache without populate-ahead."""
+    import sys
+    monkeypatch.setitem(sys.modules, "ctypes", None)
+    monkeypatch.setitem(sys.modules, "ctypes.util", None)
+    cache = ExpertCache(FakeStore(), 1, 8, 4, policy="lru", io_threads=1)
+    try:
+        assert cache._populater is None
+        cache.load_experts(0, [1, 2])
+        v = cache.acquire(0, 2)
+        assert int(v["buf"][0]) == FakeStore.pattern(0, 2)
+        cache.release(0, 2)
+    finally:
+        cache.close()
+
+
+def test_populate_ahead_faults_the_next_slot_first(monkeypatch):
+    """The slot a load takes next (the top of the free stack) is populated first."""
+    import engine.expert_cache as ec
+
+    if ec._populate_call() is None:
+        pytest.skip("no libc madvise")
+    order = []
+    gate = threading.Event()
+
+    def record(addr, n, advice):
+        gate.wait(10)
+        order.append(addr)
+        return 0
+
+    monkeypatch.setattr(ec, "_populate_call", lambda: record)
+    cache = ExpertCache(FakeStore(), 1, 8, 8, policy="lru", io_threads=1)
+    try:
+        nxt = cache.layers[0].free[-1]
+        base = cache.arena.ctypes.data
+        gate.set()
+        assert _wait_for(lambda: len(order) >= 2)
+        assert order[0] == base + cache._slot_offset(0, nxt)
+    finally:
+        cache.close()
+
+
+def test_interrupted_populate_is_retried_not_given_up(monkeypatch):
+    """EINTR / EAGAIN from the populate (a signal, a transient shortage) leaves the slot for
+    the next wake; only EINVAL / ENOMEM stop the thread for the session."""
+    import ctypes
+    import errno as _errno
+
+    import engine.expert_cache as ec
+
+    real = ec._populate_call()
+    if real is None:
+        pytest.skip("no libc madvise")
+    calls = []
+
+    def interrupted_once(addr, n, advice):
+        calls.append(addr)
+        if len(calls) == 1:
+            ctypes.set_errno(_errno.EINTR)
+            return -1
+        return real(addr, n, advice)
+
+    monkeypatch.setattr(ec, "_populate_call", lambda: interrupted_once)
+    cache = ExpertCache(_MBStore(), 1, 16, 16, policy="lru", io_threads=1)
+    try:
+        time.sleep(0.2)
+        assert cache._populater.is_alive()
+        cache.load_experts(0, [0])  # a load wakes it
+        assert _wait_for(lambda: int(cache._faulted.sum()) >= 1 + cache.populate_ahead
+                         or not cache._populater.is_alive())
+        if not cache._populater.is_alive():
+            pytest.skip("kernel without MADV_POPULATE_WRITE")
+        assert len(calls) >= 2
+    finally:
+        cache.close()
