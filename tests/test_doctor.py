@@ -186,3 +186,8 @@ def test_benchmark_results_name_the_cpu_and_the_integer_kernel_path():
     m = machine_info()
     assert m["int_kernels"] == kernels.INT_FLAVOR in ("vnni", "bw", "avx2", "portable")
     assert m["cpu_model"] == cpu_name() and m["cpu_model"].strip() not in ("", "unknown")
+    # the OpenMP wait the kernels' threads run with (the engine's GOMP_SPINCOUNT unless the
+    # user chose; the test run's conftest sets OMP_WAIT_POLICY=PASSIVE)
+    import os
+    assert m["gomp_spincount"] == os.environ.get("GOMP_SPINCOUNT")
+    assert m["omp_wait_policy"] == os.environ.get("OMP_WAIT_POLICY")

@@ -29,7 +29,9 @@ BENCH_KEYS = ("warm_all", "routing_trace", "routing_seed")  # arm overrides that
 
 def machine_info() -> dict:
     """CPU, its model name and integer-kernel path (kernels.INT_FLAVOR: "vnni", "bw", "avx2" or
-    "portable"), cores, RAM (GB), Python version and the time, recorded with every result."""
+    "portable"), cores, RAM (GB), Python version, the OpenMP wait settings the kernels' threads
+    run with (GOMP_SPINCOUNT / OMP_WAIT_POLICY, None = unset) and the time, recorded with every
+    result."""
     import psutil
 
     from .. import kernels
@@ -37,6 +39,7 @@ def machine_info() -> dict:
     return {"cpu": platform.processor() or platform.machine(), "cpu_model": cpu_name(),
             "int_kernels": kernels.INT_FLAVOR, "cores": os.cpu_count(),
             "ram_gb": round(psutil.virtual_memory().total / 1e9, 1), "python": platform.python_version(),
+            "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
 def write_results(name: str, data: dict, table: str, out_dir: str = "bench/results") -> Path:
