@@ -120,8 +120,18 @@ if CACHE_DIR is not None:
 if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
     os.environ["NUMBA_THREADING_LAYER_PRIORITY"] = "omp tbb workqueue"
 GOMP_SPINCOUNT_DEFAULT = "30000"  # see the module docstring; read by libgomp when it loads
-if "GOMP_SPINCOUNT" not in os.environ and "OMP_WAIT_POLICY" not in os.environ:
-    os.environ["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT_DEFAULT
+
+
+def default_spin_env(environ) -> dict:
+    """The environment the kernels' OpenMP threads get from the engine: GOMP_SPINCOUNT=30000
+    unless ``environ`` (a mapping) sets GOMP_SPINCOUNT or OMP_WAIT_POLICY (the user's choice
+    wins). Returns the variables to add ({} when none)."""
+    if "GOMP_SPINCOUNT" in environ or "OMP_WAIT_POLICY" in environ:
+        return {}
+    return {"GOMP_SPINCOUNT": GOMP_SPINCOUNT_DEFAULT}
+
+
+os.environ.update(default_spin_env(os.environ))
 _numba_was_loaded = "numba" in sys.modules
 
 import numba  # noqa: E402

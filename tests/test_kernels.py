@@ -796,15 +796,20 @@ def test_attention_of_a_prompt_equals_its_queries_one_at_a_time(kv, sink):
         assert np.array_equal(whole.view(np.uint32), one.view(np.uint32))
 
 
-@pytest.mark.parametrize("user, want", [({}, "30000"), ({"GOMP_SPINCOUNT": "5"}, "5"),
-                                        ({"OMP_WAIT_POLICY": "PASSIVE"}, None)])
+@pytest.mark.parametrize("user, want", [({}, {"GOMP_SPINCOUNT": "30000"}), ({"GOMP_SPINCOUNT": "5"}, {}),
+                                        ({"OMP_WAIT_POLICY": "PASSIVE"}, {})])
 def test_openmp_spin_is_shortened_unless_the_user_chose(user, want):
     """libgomp's default spin (300000: ~5-8 ms here) held a core while a streaming decode
-    waited for the disk; the engine sets GOMP_SPINCOUNT=30000 before libgomp loads, unless the
-    user set GOMP_SPINCOUNT or OMP_WAIT_POLICY."""
-    code = "import os, engine.kernels as K; print('SPIN', os.environ.get('GOMP_SPINCOUNT'))"
+    waited for the disk; the engine sets GOMP_SPINCOUNT=30000 unless the user set
+    GOMP_SPINCOUNT or OMP_WAIT_POLICY."""
+    assert K.default_spin_env({"PATH": "/bin", **user}) == want
+
+
+def test_openmp_spin_is_set_before_libgomp_loads():
+    """A fresh process without either variable: importing the engine sets it (libgomp reads it
+    once, when numba starts its thread pool at that import)."""
+    code = "import os, engine.kernels as K; print('SPIN', os.environ.get('GOMP_SPINCOUNT'), K.THREADING_LAYER)"
     env = {k: v for k, v in _clean_env(PYTHONPATH=str(ROOT)).items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
-    env.update(user)
     p = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
-    assert f"SPIN {want}" in p.stdout
+    assert "SPIN 30000" in p.stdout
