@@ -352,10 +352,8 @@ class ExpertCache:
         """Free slots of ``layer`` a load will take next (the top of the free stack, as many
         as the cap leaves room for, at most ``populate_ahead``) whose pages are not in yet
         (lock held), the next one first."""
-        ly = self.layers[layer]
-        room = min(ly.cap, ly.target) - ly.live
-        n = max(0, min(room, self.populate_ahead, len(ly.free)))
-        return [v for v in reversed(ly.free[len(ly.free) - n:]) if not self._faulted[layer, v]]
+        ahead = self._populate_room(layer)[-self.populate_ahead:] if self.populate_ahead > 0 else []
+        return [v for v in reversed(ahead) if not self._faulted[layer, v]]
 
     def _populate_loop(self) -> None:
         """Populate-ahead thread (see __init__): nice 19 where the OS has per-thread
@@ -397,7 +395,7 @@ class ExpertCache:
         """The free slots a load may still take under the cap (lock held)."""
         ly = self.layers[layer]
         room = max(0, min(ly.cap, ly.target) - ly.live)
-        return ly.free[len(ly.free) - room:] if room else []
+        return ly.free[max(0, len(ly.free) - room):] if room else []
 
     def _stuck(self, layer: int) -> bool:
         """True if no slot of ``layer`` can come free by waiting (lock held): nothing is
