@@ -6,6 +6,10 @@ Modes (colibri's olmoe.c PILOT, reference notes 1.9):
   2: also, from layer i's post-MoE residual, predict layer i+2;
   3: also predict layer i+3 from the post-MoE residual.
 Hooks run only for small batches (T <= 8: decode), never during a long prefill.
+A layer whose every expert is already in the cache (live slots = num_experts) is not predicted
+unless something subscribed to the predictions (``on_prediction``): nothing could be loaded for
+it, and on the bundled model, where every expert fits, predicting anyway cost 12-25% of decode
+(bench/README.md, "PILOT when every expert is resident").
 
 Prediction: h' = RMSNorm(x; target post_attention_layernorm); logits = h' W_router^T;
 with smooth s > 0 the predictor uses blended = (1-s) logits + s EMA (the EMA is also fed by
@@ -171,6 +175,7 @@ class Pilot(Observer):
         self.cur_layer = -1
         self._small = False
         self.predicted = np.zeros((self.L, self.E), bool)  # this token's predictions
+        self.pred_made = np.zeros(self.L, bool)  # layers predicted this token (recall counts only these)
         self.recall_hits = np.zeros(self.L, np.int64)
         self.recall_total = np.zeros(self.L, np.int64)
         # precision gate: [source distance 1..3, target layer, rank] counts; this token's ranks
@@ -205,23 +210,29 @@ class Pilot(Observer):
         if n:
             self.cache.count_dropped(SpecDrop.STALE, n)
         self.predicted[:] = False
+        self.pred_made[:] = False
         self.pred_rank[:] = -1
         self.cur_layer = -1
 
     def on_layer_start(self, layer: int) -> None:
         self.cur_layer = layer
 
+    def wanted(self, t: int) -> bool:
+        """Whether MoE layer ``t`` is worth predicting now: some of its experts are not in the
+        cache (fewer live slots than num_experts), or a subscriber wants every prediction."""
+        return self.cache.live_slots(t) < self.E or self.observers.has("on_prediction")
+
     def on_after_attention(self, layer: int, x: np.ndarray) -> None:
         self._small = x.shape[0] <= SMALL_BATCH
-        if self._small and self.mode >= 1 and layer + 1 < self.L:
+        if self._small and self.mode >= 1 and layer + 1 < self.L and self.wanted(layer + 1):
             self.predict(layer + 1, x[-1:], 1)
 
     def on_after_moe(self, layer: int, x: np.ndarray) -> None:
         if not self._small:
             return
-        if self.mode >= 2 and layer + 2 < self.L:
+        if self.mode >= 2 and layer + 2 < self.L and self.wanted(layer + 2):
             self.predict(layer + 2, x[-1:], 2)
-        if self.mode >= 3 and layer + 3 < self.L:
+        if self.mode >= 3 and layer + 3 < self.L and self.wanted(layer + 3):
             self.predict(layer + 3, x[-1:], 3)
 
     def precision(self, dist: int, layer: int, rank: int) -> float:
@@ -256,6 +267,7 @@ class Pilot(Observer):
             n = k
         ranked = order[:n]
         self.predicted[t, ranked] = True
+        self.pred_made[t] = True
         self.observers.publish("on_prediction", t, ranked, dist)
         # Only candidates that are not resident would be loaded, and they are the hard ones
         # (residents are mostly experts the routing keeps returning to), so the gate scores
@@ -276,13 +288,14 @@ class Pilot(Observer):
         return r
 
     def on_route(self, layer: int, idx: np.ndarray, router_logits: np.ndarray) -> None:
-        """Real routing of ``layer``: recall bookkeeping and the EMA (predictor only)."""
+        """Real routing of ``layer``: the guard's heat, and for a layer predicted this token
+        the recall and precision bookkeeping; the EMA (predictor only)."""
         logits = router_logits
         np.add.at(self.session_heat[layer], idx.reshape(-1), 1)
         if idx.shape[0] > SMALL_BATCH:
             return
-        routed = np.unique(idx)
-        if layer > 0:
+        if self.pred_made[layer]:
+            routed = np.unique(idx)
             self.recall_total[layer] += len(routed)
             self.recall_hits[layer] += int(self.predicted[layer, routed].sum())
             hit = np.zeros(self.E, bool)
@@ -302,7 +315,9 @@ class Pilot(Observer):
                 self.ema[layer] = (1 - self.smooth) * real + self.smooth * self.ema[layer]
 
     def recall(self) -> list[float]:
-        """Per-layer share of routed experts that had been predicted (layer 0: never predicted)."""
+        """Per-layer share of routed experts that had been predicted, over the tokens the
+        layer was predicted (layer 0: never predicted; a layer whose experts were all
+        resident is not predicted, see ``wanted``)."""
         return [float(h / t) if t else 0.0 for h, t in zip(self.recall_hits, self.recall_total)]
 
     # --- worker side --------------------------------------------------------------------------------

@@ -72,6 +72,48 @@ def test_recall_reported_per_layer(medium_store):
     assert max(rec[1:]) > 0.0
 
 
+def test_layers_with_every_expert_resident_are_not_predicted(medium_store):
+    """A layer whose num_experts experts are all in the cache gets no prediction (nothing
+    could be loaded for it; predicting cost 12-25% of the bundled model's decode), unless a
+    subscriber wants every prediction; the other layers are predicted as before; the ids do
+    not change; recall counts only the layers that were predicted."""
+    ref, _ = _run(medium_store, cap=16, pilot=0)
+    stream = np.random.default_rng(11).integers(10, 500, 60).tolist()
+    req = GenerateRequest(prompt_ids=tuple(stream[:12]), sampling=SamplingParams(max_new_tokens=40))
+
+    class Seen(Observer):
+        def __init__(self):
+            self.layers = set()
+
+        def on_prediction(self, layer, experts, distance):
+            self.layers.add(layer)
+
+    for subscribe in (False, True):
+        cfg = EngineConfig(store=str(medium_store), history=False, pinning=False, cap=16, pilot=1)
+        with Engine.open(cfg) as eng:
+            p = eng.pilot
+            L, E = p.L, p.E
+            full = (1, 3)  # layers 1 and 3 hold every expert; 2 gets half
+            for j in full:
+                eng.cache.load_experts(j, range(E))
+            eng.cache.load_experts(2, range(E // 2))
+            predicted = []
+            orig = p.predict
+            p.predict = lambda t, x, dist=1: (predicted.append(t), orig(t, x, dist))[1]
+            seen = Seen()
+            if subscribe:
+                eng.subscribe(seen)
+            ids = [e for e in eng.generate(req) if isinstance(e, Finished)][0].token_ids
+            assert ids == ref
+            if subscribe:  # a subscriber sees every layer's prediction
+                assert set(predicted) == set(range(1, L)) == seen.layers
+            else:
+                assert set(predicted) <= {2}, predicted  # layer 2 until its misses filled it
+                assert 2 in predicted
+                assert p.recall_total[list(full)].sum() == 0 and p.recall_total[2] > 0
+                assert all(eng.cache.live_slots(j) == E for j in full)
+
+
 def test_queue_every_item_claimed_exactly_once():
     q = PrefetchQueue(maxsize=1 << 21)
     N = 1_000_000
