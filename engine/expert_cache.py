@@ -575,6 +575,69 @@ class ExpertCache:
                     self.slot_busy[layer, s] -= 1
         return hits_first, misses_after
 
+    def take_split(self, layer: int, experts) -> tuple[list[int], np.ndarray, list[int]]:
+        """:meth:`prepare_split` and :meth:`acquire_many` of its hits in one lock round-trip,
+        for a decode step whose hits run in one kernel call reading the arena in place.
+
+        ``experts``: ints in the order to look them up (the engine passes ascending ids).
+        Returns (hits, slots, misses): the resident experts, already taken (busy, use clock,
+        most recent, a staged speculation counted as used) until :meth:`release_slots`;
+        ``slots`` int64 [len(hits)] their slots in ``layer`` (:meth:`slot_offsets`); the
+        misses, counted and their reads started as :meth:`prepare_split` does, to be taken with
+        :meth:`acquire`. The counters, use clock, busy counts and eviction order end as after
+        prepare_split + acquire_many (tests/test_cache.py), except that a hit can no longer be
+        evicted between the two calls (a speculation's read could do that before)."""
+        hits: list[int] = []
+        slots: list[int] = []
+        misses: list[int] = []
+        with self.lock:
+            self.routed_now[layer, :] = False
+            missing = []
+            for e in experts:
+                e = int(e)
+                self.routed_now[layer, e] = True
+                s = int(self.where[layer, e])
+                if s >= 0 and self.slot_state[layer, s] == _RESIDENT:
+                    self.stats.hits += 1
+                    if self.pinned[layer, e]:
+                        self.stats.pinned_hits += 1
+                    self.slot_busy[layer, s] += 1
+                    self.clock += 1
+                    self.last_use[layer, e] = self.clock
+                    if self.slot_spec[layer, s]:
+                        self.slot_spec[layer, s] = False
+                        self.stats.spec_used += 1
+                        self.layers[layer].staged.pop(s, None)
+                    self.touch(layer, s)
+                    hits.append(e)
+                    slots.append(s)
+                else:
+                    self.stats.misses += 1
+                    misses.append(e)
+                    if s < 0:  # else loading (a speculation in flight): acquire waits for it
+                        missing.append(e)
+                        self._errors.pop((layer, e), None)
+            for e in missing:  # the hits are busy: a miss never evicts one of them
+                slot = self._reserve(layer, e)
+                if slot < 0:
+                    break
+                self._submit(layer, e, slot, 1)
+        return hits, np.asarray(slots, np.int64), misses
+
+    def release_slots(self, layer: int, slots: np.ndarray) -> None:
+        """Give back the slots (int64 [n], distinct) :meth:`take_split` took."""
+        if not len(slots):
+            return
+        with self.lock:
+            self.slot_busy[layer, slots] -= 1
+            if self._cond_waiters and not self.slot_busy[layer, slots].all():
+                self.cond.notify_all()  # a cap reduction may be waiting for one of them
+
+    def slot_offsets(self, layer: int, slots: np.ndarray) -> np.ndarray:
+        """Byte offsets int64 [n] in ``arena`` of the slabs in ``slots`` (int [n]) of ``layer``
+        (computed in int64: an arena can be larger than 2 GiB)."""
+        return (np.int64(layer) * self.max_cap + np.asarray(slots, np.int64)) * np.int64(self.slot_bytes)
+
     def acquire(self, layer: int, expert: int) -> dict:
         """Views of the expert's slab, resident and marked busy until ``release``.
 

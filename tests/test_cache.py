@@ -366,6 +366,47 @@ def test_acquire_many_changes_state_as_one_acquire_each(policy):
     assert a[7] == b[7]
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfru", "ema"])
+def test_take_split_changes_state_as_prepare_split_and_acquire_many(policy):
+    """take_split / release_slots (a decode step's lookup and its hits taken in one lock
+    round-trip) leave the cache exactly as prepare_split + acquire_many / release_many:
+    counters, use clock, busy counts, residency, eviction order; the slots it returns hold the
+    hits' slabs at slot_offsets; a speculation it hits counts as used."""
+    def run(take):
+        cache = ExpertCache(FakeStore(), 2, 16, 6, policy=policy, io_threads=1)
+        try:
+            steps = ([0, 1, 2, 3], [2, 3, 4, 5], [5, 0, 1, 2], [7, 8, 2, 3], [9, 10, 11, 12], [2, 9, 13, 1])
+            for n, step in enumerate(steps):
+                layer = n % 2
+                if n == 3:  # a staged speculation, then hit
+                    slot = cache.try_speculate(layer, 8)
+                    cache.load_speculative(layer, 8, slot)
+                    with cache.lock:
+                        while cache.slot_state[layer, slot] != 2:  # _RESIDENT
+                            cache._wait_slot_state()
+                if take:
+                    hits, slots, misses = cache.take_split(layer, sorted(step))
+                    offs = cache.slot_offsets(layer, slots)
+                    assert [int(cache.arena[o]) for o in offs] == [FakeStore.pattern(layer, e) for e in hits]
+                    cache.release_slots(layer, slots)
+                else:
+                    hits, misses = cache.prepare_split(layer, sorted(step))
+                    cache.acquire_many(layer, hits)
+                    cache.release_many(layer, hits)
+                for e in misses:
+                    cache.acquire(layer, e)
+                    cache.release(layer, e)
+            assert not cache.slot_busy.any()
+            return _state(cache)
+        finally:
+            cache.close()
+    a, b = run(False), run(True)
+    assert a[:4] == b[:4] and a[2] == 1  # the speculation was used
+    for x, y in zip(a[4:7], b[4:7]):
+        assert np.array_equal(x, y)
+    assert a[7] == b[7]
+
+
 def test_acquire_many_releases_what_it_took_when_a_read_fails():
     """A failing read inside acquire_many releases the experts it had already acquired (no slot
     stays busy) and raises the named ExpertReadError."""

@@ -593,9 +593,12 @@ class ExpertProvider(Protocol):
     ``layer`` is the MoE-layer index j (see the module docstring).
 
     Optional: ``prepare_split(layer, experts) -> (hits, misses)`` (engine/expert_cache.py):
-    ``prepare`` with the experts resident now apart, so a decode step runs them in one call,
+    ``prepare`` with the experts resident now apart, so a prefill chunk runs them in one call,
     taken with ``acquire_many(layer, experts) -> [views]`` and given back with
-    ``release_many(layer, experts)`` (one lock round-trip each).
+    ``release_many(layer, experts)`` (one lock round-trip each). ``take_split(layer, experts)
+    -> (hits, slots, misses)`` with ``release_slots`` and ``slot_offsets``, and an ``arena``
+    and ``store.layout``: a decode step's lookup and its hits taken at once, run in one kernel
+    call reading the arena in place.
 
     Optional: ``dispatch(layer, xs, bounds, single)`` (engine/cluster.py). A provider that has
     it computes some experts elsewhere: its ``prepare`` returns only the experts to compute
@@ -865,6 +868,7 @@ class MoEModel:
         self.alloc_kv()
         self._offs_memo: dict[tuple[int, int], tuple] = {}  # _arena_offsets
         self._sorted_memo: bool | None = None  # _sorted_ok
+        self._t1_memo: tuple | None = None  # _t1_plan
         # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
         # layer start, post-attention residual, routing, post-MoE residual. Dense layers
         # publish nothing.
@@ -1048,11 +1052,9 @@ class MoEModel:
         logits = self.router_logits(j, h)  # [T, E]
         idx, w = self.route(j, logits)  # [T, K]
         self.observers.publish("on_route", j, idx, logits)
-        split = getattr(self.experts, "prepare_split", None)
-        if (T == 1 and split is not None and hasattr(self.experts, "acquire_many")
-                and self.expert_quant in ("int4", "int8") and isinstance(getattr(self.experts, "arena", None), np.ndarray)
-                and type(self).expert_forward is MoEModel.expert_forward):
-            moe = self._moe_t1(j, h, idx, w, split)
+        fields = self._t1_plan() if T == 1 else None
+        if fields is not None:
+            moe = self._moe_t1(j, h, idx, w, fields)
         else:
             moe = self._moe_grouped(j, h, idx, w)
         if "shared_expert" in ly:
@@ -1064,47 +1066,66 @@ class MoEModel:
             moe += s
         return moe
 
-    def _moe_t1(self, j: int, h: np.ndarray, idx: np.ndarray, w: np.ndarray, split) -> np.ndarray:
+    def _t1_plan(self) -> np.ndarray | None:
+        """The byte offsets int64 [6] inside an expert's slab of its six weight arrays
+        (_T1_FIELDS) when a decode step's resident experts can run in one K.experts_q4_t1 /
+        _q8_t1 call reading the cache arena in place: int4 or int8 experts whose slab layout
+        has the dtypes those kernels read, the SwiGLU expert, and a provider with the arena and
+        ``take_split`` (ExpertCache); else None (the grouped path). Memoised."""
+        memo = self._t1_memo
+        if memo is None:
+            ex = self.experts
+            fields = None
+            layout = getattr(getattr(ex, "store", None), "layout", None)
+            want = _ARENA_DTYPES.get(self.expert_quant)
+            if (want is not None and layout is not None and hasattr(ex, "take_split")
+                    and isinstance(getattr(ex, "arena", None), np.ndarray)
+                    and type(self).expert_forward is MoEModel.expert_forward):
+                at = {name: (int(off), np.dtype(dt)) for name, off, dt, shape in layout["fields"]}
+                if all(f in at and at[f][1] == want[k % 2] for k, f in enumerate(_T1_FIELDS)):
+                    fields = np.array([at[f][0] for f in _T1_FIELDS], np.int64)
+            memo = self._t1_memo = (fields,)
+        return memo[0]
+
+    def _moe_t1(self, j: int, h: np.ndarray, idx: np.ndarray, w: np.ndarray, fields: np.ndarray) -> np.ndarray:
         """The routed experts of a decode step (h [1, D] normed, idx/w [1, K] by rank): the
-        experts resident at ``prepare`` time in one kernel call reading their slabs in the
-        cache arena (K.experts_q4_t1 / _q8_t1), then each miss as its read completes, by
-        :func:`run_expert`. Every expert's row is bit-identical to :meth:`_moe_grouped`'s and
-        the rows are combined in the same rank order, so the values do not depend on which
-        experts were hits."""
+        experts resident at lookup time in one kernel call reading their slabs in the cache
+        arena (K.experts_q4_t1 / _q8_t1; fields: _t1_plan's offsets inside a slab), then each
+        miss as its read completes, by :func:`run_expert`. Every expert's row is bit-identical
+        to :meth:`_moe_grouped`'s and the rows are combined in the same rank order, so the
+        values do not depend on which experts were hits."""
         D = h.shape[1]
-        ranked = idx[0].tolist()
-        rank_of = {e: k for k, e in enumerate(ranked)}
-        hits, misses = split(j, sorted(ranked))
-        y = np.empty((1, len(ranked), D), np.float32)  # [1, K, D] by rank
-        if hits:
-            views = self.experts.acquire_many(j, hits)
-            try:
-                offs = [self._arena_offsets(j, e, v) for e, v in zip(hits, views)]
-                if any(o is None for o in offs):  # a slab not in the arena (format 2 scales)
-                    scratch = np.empty((1, self.args.moe_intermediate_size), np.float32)
-                    for e, v in zip(hits, views):
-                        k = rank_of[e]
-                        self.expert_forward(v, h, scratch, y[0, k:k + 1])
+        Kk = idx.shape[1]
+        ranked = idx[0]
+        order = np.argsort(ranked, kind="stable")  # rank positions of the experts, ascending ids
+        cache = self.experts
+        hits, slots, misses = cache.take_split(j, ranked[order].tolist())
+        y = np.empty((1, Kk, D), np.float32)  # [1, K, D] by rank
+        try:
+            if hits:
+                # rank position of each hit: the ascending ids that hit, in order
+                pos = order if not misses else order[np.isin(ranked[order], hits)]
+                offs = cache.slot_offsets(j, slots)[:, None] + fields[None, :]  # [n, 6]
+                I = self.args.moe_intermediate_size
+                scratch = np.empty((len(hits), I), np.float32)
+                out = np.empty((len(hits), D), np.float32)
+                if self.expert_quant == "int4":
+                    K.experts_q4_t1(h, cache.arena, offs, I, self.gs, scratch, out)
                 else:
-                    out = np.empty((len(hits), D), np.float32)
-                    scratch = np.empty((len(hits), self.args.moe_intermediate_size), np.float32)
-                    I = self.args.moe_intermediate_size
-                    if self.expert_quant == "int4":
-                        K.experts_q4_t1(h, self.experts.arena, np.stack(offs), I, self.gs, scratch, out)
-                    else:
-                        K.experts_q8_t1(h, self.experts.arena, np.stack(offs), I, scratch, out)
-                    y[0, [rank_of[e] for e in hits]] = out
-            finally:
-                self.experts.release_many(j, hits)
+                    K.experts_q8_t1(h, cache.arena, offs, I, scratch, out)
+                y[0, pos] = out
+        finally:
+            cache.release_slots(j, slots)
         if misses:
+            rank_of = {int(e): k for k, e in enumerate(ranked.tolist())}
             scratch = np.empty((1, self.args.moe_intermediate_size), np.float32)
             for e in misses:
-                views = self.experts.acquire(j, e)
+                views = cache.acquire(j, e)
                 try:
                     k = rank_of[e]
                     self.expert_forward(views, h, scratch, y[0, k:k + 1])
                 finally:
-                    self.experts.release(j, e)
+                    cache.release(j, e)
         moe = np.empty((1, D), np.float32)
         K.combine_ranked(y, w, moe)
         return moe
