@@ -756,6 +756,13 @@ _q4_tile_1x1 = _make_int_tile("q4", 1, 1)
 # 5-15% slower than on 4 KB pages in five runs out of five; (g) for T > 1, the token tiles
 # outermost over units of 64 rows (one tile's activations kept in L1 while they meet the unit's
 # rows): 2048 x 2048 at T = 128 91-99 GMAC/s against 87-100 for the row blocks outermost.
+# Session 33 (same host, one thread, linear_q4 T = 1, interleaved old / new, best of 5): the
+# GFNI unpack (kept: one vgf2p8affineqb instead of and / shift / 512-bit insert) ran +3-8%;
+# not kept, both within the noise of 14-20 GB/s for [256 | 1024 | 65536, 2048] and [2048, 1024]:
+# (h) two pairs per pass sharing one load and multiply of the 4 group scales and one prefetch per
+# 64 bytes; (i) two FMA chains per element (even / odd pairs). Single-thread q4 decode stays at
+# ~17-20 GB/s from L2 and from DRAM alike, the per-core rate llama.cpp's Q4_0 decode also shows
+# here (~36 GB/s on 2 threads when quiet).
 _q8_tile_rx4 = _make_int_tile("q8", _TR, 4)
 _q8_tile_1x4 = _make_int_tile("q8", 1, 4)
 _q8_tile_1x1 = _make_int_tile("q8", 1, 1)
