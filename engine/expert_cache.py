@@ -579,7 +579,8 @@ class ExpertCache:
         """:meth:`prepare_split` and :meth:`acquire_many` of its hits in one lock round-trip,
         for a decode step whose hits run in one kernel call reading the arena in place.
 
-        ``experts``: ints in the order to look them up (the engine passes ascending ids).
+        ``experts``: distinct ints in the order to look them up (the engine passes ascending
+        ids). When all are resident the bookkeeping runs as whole-array operations.
         Returns (hits, slots, misses): the resident experts, already taken (busy, use clock,
         most recent, a staged speculation counted as used) until :meth:`release_slots`;
         ``slots`` int64 [len(hits)] their slots in ``layer`` (:meth:`slot_offsets`); the
@@ -590,7 +591,11 @@ class ExpertCache:
         hits: list[int] = []
         slots: list[int] = []
         misses: list[int] = []
+        ea = np.asarray(experts, np.int64)
         with self.lock:
+            ss = self.where[layer, ea]
+            if (ss >= 0).all() and (self.slot_state[layer, ss] == _RESIDENT).all():
+                return self._take_all(layer, ea, ss)
             self.routed_now[layer, :] = False
             missing = []
             for e in experts:
@@ -623,6 +628,43 @@ class ExpertCache:
                     break
                 self._submit(layer, e, slot, 1)
         return hits, np.asarray(slots, np.int64), misses
+
+    def _take_all(self, layer: int, ea: np.ndarray, ss: np.ndarray) -> tuple[list[int], np.ndarray, list[int]]:
+        """take_split when every expert ea (int64 [n], distinct) is resident in slots ss (lock
+        held): the same state changes as its loop, as whole-array operations."""
+        n = len(ea)
+        self.routed_now[layer, :] = False
+        self.routed_now[layer, ea] = True
+        pm = self.pinned[layer, ea]
+        self.stats.hits += n
+        self.stats.pinned_hits += int(np.count_nonzero(pm))
+        self.slot_busy[layer, ss] += 1
+        self.last_use[layer, ea] = np.arange(self.clock + 1, self.clock + n + 1)
+        self.clock += n
+        ly = self.layers[layer]
+        spec = self.slot_spec[layer, ss]
+        if spec.any():
+            for s in ss[spec].tolist():
+                self.slot_spec[layer, s] = False
+                self.stats.spec_used += 1
+                ly.staged.pop(s, None)
+        sl = ss.tolist()
+        if self.policy == "lfru":
+            for s, p in zip(sl, pm.tolist()):
+                if not p:
+                    self._untrack(layer, s)
+                    self._track(layer, s)
+        else:  # touch's lru / ema order, most recent last
+            lru, staged = ly.lru, ly.staged
+            for s, p in zip(sl, pm.tolist()):
+                if not p:
+                    if s in lru:
+                        lru.move_to_end(s)
+                    else:
+                        lru[s] = None
+                    if staged:
+                        staged.pop(s, None)
+        return ea.tolist(), ss.astype(np.int64), []
 
     def release_slots(self, layer: int, slots: np.ndarray) -> None:
         """Give back the slots (int64 [n], distinct) :meth:`take_split` took."""

@@ -549,6 +549,7 @@ def _load_at(builder, base, byte_off, vty, align):
 
 
 PREFETCH_BYTES = 8192  # software prefetch distance (bytes ahead in each weight row) of the T = 1 tiles
+PREFETCH_TT = 4  # tiles of fewer tokens than this prefetch their weights (1 x 1 decode, 1 x 2 and 1 x 3 prefill tails)
 
 
 def _make_int_tile(kind: str, R: int, TT: int):
@@ -651,13 +652,13 @@ def _make_int_tile(kind: str, R: int, TT: int):
                      if kind == "q4" else [])
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(TT)]
                     for _ in range(R)]
-            if PREFETCH_BYTES and TT == 1:  # decode: the weights stream from DRAM
+            if PREFETCH_BYTES and TT < PREFETCH_TT:  # decode, and prefill experts few tokens chose: the weights stream from DRAM
                 pf = cgutils.get_or_insert_function(
                     mod, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
             with cgutils.for_range(builder, np_) as loop:
                 i = loop.index
                 i8 = builder.mul(i, c64(8))  # two float32 scales per pair
-                if PREFETCH_BYTES and TT == 1:
+                if PREFETCH_BYTES and TT < PREFETCH_TT:
                     step = 32 if kind == "q4" else 64
                     for r in range(R):
                         ahead = builder.gep(wrow[r], [builder.add(builder.mul(i, c64(step)), c64(PREFETCH_BYTES))])
@@ -1448,7 +1449,8 @@ def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out):
         most = max(most, starts[e + 1] - starts[e])
     sh, hg = _q4_shift(gsz), gsz // 2
     nbi = (I + RB - 1) // RB
-    scg = np.empty((nch, RB, most), np.float32)
+    nbs = (nbi + nch - 1) // nch  # row blocks of a share, at most
+    scg = np.empty((nch, nbs, RB, most), np.float32)
     scu = np.empty((nch, RB, most), np.float32)
     for ch in prange(nch):  # thread ch: the same share of every expert's gate / up row blocks
         b0, b1 = ch * nbi // nch, (ch + 1) * nbi // nch
@@ -1459,21 +1461,23 @@ def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out):
             gw, gs = _arena_q4(arena, offs[e, 0:2], I, D, gsz)
             uw, us = _arena_q4(arena, offs[e, 2:4], I, D, gsz)
             P = (simd, xq[lo:hi], xs[lo:hi], c[lo:hi], xe[lo:hi], xo[lo:hi])
-            rg = scg[ch, :, :hi - lo]
             ru = scu[ch, :, :hi - lo]
-            for ib in range(b0, b1):
-                i0 = ib * RB
-                if simd:
-                    _q4_rows(P, gw, gs, i0, rg)
+            if simd:
+                # the share's gate rows, then its up rows: one weight stream at a time (as
+                # experts_q4_t1; alternating gate and up blocks streamed two matrices at once)
+                for ib in range(b0, b1):
+                    _q4_rows(P, gw, gs, ib * RB, scg[ch, ib - b0, :, :hi - lo])
+                for ib in range(b0, b1):
+                    i0 = ib * RB
+                    rg = scg[ch, ib - b0]
                     _q4_rows(P, uw, us, i0, ru)
                     for r in range(min(RB, I - i0)):
                         for t in range(hi - lo):
                             h[lo + t, i0 + r] = _silu_mul(rg[r, t], ru[r, t])
-                else:
-                    for i in range(i0, min(I, i0 + RB)):
-                        for t in range(hi - lo):
-                            h[lo + t, i] = _silu_mul(_q4_out(P, gw, gs, sh, hg, i, t),
-                                                     _q4_out(P, uw, us, sh, hg, i, t))
+                continue
+            for i in range(b0 * RB, min(I, b1 * RB)):  # portable path
+                for t in range(hi - lo):
+                    h[lo + t, i] = _silu_mul(_q4_out(P, gw, gs, sh, hg, i, t), _q4_out(P, uw, us, sh, hg, i, t))
     Q = _q4_prepare(h, gsz)  # each row on its own, as expert_q4 quantizes its h
     nbd = (D + RB - 1) // RB
     scd = np.empty((nch, RB, most), np.float32)

@@ -291,7 +291,7 @@ class Pilot(Observer):
         """Real routing of ``layer``: the guard's heat, and for a layer predicted this token
         the recall and precision bookkeeping; the EMA (predictor only)."""
         logits = router_logits
-        np.add.at(self.session_heat[layer], idx.reshape(-1), 1)
+        self.session_heat[layer] += np.bincount(idx.reshape(-1), minlength=self.E)
         if idx.shape[0] > SMALL_BATCH:
             return
         if self.pred_made[layer]:

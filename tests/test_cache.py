@@ -372,15 +372,23 @@ def test_take_split_changes_state_as_prepare_split_and_acquire_many(policy):
     round-trip) leave the cache exactly as prepare_split + acquire_many / release_many:
     counters, use clock, busy counts, residency, eviction order; the slots it returns hold the
     hits' slabs at slot_offsets; a speculation it hits counts as used."""
+    whole = []
+
     def run(take):
         cache = ExpertCache(FakeStore(), 2, 16, 6, policy=policy, io_threads=1)
+        if take:
+            inner = cache._take_all
+            cache._take_all = lambda *a: (whole.append(a[1].tolist()), inner(*a))[1]
         try:
-            steps = ([0, 1, 2, 3], [2, 3, 4, 5], [5, 0, 1, 2], [7, 8, 2, 3], [9, 10, 11, 12], [2, 9, 13, 1])
-            for n, step in enumerate(steps):
-                layer = n % 2
-                if n == 3:  # a staged speculation, then hit
-                    slot = cache.try_speculate(layer, 8)
-                    cache.load_speculative(layer, 8, slot)
+            # (layer, experts, a speculation staged before the lookup): misses, mixed lookups,
+            # all-hit lookups (take_split's whole-array path), speculations hit by both kinds
+            steps = ((0, [0, 1, 2, 3], None), (1, [2, 3, 4, 5], None), (0, [5, 0, 1, 2], None),
+                     (1, [7, 8, 2, 3], 8), (0, [9, 10, 11, 12], None), (1, [2, 9, 13, 1], None),
+                     (1, [2, 9, 13, 1], None), (1, [14, 2, 9, 1], 14), (0, [9, 10, 11, 12], None))
+            for layer, step, spec in steps:
+                if spec is not None:  # a staged speculation, then hit
+                    slot = cache.try_speculate(layer, spec)
+                    cache.load_speculative(layer, spec, slot)
                     with cache.lock:
                         while cache.slot_state[layer, slot] != 2:  # _RESIDENT
                             cache._wait_slot_state()
@@ -401,7 +409,8 @@ def test_take_split_changes_state_as_prepare_split_and_acquire_many(policy):
         finally:
             cache.close()
     a, b = run(False), run(True)
-    assert a[:4] == b[:4] and a[2] == 1  # the speculation was used
+    assert a[:4] == b[:4] and a[2] == 2  # both speculations were used
+    assert [1, 2, 9, 14] in whole and len(whole) >= 2  # the whole-array path ran, one with a speculation
     for x, y in zip(a[4:7], b[4:7]):
         assert np.array_equal(x, y)
     assert a[7] == b[7]
