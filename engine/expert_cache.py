@@ -606,14 +606,7 @@ class ExpertCache:
                     self.stats.hits += 1
                     if self.pinned[layer, e]:
                         self.stats.pinned_hits += 1
-                    self.slot_busy[layer, s] += 1
-                    self.clock += 1
-                    self.last_use[layer, e] = self.clock
-                    if self.slot_spec[layer, s]:
-                        self.slot_spec[layer, s] = False
-                        self.stats.spec_used += 1
-                        self.layers[layer].staged.pop(s, None)
-                    self.touch(layer, s)
+                    self._take(layer, e, s)
                     hits.append(e)
                     slots.append(s)
                 else:
