@@ -136,3 +136,17 @@ def test_cpu_rate_with_no_positive_difference_is_left_blank():
     from engine.bench.kernels import _rates
     assert _rates(tg_per_cpu_s=(48, 2.0), pp128_per_cpu_s=(224, 0.0)) == {"tg_per_cpu_s": 24.0}
     assert _rates(tg_per_cpu_s=(48, -0.01)) == {}
+
+
+def test_paired_and_best_ratios_follow_each_repetition():
+    """A load that drifts within a run: the per-repetition ratio's median keeps the side by
+    side comparison (here 0.9 in every repetition) where the ratio of medians does not."""
+    rows = []
+    for rep, (ours, llama) in enumerate([(9.0, 10.0), (27.0, 30.0), (45.0, 50.0), (18.0, 20.0)]):
+        rows.append({"arm": "ours-a", "rep": rep, "tg64": ours})
+        rows.append({"arm": "llama-b", "rep": rep, "tg64": llama if rep != 1 else llama, "pp16": 5.0})
+    rows.append({"arm": "llama-b", "rep": 4, "tg64": 1000.0})  # no ours run in repetition 4
+    pr = bench_kernels._paired_ratios(rows, "ours-a", "llama-b", ["tg64", "pp16"])
+    assert pr == {"tg64": pytest.approx(0.9)}  # pp16: ours never has it
+    br = bench_kernels._best_ratios(rows, "ours-a", "llama-b", ["tg64", "pp16"])
+    assert br == {"tg64": pytest.approx(45.0 / 1000.0)}

@@ -259,6 +259,35 @@ def _parse_arm(spec: str) -> tuple[str, str]:
     return label, path
 
 
+def _paired_ratios(rows: list[dict], ours_arm: str, llama_arm: str, keys: list[str]) -> dict:
+    """Median over repetitions of ours / llama.cpp for each key in ``keys``, using only the
+    repetitions where both arms have the key (a repetition's two arms ran one after the other).
+    Returns {key: ratio} (empty if no repetition has both)."""
+    by_rep: dict[int, dict] = {}
+    for r in rows:
+        if r["arm"] in (ours_arm, llama_arm):
+            by_rep.setdefault(r["rep"], {})[r["arm"]] = r
+    out = {}
+    for k in keys:
+        v = [p[ours_arm][k] / p[llama_arm][k] for p in by_rep.values()
+             if ours_arm in p and llama_arm in p and k in p[ours_arm] and p[llama_arm].get(k)]
+        if v:
+            out[k] = float(np.median(v))
+    return out
+
+
+def _best_ratios(rows: list[dict], ours_arm: str, llama_arm: str, keys: list[str]) -> dict:
+    """Each arm's largest value over its repetitions (tok/s: its fastest run), ours / llama.cpp
+    for each key in ``keys`` both arms have. Returns {key: ratio}."""
+    out = {}
+    for k in keys:
+        o = [r[k] for r in rows if r["arm"] == ours_arm and k in r]
+        ll = [r[k] for r in rows if r["arm"] == llama_arm and r.get(k)]
+        if o and ll:
+            out[k] = float(max(o) / max(ll))
+    return out
+
+
 def _write(a, arms, rows, quiet: bool = False) -> None:
     """Medians, ratios and every run -> bench/results/<name>.{json,md}."""
     from .common import machine_info, md_table, write_results
@@ -282,6 +311,21 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
             o, ll = med.get(f"ours-{ours_label}{sfx}", {}), med.get(f"llama-{llama_label}{sfx}", {})
             if o and ll:
                 ratios[f"{ours_label}/{llama_label}{sfx}"] = {k: o[k] / ll[k] for k in keys if k in o and ll.get(k)}
+    # The host is shared: its load drifts within a run. Each repetition ran a pair's arms side
+    # by side, so the median over repetitions of their ratio follows the drift less than the
+    # ratio of the two medians; best / best (the fastest run of each arm) is the least-disturbed
+    # run of each. Both are reported beside the ratio of medians.
+    paired, best = {}, {}
+    for ours_label, llama_label in a.pair:
+        sfxs = [""] + ([f"@{a.cgroup_gb:g}GB"] if a.cgroup_gb else [])
+        for sfx in sfxs:
+            oa, la = f"ours-{ours_label}{sfx}", f"llama-{llama_label}{sfx}"
+            pr = _paired_ratios(rows, oa, la, keys)
+            if pr:
+                paired[f"{ours_label}/{llama_label}{sfx}"] = pr
+            br = _best_ratios(rows, oa, la, keys)
+            if br:
+                best[f"{ours_label}/{llama_label}{sfx}"] = br
     ours_labels = [lb for lb, _ in a.ours]
     for l4 in [lb for lb in ours_labels if lb.startswith("int4")]:
         if "int8" in ours_labels:
@@ -296,6 +340,13 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
     table += md_table([{"arm": arm, **m} for arm, m in med.items()], cols)
     table += "\n\nRatios (median / median)\n\n" + md_table(
         [{"arm": name, **r} for name, r in ratios.items()], [("pair", "arm", "")] + [(k, k, ".2f") for k in keys])
+    if paired:
+        table += ("\n\nRatios (median over repetitions of each repetition's ours / llama.cpp: the two arms "
+                  "of a repetition ran side by side)\n\n") + md_table(
+            [{"arm": name, **r} for name, r in paired.items()], [("pair", "arm", "")] + [(k, k, ".2f") for k in keys])
+    if best:
+        table += "\n\nRatios (best / best: each arm's fastest run)\n\n" + md_table(
+            [{"arm": name, **r} for name, r in best.items()], [("pair", "arm", "")] + [(k, k, ".2f") for k in keys])
     table += "\n\nEvery run\n\n" + md_table(rows, [("arm", "arm", ""), ("rep", "rep", "d"),
                                                   ("load 1 min", "load_avg_1m", ".1f")] + cols[1:])
     cmd = "colibri bench kernels " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "colibri bench kernels"
@@ -303,7 +354,7 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
     data = {"machine": machine_info(), "command": cmd, "threads": a.threads, "tokens": a.tokens,
             "prompts": a.prompts, "reps": a.reps, "ours": dict(a.ours), "llama": dict(a.llama),
             "llama_bench": a.llama_bench, "cgroup_gb": a.cgroup_gb, "rows": rows, "medians": med,
-            "ratios": ratios, "load_avg_1m": [r["load_avg_1m"] for r in rows]}
+            "ratios": ratios, "paired_ratios": paired, "best_ratios": best, "load_avg_1m": [r["load_avg_1m"] for r in rows]}
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         write_results(a.name, data, table, a.out_dir)
 
