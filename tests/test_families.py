@@ -18,6 +18,7 @@ from engine.expert_store import ExpertStore
 from engine.generate import Engine
 from engine.models import SUPPORTED_MODEL_TYPES, family_for
 from engine.quant import slab_layout
+from engine.kernels import _Q4_SIMD as K_SIMD
 from engine.synthetic import (CONFIGS, PRESETS, deepseek_v2_config, deepseek_v3_config, deepseek_v32_config,
                               glm4_moe_config, glm4_moe_lite_config, glm_moe_dsa_config, mixtral_config,
                               olmoe_config, qwen2_moe_config, qwen3_5_moe_config, qwen3_5_moe_text_config,
@@ -440,3 +441,37 @@ def test_glm5_preset_sizes_its_latent_and_indexer_cache():
         ("glm_moe_dsa", 78, 75, 256, 2048)
     assert a.kv_values_all_layers == 78 * (512 + 64) + 78 * 128
     assert kv_bytes(a, 1) == 109_824
+
+
+def _logits_prefill_then_decode(store, steps: int = 5, **kw) -> tuple[np.ndarray, bool]:
+    """Logits of a 20-token prefill (every position) then ``steps`` greedy decode steps (T = 1),
+    stacked; and whether any attention matrix ran interleaved."""
+    cfg = EngineConfig(store=str(store), history=False, o_direct=False, pilot=0, **kw)
+    with Engine.open(cfg) as eng:
+        m = eng.model
+        out = [m.forward(np.arange(5, 25), 0, all_logits=True)]
+        for s in range(steps):
+            out.append(m.forward(np.array([int(np.argmax(out[-1][-1]))]), 20 + s))
+        il = any(getattr(ly.get(n), "il", False) for ly in m.layers for n in ("q_proj", "o_proj"))
+        return np.concatenate(out), il
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_interleaved_int4_attention_is_bit_identical(family_stores, tmp_path, monkeypatch, name):
+    """int4 attention matrices stored row-interleaved (K.linear_q4i / linears_q4i) give the same
+    prefill and decode logits, bit for bit, as the row-major kernels, in every family."""
+    import engine.models.base as base
+    ck, _ = family_stores[name]
+    try:
+        store = convert_checkpoint(ck, tmp_path / "s", quant="int4", dense_quant="int4")
+    except Exception as e:  # noqa: BLE001 - a family whose dense widths int4 cannot take
+        if "multiple of the group size" in str(e):
+            pytest.skip(str(e))
+        raise
+    got, il = _logits_prefill_then_decode(store)
+    monkeypatch.setattr(base, "INTERLEAVE_Q4", False)
+    ref, il_off = _logits_prefill_then_decode(store)
+    assert not il_off
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    if name in ("olmoe", "qwen3_moe", "mixtral") and K_SIMD:
+        assert il  # the standard attention's int4 matrices took the interleaved kernels

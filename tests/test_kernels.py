@@ -813,3 +813,43 @@ def test_openmp_spin_is_set_before_libgomp_loads():
     p = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert "SPIN 30000" in p.stdout
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 9])
+@pytest.mark.parametrize("O,N", [(8, 64), (36, 128), (64, 2048)])
+def test_interleaved_q4_is_bit_identical_to_row_major(T, O, N):
+    """K.linear_q4i / linears_q4i on K.interleave_q4's layout: the same float32 bits as
+    K.linear_q4 / linears_q4 on the row-major weights (every row's pair sums in the same order),
+    for decode (T = 1: one 4-row tile) and prefill (token tiles and tails)."""
+    rng = np.random.default_rng(T * 1000 + O)
+    w = rng.integers(0, 256, (O, N // 2), dtype=np.uint8)
+    s = (rng.random((O, N // 32)) * 0.02 + 0.001).astype(np.float16).view(np.uint16)
+    x = rng.standard_normal((T, N)).astype(np.float32)
+    if not K.q4_interleavable(w, s, 32):
+        pytest.skip("no SIMD int4 path on this CPU")
+    ref = np.empty((T, O), np.float32)
+    K.linear_q4(x, w, s, 32, ref)
+    got = np.empty((T, O), np.float32)
+    K.linear_q4i(x, K.interleave_q4(w), s, 32, got)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    w2 = rng.integers(0, 256, (O // 2 + 4 - (O // 2) % 4, N // 2), dtype=np.uint8)
+    s2 = (rng.random((w2.shape[0], N // 32)) * 0.02).astype(np.float16).view(np.uint16)
+    refs = (np.empty((T, O), np.float32), np.empty((T, w2.shape[0]), np.float32))
+    K.linears_q4(x, (w, w2), (s, s2), 32, refs)
+    gots = (np.empty((T, O), np.float32), np.empty((T, w2.shape[0]), np.float32))
+    K.linears_q4i(x, (K.interleave_q4(w), K.interleave_q4(w2)), (s, s2), 32, gots)
+    for g, r in zip(gots, refs):
+        assert np.array_equal(g.view(np.uint32), r.view(np.uint32))
+
+
+def test_interleave_q4_layout_and_refusals():
+    w = np.arange(8 * 64, dtype=np.uint8).reshape(8, 64)  # 8 rows, 2 pairs of 32 bytes
+    il = K.interleave_q4(w)
+    assert il.shape == (2, 2, 128)
+    assert np.array_equal(il[1, 0, 32:64], w[5, :32])  # group 1, pair 0, row 1 of the group = row 5
+    assert np.array_equal(il[0, 1, 96:128], w[3, 32:64])
+    with pytest.raises(ValueError, match="cannot interleave"):
+        K.interleave_q4(w[:6])
+    assert not K.q4_interleavable(w[:6], np.zeros((6, 4), np.uint16), 32)  # 6 rows
+    assert not K.q4_interleavable(w[:, :48], np.zeros((8, 3), np.uint16), 32)  # 3 groups: odd
+    assert not K.q4_interleavable(w, np.zeros((8, 4), np.float32), 32)  # float32 scales

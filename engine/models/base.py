@@ -45,6 +45,9 @@ else:
         from .. import kernels_ref as K
 
 PREFILL_CHUNK = 128
+# int4 attention matrices stored row-interleaved (Linear.interleave, K.linear_q4i): a decode step
+# reads each group of 4 rows in one pass. Values are bit-identical; tests turn it off to compare.
+INTERLEAVE_Q4 = True
 KV_DTYPES = {"f16": np.uint16, "f32": np.float32}  # KV cache element: IEEE half bits or float32
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # slab field names (store canonical)
 
@@ -612,7 +615,12 @@ class ExpertProvider(Protocol):
 
 
 class Linear:
-    """A resident dense matrix [O, N] in one of the kinds of kernels.py, optional float32 bias [O]."""
+    """A resident dense matrix [O, N] in one of the kinds of kernels.py, optional float32 bias [O].
+
+    ``il``: the int4 rows are interleaved by groups of K.IL (:meth:`interleave`; w is then
+    uint8 [O / IL, N / 64, IL * 32] and runs K.linear_q4i, bit-identical to K.linear_q4)."""
+
+    il = False
 
     def __init__(self, dense: dict, name: str, kind: str, group_size: int = 32):
         self.w = dense[name + ".w"]
@@ -632,11 +640,21 @@ class Linear:
             K.linear_f16(x, self.w, K.F16_TABLE, out)
         elif self.kind == "mxfp4":
             K.linear_mxfp4(x, self.w, self.s, out)
+        elif self.il:
+            K.linear_q4i(x, self.w, self.s, self.gs, out)
         else:
             K.linear_q4(x, self.w, self.s, self.gs, out)
         if self.bias is not None:
             out += self.bias
         return out
+
+    def interleave(self) -> "Linear":
+        """Store int4 weights row-interleaved (K.interleave_q4) where K.q4_interleavable holds and
+        INTERLEAVE_Q4 is on; a no-op otherwise. The values it computes do not change."""
+        if INTERLEAVE_Q4 and self.kind == "int4" and not self.il and K.q4_interleavable(self.w, self.s, self.gs):
+            self.w = K.interleave_q4(self.w)
+            self.il = True
+        return self
 
 
 class LinearGroup:
@@ -651,7 +669,7 @@ class LinearGroup:
         first = parts[0]
 
         def sig(p):
-            return (p.kind, p.gs, p.w.dtype, p.w.ndim, p.w.flags.c_contiguous, p.w.flags.writeable,
+            return (p.kind, p.il, p.gs, p.w.dtype, p.w.ndim, p.w.flags.c_contiguous, p.w.flags.writeable,
                     p.s.dtype, p.s.ndim, p.s.flags.c_contiguous, p.s.flags.writeable)
         same = (len(parts) > 1 and first.kind in ("int4", "int8")
                 and all(p.kind == first.kind for p in parts) and all(sig(p) == sig(first) for p in parts))
@@ -662,7 +680,9 @@ class LinearGroup:
 
     def __call__(self, x: np.ndarray, outs: tuple) -> tuple:
         """outs: float32 [T, O_m] per part, filled with x @ W_m^T (+ bias); returns outs."""
-        if self.kind == "int4":
+        if self.kind == "int4" and self.parts[0].il:
+            K.linears_q4i(x, self.w, self.s, self.gs, outs)
+        elif self.kind == "int4":
             K.linears_q4(x, self.w, self.s, self.gs, outs)
         elif self.kind == "int8":
             K.linears_q8(x, self.w, self.s, outs)
@@ -879,7 +899,7 @@ class MoEModel:
         with another attention (MLA) overrides this, :meth:`alloc_kv` and :meth:`attention`."""
         ly = {"q_norm": dense.get(p + "q_norm"), "k_norm": dense.get(p + "k_norm")}
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            ly[n] = Linear(dense, p + n, self.dense_quant, self.gs)
+            ly[n] = Linear(dense, p + n, self.dense_quant, self.gs).interleave()
         ly["qkv"] = LinearGroup([ly["q_proj"], ly["k_proj"], ly["v_proj"]])
         return ly
 
