@@ -777,7 +777,9 @@ _q4_tile_1x1 = _make_int_tile("q4", 1, 1)
 # (h) two pairs per pass sharing one load and multiply of the 4 group scales and one prefetch per
 # 64 bytes; (i) two FMA chains per element (even / odd pairs). Single-thread q4 decode stays at
 # ~17-20 GB/s from L2 and from DRAM alike, the per-core rate llama.cpp's Q4_0 decode also shows
-# here (~36 GB/s on 2 threads when quiet).
+# here (~36 GB/s on 2 threads when quiet). Session 34: the row-interleaved layout (IL below) is
+# what lifts it (4 rows per pass over one stream); not kept: 2 x n prefill tails, the decode
+# attention block as one compiled call, the arena on huge pages (bench/README.md, Session 34).
 _q8_tile_rx4 = _make_int_tile("q8", _TR, 4)
 _q8_tile_1x4 = _make_int_tile("q8", 1, 4)
 _q8_tile_1x1 = _make_int_tile("q8", 1, 1)
