@@ -641,23 +641,12 @@ class ExpertCache:
                 self.slot_spec[layer, s] = False
                 self.stats.spec_used += 1
                 ly.staged.pop(s, None)
-        sl = ss.tolist()
-        if self.policy == "lfru":
-            for s, p in zip(sl, pm.tolist()):
-                if not p:
-                    self._untrack(layer, s)
-                    self._track(layer, s)
-        else:  # touch's lru / ema order, most recent last
-            lru, staged = ly.lru, ly.staged
-            for s, p in zip(sl, pm.tolist()):
-                if not p:
-                    if s in lru:
-                        lru.move_to_end(s)
-                    else:
-                        lru[s] = None
-                    if staged:
-                        staged.pop(s, None)
-        return ea.tolist(), ss.astype(np.int64), []
+        hits = ea.tolist()
+        if self._counted_hit:  # as _take: a hit prepare counted is taken now
+            self._counted_hit.difference_update((layer, e) for e in hits)
+        for s in ss.tolist():
+            self.touch(layer, s)
+        return hits, ss.astype(np.int64), []
 
     def release_slots(self, layer: int, slots: np.ndarray) -> None:
         """Give back the slots (int64 [n], distinct) :meth:`take_split` took."""

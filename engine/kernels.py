@@ -1133,10 +1133,7 @@ def linears_q4i(x, w, s, gs, out):
     x quantized once, one parallel launch. Bit-identical to linears_q4 on the row-major w."""
     P = _q4_prepare(x, gs)
     T = x.shape[0]
-    st = np.empty(len(s) + 1, np.int64)
-    st[0] = 0
-    for m in range(len(s)):
-        st[m + 1] = st[m] + s[m].shape[0] // RB
+    st = _starts(s, RB)  # the scales have the O rows (w has O / IL groups)
     scr = np.empty((st[-1], RB, T), np.float32)
     for b in prange(st[-1]):
         m = _which(b, st)

@@ -674,13 +674,14 @@ class LinearGroup:
         same = (len(parts) > 1 and first.kind in ("int4", "int8")
                 and all(p.kind == first.kind for p in parts) and all(sig(p) == sig(first) for p in parts))
         self.kind = first.kind if same else None
+        self.il = same and first.il  # every part row-interleaved: K.linears_q4i
         self.w = tuple(p.w for p in parts)
         self.s = tuple(p.s for p in parts)
         self.gs = first.gs
 
     def __call__(self, x: np.ndarray, outs: tuple) -> tuple:
         """outs: float32 [T, O_m] per part, filled with x @ W_m^T (+ bias); returns outs."""
-        if self.kind == "int4" and self.parts[0].il:
+        if self.il:
             K.linears_q4i(x, self.w, self.s, self.gs, outs)
         elif self.kind == "int4":
             K.linears_q4(x, self.w, self.s, self.gs, outs)
