@@ -188,9 +188,11 @@ class ExpertShard:
         return self.loaded
 
     def info(self) -> dict:
-        """pid, host, kernels module, engine version, CPU features, experts held."""
+        """pid, host, kernels module, engine version, store format it writes, CPU features,
+        experts held."""
         import socket
         from . import __version__
+        from .store_format import FORMAT_VERSION
         feats = {}
         if hasattr(self._K, "cpu_features"):
             try:
@@ -198,7 +200,8 @@ class ExpertShard:
             except Exception:  # noqa: BLE001
                 feats = {}
         return {"pid": os.getpid(), "host": socket.gethostname(), "kernels": self._K.__name__,
-                "version": __version__, "cpu": sorted(k for k, v in feats.items() if v),
+                "version": __version__, "store_format": FORMAT_VERSION,
+                "cpu": sorted(k for k, v in feats.items() if v),
                 "experts": self.loaded, "bytes": self.loaded * self.slot_bytes}
 
     def ping(self) -> int:
@@ -512,9 +515,26 @@ class ClusterExperts:
         w.pending = w.actor.needs_slabs.remote()
         return w.pending
 
+    @staticmethod
+    def _check_same_engine(w: _Worker, info: dict) -> None:
+        """Raises EngineError when the worker's kernels, engine version or store format differ
+        from this computer's (install the same colibri on both)."""
+        from . import __version__
+        from .models.base import K
+        from .store_format import FORMAT_VERSION
+        if (info["kernels"] != K.__name__ or info["version"] != __version__
+                or info.get("store_format") != FORMAT_VERSION):
+            raise EngineError(f"worker {w.address} runs {info['kernels']} of engine {info['version']} "
+                              f"(store format {info.get('store_format', 'before 4')}), this computer "
+                              f"{K.__name__} of {__version__} (store format {FORMAT_VERSION}): install the "
+                              f"same colibri on both")
+
     def _finish_load(self, w: _Worker, needs: bool) -> None:
-        """w's actor is up; send it its slabs if it had no copy of the store, then mark it up."""
+        """w's actor is up; check it runs this engine (before any slab reaches it: a worker of
+        an older store format would misread interleaved slabs), send it its slabs if it had no
+        copy of the store, then mark it up."""
         ray = self.ray
+        self._check_same_engine(w, ray.get(w.actor.info.remote(), timeout=LOAD_TIMEOUT_S))
         if needs:
             buf = self.store.new_buffer(1)
             per = max(1, (64 << 20) // self.store.slot_bytes)
@@ -525,11 +545,6 @@ class ClusterExperts:
                     chunk += buf[:n].tobytes()
                 ray.get(w.actor.put_slabs.remote(s, bytes(chunk)), timeout=LOAD_TIMEOUT_S)
         info = ray.get(w.actor.info.remote(), timeout=LOAD_TIMEOUT_S)
-        from . import __version__
-        from .models.base import K
-        if info["kernels"] != K.__name__ or info["version"] != __version__:
-            raise EngineError(f"worker {w.address} runs {info['kernels']} of engine {info['version']}, this "
-                              f"computer {K.__name__} of {__version__}: install the same colibri on both")
         w.pid = int(info["pid"])
         w.same_cpu = not self._local_cpu or info["cpu"] == self._local_cpu
         if not w.same_cpu:

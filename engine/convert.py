@@ -6,7 +6,9 @@ Store layout (folder)::
                          layout; num_layers = M MoE layers (rows of the expert table),
                          num_hidden_layers = L, moe_layers = the transformer layer of each
                          row; per MoE layer: slot bytes; per expert: file, offset, length, xxh3_64
-                         (store version 3: int4 scales in half precision; versions 1-2 still open)
+                         (store version 3: int4 scales in half precision; 4: "expert_layout",
+                         int4 expert weights row-interleaved by 4 where it fits; versions 1-3
+                         still open)
     dense.safetensors    embeddings, attention (+ biases, q/k norms), norms, routers, lm_head,
                          shared experts and dense-layer MLPs (canonical names, see
                          engine/models/base.py decoder_tensors): all resident
@@ -44,8 +46,10 @@ from .checkpoint import Checkpoint
 from .errors import Cancelled, CheckpointError, StoreError
 from .events import LoadProgress
 from .fsutil import FileLock, fsync_dir, normalize_modes
-from .quant import ALIGN, EXPERT_ONLY_QUANTS, QUANTS, check_finite, quantize, slab_layout
-from .store_format import (CHECKSUM_OF_VERSION, FORMAT_NAME, FORMAT_VERSION, check_store_files, looks_like_store,
+from .quant import (ALIGN, EXPERT_ONLY_QUANTS, QUANTS, check_finite, int4_interleavable, interleave_q4,
+                    quantize, slab_layout)
+from .store_format import (CHECKSUM_OF_VERSION, EXPERT_LAYOUTS, FORMAT_NAME, FORMAT_VERSION, check_store_files,
+                           looks_like_store,
                            slab_checksum)
 
 log = logging.getLogger(__name__)
@@ -110,7 +114,8 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
                        overwrite: bool = False, group_size: int = 32,
                        progress: Callable[[LoadProgress], None] | None = None,
                        cancel: threading.Event | None = None,
-                       extra_manifest: dict | None = None, dense_quant: str | None = None) -> Path:
+                       extra_manifest: dict | None = None, dense_quant: str | None = None,
+                       expert_layout: str = "auto") -> Path:
     """Convert the Hugging Face folder ``src`` (any family of engine/models) into a store at ``dst``.
 
     Args:
@@ -119,6 +124,9 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
             and scales kept as they are, a float one rounded to it), "f16" or "f32" (exact).
         dense_quant: quantization of the resident dense matrices (one of QUANTS; None = the
             default of :func:`dense_quant_for`). int4 uses ``group_size`` like the experts.
+        expert_layout: int4 expert weights "interleaved_4" (engine.quant.interleave_q4: what
+            the decode kernels read fastest), "row_major", or "auto": interleaved where this
+            CPU runs the interleaved kernels and the widths allow (:func:`expert_layout_for`).
         overwrite: replace an existing store at ``dst``.
         progress: called with LoadProgress(stage="convert", done=bytes, total=bytes, unit="B").
         cancel: set it to stop; raises Cancelled and leaves no store behind.
@@ -128,19 +136,48 @@ def convert_checkpoint(src: str | os.PathLike, dst: str | os.PathLike, quant: st
     Raises:
         ConfigError / CheckpointError: the source is invalid (raised before writing anything).
         FileExistsError: ``dst`` exists and overwrite is False.
+        ValueError: an unknown ``quant`` or ``expert_layout`` (before the source is opened).
         Cancelled: ``cancel`` was set.
     """
     if quant not in QUANTS:
         raise ValueError(f"--quant {quant!r}: choose one of {', '.join(QUANTS)}")
+    if expert_layout not in EXPERT_LAYOUT_CHOICES:
+        raise ValueError(f"expert layout {expert_layout!r}: choose one of {', '.join(EXPERT_LAYOUT_CHOICES)}")
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite)
     check_docs_index(Path(src))
     ck = Checkpoint(src)
     try:
         return write_store(ck, src, dst, quant, group_size, progress, cancel, extra_manifest, overwrite,
-                           dense_quant)
+                           dense_quant, expert_layout)
     finally:
         ck.close()
+
+
+EXPERT_LAYOUT_CHOICES = ("auto",) + EXPERT_LAYOUTS
+
+
+def expert_layout_for(quant: str, hidden_size: int, intermediate_size: int, group_size: int,
+                      choice: str = "auto") -> str:
+    """The manifest "expert_layout" a store of these widths gets: "interleaved_4" for int4
+    experts whose widths allow it (engine.quant.int4_interleavable) when ``choice`` asks for it,
+    or when it is "auto" and this CPU runs the interleaved kernels (K.q4_interleaved_ok; a
+    store is converted where it runs); else "row_major". Either layout gives the same values.
+
+    Raises:
+        ValueError: an unknown choice, or "interleaved_4" for a store that cannot have it.
+    """
+    if choice not in EXPERT_LAYOUT_CHOICES:
+        raise ValueError(f"expert layout {choice!r}: choose one of {', '.join(EXPERT_LAYOUT_CHOICES)}")
+    fits = quant == "int4" and int4_interleavable(hidden_size, intermediate_size, group_size)
+    if choice == "interleaved_4" and not fits:
+        raise ValueError(f"expert layout interleaved_4 needs int4 experts with group size 32 and widths "
+                         f"that are multiples of 64 (this store: {quant}, hidden {hidden_size}, expert "
+                         f"width {intermediate_size}, group size {group_size}); use auto or row_major")
+    if choice == "auto":
+        from .models.base import K
+        return "interleaved_4" if fits and K.q4_interleaved_ok(group_size) else "row_major"
+    return choice
 
 
 def check_docs_index(folder: Path) -> None:
@@ -163,7 +200,7 @@ def check_docs_index(folder: Path) -> None:
 def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: int = 32,
                 progress: Callable[[LoadProgress], None] | None = None,
                 cancel: threading.Event | None = None, extra_manifest: dict | None = None,
-                overwrite: bool = False, dense_quant: str | None = None) -> Path:
+                overwrite: bool = False, dense_quant: str | None = None, expert_layout: str = "auto") -> Path:
     """Write a store from a tensor ``source`` (a Checkpoint, or synthetic.SeededSource).
 
     ``source`` provides ``args``, ``family``, ``get(hf_name)`` and ``nbytes(hf_name)`` for the
@@ -173,8 +210,11 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
     quantization. Streaming: the dense dict plus one expert are in RAM at a time.
     config.json and the tokenizer files are copied from ``source_folder``.
 
+    ``expert_layout``: as :func:`convert_checkpoint`'s.
+
     Raises:
         CheckpointError: int4 with widths that are not multiples of ``group_size``.
+        ValueError: an ``expert_layout`` the quantization or widths do not allow.
         ConversionCancelled: ``cancel`` was set (the partial folder is removed).
     """
     args, fam = source.args, source.family
@@ -195,13 +235,14 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
     if quant == "mxfp4" and (D % 32 or I % 32):
         raise CheckpointError(f"{label}: mxfp4 needs hidden_size ({D}) and the expert width ({I}) to be "
                               f"multiples of 32; use int8")
+    el = expert_layout_for(quant, D, I, group_size, expert_layout)
     check_destination(dst, overwrite)
     dst.parent.mkdir(parents=True, exist_ok=True)
     seen = _identity(dst)
     _remove_stale_temps(dst)
     partial = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{os.getpid()}.", suffix=".partial", dir=dst.parent))
 
-    layout = slab_layout(quant, D, I, group_size, bias=args.expert_bias)
+    layout = slab_layout(quant, D, I, group_size, bias=args.expert_bias, interleaved=el == "interleaved_4")
     tensors = fam.dense_tensors(args)
     total = sum(source.nbytes(h) for h in {t.hf for t in tensors})
     total += sum(source.expert_nbytes(i) * E for i in args.moe_layers)
@@ -277,7 +318,9 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
                     for proj, parts in (drawn.items() if drawn is not None else
                                         _expert_parts(source.expert(i, e), en, e, quant, group_size, _finite)):
                         for k, arr in parts.items():
-                            _, off, _, _ = next(x for x in layout["fields"] if x[0] == f"{proj}.{k}")
+                            _, off, _, shape = next(x for x in layout["fields"] if x[0] == f"{proj}.{k}")
+                            if len(shape) == 3:  # int4 weights in the interleaved layout
+                                arr = interleave_q4(np.asarray(arr))
                             b = np.ascontiguousarray(arr).view(np.uint8).reshape(-1)
                             slab[off:off + b.size] = b
                     done += source.expert_nbytes(i)
@@ -313,6 +356,7 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
             "quant": quant,
             "dense_quant": dq,
             "group_size": group_size if "int4" in (quant, dq) else None,
+            "expert_layout": el,
             "alignment": ALIGN,
             "checksum": CHECKSUM,
             "dense_file": "dense.safetensors",

@@ -25,7 +25,7 @@ from .config import ModelArgs
 from .errors import ExpertReadError, StoreError
 from .platform_io import open_for_reads, positional_reader
 from .quant import ALIGN, QUANTS, aligned_empty, slab_layout, slab_views
-from .store_format import CHECKSUM_OF_VERSION, FORMAT_NAME, FORMAT_VERSION, READ_VERSIONS, check_store_files, slab_checksum
+from .store_format import CHECKSUM_OF_VERSION, EXPERT_LAYOUTS, FORMAT_NAME, FORMAT_VERSION, READ_VERSIONS, check_store_files, slab_checksum
 
 log = logging.getLogger(__name__)
 
@@ -114,8 +114,12 @@ def _check_manifest(mpath: Path, m: dict, a: ModelArgs, ck: str) -> None:
         if gs is not None and not (ok_int(gs) and gs > 0 and gs % 2 == 0):
             raise ValueError(f"group_size {gs!r}")
         lay = m["slab_layout"]
+        el = m.get("expert_layout", "row_major")
+        if el not in EXPERT_LAYOUTS or (el != "row_major" and m["quant"] != "int4"):
+            raise ValueError(f"expert_layout {el!r}")
         want = slab_layout(m["quant"], a.hidden_size, a.moe_intermediate_size, gs or 32, bias=a.expert_bias,
-                           f32_int4_scales=m.get("version", FORMAT_VERSION) < 3)
+                           f32_int4_scales=m.get("version", FORMAT_VERSION) < 3,
+                           interleaved=el == "interleaved_4")
         got = {"fields": lay["fields"], "data_bytes": lay["data_bytes"], "slot_bytes": lay["slot_bytes"]}
         if got != json.loads(json.dumps(want)):
             raise ValueError("slab_layout does not match config.json and the quantization")
@@ -152,7 +156,8 @@ class ExpertStore:
 
     Attributes:
         path, manifest (dict), args (ModelArgs), quant ("int8"/"int4"/"f16"/"f32"),
-        dense_quant, group_size, layout (slab layout dict), slot_bytes (bytes per expert slab),
+        dense_quant, group_size, expert_layout ("row_major" / "interleaved_4", store format 4),
+        layout (slab layout dict), slot_bytes (bytes per expert slab),
         o_direct (bool: whether reads really bypass the page cache).
 
     Raises (constructor):
@@ -169,6 +174,7 @@ class ExpertStore:
         self.quant = m["quant"]
         self.dense_quant = m["dense_quant"]
         self.group_size = m.get("group_size") or 32
+        self.expert_layout = m.get("expert_layout", "row_major")  # store format 4: or "interleaved_4"
         lay = m["slab_layout"]
         self.layout = {"fields": [tuple(f) for f in lay["fields"]], "data_bytes": lay["data_bytes"],
                        "slot_bytes": lay["slot_bytes"]}

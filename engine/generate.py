@@ -219,7 +219,8 @@ class Engine:
         never reused (no prefix is kept) and ExpertCache.forget() undoes the loads, so nothing
         of it shows in residency, counters or routing heat (no observer is subscribed yet).
         Returns the seconds it took (0.0 when already warm)."""
-        key = (type(self.model).__name__, self.store.dense_quant, self.store.quant, self.store.group_size)
+        key = (type(self.model).__name__, self.store.dense_quant, self.store.quant, self.store.group_size,
+               getattr(self.store, "expert_layout", "row_major"))
         if key in _WARMED or self.context_length < 3:
             return 0.0
         report(LoadProgress("kernels", 0, 1, "", "preparing the compute kernels"))

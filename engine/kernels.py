@@ -5,13 +5,17 @@ Hkv key/value heads, S head size, C context capacity, E experts, G = N // group_
 
 Every kernel is ``nogil=True`` so expert-loader threads run while it computes, writes into a
 preallocated ``out``, and has a same-signature numpy twin in kernels_ref.py (the test oracle
-and the fallback when numba is missing; tests/test_kernels.py compares every pair). Each
+and the fallback when numba is missing; tests/test_kernels.py compares every pair), except the
+kernels of interleaved int4 weights (linear_q4i, linears_q4i, expert_q4i), which the fallback
+never calls (it runs interleaved store slabs de-interleaved) and which tests compare bit for
+bit with the row-major kernels instead. Each
 output element is one dot product computed by the same inlined code whatever T is, so results
 do not depend on T, on thread count, or on where an expert's bytes came from.
 
 Weight kinds: f32 (w float32 [O, N]), f16 (w uint16 IEEE-half bits [O, N], decoded through a
 65536-entry table), q8 (w int8 [O, N], s float32 [O]), q4 (w uint8 [O, N // 2], two values
-per byte, low nibble = even column, value = nibble - 8; s [O, G] uint16 half bits, or float32 in stores before format 3), mxfp4 (w uint8
+per byte, low nibble = even column, value = nibble - 8; s [O, G] uint16 half bits, or float32 in stores before format 3;
+or w interleaved by 4 rows, uint8 [O / 4, N / 64, 128]: engine.quant.interleave_q4), mxfp4 (w uint8
 [O, N // 2] e2m1 codes, low nibble = even column; s uint8 [O, N // 32] e8m0 exponents).
 
 int8 and int4 (issue #19): the activation rows are quantized once per call to int8 per block
@@ -1060,21 +1064,8 @@ def linears_q8(x, w, s, out):
 # two threads 34.9 -> 42.7; a [65536, 2048] matrix from DRAM 19.6 -> 24.1 (one thread), 39.3 ->
 # 45.1 (two); 2 x 1 and 8 x 1 groups were within a few percent of 4 x 1. Every row's sums are
 # made of the same operations in the same order: bit-identical to the row-major kernels.
-IL = 4
+from .quant import IL, deinterleave_q4, interleave_q4  # noqa: E402,F401  (the layout lives with the store's)
 assert RB == IL, "the interleaved kernels take one row block as one group of IL rows"
-
-
-def interleave_q4(w: np.ndarray, il: int = IL) -> np.ndarray:
-    """Row-major int4 weights uint8 [O, N / 2] -> the interleaved layout uint8 [O / il, N / 64,
-    il * 32]: group g, pair i holds the 32 bytes of pair i of rows g * il .. g * il + il - 1.
-
-    Raises:
-        ValueError: O not a multiple of il, or N / 2 not a multiple of 32 (pairs of groups of 32).
-    """
-    O, nb = w.shape
-    if O % il or nb % 32:
-        raise ValueError(f"int4 weights [{O}, {nb}] bytes: cannot interleave by {il} rows of 32-byte pairs")
-    return np.ascontiguousarray(w.reshape(O // il, il, nb // 32, 32).transpose(0, 2, 1, 3)).reshape(O // il, nb // 32, il * 32)
 
 
 def q4_interleavable(w: np.ndarray, s: np.ndarray, gs: int) -> bool:
@@ -1082,6 +1073,13 @@ def q4_interleavable(w: np.ndarray, s: np.ndarray, gs: int) -> bool:
     bits): the SIMD path (group size 32 on a CPU with it), O a multiple of IL, G even."""
     return (bool(_Q4_SIMD) and gs == 32 and w.ndim == 2 and s is not None and s.dtype == np.uint16
             and w.shape[0] % IL == 0 and s.shape[1] % 2 == 0 and w.shape[1] == 16 * s.shape[1])
+
+
+def q4_interleaved_ok(gs: int) -> bool:
+    """Whether the interleaved int4 kernels (linear_q4i, expert_q4i, experts_q4_t1 / _sorted
+    with il) run here: the SIMD int4 path and group size 32. Without it, interleaved store
+    slabs are run on row-major copies (engine.quant.deinterleave_q4)."""
+    return bool(_Q4_SIMD) and gs == 32
 
 
 _q4i_tile_4x1 = _make_int_tile("q4", IL, 1, il=IL)
@@ -1327,6 +1325,46 @@ def expert_q4(x, gw, gs, uw, us, dw, ds, gsz, h, out):
                 out[t, o] = _q4_out(Q, dw, ds, sh, hg, o, t)
 
 
+@njit(parallel=True, **_KW)
+def expert_q4i(x, gw, gs, uw, us, dw, ds, gsz, h, out):
+    """expert_q4 on interleaved weights (engine.quant.interleave_q4, store format 4): gw, uw
+    uint8 [I / IL, D / 64, IL * 32], dw uint8 [D / IL, I / 64, IL * 32], scales uint16 half
+    bits as expert_q4's; x float32 [T, D], h float32 [T, I] scratch, out float32 [T, D].
+    Needs the SIMD path, group size 32 and I, D multiples of 64 (engine.quant.int4_interleavable).
+    Bit-identical to expert_q4 on the row-major weights.
+
+    Raises:
+        ValueError: without the SIMD int4 kernels (the caller de-interleaves instead), or another
+            group size or widths.
+    """
+    P = _q4_prepare(x, gsz)
+    T, I, D = x.shape[0], gs.shape[0], ds.shape[0]
+    if not P[0] or gsz != 32 or I % 64 or D % 64:
+        raise ValueError("interleaved int4 slabs need the SIMD int4 kernels, group size 32 and widths that are multiples of 64")
+    nb = I // RB
+    scg = np.empty((nb, RB, T), np.float32)
+    scu = np.empty((nb, RB, T), np.float32)
+    for ib in prange(nb):
+        i0 = ib * RB
+        rg = scg[ib]
+        ru = scu[ib]
+        _q4i_rows(P, gw, gs, i0, rg)
+        _q4i_rows(P, uw, us, i0, ru)
+        for r in range(RB):
+            for t in range(T):
+                h[t, i0 + r] = _silu_mul(rg[r, t], ru[r, t])
+    Q = _q4_prepare(h, gsz)
+    nb = D // RB
+    scd = np.empty((nb, RB, T), np.float32)
+    for ob in prange(nb):
+        o0 = ob * RB
+        res = scd[ob]
+        _q4i_rows(Q, dw, ds, o0, res)
+        for r in range(RB):
+            for t in range(T):
+                out[t, o0 + r] = res[r, t]
+
+
 # --- a decode step's routed experts in one call (T = 1) ----------------------------------------
 #
 # At T = 1 a MoE layer runs K experts on the same row. One call per layer instead of one per
@@ -1375,6 +1413,15 @@ def _arena_q4(arena, off, O, N, gsz):
 
 
 @njit(inline="always", **_KW)
+def _arena_q4i(arena, off, O, N, gsz):
+    """_arena_q4 for a slab stored interleaved (engine.quant.interleave_q4, store format 4): the
+    weights as uint8 [O / IL, N / 64, IL * 32], the scales as _arena_q4's."""
+    w = arena[off[0]:off[0] + O * (N // 2)].reshape((O // IL, N // 64, IL * 32))
+    s = arena[off[1]:off[1] + 2 * O * (N // gsz)].view(np.uint16).reshape((O, N // gsz))
+    return w, s
+
+
+@njit(inline="always", **_KW)
 def _arena_q8(arena, off, O, N):
     """The int8 weights [O, N] and float32 row scales [O] at byte offsets off[0], off[1]."""
     w = arena[off[0]:off[0] + O * N].view(np.int8).reshape((O, N))
@@ -1392,9 +1439,16 @@ def _unit(u, nu, nb):
 
 
 @njit(parallel=True, **_KW)
-def experts_q4_t1(x, arena, offs, I, gsz, h, out):
+def experts_q4_t1(x, arena, offs, I, gsz, h, out, il=False):
     """n int4 experts on one row, reading their slabs in the expert cache's arena:
     out[k] = expert_q4(x, gate_k, up_k, down_k) for k < n.
+
+    ``il``: the slabs hold interleaved weights (engine.quant.interleave_q4, store format 4):
+    gate_proj.w / up_proj.w uint8 [I / IL, D / 64, IL * 32], down_proj.w [D / IL, I / 64, IL *
+    32], run by the IL x 1 tiles (_q4i_rows); needs the SIMD path, gsz 32 and I, D multiples of
+    64 (raises ValueError otherwise).
+    Measured (synthetic arena of OLMoE-1B-7B's slab shapes, 16 layers x 8 experts a token, Zen
+    4): 2 threads median 18.3 -> 21.0 GB/s, 1 thread 15.5 -> 18.0. Same values either way.
 
     x float32 [1, D]; arena uint8 [bytes]; offs int64 [>= n, 6]: byte offsets in arena of
     expert k's gate_proj.w [I, D/2] uint8, gate_proj.s [I, D/gsz] (uint16 half bits), up_proj.w,
@@ -1408,6 +1462,8 @@ def experts_q4_t1(x, arena, offs, I, gsz, h, out):
     D = x.shape[1]
     P = _q4_prepare(x, gsz)
     sh, hg = _q4_shift(gsz), gsz // 2
+    if il and (not P[0] or gsz != 32 or I % 64 or D % 64):
+        raise ValueError("interleaved int4 slabs need the SIMD int4 kernels, group size 32 and widths that are multiples of 64")
     if P[0]:
         nbi = (I + RB - 1) // RB
         nui = (nbi + UB - 1) // UB
@@ -1418,17 +1474,28 @@ def experts_q4_t1(x, arena, offs, I, gsz, h, out):
         # for one; Zen 4, 2 threads); the same sums, so the same values
         for u in prange(n * nui):
             k, b0, b1 = _unit(u, nui, nbi)
-            gw, gs = _arena_q4(arena, offs[k, 0:2], I, D, gsz)
-            for ib in range(b0, b1):
-                _q4_rows(P, gw, gs, ib * RB, scg[k * nbi + ib])
+            if il:
+                gwi, gsi = _arena_q4i(arena, offs[k, 0:2], I, D, gsz)
+                for ib in range(b0, b1):
+                    _q4i_rows(P, gwi, gsi, ib * RB, scg[k * nbi + ib])
+            else:
+                gw, gs = _arena_q4(arena, offs[k, 0:2], I, D, gsz)
+                for ib in range(b0, b1):
+                    _q4_rows(P, gw, gs, ib * RB, scg[k * nbi + ib])
         for u in prange(n * nui):
             k, b0, b1 = _unit(u, nui, nbi)
-            uw, us = _arena_q4(arena, offs[k, 2:4], I, D, gsz)
+            if il:
+                uwi, usi = _arena_q4i(arena, offs[k, 2:4], I, D, gsz)
+                for ib in range(b0, b1):
+                    _q4i_rows(P, uwi, usi, ib * RB, scu[k * nbi + ib])
+            else:
+                uw, us = _arena_q4(arena, offs[k, 2:4], I, D, gsz)
+                for ib in range(b0, b1):
+                    _q4_rows(P, uw, us, ib * RB, scu[k * nbi + ib])
             for ib in range(b0, b1):
                 i0 = ib * RB
                 rg = scg[k * nbi + ib]
                 ru = scu[k * nbi + ib]
-                _q4_rows(P, uw, us, i0, ru)
                 for r in range(min(RB, I - i0)):
                     h[k, i0 + r] = _silu_mul(rg[r, 0], ru[r, 0])
     else:
@@ -1444,13 +1511,23 @@ def experts_q4_t1(x, arena, offs, I, gsz, h, out):
         scd = np.empty((n * nbd, RB, n), np.float32)
         for u in prange(n * nud):
             k, b0, b1 = _unit(u, nud, nbd)
-            dw, ds = _arena_q4(arena, offs[k, 4:6], D, I, gsz)
-            for ob in range(b0, b1):
-                o0 = ob * RB
-                res = scd[k * nbd + ob]
-                _q4_rows_t(Q, dw, ds, o0, k, res)
-                for r in range(min(RB, D - o0)):
-                    out[k, o0 + r] = res[r, k]
+            if il:
+                dwi, dsi = _arena_q4i(arena, offs[k, 4:6], D, I, gsz)
+                Qk = (Q[0], Q[1][k:k + 1], Q[2][k:k + 1], Q[3][k:k + 1], Q[4][k:k + 1], Q[5][k:k + 1])
+                for ob in range(b0, b1):
+                    o0 = ob * RB
+                    res = scd[k * nbd + ob]
+                    _q4i_rows(Qk, dwi, dsi, o0, res)  # into res[:, 0]
+                    for r in range(RB):
+                        out[k, o0 + r] = res[r, 0]
+            else:
+                dw, ds = _arena_q4(arena, offs[k, 4:6], D, I, gsz)
+                for ob in range(b0, b1):
+                    o0 = ob * RB
+                    res = scd[k * nbd + ob]
+                    _q4_rows_t(Q, dw, ds, o0, k, res)
+                    for r in range(min(RB, D - o0)):
+                        out[k, o0 + r] = res[r, k]
     else:
         for k in prange(n):
             dw, ds = _arena_q4(arena, offs[k, 4:6], D, I, gsz)
@@ -1528,7 +1605,7 @@ def experts_q8_t1(x, arena, offs, I, h, out):
 # bit-identical to one expert_q4 call per expert (tests/test_kernels.py).
 
 @njit(parallel=True, **_KW)
-def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out):
+def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out, il=False):
     """Routed int4 experts of a prefill chunk, reading their slabs in place.
 
     x float32 [T, D] the normed rows; tok int64 [M] the row of x of each (token, rank) entry,
@@ -1539,11 +1616,14 @@ def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out):
     h float32 [M, I] scratch; out float32 [M, D]: out[m] = expert_q4(x[tok[m]]) of the expert
     entry m belongs to; nch: the work shares (the calling thread's kernel threads,
     :func:`current_threads`), share c taking row blocks c * nb / nch .. of every expert.
+    ``il``: interleaved slabs (shapes and conditions as experts_q4_t1's, else ValueError).
     Bit-identical to expert_q4 on each expert's rows x[tok[lo:hi]]."""
     M = tok.shape[0]
     n = starts.shape[0] - 1
     D = x.shape[1]
     simd = _Q4_SIMD and gsz == 32
+    if il and (not simd or I % 64 or D % 64):
+        raise ValueError("interleaved int4 slabs need the SIMD int4 kernels, group size 32 and widths that are multiples of 64")
     xq = np.empty((M, D if simd else 0), np.int8)
     xs = np.empty((M, D // gsz), np.float32)
     c = np.empty((M, D // 4 if simd else 0), np.int32)
@@ -1569,10 +1649,23 @@ def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out):
             lo, hi = starts[e], starts[e + 1]
             if hi == lo:
                 continue
-            gw, gs = _arena_q4(arena, offs[e, 0:2], I, D, gsz)
-            uw, us = _arena_q4(arena, offs[e, 2:4], I, D, gsz)
             P = (simd, xq[lo:hi], xs[lo:hi], c[lo:hi], xe[lo:hi], xo[lo:hi])
             ru = scu[ch, :, :hi - lo]
+            if il:
+                gwi, gsi = _arena_q4i(arena, offs[e, 0:2], I, D, gsz)
+                uwi, usi = _arena_q4i(arena, offs[e, 2:4], I, D, gsz)
+                for ib in range(b0, b1):
+                    _q4i_rows(P, gwi, gsi, ib * RB, scg[ch, ib - b0, :, :hi - lo])
+                for ib in range(b0, b1):
+                    i0 = ib * RB
+                    rg = scg[ch, ib - b0]
+                    _q4i_rows(P, uwi, usi, i0, ru)
+                    for r in range(RB):
+                        for t in range(hi - lo):
+                            h[lo + t, i0 + r] = _silu_mul(rg[r, t], ru[r, t])
+                continue
+            gw, gs = _arena_q4(arena, offs[e, 0:2], I, D, gsz)
+            uw, us = _arena_q4(arena, offs[e, 2:4], I, D, gsz)
             if simd:
                 # the share's gate rows, then its up rows: one weight stream at a time (as
                 # experts_q4_t1; alternating gate and up blocks streamed two matrices at once)
@@ -1598,9 +1691,18 @@ def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out):
             lo, hi = starts[e], starts[e + 1]
             if hi == lo:
                 continue
-            dw, ds = _arena_q4(arena, offs[e, 4:6], D, I, gsz)
             Qe = (Q[0], Q[1][lo:hi], Q[2][lo:hi], Q[3][lo:hi], Q[4][lo:hi], Q[5][lo:hi])
             res = scd[ch, :, :hi - lo]
+            if il:
+                dwi, dsi = _arena_q4i(arena, offs[e, 4:6], D, I, gsz)
+                for ob in range(b0, b1):
+                    o0 = ob * RB
+                    _q4i_rows(Qe, dwi, dsi, o0, res)
+                    for r in range(RB):
+                        for t in range(hi - lo):
+                            out[lo + t, o0 + r] = res[r, t]
+                continue
+            dw, ds = _arena_q4(arena, offs[e, 4:6], D, I, gsz)
             for ob in range(b0, b1):
                 o0 = ob * RB
                 if Q[0]:
@@ -2163,7 +2265,7 @@ def gated_delta(q, k, v, g, beta, S, chunk, out):
 PARALLEL_KERNELS = ("linear_f32", "linear_f16", "linear_q8", "linear_q4", "linears_q8", "linears_q4",
                     "linear_q4i", "linears_q4i",
                     "linear_mxfp4", "expert_f32",
-                    "expert_f16", "expert_q8", "expert_q4", "experts_q4_t1", "experts_q8_t1",
+                    "expert_f16", "expert_q8", "expert_q4", "expert_q4i", "experts_q4_t1", "experts_q8_t1",
                     "experts_q4_sorted", "combine_sorted",
                     "attention", "attention_sink", "gated_delta", "kv_put_f16")
 _LAUNCH_LOCK = threading.Lock()

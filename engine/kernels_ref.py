@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .quant import IL, deinterleave_q4
+
 F16_TABLE = np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
@@ -108,21 +110,33 @@ def _arena_at(arena, o, n, dt, shape):
     return arena[o:o + n * np.dtype(dt).itemsize].view(dt).reshape(shape)
 
 
-def _arena_q4(arena, off, O, N, gsz):
-    return (_arena_at(arena, off[0], O * N // 2, np.uint8, (O, N // 2)),
-            _arena_at(arena, off[1], O * (N // gsz), np.uint16, (O, N // gsz)))
+def _arena_q4(arena, off, O, N, gsz, il=False):
+    w = (deinterleave_q4(_arena_at(arena, off[0], O * N // 2, np.uint8, (O // IL, N // 64, IL * 32))) if il
+         else _arena_at(arena, off[0], O * N // 2, np.uint8, (O, N // 2)))
+    return w, _arena_at(arena, off[1], O * (N // gsz), np.uint16, (O, N // gsz))
+
+
+def q4_interleavable(w, s, gs):
+    """The twins keep attention matrices row-major (Linear.interleave is a no-op here)."""
+    return False
+
+
+def q4_interleaved_ok(gs):
+    """Interleaved expert slabs are run de-interleaved here (run_expert copies them row-major;
+    the arena twins below take il)."""
+    return False
 
 
 def _arena_q8(arena, off, O, N):
     return _arena_at(arena, off[0], O * N, np.int8, (O, N)), _arena_at(arena, off[1], O, np.float32, (O,))
 
 
-def experts_q4_t1(x, arena, offs, I, gsz, h, out):
+def experts_q4_t1(x, arena, offs, I, gsz, h, out, il=False):
     D = x.shape[1]
     for k in range(out.shape[0]):
         o = offs[k]
-        expert_q4(x, *_arena_q4(arena, o[0:2], I, D, gsz), *_arena_q4(arena, o[2:4], I, D, gsz),
-                  *_arena_q4(arena, o[4:6], D, I, gsz), gsz, h[k:k + 1], out[k:k + 1])
+        expert_q4(x, *_arena_q4(arena, o[0:2], I, D, gsz, il), *_arena_q4(arena, o[2:4], I, D, gsz, il),
+                  *_arena_q4(arena, o[4:6], D, I, gsz, il), gsz, h[k:k + 1], out[k:k + 1])
 
 
 def experts_q8_t1(x, arena, offs, I, h, out):
@@ -133,14 +147,21 @@ def experts_q8_t1(x, arena, offs, I, h, out):
                   *_arena_q8(arena, o[4:6], D, I), h[k:k + 1], out[k:k + 1])
 
 
-def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out):
+def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out, il=False):
     D = x.shape[1]
     for e in range(starts.shape[0] - 1):
         lo, hi = starts[e], starts[e + 1]
         if hi > lo:
             o = offs[e]
-            expert_q4(x[tok[lo:hi]], *_arena_q4(arena, o[0:2], I, D, gsz), *_arena_q4(arena, o[2:4], I, D, gsz),
-                      *_arena_q4(arena, o[4:6], D, I, gsz), gsz, h[lo:hi], out[lo:hi])
+            expert_q4(x[tok[lo:hi]], *_arena_q4(arena, o[0:2], I, D, gsz, il),
+                      *_arena_q4(arena, o[2:4], I, D, gsz, il), *_arena_q4(arena, o[4:6], D, I, gsz, il),
+                      gsz, h[lo:hi], out[lo:hi])
+
+
+def combine_ranked(y, w, out):
+    out[...] = y[:, 0] * w[:, 0:1]
+    for k in range(1, y.shape[1]):
+        out += y[:, k] * w[:, k:k + 1]
 
 
 def combine_sorted(y, pos, w, out):

@@ -8,8 +8,8 @@ Key: O output rows, N input columns, G = N // group_size.
   rounded to IEEE half precision (stored as its uint16 bits, as llama.cpp's Q4_0 stores its
   block scale in f16: 2 bytes per 32 weights instead of 4, an int4 slab 10% smaller), q =
   rint(w / scale) in [-7, 7] with that rounded scale, stored as the nibble q + 8, two per
-  byte: low nibble = even column, high nibble = odd column (the layout colibri's format 2/4
-  uses). Stores written before format 3 hold float32 scales; both are read.
+  byte: low nibble = even column, high nibble = odd column (the nibble order of the C
+  engine colibrì's int4 expert files, its "format 2/4"). Stores written before format 3 hold float32 scales; both are read.
 - mxfp4: the OCP Microscaling FP4 format gpt-oss checkpoints are published in: blocks of 32
   input columns share one e8m0 scale byte X (value 2^(X - 127)); each value is an e2m1 code
   (sign bit 3, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), two per byte: low nibble = even column,
@@ -18,6 +18,11 @@ Key: O output rows, N input columns, G = N // group_size.
   checkpoint converts to an mxfp4 store byte for byte; a float checkpoint is rounded to it by
   :func:`quantize_mxfp4`. A store quantization of the routed experts only (dense stays int8).
 - f16 / f32: exact modes for tests (f16 stored as raw IEEE half bits, read as uint16).
+
+int4 expert weights may be stored row-interleaved by IL = 4 (:func:`interleave_q4`, store
+format 4; the slab layout's w field then has the shape [O / 4, N / 64, 128]): the same bytes
+reordered so that a decode step's 4-row register tile reads one stream (llama.cpp's repacked
+Q4_0 is the same idea). The values a kernel computes from either layout are bit-identical.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 # e8m0 scale byte X -> 2^(X - 127); 255 (NaN in OCP MX) -> inf, as transformers' ldexp gives
 E8M0_VALUES = np.append(np.ldexp(1.0, np.arange(255) - 127), np.inf).astype(np.float32)
 _FP4_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
+IL = 4  # rows per group of the interleaved int4 layout
 ALIGN = 4096  # slab alignment on disk and in RAM: one O_DIRECT read per expert
 _FIELD_ALIGN = 64
 
@@ -245,22 +251,62 @@ def _field_specs(quant: str, O: int, N: int, gs: int, f32_int4_scales: bool = Fa
     raise ValueError(f"unknown quantization {quant!r}")
 
 
+def interleave_q4(w: np.ndarray, il: int = IL) -> np.ndarray:
+    """Row-major int4 weights uint8 [O, N / 2] -> the interleaved layout uint8 [O / il, N / 64,
+    il * 32]: group g, pair i holds the 32 bytes (64 columns) of pair i of rows g * il ..
+    g * il + il - 1, in row order.
+
+    Raises:
+        ValueError: O not a multiple of il, or N / 2 not a multiple of 32 (pairs of groups of 32).
+    """
+    O, nb = w.shape
+    if O % il or nb % 32:
+        raise ValueError(f"int4 weights [{O}, {nb}] bytes: cannot interleave by {il} rows of 32-byte pairs")
+    return np.ascontiguousarray(w.reshape(O // il, il, nb // 32, 32).transpose(0, 2, 1, 3)).reshape(O // il, nb // 32, il * 32)
+
+
+def deinterleave_q4(w: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`interleave_q4`: uint8 [O / il, N / 64, il * 32] -> row-major uint8
+    [O, N / 2] (a copy)."""
+    g, npairs, width = w.shape
+    il = width // 32
+    return np.ascontiguousarray(w.reshape(g, npairs, il, 32).transpose(0, 2, 1, 3)).reshape(g * il, npairs * 32)
+
+
+def int4_interleavable(hidden_size: int, intermediate_size: int, group_size: int) -> bool:
+    """Whether an int4 expert slab of these widths can be stored interleaved (and run by the
+    interleaved kernels): group size 32, both widths multiples of 64 (pairs of groups, so every
+    matrix has an even number of groups and a whole number of 32-byte pairs; rows then come in
+    multiples of IL too)."""
+    return group_size == 32 and hidden_size % 64 == 0 and intermediate_size % 64 == 0
+
+
 def slab_layout(quant: str, hidden_size: int, intermediate_size: int, group_size: int = 32,
-                bias: bool = False, f32_int4_scales: bool = False) -> dict:
+                bias: bool = False, f32_int4_scales: bool = False, interleaved: bool = False) -> dict:
     """Byte layout of one expert slab: gate_proj [I, D], up_proj [I, D], down_proj [D, I].
     ``bias`` (gpt-oss): each projection also holds its float32 bias "{proj}.b" ([I], [I], [D])
     after its weights, in the same slab (still one read per expert). ``f32_int4_scales``: the
-    layout of stores before format 3 (float32 int4 group scales).
+    layout of stores before format 3 (float32 int4 group scales). ``interleaved`` (int4, store
+    format 4, :func:`int4_interleavable` must hold): each w field holds :func:`interleave_q4`'s
+    layout, shape [O / IL, N / 64, IL * 32] (same bytes, same offsets).
+
+    Raises:
+        ValueError: ``interleaved`` for another quantization or widths it does not fit.
 
     Returns {"fields": [(name, offset, dtype str, shape), ...], "data_bytes": int,
     "slot_bytes": int (data rounded up to ALIGN)}. Names are "gate_proj.w", "gate_proj.s", ...
     """
     D, I = hidden_size, intermediate_size
+    if interleaved and (quant != "int4" or f32_int4_scales or not int4_interleavable(D, I, group_size)):
+        raise ValueError(f"an interleaved slab needs int4 with half scales, group size 32 and widths "
+                         f"that are multiples of 64 (not {quant}, {D} x {I}, group size {group_size})")
     fields = []
     off = 0
     for proj, (O, N) in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
         specs = (_field_specs(quant, O, N, group_size, f32_int4_scales)
                  + ([("b", np.dtype(np.float32), (O,))] if bias else []))
+        if interleaved:
+            specs = [(n, dt, (O // IL, N // 64, IL * 32) if n == "w" else sh) for n, dt, sh in specs]
         for name, dt, shape in specs:
             off = -(-off // _FIELD_ALIGN) * _FIELD_ALIGN
             fields.append((f"{proj}.{name}", off, dt.str, tuple(shape)))

@@ -17,9 +17,15 @@ FORMAT_NAME = "colibri-expert-store"  # manifest.json "format"
 #      6.3 MB slab on the reference machine), so verification hides behind the next read.
 #   3: int4 group scales stored as IEEE half bits (uint16) instead of float32 (engine/quant.py):
 #      int4 slabs 10% smaller; checksum as 2. Versions 1 and 2 (float32 scales) are still read.
-FORMAT_VERSION = 3
-READ_VERSIONS = (1, 2, 3)
-CHECKSUM_OF_VERSION = {1: "crc32", 2: "xxh3_64", 3: "xxh3_64"}  # the manifest "checksum" each version writes
+#   4: manifest "expert_layout": "row_major" or "interleaved_4": int4 expert weights stored
+#      row-interleaved by 4 (engine/quant.py interleave_q4; the slab layout's w fields are then
+#      [O / 4, N / 64, 128]), which the decode kernels read as one stream per 4 rows. convert's
+#      "auto" writes it where the CPU runs the interleaved kernels and the widths allow
+#      (int4_interleavable); --expert-layout interleaved_4 asks for it on any CPU.
+FORMAT_VERSION = 4
+READ_VERSIONS = (1, 2, 3, 4)
+CHECKSUM_OF_VERSION = {1: "crc32", 2: "xxh3_64", 3: "xxh3_64", 4: "xxh3_64"}  # the manifest "checksum" each version writes
+EXPERT_LAYOUTS = ("row_major", "interleaved_4")  # manifest "expert_layout" (format 4; earlier: row_major)
 
 
 def slab_checksum(kind: str, data) -> int:

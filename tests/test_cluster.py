@@ -257,3 +257,25 @@ def test_remote_mask_is_the_experts_of_workers_that_are_up():
     assert ClusterExperts.remote_mask(fake).tolist() == [[False, True, False, False], [True, False, False, False]]
     fake.workers[1].state = "up"
     assert (ClusterExperts.remote_mask(fake) == (pl >= 0)).all()
+
+
+def test_a_worker_of_another_engine_or_store_format_is_refused_before_it_gets_slabs():
+    """ClusterExperts checks a worker's kernels, engine version and store format (info()) before
+    sending it any slab: a worker of an older store format (no "store_format", before 4) would
+    read interleaved int4 slabs as row-major. No Ray needed."""
+    from engine import __version__
+    from engine.cluster import ClusterExperts, ExpertShard
+    from engine.errors import EngineError
+    from engine.models.base import K
+    from engine.store_format import FORMAT_VERSION
+
+    class W:
+        address = "10.0.0.2:6379"
+    same = {"kernels": K.__name__, "version": __version__, "store_format": FORMAT_VERSION}
+    ClusterExperts._check_same_engine(W(), same)
+    for bad in ({"store_format": None}, {"store_format": FORMAT_VERSION - 1}, {"version": "0.0.1"},
+                {"kernels": "engine.kernels_ref" if K.__name__ != "engine.kernels_ref" else "engine.kernels"}):
+        info = {k: v for k, v in {**same, **bad}.items() if v is not None}
+        with pytest.raises(EngineError, match=r"worker 10\.0\.0\.2:6379 runs .*install the same colibri on both"):
+            ClusterExperts._check_same_engine(W(), info)
+    assert ExpertShard.info.__doc__ and "store format" in ExpertShard.info.__doc__

@@ -444,14 +444,16 @@ def test_glm5_preset_sizes_its_latent_and_indexer_cache():
 
 
 def _logits_prefill_then_decode(store, steps: int = 5, **kw) -> tuple[np.ndarray, bool]:
-    """Logits of a 20-token prefill (every position) then ``steps`` greedy decode steps (T = 1),
-    stacked; and whether any attention matrix ran interleaved."""
+    """Logits of a 20-token prefill (every position), ``steps`` greedy decode steps (T = 1),
+    then a second 12-token prefill (its experts mostly resident by then), stacked; and whether
+    any attention matrix ran interleaved."""
     cfg = EngineConfig(store=str(store), history=False, o_direct=False, pilot=0, **kw)
     with Engine.open(cfg) as eng:
         m = eng.model
         out = [m.forward(np.arange(5, 25), 0, all_logits=True)]
         for s in range(steps):
             out.append(m.forward(np.array([int(np.argmax(out[-1][-1]))]), 20 + s))
+        out.append(m.forward(np.arange(40, 52), 20 + steps, all_logits=True))
         il = any(getattr(ly.get(n), "il", False) for ly in m.layers for n in ("q_proj", "o_proj"))
         return np.concatenate(out), il
 
@@ -475,3 +477,62 @@ def test_interleaved_int4_attention_is_bit_identical(family_stores, tmp_path, mo
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
     if name in ("olmoe", "qwen3_moe", "mixtral") and K_SIMD:
         assert il  # the standard attention's int4 matrices took the interleaved kernels
+
+
+def _wide_experts(cfg: dict, width: int = 128) -> dict:
+    """``cfg`` with expert (and dense MLP) widths of ``width`` columns, so int4 expert slabs can
+    be stored interleaved (engine.quant.int4_interleavable: multiples of 64), with down_proj
+    rows of two 64-column pairs (with one pair, interleaving by 4 rows moves no byte)."""
+    cfg = json.loads(json.dumps(cfg))
+    for c in (cfg, cfg.get("text_config") or {}):
+        for k in ("moe_intermediate_size", "intermediate_size"):
+            if k in c:
+                c[k] = width
+    return cfg
+
+
+@pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
+def test_interleaved_int4_experts_are_bit_identical(tmp_path, monkeypatch, name):
+    """A store whose int4 expert slabs are interleaved (store format 4, --expert-layout
+    interleaved_4) gives the same prefill and decode logits, bit for bit, as the row-major
+    store of the same checkpoint, in every family: with every expert resident (the arena
+    kernels experts_q4_t1 / experts_q4_sorted), with 2 slots per layer (misses through
+    run_expert's expert_q4i), and on a CPU without the interleaved kernels (de-interleaved
+    copies run the row-major kernels)."""
+    import engine.models.base as base
+    from engine.quant import int4_interleavable
+    cfg = _wide_experts(FAMILY_CONFIGS[name])
+    a = ModelArgs.from_dict(cfg)
+    assert int4_interleavable(a.hidden_size, a.moe_intermediate_size, 32)
+    ck = write_checkpoint(tmp_path / "ck", cfg, seed=7)
+    rm = convert_checkpoint(ck, tmp_path / "rm", quant="int4", expert_layout="row_major")
+    il = convert_checkpoint(ck, tmp_path / "il", quant="int4", expert_layout="interleaved_4")
+    assert ExpertStore(rm, o_direct=False).expert_layout == "row_major"
+    st = ExpertStore(il, o_direct=False)
+    assert st.expert_layout == "interleaved_4"
+    assert [f[3] for f in st.layout["fields"] if f[0] == "down_proj.w"] == [[a.hidden_size // 4, 2, 128]]
+    ref, _ = _logits_prefill_then_decode(rm)
+    for kw in ({}, {"cap": 2}):
+        got, _ = _logits_prefill_then_decode(il, **kw)
+        assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), kw
+    monkeypatch.setattr(base.K, "q4_interleaved_ok", lambda gs: False)
+    got, _ = _logits_prefill_then_decode(il, cap=2)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
+def test_expert_layout_choice_is_checked_before_writing(family_stores, tmp_path):
+    """--expert-layout interleaved_4 on widths it cannot take, or on int8, is a clear error and
+    writes nothing; auto picks interleaved_4 only where it fits (and this CPU runs it)."""
+    from engine.convert import expert_layout_for
+    ck, _ = family_stores["olmoe"]  # expert width 32: not a multiple of 64
+    for quant in ("int4", "int8"):
+        with pytest.raises(ValueError, match="interleaved_4 needs int4 experts"):
+            convert_checkpoint(ck, tmp_path / quant, quant=quant, expert_layout="interleaved_4")
+        assert not (tmp_path / quant).exists()
+    with pytest.raises(ValueError, match="expert layout 'il': choose one of auto, row_major, interleaved_4"):
+        expert_layout_for("int4", 128, 64, 32, "il")
+    assert expert_layout_for("int4", 128, 96, 32) == "row_major"
+    assert expert_layout_for("int8", 128, 64, 32) == "row_major"
+    assert expert_layout_for("int4", 128, 64, 32) == ("interleaved_4" if K_SIMD else "row_major")
+    s = convert_checkpoint(ck, tmp_path / "auto", quant="int4")
+    assert json.loads((s / "manifest.json").read_text())["expert_layout"] == "row_major"

@@ -498,3 +498,26 @@ def test_mxfp4_scale_that_decodes_to_nan_or_inf_is_refused_naming_the_tensor(tmp
     with pytest.raises(CheckpointError, match=rf"{f.name}: tensor '{bad}' expert 2 row 5 block 0: scale byte {byte}"):
         convert_checkpoint(ck, tmp_path / "st", quant=quant)
     assert not (tmp_path / "st").exists()
+
+
+def test_interleaved_int4_experts_give_the_same_logits(tmp_path, monkeypatch):
+    """gpt-oss runs its own expert MLP through linear_views: an int4 store whose expert slabs
+    are interleaved (store format 4) gives the same logits, bit for bit, as the row-major store
+    (K.linear_q4i), also where the interleaved kernels do not run (de-interleaved copies)."""
+    import engine.models.base as base
+    ck = write_checkpoint(tmp_path / "ck", gpt_oss_config(intermediate_size=128, sliding_window=5), seed=3, std=0.1)
+    rm = convert_checkpoint(ck, tmp_path / "rm", quant="int4", expert_layout="row_major")
+    il = convert_checkpoint(ck, tmp_path / "il", quant="int4", expert_layout="interleaved_4")
+    assert ExpertStore(il, o_direct=False).expert_layout == "interleaved_4"
+
+    def logits(store):
+        with _open(store, cap=3, pilot=0) as eng:
+            m = eng.model
+            out = [m.forward(np.arange(5, 25), 0, all_logits=True)]
+            for s in range(4):
+                out.append(m.forward(np.array([int(np.argmax(out[-1][-1]))]), 20 + s))
+            return np.concatenate(out)
+    ref = logits(rm)
+    assert np.array_equal(logits(il).view(np.uint32), ref.view(np.uint32))
+    monkeypatch.setattr(base.K, "q4_interleaved_ok", lambda gs: False)
+    assert np.array_equal(logits(il).view(np.uint32), ref.view(np.uint32))

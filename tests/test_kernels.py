@@ -853,3 +853,69 @@ def test_interleave_q4_layout_and_refusals():
     assert not K.q4_interleavable(w[:6], np.zeros((6, 4), np.uint16), 32)  # 6 rows
     assert not K.q4_interleavable(w[:, :48], np.zeros((8, 3), np.uint16), 32)  # 3 groups: odd
     assert not K.q4_interleavable(w, np.zeros((8, 4), np.float32), 32)  # float32 scales
+
+
+def test_interleaved_expert_kernels_are_bit_identical_to_row_major():
+    """expert_q4i and experts_q4_t1 / experts_q4_sorted with il=True on slabs stored interleaved
+    (engine.quant.interleave_q4, store format 4) give the same float32 bits as the row-major
+    kernels, for decode (T = 1, several experts), prefill (experts chosen by 1, 3 and 6 rows:
+    token tiles and tails) and 1 or all threads; kernels_ref's arena twins read both layouts;
+    deinterleave_q4 inverts interleave_q4."""
+    import numba
+    from engine.quant import deinterleave_q4, int4_interleavable
+    if not K.q4_interleaved_ok(32):
+        pytest.skip("no SIMD int4 path on this CPU")
+    n0 = numba.get_num_threads()
+    try:
+        for D, I in ((128, 64), (192, 320)):
+            assert int4_interleavable(D, I, 32)
+            rng = rng_for("il", D, I)
+            experts = [[weight(rng, I, D, "int4")[0], weight(rng, I, D, "int4")[0], weight(rng, D, I, "int4")[0]]
+                       for _ in range(3)]
+            il = [[{"w": K.interleave_q4(p["w"]), "s": p["s"]} for p in parts] for parts in experts]
+            for parts, ilp in zip(experts, il):
+                for p, q in zip(parts, ilp):
+                    assert np.array_equal(deinterleave_q4(q["w"]), p["w"])
+            arena, offs = arena_of(experts, rng)
+            arena_i = arena.copy()  # the same offsets, the weights interleaved in place
+            for e, ilp in enumerate(il):
+                for m, q in enumerate(ilp):
+                    arena_i[offs[e, 2 * m]:offs[e, 2 * m] + q["w"].nbytes] = q["w"].reshape(-1)
+            for threads in sorted({1, n0}):
+                numba.set_num_threads(threads)
+                for T in (1, 2, 5, 9):
+                    x = rng.standard_normal((T, D)).astype(np.float32)
+                    for parts, ilp in zip(experts, il):
+                        _, want = expert_call(K, "int4", x, parts, 32, I, D)
+                        got = np.full((T, D), np.nan, np.float32)
+                        K.expert_q4i(x, ilp[0]["w"], ilp[0]["s"], ilp[1]["w"], ilp[1]["s"], ilp[2]["w"], ilp[2]["s"],
+                                     32, np.full((T, I), np.nan, np.float32), got)
+                        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (D, I, T, threads)
+                x = rng.standard_normal((1, D)).astype(np.float32)
+                outs = []
+                for a, flag in ((arena, False), (arena_i, True)):
+                    out = np.full((3, D), np.nan, np.float32)
+                    K.experts_q4_t1(x, a, offs, I, 32, np.full((3, I), np.nan, np.float32), out, flag)
+                    outs.append(out)
+                    ref = np.full((3, D), np.nan, np.float32)
+                    R.experts_q4_t1(x, a, offs, I, 32, np.full((3, I), np.nan, np.float32), ref, flag)
+                    assert np.allclose(out, ref, rtol=1e-3, atol=1e-3 * float(np.abs(ref).max()))
+                assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), (D, I, threads)
+                T = 11
+                x = rng.standard_normal((T, D)).astype(np.float32)
+                counts = (1, 3, 6)
+                tok = np.concatenate([np.sort(rng.choice(T, c, replace=False)) for c in counts]).astype(np.int64)
+                starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+                outs = []
+                for a, flag in ((arena, False), (arena_i, True)):
+                    out = np.full((len(tok), D), np.nan, np.float32)
+                    K.experts_q4_sorted(x, tok, starts, a, offs, I, 32, K.current_threads(),
+                                        np.full((len(tok), I), np.nan, np.float32), out, flag)
+                    outs.append(out)
+                    ref = np.full((len(tok), D), np.nan, np.float32)
+                    R.experts_q4_sorted(x, tok, starts, a, offs, I, 32, 1, np.full((len(tok), I), np.nan, np.float32),
+                                        ref, flag)
+                    assert np.allclose(out, ref, rtol=1e-3, atol=1e-3 * float(np.abs(ref).max()))
+                assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), (D, I, threads)
+    finally:
+        numba.set_num_threads(n0)

@@ -28,9 +28,9 @@ def _corrupt(store_dir, layer, expert):
         fh.write(bytes([b[0] ^ 0x5A]))
 
 
-def test_new_stores_carry_xxh3_and_version_3(tiny_store):
+def test_new_stores_carry_xxh3_and_the_current_version(tiny_store):
     m = json.loads((tiny_store / "manifest.json").read_text())
-    assert m["version"] == 3 and m["checksum"] == "xxh3_64"
+    assert m["version"] == 4 and m["checksum"] == "xxh3_64"
     assert all(isinstance(e["xxh3_64"], int) for row in m["experts"] for e in row)
 
 
@@ -159,9 +159,9 @@ def test_version_2_int4_store_with_float32_scales_opens_and_decodes_the_same(tin
     """Format 3 stores int4 group scales as half bits (slabs ~10% smaller); a format-2 int4
     store (float32 scales) still opens, verifies and gives the same tokens and logits."""
     from engine import convert_checkpoint
-    v3 = convert_checkpoint(tiny_checkpoint, tmp_path / "v3", quant="int4")
+    v3 = convert_checkpoint(tiny_checkpoint, tmp_path / "v3", quant="int4", expert_layout="row_major")
     lay2, lay3 = _as_version_2_int4(v3, tmp_path / "v2")
-    assert json.loads((v3 / "manifest.json").read_text())["version"] == 3
+    assert json.loads((v3 / "manifest.json").read_text())["version"] == 4  # half scales since 3
     assert {f[0]: f[2] for f in lay3["fields"]}["gate_proj.s"] == "<u2"
     assert lay3["data_bytes"] < lay2["data_bytes"]
     req = GenerateRequest(prompt_ids=(5, 6, 7, 9), sampling=SamplingParams(max_new_tokens=6))
@@ -180,7 +180,7 @@ def test_unknown_store_version_asks_for_a_reconvert(tiny_store, tmp_path):
     m = json.loads((dst / "manifest.json").read_text())
     m["version"] = 9
     (dst / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(StoreError, match=r"store version 9.*reads versions 1, 2, 3.*colibri convert --overwrite"):
+    with pytest.raises(StoreError, match=r"store version 9.*reads versions 1, 2, 3, 4.*colibri convert --overwrite"):
         ExpertStore(dst)
 
 

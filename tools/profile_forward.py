@@ -36,7 +36,7 @@ def _role(name: str, args, a: ModelArgs) -> str:
     if name.startswith("linears"):  # a LinearGroup (q / k / v in one call)
         return "attn_linear" if _DEPTH[0] else "other_linear"
     if name.startswith("linear"):
-        O = args[1].shape[0]
+        O = args[2].shape[0] if args[1].ndim == 3 else args[1].shape[0]  # interleaved: the scales' rows
         if O == a.vocab_size:
             return "lm_head"
         if O == a.num_experts:
@@ -101,8 +101,8 @@ def main() -> int:
         rng = np.random.default_rng(0)
         m.forward(rng.integers(0, args.vocab_size, 32), 0)  # JIT warm-up (T = 32, T = 1)
         m.forward(rng.integers(0, args.vocab_size, 1), 32)
-        for name in ("linear_f32", "linear_f16", "linear_q8", "linear_q4", "linears_q8", "linears_q4", "expert_f32", "expert_f16",
-                     "expert_q8", "expert_q4", "experts_q4_t1", "experts_q8_t1", "experts_q4_sorted", "combine_sorted", "combine_ranked", "attention", "rmsnorm", "rope", "embed_q8", "embed_q4"):
+        for name in ("linear_f32", "linear_f16", "linear_q8", "linear_q4", "linear_q4i", "linears_q8", "linears_q4",
+                     "linears_q4i", "expert_f32", "expert_f16", "expert_q8", "expert_q4", "expert_q4i", "experts_q4_t1", "experts_q8_t1", "experts_q4_sorted", "combine_sorted", "combine_ranked", "attention", "rmsnorm", "rope", "embed_q8", "embed_q4"):
             setattr(base.K, name, _timed(name, getattr(KM, name), args))
         _timed_method(m, "attention", "attention", depth=True)
         _timed_method(m, "moe", "moe")

@@ -154,7 +154,8 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
             return fin
         warm = forced_stream(args.vocab_size, 40, seed + 999)
         run(warm[:32], warm[32:])  # JIT for T = 32 and T = 1; not counted
-        out = {"quant": eng.store.quant, "dense_quant": eng.store.dense_quant}
+        out = {"quant": eng.store.quant, "dense_quant": eng.store.dense_quant,
+               "expert_layout": eng.store.expert_layout}
         for i, p in enumerate(prompts):
             s = forced_stream(args.vocab_size, p + 1, seed + 1 + i)
             fin = run(s[:p], s[p:])

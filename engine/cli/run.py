@@ -120,7 +120,8 @@ def cmd_convert(a) -> int:
     t0 = time.perf_counter()
     try:
         dst = convert_checkpoint(a.src, a.dst, quant=a.quant, overwrite=a.overwrite, group_size=a.group_size,
-                                 dense_quant=a.dense_quant, progress=_progress_printer(f"converting ({a.quant})"))
+                                 dense_quant=a.dense_quant, expert_layout=a.expert_layout,
+                                 progress=_progress_printer(f"converting ({a.quant})"))
     except KeyboardInterrupt:  # the converter removed its partial folder on the way out
         from .models import end_progress_line
         end_progress_line()
@@ -179,7 +180,8 @@ def describe_store(path: str, context_length: int = 0) -> str:
                               if a.shared_expert_intermediate_size else "none"),
             f"vocab       {a.vocab_size}, context {a.max_position_embeddings}",
             f"quant       experts {m['quant']}" + (f" (group {m['group_size']})" if m.get("group_size") else "")
-            + f", dense {m['dense_quant']}",
+            + f", dense {m['dense_quant']}"
+            + (", experts stored row-interleaved by 4" if m.get("expert_layout") == "interleaved_4" else ""),
             f"expert slab {format_bytes(st.slot_bytes)} each (one {m['alignment']}-byte-aligned read), "
             f"{n_exp} routed experts = {format_bytes(n_exp * st.slot_bytes)} on disk",
             f"dense       {format_bytes(m['dense_bytes'])} resident",
@@ -270,6 +272,12 @@ def add_parsers(sub) -> None:
     c.add_argument("--dense-quant", choices=("int8", "int4", "f16", "f32"), default=None,
                    help="resident dense weights; int4 = attention int4, embedding and lm_head int8 "
                         "(default: int8 for int8/int4 stores, else the --quant)")
+    from ..convert import EXPERT_LAYOUT_CHOICES
+    c.add_argument("--expert-layout", choices=EXPERT_LAYOUT_CHOICES, default="auto",
+                   help="int4 expert weights row-interleaved by 4 (interleaved_4: the decode kernels' fastest "
+                        "read) or row_major; auto (default): interleaved_4 for int4 with group size 32 and "
+                        "widths that are multiples of 64 on a CPU with the SIMD int4 kernels, else row_major. "
+                        "The outputs are bit-identical either way")
     c.add_argument("--overwrite", action="store_true")
     c.set_defaults(fn=cmd_convert)
 

@@ -32,7 +32,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from ..errors import Cancelled, ConfigError
-from ..quant import kind_of
+from ..quant import deinterleave_q4, kind_of
 from ..observers import ObserverList
 from .routing import route_tokens
 
@@ -703,6 +703,11 @@ def linear_views(kind: str, v: dict, proj: str, x: np.ndarray, out: np.ndarray, 
     w, s = v[proj + ".w"], v.get(proj + ".s")
     if kind == "int8":
         K.linear_q8(x, w, s, out)
+    elif kind == "int4" and w.ndim == 3:  # interleaved slab (store format 4)
+        if K.q4_interleaved_ok(gs):
+            K.linear_q4i(x, w, s, gs, out)
+        else:
+            K.linear_q4(x, deinterleave_q4(w), s, gs, out)
     elif kind == "int4":
         K.linear_q4(x, w, s, gs, out)
     elif kind == "mxfp4":
@@ -719,7 +724,9 @@ def linear_views(kind: str, v: dict, proj: str, x: np.ndarray, out: np.ndarray, 
 
 def run_expert(kind: str, v: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray, gs: int) -> None:
     """out[T, D] = down(silu(gate(x)) * up(x)) for x [T, D] with the weight views ``v``
-    (slab fields "gate_proj.w", "gate_proj.s", ...); h [T, I] is scratch."""
+    (slab fields "gate_proj.w", "gate_proj.s", ...); h [T, I] is scratch. int4 weights stored
+    interleaved (3-D views, store format 4) run K.expert_q4i, or, on a CPU without the SIMD
+    int4 kernels, K.expert_q4 on row-major copies: the same values either way."""
     if kind == "mxfp4":  # no fused kernel: three MXFP4 matmuls
         u = linear_views(kind, v, "up_proj", x, np.empty_like(h), gs)
         linear_views(kind, v, "gate_proj", x, h, gs)
@@ -729,6 +736,13 @@ def run_expert(kind: str, v: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray
     if kind == "int8":
         K.expert_q8(x, v["gate_proj.w"], v["gate_proj.s"], v["up_proj.w"], v["up_proj.s"],
                     v["down_proj.w"], v["down_proj.s"], h, out)
+    elif kind == "int4" and v["gate_proj.w"].ndim == 3:
+        if K.q4_interleaved_ok(gs):
+            K.expert_q4i(x, v["gate_proj.w"], v["gate_proj.s"], v["up_proj.w"], v["up_proj.s"],
+                         v["down_proj.w"], v["down_proj.s"], gs, h, out)
+        else:
+            K.expert_q4(x, deinterleave_q4(v["gate_proj.w"]), v["gate_proj.s"], deinterleave_q4(v["up_proj.w"]),
+                        v["up_proj.s"], deinterleave_q4(v["down_proj.w"]), v["down_proj.s"], gs, h, out)
     elif kind == "int4":
         K.expert_q4(x, v["gate_proj.w"], v["gate_proj.s"], v["up_proj.w"], v["up_proj.s"],
                     v["down_proj.w"], v["down_proj.s"], gs, h, out)
@@ -890,6 +904,7 @@ class MoEModel:
         self._offs_memo: dict[tuple[int, int], tuple] = {}  # _arena_offsets
         self._sorted_memo: bool | None = None  # _sorted_ok
         self._t1_memo: tuple | None = None  # _t1_plan
+        self._il_memo: bool | None = None  # _slabs_interleaved
         # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
         # layer start, post-attention residual, routing, post-MoE residual. Dense layers
         # publish nothing.
@@ -1091,8 +1106,9 @@ class MoEModel:
         """The byte offsets int64 [6] inside an expert's slab of its six weight arrays
         (_T1_FIELDS) when a decode step's resident experts can run in one K.experts_q4_t1 /
         _q8_t1 call reading the cache arena in place: int4 or int8 experts whose slab layout
-        has the dtypes those kernels read, the SwiGLU expert, and a provider with the arena and
-        ``take_split`` (ExpertCache); else None (the grouped path). Memoised."""
+        has the dtypes those kernels read, the SwiGLU expert, a provider with the arena and
+        ``take_split`` (ExpertCache), and for interleaved slabs a CPU that runs the interleaved
+        kernels (K.q4_interleaved_ok); else None (the grouped path). Memoised."""
         memo = self._t1_memo
         if memo is None:
             ex = self.experts
@@ -1101,7 +1117,8 @@ class MoEModel:
             want = _ARENA_DTYPES.get(self.expert_quant)
             if (want is not None and layout is not None and hasattr(ex, "take_split")
                     and isinstance(getattr(ex, "arena", None), np.ndarray)
-                    and type(self).expert_forward is MoEModel.expert_forward):
+                    and type(self).expert_forward is MoEModel.expert_forward
+                    and (not self._slabs_interleaved() or K.q4_interleaved_ok(self.gs))):
                 at = {name: (int(off), np.dtype(dt)) for name, off, dt, shape in layout["fields"]}
                 if all(f in at and at[f][1] == want[k % 2] for k, f in enumerate(_T1_FIELDS)):
                     fields = np.array([at[f][0] for f in _T1_FIELDS], np.int64)
@@ -1131,7 +1148,7 @@ class MoEModel:
                 scratch = np.empty((len(hits), I), np.float32)
                 out = np.empty((len(hits), D), np.float32)
                 if self.expert_quant == "int4":
-                    K.experts_q4_t1(h, cache.arena, offs, I, self.gs, scratch, out)
+                    K.experts_q4_t1(h, cache.arena, offs, I, self.gs, scratch, out, self._slabs_interleaved())
                 else:
                     K.experts_q8_t1(h, cache.arena, offs, I, scratch, out)
                 y[0, pos] = out
@@ -1196,9 +1213,10 @@ class MoEModel:
 
     def _sorted_ok(self) -> bool:
         """Whether a prefill chunk's resident experts can run in one K.experts_q4_sorted call:
-        int4 experts with half-precision scales (store format 3), the SwiGLU expert, and a
+        int4 experts with half-precision scales (store format 3), the SwiGLU expert, a
         provider that keeps the slabs in one arena (ExpertCache) and computes nothing
-        elsewhere (no cluster dispatch)."""
+        elsewhere (no cluster dispatch), and for interleaved slabs a CPU that runs the
+        interleaved kernels (K.q4_interleaved_ok)."""
         ok = self._sorted_memo
         if ok is None:
             ex = self.experts
@@ -1206,15 +1224,27 @@ class MoEModel:
                   and isinstance(getattr(ex, "arena", None), np.ndarray)
                   and hasattr(ex, "prepare_split") and hasattr(ex, "acquire_many")
                   and getattr(ex, "dispatch", None) is None and self.args.hidden_size % 2 == 0
+                  and (not self._slabs_interleaved() or K.q4_interleaved_ok(self.gs))
                   and self.args.moe_intermediate_size % self.gs == 0 and self.args.hidden_size % self.gs == 0)
             self._sorted_memo = ok
         return ok
+
+    def _slabs_interleaved(self) -> bool:
+        """Whether the store's int4 expert slabs hold interleaved weights (store format 4: the
+        layout's w fields are 3-D, engine.quant.interleave_q4); the arena kernels then read them
+        with il=True. Memoised."""
+        il = self._il_memo
+        if il is None:
+            layout = getattr(getattr(self.experts, "store", None), "layout", None)
+            il = self._il_memo = bool(layout) and any(len(f[3]) == 3 for f in layout["fields"])
+        return il
 
     def _arena_offsets(self, j: int, e: int, views: dict) -> np.ndarray | None:
         """Byte offsets int64 [6] in the cache arena of expert e's six weight arrays
         (_T1_FIELDS), for the kernels that read slabs in place (experts_q4_t1 / _q8_t1 /
         experts_q4_sorted), or None when a view does not have the dtype they read (int4: uint8
-        nibbles and uint16 half scales; int8: int8 and float32); memoised per (layer, expert)
+        nibbles and uint16 half scales; int8: int8 and float32), is not contiguous, or its
+        weights' layout (3-D: interleaved) is not the store's; memoised per (layer, expert)
         while the cache hands out the same views dict (a reload makes a new one)."""
         memo = self._offs_memo.get((j, e))
         if memo is not None and memo[0] is views:
@@ -1224,7 +1254,8 @@ class MoEModel:
         offs = np.empty(6, np.int64)
         for f, name in enumerate(_T1_FIELDS):
             v = views[name]
-            if want is None or v.dtype != want[f % 2] or not v.flags.c_contiguous:
+            if (want is None or v.dtype != want[f % 2] or not v.flags.c_contiguous
+                    or (f % 2 == 0 and (v.ndim == 3) != self._slabs_interleaved())):
                 return None
             offs[f] = v.ctypes.data - base
         self._offs_memo[(j, e)] = (views, offs)
@@ -1265,7 +1296,8 @@ class MoEModel:
                     part = outs if every else np.empty((n, D), np.float32)
                     K.experts_q4_sorted(h, tok if every else tok[sel], starts, self.experts.arena, np.stack(offs),
                                         a.moe_intermediate_size, self.gs, K.current_threads(),
-                                        np.empty((n, a.moe_intermediate_size), np.float32), part)
+                                        np.empty((n, a.moe_intermediate_size), np.float32), part,
+                                        self._slabs_interleaved())
                     if not every:
                         outs[sel] = part
             finally:
