@@ -21,6 +21,7 @@ clock. Verbs:
   replay          a routing trace through LRU, LFRU, EMA, ours and Belady
   trace-heldout   a routing trace of the default model over its held-out text
   gguf, peers     llama.cpp (Q8_0 GGUF) and transformers beside our engine, in cgroup memory limits
+  layouts         the same model in several stores (expert layouts), one process, requests alternated
   contention      decode tok/s of the compute-thread defaults with 0, 1, 2 busy background processes
   serve           the OpenAI-compatible server vs the engine called directly; multi-turn prefill
 A new benchmark: add ``engine/bench/<verb>.py`` with ``cmd_<verb>(args) -> int`` and
@@ -35,7 +36,7 @@ import importlib
 
 VERBS = ("make_synthetic", "decode", "cache", "pilot", "disk", "replay", "matrix", "trace_heldout", "arm",
          "cluster",
-         "gguf", "peers", "kernels", "contention", "overlap", "serve")
+         "gguf", "peers", "kernels", "layouts", "contention", "overlap", "serve")
 
 
 INTERNAL_VERBS = ("arm", "decode-arm", "peer-arm", "contention-arm")  # run by the verbs themselves, one arm per process
