@@ -644,8 +644,21 @@ class ExpertCache:
         hits = ea.tolist()
         if self._counted_hit:  # as _take: a hit prepare counted is taken now
             self._counted_hit.difference_update((layer, e) for e in hits)
-        for s in ss.tolist():
-            self.touch(layer, s)
+        sl = ss.tolist()
+        if self.policy == "lfru":
+            for s in sl:
+                self.touch(layer, s)
+        else:  # touch() inlined for the lru / ema order (pm: whether each slot's expert is pinned)
+            lru, staged = ly.lru, ly.staged
+            for s, p in zip(sl, pm.tolist()):
+                if p:
+                    continue
+                if s in lru:
+                    lru.move_to_end(s)
+                else:
+                    lru[s] = None
+                if staged:
+                    staged.pop(s, None)
         return hits, ss.astype(np.int64), []
 
     def release_slots(self, layer: int, slots: np.ndarray) -> None:
