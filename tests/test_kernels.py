@@ -238,11 +238,12 @@ def test_decode_experts_in_one_call_equal_one_call_each(kind):
             arena, offs = arena_of(experts, rng)
             offs = np.concatenate([offs, np.full((2, 6), 1 << 40, np.int64)])  # past n: never read
             extra = (32,) if kind == "int4" else ()
+            il = (False,) if kind == "int4" else ()  # passed as the engine passes it: one specialization
             name = "experts_q4_t1" if kind == "int4" else "experts_q8_t1"
             for threads in sorted({1, n0}):
                 numba.set_num_threads(threads)
                 out = np.full((n, D), np.nan, np.float32)
-                getattr(K, name)(x, arena, offs, I, *extra, np.full((n, I), np.nan, np.float32), out)
+                getattr(K, name)(x, arena, offs, I, *extra, np.full((n, I), np.nan, np.float32), out, *il)
                 assert np.array_equal(out, each), (kind, D, I, n, threads)
             ref = np.full((n, D), np.nan, np.float32)
             getattr(R, name)(x, arena, offs, I, *extra, np.full((n, I), np.nan, np.float32), ref)
@@ -539,7 +540,7 @@ def test_prefill_int4_experts_in_one_call_equal_one_call_each():
                 numba.set_num_threads(threads)
                 out = np.full((len(tok), D), np.nan, np.float32)
                 K.experts_q4_sorted(x, tok, starts, arena, offs, I, 32, K.current_threads(),
-                                    np.full((len(tok), I), np.nan, np.float32), out)
+                                    np.full((len(tok), I), np.nan, np.float32), out, False)
                 assert np.array_equal(out, each), (D, I, counts, threads)
             ref = np.full((len(tok), D), np.nan, np.float32)
             R.experts_q4_sorted(x, tok, starts, arena, offs, I, 32, 1, np.full((len(tok), I), np.nan, np.float32), ref)
@@ -624,7 +625,7 @@ if run == "loads":  # the decode hits' kernel compiled here, the misses' (expert
     arena = np.concatenate([a.reshape(-1).view(np.uint8) for a in parts])
     offs = at[:-1].reshape(n, 6).astype(np.int64)
     res["experts_q4_t1"] = np.empty((n, D), np.float32)
-    K.experts_q4_t1(x, arena, offs, I, gs, np.empty((n, I), np.float32), res["experts_q4_t1"])
+    K.experts_q4_t1(x, arena, offs, I, gs, np.empty((n, I), np.float32), res["experts_q4_t1"], False)
 np.savez(path, **res)
 """
 
