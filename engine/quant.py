@@ -92,7 +92,10 @@ def int4_scales(scale: np.ndarray) -> np.ndarray:
 
 
 def dequantize_int4(packed: np.ndarray, scale: np.ndarray, group_size: int) -> np.ndarray:
-    """packed uint8 [O, N//2], scale uint16 half bits or float32 [O, G] -> float32 [O, N]."""
+    """packed uint8 [O, N//2] (or the interleaved [O/4, N/64, 128] of store format 4, read as
+    its row-major bytes), scale uint16 half bits or float32 [O, G] -> float32 [O, N]."""
+    if packed.ndim == 3:
+        packed = deinterleave_q4(packed)
     O, half = packed.shape
     q = np.empty((O, half * 2), dtype=np.float32)
     q[:, 0::2] = (packed & 0x0F).astype(np.float32) - 8.0

@@ -877,6 +877,7 @@ def test_interleaved_expert_kernels_are_bit_identical_to_row_major():
             for parts, ilp in zip(experts, il):
                 for p, q in zip(parts, ilp):
                     assert np.array_equal(deinterleave_q4(q["w"]), p["w"])
+                    assert np.array_equal(dequantize(q, "int4", 32), dequantize(p, "int4", 32))
             arena, offs = arena_of(experts, rng)
             arena_i = arena.copy()  # the same offsets, the weights interleaved in place
             for e, ilp in enumerate(il):
