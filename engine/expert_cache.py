@@ -593,8 +593,10 @@ class ExpertCache:
         misses: list[int] = []
         ea = np.asarray(experts, np.int64)
         with self.lock:
-            ss = self.where[layer, ea]
-            if (ss >= 0).all() and (self.slot_state[layer, ss] == _RESIDENT).all():
+            ss = self.where[layer].take(ea)
+            sl = ss.tolist()  # the all-resident check on Python ints: ~1.5 us for 8 experts, 7.5 as numpy
+            state = self.slot_state[layer]
+            if min(sl, default=0) >= 0 and all(state[s] == _RESIDENT for s in sl):
                 return self._take_all(layer, ea, ss)
             self.routed_now[layer, :] = False
             missing = []
@@ -628,14 +630,14 @@ class ExpertCache:
         n = len(ea)
         self.routed_now[layer, :] = False
         self.routed_now[layer, ea] = True
-        pm = self.pinned[layer, ea]
+        pm = self.pinned[layer].take(ea).tolist()
         self.stats.hits += n
-        self.stats.pinned_hits += int(np.count_nonzero(pm))
+        self.stats.pinned_hits += sum(pm)
         self.slot_busy[layer, ss] += 1
         self.last_use[layer, ea] = np.arange(self.clock + 1, self.clock + n + 1)
         self.clock += n
         ly = self.layers[layer]
-        spec = self.slot_spec[layer, ss]
+        spec = self.slot_spec[layer].take(ss)
         if spec.any():
             for s in ss[spec].tolist():
                 self.slot_spec[layer, s] = False
@@ -650,7 +652,7 @@ class ExpertCache:
                 self.touch(layer, s)
         else:  # touch() inlined for the lru / ema order (pm: whether each slot's expert is pinned)
             lru, staged = ly.lru, ly.staged
-            for s, p in zip(sl, pm.tolist()):
+            for s, p in zip(sl, pm):
                 if p:
                     continue
                 if s in lru:

@@ -807,15 +807,20 @@ def _yarn(dim: int, base: float, p: dict) -> tuple[np.ndarray, np.float32]:
     return inv.astype(np.float32), np.float32(att)
 
 
+_LAST_PROBS: tuple | None = None  # (logits array, its softmax) of the last route() call
+
+
 def route(router_logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
     """Softmax over all experts, top-k (lowest id on ties), optional renormalisation.
 
     router_logits float32 [T, E] -> (indices int64 [T, K], weights float32 [T, K]).
     Mixtral's "softmax over the selected logits" equals this with norm_topk_prob=True.
     """
+    global _LAST_PROBS
     z = router_logits - router_logits.max(axis=1, keepdims=True)
     p = np.exp(z)
     p /= p.sum(axis=1, keepdims=True)  # [T, E]
+    _LAST_PROBS = (router_logits, p)  # mean_router_probs of the same logits reuses it
     idx = np.argsort(-p, axis=1, kind="stable")[:, :k]  # [T, K]
     if p.shape[0] == 1:  # a decode step: plain indexing, the same values as take_along_axis
         w = p[0][idx]  # [1, K], a copy
@@ -828,10 +833,15 @@ def route(router_logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.n
 
 def mean_router_probs(router_logits: np.ndarray) -> np.ndarray:
     """Mean over rows of the router softmax: float32 [T, E] logits -> float32 [E] probabilities
-    (the per-call input of the cache's "ema" eviction policy)."""
-    z = router_logits - router_logits.max(axis=1, keepdims=True)
-    p = np.exp(z)
-    p /= p.sum(axis=1, keepdims=True)
+    (the per-call input of the cache's "ema" eviction policy). The softmax :func:`route` just
+    computed of the same logits array is reused (the same operations: the same values)."""
+    last = _LAST_PROBS
+    if last is not None and last[0] is router_logits:
+        p = last[1]
+    else:
+        z = router_logits - router_logits.max(axis=1, keepdims=True)
+        p = np.exp(z)
+        p /= p.sum(axis=1, keepdims=True)
     if p.shape[0] == 1:  # the mean of one row is the row (x / 1 is exact)
         return p[0]
     return p.mean(axis=0, dtype=np.float32)
