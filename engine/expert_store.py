@@ -78,7 +78,7 @@ def read_manifest(path: str | os.PathLike) -> tuple[dict, ModelArgs, str]:
         raise StoreError(f"{mpath}: not a store manifest (a JSON object is expected); re-run `colibri convert`")
     if m.get("format") != FORMAT_NAME:
         raise StoreError(f"{mpath}: format {m.get('format')!r} is not {FORMAT_NAME!r}; re-run `colibri convert`")
-    if m.get("version") not in READ_VERSIONS:
+    if type(m.get("version")) is not int or m["version"] not in READ_VERSIONS:
         raise StoreError(f"{mpath}: store version {m.get('version')!r}, this engine reads versions "
                          f"{', '.join(map(str, READ_VERSIONS))} (it writes {FORMAT_VERSION}); re-run "
                          f"`colibri convert --overwrite` with this engine")
@@ -117,6 +117,8 @@ def _check_manifest(mpath: Path, m: dict, a: ModelArgs, ck: str) -> None:
         el = m.get("expert_layout", "row_major")
         if el not in EXPERT_LAYOUTS or (el != "row_major" and m["quant"] != "int4"):
             raise ValueError(f"expert_layout {el!r}")
+        if el != "row_major" and m["version"] < 4:
+            raise ValueError(f"expert_layout {el!r} in a store of version {m['version']} (layouts came with 4)")
         want = slab_layout(m["quant"], a.hidden_size, a.moe_intermediate_size, gs or 32, bias=a.expert_bias,
                            f32_int4_scales=m.get("version", FORMAT_VERSION) < 3,
                            interleaved=el == "interleaved_4")

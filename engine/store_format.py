@@ -63,19 +63,30 @@ def looks_like_store(path: str | os.PathLike) -> bool:
 def reconvert_command(folder: str | os.PathLike, manifest: dict | None) -> str:
     """The command that converts the store at ``folder`` again, from what its manifest says
     (in backquotes): ``colibri download REPO --quant Q --overwrite`` for a hub model,
-    ``colibri convert --overwrite --quant Q SRC FOLDER`` for a local source, else a template
-    with HF_FOLDER."""
+    ``colibri convert --overwrite --quant Q [--dense-quant D] [--group-size G] [--expert-layout
+    L] SRC FOLDER`` for a local source (the options that shaped it: a bare reconvert could pick
+    another layout or dense precision), else a template with HF_FOLDER."""
     m = manifest if isinstance(manifest, dict) else {}
     quant = m.get("quant")
-    q = f" --quant {quant}" if quant in ("int8", "int4", "f16", "f32") else ""
+    q = f" --quant {quant}" if quant in ("int8", "int4", "f16", "f32", "mxfp4") else ""
+    # the options that shaped it (a bare reconvert could pick another layout or dense precision)
+    # (`colibri download` takes only --quant: it converts with the defaults)
+    dq, gs, el = m.get("dense_quant"), m.get("group_size"), m.get("expert_layout")
+    opts = q
+    if dq in ("int8", "int4", "f16", "f32") and quant in ("int8", "int4", "f16", "f32", "mxfp4"):
+        opts += f" --dense-quant {dq}"
+    if isinstance(gs, int) and not isinstance(gs, bool) and gs != 32:
+        opts += f" --group-size {gs}"
+    if el in EXPERT_LAYOUTS and quant == "int4":
+        opts += f" --expert-layout {el}"
     repo, src = m.get("hub_repo"), m.get("source")
     if isinstance(src, str) and src.startswith("hf://") and not (isinstance(repo, str) and repo):
         repo = src[len("hf://"):].split("@", 1)[0]
     if isinstance(repo, str) and repo:
         return f"`colibri download {repo}{q} --overwrite`"
     if isinstance(src, str) and src:
-        return f"`colibri convert --overwrite{q} {src} {folder}`"
-    return f"`colibri convert --overwrite{q} HF_FOLDER {folder}`"
+        return f"`colibri convert --overwrite{opts} {src} {folder}`"
+    return f"`colibri convert --overwrite{opts} HF_FOLDER {folder}`"
 
 
 def check_store_files(folder: str | os.PathLike, manifest: dict) -> None:

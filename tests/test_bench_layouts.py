@@ -30,7 +30,8 @@ def test_bench_layouts_writes_paired_ratios(two_layouts, tmp_path):
     il = res["arms"]["il"]
     assert il["expert_layout"] == "interleaved_4" and res["arms"]["rm"]["expert_layout"] == "row_major"
     assert il["tg_paired_ratio"] > 0 and 0 <= il["tg_faster_in"] <= 3 and "tg_paired_ratio" not in res["arms"]["rm"]
-    assert "| il | interleaved_4 |" in (tmp_path / "t.md").read_text()
+    md = (tmp_path / "t.md").read_text()
+    assert "| il | interleaved_4 |" in md and " / 3 |" in md and "1 thread;" in md and "tok/s" in md
 
 
 def test_bench_layouts_refuses_different_models_and_one_arm(two_layouts, tmp_path):
@@ -39,3 +40,24 @@ def test_bench_layouts_refuses_different_models_and_one_arm(two_layouts, tmp_pat
         run([("rm", str(two_layouts["rm"])), ("other", str(two_layouts["other"]))], 1, 1, 8, 2, 0)
     with pytest.raises(ValueError, match="at least two"):
         run([("rm", str(two_layouts["rm"]))], 1, 1, 8, 2, 0)
+    with pytest.raises(ValueError, match="each arm needs its own label"):
+        run([("rm", str(two_layouts["rm"])), ("rm", str(two_layouts["il"]))], 1, 1, 8, 2, 0)
+    with pytest.raises(ValueError, match=r"--stores x=.*nothere.*config.json"):
+        run([("rm", str(two_layouts["rm"])), ("x", str(tmp_path / "nothere"))], 1, 1, 8, 2, 0)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--reps", "0"], "--reps '0': give a whole number of at least 1"),
+    (["--tokens", "-1"], "--tokens '-1': give a whole number of at least 1"),
+    (["--stores", "=x", "b=y"], "the label before '=' must be"),
+    (["--stores", "a|b=x", "b=y"], "the label before '=' must be"),
+    (["--stores", "a=", "b=y"], "give the store folder after '='"),
+])
+def test_bench_layouts_bad_arguments_are_one_line_errors(argv, match, capsys):
+    from engine.cli.main import main
+    args = ["bench", "layouts"] + (argv if "--stores" in argv else ["--stores", "a=x", "b=y", *argv])
+    with pytest.raises(SystemExit) as e:
+        main(args)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err

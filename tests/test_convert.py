@@ -245,6 +245,30 @@ def test_expert_layout_that_disagrees_with_the_slabs_is_a_damaged_store(wide_che
         ExpertStore(d)
 
 
+def test_version_and_layout_must_agree(wide_checkpoint, tmp_path):
+    """An interleaved store claiming a version before 4, or a version that is not a whole
+    number, is refused as damaged / unknown; a damaged row-major store's reconvert hint keeps
+    --expert-layout row_major (a bare command would pick auto: interleaved on this CPU)."""
+    from engine.store_format import check_store_files
+    il = convert_checkpoint(wide_checkpoint, tmp_path / "il", quant="int4", expert_layout="interleaved_4")
+    for version, match in ((3, r"expert_layout 'interleaved_4' in a store of version 3"), (4.0, "store version 4.0"),
+                           (True, "store version True")):
+        d = tmp_path / f"v{version}"
+        shutil.copytree(il, d)
+        m = json.loads((d / "manifest.json").read_text())
+        m["version"] = version
+        (d / "manifest.json").write_text(json.dumps(m))
+        with pytest.raises(StoreError, match=match):
+            ExpertStore(d)
+    rm = convert_checkpoint(wide_checkpoint, tmp_path / "rm", quant="int4", dense_quant="int4", expert_layout="row_major")
+    m = json.loads((rm / "manifest.json").read_text())
+    f = rm / m["experts"][0][0]["file"]
+    f.write_bytes(f.read_bytes()[:4096])
+    with pytest.raises(StoreError, match=r"colibri convert --overwrite --quant int4 --dense-quant int4 "
+                                         r"--expert-layout row_major \S+ \S+rm`"):
+        check_store_files(rm, m)
+
+
 def test_convert_cli_expert_layout_and_info(wide_checkpoint, tiny_checkpoint, tmp_path, capsys):
     """`colibri convert --expert-layout interleaved_4` writes an interleaved store that `colibri
     info` describes; asking it of widths it cannot take is one clear line, no store, exit 2."""
