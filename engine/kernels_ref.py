@@ -265,5 +265,10 @@ def gated_delta(q, k, v, g, beta, S, chunk, out):
         S[np.abs(S) < DELTA_TINY] = 0
 
 
+def current_threads() -> int:
+    """The twins run on one thread (kernels.current_threads: the calling thread's kernel threads)."""
+    return 1
+
+
 def set_threads(n: int) -> None:
     """Twin of kernels.set_threads: numpy runs on the calling thread; nothing to set."""

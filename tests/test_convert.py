@@ -303,7 +303,8 @@ def test_numpy_fallback_runs_interleaved_and_row_major_stores(wide_checkpoint, t
             "assert base.K.__name__ == 'engine.kernels_ref', base.K.__name__\n"
             "for st in sys.argv[1:]:\n"
             "    with Engine.open(EngineConfig(store=st, history=False, o_direct=False, pilot=0, cap=3)) as eng:\n"
-            "        np.save(st + '.ref.npy', eng.model.forward(np.arange(3, 20), 0, all_logits=True))\n")
+            "        np.save(st + '.ref.npy', eng.model.forward(np.arange(3, 20), 0, all_logits=True))\n"
+            "        eng.model.forward(np.arange(3, 20), 0, all_logits=True)  # resident now: the sorted prefill path\n")
     env = {**os.environ, "COLIBRI_NO_NUMBA": "1"}
     p = subprocess.run([sys.executable, "-c", code, *map(str, stores.values())], env=env, capture_output=True,
                        text=True, timeout=600)
