@@ -42,6 +42,7 @@ import numpy as np
 
 from .errors import EngineError, ExpertReadError
 from .events import ABSENT, LOADING, PINNED, RESIDENT
+from .kernel_choice import K
 from .observers import ObserverList
 
 
@@ -592,12 +593,15 @@ class ExpertCache:
         slots: list[int] = []
         misses: list[int] = []
         ea = np.asarray(experts, np.int64)
+        n = len(ea)
+        ss = np.empty(n, np.int64)
+        pm = np.empty(n, np.bool_)
         with self.lock:
-            ss = self.where[layer].take(ea)
-            sl = ss.tolist()  # the all-resident check on Python ints: ~1.5 us for 8 experts, 7.5 as numpy
-            state = self.slot_state[layer]
-            if min(sl, default=0) >= 0 and all(state[s] == _RESIDENT for s in sl):
-                return self._take_all(layer, ea, ss)
+            nspec = K.cache_take_resident(self.where[layer], self.slot_state[layer], self.slot_busy[layer],
+                                          self.last_use[layer], self.routed_now[layer], self.pinned[layer],
+                                          self.slot_spec[layer], ea, self.clock, _RESIDENT, ss, pm)
+            if nspec >= 0:  # all resident: those arrays are updated, the rest in _take_all
+                return self._take_all(layer, ea, ss, pm.tolist(), nspec)
             self.routed_now[layer, :] = False
             missing = []
             for e in experts:
@@ -624,29 +628,27 @@ class ExpertCache:
                 self._submit(layer, e, slot, 1)
         return hits, np.asarray(slots, np.int64), misses
 
-    def _take_all(self, layer: int, ea: np.ndarray, ss: np.ndarray) -> tuple[list[int], np.ndarray, list[int]]:
-        """take_split when every expert ea (int64 [n], distinct) is resident in slots ss (lock
-        held): the same state changes as its loop, as whole-array operations."""
+    def _take_all(self, layer: int, ea: np.ndarray, ss: np.ndarray, pm: list, nspec: int) -> tuple[list[int], np.ndarray, list[int]]:
+        """take_split when every expert ea (int64 [n], distinct) is resident in slots ss (int64
+        [n]; lock held), after K.cache_take_resident set routed_now, slot_busy and last_use (pm:
+        whether each expert is pinned; nspec: how many of the slots hold an unused speculation):
+        the counters, use clock, speculation flags and eviction order, so that the state ends as
+        after take_split's loop."""
         n = len(ea)
-        self.routed_now[layer, :] = False
-        self.routed_now[layer, ea] = True
-        pm = self.pinned[layer].take(ea).tolist()
         self.stats.hits += n
         self.stats.pinned_hits += sum(pm)
-        self.slot_busy[layer, ss] += 1
-        self.last_use[layer, ea] = np.arange(self.clock + 1, self.clock + n + 1)
         self.clock += n
         ly = self.layers[layer]
-        spec = self.slot_spec[layer].take(ss)
-        if spec.any():
-            for s in ss[spec].tolist():
-                self.slot_spec[layer, s] = False
-                self.stats.spec_used += 1
-                ly.staged.pop(s, None)
+        sl = ss.tolist()
+        if nspec:
+            for s in sl:
+                if self.slot_spec[layer, s]:
+                    self.slot_spec[layer, s] = False
+                    self.stats.spec_used += 1
+                    ly.staged.pop(s, None)
         hits = ea.tolist()
         if self._counted_hit:  # as _take: a hit prepare counted is taken now
             self._counted_hit.difference_update((layer, e) for e in hits)
-        sl = ss.tolist()
         if self.policy == "lfru":
             for s in sl:
                 self.touch(layer, s)
@@ -661,7 +663,7 @@ class ExpertCache:
                     lru[s] = None
                 if staged:
                     staged.pop(s, None)
-        return hits, ss.astype(np.int64), []
+        return hits, ss, []
 
     def release_slots(self, layer: int, slots: np.ndarray) -> None:
         """Give back the slots (int64 [n], distinct) :meth:`take_split` took."""

@@ -158,6 +158,19 @@ def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out, il=False
                       gsz, h[lo:hi], out[lo:hi])
 
 
+def cache_take_resident(where, state, busy, last_use, routed_now, pinned, spec, ea, clock, resident, ss, pm):
+    sl = where[ea]
+    if (sl < 0).any() or (state[np.maximum(sl, 0)] != resident).any():
+        return -1
+    ss[:] = sl
+    routed_now[:] = False
+    routed_now[ea] = True
+    pm[:] = pinned[ea]
+    busy[sl] += 1
+    last_use[ea] = np.arange(clock + 1, clock + 1 + len(ea))
+    return int(spec[sl].sum())
+
+
 def combine_ranked(y, w, out):
     out[...] = y[:, 0] * w[:, 0:1]
     for k in range(1, y.shape[1]):

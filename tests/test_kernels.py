@@ -921,3 +921,47 @@ def test_interleaved_expert_kernels_are_bit_identical_to_row_major():
                 assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), (D, I, threads)
     finally:
         numba.set_num_threads(n0)
+
+
+@pytest.mark.parametrize("impl", ["numba", "numpy"])
+def test_cache_take_resident_updates_the_arrays_only_when_every_expert_is_resident(impl):
+    """K.cache_take_resident (the array half of ExpertCache.take_split's all-resident path):
+    with every expert resident it marks exactly those experts routed, takes their slots (busy
+    + 1), stamps the use clock in lookup order and reports pins and speculations; with one
+    expert absent or still loading it returns -1 and changes nothing. Both implementations."""
+    mod = K if impl == "numba" else R
+    rng = np.random.default_rng(0)
+    E, S, resident = 16, 10, 2
+    for trial in range(40):
+        where = np.full(E, -1, np.int32)
+        held = rng.choice(E, S, replace=False)
+        where[held] = np.arange(S, dtype=np.int32)
+        state = np.full(S, resident, np.int8)
+        state[rng.integers(0, S)] = 1 if trial % 3 == 0 else resident  # sometimes a slot still loading
+        busy = rng.integers(0, 3, S).astype(np.int32)
+        last_use = rng.integers(0, 100, E).astype(np.int64)
+        routed = rng.random(E) < 0.5
+        pinned = rng.random(E) < 0.3
+        spec = rng.random(S) < 0.3
+        n = int(rng.integers(1, 6))
+        pool = held if trial % 2 == 0 else np.arange(E)  # odd trials may ask for an absent expert
+        ea = rng.choice(pool, n, replace=False).astype(np.int64)
+        before = [a.copy() for a in (busy, last_use, routed)]
+        ss, pm = np.full(n, -7, np.int64), np.zeros(n, bool)
+        got = mod.cache_take_resident(where, state, busy, last_use, routed, pinned, spec, ea, 500, resident, ss, pm)
+        slots = where[ea]
+        if (slots < 0).any() or (state[np.maximum(slots, 0)] != resident).any():
+            assert got == -1
+            for a, b in zip((busy, last_use, routed), before):
+                np.testing.assert_array_equal(a, b)
+            continue
+        assert got == int(spec[slots].sum())
+        np.testing.assert_array_equal(ss, slots)
+        np.testing.assert_array_equal(pm, pinned[ea])
+        want_busy = before[0].copy()
+        want_busy[slots] += 1
+        np.testing.assert_array_equal(busy, want_busy)
+        want_use = before[1].copy()
+        want_use[ea] = 501 + np.arange(n)
+        np.testing.assert_array_equal(last_use, want_use)
+        np.testing.assert_array_equal(routed, np.isin(np.arange(E), ea))

@@ -36,13 +36,7 @@ from ..quant import deinterleave_q4, kind_of
 from ..observers import ObserverList
 from .routing import route_tokens
 
-if os.environ.get("COLIBRI_NO_NUMBA"):
-    from .. import kernels_ref as K
-else:
-    try:
-        from .. import kernels as K
-    except ImportError:  # numba missing: slow but correct
-        from .. import kernels_ref as K
+from ..kernel_choice import K
 
 PREFILL_CHUNK = 128
 # int4 attention matrices stored row-interleaved (Linear.interleave, K.linear_q4i): a decode step
@@ -1147,7 +1141,7 @@ class MoEModel:
         ranked = idx[0]
         order = np.argsort(ranked, kind="stable")  # rank positions of the experts, ascending ids
         cache = self.experts
-        hits, slots, misses = cache.take_split(j, ranked[order].tolist())
+        hits, slots, misses = cache.take_split(j, ranked[order])
         y = np.empty((1, Kk, D), np.float32)  # [1, K, D] by rank
         try:
             if hits:
