@@ -1741,6 +1741,8 @@ def combine_sorted(y, pos, w, out):
 
 # --- embeddings -------------------------------------------------------------------------
 
+# --- expert cache bookkeeping ------------------------------------------------------------
+
 @njit(nogil=True, cache=_KW["cache"])
 def cache_take_resident(where, state, busy, last_use, routed_now, pinned, spec, ea, clock, resident, ss, pm):
     """The array half of ExpertCache.take_split for one layer when every expert is resident
@@ -1753,12 +1755,20 @@ def cache_take_resident(where, state, busy, last_use, routed_now, pinned, spec, 
     clock before the call; resident the RESIDENT state code; ss int64 [n] and pm bool [n]
     outputs (each expert's slot and whether it is pinned).
 
-    Returns -1 and changes nothing when an expert is not resident; else the number of the
+    Returns -1 and changes nothing when an expert is not resident, out of range or repeated
+    (take_split's Python loop then handles it as before); else the number of the
     taken slots still flagged speculative, after: routed_now = exactly ea, busy[ss] += 1,
     last_use[ea[i]] = clock + 1 + i (the use clock advanced by n)."""
     n = ea.shape[0]
+    E = where.shape[0]
     for i in range(n):
-        s = where[ea[i]]
+        e = ea[i]
+        if e < 0 or e >= E:  # no bounds checks in numba: the Python loop raises for it
+            return -1
+        for k in range(i):
+            if ea[k] == e:  # a repeated expert: the Python loop's semantics
+                return -1
+        s = where[e]
         if s < 0 or state[s] != resident:
             return -1
         ss[i] = s

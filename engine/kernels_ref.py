@@ -159,6 +159,8 @@ def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out, il=False
 
 
 def cache_take_resident(where, state, busy, last_use, routed_now, pinned, spec, ea, clock, resident, ss, pm):
+    if len(ea) and (ea.min() < 0 or ea.max() >= len(where) or len(np.unique(ea)) != len(ea)):
+        return -1
     sl = where[ea]
     if (sl < 0).any() or (state[np.maximum(sl, 0)] != resident).any():
         return -1

@@ -965,3 +965,14 @@ def test_cache_take_resident_updates_the_arrays_only_when_every_expert_is_reside
         want_use[ea] = 501 + np.arange(n)
         np.testing.assert_array_equal(last_use, want_use)
         np.testing.assert_array_equal(routed, np.isin(np.arange(E), ea))
+    # an expert id out of range or repeated: -1 and nothing changed (numba has no bounds checks;
+    # take_split's Python loop then raises or handles it as before)
+    for bad in (np.array([1, E], np.int64), np.array([-1, 2], np.int64), np.array([3, 3], np.int64)):
+        where = np.arange(E, dtype=np.int32) % S
+        state = np.full(S, resident, np.int8)
+        busy = np.zeros(S, np.int32)
+        routed = np.zeros(E, bool)
+        ss, pm = np.zeros(2, np.int64), np.zeros(2, bool)
+        assert mod.cache_take_resident(where, state, busy, np.zeros(E, np.int64), routed, np.zeros(E, bool),
+                                       np.zeros(S, bool), bad, 0, resident, ss, pm) == -1
+        assert not busy.any() and not routed.any()
