@@ -1739,8 +1739,6 @@ def combine_sorted(y, pos, w, out):
                 out[t, d] = out[t, d] + y[pk, d] * wk
 
 
-# --- embeddings -------------------------------------------------------------------------
-
 # --- expert cache bookkeeping ------------------------------------------------------------
 
 @njit(nogil=True, cache=_KW["cache"])
@@ -1785,6 +1783,8 @@ def cache_take_resident(where, state, busy, last_use, routed_now, pinned, spec, 
             nspec += 1
     return nspec
 
+
+# --- embeddings -------------------------------------------------------------------------
 
 @njit(nogil=True, cache=_KW["cache"])  # no fastmath: no FMA contraction, numpy's rounding
 def combine_ranked(y, w, out):
