@@ -366,14 +366,18 @@ class Engine:
         block before each user message, raw text or ids)."""
         return self._prompt_ids(request, self._docs_on(request))
 
+    def _check_ids(self, what: str, ids) -> list[int]:
+        """``ids`` as ints, each checked against the vocabulary (the kernels index the embedding
+        without bounds checks). Raises ValueError naming ``what`` and the first bad id."""
+        ids = [int(t) for t in ids]
+        bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
+        if bad:
+            raise ValueError(f"{what}: token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
+        return ids
+
     def _prompt_ids(self, request: GenerateRequest, docs: bool) -> list[int]:
         if request.prompt_ids is not None:
-            ids = [int(t) for t in request.prompt_ids]
-            bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
-            if bad:
-                raise ValueError(f"prompt_ids: token id {bad[0]} is outside the vocabulary "
-                                 f"[0, {self.args.vocab_size})")
-            return ids
+            return self._check_ids("prompt_ids", request.prompt_ids)
         if request.messages:
             return self._encode_chat(request.messages, docs)
         if request.prompt is not None:
@@ -400,6 +404,8 @@ class Engine:
             entries = []
         if len(ids) == 0:
             raise ValueError("the prompt is empty")
+        if request.forced_ids is not None:
+            self._check_ids("forced_ids", request.forced_ids)
         if len(ids) >= C:
             raise ContextOverflowError(self._overflow_message(len(ids), bool(request.messages), dropped))
         return self._run(ids, request, sampler, cancel, dropped, tuple(entries))

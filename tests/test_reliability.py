@@ -502,3 +502,21 @@ def test_open_engine_claims_its_budget_until_closed(tmp_path, monkeypatch, tiny_
         assert len(files) == 1 and json.loads(files[0].read_text()) == {"pid": os.getpid(), "budget": eng.plan.budget}
         assert sysinfo.others_unreserved() == 0  # this process's own claims are not subtracted
     assert not list((tmp_path / "claims").glob("*.json"))
+
+
+@pytest.mark.parametrize("field", ["prompt_ids", "forced_ids"])
+def test_token_ids_outside_the_vocabulary_are_refused_before_any_compute(tiny_store, field):
+    """prompt_ids and forced_ids (teacher forcing) are both checked against the vocabulary by
+    generate() itself, before any compute: the numba embedding has no bounds checks."""
+    from engine.config import EngineConfig
+    from engine.events import GenerateRequest, SamplingParams
+    from engine.generate import Engine
+    with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, pilot=0)) as eng:
+        V = eng.args.vocab_size
+        kw = {"prompt_ids": (1, 2, V)} if field == "prompt_ids" else {"prompt_ids": (1, 2), "forced_ids": (3, V + 5)}
+        req = GenerateRequest(sampling=SamplingParams(max_new_tokens=2), **kw)
+        with pytest.raises(ValueError, match=f"{field}: token id {V if field == 'prompt_ids' else V + 5} is outside"):
+            eng.generate(req)
+        # the engine still runs a valid request afterwards
+        ok = [e for e in eng.generate(GenerateRequest(prompt_ids=(1, 2), sampling=SamplingParams(max_new_tokens=2)))]
+        assert ok
