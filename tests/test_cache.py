@@ -486,6 +486,53 @@ def _arena_mapping(cache):
     return perms, rss
 
 
+def _huge_advised_ranges(lo: int, hi: int) -> list[tuple[int, int]]:
+    """The address ranges inside [lo, hi) whose /proc/self/smaps VmFlags carry "hg" (MADV_HUGEPAGE)."""
+    out, cur = [], None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()
+            if "-" in head[0] and not head[0].endswith(":"):
+                a, b = (int(x, 16) for x in head[0].split("-"))
+                cur = (max(a, lo), min(b, hi)) if a < hi and b > lo else None
+            elif head[0] == "VmFlags:" and cur is not None and "hg" in head[1:]:
+                out.append(cur)
+    return sorted(out)
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps") or not hasattr(__import__("mmap"), "MADV_HUGEPAGE"),
+                    reason="Linux /proc and MADV_HUGEPAGE only")
+def test_huge_page_advice_covers_whole_blocks_inside_each_slot_only():
+    """The arena asks for transparent huge pages slot by slot: exactly the 2 MB-aligned blocks
+    that lie wholly inside one slot, never a block two slots share (so filling a slot never
+    faults its neighbour's pages in), as the kernel's own record (smaps VmFlags "hg") shows."""
+    import engine.expert_cache as ec
+
+    class Store(_MBStore):
+        slot_bytes = 3 * (1 << 20) + 4096 * 7  # 3 MB + 7 pages: slots straddle blocks unevenly
+
+    cache = ExpertCache(Store(), 2, 5, 5, policy="lru", io_threads=1)
+    try:
+        base, n, sb, H = cache.arena.ctypes.data, 10, Store.slot_bytes, ec.HUGE_PAGE
+        want = []
+        for i in range(n):  # whole blocks inside slot i, by brute force over every block
+            a, b = base + i * sb, base + (i + 1) * sb
+            blocks = [x for x in range(a - a % H, b, H) if x >= a and x + H <= b]
+            if blocks:
+                want.append((blocks[0], blocks[-1] + H))
+        got = _huge_advised_ranges(base, base + n * sb)
+        merged = []
+        for a, b in got:  # adjacent VMAs with the same flags may be reported apart or merged
+            if merged and merged[-1][1] == a:
+                merged[-1] = (merged[-1][0], b)
+            else:
+                merged.append((a, b))
+        assert merged == want and want
+        assert cache.huge_bytes == sum(b - a for a, b in want)
+    finally:
+        cache.close()
+
+
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux /proc only")
 def test_cap_reduction_gives_memory_back_to_the_os():
     """The arena is private anonymous memory: a shared anonymous mapping (Python's mmap
