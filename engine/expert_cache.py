@@ -1007,16 +1007,10 @@ class ExpertCache:
         """int8 [L, E] of ABSENT / RESIDENT / PINNED / LOADING (events.py constants)."""
         with self.lock:
             out = np.full((self.L, self.E), ABSENT, np.int8)
-            for layer in range(self.L):
-                for s in range(self.max_cap):
-                    st = self.slot_state[layer, s]
-                    if st == FREE:
-                        continue
-                    e = self.slot_expert[layer, s]
-                    if st == _LOADING:
-                        out[layer, e] = LOADING
-                    else:
-                        out[layer, e] = PINNED if self.pinned[layer, e] else RESIDENT
+            ls, ss = np.nonzero(self.slot_state != FREE)  # the live slots, as whole arrays: a
+            es = self.slot_expert[ls, ss]  # Python loop over L x cap slots took ~0.8 ms for
+            st = self.slot_state[ls, ss]  # 16 x 64 (the metrics take one every 0.1 s)
+            out[ls, es] = np.where(st == _LOADING, LOADING, np.where(self.pinned[ls, es], PINNED, RESIDENT))
             return out
 
     def is_present(self, layer: int, expert: int) -> bool:

@@ -766,3 +766,37 @@ def test_interrupted_populate_is_retried_not_given_up(monkeypatch):
         assert len(calls) >= 2
     finally:
         cache.close()
+
+
+def test_residency_matches_a_slot_by_slot_reading_of_the_cache_state():
+    """cache.residency() (whole-array) against the slot-by-slot rule it implements: a live slot's
+    expert is LOADING while its read runs, else PINNED or RESIDENT; experts in no slot ABSENT."""
+    import engine.expert_cache as ec
+    from engine.events import ABSENT, LOADING, PINNED, RESIDENT
+
+    L, E, cap = 3, 12, 7
+    cache = ExpertCache(_MBStore(), L, E, cap, policy="lru", io_threads=1)
+    try:
+        rng = np.random.default_rng(5)
+        for trial in range(20):
+            with cache.lock:
+                cache.slot_state[:] = rng.choice([ec.FREE, ec._LOADING, ec._RESIDENT], size=(L, cap))
+                cache.slot_expert[:] = -1
+                for layer in range(L):
+                    cache.slot_expert[layer] = rng.choice(E, cap, replace=False)
+                cache.pinned[:] = rng.random((L, E)) < 0.3
+                want = np.full((L, E), ABSENT, np.int8)
+                for layer in range(L):
+                    for s in range(cap):
+                        st, e = cache.slot_state[layer, s], cache.slot_expert[layer, s]
+                        if st == ec._LOADING:
+                            want[layer, e] = LOADING
+                        elif st == ec._RESIDENT:
+                            want[layer, e] = PINNED if cache.pinned[layer, e] else RESIDENT
+            got = cache.residency()
+            assert got.dtype == np.int8 and np.array_equal(got, want), trial
+        with cache.lock:  # leave a state close() can handle: nothing live
+            cache.slot_state[:] = ec.FREE
+            cache.slot_expert[:] = -1
+    finally:
+        cache.close()
