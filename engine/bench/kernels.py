@@ -13,7 +13,10 @@ Arms (each a fresh process, interleaved, the order reversed every other repetiti
 
 ``--cgroup-gb G`` adds, per arm, the same model inside a cgroup v1 memory limit of G GB
 (engine.bench.peers.MemCgroup): ours streamed at a RAM budget of G GB (automatic cap, O_DIRECT,
-nothing pre-loaded; decode tok/s, hit rate, MB read per token) and ``llama-bench -p 0 -n
+nothing pre-loaded; decode tok/s, hit rate, MB read per token of a second generation, after one
+warm-up generation of another stream: llama-bench times its tg after a load that reads the whole
+GGUF and after its own warm-up run; the first, cold generation's figures are in the JSON row as
+``tg<N>_cold``, ``hit_rate_cold``, ``mb_per_token_cold``) and ``llama-bench -p 0 -n
 tokens`` on its mmap'd GGUF in the same limit (the kernel evicts and re-reads its pages). Before
 every cgroup arm the arm's files are evicted from the page cache (posix_fadvise DONTNEED on
 them only): pages cached by an earlier arm stay charged to that arm's group, so a later
@@ -128,15 +131,22 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
         eng = Engine.open(EngineConfig(store=store, ram_budget_gb=budget_gb, pilot=0, pinning=False, history=False,
                                        threads=threads, context_length=ctx))
         try:
-            s = forced_stream(args.vocab_size, DECODE_PROMPT + tokens, seed)
-            req = GenerateRequest(prompt_ids=tuple(s[:DECODE_PROMPT]), forced_ids=tuple(s[DECODE_PROMPT:]),
-                                  sampling=SamplingParams(max_new_tokens=tokens))
-            fin = [e for e in eng.generate(req) if isinstance(e, Finished)][0]
-            if fin.error:
-                raise RuntimeError(f"{store}: {fin.error}")
+            def stream(s: list[int]) -> Finished:
+                req = GenerateRequest(prompt_ids=tuple(s[:DECODE_PROMPT]), forced_ids=tuple(s[DECODE_PROMPT:]),
+                                      sampling=SamplingParams(max_new_tokens=tokens))
+                fin = [e for e in eng.generate(req) if isinstance(e, Finished)][0]
+                if fin.error:
+                    raise RuntimeError(f"{store}: {fin.error}")
+                return fin
+            # cold: the first generation after open, every expert's first use a read
+            cold = stream(forced_stream(args.vocab_size, DECODE_PROMPT + tokens, seed + 999))
+            # warm: the timed one, after that warm-up, as llama-bench times its tg after loading
+            # (its load reads the whole GGUF) and its own warm-up run
+            fin = stream(forced_stream(args.vocab_size, DECODE_PROMPT + tokens, seed))
             return {"quant": eng.store.quant, "dense_quant": eng.store.dense_quant, "budget_gb": budget_gb,
                     "cap": eng.cache.cap, f"tg{tokens}": fin.decode_tok_per_s, "hit_rate": fin.hit_rate,
-                    "mb_per_token": fin.mb_per_token}
+                    "mb_per_token": fin.mb_per_token, f"tg{tokens}_cold": cold.decode_tok_per_s,
+                    "hit_rate_cold": cold.hit_rate, "mb_per_token_cold": cold.mb_per_token}
         finally:
             eng.close()
     eng = Engine.open(EngineConfig(store=store, cap=E, pilot=0, pinning=False, history=False, o_direct=False,
