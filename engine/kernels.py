@@ -2206,6 +2206,70 @@ def attention_sink(q, kc, vc, pos0, scale, sinks, out):
                       out)
 
 
+# --- the attention block of a decode step, in one call ---------------------------------------
+
+# The kernels the composite below calls, bound to names the SERIALIZED rebinding (launch safety,
+# the end of this module) leaves alone: numba resolves an njit function's globals when it compiles.
+_k_rmsnorm, _k_linears_q4i, _k_linear_q4i, _k_rope, _k_kv_put_f16, _k_attention = (
+    rmsnorm, linears_q4i, linear_q4i, rope, kv_put_f16, attention)
+
+
+def _kv_store(src, dst):
+    """dst = src as the KV cache holds it (typed by dst's dtype; see _kv_store_ov)."""
+
+
+@overload(_kv_store, jit_options={"fastmath": _FM})
+def _kv_store_ov(src, dst):
+    if dst.dtype == types.uint16:  # the 16-bit cache: numpy's rounding, clipped (kv_put_f16)
+        def impl(src, dst):
+            _k_kv_put_f16(src, dst)
+    else:  # float32: the values as they are
+        def impl(src, dst):
+            A, B, S = src.shape
+            for a in range(A):
+                for b in range(B):
+                    for c in range(S):
+                        dst[a, b, c] = src[a, b, c]
+    return impl
+
+
+@njit(**_KW)
+def attention_t1(x, ln_w, eps, w, s, gs, qkn, qn_w, kn_w, cos, sin, kc, vc, pos, scale, ow, osc, h, q, k, v,
+                 att, out):
+    """The attention block of one decode step (T = 1), the calls engine.models.base.MoEModel.
+    attention makes, made here in one call from Python (each kernel launch from Python costs
+    its dispatch; ~10 per layer): h = rmsnorm(x); q, k, v = linears_q4i(h); the q / k norm;
+    RoPE on every dimension; K and V written at position ``pos`` of the cache; attention over
+    positions 0..pos; out = linear_q4i(att). The same kernels in the same order, so the values
+    are bit-identical to that path (tests/test_families.py).
+
+    x float32 [1, D]; ln_w float32 [D] input_layernorm; w, s: the interleaved int4 q / k / v
+    weights (uint8 [O / IL, D / 64, IL * 32]) and half-bit scales (uint16 [O, D / gs]); qkn 0
+    no q / k norm, 1 over the whole projection ("proj", qn_w [H * S], kn_w [Hkv * S]), 2 per
+    head ("head", [S] each); cos, sin float32 [1, S / 2] of position pos; kc, vc [Hkv, C, S]
+    this layer's cache (float32, or uint16 half bits); ow, osc: o_proj as w / s; h float32
+    [1, D], q [1, H * S], k, v [1, Hkv * S], att [1, H * S] scratch; out float32 [1, D]."""
+    _k_rmsnorm(x, ln_w, eps, h)
+    _k_linears_q4i(h, w, s, gs, (q, k, v))
+    Hkv, S = kc.shape[0], kc.shape[2]
+    H = q.shape[1] // S
+    if qkn == 1:
+        _k_rmsnorm(q, qn_w, eps, q)
+        _k_rmsnorm(k, kn_w, eps, k)
+    elif qkn == 2:
+        q2, k2 = q.reshape((H, S)), k.reshape((Hkv, S))
+        _k_rmsnorm(q2, qn_w, eps, q2)
+        _k_rmsnorm(k2, kn_w, eps, k2)
+    q3, k3, v3 = q.reshape((1, H, S)), k.reshape((1, Hkv, S)), v.reshape((1, Hkv, S))
+    _k_rope(q3, cos, sin)
+    _k_rope(k3, cos, sin)
+    _kv_store(k3, kc[:, pos:pos + 1].transpose((1, 0, 2)))
+    _kv_store(v3, vc[:, pos:pos + 1].transpose((1, 0, 2)))
+    att3 = att.reshape((1, H, S))
+    _k_attention(q3, kc, vc, pos, scale, att3)
+    _k_linear_q4i(att, ow, osc, gs, out)
+
+
 # --- gated delta rule (Qwen3-Next / Qwen3.5 linear attention) -----------------------------
 
 DELTA_EXP_FLOOR = np.float32(-80.0)  # e^x below e^-80 taken as 0: no float32 subnormals (x86: ~100x slower)
@@ -2312,7 +2376,7 @@ PARALLEL_KERNELS = ("linear_f32", "linear_f16", "linear_q8", "linear_q4", "linea
                     "linear_mxfp4", "expert_f32",
                     "expert_f16", "expert_q8", "expert_q4", "expert_q4i", "experts_q4_t1", "experts_q8_t1",
                     "experts_q4_sorted", "combine_sorted",
-                    "attention", "attention_sink", "gated_delta", "kv_put_f16")
+                    "attention", "attention_sink", "gated_delta", "kv_put_f16", "attention_t1")
 _LAUNCH_LOCK = threading.Lock()
 
 

@@ -479,6 +479,39 @@ def test_interleaved_int4_attention_is_bit_identical(family_stores, tmp_path, mo
         assert il  # the standard attention's int4 matrices took the interleaved kernels
 
 
+@pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
+@pytest.mark.parametrize("name", ["olmoe", "qwen3_moe", "mixtral"])
+def test_decode_attention_in_one_call_is_bit_identical(family_stores, tmp_path, monkeypatch, name, kv_dtype):
+    """K.attention_t1 (a decode step's attention block in one kernel call) gives the same logits,
+    bit for bit, as the block's separate kernels, for the three q / k norm kinds (OLMoE "proj",
+    Qwen3 "head", Mixtral none: without a sliding window, which keeps the separate kernels) and
+    both KV cache kinds; and it is the path those layers take."""
+    import engine.models.base as base
+    if not K_SIMD:
+        pytest.skip("the interleaved int4 kernels need the SIMD path")
+    if name == "mixtral":
+        ck = tmp_path / "ck"
+        ck = write_checkpoint(ck, mixtral_config(num_hidden_layers=2, head_dim=32), seed=3, std=0.1)
+    else:
+        ck, _ = family_stores[name]
+    store = convert_checkpoint(ck, tmp_path / "s", quant="int4", dense_quant="int4")
+    taken = []
+    real = base.MoEModel._attention_t1_args
+
+    def spy(self, i):
+        r = real(self, i)
+        taken.append(r is not None)
+        return r
+    monkeypatch.setattr(base.MoEModel, "_attention_t1_args", spy)
+    got, _ = _logits_prefill_then_decode(store, kv_dtype=kv_dtype)
+    assert taken and all(taken)
+    monkeypatch.setattr(base, "ATTENTION_T1", False)
+    taken.clear()
+    ref, _ = _logits_prefill_then_decode(store, kv_dtype=kv_dtype)
+    assert taken and not any(taken)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+
+
 def _wide_experts(cfg: dict, width: int = 128) -> dict:
     """``cfg`` with expert (and dense MLP) widths of ``width`` columns, so int4 expert slabs can
     be stored interleaved (engine.quant.int4_interleavable: multiples of 64), with down_proj

@@ -42,6 +42,9 @@ PREFILL_CHUNK = 128
 # int4 attention matrices stored row-interleaved (Linear.interleave, K.linear_q4i): a decode step
 # reads each group of 4 rows in one pass. Values are bit-identical; tests turn it off to compare.
 INTERLEAVE_Q4 = True
+# A decode step's attention block in one kernel call (K.attention_t1) where the layer is the plain
+# kind it runs; the same values either way. Tests turn it off to compare.
+ATTENTION_T1 = True
 KV_DTYPES = {"f16": np.uint16, "f32": np.float32}  # KV cache element: IEEE half bits or float32
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # slab field names (store canonical)
 
@@ -909,6 +912,7 @@ class MoEModel:
         self._sorted_memo: bool | None = None  # _sorted_ok
         self._t1_memo: tuple | None = None  # _t1_plan
         self._il_memo: bool | None = None  # _slabs_interleaved
+        self._att1_memo: dict[int, tuple | None] = {}  # _attention_t1_args
         # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
         # layer start, post-attention residual, routing, post-MoE residual. Dense layers
         # publish nothing.
@@ -984,9 +988,49 @@ class MoEModel:
             K.rmsnorm(q2, ly["q_norm"], a.rms_norm_eps, q2)
             K.rmsnorm(k2, ly["k_norm"], a.rms_norm_eps, k2)
 
+    def _attention_t1_args(self, i: int) -> tuple | None:
+        """The fixed arguments of K.attention_t1 for transformer layer i, or None when the layer
+        is not the plain kind it runs: int4 q / k / v / o row-interleaved with no biases, no
+        q / k clipping, RoPE on every head dimension, no sliding window or sinks, a KV cache of
+        this class's kinds, and a family that does not override the attention's steps.
+        Memoised per layer."""
+        memo = self._att1_memo
+        if i in memo:
+            return memo[i]
+        a, ly = self.args, self.layers[i]
+        qkv, o = ly.get("qkv"), ly.get("o_proj")
+        cls = type(self)
+        ok = (ATTENTION_T1 and hasattr(K, "attention_t1") and isinstance(qkv, LinearGroup) and qkv.il
+              and len(qkv.parts) == 3 and isinstance(o, Linear) and o.il and o.gs == qkv.gs
+              and all(p.bias is None for p in qkv.parts) and o.bias is None
+              and a.clip_qkv is None and self.rotary_dim == a.head_dim and not self.windows[i]
+              and ly.get("sinks") is None and a.qk_norm in ("none", "proj", "head")
+              and all(getattr(cls, f) is getattr(MoEModel, f)
+                      for f in ("attention", "qk_norm", "_attend", "_kv_append", "_kv_write")))
+        args = None
+        if ok:
+            qkn = {"none": 0, "proj": 1, "head": 2}[a.qk_norm]
+            none = np.zeros(1, np.float32)
+            args = (ly["input_layernorm"], a.rms_norm_eps, qkv.w, qkv.s, qkv.gs, qkn,
+                    ly["q_norm"] if qkn else none, ly["k_norm"] if qkn else none, o.w, o.s)
+        memo[i] = args
+        return args
+
     def attention(self, i: int, x: np.ndarray, pos0: int) -> np.ndarray:
         a, ly = self.args, self.layers[i]
         T = x.shape[0]
+        if T == 1:
+            f = self._attention_t1_args(i)
+            if f is not None:  # one kernel call, the same values as the steps below
+                ln_w, eps, w, s, gs, qkn, qn_w, kn_w, ow, osc = f
+                H, Hkv, S = a.num_attention_heads, a.num_key_value_heads, a.head_dim
+                out = np.empty_like(x)
+                K.attention_t1(x, ln_w, eps, w, s, gs, qkn, qn_w, kn_w, self.cos[pos0:pos0 + 1],
+                               self.sin[pos0:pos0 + 1], self.k_cache[i], self.v_cache[i], pos0, self.scale,
+                               ow, osc, np.empty_like(x), np.empty((1, H * S), np.float32),
+                               np.empty((1, Hkv * S), np.float32), np.empty((1, Hkv * S), np.float32),
+                               np.empty((1, H * S), np.float32), out)
+                return out
         H, Hkv, S = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         h = np.empty_like(x)  # [T, D]
         K.rmsnorm(x, ly["input_layernorm"], a.rms_norm_eps, h)
