@@ -126,8 +126,19 @@ def _errno() -> int:
 
 
 HUGE_PAGE = 2 << 20  # bytes: the transparent huge page of x86-64 and arm64 (4 KB granule)
-MAX_HUGE_SLOTS = 16384  # slots given huge-page advice at most: each splits off ~2 of the
-# process's memory mappings (vm.max_map_count, 65530 by default)
+
+
+def _mapping_room() -> int | None:
+    """Memory mappings this process may still create: vm.max_map_count (65530 by default) minus
+    the mappings it has (the lines of /proc/self/maps); None where /proc does not tell."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            limit = int(f.read())
+        with open("/proc/self/maps", "rb") as f:
+            used = sum(1 for _ in f)
+    except (OSError, ValueError):
+        return None
+    return limit - used
 
 
 def _advise_huge_interiors(mm: mmap.mmap, base: int, slot_bytes: int, nslots: int) -> int:
@@ -136,26 +147,38 @@ def _advise_huge_interiors(mm: mmap.mmap, base: int, slot_bytes: int, nslots: in
     map ``mm``, whose first byte is at address ``base``. Only interiors, never a block two slots
     share: a page of a slot the cache has not filled is never faulted in by its neighbour's
     read (the RSS stays the pages the cache knows, tests/test_cache.py), and giving a slot back
-    (MADV_DONTNEED) frees its huge pages whole. Returns the bytes advised (0 where the platform
-    has no MADV_HUGEPAGE, slots are smaller than two huge pages' span, there are more than
-    MAX_HUGE_SLOTS, or the kernel refuses: THP compiled out, out of mappings).
+    (MADV_DONTNEED) frees its huge pages whole.
+
+    Each advised interior becomes a memory mapping of its own, with one unadvised mapping
+    between two of them: up to 2 per slot, against the process's limit (vm.max_map_count; at
+    the limit an mmap, a thread stack or a numpy allocation fails). So nothing is advised
+    unless those mappings take at most half of the room left (_mapping_room); a madvise that
+    still fails stops the advice there. Returns the bytes advised: 0 where the platform has no
+    MADV_HUGEPAGE or /proc does not tell the room, slots are smaller than one huge page, the
+    room is short, or the kernel refuses (THP compiled out).
 
     Why: the decode kernels stream every routed expert's slab from the arena once per token;
     with 4 KB pages a 3.5 MB slab is ~900 TLB misses, each a two-level page walk in a VM.
     Measured (tools/micro_arena.py, OLMoE-1B-7B slabs, 8 of 64 experts per call, 2 threads,
     this VM): K.experts_q4_t1 870-1196 us per call on 4 KB pages, 807-886 us on huge pages."""
-    if not hasattr(mmap, "MADV_HUGEPAGE") or slot_bytes < HUGE_PAGE or nslots > MAX_HUGE_SLOTS:
+    if not hasattr(mmap, "MADV_HUGEPAGE") or slot_bytes < HUGE_PAGE or nslots < 1:
         return 0
-    done = 0
+    spans = []
     for i in range(nslots):
         lo = -(-(base + i * slot_bytes) // HUGE_PAGE) * HUGE_PAGE - base  # offsets in mm
         hi = (base + (i + 1) * slot_bytes) // HUGE_PAGE * HUGE_PAGE - base
         if hi > lo:
-            try:
-                mm.madvise(mmap.MADV_HUGEPAGE, lo, hi - lo)
-            except OSError:
-                return done
-            done += hi - lo
+            spans.append((lo, hi))
+    room = _mapping_room()
+    if room is None or 2 * len(spans) > room // 2:
+        return 0
+    done = 0
+    for lo, hi in spans:
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE, lo, hi - lo)
+        except OSError:
+            return done
+        done += hi - lo
     return done
 
 

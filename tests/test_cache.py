@@ -500,8 +500,11 @@ def _huge_advised_ranges(lo: int, hi: int) -> list[tuple[int, int]]:
     return sorted(out)
 
 
-@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps") or not hasattr(__import__("mmap"), "MADV_HUGEPAGE"),
-                    reason="Linux /proc and MADV_HUGEPAGE only")
+_THP = (__import__("os").path.exists("/proc/self/smaps") and hasattr(__import__("mmap"), "MADV_HUGEPAGE")
+        and __import__("os").path.isdir("/sys/kernel/mm/transparent_hugepage"))
+
+
+@pytest.mark.skipif(not _THP, reason="Linux /proc, MADV_HUGEPAGE and a kernel with transparent huge pages only")
 def test_huge_page_advice_covers_whole_blocks_inside_each_slot_only():
     """The arena asks for transparent huge pages slot by slot: exactly the 2 MB-aligned blocks
     that lie wholly inside one slot, never a block two slots share (so filling a slot never
@@ -531,6 +534,45 @@ def test_huge_page_advice_covers_whole_blocks_inside_each_slot_only():
         assert cache.huge_bytes == sum(b - a for a, b in want)
     finally:
         cache.close()
+
+
+@pytest.mark.skipif(not _THP, reason="Linux /proc, MADV_HUGEPAGE and a kernel with transparent huge pages only")
+def test_huge_page_advice_never_takes_more_than_half_the_mappings_left(monkeypatch):
+    """Each advised slot interior is a memory mapping of its own (up to 2 per slot); at the
+    process's limit (vm.max_map_count) a thread or an mmap can no longer be made, which hung an
+    ExpertCache opened near it (review of session 37). With too little room nothing is advised
+    and no mapping is split; with room, the advice goes ahead."""
+    import engine.expert_cache as ec
+
+    class Store(_MBStore):
+        slot_bytes = 3 * (1 << 20) + 4096 * 7
+
+    def maps_in(cache):
+        base = cache.arena.ctypes.data
+        return len(_huge_advised_ranges(base, base + 10 * Store.slot_bytes))
+
+    # 10 slots of 3 MB + 7 pages: at least one has a whole huge page inside (2 mappings), so
+    # a room of 3 (half: 1) is short, and 2 * 2 * 10 is enough whatever the arena's alignment
+    monkeypatch.setattr(ec, "_mapping_room", lambda: 3)
+    cache = ExpertCache(Store(), 2, 5, 5, policy="lru", io_threads=1)
+    try:
+        assert cache.huge_bytes == 0 and maps_in(cache) == 0
+    finally:
+        cache.close()
+    monkeypatch.setattr(ec, "_mapping_room", lambda: None)  # /proc does not tell: no advice either
+    cache = ExpertCache(Store(), 2, 5, 5, policy="lru", io_threads=1)
+    try:
+        assert cache.huge_bytes == 0 and maps_in(cache) == 0
+    finally:
+        cache.close()
+    monkeypatch.setattr(ec, "_mapping_room", lambda: 2 * 2 * 10)
+    cache = ExpertCache(Store(), 2, 5, 5, policy="lru", io_threads=1)
+    try:
+        assert cache.huge_bytes > 0 and maps_in(cache) > 0
+    finally:
+        cache.close()
+    room = ec._mapping_room()
+    assert room is not None and 0 < room < 10 ** 7  # the real reading: limit minus /proc/self/maps
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="Linux /proc only")

@@ -242,3 +242,20 @@ def test_config_missing_linear_num_key_heads_names_it(tmp_path):
     (ck / "config.json").write_text(json.dumps(c))
     with pytest.raises(ConfigError, match=r"ck/config.json: .*'linear_num_key_heads' is absent \(transformers' default 16\)"):
         convert_checkpoint(ck, tmp_path / "st", quant="int8")
+
+
+def test_positions_outside_the_context_are_refused_before_any_compute(hybrid_stores, tiny_store):
+    """A negative position (numpy's slices would wrap to the cache's end: the one-call decode
+    attention wrote K and V at row C - 1) or one past the context is a ValueError naming it,
+    and the KV cache is untouched; for the standard model and the hybrid one."""
+    for store in (tiny_store, hybrid_stores["qwen3_next"]):
+        cfg = EngineConfig(store=str(store), history=False, o_direct=False, context_length=64)
+        with Engine.open(cfg) as eng:
+            m = eng.model
+            m.forward(np.arange(4), 0)
+            before = m.k_cache.copy(), m.v_cache.copy()
+            with pytest.raises(ValueError, match="position -1 is negative"):
+                m.forward(np.array([3]), -1)
+            with pytest.raises(ValueError, match="exceed the context of 64 tokens"):
+                m.forward(np.arange(3), 62)
+            assert np.array_equal(m.k_cache, before[0]) and np.array_equal(m.v_cache, before[1])

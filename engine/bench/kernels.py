@@ -118,8 +118,9 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
               cpu_time: bool = False, budget_gb: float | None = None) -> dict:
     """One process: open ``store`` all resident, return prefill tok/s per prompt length and
     decode tok/s (see the module docstring). With ``budget_gb``: the store streamed at that RAM
-    budget instead (automatic cap, O_DIRECT, nothing pre-loaded): decode tok/s, hit rate and
-    MB read per token of the teacher-forced stream only."""
+    budget instead (automatic cap, O_DIRECT, nothing pre-loaded): decode tok/s of a second
+    teacher-forced generation after a first (cold) one, hit rate and MB read per token of that
+    generation (its 16-token prompt's prefill included), and the first one's as ``*_cold``."""
     from .common import forced_stream
     from ..config import EngineConfig, ModelArgs
     from ..events import Finished, GenerateRequest, SamplingParams

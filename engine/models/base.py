@@ -1393,10 +1393,12 @@ class MoEModel:
         Returns float32 logits [T, V] if all_logits else [1, V] (last position).
         Raises:
             Cancelled: ``cancel`` was set (polled between chunks and layers).
-            ValueError: the positions exceed the context capacity.
+            ValueError: the positions are negative or exceed the context capacity.
         """
         ids = np.asarray(ids, dtype=np.int64)
         T = len(ids)
+        if pos0 < 0:  # numpy's slices would wrap (the KV row of a negative position is the cache's end)
+            raise ValueError(f"position {pos0} is negative: positions start at 0")
         if pos0 + T > self.C:
             raise ValueError(f"positions {pos0}..{pos0 + T - 1} exceed the context of {self.C} tokens")
         obs = self.observers

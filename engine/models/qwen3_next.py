@@ -398,12 +398,15 @@ class Model(base.MoEModel):
 
         Raises:
             Cancelled: ``cancel`` was set (the live state is then unknown until rewound).
-            ValueError: no tokens, the positions exceed the context capacity, or no state at pos0.
+            ValueError: no tokens, the positions are negative or exceed the context capacity, or no
+                state at pos0.
         """
         ids = np.asarray(ids, dtype=np.int64)
         T = len(ids)
         if T == 0:
             raise ValueError("forward needs at least one token")
+        if pos0 < 0:  # numpy's slices would wrap (the KV row of a negative position is the cache's end)
+            raise ValueError(f"position {pos0} is negative: positions start at 0")
         if pos0 + T > self.C:
             raise ValueError(f"positions {pos0}..{pos0 + T - 1} exceed the context of {self.C} tokens")
         self._state_at(pos0)
