@@ -88,6 +88,22 @@ class PeakRss:
         self._stop.set()
         self._t.join()
 
+def run_forced(eng, prompt, forced):
+    """One teacher-forced generation on the open Engine ``eng``: prompt ids, then ``forced``
+    ids fed as the output (len(forced) tokens); returns its Finished event.
+
+    Raises:
+        RuntimeError: the generation ended with an error (named with the store's path).
+    """
+    from ..events import Finished, GenerateRequest, SamplingParams
+    req = GenerateRequest(prompt_ids=tuple(prompt), forced_ids=tuple(forced),
+                          sampling=SamplingParams(max_new_tokens=len(forced)))
+    fin = [e for e in eng.generate(req) if isinstance(e, Finished)][0]
+    if fin.error:
+        raise RuntimeError(f"{eng.store.path}: {fin.error}")
+    return fin
+
+
 def heldout_stream(path: str | Path) -> list[int]:
     """Token ids of a held-out file (JSON lines with an "ids" list each), concatenated: real
     text, so a trained model routes as it does on real input (teacher forced, never sampled)."""

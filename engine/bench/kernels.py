@@ -121,9 +121,9 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
     budget instead (automatic cap, O_DIRECT, nothing pre-loaded): decode tok/s of a second
     teacher-forced generation after a first (cold) one, hit rate and MB read per token of that
     generation (its 16-token prompt's prefill included), and the first one's as ``*_cold``."""
-    from .common import forced_stream
+    from .common import forced_stream, run_forced
     from ..config import EngineConfig, ModelArgs
-    from ..events import Finished, GenerateRequest, SamplingParams
+    from ..events import Finished
     from ..generate import Engine
     args = ModelArgs.from_hf_config(Path(store) / "config.json")
     E = args.num_experts
@@ -133,12 +133,7 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
                                        threads=threads, context_length=ctx))
         try:
             def stream(s: list[int]) -> Finished:
-                req = GenerateRequest(prompt_ids=tuple(s[:DECODE_PROMPT]), forced_ids=tuple(s[DECODE_PROMPT:]),
-                                      sampling=SamplingParams(max_new_tokens=tokens))
-                fin = [e for e in eng.generate(req) if isinstance(e, Finished)][0]
-                if fin.error:
-                    raise RuntimeError(f"{store}: {fin.error}")
-                return fin
+                return run_forced(eng, s[:DECODE_PROMPT], s[DECODE_PROMPT:])
             # cold: the first generation after open, every expert's first use a read
             cold = stream(forced_stream(args.vocab_size, DECODE_PROMPT + tokens, seed + 999))
             # warm: the timed one, after that warm-up, as llama-bench times its tg after loading
@@ -157,12 +152,7 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
             eng.cache.load_experts(layer, np.arange(E))
 
         def run(prompt: list[int], forced: list[int]) -> Finished:
-            req = GenerateRequest(prompt_ids=tuple(prompt), forced_ids=tuple(forced),
-                                  sampling=SamplingParams(max_new_tokens=len(forced)))
-            fin = [e for e in eng.generate(req) if isinstance(e, Finished)][0]
-            if fin.error:
-                raise RuntimeError(f"{store}: {fin.error}")
-            return fin
+            return run_forced(eng, prompt, forced)
         warm = forced_stream(args.vocab_size, 40, seed + 999)
         run(warm[:32], warm[32:])  # JIT for T = 32 and T = 1; not counted
         out = {"quant": eng.store.quant, "dense_quant": eng.store.dense_quant,

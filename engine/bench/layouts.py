@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .common import forced_stream, machine_info, md_table, write_results
+from .common import forced_stream, machine_info, md_table, run_forced, write_results
 
 
 def _parse_arm(s: str) -> tuple[str, str]:
@@ -60,7 +60,7 @@ def run(stores: list[tuple[str, str]], threads: int, reps: int, prompt: int, tok
     """
     from ..config import EngineConfig, ModelArgs
     from ..errors import EngineError
-    from ..events import Finished, GenerateRequest, SamplingParams
+    from ..events import Finished
     from ..generate import Engine
     import psutil
     if len(stores) < 2:
@@ -97,12 +97,7 @@ def run(stores: list[tuple[str, str]], threads: int, reps: int, prompt: int, tok
 
         def request(eng, r: int) -> Finished:
             s = forced_stream(vocab, prompt + tokens, seed + r)
-            req = GenerateRequest(prompt_ids=tuple(s[:prompt]), forced_ids=tuple(s[prompt:]),
-                                  sampling=SamplingParams(max_new_tokens=tokens))
-            fin = [e for e in eng.generate(req) if isinstance(e, Finished)][0]
-            if fin.error:
-                raise RuntimeError(f"{eng.store.path}: {fin.error}")
-            return fin
+            return run_forced(eng, s[:prompt], s[prompt:])
         for eng in engs.values():
             request(eng, 10_000)  # warm-up (JIT of this prompt length), its own stream, not counted
         labels = [label for label, _ in stores]

@@ -1019,11 +1019,11 @@ class MoEModel:
     def attention(self, i: int, x: np.ndarray, pos0: int) -> np.ndarray:
         a, ly = self.args, self.layers[i]
         T = x.shape[0]
+        H, Hkv, S = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         if T == 1:
             f = self._attention_t1_args(i)
             if f is not None:  # one kernel call, the same values as the steps below
                 ln_w, eps, w, s, gs, qkn, qn_w, kn_w, ow, osc = f
-                H, Hkv, S = a.num_attention_heads, a.num_key_value_heads, a.head_dim
                 out = np.empty_like(x)
                 K.attention_t1(x, ln_w, eps, w, s, gs, qkn, qn_w, kn_w, self.cos[pos0:pos0 + 1],
                                self.sin[pos0:pos0 + 1], self.k_cache[i], self.v_cache[i], pos0, self.scale,
@@ -1031,7 +1031,6 @@ class MoEModel:
                                np.empty((1, Hkv * S), np.float32), np.empty((1, Hkv * S), np.float32),
                                np.empty((1, H * S), np.float32), out)
                 return out
-        H, Hkv, S = a.num_attention_heads, a.num_key_value_heads, a.head_dim
         h = np.empty_like(x)  # [T, D]
         K.rmsnorm(x, ly["input_layernorm"], a.rms_norm_eps, h)
         q, k, v = ly["qkv"](h, (np.empty((T, H * S), np.float32),  # [T, H*S]
