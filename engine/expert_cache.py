@@ -724,6 +724,44 @@ class ExpertCache:
                     staged.pop(s, None)
         return hits, ss, []
 
+    def take_all_resident(self, run, before_layer=None) -> bool:
+        """Run a decode step that takes every MoE layer's experts itself (K.decode_layers_t1,
+        through engine.models.base.MoEModel.forward), with the lock held, when every expert of
+        every layer is resident: then no read is in flight, none can start and nothing can be
+        evicted while it runs. Afterwards, layer by layer, ``before_layer(layer)`` (the
+        model's token-batched observers: the routing heat and EMA a layer's take reads) and,
+        under the lock, the counters, speculation flags and eviction order of that layer's
+        take, so the state ends as :meth:`take_split` + :meth:`release_slots` per layer leave it.
+
+        ``run(where, slot_state, slot_busy, last_use, routed_now, pinned, slot_spec, resident,
+        clock)`` gets the cache's [L, ...] arrays, the RESIDENT state code and the use clock and
+        returns (clock after, ea int64 [L, k] each layer's experts in ascending id order, ss
+        int64 [L, k] their slots, pm bool [L, k] whether pinned, nspec int64 [L] the taken
+        slots still flagged speculative), having done cache_take_resident's array half for
+        each layer in order and given the slots back.
+
+        Returns False, without calling anything, when some expert is not resident.
+        Raises:
+            RuntimeError: ``run`` reported an expert that was not resident (a bug).
+        """
+        with self.lock:
+            if self.max_cap != self.E or self._closed or not (self.slot_state == _RESIDENT).all():
+                return False
+            clock, ea, ss, pm, nspec = run(self.where, self.slot_state, self.slot_busy, self.last_use,
+                                           self.routed_now, self.pinned, self.slot_spec, _RESIDENT, self.clock)
+            if clock < 0:
+                raise RuntimeError(f"decode step: layer {-1 - clock} found an expert not resident "
+                                   "although every expert was")
+        for layer in range(self.L):
+            if before_layer is not None:
+                before_layer(layer)
+            with self.lock:
+                self._take_all(layer, ea[layer], ss[layer], pm[layer].tolist(), int(nspec[layer]))
+        with self.lock:
+            if self._cond_waiters:
+                self.cond.notify_all()
+        return True
+
     def release_slots(self, layer: int, slots: np.ndarray) -> None:
         """Give back the slots (int64 [n], distinct) :meth:`take_split` took."""
         if not len(slots):

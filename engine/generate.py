@@ -44,7 +44,12 @@ ADAPT_INTERVAL_S = 0.25  # threads = 0 (auto): re-count the free cores this ofte
 class RoutingFeed(Observer):
     """The engine's own routing observer: counts the routing heat (RoutingHeat.observe) and,
     under the "ema" policy, feeds the cache the call's mean router probabilities
-    (ExpertCache.observe_probs) before the layer's experts are requested."""
+    (ExpertCache.observe_probs) before the layer's experts are requested.
+
+    Token-batched (Observer.token_batched): a decode step runs in one call only when every
+    expert is resident, so no eviction reads the EMA during it; heat and EMA end the same."""
+
+    token_batched = True
 
     def __init__(self, heat: RoutingHeat, cache: ExpertCache):
         self.heat, self.cache = heat, cache
@@ -57,7 +62,10 @@ class RoutingFeed(Observer):
 
 class _GuardPoll(Observer):
     """Polls the engine's RSS guard at every MoE layer start; when the guard unpinned experts
-    to lower the cap, the persisted pin set follows."""
+    to lower the cap, the persisted pin set follows. Token-batched: after a decode step no
+    expert is acquired either, so polling then is as safe."""
+
+    token_batched = True
 
     def __init__(self, engine: "Engine"):
         self.engine = engine

@@ -1784,6 +1784,51 @@ def cache_take_resident(where, state, busy, last_use, routed_now, pinned, spec, 
     return nspec
 
 
+# --- routing: softmax top-k -----------------------------------------------------------------
+
+@njit(inline="always", nogil=True, cache=_KW["cache"])  # no fastmath: the sums in order
+def _route_row(lg, k, norm, idx, w, p):
+    """One row of :func:`route_softmax` (lg [E] logits -> idx [k], w [k], p [E])."""
+    E = lg.shape[0]
+    m = lg[0]
+    for e in range(1, E):
+        if lg[e] > m:
+            m = lg[e]
+    tot = np.float32(0.0)
+    for e in range(E):
+        p[e] = _exp32(lg[e] - m)
+        tot += p[e]
+    for e in range(E):
+        p[e] = p[e] / tot
+    taken = np.zeros(E, np.bool_)
+    for r in range(k):
+        best = -1
+        for e in range(E):  # strict >: the lowest id among equal probabilities
+            if not taken[e] and (best < 0 or p[e] > p[best]):
+                best = e
+        taken[best] = True
+        idx[r] = best
+        w[r] = p[best]
+    if norm:
+        t = np.float32(0.0)
+        for r in range(k):
+            t += w[r]
+        for r in range(k):
+            w[r] = w[r] / t
+
+
+@njit(nogil=True, cache=_KW["cache"])
+def route_softmax(logits, k, norm, idx, w, p):
+    """Softmax router, top-k: p = softmax(logits) per row (e**(z - max) by _exp32, summed in
+    expert order in float32, each divided by the sum); idx = the k largest p, descending, the
+    lowest id first among equal ones; w = their p, divided by their sum (summed in rank order)
+    when ``norm`` (transformers' ``norm_topk_prob``). Bit-identical to kernels_ref.route_softmax.
+
+    logits float32 [T, E]; idx int64 [T, k], w float32 [T, k], p float32 [T, E] outputs."""
+    for t in range(logits.shape[0]):
+        _route_row(logits[t], k, norm, idx[t], w[t], p[t])
+
+
 # --- embeddings -------------------------------------------------------------------------
 
 @njit(nogil=True, cache=_KW["cache"])  # no fastmath: no FMA contraction, numpy's rounding
@@ -2212,6 +2257,7 @@ def attention_sink(q, kc, vc, pos0, scale, sinks, out):
 # the end of this module) leaves alone: numba resolves an njit function's globals when it compiles.
 _k_rmsnorm, _k_linears_q4i, _k_linear_q4i, _k_rope, _k_kv_put_f16, _k_attention = (
     rmsnorm, linears_q4i, linear_q4i, rope, kv_put_f16, attention)
+_k_cache_take_resident, _k_combine_ranked = cache_take_resident, combine_ranked
 
 
 def _kv_store(src, dst):
@@ -2268,6 +2314,96 @@ def attention_t1(x, ln_w, eps, w, s, gs, qkn, qn_w, kn_w, cos, sin, kc, vc, pos,
     att3 = att.reshape((1, H, S))
     _k_attention(q3, kc, vc, pos, scale, att3)
     _k_linear_q4i(att, ow, osc, gs, out)
+
+
+# --- every layer of a decode step, in one call -----------------------------------------------
+
+_k_attention_t1, _k_linear_f32, _k_experts_q4_t1, _k_experts_q8_t1 = (
+    attention_t1, linear_f32, experts_q4_t1, experts_q8_t1)
+
+
+@njit(nogil=True, cache=_KW["cache"])  # no fastmath: the residual adds as numpy's
+def decode_layers_t1(x, pos, cos, sin, kc, vc, scale, eps, ln_w, qkv_w, qkv_s, gs, qkn, qn_w, kn_w, o_w, o_s,
+                     post_w, router_w, topk, norm, where, state, busy, last_use, routed_now, pinned, spec,
+                     resident, clock, arena, max_cap, slot_bytes, fields, I, egs, q4, il,
+                     idx, w, logits, ss, pm, nspec):
+    """Every layer of one decode step (T = 1) of a model whose layers are all plain MoE layers
+    and whose routed experts are all resident in the expert cache's arena: for each layer l,
+    the calls engine.models.base.MoEModel.forward makes from Python, in the same order with
+    the same kernels, so the values are bit-identical to that path (tests/test_families.py):
+
+    x += attention_t1(x); h = rmsnorm(x, post_w[l]); logits[l] = h @ router_w[l]^T;
+    route_softmax; the experts taken in ascending id order as cache_take_resident does
+    (ExpertCache.take_split, the caller holds the cache's lock); experts_q4_t1 / _q8_t1 on
+    their slabs; combine_ranked in rank order; x += that; the slots given back.
+
+    x float32 [1, D] (updated in place); pos the position; cos, sin float32 [1, S / 2]; kc, vc
+    [L, Hkv, C, S] the KV cache; ln_w, qkv_w, qkv_s, qn_w, kn_w, o_w, o_s, post_w, router_w:
+    typed lists of L per-layer items (attention_t1's arguments, qkv_w / qkv_s tuples of the q,
+    k, v arrays; post_attention_layernorm float32 [D]; router float32 [E, D]); where .. spec: the cache's [L, ...] arrays; clock its use
+    clock; arena uint8, max_cap, slot_bytes: its slabs (slot s of layer l at (l * max_cap + s)
+    * slot_bytes); fields int64 [6] the weight offsets inside a slab; I, egs, q4, il: expert
+    width, int4 group size, int4 (else int8), interleaved slabs. Outputs per layer: idx int64
+    [L, k], w float32 [L, k] (rank order), logits float32 [L, E], ss int64 [L, k] the slots
+    and pm bool [L, k] whether pinned (both in ascending id order), nspec int64 [L] the taken
+    slots still flagged speculative.
+
+    Returns the use clock after the step, or -1 - l when an expert of layer l was not
+    resident (the state of the earlier layers' cache rows is then as after their take and
+    release, x as after layer l's attention; the caller must not let that happen)."""
+    L = len(ln_w)
+    D = x.shape[1]
+    E = logits.shape[1]
+    h = np.empty((1, D), np.float32)
+    ao = np.empty((1, D), np.float32)
+    hn = np.empty((1, D), np.float32)
+    HS, KS = qkv_s[0][0].shape[0], qkv_s[0][1].shape[0]  # rows of q, of k (= of v)
+    q = np.empty((1, HS), np.float32)
+    kk = np.empty((1, KS), np.float32)
+    vv = np.empty((1, KS), np.float32)
+    att = np.empty((1, HS), np.float32)
+    p = np.empty((1, E), np.float32)
+    ea = np.empty(topk, np.int64)
+    order = np.empty(topk, np.int64)
+    offs = np.empty((topk, 6), np.int64)
+    hs = np.empty((topk, I), np.float32)
+    out = np.empty((topk, D), np.float32)
+    y = np.empty((1, topk, D), np.float32)
+    moe = np.empty((1, D), np.float32)
+    for l in range(L):
+        _k_attention_t1(x, ln_w[l], eps, qkv_w[l], qkv_s[l], gs, qkn, qn_w[l], kn_w[l], cos, sin, kc[l], vc[l],
+                        pos, scale, o_w[l], o_s[l], h, q, kk, vv, att, ao)
+        for d in range(D):
+            x[0, d] = x[0, d] + ao[0, d]
+        _k_rmsnorm(x, post_w[l], eps, hn)
+        _k_linear_f32(hn, router_w[l], logits[l:l + 1])
+        _route_row(logits[l], topk, norm, idx[l], w[l], p[0])
+        order[:] = np.argsort(idx[l])  # distinct ids: the ascending order take_split is given
+        for i in range(topk):
+            ea[i] = idx[l, order[i]]
+        n = _k_cache_take_resident(where[l], state[l], busy[l], last_use[l], routed_now[l], pinned[l], spec[l],
+                                   ea, clock, resident, ss[l], pm[l])
+        if n < 0:
+            return -1 - l
+        nspec[l] = n
+        clock += topk
+        base = (np.int64(l) * max_cap) * slot_bytes
+        for i in range(topk):
+            so = base + ss[l, i] * slot_bytes
+            for f in range(6):
+                offs[i, f] = so + fields[f]
+        if q4:
+            _k_experts_q4_t1(hn, arena, offs, I, egs, hs, out, il)
+        else:
+            _k_experts_q8_t1(hn, arena, offs, I, hs, out)
+        for i in range(topk):
+            y[0, order[i]] = out[i]
+        _k_combine_ranked(y, w[l:l + 1], moe)
+        for d in range(D):
+            x[0, d] = x[0, d] + moe[0, d]
+        for i in range(topk):
+            busy[l, ss[l, i]] -= 1
+    return clock
 
 
 # --- gated delta rule (Qwen3-Next / Qwen3.5 linear attention) -----------------------------
@@ -2376,7 +2512,8 @@ PARALLEL_KERNELS = ("linear_f32", "linear_f16", "linear_q8", "linear_q4", "linea
                     "linear_mxfp4", "expert_f32",
                     "expert_f16", "expert_q8", "expert_q4", "expert_q4i", "experts_q4_t1", "experts_q8_t1",
                     "experts_q4_sorted", "combine_sorted",
-                    "attention", "attention_sink", "gated_delta", "kv_put_f16", "attention_t1")
+                    "attention", "attention_sink", "gated_delta", "kv_put_f16", "attention_t1",
+                    "decode_layers_t1")
 _LAUNCH_LOCK = threading.Lock()
 
 

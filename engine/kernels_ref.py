@@ -173,6 +173,20 @@ def cache_take_resident(where, state, busy, last_use, routed_now, pinned, spec, 
     return int(spec[sl].sum())
 
 
+def route_softmax(logits, k, norm, idx, w, p):
+    """kernels.route_softmax in numpy: e**z as float64 exp rounded to float32 (kernels._exp32
+    gives those bits), sums in order (cumsum), the lowest id first among equal probabilities
+    (a stable sort)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        z = logits - logits.max(axis=1, keepdims=True)
+        e = np.exp(z.astype(np.float64)).astype(np.float32)
+        p[...] = e / np.cumsum(e, axis=1, dtype=np.float32)[:, -1:]
+    idx[...] = np.argsort(-p, axis=1, kind="stable")[:, :k]
+    w[...] = np.take_along_axis(p, idx, axis=1)
+    if norm:
+        w /= np.cumsum(w, axis=1, dtype=np.float32)[:, -1:]
+
+
 def combine_ranked(y, w, out):
     out[...] = y[:, 0] * w[:, 0:1]
     for k in range(1, y.shape[1]):

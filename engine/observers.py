@@ -56,7 +56,16 @@ class Observer:
     Pilot (compute thread):
         on_prediction(layer, experts, distance): PILOT predicted ``experts`` (int64 [n], in
             rank order) for MoE layer ``layer`` from ``distance`` (1..3) layers before.
+
+    ``token_batched``: set it True when the observer may get a decode step's ``on_layer_start``
+    and ``on_route`` calls after all of that step's layers ran (still in layer order, still on
+    the compute thread, before the step's logits), instead of between the layers. The model
+    then runs a decode step whose experts are all resident in one kernel call
+    (MoEModel.forward); with any subscriber of ``on_after_attention`` or ``on_after_moe``, or
+    of those two hooks without this flag, it keeps the per-layer calls.
     """
+
+    token_batched: bool = False
 
     def on_forward_start(self, pos0: int, num_tokens: int) -> None: ...
 
@@ -101,6 +110,7 @@ class ObserverList:
         self._names = hooks
         self._observers: tuple = ()
         self._hooks: dict[str, tuple] = {h: () for h in hooks}
+        self._batched = True
         self.failures: list[ObserverFailure] = []
 
     def _rebuild(self) -> None:
@@ -114,6 +124,9 @@ class ObserverList:
                     continue  # not defined, or the base class's no-op
                 fs.append((o, f))
             hooks[name] = tuple(fs)
+        self._batched = (not hooks.get("on_after_attention") and not hooks.get("on_after_moe")
+                         and all(getattr(o, "token_batched", False) is True
+                                 for h in ("on_layer_start", "on_route") for o, _f in hooks.get(h, ())))
         self._hooks = hooks
 
     def subscribe(self, observer: object) -> None:
@@ -143,6 +156,12 @@ class ObserverList:
 
     def has(self, hook: str) -> bool:
         return bool(self._hooks[hook])
+
+    def token_batched(self) -> bool:
+        """True when every subscriber of a decode step's per-layer hooks may get them after the
+        step (``Observer.token_batched``) and none subscribes to ``on_after_attention`` or
+        ``on_after_moe``."""
+        return self._batched
 
     def publish(self, hook: str, *args) -> None:
         for obs, f in self._hooks[hook]:

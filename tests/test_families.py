@@ -512,6 +512,126 @@ def test_decode_attention_in_one_call_is_bit_identical(family_stores, tmp_path, 
     assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
 
 
+def _decode_all_resident(store, policy: str, kv_dtype: str, steps: int = 6, observer=None):
+    """With every expert resident: logits of a 20-token prefill (every position), ``steps``
+    greedy decode steps and a second 12-token prefill, stacked; and the cache's bookkeeping
+    after them (counters, use clock, last use, routed_now, busy counts, eviction order, the
+    routing heat)."""
+    cfg = EngineConfig(store=str(store), history=False, o_direct=False, pilot=0, policy=policy,
+                       kv_dtype=kv_dtype, pinning=False)
+    with Engine.open(cfg) as eng:
+        m, c = eng.model, eng.cache
+        for layer in range(c.L):
+            c.load_experts(layer, np.arange(c.E))
+        if observer is not None:
+            eng.subscribe(observer)
+        out = [m.forward(np.arange(5, 25), 0, all_logits=True)]
+        for s in range(steps):
+            out.append(m.forward(np.array([int(np.argmax(out[-1][-1]))]), 20 + s))
+        out.append(m.forward(np.arange(40, 52), 20 + steps, all_logits=True))
+        st = c.stats.snapshot()
+        state = (st, c.clock, c.last_use.copy(), c.routed_now.copy(), c.slot_busy.copy(), c.prob_ema.copy(),
+                 [list(ly.lru) for ly in c.layers], [sorted(ly.buckets) for ly in c.layers], eng.heat.counts.copy())
+        return np.concatenate(out), state
+
+
+def _same_state(a, b) -> None:
+    counts = [{k: v for k, v in s[0].items() if not k.endswith("_s")} for s in (a, b)]  # not the seconds
+    assert counts[0] == counts[1] and a[1] == b[1]
+    for x, y in zip(a[2:], b[2:]):
+        if isinstance(x, np.ndarray):
+            assert np.array_equal(x, y)
+        else:
+            assert x == y
+
+
+@pytest.mark.parametrize("name,kv_dtype,policy", [("olmoe", "f16", "lru"), ("olmoe", "f32", "ema"),
+                                                  ("qwen3_moe", "f16", "lfru"), ("mixtral", "f32", "lru")])
+def test_decode_step_in_one_call_is_bit_identical(family_stores, tmp_path, monkeypatch, name, kv_dtype, policy):
+    """K.decode_layers_t1 (every layer of a decode step in one kernel call, when every expert
+    is resident) gives the same logits, bit for bit, as the per-layer calls, and leaves the
+    cache's bookkeeping (counters, use clock, eviction order, routing heat, EMA) as they do,
+    for the three q / k norm kinds, both KV kinds and the three eviction policies; it is the
+    path those decode steps take, and an observer that is not token-batched (a TraceRecorder-
+    like spy of on_after_attention) keeps the per-layer path, seeing every layer."""
+    import engine.models.base as base
+    if not K_SIMD:
+        pytest.skip("the interleaved int4 kernels need the SIMD path")
+    if name == "mixtral":  # no sliding window (its layers keep the separate attention kernels)
+        ck = write_checkpoint(tmp_path / "ck", mixtral_config(num_hidden_layers=2, head_dim=32), seed=3, std=0.1)
+    elif name == "qwen3_moe":  # every layer MoE (a dense layer keeps the per-layer path)
+        ck = write_checkpoint(tmp_path / "ck", qwen3_moe_config(num_hidden_layers=3, num_experts_per_tok=3),
+                              seed=5, std=0.1)
+    else:
+        ck, _ = family_stores[name]
+    store = convert_checkpoint(ck, tmp_path / "s", quant="int4", dense_quant="int4")
+    calls = []
+    real = base.MoEModel._decode_step_all
+
+    def spy(self, x, pos):
+        r = real(self, x, pos)
+        calls.append(r)
+        return r
+    monkeypatch.setattr(base.MoEModel, "_decode_step_all", spy)
+    got, got_state = _decode_all_resident(store, policy, kv_dtype)
+    assert calls and all(calls)  # every decode step ran in one call
+
+    class Spy:
+        def __init__(self):
+            self.seen = []
+
+        def on_after_attention(self, layer, x):
+            self.seen.append(layer)
+
+    spy_obs = Spy()
+    calls.clear()
+    watched, watched_state = _decode_all_resident(store, policy, kv_dtype, observer=spy_obs)
+    assert calls and not any(calls)
+    L = ModelArgs.from_hf_config(store / "config.json").num_hidden_layers
+    assert len(spy_obs.seen) == L * (2 + 6)  # both prefills and every decode step, layer by layer
+    monkeypatch.setattr(base, "DECODE_T1", False)
+    calls.clear()
+    ref, ref_state = _decode_all_resident(store, policy, kv_dtype)
+    assert calls and not any(calls)
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    assert np.array_equal(watched.view(np.uint32), ref.view(np.uint32))
+    _same_state(got_state, ref_state)
+    _same_state(watched_state, ref_state)
+
+
+def test_decode_step_in_one_call_only_with_every_expert_resident(family_stores, tmp_path):
+    """With fewer slots than experts (streaming) or a replaced router (RecordedRouting), a
+    decode step keeps the per-layer path; the token stream equals the all-resident one."""
+    if not K_SIMD:
+        pytest.skip("the interleaved int4 kernels need the SIMD path")
+    import engine.models.base as base
+    ck, _ = family_stores["olmoe"]
+    store = convert_checkpoint(ck, tmp_path / "s", quant="int4", dense_quant="int4")
+    a = ModelArgs.from_hf_config(store / "config.json")
+    streams = {}
+    for cap in (a.num_experts, 3):
+        with Engine.open(EngineConfig(store=str(store), history=False, o_direct=False, pilot=0, cap=cap,
+                                      pinning=False)) as eng:
+            if cap == a.num_experts:
+                for layer in range(eng.cache.L):
+                    eng.cache.load_experts(layer, np.arange(a.num_experts))
+            took = []
+
+            def spy(x, pos, real=eng.model._decode_step_all, took=took):
+                took.append(real(x, pos))
+                return took[-1]
+            eng.model._decode_step_all = spy
+            req = GenerateRequest(prompt_ids=tuple(range(5, 25)),
+                                  sampling=SamplingParams(temperature=0.0, max_new_tokens=8))
+            fin = [e for e in eng.generate(req) if isinstance(e, Finished)][-1]
+            assert not fin.error
+            streams[cap] = fin.token_ids
+            assert took and (all(took) if cap == a.num_experts else not any(took))
+            eng.model.router_logits = eng.model.router_logits  # an instance attribute, as RecordedRouting sets
+            assert not base.MoEModel._decode_step_all(eng.model, np.zeros((1, a.hidden_size), np.float32), 0)
+    assert streams[a.num_experts] == streams[3]
+
+
 def _wide_experts(cfg: dict, width: int = 128) -> dict:
     """``cfg`` with expert (and dense MLP) widths of ``width`` columns, so int4 expert slabs can
     be stored interleaved (engine.quant.int4_interleavable: multiples of 64), with down_proj

@@ -660,6 +660,38 @@ def test_kernel_compiled_fresh_and_loaded_from_cache_give_the_same_bits(tmp_path
     assert np.array_equal(t1, first["expert_q4"]), f"experts_q4_t1: {int((t1 != first['expert_q4']).sum())} differ"
 
 
+@pytest.mark.parametrize("norm", [False, True])
+def test_route_softmax_matches_reference_bit_for_bit(norm):
+    """K.route_softmax (the softmax router's top-k in numba) gives the bits of its numpy twin:
+    random logits, ties (the lowest id first), a -inf logit, huge spreads (e**z below the
+    smallest float32), one row of NaN and one of +inf (every probability NaN, ids 0..k-1)."""
+    rng = rng_for("route", norm)
+    E, k = 64, 8
+    x = rng.standard_normal((40, E)).astype(np.float32) * 3
+    x[1, :] = 0.5  # all tied
+    x[2, 10:20] = x[2].max() + 1  # a tied top block
+    x[3, 5] = -np.inf
+    x[4] *= 100  # exponents far below float32's range
+    x[5, 7] = np.nan
+    x[6, 9] = np.inf
+    x[7, :] = -np.inf
+    out = []
+    for mod in (K, R):
+        idx = np.empty((40, k), np.int64)
+        w = np.empty((40, k), np.float32)
+        p = np.empty((40, E), np.float32)
+        mod.route_softmax(x, k, norm, idx, w, p)
+        out.append((idx, w, p))
+    (i1, w1, p1), (i2, w2, p2) = out
+    assert np.array_equal(i1, i2)
+    assert np.array_equal(w1.view(np.uint32), w2.view(np.uint32))
+    assert np.array_equal(p1.view(np.uint32), p2.view(np.uint32))
+    assert list(i1[1]) == list(range(k)) and set(i1[2]) <= set(range(10, 20)) and list(i1[2]) == list(range(10, 18))
+    assert list(i1[5]) == list(range(k)) and np.isnan(w1[5]).all()
+    assert np.allclose(p1[0].sum(), 1.0, atol=1e-6)
+    assert all(len(set(r)) == k for r in i1)  # k distinct experts in every row
+
+
 def test_exp32_is_correctly_rounded():
     """kernels._exp32 against float64 exp rounded to float32, over [-110, 90] and the specials."""
     from numba import njit

@@ -45,6 +45,7 @@ INTERLEAVE_Q4 = True
 # A decode step's attention block in one kernel call (K.attention_t1) where the layer is the plain
 # kind it runs; the same values either way. Tests turn it off to compare.
 ATTENTION_T1 = True
+DECODE_T1 = True  # a decode step's layers in one K.decode_layers_t1 call where it applies (_decode_step_all)
 KV_DTYPES = {"f16": np.uint16, "f32": np.float32}  # KV cache element: IEEE half bits or float32
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # slab field names (store canonical)
 
@@ -808,37 +809,34 @@ _LAST_PROBS: tuple | None = None  # (logits array, its softmax) of the last rout
 
 
 def route(router_logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Softmax over all experts, top-k (lowest id on ties), optional renormalisation.
+    """Softmax over all experts, top-k (lowest id on ties), optional renormalisation
+    (K.route_softmax: the numba kernel and its numpy twin give the same bits).
 
     router_logits float32 [T, E] -> (indices int64 [T, K], weights float32 [T, K]).
     Mixtral's "softmax over the selected logits" equals this with norm_topk_prob=True.
     """
     global _LAST_PROBS
-    z = router_logits - router_logits.max(axis=1, keepdims=True)
-    p = np.exp(z)
-    p /= p.sum(axis=1, keepdims=True)  # [T, E]
+    T, E = router_logits.shape
+    idx = np.empty((T, k), np.int64)
+    w = np.empty((T, k), np.float32)
+    p = np.empty((T, E), np.float32)
+    K.route_softmax(np.ascontiguousarray(router_logits, np.float32), k, bool(norm_topk_prob), idx, w, p)
     _LAST_PROBS = (router_logits, p)  # mean_router_probs of the same logits reuses it
-    idx = np.argsort(-p, axis=1, kind="stable")[:, :k]  # [T, K]
-    if p.shape[0] == 1:  # a decode step: plain indexing, the same values as take_along_axis
-        w = p[0][idx]  # [1, K], a copy
-    else:
-        w = np.take_along_axis(p, idx, axis=1).astype(np.float32)  # [T, K]
-    if norm_topk_prob:
-        w /= w.sum(axis=1, keepdims=True)
     return idx, w
 
 
 def mean_router_probs(router_logits: np.ndarray) -> np.ndarray:
     """Mean over rows of the router softmax: float32 [T, E] logits -> float32 [E] probabilities
     (the per-call input of the cache's "ema" eviction policy). The softmax :func:`route` just
-    computed of the same logits array is reused (the same operations: the same values)."""
+    computed of the same logits array is reused (the same values either way)."""
     last = _LAST_PROBS
     if last is not None and last[0] is router_logits:
         p = last[1]
     else:
-        z = router_logits - router_logits.max(axis=1, keepdims=True)
-        p = np.exp(z)
-        p /= p.sum(axis=1, keepdims=True)
+        T, E = router_logits.shape
+        p = np.empty((T, E), np.float32)
+        K.route_softmax(np.ascontiguousarray(router_logits, np.float32), 1, False, np.empty((T, 1), np.int64),
+                        np.empty((T, 1), np.float32), p)
     if p.shape[0] == 1:  # the mean of one row is the row (x / 1 is exact)
         return p[0]
     return p.mean(axis=0, dtype=np.float32)
@@ -913,6 +911,7 @@ class MoEModel:
         self._t1_memo: tuple | None = None  # _t1_plan
         self._il_memo: bool | None = None  # _slabs_interleaved
         self._att1_memo: dict[int, tuple | None] = {}  # _attention_t1_args
+        self._dec_memo: tuple | None = None  # _decode_plan
         # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
         # layer start, post-attention residual, routing, post-MoE residual. Dense layers
         # publish nothing.
@@ -1383,6 +1382,87 @@ class MoEModel:
                             topk_group=a.topk_group, routed_scaling_factor=a.routed_scaling_factor,
                             bias=self.layers[self.moe_layer_ids[j]]["router_bias"])
 
+    # --- a decode step in one call ------------------------------------------------------------
+
+    _OVERRIDABLE = ("forward", "attention", "mlp", "moe", "route", "router_logits", "moe_norm", "_moe_t1",
+                    "expert_forward", "qk_norm", "_attend", "_kv_append", "_kv_write", "embed")
+
+    def _decode_plan(self) -> tuple | None:
+        """The fixed arguments of K.decode_layers_t1, or None when this model's decode steps
+        cannot run in it: every layer a MoE layer whose attention runs in K.attention_t1
+        (:meth:`_attention_t1_args`) with the same group size, q / k norm kind and array types,
+        plain softmax top-k routing (no scaling, no bias, no shared expert), int4 or int8
+        experts read in place from the cache arena (:meth:`_t1_plan`), and a family that
+        overrides none of the steps. Memoised."""
+        memo = self._dec_memo
+        if memo is not None:
+            return memo[0]
+        plan = None
+        a, cls = self.args, type(self)
+        L = a.num_hidden_layers
+        if (DECODE_T1 and hasattr(K, "decode_layers_t1") and L > 0
+                and tuple(self.moe_index) == tuple(range(L)) and a.scoring_func == "softmax"
+                and a.topk_method == "greedy" and a.routed_scaling_factor == 1.0
+                and not a.shared_expert_intermediate_size and self.expert_quant in ("int4", "int8")
+                and all(getattr(cls, f) is getattr(MoEModel, f) for f in self._OVERRIDABLE)
+                and hasattr(self.experts, "take_all_resident") and self._t1_plan() is not None):
+            att = [self._attention_t1_args(i) for i in range(L)]
+            lys = self.layers
+            if (all(f is not None for f in att) and len({(f[4], f[5]) for f in att}) == 1
+                    and all(ly.get("router_bias") is None and "shared_expert" not in ly
+                            and isinstance(ly["router"], np.ndarray) and ly["router"].dtype == np.float32
+                            for ly in lys)):
+                from numba import typed, typeof  # the kernel is numba's (hasattr above)
+
+                cols = {"ln": [f[0] for f in att], "w": [tuple(f[2]) for f in att], "s": [tuple(f[3]) for f in att],
+                        "qn": [f[6] for f in att], "kn": [f[7] for f in att], "ow": [f[8] for f in att],
+                        "os": [f[9] for f in att], "post": [ly["post_attention_layernorm"] for ly in lys],
+                        "router": [ly["router"] for ly in lys]}
+                if all(len({typeof(v) for v in col}) == 1 for col in cols.values()):
+                    lists = {k: typed.List(col) for k, col in cols.items()}
+                    plan = (lists, att[0][4], att[0][5], self._t1_plan(), self.expert_quant == "int4",
+                            self._slabs_interleaved())
+        self._dec_memo = (plan,)
+        return plan
+
+    def _decode_step_all(self, x: np.ndarray, pos: int) -> bool:
+        """Every layer of a decode step (x float32 [1, D], updated in place) in one
+        K.decode_layers_t1 call, when :meth:`_decode_plan` allows it, no method of this object
+        was replaced (RecordedRouting replaces ``router_logits``), every per-layer observer is
+        token-batched (Observer.token_batched: their hooks are called after the step, in
+        layer order) and the cache holds every expert (ExpertCache.take_all_resident). The
+        values are bit-identical to the per-layer path. Returns False, having done nothing,
+        when it does not apply."""
+        plan = self._decode_plan()
+        if plan is None or not self.observers.token_batched() or any(f in self.__dict__ for f in self._OVERRIDABLE):
+            return False
+        lists, gs, qkn, fields, q4, il = plan
+        a = self.args
+        L, k, E = a.num_hidden_layers, a.num_experts_per_tok, a.num_experts
+        idx = np.empty((L, k), np.int64)
+        w = np.empty((L, k), np.float32)
+        logits = np.empty((L, E), np.float32)
+        ss = np.empty((L, k), np.int64)
+        pm = np.empty((L, k), np.bool_)
+        nspec = np.zeros(L, np.int64)
+        cache = self.experts
+
+        def run(where, state, busy, last_use, routed_now, pinned, spec, resident, clock):
+            c = K.decode_layers_t1(
+                x, pos, self.cos[pos:pos + 1], self.sin[pos:pos + 1], self.k_cache, self.v_cache, self.scale,
+                a.rms_norm_eps, lists["ln"], lists["w"], lists["s"], gs, qkn, lists["qn"], lists["kn"], lists["ow"],
+                lists["os"], lists["post"], lists["router"], k, bool(a.norm_topk_prob), where, state, busy,
+                last_use, routed_now, pinned, spec, resident, clock, cache.arena, cache.max_cap, cache.slot_bytes,
+                fields, a.moe_intermediate_size, self.gs, q4, il, idx, w, logits, ss, pm, nspec)
+            return c, np.sort(idx, axis=1), ss, pm, nspec
+
+        obs = self.observers
+
+        def before_layer(j):  # the hooks the per-layer path calls before layer j's take
+            obs.publish("on_layer_start", j)
+            obs.publish("on_route", j, idx[j:j + 1], logits[j:j + 1])
+        return cache.take_all_resident(run, before_layer)
+
     # --- forward ----------------------------------------------------------------------------
 
     def forward(self, ids: np.ndarray, pos0: int, all_logits: bool = False,
@@ -1406,7 +1486,10 @@ class MoEModel:
         for c0 in range(0, T, PREFILL_CHUNK):
             chunk = ids[c0:c0 + PREFILL_CHUNK]
             x = self.embed(chunk)  # [t, D]
-            for i in range(self.args.num_hidden_layers):
+            layers = self.args.num_hidden_layers
+            if T == 1 and self._decode_step_all(x, pos0):
+                layers = 0  # every layer ran in one call
+            for i in range(layers):
                 if cancel is not None and cancel.is_set():
                     raise Cancelled("cancelled")
                 j = self.moe_index[i]
