@@ -2279,6 +2279,40 @@ def _kv_store_ov(src, dst):
     return impl
 
 
+_k_linears_q8, _k_linear_q8 = linears_q8, linear_q8
+
+
+def _linears_t1(x, w, s, gs, out):
+    """q, k, v = x @ W^T for the attention's matrices in one launch (typed by w; see below)."""
+
+
+@overload(_linears_t1, jit_options={"fastmath": _FM})
+def _linears_t1_ov(x, w, s, gs, out):
+    first = w.types[0] if isinstance(w, types.BaseTuple) else w
+    if first.dtype == types.int8:  # int8 rows, per-row scales
+        def impl(x, w, s, gs, out):
+            _k_linears_q8(x, w, s, out)
+    else:  # int4 rows interleaved by 4
+        def impl(x, w, s, gs, out):
+            _k_linears_q4i(x, w, s, gs, out)
+    return impl
+
+
+def _linear_t1(x, w, s, gs, out):
+    """out = x @ W^T for o_proj (typed by w, as _linears_t1)."""
+
+
+@overload(_linear_t1, jit_options={"fastmath": _FM})
+def _linear_t1_ov(x, w, s, gs, out):
+    if w.dtype == types.int8:
+        def impl(x, w, s, gs, out):
+            _k_linear_q8(x, w, s, out)
+    else:
+        def impl(x, w, s, gs, out):
+            _k_linear_q4i(x, w, s, gs, out)
+    return impl
+
+
 @njit(**_KW)
 def attention_t1(x, ln_w, eps, w, s, gs, qkn, qn_w, kn_w, cos, sin, kc, vc, pos, scale, ow, osc, h, q, k, v,
                  att, out):
@@ -2289,14 +2323,16 @@ def attention_t1(x, ln_w, eps, w, s, gs, qkn, qn_w, kn_w, cos, sin, kc, vc, pos,
     positions 0..pos; out = linear_q4i(att). The same kernels in the same order, so the values
     are bit-identical to that path (tests/test_families.py).
 
-    x float32 [1, D]; ln_w float32 [D] input_layernorm; w, s: the interleaved int4 q / k / v
-    weights (uint8 [O / IL, D / 64, IL * 32]) and half-bit scales (uint16 [O, D / gs]); qkn 0
+    x float32 [1, D]; ln_w float32 [D] input_layernorm; w, s: the q / k / v weights and scales,
+    either interleaved int4 (uint8 [O / IL, D / 64, IL * 32], half-bit scales uint16 [O, D /
+    gs]: linears_q4i / linear_q4i) or int8 (int8 [O, D], float32 [O]: linears_q8 / linear_q8,
+    gs unused), chosen when the kernel compiles for the arrays' types; qkn 0
     no q / k norm, 1 over the whole projection ("proj", qn_w [H * S], kn_w [Hkv * S]), 2 per
     head ("head", [S] each); cos, sin float32 [1, S / 2] of position pos; kc, vc [Hkv, C, S]
     this layer's cache (float32, or uint16 half bits); ow, osc: o_proj as w / s; h float32
     [1, D], q [1, H * S], k, v [1, Hkv * S], att [1, H * S] scratch; out float32 [1, D]."""
     _k_rmsnorm(x, ln_w, eps, h)
-    _k_linears_q4i(h, w, s, gs, (q, k, v))
+    _linears_t1(h, w, s, gs, (q, k, v))
     Hkv, S = kc.shape[0], kc.shape[2]
     H = q.shape[1] // S
     if qkn == 1:
@@ -2313,7 +2349,7 @@ def attention_t1(x, ln_w, eps, w, s, gs, qkn, qn_w, kn_w, cos, sin, kc, vc, pos,
     _kv_store(v3, vc[:, pos:pos + 1].transpose((1, 0, 2)))
     att3 = att.reshape((1, H, S))
     _k_attention(q3, kc, vc, pos, scale, att3)
-    _k_linear_q4i(att, ow, osc, gs, out)
+    _linear_t1(att, ow, osc, gs, out)
 
 
 # --- every layer of a decode step, in one call -----------------------------------------------

@@ -479,22 +479,24 @@ def test_interleaved_int4_attention_is_bit_identical(family_stores, tmp_path, mo
         assert il  # the standard attention's int4 matrices took the interleaved kernels
 
 
+@pytest.mark.parametrize("quant", ["int4", "int8"])
 @pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
 @pytest.mark.parametrize("name", ["olmoe", "qwen3_moe", "mixtral"])
-def test_decode_attention_in_one_call_is_bit_identical(family_stores, tmp_path, monkeypatch, name, kv_dtype):
+def test_decode_attention_in_one_call_is_bit_identical(family_stores, tmp_path, monkeypatch, name, kv_dtype, quant):
     """K.attention_t1 (a decode step's attention block in one kernel call) gives the same logits,
     bit for bit, as the block's separate kernels, for the three q / k norm kinds (OLMoE "proj",
-    Qwen3 "head", Mixtral none: without a sliding window, which keeps the separate kernels) and
-    both KV cache kinds; and it is the path those layers take."""
+    Qwen3 "head", Mixtral none: without a sliding window, which keeps the separate kernels),
+    both KV cache kinds and both attention weight kinds (int4 interleaved, int8); and it is the
+    path those layers take."""
     import engine.models.base as base
-    if not K_SIMD:
+    if not K_SIMD and quant == "int4":
         pytest.skip("the interleaved int4 kernels need the SIMD path")
     if name == "mixtral":
         ck = tmp_path / "ck"
         ck = write_checkpoint(ck, mixtral_config(num_hidden_layers=2, head_dim=32), seed=3, std=0.1)
     else:
         ck, _ = family_stores[name]
-    store = convert_checkpoint(ck, tmp_path / "s", quant="int4", dense_quant="int4")
+    store = convert_checkpoint(ck, tmp_path / "s", quant=quant, dense_quant=quant)
     taken = []
     real = base.MoEModel._attention_t1_args
 
@@ -545,17 +547,22 @@ def _same_state(a, b) -> None:
             assert x == y
 
 
-@pytest.mark.parametrize("name,kv_dtype,policy", [("olmoe", "f16", "lru"), ("olmoe", "f32", "ema"),
-                                                  ("qwen3_moe", "f16", "lfru"), ("mixtral", "f32", "lru")])
-def test_decode_step_in_one_call_is_bit_identical(family_stores, tmp_path, monkeypatch, name, kv_dtype, policy):
+@pytest.mark.parametrize("name,kv_dtype,policy,quant", [("olmoe", "f16", "lru", "int4"), ("olmoe", "f32", "ema", "int4"),
+                                                        ("qwen3_moe", "f16", "lfru", "int4"),
+                                                        ("mixtral", "f32", "lru", "int4"),
+                                                        ("olmoe", "f16", "ema", "int8"),
+                                                        ("qwen3_moe", "f32", "lru", "int8")])
+def test_decode_step_in_one_call_is_bit_identical(family_stores, tmp_path, monkeypatch, name, kv_dtype, policy,
+                                                  quant):
     """K.decode_layers_t1 (every layer of a decode step in one kernel call, when every expert
     is resident) gives the same logits, bit for bit, as the per-layer calls, and leaves the
     cache's bookkeeping (counters, use clock, eviction order, routing heat, EMA) as they do,
-    for the three q / k norm kinds, both KV kinds and the three eviction policies; it is the
+    for the three q / k norm kinds, both KV kinds, the three eviction policies, int4 and int8
+    stores; it is the
     path those decode steps take, and an observer that is not token-batched (a TraceRecorder-
     like spy of on_after_attention) keeps the per-layer path, seeing every layer."""
     import engine.models.base as base
-    if not K_SIMD:
+    if not K_SIMD and quant == "int4":
         pytest.skip("the interleaved int4 kernels need the SIMD path")
     if name == "mixtral":  # no sliding window (its layers keep the separate attention kernels)
         ck = write_checkpoint(tmp_path / "ck", mixtral_config(num_hidden_layers=2, head_dim=32), seed=3, std=0.1)
@@ -564,7 +571,7 @@ def test_decode_step_in_one_call_is_bit_identical(family_stores, tmp_path, monke
                               seed=5, std=0.1)
     else:
         ck, _ = family_stores[name]
-    store = convert_checkpoint(ck, tmp_path / "s", quant="int4", dense_quant="int4")
+    store = convert_checkpoint(ck, tmp_path / "s", quant=quant, dense_quant=quant)
     calls = []
     real = base.MoEModel._decode_step_all
 

@@ -989,7 +989,7 @@ class MoEModel:
 
     def _attention_t1_args(self, i: int) -> tuple | None:
         """The fixed arguments of K.attention_t1 for transformer layer i, or None when the layer
-        is not the plain kind it runs: int4 q / k / v / o row-interleaved with no biases, no
+        is not the plain kind it runs: q / k / v / o all int4 row-interleaved or all int8, no biases, no
         q / k clipping, RoPE on every head dimension, no sliding window or sinks, a KV cache of
         this class's kinds, and a family that does not override the attention's steps.
         Memoised per layer."""
@@ -999,8 +999,9 @@ class MoEModel:
         a, ly = self.args, self.layers[i]
         qkv, o = ly.get("qkv"), ly.get("o_proj")
         cls = type(self)
-        ok = (ATTENTION_T1 and hasattr(K, "attention_t1") and isinstance(qkv, LinearGroup) and qkv.il
-              and len(qkv.parts) == 3 and isinstance(o, Linear) and o.il and o.gs == qkv.gs
+        ok = (ATTENTION_T1 and hasattr(K, "attention_t1") and isinstance(qkv, LinearGroup)
+              and len(qkv.parts) == 3 and isinstance(o, Linear)
+              and ((qkv.il and o.il and o.gs == qkv.gs) or (qkv.kind == "int8" and o.kind == "int8"))
               and all(p.bias is None for p in qkv.parts) and o.bias is None
               and a.clip_qkv is None and self.rotary_dim == a.head_dim and not self.windows[i]
               and ly.get("sinks") is None and a.qk_norm in ("none", "proj", "head")
