@@ -152,3 +152,20 @@ def test_paired_and_best_ratios_follow_each_repetition():
     assert pr == {"tg64": pytest.approx(0.9)}  # pp16: ours never has it
     br = bench_kernels._best_ratios(rows, "ours-a", "llama-b", ["tg64", "pp16"])
     assert br == {"tg64": pytest.approx(45.0 / 1000.0)}
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (["--out-dir", "FILE"], "is a file, not a folder"),
+    (["--out-dir", "FILE/sub"], "is a file, not a folder"),
+    (["--name", "../escape"], "plain file name"),
+])
+def test_bench_result_target_refused_before_the_run(tmp_path, capsys, extra, needle):
+    """A results folder that is a file (or under one) or a --name with folders in it is refused
+    with one line, exit 2, before any arm runs (it used to fail after the whole run)."""
+    from engine.cli.main import main
+    f = tmp_path / "f.txt"
+    f.write_text("x")
+    extra = [str(f) + e[4:] if e.startswith("FILE") else e for e in extra]
+    rc = main(["bench", "kernels", "--ours", f"int4={tmp_path / 'nope'}", *extra])
+    err = capsys.readouterr().err
+    assert rc == 2 and needle in err and "no store there" not in err

@@ -42,6 +42,29 @@ def machine_info() -> dict:
             "gomp_spincount": os.environ.get("GOMP_SPINCOUNT"), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
             "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
 
+def check_results_target(out_dir: str, name: str | None) -> None:
+    """Refuse, before a benchmark runs, result files :func:`write_results` could not write:
+    ``out_dir`` (or a folder above it) an existing file, ``out_dir`` a folder this user cannot
+    write, or ``name`` not a plain file name (it names ``<out_dir>/<name>.json`` and ``.md``;
+    empty lets the command choose).
+
+    Raises:
+        ValueError: naming the setting and what to give instead.
+    """
+    d = Path(out_dir)
+    for p in (d, *d.parents):
+        if p.exists():
+            if not p.is_dir():
+                raise ValueError(f"--out-dir {out_dir}: {p} is a file, not a folder; give a folder for the "
+                                 f"result files (it is created if missing)")
+            if not os.access(p, os.W_OK | os.X_OK):
+                raise ValueError(f"--out-dir {out_dir}: {p} is not writable; give a folder you can write")
+            break
+    if name and (Path(name).name != name or name in (".", "..") or "\\" in name):
+        raise ValueError(f"--name {name!r}: give a plain file name, without folders (the results go to "
+                         f"{out_dir}/<name>.json and .md)")
+
+
 def write_results(name: str, data: dict, table: str, out_dir: str = "bench/results") -> Path:
     """Write ``<out_dir>/<name>.json`` and ``.md`` atomically, print the table; returns the JSON path."""
     d = Path(out_dir)

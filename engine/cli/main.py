@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        if getattr(a, "bench_cmd", None) and hasattr(a, "name"):  # result files: refused before any run
+            from ..bench.common import check_results_target
+            check_results_target(getattr(a, "out_dir", "bench/results"), a.name)
         return a.fn(a) or 0
     except (EngineError, OSError, ValueError) as e:  # OSError: disk full, permissions, ...
         from .models import end_progress_line
