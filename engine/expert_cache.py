@@ -209,6 +209,8 @@ class ExpertCache:
     first touch of a page costs a shmem allocation (measured: 17% of a streaming run's CPU).
     """
 
+    RESIDENT_STATE = _RESIDENT  # the slot_state code of a resident slot (K.cache_take_resident's ``resident``)
+
     def __init__(self, store, num_layers: int, num_experts: int, cap: int, policy: str = "lru",
                  heat: np.ndarray | None = None, checksum: str = "first", io_threads: int = 4):
         if not 1 <= cap <= num_experts:
@@ -724,14 +726,25 @@ class ExpertCache:
                     staged.pop(s, None)
         return hits, ss, []
 
-    def take_all_resident(self, run, before_layer=None) -> bool:
+    def all_resident(self) -> bool:
+        """Whether every expert of every layer is resident now (a hint: the state can change as
+        soon as the lock is released; :meth:`take_all_resident` checks again under it)."""
+        with self.lock:
+            return self._all_resident()
+
+    def _all_resident(self) -> bool:
+        return self.max_cap == self.E and not self._closed and bool((self.slot_state == _RESIDENT).all())
+
+    def take_all_resident(self, run, after_run=None) -> bool:
         """Run a decode step that takes every MoE layer's experts itself (K.decode_layers_t1,
         through engine.models.base.MoEModel.forward), with the lock held, when every expert of
         every layer is resident: then no read is in flight, none can start and nothing can be
-        evicted while it runs. Afterwards, layer by layer, ``before_layer(layer)`` (the
-        model's token-batched observers: the routing heat and EMA a layer's take reads) and,
-        under the lock, the counters, speculation flags and eviction order of that layer's
-        take, so the state ends as :meth:`take_split` + :meth:`release_slots` per layer leave it.
+        evicted while it runs. Then ``after_run()`` without the lock (the model's token-batched
+        ``on_route`` observers: the routing heat and the EMA, which take this lock), then, in one
+        hold of the lock, each layer's counters, speculation flags and eviction order, so the
+        state ends as :meth:`take_split` + :meth:`release_slots` per layer leave it. A slot
+        another thread evicted between the two holds (a cap lowered from the app) is counted
+        as the hit it was and left out of the eviction order.
 
         ``run(where, slot_state, slot_busy, last_use, routed_now, pinned, slot_spec, resident,
         clock)`` gets the cache's [L, ...] arrays, the RESIDENT state code and the use clock and
@@ -745,19 +758,26 @@ class ExpertCache:
             RuntimeError: ``run`` reported an expert that was not resident (a bug).
         """
         with self.lock:
-            if self.max_cap != self.E or self._closed or not (self.slot_state == _RESIDENT).all():
+            if not self._all_resident():
                 return False
             clock, ea, ss, pm, nspec = run(self.where, self.slot_state, self.slot_busy, self.last_use,
                                            self.routed_now, self.pinned, self.slot_spec, _RESIDENT, self.clock)
             if clock < 0:
                 raise RuntimeError(f"decode step: layer {-1 - clock} found an expert not resident "
                                    "although every expert was")
-        for layer in range(self.L):
-            if before_layer is not None:
-                before_layer(layer)
-            with self.lock:
-                self._take_all(layer, ea[layer], ss[layer], pm[layer].tolist(), int(nspec[layer]))
+        if after_run is not None:
+            after_run()
         with self.lock:
+            for layer in range(self.L):
+                e, s, p = ea[layer], ss[layer], pm[layer]
+                ok = (self.where[layer, e] == s) & (self.slot_state[layer, s] == _RESIDENT)
+                if not ok.all():  # evicted meanwhile: a hit all the same, no longer in the order
+                    gone = int((~ok).sum())
+                    self.stats.hits += gone
+                    self.stats.pinned_hits += int(p[~ok].sum())
+                    self.clock += gone
+                    e, s, p = e[ok], s[ok], p[ok]
+                self._take_all(layer, e, s, p.tolist(), int(nspec[layer]))
             if self._cond_waiters:
                 self.cond.notify_all()
         return True

@@ -47,7 +47,8 @@ class RoutingFeed(Observer):
     (ExpertCache.observe_probs) before the layer's experts are requested.
 
     Token-batched (Observer.token_batched): a decode step runs in one call only when every
-    expert is resident, so no eviction reads the EMA during it; heat and EMA end the same."""
+    expert is resident, so no eviction reads the EMA during it, and its on_route calls come
+    before the cache's bookkeeping of the step's takes; heat and EMA end the same."""
 
     token_batched = True
 
@@ -62,8 +63,9 @@ class RoutingFeed(Observer):
 
 class _GuardPoll(Observer):
     """Polls the engine's RSS guard at every MoE layer start; when the guard unpinned experts
-    to lower the cap, the persisted pin set follows. Token-batched: after a decode step no
-    expert is acquired either, so polling then is as safe."""
+    to lower the cap, the persisted pin set follows. Token-batched: a one-call decode step
+    publishes every layer's start before it takes any expert, so the polls come at a safe
+    point too (after the first, the others find no new load)."""
 
     token_batched = True
 
@@ -221,14 +223,16 @@ class Engine:
         self.budget_claim = BudgetClaim(self.plan.budget)
 
     def _warm_kernels(self, report) -> float:
-        """Run the model's kernels once (a 2-token prefill and a 1-token decode step) before
+        """Run the model's kernels once (a 2-token prefill, a 1-token decode step and, where the
+        model has it, the one-call decode step on scratch state: MoEModel.warm_decode_step) before
         "ready", so the first answer does not wait for numba to compile or load them (~8 s on a
         fresh install, issue 17); once per process and kind of model. The KV rows written are
         never reused (no prefix is kept) and ExpertCache.forget() undoes the loads, so nothing
         of it shows in residency, counters or routing heat (no observer is subscribed yet).
         Returns the seconds it took (0.0 when already warm)."""
-        key = (type(self.model).__name__, self.store.dense_quant, self.store.quant, self.store.group_size,
-               getattr(self.store, "expert_layout", "row_major"))
+        m = type(self.model)  # every family's class is named Model: its module tells them apart
+        key = (m.__module__, m.__qualname__, self.store.dense_quant, self.store.quant, self.store.group_size,
+               getattr(self.store, "expert_layout", "row_major"), getattr(self.model, "kv_dtype", None))
         if key in _WARMED or self.context_length < 3:
             return 0.0
         report(LoadProgress("kernels", 0, 1, "", "preparing the compute kernels"))
@@ -237,6 +241,9 @@ class Engine:
         try:
             self.model.forward(np.asarray(ids[:2]), 0)
             self.model.forward(np.asarray(ids[2:]), 2)
+            warm_step = getattr(self.model, "warm_decode_step", None)
+            if warm_step is not None:  # the one-call decode step (every expert resident), never run above
+                warm_step()
             warmed = True
         except ExpertReadError:
             # a damaged expert slab is the store's problem, not the warm-up's: the model opens,

@@ -1822,7 +1822,8 @@ def route_softmax(logits, k, norm, idx, w, p):
     """Softmax router, top-k: p = softmax(logits) per row (e**(z - max) by _exp32, summed in
     expert order in float32, each divided by the sum); idx = the k largest p, descending, the
     lowest id first among equal ones; w = their p, divided by their sum (summed in rank order)
-    when ``norm`` (transformers' ``norm_topk_prob``). Bit-identical to kernels_ref.route_softmax.
+    when ``norm`` (transformers' ``norm_topk_prob``). Bit-identical to kernels_ref.route_softmax
+    (but for the sign of a NaN, which a row with a NaN logit gets everywhere).
 
     logits float32 [T, E]; idx int64 [T, k], w float32 [T, k], p float32 [T, E] outputs."""
     for t in range(logits.shape[0]):

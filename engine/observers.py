@@ -57,12 +57,15 @@ class Observer:
         on_prediction(layer, experts, distance): PILOT predicted ``experts`` (int64 [n], in
             rank order) for MoE layer ``layer`` from ``distance`` (1..3) layers before.
 
-    ``token_batched``: set it True when the observer may get a decode step's ``on_layer_start``
-    and ``on_route`` calls after all of that step's layers ran (still in layer order, still on
-    the compute thread, before the step's logits), instead of between the layers. The model
-    then runs a decode step whose experts are all resident in one kernel call
-    (MoEModel.forward); with any subscriber of ``on_after_attention`` or ``on_after_moe``, or
-    of those two hooks without this flag, it keeps the per-layer calls.
+    ``token_batched``: set it True when the observer may get a decode step's per-layer calls
+    grouped: every layer's ``on_layer_start`` before the step, every layer's ``on_route`` after
+    its layers ran (each group in layer order, on the compute thread, before the step's
+    logits), instead of interleaved with the layers. The model then runs a decode step whose
+    experts are all resident in one kernel call (MoEModel.forward); with any subscriber of
+    ``on_after_attention`` or ``on_after_moe``, or of the two other hooks without this flag, it
+    keeps the per-layer calls. When the one call turns out not to apply after the
+    ``on_layer_start`` group (an expert left the cache meanwhile), the per-layer path follows
+    and calls ``on_layer_start`` again for each layer.
     """
 
     token_batched: bool = False

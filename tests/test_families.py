@@ -533,7 +533,9 @@ def _decode_all_resident(store, policy: str, kv_dtype: str, steps: int = 6, obse
         out.append(m.forward(np.arange(40, 52), 20 + steps, all_logits=True))
         st = c.stats.snapshot()
         state = (st, c.clock, c.last_use.copy(), c.routed_now.copy(), c.slot_busy.copy(), c.prob_ema.copy(),
-                 [list(ly.lru) for ly in c.layers], [sorted(ly.buckets) for ly in c.layers], eng.heat.counts.copy())
+                 [list(ly.lru) for ly in c.layers],
+                 [{h: list(b) for h, b in sorted(ly.buckets.items())} for ly in c.layers],
+                 [list(ly.staged) for ly in c.layers], eng.heat.counts.copy())
         return np.concatenate(out), state
 
 
@@ -577,7 +579,8 @@ def test_decode_step_in_one_call_is_bit_identical(family_stores, tmp_path, monke
 
     def spy(self, x, pos):
         r = real(self, x, pos)
-        calls.append(r)
+        if pos >= 20:  # the helper's decode steps (not the engine's warm-up step at open)
+            calls.append(r)
         return r
     monkeypatch.setattr(base.MoEModel, "_decode_step_all", spy)
     got, got_state = _decode_all_resident(store, policy, kv_dtype)
@@ -604,6 +607,83 @@ def test_decode_step_in_one_call_is_bit_identical(family_stores, tmp_path, monke
     assert np.array_equal(watched.view(np.uint32), ref.view(np.uint32))
     _same_state(got_state, ref_state)
     _same_state(watched_state, ref_state)
+
+
+def _cache_consistent(c) -> list:
+    """Broken invariants of ExpertCache's bookkeeping: a slot in a layer's eviction order that is
+    not resident or is pinned, a free slot in it, a live count that is not the slots in use."""
+    bad = []
+    for layer, ly in enumerate(c.layers):
+        order = list(ly.lru) if c.policy != "lfru" else [s for b in ly.buckets.values() for s in b]
+        for s in order:
+            e = c.slot_expert[layer, s]
+            if c.slot_state[layer, s] != c.RESIDENT_STATE or e < 0 or c.pinned[layer, e]:
+                bad.append((layer, int(s)))
+        if set(order) & set(ly.free):
+            bad.append(("free slot in the order", layer))
+        if int((c.slot_state[layer] != 0).sum()) != ly.live:
+            bad.append(("live", layer))
+    return bad
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfru"])
+def test_decode_step_in_one_call_with_the_cap_lowered_around_it(family_stores, tmp_path, policy):
+    """The RSS guard polls at the step's start (token-batched on_layer_start, before any take):
+    when it lowers the cap there, the step takes the per-layer path, with the logits and cache
+    state of a run that never had the one-call path. A cap lowered by another thread between
+    the kernel and the cache's bookkeeping (the app's setting) leaves a consistent cache: the
+    evicted slots are counted as the hits they were and stay out of the eviction order."""
+    if not K_SIMD:
+        pytest.skip("the interleaved int4 kernels need the SIMD path")
+    import engine.models.base as base
+    ck, _ = family_stores["olmoe"]
+    store = convert_checkpoint(ck, tmp_path / "s", quant="int4", dense_quant="int4")
+    res = {}
+    for one_call in (True, False):
+        base.DECODE_T1 = one_call
+        try:
+            with Engine.open(EngineConfig(store=str(store), history=False, o_direct=False, pilot=0,
+                                          pinning=False, policy=policy)) as eng:
+                m, c = eng.model, eng.cache
+                for layer in range(c.L):
+                    c.load_experts(layer, np.arange(c.E))
+                out = [m.forward(np.arange(5, 25), 0)]
+                eng.guard.step(0)
+                eng.guard._loads_seen = -1  # loads it has not looked at (a generation cut inside forward)
+                shots = [eng.guard.budget + 3 * c.slot_bytes * c.L]  # over the budget once
+                eng.guard.read_rss = lambda: shots.pop() if shots else 0
+                out.append(m.forward(np.array([7]), 20))
+                assert not shots and c.cap < c.E  # the guard fired at the step's start
+                for p in range(21, 40):
+                    out.append(m.forward(np.array([(p * 7) % 200 + 1]), p))
+                assert _cache_consistent(c) == []
+                st = {k: v for k, v in c.stats.snapshot().items() if not k.endswith("_s")}
+                res[one_call] = (np.concatenate(out), st, c.cap, [list(ly.lru) for ly in c.layers])
+        finally:
+            base.DECODE_T1 = True
+    assert np.array_equal(res[True][0].view(np.uint32), res[False][0].view(np.uint32))
+    assert res[True][1:] == res[False][1:]
+
+    with Engine.open(EngineConfig(store=str(store), history=False, o_direct=False, pilot=0, pinning=False,
+                                  policy=policy)) as eng:
+        m, c = eng.model, eng.cache
+        for layer in range(c.L):
+            c.load_experts(layer, np.arange(c.E))
+        m.forward(np.arange(5, 25), 0)
+        real = c.take_all_resident
+
+        def lowered_meanwhile(run, after_run=None):
+            def after():
+                if after_run is not None:
+                    after_run()
+                c.set_cap(2)  # another thread, between the two holds of the lock
+            return real(run, after)
+        c.take_all_resident = lowered_meanwhile
+        hits0 = c.stats.hits
+        assert m._decode_step_all(np.zeros((1, m.args.hidden_size), np.float32), 20)
+        assert c.stats.hits - hits0 == m.args.num_experts_per_tok * c.L  # every take counted
+        assert _cache_consistent(c) == []
+        assert all(ly.live <= 2 for ly in c.layers)
 
 
 def test_decode_step_in_one_call_only_with_every_expert_resident(family_stores, tmp_path):

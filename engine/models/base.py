@@ -1426,43 +1426,81 @@ class MoEModel:
         self._dec_memo = (plan,)
         return plan
 
+    def _decode_call(self, plan: tuple, x: np.ndarray, pos: int, kc: np.ndarray, vc: np.ndarray, outs: tuple):
+        """The function that runs K.decode_layers_t1 on ``x`` at ``pos`` with KV caches kc, vc and
+        output arrays ``outs`` (idx, w, logits, ss, pm, nspec) once given the cache's arrays
+        (ExpertCache.take_all_resident's ``run``)."""
+        lists, gs, qkn, fields, q4, il = plan
+        a, cache = self.args, self.experts
+        idx, w, logits, ss, pm, nspec = outs
+
+        def run(where, state, busy, last_use, routed_now, pinned, spec, resident, clock):
+            c = K.decode_layers_t1(
+                x, pos, self.cos[pos:pos + 1], self.sin[pos:pos + 1], kc, vc, self.scale,
+                a.rms_norm_eps, lists["ln"], lists["w"], lists["s"], gs, qkn, lists["qn"], lists["kn"], lists["ow"],
+                lists["os"], lists["post"], lists["router"], a.num_experts_per_tok, bool(a.norm_topk_prob), where,
+                state, busy, last_use, routed_now, pinned, spec, resident, clock, cache.arena, cache.max_cap,
+                cache.slot_bytes, fields, a.moe_intermediate_size, self.gs, q4, il, idx, w, logits, ss, pm, nspec)
+            return c, np.sort(idx, axis=1), ss, pm, nspec
+        return run
+
+    def _decode_outs(self) -> tuple:
+        a = self.args
+        L, k, E = a.num_hidden_layers, a.num_experts_per_tok, a.num_experts
+        return (np.empty((L, k), np.int64), np.empty((L, k), np.float32), np.empty((L, E), np.float32),
+                np.empty((L, k), np.int64), np.empty((L, k), np.bool_), np.zeros(L, np.int64))
+
+    def warm_decode_step(self) -> bool:
+        """Compile (or load from numba's cache) K.decode_layers_t1 for this model's argument
+        types now, so the first all-resident decode step does not compile it while it holds the
+        cache's lock (a fresh install: ~1 min). Runs it once on scratch state: every expert of
+        every layer mapped to slot 0 of a copy of the cache's bookkeeping arrays, a one-position
+        copy of the KV cache, a zero input; the cache, the KV cache and the model are untouched
+        (the arena is only read). Returns whether the model has the one-call decode step."""
+        plan = self._decode_plan()
+        cache = self.experts
+        if plan is None:
+            return False
+        a = self.args
+        L, Hkv, S = self.k_cache.shape[0], self.k_cache.shape[1], self.k_cache.shape[3]
+        kc = np.zeros((L, Hkv, 1, S), self.k_cache.dtype)
+        vc = np.zeros((L, Hkv, 1, S), self.v_cache.dtype)
+        x = np.zeros((1, a.hidden_size), np.float32)
+        run = self._decode_call(plan, x, 0, kc, vc, self._decode_outs())
+        resident = cache.RESIDENT_STATE
+        run(np.zeros_like(cache.where), np.full_like(cache.slot_state, resident), np.zeros_like(cache.slot_busy),
+            np.zeros_like(cache.last_use), np.zeros_like(cache.routed_now), np.zeros_like(cache.pinned),
+            np.zeros_like(cache.slot_spec), resident, 0)
+        return True
+
     def _decode_step_all(self, x: np.ndarray, pos: int) -> bool:
         """Every layer of a decode step (x float32 [1, D], updated in place) in one
         K.decode_layers_t1 call, when :meth:`_decode_plan` allows it, no method of this object
         was replaced (RecordedRouting replaces ``router_logits``), every per-layer observer is
-        token-batched (Observer.token_batched: their hooks are called after the step, in
-        layer order) and the cache holds every expert (ExpertCache.take_all_resident). The
-        values are bit-identical to the per-layer path. Returns False, having done nothing,
-        when it does not apply."""
+        token-batched (Observer.token_batched) and the cache holds every expert
+        (ExpertCache.take_all_resident). Token-batched observers get every layer's
+        ``on_layer_start`` before the step (the RSS guard polls there, before any take, as the
+        per-layer path polls before each layer's) and every layer's ``on_route`` after it,
+        before the cache's bookkeeping of the takes (the routing heat a layer's LFRU placement
+        reads is then that layer's, as in the per-layer path). The values are bit-identical to
+        the per-layer path. Returns False, having computed nothing, when it does not apply (the
+        per-layer path then publishes on_layer_start again: a second poll finds nothing new)."""
         plan = self._decode_plan()
-        if plan is None or not self.observers.token_batched() or any(f in self.__dict__ for f in self._OVERRIDABLE):
-            return False
-        lists, gs, qkn, fields, q4, il = plan
-        a = self.args
-        L, k, E = a.num_hidden_layers, a.num_experts_per_tok, a.num_experts
-        idx = np.empty((L, k), np.int64)
-        w = np.empty((L, k), np.float32)
-        logits = np.empty((L, E), np.float32)
-        ss = np.empty((L, k), np.int64)
-        pm = np.empty((L, k), np.bool_)
-        nspec = np.zeros(L, np.int64)
         cache = self.experts
-
-        def run(where, state, busy, last_use, routed_now, pinned, spec, resident, clock):
-            c = K.decode_layers_t1(
-                x, pos, self.cos[pos:pos + 1], self.sin[pos:pos + 1], self.k_cache, self.v_cache, self.scale,
-                a.rms_norm_eps, lists["ln"], lists["w"], lists["s"], gs, qkn, lists["qn"], lists["kn"], lists["ow"],
-                lists["os"], lists["post"], lists["router"], k, bool(a.norm_topk_prob), where, state, busy,
-                last_use, routed_now, pinned, spec, resident, clock, cache.arena, cache.max_cap, cache.slot_bytes,
-                fields, a.moe_intermediate_size, self.gs, q4, il, idx, w, logits, ss, pm, nspec)
-            return c, np.sort(idx, axis=1), ss, pm, nspec
-
+        if (plan is None or not self.observers.token_batched() or any(f in self.__dict__ for f in self._OVERRIDABLE)
+                or not cache.all_resident()):
+            return False
         obs = self.observers
-
-        def before_layer(j):  # the hooks the per-layer path calls before layer j's take
+        L = self.args.num_hidden_layers
+        for j in range(L):
             obs.publish("on_layer_start", j)
-            obs.publish("on_route", j, idx[j:j + 1], logits[j:j + 1])
-        return cache.take_all_resident(run, before_layer)
+        outs = self._decode_outs()
+        idx, logits = outs[0], outs[2]
+
+        def after_step():  # the hooks the per-layer path calls before each layer's take
+            for j in range(L):
+                obs.publish("on_route", j, idx[j:j + 1], logits[j:j + 1])
+        return cache.take_all_resident(self._decode_call(plan, x, pos, self.k_cache, self.v_cache, outs), after_step)
 
     # --- forward ----------------------------------------------------------------------------
 
