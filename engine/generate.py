@@ -176,6 +176,9 @@ class Engine:
         self.model = build_model(a, dense, store.dense_quant, store.quant, experts, ctx, store.group_size,
                                  kv_dtype=config.kv_dtype)
         self.kernel_warmup_s = self._warm_kernels(report)
+        start = getattr(self.model, "start_decode_warm", None)
+        if start is not None:  # the one-call decode step: compiled beside the first answer, not before it
+            start()
         if config.ram_budget_gb is None and self.kernel_warmup_s > 0:
             # An automatic budget is the RSS plus what the model needs: measured again after the
             # first compile, whose code and compiler memory (100-300 MB) are the process's own and
@@ -223,8 +226,7 @@ class Engine:
         self.budget_claim = BudgetClaim(self.plan.budget)
 
     def _warm_kernels(self, report) -> float:
-        """Run the model's kernels once (a 2-token prefill, a 1-token decode step and, where the
-        model has it, the one-call decode step on scratch state: MoEModel.warm_decode_step) before
+        """Run the model's kernels once (a 2-token prefill and a 1-token decode step) before
         "ready", so the first answer does not wait for numba to compile or load them (~8 s on a
         fresh install, issue 17); once per process and kind of model. The KV rows written are
         never reused (no prefix is kept) and ExpertCache.forget() undoes the loads, so nothing
@@ -241,9 +243,6 @@ class Engine:
         try:
             self.model.forward(np.asarray(ids[:2]), 0)
             self.model.forward(np.asarray(ids[2:]), 2)
-            warm_step = getattr(self.model, "warm_decode_step", None)
-            if warm_step is not None:  # the one-call decode step (every expert resident), never run above
-                warm_step()
             warmed = True
         except ExpertReadError:
             # a damaged expert slab is the store's problem, not the warm-up's: the model opens,

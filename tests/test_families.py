@@ -525,6 +525,8 @@ def _decode_all_resident(store, policy: str, kv_dtype: str, steps: int = 6, obse
         m, c = eng.model, eng.cache
         for layer in range(c.L):
             c.load_experts(layer, np.arange(c.E))
+        if m._decode_plan() is not None:  # compiled in the background after open
+            assert m.wait_decode_ready(900)
         if observer is not None:
             eng.subscribe(observer)
         out = [m.forward(np.arange(5, 25), 0, all_logits=True)]
@@ -647,6 +649,7 @@ def test_decode_step_in_one_call_with_the_cap_lowered_around_it(family_stores, t
                 m, c = eng.model, eng.cache
                 for layer in range(c.L):
                     c.load_experts(layer, np.arange(c.E))
+                assert not one_call or m.wait_decode_ready(900)
                 out = [m.forward(np.arange(5, 25), 0)]
                 eng.guard.step(0)
                 eng.guard._loads_seen = -1  # loads it has not looked at (a generation cut inside forward)
@@ -669,6 +672,7 @@ def test_decode_step_in_one_call_with_the_cap_lowered_around_it(family_stores, t
         m, c = eng.model, eng.cache
         for layer in range(c.L):
             c.load_experts(layer, np.arange(c.E))
+        assert m.wait_decode_ready(900)
         m.forward(np.arange(5, 25), 0)
         real = c.take_all_resident
 
@@ -699,6 +703,7 @@ def test_decode_step_in_one_call_only_with_every_expert_resident(family_stores, 
     for cap in (a.num_experts, 3):
         with Engine.open(EngineConfig(store=str(store), history=False, o_direct=False, pilot=0, cap=cap,
                                       pinning=False)) as eng:
+            assert eng.model.wait_decode_ready(900)
             if cap == a.num_experts:
                 for layer in range(eng.cache.L):
                     eng.cache.load_experts(layer, np.arange(a.num_experts))

@@ -22,6 +22,7 @@ Hugging Face names, the checkpoint-name mapping, the forward).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import threading
@@ -37,6 +38,8 @@ from ..observers import ObserverList
 from .routing import route_tokens
 
 from ..kernel_choice import K
+
+log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 128
 # int4 attention matrices stored row-interleaved (Linear.interleave, K.linear_q4i): a decode step
@@ -912,6 +915,7 @@ class MoEModel:
         self._il_memo: bool | None = None  # _slabs_interleaved
         self._att1_memo: dict[int, tuple | None] = {}  # _attention_t1_args
         self._dec_memo: tuple | None = None  # _decode_plan
+        self._decode_ready = threading.Event()  # K.decode_layers_t1 compiled for this model (start_decode_warm)
         # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
         # layer start, post-attention residual, routing, post-MoE residual. Dense layers
         # publish nothing.
@@ -1473,6 +1477,31 @@ class MoEModel:
             np.zeros_like(cache.slot_spec), resident, 0)
         return True
 
+    def start_decode_warm(self) -> None:
+        """Compile K.decode_layers_t1 for this model in a background thread (:meth:`warm_decode_step`;
+        numba's cache makes it ~a token's compute after the first time); decode steps use the one
+        call only once it is done (the values are the same either way). On a fresh install the
+        compile takes ~1 min of one core: done before "ready" it kept the app from opening for
+        as long, done at the first all-resident step it ran inside the cache's lock."""
+        if self._decode_plan() is None:
+            return
+
+        def warm():
+            try:
+                self.warm_decode_step()
+                self._decode_ready.set()
+            except Exception as e:  # noqa: BLE001 - the per-layer path stays: the same values, slower
+                log.warning("the one-call decode step could not be prepared (%s: %s); decoding layer by layer",
+                            type(e).__name__, e)
+        threading.Thread(target=warm, name="colibri-warm-decode", daemon=True).start()
+
+    def wait_decode_ready(self, timeout: float | None = None) -> bool:
+        """Block until the one-call decode step is compiled (True) or ``timeout`` seconds pass;
+        False at once for a model without it (:meth:`_decode_plan`)."""
+        if self._decode_plan() is None:
+            return False
+        return self._decode_ready.wait(timeout)
+
     def _decode_step_all(self, x: np.ndarray, pos: int) -> bool:
         """Every layer of a decode step (x float32 [1, D], updated in place) in one
         K.decode_layers_t1 call, when :meth:`_decode_plan` allows it, no method of this object
@@ -1487,8 +1516,8 @@ class MoEModel:
         per-layer path then publishes on_layer_start again: a second poll finds nothing new)."""
         plan = self._decode_plan()
         cache = self.experts
-        if (plan is None or not self.observers.token_batched() or any(f in self.__dict__ for f in self._OVERRIDABLE)
-                or not cache.all_resident()):
+        if (plan is None or not self._decode_ready.is_set() or not self.observers.token_batched()
+                or any(f in self.__dict__ for f in self._OVERRIDABLE) or not cache.all_resident()):
             return False
         obs = self.observers
         L = self.args.num_hidden_layers
