@@ -201,6 +201,8 @@ class ExpertCache:
         heat: int64 [L, E] routing counts, shared with the engine (read only here).
         checksum: "off" | "first" | "always".
         io_threads: concurrent reads for one layer's misses (the disk's queue depth).
+        reserve: fault in every slot the cap allows at once (populate thread, low priority),
+            not only the next ``populate_ahead`` of each layer: the setting ``reserve_cache``.
 
     The arena is a private anonymous mmap of L x cap x slot_bytes (page aligned, so
     O_DIRECT-ready); slots emptied by a cap reduction give their pages back to the OS
@@ -212,7 +214,8 @@ class ExpertCache:
     RESIDENT_STATE = _RESIDENT  # the slot_state code of a resident slot (K.cache_take_resident's ``resident``)
 
     def __init__(self, store, num_layers: int, num_experts: int, cap: int, policy: str = "lru",
-                 heat: np.ndarray | None = None, checksum: str = "first", io_threads: int = 4):
+                 heat: np.ndarray | None = None, checksum: str = "first", io_threads: int = 4,
+                 reserve: bool = False):
         if not 1 <= cap <= num_experts:
             raise ValueError(f"cap {cap} must be between 1 and num_experts ({num_experts})")
         self.store = store
@@ -273,7 +276,12 @@ class ExpertCache:
         # 10.5 ms per 6.3 MB O_DIRECT slab read into fresh memory against 6.0 ms into touched
         # memory; the fault-in alone 3.7 ms. Only ``populate_ahead`` slots per layer, so the
         # RSS grows with use, not to the whole arena at open.
-        self.populate_ahead = 2
+        # ``reserve``: every slot under the cap, in the background from open (setting
+        # reserve_cache), so no read after the first seconds pays the faults. Measured in a VM
+        # whose host takes freed guest memory back (bench/README.md, session 39): a first touch
+        # of fresh memory ran at 0.4-1 GB/s, and an 8 GB streaming arm decoded 5.4 tok/s cold
+        # vs 9.4 tok/s after the reservation (its CPU per token 0.35 -> 0.17 s).
+        self.populate_ahead = cap if reserve else 2
         self._faulted = np.zeros((num_layers, cap), bool)  # slot pages known present
         self._populate_wake = threading.Event()
         self._madvise = _populate_call()
@@ -435,7 +443,11 @@ class ExpertCache:
             with self.lock:
                 if self._closed:
                     return
-                todo = [(layer, v) for layer in range(self.L) for v in self._populate_wanted(layer)]
+                # round robin over the layers (each layer's next slot first): a decode that
+                # starts before a long reservation ends finds every layer's next slots faulted
+                want = [self._populate_wanted(layer) for layer in range(self.L)]
+                todo = [(layer, w[i]) for i in range(max(map(len, want), default=0))
+                        for layer, w in enumerate(want) if i < len(w)]
             for layer, v in todo:
                 if self._closed:
                     return
@@ -452,6 +464,26 @@ class ExpertCache:
                     break
                 if not ok:
                     return  # EINVAL (a kernel before 5.14), ENOMEM: reads fault their pages as before
+
+    def populate_pending(self) -> int:
+        """Bytes of free slots under the cap that the populate thread has still to fault in
+        (0 once done, and 0 where there is no populate thread: off Linux, a kernel without
+        MADV_POPULATE_WRITE, or after it stopped on an error)."""
+        with self.lock:
+            if self._populater is None or not self._populater.is_alive() or self._closed:
+                return 0
+            return sum(len(self._populate_wanted(layer)) for layer in range(self.L)) * int(self.slot_bytes)
+
+    def wait_populated(self, timeout: float | None = None, poll_s: float = 0.05) -> bool:
+        """Block until :meth:`populate_pending` is 0 (True) or ``timeout`` seconds pass (False).
+        With ``reserve`` that is the whole cache's memory faulted in; the benchmarks wait for it
+        as a user's first question would after some seconds of typing."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.populate_pending() > 0:
+            if end is not None and time.monotonic() >= end:
+                return False
+            time.sleep(poll_s)
+        return True
 
     def _populate_room(self, layer: int) -> list[int]:
         """The free slots a load may still take under the cap (lock held)."""

@@ -163,7 +163,7 @@ class Engine:
             self.heat.load(store.path)
         self.cache = ExpertCache(store, a.num_moe_layers, a.num_experts, self.plan.cap, config.policy,
                                  heat=self.heat.counts, checksum=config.checksum,
-                                 io_threads=config.io_threads)
+                                 io_threads=config.io_threads, reserve=config.reserve_cache)
         experts = self.cache
         if config.cluster:
             from .cluster import ClusterExperts

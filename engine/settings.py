@@ -193,6 +193,11 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "KV cache precision", choices=KV_DTYPES, choice_labels=("f16 – half the RAM", "f32 – exact")),
     _S("o_direct", bool, True, "read experts with O_DIRECT, bypassing the OS page cache, so the RAM "
        "budget is real (where supported)", "Direct I/O", check_text="O_DIRECT reads (bypass the page cache)"),
+    _S("reserve_cache", bool, False, "fault in the expert cache's whole RAM (every slot the cap allows) in a "
+       "low-priority background thread from the moment the model opens, so no token pays the OS's page faults "
+       "and zeroing later; the process's RSS rises to the cache's size within seconds instead of growing with "
+       "use. Off: only the next 2 slots of each layer are faulted in ahead (measured: bench/README.md, "
+       "session 39)", "Reserve cache memory", check_text="fault in the cache's memory when the model opens"),
     _S("pinning", bool, True, "after warm-up keep the most used experts of each layer resident, and load "
        "them before the first token next time", "Hot pinning",
        check_text="pin the hottest experts and pre-warm them at start"),

@@ -671,6 +671,53 @@ def test_populate_ahead_faults_the_next_free_slots_only():
         cache.close()
 
 
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux's")
+def test_reserve_faults_every_slot_under_the_cap():
+    """``reserve`` (the setting reserve_cache): every slot the cap allows gets its pages from
+    open, round robin over the layers; ``wait_populated`` returns once they are in; a lower cap
+    gives back the free slots it leaves no room for; loaded bytes are never touched."""
+    MB = 1 << 20
+    L, E = 3, 16
+    cache = ExpertCache(_MBStore(), L, E, E, policy="lru", io_threads=2, reserve=True)
+    try:
+        if cache._populater is None:
+            pytest.skip("no libc madvise")
+        assert cache.populate_ahead == E
+        cache.load_experts(1, [0, 1, 2])  # loads racing the reservation
+        assert cache.wait_populated(timeout=30.0)
+        if not cache._populater.is_alive():
+            pytest.skip("kernel without MADV_POPULATE_WRITE")
+        assert cache.populate_pending() == 0
+        assert int(cache._faulted.sum()) >= L * E - 3  # every slot (the 3 loaded ones were read into)
+        _, rss = _arena_mapping(cache)
+        assert (L * E - 1) * MB <= rss <= (L * E + 1) * MB
+        for e in (0, 1, 2):
+            v = cache.acquire(1, e)
+            assert np.all(v["buf"] == _MBStore.pattern(1, e))
+            cache.release(1, e)
+        cache.set_cap(4)
+        assert cache.wait_populated(timeout=30.0)
+        _, rss = _arena_mapping(cache)
+        assert rss <= (4 * L + 1) * MB, rss
+        assert cache.populate_pending() == 0
+    finally:
+        cache.close()
+    assert cache.populate_pending() == 0  # closed: nothing pending, wait returns at once
+    assert cache.wait_populated(timeout=0.0)
+
+
+def test_without_reserve_only_the_next_slots_are_pending():
+    """Off (the default): populate_pending counts at most ``populate_ahead`` slots per layer."""
+    L, E = 2, 16
+    cache = ExpertCache(_MBStore(), L, E, E, policy="lru", io_threads=1)
+    try:
+        assert cache.populate_ahead == 2
+        assert 0 <= cache.populate_pending() <= 2 * L * _MBStore.slot_bytes
+        assert cache.wait_populated(timeout=30.0)
+    finally:
+        cache.close()
+
+
 class _MBStore(FakeStore):
     slot_bytes = 1 << 20
 

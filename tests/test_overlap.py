@@ -350,3 +350,22 @@ def test_arena_offsets_past_2_gib_do_not_wrap():
             assert b.size == 64 << 20
     finally:
         cache.close()
+
+
+def test_reserve_cache_setting_reserves_the_whole_cap(tiny_store):
+    """The setting reserve_cache reaches the cache (every slot under the cap populated ahead)
+    and the CLI (``colibri run --reserve-cache``); the bench's first-touch probe measures."""
+    from engine.bench.overlap import measure_first_touch
+    from engine.cli.main import build_parser
+    with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, reserve_cache=True,
+                                  cap=3)) as eng:
+        assert eng.cache.populate_ahead == eng.cache.max_cap == 3
+        assert eng.cache.wait_populated(timeout=60.0)
+        if eng.cache._populater is not None and eng.cache._populater.is_alive():
+            assert eng.cache._faulted.all()
+    with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, cap=3)) as eng:
+        assert eng.cache.populate_ahead == 2
+    a = build_parser().parse_args(["run", "--model", str(tiny_store), "--reserve-cache", "--prompt", "x"])
+    assert a.reserve_cache is True
+    gbps = measure_first_touch(0.01)
+    assert gbps is None or gbps > 0

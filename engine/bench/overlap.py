@@ -24,6 +24,29 @@ def ceiling(compute_s: float, mb_per_token: float, disk_gbps: float) -> tuple[fl
     return 1.0 / max(compute_s, io_s), io_s
 
 
+def measure_first_touch(gb: float = 1.0) -> float | None:
+    """GB/s of a first touch of fresh anonymous memory (``gb`` GB faulted in by
+    MADV_POPULATE_WRITE, then unmapped): what a read into never-touched cache slots pays on top
+    of the disk. None where the populate call is missing (off Linux, kernel < 5.14). In a VM
+    whose host takes freed guest memory back this is far below memory bandwidth."""
+    import mmap
+    import time
+    from ..expert_cache import MADV_POPULATE_WRITE, _anonymous_map, _populate_call
+    call = _populate_call()
+    if call is None:
+        return None
+    n = int(gb * 1e9) // mmap.PAGESIZE * mmap.PAGESIZE
+    mm = _anonymous_map(n)
+    try:
+        base = np.frombuffer(mm, np.uint8).ctypes.data
+        t = time.perf_counter()
+        ok = call(base, n, MADV_POPULATE_WRITE) == 0
+        dt = time.perf_counter() - t
+    finally:
+        mm.close()
+    return n / dt / 1e9 if ok else None
+
+
 def cmd_overlap(a) -> int:
     """Arms: routing (forced / realistic) x budget (GB) x PILOT mode, plus one all-resident
     pilot-0 arm per routing (the compute time per token), interleaved, repetitions reversed.
@@ -55,9 +78,11 @@ def cmd_overlap(a) -> int:
             arms.append(("all", routing, dict(base, pilot=0, cap=E, warm_all=True, **rt)))
         for b in a.budgets:
             for p in a.modes:
-                arms.append((b, routing, dict(base, pilot=p, ram_budget_gb=b, **rt)))
+                for rv in ((False, True) if a.reserve == "both" else (a.reserve == "on",)):
+                    arms.append((b, routing, dict(base, pilot=p, ram_budget_gb=b, reserve_cache=rv, **rt)))
     check_arm_inputs(a.store, [o for _, _, o in arms], None, 0)
     disk = [measure_disk(a.store, qd=a.qd)]
+    touch = [measure_first_touch()]
     rows = []
     for rep in range(a.reps):
         seq = arms if rep % 2 == 0 else list(reversed(arms))
@@ -70,13 +95,14 @@ def cmd_overlap(a) -> int:
             r.update(budget_gb=b, routing=routing, rep=rep)
             r.pop("routing_trace", None)
             rows.append(r)
-            print(f"rep {rep} {routing} budget {b} pilot {over['pilot']}: "
+            print(f"rep {rep} {routing} budget {b} pilot {over['pilot']} reserve {int(over.get('reserve_cache', 0))}: "
                   + (f"cap {r['cap']} hit {100 * r['decode_hit_rate']:.1f}% {r['decode_mb_per_token']:.1f} MB/t "
                      f"felt {r['decode_felt_wait_s']:.2f}s {r['tok_per_s']:.2f} tok/s cpu/t "
                      f"{r['decode_cpu_s'] / max(r['decode_steps'], 1):.3f}s load {r['load_avg']:.1f} "
                      f"logits {r['sha256_logits']}" if r.get("hit_rate") is not None else f"error {r['error']}"),
                   flush=True)
     disk.append(measure_disk(a.store, qd=a.qd))
+    touch.append(measure_first_touch())
     bw = max(d[k] for d in disk for k in d if k.endswith("_gbps"))
     compute = {}
     for routing in a.routings:
@@ -113,16 +139,20 @@ def cmd_overlap(a) -> int:
     groups: dict = {}
     for r in rows:
         if r.get("hit_rate") is not None:
-            groups.setdefault((r["routing"], str(r["budget_gb"]), r["pilot"]), []).append(r)
+            groups.setdefault((r["routing"], str(r["budget_gb"]), r["pilot"], bool(r.get("reserve_cache"))), []).append(r)
     summ = []
-    for (routing, b, p), rs in groups.items():
+    for (routing, b, p, rv), rs in groups.items():
         med = {k: float(np.median([x[k] for x in rs if x.get(k) is not None]))
                for k in ("decode_hit_rate", "decode_mb_per_token", "decode_spec_mb_per_token", "felt_wait_s_per_token",
                          "decode_tok_s", "ceiling_tok_s", "ceiling_share", "cpu_s_per_token", "cpu_vs_resident",
                          "load_avg") if any(x.get(k) is not None for x in rs)}
-        summ.append({"routing": routing, "budget_gb": rs[0]["budget_gb"], "pilot": p, "cap": rs[0]["cap"], "n": len(rs),
+        summ.append({"routing": routing, "budget_gb": rs[0]["budget_gb"], "pilot": p, "reserve_cache": int(rv),
+                     "cap": rs[0]["cap"], "n": len(rs),
                      **med, "sha256_logits": " ".join(sorted({x["sha256_logits"] for x in rs}))})
-    cols = [("routing", "routing", ""), ("budget GB", "budget_gb", ""), ("pilot", "pilot", "d"), ("cap", "cap", "d"),
+    for r in rows:
+        r["reserve_cache"] = int(bool(r.get("reserve_cache")))
+    cols = [("routing", "routing", ""), ("budget GB", "budget_gb", ""), ("pilot", "pilot", "d"),
+            ("reserve", "reserve_cache", "d"), ("cap", "cap", "d"),
             ("hit", "decode_hit_rate", ".1%"), ("MB/token", "decode_mb_per_token", ".1f"),
             ("spec MB/t", "decode_spec_mb_per_token", ".1f"), ("felt wait s/t", "felt_wait_s_per_token", ".3f"),
             ("tok/s", "decode_tok_s", ".2f"), ("ceiling tok/s", "ceiling_tok_s", ".2f"),
@@ -139,6 +169,10 @@ def cmd_overlap(a) -> int:
             + ", I/O = MB read per token (demand + "
             f"speculative) / {bw:.2f} GB/s (the fastest O_DIRECT slab rate measured before/after the arms: "
             + "; ".join(f"QD1 {d['qd1_gbps']:.2f}, QD{a.qd} {d[f'qd{a.qd}_gbps']:.2f}" for d in disk) + " GB/s).",
+            "Reserve: the setting reserve_cache (the cache's memory faulted in after open, the arm starting once "
+            "it is; median wait " + (f"{np.median([r['populate_s'] for r in rows if r.get('reserve_cache') and r.get('populate_s') is not None] or [0]):.1f} s"
+            ) + "). First touch of fresh memory (1 GB, MADV_POPULATE_WRITE) before/after the arms: "
+            + ", ".join("n/a" if t is None else f"{t:.2f} GB/s" for t in touch) + ".",
             "CPU s/t: the arm process's user+system CPU per decoded token (rusage); CPU vs resident: that over the "
             "all-resident arm's. Load: 1-minute load average after the arm (2 cores shared with other jobs).",
             "Routing: forced = random-weight router on a seeded random token stream (worst case); realistic = the "
@@ -159,10 +193,10 @@ def cmd_overlap(a) -> int:
     if a.note:
         table += "\n\n" + a.note
     write_results(a.name, {"machine": machine_info(), "store": a.store, "routing_trace": str(a.routing_trace),
-                           "disk": disk, "disk_gbps_for_ceiling": bw, "compute": compute, "rows": rows,
+                           "disk": disk, "disk_gbps_for_ceiling": bw, "first_touch_gbps": touch, "compute": compute, "rows": rows,
                            "summary": summ, "prompt_len": a.prompt_len, "tokens": a.tokens, "seed": a.seed,
                            "context": a.context, "notes": a.note or None},
-                  "\n\n".join(head[:4]) + "\n\n" + "\n".join(head[4:]) + "\n\n" + table)
+                  "\n\n".join(head[:5]) + "\n\n" + "\n".join(head[5:]) + "\n\n" + table)
     return 0
 
 
@@ -184,6 +218,8 @@ def add_parser(bs) -> None:
                    help="compute time per token: all-resident arms, each arm's (wall - felt wait), or "
                         "resident when the store fits in the available memory")
     p.add_argument("--no-cgroup", action="store_true", help="budgets as engine RAM budgets only")
+    p.add_argument("--reserve", choices=("off", "on", "both"), default="both",
+                   help="the budget arms with the setting reserve_cache off, on, or each twice")
     p.add_argument("--name", default="overlap_olmoe_1b_7b")
     p.add_argument("--note", default="")
     p.set_defaults(fn=cmd_overlap)
