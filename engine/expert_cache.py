@@ -203,6 +203,9 @@ class ExpertCache:
         io_threads: concurrent reads for one layer's misses (the disk's queue depth).
         reserve: fault in every slot the cap allows at once (populate thread, low priority),
             not only the next ``populate_ahead`` of each layer: the setting ``reserve_cache``.
+        fill: after :meth:`start_fill`, a background thread reads experts not yet in RAM into
+            free slots under the cap while no demand read is in flight, never evicting: the
+            setting ``idle_fill`` (see :meth:`_fill_loop`).
 
     The arena is a private anonymous mmap of L x cap x slot_bytes (page aligned, so
     O_DIRECT-ready); slots emptied by a cap reduction give their pages back to the OS
@@ -215,7 +218,7 @@ class ExpertCache:
 
     def __init__(self, store, num_layers: int, num_experts: int, cap: int, policy: str = "lru",
                  heat: np.ndarray | None = None, checksum: str = "first", io_threads: int = 4,
-                 reserve: bool = False):
+                 reserve: bool = False, fill: bool = False):
         if not 1 <= cap <= num_experts:
             raise ValueError(f"cap {cap} must be between 1 and num_experts ({num_experts})")
         self.store = store
@@ -284,6 +287,10 @@ class ExpertCache:
         self.populate_ahead = cap if reserve else 2
         self._faulted = np.zeros((num_layers, cap), bool)  # slot pages known present
         self._populate_wake = threading.Event()
+        self.fill = bool(fill)
+        self._fill_wake = threading.Event()
+        self._filler = None
+        self._fill_layer = 0  # the layer the idle fill looks at next (round robin)
         self._madvise = _populate_call()
         self._populater = None
         if self._madvise is not None:
@@ -464,6 +471,91 @@ class ExpertCache:
                     break
                 if not ok:
                     return  # EINVAL (a kernel before 5.14), ENOMEM: reads fault their pages as before
+
+    # --- idle fill (the setting idle_fill) ---------------------------------------------------------
+
+    def start_fill(self) -> bool:
+        """Start the idle fill thread (``fill``; once, after the engine's warm-up and pre-warm).
+        Returns whether a fill thread runs."""
+        with self.lock:
+            if not self.fill or self._closed:
+                return False
+            if self._filler is None:
+                self._filler = threading.Thread(target=self._fill_loop, name="colibri-fill", daemon=True)
+                self._filler.start()
+        self._fill_wake.set()
+        return True
+
+    def _fill_pick(self) -> tuple[int, int]:
+        """The next (layer, expert) the idle fill reads (lock held), or (-1, -1): round robin
+        over the layers that have a free slot under the cap, in each the expert with the most
+        routing so far (``heat``; ties: the lowest id) that is neither resident nor loading."""
+        for i in range(self.L):
+            layer = (self._fill_layer + i) % self.L
+            ly = self.layers[layer]
+            if not (ly.live < min(ly.cap, ly.target) and ly.free):
+                continue
+            absent = np.flatnonzero(self.where[layer] < 0)
+            if absent.size == 0:
+                continue
+            e = int(absent[np.argmax(self.heat[layer, absent])])  # argmax: the first (lowest id) of ties
+            self._fill_layer = (layer + 1) % self.L
+            return layer, e
+        return -1, -1
+
+    def fill_pending(self) -> int:
+        """Experts the idle fill could still read now (free slots under the cap, summed over the
+        layers, each at most the absent experts of its layer); 0 without a fill thread."""
+        with self.lock:
+            if self._filler is None or self._closed:
+                return 0
+            return int(sum(min(min(ly.cap, ly.target) - ly.live, len(ly.free), int((self.where[l] < 0).sum()))
+                           for l, ly in enumerate(self.layers) if ly.live < min(ly.cap, ly.target)))
+
+    def wait_filled(self, timeout: float | None = None, poll_s: float = 0.05) -> bool:
+        """Block until :meth:`fill_pending` is 0 (True) or ``timeout`` seconds pass (False)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.fill_pending() > 0:
+            if end is not None and time.monotonic() >= end:
+                return False
+            time.sleep(poll_s)
+        return True
+
+    def _fill_loop(self) -> None:
+        """Idle fill thread: while a layer has a free slot under the cap, wait until no demand
+        read is in flight, reserve that slot for the layer's hottest absent expert and read it
+        (a speculative load: counted in ``spec_bytes``, evicted first until used). It never
+        evicts, so it cannot lower the hit rate; a demand read that arrives while a fill read is
+        in flight waits for at most that one slab (one read at a time). A store that fits in
+        the cap ends up wholly resident during the first idle seconds after open; one that does
+        not gets its free slots filled with the experts most routed to so far (the seeds'
+        pre-warm, for the whole cap). Woken by start_fill, forget and a raised cap."""
+        import os
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (AttributeError, OSError):
+            pass
+        while True:
+            self._fill_wake.wait()
+            self._fill_wake.clear()
+            while True:
+                if self._closed:
+                    return
+                if not self.wait_demand_idle(0.05):
+                    continue
+                with self.lock:
+                    if self._closed:
+                        return
+                    if self.demand_inflight > 0:
+                        continue
+                    layer, e = self._fill_pick()
+                    if layer < 0:
+                        break
+                    slot = self._reserve(layer, e)
+                    if slot < 0:
+                        break
+                    self.stats.spec_issued += 1
+                self._load(layer, e, slot, True)
 
     def populate_pending(self) -> int:
         """Bytes of free slots under the cap that the populate thread has still to fault in
@@ -1075,6 +1167,7 @@ class ExpertCache:
             self.routed_now[:] = False
             self._counted_hit.clear()
         self._populate_wake.set()
+        self._fill_wake.set()
 
     def set_cap(self, cap: int, max_pins: int | None = None) -> int:
         """Change the slots per layer (1..arena size). Lowering first unpins the coldest pins
@@ -1102,6 +1195,7 @@ class ExpertCache:
                     if self._faulted[layer, v] and v not in room:
                         self._release_pages(layer, v)
         self._populate_wake.set()
+        self._fill_wake.set()
         return n
 
     @property
@@ -1138,7 +1232,10 @@ class ExpertCache:
             self._readq_cv.notify_all()
             self._idle_cv.notify_all()
         self._populate_wake.set()
+        self._fill_wake.set()
         for t in self._readers:
             t.join()
         if self._populater is not None:
             self._populater.join()
+        if self._filler is not None:
+            self._filler.join()

@@ -163,7 +163,7 @@ class Engine:
             self.heat.load(store.path)
         self.cache = ExpertCache(store, a.num_moe_layers, a.num_experts, self.plan.cap, config.policy,
                                  heat=self.heat.counts, checksum=config.checksum,
-                                 io_threads=config.io_threads, reserve=config.reserve_cache)
+                                 io_threads=config.io_threads, reserve=config.reserve_cache, fill=config.idle_fill)
         experts = self.cache
         if config.cluster:
             from .cluster import ClusterExperts
@@ -202,6 +202,7 @@ class Engine:
         if config.pinning and self.heat.pinned.any():
             pre_n, pre_s = self._prewarm(self._cap_pins(self.heat.pinned), report)
         self._pins_applied = bool(self.cache.pinned.any())
+        self.cache.start_fill()  # idle_fill: after the warm-up's forget() and the pre-warm
         report(LoadProgress("open", 3, 3, "", "ready"))
         msg = self.plan.describe()
         if self.cluster is not None:

@@ -198,6 +198,11 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "and zeroing later; the process's RSS rises to the cache's size within seconds instead of growing with "
        "use. Off: only the next 2 slots of each layer are faulted in ahead (measured: bench/README.md, "
        "session 39)", "Reserve cache memory", check_text="fault in the cache's memory when the model opens"),
+    _S("idle_fill", bool, False, "while the SSD is idle, read experts not yet in RAM into free cache slots "
+       "(never evicting one), the most used first: a model whose experts fit in the cache becomes wholly "
+       "resident in the first seconds after it opens, one that does not has its free slots filled with "
+       "likely experts (measured: bench/README.md, session 39)", "Idle fill",
+       check_text="fill free cache slots while the SSD is idle"),
     _S("pinning", bool, True, "after warm-up keep the most used experts of each layer resident, and load "
        "them before the first token next time", "Hot pinning",
        check_text="pin the hottest experts and pre-warm them at start"),

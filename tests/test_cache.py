@@ -718,6 +718,70 @@ def test_without_reserve_only_the_next_slots_are_pending():
         cache.close()
 
 
+def test_idle_fill_makes_a_store_that_fits_resident_without_evicting():
+    """``fill`` (the setting idle_fill): after start_fill every expert of a store that fits the
+    cap is read, speculatively (spec_bytes), with no eviction; with a smaller cap each layer's
+    free slots take its hottest experts (heat; ties: the lowest id) and nothing more."""
+    L, E = 3, 8
+    cache = ExpertCache(FakeStore(), L, E, E, policy="lru", io_threads=1, fill=True)
+    try:
+        assert cache.fill_pending() == 0  # not started: nothing pending, no thread
+        assert cache.start_fill()
+        assert cache.wait_filled(timeout=30.0)
+        assert cache.residency().all()
+        assert cache.stats.loads == L * E and cache.stats.evictions == 0
+        assert cache.stats.spec_bytes == L * E * FakeStore.slot_bytes and cache.stats.demand_bytes == 0
+    finally:
+        cache.close()
+    heat = np.zeros((L, E), np.int64)
+    heat[0, [6, 2]] = [5, 9]
+    heat[1, 7] = 1
+    cache = ExpertCache(FakeStore(), L, E, 3, policy="lru", heat=heat, io_threads=1, fill=True)
+    try:
+        cache.load_experts(2, [5])  # a demand load first: the fill takes the remaining room only
+        cache.start_fill()
+        assert cache.wait_filled(timeout=30.0)
+        res = cache.residency()
+        assert set(np.flatnonzero(res[0])) == {2, 6, 0}
+        assert set(np.flatnonzero(res[1])) == {7, 0, 1}
+        assert set(np.flatnonzero(res[2])) == {5, 0, 1}
+        assert cache.stats.evictions == 0
+        for layer in range(L):  # the filled bytes are the experts' own
+            for e in np.flatnonzero(res[layer]):
+                v = cache.acquire(layer, int(e))
+                assert int(v["buf"][0]) == FakeStore.pattern(layer, int(e))
+                cache.release(layer, int(e))
+    finally:
+        cache.close()
+
+
+def test_idle_fill_waits_while_a_demand_read_is_in_flight():
+    """The fill reads only while no demand read is in flight (one disk, no gain from depth)."""
+    gate = threading.Event()
+
+    class SlowStore(FakeStore):
+        def read(self, layer, expert, buf, verify=False):
+            if (layer, expert) == (0, 5):
+                gate.wait(10.0)
+            return super().read(layer, expert, buf, verify)
+
+    cache = ExpertCache(SlowStore(), 2, 8, 8, policy="lru", io_threads=1, fill=True)
+    try:
+        t = threading.Thread(target=lambda: (cache.acquire(0, 5), cache.release(0, 5)))
+        t.start()
+        assert _wait_for(lambda: cache.demand_inflight == 1)
+        cache.start_fill()
+        time.sleep(0.3)
+        assert cache.stats.loads == 0 and cache.stats.spec_issued == 0
+        gate.set()
+        t.join(10.0)
+        assert cache.wait_filled(timeout=30.0)
+        assert cache.residency().all() and cache.stats.demand_bytes == FakeStore.slot_bytes
+    finally:
+        gate.set()
+        cache.close()
+
+
 class _MBStore(FakeStore):
     slot_bytes = 1 << 20
 

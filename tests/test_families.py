@@ -80,7 +80,8 @@ def test_greedy_ids_do_not_depend_on_placement(family_stores, name):
     for kw in (dict(cap=1, policy="lfru", pilot=0, reserve_cache=True), dict(cap=2, policy="ema", pilot=3, pilot_workers=2),
                dict(cap=3, policy="lru", pilot=1, pilot_workers=1, wide=2, spec_precision=0.0),
                dict(cap=2, policy="ema", pilot=2, pinning=True, pin_per_layer=1),
-               dict(cap=E, policy="lru", pilot=0, threads=1), dict(cap=2, policy="ema", pilot=1, threads=2)):
+               dict(cap=E, policy="lru", pilot=0, threads=1, idle_fill=True),
+               dict(cap=2, policy="ema", pilot=1, threads=2, idle_fill=True)):
         assert _greedy(store, **kw) == ref, kw
 
 
@@ -378,7 +379,7 @@ def test_routing_identical_across_cap_guard_pilot_threads(routed_store):
     assert ref["evictions"] == 0 and ref["mask"].sum(axis=1).max() > 24  # prefill: > cap 24 below
     runs = {
         "cap 9": _routing_run(routed_store, cap=9, pilot=0, reserve_cache=True),
-        "cap 24 lfru": _routing_run(routed_store, cap=24, pilot=0, policy="lfru"),
+        "cap 24 lfru": _routing_run(routed_store, cap=24, pilot=0, policy="lfru", idle_fill=True),
         "guard from cap 24": _routing_run(routed_store, _GuardRss(1.0), ram_budget_gb=1.0, cap=24, pilot=0),
         "guard + PILOT 2 workers, 1 thread": _routing_run(routed_store, _GuardRss(1.0), ram_budget_gb=1.0,
                                                            cap=24, pilot=2, pilot_workers=2, threads=1),

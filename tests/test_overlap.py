@@ -353,8 +353,8 @@ def test_arena_offsets_past_2_gib_do_not_wrap():
 
 
 def test_reserve_cache_setting_reserves_the_whole_cap(tiny_store):
-    """The setting reserve_cache reaches the cache (every slot under the cap populated ahead)
-    and the CLI (``colibri run --reserve-cache``); the bench's first-touch probe measures."""
+    """The settings reserve_cache (every slot under the cap populated ahead) and idle_fill
+    (a store that fits becomes resident) reach the cache and the CLI (``colibri run --reserve-cache``); the bench's first-touch probe measures."""
     from engine.bench.overlap import measure_first_touch
     from engine.cli.main import build_parser
     with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, reserve_cache=True,
@@ -365,7 +365,14 @@ def test_reserve_cache_setting_reserves_the_whole_cap(tiny_store):
             assert eng.cache._faulted.all()
     with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, cap=3)) as eng:
         assert eng.cache.populate_ahead == 2
-    a = build_parser().parse_args(["run", "--model", str(tiny_store), "--reserve-cache", "--prompt", "x"])
-    assert a.reserve_cache is True
+    with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, idle_fill=True)) as eng:
+        assert eng.cache.fill and eng.cache._filler is not None  # started after the warm-up
+        assert eng.cache.wait_filled(timeout=60.0)
+        assert eng.cache.residency().all()  # the tiny store fits: wholly resident, then all-resident decode
+        req = GenerateRequest(prompt_ids=(5, 6, 7), sampling=SamplingParams(max_new_tokens=3))
+        assert list(eng.generate(req))[-1].error == ""
+    a = build_parser().parse_args(["run", "--model", str(tiny_store), "--reserve-cache", "--idle-fill",
+                                   "--prompt", "x"])
+    assert a.reserve_cache is True and a.idle_fill is True
     gbps = measure_first_touch(0.01)
     assert gbps is None or gbps > 0

@@ -71,7 +71,9 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
     Bench-only overrides (not engine settings): ``warm_all`` (every expert loaded before the
     first token), ``routing_trace`` (a logits trace: the model's routing and PILOT's
     predictions are replayed from it, ``engine.trace.RecordedRouting``; "realistic routing"),
-    ``routing_seed`` (its permutation seed, default 0).
+    ``routing_seed`` (its permutation seed, default 0), ``idle_s`` (seconds the engine sits
+    idle after open and the populate wait, before the first token: a user typing; the idle fill
+    runs meanwhile). ``resident_at_start``: experts resident at the first token.
 
     Output identity: ``sha256_ids`` hashes the emitted ids (under teacher forcing those are the
     forced ones), ``sha256_logits`` the float32 logits of every forward: the check that
@@ -110,6 +112,9 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
         t_pop = time.perf_counter()
         populated = eng.cache.wait_populated(timeout=600.0) if cfg.reserve_cache else True
         populate_s = time.perf_counter() - t_pop
+        if cfg_over.get("idle_s"):  # a user typing the first question: the idle fill runs meanwhile
+            time.sleep(float(cfg_over["idle_s"]))
+        resident_at_start = int(eng.cache.residency().sum())
         V = eng.args.vocab_size
         if prompt_text is not None:  # a real question, in the model's chat template when it has one
             from ..events import ChatMessage
@@ -159,7 +164,7 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
                # RSS guard actions (token index or None = a layer-start poll, RSS bytes, old, new cap)
                "guard_fired": eng.guard.fired, "guard_trail": [list(t) for t in eng.guard.trail],
                "o_direct": eng.store.o_direct, "open_s": open_s, "populate_s": populate_s,
-               "populated": populated,
+               "populated": populated, "resident_at_start": resident_at_start,
                "sha256_ids": hashlib.sha256(json.dumps(list(fin.token_ids)).encode()).hexdigest()[:16],
                "sha256_logits": logit_hash.hexdigest()[:16],
                "routing": "realistic" if routing is not None else "forced",

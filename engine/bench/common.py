@@ -24,7 +24,7 @@ PRESETS = {
                         num_experts_per_tok=8, vocab_size=50304, max_position_embeddings=4096),
 }
 
-BENCH_KEYS = ("warm_all", "routing_trace", "routing_seed")  # arm overrides that are not engine settings
+BENCH_KEYS = ("warm_all", "routing_trace", "routing_seed", "idle_s")  # arm overrides that are not engine settings
 
 
 def machine_info() -> dict:

@@ -79,7 +79,9 @@ def cmd_overlap(a) -> int:
         for b in a.budgets:
             for p in a.modes:
                 for rv in ((False, True) if a.reserve == "both" else (a.reserve == "on",)):
-                    arms.append((b, routing, dict(base, pilot=p, ram_budget_gb=b, reserve_cache=rv, **rt)))
+                    for fv in ((False, True) if a.fill == "both" else (a.fill == "on",)):
+                        arms.append((b, routing, dict(base, pilot=p, ram_budget_gb=b, reserve_cache=rv, idle_fill=fv,
+                                                      **({"idle_s": a.idle_s} if a.idle_s else {}), **rt)))
     check_arm_inputs(a.store, [o for _, _, o in arms], None, 0)
     disk = [measure_disk(a.store, qd=a.qd)]
     touch = [measure_first_touch()]
@@ -95,7 +97,7 @@ def cmd_overlap(a) -> int:
             r.update(budget_gb=b, routing=routing, rep=rep)
             r.pop("routing_trace", None)
             rows.append(r)
-            print(f"rep {rep} {routing} budget {b} pilot {over['pilot']} reserve {int(over.get('reserve_cache', 0))}: "
+            print(f"rep {rep} {routing} budget {b} pilot {over['pilot']} reserve {int(over.get('reserve_cache', 0))} fill {int(over.get('idle_fill', 0))}: "
                   + (f"cap {r['cap']} hit {100 * r['decode_hit_rate']:.1f}% {r['decode_mb_per_token']:.1f} MB/t "
                      f"felt {r['decode_felt_wait_s']:.2f}s {r['tok_per_s']:.2f} tok/s cpu/t "
                      f"{r['decode_cpu_s'] / max(r['decode_steps'], 1):.3f}s load {r['load_avg']:.1f} "
@@ -139,20 +141,24 @@ def cmd_overlap(a) -> int:
     groups: dict = {}
     for r in rows:
         if r.get("hit_rate") is not None:
-            groups.setdefault((r["routing"], str(r["budget_gb"]), r["pilot"], bool(r.get("reserve_cache"))), []).append(r)
+            groups.setdefault((r["routing"], str(r["budget_gb"]), r["pilot"], bool(r.get("reserve_cache")),
+                               bool(r.get("idle_fill"))), []).append(r)
     summ = []
-    for (routing, b, p, rv), rs in groups.items():
+    for (routing, b, p, rv, fv), rs in groups.items():
         med = {k: float(np.median([x[k] for x in rs if x.get(k) is not None]))
                for k in ("decode_hit_rate", "decode_mb_per_token", "decode_spec_mb_per_token", "felt_wait_s_per_token",
                          "decode_tok_s", "ceiling_tok_s", "ceiling_share", "cpu_s_per_token", "cpu_vs_resident",
                          "load_avg") if any(x.get(k) is not None for x in rs)}
         summ.append({"routing": routing, "budget_gb": rs[0]["budget_gb"], "pilot": p, "reserve_cache": int(rv),
+                     "idle_fill": int(fv), "resident_at_start": float(np.median([x.get("resident_at_start", 0) for x in rs])),
                      "cap": rs[0]["cap"], "n": len(rs),
                      **med, "sha256_logits": " ".join(sorted({x["sha256_logits"] for x in rs}))})
     for r in rows:
         r["reserve_cache"] = int(bool(r.get("reserve_cache")))
+        r["idle_fill"] = int(bool(r.get("idle_fill")))
     cols = [("routing", "routing", ""), ("budget GB", "budget_gb", ""), ("pilot", "pilot", "d"),
-            ("reserve", "reserve_cache", "d"), ("cap", "cap", "d"),
+            ("reserve", "reserve_cache", "d"), ("fill", "idle_fill", "d"), ("cap", "cap", "d"),
+            ("resident at start", "resident_at_start", ".0f"),
             ("hit", "decode_hit_rate", ".1%"), ("MB/token", "decode_mb_per_token", ".1f"),
             ("spec MB/t", "decode_spec_mb_per_token", ".1f"), ("felt wait s/t", "felt_wait_s_per_token", ".3f"),
             ("tok/s", "decode_tok_s", ".2f"), ("ceiling tok/s", "ceiling_tok_s", ".2f"),
@@ -172,7 +178,9 @@ def cmd_overlap(a) -> int:
             "Reserve: the setting reserve_cache (the cache's memory faulted in after open, the arm starting once "
             "it is; median wait " + (f"{np.median([r['populate_s'] for r in rows if r.get('reserve_cache') and r.get('populate_s') is not None] or [0]):.1f} s"
             ) + "). First touch of fresh memory (1 GB, MADV_POPULATE_WRITE) before/after the arms: "
-            + ", ".join("n/a" if t is None else f"{t:.2f} GB/s" for t in touch) + ".",
+            + ", ".join("n/a" if t is None else f"{t:.2f} GB/s" for t in touch) + ". Fill: the setting idle_fill "
+            "(free slots filled from the SSD while no demand read is in flight, never evicting); resident at start: "
+            f"experts in RAM at the first token; idle before the first token: {a.idle_s:g} s.",
             "CPU s/t: the arm process's user+system CPU per decoded token (rusage); CPU vs resident: that over the "
             "all-resident arm's. Load: 1-minute load average after the arm (2 cores shared with other jobs).",
             "Routing: forced = random-weight router on a seeded random token stream (worst case); realistic = the "
@@ -220,6 +228,10 @@ def add_parser(bs) -> None:
     p.add_argument("--no-cgroup", action="store_true", help="budgets as engine RAM budgets only")
     p.add_argument("--reserve", choices=("off", "on", "both"), default="both",
                    help="the budget arms with the setting reserve_cache off, on, or each twice")
+    p.add_argument("--fill", choices=("off", "on", "both"), default="off",
+                   help="the budget arms with the setting idle_fill off, on, or each twice")
+    p.add_argument("--idle-s", type=float, default=0.0,
+                   help="seconds each budget arm sits idle after open before the first token (a user typing)")
     p.add_argument("--name", default="overlap_olmoe_1b_7b")
     p.add_argument("--note", default="")
     p.set_defaults(fn=cmd_overlap)
