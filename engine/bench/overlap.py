@@ -75,7 +75,8 @@ def cmd_overlap(a) -> int:
     for routing in a.routings:
         rt = {"routing_trace": str(a.routing_trace)} if routing == "realistic" else {}
         if resident:
-            arms.append(("all", routing, dict(base, pilot=0, cap=E, warm_all=True, **rt)))
+            arms.append(("all", routing, dict(base, pilot=0, cap=E, warm_all=True,
+                                              **({"idle_s": a.idle_s} if a.idle_s else {}), **rt)))
         for b in a.budgets:
             for p in a.modes:
                 for rv in ((False, True) if a.reserve == "both" else (a.reserve == "on",)):
@@ -231,7 +232,7 @@ def add_parser(bs) -> None:
     p.add_argument("--fill", choices=("off", "on", "both"), default="off",
                    help="the budget arms with the setting idle_fill off, on, or each twice")
     p.add_argument("--idle-s", type=float, default=0.0,
-                   help="seconds each budget arm sits idle after open before the first token (a user typing)")
+                   help="seconds each arm sits idle after open before the first token (a user typing)")
     p.add_argument("--name", default="overlap_olmoe_1b_7b")
     p.add_argument("--note", default="")
     p.set_defaults(fn=cmd_overlap)
