@@ -90,7 +90,7 @@ class CacheStats:
     __slots__ = ("hits", "misses", "pinned_hits", "loads", "demand_bytes", "spec_bytes",
                  "felt_wait_s", "read_service_s", "spec_issued", "spec_completed", "spec_used",
                  "spec_dropped_stale", "spec_dropped_guard", "spec_dropped_full", "spec_wasted_bytes",
-                 "evictions", "read_errors", "victim_scans")
+                 "evictions", "read_errors", "victim_scans", "fill_loads")
 
     def __init__(self):
         for k in self.__slots__:
@@ -291,6 +291,8 @@ class ExpertCache:
         self._fill_wake = threading.Event()
         self._filler = None
         self._fill_layer = 0  # the layer the idle fill looks at next (round robin)
+        self._fill_inflight = 0  # fill reads reserved and not finished
+        self._fill_bad = np.zeros((num_layers, num_experts), bool)  # fill reads that failed: not retried
         self._madvise = _populate_call()
         self._populater = None
         if self._madvise is not None:
@@ -323,6 +325,16 @@ class ExpertCache:
                 b = ly.buckets[h] = OrderedDict()
                 heapq.heappush(ly.heap, h)
             b[slot] = None
+
+    def _track_cold(self, layer: int, slot: int) -> None:
+        """Make a resident, unpinned slot evictable at the cold end (the first victim of its
+        order or heat bucket): an idle-fill load nothing has routed to yet."""
+        self._track(layer, slot)
+        ly = self.layers[layer]
+        if self.policy != "lfru":
+            ly.lru.move_to_end(slot, last=False)
+        else:
+            ly.buckets[int(self.slot_theat[layer, slot])].move_to_end(slot, last=False)
 
     def _untrack(self, layer: int, slot: int) -> None:
         ly = self.layers[layer]
@@ -458,6 +470,10 @@ class ExpertCache:
             for layer, v in todo:
                 if self._closed:
                     return
+                with self.lock:  # the list may be stale (a load took the slot, a lower cap): skip those
+                    if (self.slot_state[layer, v] != FREE or self._faulted[layer, v]
+                            or v not in self._populate_room(layer)):
+                        continue
                 ok = self._madvise(base + self._slot_offset(layer, v), self.slot_bytes, MADV_POPULATE_WRITE) == 0
                 again = not ok and _errno() in (errno.EINTR, errno.EAGAIN)  # try again at the next wake
                 with self.lock:
@@ -495,7 +511,7 @@ class ExpertCache:
             ly = self.layers[layer]
             if not (ly.live < min(ly.cap, ly.target) and ly.free):
                 continue
-            absent = np.flatnonzero(self.where[layer] < 0)
+            absent = np.flatnonzero((self.where[layer] < 0) & ~self._fill_bad[layer])
             if absent.size == 0:
                 continue
             e = int(absent[np.argmax(self.heat[layer, absent])])  # argmax: the first (lowest id) of ties
@@ -505,12 +521,17 @@ class ExpertCache:
 
     def fill_pending(self) -> int:
         """Experts the idle fill could still read now (free slots under the cap, summed over the
-        layers, each at most the absent experts of its layer); 0 without a fill thread."""
+        layers, each at most the absent experts of its layer that have not failed a fill read)
+        plus its read in flight; 0 without a running fill thread."""
         with self.lock:
-            if self._filler is None or self._closed:
+            if self._filler is None or not self._filler.is_alive() or self._closed:
                 return 0
-            return int(sum(min(min(ly.cap, ly.target) - ly.live, len(ly.free), int((self.where[l] < 0).sum()))
-                           for l, ly in enumerate(self.layers) if ly.live < min(ly.cap, ly.target)))
+            room = 0
+            for layer, ly in enumerate(self.layers):
+                if ly.live < min(ly.cap, ly.target):
+                    absent = int(((self.where[layer] < 0) & ~self._fill_bad[layer]).sum())
+                    room += min(min(ly.cap, ly.target) - ly.live, len(ly.free), absent)
+            return room + self._fill_inflight
 
     def wait_filled(self, timeout: float | None = None, poll_s: float = 0.05) -> bool:
         """Block until :meth:`fill_pending` is 0 (True) or ``timeout`` seconds pass (False)."""
@@ -524,9 +545,11 @@ class ExpertCache:
     def _fill_loop(self) -> None:
         """Idle fill thread: while a layer has a free slot under the cap, wait until no demand
         read is in flight, reserve that slot for the layer's hottest absent expert and read it
-        (a speculative load: counted in ``spec_bytes``, evicted first until used). It never
-        evicts, so it cannot lower the hit rate; a demand read that arrives while a fill read is
-        in flight waits for at most that one slab (one read at a time). A store that fits in
+        (bytes read ahead of demand: ``spec_bytes``; ``fill_loads``). The slot joins its layer's
+        eviction order at the cold end, so an expert the routing never asks for is the first
+        victim, and it never evicts, so it cannot lower the hit rate; a demand read that arrives
+        while a fill read is in flight waits for at most that one slab (one read at a time). An
+        expert whose fill read failed is not tried again (until forget()). A store that fits in
         the cap ends up wholly resident during the first idle seconds after open; one that does
         not gets its free slots filled with the experts most routed to so far (the seeds'
         pre-warm, for the whole cap). Woken by start_fill, forget and a raised cap."""
@@ -554,8 +577,8 @@ class ExpertCache:
                     slot = self._reserve(layer, e)
                     if slot < 0:
                         break
-                    self.stats.spec_issued += 1
-                self._load(layer, e, slot, True)
+                    self._fill_inflight += 1
+                self._load(layer, e, slot, True, fill=True)
 
     def populate_pending(self) -> int:
         """Bytes of free slots under the cap that the populate thread has still to fault in
@@ -624,11 +647,13 @@ class ExpertCache:
         ly = self.layers[layer]
         ly.live -= 1
         ly.free.append(slot)
+        self._fill_wake.set()  # a slot came free (a failed or cancelled read): the fill may take it
 
     # --- loading --------------------------------------------------------------------------------
 
-    def _load(self, layer: int, expert: int, slot: int, speculative: bool) -> None:
-        """Read into the reserved slot (I/O thread or caller), then publish or free it."""
+    def _load(self, layer: int, expert: int, slot: int, speculative: bool, fill: bool = False) -> None:
+        """Read into the reserved slot (I/O thread or caller), then publish or free it.
+        ``fill``: an idle-fill read (speculative, not PILOT's: not staged, cold end)."""
         buf = self._buf(layer, slot)
         verify = self.checksum == "always" or (self.checksum == "first" and not self._verified[layer, expert])
         t0 = time.perf_counter()
@@ -645,8 +670,12 @@ class ExpertCache:
                 if self.demand_inflight == 0:
                     self._idle_cv.notify_all()
             self.stats.read_service_s += dt
+            if fill:
+                self._fill_inflight -= 1
             if err is not None or self._closed:
                 self.stats.read_errors += err is not None
+                if fill and err is not None:
+                    self._fill_bad[layer, expert] = True
                 self._unreserve(layer, slot)
                 if err is not None and not speculative:
                     self._errors[(layer, expert)] = err
@@ -656,8 +685,11 @@ class ExpertCache:
                 self.stats.loads += 1
                 if speculative:
                     self.stats.spec_bytes += n
-                    self.stats.spec_completed += 1
-                    self.slot_spec[layer, slot] = True
+                    if fill:
+                        self.stats.fill_loads += 1
+                    else:
+                        self.stats.spec_completed += 1
+                        self.slot_spec[layer, slot] = True
                 else:
                     self.stats.demand_bytes += n
                 self.slot_state[layer, slot] = _RESIDENT
@@ -666,8 +698,11 @@ class ExpertCache:
                 # completion: completion order varies with I/O timing, acquire order does not,
                 # so victim choice is a pure function of the routing (replayable exactly).
                 if speculative and not self.pinned[layer, expert]:
-                    self._track(layer, slot)
-                    self.layers[layer].staged[slot] = None
+                    if fill:
+                        self._track_cold(layer, slot)
+                    else:
+                        self._track(layer, slot)
+                        self.layers[layer].staged[slot] = None
                 self.observers.publish("on_load", layer, expert, n, dt, speculative)
             self.cond.notify_all()
 
@@ -1166,6 +1201,7 @@ class ExpertCache:
             self.clock = 0
             self.routed_now[:] = False
             self._counted_hit.clear()
+            self._fill_bad[:] = False
         self._populate_wake.set()
         self._fill_wake.set()
 
@@ -1180,9 +1216,10 @@ class ExpertCache:
         max_pins = cap - 1 if max_pins is None else max(0, min(int(max_pins), cap - 1))
         n = 0
         with self.lock:
+            for ly in self.layers:  # every layer first: none grows past the new cap while another settles
+                ly.target = cap
             for layer in range(self.L):
                 ly = self.layers[layer]
-                ly.target = cap
                 self._trim_pins(layer, max_pins)
                 while ly.live > cap and not self._closed:
                     if self._evict_one_for_shrink(layer):

@@ -184,7 +184,10 @@ class Engine:
             # first compile, whose code and compiler memory (100-300 MB) are the process's own and
             # not the cache's; planned before it, the guard saw that growth as the cache's and
             # cut a tiny model's cap to 1 in its first answer.
-            plan = plan_estimate(self.sizing, None, config.cap, rss_now=self.read_rss())
+            # the arena pages already in (populated ahead, or the whole cache with reserve_cache)
+            # are the cache's own, planned again below, not memory beside it
+            plan = plan_estimate(self.sizing, None, config.cap,
+                                 rss_now=max(0, self.read_rss() - self.cache.resident_bytes()))
             self.plan = replace(plan, cap=min(plan.cap, self.cache.max_cap))  # the arena is sized
             if self.plan.cap != self.cache.cap:
                 self.cache.set_cap(self.plan.cap)
@@ -653,5 +656,6 @@ class Engine:
 def engine_threads_alive() -> list[str]:
     """Names of live threads the engine started (tests check none survive close())."""
     return [t.name for t in threading.enumerate()
-            if t.name.startswith(("colibri-io", "colibri-pilot", "colibri-cluster"))]
+            if t.name.startswith(("colibri-io", "colibri-pilot", "colibri-cluster", "colibri-fill",
+                                  "colibri-populate"))]
 

@@ -729,8 +729,9 @@ def test_idle_fill_makes_a_store_that_fits_resident_without_evicting():
         assert cache.start_fill()
         assert cache.wait_filled(timeout=30.0)
         assert cache.residency().all()
-        assert cache.stats.loads == L * E and cache.stats.evictions == 0
+        assert cache.stats.loads == cache.stats.fill_loads == L * E and cache.stats.evictions == 0
         assert cache.stats.spec_bytes == L * E * FakeStore.slot_bytes and cache.stats.demand_bytes == 0
+        assert cache.stats.spec_issued == cache.stats.spec_completed == 0  # PILOT's counters untouched
     finally:
         cache.close()
     heat = np.zeros((L, E), np.int64)
@@ -755,6 +756,70 @@ def test_idle_fill_makes_a_store_that_fits_resident_without_evicting():
         cache.close()
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfru", "ema"])
+def test_idle_fill_loads_are_the_first_victims(policy):
+    """A fill load nothing routes to is evicted before any expert the routing used: routing
+    4, 5, 4, 5 ... at cap 4 over a filled layer misses twice, then hits (a fill load kept
+    from eviction until used, as PILOT's are, made every access a miss)."""
+    cache = ExpertCache(FakeStore(), 1, 8, 4, policy=policy, io_threads=1, fill=True)
+    try:
+        cache.start_fill()
+        assert cache.wait_filled(timeout=30.0)
+        assert set(np.flatnonzero(cache.residency()[0])) == {0, 1, 2, 3}
+        for e in [4, 5] * 5:
+            cache.observe_probs(0, np.eye(8, dtype=np.float32)[e])
+            cache.prepare(0, [e])
+            cache.acquire(0, e)
+            cache.release(0, e)
+        assert cache.stats.misses == 2 and cache.stats.hits == 8
+    finally:
+        cache.close()
+
+
+def test_idle_fill_does_not_retry_a_failing_expert_and_stops_on_close():
+    """A fill read that fails is counted once and not retried (it used to be picked again at
+    once, forever); the others fill. close() waits for a fill read in flight and leaves no
+    thread."""
+    from engine.generate import engine_threads_alive
+
+    class BadStore(FakeStore):
+        def read(self, layer, expert, buf, verify=False):
+            if (layer, expert) == (0, 3):
+                raise OSError("bad sector")
+            return super().read(layer, expert, buf, verify)
+
+    cache = ExpertCache(BadStore(), 2, 8, 8, policy="lru", io_threads=1, fill=True)
+    try:
+        cache.start_fill()
+        assert cache.wait_filled(timeout=30.0)
+        time.sleep(0.2)
+        assert cache.stats.read_errors == 1
+        res = cache.residency()
+        assert res[0, 3] == 0 and int((res != 0).sum()) == 15
+    finally:
+        cache.close()
+    gate, started = threading.Event(), threading.Event()
+
+    class SlowStore(FakeStore):
+        def read(self, layer, expert, buf, verify=False):
+            started.set()
+            gate.wait(10.0)
+            return super().read(layer, expert, buf, verify)
+
+    cache = ExpertCache(SlowStore(), 2, 8, 8, policy="lru", io_threads=1, fill=True)
+    cache.start_fill()
+    assert started.wait(10.0)
+    closer = threading.Thread(target=cache.close)
+    closer.start()
+    time.sleep(0.2)
+    assert closer.is_alive()  # waits for the read in flight
+    gate.set()
+    closer.join(10.0)
+    assert not closer.is_alive()
+    assert not [n for n in engine_threads_alive() if n == "colibri-fill"]
+    assert cache.stats.fill_loads == 0 and cache.populate_pending() == 0 and cache.fill_pending() == 0
+
+
 def test_idle_fill_waits_while_a_demand_read_is_in_flight():
     """The fill reads only while no demand read is in flight (one disk, no gain from depth)."""
     gate = threading.Event()
@@ -772,7 +837,7 @@ def test_idle_fill_waits_while_a_demand_read_is_in_flight():
         assert _wait_for(lambda: cache.demand_inflight == 1)
         cache.start_fill()
         time.sleep(0.3)
-        assert cache.stats.loads == 0 and cache.stats.spec_issued == 0
+        assert cache.stats.loads == 0 and cache.stats.fill_loads == 0
         gate.set()
         t.join(10.0)
         assert cache.wait_filled(timeout=30.0)

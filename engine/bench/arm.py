@@ -80,7 +80,7 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
     placement changed no value. CPU: ``decode_cpu_s`` is this process's user + system CPU time
     over the decode steps (rusage), ``decode_wall_s`` their wall time."""
     from ..config import EngineConfig
-    from ..events import Finished, GenerateRequest, SamplingParams, StepMetrics
+    from ..events import PINNED, RESIDENT, Finished, GenerateRequest, SamplingParams, StepMetrics
     from ..generate import Engine
     from ..prof import Profile
     over = {k: v for k, v in cfg_over.items() if k not in BENCH_KEYS}
@@ -114,7 +114,7 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
         populate_s = time.perf_counter() - t_pop
         if cfg_over.get("idle_s"):  # a user typing the first question: the idle fill runs meanwhile
             time.sleep(float(cfg_over["idle_s"]))
-        resident_at_start = int(eng.cache.residency().sum())
+        resident_at_start = int(np.isin(eng.cache.residency(), (RESIDENT, PINNED)).sum())
         V = eng.args.vocab_size
         if prompt_text is not None:  # a real question, in the model's chat template when it has one
             from ..events import ChatMessage

@@ -227,7 +227,7 @@ def add_parser(bs) -> None:
                    help="compute time per token: all-resident arms, each arm's (wall - felt wait), or "
                         "resident when the store fits in the available memory")
     p.add_argument("--no-cgroup", action="store_true", help="budgets as engine RAM budgets only")
-    p.add_argument("--reserve", choices=("off", "on", "both"), default="both",
+    p.add_argument("--reserve", choices=("off", "on", "both"), default="off",
                    help="the budget arms with the setting reserve_cache off, on, or each twice")
     p.add_argument("--fill", choices=("off", "on", "both"), default="off",
                    help="the budget arms with the setting idle_fill off, on, or each twice")
