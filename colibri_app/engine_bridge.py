@@ -235,6 +235,18 @@ class EngineController(QObject):
                          skip_if_cancelled=False)   # the engine answers a set flag with Finished
         return job
 
+    def idle_residency(self) -> ResidencySnapshot | None:
+        """The open engine's residency now, when no answer is being generated (the generation
+        sends its own snapshots), else None. Called from the GUI thread: the engine reads the
+        cache under its lock."""
+        eng = self.worker.engine
+        if eng is None or self._job is not None or self._shut:
+            return None
+        try:
+            return eng.residency_snapshot()
+        except Exception:  # noqa: BLE001 - an engine closing on its lane right now: skip this poll
+            return None
+
     def reset_history(self) -> None:
         """Ask the lane to forget the model's routing heat (runs after any generation)."""
         self.lane.submit(lambda ctx: self.worker.reset_history(), "engine-reset-history")

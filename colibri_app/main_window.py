@@ -13,7 +13,7 @@ import logging
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from PySide6.QtCore import QByteArray, QCoreApplication, QEvent, QSize, Qt, Slot
+from PySide6.QtCore import QByteArray, QCoreApplication, QEvent, QSize, Qt, QTimer, Slot
 from PySide6.QtGui import QAction, QColor, QIcon, QKeySequence, QPainter, QPixmap, QShortcut
 from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, QHBoxLayout, QInputDialog, QLabel,
                                QMainWindow, QScrollArea, QSizePolicy,
@@ -96,6 +96,7 @@ def save_ui_state(state: dict) -> None:
 NARROW_PX = 900        # below this width the panels dock moves under the chat (2 x 2 cards)
 COMPACT_PX = 700       # below this the status bar keeps only model, speed and cap
 STATUS_SPACING_PX = 8  # space QStatusBar keeps around each permanent label (approximate, generous)
+IDLE_RESIDENCY_MS = 500  # between answers: how often the residency map looks at the cache (idle fill)
 
 
 class VerticalScroll(QScrollArea):
@@ -337,6 +338,13 @@ class MainWindow(QMainWindow):
         # "Serve on this computer": the server shares the engine (its requests run on the lane)
         self.serve = ServeController(self.controller, self)
         self.serve.status_changed.connect(self._serve_status)
+        # between answers the cache still changes (idle fill, pre-warm, a lowered cap): the
+        # residency map follows it (an answer sends its own snapshots)
+        self._idle_state: tuple | None = None
+        self.idle_timer = QTimer(self)
+        self.idle_timer.setInterval(IDLE_RESIDENCY_MS)
+        self.idle_timer.timeout.connect(self._poll_idle_residency)
+        self.idle_timer.start()
         self._serve_port, self._serve_key = 8000, ""
 
         self._build_ui()
@@ -983,6 +991,15 @@ class MainWindow(QMainWindow):
     def on_residency(self, snap: ResidencySnapshot) -> None:
         """Residency map update."""
         self.panels.on_residency(snap)
+
+    def _poll_idle_residency(self) -> None:
+        """Timer slot: the residency map between answers, redrawn only when it changed."""
+        if self.loaded is None or self._closing:
+            return
+        snap = self.controller.idle_residency()
+        if snap is not None and snap.state != self._idle_state:
+            self._idle_state = snap.state
+            self.panels.on_residency(snap)
 
     @Slot(object)
     def on_finished(self, ev: Finished) -> None:

@@ -18,11 +18,11 @@ import numpy as np
 from .config import EngineConfig
 from .docs_lookup import DOCS_PER_QUESTION, INDEX_FILE, CopyPrior, DocEntry, DocsIndex, last_user_text, with_docs_each
 from .errors import Cancelled, ContextOverflowError, EngineError, ExpertReadError, StoreError
-from .events import Finished, FinishReason, GenerateRequest, Loaded, LoadProgress, TokenEvent
+from .events import Finished, FinishReason, GenerateRequest, Loaded, LoadProgress, ResidencySnapshot, TokenEvent
 from .expert_cache import ExpertCache
 from .expert_store import ExpertStore
 from .heat import RoutingHeat, cap_pins, pins_per_layer
-from .metrics import MetricsTracker, answer_rates
+from .metrics import MetricsTracker, answer_rates, residency_snapshot
 from .models import build_model
 from .models.base import K, mean_router_probs
 from .observers import Observer, ObserverFailure
@@ -622,6 +622,13 @@ class Engine:
         """engine.cluster.ClusterStatus (workers, which experts live where: placement int16
         [M, E], -1 = this computer; states, round trips, bytes) or None without a cluster."""
         return None if self.cluster is None else self.cluster.status()
+
+    def residency_snapshot(self) -> ResidencySnapshot:
+        """Which experts are in RAM now (``token_index`` -1: not tied to a token), for a view that
+        follows the cache between answers (idle fill, pre-warm, a lowered cap). Thread-safe: the
+        cache's state is read under its lock; the heat array may be one routing step behind."""
+        return residency_snapshot(self.cache, self.heat.counts, -1,
+                                  self.cluster.remote_mask if getattr(self, "cluster", None) else None)
 
     def reset_history(self) -> None:
         """Forget routing heat and pins (in memory and on disk)."""

@@ -92,11 +92,16 @@ class MetricsTracker:
         if not force and now - self._last_res < 0.1:
             return None
         self._last_res = now
-        st = self.cache.residency()
-        if self.remote is not None:
-            st = np.where((st == ABSENT) & self.remote(), REMOTE, st)
-        c = self.cache
-        return ResidencySnapshot(num_layers=c.L, num_experts=c.E, state=tuple(st.reshape(-1).tolist()),
-                                 heat=tuple(heat.reshape(-1).tolist()),
-                                 routed=tuple(c.routed_now.reshape(-1).astype(np.int8).tolist()),
-                                 token_index=token_index)
+        return residency_snapshot(self.cache, heat, token_index, self.remote)
+
+
+def residency_snapshot(cache, heat: np.ndarray, token_index: int, remote=None) -> ResidencySnapshot:
+    """The cache's residency now as a ResidencySnapshot (heat int64 [L, E] routing counts;
+    ``remote``: () -> bool [L, E] experts a cluster worker that is up holds, or None)."""
+    st = cache.residency()
+    if remote is not None:
+        st = np.where((st == ABSENT) & remote(), REMOTE, st)
+    return ResidencySnapshot(num_layers=cache.L, num_experts=cache.E, state=tuple(st.reshape(-1).tolist()),
+                             heat=tuple(heat.reshape(-1).tolist()),
+                             routed=tuple(cache.routed_now.reshape(-1).astype(np.int8).tolist()),
+                             token_index=token_index)

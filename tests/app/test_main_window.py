@@ -98,6 +98,22 @@ def test_metrics_and_residency_reach_every_panel(qtbot, make_window):
     assert any(s != 0 for s in p.snapshot.state)   # some experts are resident
 
 
+def test_residency_map_follows_the_idle_fill_between_answers(qtbot, make_window):
+    """With idle_fill the cache fills after open, before any answer: the residency map shows it
+    (the window polls the engine between answers), and an answer still streams its own."""
+    from engine import EngineConfig
+    win = make_window(engine=EngineConfig(cap=4, pinning=False, idle_fill=True))
+    p = win.panels
+    # 2 MoE layers x cap 4 of 8 experts: 8 filled before anything was asked
+    qtbot.waitUntil(lambda: bool(p.snapshot is not None and sum(s != 0 for s in p.snapshot.state) == 8),
+                    timeout=30000)
+    assert p.snapshot.token_index == -1
+    assert win.controller.idle_residency() is not None
+    fin = _send(qtbot, win, "hello there")
+    assert fin.finish_reason in ("length", "stop")
+    assert win.controller.idle_residency() is not None  # idle again after the answer
+
+
 def test_missing_store_shows_banner_then_a_good_model_answers(qtbot, make_window, tmp_path, app_store):
     win = make_window(store=str(tmp_path / "no-such-store"), wait_loaded=False)
     win.open_model(str(tmp_path / "no-such-store"))
