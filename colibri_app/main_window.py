@@ -19,7 +19,7 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, Q
                                QMainWindow, QScrollArea, QSizePolicy,
                                QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout, QWidget)
 
-from engine import (ChatMessage, EngineConfig, EngineFailure, Finished, Loaded, LoadProgress,
+from engine import (ABSENT, ChatMessage, EngineConfig, EngineFailure, Finished, Loaded, LoadProgress,
                     ErrorKind, ResidencySnapshot, SamplingParams, StepMetrics, TokenEvent, fresh_seed, library)
 
 from .chat_view import ChatView, ConversationList
@@ -605,6 +605,7 @@ class MainWindow(QMainWindow):
     def on_loaded(self, ev: Loaded) -> None:
         """The engine is ready (and starts the first waiting message, if any)."""
         self.loaded = ev
+        self._idle_state = None  # a new model: its first idle snapshot is drawn
         self.loading.hide()
         if self.banner.kind in (ErrorKind.STORE, ErrorKind.BUDGET, ErrorKind.CONFIG, ErrorKind.TOKENIZER, ErrorKind.IO):
             self.banner.hide()
@@ -997,9 +998,12 @@ class MainWindow(QMainWindow):
         if self.loaded is None or self._closing:
             return
         snap = self.controller.idle_residency()
-        if snap is not None and snap.state != self._idle_state:
-            self._idle_state = snap.state
-            self.panels.on_residency(snap)
+        if snap is None or snap.state == self._idle_state:
+            return
+        if self.panels.snapshot is None and all(s == ABSENT for s in snap.state):
+            return  # nothing in RAM yet: the map keeps its hint ("fills in while the model answers")
+        self._idle_state = snap.state
+        self.panels.on_residency(snap)
 
     @Slot(object)
     def on_finished(self, ev: Finished) -> None:
