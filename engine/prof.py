@@ -43,6 +43,10 @@ class Profile:
             "prefill_mb": (first.demand_bytes + first.speculative_bytes) / 1e6 if first else 0.0,
             "prefill_felt_wait_s": first.felt_wait_s if first else 0.0,
             "policy": self.engine.cache.policy,
+            # since open, not this generation: the background work of reserve_cache / idle_fill
+            "fill_loads": self.engine.cache.stats.fill_loads, "fill_pending": self.engine.cache.fill_pending(),
+            "reserve_pending_mb": self.engine.cache.populate_pending() / 1e6,
+            "fill_on": bool(self.engine.cache.fill), "reserve_on": bool(self.engine.config.reserve_cache),
         }
 
     def report(self, fin: Finished) -> str:
@@ -63,4 +67,7 @@ class Profile:
             f"[prof] decode {d['decode_tok_per_s']:.2f} tok/s, "
             f"peak RSS {d['peak_rss_bytes'] / 1e9:.2f} GB, cap {d['cap_per_layer']}/layer",
             f"[prof] verdict: {bound}, expert wait {100 * d['io_share']:.0f}% of decode time{advice}",
-        ])
+        ] + ([f"[prof] since open: idle fill loaded {d['fill_loads']} experts ({d['fill_pending']} more have room)"]
+             if d["fill_on"] else [])
+          + ([f"[prof] reserved cache memory: {d['reserve_pending_mb']:.1f} MB still to fault in"]
+             if d["reserve_on"] else []))

@@ -196,12 +196,14 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _S("reserve_cache", bool, False, "fault in the expert cache's whole RAM (every slot the cap allows) in a "
        "low-priority background thread from the moment the model opens, so no token pays the OS's page faults "
        "and zeroing later; the process's RSS rises to the cache's size within seconds instead of growing with "
-       "use. Off: only the next 2 slots of each layer are faulted in ahead (measured: bench/README.md, "
+       "use (with the automatic RAM budget on a model bigger than RAM that is most of the memory available "
+       "at open). Off: only the next 2 slots of each layer are faulted in ahead (measured: bench/README.md, "
        "session 39)", "Reserve cache memory", check_text="fault in the cache's memory when the model opens"),
     _S("idle_fill", bool, False, "while the SSD is idle, read experts not yet in RAM into free cache slots "
        "(never evicting one), the most used first: a model whose experts fit in the cache becomes wholly "
-       "resident in the first seconds after it opens, one that does not has its free slots filled with "
-       "likely experts (measured: bench/README.md, session 39)", "Idle fill",
+       "resident in the first idle seconds after it opens (in the app or `colibri serve`; a one-shot "
+       "`colibri run` starts at once), one that does not has its free slots filled with likely experts; "
+       "it helps most when the model nearly or wholly fits the budget (measured: bench/README.md, session 39)", "Idle fill",
        check_text="fill free cache slots while the SSD is idle"),
     _S("pinning", bool, True, "after warm-up keep the most used experts of each layer resident, and load "
        "them before the first token next time", "Hot pinning",

@@ -31,7 +31,8 @@ def add_setting_flags(p: argparse.ArgumentParser, group: str) -> None:
         names = [s.flag] + ["--" + o.replace("_", "-") for o in s.old_names]
         default = "auto" if s.default is None else ({True: "on", False: "off"}.get(s.default, s.default)
                                                     if s.type is bool else s.default)
-        text = f"{s.help} ({s.range_text()}; default: {default})"
+        text = (f"{s.help} ({s.flag} or --no-{s.flag[2:]}, no value; default: {default})" if s.type is bool
+                else f"{s.help} ({s.range_text()}; default: {default})")
         if s.type is bool:
             g.add_argument(*names, dest=s.name, action=argparse.BooleanOptionalAction, default=s.default,
                            help=text.replace("%", "%%"))

@@ -122,7 +122,8 @@ class StatsCollector:
         yield counter("colibri_completion_tokens", "generated tokens", vals["completion"])
         yield counter("colibri_expert_hits", "expert cache hits (demand lookups)", vals["hits"])
         yield counter("colibri_expert_misses", "expert cache misses (demand lookups)", vals["misses"])
-        yield counter("colibri_expert_read_bytes", "bytes of experts read from the SSD", vals["read"])
+        yield counter("colibri_expert_read_bytes", "bytes of experts read from the SSD while answering requests "
+                      "(reads between requests, such as the idle fill, are not counted)", vals["read"])
         yield counter("colibri_felt_wait_seconds", "seconds the compute thread waited for expert reads",
                       vals["felt"])
         look = vals["hits"] + vals["misses"]
