@@ -182,6 +182,17 @@ def _advise_huge_interiors(mm: mmap.mmap, base: int, slot_bytes: int, nslots: in
     return done
 
 
+def _poll_until_zero(pending, timeout: float | None, poll_s: float) -> bool:
+    """Call ``pending()`` every ``poll_s`` seconds until it returns 0 (True) or ``timeout``
+    seconds pass (False; None = no limit)."""
+    end = None if timeout is None else time.monotonic() + timeout
+    while pending() > 0:
+        if end is not None and time.monotonic() >= end:
+            return False
+        time.sleep(poll_s)
+    return True
+
+
 def _anonymous_map(n: int) -> mmap.mmap:
     """n bytes of zeroed, page-aligned private anonymous memory (MAP_PRIVATE | MAP_ANONYMOUS
     where the platform has them; Windows' mmap(-1) is private pagefile-backed memory already)."""
@@ -535,12 +546,7 @@ class ExpertCache:
 
     def wait_filled(self, timeout: float | None = None, poll_s: float = 0.05) -> bool:
         """Block until :meth:`fill_pending` is 0 (True) or ``timeout`` seconds pass (False)."""
-        end = None if timeout is None else time.monotonic() + timeout
-        while self.fill_pending() > 0:
-            if end is not None and time.monotonic() >= end:
-                return False
-            time.sleep(poll_s)
-        return True
+        return _poll_until_zero(self.fill_pending, timeout, poll_s)
 
     def _fill_loop(self) -> None:
         """Idle fill thread: while a layer has a free slot under the cap, wait until no demand
@@ -593,12 +599,7 @@ class ExpertCache:
         """Block until :meth:`populate_pending` is 0 (True) or ``timeout`` seconds pass (False).
         With ``reserve`` that is the whole cache's memory faulted in; the benchmarks wait for it
         as a user's first question would after some seconds of typing."""
-        end = None if timeout is None else time.monotonic() + timeout
-        while self.populate_pending() > 0:
-            if end is not None and time.monotonic() >= end:
-                return False
-            time.sleep(poll_s)
-        return True
+        return _poll_until_zero(self.populate_pending, timeout, poll_s)
 
     def _populate_room(self, layer: int) -> list[int]:
         """The free slots a load may still take under the cap (lock held)."""
