@@ -519,16 +519,20 @@ class ExpertCache:
         routing so far (``heat``; ties: the lowest id) that is neither resident nor loading."""
         for i in range(self.L):
             layer = (self._fill_layer + i) % self.L
-            ly = self.layers[layer]
-            if not (ly.live < min(ly.cap, ly.target) and ly.free):
-                continue
-            absent = np.flatnonzero((self.where[layer] < 0) & ~self._fill_bad[layer])
-            if absent.size == 0:
+            room, absent = self._fill_room(layer)
+            if room == 0 or absent.size == 0:
                 continue
             e = int(absent[np.argmax(self.heat[layer, absent])])  # argmax: the first (lowest id) of ties
             self._fill_layer = (layer + 1) % self.L
             return layer, e
         return -1, -1
+
+    def _fill_room(self, layer: int) -> tuple[int, np.ndarray]:
+        """(free slots a load may take under the cap, the absent experts not failed by a fill
+        read, int64 ids) of ``layer`` (lock held): what the idle fill may still read there."""
+        ly = self.layers[layer]
+        room = max(0, min(min(ly.cap, ly.target) - ly.live, len(ly.free)))
+        return room, np.flatnonzero((self.where[layer] < 0) & ~self._fill_bad[layer])
 
     def fill_pending(self) -> int:
         """Experts the idle fill could still read now (free slots under the cap, summed over the
@@ -537,12 +541,8 @@ class ExpertCache:
         with self.lock:
             if self._filler is None or not self._filler.is_alive() or self._closed:
                 return 0
-            room = 0
-            for layer, ly in enumerate(self.layers):
-                if ly.live < min(ly.cap, ly.target):
-                    absent = int(((self.where[layer] < 0) & ~self._fill_bad[layer]).sum())
-                    room += min(min(ly.cap, ly.target) - ly.live, len(ly.free), absent)
-            return room + self._fill_inflight
+            return sum(min(room, absent.size) for room, absent in map(self._fill_room, range(self.L))) \
+                + self._fill_inflight
 
     def wait_filled(self, timeout: float | None = None, poll_s: float = 0.05) -> bool:
         """Block until :meth:`fill_pending` is 0 (True) or ``timeout`` seconds pass (False)."""

@@ -46,7 +46,7 @@ class Profile:
             # since open, not this generation: the background work of reserve_cache / idle_fill
             "fill_loads": self.engine.cache.stats.fill_loads, "fill_pending": self.engine.cache.fill_pending(),
             "reserve_pending_mb": self.engine.cache.populate_pending() / 1e6,
-            "fill_on": bool(self.engine.cache.fill), "reserve_on": bool(self.engine.config.reserve_cache),
+            "fill_on": self.engine.config.idle_fill, "reserve_on": self.engine.config.reserve_cache,
         }
 
     def report(self, fin: Finished) -> str:
