@@ -206,25 +206,6 @@ def _int_flavor() -> str:
 INT_FLAVOR = _int_flavor()
 
 
-def _host_gfni() -> bool:
-    """Whether this CPU has GFNI with AVX-512 (vgf2p8affineqb on 512-bit registers): the q4
-    tiles then unpack 32 packed bytes into their 64 nibbles with one instruction."""
-    try:
-        import llvmlite.binding as llb
-        f = llb.get_host_cpu_features()
-    except Exception:
-        return False
-    return bool(f.get("gfni") and f.get("avx512bw") and f.get("avx512f"))
-
-
-# One vgf2p8affineqb on the 32 packed bytes repeated twice: each qword lane applies its own
-# 8 x 8 bit matrix (Intel SDM, GF2P8AFFINEQB: result bit i = parity(A.byte[7 - i] & x)), the
-# low 4 lanes "x & 15" (A = 0x0102040800000000), the high 4 lanes "x >> 4" (A =
-# 0x1020408000000000): bytes 0-31 the low nibbles, 32-63 the high nibbles, the same 64 values
-# as the and / shift / concatenate it replaces (which took 3 instructions, one of them a
-# 512-bit shuffle).
-_Q4_GFNI = INT_FLAVOR in ("vnni", "bw") and _host_gfni()
-_NIB_MATRIX = ([0, 0, 0, 0, 0x08, 0x04, 0x02, 0x01] * 4) + ([0, 0, 0, 0, -0x80, 0x40, 0x20, 0x10] * 4)  # i8: 0x80 = -128
 _FM = {"reassoc", "contract", "nsz", "arcp"}  # allow SIMD reductions; no inf/nan shortcuts
 _KW = dict(nogil=True, fastmath=_FM,
            cache=CACHE_DIR is not None and not os.environ.get("COLIBRI_INT_KERNEL"))
@@ -427,25 +408,38 @@ def _q8_out(P, w, s, o, t):
 
 @njit(inline="always", **_KW)
 def _q4_prep_simd(x, xq, xs, c):
-    """Quantize x [N] (gs = 32) into the pair layout of the q4 tiles: per pair of groups
-    (A, B) the bytes [even columns of A (16), of B (16), odd columns of A (16), of B (16)],
-    which lines up with one 32-byte load of the packed weights split into low nibbles then
-    high nibbles; a last unpaired group holds [16 even | 16 odd]. xs [G] scales. c int32
-    [N // 4]: per dword lane (4 consecutive bytes of xq) -8 * the sum of its q, the start
-    value of that lane's vpdpbusd, so a lane sums q * (nibble - 8) exactly in int32."""
+    """Quantize x [N] (gs = 32) into the layout of the q4 tiles (_make_q4_tile). xq int8
+    [>= 2N]: per pair of groups (A, B), 128 bytes [E, E, O, O] with E the even columns of A (16)
+    then of B (16) and O their odd columns: E meets the low nibbles of a row's 32 packed
+    bytes, O the high nibbles, each written twice so that a 512-bit register of two rows'
+    nibbles meets one plain 64-byte load; a last unpaired group holds [16 even | 16 odd] at
+    byte 128 * (G // 2). xs [G] scales. c int32 [>= 16 * (G // 2)]: per pair, 8 lane starts
+    written twice: lane j is -8 times the sum of the q in bytes 4j..4j+3 of E and of O (what
+    lane j of a row meets), so a lane sums q * (nibble - 8) exactly in int32."""
     G = xs.shape[0]
-    paired = (G // 2) * 2
+    npairs = G // 2
     for g in range(G):
         d, inv = _quant_group(x, g * 32, 32)
         xs[g] = d
-        base = (g // 2) * 64 + (g % 2) * 16
-        odd = 32 if g < paired else 16
+        if g < 2 * npairs:
+            base, odd = (g // 2) * 128 + (g % 2) * 16, 64
+        else:
+            base, odd = npairs * 128, 16
         for j in range(16):
-            xq[base + j] = np.int32(np.rint(x[g * 32 + 2 * j] * inv))
-            xq[base + odd + j] = np.int32(np.rint(x[g * 32 + 2 * j + 1] * inv))
-    for k in range(c.shape[0]):
-        c[k] = -8 * (np.int32(xq[4 * k]) + np.int32(xq[4 * k + 1]) + np.int32(xq[4 * k + 2])
-                     + np.int32(xq[4 * k + 3]))
+            qe = np.int32(np.rint(x[g * 32 + 2 * j] * inv))
+            qo = np.int32(np.rint(x[g * 32 + 2 * j + 1] * inv))
+            xq[base + j] = qe
+            xq[base + odd + j] = qo
+            if g < 2 * npairs:
+                xq[base + 32 + j] = qe
+                xq[base + odd + 32 + j] = qo
+    for i in range(npairs):
+        for j in range(8):
+            acc = np.int32(0)
+            for b in range(4):
+                acc += np.int32(xq[128 * i + 4 * j + b]) + np.int32(xq[128 * i + 64 + 4 * j + b])
+            c[16 * i + j] = -8 * acc
+            c[16 * i + 8 + j] = -8 * acc
 
 
 @njit(inline="always", **_KW)
@@ -507,7 +501,7 @@ def _q4_prepare(x, gs):
     the path not taken empty. Rows in parallel when there are enough of them."""
     T, N = x.shape
     simd = _Q4_SIMD and gs == 32
-    xq = np.empty((T, N if simd else 0), np.int8)
+    xq = np.empty((T, 2 * N if simd else 0), np.int8)
     xs = np.empty((T, N // gs), np.float32)
     c = np.empty((T, N // 4 if simd else 0), np.int32)
     xe = np.empty((T, 0 if simd else N // 2), np.float32)
@@ -556,178 +550,259 @@ PREFETCH_BYTES = 8192  # software prefetch distance (bytes ahead in each weight 
 PREFETCH_TT = 4  # tiles of fewer tokens than this prefetch their weights (1 x 1 decode, 1 x 2 and 1 x 3 prefill tails)
 
 
-def _make_int_tile(kind: str, R: int, TT: int, il: int = 0):
-    """An intrinsic ``tile(xa, xs, xc, w, ws, o0, t0, npairs, res)`` for rows o0..o0+R-1 of w and
-    tokens t0..t0+TT-1, writing the pair sums (before any tail / correction) to
-    res[r, t0 + t] (res float32 2-D, row r of the tile).
+def _lane_dot_fn(builder, flavor, nb):
+    """``lane_dot(start, u, s)`` on nb-byte vectors (nb 32 or 64): start int32 [nb / 4] plus, per
+    dword lane, the sum of its 4 byte products u (unsigned) * s (signed), exact in int32 (the
+    int4 tiles' operands: nibbles <= 15 times |q| <= 127, so no path saturates). vnni:
+    vpdpbusd; bw / avx2: vpmaddubsw then vpmaddwd (256-bit halves on avx2); portable: plain IR."""
+    mod = builder.module
+    nl = nb // 4
+    vb, vd = _vec(_I8, nb), _vec(_I32, nl)
+    if flavor == "vnni":
+        dp = cgutils.get_or_insert_function(mod, ir.FunctionType(vd, [vd, vb, vb]),
+                                            f"llvm.x86.avx512.vpdpbusd.{nb * 8}")
+        return lambda start, u, s: builder.call(dp, [start, u, s])
+    if flavor in ("bw", "avx2"):
+        v16i16, v8i32, v32i8 = _vec(_I16, 16), _vec(_I32, 8), _vec(_I8, 32)
+        if flavor == "bw" and nb == 64:
+            v32i16 = _vec(_I16, 32)
+            mub = cgutils.get_or_insert_function(mod, ir.FunctionType(v32i16, [vb, vb]), "llvm.x86.avx512.pmaddubs.w.512")
+            mwd = cgutils.get_or_insert_function(mod, ir.FunctionType(vd, [v32i16, v32i16]), "llvm.x86.avx512.pmaddw.d.512")
+            ones = _const_vec(_I16, [1] * 32)
+            return lambda start, u, s: builder.add(start, builder.call(mwd, [builder.call(mub, [u, s]), ones]))
+        mub2 = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i16, [v32i8, v32i8]), "llvm.x86.avx2.pmadd.ub.sw")
+        mwd2 = cgutils.get_or_insert_function(mod, ir.FunctionType(v8i32, [v16i16, v16i16]), "llvm.x86.avx2.pmadd.wd")
+        ones16 = _const_vec(_I16, [1] * 16)
+        if nb == 32:
+            return lambda start, u, s: builder.add(start, builder.call(mwd2, [builder.call(mub2, [u, s]), ones16]))
+        lo32, hi32 = _const_vec(_I32, range(32)), _const_vec(_I32, range(32, 64))
 
-    kind "q4": xa int8 [T, >= 64 npairs] in _q4_prep_simd's pair layout, xs float32 [T, G],
-    xc int32 [T, >= 16 npairs] lane start values (_q4_prep_simd), w uint8 [O, >= 32 npairs]
-    packed nibbles, ws [O, G] group scales (uint16 half bits or float32): the sum over group pairs of
-    xs[t, g] * ws[o, g] * sum_j (nibble_j - 8) * q_j.
-    kind "q8": xa uint8 [T, >= 64 npairs] = q + 128, xs float32 [T, NB] block scales, w int8
-    [O, >= 64 npairs]; xc and ws unused (the row scale is applied by the caller): the sum over
-    block pairs of xs[t, b] * sum_j q_j * w_j.
-    ``il`` (q4 only): w is the row-interleaved layout of :func:`interleave_q4`, uint8 [O / il,
-    npairs, il * 32] (pair i of rows g * il .. g * il + il - 1 side by side); rows o0..o0+R-1
-    must lie in one group of il rows. The same bytes per row in the same order: the same sums."""
+        def lane_dot(start, u, s):
+            half = [builder.call(mwd2, [builder.call(mub2, [builder.shuffle_vector(u, u, m),
+                                                            builder.shuffle_vector(s, s, m)]), ones16])
+                    for m in (lo32, hi32)]
+            return builder.add(start, builder.shuffle_vector(half[0], half[1], _const_vec(_I32, range(16))))
+        return lane_dot
+    vw = _vec(_I32, nb)
+
+    def lane_dot(start, u, s):  # portable: plain LLVM IR, any target
+        prod = builder.mul(builder.zext(u, vw), builder.sext(s, vw))
+        for k in range(4):
+            start = builder.add(start, builder.shuffle_vector(prod, prod, _const_vec(_I32, range(k, nb, 4))))
+        return start
+    return lane_dot
+
+
+def _make_q4_tile(R: int, TT: int, il: int = 0):
+    """The int4 register tile (``_make_int_tile("q4", ...)``): rows o0..o0+R-1, tokens
+    t0..t0+TT-1, the group-pair sums written to res[r, t0 + t].
+
+    Lanes. Each row's 32 packed bytes of a group pair are one 8-lane unit: dword lane j (bytes
+    4j..4j+3) meets the low nibbles with bytes 4j.. of the pair's E block (_q4_prep_simd: the
+    even columns) and the high nibbles with bytes 4j.. of its O block (the odd columns), two
+    integer dot products into one int32 lane that starts at xc's -8 * sum(q) of both, so it
+    holds sum (nibble - 8) * q exactly. Lanes 0-3 belong to the pair's first group, 4-7 to
+    its second; each lane is converted to float, multiplied by xs[t, g] * ws[o, g] (rounded
+    once) and fused-multiply-added into its float lane; after the last pair a row's 8 lanes are
+    summed in a fixed tree order. Two rows side by side fill a 512-bit register (16 lanes), a
+    last odd row runs 256-bit: the same lane operations, so the bits depend on neither R, TT,
+    T nor the thread count. Per 128 multiply-adds of a row and token: two integer dot
+    products, one conversion, one multiply and one FMA (the 16-lane-per-row layout before took
+    one dot product, conversion, multiply and FMA per 64). Measured on this project's AMD EPYC
+    Zen 4 host (tools/micro_linear_q4.py: linear_q4i on [1024, 2048] and [2048, 1024], T = 128,
+    best of 5, same session): one thread 48.9 / 42.7 -> 65.7 / 54.4 G multiply-adds/s, two
+    threads 85.3 / 78.9 -> 128.7 / 109.8; the doubled E / O blocks and lane starts of
+    _q4_prep_simd let both rows' register meet plain 64-byte loads (broadcasting 32 bytes per
+    token cost ~+10%), and 4-row tiles (_TR4) share each token's loads between two registers.
+
+    Arguments as _make_int_tile's kind "q4": xa int8 [T, >= 128 npairs] (_q4_prep_simd), xs
+    float32 [T, G], xc int32 [T, >= 16 npairs] (_q4_prep_simd's lane starts), w uint8 [O, >= 32
+    npairs] or, with ``il``, [O / il, npairs, il * 32] (rows o0..o0+R-1 in one group of il),
+    ws [O, G] uint16 half bits or float32."""
     def tile(typingctx, xa, xs, xc, w, ws, o0, t0, npairs, res):
         sig = types.void(xa, xs, xc, w, ws, types.intp, types.intp, types.intp, res)
 
         def codegen(context, builder, signature, args):
             tys = signature.args
             xa_, xs_, xc_, w_, ws_, o0_, t0_, np_, res_ = args
-            half_scales = kind == "q4" and tys[4].dtype == types.uint16
+            half_scales = tys[4].dtype == types.uint16
             mod = builder.module
-            v64i8, v32i8, v32i16, v16i32, v16f, v2f = (_vec(_I8, 64), _vec(_I8, 32), _vec(_I16, 32),
-                                                       _vec(_I32, 16), _vec(_F32, 16), _vec(_F32, 2))
             c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
-            # lane_dot(start, u, s): v16i32 start + per dword lane the sum of its 4 byte products
-            # u (unsigned) * s (signed), exact in int32 on every path. q4 runs the CPU's path; q8
-            # runs vnni or avx2 (_Q8_SIMD), and elsewhere compiles the plain-IR version, which
-            # the portable q8 kernels never call but LLVM must still be able to select.
-            flavor = INT_FLAVOR if kind == "q4" or INT_FLAVOR in ("vnni", "avx2") else "portable"
-            lo32, hi32 = _const_vec(_I32, range(32)), _const_vec(_I32, range(32, 64))
-            if flavor == "vnni":
-                dp = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i32, [v16i32, v64i8, v64i8]),
-                                                    "llvm.x86.avx512.vpdpbusd.512")
-
-                def lane_dot(start, u, s):
-                    return builder.call(dp, [start, u, s])
-            elif flavor == "bw":
-                mub = cgutils.get_or_insert_function(mod, ir.FunctionType(v32i16, [v64i8, v64i8]),
-                                                     "llvm.x86.avx512.pmaddubs.w.512")
-                mwd = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i32, [v32i16, v32i16]),
-                                                     "llvm.x86.avx512.pmaddw.d.512")
-
-                def lane_dot(start, u, s):  # q4 only: pairs <= 2 * 15 * 127, no saturation
-                    return builder.add(start, builder.call(mwd, [builder.call(mub, [u, s]),
-                                                                 _const_vec(_I16, [1] * 32)]))
-            elif flavor == "avx2":
-                # the 512-bit pair product in two 256-bit halves: lanes 0-7 from bytes 0-31, lanes
-                # 8-15 from bytes 32-63, the same int32 lane sums as the bw / vnni paths. q4:
-                # unsigned nibbles times signed q (pairs <= 2 * 15 * 127, no saturation). q8: the
-                # signed weights through llama.cpp's sign trick, |w| times q with w's sign
-                # (vpsignb; pairs <= 2 * 128 * 127 < 32767, no saturation)
-                v16i16, v8i32 = _vec(_I16, 16), _vec(_I32, 8)
-                mub2 = cgutils.get_or_insert_function(mod, ir.FunctionType(v16i16, [v32i8, v32i8]),
-                                                      "llvm.x86.avx2.pmadd.ub.sw")
-                mwd2 = cgutils.get_or_insert_function(mod, ir.FunctionType(v8i32, [v16i16, v16i16]),
-                                                      "llvm.x86.avx2.pmadd.wd")
-                ones16 = _const_vec(_I16, [1] * 16)
-
-                def lane_dot(start, u, s):
-                    half = [builder.call(mwd2, [builder.call(mub2, [builder.shuffle_vector(u, u, m),
-                                                                    builder.shuffle_vector(s, s, m)]), ones16])
-                            for m in (lo32, hi32)]
-                    return builder.add(start, builder.shuffle_vector(half[0], half[1], _const_vec(_I32, range(16))))
-
-                if kind == "q8":
-                    psign = cgutils.get_or_insert_function(mod, ir.FunctionType(v32i8, [v32i8, v32i8]),
-                                                           "llvm.x86.avx2.psign.b")
-
-                    def sign_by(a, b):  # a with b's sign (0 where b is 0), per byte
-                        halves = [builder.call(psign, [builder.shuffle_vector(a, a, m),
-                                                       builder.shuffle_vector(b, b, m)]) for m in (lo32, hi32)]
-                        return builder.shuffle_vector(halves[0], halves[1], _const_vec(_I32, range(64)))
-            else:  # portable: plain LLVM IR, any target
-                v64i32 = _vec(_I32, 64)
-
-                def lane_dot(start, u, s):
-                    prod = builder.mul(builder.zext(u, v64i32), builder.sext(s, v64i32))
-                    for k in range(4):
-                        part = builder.shuffle_vector(prod, prod, _const_vec(_I32, range(k, 64, 4)))
-                        start = builder.add(start, part)
-                    return start
-            fma = cgutils.get_or_insert_function(mod, ir.FunctionType(v16f, [v16f, v16f, v16f]),
-                                                 "llvm.fma.v16f32")
-            if kind == "q4" and _Q4_GFNI:
-                gf = cgutils.get_or_insert_function(mod, ir.FunctionType(v64i8, [v64i8, v64i8, _I8]),
-                                                    "llvm.x86.vgf2p8affineqb.512")
-            zero = ir.Constant(v16i32, [0] * 16)
-            if kind == "q4":
-                lanes = _const_vec(_I32, [0] * 4 + [1] * 4 + [0] * 4 + [1] * 4)
-            else:
-                lanes = _const_vec(_I32, [0] * 8 + [1] * 8)
-            cat = _const_vec(_I32, range(64))
-            if il:  # rows o0.. inside group o0 // il: one stream, pair i of row r at i * il * 32 + r * 32
+            v2f = _vec(_F32, 2)
+            units = [(r, 2) for r in range(0, R - 1, 2)] + ([(R - 1, 1)] if R % 2 else [])
+            widths = sorted({n for _, n in units})
+            dots = {n: _lane_dot_fn(builder, INT_FLAVOR, 32 * n) for n in widths}
+            fmas = {n: cgutils.get_or_insert_function(mod, ir.FunctionType(_vec(_F32, 8 * n), [_vec(_F32, 8 * n)] * 3),
+                                                      f"llvm.fma.v{8 * n}f32") for n in widths}
+            if il:  # rows o0.. inside group o0 // il: pair i of row r at i * il * 32 + r * 32
                 gbase = _row_ptr(context, builder, tys[3], w_, builder.sdiv(o0_, c64(il)))
                 first = builder.mul(builder.srem(o0_, c64(il)), c64(32))
                 wrow = [builder.gep(gbase, [builder.add(first, c64(32 * r))]) for r in range(R)]
             else:
                 wrow = [_row_ptr(context, builder, tys[3], w_, builder.add(o0_, c64(r))) for r in range(R)]
-            wstep = 32 * il if il else (32 if kind == "q4" else 64)  # bytes from one pair of a row to its next
-            wsrow = ([_row_ptr(context, builder, tys[4], ws_, builder.add(o0_, c64(r))) for r in range(R)]
-                     if kind == "q4" else [])
+            wstep = 32 * il if il else 32  # bytes from one pair of a row to its next
+            wsrow = [_row_ptr(context, builder, tys[4], ws_, builder.add(o0_, c64(r))) for r in range(R)]
             xrow = [_row_ptr(context, builder, tys[0], xa_, builder.add(t0_, c64(t))) for t in range(TT)]
             xsrow = [_row_ptr(context, builder, tys[1], xs_, builder.add(t0_, c64(t))) for t in range(TT)]
-            xcrow = ([_row_ptr(context, builder, tys[2], xc_, builder.add(t0_, c64(t))) for t in range(TT)]
-                     if kind == "q4" else [])
+            xcrow = [_row_ptr(context, builder, tys[2], xc_, builder.add(t0_, c64(t))) for t in range(TT)]
+            accs = [[cgutils.alloca_once_value(builder, ir.Constant(_vec(_F32, 8 * n), [0.0] * (8 * n)))
+                     for _ in range(TT)] for _, n in units]
+            prefetch = PREFETCH_BYTES and TT < PREFETCH_TT  # decode, and prefill experts few tokens chose
+            if prefetch:
+                pf = cgutils.get_or_insert_function(
+                    mod, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
+            lanes8 = [0] * 4 + [1] * 4
+            with cgutils.for_range(builder, np_) as loop:
+                i = loop.index
+                woff = builder.mul(i, c64(wstep))
+                if prefetch:
+                    # one prefetch per row stream; interleaved: one per 64-byte line of the group's
+                    # il x 32 bytes of this pair (a prefetch per pair of one row left half the lines
+                    # of a 4-row group to the hardware: 30.9 vs 45.1 GB/s from DRAM, 2 threads)
+                    heads = [(gbase, builder.add(woff, c64(PREFETCH_BYTES + 64 * k))) for k in range(max(1, il // 2))] \
+                        if il else [(wrow[r], builder.add(woff, c64(PREFETCH_BYTES))) for r in range(R)]
+                    for ptr, off in heads:
+                        builder.call(pf, [builder.gep(ptr, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
+                                          ir.Constant(_I32, 1)])
+                wlo, whi, wb = [], [], []
+                for r, n in units:
+                    if n == 2 and il:  # the two rows' pairs are adjacent: one 64-byte load
+                        raw = _load_at(builder, wrow[r], woff, _vec(_I8, 64), 1)
+                    elif n == 2:
+                        raw = builder.shuffle_vector(_load_at(builder, wrow[r], woff, _vec(_I8, 32), 1),
+                                                     _load_at(builder, wrow[r + 1], woff, _vec(_I8, 32), 1),
+                                                     _const_vec(_I32, range(64)))
+                    else:
+                        raw = _load_at(builder, wrow[r], woff, _vec(_I8, 32), 1)
+                    wlo.append(builder.and_(raw, _const_vec(_I8, [15] * (32 * n))))
+                    whi.append(builder.lshr(raw, _const_vec(_I8, [4] * (32 * n))))
+                    b2 = []
+                    for k in range(n):  # the two group scales of this pair, per row
+                        if half_scales:
+                            b2.append(builder.fpext(builder.bitcast(
+                                _load_at(builder, wsrow[r + k], builder.mul(i, c64(4)), _vec(_I16, 2), 2),
+                                _vec(ir.HalfType(), 2)), v2f))
+                        else:
+                            b2.append(_load_at(builder, wsrow[r + k], builder.mul(i, c64(8)), v2f, 4))
+                    if n == 2:
+                        wb.append(builder.shuffle_vector(b2[0], b2[1], _const_vec(_I32, lanes8 + [2] * 4 + [3] * 4)))
+                    else:
+                        wb.append(builder.shuffle_vector(b2[0], ir.Constant(v2f, ir.Undefined), _const_vec(_I32, lanes8)))
+                tok = []  # per token: {width: (low-nibble q, high-nibble q, lane starts, lane x scales)}
+                for t in range(TT):
+                    x0 = builder.mul(i, c64(128))  # _q4_prep_simd: [E, E, O, O] per pair, starts twice
+                    a2 = _load_at(builder, xsrow[t], builder.mul(i, c64(8)), v2f, 4)
+                    per = {}
+                    for n in widths:
+                        per[n] = (_load_at(builder, xrow[t], x0, _vec(_I8, 32 * n), 1),
+                                  _load_at(builder, xrow[t], builder.add(x0, c64(64)), _vec(_I8, 32 * n), 1),
+                                  _load_at(builder, xcrow[t], builder.mul(i, c64(64)), _vec(_I32, 8 * n), 4),
+                                  builder.shuffle_vector(a2, ir.Constant(v2f, ir.Undefined), _const_vec(_I32, lanes8 * n)))
+                    tok.append(per)
+                for u, (r, n) in enumerate(units):
+                    for t in range(TT):
+                        xlo, xhi, st, xb = tok[t][n]
+                        p32 = dots[n](dots[n](st, wlo[u], xlo), whi[u], xhi)
+                        sc = _strict(builder.fmul(xb, wb[u]))
+                        acc = accs[u][t]
+                        builder.store(builder.call(fmas[n], [builder.sitofp(p32, _vec(_F32, 8 * n)), sc,
+                                                             builder.load(acc)]), acc)
+            for u, (r, n) in enumerate(units):
+                for k in range(n):
+                    rp = builder.bitcast(_row_ptr(context, builder, tys[8], res_, c64(r + k)), _F32.as_pointer())
+                    for t in range(TT):
+                        v = builder.load(accs[u][t])
+                        part = builder.shuffle_vector(v, v, _const_vec(_I32, range(8 * k, 8 * k + 8))) if n == 2 else v
+                        builder.store(_tree_sum(builder, part), builder.gep(rp, [builder.add(t0_, c64(t))]))
+            return context.get_dummy_value()
+        return sig, codegen
+    tile.__name__ = f"_q4_tile_{R}x{TT}" + (f"_il{il}" if il else "")
+    return intrinsic(tile)
+
+
+def _make_int_tile(kind: str, R: int, TT: int, il: int = 0):
+    """An intrinsic ``tile(xa, xs, xc, w, ws, o0, t0, npairs, res)`` for rows o0..o0+R-1 of w and
+    tokens t0..t0+TT-1, writing the pair sums (before any tail / correction) to
+    res[r, t0 + t] (res float32 2-D, row r of the tile).
+
+    kind "q4": built by :func:`_make_q4_tile` (its docstring has the operands and lanes; ``il``,
+    the row-interleaved layout of :func:`interleave_q4`, is q4 only).
+    kind "q8": xa uint8 [T, >= 64 npairs] = q + 128, xs float32 [T, NB] block scales, w int8
+    [O, >= 64 npairs]; xc and ws unused (the row scale is applied by the caller): the sum over
+    block pairs of xs[t, b] * sum_j q_j * w_j."""
+    if kind == "q4":
+        return _make_q4_tile(R, TT, il)
+    assert kind == "q8" and not il
+
+    def tile(typingctx, xa, xs, xc, w, ws, o0, t0, npairs, res):
+        sig = types.void(xa, xs, xc, w, ws, types.intp, types.intp, types.intp, res)
+
+        def codegen(context, builder, signature, args):
+            tys = signature.args
+            xa_, xs_, xc_, w_, ws_, o0_, t0_, np_, res_ = args
+            mod = builder.module
+            v64i8, v32i8, v16i32, v16f, v2f = (_vec(_I8, 64), _vec(_I8, 32), _vec(_I32, 16), _vec(_F32, 16),
+                                               _vec(_F32, 2))
+            c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+            # q8 runs vnni or avx2 (_Q8_SIMD), and elsewhere compiles the plain-IR version, which
+            # the portable q8 kernels never call but LLVM must still be able to select
+            flavor = INT_FLAVOR if INT_FLAVOR in ("vnni", "avx2") else "portable"
+            lane_dot = _lane_dot_fn(builder, flavor, 64)
+            lo32, hi32 = _const_vec(_I32, range(32)), _const_vec(_I32, range(32, 64))
+            if flavor == "avx2":
+                # the signed weights through llama.cpp's sign trick: |w| times q with w's sign
+                # (vpsignb; pairs <= 2 * 128 * 127 < 32767, no saturation)
+                psign = cgutils.get_or_insert_function(mod, ir.FunctionType(v32i8, [v32i8, v32i8]),
+                                                       "llvm.x86.avx2.psign.b")
+
+                def sign_by(a, b):  # a with b's sign (0 where b is 0), per byte
+                    halves = [builder.call(psign, [builder.shuffle_vector(a, a, m),
+                                                   builder.shuffle_vector(b, b, m)]) for m in (lo32, hi32)]
+                    return builder.shuffle_vector(halves[0], halves[1], _const_vec(_I32, range(64)))
+            fma = cgutils.get_or_insert_function(mod, ir.FunctionType(v16f, [v16f, v16f, v16f]),
+                                                 "llvm.fma.v16f32")
+            zero = ir.Constant(v16i32, [0] * 16)
+            lanes = _const_vec(_I32, [0] * 8 + [1] * 8)
+            wrow = [_row_ptr(context, builder, tys[3], w_, builder.add(o0_, c64(r))) for r in range(R)]
+            xrow = [_row_ptr(context, builder, tys[0], xa_, builder.add(t0_, c64(t))) for t in range(TT)]
+            xsrow = [_row_ptr(context, builder, tys[1], xs_, builder.add(t0_, c64(t))) for t in range(TT)]
             accs = [[cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16)) for _ in range(TT)]
                     for _ in range(R)]
-            if PREFETCH_BYTES and TT < PREFETCH_TT:  # decode, and prefill experts few tokens chose: the weights stream from DRAM
+            prefetch = PREFETCH_BYTES and TT < PREFETCH_TT  # decode, and prefill rows few tokens meet
+            if prefetch:
                 pf = cgutils.get_or_insert_function(
                     mod, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch.p0i8")
             with cgutils.for_range(builder, np_) as loop:
                 i = loop.index
                 i8 = builder.mul(i, c64(8))  # two float32 scales per pair
-                if PREFETCH_BYTES and TT < PREFETCH_TT:
-                    # one prefetch per row stream; interleaved: one per 64-byte line of the group's
-                    # il x 32 bytes of this pair (a prefetch per pair of one row left half the lines
-                    # of a 4-row group to the hardware: 30.9 vs 45.1 GB/s from DRAM, 2 threads)
-                    heads = [(gbase, builder.add(builder.mul(i, c64(wstep)), c64(PREFETCH_BYTES + 64 * k)))
-                             for k in range(max(1, il // 2))] if il else \
-                        [(wrow[r], builder.add(builder.mul(i, c64(wstep)), c64(PREFETCH_BYTES))) for r in range(R)]
-                    for ptr, off in heads:
-                        builder.call(pf, [builder.gep(ptr, [off]), ir.Constant(_I32, 0), ir.Constant(_I32, 3),
-                                          ir.Constant(_I32, 1)])
+                if prefetch:  # one prefetch per row stream
+                    for r in range(R):
+                        builder.call(pf, [builder.gep(wrow[r], [builder.add(builder.mul(i, c64(64)), c64(PREFETCH_BYTES))]),
+                                          ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
                 wv, wb = [], []
                 for r in range(R):
-                    if kind == "q4":
-                        raw = _load_at(builder, wrow[r], builder.mul(i, c64(wstep)), v32i8, 1)
-                        if _Q4_GFNI:
-                            both = builder.shuffle_vector(raw, raw, _const_vec(_I32, list(range(32)) * 2))
-                            wv.append(builder.call(gf, [both, _const_vec(_I8, _NIB_MATRIX), ir.Constant(_I8, 0)]))
-                        else:
-                            wv.append(builder.shuffle_vector(builder.and_(raw, _const_vec(_I8, [15] * 32)),
-                                                             builder.lshr(raw, _const_vec(_I8, [4] * 32)), cat))
-                        if half_scales:  # two IEEE half scales (format 3), widened
-                            b2 = builder.fpext(builder.bitcast(
-                                _load_at(builder, wsrow[r], builder.mul(i, c64(4)), _vec(_I16, 2), 2),
-                                _vec(ir.HalfType(), 2)), v2f)
-                        else:
-                            b2 = _load_at(builder, wsrow[r], i8, v2f, 4)
-                        wb.append(builder.shuffle_vector(b2, ir.Constant(v2f, ir.Undefined), lanes))
+                    raw = _load_at(builder, wrow[r], builder.mul(i, c64(64)), v64i8, 1)
+                    wv.append(raw)
+                    if flavor == "avx2":  # |w| (as unsigned bytes); q gets w's sign below
+                        wb.append(sign_by(raw, raw))
                     else:
-                        raw = _load_at(builder, wrow[r], builder.mul(i, c64(64)), v64i8, 1)
-                        wv.append(raw)
-                        if flavor == "avx2":  # |w| (as unsigned bytes); q gets w's sign below
-                            wb.append(sign_by(raw, raw))
-                        else:
-                            # start value -128 * sum(w) per lane: (q + 128) * w summed from it is q * w
-                            wsum = lane_dot(zero, _const_vec(_I8, [1] * 64), raw)
-                            wb.append(builder.sub(zero, builder.shl(wsum, _const_vec(_I32, [7] * 16))))
-                xv, xb, xc = [], [], []
+                        # start value -128 * sum(w) per lane: (q + 128) * w summed from it is q * w
+                        wsum = lane_dot(zero, _const_vec(_I8, [1] * 64), raw)
+                        wb.append(builder.sub(zero, builder.shl(wsum, _const_vec(_I32, [7] * 16))))
+                xv, xb = [], []
                 for t in range(TT):
                     xv.append(_load_at(builder, xrow[t], builder.mul(i, c64(64)), v64i8, 1))
                     a2 = _load_at(builder, xsrow[t], i8, v2f, 4)
                     xb.append(builder.shuffle_vector(a2, ir.Constant(v2f, ir.Undefined), lanes))
-                    if kind == "q4":  # start value -8 * sum(q) per lane: nibble * q from it is (nibble - 8) * q
-                        xc.append(_load_at(builder, xcrow[t], builder.mul(i, c64(64)), v16i32, 4))
                 for r in range(R):
                     for t in range(TT):
-                        if kind == "q4":
-                            p32 = lane_dot(xc[t], wv[r], xv[t])
-                            sc = _strict(builder.fmul(xb[t], wb[r]))
-                        elif flavor == "avx2":  # q = (q + 128) xor 128 as a signed byte
+                        if flavor == "avx2":  # q = (q + 128) xor 128 as a signed byte
                             q = builder.xor(xv[t], _const_vec(_I8, [-128] * 64))
                             p32 = lane_dot(zero, wb[r], sign_by(q, wv[r]))
-                            sc = xb[t]
                         else:
                             p32 = lane_dot(wb[r], xv[t], wv[r])
-                            sc = xb[t]
                         acc = accs[r][t]
-                        builder.store(builder.call(fma, [builder.sitofp(p32, v16f), sc, builder.load(acc)]), acc)
+                        builder.store(builder.call(fma, [builder.sitofp(p32, v16f), xb[t], builder.load(acc)]), acc)
             for r in range(R):
                 rp = builder.bitcast(_row_ptr(context, builder, tys[8], res_, c64(r)), _F32.as_pointer())
                 for t in range(TT):
@@ -745,7 +820,8 @@ RB, TB = 4, 4  # row block of the tiled loops; token tile
 # T = 4-64: by wall time 14-19 G multiply-adds/s with 2 x 4 and 18-26 with 1 x 4, but by
 # thread CPU time (the suite running beside it) 1 x 2 to 2 x 4 all ran ~20: a weak preference
 _TR = 1 if INT_FLAVOR == "avx2" else 2
-_q4_tile_rx4 = _make_int_tile("q4", _TR, 4)
+_TR4 = RB  # rows per pass of the int4 token tiles (_make_q4_tile)
+_q4_tile_rx4 = _make_int_tile("q4", _TR4, 4)
 _q4_tile_1x4 = _make_int_tile("q4", 1, 4)
 _q4_tile_1x1 = _make_int_tile("q4", 1, 1)
 # Decode (T = 1) stays one weight row per pass. Measured on AMD EPYC Zen 4, 2 threads, OLMoE-1B-7B
@@ -776,7 +852,8 @@ _q4_tile_1x1 = _make_int_tile("q4", 1, 1)
 # outermost over units of 64 rows (one tile's activations kept in L1 while they meet the unit's
 # rows): 2048 x 2048 at T = 128 91-99 GMAC/s against 87-100 for the row blocks outermost.
 # Session 33 (same host, one thread, linear_q4 T = 1, interleaved old / new, best of 5): the
-# GFNI unpack (kept: one vgf2p8affineqb instead of and / shift / 512-bit insert) ran +3-8%;
+# GFNI unpack (one vgf2p8affineqb instead of and / shift / 512-bit insert) ran +3-8%; since
+# session 40 the unpack is a plain byte shift, which LLVM lowers to vgf2p8affineqb itself;
 # not kept, both within the noise of 14-20 GB/s for [256 | 1024 | 65536, 2048] and [2048, 1024]:
 # (h) two pairs per pass sharing one load and multiply of the 4 group scales and one prefetch per
 # 64 bytes; (i) two FMA chains per element (even / odd pairs). Single-thread q4 decode stays at
@@ -821,7 +898,7 @@ def _q4_block_pairs(xq, xs, xc, w, ws, o0, nr, npairs, res):
     if nr == RB:
         t = 0
         while t + TB <= T:
-            for r2 in range(0, RB, _TR):
+            for r2 in range(0, RB, _TR4):
                 _q4_tile_rx4(xq, xs, xc, w, ws, o0 + r2, t, npairs, res[r2:])
             t += TB
         for r in range(RB):  # the last T % TB tokens: one weight row per pass (see RB), all of them at once
@@ -860,10 +937,11 @@ def _q8_block_pairs(xu, xs, w, o0, nr, npairs, res):
 def _q4_finish(acc, xq, xs, w, ws):
     """A q4 element from its pair sum plus the last, unpaired group (odd G only)."""
     g = ws.shape[0] - 1
+    base = (g // 2) * 128  # _q4_prep_simd's place of the unpaired group
     tot = 0
     for j in range(16):
         b = np.int32(w[g * 16 + j])
-        tot += np.int32(xq[g * 32 + j]) * ((b & 15) - 8) + np.int32(xq[g * 32 + 16 + j]) * ((b >> 4) - 8)
+        tot += np.int32(xq[base + j]) * ((b & 15) - 8) + np.int32(xq[base + 16 + j]) * ((b >> 4) - 8)
     return _sadd(acc, _smul(np.float32(tot), _smul(xs[g], _sc(ws, g))))
 
 
@@ -1083,7 +1161,7 @@ def q4_interleaved_ok(gs: int) -> bool:
 
 
 _q4i_tile_4x1 = _make_int_tile("q4", IL, 1, il=IL)
-_q4i_tile_rx4 = _make_int_tile("q4", _TR, 4, il=IL)
+_q4i_tile_rx4 = _make_int_tile("q4", _TR4, 4, il=IL)
 _q4i_tail = _make_tail(_make_int_tile("q4", 1, 3, il=IL), _make_int_tile("q4", 1, 2, il=IL),
                        _make_int_tile("q4", 1, 1, il=IL))
 
@@ -1100,7 +1178,7 @@ def _q4i_rows(P, w, s, o0, res):
         return
     t = 0
     while t + TB <= T:
-        for r2 in range(0, RB, _TR):
+        for r2 in range(0, RB, _TR4):
             _q4i_tile_rx4(xq, xs, xc, w, s, o0 + r2, t, npairs, res[r2:])
         t += TB
     for r in range(RB):
@@ -1624,7 +1702,7 @@ def experts_q4_sorted(x, tok, starts, arena, offs, I, gsz, nch, h, out, il=False
     simd = _Q4_SIMD and gsz == 32
     if il and (not simd or I % 64 or D % 64):
         raise ValueError("interleaved int4 slabs need the SIMD int4 kernels, group size 32 and widths that are multiples of 64")
-    xq = np.empty((M, D if simd else 0), np.int8)
+    xq = np.empty((M, 2 * D if simd else 0), np.int8)
     xs = np.empty((M, D // gsz), np.float32)
     c = np.empty((M, D // 4 if simd else 0), np.int32)
     xe = np.empty((M, 0 if simd else D // 2), np.float32)
