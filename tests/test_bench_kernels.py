@@ -70,6 +70,43 @@ def test_llama_bench_json_is_parsed(monkeypatch):
     assert bench_kernels._llama_arm("llama-bench", "m.gguf", [16], 64, 2) == {"pp16": 97.5, "tg64": 52.25}
 
 
+def test_llama_bench_inner_reps_keep_the_fastest_sample(monkeypatch):
+    recorded = [{"n_prompt": 16, "n_gen": 0, "avg_ts": 90.0, "samples_ts": [80.0, 100.0]},
+                {"n_prompt": 0, "n_gen": 64, "avg_ts": 45.0, "samples_ts": [40.0, 50.0]}]
+    seen = {}
+
+    class P:
+        returncode = 0
+        stdout = json.dumps(recorded)
+        stderr = ""
+
+    def run(cmd, **k):
+        seen["cmd"] = cmd
+        return P
+    monkeypatch.setattr(bench_kernels.subprocess, "run", run)
+    r = bench_kernels._llama_arm("llama-bench", "m.gguf", [16], 64, 2, inner_reps=2)
+    assert seen["cmd"][seen["cmd"].index("-r") + 1] == "2"
+    assert r == {"pp16": 100.0, "pp16_runs": [80.0, 100.0], "tg64": 50.0, "tg64_runs": [40.0, 50.0]}
+
+
+def test_ours_arm_inner_reps_run_each_test_that_often(tiny_store):
+    r = bench_kernels._ours_arm(str(tiny_store), [4], 8, 1, 0, inner_reps=3)
+    for key in ("pp4", "tg8"):
+        runs = r[f"{key}_runs"]
+        assert len(runs) == 3 and all(v > 0 for v in runs)
+        assert r[key] == max(runs)
+    assert "tg8_runs" not in bench_kernels._ours_arm(str(tiny_store), [4], 8, 1, 0)
+
+
+def test_bench_kernels_refuses_zero_inner_reps(tiny_store, capsys):
+    import argparse
+    sub = argparse.ArgumentParser().add_subparsers()
+    bench_kernels.add_parser(sub)
+    a = sub.choices["kernels"].parse_args(["--ours", f"int8={tiny_store}", "--inner-reps", "0"])
+    assert bench_kernels.main(a) == 2
+    assert "--inner-reps 0" in capsys.readouterr().err
+
+
 def test_bench_kernels_cgroup_arm(tiny_store, tmp_path):
     """--cgroup-gb: the arm streams the store at that budget inside a memory cgroup of the same
     size and reports decode tok/s, hit rate, MB read per token and the cgroup's peak."""

@@ -115,12 +115,15 @@ def _llama_cpu_rates(llama_bench: str, gguf: str, prompts: list[int], tokens: in
 
 
 def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: int,
-              cpu_time: bool = False, budget_gb: float | None = None) -> dict:
+              cpu_time: bool = False, budget_gb: float | None = None, inner_reps: int = 1) -> dict:
     """One process: open ``store`` all resident, return prefill tok/s per prompt length and
     decode tok/s (see the module docstring). With ``budget_gb``: the store streamed at that RAM
     budget instead (automatic cap, O_DIRECT, nothing pre-loaded): decode tok/s of a second
     teacher-forced generation after a first (cold) one, hit rate and MB read per token of that
-    generation (its 16-token prompt's prefill included), and the first one's as ``*_cold``."""
+    generation (its 16-token prompt's prefill included), and the first one's as ``*_cold``.
+    ``inner_reps`` (all resident only): each prefill and the decode run that many times in this
+    process, each on its own seeded stream; the fastest is the value, every run's tok/s is in
+    ``<key>_runs`` (as llama-bench ``-r inner_reps``, see ``--inner-reps``)."""
     from .common import forced_stream, run_forced
     from ..config import EngineConfig, ModelArgs
     from ..events import Finished
@@ -161,12 +164,20 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
         out = {"quant": eng.store.quant, "dense_quant": eng.store.dense_quant,
                "expert_layout": eng.store.expert_layout}
         for i, p in enumerate(prompts):
-            s = forced_stream(args.vocab_size, p + 1, seed + 1 + i)
-            fin = run(s[:p], s[p:])
-            out[f"pp{p}"] = fin.prefill_tok_per_s
-        s = forced_stream(args.vocab_size, DECODE_PROMPT + tokens, seed)
-        fin = run(s[:DECODE_PROMPT], s[DECODE_PROMPT:])
-        out[f"tg{tokens}"] = fin.decode_tok_per_s
+            runs = []
+            for j in range(inner_reps):
+                s = forced_stream(args.vocab_size, p + 1, seed + 1 + i + 1000 * j)
+                runs.append(run(s[:p], s[p:]).prefill_tok_per_s)
+            out[f"pp{p}"] = max(runs)
+            if inner_reps > 1:
+                out[f"pp{p}_runs"] = runs
+        runs = []
+        for j in range(inner_reps):
+            s = forced_stream(args.vocab_size, DECODE_PROMPT + tokens, seed + 1000 * j)
+            runs.append(run(s[:DECODE_PROMPT], s[DECODE_PROMPT:]).decode_tok_per_s)
+        out[f"tg{tokens}"] = max(runs)
+        if inner_reps > 1:
+            out[f"tg{tokens}_runs"] = runs
         if cpu_time:
             out.update(_ours_cpu_rates(run, args.vocab_size, tokens, prompts, seed))
         return out
@@ -175,9 +186,12 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
 
 
 def _llama_arm(llama_bench: str, gguf: str, prompts: list[int], tokens: int, threads: int,
-               wrap=None, extra: list[str] = ()) -> dict:
+               wrap=None, extra: list[str] = (), inner_reps: int = 1) -> dict:
+    """One llama-bench process: tok/s per test (``pp<P>``, ``tg<N>``). With ``inner_reps`` > 1
+    (``-r inner_reps``) the fastest of its samples (``samples_ts``), every sample in
+    ``<key>_runs``; else its average of the one run."""
     cmd = [llama_bench, "-m", gguf, "-t", str(threads), "-p", ",".join(map(str, prompts)) or "0",
-           "-n", str(tokens), "-r", "1", "-o", "json", *extra]
+           "-n", str(tokens), "-r", str(inner_reps), "-o", "json", *extra]
     if wrap is not None:
         cmd = wrap(cmd)
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -188,7 +202,12 @@ def _llama_arm(llama_bench: str, gguf: str, prompts: list[int], tokens: int, thr
         if t["n_prompt"] == 0 and t["n_gen"] == 0:
             continue
         key = f"pp{t['n_prompt']}" if t["n_gen"] == 0 else f"tg{t['n_gen']}"
-        out[key] = float(t["avg_ts"])
+        samples = [float(v) for v in t.get("samples_ts") or []]
+        if inner_reps > 1 and samples:
+            out[key] = max(samples)
+            out[f"{key}_runs"] = samples
+        else:
+            out[key] = float(t["avg_ts"])
     return out
 
 
@@ -246,6 +265,8 @@ def _spawn_ours(label: str, store: str, a, budget_gb: float | None = None, wrap=
            "--tokens", str(a.tokens), "--seed", str(a.seed), "--prompts", *map(str, a.prompts)]
     if a.cpu_time and budget_gb is None:
         cmd.append("--cpu-time")
+    if budget_gb is None and a.inner_reps > 1:
+        cmd += ["--inner-reps", str(a.inner_reps)]
     if budget_gb is not None:
         cmd += ["--budget-gb", str(budget_gb)]
     if wrap is not None:
@@ -366,6 +387,9 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
 
 def main(a) -> int:
     """Run the interleaved arms; write bench/results/<name>.{json,md}. Returns 0, or 2 on bad input."""
+    if a.reps < 1 or a.inner_reps < 1:
+        print(f"--reps {a.reps} / --inner-reps {a.inner_reps}: both must be at least 1", file=sys.stderr)
+        return 2
     for label, path in a.ours:
         if not (Path(path) / "manifest.json").exists():
             print(f"--ours {label}={path}: no store there (manifest.json missing); make one with "
@@ -435,7 +459,7 @@ def main(a) -> int:
                                           lambda: MemCgroup(int(limit * 1e9), a.cgroup_root),
                                           a.llama_cgroup_flags)
                 else:
-                    r = _llama_arm(a.llama_bench, path, a.prompts, a.tokens, a.threads)
+                    r = _llama_arm(a.llama_bench, path, a.prompts, a.tokens, a.threads, inner_reps=a.inner_reps)
                     if a.cpu_time:
                         r.update(_llama_cpu_rates(a.llama_bench, path, a.prompts, a.tokens, a.threads))
                 if grp is not None:
@@ -484,6 +508,11 @@ def add_parser(subparsers) -> None:
                    help="labels that get a cgroup arm (default: every arm)")
     k.add_argument("--cgroup-root", default="/sys/fs/cgroup/memory")
     k.add_argument("--reps", type=int, default=3)
+    k.add_argument("--inner-reps", type=int, default=1,
+                   help="unconstrained arms: run each test this many times inside the arm's process "
+                        "(llama-bench -r N; ours likewise) and keep the fastest. On a VM whose host "
+                        "backs fresh guest memory slowly, a process's first tens of seconds decode slower "
+                        "(bench/README.md, Session 40)")
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--name", default="kernels_olmoe_1b_7b")
     k.add_argument("--out-dir", default="bench/results")
@@ -500,8 +529,9 @@ def _arm_main(argv: list[str]) -> int:
     p.add_argument("--prompts", type=int, nargs="+", default=[16, 128, 512])
     p.add_argument("--cpu-time", action="store_true")
     p.add_argument("--budget-gb", type=float, default=None)
+    p.add_argument("--inner-reps", type=int, default=1)
     a = p.parse_args(argv)
-    r = _ours_arm(a.store, a.prompts, a.tokens, a.threads, a.seed, a.cpu_time, a.budget_gb)
+    r = _ours_arm(a.store, a.prompts, a.tokens, a.threads, a.seed, a.cpu_time, a.budget_gb, a.inner_reps)
     print("ARM " + json.dumps(r), flush=True)
     return 0
 
