@@ -1162,8 +1162,10 @@ def q4_interleaved_ok(gs: int) -> bool:
 
 _q4i_tile_4x1 = _make_int_tile("q4", IL, 1, il=IL)
 _q4i_tile_rx4 = _make_int_tile("q4", _TR4, 4, il=IL)
-_q4i_tail = _make_tail(_make_int_tile("q4", 1, 3, il=IL), _make_int_tile("q4", 1, 2, il=IL),
-                       _make_int_tile("q4", 1, 1, il=IL))
+# the last T % TB tokens of a row block: all IL rows in one pass (one stream, two 512-bit
+# registers of rows per token), as the decode tile; 1-row tails read the group's 128 bytes of a
+# pair four times over
+_q4i_tail = _make_tail(_make_int_tile("q4", IL, 3, il=IL), _make_int_tile("q4", IL, 2, il=IL), _q4i_tile_4x1)
 
 
 @njit(inline="always", **_KW)
@@ -1181,8 +1183,7 @@ def _q4i_rows(P, w, s, o0, res):
         for r2 in range(0, RB, _TR4):
             _q4i_tile_rx4(xq, xs, xc, w, s, o0 + r2, t, npairs, res[r2:])
         t += TB
-    for r in range(RB):
-        _q4i_tail(xq, xs, xc, w, s, o0 + r, t, T - t, npairs, res[r:])
+    _q4i_tail(xq, xs, xc, w, s, o0, t, T - t, npairs, res)
 
 
 @njit(parallel=True, **_KW)
