@@ -10,6 +10,8 @@ Arms (each a fresh process, interleaved, the order reversed every other repetiti
   ``decode_tok_per_s``.
 - llama-<label>: ``llama-bench -m GGUF -t threads -p P1,P2,.. -n tokens -r 1 -o json``
   (its own warm-up run; pp = prompt processing of P tokens, tg = generation of ``tokens``).
+- ``--inner-reps N``: both kinds of arm run each test N times in their process (llama-bench
+  ``-r N``) and keep the fastest; every run's tok/s is in the row as ``<key>_runs``.
 
 ``--cgroup-gb G`` adds, per arm, the same model inside a cgroup v1 memory limit of G GB
 (engine.bench.peers.MemCgroup): ours streamed at a RAM budget of G GB (automatic cap, O_DIRECT,
