@@ -820,7 +820,10 @@ RB, TB = 4, 4  # row block of the tiled loops; token tile
 # T = 4-64: by wall time 14-19 G multiply-adds/s with 2 x 4 and 18-26 with 1 x 4, but by
 # thread CPU time (the suite running beside it) 1 x 2 to 2 x 4 all ran ~20: a weak preference
 _TR = 1 if INT_FLAVOR == "avx2" else 2
-_TR4 = RB  # rows per pass of the int4 token tiles (_make_q4_tile)
+# rows per pass of the int4 token tiles (_make_q4_tile): 4 (two 512-bit registers of rows per
+# token, 8 accumulators for 4 tokens) with AVX-512's 32 vector registers; 2 on AVX2's 16, where
+# a 2-row register is two 256-bit halves
+_TR4 = 2 if INT_FLAVOR == "avx2" else RB
 _q4_tile_rx4 = _make_int_tile("q4", _TR4, 4)
 _q4_tile_1x4 = _make_int_tile("q4", 1, 4)
 _q4_tile_1x1 = _make_int_tile("q4", 1, 1)
@@ -1162,10 +1165,11 @@ def q4_interleaved_ok(gs: int) -> bool:
 
 _q4i_tile_4x1 = _make_int_tile("q4", IL, 1, il=IL)
 _q4i_tile_rx4 = _make_int_tile("q4", _TR4, 4, il=IL)
-# the last T % TB tokens of a row block: all IL rows in one pass (one stream, two 512-bit
-# registers of rows per token), as the decode tile; 1-row tails read the group's 128 bytes of a
-# pair four times over
-_q4i_tail = _make_tail(_make_int_tile("q4", IL, 3, il=IL), _make_int_tile("q4", IL, 2, il=IL), _q4i_tile_4x1)
+# the last T % TB tokens of a row block: _TR4 rows per pass (all IL rows with AVX-512: one
+# stream, two 512-bit registers of rows per token, as the decode tile); 1-row tails read the
+# group's 128 bytes of a pair four times over
+_q4i_tail = _make_tail(_make_int_tile("q4", _TR4, 3, il=IL), _make_int_tile("q4", _TR4, 2, il=IL),
+                       _make_int_tile("q4", _TR4, 1, il=IL))
 
 
 @njit(inline="always", **_KW)
@@ -1183,7 +1187,8 @@ def _q4i_rows(P, w, s, o0, res):
         for r2 in range(0, RB, _TR4):
             _q4i_tile_rx4(xq, xs, xc, w, s, o0 + r2, t, npairs, res[r2:])
         t += TB
-    _q4i_tail(xq, xs, xc, w, s, o0, t, T - t, npairs, res)
+    for r2 in range(0, RB, _TR4):
+        _q4i_tail(xq, xs, xc, w, s, o0 + r2, t, T - t, npairs, res[r2:])
 
 
 @njit(parallel=True, **_KW)
