@@ -196,8 +196,8 @@ def _int_flavor() -> str:
         feats = llb.get_host_cpu_features()
     except Exception:
         return "portable"
-    if feats.get("avx512bw") and feats.get("avx512f"):
-        return "vnni" if feats.get("avx512vnni") else "bw"
+    if feats.get("avx512bw") and feats.get("avx512f"):  # vnni also runs vpdpbusd on 256 bits (VL)
+        return "vnni" if feats.get("avx512vnni") and feats.get("avx512vl") else "bw"
     if feats.get("avx2") and feats.get("fma"):
         return "avx2"
     return "portable"
@@ -404,7 +404,8 @@ def _q8_out(P, w, s, o, t):
 # what kernels_ref.quantize_activations does). A group's dot product is then
 # d * s_w * sum_j q_j * (nibble_j - 8) = d * s_w * (sum_j q_j * nibble_j - 8 * sum_j q_j):
 # unsigned nibbles times signed bytes, the operand shape of AVX-512 VNNI's vpdpbusd, with the
-# "- 8" folded into c_g = 8 * d * sum_j q_j (computed once per row and group).
+# "- 8" folded into each int32 lane's start value, -8 times the sum of the q that lane meets
+# (_q4_prep_simd, once per activation row).
 
 @njit(inline="always", **_KW)
 def _q4_prep_simd(x, xq, xs, c):
@@ -529,9 +530,10 @@ def _q4_out(P, w, s, sh, hg, o, t):
 # row's nibbles are unpacked once per 64 columns and met by TT activation rows, each activation
 # chunk is loaded once and met by R weight rows, and the R x TT accumulators are independent
 # chains (the T = 1 loop of one row had a single chain of dependent FMAs). Every (row, token)
-# element runs exactly the operations of a 1 x 1 tile in the same order: integer dot product of a
+# element runs exactly the operations of a 1 x 1 tile in the same order: integer dot products of a
 # group pair, int32 -> float, times xs * ws (lanes broadcast per group), fused multiply-add into
-# 16 float lanes, the lanes summed in a fixed tree order. Results therefore do not depend on the
+# float lanes (8 per row for q4, _make_q4_tile; 16 for q8), the lanes summed in a fixed tree
+# order. Results therefore do not depend on the
 # tile shape, on T, or on the thread count (tests/test_kernels.py checks it bit for bit).
 
 def _row_ptr(context, builder, aryty, val, row):
@@ -547,14 +549,16 @@ def _load_at(builder, base, byte_off, vty, align):
 
 
 PREFETCH_BYTES = 8192  # software prefetch distance (bytes ahead in each weight row) of the T = 1 tiles
-PREFETCH_TT = 4  # tiles of fewer tokens than this prefetch their weights (1 x 1 decode, 1 x 2 and 1 x 3 prefill tails)
+PREFETCH_TT = 4  # tiles of fewer tokens than this prefetch their weights (decode tiles, prefill tails of 1-3 tokens)
 
 
 def _lane_dot_fn(builder, flavor, nb):
     """``lane_dot(start, u, s)`` on nb-byte vectors (nb 32 or 64): start int32 [nb / 4] plus, per
-    dword lane, the sum of its 4 byte products u (unsigned) * s (signed), exact in int32 (the
-    int4 tiles' operands: nibbles <= 15 times |q| <= 127, so no path saturates). vnni:
-    vpdpbusd; bw / avx2: vpmaddubsw then vpmaddwd (256-bit halves on avx2); portable: plain IR."""
+    dword lane, the sum of its 4 byte products u (unsigned) * s (signed), exact in int32. vnni:
+    vpdpbusd (never saturates); bw / avx2: vpmaddubsw, whose pair sums saturate at 16 bits, then
+    vpmaddwd (256-bit halves on avx2); portable: plain IR. Callers keep the pair sums in range:
+    the int4 tiles (nibbles <= 15 times |q| <= 127), the q8 tile on avx2 (|w| <= 128 times
+    |q| <= 127, llama.cpp's sign trick); the q8 tile runs vnni or portable otherwise."""
     mod = builder.module
     nl = nb // 4
     vb, vd = _vec(_I8, nb), _vec(_I32, nl)
@@ -606,9 +610,9 @@ def _make_q4_tile(R: int, TT: int, il: int = 0):
     once) and fused-multiply-added into its float lane; after the last pair a row's 8 lanes are
     summed in a fixed tree order. Two rows side by side fill a 512-bit register (16 lanes), a
     last odd row runs 256-bit: the same lane operations, so the bits depend on neither R, TT,
-    T nor the thread count. Per 128 multiply-adds of a row and token: two integer dot
-    products, one conversion, one multiply and one FMA (the 16-lane-per-row layout before took
-    one dot product, conversion, multiply and FMA per 64). Measured on this project's AMD EPYC
+    T nor the thread count. Per pair and token, a register of two rows (128 multiply-adds)
+    costs two integer dot products, one conversion, one multiply and one FMA; the 16-lane-per-row
+    layout before took one dot product, conversion, multiply and FMA per row (64). Measured on this project's AMD EPYC
     Zen 4 host (tools/micro_linear_q4.py: linear_q4i on [1024, 2048] and [2048, 1024], T = 128,
     best of 5, same session): one thread 48.9 / 42.7 -> 65.7 / 54.4 G multiply-adds/s, two
     threads 85.3 / 78.9 -> 128.7 / 109.8; the doubled E / O blocks and lane starts of
@@ -815,8 +819,9 @@ def _make_int_tile(kind: str, R: int, TT: int, il: int = 0):
 
 
 RB, TB = 4, 4  # row block of the tiled loops; token tile
-# rows per token-tile pass in the row block: 2 (2 x 4 tiles, 8 accumulators of 16 lanes) on
-# AVX-512's 32 vector registers; 1 on AVX2's 16. AMD EPYC Zen 3, one thread, linear_q4 at
+# rows per token-tile pass of the q8 tiles in the row block: 2 (2 x 4 tiles, 8 accumulators of
+# 16 lanes) on AVX-512's 32 vector registers; 1 on AVX2's 16. Measured with the then q4 tiles
+# of the same shape (before _make_q4_tile): AMD EPYC Zen 3, one thread, linear_q4 at
 # T = 4-64: by wall time 14-19 G multiply-adds/s with 2 x 4 and 18-26 with 1 x 4, but by
 # thread CPU time (the suite running beside it) 1 x 2 to 2 x 4 all ran ~20: a weak preference
 _TR = 1 if INT_FLAVOR == "avx2" else 2
@@ -876,8 +881,9 @@ _q8_tile_1x2 = _make_int_tile("q8", 1, 2)
 
 
 def _make_tail(tile3, tile2, tile1):
-    """Tokens t..t+n-1 (n < TB) of row o in one pass over the row (a 1 x n tile; nothing for
-    n = 0): a prefill expert that 2 or 3 tokens chose reads its weights once, not per token.
+    """Tokens t..t+n-1 (n < TB) of the tiles' rows from o in one pass over them (R x n tiles,
+    R = 1, or _TR4 for the interleaved int4 tails; nothing for n = 0): a prefill expert that
+    2 or 3 tokens chose reads its weights once, not per token.
     One factory for the q4 and q8 tiles (same arguments: xa, xs, xc, w, ws, o0, t0, npairs, res)."""
     @njit(inline="always", **_KW)
     def tail(xa, xs, xc, w, ws, o, t, n, npairs, res):
@@ -1169,7 +1175,7 @@ _q4i_tile_rx4 = _make_int_tile("q4", _TR4, 4, il=IL)
 # stream, two 512-bit registers of rows per token, as the decode tile); 1-row tails read the
 # group's 128 bytes of a pair four times over
 _q4i_tail = _make_tail(_make_int_tile("q4", _TR4, 3, il=IL), _make_int_tile("q4", _TR4, 2, il=IL),
-                       _make_int_tile("q4", _TR4, 1, il=IL))
+                       _q4i_tile_4x1 if _TR4 == IL else _make_int_tile("q4", _TR4, 1, il=IL))
 
 
 @njit(inline="always", **_KW)
