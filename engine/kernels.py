@@ -743,7 +743,7 @@ def _make_int_tile(kind: str, R: int, TT: int, il: int = 0):
 
         def codegen(context, builder, signature, args):
             tys = signature.args
-            xa_, xs_, xc_, w_, ws_, o0_, t0_, np_, res_ = args
+            xa_, xs_, _, w_, _, o0_, t0_, np_, res_ = args  # xc, ws: unused by q8
             mod = builder.module
             v64i8, v32i8, v16i32, v16f, v2f = (_vec(_I8, 64), _vec(_I8, 32), _vec(_I32, 16), _vec(_F32, 16),
                                                _vec(_F32, 2))
