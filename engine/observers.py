@@ -33,8 +33,8 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-HOOKS = ("on_forward_start", "on_layer_start", "on_after_attention", "on_route", "on_after_moe",
-         "on_load", "on_evict", "on_pins", "on_prediction")
+HOOKS = ("on_forward_start", "on_layer_start", "on_after_attention", "on_route", "on_moe_wait",
+         "on_after_moe", "on_load", "on_evict", "on_pins", "on_prediction")
 
 
 class Observer:
@@ -47,6 +47,11 @@ class Observer:
         on_after_attention(layer, x): x float32 [T, D], the residual after attention.
         on_route(layer, idx, router_logits): idx int64 [T, K] (top-k expert ids per row),
             router_logits float32 [T, E]; called before the layer's experts are requested.
+        on_moe_wait(layer, x): a decode step (T = 1) of an int4 / int8 store is about to wait
+            for experts of ``layer`` that were not resident; its resident experts have run and
+            x float32 [1, D] is the draft residual: the residual after attention plus those
+            experts' weighted outputs (the missing ones' share left out). Called at most once
+            per layer and token, only when something is missing; the disk is busy meanwhile.
         on_after_moe(layer, x): x float32 [T, D], the residual after the MoE block.
     ExpertCache (cache lock held):
         on_load(layer, expert, nbytes, seconds, speculative): an expert became resident
@@ -55,7 +60,8 @@ class Observer:
         on_pins(pinned): the pin set was replaced; pinned bool [M, E].
     Pilot (compute thread):
         on_prediction(layer, experts, distance): PILOT predicted ``experts`` (int64 [n], in
-            rank order) for MoE layer ``layer`` from ``distance`` (1..3) layers before.
+            rank order) for MoE layer ``layer`` from ``distance`` (1..3) layers before, or
+            from the previous layer's draft residual (``on_moe_wait``): distance 0.
 
     ``token_batched``: set it True when the observer may get a decode step's per-layer calls
     grouped: every layer's ``on_layer_start`` before the step, every layer's ``on_route`` after
@@ -77,6 +83,8 @@ class Observer:
     def on_after_attention(self, layer: int, x: np.ndarray) -> None: ...
 
     def on_route(self, layer: int, idx: np.ndarray, router_logits: np.ndarray) -> None: ...
+
+    def on_moe_wait(self, layer: int, x: np.ndarray) -> None: ...
 
     def on_after_moe(self, layer: int, x: np.ndarray) -> None: ...
 

@@ -35,7 +35,7 @@ def test_ids_identical_across_pilot_modes_workers_and_guard(medium_store):
         for workers in (1, 4):
             for guard in (True, False):
                 ids, metrics = _run(medium_store, cap=4, pilot=pilot, pilot_workers=workers, evict_guard=guard,
-                                    spec_precision=0.0 if guard else 0.7)
+                                    spec_precision=0.0 if guard else 0.7, pilot_draft=guard or workers == 1)
                 assert ids == ref, (pilot, workers, guard)
                 spec_total += sum(m.spec_issued for m in metrics)
     assert spec_total > 0  # the prefetcher did work
@@ -149,6 +149,142 @@ def test_queue_dedup_and_bound():
     assert q.put(1, 2, 0) is QueuePut.OK
     assert q.put(1, 3, 0) is QueuePut.FULL
     assert q.clear() == 2 and len(q) == 0
+
+
+def test_queue_put_layer_first_replaces_that_layers_guesses():
+    q = PrefetchQueue(maxsize=5)
+    for layer, e in ((2, 1), (3, 4), (2, 5), (3, 6)):
+        assert q.put(layer, e, 0) is QueuePut.OK
+    # layer 2's guesses {1, 5} become [5, 7] at the head; 1 was not kept: one dropped
+    assert q.put_layer_first(2, [5, 7], 1) == (1, 2)
+    got = [q.get(0.01) for _ in range(4)]
+    assert got == [(2, 5, 1), (2, 7, 1), (3, 4, 0), (3, 6, 0)] and q.get(0.0) is None
+    assert q.put(2, 5, 2) is QueuePut.OK  # the de-duplication keys follow the queue
+    # the bound holds: 4 other items in a queue of 5 leave room for one
+    for e in range(4):
+        q.put(4, e, 2)
+    q.put_layer_first(1, [9], 2)
+    assert q.put_layer_first(2, [8, 9, 10], 2) == (1, 1) and len(q) == 5
+
+
+class _DraftSpy(Observer):
+    """Records, per decode layer: the residual after attention, the experts missing at routing
+    time, the draft published while waiting, and the residual after the MoE block."""
+
+    def __init__(self, eng):
+        self.eng, self.rows, self.cur = eng, [], None
+
+    def on_forward_start(self, pos0, num_tokens):
+        self.T = num_tokens
+
+    def on_after_attention(self, layer, x):
+        if self.T == 1:
+            self.cur = {"layer": layer, "xa": x.copy(), "draft": None}
+
+    def on_route(self, layer, idx, router_logits):
+        if self.T == 1:
+            c = self.eng.cache
+            self.cur["idx"] = idx[0].copy()
+            self.cur["w"] = self.eng.model.route(layer, router_logits)[1][0]
+            self.cur["missing"] = [int(e) for e in idx[0] if not c.is_present(layer, int(e))]
+
+    def on_moe_wait(self, layer, x):
+        assert self.cur["draft"] is None  # once per layer and token
+        self.cur["draft"] = x.copy()
+
+    def on_after_moe(self, layer, x):
+        if self.T != 1:
+            return
+        m, c = self.eng.model, self.eng.cache
+        a = m.args
+        h = np.empty_like(x)
+        from engine.models.base import K
+        K.rmsnorm(self.cur["xa"], m.layers[m.moe_layer_ids[layer]]["post_attention_layernorm"], a.rms_norm_eps, h)
+        ys = []
+        for e in self.cur["idx"]:  # every routed expert is resident now: its output, alone
+            views = c.acquire(layer, int(e))
+            y = np.empty((1, a.hidden_size), np.float32)
+            m.expert_forward(views, h, np.empty((1, a.moe_intermediate_size), np.float32), y)
+            c.release(layer, int(e))
+            ys.append(y[0])
+        self.cur.update(xm=x.copy(), ys=np.array(ys))
+        self.rows.append(self.cur)
+
+
+def test_draft_residual_is_the_layer_without_its_misses(medium_store):
+    """on_moe_wait comes exactly when a decode layer waits for missing experts, with the
+    residual after attention plus the resident experts' weighted outputs; the layer's output
+    then adds the missing experts' share (values unchanged: tokens as with pilot 0)."""
+    ref, _ = _run(medium_store, cap=4, pilot=0)
+    cfg = EngineConfig(store=str(medium_store), history=False, pinning=False, cap=4, pilot=0)
+    stream = np.random.default_rng(11).integers(10, 500, 60).tolist()
+    with Engine.open(cfg) as eng:
+        spy = _DraftSpy(eng)
+        eng.model.subscribe(spy)
+        req = GenerateRequest(prompt_ids=tuple(stream[:12]), sampling=SamplingParams(max_new_tokens=40))
+        ids = [e for e in eng.generate(req) if isinstance(e, Finished)][0].token_ids
+    assert ids == ref
+    waited = [r for r in spy.rows if r["missing"]]
+    assert waited and len(waited) < len(spy.rows)  # some layers had every expert, some waited
+    for r in spy.rows:
+        assert (r["draft"] is None) == (not r["missing"])
+        if r["draft"] is None:
+            continue
+        hit = np.array([int(e) not in r["missing"] for e in r["idx"]])
+        part = (r["w"][hit, None] * r["ys"][hit]).sum(0)
+        full = (r["w"][:, None] * r["ys"]).sum(0)
+        np.testing.assert_allclose(r["draft"][0], r["xa"][0] + part, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(r["xm"][0], r["xa"][0] + full, rtol=1e-5, atol=1e-5)
+        assert not np.allclose(r["draft"], r["xm"])  # the missing share is really left out
+
+
+def test_draft_lookahead_predicts_from_the_wait_and_changes_no_value(medium_store):
+    """With pilot_draft a waiting layer's draft predicts the next layer (distance 0 in the
+    predictions and the precision gate); without it there is none; tokens identical."""
+    ref, _ = _run(medium_store, cap=4, pilot=0)
+    stream = np.random.default_rng(11).integers(10, 500, 60).tolist()
+    req = GenerateRequest(prompt_ids=tuple(stream[:12]), sampling=SamplingParams(max_new_tokens=40))
+
+    class Seen(Observer):
+        def __init__(self):
+            self.dist = []
+
+        def on_prediction(self, layer, experts, distance):
+            self.dist.append((layer, distance))
+
+    for draft in (True, False):
+        cfg = EngineConfig(store=str(medium_store), history=False, pinning=False, cap=4, pilot=1,
+                           pilot_draft=draft, spec_precision=0.0)
+        with Engine.open(cfg) as eng:
+            seen = Seen()
+            eng.subscribe(seen)
+            ids = [e for e in eng.generate(req) if isinstance(e, Finished)][0].token_ids
+            p = eng.pilot
+            assert ids == ref
+            zero = [layer for layer, d in seen.dist if d == 0]
+            if draft:
+                assert zero and min(zero) >= 1 and p.prec_total[0].sum() > 0
+                assert p.prec_total[0, 0].sum() == 0  # layer 0 follows no layer
+            else:
+                assert not zero and p.prec_total[0].sum() == 0
+
+
+def test_draft_attention_is_the_layers_attention_and_leaves_the_kv_cache(medium_store):
+    cfg = EngineConfig(store=str(medium_store), history=False, pinning=False, cap=16, pilot=0)
+    with Engine.open(cfg) as eng:
+        m = eng.model
+        m.forward(np.arange(10, 22), 0)  # 12 positions of KV
+        k0, v0 = m.k_cache.copy(), m.v_cache.copy()
+        x = np.random.default_rng(3).standard_normal((1, m.args.hidden_size)).astype(np.float32)
+        for j in range(m.num_moe_layers):
+            got = m.draft_attention(j, x, 12)
+            assert np.array_equal(m.k_cache, k0) and np.array_equal(m.v_cache, v0)
+            want = m.attention(m.moe_layer_ids[j], x, 12)  # the real call writes row 12
+            assert np.array_equal(got, want)
+            m.k_cache[...], m.v_cache[...] = k0, v0
+        assert m.draft_attention(0, x, m.C) is None  # outside the context
+        m.__class__ = type("OwnAttention", (type(m),), {"attention": lambda self, i, x, pos0: x})
+        assert m.draft_attention(0, x, 12) is None  # a family with its own attention
 
 
 @pytest.mark.parametrize("victim_heat,victim_age,cand_heat,cand_age,free,allowed", [

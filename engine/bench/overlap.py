@@ -79,10 +79,13 @@ def cmd_overlap(a) -> int:
                                               **({"idle_s": a.idle_s} if a.idle_s else {}), **rt)))
         for b in a.budgets:
             for p in a.modes:
+                drafts = ((False, True) if a.draft == "both" else (a.draft == "on",)) if p > 0 else (False,)
                 for rv in ((False, True) if a.reserve == "both" else (a.reserve == "on",)):
                     for fv in ((False, True) if a.fill == "both" else (a.fill == "on",)):
-                        arms.append((b, routing, dict(base, pilot=p, ram_budget_gb=b, reserve_cache=rv, idle_fill=fv,
-                                                      **({"idle_s": a.idle_s} if a.idle_s else {}), **rt)))
+                        for dv in drafts:
+                            arms.append((b, routing, dict(base, pilot=p, ram_budget_gb=b, reserve_cache=rv,
+                                                          idle_fill=fv, pilot_draft=dv,
+                                                          **({"idle_s": a.idle_s} if a.idle_s else {}), **rt)))
     check_arm_inputs(a.store, [o for _, _, o in arms], None, 0)
     disk = [measure_disk(a.store, qd=a.qd)]
     touch = [measure_first_touch()]
@@ -98,7 +101,8 @@ def cmd_overlap(a) -> int:
             r.update(budget_gb=b, routing=routing, rep=rep)
             r.pop("routing_trace", None)
             rows.append(r)
-            print(f"rep {rep} {routing} budget {b} pilot {over['pilot']} reserve {int(over.get('reserve_cache', 0))} fill {int(over.get('idle_fill', 0))}: "
+            print(f"rep {rep} {routing} budget {b} pilot {over['pilot']} draft {int(over.get('pilot_draft', 0))} "
+                  f"reserve {int(over.get('reserve_cache', 0))} fill {int(over.get('idle_fill', 0))}: "
                   + (f"cap {r['cap']} hit {100 * r['decode_hit_rate']:.1f}% {r['decode_mb_per_token']:.1f} MB/t "
                      f"felt {r['decode_felt_wait_s']:.2f}s {r['tok_per_s']:.2f} tok/s cpu/t "
                      f"{r['decode_cpu_s'] / max(r['decode_steps'], 1):.3f}s load {r['load_avg']:.1f} "
@@ -121,6 +125,8 @@ def cmd_overlap(a) -> int:
         r["decode_tok_s"] = r["tok_per_s"]
         r["felt_wait_s_per_token"] = r["decode_felt_wait_s"] / n
         r["cpu_s_per_token"] = r["decode_cpu_s"] / n
+        rec = [x for x in r.get("pilot_recall") or [] if x > 0]
+        r["recall"] = float(np.mean(rec)) if rec else None  # PILOT's mean recall over the predicted layers
         c = compute.get(r["routing"])
         if c is None and r["budget_gb"] != "all":
             # no all-resident arm: this arm's own time not spent waiting for reads (the load of
@@ -142,22 +148,25 @@ def cmd_overlap(a) -> int:
     groups: dict = {}
     for r in rows:
         if r.get("hit_rate") is not None:
-            groups.setdefault((r["routing"], str(r["budget_gb"]), r["pilot"], bool(r.get("reserve_cache")),
-                               bool(r.get("idle_fill"))), []).append(r)
+            groups.setdefault((r["routing"], str(r["budget_gb"]), r["pilot"], bool(r.get("pilot_draft")),
+                               bool(r.get("reserve_cache")), bool(r.get("idle_fill"))), []).append(r)
     summ = []
-    for (routing, b, p, rv, fv), rs in groups.items():
+    for (routing, b, p, dv, rv, fv), rs in groups.items():
         med = {k: float(np.median([x[k] for x in rs if x.get(k) is not None]))
                for k in ("decode_hit_rate", "decode_mb_per_token", "decode_spec_mb_per_token", "felt_wait_s_per_token",
                          "decode_tok_s", "ceiling_tok_s", "ceiling_share", "cpu_s_per_token", "cpu_vs_resident",
-                         "load_avg") if any(x.get(k) is not None for x in rs)}
-        summ.append({"routing": routing, "budget_gb": rs[0]["budget_gb"], "pilot": p, "reserve_cache": int(rv),
+                         "load_avg", "recall") if any(x.get(k) is not None for x in rs)}
+        summ.append({"routing": routing, "budget_gb": rs[0]["budget_gb"], "pilot": p, "pilot_draft": int(dv),
+                     "reserve_cache": int(rv),
                      "idle_fill": int(fv), "resident_at_start": float(np.median([x.get("resident_at_start", 0) for x in rs])),
                      "cap": rs[0]["cap"], "n": len(rs),
                      **med, "sha256_logits": " ".join(sorted({x["sha256_logits"] for x in rs}))})
     for r in rows:
+        r["pilot_draft"] = int(bool(r.get("pilot_draft")))
         r["reserve_cache"] = int(bool(r.get("reserve_cache")))
         r["idle_fill"] = int(bool(r.get("idle_fill")))
     cols = [("routing", "routing", ""), ("budget GB", "budget_gb", ""), ("pilot", "pilot", "d"),
+            ("draft", "pilot_draft", "d"), ("recall", "recall", ".2f"),
             ("reserve", "reserve_cache", "d"), ("fill", "idle_fill", "d"), ("cap", "cap", "d"),
             ("resident at start", "resident_at_start", ".0f"),
             ("hit", "decode_hit_rate", ".1%"), ("MB/token", "decode_mb_per_token", ".1f"),
@@ -229,6 +238,9 @@ def add_parser(bs) -> None:
     p.add_argument("--no-cgroup", action="store_true", help="budgets as engine RAM budgets only")
     p.add_argument("--reserve", choices=("off", "on", "both"), default="off",
                    help="the budget arms with the setting reserve_cache off, on, or each twice")
+    p.add_argument("--draft", choices=("off", "on", "both"), default="on",
+                   help="the PILOT arms (pilot > 0) with the setting pilot_draft off, on, or each twice "
+                        "(the draft lookahead: the next layer predicted while a read is waited for)")
     p.add_argument("--fill", choices=("off", "on", "both"), default="off",
                    help="the budget arms with the setting idle_fill off, on, or each twice")
     p.add_argument("--idle-s", type=float, default=0.0,

@@ -1072,6 +1072,22 @@ class MoEModel:
             self._attend(q3[t:t + 1], kc[:, j0:], vc[:, j0:], w - 1, sinks, att[t:t + 1])
         return ly["o_proj"](att.reshape(T, H * S), np.empty_like(x))  # [T, D]
 
+    def draft_attention(self, j: int, x: np.ndarray, pos: int) -> np.ndarray | None:
+        """Attention of MoE layer ``j``'s decoder layer on a draft residual x float32 [1, D] at
+        position ``pos``, for a look ahead (PILOT's draft, engine/prefetch.py): float32 [1, D],
+        the model left as it was (the KV rows the call writes at ``pos`` are put back). None
+        when the family computes attention its own way (MLA, linear attention: more state than
+        one row), or pos is outside the context; the caller then predicts without it."""
+        if type(self).attention is not MoEModel.attention or x.shape[0] != 1 or not 0 <= pos < self.C:
+            return None
+        i = self.moe_layer_ids[j]
+        k_row, v_row = self.k_cache[i, :, pos].copy(), self.v_cache[i, :, pos].copy()
+        try:
+            return self.attention(i, x, pos)
+        finally:
+            self.k_cache[i, :, pos] = k_row
+            self.v_cache[i, :, pos] = v_row
+
     def _attend(self, q, kc, vc, pos0, sinks, out) -> None:
         if sinks is None:
             K.attention(q, kc, vc, pos0, self.scale, out)
@@ -1141,7 +1157,7 @@ class MoEModel:
         self.observers.publish("on_route", j, idx, logits)
         fields = self._t1_plan() if T == 1 else None
         if fields is not None:
-            moe = self._moe_t1(j, h, idx, w, fields)
+            moe = self._moe_t1(j, h, idx, w, fields, x)
         else:
             moe = self._moe_grouped(j, h, idx, w)
         if "shared_expert" in ly:
@@ -1176,13 +1192,19 @@ class MoEModel:
             memo = self._t1_memo = (fields,)
         return memo[0]
 
-    def _moe_t1(self, j: int, h: np.ndarray, idx: np.ndarray, w: np.ndarray, fields: np.ndarray) -> np.ndarray:
+    def _moe_t1(self, j: int, h: np.ndarray, idx: np.ndarray, w: np.ndarray, fields: np.ndarray,
+                x: np.ndarray | None = None) -> np.ndarray:
         """The routed experts of a decode step (h [1, D] normed, idx/w [1, K] by rank): the
         experts resident at lookup time in one kernel call reading their slabs in the cache
         arena (K.experts_q4_t1 / _q8_t1; fields: _t1_plan's offsets inside a slab), then each
         miss as its read completes, by :func:`run_expert`. Every expert's row is bit-identical
         to :meth:`_moe_grouped`'s and the rows are combined in the same rank order, so the
-        values do not depend on which experts were hits."""
+        values do not depend on which experts were hits.
+
+        With misses, before waiting for the first: ``on_moe_wait(j, x + the hits' weighted
+        outputs)`` to subscribers (x float32 [1, D], the residual the MoE block adds to), the
+        draft residual PILOT predicts the next layer from while the disk reads. It is a
+        separate array; the layer's output is computed as without it."""
         D = h.shape[1]
         Kk = idx.shape[1]
         ranked = idx[0]
@@ -1207,6 +1229,13 @@ class MoEModel:
             cache.release_slots(j, slots)
         if misses:
             rank_of = {int(e): k for k, e in enumerate(ranked.tolist())}
+            if x is not None and self.observers.has("on_moe_wait"):
+                for e in misses:  # the draft: the missing experts' rows count as zero
+                    y[0, rank_of[e]] = 0.0
+                draft = np.empty((1, D), np.float32)
+                K.combine_ranked(y, w, draft)
+                draft += x
+                self.observers.publish("on_moe_wait", j, draft)
             scratch = np.empty((1, self.args.moe_intermediate_size), np.float32)
             for e in misses:
                 views = cache.acquire(j, e)
