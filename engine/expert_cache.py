@@ -217,6 +217,16 @@ class ExpertCache:
         fill: after :meth:`start_fill`, a background thread reads experts not yet in RAM into
             free slots under the cap while no demand read is in flight, never evicting: the
             setting ``idle_fill`` (see :meth:`_fill_loop`).
+        grow_ok: ``(nbytes) -> bool``, whether the process may grow by ``nbytes`` now (the
+            engine: RSS + nbytes within the RAM budget), asked before the populate thread
+            faults in a slot and before the idle fill reads into a slot not faulted in yet; a
+            no stops that background growth (``grow_stopped``) until the cap is lowered or the
+            cache is forgotten. Demand reads never ask: the RSS guard lowers the cap for those
+            (engine/ram_budget.py). Without it (None) background growth is bounded by the cap
+            only. Why: the cap is planned from the dense bytes and a fixed runtime reserve,
+            while the process's real runtime can be more; a reservation that faulted in every
+            slot at once pushed a 7B int4 store's RSS to 4.03 GB at a 4.0 GB budget before any
+            token, and inside a 4 GB memory cgroup the process was OOM-killed (session 41).
 
     The arena is a private anonymous mmap of L x cap x slot_bytes (page aligned, so
     O_DIRECT-ready); slots emptied by a cap reduction give their pages back to the OS
@@ -229,7 +239,7 @@ class ExpertCache:
 
     def __init__(self, store, num_layers: int, num_experts: int, cap: int, policy: str = "lru",
                  heat: np.ndarray | None = None, checksum: str = "first", io_threads: int = 4,
-                 reserve: bool = False, fill: bool = False):
+                 reserve: bool = False, fill: bool = False, grow_ok=None):
         if not 1 <= cap <= num_experts:
             raise ValueError(f"cap {cap} must be between 1 and num_experts ({num_experts})")
         self.store = store
@@ -296,6 +306,8 @@ class ExpertCache:
         # of fresh memory ran at 0.4-1 GB/s, and an 8 GB streaming arm decoded 5.4 tok/s cold
         # vs 9.4 tok/s after the reservation (its CPU per token 0.35 -> 0.17 s).
         self.populate_ahead = cap if reserve else 2
+        self.grow_ok = grow_ok
+        self.grow_stopped = False  # grow_ok said no: populate / fill pause (see the Args)
         self._faulted = np.zeros((num_layers, cap), bool)  # slot pages known present
         self._populate_wake = threading.Event()
         self.fill = bool(fill)
@@ -485,6 +497,8 @@ class ExpertCache:
                     if (self.slot_state[layer, v] != FREE or self._faulted[layer, v]
                             or v not in self._populate_room(layer)):
                         continue
+                if not self._may_grow():
+                    break
                 ok = self._madvise(base + self._slot_offset(layer, v), self.slot_bytes, MADV_POPULATE_WRITE) == 0
                 again = not ok and _errno() in (errno.EINTR, errno.EAGAIN)  # try again at the next wake
                 with self.lock:
@@ -539,7 +553,7 @@ class ExpertCache:
         layers, each at most the absent experts of its layer that have not failed a fill read)
         plus its read in flight; 0 without a running fill thread."""
         with self.lock:
-            if self._filler is None or not self._filler.is_alive() or self._closed:
+            if self._filler is None or not self._filler.is_alive() or self._closed or self.grow_stopped:
                 return 0
             return sum(min(room, absent.size) for room, absent in map(self._fill_room, range(self.L))) \
                 + self._fill_inflight
@@ -580,18 +594,40 @@ class ExpertCache:
                     layer, e = self._fill_pick()
                     if layer < 0:
                         break
+                    free = self.layers[layer].free  # _reserve takes the top of the free stack
+                    fresh = not free or not self._faulted[layer, free[-1]]
+                if fresh and not self._may_grow():  # a slot not faulted in yet adds its pages
+                    break
+                with self.lock:
+                    if self._closed:
+                        return
+                    # the lock was let go for grow_ok: the pick may be stale
+                    if self.demand_inflight > 0 or self.where[layer, e] >= 0 or self._fill_room(layer)[0] == 0:
+                        continue
                     slot = self._reserve(layer, e)
                     if slot < 0:
                         break
                     self._fill_inflight += 1
                 self._load(layer, e, slot, True, fill=True)
 
+    def _may_grow(self) -> bool:
+        """Whether a background thread may add one slot's pages now (``grow_ok``); a no sets
+        ``grow_stopped`` (populate and fill then pause until set_cap or forget). Lock not held
+        (grow_ok reads the RSS)."""
+        if self.grow_stopped:
+            return False
+        if self.grow_ok is None or self.grow_ok(int(self.slot_bytes)):
+            return True
+        with self.lock:
+            self.grow_stopped = True
+        return False
+
     def populate_pending(self) -> int:
         """Bytes of free slots under the cap that the populate thread has still to fault in
         (0 once done, and 0 where there is no populate thread: off Linux, a kernel without
         MADV_POPULATE_WRITE, or after it stopped on an error)."""
         with self.lock:
-            if self._populater is None or not self._populater.is_alive() or self._closed:
+            if self._populater is None or not self._populater.is_alive() or self._closed or self.grow_stopped:
                 return 0
             return sum(len(self._populate_wanted(layer)) for layer in range(self.L)) * int(self.slot_bytes)
 
@@ -1203,6 +1239,7 @@ class ExpertCache:
             self.routed_now[:] = False
             self._counted_hit.clear()
             self._fill_bad[:] = False
+        self.grow_stopped = False  # a fresh start: background growth may ask again
         self._populate_wake.set()
         self._fill_wake.set()
 
@@ -1232,6 +1269,7 @@ class ExpertCache:
                 for v in ly.free:  # slots populated ahead that the new cap leaves no room for
                     if self._faulted[layer, v] and v not in room:
                         self._release_pages(layer, v)
+        self.grow_stopped = False  # a lower cap gave pages back: background growth may ask again
         self._populate_wake.set()
         self._fill_wake.set()
         return n

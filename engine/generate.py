@@ -163,7 +163,12 @@ class Engine:
             self.heat.load(store.path)
         self.cache = ExpertCache(store, a.num_moe_layers, a.num_experts, self.plan.cap, config.policy,
                                  heat=self.heat.counts, checksum=config.checksum,
-                                 io_threads=config.io_threads, reserve=config.reserve_cache, fill=config.idle_fill)
+                                 io_threads=config.io_threads, reserve=config.reserve_cache, fill=config.idle_fill,
+                                 # background growth (reservation, populate-ahead, idle fill) stays
+                                 # inside the budget with room for the whole KV cache, whose pages
+                                 # come in as the context fills; the plan read at call time (it is
+                                 # re-planned after the warm-up)
+                                 grow_ok=lambda n: self.read_rss() + n + self.plan.kv <= self.plan.budget)
         experts = self.cache
         if config.cluster:
             from .cluster import ClusterExperts

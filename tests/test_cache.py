@@ -706,6 +706,47 @@ def test_reserve_faults_every_slot_under_the_cap():
     assert cache.wait_populated(timeout=0.0)
 
 
+def test_background_growth_stops_where_grow_ok_says_no():
+    """``grow_ok`` (the engine: RSS + slot within the RAM budget): the reservation faults in
+    slots only while it says yes, then stops (grow_stopped, nothing pending, wait_populated
+    returns); the idle fill likewise reads into no slot that is not faulted in yet; demand
+    loads go on (the RSS guard's business); a lower cap lets background growth ask again.
+    Session 41: a reservation pushed a 4 GB budget's RSS to 4.03 GB and the cgroup killed it."""
+    L, E = 2, 16
+    allowed = {"n": 5}  # slots the "budget" has room for
+    asked = []
+
+    def grow_ok(nbytes):
+        asked.append(nbytes)
+        return len(asked) <= allowed["n"]
+    cache = ExpertCache(_MBStore(), L, E, E, policy="lru", io_threads=1, reserve=True, grow_ok=grow_ok)
+    try:
+        if cache._populater is None:
+            pytest.skip("no libc madvise")
+        assert cache.wait_populated(timeout=30.0)
+        if not cache._populater.is_alive():
+            pytest.skip("kernel without MADV_POPULATE_WRITE")
+        assert cache.grow_stopped and cache.populate_pending() == 0
+        assert int(cache._faulted.sum()) == 5 and set(asked) == {_MBStore.slot_bytes}
+        n_asked = len(asked)
+        cache.load_experts(0, range(8))  # demand loads never ask
+        assert cache.residency()[0, :8].all() and len(asked) == n_asked
+        allowed["n"] = 10 ** 9
+        cache.set_cap(12)  # lower: may grow again, up to the new cap
+        assert cache.wait_populated(timeout=30.0) and not cache.grow_stopped
+        assert int(cache._faulted.sum()) == 2 * 12
+    finally:
+        cache.close()
+    cache = ExpertCache(FakeStore(), L, 8, 8, policy="lru", io_threads=1, fill=True, grow_ok=lambda n: False)
+    try:
+        cache._faulted[0, cache.layers[0].free[-1]] = True  # one slot's pages are in: filling it adds none
+        assert cache.start_fill()
+        assert cache.wait_filled(timeout=30.0)
+        assert cache.stats.fill_loads == 1 and cache.grow_stopped and cache.fill_pending() == 0
+    finally:
+        cache.close()
+
+
 def test_without_reserve_only_the_next_slots_are_pending():
     """Off (the default): populate_pending counts at most ``populate_ahead`` slots per layer."""
     L, E = 2, 16

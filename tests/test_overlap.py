@@ -352,6 +352,45 @@ def test_arena_offsets_past_2_gib_do_not_wrap():
         cache.close()
 
 
+def test_reserve_and_fill_stay_inside_the_ram_budget(tiny_store, monkeypatch):
+    """The engine asks RSS + slot + KV within the budget before the reservation or the idle
+    fill grows the process (session 41: a reservation took a 7B int4 store's RSS to 4.03 GB at
+    a 4.0 GB budget and a 4 GB cgroup killed it). A fake RSS (a base + the arena's faulted
+    slots) leaves room for 5 slots: the reservation stops there, the fill reads into no new
+    slot, and generation still works (demand loads: the RSS guard's business)."""
+    holder = {}
+
+    def fake_rss():
+        c = holder.get("cache")
+        return holder["base"] + (int(c._faulted.sum()) * c.slot_bytes if c is not None else 0)
+    with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, cap=3)) as eng:
+        slot, plan = eng.cache.slot_bytes, eng.plan
+    budget_gb = (plan.dense + plan.kv + plan.reserve + 3 * eng.args.num_moe_layers * slot) / 1e9 + 1e-6
+    holder["base"] = int(budget_gb * 1e9) - plan.kv - 5 * slot - slot // 2  # room for 5 slots
+    import engine.generate as G
+
+    class Seen(G.ExpertCache):  # the fake RSS sees the arena from the cache's first thread on
+        def __init__(self, *a, **kw):
+            holder["cache"] = self
+            self._faulted = np.zeros(1, bool)
+            super().__init__(*a, **kw)
+    monkeypatch.setattr(G, "ExpertCache", Seen)
+    for over in (dict(reserve_cache=True), dict(idle_fill=True)):
+        with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, ram_budget_gb=budget_gb,
+                                      pinning=False, **over), read_rss=fake_rss) as eng:
+            c = eng.cache
+            assert c is holder["cache"] and c.cap == 3 and c.grow_ok is not None
+            if c._populater is None or not c._populater.is_alive():
+                pytest.skip("no MADV_POPULATE_WRITE here")
+            assert c.wait_populated(timeout=60.0) and c.wait_filled(timeout=60.0)
+            assert c.grow_stopped and int(c._faulted.sum()) <= 5
+            if over.get("idle_fill"):
+                assert c.stats.fill_loads <= 5
+            req = GenerateRequest(prompt_ids=(5, 6, 7), sampling=SamplingParams(max_new_tokens=3))
+            assert list(eng.generate(req))[-1].error == ""
+            holder.pop("cache")
+
+
 def test_reserve_cache_setting_reserves_the_whole_cap(tiny_store):
     """The settings reserve_cache (every slot under the cap populated ahead) and idle_fill
     (a store that fits becomes resident) reach the cache and the CLI (``colibri run --reserve-cache``); the bench's first-touch probe measures."""
