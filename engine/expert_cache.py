@@ -306,6 +306,8 @@ class ExpertCache:
         # of fresh memory ran at 0.4-1 GB/s, and an 8 GB streaming arm decoded 5.4 tok/s cold
         # vs 9.4 tok/s after the reservation (its CPU per token 0.35 -> 0.17 s).
         self.populate_ahead = cap if reserve else 2
+        self._read_t0: dict[tuple[int, int], float] = {}  # reads in progress: when each began
+        self.read_s_ema = 0.0  # seconds per slab read (EMA over finished reads; 0 before the first)
         self.grow_ok = grow_ok
         self.grow_stopped = False  # grow_ok said no: populate / fill pause (see the Args)
         self._faulted = np.zeros((num_layers, cap), bool)  # slot pages known present
@@ -527,12 +529,15 @@ class ExpertCache:
         self._fill_wake.set()
         return True
 
-    def _fill_pick(self) -> tuple[int, int]:
+    def _fill_pick(self, skip=()) -> tuple[int, int]:
         """The next (layer, expert) the idle fill reads (lock held), or (-1, -1): round robin
-        over the layers that have a free slot under the cap, in each the expert with the most
-        routing so far (``heat``; ties: the lowest id) that is neither resident nor loading."""
+        over the layers that have a free slot under the cap (but those in ``skip``), in each
+        the expert with the most routing so far (``heat``; ties: the lowest id) that is neither
+        resident nor loading."""
         for i in range(self.L):
             layer = (self._fill_layer + i) % self.L
+            if layer in skip:
+                continue
             room, absent = self._fill_room(layer)
             if room == 0 or absent.size == 0:
                 continue
@@ -550,13 +555,19 @@ class ExpertCache:
 
     def fill_pending(self) -> int:
         """Experts the idle fill could still read now (free slots under the cap, summed over the
-        layers, each at most the absent experts of its layer that have not failed a fill read)
-        plus its read in flight; 0 without a running fill thread."""
+        layers, each at most the absent experts of its layer that have not failed a fill read;
+        once ``grow_stopped``, only free slots whose pages are in) plus its read in flight; 0
+        without a running fill thread."""
         with self.lock:
-            if self._filler is None or not self._filler.is_alive() or self._closed or self.grow_stopped:
+            if self._filler is None or not self._filler.is_alive() or self._closed:
                 return 0
-            return sum(min(room, absent.size) for room, absent in map(self._fill_room, range(self.L))) \
-                + self._fill_inflight
+            n = 0
+            for layer in range(self.L):
+                room, absent = self._fill_room(layer)
+                if self.grow_stopped:  # only slots whose pages are in: the budget refuses more
+                    room = min(room, int(self._faulted[layer, self.layers[layer].free].sum()))
+                n += min(room, absent.size)
+            return n + self._fill_inflight
 
     def wait_filled(self, timeout: float | None = None, poll_s: float = 0.05) -> bool:
         """Block until :meth:`fill_pending` is 0 (True) or ``timeout`` seconds pass (False)."""
@@ -581,6 +592,7 @@ class ExpertCache:
         while True:
             self._fill_wake.wait()
             self._fill_wake.clear()
+            blocked: set[int] = set()  # layers whose free slots would all add pages the budget refuses
             while True:
                 if self._closed:
                     return
@@ -591,13 +603,18 @@ class ExpertCache:
                         return
                     if self.demand_inflight > 0:
                         continue
-                    layer, e = self._fill_pick()
+                    layer, e = self._fill_pick(blocked)
                     if layer < 0:
                         break
-                    free = self.layers[layer].free  # _reserve takes the top of the free stack
-                    fresh = not free or not self._faulted[layer, free[-1]]
+                    free = self.layers[layer].free  # _reserve takes the top of the free stack:
+                    done = [i for i, v in enumerate(free) if self._faulted[layer, v]]
+                    if done and done[-1] != len(free) - 1:  # a slot whose pages are in goes first
+                        i = done[-1]
+                        free[i], free[-1] = free[-1], free[i]
+                    fresh = not done
                 if fresh and not self._may_grow():  # a slot not faulted in yet adds its pages
-                    break
+                    blocked.add(layer)
+                    continue
                 with self.lock:
                     if self._closed:
                         return
@@ -694,6 +711,7 @@ class ExpertCache:
         buf = self._buf(layer, slot)
         verify = self.checksum == "always" or (self.checksum == "first" and not self._verified[layer, expert])
         t0 = time.perf_counter()
+        self._read_t0[(layer, expert)] = t0
         try:
             n = self.store.read(layer, expert, buf, verify=verify)
             err = None
@@ -701,6 +719,8 @@ class ExpertCache:
             err = e
         dt = time.perf_counter() - t0
         with self.lock:
+            self._read_t0.pop((layer, expert), None)
+            self.read_s_ema = dt if self.read_s_ema == 0.0 else 0.8 * self.read_s_ema + 0.2 * dt
             self._faulted[layer, slot] = True  # the read (or its attempt) touched the pages
             if not speculative:
                 self.demand_inflight -= 1
@@ -953,18 +973,39 @@ class ExpertCache:
         Raises:
             RuntimeError: ``run`` reported an expert that was not resident (a bug).
         """
+        stop = self.take_resident_layers(run, 0, after_run and (lambda _stop: after_run()), whole=True)
+        if stop < 0:
+            return False
+        if stop != self.L:
+            raise RuntimeError(f"decode step: layer {stop} found an expert not resident "
+                               "although every expert was")
+        return True
+
+    def take_resident_layers(self, run, l0: int = 0, after_run=None, whole: bool = False) -> int:
+        """Run the MoE layers l0.. of a decode step that takes their experts itself (K.
+        decode_layers_t1 from layer l0) with the lock held, for as long as each layer's experts
+        are resident: no read can publish, no slot be evicted and no demand read start while
+        it runs (reads in flight finish their I/O and wait for the lock). ``run`` as in
+        :meth:`take_all_resident`; its clock is negative, -1 - l, when layer l found an expert
+        not resident (layers l0..l-1 ran, layer l's take did not). Then ``after_run(stop)``
+        without the lock, then the counters, speculation flags and eviction order of layers
+        l0..stop-1 in one hold of the lock, as :meth:`take_split` + :meth:`release_slots`
+        leave them, so the caller can take layer ``stop`` by take_split next, in the order
+        the per-layer path would.
+
+        Returns ``stop``: num_layers when every layer from l0 ran, l when layer l stopped it,
+        -1 when nothing ran (the cache is closed). ``whole``: only when every expert of every
+        layer is resident (take_all_resident), else -1 without calling anything."""
         with self.lock:
-            if not self._all_resident():
-                return False
+            if self._closed or (whole and not self._all_resident()):
+                return -1
             clock, ea, ss, pm, nspec = run(self.where, self.slot_state, self.slot_busy, self.last_use,
                                            self.routed_now, self.pinned, self.slot_spec, _RESIDENT, self.clock)
-            if clock < 0:
-                raise RuntimeError(f"decode step: layer {-1 - clock} found an expert not resident "
-                                   "although every expert was")
+        stop = self.L if clock >= 0 else -1 - clock
         if after_run is not None:
-            after_run()
+            after_run(stop)
         with self.lock:
-            for layer in range(self.L):
+            for layer in range(l0, stop):
                 e, s, p = ea[layer], ss[layer], pm[layer]
                 ok = (self.where[layer, e] == s) & (self.slot_state[layer, s] == _RESIDENT)
                 if not ok.all():  # evicted meanwhile: a hit all the same, no longer in the order
@@ -976,7 +1017,7 @@ class ExpertCache:
                 self._take_all(layer, e, s, p.tolist(), int(nspec[layer]))
             if self._cond_waiters:
                 self.cond.notify_all()
-        return True
+        return stop
 
     def release_slots(self, layer: int, slots: np.ndarray) -> None:
         """Give back the slots (int64 [n], distinct) :meth:`take_split` took."""
@@ -1295,6 +1336,23 @@ class ExpertCache:
             st = self.slot_state[ls, ss]  # 16 x 64 (the metrics take one every 0.1 s)
             out[ls, es] = np.where(st == _LOADING, LOADING, np.where(self.pinned[ls, es], PINNED, RESIDENT))
             return out
+
+    def wait_estimate(self, layer: int, experts) -> float:
+        """Seconds until every expert of ``experts`` (ints) of ``layer`` is resident, estimated
+        from the mean slab read time (``read_s_ema``): 0 for a resident one, the mean minus its
+        elapsed time for a read in progress, the mean for one still queued (reads run one at a
+        time per reader: summed). 0 before any read finished (nothing to go by)."""
+        now = time.perf_counter()
+        left = 0.0
+        with self.lock:
+            ema = self.read_s_ema
+            for e in experts:
+                s = int(self.where[layer, int(e)])
+                if s >= 0 and self.slot_state[layer, s] == _RESIDENT:
+                    continue
+                t0 = self._read_t0.get((layer, int(e)))
+                left += ema if t0 is None else max(0.0, ema - (now - t0))
+        return left / self.io_threads
 
     def is_present(self, layer: int, expert: int) -> bool:
         return self.where[layer, expert] >= 0

@@ -2453,9 +2453,9 @@ _k_attention_t1, _k_linear_f32, _k_experts_q4_t1, _k_experts_q8_t1 = (
 def decode_layers_t1(x, pos, cos, sin, kc, vc, scale, eps, ln_w, qkv_w, qkv_s, gs, qkn, qn_w, kn_w, o_w, o_s,
                      post_w, router_w, topk, norm, where, state, busy, last_use, routed_now, pinned, spec,
                      resident, clock, arena, max_cap, slot_bytes, fields, I, egs, q4, il,
-                     idx, w, logits, ss, pm, nspec):
-    """Every layer of one decode step (T = 1) of a model whose layers are all plain MoE layers
-    and whose routed experts are all resident in the expert cache's arena: for each layer l,
+                     idx, w, logits, ss, pm, nspec, l0):
+    """The layers l0.. of one decode step (T = 1) of a model whose layers are all plain MoE
+    layers, while their routed experts are resident in the expert cache's arena: for each layer l,
     the calls engine.models.base.MoEModel.forward makes from Python, in the same order with
     the same kernels, so the values are bit-identical to that path (tests/test_families.py):
 
@@ -2476,8 +2476,10 @@ def decode_layers_t1(x, pos, cos, sin, kc, vc, scale, eps, ln_w, qkv_w, qkv_s, g
     slots still flagged speculative.
 
     Returns the use clock after the step, or -1 - l when an expert of layer l was not
-    resident (the state of the earlier layers' cache rows is then as after their take and
-    release, x as after layer l's attention; the caller must not let that happen)."""
+    resident: layers l0..l-1 ran (their cache rows as after their take and release), layer
+    l's attention ran (x as after it, its K / V written) and its routing (idx[l], w[l],
+    logits[l]), its take did not (its cache rows untouched). The caller then runs layer l's
+    experts its own way and may continue from l0 = l + 1."""
     L = len(ln_w)
     D = x.shape[1]
     E = logits.shape[1]
@@ -2497,7 +2499,7 @@ def decode_layers_t1(x, pos, cos, sin, kc, vc, scale, eps, ln_w, qkv_w, qkv_s, g
     out = np.empty((topk, D), np.float32)
     y = np.empty((1, topk, D), np.float32)
     moe = np.empty((1, D), np.float32)
-    for l in range(L):
+    for l in range(l0, L):
         _k_attention_t1(x, ln_w[l], eps, qkv_w[l], qkv_s[l], gs, qkn, qn_w[l], kn_w[l], cos, sin, kc[l], vc[l],
                         pos, scale, o_w[l], o_s[l], h, q, kk, vv, att, ao)
         for d in range(D):

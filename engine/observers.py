@@ -47,11 +47,13 @@ class Observer:
         on_after_attention(layer, x): x float32 [T, D], the residual after attention.
         on_route(layer, idx, router_logits): idx int64 [T, K] (top-k expert ids per row),
             router_logits float32 [T, E]; called before the layer's experts are requested.
-        on_moe_wait(layer, x): a decode step (T = 1) of an int4 / int8 store is about to wait
-            for experts of ``layer`` that were not resident; its resident experts have run and
-            x float32 [1, D] is the draft residual: the residual after attention plus those
-            experts' weighted outputs (the missing ones' share left out). Called at most once
-            per layer and token, only when something is missing; the disk is busy meanwhile.
+        on_moe_wait(layer, x, wait_s): a decode step (T = 1) of an int4 / int8 store is about
+            to wait for experts of ``layer`` that were not resident; its resident experts have
+            run and x float32 [1, D] is the draft residual: the residual after attention plus
+            those experts' weighted outputs (the missing ones' share left out); wait_s (float,
+            seconds) the cache's estimate of the wait (ExpertCache.wait_estimate; 0 when it
+            cannot tell). Called at most once per layer and token, only when something is
+            missing; the disk is busy meanwhile.
         on_after_moe(layer, x): x float32 [T, D], the residual after the MoE block.
     ExpertCache (cache lock held):
         on_load(layer, expert, nbytes, seconds, speculative): an expert became resident
@@ -84,7 +86,7 @@ class Observer:
 
     def on_route(self, layer: int, idx: np.ndarray, router_logits: np.ndarray) -> None: ...
 
-    def on_moe_wait(self, layer: int, x: np.ndarray) -> None: ...
+    def on_moe_wait(self, layer: int, x: np.ndarray, wait_s: float) -> None: ...
 
     def on_after_moe(self, layer: int, x: np.ndarray) -> None: ...
 

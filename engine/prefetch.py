@@ -13,7 +13,9 @@ queued guesses for layer i+1 at the head of the queue, so they are read right be
 The next layer's attention runs on the draft first (its KV rows put back after), so only the
 missing experts' share separates the prediction's input from the next layer's real one (mode
 1's residual also lacks layer i's MoE output and layer i+1's attention): the prediction uses
-time the compute thread would spend waiting.
+time the compute thread would spend waiting, and runs only when the cache expects the wait to
+last at least as long as a draft takes (ExpertCache.wait_estimate against the measured draft
+time): a read that is nearly in is waited for, not delayed.
 Hooks run only for small batches (T <= 8: decode), never during a long prefill.
 A layer whose every expert is already in the cache (live slots = num_experts) is not predicted
 unless something subscribed to the predictions (``on_prediction``): nothing could be loaded for
@@ -48,6 +50,7 @@ resident expert unless the victim is genuinely warm (session heat >= 2) and clea
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from enum import Enum
 
@@ -186,6 +189,8 @@ class Pilot(Observer):
         self.model, self.cache = model, cache
         self.mode = config.pilot
         self.draft = bool(config.pilot_draft)
+        self.draft_s = 0.0  # seconds a draft takes (EMA of the measured ones)
+        self.drafts = self.drafts_skipped = 0
         self.wide, self.conf_limit, self.smooth = config.wide, config.conf_limit, config.smooth
         self.min_precision = config.spec_precision
         self.use_guard = config.evict_guard
@@ -257,19 +262,29 @@ class Pilot(Observer):
         if self._small and self.mode >= 1 and layer + 1 < self.L and self.wanted(layer + 1):
             self.predict(layer + 1, x[-1:], 1)
 
-    def on_moe_wait(self, layer: int, x: np.ndarray) -> None:
+    def on_moe_wait(self, layer: int, x: np.ndarray, wait_s: float) -> None:
         """Layer ``layer`` waits for experts being read; x float32 [1, D] is its draft residual
         (the hits' outputs added, the misses' left out: MoEModel._moe_t1). With the draft
         lookahead on, run the next layer's attention on it (MoEModel.draft_attention, which
         leaves the KV cache as it was) and predict the next layer from draft + attention
         (distance 0 in the precision gate and in ``on_prediction``) with fresh logits (no
         smoothing: that is nearly the next layer's input), queuing its misses behind the read
-        in flight. Measured on the 7B random-weight store (forced stream, one missing expert
+        in flight. Only when the cache expects the wait (``wait_s``) to last at least as long
+        as a draft takes (``draft_s``, measured): else the read is in first and the draft would
+        only delay the layer. Measured on the 7B random-weight store (forced stream, one missing expert
         per layer): recall of the next layer's top-8 0.96 with the attention, 0.74 without,
         0.70 for mode 1's after-attention residual (bench/README.md, session 41)."""
-        if self.draft and self.mode >= 1 and layer + 1 < self.L and self.wanted(layer + 1):
-            att = self.model.draft_attention(layer + 1, x, self.pos0)
-            self.predict(layer + 1, x + att if att is not None else x, 0)
+        if not (self.draft and self.mode >= 1 and layer + 1 < self.L and self.wanted(layer + 1)):
+            return
+        if wait_s < self.draft_s:  # the read would be in before the draft: it would only delay
+            self.drafts_skipped += 1
+            return
+        t0 = time.perf_counter()
+        att = self.model.draft_attention(layer + 1, x, self.pos0)
+        self.predict(layer + 1, x + att if att is not None else x, 0)
+        dt = time.perf_counter() - t0
+        self.draft_s = dt if self.drafts == 0 else 0.8 * self.draft_s + 0.2 * dt
+        self.drafts += 1
 
     def on_after_moe(self, layer: int, x: np.ndarray) -> None:
         if not self._small:

@@ -739,10 +739,14 @@ def test_background_growth_stops_where_grow_ok_says_no():
         cache.close()
     cache = ExpertCache(FakeStore(), L, 8, 8, policy="lru", io_threads=1, fill=True, grow_ok=lambda n: False)
     try:
-        cache._faulted[0, cache.layers[0].free[-1]] = True  # one slot's pages are in: filling it adds none
+        # three slots of layer 0 have their pages in (not the top of its free stack): the fill
+        # takes those first, skips layer 1 (any slot there would grow the process), reads 3
+        free0 = cache.layers[0].free
+        cache._faulted[0, [free0[0], free0[2], free0[4]]] = True
         assert cache.start_fill()
         assert cache.wait_filled(timeout=30.0)
-        assert cache.stats.fill_loads == 1 and cache.grow_stopped and cache.fill_pending() == 0
+        assert cache.stats.fill_loads == 3 and cache.grow_stopped and cache.fill_pending() == 0
+        assert cache.residency()[0].sum() == 3 and cache.residency()[1].sum() == 0
     finally:
         cache.close()
 

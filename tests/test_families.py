@@ -612,6 +612,19 @@ def test_decode_step_in_one_call_is_bit_identical(family_stores, tmp_path, monke
     _same_state(watched_state, ref_state)
 
 
+def _expert_order(c) -> list:
+    """Each layer's eviction order as expert ids (LRU order, or LFRU buckets in order) and its
+    resident experts, sorted: what the policy decides, whatever slot numbers the experts got
+    (the engine's warm-up at open leaves the free-slot stack in an order that depends on
+    whether the one-call decode step had compiled by then)."""
+    out = []
+    for layer, ly in enumerate(c.layers):
+        order = list(ly.lru) if c.policy != "lfru" else [s for b in ly.buckets.values() for s in b]
+        out.append(([int(c.slot_expert[layer, s]) for s in order],
+                    sorted(int(e) for e in c.slot_expert[layer] if e >= 0)))
+    return out
+
+
 def _cache_consistent(c) -> list:
     """Broken invariants of ExpertCache's bookkeeping: a slot in a layer's eviction order that is
     not resident or is pinned, a free slot in it, a live count that is not the slots in use."""
@@ -662,7 +675,7 @@ def test_decode_step_in_one_call_with_the_cap_lowered_around_it(family_stores, t
                     out.append(m.forward(np.array([(p * 7) % 200 + 1]), p))
                 assert _cache_consistent(c) == []
                 st = {k: v for k, v in c.stats.snapshot().items() if not k.endswith("_s")}
-                res[one_call] = (np.concatenate(out), st, c.cap, [list(ly.lru) for ly in c.layers])
+                res[one_call] = (np.concatenate(out), st, c.cap, _expert_order(c))
         finally:
             base.DECODE_T1 = True
     assert np.array_equal(res[True][0].view(np.uint32), res[False][0].view(np.uint32))
@@ -675,15 +688,15 @@ def test_decode_step_in_one_call_with_the_cap_lowered_around_it(family_stores, t
             c.load_experts(layer, np.arange(c.E))
         assert m.wait_decode_ready(900)
         m.forward(np.arange(5, 25), 0)
-        real = c.take_all_resident
+        real = c.take_resident_layers
 
-        def lowered_meanwhile(run, after_run=None):
-            def after():
+        def lowered_meanwhile(run, l0=0, after_run=None, whole=False):
+            def after(stop):
                 if after_run is not None:
-                    after_run()
+                    after_run(stop)
                 c.set_cap(2)  # another thread, between the two holds of the lock
-            return real(run, after)
-        c.take_all_resident = lowered_meanwhile
+            return real(run, l0, after, whole)
+        c.take_resident_layers = lowered_meanwhile
         hits0 = c.stats.hits
         assert m._decode_step_all(np.zeros((1, m.args.hidden_size), np.float32), 20)
         assert c.stats.hits - hits0 == m.args.num_experts_per_tok * c.L  # every take counted
@@ -691,38 +704,65 @@ def test_decode_step_in_one_call_with_the_cap_lowered_around_it(family_stores, t
         assert all(ly.live <= 2 for ly in c.layers)
 
 
-def test_decode_step_in_one_call_only_with_every_expert_resident(family_stores, tmp_path):
-    """With fewer slots than experts (streaming) or a replaced router (RecordedRouting), a
-    decode step keeps the per-layer path; the token stream equals the all-resident one."""
-    if not K_SIMD:
+def _decode_streaming(store, policy: str, cap: int, steps: int = 24):
+    """Decode with ``cap`` slots per layer (fewer than the experts: misses are read mid-step):
+    the logits of a 20-token prefill and ``steps`` greedy decode steps, and the cache's
+    bookkeeping after them (as _decode_all_resident, plus which expert each slot holds)."""
+    cfg = EngineConfig(store=str(store), history=False, o_direct=False, pilot=0, policy=policy, cap=cap,
+                       pinning=False, checksum="always")
+    with Engine.open(cfg) as eng:
+        m, c = eng.model, eng.cache
+        if m._decode_plan() is not None:
+            assert m.wait_decode_ready(900)
+        out = [m.forward(np.arange(5, 25), 0)]
+        for s in range(steps):
+            out.append(m.forward(np.array([int(np.argmax(out[-1][-1]))]), 20 + s))
+        st = c.stats.snapshot()
+        state = (st, c.clock, c.last_use.copy(), c.routed_now.copy(), c.prob_ema.copy(), _expert_order(c),
+                 [sorted(int(c.slot_expert[layer, s]) for s in ly.staged) for layer, ly in enumerate(c.layers)],
+                 eng.heat.counts.copy())
+        return np.concatenate(out), state
+
+
+@pytest.mark.parametrize("policy,quant", [("lru", "int4"), ("lfru", "int8"), ("ema", "int4")])
+def test_streaming_decode_runs_resident_layers_in_one_call(family_stores, tmp_path, monkeypatch, policy, quant):
+    """With fewer slots than experts a decode step runs each run of layers whose experts are
+    resident in one K.decode_layers_t1 call and the layer that stops it (an expert missing:
+    read, waited for) the per-layer way: logits bit-identical to the per-layer path, the
+    cache's bookkeeping (counters, clock, eviction order, which expert each slot holds,
+    routing heat, EMA) the same; and the kernel really ran both whole and partial runs. A
+    replaced router (RecordedRouting) keeps the per-layer path."""
+    if not K_SIMD and quant == "int4":
         pytest.skip("the interleaved int4 kernels need the SIMD path")
     import engine.models.base as base
+    from engine.expert_cache import ExpertCache
     ck, _ = family_stores["olmoe"]
-    store = convert_checkpoint(ck, tmp_path / "s", quant="int4", dense_quant="int4")
+    store = convert_checkpoint(ck, tmp_path / "s", quant=quant, dense_quant=quant)
     a = ModelArgs.from_hf_config(store / "config.json")
-    streams = {}
-    for cap in (a.num_experts, 3):
-        with Engine.open(EngineConfig(store=str(store), history=False, o_direct=False, pilot=0, cap=cap,
-                                      pinning=False)) as eng:
-            assert eng.model.wait_decode_ready(900)
-            if cap == a.num_experts:
-                for layer in range(eng.cache.L):
-                    eng.cache.load_experts(layer, np.arange(a.num_experts))
-            took = []
+    stops = []
+    real = ExpertCache.take_resident_layers
 
-            def spy(x, pos, real=eng.model._decode_step_all, took=took):
-                took.append(real(x, pos))
-                return took[-1]
-            eng.model._decode_step_all = spy
-            req = GenerateRequest(prompt_ids=tuple(range(5, 25)),
-                                  sampling=SamplingParams(temperature=0.0, max_new_tokens=8))
-            fin = [e for e in eng.generate(req) if isinstance(e, Finished)][-1]
-            assert not fin.error
-            streams[cap] = fin.token_ids
-            assert took and (all(took) if cap == a.num_experts else not any(took))
-            eng.model.router_logits = eng.model.router_logits  # an instance attribute, as RecordedRouting sets
-            assert not base.MoEModel._decode_step_all(eng.model, np.zeros((1, a.hidden_size), np.float32), 0)
-    assert streams[a.num_experts] == streams[3]
+    def spy(self, run, l0=0, after_run=None, whole=False):
+        stop = real(self, run, l0, after_run, whole)
+        stops.append((l0, stop))
+        return stop
+    monkeypatch.setattr(ExpertCache, "take_resident_layers", spy)
+    cap = max(1, a.num_experts // 3)
+    got, got_state = _decode_streaming(store, policy, cap)
+    L = a.num_hidden_layers
+    assert any(stop == L for _, stop in stops) and any(0 <= stop < L for _, stop in stops)
+    assert any(l0 > 0 for l0, _ in stops)  # a run resumed after a layer that read its misses
+    stops.clear()
+    monkeypatch.setattr(base, "DECODE_T1", False)
+    ref, ref_state = _decode_streaming(store, policy, cap)
+    assert not stops
+    assert np.array_equal(got.view(np.uint32), ref.view(np.uint32))
+    _same_state(got_state, ref_state)
+    monkeypatch.setattr(base, "DECODE_T1", True)
+    with Engine.open(EngineConfig(store=str(store), history=False, o_direct=False, pilot=0, cap=cap,
+                                  pinning=False)) as eng:
+        eng.model.router_logits = eng.model.router_logits  # an instance attribute, as RecordedRouting sets
+        assert not base.MoEModel._decode_step_all(eng.model, np.zeros((1, a.hidden_size), np.float32), 0)
 
 
 def _wide_experts(cfg: dict, width: int = 128) -> dict:

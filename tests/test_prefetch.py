@@ -188,8 +188,9 @@ class _DraftSpy(Observer):
             self.cur["w"] = self.eng.model.route(layer, router_logits)[1][0]
             self.cur["missing"] = [int(e) for e in idx[0] if not c.is_present(layer, int(e))]
 
-    def on_moe_wait(self, layer, x):
+    def on_moe_wait(self, layer, x, wait_s):
         assert self.cur["draft"] is None  # once per layer and token
+        assert wait_s >= 0.0
         self.cur["draft"] = x.copy()
 
     def on_after_moe(self, layer, x):
@@ -265,8 +266,40 @@ def test_draft_lookahead_predicts_from_the_wait_and_changes_no_value(medium_stor
             if draft:
                 assert zero and min(zero) >= 1 and p.prec_total[0].sum() > 0
                 assert p.prec_total[0, 0].sum() == 0  # layer 0 follows no layer
+                assert p.drafts == len(zero) and p.draft_s > 0
             else:
                 assert not zero and p.prec_total[0].sum() == 0
+    # a draft slower than the expected wait is skipped: it would only delay the layer
+    cfg = EngineConfig(store=str(medium_store), history=False, pinning=False, cap=4, pilot=1, spec_precision=0.0)
+    with Engine.open(cfg) as eng:
+        seen = Seen()
+        eng.subscribe(seen)
+        eng.pilot.draft_s = 1e9
+        ids = [e for e in eng.generate(req) if isinstance(e, Finished)][0].token_ids
+        assert ids == ref and eng.pilot.drafts == 0 and eng.pilot.drafts_skipped > 0
+        assert not [d for _, d in seen.dist if d == 0]
+
+
+def test_wait_estimate_counts_reads_in_progress_and_queued():
+    """ExpertCache.wait_estimate: 0 before any read finished and for resident experts; else
+    the mean read time per queued read, minus the elapsed time of one in progress."""
+    from engine.expert_cache import ExpertCache
+    from tests.test_cache import FakeStore
+    cache = ExpertCache(FakeStore(), 1, 8, 8, policy="lru", io_threads=1)
+    try:
+        assert cache.wait_estimate(0, [1, 2]) == 0.0
+        cache.load_experts(0, [1])
+        assert cache.read_s_ema > 0 and cache.wait_estimate(0, [1]) == 0.0
+        ema = cache.read_s_ema
+        with cache.lock:  # two reads pretended in flight: 2 one started 0.0 s ago, 3 queued
+            for e in (2, 3):
+                cache.where[0, e] = cache._reserve(0, e)
+            import time as _t
+            cache._read_t0[(0, 2)] = _t.perf_counter()
+        est = cache.wait_estimate(0, [1, 2, 3])
+        assert ema < est <= 2 * ema
+    finally:
+        cache.close()
 
 
 def test_draft_attention_is_the_layers_attention_and_leaves_the_kv_cache(medium_store):

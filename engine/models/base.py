@@ -1202,9 +1202,10 @@ class MoEModel:
         values do not depend on which experts were hits.
 
         With misses, before waiting for the first: ``on_moe_wait(j, x + the hits' weighted
-        outputs)`` to subscribers (x float32 [1, D], the residual the MoE block adds to), the
-        draft residual PILOT predicts the next layer from while the disk reads. It is a
-        separate array; the layer's output is computed as without it."""
+        outputs, wait_s)`` to subscribers (x float32 [1, D], the residual the MoE block adds to;
+        wait_s the cache's estimate of the seconds until the misses are in), the draft residual
+        PILOT predicts the next layer from while the disk reads. It is a separate array; the
+        layer's output is computed as without it."""
         D = h.shape[1]
         Kk = idx.shape[1]
         ranked = idx[0]
@@ -1235,7 +1236,8 @@ class MoEModel:
                 draft = np.empty((1, D), np.float32)
                 K.combine_ranked(y, w, draft)
                 draft += x
-                self.observers.publish("on_moe_wait", j, draft)
+                est = getattr(cache, "wait_estimate", None)
+                self.observers.publish("on_moe_wait", j, draft, est(j, misses) if est is not None else 0.0)
             scratch = np.empty((1, self.args.moe_intermediate_size), np.float32)
             for e in misses:
                 views = cache.acquire(j, e)
@@ -1439,7 +1441,7 @@ class MoEModel:
                 and a.topk_method == "greedy" and a.routed_scaling_factor == 1.0
                 and not a.shared_expert_intermediate_size and self.expert_quant in ("int4", "int8")
                 and all(getattr(cls, f) is getattr(MoEModel, f) for f in self._OVERRIDABLE)
-                and hasattr(self.experts, "take_all_resident") and self._t1_plan() is not None):
+                and hasattr(self.experts, "take_resident_layers") and self._t1_plan() is not None):
             att = [self._attention_t1_args(i) for i in range(L)]
             lys = self.layers
             if (all(f is not None for f in att) and len({(f[4], f[5]) for f in att}) == 1
@@ -1459,10 +1461,11 @@ class MoEModel:
         self._dec_memo = (plan,)
         return plan
 
-    def _decode_call(self, plan: tuple, x: np.ndarray, pos: int, kc: np.ndarray, vc: np.ndarray, outs: tuple):
-        """The function that runs K.decode_layers_t1 on ``x`` at ``pos`` with KV caches kc, vc and
-        output arrays ``outs`` (idx, w, logits, ss, pm, nspec) once given the cache's arrays
-        (ExpertCache.take_all_resident's ``run``)."""
+    def _decode_call(self, plan: tuple, x: np.ndarray, pos: int, kc: np.ndarray, vc: np.ndarray, outs: tuple,
+                     l0: int = 0):
+        """The function that runs K.decode_layers_t1 from layer ``l0`` on ``x`` at ``pos`` with KV
+        caches kc, vc and output arrays ``outs`` (idx, w, logits, ss, pm, nspec) once given the
+        cache's arrays (ExpertCache.take_resident_layers' ``run``)."""
         lists, gs, qkn, fields, q4, il = plan
         a, cache = self.args, self.experts
         idx, w, logits, ss, pm, nspec = outs
@@ -1473,7 +1476,8 @@ class MoEModel:
                 a.rms_norm_eps, lists["ln"], lists["w"], lists["s"], gs, qkn, lists["qn"], lists["kn"], lists["ow"],
                 lists["os"], lists["post"], lists["router"], a.num_experts_per_tok, bool(a.norm_topk_prob), where,
                 state, busy, last_use, routed_now, pinned, spec, resident, clock, cache.arena, cache.max_cap,
-                cache.slot_bytes, fields, a.moe_intermediate_size, self.gs, q4, il, idx, w, logits, ss, pm, nspec)
+                cache.slot_bytes, fields, a.moe_intermediate_size, self.gs, q4, il, idx, w, logits, ss, pm, nspec,
+                l0)
             return c, np.sort(idx, axis=1), ss, pm, nspec
         return run
 
@@ -1532,33 +1536,58 @@ class MoEModel:
         return self._decode_ready.wait(timeout)
 
     def _decode_step_all(self, x: np.ndarray, pos: int) -> bool:
-        """Every layer of a decode step (x float32 [1, D], updated in place) in one
-        K.decode_layers_t1 call, when :meth:`_decode_plan` allows it, no method of this object
-        was replaced (RecordedRouting replaces ``router_logits``), every per-layer observer is
-        token-batched (Observer.token_batched) and the cache holds every expert
-        (ExpertCache.take_all_resident). Token-batched observers get every layer's
-        ``on_layer_start`` before the step (the RSS guard polls there, before any take, as the
-        per-layer path polls before each layer's) and every layer's ``on_route`` after it,
-        before the cache's bookkeeping of the takes (the routing heat a layer's LFRU placement
-        reads is then that layer's, as in the per-layer path). The values are bit-identical to
-        the per-layer path. Returns False, having computed nothing, when it does not apply (the
-        per-layer path then publishes on_layer_start again: a second poll finds nothing new)."""
+        """Every layer of a decode step (x float32 [1, D], updated in place), its runs of
+        layers whose experts are resident each in one K.decode_layers_t1 call, when
+        :meth:`_decode_plan` allows it, no method of this object was replaced
+        (RecordedRouting replaces ``router_logits``) and every per-layer observer is
+        token-batched (Observer.token_batched). From layer l0 (0 first): token-batched
+        observers get ``on_layer_start`` of layers l0.. (the RSS guard polls there, before any
+        take), the kernel runs layers until one has an expert that is not resident
+        (ExpertCache.take_resident_layers, the cache's lock held), then ``on_route`` of the
+        layers it ran, before the cache's bookkeeping of their takes (a layer's LFRU placement
+        reads that layer's routing heat, as in the per-layer path). The layer that stopped it
+        (its attention already run) takes its experts the per-layer way (:meth:`mlp`: misses
+        read, waited for), and the next run starts after it. With every expert resident that is
+        one call per step; streaming, one call per run of resident layers instead of ~10
+        kernel launches per layer from Python. The values are bit-identical to the per-layer
+        path, and the cache's state ends as it leaves it (tests/test_families.py). Returns False,
+        having computed nothing, when it does not apply (the per-layer path then publishes
+        on_layer_start again: a second poll finds nothing new)."""
         plan = self._decode_plan()
         cache = self.experts
         if (plan is None or not self._decode_ready.is_set() or not self.observers.token_batched()
-                or any(f in self.__dict__ for f in self._OVERRIDABLE) or not cache.all_resident()):
+                or any(f in self.__dict__ for f in self._OVERRIDABLE)):
             return False
         obs = self.observers
         L = self.args.num_hidden_layers
-        for j in range(L):
-            obs.publish("on_layer_start", j)
-        outs = self._decode_outs()
-        idx, logits = outs[0], outs[2]
+        l0 = 0
+        while l0 < L:
+            for j in range(l0, L):
+                obs.publish("on_layer_start", j)
+            outs = self._decode_outs()
+            idx, logits = outs[0], outs[2]
 
-        def after_step():  # the hooks the per-layer path calls before each layer's take
-            for j in range(L):
-                obs.publish("on_route", j, idx[j:j + 1], logits[j:j + 1])
-        return cache.take_all_resident(self._decode_call(plan, x, pos, self.k_cache, self.v_cache, outs), after_step)
+            def after_step(stop, l0=l0, idx=idx, logits=logits):  # the hooks before each layer's take
+                for j in range(l0, stop):
+                    obs.publish("on_route", j, idx[j:j + 1], logits[j:j + 1])
+            stop = cache.take_resident_layers(self._decode_call(plan, x, pos, self.k_cache, self.v_cache, outs, l0),
+                                              l0, after_step)
+            if stop < 0:  # nothing ran (the cache was closed)
+                if l0 == 0:
+                    return False
+                for i in range(l0, L):  # the rest layer by layer: the same errors a closed cache gives there
+                    obs.publish("on_layer_start", i)
+                    x += self.attention(i, x, pos)
+                    obs.publish("on_after_attention", i, x)
+                    x += self.mlp(i, x)
+                    obs.publish("on_after_moe", i, x)
+                return True
+            if stop < L:  # its attention ran in the kernel: its experts the per-layer way
+                obs.publish("on_after_attention", stop, x)
+                x += self.mlp(stop, x)
+                obs.publish("on_after_moe", stop, x)
+            l0 = stop + 1
+        return True
 
     # --- forward ----------------------------------------------------------------------------
 
