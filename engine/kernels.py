@@ -2453,7 +2453,7 @@ _k_attention_t1, _k_linear_f32, _k_experts_q4_t1, _k_experts_q8_t1 = (
 def decode_layers_t1(x, pos, cos, sin, kc, vc, scale, eps, ln_w, qkv_w, qkv_s, gs, qkn, qn_w, kn_w, o_w, o_s,
                      post_w, router_w, topk, norm, where, state, busy, last_use, routed_now, pinned, spec,
                      resident, clock, arena, max_cap, slot_bytes, fields, I, egs, q4, il,
-                     idx, w, logits, ss, pm, nspec, l0):
+                     idx, w, logits, ss, pm, nspec, l0, forced_logits, use_forced):
     """The layers l0.. of one decode step (T = 1) of a model whose layers are all plain MoE
     layers, while their routed experts are resident in the expert cache's arena: for each layer l,
     the calls engine.models.base.MoEModel.forward makes from Python, in the same order with
@@ -2479,7 +2479,11 @@ def decode_layers_t1(x, pos, cos, sin, kc, vc, scale, eps, ln_w, qkv_w, qkv_s, g
     resident: layers l0..l-1 ran (their cache rows as after their take and release), layer
     l's attention ran (x as after it, its K / V written) and its routing (idx[l], w[l],
     logits[l]), its take did not (its cache rows untouched). The caller then runs layer l's
-    experts its own way and may continue from l0 = l + 1."""
+    experts its own way and may continue from l0 = l + 1.
+
+    ``use_forced``: each layer's router logits are forced_logits[l] (float32 [L, E]) instead of
+    h @ router_w[l]^T: a replayed routing (engine.trace.RecordedRouting), as the per-layer
+    path gets it from the replaced ``router_logits``."""
     L = len(ln_w)
     D = x.shape[1]
     E = logits.shape[1]
@@ -2505,7 +2509,11 @@ def decode_layers_t1(x, pos, cos, sin, kc, vc, scale, eps, ln_w, qkv_w, qkv_s, g
         for d in range(D):
             x[0, d] = x[0, d] + ao[0, d]
         _k_rmsnorm(x, post_w[l], eps, hn)
-        _k_linear_f32(hn, router_w[l], logits[l:l + 1])
+        if use_forced:
+            for e in range(E):
+                logits[l, e] = forced_logits[l, e]
+        else:
+            _k_linear_f32(hn, router_w[l], logits[l:l + 1])
         _route_row(logits[l], topk, norm, idx[l], w[l], p[0])
         order[:] = np.argsort(idx[l])  # distinct ids: the ascending order take_split is given
         for i in range(topk):

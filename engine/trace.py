@@ -410,6 +410,7 @@ class RecordedRouting(Observer):
         self.model = model
         self._orig = model.router_logits
         model.router_logits = self._router_logits  # instance attribute shadows the method
+        model.routing_replay = self  # the one-call decode step takes step_logits instead
         model.subscribe(self)
         return self
 
@@ -418,7 +419,19 @@ class RecordedRouting(Observer):
         if self.model is not None:
             self.model.unsubscribe(self)
             del self.model.router_logits
+            self.model.routing_replay = None
             self.model = None
+
+    # Grouped layer starts (a decode step run in one kernel call) leave cur at the last layer:
+    # a layer computed after them gets its real routing, as it should.
+    token_batched = True
+
+    def step_logits(self, pos: int) -> np.ndarray:
+        """Every big MoE layer's real router logits float32 [L, E] at position ``pos``: the
+        decode step's routing for the one-call path (K.decode_layers_t1), the values the
+        per-layer path's ``router_logits`` calls return."""
+        return np.ascontiguousarray(np.concatenate([self.real_logits(j, [pos]) for j in range(self.L)]),
+                                    dtype=np.float32)
 
     def on_forward_start(self, pos0: int, num_tokens: int) -> None:
         self.pos0, self.T, self.cur = int(pos0), int(num_tokens), -1

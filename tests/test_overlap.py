@@ -285,6 +285,45 @@ def test_replayed_routing_is_the_routing_the_model_uses(medium_store, logits_tra
     assert pos[0] == 5 + 3  # 4 forced tokens: the last is emitted without a forward
 
 
+@pytest.mark.parametrize("cap", [6, 16])
+def test_replayed_routing_runs_in_the_one_call_decode_step(medium_store, logits_trace, monkeypatch, cap):
+    """A replayed routing (RecordedRouting) hands the decode step's logits to the one-call path
+    (routing_replay.step_logits): streaming (cap 6 of 16) or all resident, pilot 0, the kernel
+    runs and the logits of every forward are bit-identical to the per-layer path's, with the
+    replayed routing (the realistic arms of `bench overlap` measure the product's decode path)."""
+    import engine.models.base as base
+    from engine.expert_cache import ExpertCache
+    runs = []
+    real = ExpertCache.take_resident_layers
+
+    def spy(self, *a, **kw):
+        runs.append(1)
+        return real(self, *a, **kw)
+    monkeypatch.setattr(ExpertCache, "take_resident_layers", spy)
+    out = {}
+    for one_call in (True, False):
+        monkeypatch.setattr(base, "DECODE_T1", one_call)
+        runs.clear()
+        cfg = EngineConfig(store=str(medium_store), history=False, pinning=False, cap=cap, pilot=0, o_direct=False)
+        with Engine.open(cfg) as eng:
+            m = eng.model
+            if one_call:
+                assert m.wait_decode_ready(900)
+            if cap == 16:
+                for layer in range(4):
+                    eng.cache.load_experts(layer, range(16))
+            rr = RecordedRouting(logits_trace, 4, 16, seed=0).install(m)
+            logits = [m.forward(np.arange(1, 6), 0)]
+            for p in range(5, 25):
+                logits.append(m.forward(np.array([p + 3]), p))
+            assert np.array_equal(rr.step_logits(7)[2], rr.real_logits(2, [7])[0])
+            rr.uninstall()
+            assert m.routing_replay is None
+        assert bool(runs) == one_call
+        out[one_call] = np.concatenate(logits)
+    assert np.array_equal(out[True].view(np.uint32), out[False].view(np.uint32))
+
+
 def test_misses_are_read_in_compute_order_one_at_a_time():
     """io_threads=1: a layer's misses are read one after another, in the order prepare returns
     (the order the layer computes them), so the first needed is never behind the others."""

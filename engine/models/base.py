@@ -915,6 +915,7 @@ class MoEModel:
         self._il_memo: bool | None = None  # _slabs_interleaved
         self._att1_memo: dict[int, tuple | None] = {}  # _attention_t1_args
         self._dec_memo: tuple | None = None  # _decode_plan
+        self.routing_replay = None  # a replayed routing's step_logits for the one-call step (engine/trace.py)
         self._decode_ready = threading.Event()  # K.decode_layers_t1 compiled for this model (start_decode_warm)
         # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
         # layer start, post-attention residual, routing, post-MoE residual. Dense layers
@@ -1462,10 +1463,11 @@ class MoEModel:
         return plan
 
     def _decode_call(self, plan: tuple, x: np.ndarray, pos: int, kc: np.ndarray, vc: np.ndarray, outs: tuple,
-                     l0: int = 0):
+                     l0: int = 0, forced: np.ndarray | None = None):
         """The function that runs K.decode_layers_t1 from layer ``l0`` on ``x`` at ``pos`` with KV
         caches kc, vc and output arrays ``outs`` (idx, w, logits, ss, pm, nspec) once given the
-        cache's arrays (ExpertCache.take_resident_layers' ``run``)."""
+        cache's arrays (ExpertCache.take_resident_layers' ``run``); ``forced`` float32 [L, E]:
+        the router logits to use instead of the routers' (a replayed routing)."""
         lists, gs, qkn, fields, q4, il = plan
         a, cache = self.args, self.experts
         idx, w, logits, ss, pm, nspec = outs
@@ -1477,7 +1479,7 @@ class MoEModel:
                 lists["os"], lists["post"], lists["router"], a.num_experts_per_tok, bool(a.norm_topk_prob), where,
                 state, busy, last_use, routed_now, pinned, spec, resident, clock, cache.arena, cache.max_cap,
                 cache.slot_bytes, fields, a.moe_intermediate_size, self.gs, q4, il, idx, w, logits, ss, pm, nspec,
-                l0)
+                l0, forced if forced is not None else logits, forced is not None)
             return c, np.sort(idx, axis=1), ss, pm, nspec
         return run
 
@@ -1538,9 +1540,10 @@ class MoEModel:
     def _decode_step_all(self, x: np.ndarray, pos: int) -> bool:
         """Every layer of a decode step (x float32 [1, D], updated in place), its runs of
         layers whose experts are resident each in one K.decode_layers_t1 call, when
-        :meth:`_decode_plan` allows it, no method of this object was replaced
-        (RecordedRouting replaces ``router_logits``) and every per-layer observer is
-        token-batched (Observer.token_batched). From layer l0 (0 first): token-batched
+        :meth:`_decode_plan` allows it, no method of this object was replaced (but
+        ``router_logits`` by a replayed routing that also offers ``routing_replay.step_logits(pos)``:
+        engine.trace.RecordedRouting, whose logits the kernel then takes) and every per-layer
+        observer is token-batched (Observer.token_batched). From layer l0 (0 first): token-batched
         observers get ``on_layer_start`` of layers l0.. (the RSS guard polls there, before any
         take), the kernel runs layers until one has an expert that is not resident
         (ExpertCache.take_resident_layers, the cache's lock held), then ``on_route`` of the
@@ -1555,11 +1558,14 @@ class MoEModel:
         on_layer_start again: a second poll finds nothing new)."""
         plan = self._decode_plan()
         cache = self.experts
+        replay = self.routing_replay
+        replaced = [f for f in self._OVERRIDABLE if f in self.__dict__]
         if (plan is None or not self._decode_ready.is_set() or not self.observers.token_batched()
-                or any(f in self.__dict__ for f in self._OVERRIDABLE)):
+                or (replaced and not (replay is not None and replaced == ["router_logits"]))):
             return False
         obs = self.observers
         L = self.args.num_hidden_layers
+        forced = replay.step_logits(pos) if replay is not None else None
         l0 = 0
         while l0 < L:
             for j in range(l0, L):
@@ -1570,8 +1576,8 @@ class MoEModel:
             def after_step(stop, l0=l0, idx=idx, logits=logits):  # the hooks before each layer's take
                 for j in range(l0, stop):
                     obs.publish("on_route", j, idx[j:j + 1], logits[j:j + 1])
-            stop = cache.take_resident_layers(self._decode_call(plan, x, pos, self.k_cache, self.v_cache, outs, l0),
-                                              l0, after_step)
+            stop = cache.take_resident_layers(
+                self._decode_call(plan, x, pos, self.k_cache, self.v_cache, outs, l0, forced), l0, after_step)
             if stop < 0:  # nothing ran (the cache was closed)
                 if l0 == 0:
                     return False
