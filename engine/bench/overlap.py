@@ -75,7 +75,10 @@ def cmd_overlap(a) -> int:
     for routing in a.routings:
         rt = {"routing_trace": str(a.routing_trace)} if routing == "realistic" else {}
         if resident:
-            arms.append(("all", routing, dict(base, pilot=0, cap=E, warm_all=True,
+            # the compute reference: every expert loaded, its arena faulted in the same way as
+            # the budget arms' (--reserve on: reserved; an int8 run measured 21.7 tok/s without
+            # against 30.2 for an 8 GB arm whose reserved cache held every expert)
+            arms.append(("all", routing, dict(base, pilot=0, cap=E, warm_all=True, reserve_cache=a.reserve == "on",
                                               **({"idle_s": a.idle_s} if a.idle_s else {}), **rt)))
         for b in a.budgets:
             for p in a.modes:
