@@ -68,12 +68,15 @@ class Observer:
     ``token_batched``: set it True when the observer may get a decode step's per-layer calls
     grouped: every layer's ``on_layer_start`` before the step, every layer's ``on_route`` after
     its layers ran (each group in layer order, on the compute thread, before the step's
-    logits), instead of interleaved with the layers. The model then runs a decode step whose
-    experts are all resident in one kernel call (MoEModel.forward); with any subscriber of
+    logits), instead of interleaved with the layers. The model then runs each run of a decode
+    step's layers whose experts are resident in one kernel call (MoEModel._decode_step_all:
+    the groups then cover the layers from where a run starts; a layer that waits for a miss
+    gets its ``on_route`` on its own); with any subscriber of
     ``on_after_attention`` or ``on_after_moe``, or of the two other hooks without this flag, it
-    keeps the per-layer calls. When the one call turns out not to apply after the
-    ``on_layer_start`` group (an expert left the cache meanwhile), the per-layer path follows
-    and calls ``on_layer_start`` again for each layer.
+    keeps the per-layer calls. When a run stops at a layer with an expert not resident, the
+    next run's ``on_layer_start`` group repeats the layers after it; when nothing could run
+    (the cache closed), the per-layer path follows and calls ``on_layer_start`` again for each
+    layer.
     """
 
     token_batched: bool = False

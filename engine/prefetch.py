@@ -271,9 +271,9 @@ class Pilot(Observer):
         smoothing: that is nearly the next layer's input), queuing its misses behind the read
         in flight. Only when the cache expects the wait (``wait_s``) to last at least as long
         as a draft takes (``draft_s``, measured): else the read is in first and the draft would
-        only delay the layer. Measured on the 7B random-weight store (forced stream, one missing expert
-        per layer): recall of the next layer's top-8 0.96 with the attention, 0.74 without,
-        0.70 for mode 1's after-attention residual (bench/README.md, session 41)."""
+        only delay the layer. Measured on the 7B random-weight store (forced stream, one
+        missing expert per layer): recall of the next layer's top-8 0.96 with the attention,
+        0.74 without, 0.70 for mode 1's after-attention residual (bench/README.md, session 41)."""
         if not (self.draft and self.mode >= 1 and layer + 1 < self.L and self.wanted(layer + 1)):
             return
         if wait_s < self.draft_s:  # the read would be in before the draft: it would only delay
@@ -300,8 +300,9 @@ class Pilot(Observer):
 
     def predict(self, t: int, x: np.ndarray, dist: int = 1) -> None:
         """Predict MoE layer ``t``'s experts from the residual x float32 [1, D] taken ``dist``
-        layers before (0: the draft residual of layer t - 1, :meth:`on_moe_wait`), publish them (``on_prediction``) and queue the non-resident ones the
-        precision gate lets through (``request``)."""
+        layers before (0: the draft of layer t - 1, :meth:`on_moe_wait`), publish them
+        (``on_prediction``) and queue the non-resident ones the precision gate lets through
+        (``request``; a draft's at the head of the queue, :meth:`PrefetchQueue.put_layer_first`)."""
         m = self.model
         h = np.empty_like(x)
         K.rmsnorm(x, m.moe_norm(t), m.args.rms_norm_eps, h)
