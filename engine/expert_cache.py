@@ -220,8 +220,8 @@ class ExpertCache:
         grow_ok: ``(nbytes) -> bool``, whether the process may grow by ``nbytes`` now (the
             engine: RSS + nbytes within the RAM budget), asked before the populate thread
             faults in a slot and before the idle fill reads into a slot not faulted in yet; a
-            no stops that background growth (``grow_stopped``) until the cap is lowered or the
-            cache is forgotten. Demand reads never ask: the RSS guard lowers the cap for those
+            no stops that background growth (``grow_stopped``) until the cap is set again
+            (set_cap) or the cache is forgotten. Demand reads never ask: the RSS guard lowers the cap for those
             (engine/ram_budget.py). Without it (None) background growth is bounded by the cap
             only. Why: the cap is planned from the dense bytes and a fixed runtime reserve,
             while the process's real runtime can be more; a reservation that faulted in every
@@ -310,6 +310,7 @@ class ExpertCache:
         self.read_s_ema = 0.0  # seconds per slab read (EMA over finished reads; 0 before the first)
         self.grow_ok = grow_ok
         self.grow_stopped = False  # grow_ok said no: populate / fill pause (see the Args)
+        self._grow_gen = 0  # bumped with each reset of grow_stopped (a "no" from before it is stale)
         self._faulted = np.zeros((num_layers, cap), bool)  # slot pages known present
         self._populate_wake = threading.Event()
         self.fill = bool(fill)
@@ -506,6 +507,8 @@ class ExpertCache:
                 with self.lock:
                     if ok:
                         self._faulted[layer, v] = True
+                        if self.fill:  # a fill the budget paused can use these pages now
+                            self._fill_wake.set()
                     if self.slot_state[layer, v] == FREE and not (ok and v in self._populate_room(layer)):
                         # the cap shrank meanwhile, or the populate failed part way (ENOMEM,
                         # EINTR) with pages in that nothing tracks: given back now
@@ -618,8 +621,11 @@ class ExpertCache:
                 with self.lock:
                     if self._closed:
                         return
-                    # the lock was let go for grow_ok: the pick may be stale
-                    if self.demand_inflight > 0 or self.where[layer, e] >= 0 or self._fill_room(layer)[0] == 0:
+                    # the lock was let go for grow_ok: the pick may be stale, and the slot on top
+                    # of the free stack may have changed (a speculation took the faulted one)
+                    free = self.layers[layer].free
+                    if (self.demand_inflight > 0 or self.where[layer, e] >= 0 or self._fill_room(layer)[0] == 0
+                            or (not fresh and not (free and self._faulted[layer, free[-1]]))):
                         continue
                     slot = self._reserve(layer, e)
                     if slot < 0:
@@ -633,10 +639,12 @@ class ExpertCache:
         (grow_ok reads the RSS)."""
         if self.grow_stopped:
             return False
+        gen = self._grow_gen
         if self.grow_ok is None or self.grow_ok(int(self.slot_bytes)):
             return True
         with self.lock:
-            self.grow_stopped = True
+            if self._grow_gen == gen:  # not reset (set_cap, forget) while grow_ok read the RSS
+                self.grow_stopped = True
         return False
 
     def populate_pending(self) -> int:
@@ -1280,7 +1288,9 @@ class ExpertCache:
             self.routed_now[:] = False
             self._counted_hit.clear()
             self._fill_bad[:] = False
-        self.grow_stopped = False  # a fresh start: background growth may ask again
+        with self.lock:
+            self.grow_stopped = False  # a fresh start: background growth may ask again
+            self._grow_gen += 1
         self._populate_wake.set()
         self._fill_wake.set()
 
@@ -1310,7 +1320,9 @@ class ExpertCache:
                 for v in ly.free:  # slots populated ahead that the new cap leaves no room for
                     if self._faulted[layer, v] and v not in room:
                         self._release_pages(layer, v)
-        self.grow_stopped = False  # a lower cap gave pages back: background growth may ask again
+        with self.lock:
+            self.grow_stopped = False  # a new cap: background growth may ask again
+            self._grow_gen += 1
         self._populate_wake.set()
         self._fill_wake.set()
         return n
@@ -1339,11 +1351,12 @@ class ExpertCache:
 
     def wait_estimate(self, layer: int, experts) -> float:
         """Seconds until every expert of ``experts`` (ints) of ``layer`` is resident, estimated
-        from the mean slab read time (``read_s_ema``): 0 for a resident one, the mean minus its
-        elapsed time for a read in progress, the mean for one still queued (reads run one at a
-        time per reader: summed). 0 before any read finished (nothing to go by)."""
+        from the mean slab read time (``read_s_ema``): the longest remainder of the reads in
+        progress (the mean minus their elapsed time), plus the mean for each round of
+        ``io_threads`` queued reads; resident experts count nothing. 0 before any read
+        finished (nothing to go by)."""
         now = time.perf_counter()
-        left = 0.0
+        inflight, queued = 0.0, 0
         with self.lock:
             ema = self.read_s_ema
             for e in experts:
@@ -1351,8 +1364,12 @@ class ExpertCache:
                 if s >= 0 and self.slot_state[layer, s] == _RESIDENT:
                     continue
                 t0 = self._read_t0.get((layer, int(e)))
-                left += ema if t0 is None else max(0.0, ema - (now - t0))
-        return left / self.io_threads
+                if t0 is None:
+                    queued += 1
+                else:
+                    inflight = max(inflight, ema - (now - t0))
+        # the longest read in progress, then the queued ones, io_threads at a time
+        return max(0.0, inflight) + -(-queued // self.io_threads) * ema
 
     def is_present(self, layer: int, expert: int) -> bool:
         return self.where[layer, expert] >= 0

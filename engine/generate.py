@@ -26,7 +26,7 @@ from .metrics import MetricsTracker, answer_rates, residency_snapshot
 from .models import build_model
 from .models.base import K, mean_router_probs
 from .observers import Observer, ObserverFailure
-from .ram_budget import RssGuard, current_rss
+from .ram_budget import GROWTH_HEADROOM_BYTES, RssGuard, current_rss
 from .sizing import estimate_store, plan_estimate
 from .sampling import Sampler
 from .settings import check_context_length
@@ -46,9 +46,10 @@ class RoutingFeed(Observer):
     under the "ema" policy, feeds the cache the call's mean router probabilities
     (ExpertCache.observe_probs) before the layer's experts are requested.
 
-    Token-batched (Observer.token_batched): a decode step runs in one call only when every
-    expert is resident, so no eviction reads the EMA during it, and its on_route calls come
-    before the cache's bookkeeping of the step's takes; heat and EMA end the same."""
+    Token-batched (Observer.token_batched): a one-call run of a decode step's layers takes
+    only resident experts, so no eviction reads the EMA during it, and its on_route calls come
+    before the cache's bookkeeping of its takes (the layer that stops a run is routed and takes
+    its experts the per-layer way); heat and EMA end the same."""
 
     token_batched = True
 
@@ -63,9 +64,9 @@ class RoutingFeed(Observer):
 
 class _GuardPoll(Observer):
     """Polls the engine's RSS guard at every MoE layer start; when the guard unpinned experts
-    to lower the cap, the persisted pin set follows. Token-batched: a one-call decode step
-    publishes every layer's start before it takes any expert, so the polls come at a safe
-    point too (after the first, the others find no new load)."""
+    to lower the cap, the persisted pin set follows. Token-batched: each one-call run of a
+    decode step's layers publishes the starts of its layers before it takes any expert, so
+    the polls come at a safe point too (after the first, the others find no new load)."""
 
     token_batched = True
 
@@ -164,11 +165,7 @@ class Engine:
         self.cache = ExpertCache(store, a.num_moe_layers, a.num_experts, self.plan.cap, config.policy,
                                  heat=self.heat.counts, checksum=config.checksum,
                                  io_threads=config.io_threads, reserve=config.reserve_cache, fill=config.idle_fill,
-                                 # background growth (reservation, populate-ahead, idle fill) stays
-                                 # inside the budget with room for the whole KV cache, whose pages
-                                 # come in as the context fills; the plan read at call time (it is
-                                 # re-planned after the warm-up)
-                                 grow_ok=lambda n: self.read_rss() + n + self.plan.kv <= self.plan.budget)
+                                 grow_ok=self._grow_ok)
         experts = self.cache
         if config.cluster:
             from .cluster import ClusterExperts
@@ -622,6 +619,14 @@ class Engine:
             felt_wait_s=tot["felt_wait_s"], error=error, dropped_messages=dropped, answer_room=max_new,
             sources=tuple(e.name for e in sources), source_summaries=tuple(e.summary for e in sources),
             threads=self.threads, seed=sampler.seed)
+
+    def _grow_ok(self, nbytes: int) -> bool:
+        """Whether the expert cache's background growth (reservation, populate-ahead, idle fill)
+        may add ``nbytes`` now: RSS + nbytes + the KV cache while the model (which allocates
+        the KV cache filled, MoEModel.alloc_kv) is not built yet + GROWTH_HEADROOM_BYTES within
+        the RAM budget (the plan read at call time: it is re-planned after the warm-up)."""
+        kv = 0 if getattr(self, "model", None) is not None else self.plan.kv
+        return self.read_rss() + nbytes + kv + GROWTH_HEADROOM_BYTES <= self.plan.budget
 
     def cluster_status(self):
         """engine.cluster.ClusterStatus (workers, which experts live where: placement int16

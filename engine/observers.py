@@ -47,8 +47,8 @@ class Observer:
         on_after_attention(layer, x): x float32 [T, D], the residual after attention.
         on_route(layer, idx, router_logits): idx int64 [T, K] (top-k expert ids per row),
             router_logits float32 [T, E]; called before the layer's experts are requested.
-        on_moe_wait(layer, x, wait_s): a decode step (T = 1) of an int4 / int8 store is about
-            to wait for experts of ``layer`` that were not resident; its resident experts have
+        on_moe_wait(layer, x, wait_s): a one-row MoE call (a decode step, or a prefill's last
+            chunk of one token) of an int4 / int8 store is about to wait for experts of ``layer`` that were not resident; its resident experts have
             run and x float32 [1, D] is the draft residual: the residual after attention plus
             those experts' weighted outputs (the missing ones' share left out); wait_s (float,
             seconds) the cache's estimate of the wait (ExpertCache.wait_estimate; 0 when it

@@ -206,7 +206,7 @@ class Pilot(Observer):
         self.queue = PrefetchQueue()
         self.gen = 0
         self.cur_layer = -1
-        self.pos0 = 0
+        self.pos_last = 0
         self._small = False
         self.predicted = np.zeros((self.L, self.E), bool)  # this token's predictions
         self.pred_made = np.zeros(self.L, bool)  # layers predicted this token (recall counts only these)
@@ -237,7 +237,7 @@ class Pilot(Observer):
     def on_forward_start(self, pos0: int, num_tokens: int) -> None:
         """A new forward starts: prune stale requests (the seeds' stale pruning)."""
         self.gen += 1
-        self.pos0 = pos0
+        self.pos_last = pos0 + num_tokens - 1  # a one-row MoE call's position (decode, a prefill's last chunk)
         self._tokens += 1
         if self._tokens % HEAT_HALVING_TOKENS == 0:
             self.session_heat >>= 1
@@ -270,17 +270,19 @@ class Pilot(Observer):
         (distance 0 in the precision gate and in ``on_prediction``) with fresh logits (no
         smoothing: that is nearly the next layer's input), queuing its misses behind the read
         in flight. Only when the cache expects the wait (``wait_s``) to last at least as long
-        as a draft takes (``draft_s``, measured): else the read is in first and the draft would
-        only delay the layer. Measured on the 7B random-weight store (forced stream, one
+        as a draft takes (``draft_s``, measured; lowered by a tenth at each skip, so one slow
+        draft does not switch them off): else the read is in first and the draft would only
+        delay the layer. Measured on the 7B random-weight store (forced stream, one
         missing expert per layer): recall of the next layer's top-8 0.96 with the attention,
         0.74 without, 0.70 for mode 1's after-attention residual (bench/README.md, session 41)."""
         if not (self.draft and self.mode >= 1 and layer + 1 < self.L and self.wanted(layer + 1)):
             return
         if wait_s < self.draft_s:  # the read would be in before the draft: it would only delay
             self.drafts_skipped += 1
+            self.draft_s *= 0.9  # one slow draft must not switch drafts off for good
             return
         t0 = time.perf_counter()
-        att = self.model.draft_attention(layer + 1, x, self.pos0)
+        att = self.model.draft_attention(layer + 1, x, self.pos_last)
         self.predict(layer + 1, x + att if att is not None else x, 0)
         dt = time.perf_counter() - t0
         self.draft_s = dt if self.drafts == 0 else 0.8 * self.draft_s + 0.2 * dt

@@ -13,6 +13,11 @@ from typing import Callable
 log = logging.getLogger(__name__)
 
 GB = 1_000_000_000
+# Room the cache's background growth (reservation, populate-ahead, idle fill: ExpertCache
+# grow_ok) leaves free under the budget for the next forward's activations and scratch (a
+# 512-token prefill of OLMoE-1B-7B's shape allocates ~50 MB for a moment): growing right up to
+# the budget, a 4 GB memory cgroup killed the process at its first prefill (session 41).
+GROWTH_HEADROOM_BYTES = 64_000_000
 RESERVE_BYTES = 200_000_000  # Python + numpy + numba runtime, activations, logits (measured ~180 MB)
 AVAILABLE_SHARE = 0.88
 FALLBACK_BYTES = 8 * GB

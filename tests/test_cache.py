@@ -751,6 +751,39 @@ def test_background_growth_stops_where_grow_ok_says_no():
         cache.close()
 
 
+def test_a_slot_populated_after_the_fill_paused_wakes_the_fill():
+    """The fill thread paused on the budget (every layer's free slots not faulted in, grow_ok
+    no) while the populate thread, which had asked first, faulted a slot in: that wakes the
+    fill, which reads into it, so wait_filled returns (it hung; found by session 41's review)."""
+    L, E = 2, 8
+    gate = threading.Event()
+
+    def grow_ok(n):
+        if threading.current_thread().name == "colibri-populate":
+            gate.wait(10)  # the populate thread asked before the budget filled up
+            return True
+        return False  # the fill thread: the budget says no
+    c = ExpertCache(_MBStore(), L, E, 4, policy="lru", io_threads=1, reserve=True, fill=True, grow_ok=grow_ok)
+    try:
+        if c._populater is None:
+            pytest.skip("no libc madvise")
+        time.sleep(0.2)
+        assert c.start_fill()
+        time.sleep(0.3)  # the fill found no faulted slot and paused
+        assert c.stats.fill_loads == 0
+        gate.set()
+        for _ in range(500):  # the populate thread faults its slot in
+            if int(c._faulted.sum()) or not c._populater.is_alive():
+                break
+            time.sleep(0.01)
+        assert c.wait_filled(timeout=10.0)
+        if int(c._faulted.sum()):
+            assert c.stats.fill_loads >= 1
+    finally:
+        gate.set()
+        c.close()
+
+
 def test_without_reserve_only_the_next_slots_are_pending():
     """Off (the default): populate_pending counts at most ``populate_ahead`` slots per layer."""
     L, E = 2, 16

@@ -584,7 +584,7 @@ def test_decode_step_in_one_call_is_bit_identical(family_stores, tmp_path, monke
     calls = []
     real = base.MoEModel._decode_step_all
 
-    def spy(self, x, pos):
+    def spy(self, x, pos, cancel=None):
         r = real(self, x, pos)
         if pos >= 20:  # the helper's decode steps (not the engine's warm-up step at open)
             calls.append(r)
@@ -767,6 +767,25 @@ def test_streaming_decode_runs_resident_layers_in_one_call(family_stores, tmp_pa
                                   pinning=False)) as eng:
         eng.model.router_logits = eng.model.router_logits  # an instance attribute, as RecordedRouting sets
         assert not base.MoEModel._decode_step_all(eng.model, np.zeros((1, a.hidden_size), np.float32), 0)
+
+
+def test_streaming_decode_step_polls_cancel_before_a_waiting_layer(family_stores, tmp_path):
+    """The one-call decode step of a streaming step checks ``cancel`` before a layer that
+    waits for its experts, as the per-layer path checks between layers (review, session 41)."""
+    if not K_SIMD:
+        pytest.skip("the interleaved int4 kernels need the SIMD path")
+    from engine.errors import Cancelled
+    ck, _ = family_stores["olmoe"]
+    store = convert_checkpoint(ck, tmp_path / "s", quant="int4", dense_quant="int4")
+    with Engine.open(EngineConfig(store=str(store), history=False, o_direct=False, pilot=0, cap=1,
+                                  pinning=False)) as eng:
+        m = eng.model
+        assert m.wait_decode_ready(900)
+        m.forward(np.arange(5, 25), 0)
+        ev = threading.Event()
+        ev.set()
+        with pytest.raises(Cancelled):
+            m.forward(np.array([7]), 20, cancel=ev)
 
 
 def _wide_experts(cfg: dict, width: int = 128) -> dict:

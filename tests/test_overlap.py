@@ -392,8 +392,8 @@ def test_arena_offsets_past_2_gib_do_not_wrap():
 
 
 def test_reserve_and_fill_stay_inside_the_ram_budget(tiny_store, monkeypatch):
-    """The engine asks RSS + slot + KV within the budget before the reservation or the idle
-    fill grows the process (session 41: a reservation took a 7B int4 store's RSS to 4.03 GB at
+    """The engine asks RSS + slot (+ KV before the model is built) + headroom within the
+    budget before the reservation or the idle fill grows the process (session 41: a reservation took a 7B int4 store's RSS to 4.03 GB at
     a 4.0 GB budget and a 4 GB cgroup killed it). A fake RSS (a base + the arena's faulted
     slots) leaves room for 5 slots: the reservation stops there, the fill reads into no new
     slot, and generation still works (demand loads: the RSS guard's business)."""
@@ -405,7 +405,9 @@ def test_reserve_and_fill_stay_inside_the_ram_budget(tiny_store, monkeypatch):
     with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, cap=3)) as eng:
         slot, plan = eng.cache.slot_bytes, eng.plan
     budget_gb = (plan.dense + plan.kv + plan.reserve + 3 * eng.args.num_moe_layers * slot) / 1e9 + 1e-6
-    holder["base"] = int(budget_gb * 1e9) - plan.kv - 5 * slot - slot // 2  # room for 5 slots
+    from engine.ram_budget import GROWTH_HEADROOM_BYTES
+    # room for 5 slots once the model (and its KV cache, in the RSS from then on) is built
+    holder["base"] = int(budget_gb * 1e9) - GROWTH_HEADROOM_BYTES - 5 * slot - slot // 2
     import engine.generate as G
 
     class Seen(G.ExpertCache):  # the fake RSS sees the arena from the cache's first thread on

@@ -277,6 +277,8 @@ def test_draft_lookahead_predicts_from_the_wait_and_changes_no_value(medium_stor
         eng.pilot.draft_s = 1e9
         ids = [e for e in eng.generate(req) if isinstance(e, Finished)][0].token_ids
         assert ids == ref and eng.pilot.drafts == 0 and eng.pilot.drafts_skipped > 0
+        # each skip lowers the bar by a tenth: one slow draft does not switch them off for good
+        assert eng.pilot.draft_s == pytest.approx(1e9 * 0.9 ** eng.pilot.drafts_skipped)
         assert not [d for _, d in seen.dist if d == 0]
 
 
@@ -298,6 +300,9 @@ def test_wait_estimate_counts_reads_in_progress_and_queued():
             cache._read_t0[(0, 2)] = _t.perf_counter()
         est = cache.wait_estimate(0, [1, 2, 3])
         assert ema < est <= 2 * ema
+        cache.io_threads = 2  # two readers: the read in progress, then the queued one beside another
+        assert ema < cache.wait_estimate(0, [2, 3]) <= 2 * ema
+        assert cache.wait_estimate(0, [2]) <= ema  # one read in progress, not divided by the readers
     finally:
         cache.close()
 

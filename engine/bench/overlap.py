@@ -78,7 +78,7 @@ def cmd_overlap(a) -> int:
             # the compute reference: every expert loaded, its arena faulted in the same way as
             # the budget arms' (--reserve on: reserved; an int8 run measured 21.7 tok/s without
             # against 30.2 for an 8 GB arm whose reserved cache held every expert)
-            arms.append(("all", routing, dict(base, pilot=0, cap=E, warm_all=True, reserve_cache=a.reserve == "on",
+            arms.append(("all", routing, dict(base, pilot=0, cap=E, warm_all=True, reserve_cache=a.reserve != "off",
                                               **({"idle_s": a.idle_s} if a.idle_s else {}), **rt)))
         for b in a.budgets:
             for p in a.modes:
@@ -129,7 +129,9 @@ def cmd_overlap(a) -> int:
         r["felt_wait_s_per_token"] = r["decode_felt_wait_s"] / n
         r["cpu_s_per_token"] = r["decode_cpu_s"] / n
         rec = [x for x in r.get("pilot_recall") or [] if x > 0]
-        r["recall"] = float(np.mean(rec)) if rec else None  # PILOT's mean recall over the predicted layers
+        # PILOT's mean recall over the layers whose recall is above 0 (the arm's row gives 0 for a
+        # layer never predicted as for one never predicted right; the first is the common case)
+        r["recall"] = float(np.mean(rec)) if rec else None
         c = compute.get(r["routing"])
         if c is None and r["budget_gb"] != "all":
             # no all-resident arm: this arm's own time not spent waiting for reads (the load of

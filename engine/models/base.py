@@ -1537,7 +1537,7 @@ class MoEModel:
             return False
         return self._decode_ready.wait(timeout)
 
-    def _decode_step_all(self, x: np.ndarray, pos: int) -> bool:
+    def _decode_step_all(self, x: np.ndarray, pos: int, cancel: threading.Event | None = None) -> bool:
         """Every layer of a decode step (x float32 [1, D], updated in place), its runs of
         layers whose experts are resident each in one K.decode_layers_t1 call, when
         :meth:`_decode_plan` allows it, no method of this object was replaced (but
@@ -1555,7 +1555,9 @@ class MoEModel:
         kernel launches per layer from Python. The values are bit-identical to the per-layer
         path, and the cache's state ends as it leaves it (tests/test_families.py). Returns False,
         having computed nothing, when it does not apply (the per-layer path then publishes
-        on_layer_start again: a second poll finds nothing new)."""
+        on_layer_start again: a second poll finds nothing new). Raises Cancelled when
+        ``cancel`` is set before a layer that waits for its experts (as the per-layer path
+        polls between layers)."""
         plan = self._decode_plan()
         cache = self.experts
         replay = self.routing_replay
@@ -1582,6 +1584,8 @@ class MoEModel:
                 if l0 == 0:
                     return False
                 for i in range(l0, L):  # the rest layer by layer: the same errors a closed cache gives there
+                    if cancel is not None and cancel.is_set():
+                        raise Cancelled("cancelled")
                     obs.publish("on_layer_start", i)
                     x += self.attention(i, x, pos)
                     obs.publish("on_after_attention", i, x)
@@ -1589,6 +1593,8 @@ class MoEModel:
                     obs.publish("on_after_moe", i, x)
                 return True
             if stop < L:  # its attention ran in the kernel: its experts the per-layer way
+                if cancel is not None and cancel.is_set():
+                    raise Cancelled("cancelled")
                 obs.publish("on_after_attention", stop, x)
                 x += self.mlp(stop, x)
                 obs.publish("on_after_moe", stop, x)
@@ -1619,7 +1625,7 @@ class MoEModel:
             chunk = ids[c0:c0 + PREFILL_CHUNK]
             x = self.embed(chunk)  # [t, D]
             layers = self.args.num_hidden_layers
-            if T == 1 and self._decode_step_all(x, pos0):
+            if T == 1 and self._decode_step_all(x, pos0, cancel):
                 layers = 0  # every layer ran in one call
             for i in range(layers):
                 if cancel is not None and cancel.is_set():
