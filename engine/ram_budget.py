@@ -15,8 +15,10 @@ log = logging.getLogger(__name__)
 GB = 1_000_000_000
 # Room the cache's background growth (reservation, populate-ahead, idle fill: ExpertCache
 # grow_ok) leaves free under the budget for the next forward's activations and scratch (a
-# 512-token prefill of OLMoE-1B-7B's shape allocates ~50 MB for a moment): growing right up to
-# the budget, a 4 GB memory cgroup killed the process at its first prefill (session 41).
+# 512-token prefill of OLMoE-1B-7B's shape allocates ~50 MB for a moment), so a reservation
+# does not end right at a limit the next forward then crosses. Session 41: without any check a
+# reservation took the RSS past a 4 GB budget (4.03 GB) and a 4 GB memory cgroup killed the
+# process; with this margin the same store reserved up to 3.96 GB and ran.
 GROWTH_HEADROOM_BYTES = 64_000_000
 RESERVE_BYTES = 200_000_000  # Python + numpy + numba runtime, activations, logits (measured ~180 MB)
 AVAILABLE_SHARE = 0.88

@@ -164,8 +164,9 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "while the current layer computes (0 = off; 0 measured best on the reference machine, see "
        "bench/README.md)", "PILOT prefetch", choices=(0, 1, 2, 3), choice_labels=PILOT_MODES),
     _S("pilot_draft", bool, True, "while a decode step waits for experts that were not in RAM, predict the "
-       "next layer from the draft residual (the layer's output with the missing experts left out) and queue its "
-       "likely misses behind the read; a draft is far closer to the next layer's input than the residual "
+       "next layer from the draft residual (the layer's output with the missing experts left out, through the "
+       "next layer's attention) and queue its likely misses behind the read, when the wait is longer than the "
+       "draft takes; a draft is far closer to the next layer's input than the residual "
        "PILOT predicts from otherwise (measured: bench/README.md, session 41)", "Draft lookahead",
        check_text="predict from the partial layer while a read is waited for", needs_pilot=True),
     _S("pilot_workers", int, 1, "loader threads for prefetched experts", "Prefetch workers", lo=1, hi=8,
