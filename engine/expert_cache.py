@@ -950,62 +950,30 @@ class ExpertCache:
                     staged.pop(s, None)
         return hits, ss, []
 
-    def all_resident(self) -> bool:
-        """Whether every expert of every layer is resident now (a hint: the state can change as
-        soon as the lock is released; :meth:`take_all_resident` checks again under it)."""
-        with self.lock:
-            return self._all_resident()
-
-    def _all_resident(self) -> bool:
-        return self.max_cap == self.E and not self._closed and bool((self.slot_state == _RESIDENT).all())
-
-    def take_all_resident(self, run, after_run=None) -> bool:
-        """Run a decode step that takes every MoE layer's experts itself (K.decode_layers_t1,
-        through engine.models.base.MoEModel.forward), with the lock held, when every expert of
-        every layer is resident: then no read is in flight, none can start and nothing can be
-        evicted while it runs. Then ``after_run()`` without the lock (the model's token-batched
-        ``on_route`` observers: the routing heat and the EMA, which take this lock), then, in one
-        hold of the lock, each layer's counters, speculation flags and eviction order, so the
-        state ends as :meth:`take_split` + :meth:`release_slots` per layer leave it. A slot
-        another thread evicted between the two holds (a cap lowered from the app) is counted
-        as the hit it was and left out of the eviction order.
-
-        ``run(where, slot_state, slot_busy, last_use, routed_now, pinned, slot_spec, resident,
-        clock)`` gets the cache's [L, ...] arrays, the RESIDENT state code and the use clock and
-        returns (clock after, ea int64 [L, k] each layer's experts in ascending id order, ss
-        int64 [L, k] their slots, pm bool [L, k] whether pinned, nspec int64 [L] the taken
-        slots still flagged speculative), having done cache_take_resident's array half for
-        each layer in order and given the slots back.
-
-        Returns False, without calling anything, when some expert is not resident.
-        Raises:
-            RuntimeError: ``run`` reported an expert that was not resident (a bug).
-        """
-        stop = self.take_resident_layers(run, 0, after_run and (lambda _stop: after_run()), whole=True)
-        if stop < 0:
-            return False
-        if stop != self.L:
-            raise RuntimeError(f"decode step: layer {stop} found an expert not resident "
-                               "although every expert was")
-        return True
-
-    def take_resident_layers(self, run, l0: int = 0, after_run=None, whole: bool = False) -> int:
+    def take_resident_layers(self, run, l0: int = 0, after_run=None) -> int:
         """Run the MoE layers l0.. of a decode step that takes their experts itself (K.
         decode_layers_t1 from layer l0) with the lock held, for as long as each layer's experts
         are resident: no read can publish, no slot be evicted and no demand read start while
-        it runs (reads in flight finish their I/O and wait for the lock). ``run`` as in
-        :meth:`take_all_resident`; its clock is negative, -1 - l, when layer l found an expert
-        not resident (layers l0..l-1 ran, layer l's take did not). Then ``after_run(stop)``
+        it runs (reads in flight finish their I/O and wait for the lock).
+
+        ``run(where, slot_state, slot_busy, last_use, routed_now, pinned, slot_spec, resident,
+        clock)`` gets the cache's [L, ...] arrays, the RESIDENT state code and the use clock,
+        does cache_take_resident's array half for each layer it runs and gives the slots back,
+        and returns (clock after, ea int64 [L, k] each layer's experts in ascending id order, ss
+        int64 [L, k] their slots, pm bool [L, k] whether pinned, nspec int64 [L] the taken slots
+        still flagged speculative); its clock is negative, -1 - l, when layer l found an expert
+        not resident (layers l0..l-1 ran, layer l's take did not). A slot another thread evicted
+        between the two holds of the lock (a cap lowered from the app) is counted as the hit it
+        was and left out of the eviction order. Then ``after_run(stop)``
         without the lock, then the counters, speculation flags and eviction order of layers
         l0..stop-1 in one hold of the lock, as :meth:`take_split` + :meth:`release_slots`
         leave them, so the caller can take layer ``stop`` by take_split next, in the order
         the per-layer path would.
 
         Returns ``stop``: num_layers when every layer from l0 ran, l when layer l stopped it,
-        -1 when nothing ran (the cache is closed). ``whole``: only when every expert of every
-        layer is resident (take_all_resident), else -1 without calling anything."""
+        -1 when nothing ran (the cache is closed)."""
         with self.lock:
-            if self._closed or (whole and not self._all_resident()):
+            if self._closed:
                 return -1
             clock, ea, ss, pm, nspec = run(self.where, self.slot_state, self.slot_busy, self.last_use,
                                            self.routed_now, self.pinned, self.slot_spec, _RESIDENT, self.clock)

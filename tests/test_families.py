@@ -694,12 +694,12 @@ def test_decode_step_in_one_call_with_the_cap_lowered_around_it(family_stores, t
         m.forward(np.arange(5, 25), 0)
         real = c.take_resident_layers
 
-        def lowered_meanwhile(run, l0=0, after_run=None, whole=False):
+        def lowered_meanwhile(run, l0=0, after_run=None):
             def after(stop):
                 if after_run is not None:
                     after_run(stop)
                 c.set_cap(2)  # another thread, between the two holds of the lock
-            return real(run, l0, after, whole)
+            return real(run, l0, after)
         c.take_resident_layers = lowered_meanwhile
         hits0 = c.stats.hits
         assert m._decode_step_all(np.zeros((1, m.args.hidden_size), np.float32), 20)
@@ -746,8 +746,8 @@ def test_streaming_decode_runs_resident_layers_in_one_call(family_stores, tmp_pa
     stops = []
     real = ExpertCache.take_resident_layers
 
-    def spy(self, run, l0=0, after_run=None, whole=False):
-        stop = real(self, run, l0, after_run, whole)
+    def spy(self, run, l0=0, after_run=None):
+        stop = real(self, run, l0, after_run)
         stops.append((l0, stop))
         return stop
     monkeypatch.setattr(ExpertCache, "take_resident_layers", spy)

@@ -5,6 +5,7 @@ run."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 from pathlib import Path
 
@@ -80,15 +81,12 @@ def cmd_overlap(a) -> int:
             # against 30.2 for an 8 GB arm whose reserved cache held every expert)
             arms.append(("all", routing, dict(base, pilot=0, cap=E, warm_all=True, reserve_cache=a.reserve != "off",
                                               **({"idle_s": a.idle_s} if a.idle_s else {}), **rt)))
-        for b in a.budgets:
-            for p in a.modes:
-                drafts = ((False, True) if a.draft == "both" else (a.draft == "on",)) if p > 0 else (False,)
-                for rv in ((False, True) if a.reserve == "both" else (a.reserve == "on",)):
-                    for fv in ((False, True) if a.fill == "both" else (a.fill == "on",)):
-                        for dv in drafts:
-                            arms.append((b, routing, dict(base, pilot=p, ram_budget_gb=b, reserve_cache=rv,
-                                                          idle_fill=fv, pilot_draft=dv,
-                                                          **({"idle_s": a.idle_s} if a.idle_s else {}), **rt)))
+        def values(choice):  # --reserve / --fill / --draft off|on|both
+            return (False, True) if choice == "both" else (choice == "on",)
+        for b, p, rv, fv in itertools.product(a.budgets, a.modes, values(a.reserve), values(a.fill)):
+            for dv in values(a.draft) if p > 0 else (False,):
+                arms.append((b, routing, dict(base, pilot=p, ram_budget_gb=b, reserve_cache=rv, idle_fill=fv,
+                                              pilot_draft=dv, **({"idle_s": a.idle_s} if a.idle_s else {}), **rt)))
     check_arm_inputs(a.store, [o for _, _, o in arms], None, 0)
     disk = [measure_disk(a.store, qd=a.qd)]
     touch = [measure_first_touch()]

@@ -1583,14 +1583,7 @@ class MoEModel:
             if stop < 0:  # nothing ran (the cache was closed)
                 if l0 == 0:
                     return False
-                for i in range(l0, L):  # the rest layer by layer: the same errors a closed cache gives there
-                    if cancel is not None and cancel.is_set():
-                        raise Cancelled("cancelled")
-                    obs.publish("on_layer_start", i)
-                    x += self.attention(i, x, pos)
-                    obs.publish("on_after_attention", i, x)
-                    x += self.mlp(i, x)
-                    obs.publish("on_after_moe", i, x)
+                self._run_layers(x, pos, l0, cancel)  # the rest layer by layer: a closed cache's errors there
                 return True
             if stop < L:  # its attention ran in the kernel: its experts the per-layer way
                 if cancel is not None and cancel.is_set():
@@ -1624,26 +1617,31 @@ class MoEModel:
         for c0 in range(0, T, PREFILL_CHUNK):
             chunk = ids[c0:c0 + PREFILL_CHUNK]
             x = self.embed(chunk)  # [t, D]
-            layers = self.args.num_hidden_layers
-            if T == 1 and self._decode_step_all(x, pos0, cancel):
-                layers = 0  # every layer ran in one call
-            for i in range(layers):
-                if cancel is not None and cancel.is_set():
-                    raise Cancelled("cancelled")
-                j = self.moe_index[i]
-                if j >= 0:
-                    obs.publish("on_layer_start", j)
-                x += self.attention(i, x, pos0 + c0)
-                if j >= 0:
-                    obs.publish("on_after_attention", j, x)
-                x += self.mlp(i, x)
-                if j >= 0:
-                    obs.publish("on_after_moe", j, x)
+            if not (T == 1 and self._decode_step_all(x, pos0, cancel)):  # else every layer ran
+                self._run_layers(x, pos0 + c0, 0, cancel)
             if all_logits:
                 outs.append(self.logits(x))
             elif c0 + PREFILL_CHUNK >= T:
                 outs.append(self.logits(x[-1:]))
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def _run_layers(self, x: np.ndarray, pos0: int, first: int, cancel: threading.Event | None) -> None:
+        """Decoder layers first.. on x float32 [T, D] (rows at positions pos0..), in place, one
+        by one with the observers' per-layer hooks; Cancelled when ``cancel`` is set before a
+        layer."""
+        obs = self.observers
+        for i in range(first, self.args.num_hidden_layers):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("cancelled")
+            j = self.moe_index[i]
+            if j >= 0:
+                obs.publish("on_layer_start", j)
+            x += self.attention(i, x, pos0)
+            if j >= 0:
+                obs.publish("on_after_attention", j, x)
+            x += self.mlp(i, x)
+            if j >= 0:
+                obs.publish("on_after_moe", j, x)
 
     def logits(self, x: np.ndarray) -> np.ndarray:
         h = np.empty_like(x)
