@@ -810,6 +810,14 @@ class ExpertCache:
             self.prob_ema[layer] *= 1.0 - PROB_EMA_ALPHA
             self.prob_ema[layer] += PROB_EMA_ALPHA * np.asarray(probs, np.float64)
 
+    def observe_probs_layers(self, l0: int, probs: np.ndarray) -> None:
+        """:meth:`observe_probs` of layers l0..l0+n-1 at once: probs float [n, E], row i the
+        call of layer l0 + i (the same EMA values as n calls)."""
+        with self.lock:
+            ema = self.prob_ema[l0:l0 + probs.shape[0]]
+            ema *= 1.0 - PROB_EMA_ALPHA
+            ema += PROB_EMA_ALPHA * np.asarray(probs, np.float64)
+
     def prepare(self, layer: int, experts) -> list[int]:
         """Count one demand lookup per expert and start concurrent reads of the misses
         (as many as free or evictable slots allow; the rest load in ``acquire``).

@@ -24,7 +24,7 @@ from .expert_store import ExpertStore
 from .heat import RoutingHeat, cap_pins, pins_per_layer
 from .metrics import MetricsTracker, answer_rates, residency_snapshot
 from .models import build_model
-from .models.base import K, mean_router_probs
+from .models.base import K, mean_router_probs, softmax_rows
 from .observers import Observer, ObserverFailure
 from .ram_budget import GROWTH_HEADROOM_BYTES, RssGuard, current_rss
 from .sizing import estimate_store, plan_estimate
@@ -60,6 +60,13 @@ class RoutingFeed(Observer):
         self.heat.observe(layer, idx)
         if self.cache.policy == "ema":
             self.cache.observe_probs(layer, mean_router_probs(router_logits))
+
+    def on_route_layers(self, l0: int, idx: np.ndarray, router_logits: np.ndarray) -> None:
+        """One routing row per layer l0.. (a decode step's run of layers): the same heat and
+        EMA as an ``on_route`` call per layer, in one array operation each."""
+        self.heat.observe_layers(l0, idx)
+        if self.cache.policy == "ema":
+            self.cache.observe_probs_layers(l0, softmax_rows(router_logits))
 
 
 class _GuardPoll(Observer):
@@ -579,7 +586,7 @@ class Engine:
                 n = len(out_ids)
                 if self.guard.step(n) is not None:  # before the metrics: they show the RSS it left
                     self.sync_pins()
-                m = tracker.step(n, self.threads)
+                m = tracker.step(n, self.threads, rss=self.guard.last_rss)  # one RSS read a token
                 yield m if self.cluster is None else replace(m, cluster=self.cluster.status().summary())
                 snap = tracker.residency(n, self.heat.counts)
                 if snap is not None:

@@ -71,6 +71,14 @@ class RoutingHeat:
         self.counts[layer] += n
         self.session[layer] += n
 
+    def observe_layers(self, l0: int, idx: np.ndarray) -> None:
+        """Count one routing row per layer: idx int [n, K], row i of layer l0 + i (the same
+        counts as n :meth:`observe` calls)."""
+        n, E = idx.shape[0], self.E
+        c = np.bincount((np.arange(n)[:, None] * E + idx).reshape(-1), minlength=n * E).reshape(n, E)
+        self.counts[l0:l0 + n] += c
+        self.session[l0:l0 + n] += c
+
     def choose_pins(self, per_layer: int) -> np.ndarray:
         """The ``per_layer`` hottest experts of each layer (ties: lower id), bool [L, E]."""
         return choose_pins(self.counts, per_layer)

@@ -48,8 +48,10 @@ class MetricsTracker:
         self.peak_rss = 0
         self._last_res = 0.0
 
-    def step(self, token_index: int, threads: int = 0) -> StepMetrics:
-        """Counters of the step that produced token ``token_index`` (tokens generated so far)."""
+    def step(self, token_index: int, threads: int = 0, rss: int | None = None) -> StepMetrics:
+        """Counters of the step that produced token ``token_index`` (tokens generated so far);
+        ``rss``: the process's RSS in bytes measured after the step (RssGuard.last_rss), or
+        None to read it here."""
         now = time.perf_counter()
         if self.t_first is None:
             self.t_first = now
@@ -59,7 +61,8 @@ class MetricsTracker:
         self.prev = cur
         hits, misses, pin = d["hits"], d["misses"], d["pinned_hits"]
         look = hits + misses
-        rss = self.read_rss()
+        if rss is None:
+            rss = self.read_rss()
         self.peak_rss = max(self.peak_rss, rss)
         decode_tokens = token_index  # tokens after the first
         el = now - self.t_first

@@ -77,6 +77,11 @@ class Observer:
     next run's ``on_layer_start`` group repeats the layers after it; when nothing could run
     (the cache closed), the per-layer path follows and calls ``on_layer_start`` again for each
     layer.
+
+    ``on_route_layers(l0, idx, router_logits)`` (optional, token-batched observers only): a
+    group of one-row routings at once, layers l0..l0+n-1, idx int64 [n, K], router_logits
+    float32 [n, E] (row i is layer l0 + i); it must leave the observer as n ``on_route`` calls
+    in layer order would. An observer without it gets those n calls.
     """
 
     token_batched: bool = False
@@ -127,6 +132,7 @@ class ObserverList:
         self._observers: tuple = ()
         self._hooks: dict[str, tuple] = {h: () for h in hooks}
         self._batched = True
+        self._route_groups: tuple = ()
         self.failures: list[ObserverFailure] = []
 
     def _rebuild(self) -> None:
@@ -140,6 +146,7 @@ class ObserverList:
                     continue  # not defined, or the base class's no-op
                 fs.append((o, f))
             hooks[name] = tuple(fs)
+        self._route_groups = tuple((o, f, getattr(o, "on_route_layers", None)) for o, f in hooks.get("on_route", ()))
         self._batched = (not hooks.get("on_after_attention") and not hooks.get("on_after_moe")
                          and all(getattr(o, "token_batched", False) is True
                                  for h in ("on_layer_start", "on_route") for o, _f in hooks.get(h, ())))
@@ -185,6 +192,20 @@ class ObserverList:
                 f(*args)
             except Exception as e:  # noqa: BLE001 - observers never break the computation
                 self._fail(obs, hook, e)
+
+    def publish_route_layers(self, l0: int, idx: np.ndarray, router_logits: np.ndarray) -> None:
+        """``on_route`` of layers l0..l0+n-1, one row each (idx int64 [n, K], router_logits
+        float32 [n, E]): one ``on_route_layers`` call to a subscriber that defines it, else n
+        ``on_route`` calls in layer order (a decode step's grouped routing, Observer.token_batched)."""
+        for obs, f, group in self._route_groups:
+            try:
+                if group is not None:
+                    group(l0, idx, router_logits)
+                else:
+                    for i in range(idx.shape[0]):
+                        f(l0 + i, idx[i:i + 1], router_logits[i:i + 1])
+            except Exception as e:  # noqa: BLE001 - observers never break the computation
+                self._fail(obs, "on_route", e)
 
     def _fail(self, obs: object, hook: str, e: Exception) -> None:
         self.failures.append(ObserverFailure(obs, hook, e))

@@ -86,9 +86,13 @@ class RssGuard:
         self.trail: list[tuple[int | None, int, int, int]] = []
         self.last_message = ""
         self._loads_seen = -1
+        self.last_rss: int | None = None  # the RSS of the last check that left the cache as it was
 
     def step(self, token_index: int) -> str | None:
-        """Call at a safe point after each token. Returns a log line when it fired."""
+        """Call at a safe point after each token. Returns a log line when it fired.
+        ``last_rss`` is then the RSS it measured (bytes), or None when it did not measure or
+        lowered the cap."""
+        self.last_rss = None
         if token_index % self.every:
             return None
         return self._check(token_index)
@@ -105,8 +109,10 @@ class RssGuard:
         self._loads_seen = c.stats.loads
         rss = self.read_rss()
         self.peak = max(self.peak, rss)
+        self.last_rss = rss
         if rss <= self.budget:
             return None
+        self.last_rss = None  # the cap may drop below: a later reader measures again
         # The cap that fits if every layer fills up (a prefill fills them one after the
         # other): what the budget leaves beside the RSS that is not cache, per layer of slots.
         outside = rss - c.resident_bytes()

@@ -226,3 +226,60 @@ def test_no_hook_is_assigned_from_outside():
 def test_engine_reaches_into_no_private_names_of_other_objects():
     found = [h for p in _py_files("engine") for h in _scan(p)[1]]
     assert found == []
+
+
+def test_grouped_routing_goes_to_on_route_layers_or_to_on_route_per_layer():
+    """ObserverList.publish_route_layers: one ``on_route_layers`` call to an observer that
+    defines it, n ``on_route`` calls (layer order, one row each) to one that does not; a
+    failing group hook unsubscribes its observer like any hook and the others still get it."""
+    got: list = []
+
+    class PerLayer(Observer):
+        token_batched = True
+
+        def on_route(self, layer, idx, router_logits):
+            got.append(("one", layer, idx.tolist(), router_logits.shape))
+
+    class Grouped(PerLayer):
+        def on_route_layers(self, l0, idx, router_logits):
+            got.append(("group", l0, idx.tolist(), router_logits.shape))
+
+    class Broken(PerLayer):
+        def on_route_layers(self, l0, idx, router_logits):
+            raise RuntimeError("boom")
+
+    obs = ObserverList()
+    broken = Broken()
+    for o in (PerLayer(), broken, Grouped()):
+        obs.subscribe(o)
+    idx = np.array([[1, 2], [3, 4], [5, 6]], np.int64)
+    logits = np.zeros((3, 8), np.float32)
+    obs.publish_route_layers(4, idx, logits)
+    assert got == [("one", 4, [[1, 2]], (1, 8)), ("one", 5, [[3, 4]], (1, 8)), ("one", 6, [[5, 6]], (1, 8)),
+                   ("group", 4, [[1, 2], [3, 4], [5, 6]], (3, 8))]
+    assert broken not in obs and [f.hook for f in obs.failures] == ["on_route"]
+
+
+def test_routing_feed_groups_leave_heat_and_ema_as_per_layer_calls(dense_gap_store):
+    """RoutingFeed.on_route_layers (the one-call decode step's grouped routing) leaves the
+    routing heat and the "ema" policy's probability EMA bit for bit as one ``on_route`` call
+    per layer."""
+    from engine.generate import RoutingFeed
+    ends = []
+    for grouped in (False, True):
+        with Engine.open(_cfg(dense_gap_store, policy="ema")) as eng:
+            M, E, K = eng.cache.L, eng.args.num_experts, eng.args.num_experts_per_tok
+            feed = RoutingFeed(eng.heat, eng.cache)
+            r = np.random.default_rng(3)
+            for _ in range(5):
+                logits = r.standard_normal((M, E)).astype(np.float32)
+                idx = np.argsort(-logits, axis=1, kind="stable")[:, :K]
+                if grouped:
+                    feed.on_route_layers(0, idx, logits)
+                else:
+                    for j in range(M):
+                        feed.on_route(j, idx[j:j + 1], logits[j:j + 1])
+            ends.append((eng.heat.counts.copy(), eng.heat.session.copy(), eng.cache.prob_ema.copy()))
+    for a, b in zip(*ends):
+        assert np.array_equal(a, b)
+    assert ends[0][2].any()

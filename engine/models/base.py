@@ -845,6 +845,17 @@ def mean_router_probs(router_logits: np.ndarray) -> np.ndarray:
     return p.mean(axis=0, dtype=np.float32)
 
 
+def softmax_rows(router_logits: np.ndarray) -> np.ndarray:
+    """The router softmax of each row: float32 [n, E] logits -> float32 [n, E] probabilities,
+    by the kernel :func:`route` uses (K.route_softmax), so row i equals
+    ``mean_router_probs(router_logits[i:i + 1])``."""
+    n, E = router_logits.shape
+    p = np.empty((n, E), np.float32)
+    K.route_softmax(np.ascontiguousarray(router_logits, np.float32), 1, False, np.empty((n, 1), np.int64),
+                    np.empty((n, 1), np.float32), p)
+    return p
+
+
 _T1_FIELDS = ("gate_proj.w", "gate_proj.s", "up_proj.w", "up_proj.s", "down_proj.w", "down_proj.s")
 _ARENA_DTYPES = {"int4": (np.dtype(np.uint8), np.dtype(np.uint16)), "int8": (np.dtype(np.int8), np.dtype(np.float32))}
 
@@ -1576,8 +1587,8 @@ class MoEModel:
             idx, logits = outs[0], outs[2]
 
             def after_step(stop, l0=l0, idx=idx, logits=logits):  # the hooks before each layer's take
-                for j in range(l0, stop):
-                    obs.publish("on_route", j, idx[j:j + 1], logits[j:j + 1])
+                if stop > l0:
+                    obs.publish_route_layers(l0, idx[l0:stop], logits[l0:stop])
             stop = cache.take_resident_layers(
                 self._decode_call(plan, x, pos, self.k_cache, self.v_cache, outs, l0, forced), l0, after_step)
             if stop < 0:  # nothing ran (the cache was closed)
