@@ -35,7 +35,7 @@ import heapq
 import mmap
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from enum import Enum, IntEnum
 
 import numpy as np
@@ -289,6 +289,13 @@ class ExpertCache:
         # compute waits for it now (acquire), 1 = announced by prepare (in compute order)
         self._readq: list[tuple[int, int, int, int, int]] = []
         self._readq_seq = 0
+        # Speculations claimed before a one-call decode run (speculate_now): their slots are
+        # reserved (LOADING) under the cache lock, their reads wait in _spec_ready under a lock of
+        # their own, so the speculation reader can start them while a run holds the cache lock
+        self._spec_lock = threading.Lock()
+        self._spec_cv = threading.Condition(self._spec_lock)
+        self._spec_ready: deque = deque()  # (layer, expert, slot), claim order
+        self._spec_reader: threading.Thread | None = None
         self.io_threads = max(1, int(io_threads))
         self._readers = [threading.Thread(target=self._reader, name=f"colibri-io-{i}", daemon=True)
                          for i in range(self.io_threads)]
@@ -853,6 +860,8 @@ class ExpertCache:
                     if s < 0:  # else loading (a speculation in flight): acquire waits for it
                         missing.append(e)
                         self._errors.pop((layer, e), None)  # a failure of an earlier call is stale
+                    else:
+                        self._claim_back(layer, e, int(s), 1)
             # While reserving, this call's hits are held busy so a miss never evicts an expert
             # the same call is about to use; misses that find no other victim load in acquire,
             # after the call's earlier experts have been used and become evictable.
@@ -914,6 +923,8 @@ class ExpertCache:
                     if s < 0:  # else loading (a speculation in flight): acquire waits for it
                         missing.append(e)
                         self._errors.pop((layer, e), None)
+                    else:
+                        self._claim_back(layer, e, s, 1)
             for e in missing:  # the hits are busy: a miss never evicts one of them
                 slot = self._reserve(layer, e)
                 if slot < 0:
@@ -1034,6 +1045,8 @@ class ExpertCache:
                     raise err if isinstance(err, ExpertReadError) else ExpertReadError(str(err))
                 if t0 is None:
                     t0 = time.perf_counter()
+                if s >= 0:
+                    self._claim_back(layer, expert, int(s), 0)
                 if s < 0:
                     slot = self._reserve(layer, expert, last_resort=True)
                     if slot >= 0:
@@ -1137,6 +1150,78 @@ class ExpertCache:
                 return SpecRefused.FULL
             self.stats.spec_issued += 1
             return slot
+
+    def speculate_now(self, layer: int, expert: int, guard=None) -> int:
+        """Reserve a slot for a speculative load as :meth:`try_speculate` does and queue its
+        read for the speculation reader thread, which starts it without the cache's lock: PILOT
+        calls it right before a one-call decode run (MoEModel._decode_step_all), which holds the
+        lock for the whole run, so a worker could neither reserve nor start a read until it
+        ended. The reader starts reads in claim order, one at a time, each once no demand read
+        is in flight. A demand lookup of the expert before its read started takes the read over
+        as a demand read (:meth:`take_split`, :meth:`acquire`). Returns the slot (>= 0) or a
+        SpecRefused, as try_speculate."""
+        slot = self.try_speculate(layer, expert, guard)
+        if slot < 0:
+            return slot
+        with self._spec_cv:
+            if self._closed:  # close() ran between the two locks: give the slot back
+                ready = False
+            else:
+                ready = True
+                self._spec_ready.append((layer, expert, slot))
+                self._spec_cv.notify()
+                if self._spec_reader is None:
+                    self._spec_reader = threading.Thread(target=self._spec_read_loop, name="colibri-spec-io",
+                                                         daemon=True)
+                    self._spec_reader.start()
+        if not ready:
+            with self.lock:
+                self._unreserve(layer, slot)
+        return slot
+
+    def _claim_back(self, layer: int, expert: int, slot: int, urgency: int) -> None:
+        """A demand lookup found ``expert`` loading in ``slot`` (lock held): if it is a
+        speculation whose read has not started (:meth:`speculate_now`), read it as a demand read
+        now (``urgency`` as _submit) instead of after the speculations queued before it."""
+        with self._spec_lock:
+            try:
+                self._spec_ready.remove((layer, expert, slot))
+            except ValueError:
+                return  # not queued: a worker's speculation, or its read in flight
+        self.stats.spec_issued -= 1
+        self._submit(layer, expert, slot, urgency)
+
+    def cancel_speculations(self) -> int:
+        """Give back the slots of speculations :meth:`speculate_now` queued whose reads have
+        not started (PILOT at a new token: they are stale); counted as stale drops. Returns how
+        many."""
+        with self.lock:
+            with self._spec_lock:
+                items = list(self._spec_ready)
+                self._spec_ready.clear()
+            for layer, _e, slot in items:
+                self._unreserve(layer, slot)
+            self.stats.spec_issued -= len(items)
+            self.stats.spec_dropped_stale += len(items)
+            if items and self._cond_waiters:
+                self.cond.notify_all()
+        return len(items)
+
+    def _spec_read_loop(self) -> None:
+        """The speculation reader thread (:meth:`speculate_now`): take the oldest queued
+        speculation, wait while a demand read is in flight (a read beside it only slows it on
+        a disk that gains nothing from queue depth), read it (publishing it needs the lock:
+        after the run)."""
+        while True:
+            with self._spec_cv:
+                while not self._spec_ready and not self._closed:
+                    self._spec_cv.wait()
+                if self._closed:
+                    return  # close() gives the queued slots back
+                layer, expert, slot = self._spec_ready.popleft()
+            while self.demand_inflight > 0 and not self._closed:  # an int read: no lock (a run may hold it)
+                time.sleep(0.0005)
+            self._load(layer, expert, slot, True)
 
     def wait_demand_idle(self, timeout: float) -> bool:
         """Block until no demand read is in flight (True) or ``timeout`` seconds pass (False).
@@ -1358,10 +1443,15 @@ class ExpertCache:
             self.cond.notify_all()
             self._readq_cv.notify_all()
             self._idle_cv.notify_all()
+        with self._spec_cv:
+            self._spec_cv.notify_all()
         self._populate_wake.set()
         self._fill_wake.set()
         for t in self._readers:
             t.join()
+        if self._spec_reader is not None:
+            self._spec_reader.join()
+        self.cancel_speculations()
         if self._populater is not None:
             self._populater.join()
         if self._filler is not None:

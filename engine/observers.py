@@ -33,7 +33,7 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-HOOKS = ("on_forward_start", "on_layer_start", "on_after_attention", "on_route", "on_moe_wait",
+HOOKS = ("on_forward_start", "on_layer_start", "on_run_start", "on_after_attention", "on_route", "on_moe_wait",
          "on_after_moe", "on_load", "on_evict", "on_pins", "on_prediction")
 
 
@@ -44,6 +44,10 @@ class Observer:
         on_forward_start(pos0, num_tokens): a forward over ``num_tokens`` tokens at positions
             pos0.. starts (a prefill is one forward, however many chunks it runs in).
         on_layer_start(layer): MoE layer ``layer`` starts (per prefill chunk).
+        on_run_start(layer): a one-call run of a decode step's layers from ``layer`` is about
+            to start (token-batched path only, after its on_layer_start group): it holds the
+            cache's lock until it stops, so no read can be reserved or published meanwhile;
+            what should be read during it is reserved now (ExpertCache.speculate_now).
         on_after_attention(layer, x): x float32 [T, D], the residual after attention.
         on_route(layer, idx, router_logits): idx int64 [T, K] (top-k expert ids per row),
             router_logits float32 [T, E]; called before the layer's experts are requested.
@@ -68,12 +72,13 @@ class Observer:
     ``token_batched``: set it True when the observer may get a decode step's per-layer calls
     grouped: every layer's ``on_layer_start`` before the step, every layer's ``on_route`` after
     its layers ran (each group in layer order, on the compute thread, before the step's
-    logits), instead of interleaved with the layers. The model then runs each run of a decode
-    step's layers whose experts are resident in one kernel call (MoEModel._decode_step_all:
-    the groups then cover the layers from where a run starts; a layer that waits for a miss
-    gets its ``on_route`` on its own); with any subscriber of
-    ``on_after_attention`` or ``on_after_moe``, or of the two other hooks without this flag, it
-    keeps the per-layer calls. When a run stops at a layer with an expert not resident, the
+    logits), instead of interleaved with the layers, and ``on_after_attention`` /
+    ``on_after_moe`` only for the layers a decode step runs the per-layer way (the layer that
+    stops a run: an expert missing). The model then runs each run of a decode step's layers
+    whose experts are resident in one kernel call (MoEModel._decode_step_all: the groups then
+    cover the layers from where a run starts; a layer that waits for a miss gets its
+    ``on_route`` on its own); with any subscriber of ``on_layer_start``, ``on_route``,
+    ``on_after_attention`` or ``on_after_moe`` without this flag it keeps the per-layer calls. When a run stops at a layer with an expert not resident, the
     next run's ``on_layer_start`` group repeats the layers after it; when nothing could run
     (the cache closed), the per-layer path follows and calls ``on_layer_start`` again for each
     layer.
@@ -89,6 +94,8 @@ class Observer:
     def on_forward_start(self, pos0: int, num_tokens: int) -> None: ...
 
     def on_layer_start(self, layer: int) -> None: ...
+
+    def on_run_start(self, layer: int) -> None: ...
 
     def on_after_attention(self, layer: int, x: np.ndarray) -> None: ...
 
@@ -147,9 +154,9 @@ class ObserverList:
                 fs.append((o, f))
             hooks[name] = tuple(fs)
         self._route_groups = tuple((o, f, getattr(o, "on_route_layers", None)) for o, f in hooks.get("on_route", ()))
-        self._batched = (not hooks.get("on_after_attention") and not hooks.get("on_after_moe")
-                         and all(getattr(o, "token_batched", False) is True
-                                 for h in ("on_layer_start", "on_route") for o, _f in hooks.get(h, ())))
+        self._batched = all(getattr(o, "token_batched", False) is True
+                            for h in ("on_layer_start", "on_route", "on_after_attention", "on_after_moe")
+                            for o, _f in hooks.get(h, ()))
         self._hooks = hooks
 
     def subscribe(self, observer: object) -> None:
@@ -181,9 +188,9 @@ class ObserverList:
         return bool(self._hooks[hook])
 
     def token_batched(self) -> bool:
-        """True when every subscriber of a decode step's per-layer hooks may get them after the
-        step (``Observer.token_batched``) and none subscribes to ``on_after_attention`` or
-        ``on_after_moe``."""
+        """True when every subscriber of a decode step's per-layer hooks (``on_layer_start``,
+        ``on_route``, ``on_after_attention``, ``on_after_moe``) may get them grouped
+        (``Observer.token_batched``)."""
         return self._batched
 
     def publish(self, hook: str, *args) -> None:

@@ -41,7 +41,18 @@ Demand first: a worker starts a speculative read only when no demand read is in 
 speculation beside a demand read only delays the read the compute is waiting for).
 
 Queue: bounded, de-duplicated, pruned when a new token starts (stale), and requests for a
-layer the compute has already reached are dropped. Workers claim each item exactly once.
+layer the compute has already reached (its attention ran) are dropped. Workers claim each item
+exactly once.
+
+The one-call decode step (MoEModel._decode_step_all; this observer is token-batched): a run of
+resident layers holds the cache's lock from start to stop, so neither a worker nor a reader
+could reserve a slot or start a read during it, and PILOT's hooks fire only at the layer that
+stops a run (its attention ran in the kernel; its misses are read). There PILOT predicts as on
+the per-layer path (mode 1 from the post-attention residual, the draft while it waits, modes
+2 / 3 from the post-MoE residual), and right before the next run starts (``on_run_start``)
+the compute thread reserves the slots of everything queued (ExpertCache.speculate_now), whose
+reads the speculation reader then runs during the run. Layers inside a run are not predicted:
+their residuals never leave the kernel.
 Eviction guard (colibri #497 final form): a speculation may take a free slot; it may evict a
 resident expert unless the victim is genuinely warm (session heat >= 2) and clearly hotter
 (score(victim) + score(victim)/4 + 4*256 > score(candidate); score = heat << 8 | recency).
@@ -138,6 +149,15 @@ class PrefetchQueue:
                 self._cv.notify(len(new))
             return dropped, len(new)
 
+    def get_nowait(self):
+        """The next item, or None when the queue is empty."""
+        with self._cv:
+            if not self._q:
+                return None
+            item = self._q.popleft()
+            self._keys.discard((item[0], item[1]))
+            return item
+
     def get(self, timeout: float = 0.1):
         """Next item or None on timeout/close."""
         with self._cv:
@@ -184,6 +204,8 @@ class Pilot(Observer):
         conf_limit, smooth, evict_guard).
     """
 
+    token_batched = True  # the one-call decode step keeps running with PILOT on (module docstring)
+
     def __init__(self, model, cache, config):
         a = model.args
         self.model, self.cache = model, cache
@@ -217,6 +239,7 @@ class Pilot(Observer):
         self.prec_hits = np.zeros((4, self.L, nr), np.int64)
         self.prec_total = np.zeros((4, self.L, nr), np.int64)
         self.pred_rank = np.full((4, self.L, self.E), -1, np.int64)
+        self.claimed = 0  # speculations reserved before one-call runs (on_run_start), net of cancelled ones
         self._closed = False
         self.observers = ObserverList(("on_prediction",))
         model.subscribe(self)
@@ -248,9 +271,29 @@ class Pilot(Observer):
         self.pred_made[:] = False
         self.pred_rank[:] = -1
         self.cur_layer = -1
+        n = self.cache.cancel_speculations()  # reserved for the last token's runs, never started
+        if n:
+            self.claimed -= n
 
-    def on_layer_start(self, layer: int) -> None:
-        self.cur_layer = layer
+    def on_run_start(self, layer: int) -> None:
+        """A one-call decode run from ``layer`` starts and will hold the cache's lock until it
+        stops: reserve every queued speculation of a later layer now (the precision gate
+        already passed them; ExpertCache.speculate_now), so its read runs during the run."""
+        while True:
+            item = self.queue.get_nowait()
+            if item is None:
+                return
+            t, e, gen = item
+            if gen != self.gen or t < layer:
+                self.cache.count_dropped(SpecDrop.STALE)
+                continue
+            slot = self.cache.speculate_now(t, e, self._guard if self.use_guard else None)
+            if slot == SpecRefused.GUARD:
+                self.cache.count_dropped(SpecDrop.GUARD)
+            elif slot == SpecRefused.FULL:
+                self.cache.count_dropped(SpecDrop.FULL)
+            elif slot >= 0:
+                self.claimed += 1
 
     def wanted(self, t: int) -> bool:
         """Whether MoE layer ``t`` is worth predicting now: some of its experts are not in the
@@ -258,9 +301,10 @@ class Pilot(Observer):
         return self.cache.live_slots(t) < self.E or self.observers.has("on_prediction")
 
     def on_after_attention(self, layer: int, x: np.ndarray) -> None:
+        self.cur_layer = layer  # its experts are requested next: queued guesses for it are stale
         self._small = x.shape[0] <= SMALL_BATCH
         if self._small and self.mode >= 1 and layer + 1 < self.L and self.wanted(layer + 1):
-            self.predict(layer + 1, x[-1:], 1)
+            self.predict(layer + 1, x[-1:], 1, layer)
 
     def on_moe_wait(self, layer: int, x: np.ndarray, wait_s: float) -> None:
         """Layer ``layer`` waits for experts being read; x float32 [1, D] is its draft residual
@@ -283,7 +327,7 @@ class Pilot(Observer):
             return
         t0 = time.perf_counter()
         att = self.model.draft_attention(layer + 1, x, self.pos_last)
-        self.predict(layer + 1, x + att if att is not None else x, 0)
+        self.predict(layer + 1, x + att if att is not None else x, 0, layer)
         dt = time.perf_counter() - t0
         self.draft_s = dt if self.drafts == 0 else 0.8 * self.draft_s + 0.2 * dt
         self.drafts += 1
@@ -292,23 +336,30 @@ class Pilot(Observer):
         if not self._small:
             return
         if self.mode >= 2 and layer + 2 < self.L and self.wanted(layer + 2):
-            self.predict(layer + 2, x[-1:], 2)
+            self.predict(layer + 2, x[-1:], 2, layer)
         if self.mode >= 3 and layer + 3 < self.L and self.wanted(layer + 3):
-            self.predict(layer + 3, x[-1:], 3)
+            self.predict(layer + 3, x[-1:], 3, layer)
 
     def precision(self, dist: int, layer: int, rank: int) -> float:
         """The gate's estimate: (hits + 3) / (predictions + 4) of the (dist, layer, rank) cell."""
         return (self.prec_hits[dist, layer, rank] + 3) / (self.prec_total[dist, layer, rank] + 4)
 
-    def predict(self, t: int, x: np.ndarray, dist: int = 1) -> None:
+    def predict(self, t: int, x: np.ndarray, dist: int = 1, src: int | None = None) -> None:
         """Predict MoE layer ``t``'s experts from the residual x float32 [1, D] taken ``dist``
-        layers before (0: the draft of layer t - 1, :meth:`on_moe_wait`), publish them
-        (``on_prediction``) and queue the non-resident ones the precision gate lets through
-        (``request``; a draft's at the head of the queue, :meth:`PrefetchQueue.put_layer_first`)."""
+        layers before (0: the draft of layer t - 1, :meth:`on_moe_wait`) at MoE layer ``src``
+        (default t - max(dist, 1)), publish them (``on_prediction``) and queue the
+        non-resident ones the precision gate lets through (``request``; a draft's at the head
+        of the queue, :meth:`PrefetchQueue.put_layer_first`). A model driven by a replayed
+        routing (``routing_replay``: engine.trace.RecordedRouting) gets the recorded
+        predictor's logits of layer t from layer ``src`` instead of its router's."""
         m = self.model
-        h = np.empty_like(x)
-        K.rmsnorm(x, m.moe_norm(t), m.args.rms_norm_eps, h)
-        logits = m.router_logits(t, h)[0]  # [E]
+        replay = getattr(m, "routing_replay", None)
+        if replay is not None:
+            logits = replay.pred_logits(t, t - max(dist, 1) if src is None else src, self.pos_last)[0]
+        else:
+            h = np.empty_like(x)
+            K.rmsnorm(x, m.moe_norm(t), m.args.rms_norm_eps, h)
+            logits = m.router_logits(t, h)[0]  # [E]
         if self.smooth > 0 and dist > 0:
             if not self.ema_set[t]:
                 self.ema[t] = logits
@@ -360,6 +411,7 @@ class Pilot(Observer):
         """Real routing of ``layer``: the guard's heat, and for a layer predicted this token
         the recall and precision bookkeeping; the EMA (predictor only)."""
         logits = router_logits
+        self.cur_layer = max(self.cur_layer, layer)
         self.session_heat[layer] += np.bincount(idx.reshape(-1), minlength=self.E)
         if idx.shape[0] > SMALL_BATCH:
             return

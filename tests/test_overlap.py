@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+import time
 import zlib
 
 import numpy as np
@@ -456,3 +457,138 @@ def test_reserve_cache_setting_reserves_the_whole_cap(tiny_store):
     assert a.reserve_cache is True and a.idle_fill is True
     gbps = measure_first_touch(0.01)
     assert gbps is None or gbps > 0
+
+
+class _GatedStore:
+    """A store whose reads block until ``go`` is set (per expert), recording the order and
+    whether each read was speculative (by the reading thread's name)."""
+
+    slot_bytes = 4096
+    path = "."
+    experts = None
+
+    def __init__(self):
+        self.started: list[tuple[int, str]] = []
+        self.go: dict[int, threading.Event] = {}
+        self.lk = threading.Lock()
+
+    def read(self, layer, expert, buf, verify=False):
+        with self.lk:
+            self.started.append((expert, threading.current_thread().name))
+            ev = self.go.setdefault(expert, threading.Event())
+        assert ev.wait(10)
+        return 4096
+
+    def views(self, buf):
+        return {}
+
+    def release(self, expert):
+        with self.lk:
+            self.go.setdefault(expert, threading.Event()).set()
+
+
+def test_reserved_speculation_reads_while_the_lock_is_held_and_demand_takes_queued_ones_over():
+    """ExpertCache.speculate_now (PILOT right before a one-call decode run): the slots are
+    reserved at once; the speculation reader starts the reads in claim order without the
+    cache's lock (a run holds it), one at a time; a demand lookup of a reserved expert whose
+    read has not started reads it as a demand read at once (not behind the speculations
+    queued before it); cancel_speculations gives the unstarted ones back as stale drops."""
+    import time as _t
+    from engine.expert_cache import ExpertCache
+    st = _GatedStore()
+    cache = ExpertCache(st, 1, 16, cap=8, io_threads=1)
+    try:
+        cache.demand_inflight = 1  # holds the reader back (demand first) until the lock is taken
+        for e in (3, 5, 9):
+            assert cache.speculate_now(0, e) >= 0
+        with cache.lock:  # as a one-call run holds it: the first read still starts
+            cache.demand_inflight = 0
+            deadline = _t.monotonic() + 5
+            while not st.started and _t.monotonic() < deadline:
+                _t.sleep(0.001)
+        assert [e for e, _ in st.started] == [3] and st.started[0][1] == "colibri-spec-io"
+        assert cache.stats.spec_issued == 3 and all(cache.where[0, e] >= 0 for e in (3, 5, 9))
+        hits, slots, misses = cache.take_split(0, [9])  # 9 queued behind 5: taken over
+        assert misses == [9] and cache.stats.spec_issued == 2
+        deadline = _t.monotonic() + 5
+        while len(st.started) < 2 and _t.monotonic() < deadline:
+            _t.sleep(0.001)
+        assert st.started[1] == (9, "colibri-io-0")  # a demand read, beside the speculation in flight
+        st.release(9)
+        cache.acquire(0, 9)
+        cache.release(0, 9)
+        assert cache.cancel_speculations() == 1  # 5 never started
+        assert cache.where[0, 5] == -1 and cache.stats.spec_dropped_stale == 1 and cache.stats.spec_issued == 1
+        st.release(3)
+        deadline = _t.monotonic() + 5
+        while cache.stats.spec_completed < 1 and _t.monotonic() < deadline:
+            _t.sleep(0.001)
+        assert cache.stats.spec_completed == 1 and cache.is_present(0, 3)
+        cache.demand_inflight = 1  # 11 stays queued: close gives its slot back
+        assert cache.speculate_now(0, 11) >= 0
+    finally:
+        cache.close()
+    assert cache.where[0, 11] == -1 and [e for e, _ in st.started] == [3, 9]
+
+
+@pytest.mark.parametrize("replayed", [False, True])
+def test_pilot_keeps_the_one_call_decode_step(medium_store, logits_trace, monkeypatch, replayed):
+    """PILOT (mode 3, draft on) no longer forces the per-layer decode path: decode steps run in
+    K.decode_layers_t1, PILOT predicts at the layers that stop a run from their own layer
+    (a replayed routing's recorded predictor of layer t from layer src < t, never the real
+    logits of a layer not yet reached), reserves its speculations before the next run
+    (speculate_now; the workers idled here, so it is the only way in) and their reads
+    complete; logits bit-identical to pilot 0 on the per-layer path."""
+    import engine.models.base as base
+    from engine.expert_cache import ExpertCache
+    runs, claims, preds = [], [], []
+    real_take, real_spec = ExpertCache.take_resident_layers, ExpertCache.speculate_now
+
+    def take(self, *a, **kw):
+        runs.append(1)
+        return real_take(self, *a, **kw)
+
+    def spec(self, layer, expert, guard=None):
+        claims.append(layer)
+        return real_spec(self, layer, expert, guard)
+    monkeypatch.setattr(ExpertCache, "take_resident_layers", take)
+    monkeypatch.setattr(ExpertCache, "speculate_now", spec)
+    from engine.prefetch import Pilot
+
+    def idle_worker(self):  # the workers take nothing: what PILOT queues is reserved before runs
+        while not self._closed:
+            time.sleep(0.01)
+    monkeypatch.setattr(Pilot, "_work", idle_worker)
+    out = {}
+    for pilot, one_call in ((3, True), (0, False)):
+        monkeypatch.setattr(base, "DECODE_T1", one_call)
+        runs.clear()
+        cfg = EngineConfig(store=str(medium_store), history=False, pinning=False, cap=6, pilot=pilot,
+                           o_direct=False, spec_precision=0.0)
+        with Engine.open(cfg) as eng:
+            m = eng.model
+            if one_call:
+                assert m.wait_decode_ready(900)
+            rr = None
+            if replayed:
+                rr = RecordedRouting(logits_trace, 4, 16, seed=0).install(m)
+                orig = rr.pred_logits
+                rr.pred_logits = lambda t, src, pos: (preds.append((t, src)), orig(t, src, pos))[1]
+            logits = [m.forward(np.arange(1, 6), 0)]
+            for p in range(5, 45):
+                logits.append(m.forward(np.array([p + 3]), p))
+            if pilot:
+                assert eng.pilot.drafts + eng.pilot.drafts_skipped > 0
+                st = eng.cache.stats
+                deadline = time.monotonic() + 10
+                while st.spec_completed + st.spec_dropped_stale < eng.pilot.claimed and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert eng.pilot.claimed > 0 and st.spec_completed > 0
+            if rr is not None:
+                rr.uninstall()
+        assert bool(runs) == one_call
+        out[pilot] = np.concatenate(logits)
+    assert claims
+    if replayed:
+        assert preds and all(0 <= src < t <= src + 3 for t, src in preds), preds
+    assert np.array_equal(out[3].view(np.uint32), out[0].view(np.uint32))

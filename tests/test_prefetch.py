@@ -72,11 +72,15 @@ def test_recall_reported_per_layer(medium_store):
     assert max(rec[1:]) > 0.0
 
 
-def test_layers_with_every_expert_resident_are_not_predicted(medium_store):
+def test_layers_with_every_expert_resident_are_not_predicted(medium_store, monkeypatch):
     """A layer whose num_experts experts are all in the cache gets no prediction (nothing
     could be loaded for it; predicting cost 12-25% of the bundled model's decode), unless a
     subscriber wants every prediction; the other layers are predicted as before; the ids do
-    not change; recall counts only the layers that were predicted."""
+    not change; recall counts only the layers that were predicted. (The per-layer decode
+    path, where every layer's hooks fire; the one-call step predicts only at the layers that
+    stop its runs: test_pilot_in_the_one_call_decode_step.)"""
+    import engine.models.base as base
+    monkeypatch.setattr(base, "DECODE_T1", False)
     ref, _ = _run(medium_store, cap=16, pilot=0)
     stream = np.random.default_rng(11).integers(10, 500, 60).tolist()
     req = GenerateRequest(prompt_ids=tuple(stream[:12]), sampling=SamplingParams(max_new_tokens=40))
@@ -99,7 +103,7 @@ def test_layers_with_every_expert_resident_are_not_predicted(medium_store):
             eng.cache.load_experts(2, range(E // 2))
             predicted = []
             orig = p.predict
-            p.predict = lambda t, x, dist=1: (predicted.append(t), orig(t, x, dist))[1]
+            p.predict = lambda t, x, dist=1, src=None: (predicted.append(t), orig(t, x, dist, src))[1]
             seen = Seen()
             if subscribe:
                 eng.subscribe(seen)
@@ -372,7 +376,7 @@ def test_perfect_predictor_drops_under_half(medium_store):
         """Queues exactly the experts the target layer will route to (same forward count as
         the recording: ``gen`` counts forwards)."""
 
-        def predict(self, t, x, dist=1):
+        def predict(self, t, x, dist=1, src=None):
             for e in routes.get((self.gen, t), ()):
                 if not self.cache.is_present(t, int(e)):
                     self.request(t, int(e))

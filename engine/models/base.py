@@ -1556,12 +1556,14 @@ class MoEModel:
         engine.trace.RecordedRouting, whose logits the kernel then takes) and every per-layer
         observer is token-batched (Observer.token_batched). From layer l0 (0 first): token-batched
         observers get ``on_layer_start`` of layers l0.. (the RSS guard polls there, before any
-        take), the kernel runs layers until one has an expert that is not resident
+        take) and ``on_run_start(l0)`` (PILOT reserves the reads it wants during the run), the
+        kernel runs layers until one has an expert that is not resident
         (ExpertCache.take_resident_layers, the cache's lock held), then ``on_route`` of the
         layers it ran, before the cache's bookkeeping of their takes (a layer's LFRU placement
         reads that layer's routing heat, as in the per-layer path). The layer that stopped it
-        (its attention already run) takes its experts the per-layer way (:meth:`mlp`: misses
-        read, waited for), and the next run starts after it. With every expert resident that is
+        (its attention already run) gets ``on_after_attention``, takes its experts the
+        per-layer way (:meth:`mlp`: misses read, waited for) and gets ``on_after_moe``; the
+        next run starts after it. With every expert resident that is
         one call per step; streaming, one call per run of resident layers instead of ~10
         kernel launches per layer from Python. The values are bit-identical to the per-layer
         path, and the cache's state ends as it leaves it (tests/test_families.py). Returns False,
@@ -1583,6 +1585,7 @@ class MoEModel:
         while l0 < L:
             for j in range(l0, L):
                 obs.publish("on_layer_start", j)
+            obs.publish("on_run_start", l0)
             outs = self._decode_outs()
             idx, logits = outs[0], outs[2]
 
