@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from .config import ModelArgs
 from .errors import ExpertReadError, StoreError
-from .platform_io import open_for_reads, positional_reader
+from .platform_io import open_for_reads, positional_reader, preadv
 from .quant import ALIGN, QUANTS, aligned_empty, slab_layout, slab_views
 from .store_format import CHECKSUM_OF_VERSION, EXPERT_LAYOUTS, FORMAT_NAME, FORMAT_VERSION, READ_VERSIONS, check_store_files, slab_checksum
 
@@ -238,8 +238,9 @@ class ExpertStore:
 
     # --- dense ----------------------------------------------------------------------------
 
-    def load_dense(self) -> dict[str, np.ndarray]:
-        """All dense tensors as in-RAM numpy arrays (canonical names, see convert.py), read with
+    def load_dense(self, exclude: tuple[str, ...] = ()) -> dict[str, np.ndarray]:
+        """All dense tensors but ``exclude`` as in-RAM numpy arrays (canonical names, see
+        convert.py; the engine leaves out EMBED_TENSORS, read by :meth:`embedding_rows`), read with
         pread into fresh arrays rather than copied out of a whole-file mmap: mapped pages count
         in RSS, so an mmap copy peaked at twice the dense bytes while the model opened (a
         DeepSeek-V3-shaped store with 3.2 GB of dense weights peaked at 6.5 GB RSS under a 4 GB
@@ -253,12 +254,45 @@ class ExpertStore:
             with open(p, "rb"):  # the real errno: safetensors reports EACCES as "No such file"
                 pass
             with safe_open(str(p), framework="numpy") as f:  # validates the header and offsets
-                names = list(f.keys())
+                names = [k for k in f.keys() if k not in exclude]
             return _pread_safetensors(p, names)
         except PermissionError:
             raise StoreError(f"{p}: {_denied()}") from None
         except (SafetensorError, OSError, ValueError, TypeError) as e:
             raise StoreError(f"{p}: cannot read the dense weights ({e}); re-run `colibri convert`") from None
+
+    def embedding_rows(self) -> "EmbeddingRows":
+        """The token-embedding table (EMBED_TENSORS) left in the dense file and read row by row
+        when a forward needs it (:class:`EmbeddingRows`); its file stays open until
+        :meth:`close`.
+
+        Raises:
+            StoreError: the dense file is missing or lacks ``embed_tokens.w``.
+        """
+        import struct as _struct
+        p = self.path / self.manifest["dense_file"]
+        try:
+            fd = open_for_reads(p, uncached=False).fd
+        except PermissionError:
+            raise StoreError(f"{p}: {_denied()}") from None
+        except OSError as e:
+            raise StoreError(f"{p}: cannot be opened ({e}); check the disk or re-convert the store") from None
+        try:
+            head = np.empty(8, np.uint8)
+            if preadv(fd, [head], 0) != 8:
+                raise ValueError("no safetensors header")
+            n = int(_struct.unpack("<Q", head.tobytes())[0])
+            raw = np.empty(n, np.uint8)
+            if preadv(fd, [raw], 8) != n:
+                raise ValueError("truncated safetensors header")
+            rows = EmbeddingRows(p, fd, json.loads(raw.tobytes()), 8 + n)
+        except (OSError, ValueError, KeyError, _struct.error) as e:
+            os.close(fd)
+            raise StoreError(f"{p}: cannot read the embedding table ({type(e).__name__}: {e}); "
+                             f"re-run `colibri convert`") from None
+        with self._lock:
+            self._fds[f"{self.manifest['dense_file']}#embed_tokens"] = fd  # closed with the store
+        return rows
 
     # --- experts --------------------------------------------------------------------------
 
@@ -308,6 +342,84 @@ class ExpertStore:
 
     def __exit__(self, *exc):
         self.close()
+
+
+EMBED_TENSORS = ("embed_tokens.w", "embed_tokens.s")
+
+
+class EmbeddingRows:
+    """A store's token-embedding table read row by row from its dense file (one positional read
+    of each distinct id's row and scale row, engine.platform_io) when a forward embeds tokens, never held in RAM: a decode
+    step reads one row of D values (2 KB at int8 for D = 2048), and the RAM the V x D table
+    took goes to the expert cache (OLMoE-1B-7B: 103 MB, ~29 int4 experts; DeepSeek-V3: 0.9 GB
+    at int8). llama.cpp likewise leaves token_embd in its mmap'd file. The rows come back
+    bit-identical, so the embedding's values do not change.
+
+    Args:
+        path: the dense file (for messages). fd: an open descriptor of it (the store owns and
+            closes it). header: its safetensors header (dict); base: the byte where its data
+            starts (8 + header length).
+    Attributes:
+        w, s: zero-row arrays with the table's dtype and row shape (``s`` None when the table
+            is not quantized): what engine.quant.kind_of reads. num_rows: V. nbytes: the
+            table's bytes in the file.
+    Raises:
+        KeyError: the header has no ``embed_tokens.w``. ValueError: a dtype no store holds, or
+            a tensor whose byte span does not match its shape.
+    """
+
+    def __init__(self, path: Path, fd: int, header: dict, base: int):
+        self.path, self.fd = Path(path), fd
+        self._read = positional_reader()
+        self.parts = []  # (name, dtype, row shape, byte offset of row 0, bytes per row)
+        for name in EMBED_TENSORS:
+            v = header.get(name)
+            if v is None:
+                if name == EMBED_TENSORS[0]:
+                    raise KeyError(name)
+                continue
+            if v["dtype"] not in _ST_DTYPES:
+                raise ValueError(f"tensor {name!r} has dtype {v['dtype']}, which a colibri store never holds")
+            dt = np.dtype(_ST_DTYPES[v["dtype"]])
+            shape = tuple(int(d) for d in v["shape"])
+            s0, e0 = v["data_offsets"]
+            row = int(np.prod(shape[1:], dtype=np.int64)) * dt.itemsize
+            if row * shape[0] != e0 - s0:
+                raise ValueError(f"tensor {name!r}: {e0 - s0} bytes for shape {list(shape)} {v['dtype']}")
+            self.parts.append((name, dt, shape[1:], base + int(s0), row))
+        self.num_rows = int(header[EMBED_TENSORS[0]]["shape"][0])
+        empty = [np.empty((0,) + shape, dt) for _n, dt, shape, _o, _r in self.parts]
+        self.w = empty[0]
+        self.s = empty[1] if len(empty) > 1 else None
+        self.nbytes = sum(r * self.num_rows for *_x, r in self.parts)
+
+    def rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """(local int64 [T], w, s): the rows of the distinct ids among ``ids`` (int [T]), in
+        ascending id order, and each id's index among them, so that ``table[ids] ==
+        w[local]`` (and the scales likewise).
+
+        Raises:
+            ValueError: an id outside 0..V-1 (named). StoreError: a read failed or was short.
+        """
+        ids = np.asarray(ids, np.int64)
+        uniq, local = np.unique(ids, return_inverse=True)
+        if uniq.size and (uniq[0] < 0 or uniq[-1] >= self.num_rows):
+            bad = int(uniq[0] if uniq[0] < 0 else uniq[-1])
+            raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.num_rows - 1})")
+        out = []
+        for name, dt, shape, off, row in self.parts:
+            arr = np.empty((uniq.size,) + shape, dt)
+            flat = arr.reshape(uniq.size, -1).view(np.uint8)
+            for i, t in enumerate(uniq.tolist()):
+                try:
+                    got = self._read(self.fd, [flat[i]], off + t * row)
+                except OSError as e:
+                    raise StoreError(f"{self.path}: reading row {t} of {name} failed ({e}); check the disk") from None
+                if got != row:
+                    raise StoreError(f"{self.path}: short read of row {t} of {name} ({got} of {row} bytes); "
+                                     f"the file is truncated - re-run `colibri convert`")
+            out.append(arr)
+        return local.reshape(ids.shape), out[0], out[1] if len(out) > 1 else None
 
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "I8": np.int8, "U8": np.uint8, "I32": np.int32,

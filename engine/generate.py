@@ -20,7 +20,7 @@ from .docs_lookup import DOCS_PER_QUESTION, INDEX_FILE, CopyPrior, DocEntry, Doc
 from .errors import Cancelled, ContextOverflowError, EngineError, ExpertReadError, StoreError
 from .events import Finished, FinishReason, GenerateRequest, Loaded, LoadProgress, ResidencySnapshot, TokenEvent
 from .expert_cache import ExpertCache
-from .expert_store import ExpertStore
+from .expert_store import EMBED_TENSORS, ExpertStore
 from .heat import RoutingHeat, cap_pins, pins_per_layer
 from .metrics import MetricsTracker, answer_rates, residency_snapshot
 from .models import build_model
@@ -158,7 +158,10 @@ class Engine:
                                      f"{store.path / INDEX_FILE} to silence this, or convert the model "
                                      f"again from a folder with a good index")
                 log.warning("%s", self.docs_problem)
-        dense = store.load_dense()
+        # the embedding table stays in the store, read row by row (EmbeddingRows): its RAM goes
+        # to the expert cache
+        dense = store.load_dense(exclude=EMBED_TENSORS)
+        embed_rows = store.embedding_rows()
         dense_bytes = sum(v.nbytes for v in dense.values())
         # the one sizing rule (engine/sizing.py), with the dense bytes as loaded
         self.sizing = replace(estimate_store(a, store.manifest, config.context_length, config.kv_dtype),
@@ -183,7 +186,7 @@ class Engine:
                 timeout_s=config.cluster_timeout_ms / 1000.0, options=self._cluster_options)
             report(LoadProgress("cluster", 1, 1, "", self.cluster.status().summary()))
         self.model = build_model(a, dense, store.dense_quant, store.quant, experts, ctx, store.group_size,
-                                 kv_dtype=config.kv_dtype)
+                                 kv_dtype=config.kv_dtype, embed_rows=embed_rows)
         self.kernel_warmup_s = self._warm_kernels(report)
         start = getattr(self.model, "start_decode_warm", None)
         if start is not None:  # the one-call decode step: compiled beside the first answer, not before it

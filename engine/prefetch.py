@@ -189,11 +189,12 @@ class PrefetchQueue:
 class Pilot(Observer):
     """An observer of a model (engine/observers.py) that prefetches into an ExpertCache.
 
-    The constructor subscribes it to ``model`` (forward start, layer start, post-attention and
-    post-MoE residuals, routing) and starts the loader workers; ``close`` unsubscribes and joins
+    The constructor subscribes it to ``model`` (forward start, run start, post-attention and
+    post-MoE residuals, the draft, routing) and starts the loader workers; ``close`` unsubscribes and joins
     them. It uses only public members of the model (``args``, ``num_moe_layers``, ``moe_norm``,
-    ``router_logits``) and the cache (``is_present``, ``wait_demand_idle``, ``try_speculate``,
-    ``load_speculative``, ``count_dropped``, ``clock``, ``last_use``). It publishes
+    ``router_logits``; ``routing_replay`` when a recorded routing drives it) and the cache
+    (``is_present``, ``wait_demand_idle``, ``try_speculate``, ``load_speculative``,
+    ``speculate_now``, ``cancel_speculations``, ``count_dropped``, ``clock``, ``last_use``). It publishes
     ``on_prediction(layer, experts, distance)`` to its own subscribers (``subscribe``).
 
     Layers are MoE-layer indices (engine/models/base.py): "layer j + 1" is the next layer with
@@ -239,7 +240,7 @@ class Pilot(Observer):
         self.prec_hits = np.zeros((4, self.L, nr), np.int64)
         self.prec_total = np.zeros((4, self.L, nr), np.int64)
         self.pred_rank = np.full((4, self.L, self.E), -1, np.int64)
-        self.claimed = 0  # speculations reserved before one-call runs (on_run_start), net of cancelled ones
+        self.claimed = 0  # speculations reserved before one-call runs (on_run_start), less those given back unstarted
         self._closed = False
         self.observers = ObserverList(("on_prediction",))
         model.subscribe(self)

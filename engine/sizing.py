@@ -4,10 +4,12 @@ download`` (through engine.library), and the settings dialog's "auto" values.
 
 Sizes are bytes (GB = 1e9 bytes), context lengths tokens.
 
-    dense   resident weights: the loaded store's arrays (``manifest["dense_bytes"]``), or
-            before conversion the sum over the family's resident tensors at the store's dense
-            quantization (engine.models.dense_bytes: the tensor list convert.py writes;
-            attention, norms, routers, embeddings, biases, shared experts, dense-layer MLPs).
+    dense   resident weights: the loaded store's arrays (``manifest["dense_bytes"]`` less the
+            token-embedding table, which the engine reads row by row from the store:
+            engine.expert_store.EmbeddingRows), or before conversion the sum over the family's
+            resident tensors at the store's dense quantization (engine.models.dense_bytes: the
+            tensor list convert.py writes; attention, norms, routers, lm_head, biases, shared
+            experts, dense-layer MLPs; engine.models.embedding_bytes left out).
     kv      2 (K and V) x transformer layers (num_hidden_layers) x KV heads x context x
             head_dim x 2 bytes (the kv_dtype setting's default f16; 4 bytes with f32).
     slots   one routed-expert slab per MoE layer (``manifest["slot_bytes"]``, else
@@ -75,11 +77,22 @@ def kv_bytes(args, context_length: int, kv_dtype: str = DEFAULT_KV_DTYPE) -> int
 
 def dense_bytes(args, quant: str) -> int:
     """Resident bytes of ``args`` converted with experts at ``quant``: attention, norms,
-    routers, embeddings, and - per family - biases, shared experts and the MLPs of dense
-    layers (engine.models.dense_bytes, from the tensor list the converter writes; equals the
-    store's ``manifest["dense_bytes"]``: tests check it per family for int8 / int4 / f16)."""
+    routers, lm_head, and - per family - biases, shared experts and the MLPs of dense layers
+    (engine.models.dense_bytes, from the tensor list the converter writes, less
+    engine.models.embedding_bytes: the embedding table stays in the store; equals the bytes
+    Engine.open loads: tests check it per family for int8 / int4 / f16)."""
     from .models import dense_bytes as family_dense_bytes
-    return int(family_dense_bytes(args, quant))
+    from .models import embedding_bytes
+    return int(family_dense_bytes(args, quant)) - int(embedding_bytes(args, quant))
+
+
+def store_dense_bytes(args, manifest: dict) -> int:
+    """Resident bytes of a converted store: its ``dense_bytes`` less its embedding table (read
+    row by row from the store), at the store's dense quantization and group size."""
+    from .models import embedding_bytes
+    quant = str(manifest.get("quant", "int8"))
+    return int(manifest["dense_bytes"]) - int(embedding_bytes(args, quant, int(manifest.get("group_size") or 32),
+                                                              manifest.get("dense_quant")))
 
 
 def slot_bytes(args, quant: str) -> int:
@@ -144,7 +157,9 @@ def estimate(args, quant: str = "int8", context_length: int = MAX_DEFAULT_CONTEX
     slots = M * slot
     n_dense = 3 * len(family_for(args.model_type).dense_tensors(args))  # arrays in dense.safetensors (about)
     # + manifest (~120 B per expert) + dense.safetensors header (~128 B per array)
-    store = experts + dense + extra_store_bytes + 4096 + 120 * M * E + 128 * n_dense
+    from .models import embedding_bytes
+    # on disk the dense file holds the embedding table too (read from there row by row)
+    store = experts + dense + embedding_bytes(args, quant) + extra_store_bytes + 4096 + 120 * M * E + 128 * n_dense
     return Estimate(quant, slot, experts, dense, store, kv, slots, RESERVE_BYTES,
                     dense + kv + slots + RESERVE_BYTES, ctx, E, args.num_experts_per_tok, (slot,) * M)
 
@@ -166,7 +181,7 @@ def estimate_store(args, manifest: dict, context_length: int, kv_dtype: str = DE
     the KV cache at ``kv_dtype`` ("f16" or "f32")."""
     layer_slots = tuple(int(b) for b in manifest["slot_bytes"])
     ctx = effective_context(args, context_length)
-    dense = int(manifest["dense_bytes"])
+    dense = store_dense_bytes(args, manifest)
     kv = kv_bytes(args, ctx, kv_dtype)
     slots = sum(layer_slots)
     E = args.num_experts

@@ -845,3 +845,51 @@ def test_expert_layout_choice_is_checked_before_writing(family_stores, tmp_path)
     assert expert_layout_for("int4", 128, 64, 32) == ("interleaved_4" if K_SIMD else "row_major")
     s = convert_checkpoint(ck, tmp_path / "auto", quant="int4")
     assert json.loads((s / "manifest.json").read_text())["expert_layout"] == "row_major"
+
+
+@pytest.mark.parametrize("quant,dense_quant", [("int8", None), ("int4", "int4"), ("f16", None), ("f32", None)])
+def test_embedding_rows_come_from_the_store_bit_identical(family_stores, tmp_path, quant, dense_quant):
+    """The engine leaves the token-embedding table in the store and reads the rows a forward
+    needs (ExpertStore.embedding_rows): the same rows as the table loaded whole, bit for bit,
+    for every dense quantization (int8, int4, f16, f32), repeated and unsorted ids; Engine.open
+    keeps it out of RAM (the loaded dense bytes lack it); an id outside the vocabulary and a
+    truncated dense file are named errors, not a crash."""
+    from engine.errors import StoreError
+    from engine.expert_store import EMBED_TENSORS
+    from engine.models import embedding_bytes
+    ck, _ = family_stores["olmoe"]
+    kw = {"dense_quant": dense_quant} if dense_quant else {}
+    store = convert_checkpoint(ck, tmp_path / "s", quant=quant, **kw)
+    ids = np.array([7, 3, 7, 0, 41, 3], np.int64)
+    with ExpertStore(store, o_direct=False) as st:
+        whole = st.load_dense()
+        rows = st.embedding_rows()
+        a = st.args
+        assert rows.num_rows == a.vocab_size and rows.nbytes == embedding_bytes(a, quant, st.group_size, st.dense_quant)
+        local, w, s = rows.rows(ids)
+        assert np.array_equal(w[local].view(np.uint8), whole["embed_tokens.w"][ids].view(np.uint8))
+        if "embed_tokens.s" in whole:
+            assert np.array_equal(s[local].view(np.uint8), whole["embed_tokens.s"][ids].view(np.uint8))
+        else:
+            assert s is None
+        for bad in (-1, a.vocab_size):
+            with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary"):
+                rows.rows(np.array([1, bad]))
+        rest = st.load_dense(exclude=EMBED_TENSORS)
+        assert set(whole) - set(rest) == {n for n in EMBED_TENSORS if n in whole}
+    with Engine.open(EngineConfig(store=str(store), history=False, o_direct=False, pilot=0)) as eng:
+        assert eng.model.embed_rows is not None
+        assert eng.loaded.dense_bytes == sum(v.nbytes for v in rest.values())
+        x = eng.model.embed(ids)
+        eng.model.embed_rows = None  # the whole table in RAM: the same rows
+        eng.model.embed_w, eng.model.embed_s = whole["embed_tokens.w"], whole.get("embed_tokens.s")
+        assert np.array_equal(x.view(np.uint32), eng.model.embed(ids).view(np.uint32))
+    # a dense file cut inside the embedding table: named, before any compute
+    p = store / "dense.safetensors"
+    with ExpertStore(store, o_direct=False) as st:
+        rows = st.embedding_rows()
+        off = max(o for _n, _d, _s, o, _r in rows.parts)
+        with open(p, "r+b") as f:
+            f.truncate(off + 10)
+        with pytest.raises(StoreError, match="short read of row .* embed_tokens"):
+            rows.rows(np.array([a.vocab_size - 1]))

@@ -65,7 +65,11 @@ def test_dense_and_slot_bytes_from_args_equal_the_store(family_checkpoints, tmp_
     store = convert_checkpoint(ck, tmp_path / quant, quant=quant)
     m = _manifest(store)
     args = ModelArgs.from_hf_config(ck)
-    assert sizing.dense_bytes(args, quant) == m["dense_bytes"]
+    from engine.models import embedding_bytes
+    # the dense file holds the embedding table, which stays in the store (read row by row)
+    assert sizing.dense_bytes(args, quant) + embedding_bytes(args, quant) == m["dense_bytes"]
+    assert sizing.store_dense_bytes(args, m) == sizing.dense_bytes(args, quant)
+    assert embedding_bytes(args, quant) > 0
     assert [sizing.slot_bytes(args, quant)] * args.num_moe_layers == m["slot_bytes"]
     est = sizing.estimate(args, quant, 0)
     assert est.expert_bytes == args.num_moe_layers * args.num_experts * sizing.slot_bytes(args, quant)

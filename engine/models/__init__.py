@@ -41,33 +41,46 @@ def family_for(model_type, path: str = "config.json") -> ModuleType:
 
 
 def build_model(args, dense: dict, dense_quant: str, expert_quant: str, experts, context_length: int,
-                group_size: int = 32, kv_dtype: str = "f16"):
+                group_size: int = 32, kv_dtype: str = "f16", embed_rows=None):
     """The family's Model over resident ``dense`` tensors and an ExpertProvider (see base.MoEModel;
-    kv_dtype "f16" or "f32": the KV cache element)."""
+    kv_dtype "f16" or "f32": the KV cache element; embed_rows: the embedding table read from the
+    store row by row, engine.expert_store.EmbeddingRows, instead of ``dense``'s)."""
     return family_for(args.model_type).Model(args, dense, dense_quant, expert_quant, experts,
-                                             context_length, group_size, kv_dtype=kv_dtype)
+                                             context_length, group_size, kv_dtype=kv_dtype, embed_rows=embed_rows)
 
 
-def dense_bytes(args, quant: str, group_size: int = 32) -> int:
-    """Bytes of the resident tensors (dense.safetensors, the manifest's ``dense_bytes``) of a
-    store of ``args`` converted at ``quant``: exact, from the same tensor list the converter
-    writes (attention, norms, routers, biases, shared experts, dense-layer MLPs, embeddings)."""
+def dense_bytes(args, quant: str, group_size: int = 32, dense_quant: str | None = None,
+                only: tuple[str, ...] | None = None) -> int:
+    """Bytes of the tensors of dense.safetensors (the manifest's ``dense_bytes``) of a store of
+    ``args`` converted at ``quant``: exact, from the same tensor list the converter writes
+    (attention, norms, routers, biases, shared experts, dense-layer MLPs, embeddings).
+    ``dense_quant``: the dense tensors' quantization when not the default for ``quant``
+    (``--dense-quant``); ``only``: count just these store names (e.g. ("embed_tokens",))."""
     import numpy as np
 
+    from ..convert import LM_HEAD_QUANT
     from ..quant import _field_specs
-    dq = "int8" if quant in ("int8", "int4", "mxfp4") else quant
+    dq = dense_quant or ("int8" if quant in ("int8", "int4", "mxfp4") else quant)
     seen, total = set(), 0
     fam = family_for(args.model_type)
     for t in fam.dense_tensors(args):
-        if t.ours in seen:
+        if t.ours in seen or (only is not None and t.ours not in only):
             continue
         seen.add(t.ours)
         if t.kind == "keep":
             total += int(np.prod(t.shape)) * 4
         else:
+            q = LM_HEAD_QUANT.get(dq, dq) if t.ours in ("embed_tokens", "lm_head") else dq  # as convert.py stores them
             for _, shape2 in (fam.split_shapes(args, t) if t.split else [(t.ours, t.shape)]):
-                total += sum(int(np.prod(shape)) * dt.itemsize for _, dt, shape in _field_specs(dq, *shape2, group_size))
+                total += sum(int(np.prod(shape)) * dt.itemsize for _, dt, shape in _field_specs(q, *shape2, group_size))
     return total
+
+
+def embedding_bytes(args, quant: str, group_size: int = 32, dense_quant: str | None = None) -> int:
+    """Bytes of the token-embedding table (``embed_tokens``) of such a store: part of
+    dense.safetensors, but the engine reads it row by row (engine.expert_store.EmbeddingRows),
+    so it takes no RAM."""
+    return dense_bytes(args, quant, group_size, dense_quant, only=("embed_tokens",))
 
 
 def expert_slot_bytes(args, quant: str, group_size: int = 32) -> int:

@@ -885,15 +885,16 @@ class MoEModel:
 
     def __init__(self, args: ModelArgs, dense: dict, dense_quant: str, expert_quant: str,
                  experts: ExpertProvider, context_length: int, group_size: int = 32,
-                 kv_dtype: str = "f16"):
+                 kv_dtype: str = "f16", embed_rows=None):
         self.args = a = args
         self.C = context_length
         self.experts = experts
         self.expert_quant = expert_quant
         self.dense_quant = dq = dense_quant
         self.gs = group_size
-        self.embed_w = dense["embed_tokens.w"]
-        self.embed_s = dense.get("embed_tokens.s")
+        self.embed_rows = embed_rows  # the table read row by row (engine.expert_store.EmbeddingRows), or None
+        self.embed_w = embed_rows.w if embed_rows is not None else dense["embed_tokens.w"]
+        self.embed_s = embed_rows.s if embed_rows is not None else dense.get("embed_tokens.s")
         self.embed_kind = kind_of(self.embed_w, self.embed_s)
         self.lm_head = Linear(dense, "lm_head", dq, group_size)
         self.norm = dense["norm"]
@@ -978,16 +979,21 @@ class MoEModel:
     # --- blocks -----------------------------------------------------------------------------
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
+        """Rows float32 [T, D] of tokens ``ids`` (int [T]) of the embedding table, held in RAM
+        or read row by row from the store (``embed_rows``: the same values)."""
         D = self.args.hidden_size
         x = np.empty((len(ids), D), dtype=np.float32)  # [T, D]
+        w, s = self.embed_w, self.embed_s
+        if self.embed_rows is not None:
+            ids, w, s = self.embed_rows.rows(ids)
         if self.embed_kind == "int8":
-            K.embed_q8(ids, self.embed_w, self.embed_s, x)
+            K.embed_q8(ids, w, s, x)
         elif self.embed_kind == "int4":
-            K.embed_q4(ids, self.embed_w, self.embed_s, self.gs, x)
+            K.embed_q4(ids, w, s, self.gs, x)
         elif self.embed_kind == "f16":
-            x[:] = K.F16_TABLE[self.embed_w[ids]]
+            x[:] = K.F16_TABLE[w[ids]]
         else:
-            x[:] = self.embed_w[ids]
+            x[:] = w[ids]
         return x
 
     def qk_norm(self, i: int, q: np.ndarray, k: np.ndarray) -> None:

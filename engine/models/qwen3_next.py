@@ -290,9 +290,9 @@ class Model(base.MoEModel):
     """
 
     def __init__(self, args, dense, dense_quant, expert_quant, experts, context_length, group_size=32,
-                 kv_dtype="f16"):
+                 kv_dtype="f16", embed_rows=None):
         super().__init__(args, dense, dense_quant, expert_quant, experts, context_length, group_size,
-                         kv_dtype=kv_dtype)
+                         kv_dtype=kv_dtype, embed_rows=embed_rows)
         # zero-centred RMSNorm weights: the kernels multiply by w, the checkpoint holds w - 1
         one = np.float32(1.0)
         for ly in self.layers:
