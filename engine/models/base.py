@@ -875,6 +875,9 @@ class MoEModel:
             ExpertProvider (indexed by MoE layer). context_length: KV capacity C in tokens.
             kv_dtype: "f16" (the cache holds K and V as IEEE half, rounded to nearest even
             from the float32 projections, clipped to +-65504; half the RAM of "f32") or "f32".
+            embed_rows: the token-embedding table read from the store row by row
+            (engine.expert_store.EmbeddingRows; Engine.open passes it, so the table takes no
+            RAM), or None to use ``dense["embed_tokens.w"]`` / ``.s``.
 
     The KV cache holds C positions for every layer, also for sliding-window layers (the window
     only masks attention; it does not shrink the cache).
