@@ -592,3 +592,33 @@ def test_pilot_keeps_the_one_call_decode_step(medium_store, logits_trace, monkey
     if replayed:
         assert preds and all(0 <= src < t <= src + 3 for t, src in preds), preds
     assert np.array_equal(out[3].view(np.uint32), out[0].view(np.uint32))
+
+
+@pytest.mark.parametrize("over", [dict(pilot=0, cap=16, warm_all=True), dict(pilot=0, cap=6),
+                                  dict(pilot=1, cap=6), dict(pilot=1, cap=6, routing_trace=True)])
+def test_bench_arms_decode_through_the_one_call_step(medium_store, logits_trace, monkeypatch, over):
+    """run_arm (every arm of bench overlap, pilot, cache, matrix) decodes through the product's
+    one-call step: its routing recorder (TouchedExperts) is token-batched, so it no longer
+    forces the per-layer path, and the routing digest and logits are those of the per-layer
+    path. (Sessions 38-42 measured the per-layer path in those arms without knowing it.)"""
+    import engine.models.base as base
+    from engine.bench.arm import run_arm
+    calls = []
+    real = base.K.decode_layers_t1
+
+    def spy(*a):
+        calls.append(1)
+        return real(*a)
+    monkeypatch.setattr(base.K, "decode_layers_t1", spy)
+    o = dict(over, history=False, pinning=False, o_direct=False)
+    if o.pop("routing_trace", False):
+        o["routing_trace"] = str(logits_trace)
+    rows = {}
+    for one_call in (True, False):
+        monkeypatch.setattr(base, "DECODE_T1", one_call)
+        calls.clear()
+        rows[one_call] = run_arm(str(medium_store), o, 6, 12, 0)
+        n = len(calls) - 1  # less the background compile's warm-up call
+        assert (n >= 11) if one_call else (n <= 0), n
+    assert rows[True]["sha256_logits"] == rows[False]["sha256_logits"]
+    assert rows[True]["sha256_routing"] == rows[False]["sha256_routing"]

@@ -1561,6 +1561,7 @@ class MoEModel:
         """Every layer of a decode step (x float32 [1, D], updated in place), its runs of
         layers whose experts are resident each in one K.decode_layers_t1 call, when
         :meth:`_decode_plan` allows it, no method of this object was replaced (but
+        ``forward`` by a wrapper, which reaches this step only through the class's forward, and
         ``router_logits`` by a replayed routing that also offers ``routing_replay.step_logits(pos)``:
         engine.trace.RecordedRouting, whose logits the kernel then takes) and every per-layer
         observer is token-batched (Observer.token_batched). From layer l0 (0 first): token-batched
@@ -1583,7 +1584,9 @@ class MoEModel:
         plan = self._decode_plan()
         cache = self.experts
         replay = self.routing_replay
-        replaced = [f for f in self._OVERRIDABLE if f in self.__dict__]
+        # (an instance's own ``forward``, a wrapper such as bench.arm's logits hash, runs this
+        # step only through the class's forward: it does not change what the step computes)
+        replaced = [f for f in self._OVERRIDABLE if f in self.__dict__ and f != "forward"]
         if (plan is None or not self._decode_ready.is_set() or not self.observers.token_batched()
                 or (replaced and not (replay is not None and replaced == ["router_logits"]))):
             return False
