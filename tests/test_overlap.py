@@ -620,5 +620,6 @@ def test_bench_arms_decode_through_the_one_call_step(medium_store, logits_trace,
         rows[one_call] = run_arm(str(medium_store), o, 6, 12, 0)
         n = len(calls) - 1  # less the background compile's warm-up call
         assert (n >= 11) if one_call else (n <= 0), n
+        assert rows[one_call]["one_call_steps"] == (rows[one_call]["decode_steps"] + 1 if one_call else 0)
     assert rows[True]["sha256_logits"] == rows[False]["sha256_logits"]
     assert rows[True]["sha256_routing"] == rows[False]["sha256_routing"]

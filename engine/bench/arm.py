@@ -173,6 +173,9 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
                "tokens": fin.generated_tokens, "finish": fin.finish_reason, "error": fin.error,
                "distinct_experts": int(touched.mask.sum()), "total_experts": int(touched.mask.size),
                "sha256_routing": touched.digest(), "route_calls": touched.calls,
+               # decode steps of the product's one-call path (MoEModel._decode_step_all); the
+               # others ran layer by layer (a model without it, or the step not compiled yet)
+               "one_call_steps": getattr(eng.model, "one_call_steps", 0),
                # RSS guard actions (token index or None = a layer-start poll, RSS bytes, old, new cap)
                "guard_fired": eng.guard.fired, "guard_trail": [list(t) for t in eng.guard.trail],
                "o_direct": eng.store.o_direct, "open_s": open_s, "populate_s": populate_s,

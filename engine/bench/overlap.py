@@ -105,7 +105,7 @@ def cmd_overlap(a) -> int:
             print(f"rep {rep} {routing} budget {b} pilot {over['pilot']} draft {int(over.get('pilot_draft', 0))} "
                   f"reserve {int(over.get('reserve_cache', 0))} fill {int(over.get('idle_fill', 0))}: "
                   + (f"cap {r['cap']} hit {100 * r['decode_hit_rate']:.1f}% {r['decode_mb_per_token']:.1f} MB/t "
-                     f"felt {r['decode_felt_wait_s']:.2f}s {r['tok_per_s']:.2f} tok/s cpu/t "
+                     f"felt {r['decode_felt_wait_s']:.2f}s {r['tok_per_s']:.2f} tok/s one-call steps {r.get('one_call_steps', 0)} cpu/t "
                      f"{r['decode_cpu_s'] / max(r['decode_steps'], 1):.3f}s load {r['load_avg']:.1f} "
                      f"logits {r['sha256_logits']}" if r.get("hit_rate") is not None else f"error {r['error']}"),
                   flush=True)

@@ -932,6 +932,7 @@ class MoEModel:
         self._dec_memo: tuple | None = None  # _decode_plan
         self.routing_replay = None  # a replayed routing's step_logits for the one-call step (engine/trace.py)
         self._decode_ready = threading.Event()  # K.decode_layers_t1 compiled for this model (start_decode_warm)
+        self.one_call_steps = 0  # decode steps run by _decode_step_all (the rest ran layer by layer)
         # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
         # layer start, post-attention residual, routing, post-MoE residual. Dense layers
         # publish nothing.
@@ -1593,6 +1594,7 @@ class MoEModel:
         obs = self.observers
         L = self.args.num_hidden_layers
         forced = replay.step_logits(pos) if replay is not None else None
+        self.one_call_steps += 1
         l0 = 0
         while l0 < L:
             for j in range(l0, L):
