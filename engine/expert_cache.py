@@ -55,6 +55,9 @@ class SpecRefused(IntEnum):
     FULL = -3     # no slot can be freed (all pinned, busy or staged)
 
 
+SPEC_PUBLISH_WAIT_S = 0.0003  # the speculation reader's wait for the lock before parking a finished read
+
+
 class SpecDrop(Enum):
     """Why a speculative load (PILOT) was dropped; ``ExpertCache.count_dropped`` counts it in
     ``stats.spec_dropped_<value>``."""
@@ -295,6 +298,7 @@ class ExpertCache:
         self._spec_lock = threading.Lock()
         self._spec_cv = threading.Condition(self._spec_lock)
         self._spec_ready: deque = deque()  # (layer, expert, slot), claim order
+        self._spec_done: deque = deque()  # (layer, expert, slot, read result) read, not yet published
         self._spec_reader: threading.Thread | None = None
         self.io_threads = max(1, int(io_threads))
         self._readers = [threading.Thread(target=self._reader, name=f"colibri-io-{i}", daemon=True)
@@ -723,6 +727,12 @@ class ExpertCache:
     def _load(self, layer: int, expert: int, slot: int, speculative: bool, fill: bool = False) -> None:
         """Read into the reserved slot (I/O thread or caller), then publish or free it.
         ``fill``: an idle-fill read (speculative, not PILOT's: not staged, cold end)."""
+        res = self._read_slot(layer, expert, slot)
+        with self.lock:
+            self._publish(layer, expert, slot, speculative, fill, *res)
+
+    def _read_slot(self, layer: int, expert: int, slot: int) -> tuple:
+        """The I/O half of :meth:`_load` (no lock): (bytes read, error or None, seconds, verified)."""
         buf = self._buf(layer, slot)
         verify = self.checksum == "always" or (self.checksum == "first" and not self._verified[layer, expert])
         t0 = time.perf_counter()
@@ -732,51 +742,58 @@ class ExpertCache:
             err = None
         except Exception as e:  # noqa: BLE001 - reported to the waiter
             err = e
-        dt = time.perf_counter() - t0
-        with self.lock:
-            self._read_t0.pop((layer, expert), None)
-            self.read_s_ema = dt if self.read_s_ema == 0.0 else 0.8 * self.read_s_ema + 0.2 * dt
-            self._faulted[layer, slot] = True  # the read (or its attempt) touched the pages
-            if not speculative:
-                self.demand_inflight -= 1
-                if self.demand_inflight == 0:
-                    self._idle_cv.notify_all()
-            self.stats.read_service_s += dt
-            if fill:
-                self._fill_inflight -= 1
-            if err is not None or self._closed:
-                self.stats.read_errors += err is not None
-                if fill and err is not None:
-                    self._fill_bad[layer, expert] = True
-                self._unreserve(layer, slot)
-                if err is not None and not speculative:
-                    self._errors[(layer, expert)] = err
-            else:
-                if verify:
-                    self._verified[layer, expert] = True
-                self.stats.loads += 1
-                if speculative:
-                    self.stats.spec_bytes += n
-                    if fill:
-                        self.stats.fill_loads += 1
-                    else:
-                        self.stats.spec_completed += 1
-                        self.slot_spec[layer, slot] = True
+            n = 0
+        self._read_t0.pop((layer, expert), None)  # done (wait_estimate): its publishing may wait for the lock
+        return n, err, time.perf_counter() - t0, verify
+
+    def _publish(self, layer: int, expert: int, slot: int, speculative: bool, fill: bool, n: int,
+                 err: Exception | None, dt: float, verify: bool) -> None:
+        """The publishing half of :meth:`_load` (lock held): the slot resident (or freed on an
+        error or a closed cache), the counters, the waiters woken."""
+        buf = self._buf(layer, slot)
+        self._read_t0.pop((layer, expert), None)
+        self.read_s_ema = dt if self.read_s_ema == 0.0 else 0.8 * self.read_s_ema + 0.2 * dt
+        self._faulted[layer, slot] = True  # the read (or its attempt) touched the pages
+        if not speculative:
+            self.demand_inflight -= 1
+            if self.demand_inflight == 0:
+                self._idle_cv.notify_all()
+        self.stats.read_service_s += dt
+        if fill:
+            self._fill_inflight -= 1
+        if err is not None or self._closed:
+            self.stats.read_errors += err is not None
+            if fill and err is not None:
+                self._fill_bad[layer, expert] = True
+            self._unreserve(layer, slot)
+            if err is not None and not speculative:
+                self._errors[(layer, expert)] = err
+        else:
+            if verify:
+                self._verified[layer, expert] = True
+            self.stats.loads += 1
+            if speculative:
+                self.stats.spec_bytes += n
+                if fill:
+                    self.stats.fill_loads += 1
                 else:
-                    self.stats.demand_bytes += n
-                self.slot_state[layer, slot] = _RESIDENT
-                self._views[(layer, expert)] = self.store.views(buf)
-                # A demand load becomes evictable at its first acquire (touch), not at
-                # completion: completion order varies with I/O timing, acquire order does not,
-                # so victim choice is a pure function of the routing (replayable exactly).
-                if speculative and not self.pinned[layer, expert]:
-                    if fill:
-                        self._track_cold(layer, slot)
-                    else:
-                        self._track(layer, slot)
-                        self.layers[layer].staged[slot] = None
-                self.observers.publish("on_load", layer, expert, n, dt, speculative)
-            self.cond.notify_all()
+                    self.stats.spec_completed += 1
+                    self.slot_spec[layer, slot] = True
+            else:
+                self.stats.demand_bytes += n
+            self.slot_state[layer, slot] = _RESIDENT
+            self._views[(layer, expert)] = self.store.views(buf)
+            # A demand load becomes evictable at its first acquire (touch), not at
+            # completion: completion order varies with I/O timing, acquire order does not,
+            # so victim choice is a pure function of the routing (replayable exactly).
+            if speculative and not self.pinned[layer, expert]:
+                if fill:
+                    self._track_cold(layer, slot)
+                else:
+                    self._track(layer, slot)
+                    self.layers[layer].staged[slot] = None
+            self.observers.publish("on_load", layer, expert, n, dt, speculative)
+        self.cond.notify_all()
 
     def _submit(self, layer: int, expert: int, slot: int, urgency: int) -> None:
         """Queue a demand read of a reserved slot for the reader threads (lock held)."""
@@ -841,6 +858,7 @@ class ExpertCache:
         hits_first: list[int] = []
         misses_after: list[int] = []
         with self.lock:
+            self._drain_spec_done()
             self.routed_now[layer, :] = False
             missing = []
             for e in experts:  # hits first, made most recent, so this call's misses evict others
@@ -899,6 +917,7 @@ class ExpertCache:
         ss = np.empty(n, np.int64)
         pm = np.empty(n, np.bool_)
         with self.lock:
+            self._drain_spec_done()
             nspec = K.cache_take_resident(self.where[layer], self.slot_state[layer], self.slot_busy[layer],
                                           self.last_use[layer], self.routed_now[layer], self.pinned[layer],
                                           self.slot_spec[layer], ea, self.clock, _RESIDENT, ss, pm)
@@ -994,12 +1013,14 @@ class ExpertCache:
         with self.lock:
             if self._closed:
                 return -1
+            self._drain_spec_done()  # reads that came in during the last run: resident for this one
             clock, ea, ss, pm, nspec = run(self.where, self.slot_state, self.slot_busy, self.last_use,
                                            self.routed_now, self.pinned, self.slot_spec, _RESIDENT, self.clock)
         stop = self.L if clock >= 0 else -1 - clock
         if after_run is not None:
             after_run(stop)
         with self.lock:
+            self._drain_spec_done()
             for layer in range(l0, stop):
                 e, s, p = ea[layer], ss[layer], pm[layer]
                 ok = (self.where[layer, e] == s) & (self.slot_state[layer, s] == _RESIDENT)
@@ -1037,6 +1058,7 @@ class ExpertCache:
         t0 = None
         with self.lock:
             while True:
+                self._drain_spec_done()
                 s = self.where[layer, expert]
                 if s >= 0 and self.slot_state[layer, s] == _RESIDENT:
                     break
@@ -1157,7 +1179,8 @@ class ExpertCache:
         calls it right before a one-call decode run (MoEModel._decode_step_all), which holds the
         lock for the whole run, so a worker could neither reserve nor start a read until it
         ended. The reader starts reads in claim order, one at a time, each once no demand read
-        is in flight. A demand lookup of the expert before its read started takes the read over
+        is in flight, and parks the ones it finishes while the run holds the lock (published
+        by the next holder that looks at slots), so several complete during one run. A demand lookup of the expert before its read started takes the read over
         as a demand read (:meth:`take_split`, :meth:`acquire`). Returns the slot (>= 0) or a
         SpecRefused, as try_speculate."""
         slot = self.try_speculate(layer, expert, guard)
@@ -1177,6 +1200,8 @@ class ExpertCache:
         if not ready:
             with self.lock:
                 self._unreserve(layer, slot)
+                self.stats.spec_issued -= 1
+            return SpecRefused.ALREADY
         return slot
 
     def _claim_back(self, layer: int, expert: int, slot: int, urgency: int) -> None:
@@ -1191,14 +1216,18 @@ class ExpertCache:
         self.stats.spec_issued -= 1
         self._submit(layer, expert, slot, urgency)
 
-    def cancel_speculations(self) -> int:
+    def cancel_speculations(self, below: int | None = None) -> int:
         """Give back the slots of speculations :meth:`speculate_now` queued whose reads have
-        not started (PILOT at a new token: they are stale); counted as stale drops. Returns how
-        many."""
+        not started (PILOT at a new token: they are stale), or only those of layers before
+        ``below`` (at the start of a run from that layer: the layers before it ran); counted
+        as stale drops. Returns how many."""
         with self.lock:
             with self._spec_lock:
-                items = list(self._spec_ready)
-                self._spec_ready.clear()
+                items = [it for it in self._spec_ready if below is None or it[0] < below]
+                if items:
+                    keep = [it for it in self._spec_ready if not (below is None or it[0] < below)]
+                    self._spec_ready.clear()
+                    self._spec_ready.extend(keep)
             for layer, _e, slot in items:
                 self._unreserve(layer, slot)
             self.stats.spec_issued -= len(items)
@@ -1210,18 +1239,46 @@ class ExpertCache:
     def _spec_read_loop(self) -> None:
         """The speculation reader thread (:meth:`speculate_now`): take the oldest queued
         speculation, wait while a demand read is in flight (a read beside it only slows it on
-        a disk that gains nothing from queue depth), read it (publishing it needs the lock:
-        after the run)."""
+        a disk that gains nothing from queue depth), read it, and publish it if the cache's
+        lock comes free within SPEC_PUBLISH_WAIT_S; a one-call run holds the lock for
+        milliseconds, so a read done during one is parked (``_spec_done``) and the next read
+        starts at once: every lock holder that looks at slots publishes the parked ones first
+        (:meth:`_drain_spec_done`), and the reader itself once it has nothing left to read."""
         while True:
             with self._spec_cv:
-                while not self._spec_ready and not self._closed:
+                while not self._spec_ready and not self._spec_done and not self._closed:
                     self._spec_cv.wait()
                 if self._closed:
-                    return  # close() gives the queued slots back
-                layer, expert, slot = self._spec_ready.popleft()
+                    return  # close() gives the queued slots back and publishes the parked reads
+                item = self._spec_ready.popleft() if self._spec_ready else None
+            if item is None:  # nothing left to read: publish the parked reads (waiting for the lock)
+                with self.lock:
+                    self._drain_spec_done()
+                continue
+            layer, expert, slot = item
             while self.demand_inflight > 0 and not self._closed:  # an int read: no lock (a run may hold it)
                 time.sleep(0.0005)
-            self._load(layer, expert, slot, True)
+            res = self._read_slot(layer, expert, slot)
+            if self.lock.acquire(timeout=SPEC_PUBLISH_WAIT_S):
+                try:
+                    self._drain_spec_done()
+                    self._publish(layer, expert, slot, True, False, *res)
+                finally:
+                    self.lock.release()
+            else:
+                with self._spec_cv:
+                    self._spec_done.append((layer, expert, slot, res))
+
+    def _drain_spec_done(self) -> None:
+        """Publish the speculative reads the speculation reader parked while a run held the
+        lock (lock held; :meth:`_spec_read_loop`)."""
+        if not self._spec_done:  # a plain read of a deque's length: no lock needed to skip
+            return
+        with self._spec_lock:
+            done = list(self._spec_done)
+            self._spec_done.clear()
+        for layer, expert, slot, res in done:
+            self._publish(layer, expert, slot, True, False, *res)
 
     def wait_demand_idle(self, timeout: float) -> bool:
         """Block until no demand read is in flight (True) or ``timeout`` seconds pass (False).
@@ -1452,6 +1509,8 @@ class ExpertCache:
         if self._spec_reader is not None:
             self._spec_reader.join()
         self.cancel_speculations()
+        with self.lock:
+            self._drain_spec_done()  # closed: their slots are given back
         if self._populater is not None:
             self._populater.join()
         if self._filler is not None:

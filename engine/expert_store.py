@@ -271,12 +271,17 @@ class ExpertStore:
         """
         import struct as _struct
         p = self.path / self.manifest["dense_file"]
-        try:
-            fd = open_for_reads(p, uncached=False).fd
-        except PermissionError:
-            raise StoreError(f"{p}: {_denied()}") from None
-        except OSError as e:
-            raise StoreError(f"{p}: cannot be opened ({e}); check the disk or re-convert the store") from None
+        key = f"{self.manifest['dense_file']}#embed_tokens"
+        with self._lock:
+            fd = self._fds.get(key)  # a second call shares the first one's descriptor
+        fresh = fd is None
+        if fresh:
+            try:
+                fd = open_for_reads(p, uncached=False).fd
+            except PermissionError:
+                raise StoreError(f"{p}: {_denied()}") from None
+            except OSError as e:
+                raise StoreError(f"{p}: cannot be opened ({e}); check the disk or re-convert the store") from None
         try:
             head = np.empty(8, np.uint8)
             if preadv(fd, [head], 0) != 8:
@@ -285,14 +290,24 @@ class ExpertStore:
             raw = np.empty(n, np.uint8)
             if preadv(fd, [raw], 8) != n:
                 raise ValueError("truncated safetensors header")
-            rows = EmbeddingRows(p, fd, json.loads(raw.tobytes()), 8 + n)
+            rows = EmbeddingRows(p, self._embed_fd_of(key), json.loads(raw.tobytes()), 8 + n)
         except (OSError, ValueError, KeyError, _struct.error) as e:
-            os.close(fd)
+            if fresh:
+                os.close(fd)
             raise StoreError(f"{p}: cannot read the embedding table ({type(e).__name__}: {e}); "
                              f"re-run `colibri convert`") from None
-        with self._lock:
-            self._fds[f"{self.manifest['dense_file']}#embed_tokens"] = fd  # closed with the store
+        if fresh:
+            with self._lock:
+                self._fds[key] = fd  # closed with the store
         return rows
+
+    def _embed_fd_of(self, key: str):
+        """The descriptor lookup EmbeddingRows reads through: the open descriptor under ``key``,
+        or None once the store is closed (a number kept past close() could name another file)."""
+        def fd() -> int | None:
+            with self._lock:
+                return self._fds.get(key)
+        return fd
 
     # --- experts --------------------------------------------------------------------------
 
@@ -356,9 +371,9 @@ class EmbeddingRows:
     bit-identical, so the embedding's values do not change.
 
     Args:
-        path: the dense file (for messages). fd: an open descriptor of it (the store owns and
-            closes it). header: its safetensors header (dict); base: the byte where its data
-            starts (8 + header length).
+        path: the dense file (for messages). fd: a function giving an open descriptor of it,
+            or None once the store that owns it is closed. header: its safetensors header
+            (dict); base: the byte where its data starts (8 + header length).
     Attributes:
         w, s: zero-row arrays with the table's dtype and row shape (``s`` None when the table
             is not quantized): what engine.quant.kind_of reads. num_rows: V. nbytes: the
@@ -368,8 +383,8 @@ class EmbeddingRows:
             a tensor whose byte span does not match its shape.
     """
 
-    def __init__(self, path: Path, fd: int, header: dict, base: int):
-        self.path, self.fd = Path(path), fd
+    def __init__(self, path: Path, fd, header: dict, base: int):
+        self.path, self._fd = Path(path), fd
         self._read = positional_reader()
         self.parts = []  # (name, dtype, row shape, byte offset of row 0, bytes per row)
         for name in EMBED_TENSORS:
@@ -406,13 +421,16 @@ class EmbeddingRows:
         if uniq.size and (uniq[0] < 0 or uniq[-1] >= self.num_rows):
             bad = int(uniq[0] if uniq[0] < 0 else uniq[-1])
             raise ValueError(f"token id {bad} is outside the vocabulary (0..{self.num_rows - 1})")
+        fd = self._fd()
+        if fd is None:
+            raise StoreError(f"{self.path}: the store is closed; open the model again")
         out = []
         for name, dt, shape, off, row in self.parts:
             arr = np.empty((uniq.size,) + shape, dt)
             flat = arr.reshape(uniq.size, -1).view(np.uint8)
             for i, t in enumerate(uniq.tolist()):
                 try:
-                    got = self._read(self.fd, [flat[i]], off + t * row)
+                    got = self._read(fd, [flat[i]], off + t * row)
                 except OSError as e:
                     raise StoreError(f"{self.path}: reading row {t} of {name} failed ({e}); check the disk") from None
                 if got != row:

@@ -240,7 +240,7 @@ class Pilot(Observer):
         self.prec_hits = np.zeros((4, self.L, nr), np.int64)
         self.prec_total = np.zeros((4, self.L, nr), np.int64)
         self.pred_rank = np.full((4, self.L, self.E), -1, np.int64)
-        self.claimed = 0  # speculations reserved before one-call runs (on_run_start), less those given back unstarted
+        self.claimed = 0  # speculations reserved before one-call runs (on_run_start; some later given back)
         self._closed = False
         self.observers = ObserverList(("on_prediction",))
         model.subscribe(self)
@@ -272,14 +272,15 @@ class Pilot(Observer):
         self.pred_made[:] = False
         self.pred_rank[:] = -1
         self.cur_layer = -1
-        n = self.cache.cancel_speculations()  # reserved for the last token's runs, never started
-        if n:
-            self.claimed -= n
+        self.cache.cancel_speculations()  # reserved for the last token's runs, never started
 
     def on_run_start(self, layer: int) -> None:
         """A one-call decode run from ``layer`` starts and will hold the cache's lock until it
         stops: reserve every queued speculation of a later layer now (the precision gate
-        already passed them; ExpertCache.speculate_now), so its read runs during the run."""
+        already passed them; ExpertCache.speculate_now), so its read runs during the run; the
+        reserved ones of layers before ``layer`` whose reads have not started are given back
+        (those layers ran)."""
+        self.cache.cancel_speculations(below=layer)
         while True:
             item = self.queue.get_nowait()
             if item is None:

@@ -877,6 +877,11 @@ def test_embedding_rows_come_from_the_store_bit_identical(family_stores, tmp_pat
                 rows.rows(np.array([1, bad]))
         rest = st.load_dense(exclude=EMBED_TENSORS)
         assert set(whole) - set(rest) == {n for n in EMBED_TENSORS if n in whole}
+        n_open = st.open_files
+        again = st.embedding_rows()  # shares the descriptor: nothing left open after close
+        assert st.open_files == n_open and np.array_equal(again.rows(ids)[1], w)
+    with pytest.raises(StoreError, match="the store is closed"):  # never another file's bytes
+        rows.rows(ids)
     with Engine.open(EngineConfig(store=str(store), history=False, o_direct=False, pilot=0)) as eng:
         assert eng.model.embed_rows is not None
         assert eng.loaded.dense_bytes == sum(v.nbytes for v in rest.values())
