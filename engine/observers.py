@@ -78,10 +78,10 @@ class Observer:
     whose experts are resident in one kernel call (MoEModel._decode_step_all: the groups then
     cover the layers from where a run starts; a layer that waits for a miss gets its
     ``on_route`` on its own); with any subscriber of ``on_layer_start``, ``on_route``,
-    ``on_after_attention`` or ``on_after_moe`` without this flag it keeps the per-layer calls. When a run stops at a layer with an expert not resident, the
-    next run's ``on_layer_start`` group repeats the layers after it; when nothing could run
-    (the cache closed), the per-layer path follows and calls ``on_layer_start`` again for each
-    layer.
+    ``on_after_attention`` or ``on_after_moe`` without this flag it keeps the per-layer calls.
+    When a run stops at a layer with an expert not resident, the next run's ``on_layer_start``
+    group repeats the layers after it; when nothing could run (the cache closed), the per-layer
+    path follows and calls ``on_layer_start`` again for each layer.
 
     ``on_route_layers(l0, idx, router_logits)`` (optional, token-batched observers only): a
     group of one-row routings at once, layers l0..l0+n-1, idx int64 [n, K], router_logits

@@ -1594,7 +1594,6 @@ class MoEModel:
         obs = self.observers
         L = self.args.num_hidden_layers
         forced = replay.step_logits(pos) if replay is not None else None
-        self.one_call_steps += 1
         l0 = 0
         while l0 < L:
             for j in range(l0, L):
@@ -1613,6 +1612,8 @@ class MoEModel:
                     return False
                 self._run_layers(x, pos, l0, cancel)  # the rest layer by layer: a closed cache's errors there
                 return True
+            if l0 == 0:
+                self.one_call_steps += 1
             if stop < L:  # its attention ran in the kernel: its experts the per-layer way
                 if cancel is not None and cancel.is_set():
                     raise Cancelled("cancelled")
