@@ -289,12 +289,7 @@ class Pilot(Observer):
             if gen != self.gen or t < layer:
                 self.cache.count_dropped(SpecDrop.STALE)
                 continue
-            slot = self.cache.speculate_now(t, e, self._guard if self.use_guard else None)
-            if slot == SpecRefused.GUARD:
-                self.cache.count_dropped(SpecDrop.GUARD)
-            elif slot == SpecRefused.FULL:
-                self.cache.count_dropped(SpecDrop.FULL)
-            elif slot >= 0:
+            if self._reserved(self.cache.speculate_now(t, e, self._guard if self.use_guard else None)):
                 self.claimed += 1
 
     def wanted(self, t: int) -> bool:
@@ -464,12 +459,17 @@ class Pilot(Observer):
                 self.cache.count_dropped(SpecDrop.STALE)
                 continue
             slot = self.cache.try_speculate(layer, e, self._guard if self.use_guard else None)
-            if slot == SpecRefused.GUARD:
-                self.cache.count_dropped(SpecDrop.GUARD)
-            elif slot == SpecRefused.FULL:
-                self.cache.count_dropped(SpecDrop.FULL)
-            elif slot >= 0:
+            if self._reserved(slot):
                 self.cache.load_speculative(layer, e, slot)
+
+    def _reserved(self, slot: int) -> bool:
+        """Whether a reservation (ExpertCache.try_speculate / speculate_now) got a slot; a
+        refusal by the guard or for want of a slot is counted as that drop."""
+        if slot == SpecRefused.GUARD:
+            self.cache.count_dropped(SpecDrop.GUARD)
+        elif slot == SpecRefused.FULL:
+            self.cache.count_dropped(SpecDrop.FULL)
+        return slot >= 0
 
     def close(self) -> None:
         """Unsubscribe from the model, stop and join every worker. Idempotent."""

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import Cancelled, ConfigError
+from ..errors import ConfigError
 from . import base
 from .base import PREFILL_CHUNK, K, Linear, LinearGroup, Tensor
 
@@ -429,20 +429,8 @@ class Model(base.MoEModel):
 
     def _layers(self, ids: np.ndarray, pos0: int, cancel) -> np.ndarray:
         """Every layer over tokens ``ids`` at pos0..: the final residual [t, D]."""
-        obs = self.observers
         x = self.embed(ids)  # [t, D]
-        for i in range(self.args.num_hidden_layers):
-            if cancel is not None and cancel.is_set():
-                raise Cancelled("cancelled")
-            j = self.moe_index[i]
-            if j >= 0:
-                obs.publish("on_layer_start", j)
-            x += self.attention(i, x, pos0)
-            if j >= 0:
-                obs.publish("on_after_attention", j, x)
-            x += self.mlp(i, x)
-            if j >= 0:
-                obs.publish("on_after_moe", j, x)
+        self._run_layers(x, pos0, 0, cancel)  # the base loop; this family's attention / mlp through it
         return x
 
     # --- token mixers ------------------------------------------------------------------------
