@@ -269,7 +269,6 @@ class ExpertStore:
         Raises:
             StoreError: the dense file is missing or lacks ``embed_tokens.w``.
         """
-        import struct as _struct
         p = self.path / self.manifest["dense_file"]
         key = f"{self.manifest['dense_file']}#embed_tokens"
         with self._lock:
@@ -283,15 +282,9 @@ class ExpertStore:
             except OSError as e:
                 raise StoreError(f"{p}: cannot be opened ({e}); check the disk or re-convert the store") from None
         try:
-            head = np.empty(8, np.uint8)
-            if preadv(fd, [head], 0) != 8:
-                raise ValueError("no safetensors header")
-            n = int(_struct.unpack("<Q", head.tobytes())[0])
-            raw = np.empty(n, np.uint8)
-            if preadv(fd, [raw], 8) != n:
-                raise ValueError("truncated safetensors header")
-            rows = EmbeddingRows(p, self._embed_fd_of(key), json.loads(raw.tobytes()), 8 + n)
-        except (OSError, ValueError, KeyError, _struct.error) as e:
+            header, base = _safetensors_header(fd)
+            rows = EmbeddingRows(p, self._embed_fd_of(key), header, base)
+        except (OSError, ValueError, KeyError) as e:
             if fresh:
                 os.close(fd)
             raise StoreError(f"{p}: cannot read the embedding table ({type(e).__name__}: {e}); "
@@ -444,9 +437,23 @@ _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "I8": np.int8, "U8": np.uint
               "I64": np.int64, "F64": np.float64, "I16": np.int16, "U16": np.uint16, "BOOL": np.bool_}
 
 
+def _safetensors_header(fd: int) -> tuple[dict, int]:
+    """(header dict, byte where the data starts) of the safetensors file open as ``fd``: an
+    8-byte little-endian length, then that many bytes of JSON (engine.platform_io's positional
+    reads). Raises ValueError for a short file or a header that is not JSON."""
+    head = np.empty(8, np.uint8)
+    if preadv(fd, [head], 0) != 8:
+        raise ValueError("no safetensors header")
+    n = int(head.view("<u8")[0])
+    raw = np.empty(n, np.uint8)
+    if preadv(fd, [raw], 8) != n:
+        raise ValueError("truncated safetensors header")
+    return json.loads(raw.tobytes()), 8 + n
+
+
 def _pread_safetensors(path: Path, names: list[str], chunk: int = 64 << 20) -> dict[str, np.ndarray]:
     """Tensors ``names`` of the safetensors file ``path`` (header already validated by
-    ``safe_open``) read with ``os.preadv`` into new arrays, ``chunk`` bytes per call, and the
+    ``safe_open``) read with positional reads (engine.platform_io) into new arrays, ``chunk`` bytes per call, and the
     file's page cache dropped behind each tensor (``posix_fadvise DONTNEED``) so the open does not
     also fill the cgroup's page cache with the dense bytes. Layout: the safetensors format
     (8-byte little-endian header length, JSON header, data; offsets relative to the data).
@@ -454,13 +461,10 @@ def _pread_safetensors(path: Path, names: list[str], chunk: int = 64 << 20) -> d
     Raises:
         ValueError: a dtype this store format never writes, or a short read (truncated file).
     """
-    import json as _json
-    import struct as _struct
     fd = os.open(path, os.O_RDONLY)
     try:
-        n = _struct.unpack("<Q", os.pread(fd, 8, 0))[0]
-        header = _json.loads(os.pread(fd, n, 8))
-        base, out = 8 + n, {}
+        header, base = _safetensors_header(fd)
+        out = {}
         for k in names:
             v = header[k]
             if v["dtype"] not in _ST_DTYPES:
@@ -472,7 +476,7 @@ def _pread_safetensors(path: Path, names: list[str], chunk: int = 64 << 20) -> d
                 raise ValueError(f"tensor {k!r}: {e - s} bytes for shape {v['shape']} {v['dtype']}")
             done = 0
             while done < flat.size:
-                got = os.preadv(fd, [flat[done:done + chunk]], base + s + done)
+                got = preadv(fd, [flat[done:done + chunk]], base + s + done)
                 if got <= 0:
                     raise ValueError(f"tensor {k!r}: short read at byte {base + s + done} (truncated file)")
                 done += got
