@@ -1,5 +1,10 @@
 """Per-layer expert cache: ``cap`` slots per layer carved from one preallocated arena.
 
+The slots a RAM budget pays for need not be a multiple of the layers: ``slots`` (the sum of
+the layers' caps) may leave some layers one slot fewer than ``cap`` (:meth:`ExpertCache.set_slots`,
+engine.sizing's plan and the RSS guard), so the cache holds every slot the budget has room
+for, and a budget overrun costs the slots it needs, not a whole slot in every layer.
+
 Slot states: FREE, LOADING(expert), RESIDENT(expert); plus a busy count while a kernel reads
 the slot. Lookup is O(1) (a [L, E] slot index); victim choice is O(1) for LRU (an ordered
 dict per layer) and O(log distinct-heats) for LFRU (buckets of equal heat, LRU inside a
@@ -210,7 +215,9 @@ class ExpertCache:
     Args:
         store: an ExpertStore (read / views / slot_bytes).
         num_layers, num_experts: dimensions.
-        cap: slots per layer (1..num_experts).
+        cap: slots per layer (1..num_experts); the arena's width.
+        slots: the slots of all layers together (num_layers..num_layers x cap), or None for
+            cap in every layer; fewer leave some layers cap - 1 (see :meth:`set_slots`).
         policy: "lru", "lfru" or "ema" (router-probability EMA, see the module docstring).
         heat: int64 [L, E] routing counts, shared with the engine (read only here).
         checksum: "off" | "first" | "always".
@@ -242,9 +249,12 @@ class ExpertCache:
 
     def __init__(self, store, num_layers: int, num_experts: int, cap: int, policy: str = "lru",
                  heat: np.ndarray | None = None, checksum: str = "first", io_threads: int = 4,
-                 reserve: bool = False, fill: bool = False, grow_ok=None):
+                 reserve: bool = False, fill: bool = False, grow_ok=None, slots: int | None = None):
         if not 1 <= cap <= num_experts:
             raise ValueError(f"cap {cap} must be between 1 and num_experts ({num_experts})")
+        if slots is not None and not num_layers <= slots <= num_layers * cap:
+            raise ValueError(f"slots {slots} must be between num_layers ({num_layers}) and "
+                             f"num_layers x cap ({num_layers * cap})")
         self.store = store
         self.L, self.E = num_layers, num_experts
         self.slot_bytes = store.slot_bytes
@@ -268,6 +278,9 @@ class ExpertCache:
         self.clock = 0
         self.pinned = np.zeros((num_layers, num_experts), bool)
         self.layers = [_Layer(cap, cap) for _ in range(num_layers)]
+        if slots is not None:  # an empty cache: the layers' caps are set, nothing to evict
+            for ly, c in zip(self.layers, self._spread(slots)):
+                ly.cap = ly.target = c
         self._views: dict[tuple[int, int], dict] = {}
         self._errors: dict[tuple[int, int], Exception] = {}
         self.lock = threading.Lock()
@@ -1413,21 +1426,44 @@ class ExpertCache:
         self._fill_wake.set()
 
     def set_cap(self, cap: int, max_pins: int | None = None) -> int:
-        """Change the slots per layer (1..arena size). Lowering first unpins the coldest pins
-        beyond ``max_pins`` (default and upper bound: cap - 1, so one slot per layer always
-        stays free for misses), then evicts policy victims and waits for busy or loading slots
-        to come free, and only then publishes the new cap, so ``live_slots(layer) <= cap``
-        holds at every instant; the cap holds until changed again (no slot regrows past it:
-        colibri #1034). Returns the number of evictions."""
+        """Change the slots per layer (1..arena size), the same in every layer. Lowering first
+        unpins the coldest pins beyond ``max_pins`` (default and upper bound: cap - 1, so one
+        slot per layer always stays free for misses), then evicts policy victims and waits for
+        busy or loading slots to come free, and only then publishes the new cap, so
+        ``live_slots(layer) <= cap`` holds at every instant; the cap holds until changed again
+        (no slot regrows past it: colibri #1034). Returns the number of evictions."""
         cap = max(1, min(int(cap), self.max_cap))
-        max_pins = cap - 1 if max_pins is None else max(0, min(int(max_pins), cap - 1))
+        return self._apply_caps([cap] * self.L, max_pins)
+
+    def set_slots(self, slots: int, max_pins: int | None = None) -> int:
+        """Change the slots of all layers together (clamped to num_layers .. num_layers x the
+        arena's width): ``slots // L`` in every layer and one more in ``slots % L`` of them, the
+        layers whose routing so far reached the most distinct experts (``heat`` > 0; ties: the
+        lower layer), which lose the most to a missing slot. Lowering and pins as
+        :meth:`set_cap` (``max_pins`` bounded by each layer's cap - 1). Returns the number of
+        evictions."""
+        return self._apply_caps(self._spread(slots), max_pins)
+
+    def _spread(self, slots: int) -> list[int]:
+        """Per-layer caps summing to ``slots`` (clamped), differing by at most one (see
+        :meth:`set_slots`)."""
+        slots = max(self.L, min(int(slots), self.L * self.max_cap))
+        base, extra = divmod(slots, self.L)
+        caps = [base] * self.L
+        if extra:
+            breadth = np.count_nonzero(self.heat > 0, axis=1)
+            for layer in np.argsort(-breadth, kind="stable")[:extra]:
+                caps[int(layer)] += 1
+        return caps
+
+    def _apply_caps(self, caps: list[int], max_pins: int | None) -> int:
         n = 0
         with self.lock:
-            for ly in self.layers:  # every layer first: none grows past the new cap while another settles
-                ly.target = cap
+            for ly, c in zip(self.layers, caps):  # every layer first: none grows past its new cap while another settles
+                ly.target = c
             for layer in range(self.L):
-                ly = self.layers[layer]
-                self._trim_pins(layer, max_pins)
+                ly, cap = self.layers[layer], caps[layer]
+                self._trim_pins(layer, cap - 1 if max_pins is None else max(0, min(int(max_pins), cap - 1)))
                 while ly.live > cap and not self._closed:
                     if self._evict_one_for_shrink(layer):
                         n += 1
@@ -1447,7 +1483,17 @@ class ExpertCache:
 
     @property
     def cap(self) -> int:
-        return self.layers[0].cap
+        """The largest layer's slots (every layer has this, or one fewer: :meth:`set_slots`)."""
+        return max(ly.cap for ly in self.layers)
+
+    @property
+    def slots(self) -> int:
+        """The slots of all layers together (``cap`` x L when every layer has ``cap``)."""
+        return sum(ly.cap for ly in self.layers)
+
+    def layer_caps(self) -> list[int]:
+        """Each layer's slots."""
+        return [ly.cap for ly in self.layers]
 
     def live_slots(self, layer: int) -> int:
         return self.layers[layer].live

@@ -175,7 +175,7 @@ class Engine:
         self.cache = ExpertCache(store, a.num_moe_layers, a.num_experts, self.plan.cap, config.policy,
                                  heat=self.heat.counts, checksum=config.checksum,
                                  io_threads=config.io_threads, reserve=config.reserve_cache, fill=config.idle_fill,
-                                 grow_ok=self._grow_ok)
+                                 grow_ok=self._grow_ok, slots=self.plan.slots)
         experts = self.cache
         if config.cluster:
             from .cluster import ClusterExperts
@@ -200,9 +200,10 @@ class Engine:
             # are the cache's own, planned again below, not memory beside it
             plan = plan_estimate(self.sizing, None, config.cap,
                                  rss_now=max(0, self.read_rss() - self.cache.resident_bytes()))
-            self.plan = replace(plan, cap=min(plan.cap, self.cache.max_cap))  # the arena is sized
-            if self.plan.cap != self.cache.cap:
-                self.cache.set_cap(self.plan.cap)
+            cap = min(plan.cap, self.cache.max_cap)  # the arena is sized
+            self.plan = replace(plan, cap=cap, slots=min(plan.slots, cap * a.num_moe_layers))
+            if self.plan.slots != self.cache.slots:
+                self.cache.set_slots(self.plan.slots)
         self.routing_feed = RoutingFeed(self.heat, self.cache)
         self.model.subscribe(self.routing_feed)  # first: heat and EMA scores before anyone else
         self.guard = RssGuard(self.cache, self.plan.budget, read_rss=self.read_rss,

@@ -20,7 +20,8 @@ GB = 1_000_000_000
 # reservation took the RSS past a 4 GB budget (4.03 GB) and a 4 GB memory cgroup killed the
 # process; with this margin the same store reserved up to 3.96 GB and ran.
 GROWTH_HEADROOM_BYTES = 64_000_000
-RESERVE_BYTES = 200_000_000  # Python + numpy + numba runtime, activations, logits (measured ~180 MB)
+RESERVE_BYTES = 260_000_000  # Python + numpy + numba runtime, activations, logits: RSS - dense - KV - cache
+# measured 249-259 MB after a 24-token answer (the default model, the 7B int4 and int8 stores; session 43)
 AVAILABLE_SHARE = 0.88
 FALLBACK_BYTES = 8 * GB
 
@@ -60,9 +61,12 @@ class RssGuard:
     """Compare measured RSS with the budget after every token and whenever the cache has
     loaded experts since the last look (the engine calls ``poll`` at every layer, so a
     prefill that fills the cache is caught within one layer, not 16 tokens later); above
-    the budget, lower the cap to what fits when every layer is full, (budget - (RSS -
-    cache bytes)) / (slot bytes x layers), at least 1 and at least one below the old cap,
-    evicting the excess. The lowered cap holds (colibri #1034: no regrowth).
+    the budget, lower the cache's slots (all layers together) to what fits when every slot
+    is full, (budget - (RSS - cache bytes)) // slot bytes, at least one per layer and at
+    least one below the old count, evicting the excess (ExpertCache.set_slots: the layers
+    keep cap or cap - 1 slots). Counted in single slots, an overrun of a few MB costs a few
+    slots, not one in every layer (a 7B int4 model at 4 GB lost 16 x 3.5 MB for a 7 MB
+    overrun, and its cap fell 61 -> 59). The lowered count holds (colibri #1034: no regrowth).
 
     Lowering the cap unpins first: at most ``pins_for_cap(new_cap)`` (default new_cap - 1)
     experts per layer stay pinned, so a lowered cap always leaves a slot for misses (a cap
@@ -116,16 +120,17 @@ class RssGuard:
         # The cap that fits if every layer fills up (a prefill fills them one after the
         # other): what the budget leaves beside the RSS that is not cache, per layer of slots.
         outside = rss - c.resident_bytes()
-        fit = (self.budget - outside) // (c.slot_bytes * c.L)
-        old = c.cap
-        new = int(max(1, min(old - 1, fit)))
+        fit = (self.budget - outside) // c.slot_bytes
+        old, old_cap = c.slots, c.cap
+        new = int(max(c.L, min(old - 1, fit)))
         if new == old:
             return None
-        n = c.set_cap(new, self.pins_for_cap(new) if self.pins_for_cap else None)
+        new_cap = -(-new // c.L)
+        n = c.set_slots(new, self.pins_for_cap(new_cap) if self.pins_for_cap else None)
         self.fired += 1
-        self.trail.append((token_index, rss, old, new))
+        self.trail.append((token_index, rss, old_cap, c.cap, old, c.slots))
         self.last_message = (f"RSS {rss / GB:.2f} GB over the {self.budget / GB:.2f} GB budget: dropped {n} "
-                             f"cached experts, cap {old} -> {new}")
+                             f"cached experts, expert slots {old} -> {c.slots} (cap {old_cap} -> {c.cap} per layer)")
         log.warning(self.last_message)
         return self.last_message
 

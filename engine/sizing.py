@@ -17,8 +17,11 @@ Sizes are bytes (GB = 1e9 bytes), context lengths tokens.
             (Qwen's mlp_only_layers / decoder_sparse_step) have no expert row.
     reserve RESERVE_BYTES for the Python / numpy / numba runtime, activations and logits.
 
-Automatic cap (after colibri's cap_for_ram, PR #1445):
-    cap = (budget - dense - kv - reserve) // slots, clamped to [1, num_experts].
+Automatic cap (after colibri's cap_for_ram, PR #1445, counted in single slots):
+    slots = (budget - dense - kv - reserve) // slot bytes, clamped to [L, L x num_experts],
+    cap = ceil(slots / L): every MoE layer holds cap or cap - 1 experts (ExpertCache.set_slots),
+    so no budget is left unused for want of a whole slot in every layer (up to L - 1 slots:
+    56 MB of a 7B int4 model's 4 GB budget).
 The automatic budget is RSS after the dense weights are loaded + AVAILABLE_SHARE x available
 memory (ram_budget.probe_available), but never more than the model can use: that RSS + KV +
 every expert of every layer + reserve (a 13 MB model took a 21 GB budget, and claimed it from
@@ -205,10 +208,16 @@ class BudgetPlan:
     cap: int
     auto_budget: bool
     auto_cap: bool
+    slots: int = 0  # expert slots of all MoE layers together (cap x layers, or fewer: cap - 1 in some)
+    layers: int = 0  # MoE layers
 
     def describe(self) -> str:
-        """One line: cap, budget and its parts (sizes in the unit that reads: kB, MB, GB)."""
-        return (f"{self.cap} slots/layer: {format_bytes(self.budget)} budget "
+        """One line: slots per layer, budget and its parts (sizes in the unit that reads: kB,
+        MB, GB)."""
+        per_layer = (f"{self.slots / self.layers:.1f} slots/layer ({self.slots} in all, {self.cap - 1}-{self.cap} "
+                     f"per layer)" if self.layers and self.slots and self.slots != self.cap * self.layers
+                     else f"{self.cap} slots/layer")
+        return (f"{per_layer}: {format_bytes(self.budget)} budget "
                 f"({'auto' if self.auto_budget else 'set'}), {format_bytes(self.dense)} dense, "
                 f"{format_bytes(self.kv)} KV, {format_bytes(self.reserve)} reserve, "
                 f"{format_bytes(self.slot_bytes_sum)} per slot across layers")
@@ -225,6 +234,9 @@ def plan_cap(num_experts: int, slot_bytes: list[int], dense_bytes: int, kv_bytes
             dense_bytes, + AVAILABLE_SHARE x available, default probed).
         cap: explicit slots/layer (overrides the automatic cap; still refused if its minimum,
             one slot per layer, does not fit the budget).
+    Returns:
+        BudgetPlan: automatic, ``slots`` = what the room holds in single slots of the largest
+        layer's size, ``cap`` = ceil(slots / layers); explicit, cap x layers.
     Raises:
         BudgetError: not even one slot per layer fits; the message gives the numbers.
     """
@@ -243,16 +255,24 @@ def plan_cap(num_experts: int, slot_bytes: list[int], dense_bytes: int, kv_bytes
     else:
         budget = int(ram_budget_gb * GB)
     room = budget - dense_bytes - kv_bytes - reserve
-    fit = room // per if per > 0 else num_experts
-    if fit < 1:
+    L = max(1, len(slot_bytes))
+    one = max(slot_bytes, default=0)
+    fit = room // one if one > 0 else num_experts * L  # single slots
+    if fit < L:
         raise BudgetError(
             f"RAM budget {format_bytes(budget)} cannot hold the dense weights ({format_bytes(dense_bytes)}) + "
             f"KV cache ({format_bytes(kv_bytes)}) + reserve ({format_bytes(reserve)}) + one expert slot per "
             f"layer ({format_bytes(per)}): {format_bytes(dense_bytes + kv_bytes + reserve + per)} needed. "
             f"Raise the RAM budget, lower the context length, or use a smaller quantization.")
     auto_cap = cap is None
-    c = int(min(max(fit, 1), num_experts)) if auto_cap else int(min(cap, num_experts))
-    return BudgetPlan(budget, dense_bytes, kv_bytes, reserve, per, c, ram_budget_gb is None, auto_cap)
+    if auto_cap:
+        slots = int(min(fit, num_experts * L))
+        c = -(-slots // L)
+    else:
+        c = int(min(cap, num_experts))
+        slots = c * L
+    return BudgetPlan(budget, dense_bytes, kv_bytes, reserve, per, c, ram_budget_gb is None, auto_cap,
+                      slots=slots, layers=L)
 
 
 def plan_estimate(est: Estimate, ram_budget_gb: float | None, cap: int | None,
@@ -299,8 +319,9 @@ def ram_verdict(est: Estimate, num_experts_per_tok: int, total: int, available: 
     num_experts = est.num_experts or est.expert_bytes // max(1, est.slots_bytes)
     layer_slots = list(est.layer_slot_bytes) or [est.slots_bytes]
     try:
-        fit = plan_cap(num_experts, layer_slots, est.dense_bytes, est.kv_bytes, usable / GB, None,
-                       reserve=est.reserve_bytes).cap
+        p = plan_cap(num_experts, layer_slots, est.dense_bytes, est.kv_bytes, usable / GB, None,
+                     reserve=est.reserve_bytes)
+        fit = p.slots // p.layers  # the slots every layer has at least
     except BudgetError:
         return "warn", (f"Tight on RAM: the model {head}. Close other programs or lower the context "
                         f"length before opening it.")

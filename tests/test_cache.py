@@ -1103,3 +1103,65 @@ def test_residency_matches_a_slot_by_slot_reading_of_the_cache_state():
             cache.slot_expert[:] = -1
     finally:
         cache.close()
+
+
+# --- slots counted singly: layers with cap or cap - 1 (sizing, set_slots, the RSS guard) ------------
+
+def test_set_slots_spreads_single_slots_over_the_broadest_layers_and_evicts_to_them():
+    """``set_slots(n)``: every layer gets n // L slots and n % L layers one more, those whose
+    routing reached the most distinct experts; lowering evicts each layer down to its own cap
+    and no layer ever holds more than its cap."""
+    L, E = 4, 16
+    heat = np.zeros((L, E), np.int64)
+    heat[2, :9] = 1  # layer 2 routed to the most experts, then layer 0
+    heat[0, :5] = 1
+    cache = ExpertCache(FakeStore(), L, E, 8, policy="lru", heat=heat, io_threads=2)
+    try:
+        for layer in range(L):
+            cache.load_experts(layer, list(range(8)))
+        assert cache.slots == 32 and cache.cap == 8
+        n = cache.set_slots(22)  # 5 in every layer, one more in the 2 broadest (2, then 0)
+        assert cache.layer_caps() == [6, 5, 6, 5] and cache.slots == 22 and cache.cap == 6
+        assert n == 32 - 22
+        assert [cache.live_slots(layer) for layer in range(L)] == [6, 5, 6, 5]
+        for layer in range(L):  # misses keep each layer within its own cap
+            cache.load_experts(layer, list(range(8, 16)))
+            assert cache.live_slots(layer) == cache.layer_caps()[layer]
+        cache.set_slots(1)  # clamped: one slot per layer at least
+        assert cache.layer_caps() == [1] * L
+        cache.set_slots(10 ** 6)  # clamped: the arena's width
+        assert cache.layer_caps() == [8] * L
+    finally:
+        cache.close()
+    with pytest.raises(ValueError, match="slots 3 must be between num_layers"):
+        ExpertCache(FakeStore(), L, E, 8, slots=3)
+    c2 = ExpertCache(FakeStore(), L, E, 8, slots=30, io_threads=1)
+    try:  # an empty cache starts with the spread (no heat: the lower layers get the extra)
+        assert c2.layer_caps() == [8, 8, 7, 7] and c2.slots == 30
+    finally:
+        c2.close()
+
+
+def test_rss_guard_drops_the_slots_an_overrun_needs_not_one_per_layer():
+    """An RSS 1.5 slots over the budget costs 2 slots, not one in each of the 8 layers (the
+    7B int4 model at 4 GB: a 7 MB overrun took its cap from 61 to 59, 113 MB)."""
+    L, E = 8, 16
+    cache = ExpertCache(FakeStore(), L, E, 6, policy="lru", io_threads=2)
+    try:
+        for layer in range(L):
+            cache.load_experts(layer, list(range(6)))
+        assert cache.slots == 48
+        slot = cache.slot_bytes
+        other = 10_000_000
+        budget = other + 48 * slot
+        rss = {"v": budget + slot + slot // 2}
+        guard = RssGuard(cache, budget, read_rss=lambda: rss["v"])
+        msg = guard.step(0)
+        assert guard.fired == 1 and cache.slots == 46, guard.trail
+        assert sorted(cache.layer_caps()) == [5, 5] + [6] * 6
+        assert guard.trail[0][2:] == (6, 6, 48, 46)
+        assert "expert slots 48 -> 46 (cap 6 -> 6 per layer)" in msg
+        rss["v"] = other + cache.resident_bytes()  # back within the budget: nothing more
+        assert guard.step(1) is None and cache.slots == 46
+    finally:
+        cache.close()

@@ -19,7 +19,7 @@ def _manifest(store):
 
 @pytest.mark.parametrize("over", [
     dict(context_length=0, ram_budget_gb=1.0),
-    dict(context_length=100, ram_budget_gb=0.20116),  # a budget that holds only 5 slots per layer
+    dict(context_length=100, ram_budget_gb=0.26116),  # a budget that holds only 5 slots per layer
     dict(context_length=64, ram_budget_gb=None),      # automatic budget
     dict(context_length=0, ram_budget_gb=1.0, cap=3),
 ])
@@ -37,7 +37,7 @@ def test_prediction_equals_engine_open(medium_store, monkeypatch, over):
         assert (before.dense_bytes, before.kv_bytes, before.slots_bytes, before.context_length) == (
             eng.loaded.dense_bytes, eng.plan.kv, eng.plan.slot_bytes_sum, eng.context_length)
         assert before.ram_needed == eng.plan.dense + eng.plan.kv + eng.plan.slot_bytes_sum + eng.plan.reserve
-        assert eng.cache.cap == predicted.cap
+        assert eng.cache.cap == predicted.cap and eng.cache.slots == predicted.slots
 
 
 # One store per family, with what sizing must get right: Qwen dense layers (resident MLPs, no
@@ -112,7 +112,7 @@ def test_verdict_uses_the_same_cap_rule(tiny_store):
     avail = 2 * est.ram_needed
     verdict, msg = sizing.ram_verdict(est, args.num_experts_per_tok, 10 * avail, avail)
     plan = sizing.plan_estimate(est, sizing.AVAILABLE_SHARE * avail / GB, None)
-    assert verdict == "ok" and f"about {plan.cap} expert slots per layer" in msg
+    assert verdict == "ok" and f"about {plan.slots // plan.layers} expert slots per layer" in msg
     assert sizing.ram_verdict(est, 2, est.ram_needed - 1, est.ram_needed)[0] == "refuse"
 
 
@@ -138,3 +138,30 @@ def test_every_family_is_sized_as_engine_open_does(tmp_path, make, kw):
         assert sizing.plan_estimate(est, 1.0, None) == eng.plan
     on_disk = sum(p.stat().st_size for p in store.rglob("*") if p.is_file())
     assert est.store_bytes == pytest.approx(on_disk, rel=0.15)
+
+
+def test_plan_counts_single_slots_and_engine_open_holds_them(medium_store):
+    """The budget's room in single slots: a budget 2.5 slots short of cap c in every layer gives
+    c x L - 3 slots (cap c, three layers with c - 1), not c - 1 in every layer; Engine.open's
+    cache holds exactly that many, and describe() says so."""
+    from engine.sizing import plan_cap
+    L, E, one = 4, 16, 1_000_000
+    dense, kv, reserve = 50_000_000, 10_000_000, 20_000_000
+    budget = dense + kv + reserve + 6 * L * one - 2 * one - one // 2
+    p = plan_cap(E, [one] * L, dense, kv, budget / GB, None, reserve=reserve)
+    assert (p.slots, p.cap, p.layers) == (6 * L - 3, 6, L)
+    assert p.describe().startswith("5.2 slots/layer (21 in all, 5-6 per layer)")
+    q = plan_cap(E, [one] * L, dense, kv, budget / GB, 3, reserve=reserve)  # an explicit cap
+    assert (q.slots, q.cap) == (3 * L, 3) and q.describe().startswith("3 slots/layer:")
+    full = plan_cap(E, [one] * L, dense, kv, 100.0, None, reserve=reserve)  # the whole model fits
+    assert (full.slots, full.cap) == (E * L, E)
+    with pytest.raises(sizing.BudgetError):  # not one slot in every layer
+        plan_cap(E, [one] * L, dense, kv, (dense + kv + reserve + L * one - 1) / GB, None, reserve=reserve)
+    probe = EngineConfig(store=str(medium_store), pinning=False, history=False, context_length=64)
+    with Engine.open(probe.with_(cap=2)) as eng:
+        base = eng.plan.dense + eng.plan.kv + eng.plan.reserve
+        slot, M = eng.cache.slot_bytes, eng.cache.L
+    cfg = probe.with_(ram_budget_gb=(base + (3 * M + 1) * slot + slot // 2) / GB)
+    with Engine.open(cfg, read_rss=lambda: base) as eng:
+        assert (eng.plan.slots, eng.plan.cap) == (3 * M + 1, 4)
+        assert eng.cache.slots == 3 * M + 1 and sorted(eng.cache.layer_caps()) == [3] * (M - 1) + [4]
