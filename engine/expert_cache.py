@@ -58,6 +58,7 @@ class SpecRefused(IntEnum):
     ALREADY = -1  # the expert is resident or being loaded already
     GUARD = -2    # the eviction guard refused to evict the only candidate victim
     FULL = -3     # no slot can be freed (all pinned, busy or staged)
+    PASSED = -4   # this decode step's one-call run has reached the layer already
 
 
 SPEC_PUBLISH_WAIT_S = 0.0003  # the speculation reader's wait for the lock before parking a finished read
@@ -313,6 +314,8 @@ class ExpertCache:
         self._spec_ready: deque = deque()  # (layer, expert, slot), claim order
         self._spec_done: deque = deque()  # (layer, expert, slot, read result) read, not yet published
         self._spec_reader: threading.Thread | None = None
+        self._spec_waiting = None  # (layer, expert, slot) the speculation reader took, its read not started
+        self._passed = -1  # the last layer this decode step's one-call runs reached (take_resident_layers)
         self.io_threads = max(1, int(io_threads))
         self._readers = [threading.Thread(target=self._reader, name=f"colibri-io-{i}", daemon=True)
                          for i in range(self.io_threads)]
@@ -1029,7 +1032,11 @@ class ExpertCache:
             self._drain_spec_done()  # reads that came in during the last run: resident for this one
             clock, ea, ss, pm, nspec = run(self.where, self.slot_state, self.slot_busy, self.last_use,
                                            self.routed_now, self.pinned, self.slot_spec, _RESIDENT, self.clock)
-        stop = self.L if clock >= 0 else -1 - clock
+            stop = self.L if clock >= 0 else -1 - clock
+            # layers up to stop are reached (stop's experts are taken on demand next): a PILOT
+            # worker that waited for the lock through the run must not reserve for them (its
+            # token's cur_layer moves only in after_run, without the lock)
+            self._passed = stop
         if after_run is not None:
             after_run(stop)
         with self.lock:
@@ -1169,10 +1176,14 @@ class ExpertCache:
 
     def try_speculate(self, layer: int, expert: int, guard=None) -> int:
         """Reserve a slot for a speculative load (lock taken here). Returns the slot (>= 0),
-        or a SpecRefused: ALREADY (resident/loading), GUARD (guard refused), FULL (no slot)."""
+        or a SpecRefused: ALREADY (resident/loading), PASSED (a one-call run of this decode
+        step has reached the layer: :meth:`take_resident_layers`), GUARD (guard refused), FULL
+        (no slot)."""
         with self.lock:
             if self._closed or self.where[layer, expert] >= 0:
                 return SpecRefused.ALREADY
+            if layer <= self._passed:  # a worker that waited for the lock through a run
+                return SpecRefused.PASSED
             ly = self.layers[layer]
             if not (ly.live < min(ly.cap, ly.target) and ly.free):
                 v = self._pick_victim(layer, allow_staged=False)
@@ -1219,13 +1230,19 @@ class ExpertCache:
 
     def _claim_back(self, layer: int, expert: int, slot: int, urgency: int) -> None:
         """A demand lookup found ``expert`` loading in ``slot`` (lock held): if it is a
-        speculation whose read has not started (:meth:`speculate_now`), read it as a demand read
-        now (``urgency`` as _submit) instead of after the speculations queued before it."""
+        speculation whose read has not started (:meth:`speculate_now`), queued or taken by the
+        speculation reader while it waits for the demand reads in flight, read it as a demand
+        read now (``urgency`` as _submit) instead of after the speculations queued before it
+        (or after every demand read, the less urgent ones included)."""
         with self._spec_lock:
             try:
                 self._spec_ready.remove((layer, expert, slot))
             except ValueError:
-                return  # not queued: a worker's speculation, or its read in flight
+                if self._spec_waiting != (layer, expert, slot):
+                    return  # not queued: a worker's speculation, or its read in flight
+                # the speculation reader took it and waits for the demand reads in flight, the
+                # less urgent ones queued after them included: read it now as a demand read
+                self._spec_waiting = None
         self.stats.spec_issued -= 1
         self._submit(layer, expert, slot, urgency)
 
@@ -1233,8 +1250,11 @@ class ExpertCache:
         """Give back the slots of speculations :meth:`speculate_now` queued whose reads have
         not started (PILOT at a new token: they are stale), or only those of layers before
         ``below`` (at the start of a run from that layer: the layers before it ran); counted
-        as stale drops. Returns how many."""
+        as stale drops. Without ``below`` (a new token) the layers a run reached are open to
+        speculation again. Returns how many."""
         with self.lock:
+            if below is None:
+                self._passed = -1
             with self._spec_lock:
                 items = [it for it in self._spec_ready if below is None or it[0] < below]
                 if items:
@@ -1264,6 +1284,7 @@ class ExpertCache:
                 if self._closed:
                     return  # close() gives the queued slots back and publishes the parked reads
                 item = self._spec_ready.popleft() if self._spec_ready else None
+                self._spec_waiting = item  # waiting for the demand reads: still a demand lookup's to take
             if item is None:  # nothing left to read: publish the parked reads (waiting for the lock)
                 with self.lock:
                     self._drain_spec_done()
@@ -1271,6 +1292,11 @@ class ExpertCache:
             layer, expert, slot = item
             while self.demand_inflight > 0 and not self._closed:  # an int read: no lock (a run may hold it)
                 time.sleep(0.0005)
+            with self._spec_lock:  # from here the read is started: no demand lookup can take it over
+                taken = self._spec_waiting != item  # a demand lookup took it over while it waited
+                self._spec_waiting = None
+            if taken:
+                continue
             res = self._read_slot(layer, expert, slot)
             if self.lock.acquire(timeout=SPEC_PUBLISH_WAIT_S):
                 try:

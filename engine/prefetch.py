@@ -467,6 +467,8 @@ class Pilot(Observer):
         refusal by the guard or for want of a slot is counted as that drop."""
         if slot == SpecRefused.GUARD:
             self.cache.count_dropped(SpecDrop.GUARD)
+        elif slot == SpecRefused.PASSED:  # the run reached its layer while the worker waited
+            self.cache.count_dropped(SpecDrop.STALE)
         elif slot == SpecRefused.FULL:
             self.cache.count_dropped(SpecDrop.FULL)
         return slot >= 0

@@ -531,6 +531,67 @@ def test_reserved_speculation_reads_while_the_lock_is_held_and_demand_takes_queu
     assert cache.where[0, 11] == -1 and [e for e, _ in st.started] == [3, 9]
 
 
+def test_a_worker_cannot_reserve_for_a_layer_a_run_reached():
+    """A PILOT worker that waited for the cache's lock through a one-call run must not reserve
+    a slot for a layer the run reached (its read would be wasted and would delay the stop
+    layer's demand read): try_speculate answers PASSED until the next token
+    (cancel_speculations without ``below``), and Pilot counts that as a stale drop."""
+    from engine.expert_cache import ExpertCache, SpecRefused
+    st = _GatedStore()
+    cache = ExpertCache(st, 4, 16, cap=8, io_threads=1)
+    try:
+        E = np.zeros((4, 1), np.int64)
+        # a run from layer 2 that stopped at once (layer 2's expert not resident)
+        stop = cache.take_resident_layers(lambda *a: (-1 - 2, E, E, E.astype(bool), np.zeros(4, np.int64)), 2)
+        assert stop == 2
+        assert cache.try_speculate(1, 5) == SpecRefused.PASSED
+        assert cache.try_speculate(2, 5) == SpecRefused.PASSED  # its experts are taken on demand next
+        assert cache.speculate_now(2, 6) == SpecRefused.PASSED
+        slot = cache.try_speculate(3, 5)
+        assert slot >= 0
+        cache.cancel_speculations()  # a new token: every layer is ahead again
+        assert cache.try_speculate(1, 5) >= 0
+        assert cache.stats.spec_issued == 2
+    finally:
+        for e in range(16):
+            st.release(e)
+        cache.close()
+
+
+def test_demand_takes_over_a_speculation_the_reader_holds_while_demand_reads_run():
+    """The speculation reader took a reserved expert and waits for the demand reads in flight
+    (demand first); a demand lookup of that expert reads it as a demand read at once instead
+    of waiting behind every demand read, the less urgent ones included (priority inversion),
+    and the reader then skips it: one read, on a demand reader."""
+    import time as _t
+    from engine.expert_cache import ExpertCache
+    st = _GatedStore()
+    cache = ExpertCache(st, 1, 16, cap=8, io_threads=1)
+    try:
+        cache.demand_inflight = 1  # a demand read in flight: the reader takes 3 and waits
+        slot = cache.speculate_now(0, 3)
+        assert slot >= 0
+        deadline = _t.monotonic() + 5
+        while cache._spec_waiting != (0, 3, slot) and _t.monotonic() < deadline:
+            _t.sleep(0.001)
+        assert cache._spec_waiting == (0, 3, slot) and not st.started
+        hits, slots, misses = cache.take_split(0, [3])
+        assert misses == [3] and cache.stats.spec_issued == 0 and cache._spec_waiting is None
+        deadline = _t.monotonic() + 5
+        while not st.started and _t.monotonic() < deadline:
+            _t.sleep(0.001)
+        assert st.started == [(3, "colibri-io-0")]  # beside the demand read in flight: it is needed now
+        st.release(3)
+        cache.acquire(0, 3)
+        cache.release(0, 3)
+        cache.demand_inflight = 0  # the reader leaves its wait and finds the read taken over
+        _t.sleep(0.05)
+        assert st.started == [(3, "colibri-io-0")] and cache.stats.spec_completed == 0
+        assert cache.is_present(0, 3) and cache.stats.misses == 1
+    finally:
+        cache.close()
+
+
 @pytest.mark.parametrize("replayed", [False, True])
 def test_pilot_keeps_the_one_call_decode_step(medium_store, logits_trace, monkeypatch, replayed):
     """PILOT (mode 3, draft on) no longer forces the per-layer decode path: decode steps run in
