@@ -613,7 +613,7 @@ class MainWindow(QMainWindow):
         self.chat.set_chat_template(ev.has_chat_template)
         self.panels.on_loaded(ev)
         self.st_model.setText(f"{ev.model_name} ({ev.quant})")
-        self.st_cap.setText(f"cap {ev.cap_per_layer}/{ev.num_experts} per layer")
+        self._show_cap(ev.cap_per_layer, ev.expert_slots)
         self.st_pilot.setText(f"PILOT {ev.pilot}")
         self.setWindowTitle(f"colibri — {ev.model_name}")
         self.st_model.setToolTip(f"{ev.store_path}\n{ev.message}")
@@ -978,12 +978,25 @@ class MainWindow(QMainWindow):
         self.panels.on_metrics(m)
         self.st_speed.setText(f"{m.tok_per_s:.1f} tok/s")
         self.st_ttft.setText(f"TTFT {m.ttft_s:.2f} s")
-        self.st_cap.setText(f"cap {m.cap_per_layer}/{self.loaded.num_experts if self.loaded else '?'} per layer")
+        self._show_cap(m.cap_per_layer, m.expert_slots)
         if m.cluster:
             self.st_cluster.setText(m.cluster)
         if m.threads:
             self.threads_in_use = m.threads
             self.st_threads.setText(self._threads_text(m.threads, bool(self.loaded and self.loaded.auto_threads)))
+
+    def _show_cap(self, cap: int, slots: int) -> None:
+        """Status bar: slots per layer of the expert cache. When the budget's slots are not a
+        multiple of the layers (some layers hold one fewer: engine.sizing), the mean per layer,
+        with the spread in the tooltip."""
+        E = self.loaded.num_experts if self.loaded else "?"
+        L = self.loaded.num_layers if self.loaded else 0
+        if L and slots and slots != cap * L:
+            self.st_cap.setText(f"cap {slots / L:.1f}/{E} per layer")
+            self.st_cap.setToolTip(f"{slots} expert slots in RAM: {cap - 1}-{cap} per layer")
+        else:
+            self.st_cap.setText(f"cap {cap}/{E} per layer")
+            self.st_cap.setToolTip(f"{cap * L} expert slots in RAM" if L else "")
 
     @staticmethod
     def _threads_text(n: int, auto: bool) -> str:

@@ -94,6 +94,7 @@ class Loaded:
     moe_layers: tuple[int, ...] = ()  #: the transformer layer of each MoE row (() = rows 0..num_layers-1)
     docs_entries: int = 0           #: entries in the store's documentation index (0: no lookup)
     docs_problem: str = ""          #: why the store's documentation index is not used ("" = fine or none)
+    expert_slots: int = 0           #: cache slots of all MoE layers together (each has cap_per_layer or one fewer)
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,7 @@ class StepMetrics:
     total_hit_rate: float = 1.0      #: this answer so far (metrics.answer_rates: as Finished.hit_rate)
     total_mb_per_token: float = 0.0  #: this answer so far (as Finished.mb_per_token)
     cluster: str = ""  #: expert-parallel serving: ClusterStatus.summary() now ("" = off)
+    expert_slots: int = 0  #: cache slots of all MoE layers together (each has cap_per_layer or one fewer)
 
 
 # Residency states in ResidencySnapshot.state (REMOTE: not in this computer's cache, held in the

@@ -238,7 +238,7 @@ class Engine:
             threads=self.threads, auto_threads=self.free_cores is not None, pins_per_layer=self._pins_per_layer(),
             cluster="" if self.cluster is None else self.cluster.status().summary(),
             moe_layers=tuple(int(i) for i in a.moe_layers), docs_entries=len(self.docs or ()),
-            docs_problem=self.docs_problem)
+            docs_problem=self.docs_problem, expert_slots=self.cache.slots)
         # other colibri processes size their automatic budget around this one (sysinfo)
         self.budget_claim = BudgetClaim(self.plan.budget)
 

@@ -398,3 +398,16 @@ def test_cluster_line_in_the_status_bar(qtbot, make_window):
     line = "cluster: 2/2 workers up, 48 experts remote, 0 here"
     win.on_loaded(replace(win.loaded, cluster=line))
     assert win.st_cluster.isVisible() and win.st_cluster.text() == line
+
+
+def test_cap_in_the_status_bar_shows_single_slots(qtbot, make_window):
+    """A budget whose slots are not a multiple of the layers (some hold one fewer:
+    engine.sizing) shows the mean per layer, the spread in the tooltip; whole caps as before."""
+    from dataclasses import replace
+    win = make_window()
+    L, E = win.loaded.num_layers, win.loaded.num_experts
+    win.on_loaded(replace(win.loaded, cap_per_layer=4, expert_slots=4 * L))
+    assert win.st_cap.text() == f"cap 4/{E} per layer"
+    win.on_loaded(replace(win.loaded, cap_per_layer=4, expert_slots=4 * L - 1))
+    assert win.st_cap.text() == f"cap {(4 * L - 1) / L:.1f}/{E} per layer"
+    assert win.st_cap.toolTip() == f"{4 * L - 1} expert slots in RAM: 3-4 per layer"
