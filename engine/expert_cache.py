@@ -1015,8 +1015,10 @@ class ExpertCache:
         does cache_take_resident's array half for each layer it runs and gives the slots back,
         and returns (clock after, ea int64 [L, k] each layer's experts in ascending id order, ss
         int64 [L, k] their slots, pm bool [L, k] whether pinned, nspec int64 [L] the taken slots
-        still flagged speculative); its clock is negative, -1 - l, when layer l found an expert
-        not resident (layers l0..l-1 ran, layer l's take did not). A slot another thread evicted
+        still flagged speculative, and optionally upto: with a clock >= 0, the layer it stopped
+        before, every layer up to it run in full: PILOT's predictions inside the run,
+        K.decode_layers_t1's ``look``); its clock is negative, -1 - l, when layer l found an
+        expert not resident (layers l0..l-1 ran, layer l's take did not). A slot another thread evicted
         between the two holds of the lock (a cap lowered from the app) is counted as the hit it
         was and left out of the eviction order. Then ``after_run(stop)``
         without the lock, then the counters, speculation flags and eviction order of layers
@@ -1024,19 +1026,21 @@ class ExpertCache:
         leave them, so the caller can take layer ``stop`` by take_split next, in the order
         the per-layer path would.
 
-        Returns ``stop``: num_layers when every layer from l0 ran, l when layer l stopped it,
-        -1 when nothing ran (the cache is closed)."""
+        Returns ``stop``: num_layers when every layer from l0 ran, l when layer l stopped it
+        (or the run stopped before it, ``upto``), -1 when nothing ran (the cache is closed)."""
         with self.lock:
             if self._closed:
                 return -1
             self._drain_spec_done()  # reads that came in during the last run: resident for this one
-            clock, ea, ss, pm, nspec = run(self.where, self.slot_state, self.slot_busy, self.last_use,
-                                           self.routed_now, self.pinned, self.slot_spec, _RESIDENT, self.clock)
-            stop = self.L if clock >= 0 else -1 - clock
-            # layers up to stop are reached (stop's experts are taken on demand next): a PILOT
-            # worker that waited for the lock through the run must not reserve for them (its
-            # token's cur_layer moves only in after_run, without the lock)
-            self._passed = stop
+            out = run(self.where, self.slot_state, self.slot_busy, self.last_use,
+                      self.routed_now, self.pinned, self.slot_spec, _RESIDENT, self.clock)
+            clock, ea, ss, pm, nspec = out[:5]
+            stop = (out[5] if len(out) > 5 else self.L) if clock >= 0 else -1 - clock
+            # the layers a PILOT worker that waited for the lock through the run must not reserve
+            # for (its token's cur_layer moves only in after_run, without the lock): up to stop
+            # when stop's experts are taken on demand next, up to stop - 1 when the run stopped
+            # before stop for a prediction (upto)
+            self._passed = stop if clock < 0 else stop - 1
         if after_run is not None:
             after_run(stop)
         with self.lock:

@@ -2453,7 +2453,8 @@ _k_attention_t1, _k_linear_f32, _k_experts_q4_t1, _k_experts_q8_t1 = (
 def decode_layers_t1(x, pos, cos, sin, kc, vc, scale, eps, ln_w, qkv_w, qkv_s, gs, qkn, qn_w, kn_w, o_w, o_s,
                      post_w, router_w, topk, norm, where, state, busy, last_use, routed_now, pinned, spec,
                      resident, clock, arena, max_cap, slot_bytes, fields, I, egs, q4, il,
-                     idx, w, logits, ss, pm, nspec, l0, forced_logits, use_forced):
+                     idx, w, logits, ss, pm, nspec, l0, forced_logits, use_forced,
+                     look, look_want, look_forced, use_look_forced, look_logits, upto):
     """The layers l0.. of one decode step (T = 1) of a model whose layers are all plain MoE
     layers, while their routed experts are resident in the expert cache's arena: for each layer l,
     the calls engine.models.base.MoEModel.forward makes from Python, in the same order with
@@ -2483,7 +2484,16 @@ def decode_layers_t1(x, pos, cos, sin, kc, vc, scale, eps, ln_w, qkv_w, qkv_s, g
 
     ``use_forced``: each layer's router logits are forced_logits[l] (float32 [L, E]) instead of
     h @ router_w[l]^T: a replayed routing (engine.trace.RecordedRouting), as the per-layer
-    path gets it from the replaced ``router_logits``."""
+    path gets it from the replaced ``router_logits``.
+
+    ``look`` (PILOT inside the run, engine.prefetch.Pilot.run_plan): at each layer l whose next
+    layer is wanted (``look_want`` bool [L], row l + 1), PILOT mode 1's prediction of layer
+    l + 1 from layer l's post-attention residual, rmsnorm(x; post_w[l + 1]) @ router_w[l + 1]^T
+    (or ``look_forced[l + 1]`` with ``use_look_forced``: a replayed routing's recorded
+    predictor), goes to ``look_logits[l + 1]``; when one of its top-k experts is not in the
+    cache (``where`` < 0: neither resident nor loading), the run stops after layer l's experts,
+    ``upto[0] = l + 1``, and returns the clock (>= 0), so the caller can start that read while
+    layer l + 1 computes. ``upto[0]`` is L otherwise. The prediction changes no value."""
     L = len(ln_w)
     D = x.shape[1]
     E = logits.shape[1]
@@ -2503,6 +2513,9 @@ def decode_layers_t1(x, pos, cos, sin, kc, vc, scale, eps, ln_w, qkv_w, qkv_s, g
     out = np.empty((topk, D), np.float32)
     y = np.empty((1, topk, D), np.float32)
     moe = np.empty((1, D), np.float32)
+    hl = np.empty((1, D), np.float32)
+    seen = np.empty(E, np.bool_)
+    upto[0] = L
     for l in range(l0, L):
         _k_attention_t1(x, ln_w[l], eps, qkv_w[l], qkv_s[l], gs, qkn, qn_w[l], kn_w[l], cos, sin, kc[l], vc[l],
                         pos, scale, o_w[l], o_s[l], h, q, kk, vv, att, ao)
@@ -2524,6 +2537,23 @@ def decode_layers_t1(x, pos, cos, sin, kc, vc, scale, eps, ln_w, qkv_w, qkv_s, g
             return -1 - l
         nspec[l] = n
         clock += topk
+        absent = False
+        if look and l + 1 < L and look_want[l + 1]:
+            if use_look_forced:
+                for e in range(E):
+                    look_logits[l + 1, e] = look_forced[l + 1, e]
+            else:
+                _k_rmsnorm(x, post_w[l + 1], eps, hl)
+                _k_linear_f32(hl, router_w[l + 1], look_logits[l + 1:l + 2])
+            seen[:] = False
+            for r in range(topk):  # top-k by logit (ties: the lowest id), as route picks them
+                best = -1
+                for e in range(E):
+                    if not seen[e] and (best < 0 or look_logits[l + 1, e] > look_logits[l + 1, best]):
+                        best = e
+                seen[best] = True
+                if where[l + 1, best] < 0:
+                    absent = True
         base = (np.int64(l) * max_cap) * slot_bytes
         for i in range(topk):
             so = base + ss[l, i] * slot_bytes
@@ -2540,6 +2570,9 @@ def decode_layers_t1(x, pos, cos, sin, kc, vc, scale, eps, ln_w, qkv_w, qkv_s, g
             x[0, d] = x[0, d] + moe[0, d]
         for i in range(topk):
             busy[l, ss[l, i]] -= 1
+        if absent:
+            upto[0] = l + 1
+            return clock
     return clock
 
 

@@ -51,8 +51,12 @@ stops a run (its attention ran in the kernel; its misses are read). There PILOT 
 the per-layer path (mode 1 from the post-attention residual, the draft while it waits, modes
 2 / 3 from the post-MoE residual), and right before the next run starts (``on_run_start``)
 the compute thread reserves the slots of everything queued (ExpertCache.speculate_now), whose
-reads the speculation reader then runs during the run. Layers inside a run are not predicted:
-their residuals never leave the kernel.
+reads the speculation reader then runs during the run. Inside a run the kernel predicts each
+next layer itself (mode 1: layer t from layer t - 1's post-attention residual with layer t's
+norm and router; the layers :meth:`Pilot.run_plan` wants), and when a prediction holds an
+expert not in the cache it stops the run after layer t - 1: :meth:`Pilot.on_run_prediction`
+queues the prediction, the next run reserves it, and its read runs while layer t's attention
+and router compute instead of starting after them.
 Eviction guard (colibri #497 final form): a speculation may take a free slot; it may evict a
 resident expert unless the victim is genuinely warm (session heat >= 2) and clearly hotter
 (score(victim) + score(victim)/4 + 4*256 > score(candidate); score = heat << 8 | recency).
@@ -241,9 +245,15 @@ class Pilot(Observer):
         self.prec_total = np.zeros((4, self.L, nr), np.int64)
         self.pred_rank = np.full((4, self.L, self.E), -1, np.int64)
         self.claimed = 0  # speculations reserved before one-call runs (on_run_start; some later given back)
+        self.run_stops = 0  # one-call runs stopped for a prediction (on_run_prediction)
+        self._look_want = np.zeros(self.L, bool)
+        self._look_forced = np.zeros((self.L, self.E), np.float32)  # a replayed routing's predictor rows
+        self._look_row_gen = np.full(self.L, -1, np.int64)  # the token each of those rows is for
         self._closed = False
         self.observers = ObserverList(("on_prediction",))
         model.subscribe(self)
+        if self.mode >= 1 and hasattr(model, "run_lookahead"):
+            model.run_lookahead = self  # predictions inside one-call runs (run_plan)
         self.workers = [threading.Thread(target=self._work, name=f"colibri-pilot-{i}", daemon=True)
                         for i in range(config.pilot_workers)]
         for w in self.workers:
@@ -291,6 +301,40 @@ class Pilot(Observer):
                 continue
             if self._reserved(self.cache.speculate_now(t, e, self._guard if self.use_guard else None)):
                 self.claimed += 1
+
+    def run_plan(self, l0: int) -> tuple[np.ndarray, np.ndarray | None] | None:
+        """What a one-call decode run from layer ``l0`` predicts inside the kernel
+        (K.decode_layers_t1's ``look``): want bool [L], the layers t > l0 worth predicting
+        (:meth:`wanted`, and the precision gate open for the top candidate at distance 1), and
+        under a replayed routing its recorded predictor's logits float32 [L, E] (row t: layer t
+        from layer t - 1, as :meth:`predict` gets them), else None (the kernel runs layer t's
+        own norm and router on layer t - 1's post-attention residual: mode 1). None when no
+        layer is wanted. A run stops after a layer whose next layer's predicted top-k holds an
+        expert not in the cache; :meth:`on_run_prediction` then queues it before the next run
+        starts, so its read runs while that layer computes, not after its router."""
+        want = self._look_want
+        want[:] = False
+        for t in range(l0 + 1, self.L):
+            want[t] = self.wanted(t) and (self.min_precision <= 0
+                                          or self.precision(1, t, 0) >= self.min_precision)
+        if not want.any():
+            return None
+        replay = getattr(self.model, "routing_replay", None)
+        if replay is None:
+            return want, None
+        for t in np.flatnonzero(want & (self._look_row_gen != self.gen)):
+            self._look_forced[t] = replay.pred_logits(int(t), int(t) - 1, self.pos_last)[0]
+            self._look_row_gen[t] = self.gen
+        return want, self._look_forced
+
+    def on_run_prediction(self, t: int, logits: np.ndarray) -> None:
+        """A one-call run stopped before layer ``t`` because the kernel's prediction of it
+        (logits float32 [E], :meth:`run_plan`) holds an expert not in the cache: predict from
+        those logits as mode 1 does (distance 1, from layer t - 1; precision gate, queue)."""
+        self.run_stops += 1
+        self._small = True
+        self.cur_layer = max(self.cur_layer, t - 1)
+        self.predict(t, None, 1, t - 1, logits=logits)
 
     def wanted(self, t: int) -> bool:
         """Whether MoE layer ``t`` is worth predicting now: some of its experts are not in the
@@ -341,17 +385,21 @@ class Pilot(Observer):
         """The gate's estimate: (hits + 3) / (predictions + 4) of the (dist, layer, rank) cell."""
         return (self.prec_hits[dist, layer, rank] + 3) / (self.prec_total[dist, layer, rank] + 4)
 
-    def predict(self, t: int, x: np.ndarray, dist: int = 1, src: int | None = None) -> None:
+    def predict(self, t: int, x: np.ndarray | None, dist: int = 1, src: int | None = None,
+                logits: np.ndarray | None = None) -> None:
         """Predict MoE layer ``t``'s experts from the residual x float32 [1, D] taken ``dist``
         layers before (0: the draft of layer t - 1, :meth:`on_moe_wait`) at MoE layer ``src``
         (default t - max(dist, 1)), publish them (``on_prediction``) and queue the
         non-resident ones the precision gate lets through (``request``; a draft's at the head
         of the queue, :meth:`PrefetchQueue.put_layer_first`). A model driven by a replayed
         routing (``routing_replay``: engine.trace.RecordedRouting) gets the recorded
-        predictor's logits of layer t from layer ``src`` instead of its router's."""
+        predictor's logits of layer t from layer ``src`` instead of its router's; given
+        ``logits`` float32 [E], those (a prediction the one-call kernel made)."""
         m = self.model
         replay = getattr(m, "routing_replay", None)
-        if replay is not None:
+        if logits is not None:  # computed already (inside a one-call run: on_run_prediction)
+            pass
+        elif replay is not None:
             logits = replay.pred_logits(t, t - max(dist, 1) if src is None else src, self.pos_last)[0]
         else:
             h = np.empty_like(x)
@@ -476,6 +524,8 @@ class Pilot(Observer):
     def close(self) -> None:
         """Unsubscribe from the model, stop and join every worker. Idempotent."""
         self.model.unsubscribe(self)
+        if getattr(self.model, "run_lookahead", None) is self:
+            self.model.run_lookahead = None
         self._closed = True
         self.queue.close()
         for w in self.workers:

@@ -655,6 +655,63 @@ def test_pilot_keeps_the_one_call_decode_step(medium_store, logits_trace, monkey
     assert np.array_equal(out[3].view(np.uint32), out[0].view(np.uint32))
 
 
+@pytest.mark.parametrize("replayed", [False, True])
+def test_pilot_predicts_inside_one_call_runs(medium_store, logits_trace, monkeypatch, replayed):
+    """PILOT inside a one-call run (K.decode_layers_t1's ``look``): the kernel predicts layer t
+    from layer t - 1's post-attention residual with layer t's norm and router (mode 1; a
+    replayed routing's recorded predictor), and when the prediction holds an expert not in the
+    cache the run stops after layer t - 1, so the read is queued before layer t's router. The
+    kernel's predictor logits equal Python's mode 1 prediction of the same layer and position
+    bit for bit; predictions that stopped a run are read speculatively and used; logits stay
+    bit-identical to pilot 0 on the per-layer path."""
+    import engine.models.base as base
+    from engine.prefetch import Pilot
+    seen = {}
+    real_predict = Pilot.predict
+
+    def predict(self, t, x, dist=1, src=None, logits=None):
+        if logits is not None:
+            seen.setdefault(("kernel", self.pos_last, t), np.array(logits, np.float32))
+        elif x is not None and dist == 1 and not replayed:
+            h = np.empty_like(x)
+            base.K.rmsnorm(x, self.model.moe_norm(t), self.model.args.rms_norm_eps, h)
+            seen.setdefault(("python", self.pos_last, t), self.model.router_logits(t, h)[0].copy())
+        return real_predict(self, t, x, dist, src, logits)
+    monkeypatch.setattr(Pilot, "predict", predict)
+    out, stops = {}, {}
+    for pilot, one_call in ((1, True), (1, False), (0, False)):
+        monkeypatch.setattr(base, "DECODE_T1", one_call)
+        cfg = EngineConfig(store=str(medium_store), history=False, pinning=False, cap=6, pilot=pilot,
+                           o_direct=False, spec_precision=0.0, pilot_draft=False)
+        with Engine.open(cfg) as eng:
+            m = eng.model
+            if one_call:
+                assert m.wait_decode_ready(900)
+            rr = RecordedRouting(logits_trace, 4, 16, seed=0).install(m) if replayed else None
+            logits = [m.forward(np.arange(1, 6), 0)]
+            for p in range(5, 45):
+                logits.append(m.forward(np.array([p + 3]), p))
+                if pilot and one_call:  # let the reads of one token land before the next
+                    deadline = time.monotonic() + 5
+                    while eng.cache.stats.spec_completed < eng.cache.stats.spec_issued and time.monotonic() < deadline:
+                        time.sleep(0.002)
+            if pilot:
+                stops[one_call] = eng.pilot.run_stops
+                if one_call:
+                    assert m.run_lookahead is eng.pilot and eng.cache.stats.spec_used > 0
+            if rr is not None:
+                rr.uninstall()
+        out[(pilot, one_call)] = np.concatenate(logits)
+    assert stops[True] > 0 and stops[False] == 0  # the per-layer path predicts at every layer instead
+    assert np.array_equal(out[(1, True)].view(np.uint32), out[(0, False)].view(np.uint32))
+    assert np.array_equal(out[(1, False)].view(np.uint32), out[(0, False)].view(np.uint32))
+    if not replayed:
+        both = [k[1:] for k in seen if k[0] == "kernel" and ("python",) + k[1:] in seen]
+        assert both, sorted(seen)[:8]
+        for pos, t in both:
+            assert np.array_equal(seen[("kernel", pos, t)].view(np.uint32), seen[("python", pos, t)].view(np.uint32))
+
+
 @pytest.mark.parametrize("over", [dict(pilot=0, cap=16, warm_all=True), dict(pilot=0, cap=6),
                                   dict(pilot=1, cap=6), dict(pilot=1, cap=6, routing_trace=True)])
 def test_bench_arms_decode_through_the_one_call_step(medium_store, logits_trace, monkeypatch, over):

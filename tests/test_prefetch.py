@@ -383,7 +383,7 @@ def test_perfect_predictor_drops_under_half(medium_store):
             for t in range(1, self.L):
                 self.predict(t, None)
 
-        def predict(self, t, x, dist=1, src=None):
+        def predict(self, t, x, dist=1, src=None, logits=None):
             for e in routes.get((self.gen, t), ()):
                 if not self.cache.is_present(t, int(e)):
                     self.request(t, int(e))

@@ -931,6 +931,7 @@ class MoEModel:
         self._att1_memo: dict[int, tuple | None] = {}  # _attention_t1_args
         self._dec_memo: tuple | None = None  # _decode_plan
         self.routing_replay = None  # a replayed routing's step_logits for the one-call step (engine/trace.py)
+        self.run_lookahead = None  # PILOT's predictions inside one-call runs (engine.prefetch.Pilot.run_plan)
         self._decode_ready = threading.Event()  # K.decode_layers_t1 compiled for this model (start_decode_warm)
         self.one_call_steps = 0  # decode steps run by _decode_step_all (the rest ran layer by layer)
         # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
@@ -1484,14 +1485,18 @@ class MoEModel:
         return plan
 
     def _decode_call(self, plan: tuple, x: np.ndarray, pos: int, kc: np.ndarray, vc: np.ndarray, outs: tuple,
-                     l0: int = 0, forced: np.ndarray | None = None):
+                     l0: int = 0, forced: np.ndarray | None = None, look: tuple | None = None):
         """The function that runs K.decode_layers_t1 from layer ``l0`` on ``x`` at ``pos`` with KV
-        caches kc, vc and output arrays ``outs`` (idx, w, logits, ss, pm, nspec) once given the
-        cache's arrays (ExpertCache.take_resident_layers' ``run``); ``forced`` float32 [L, E]:
-        the router logits to use instead of the routers' (a replayed routing)."""
+        caches kc, vc and output arrays ``outs`` (idx, w, logits, ss, pm, nspec, look_logits,
+        upto: :meth:`_decode_outs`) once given the cache's arrays
+        (ExpertCache.take_resident_layers' ``run``, which gets the clock, the taken experts and
+        ``upto``); ``forced`` float32 [L, E]: the router logits to use instead of the routers' (a
+        replayed routing); ``look`` (want bool [L], forced predictor logits float32 [L, E] or
+        None): PILOT's predictions inside the run (Pilot.run_plan; the kernel's ``look``)."""
         lists, gs, qkn, fields, q4, il = plan
         a, cache = self.args, self.experts
-        idx, w, logits, ss, pm, nspec = outs
+        idx, w, logits, ss, pm, nspec, look_logits, upto = outs
+        want, look_forced = look if look is not None else (self._no_look(), None)
 
         def run(where, state, busy, last_use, routed_now, pinned, spec, resident, clock):
             c = K.decode_layers_t1(
@@ -1500,15 +1505,25 @@ class MoEModel:
                 lists["os"], lists["post"], lists["router"], a.num_experts_per_tok, bool(a.norm_topk_prob), where,
                 state, busy, last_use, routed_now, pinned, spec, resident, clock, cache.arena, cache.max_cap,
                 cache.slot_bytes, fields, a.moe_intermediate_size, self.gs, q4, il, idx, w, logits, ss, pm, nspec,
-                l0, forced if forced is not None else logits, forced is not None)
-            return c, np.sort(idx, axis=1), ss, pm, nspec
+                l0, forced if forced is not None else logits, forced is not None,
+                look is not None, want, look_forced if look_forced is not None else logits, look_forced is not None,
+                look_logits, upto)
+            return c, np.sort(idx, axis=1), ss, pm, nspec, int(upto[0])
         return run
+
+    def _no_look(self) -> np.ndarray:
+        """The ``look_want`` of a run without PILOT's predictions (bool [L], all False)."""
+        z = getattr(self, "_no_look_arr", None)
+        if z is None:
+            z = self._no_look_arr = np.zeros(self.args.num_hidden_layers, np.bool_)
+        return z
 
     def _decode_outs(self) -> tuple:
         a = self.args
         L, k, E = a.num_hidden_layers, a.num_experts_per_tok, a.num_experts
         return (np.empty((L, k), np.int64), np.empty((L, k), np.float32), np.empty((L, E), np.float32),
-                np.empty((L, k), np.int64), np.empty((L, k), np.bool_), np.zeros(L, np.int64))
+                np.empty((L, k), np.int64), np.empty((L, k), np.bool_), np.zeros(L, np.int64),
+                np.zeros((L, E), np.float32), np.zeros(1, np.int64))
 
     def warm_decode_step(self) -> bool:
         """Compile (or load from numba's cache) K.decode_layers_t1 for this model's argument
@@ -1574,7 +1589,10 @@ class MoEModel:
         reads that layer's routing heat, as in the per-layer path). The layer that stopped it
         (its attention already run) gets ``on_after_attention``, takes its experts the
         per-layer way (:meth:`mlp`: misses read, waited for) and gets ``on_after_moe``; the
-        next run starts after it. With every expert resident that is
+        next run starts after it. With PILOT (``run_lookahead``: Pilot.run_plan) the kernel
+        also predicts each next layer and may stop after a layer whose next one's prediction
+        holds an expert not in the cache (``upto``): PILOT queues it (Pilot.on_run_prediction)
+        and the next run starts at that layer. With every expert resident that is
         one call per step; streaming, one call per run of resident layers instead of ~10
         kernel launches per layer from Python. The values are bit-identical to the per-layer
         path, and the cache's state ends as it leaves it (tests/test_families.py). Returns False,
@@ -1601,12 +1619,14 @@ class MoEModel:
             obs.publish("on_run_start", l0)
             outs = self._decode_outs()
             idx, logits = outs[0], outs[2]
+            lookahead = self.run_lookahead
+            look = lookahead.run_plan(l0) if lookahead is not None else None
 
             def after_step(stop, l0=l0, idx=idx, logits=logits):  # the hooks before each layer's take
                 if stop > l0:
                     obs.publish_route_layers(l0, idx[l0:stop], logits[l0:stop])
             stop = cache.take_resident_layers(
-                self._decode_call(plan, x, pos, self.k_cache, self.v_cache, outs, l0, forced), l0, after_step)
+                self._decode_call(plan, x, pos, self.k_cache, self.v_cache, outs, l0, forced, look), l0, after_step)
             if stop < 0:  # nothing ran (the cache was closed)
                 if l0 == 0:
                     return False
@@ -1614,6 +1634,10 @@ class MoEModel:
                 return True
             if l0 == 0:
                 self.one_call_steps += 1
+            if stop < L and outs[7][0] == stop:  # stopped for PILOT: layers up to stop - 1 ran in full
+                lookahead.on_run_prediction(stop, outs[6][stop])
+                l0 = stop
+                continue
             if stop < L:  # its attention ran in the kernel: its experts the per-layer way
                 if cancel is not None and cancel.is_set():
                     raise Cancelled("cancelled")
