@@ -170,6 +170,8 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
                "read_service_s": sum(m.read_service_s for m in steps), "tok_per_s": fin.decode_tok_per_s,
                "ttft_s": fin.ttft_s, "peak_rss_gb": max((m.rss_bytes for m in steps), default=0) / 1e9,
                "cap": eng.cache.cap, "expert_slots": eng.cache.slots,
+               # one-call runs PILOT stopped to read a predicted expert before its layer's router
+               "pilot_run_stops": getattr(eng.pilot, "run_stops", 0) if eng.pilot is not None else 0,
                "tokens": fin.generated_tokens, "finish": fin.finish_reason, "error": fin.error,
                "distinct_experts": int(touched.mask.sum()), "total_experts": int(touched.mask.size),
                "sha256_routing": touched.digest(), "route_calls": touched.calls,
