@@ -117,8 +117,8 @@ class RssGuard:
         if rss <= self.budget:
             return None
         self.last_rss = None  # the cap may drop below: a later reader measures again
-        # The cap that fits if every layer fills up (a prefill fills them one after the
-        # other): what the budget leaves beside the RSS that is not cache, per layer of slots.
+        # The slots that fit if every slot fills up (a prefill fills the layers one after the
+        # other): what the budget leaves beside the RSS that is not cache, in single slots.
         outside = rss - c.resident_bytes()
         fit = (self.budget - outside) // c.slot_bytes
         old, old_cap = c.slots, c.cap
