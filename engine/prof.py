@@ -54,7 +54,8 @@ class Profile:
         bound = "I/O-bound" if d["io_share"] >= 0.30 else "compute-bound"
         advice = ""
         if bound == "I/O-bound" and d["hit_rate"] < 0.9:
-            advice = " (raise the RAM budget or the cap to cache more experts)"
+            advice = (" (raise the RAM budget to cache more experts: the RSS guard lowered the cap to fit it)"
+                      if self.engine.guard.fired else " (raise the RAM budget or the cap to cache more experts)")
         return "\n".join([
             "[prof] ---- closing profile ----",
             f"[prof] prefill + first token: {d['prefill_loads']} expert loads, {d['prefill_mb']:.1f} MB, "

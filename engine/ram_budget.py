@@ -20,8 +20,9 @@ GB = 1_000_000_000
 # reservation took the RSS past a 4 GB budget (4.03 GB) and a 4 GB memory cgroup killed the
 # process; with this margin the same store reserved up to 3.96 GB and ran.
 GROWTH_HEADROOM_BYTES = 64_000_000
-RESERVE_BYTES = 260_000_000  # Python + numpy + numba runtime, activations, logits: RSS - dense - KV - cache
-# measured 249-259 MB after a 24-token answer (the default model, the 7B int4 and int8 stores; session 43)
+RESERVE_BYTES = 270_000_000  # Python + numpy + numba runtime, activations, logits: RSS - dense - KV - cache
+# measured 249-259 MB after a 24-token answer (the default model, the 7B int4 and int8 stores) and
+# ~266 MB in `colibri run` on the default model (session 43)
 AVAILABLE_SHARE = 0.88
 FALLBACK_BYTES = 8 * GB
 
@@ -57,6 +58,12 @@ def probe_available() -> tuple[int, bool]:
     return avail, True
 
 
+def _per_layer(slots: int, layers: int) -> str:
+    """"10" or "9-10": the slots each layer holds when ``slots`` are spread over ``layers``."""
+    lo, extra = divmod(slots, max(1, layers))
+    return f"{lo}-{lo + 1}" if extra else f"{lo}"
+
+
 class RssGuard:
     """Compare measured RSS with the budget after every token and whenever the cache has
     loaded experts since the last look (the engine calls ``poll`` at every layer, so a
@@ -90,6 +97,7 @@ class RssGuard:
         self.trail: list[tuple[int | None, int, int, int]] = []
         self.last_message = ""
         self._loads_seen = -1
+        self.floor_warned = False  # the "cannot be held" message was given
         self.last_rss: int | None = None  # the RSS of the last check that left the cache as it was
 
     def step(self, token_index: int) -> str | None:
@@ -123,14 +131,23 @@ class RssGuard:
         fit = (self.budget - outside) // c.slot_bytes
         old, old_cap = c.slots, c.cap
         new = int(max(c.L, min(old - 1, fit)))
-        if new == old:
+        if new == old:  # one slot per layer already: the budget cannot be held; said once
+            if not self.floor_warned:
+                self.floor_warned = True
+                self.last_message = (
+                    f"RSS {rss / 1e6:,.0f} MB is over the {self.budget / 1e6:,.0f} MB RAM budget with one expert slot "
+                    f"per layer: this budget cannot be held; raise it to at least {(outside + c.L * c.slot_bytes) / 1e6:,.0f} MB "
+                    f"for one slot per layer, more for speed")
+                log.warning(self.last_message)
+                return self.last_message
             return None
         new_cap = -(-new // c.L)
         n = c.set_slots(new, self.pins_for_cap(new_cap) if self.pins_for_cap else None)
         self.fired += 1
         self.trail.append((token_index, rss, old_cap, c.cap, old, c.slots))
-        self.last_message = (f"RSS {rss / GB:.2f} GB over the {self.budget / GB:.2f} GB budget: dropped {n} "
-                             f"cached experts, expert slots {old} -> {c.slots} (cap {old_cap} -> {c.cap} per layer)")
+        self.last_message = (f"RSS {rss / 1e6:,.0f} MB over the {self.budget / 1e6:,.0f} MB RAM budget: expert slots "
+                             f"{old} -> {c.slots} ({_per_layer(old, c.L)} -> {_per_layer(c.slots, c.L)} per layer), "
+                             f"{n} cached expert{'' if n == 1 else 's'} evicted")
         log.warning(self.last_message)
         return self.last_message
 

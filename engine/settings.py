@@ -29,7 +29,7 @@ POLICIES = ("lru", "lfru", "ema")
 CHECKSUM_MODES = ("off", "first", "always")
 KV_DTYPES = ("f16", "f32")  # KV cache element (engine.models.base.KV_DTYPES, engine.sizing.KV_ELEMENT_BYTES)
 
-ENGINE = "engine"      # speed and memory only: never changes the generated tokens
+ENGINE = "engine"      # speed and memory: never the generated tokens (context_length: what fits in them)
 SAMPLING = "sampling"  # how the next token is chosen (applies to the next message)
 APP = "app"            # the desktop app's own look (no engine effect; no `colibri run` flag)
 THEMES = ("system", "light", "dark")
@@ -192,7 +192,8 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _S("ram_budget_gb", float, None, "total RAM the process may use (auto: the memory in use after the "
        "dense weights load plus 88% of the available memory)", "RAM budget", lo=0.1, hi=65536.0,
        unit="GB", auto=True, decimals=1, step=0.5),
-    _S("context_length", int, 0, "tokens of conversation the model sees (KV cache; more uses more RAM)",
+    _S("context_length", int, 0, "tokens of conversation the model sees (KV cache; more uses more RAM; "
+       "history and looked-up entries that do not fit are left out)",
        "Context length", lo=0, hi=1 << 20, unit="tokens", special="model default (≤ 4096)", step=256),
     _S("kv_dtype", str, "f16", "element of the KV cache: f16 (IEEE half, half the RAM per token of context; "
        "measured on the bundled model: mean KL vs f32 3.5e-8 nats, bf16 4.9e-5, so f16) or f32",

@@ -210,6 +210,7 @@ class BudgetPlan:
     auto_cap: bool
     slots: int = 0  # expert slots of all MoE layers together (cap x layers, or fewer: cap - 1 in some)
     layers: int = 0  # MoE layers
+    room_slots: int = 0  # the slots the budget has room for (an explicit cap may ask for more)
 
     def describe(self) -> str:
         """One line: slots per layer, budget and its parts (sizes in the unit that reads: kB,
@@ -217,10 +218,14 @@ class BudgetPlan:
         per_layer = (f"{self.slots / self.layers:.1f} slots/layer ({self.slots} in all, {self.cap - 1}-{self.cap} "
                      f"per layer)" if self.layers and self.slots and self.slots != self.cap * self.layers
                      else f"{self.cap} slots/layer")
+        over = ""
+        if self.layers and self.room_slots and self.slots > self.room_slots:
+            over = (f"; cap {self.cap} is more than the budget holds ({self.room_slots / self.layers:.1f} "
+                    f"per layer): the RSS guard will lower it, or raise the RAM budget")
         return (f"{per_layer}: {format_bytes(self.budget)} budget "
                 f"({'auto' if self.auto_budget else 'set'}), {format_bytes(self.dense)} dense, "
                 f"{format_bytes(self.kv)} KV, {format_bytes(self.reserve)} reserve, "
-                f"{format_bytes(self.slot_bytes_sum)} per slot across layers")
+                f"{format_bytes(self.slot_bytes_sum)} per slot across layers{over}")
 
 
 def plan_cap(num_experts: int, slot_bytes: list[int], dense_bytes: int, kv_bytes: int,
@@ -272,7 +277,7 @@ def plan_cap(num_experts: int, slot_bytes: list[int], dense_bytes: int, kv_bytes
         c = int(min(cap, num_experts))
         slots = c * L
     return BudgetPlan(budget, dense_bytes, kv_bytes, reserve, per, c, ram_budget_gb is None, auto_cap,
-                      slots=slots, layers=L)
+                      slots=slots, layers=L, room_slots=int(fit))
 
 
 def plan_estimate(est: Estimate, ram_budget_gb: float | None, cap: int | None,

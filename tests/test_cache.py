@@ -1160,8 +1160,31 @@ def test_rss_guard_drops_the_slots_an_overrun_needs_not_one_per_layer():
         assert guard.fired == 1 and cache.slots == 46, guard.trail
         assert sorted(cache.layer_caps()) == [5, 5] + [6] * 6
         assert guard.trail[0][2:] == (6, 6, 48, 46)
-        assert "expert slots 48 -> 46 (cap 6 -> 6 per layer)" in msg
+        assert "expert slots 48 -> 46 (6 -> 5-6 per layer), 2 cached experts evicted" in msg
         rss["v"] = other + cache.resident_bytes()  # back within the budget: nothing more
         assert guard.step(1) is None and cache.slots == 46
+    finally:
+        cache.close()
+
+
+def test_rss_guard_says_once_when_one_slot_per_layer_cannot_hold_the_budget():
+    """At one slot per layer the guard has nothing left to give back: a budget the process
+    cannot stay under gets one message naming the budget to set, not silence (a 0.27 GB budget
+    on the default model ended at 1 slot per layer, 0.28 GB RSS, no word)."""
+    L, E = 4, 8
+    cache = ExpertCache(FakeStore(), L, E, 1, policy="lru", io_threads=1)
+    try:
+        for layer in range(L):
+            cache.load_experts(layer, [0])
+        slot = cache.slot_bytes
+        budget = 50_000_000
+        guard = RssGuard(cache, budget, read_rss=lambda: budget + 3_000_000)
+        msg = guard.step(0)
+        assert guard.fired == 0 and cache.slots == L
+        outside = budget + 3_000_000 - L * slot
+        assert msg == (f"RSS 53 MB is over the 50 MB RAM budget with one expert slot per layer: this budget "
+                       f"cannot be held; raise it to at least {(outside + L * slot) / 1e6:,.0f} MB for one slot "
+                       f"per layer, more for speed")
+        assert guard.step(1) is None  # said once
     finally:
         cache.close()

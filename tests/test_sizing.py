@@ -19,7 +19,7 @@ def _manifest(store):
 
 @pytest.mark.parametrize("over", [
     dict(context_length=0, ram_budget_gb=1.0),
-    dict(context_length=100, ram_budget_gb=0.26116),  # a budget that holds only 5 slots per layer
+    dict(context_length=100, ram_budget_gb=0.27116),  # a budget that holds only 5 slots per layer
     dict(context_length=64, ram_budget_gb=None),      # automatic budget
     dict(context_length=0, ram_budget_gb=1.0, cap=3),
 ])
@@ -153,6 +153,10 @@ def test_plan_counts_single_slots_and_engine_open_holds_them(medium_store):
     assert p.describe().startswith("5.2 slots/layer (21 in all, 5-6 per layer)")
     q = plan_cap(E, [one] * L, dense, kv, budget / GB, 3, reserve=reserve)  # an explicit cap
     assert (q.slots, q.cap) == (3 * L, 3) and q.describe().startswith("3 slots/layer:")
+    assert "more than the budget" not in q.describe()
+    big = plan_cap(E, [one] * L, dense, kv, budget / GB, 8, reserve=reserve)  # more than the room
+    assert big.describe().endswith("; cap 8 is more than the budget holds (5.2 per layer): the RSS guard "
+                                   "will lower it, or raise the RAM budget")
     full = plan_cap(E, [one] * L, dense, kv, 100.0, None, reserve=reserve)  # the whole model fits
     assert (full.slots, full.cap) == (E * L, E)
     with pytest.raises(sizing.BudgetError):  # not one slot in every layer

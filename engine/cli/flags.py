@@ -7,7 +7,8 @@ import argparse
 
 from ..settings import ENGINE, SAMPLING, EngineConfig, SamplingParams, Setting, settings_table
 
-GROUP_TITLES = {ENGINE: "engine (speed and memory only; never changes the output)", SAMPLING: "sampling"}
+GROUP_TITLES = {ENGINE: "engine (speed and memory: never changes the output, but --context-length sets what "
+                        "fits: history and looked-up entries beyond it are left out)", SAMPLING: "sampling"}
 
 
 def _value_parser(s: Setting):

@@ -108,7 +108,8 @@ def cmd_run(a) -> int:
         if fin is not None and fin.sources:
             print(f"looked up: {', '.join(fin.sources)} (--no-docs-lookup answers without)", file=sys.stderr)
         elif fin is not None and a.docs_lookup and not a.raw and eng.docs is not None:
-            print("looked up: nothing in the model's documentation matched the question", file=sys.stderr)
+            print("looked up: no entry of the model's documentation matched the question and fit in the "
+                  "context (--context-length)", file=sys.stderr)
         if prof and fin:
             print(prof.report(fin), file=sys.stderr)
     return 0
