@@ -187,8 +187,8 @@ def describe_store(path: str, context_length: int = 0) -> str:
             f"{n_exp} routed experts = {format_bytes(n_exp * st.slot_bytes)} on disk",
             f"dense       {format_bytes(est.dense_bytes)} resident ({format_bytes(m['dense_bytes'] - est.dense_bytes)} "
             f"of token embeddings read from the store row by row)",
-            f"RAM         at least {format_bytes(est.ram_needed)} at {est.context_length} tokens (dense + KV "
-            f"{format_bytes(est.kv_bytes)} + one slot per MoE layer {format_bytes(est.slots_bytes)} + reserve "
+            f"RAM         at least {format_bytes(est.ram_needed)} at {est.context_length} tokens (dense "
+            f"{format_bytes(est.dense_bytes)} + KV {format_bytes(est.kv_bytes)} + one slot per MoE layer {format_bytes(est.slots_bytes)} + reserve "
             f"{format_bytes(est.reserve_bytes)}); every expert in RAM: {format_bytes(est.all_in_ram_bytes)}",
         ]
         lines.insert(5, "rope        " + _rope_text(a))
