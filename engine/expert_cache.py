@@ -1015,9 +1015,9 @@ class ExpertCache:
         does cache_take_resident's array half for each layer it runs and gives the slots back,
         and returns (clock after, ea int64 [L, k] each layer's experts in ascending id order, ss
         int64 [L, k] their slots, pm bool [L, k] whether pinned, nspec int64 [L] the taken slots
-        still flagged speculative, and optionally upto: with a clock >= 0, the layer it stopped
-        before, every layer up to it run in full: PILOT's predictions inside the run,
-        K.decode_layers_t1's ``look``); its clock is negative, -1 - l, when layer l found an
+        still flagged speculative, upto: with a clock >= 0, the layer it stopped before, every
+        layer up to it run in full: num_layers, or earlier for PILOT's predictions inside the
+        run, K.decode_layers_t1's ``look``); its clock is negative, -1 - l, when layer l found an
         expert not resident (layers l0..l-1 ran, layer l's take did not). A slot another thread evicted
         between the two holds of the lock (a cap lowered from the app) is counted as the hit it
         was and left out of the eviction order. Then ``after_run(stop)``
@@ -1032,10 +1032,9 @@ class ExpertCache:
             if self._closed:
                 return -1
             self._drain_spec_done()  # reads that came in during the last run: resident for this one
-            out = run(self.where, self.slot_state, self.slot_busy, self.last_use,
-                      self.routed_now, self.pinned, self.slot_spec, _RESIDENT, self.clock)
-            clock, ea, ss, pm, nspec = out[:5]
-            stop = (out[5] if len(out) > 5 else self.L) if clock >= 0 else -1 - clock
+            clock, ea, ss, pm, nspec, upto = run(self.where, self.slot_state, self.slot_busy, self.last_use,
+                                                 self.routed_now, self.pinned, self.slot_spec, _RESIDENT, self.clock)
+            stop = upto if clock >= 0 else -1 - clock
             # the layers a PILOT worker that waited for the lock through the run must not reserve
             # for (its token's cur_layer moves only in after_run, without the lock): up to stop
             # when stop's experts are taken on demand next, up to stop - 1 when the run stopped

@@ -2514,7 +2514,8 @@ def decode_layers_t1(x, pos, cos, sin, kc, vc, scale, eps, ln_w, qkv_w, qkv_s, g
     y = np.empty((1, topk, D), np.float32)
     moe = np.empty((1, D), np.float32)
     hl = np.empty((1, D), np.float32)
-    seen = np.empty(E, np.bool_)
+    pidx = np.empty(topk, np.int64)
+    pw = np.empty(topk, np.float32)
     upto[0] = L
     for l in range(l0, L):
         _k_attention_t1(x, ln_w[l], eps, qkv_w[l], qkv_s[l], gs, qkn, qn_w[l], kn_w[l], cos, sin, kc[l], vc[l],
@@ -2545,14 +2546,9 @@ def decode_layers_t1(x, pos, cos, sin, kc, vc, scale, eps, ln_w, qkv_w, qkv_s, g
             else:
                 _k_rmsnorm(x, post_w[l + 1], eps, hl)
                 _k_linear_f32(hl, router_w[l + 1], look_logits[l + 1:l + 2])
-            seen[:] = False
-            for r in range(topk):  # top-k by logit (ties: the lowest id), as route picks them
-                best = -1
-                for e in range(E):
-                    if not seen[e] and (best < 0 or look_logits[l + 1, e] > look_logits[l + 1, best]):
-                        best = e
-                seen[best] = True
-                if where[l + 1, best] < 0:
+            _route_row(look_logits[l + 1], topk, norm, pidx, pw, p[0])  # the experts route would pick
+            for r in range(topk):
+                if where[l + 1, pidx[r]] < 0:
                     absent = True
         base = (np.int64(l) * max_cap) * slot_bytes
         for i in range(topk):

@@ -77,7 +77,7 @@ class MetricsTracker:
             mb_per_token=(d["demand_bytes"] + d["spec_bytes"]) / 1e6,
             felt_wait_s=d["felt_wait_s"], read_service_s=d["read_service_s"], rss_bytes=rss,
             budget_bytes=self.budget, cache_bytes=self.cache.resident_bytes(),
-            cap_per_layer=self.cache.cap, expert_slots=getattr(self.cache, "slots", 0), tok_per_s=tps, ttft_s=self.ttft,
+            cap_per_layer=self.cache.cap, expert_slots=self.cache.slots, tok_per_s=tps, ttft_s=self.ttft,
             spec_issued=d["spec_issued"], spec_completed=d["spec_completed"],
             spec_dropped_stale=d["spec_dropped_stale"], spec_dropped_guard=d["spec_dropped_guard"],
             spec_dropped_full=d["spec_dropped_full"], spec_used=d["spec_used"],

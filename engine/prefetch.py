@@ -313,10 +313,13 @@ class Pilot(Observer):
         expert not in the cache; :meth:`on_run_prediction` then queues it before the next run
         starts, so its read runs while that layer computes, not after its router."""
         want = self._look_want
-        want[:] = False
-        for t in range(l0 + 1, self.L):
-            want[t] = self.wanted(t) and (self.min_precision <= 0
-                                          or self.precision(1, t, 0) >= self.min_precision)
+        want[:l0 + 1] = False
+        if self.observers.has("on_prediction"):
+            want[l0 + 1:] = True
+        else:
+            want[l0 + 1:] = [self.cache.live_slots(t) < self.E for t in range(l0 + 1, self.L)]
+        if self.min_precision > 0:  # the gate's estimate of the top candidate at distance 1 (precision)
+            want &= (self.prec_hits[1, :, 0] + 3) / (self.prec_total[1, :, 0] + 4) >= self.min_precision
         if not want.any():
             return None
         replay = getattr(self.model, "routing_replay", None)
@@ -397,11 +400,9 @@ class Pilot(Observer):
         ``logits`` float32 [E], those (a prediction the one-call kernel made)."""
         m = self.model
         replay = getattr(m, "routing_replay", None)
-        if logits is not None:  # computed already (inside a one-call run: on_run_prediction)
-            pass
-        elif replay is not None:
+        if logits is None and replay is not None:
             logits = replay.pred_logits(t, t - max(dist, 1) if src is None else src, self.pos_last)[0]
-        else:
+        elif logits is None:
             h = np.empty_like(x)
             K.rmsnorm(x, m.moe_norm(t), m.args.rms_norm_eps, h)
             logits = m.router_logits(t, h)[0]  # [E]

@@ -58,7 +58,7 @@ def probe_available() -> tuple[int, bool]:
     return avail, True
 
 
-def _per_layer(slots: int, layers: int) -> str:
+def per_layer(slots: int, layers: int) -> str:
     """"10" or "9-10": the slots each layer holds when ``slots`` are spread over ``layers``."""
     lo, extra = divmod(slots, max(1, layers))
     return f"{lo}-{lo + 1}" if extra else f"{lo}"
@@ -146,7 +146,7 @@ class RssGuard:
         self.fired += 1
         self.trail.append((token_index, rss, old_cap, c.cap, old, c.slots))
         self.last_message = (f"RSS {rss / 1e6:,.0f} MB over the {self.budget / 1e6:,.0f} MB RAM budget: expert slots "
-                             f"{old} -> {c.slots} ({_per_layer(old, c.L)} -> {_per_layer(c.slots, c.L)} per layer), "
+                             f"{old} -> {c.slots} ({per_layer(old, c.L)} -> {per_layer(c.slots, c.L)} per layer), "
                              f"{n} cached expert{'' if n == 1 else 's'} evicted")
         log.warning(self.last_message)
         return self.last_message

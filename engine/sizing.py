@@ -41,7 +41,7 @@ from pathlib import Path
 
 from .errors import BudgetError, StoreError
 from .quant import QUANTS
-from .ram_budget import AVAILABLE_SHARE, GB, RESERVE_BYTES, probe_available
+from .ram_budget import AVAILABLE_SHARE, GB, RESERVE_BYTES, per_layer, probe_available
 from .units import format_bytes
 
 MAX_DEFAULT_CONTEXT = 4096  # the context when the setting is 0 (capped by the model's own)
@@ -215,14 +215,14 @@ class BudgetPlan:
     def describe(self) -> str:
         """One line: slots per layer, budget and its parts (sizes in the unit that reads: kB,
         MB, GB)."""
-        per_layer = (f"{self.slots / self.layers:.1f} slots/layer ({self.slots} in all, {self.cap - 1}-{self.cap} "
-                     f"per layer)" if self.layers and self.slots and self.slots != self.cap * self.layers
-                     else f"{self.cap} slots/layer")
+        spread = (f"{self.slots / self.layers:.1f} slots/layer ({self.slots} in all, "
+                  f"{per_layer(self.slots, self.layers)} per layer)"
+                  if self.layers and self.slots and self.slots != self.cap * self.layers else f"{self.cap} slots/layer")
         over = ""
         if self.layers and self.room_slots and self.slots > self.room_slots:
             over = (f"; cap {self.cap} is more than the budget holds ({self.room_slots / self.layers:.1f} "
                     f"per layer): the RSS guard will lower it, or raise the RAM budget")
-        return (f"{per_layer}: {format_bytes(self.budget)} budget "
+        return (f"{spread}: {format_bytes(self.budget)} budget "
                 f"({'auto' if self.auto_budget else 'set'}), {format_bytes(self.dense)} dense, "
                 f"{format_bytes(self.kv)} KV, {format_bytes(self.reserve)} reserve, "
                 f"{format_bytes(self.slot_bytes_sum)} per slot across layers{over}")

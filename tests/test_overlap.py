@@ -542,7 +542,7 @@ def test_a_worker_cannot_reserve_for_a_layer_a_run_reached():
     try:
         E = np.zeros((4, 1), np.int64)
         # a run from layer 2 that stopped at once (layer 2's expert not resident)
-        stop = cache.take_resident_layers(lambda *a: (-1 - 2, E, E, E.astype(bool), np.zeros(4, np.int64)), 2)
+        stop = cache.take_resident_layers(lambda *a: (-1 - 2, E, E, E.astype(bool), np.zeros(4, np.int64), 4), 2)
         assert stop == 2
         assert cache.try_speculate(1, 5) == SpecRefused.PASSED
         assert cache.try_speculate(2, 5) == SpecRefused.PASSED  # its experts are taken on demand next

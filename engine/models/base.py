@@ -932,6 +932,7 @@ class MoEModel:
         self._dec_memo: tuple | None = None  # _decode_plan
         self.routing_replay = None  # a replayed routing's step_logits for the one-call step (engine/trace.py)
         self.run_lookahead = None  # PILOT's predictions inside one-call runs (engine.prefetch.Pilot.run_plan)
+        self._no_look = np.zeros(a.num_hidden_layers, np.bool_)  # the kernel's look_want without PILOT
         self._decode_ready = threading.Event()  # K.decode_layers_t1 compiled for this model (start_decode_warm)
         self.one_call_steps = 0  # decode steps run by _decode_step_all (the rest ran layer by layer)
         # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
@@ -1496,7 +1497,7 @@ class MoEModel:
         lists, gs, qkn, fields, q4, il = plan
         a, cache = self.args, self.experts
         idx, w, logits, ss, pm, nspec, look_logits, upto = outs
-        want, look_forced = look if look is not None else (self._no_look(), None)
+        want, look_forced = look if look is not None else (self._no_look, None)
 
         def run(where, state, busy, last_use, routed_now, pinned, spec, resident, clock):
             c = K.decode_layers_t1(
@@ -1510,13 +1511,6 @@ class MoEModel:
                 look_logits, upto)
             return c, np.sort(idx, axis=1), ss, pm, nspec, int(upto[0])
         return run
-
-    def _no_look(self) -> np.ndarray:
-        """The ``look_want`` of a run without PILOT's predictions (bool [L], all False)."""
-        z = getattr(self, "_no_look_arr", None)
-        if z is None:
-            z = self._no_look_arr = np.zeros(self.args.num_hidden_layers, np.bool_)
-        return z
 
     def _decode_outs(self) -> tuple:
         a = self.args
