@@ -26,7 +26,7 @@ from .metrics import MetricsTracker, answer_rates, residency_snapshot
 from .models import build_model
 from .models.base import K, mean_router_probs, softmax_rows
 from .observers import Observer, ObserverFailure
-from .ram_budget import GROWTH_HEADROOM_BYTES, RssGuard, current_rss
+from .ram_budget import GROWTH_HEADROOM_BYTES, RssGuard, current_rss, release_compiler_memory
 from .sizing import estimate_store, plan_estimate
 from .sampling import Sampler
 from .settings import check_context_length
@@ -188,6 +188,10 @@ class Engine:
         self.model = build_model(a, dense, store.dense_quant, store.quant, experts, ctx, store.group_size,
                                  kv_dtype=config.kv_dtype, embed_rows=embed_rows)
         self.kernel_warmup_s = self._warm_kernels(report)
+        # the compiler's pages and heap are not the cache's to lose (the one-call decode step's
+        # warm thread releases them again once it has loaded its kernel)
+        released = release_compiler_memory()
+        log.debug("released %.1f MB the kernel compiler held", released / 1e6)
         start = getattr(self.model, "start_decode_warm", None)
         if start is not None:  # the one-call decode step: compiled beside the first answer, not before it
             start()

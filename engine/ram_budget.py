@@ -20,9 +20,10 @@ GB = 1_000_000_000
 # reservation took the RSS past a 4 GB budget (4.03 GB) and a 4 GB memory cgroup killed the
 # process; with this margin the same store reserved up to 3.96 GB and ran.
 GROWTH_HEADROOM_BYTES = 64_000_000
-RESERVE_BYTES = 270_000_000  # Python + numpy + numba runtime, activations, logits: RSS - dense - KV - cache
-# measured 249-259 MB after a 24-token answer (the default model, the 7B int4 and int8 stores) and
-# ~266 MB in `colibri run` on the default model (session 43)
+RESERVE_BYTES = 200_000_000  # Python + numpy + numba runtime, activations, logits: RSS - dense - KV - cache
+# measured 172-183 MB after a 24-token answer (the default model, the 7B int4 and int8 stores), with
+# the compiler's memory given back once the kernels are loaded (release_compiler_memory; 249-259
+# MB before, and `colibri run` ~12 MB above the in-process figure: session 44)
 AVAILABLE_SHARE = 0.88
 FALLBACK_BYTES = 8 * GB
 
@@ -37,6 +38,49 @@ def current_rss() -> int:
         import psutil
         _PROC = psutil.Process()
     return int(_PROC.memory_info().rss)
+
+
+MADV_PAGEOUT = 21  # Linux >= 5.4: reclaim a range's pages now (file pages dropped, re-read on use)
+COMPILER_LIBRARIES = ("libllvmlite",)  # numba's LLVM: needed to compile or load kernels, not to run them
+
+
+def release_compiler_memory() -> int:
+    """Give back the memory that compiling or loading the compute kernels left behind, once
+    they are loaded: the pages of LLVM's shared library (llvmlite's, ~70 MB resident after
+    numba loads its cached kernels, file-backed and clean: MADV_PAGEOUT drops them, and a later
+    compile reads them again from disk) and the C heap's free tail (glibc ``malloc_trim``).
+    Those bytes are otherwise counted as the process's own (RSS) for as long as it runs, and
+    the RSS guard takes them from the expert cache. Values never change; a kernel compiled
+    later only pays a few ms of page faults. Linux only (a no-op elsewhere, or on kernels
+    without MADV_PAGEOUT, which refuse it with EINVAL).
+
+    Returns the RSS released in bytes (before - after, 0 if nothing was or it grew).
+    Source: madvise(2) MADV_PAGEOUT; mallopt(3)/malloc_trim(3)."""
+    import sys
+    if not sys.platform.startswith("linux"):
+        return 0
+    from .expert_cache import _populate_call  # libc's madvise through ctypes (the GIL released)
+    madvise = _populate_call()
+    if madvise is None:
+        return 0
+    before = current_rss()
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read().splitlines()
+    except OSError:
+        return 0
+    for line in maps:
+        parts = line.split(None, 5)
+        if len(parts) < 6 or not any(n in parts[5].rsplit("/", 1)[-1] for n in COMPILER_LIBRARIES):
+            continue
+        lo, hi = (int(x, 16) for x in parts[0].split("-"))
+        madvise(lo, hi - lo, MADV_PAGEOUT)  # a refusal (old kernel) leaves the pages: nothing to undo
+    try:
+        import ctypes
+        ctypes.CDLL(None).malloc_trim(0)
+    except (ImportError, OSError, AttributeError):  # not glibc (musl): its allocator returns memory itself
+        pass
+    return max(0, before - current_rss())
 
 
 def probe_available() -> tuple[int, bool]:

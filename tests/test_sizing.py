@@ -4,6 +4,9 @@ what Engine.open then does."""
 from __future__ import annotations
 
 import json
+import os
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -169,3 +172,64 @@ def test_plan_counts_single_slots_and_engine_open_holds_them(medium_store):
     with Engine.open(cfg, read_rss=lambda: base) as eng:
         assert (eng.plan.slots, eng.plan.cap) == (3 * M + 1, 4)
         assert eng.cache.slots == 3 * M + 1 and sorted(eng.cache.layer_caps()) == [3] * (M - 1) + [4]
+
+
+_RELEASE_PROBE = r'''
+import json, re, sys
+from engine.config import EngineConfig
+from engine.generate import Engine
+from engine.events import GenerateRequest, SamplingParams, TokenEvent
+from engine import ram_budget
+
+def llvm_rss():
+    tot, name = 0, ""
+    for line in open("/proc/self/smaps"):
+        if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping's header: range perms offset dev inode path
+            head = line.split(None, 5)
+            name = head[5].strip() if len(head) > 5 else ""
+        elif line.startswith("Rss:") and "libllvmlite" in name:
+            tot += int(line.split()[1]) * 1024
+    return tot
+
+real = ram_budget.release_compiler_memory
+if sys.argv[2] == "off":  # the engine as it was: nothing given back
+    import engine.generate, engine.models.base
+    engine.generate.release_compiler_memory = engine.models.base.release_compiler_memory = lambda: 0
+cfg = EngineConfig(store=sys.argv[1], pinning=False, history=False, context_length=64, pilot=0)
+with Engine.open(cfg) as eng:
+    assert eng.model.wait_decode_ready(600)
+    req = GenerateRequest(prompt_ids=(1, 2, 3), sampling=SamplingParams(max_new_tokens=8, temperature=0.0))
+    ids = [ev.token_id for ev in eng.generate(req) if isinstance(ev, TokenEvent)]
+    after_answer = llvm_rss()
+    released = real()
+    print(json.dumps({"ids": ids, "llvm_after_answer": after_answer, "released": released,
+                      "llvm_after_release": llvm_rss()}))
+'''
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_PAGEOUT and /proc/self/smaps are Linux's")
+def test_compiler_memory_is_given_back_once_the_kernels_are_loaded(medium_store, tmp_path):
+    """LLVM's pages (~70 MB resident after numba loads its cached kernels) are not the expert
+    cache's to lose: Engine.open and the one-call decode step's warm thread give them back
+    (release_compiler_memory), the answer is token for token the same, and what stays resident
+    of LLVM after an answer is a fraction of what an engine that keeps them holds. The probes
+    load their own copy of llvmlite: MADV_PAGEOUT leaves pages another process maps (this
+    one's, which imported numba), as it should."""
+    import shutil
+    import subprocess
+    import llvmlite
+    probe = tmp_path / "probe.py"
+    probe.write_text(_RELEASE_PROBE)
+    shutil.copytree(Path(llvmlite.__file__).parent, tmp_path / "site" / "llvmlite")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(Path(__file__).resolve().parents[1])])}
+    out = {}
+    for arm in ("off", "on", "off"):  # the first run fills numba's cache for the others
+        r = subprocess.run([sys.executable, str(probe), str(medium_store), arm], env=env,
+                           capture_output=True, text=True, timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out[arm] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["on"]["ids"] == out["off"]["ids"] and len(out["on"]["ids"]) == 8
+    kept = out["off"]["llvm_after_answer"]
+    assert kept > 30_000_000, kept  # what numba's loaded kernels keep of LLVM resident
+    assert out["on"]["llvm_after_answer"] < kept / 3, (out["on"], kept)
+    assert out["off"]["released"] > 30_000_000 and out["off"]["llvm_after_release"] < kept / 3

@@ -35,6 +35,7 @@ import numpy as np
 from ..errors import Cancelled, ConfigError
 from ..quant import deinterleave_q4, kind_of
 from ..observers import ObserverList
+from ..ram_budget import release_compiler_memory
 from .routing import route_tokens
 
 from ..kernel_choice import K
@@ -1555,6 +1556,7 @@ class MoEModel:
             try:
                 self.warm_decode_step()
                 self._decode_ready.set()
+                release_compiler_memory()  # LLVM's pages: loading this kernel was their last use
             except Exception as e:  # noqa: BLE001 - the per-layer path stays: the same values, slower
                 log.warning("the one-call decode step could not be prepared (%s: %s); decoding layer by layer",
                             type(e).__name__, e)
