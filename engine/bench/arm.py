@@ -15,6 +15,7 @@ import time
 import numpy as np
 
 from ..observers import Observer
+from ..ram_budget import release_compiler_memory
 from .common import BENCH_KEYS, add_stream_flags, forced_stream, heldout_stream
 
 
@@ -249,6 +250,9 @@ def arm_subprocess(store, over, prompt_len, tokens, seed, prompt_text=None, stre
         cmd += ["--prompt-text", prompt_text]
     if stream_file is not None:
         cmd += ["--stream-file", str(stream_file)]
+    # LLVM's pages this process maps are shared with the arm's, and MADV_PAGEOUT leaves shared
+    # pages: given back here, the arm's own release_compiler_memory can drop them from its RSS
+    release_compiler_memory()
     load_before = os.getloadavg()[0]
     grp = extra = None
     if cgroup_gb is not None:
