@@ -21,6 +21,7 @@ from .errors import Cancelled, ContextOverflowError, EngineError, ExpertReadErro
 from .events import Finished, FinishReason, GenerateRequest, Loaded, LoadProgress, ResidencySnapshot, TokenEvent
 from .expert_cache import ExpertCache
 from .expert_store import EMBED_TENSORS, ExpertStore
+from .kernel_prepare import kernel_kind, prepare_in_child
 from .heat import RoutingHeat, cap_pins, pins_per_layer
 from .metrics import MetricsTracker, answer_rates, residency_snapshot
 from .models import build_model
@@ -101,8 +102,13 @@ class Engine:
 
     @classmethod
     def open(cls, config: EngineConfig, progress: Callable[[LoadProgress], None] | None = None,
-             read_rss: Callable[[], int] = current_rss, cluster_options=None) -> "Engine":
+             read_rss: Callable[[], int] = current_rss, cluster_options=None,
+             prepare_kernels: bool = True) -> "Engine":
         """Open ``config.store``.
+
+        ``prepare_kernels``: when this machine has not yet compiled the kernels of this kind of
+        model, compile them in a child process first (engine.kernel_prepare), so the ~500 MB
+        the compiler leaves behind is not this process's; False compiles in this process.
 
         ``config.cluster`` (a Ray address) serves the experts placed on the cluster's workers
         there (engine/cluster.py); ``cluster_options`` (engine.cluster.ClusterOptions: a fixed
@@ -117,6 +123,7 @@ class Engine:
         self.config = config = config.validated()
         self.read_rss = read_rss
         self._closed = False
+        self._prepare_kernels = prepare_kernels
         self._lock = threading.Lock()
         self.cluster = None
         self._cluster_options = cluster_options
@@ -160,6 +167,11 @@ class Engine:
                 log.warning("%s", self.docs_problem)
         # the embedding table stays in the store, read row by row (EmbeddingRows): its RAM goes
         # to the expert cache
+        self.kernel_prepare_s = 0.0
+        if self._prepare_kernels:
+            self.kernel_prepare_s = prepare_in_child(
+                config, kernel_kind(a, store, config),
+                lambda msg: report(LoadProgress("kernels", 0, 1, "", msg)))
         dense = store.load_dense(exclude=EMBED_TENSORS)
         embed_rows = store.embedding_rows()
         dense_bytes = sum(v.nbytes for v in dense.values())

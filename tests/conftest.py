@@ -10,6 +10,10 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 # Tests are not benchmarks: OpenMP threads that sleep instead of spinning keep the suite's
 # time steady when the machine is shared (spinning threads slowed it 10-50x under load).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Kernels compile in the test process (and the processes it starts), not in a child of each
+# Engine.open on a fresh cache (engine.kernel_prepare): its RSS is nobody's budget.
+# tests/test_sizing.py::test_first_open_compiles_in_a_child_process tests the child.
+os.environ.setdefault("COLIBRI_COMPILE_IN_PROCESS", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -233,3 +233,51 @@ def test_compiler_memory_is_given_back_once_the_kernels_are_loaded(medium_store,
     assert kept > 30_000_000, kept  # what numba's loaded kernels keep of LLVM resident
     assert out["on"]["llvm_after_answer"] < kept / 3, (out["on"], kept)
     assert out["off"]["released"] > 30_000_000 and out["off"]["llvm_after_release"] < kept / 3
+
+
+_PREPARE_PROBE = r'''
+import json, sys
+from engine.config import EngineConfig
+from engine.generate import Engine
+from engine.events import GenerateRequest, SamplingParams, TokenEvent
+from engine import kernels, kernel_prepare
+from numba.core.registry import CPUDispatcher
+
+cfg = EngineConfig(store=sys.argv[1], pinning=False, history=False, context_length=64, pilot=0)
+with Engine.open(cfg) as eng:
+    assert eng.model.wait_decode_ready(900)
+    req = GenerateRequest(prompt_ids=(1, 2, 3), sampling=SamplingParams(max_new_tokens=8, temperature=0.0))
+    ids = [ev.token_id for ev in eng.generate(req) if isinstance(ev, TokenEvent)]
+    compiled = sum(sum(d.stats.cache_misses.values()) for d in vars(kernels).values() if isinstance(d, CPUDispatcher))
+    loaded = sum(sum(d.stats.cache_hits.values()) for d in vars(kernels).values() if isinstance(d, CPUDispatcher))
+    marker = kernel_prepare.marker_path(kernels.CACHE_DIR, kernel_prepare.kernel_kind(eng.args, eng.store, eng.config))
+    print(json.dumps({"ids": ids, "prepare_s": eng.kernel_prepare_s, "compiled": compiled, "loaded": loaded,
+                      "marker": marker.exists(), "rss": eng.read_rss()}))
+'''
+
+
+@pytest.mark.slow
+def test_first_open_compiles_in_a_child_process(medium_store, tmp_path):
+    """On a fresh numba cache, Engine.open compiles the kernels in a child process
+    (engine.kernel_prepare) and then only loads them: it compiles none itself, its RSS after an
+    answer is well below an engine that compiled in process (the compiler's ~500 MB), the
+    tokens are the same, and the next open finds the marker and starts no child."""
+    import subprocess
+    probe = tmp_path / "probe.py"
+    probe.write_text(_PREPARE_PROBE)
+    base = {k: v for k, v in os.environ.items() if k != "COLIBRI_COMPILE_IN_PROCESS"}
+    base["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+
+    def run(cache, **env):
+        r = subprocess.run([sys.executable, str(probe), str(medium_store)], capture_output=True, text=True,
+                           env={**base, "NUMBA_CACHE_DIR": str(tmp_path / cache), **env}, timeout=1800)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    child = run("fresh-a")
+    again = run("fresh-a")
+    here = run("fresh-b", COLIBRI_COMPILE_IN_PROCESS="1")
+    assert child["prepare_s"] > 0 and child["marker"] and child["compiled"] == 0 and child["loaded"] > 10, child
+    assert again["prepare_s"] == 0 and again["compiled"] == 0, again
+    assert here["compiled"] > 10 and not here["marker"], here
+    assert child["ids"] == again["ids"] == here["ids"]
+    assert here["rss"] - child["rss"] > 150_000_000, (here["rss"], child["rss"])

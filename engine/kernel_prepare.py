@@ -1,0 +1,163 @@
+"""Compile the compute kernels in a child process the first time, so the compiler's memory is
+not the engine's.
+
+numba compiles a kernel through LLVM the first time a process calls it with new argument types,
+then writes the machine code to its cache (engine.kernels.CACHE_DIR); later processes load that
+code in ~1-3 s. The compile itself is what costs memory: on a fresh install (or after an update
+of engine/kernels.py, which invalidates numba's cache) the engine process kept ~500 MB more
+resident after compiling than after loading (the LLVM modules numba keeps with each compiled
+function; ``malloc_trim`` and MADV_PAGEOUT give back almost none of it). The RSS guard counts
+that memory as the process's own and took it from the expert cache: the first session after an
+install ran a 7B-shaped model at a 4 GB budget with ~140 fewer expert slots than the next one.
+
+So Engine.open, when the kernels a store needs were not yet prepared on this machine (a marker
+file per kind of model in numba's cache folder, named by a digest of the kernel source, numba's
+version, the CPU and the kind of model: :func:`marker_path`), first opens the same store in a
+child process (multiprocessing, spawn: the same interpreter or frozen bundle), with a small
+budget, runs a two-token answer there and exits; the child's compile fills numba's cache, its
+memory goes with it, and the engine then loads the kernels from the cache. A child that fails
+(a crash, no way to start a process) changes nothing: the engine compiles in process as before,
+and does not try a child again for that kind of model until it restarts. The environment
+variable ``COLIBRI_COMPILE_IN_PROCESS=1`` skips the child (the test suite sets it: a pytest
+process compiles hundreds of kernels anyway, and its RSS is nobody's budget).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+IN_PROCESS_ENV = "COLIBRI_COMPILE_IN_PROCESS"
+_FAILED: set[tuple] = set()  # kinds whose child failed in this process: not tried again
+CHILD_TIMEOUT_S = 1800.0  # a fresh compile of every kernel takes 1-3 min of one core here
+MARKER_DIR = "colibri-prepared"
+
+
+def kernel_kind(args, store, config) -> tuple:
+    """What decides the argument types of the kernels a model calls: the family, the expert and
+    dense weight formats, the expert layout, the KV cache's element type and whether PILOT runs
+    (its lookahead kernels). Two stores of one kind share every compiled kernel."""
+    return (str(args.model_type), str(store.quant), str(store.dense_quant), int(store.group_size),
+            str(getattr(store, "expert_layout", "row_major")), str(config.kv_dtype), bool(config.pilot > 0))
+
+
+def marker_path(cache_dir: str, kind: tuple) -> Path:
+    """The marker file saying ``kind``'s kernels are in numba's cache at ``cache_dir``: named by
+    a digest of ``kind``, the kernel source file's path, size and modification time (numba's own
+    cache key for a source file), numba's and Python's versions and the CPU (numba's cache is
+    per CPU name and features)."""
+    import numba
+    from . import kernels
+    src = Path(kernels.__file__).resolve()
+    st = src.stat()
+    try:
+        from llvmlite import binding
+        cpu = binding.get_host_cpu_name() + binding.get_host_cpu_features().flatten()
+    except Exception:  # noqa: BLE001 - a marker per machine is still right without the features
+        cpu = platform.machine()
+    h = hashlib.sha256(repr((kind, str(src), st.st_size, st.st_mtime_ns, numba.__version__,
+                             sys.version_info[:2], cpu)).encode()).hexdigest()[:24]
+    return Path(cache_dir) / MARKER_DIR / h
+
+
+def _child(config: dict) -> None:
+    """The child process: open the store with a small budget and answer two tokens (every kernel
+    a generation calls gets compiled, or loaded, and written to numba's cache)."""
+    from .events import GenerateRequest, SamplingParams
+    from .generate import Engine
+    from .settings import EngineConfig
+    eng = Engine.open(EngineConfig.from_dict(config), prepare_kernels=False)
+    try:
+        eng.model.wait_decode_ready(CHILD_TIMEOUT_S)
+        req = GenerateRequest(prompt_ids=(1, 2, 3), sampling=SamplingParams(max_new_tokens=2))
+        for _ in eng.generate(req):
+            pass
+    finally:
+        eng.close()
+
+
+def child_config(config) -> dict:
+    """The child's settings: the engine's own, as small as the store allows (cap 1, a 64-token
+    context, no reservation, idle fill, pinning, history or cluster: nothing of the user's is
+    read or written but the store's files), one compute thread."""
+    d = config.to_dict()
+    d.update(cap=1, ram_budget_gb=None, context_length=min(64, int(d.get("context_length") or 64)),
+             reserve_cache=False, idle_fill=False, pinning=False, history=False, cluster="", threads=1)
+    return d
+
+
+def _run_child(config: dict) -> int | None:
+    """Run :func:`_child` in a new process; its exit code (None: killed after CHILD_TIMEOUT_S).
+    From a Python interpreter: ``python -m engine.kernel_prepare`` with the settings as JSON on
+    stdin (the parent's ``__main__`` is not imported again, as multiprocessing's spawn would).
+    From the frozen bundle (PyInstaller, whose executable takes no ``-m``): multiprocessing's
+    spawn, which the bundle's entry point supports (``freeze_support``)."""
+    if getattr(sys, "frozen", False):
+        import multiprocessing
+        p = multiprocessing.get_context("spawn").Process(target=_child, args=(config,), daemon=True)
+        p.start()
+        p.join(CHILD_TIMEOUT_S)
+        if p.is_alive():
+            p.kill()
+            p.join()
+            return None
+        return p.exitcode
+    import json
+    import subprocess
+    root = str(Path(__file__).resolve().parents[1])  # the folder holding the engine package
+    env = {**os.environ, "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    try:
+        r = subprocess.run([sys.executable, "-m", "engine.kernel_prepare"], input=json.dumps(config), text=True,
+                           env=env, capture_output=True, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None
+    if r.returncode != 0:
+        log.warning("the kernel compile's child process said: %s", r.stderr.strip()[-2000:])
+    return r.returncode
+
+
+def prepare_in_child(config, kind: tuple, report=None) -> float:
+    """Compile ``kind``'s kernels in a child process when this machine has not yet (see the
+    module docstring). Returns the seconds it took (0.0 when the marker says they are ready, or
+    when there is no writable numba cache to fill). Never raises: a failed child is logged and
+    the engine compiles in process."""
+    from .kernels import CACHE_DIR
+    if not CACHE_DIR or kind in _FAILED or os.environ.get(IN_PROCESS_ENV) == "1":
+        return 0.0
+    marker = marker_path(CACHE_DIR, kind)
+    if marker.exists():
+        return 0.0
+    if report is not None:
+        report("preparing the compute kernels for this kind of model (first start: about a minute)")
+    t0 = time.perf_counter()
+    try:
+        code = _run_child(child_config(config))
+    except Exception as e:  # noqa: BLE001 - the engine compiles in process instead
+        log.warning("could not compile the kernels in a child process (%s: %s); compiling them here",
+                    type(e).__name__, e)
+        _FAILED.add(kind)
+        return time.perf_counter() - t0
+    if code != 0:
+        log.warning("compiling the kernels in a child process failed (exit code %s); compiling them here", code)
+        _FAILED.add(kind)
+        return time.perf_counter() - t0
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        tmp = marker.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(repr(kind) + "\n")
+        os.replace(tmp, marker)
+    except OSError as e:  # the next start prepares them again: slower, never wrong
+        log.warning("could not write %s (%s)", marker, e)
+    return time.perf_counter() - t0
+
+
+if __name__ == "__main__":  # the child of _run_child: settings as JSON on stdin
+    import json
+    _child(json.loads(sys.stdin.read()))

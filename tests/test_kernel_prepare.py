@@ -1,0 +1,84 @@
+"""engine/kernel_prepare.py: a first open compiles the kernels in a child process; its marker,
+its settings, and what happens when the child fails. The real child (a fresh numba cache, two
+cold compiles) runs in tests/test_sizing.py::test_first_open_compiles_in_a_child_process (slow)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from engine import EngineConfig, kernel_prepare, kernels
+
+KIND = ("olmoe", "int8", "int8", 32, "row_major", "f16", False)
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setattr(kernels, "CACHE_DIR", str(tmp_path / "numba"))
+    monkeypatch.delenv(kernel_prepare.IN_PROCESS_ENV, raising=False)
+    monkeypatch.setattr(kernel_prepare, "_FAILED", set())
+    return tmp_path / "numba"
+
+
+def test_a_child_that_succeeds_leaves_a_marker_and_the_next_open_starts_none(cache_dir, monkeypatch):
+    runs = []
+    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg: runs.append(cfg) or 0)
+    said = []
+    cfg = EngineConfig(store="/models/x", ram_budget_gb=3.0, context_length=4096, cap=40, threads=2,
+                       reserve_cache=True, idle_fill=True, pinning=True, history=True, cluster="ray://h:1")
+    assert kernel_prepare.prepare_in_child(cfg, KIND, said.append) >= 0.0
+    assert len(runs) == 1 and said and "compute kernels" in said[0]
+    child = runs[0]  # as small as the store allows, nothing of the user's touched
+    assert (child["store"], child["cap"], child["ram_budget_gb"], child["context_length"], child["threads"]) == \
+        ("/models/x", 1, None, 64, 1)
+    assert not (child["reserve_cache"] or child["idle_fill"] or child["pinning"] or child["history"] or child["cluster"])
+    assert EngineConfig.from_dict(child).store == "/models/x"  # what the child process builds
+    assert kernel_prepare.marker_path(str(cache_dir), KIND).exists()
+    assert kernel_prepare.prepare_in_child(cfg, KIND) == 0.0 and len(runs) == 1
+    other = KIND[:-1] + (True,)  # PILOT's kernels: another kind
+    kernel_prepare.prepare_in_child(cfg, other)
+    assert len(runs) == 2
+
+
+@pytest.mark.parametrize("outcome", [1, None, RuntimeError("no fork here")])
+def test_a_child_that_fails_is_logged_not_retried_and_leaves_no_marker(cache_dir, monkeypatch, caplog, outcome):
+    """Exit code 1, a timeout (None) or a process that cannot start: the engine compiles in
+    process (prepare_in_child returns, never raises), says why once, and does not start a
+    child for that kind again in this process."""
+    runs = []
+
+    def run(cfg):
+        runs.append(cfg)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+    monkeypatch.setattr(kernel_prepare, "_run_child", run)
+    cfg = EngineConfig(store="/models/x")
+    with caplog.at_level(logging.WARNING, logger="engine.kernel_prepare"):
+        kernel_prepare.prepare_in_child(cfg, KIND)
+    assert "compiling them here" in caplog.text
+    assert not kernel_prepare.marker_path(str(cache_dir), KIND).exists()
+    kernel_prepare.prepare_in_child(cfg, KIND)
+    assert len(runs) == 1
+
+
+def test_no_child_without_a_cache_to_fill_or_when_asked_to_compile_in_process(cache_dir, monkeypatch):
+    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg: pytest.fail("no child expected"))
+    cfg = EngineConfig(store="/models/x")
+    monkeypatch.setenv(kernel_prepare.IN_PROCESS_ENV, "1")
+    assert kernel_prepare.prepare_in_child(cfg, KIND) == 0.0
+    monkeypatch.delenv(kernel_prepare.IN_PROCESS_ENV)
+    monkeypatch.setattr(kernels, "CACHE_DIR", None)  # no writable numba cache: nothing would persist
+    assert kernel_prepare.prepare_in_child(cfg, KIND) == 0.0
+
+
+def test_the_marker_changes_with_the_kernel_source(cache_dir, monkeypatch, tmp_path):
+    """numba invalidates its cache when engine/kernels.py changes (size, mtime): so does the marker."""
+    a = kernel_prepare.marker_path(str(cache_dir), KIND)
+    assert a == kernel_prepare.marker_path(str(cache_dir), KIND)
+    assert a != kernel_prepare.marker_path(str(cache_dir), KIND[:-2] + ("f32", False))
+    copy = tmp_path / "kernels.py"
+    copy.write_text(open(kernels.__file__).read() + "\n# changed\n")
+    monkeypatch.setattr(kernels, "__file__", str(copy))
+    assert kernel_prepare.marker_path(str(cache_dir), KIND) != a
