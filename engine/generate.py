@@ -94,7 +94,10 @@ class Engine:
     rows = MoE layers), heat (RoutingHeat), plan (BudgetPlan),
     loaded (Loaded event), pilot (Pilot or None), threads (compute threads in use),
     usable_threads (the most it may use), free_cores (sysinfo.FreeCores with threads = 0, else None),
-    cluster (engine.cluster.ClusterExperts when the cluster setting names a Ray head, else None).
+    cluster (engine.cluster.ClusterExperts when the cluster setting names a Ray head, else None),
+    kernel_prepare_s (seconds the first compile of this kind of model took in a child process,
+    engine.kernel_prepare; 0.0 when numba's cache already held it), kernel_warmup_s (seconds the
+    kernels took to load or compile in this process before "ready").
     """
 
     def __init__(self):

@@ -13,8 +13,8 @@ install ran a 7B-shaped model at a 4 GB budget with ~140 fewer expert slots than
 So Engine.open, when the kernels a store needs were not yet prepared on this machine (a marker
 file per kind of model in numba's cache folder, named by a digest of the kernel source, numba's
 version, the CPU and the kind of model: :func:`marker_path`), first opens the same store in a
-child process (multiprocessing, spawn: the same interpreter or frozen bundle), with a small
-budget, runs a two-token answer there and exits; the child's compile fills numba's cache, its
+child process (``python -m engine.kernel_prepare``, or multiprocessing's spawn in the frozen
+bundle), with a small budget, runs a two-token answer there and exits; the child's compile fills numba's cache, its
 memory goes with it, and the engine then loads the kernels from the cache. A child that fails
 (a crash, no way to start a process) changes nothing: the engine compiles in process as before,
 and does not try a child again for that kind of model until it restarts. The environment
