@@ -232,6 +232,7 @@ class LoadingPanel(QFrame):
         lay.setContentsMargins(14, 10, 14, 12)
         self.label = QLabel("Loading the model…")
         self.label.setObjectName("loadingLabel")
+        self.label.setWordWrap(True)  # a first compile's line is longer than a narrow chat column
         self.bar = QProgressBar()
         self.bar.setAccessibleName("Model loading progress bar")
         self.bar.setTextVisible(False)
@@ -247,9 +248,11 @@ class LoadingPanel(QFrame):
             text = f"Converting the default model… {pct}%"
         elif ev.stage == "prewarm":
             text = f"Pre-warming pinned experts… {ev.done}/{ev.total}"
+        elif ev.stage == "compile":
+            text = ("Compiling the compute kernels for this kind of model… (first start only: a minute "
+                    "or two)" if ev.done < ev.total else "Compute kernels compiled")
         elif ev.stage == "kernels":
-            text = ("Preparing the compute kernels… (the first start compiles them; this takes a few "
-                    "seconds once)" if ev.done < ev.total else "Compute kernels ready")
+            text = "Preparing the compute kernels…" if ev.done < ev.total else "Compute kernels ready"
         else:
             text = f"Opening the model… {ev.message}" if ev.message else "Opening the model…"
         self.label.setText(text)
@@ -597,7 +600,7 @@ class MainWindow(QMainWindow):
             return   # a late progress event of an open that already ended
         self.loading.show_progress(ev)
         self.statusBar().showMessage(self.loading.label.text())
-        self._not_ready = ("Preparing the compute kernels…" if ev.stage == "kernels" and ev.done < ev.total
+        self._not_ready = ("Preparing the compute kernels…" if ev.stage in ("compile", "kernels") and ev.done < ev.total
                            else self.loading.label.text())
         self._sync_chat()
 

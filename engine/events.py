@@ -53,7 +53,9 @@ class GenerateRequest:
 
 @dataclass(frozen=True)
 class LoadProgress:
-    """Progress of a long step (converting, loading, pre-warming); done/total in units."""
+    """Progress of a long step; done/total in units. Stages: "convert", "download", "open",
+    "compile" (the first compile of a kind of model's kernels, in a child process:
+    engine.kernel_prepare, a minute or two), "kernels" (loading them), "prewarm", "cluster"."""
 
     stage: str
     done: int

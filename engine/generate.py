@@ -174,7 +174,7 @@ class Engine:
         if self._prepare_kernels:
             self.kernel_prepare_s = prepare_in_child(
                 config, kernel_kind(a, store, config),
-                lambda msg: report(LoadProgress("kernels", 0, 1, "", msg)))
+                lambda done, msg: report(LoadProgress("compile", done, 1, "", msg)))
         dense = store.load_dense(exclude=EMBED_TENSORS)
         embed_rows = store.embedding_rows()
         dense_bytes = sum(v.nbytes for v in dense.values())

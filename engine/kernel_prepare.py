@@ -125,9 +125,11 @@ def _run_child(config: dict) -> int | None:
 
 def prepare_in_child(config, kind: tuple, report=None) -> float:
     """Compile ``kind``'s kernels in a child process when this machine has not yet (see the
-    module docstring). Returns the seconds it took (0.0 when the marker says they are ready, or
-    when there is no writable numba cache to fill). Never raises: a failed child is logged and
-    the engine compiles in process."""
+    module docstring). ``report(done, message)``: called with 0 before the child starts and 1
+    when it succeeded (Engine.open turns them into LoadProgress stage "compile"). Returns the
+    seconds it took (0.0 when the marker says they are ready, or when there is no writable
+    numba cache to fill). Never raises: a failed child is logged and the engine compiles in
+    process."""
     from .kernels import CACHE_DIR
     if not CACHE_DIR or kind in _FAILED or os.environ.get(IN_PROCESS_ENV) == "1":
         return 0.0
@@ -135,7 +137,7 @@ def prepare_in_child(config, kind: tuple, report=None) -> float:
     if marker.exists():
         return 0.0
     if report is not None:
-        report("preparing the compute kernels for this kind of model (first start: about a minute)")
+        report(0, "compiling the compute kernels for this kind of model (first start only: a minute or two)")
     t0 = time.perf_counter()
     try:
         code = _run_child(child_config(config))
@@ -155,7 +157,10 @@ def prepare_in_child(config, kind: tuple, report=None) -> float:
         os.replace(tmp, marker)
     except OSError as e:  # the next start prepares them again: slower, never wrong
         log.warning("could not write %s (%s)", marker, e)
-    return time.perf_counter() - t0
+    dt = time.perf_counter() - t0
+    if report is not None:
+        report(1, f"compute kernels compiled in {dt:.0f} s")
+    return dt
 
 
 if __name__ == "__main__":  # the child of _run_child: settings as JSON on stdin

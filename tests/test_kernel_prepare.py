@@ -25,10 +25,11 @@ def test_a_child_that_succeeds_leaves_a_marker_and_the_next_open_starts_none(cac
     runs = []
     monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg: runs.append(cfg) or 0)
     said = []
+    report = lambda done, msg: said.append((done, msg))  # noqa: E731
     cfg = EngineConfig(store="/models/x", ram_budget_gb=3.0, context_length=4096, cap=40, threads=2,
                        reserve_cache=True, idle_fill=True, pinning=True, history=True, cluster="ray://h:1")
-    assert kernel_prepare.prepare_in_child(cfg, KIND, said.append) >= 0.0
-    assert len(runs) == 1 and said and "compute kernels" in said[0]
+    assert kernel_prepare.prepare_in_child(cfg, KIND, report) >= 0.0
+    assert len(runs) == 1 and [d for d, _m in said] == [0, 1] and "compute kernels" in said[0][1]
     child = runs[0]  # as small as the store allows, nothing of the user's touched
     assert (child["store"], child["cap"], child["ram_budget_gb"], child["context_length"], child["threads"]) == \
         ("/models/x", 1, None, 64, 1)
@@ -82,3 +83,15 @@ def test_the_marker_changes_with_the_kernel_source(cache_dir, monkeypatch, tmp_p
     copy.write_text(open(kernels.__file__).read() + "\n# changed\n")
     monkeypatch.setattr(kernels, "__file__", str(copy))
     assert kernel_prepare.marker_path(str(cache_dir), KIND) != a
+
+
+def test_the_command_line_names_only_the_first_compile(capsys):
+    """`colibri run` / `serve` print the long first compile (stage "compile") as a line on
+    stderr, and nothing for the other open stages."""
+    from engine import LoadProgress
+    from engine.cli.models import open_notices
+    open_notices(LoadProgress("open", 0, 3, "", "opening /models/x"))
+    open_notices(LoadProgress("kernels", 0, 1, "", "preparing the compute kernels"))
+    assert capsys.readouterr().err == ""
+    open_notices(LoadProgress("compile", 0, 1, "", "compiling the compute kernels for this kind of model"))
+    assert capsys.readouterr().err == "colibri: compiling the compute kernels for this kind of model\n"

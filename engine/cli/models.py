@@ -46,6 +46,13 @@ def cli_progress(label: str):
     return cb
 
 
+def open_notices(ev: LoadProgress) -> None:
+    """Engine.open's progress for ``colibri run`` / ``serve``: only the long first compile of a
+    kind of model's kernels (stage "compile", a minute or two) is worth a line on stderr."""
+    if ev.stage == "compile":
+        print(f"colibri: {ev.message}", file=sys.stderr, flush=True)
+
+
 def cmd_download(a) -> int:
     """``colibri download REPO``: check, download, convert, self-test, print the store path."""
     try:

@@ -56,6 +56,7 @@ def resolve_store(model: str | None) -> str:
 def cmd_run(a) -> int:
     """``colibri run``: generate from a prompt, streaming the text to stdout."""
     from ..generate import Engine
+    from .models import open_notices
     from ..prof import Profile
     if not a.prompt.strip():
         raise ValueError("--prompt is empty: give the text to answer or continue")
@@ -67,7 +68,7 @@ def cmd_run(a) -> int:
             raise ValueError(f"--trace {t}: folder {t.parent} does not exist")
     store = resolve_store(a.model)
     cfg = engine_config(a, store)
-    with Engine.open(cfg) as eng:
+    with Engine.open(cfg, progress=open_notices) as eng:
         if a.prof:
             print(f"[prof] {eng.loaded.message}", file=sys.stderr)
         if eng.loaded.docs_problem and a.docs_lookup and not a.raw:

@@ -23,12 +23,13 @@ def server_options(a):
 def cmd_serve(a) -> int:
     """Open the model, serve it until Ctrl+C."""
     from ..generate import Engine
+    from .models import open_notices
     from ..server import LocalServer
     opts = server_options(a)          # refuse a bad host / key before loading anything
     sp = sampling_params(a)
     store = resolve_store(a.model)
     cfg = engine_config(a, store)
-    with Engine.open(cfg) as eng:
+    with Engine.open(cfg, progress=open_notices) as eng:
         srv = LocalServer.for_engine(eng, opts, sp)
         url = srv.start()
         model = srv.api.served().model_id

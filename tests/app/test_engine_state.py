@@ -95,6 +95,20 @@ def test_preparing_kernels_is_shown_until_ready(qtbot, make_window):
     assert "ready" not in win.statusBar().currentMessage().lower()
 
 
+def test_a_first_compile_says_how_long_it_takes(qtbot, make_window):
+    """Engine.open's first compile of a kind of model (a child process, a minute or two:
+    engine.kernel_prepare) is named as such, and the chat waits for it like for the kernels."""
+    win = make_window(wait_loaded=False)
+    win.open_model(None)
+    win.on_progress(LoadProgress("compile", 0, 1, "", "compiling the compute kernels for this kind of model"))
+    assert "Compiling the compute kernels" in win.loading.label.text()
+    assert "minute" in win.loading.label.text()
+    assert "Preparing the compute kernels" in win.chat.input.placeholderText() or \
+        not win.chat.send_btn.isEnabled()
+    win.on_progress(LoadProgress("compile", 1, 1, "", "compute kernels compiled in 95 s"))
+    assert "compiled" in win.loading.label.text()
+
+
 def test_auto_fields_show_the_values_in_use(qtbot, make_window):
     win = make_window(engine=EngineConfig(cap=4, pinning=False, threads=0))
     from colibri_app.settings_dialog import SettingsDialog
