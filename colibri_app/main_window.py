@@ -248,9 +248,8 @@ class LoadingPanel(QFrame):
             text = f"Converting the default model… {pct}%"
         elif ev.stage == "prewarm":
             text = f"Pre-warming pinned experts… {ev.done}/{ev.total}"
-        elif ev.stage == "compile":
-            text = ("Compiling the compute kernels for this kind of model… (first start only: a minute "
-                    "or two)" if ev.done < ev.total else "Compute kernels compiled")
+        elif ev.stage == "compile":  # the engine's sentence: a first compile, or why every start compiles
+            text = (ev.message[:1].upper() + ev.message[1:] + "…") if ev.done < ev.total else "Compute kernels compiled"
         elif ev.stage == "kernels":
             text = "Preparing the compute kernels…" if ev.done < ev.total else "Compute kernels ready"
         else:

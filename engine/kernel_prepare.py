@@ -13,7 +13,7 @@ install ran a 7B-shaped model at a 4 GB budget with ~140 fewer expert slots than
 So Engine.open, when the kernels a store needs were not yet prepared on this machine (a marker
 file per kind of model in numba's cache folder, named by a digest of the kernel source, numba's
 version, the CPU and the kind of model: :func:`marker_path`), first opens the same store in a
-child process (``python -m engine.kernel_prepare``, or multiprocessing's spawn in the frozen
+child process (the same Python running :func:`_child`, or multiprocessing's spawn in the frozen
 bundle), with a small budget, runs a two-token answer there and exits; the child's compile fills numba's cache, its
 memory goes with it, and the engine then loads the kernels from the cache. A child that fails
 (a crash, no way to start a process) changes nothing: the engine compiles in process as before,
@@ -38,6 +38,7 @@ IN_PROCESS_ENV = "COLIBRI_COMPILE_IN_PROCESS"
 _FAILED: set[tuple] = set()  # kinds whose child failed in this process: not tried again
 CHILD_TIMEOUT_S = 1800.0  # a fresh compile of every kernel takes 1-3 min of one core here
 MARKER_DIR = "colibri-prepared"
+FIRST_COMPILE = "compiling the compute kernels for this kind of model (first start only: a minute or two)"
 
 
 def kernel_kind(args, store, config) -> tuple:
@@ -65,6 +66,33 @@ def marker_path(cache_dir: str, kind: tuple) -> Path:
     h = hashlib.sha256(repr((kind, str(src), st.st_size, st.st_mtime_ns, numba.__version__,
                              sys.version_info[:2], cpu)).encode()).hexdigest()[:24]
     return Path(cache_dir) / MARKER_DIR / h
+
+
+def _index_files(cache_dir: str) -> list[str]:
+    """numba's index files (``*.nbi``, one per cached kernel) of engine/kernels.py in its cache
+    folder, relative to ``cache_dir``; [] when numba's cache layout is not the one known here
+    (a FunctionCache's ``_cache_path``): a marker then vouches for the cache alone."""
+    try:
+        from numba.core.registry import CPUDispatcher
+        from . import kernels
+        folder = next(Path(d._cache._cache_path) for d in vars(kernels).values()
+                      if isinstance(d, CPUDispatcher) and hasattr(getattr(d, "_cache", None), "_cache_path"))
+        return sorted(str(p.relative_to(cache_dir)) for p in folder.glob("*.nbi"))
+    except (StopIteration, OSError, ValueError, ImportError, AttributeError):
+        return []
+
+
+def _marker_holds(marker: Path, cache_dir: str) -> bool:
+    """Whether ``marker`` (JSON: the kind and numba's index files after the child ran) still
+    vouches for numba's cache: it reads and every index file it lists is there. A cache the
+    user emptied (or a marker of another format) makes the child run again, rather than a
+    silent compile in this process."""
+    import json
+    try:
+        files = json.loads(marker.read_text())["index_files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return all((Path(cache_dir) / f).is_file() for f in files)
 
 
 def _child(config: dict) -> None:
@@ -95,8 +123,7 @@ def child_config(config) -> dict:
 
 def _run_child(config: dict) -> int | None:
     """Run :func:`_child` in a new process; its exit code (None: killed after CHILD_TIMEOUT_S).
-    From a Python interpreter: ``python -m engine.kernel_prepare`` with the settings as JSON on
-    stdin (the parent's ``__main__`` is not imported again, as multiprocessing's spawn would).
+    From a Python interpreter: ``python -c`` calling it with the settings as JSON on stdin (the parent's ``__main__`` is not imported again, as multiprocessing's spawn would).
     From the frozen bundle (PyInstaller, whose executable takes no ``-m``): multiprocessing's
     spawn, which the bundle's entry point supports (``freeze_support``)."""
     if getattr(sys, "frozen", False):
@@ -113,13 +140,18 @@ def _run_child(config: dict) -> int | None:
     import subprocess
     root = str(Path(__file__).resolve().parents[1])  # the folder holding the engine package
     env = {**os.environ, "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    # -c, not -m engine.kernel_prepare: the engine package imports this module, and runpy then
+    # warns on every child's stderr (which a failed child's log line would quote as its cause)
+    code = "import json, sys; from engine.kernel_prepare import _child; _child(json.loads(sys.stdin.read()))"
     try:
-        r = subprocess.run([sys.executable, "-m", "engine.kernel_prepare"], input=json.dumps(config), text=True,
+        r = subprocess.run([sys.executable, "-c", code], input=json.dumps(config), text=True,
                            env=env, capture_output=True, timeout=CHILD_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return None
-    if r.returncode != 0:
-        log.warning("the kernel compile's child process said: %s", r.stderr.strip()[-2000:])
+    if r.returncode != 0:  # its last line (the error), not a traceback; the whole of it at debug level
+        lines = r.stderr.strip().splitlines()
+        log.warning("the kernel compile's child process said: %s", lines[-1] if lines else "nothing")
+        log.debug("the kernel compile's child process's stderr:\n%s", r.stderr)
     return r.returncode
 
 
@@ -130,14 +162,18 @@ def prepare_in_child(config, kind: tuple, report=None) -> float:
     seconds it took (0.0 when the marker says they are ready, or when there is no writable
     numba cache to fill). Never raises: a failed child is logged and the engine compiles in
     process."""
-    from .kernels import CACHE_DIR
-    if not CACHE_DIR or kind in _FAILED or os.environ.get(IN_PROCESS_ENV) == "1":
+    from .kernels import CACHE_DIR, CACHE_PROBLEM
+    if kind in _FAILED or os.environ.get(IN_PROCESS_ENV) == "1":
+        return 0.0
+    if not CACHE_DIR:  # nothing would persist: say why every start compiles (here, in process)
+        if report is not None:
+            report(0, f"compiling the compute kernels in this process, at every start: {CACHE_PROBLEM}")
         return 0.0
     marker = marker_path(CACHE_DIR, kind)
-    if marker.exists():
+    if _marker_holds(marker, CACHE_DIR):
         return 0.0
     if report is not None:
-        report(0, "compiling the compute kernels for this kind of model (first start only: a minute or two)")
+        report(0, FIRST_COMPILE)
     t0 = time.perf_counter()
     try:
         code = _run_child(child_config(config))
@@ -151,18 +187,16 @@ def prepare_in_child(config, kind: tuple, report=None) -> float:
         _FAILED.add(kind)
         return time.perf_counter() - t0
     try:
+        import json
         marker.parent.mkdir(parents=True, exist_ok=True)
         tmp = marker.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(repr(kind) + "\n")
+        tmp.write_text(json.dumps({"kind": repr(kind), "index_files": _index_files(CACHE_DIR)}) + "\n")
         os.replace(tmp, marker)
     except OSError as e:  # the next start prepares them again: slower, never wrong
-        log.warning("could not write %s (%s)", marker, e)
+        log.warning("could not write %s (%s); every start will run the compile's child process again "
+                    "until it can: make %s a writable folder (or delete it)", marker, e, marker.parent)
     dt = time.perf_counter() - t0
     if report is not None:
         report(1, f"compute kernels compiled in {dt:.0f} s")
     return dt
 
-
-if __name__ == "__main__":  # the child of _run_child: settings as JSON on stdin
-    import json
-    _child(json.loads(sys.stdin.read()))

@@ -65,13 +65,40 @@ def test_a_child_that_fails_is_logged_not_retried_and_leaves_no_marker(cache_dir
 
 
 def test_no_child_without_a_cache_to_fill_or_when_asked_to_compile_in_process(cache_dir, monkeypatch):
+    """No writable numba cache: no child (nothing would persist), and the reason every start
+    compiles is said (kernels.CACHE_PROBLEM, naming the folder and what to do)."""
     monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg: pytest.fail("no child expected"))
     cfg = EngineConfig(store="/models/x")
+    said = []
     monkeypatch.setenv(kernel_prepare.IN_PROCESS_ENV, "1")
-    assert kernel_prepare.prepare_in_child(cfg, KIND) == 0.0
+    assert kernel_prepare.prepare_in_child(cfg, KIND, lambda d, m: said.append(m)) == 0.0 and not said
     monkeypatch.delenv(kernel_prepare.IN_PROCESS_ENV)
-    monkeypatch.setattr(kernels, "CACHE_DIR", None)  # no writable numba cache: nothing would persist
-    assert kernel_prepare.prepare_in_child(cfg, KIND) == 0.0
+    monkeypatch.setattr(kernels, "CACHE_DIR", None)
+    monkeypatch.setattr(kernels, "CACHE_PROBLEM", "/x/afile/cache cannot be created: /x/afile is a file, not a folder")
+    assert kernel_prepare.prepare_in_child(cfg, KIND, lambda d, m: said.append(m)) == 0.0
+    assert said == ["compiling the compute kernels in this process, at every start: "
+                    "/x/afile/cache cannot be created: /x/afile is a file, not a folder"]
+
+
+def test_a_marker_whose_cache_files_are_gone_runs_the_child_again(cache_dir, monkeypatch):
+    """The user emptied numba's cache but the marker stayed: the child runs again (before, the
+    engine trusted the marker and compiled in process, its ~500 MB back, without a word)."""
+    import json
+    runs = []
+    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg: runs.append(cfg) or 0)
+    cfg = EngineConfig(store="/models/x")
+    marker = kernel_prepare.marker_path(str(cache_dir), KIND)
+    marker.parent.mkdir(parents=True)
+    (cache_dir / "engine_abc").mkdir()
+    (cache_dir / "engine_abc" / "kernels.rmsnorm-1.py311.nbi").write_bytes(b"x")
+    marker.write_text(json.dumps({"kind": repr(KIND), "index_files": ["engine_abc/kernels.rmsnorm-1.py311.nbi"]}))
+    assert kernel_prepare.prepare_in_child(cfg, KIND) == 0.0 and not runs  # the files are there
+    (cache_dir / "engine_abc" / "kernels.rmsnorm-1.py311.nbi").unlink()
+    kernel_prepare.prepare_in_child(cfg, KIND)
+    assert len(runs) == 1
+    marker.write_text("('olmoe',)\n")  # not a marker this version wrote
+    kernel_prepare.prepare_in_child(cfg, KIND)
+    assert len(runs) == 2
 
 
 def test_the_marker_changes_with_the_kernel_source(cache_dir, monkeypatch, tmp_path):

@@ -100,7 +100,8 @@ def test_a_first_compile_says_how_long_it_takes(qtbot, make_window):
     engine.kernel_prepare) is named as such, and the chat waits for it like for the kernels."""
     win = make_window(wait_loaded=False)
     win.open_model(None)
-    win.on_progress(LoadProgress("compile", 0, 1, "", "compiling the compute kernels for this kind of model"))
+    from engine.kernel_prepare import FIRST_COMPILE
+    win.on_progress(LoadProgress("compile", 0, 1, "", FIRST_COMPILE))
     assert "Compiling the compute kernels" in win.loading.label.text()
     assert "minute" in win.loading.label.text()
     assert "Preparing the compute kernels" in win.chat.input.placeholderText() or \
