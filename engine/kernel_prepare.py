@@ -123,8 +123,9 @@ def child_config(config) -> dict:
 
 def _run_child(config: dict) -> int | None:
     """Run :func:`_child` in a new process; its exit code (None: killed after CHILD_TIMEOUT_S).
-    From a Python interpreter: ``python -c`` calling it with the settings as JSON on stdin (the parent's ``__main__`` is not imported again, as multiprocessing's spawn would).
-    From the frozen bundle (PyInstaller, whose executable takes no ``-m``): multiprocessing's
+    From a Python interpreter: ``python -c`` calling it with the settings as JSON on stdin
+    (the parent's ``__main__`` is not imported again, as multiprocessing's spawn would). From
+    the frozen bundle (PyInstaller, whose executable runs the app, not ``-c``): multiprocessing's
     spawn, which the bundle's entry point supports (``freeze_support``)."""
     if getattr(sys, "frozen", False):
         import multiprocessing
