@@ -69,16 +69,12 @@ def marker_path(cache_dir: str, kind: tuple) -> Path:
 
 
 def _index_files(cache_dir: str) -> list[str]:
-    """numba's index files (``*.nbi``, one per cached kernel) of engine/kernels.py in its cache
-    folder, relative to ``cache_dir``; [] when numba's cache layout is not the one known here
-    (a FunctionCache's ``_cache_path``): a marker then vouches for the cache alone."""
+    """numba's index files (``kernels.<function>-<line>.py<version>.nbi``, one per cached
+    kernel of engine/kernels.py) under ``cache_dir``, relative to it."""
+    from . import kernels
     try:
-        from numba.core.registry import CPUDispatcher
-        from . import kernels
-        folder = next(Path(d._cache._cache_path) for d in vars(kernels).values()
-                      if isinstance(d, CPUDispatcher) and hasattr(getattr(d, "_cache", None), "_cache_path"))
-        return sorted(str(p.relative_to(cache_dir)) for p in folder.glob("*.nbi"))
-    except (StopIteration, OSError, ValueError, ImportError, AttributeError):
+        return sorted(str(p.relative_to(cache_dir)) for p in Path(cache_dir).rglob(f"{Path(kernels.__file__).stem}.*.nbi"))
+    except OSError:
         return []
 
 

@@ -28,6 +28,8 @@ def test_a_child_that_succeeds_leaves_a_marker_and_the_next_open_starts_none(cac
     report = lambda done, msg: said.append((done, msg))  # noqa: E731
     cfg = EngineConfig(store="/models/x", ram_budget_gb=3.0, context_length=4096, cap=40, threads=2,
                        reserve_cache=True, idle_fill=True, pinning=True, history=True, cluster="ray://h:1")
+    (cache_dir / "engine_x").mkdir(parents=True)  # what the child's compile leaves in numba's cache
+    (cache_dir / "engine_x" / "kernels.rmsnorm-10.py311.nbi").write_bytes(b"index")
     assert kernel_prepare.prepare_in_child(cfg, KIND, report) >= 0.0
     assert len(runs) == 1 and [d for d, _m in said] == [0, 1] and "compute kernels" in said[0][1]
     child = runs[0]  # as small as the store allows, nothing of the user's touched
@@ -35,7 +37,9 @@ def test_a_child_that_succeeds_leaves_a_marker_and_the_next_open_starts_none(cac
         ("/models/x", 1, None, 64, 1)
     assert not (child["reserve_cache"] or child["idle_fill"] or child["pinning"] or child["history"] or child["cluster"])
     assert EngineConfig.from_dict(child).store == "/models/x"  # what the child process builds
-    assert kernel_prepare.marker_path(str(cache_dir), KIND).exists()
+    import json
+    marker = json.loads(kernel_prepare.marker_path(str(cache_dir), KIND).read_text())
+    assert marker["index_files"] == ["engine_x/kernels.rmsnorm-10.py311.nbi"]
     assert kernel_prepare.prepare_in_child(cfg, KIND) == 0.0 and len(runs) == 1
     other = KIND[:-1] + (True,)  # PILOT's kernels: another kind
     kernel_prepare.prepare_in_child(cfg, other)
