@@ -126,3 +126,32 @@ def test_the_command_line_names_only_the_first_compile(capsys):
     assert capsys.readouterr().err == ""
     open_notices(LoadProgress("compile", 0, 1, "", "compiling the compute kernels for this kind of model"))
     assert capsys.readouterr().err == "colibri: compiling the compute kernels for this kind of model\n"
+
+
+@pytest.mark.skipif(__import__("sys").platform == "win32", reason="the lock is fcntl.flock")
+def test_two_first_starts_at_once_compile_once(cache_dir, monkeypatch):
+    """The app and `colibri serve` started together on a fresh cache: the second waits for the
+    first's child (a lock beside the marker) and finds the marker, instead of compiling it all
+    again (a helper measured two full compiles of ~4 min each before)."""
+    import threading
+    import time
+    runs = []
+
+    def child(cfg):
+        runs.append(cfg)
+        time.sleep(0.5)
+        (cache_dir / "engine_x").mkdir(parents=True, exist_ok=True)
+        (cache_dir / "engine_x" / "kernels.rmsnorm-10.py311.nbi").write_bytes(b"index")
+        return 0
+    monkeypatch.setattr(kernel_prepare, "_run_child", child)
+    said = []
+    cfg = EngineConfig(store="/models/x")
+    ts = [threading.Thread(target=kernel_prepare.prepare_in_child, args=(cfg, KIND, lambda d, m: said.append((d, m))))
+          for _ in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    assert len(runs) == 1
+    assert sorted(m.split(" in ")[0].split(" (")[0] for d, m in said if d == 1) == [
+        "compute kernels compiled", "compute kernels compiled by another colibri process"]
