@@ -126,7 +126,6 @@ class Engine:
         self.config = config = config.validated()
         self.read_rss = read_rss
         self._closed = False
-        self._prepare_kernels = prepare_kernels
         self._lock = threading.Lock()
         self.cluster = None
         self._cluster_options = cluster_options
@@ -141,7 +140,7 @@ class Engine:
         report(LoadProgress("open", 0, 3, "", f"opening {config.store}"))
         self.store = ExpertStore(config.store, o_direct=config.o_direct)
         try:
-            self._open_rest(report)
+            self._open_rest(report, prepare_kernels)
         except BaseException:
             if self.cluster is not None:
                 self.cluster.close()
@@ -151,7 +150,7 @@ class Engine:
             raise
         return self
 
-    def _open_rest(self, report) -> None:
+    def _open_rest(self, report, prepare_kernels: bool) -> None:
         config, store = self.config, self.store
         a = self.args = store.args
         # before any weight is read: a context the model was not trained for gives garbage
@@ -171,7 +170,7 @@ class Engine:
         # the embedding table stays in the store, read row by row (EmbeddingRows): its RAM goes
         # to the expert cache
         self.kernel_prepare_s = 0.0
-        if self._prepare_kernels:
+        if prepare_kernels:
             self.kernel_prepare_s = prepare_in_child(
                 config, kernel_kind(a, store, config),
                 lambda done, msg: report(LoadProgress("compile", done, 1, "", msg)))

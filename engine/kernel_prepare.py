@@ -14,12 +14,12 @@ So Engine.open, when the kernels a store needs were not yet prepared on this mac
 file per kind of model in numba's cache folder, named by a digest of the kernel source, numba's
 version, the CPU and the kind of model: :func:`marker_path`), first opens the same store in a
 child process (the same Python running :func:`_child`, or multiprocessing's spawn in the frozen
-bundle), with a small budget, runs a two-token answer there and exits; the child's compile fills numba's cache, its
-memory goes with it, and the engine then loads the kernels from the cache. A child that fails
-(a crash, no way to start a process) changes nothing: the engine compiles in process as before,
-and does not try a child again for that kind of model until it restarts. Two processes that
-start at once (the app and ``colibri serve``) compile once: the second waits on a lock beside
-the marker and then finds it. The environment
+bundle), with a small budget, runs a two-token answer there and exits; the child's compile
+fills numba's cache, its memory goes with it, and the engine then loads the kernels from the
+cache. A child that fails (a crash, no way to start a process) changes nothing: the engine
+compiles in process as before, and does not try a child again for that kind of model until it
+restarts. Two processes that start at once (the app and ``colibri serve``) compile once: the
+second waits on a lock beside the marker (fsutil.FileLock) and then finds it. The environment
 variable ``COLIBRI_COMPILE_IN_PROCESS=1`` skips the child (the test suite sets it: a pytest
 process compiles hundreds of kernels anyway, and its RSS is nobody's budget).
 """
@@ -32,7 +32,10 @@ import os
 import platform
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
+
+from .fsutil import FileLock, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -174,40 +177,18 @@ def prepare_in_child(config, kind: tuple, report=None) -> float:
     if report is not None:
         report(0, FIRST_COMPILE)
     t0 = time.perf_counter()
-    with _CompileLock(marker):  # a second first start (the app and `colibri serve`) waits for this one
+    with ExitStack() as held:  # a second first start (the app and `colibri serve`) waits for this one
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            held.enter_context(FileLock(marker.with_suffix(".lock")))
+        except OSError:  # no lock where the folder cannot be written (the marker's write then warns)
+            pass
         if _marker_holds(marker, CACHE_DIR):
             dt = time.perf_counter() - t0
             if report is not None:
                 report(1, f"compute kernels compiled by another colibri process ({dt:.0f} s)")
             return dt
         return _prepare(config, kind, marker, CACHE_DIR, report, t0)
-
-
-class _CompileLock:
-    """An exclusive lock (fcntl.flock) on ``<marker>.lock`` for as long as a child compiles
-    that kind; no lock where fcntl is missing (Windows) or the folder cannot be written (the
-    marker's write then warns)."""
-
-    def __init__(self, marker: Path):
-        self.path = marker.with_suffix(".lock")
-        self.f = None
-
-    def __enter__(self):
-        try:
-            import fcntl
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.f = open(self.path, "a")
-            fcntl.flock(self.f, fcntl.LOCK_EX)
-        except (ImportError, OSError):
-            if self.f is not None:
-                self.f.close()
-            self.f = None
-        return self
-
-    def __exit__(self, *exc):
-        if self.f is not None:
-            self.f.close()  # closing the file releases its flock
-        return False
 
 
 def _prepare(config, kind: tuple, marker: Path, cache_dir: str, report, t0: float) -> float:
@@ -225,10 +206,7 @@ def _prepare(config, kind: tuple, marker: Path, cache_dir: str, report, t0: floa
         return time.perf_counter() - t0
     try:
         import json
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        tmp = marker.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"kind": repr(kind), "index_files": _index_files(cache_dir)}) + "\n")
-        os.replace(tmp, marker)
+        atomic_write_text(marker, json.dumps({"kind": repr(kind), "index_files": _index_files(cache_dir)}) + "\n")
     except OSError as e:  # the next start prepares them again: slower, never wrong
         log.warning("could not write %s (%s); every start will run the compile's child process again "
                     "until it can: make %s a writable folder (or delete it)", marker, e, marker.parent)
