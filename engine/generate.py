@@ -261,9 +261,16 @@ class Engine:
         self.budget_claim = BudgetClaim(self.plan.budget)
 
     def _warm_kernels(self, report) -> float:
-        """Run the model's kernels once (a 2-token prefill and a 1-token decode step) before
-        "ready", so the first answer does not wait for numba to compile or load them (~8 s on a
-        fresh install, issue 17); once per process and kind of model. The KV rows written are
+        """Run the model's kernels once before "ready", so the first answer does not wait for
+        numba to compile or load them (~8 s on a fresh install, issue 17); once per process and
+        kind of model: a 2-token prefill and a 1-token decode step, each twice at the same
+        positions. The second of each routes exactly as the first, so it finds the experts the
+        first left in the cache (at least the last one read per layer, even at cap 1: the child
+        that compiles a first start, engine.kernel_prepare) beside misses: the kernels of
+        resident experts (K.experts_q4_sorted, experts_q4_t1) run as well as those of misses;
+        before, the first prefill with a resident expert compiled K.experts_q4_sorted inside
+        the engine after the child (~0.3 GB above the budget; out of memory in a 4 GB memory
+        cgroup). The KV rows written are
         never reused (no prefix is kept) and ExpertCache.forget() undoes the loads, so nothing
         of it shows in residency, counters or routing heat (no observer is subscribed yet).
         Returns the seconds it took (0.0 when already warm)."""
@@ -276,8 +283,10 @@ class Engine:
         t0 = time.perf_counter()
         ids = [i % self.args.vocab_size for i in (1, 2, 3)]
         try:
-            self.model.forward(np.asarray(ids[:2]), 0)
-            self.model.forward(np.asarray(ids[2:]), 2)
+            for _ in range(2):
+                self.model.forward(np.asarray(ids[:2]), 0)
+            for _ in range(2):
+                self.model.forward(np.asarray(ids[2:]), 2)
             warmed = True
         except ExpertReadError:
             # a damaged expert slab is the store's problem, not the warm-up's: the model opens,

@@ -198,7 +198,8 @@ class Pilot(Observer):
     them. It uses only public members of the model (``args``, ``num_moe_layers``, ``moe_norm``,
     ``router_logits``; ``routing_replay`` when a recorded routing drives it) and the cache
     (``is_present``, ``wait_demand_idle``, ``try_speculate``, ``load_speculative``,
-    ``speculate_now``, ``cancel_speculations``, ``count_dropped``, ``clock``, ``last_use``). It publishes
+    ``speculate_now``, ``hand_off_speculations``, ``cancel_speculations``, ``count_dropped``, ``clock``,
+    ``last_use``). It publishes
     ``on_prediction(layer, experts, distance)`` to its own subscribers (``subscribe``).
 
     Layers are MoE-layer indices (engine/models/base.py): "layer j + 1" is the next layer with
@@ -291,16 +292,20 @@ class Pilot(Observer):
         reserved ones of layers before ``layer`` whose reads have not started are given back
         (those layers ran)."""
         self.cache.cancel_speculations(below=layer)
+        claimed = 0
         while True:
             item = self.queue.get_nowait()
             if item is None:
-                return
+                break
             t, e, gen = item
             if gen != self.gen or t < layer:
                 self.cache.count_dropped(SpecDrop.STALE)
                 continue
             if self._reserved(self.cache.speculate_now(t, e, self._guard if self.use_guard else None)):
-                self.claimed += 1
+                claimed += 1
+        self.claimed += claimed
+        if claimed:  # the run takes both cores: the read must be on the disk before it starts
+            self.cache.hand_off_speculations()
 
     def run_plan(self, l0: int) -> tuple[np.ndarray, np.ndarray | None] | None:
         """What a one-call decode run from layer ``l0`` predicts inside the kernel

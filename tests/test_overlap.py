@@ -531,6 +531,39 @@ def test_reserved_speculation_reads_while_the_lock_is_held_and_demand_takes_queu
     assert cache.where[0, 11] == -1 and [e for e, _ in st.started] == [3, 9]
 
 
+def test_speculations_queued_before_a_run_are_started_before_it(monkeypatch):
+    """Pilot.on_run_start queues its speculations (speculate_now) and then hands them off
+    (ExpertCache.hand_off_speculations): it returns once the speculation reader has started
+    the first read, so the read is on the disk before the run takes both cores (without the
+    hand-off the woken reader waited for a core behind the run's threads). No hand-off while
+    a demand read is in flight (the reader waits for it first) or with nothing queued. The
+    time limit is raised so the test does not depend on the machine's speed."""
+    import engine.expert_cache as EC
+    monkeypatch.setattr(EC, "HANDOFF_WAIT_S", 30.0)
+    st = _GatedStore()
+    cache = EC.ExpertCache(st, 1, 16, cap=8, io_threads=1)
+    try:
+        assert cache.hand_off_speculations() is False  # nothing queued (no reader started yet)
+        assert cache.speculate_now(0, 3) >= 0
+        assert cache.hand_off_speculations() is True
+        assert st.started == [(3, "colibri-spec-io")]  # the reader holds the GIL until its read blocks
+        st.release(3)
+        deadline = time.monotonic() + 5
+        while cache.stats.spec_completed < 1 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        time.sleep(0.05)  # the reader is idle again
+        cache.demand_inflight = 1  # a demand read in flight: the reader waits for it, no hand-off
+        assert cache.speculate_now(0, 5) >= 0
+        t0 = time.monotonic()
+        assert cache.hand_off_speculations() is False and time.monotonic() - t0 < 10
+        cache.demand_inflight = 0
+        st.release(5)
+    finally:
+        for e in range(16):
+            st.release(e)
+        cache.close()
+
+
 def test_a_worker_cannot_reserve_for_a_layer_a_run_reached():
     """A PILOT worker that waited for the cache's lock through a one-call run must not reserve
     a slot for a layer the run reached (its read would be wasted and would delay the stop

@@ -243,11 +243,13 @@ from engine.events import GenerateRequest, SamplingParams, TokenEvent
 from engine import kernels, kernel_prepare
 from numba.core.registry import CPUDispatcher
 
-cfg = EngineConfig(store=sys.argv[1], pinning=False, history=False, context_length=64, pilot=0)
+cfg = EngineConfig(store=sys.argv[1], pinning=False, history=False, context_length=64, pilot=0, cap=int(sys.argv[2]))
 with Engine.open(cfg) as eng:
     assert eng.model.wait_decode_ready(900)
-    req = GenerateRequest(prompt_ids=(1, 2, 3), sampling=SamplingParams(max_new_tokens=8, temperature=0.0))
-    ids = [ev.token_id for ev in eng.generate(req) if isinstance(ev, TokenEvent)]
+    ids = []
+    for prompt in ((1, 2, 3), (1, 2, 3, 4, 5)):  # the second prefill finds experts of the first resident
+        req = GenerateRequest(prompt_ids=prompt, sampling=SamplingParams(max_new_tokens=8, temperature=0.0))
+        ids += [ev.token_id for ev in eng.generate(req) if isinstance(ev, TokenEvent)]
     compiled = sum(sum(d.stats.cache_misses.values()) for d in vars(kernels).values() if isinstance(d, CPUDispatcher))
     loaded = sum(sum(d.stats.cache_hits.values()) for d in vars(kernels).values() if isinstance(d, CPUDispatcher))
     marker = kernel_prepare.marker_path(kernels.CACHE_DIR, kernel_prepare.kernel_kind(eng.args, eng.store, eng.config))
@@ -257,19 +259,26 @@ with Engine.open(cfg) as eng:
 
 
 @pytest.mark.slow
-def test_first_open_compiles_in_a_child_process(medium_store, tmp_path):
+@pytest.mark.parametrize("cap", [4, 16])
+def test_first_open_compiles_in_a_child_process(medium_checkpoint, tmp_path, cap):
     """On a fresh numba cache, Engine.open compiles the kernels in a child process
     (engine.kernel_prepare) and then only loads them: it compiles none itself, its RSS after an
     answer is well below an engine that compiled in process (the compiler's ~500 MB), the
-    tokens are the same, and the next open finds the marker and starts no child."""
+    tokens are the same, and the next open finds the marker and starts no child. On an int4
+    store (the precision of models bigger than RAM), streaming (cap 4 of 16 experts: decode
+    stops at layers with misses and runs their hits and misses apart) and all resident (cap
+    16), with two answers: the second prompt's prefill finds resident experts (the child once
+    left K.experts_q4_sorted to the engine, which compiled it at its first such prefill)."""
     import subprocess
+    from engine import convert_checkpoint
+    medium_store = convert_checkpoint(medium_checkpoint, tmp_path / "medium-int4", quant="int4")
     probe = tmp_path / "probe.py"
     probe.write_text(_PREPARE_PROBE)
     base = {k: v for k, v in os.environ.items() if k != "COLIBRI_COMPILE_IN_PROCESS"}
     base["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
 
     def run(cache, **env):
-        r = subprocess.run([sys.executable, str(probe), str(medium_store)], capture_output=True, text=True,
+        r = subprocess.run([sys.executable, str(probe), str(medium_store), str(cap)], capture_output=True, text=True,
                            env={**base, "NUMBA_CACHE_DIR": str(tmp_path / cache), **env}, timeout=1800)
         assert r.returncode == 0, r.stderr[-3000:]
         return json.loads(r.stdout.strip().splitlines()[-1])
