@@ -264,8 +264,9 @@ class Engine:
         """Run the model's kernels once before "ready", so the first answer does not wait for
         numba to compile or load them (~8 s on a fresh install, issue 17); once per process and
         kind of model: a 2-token prefill and a 1-token decode step, each twice at the same
-        positions. The second of each routes exactly as the first, so it finds the experts the
-        first left in the cache (at least the last one read per layer, even at cap 1: the child
+        positions (the decode step after the model's ``rewind``). The second of each routes
+        exactly as the first, so it finds the experts the first left in the cache (at least
+        the last one read per layer, even at cap 1: the child
         that compiles a first start, engine.kernel_prepare) beside misses: the kernels of
         resident experts (K.experts_q4_sorted, experts_q4_t1) run as well as those of misses;
         before, the first prefill with a resident expert compiled K.experts_q4_sorted inside
@@ -283,10 +284,15 @@ class Engine:
         t0 = time.perf_counter()
         ids = [i % self.args.vocab_size for i in (1, 2, 3)]
         try:
-            for _ in range(2):
-                self.model.forward(np.asarray(ids[:2]), 0)
-            for _ in range(2):
-                self.model.forward(np.asarray(ids[2:]), 2)
+            def run(a: int, b: int) -> None:  # positions a..b-1
+                self.model.forward(np.asarray(ids[a:b]), a)
+            run(0, 2)
+            run(0, 2)  # routed as the first: finds experts resident
+            run(2, 3)
+            s = self.model.rewind(2)  # a recurrent state (Qwen3-Next) is kept at some positions only
+            if s < 2:
+                run(s, 2)
+            run(2, 3)  # the decode step again at its position: finds experts resident
             warmed = True
         except ExpertReadError:
             # a damaged expert slab is the store's problem, not the warm-up's: the model opens,
