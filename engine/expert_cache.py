@@ -1282,9 +1282,9 @@ class ExpertCache:
         Pilot.on_run_start), wait until the speculation reader has started the first of them
         (at most HANDOFF_WAIT_S), when it is free: not reading nor holding a speculation back
         for a demand read, and no demand read in flight (it would wait for that first: nothing
-        to hand over). The run keeps both of a 2-core machine's
-        cores busy, so a reader woken just before it waited for a core (:meth:`_hand_off`, the
-        same for demand reads). Returns whether it waited for a start."""
+        to hand over). The run keeps both of a 2-core machine's cores busy, so a reader woken
+        just before it waited for a core (:meth:`_hand_off`, the same for demand reads).
+        Returns whether it waited for a start."""
         with self._spec_cv:
             if (not self._spec_ready or self._spec_reading or self._spec_waiting is not None
                     or self.demand_inflight > 0 or self._closed):

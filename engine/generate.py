@@ -266,15 +266,14 @@ class Engine:
         kind of model: a 2-token prefill and a 1-token decode step, each twice at the same
         positions (the decode step after the model's ``rewind``). The second of each routes
         exactly as the first, so it finds the experts the first left in the cache (at least
-        the last one read per layer, even at cap 1: the child
-        that compiles a first start, engine.kernel_prepare) beside misses: the kernels of
-        resident experts (K.experts_q4_sorted, experts_q4_t1) run as well as those of misses;
-        before, the first prefill with a resident expert compiled K.experts_q4_sorted inside
-        the engine after the child (~0.3 GB above the budget; out of memory in a 4 GB memory
-        cgroup). The KV rows written are
-        never reused (no prefix is kept) and ExpertCache.forget() undoes the loads, so nothing
-        of it shows in residency, counters or routing heat (no observer is subscribed yet).
-        Returns the seconds it took (0.0 when already warm)."""
+        the last one read per layer, even at cap 1: the child that compiles a first start,
+        engine.kernel_prepare) beside misses: the kernels of resident experts
+        (K.experts_q4_sorted, experts_q4_t1) run as well as those of misses. Before, the first
+        prefill with a resident expert compiled K.experts_q4_sorted inside the engine after the
+        child (~0.3 GB above the budget; out of memory in a 4 GB memory cgroup). The KV rows
+        written are never reused (no prefix is kept) and ExpertCache.forget() undoes the
+        loads, so nothing of it shows in residency, counters or routing heat (no observer is
+        subscribed yet). Returns the seconds it took (0.0 when already warm)."""
         m = type(self.model)  # every family's class is named Model: its module tells them apart
         key = (m.__module__, m.__qualname__, self.store.dense_quant, self.store.quant, self.store.group_size,
                getattr(self.store, "expert_layout", "row_major"), getattr(self.model, "kv_dtype", None))
