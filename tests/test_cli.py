@@ -139,3 +139,35 @@ def test_info_refuses_a_context_length_run_would_refuse(tmp_path, capsys, ctx, s
     assert colibri(["info", str(store), "--context-length", ctx]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("colibri: error:") and len(err.splitlines()) == 1 and re.search(said, err), err
+
+
+def test_ctrl_c_that_a_ctypes_callback_swallows_still_stops_run(tiny_store, monkeypatch, capsys):
+    """A Ctrl+C that lands while the main thread runs a ctypes callback (llvmlite's, as numba
+    loads a cached kernel) raises a KeyboardInterrupt that ctypes prints and drops: ``colibri
+    run`` ran its answer to the end (a new user's report, 1 of ~13 tries). The SIGINT handler
+    of ``run`` also sets the generation's cancel flag, so the engine stops at its next layer.
+    Here the signal is raised after the first token inside a handler that drops the
+    KeyboardInterrupt, as ctypes does."""
+    import dataclasses
+    import signal
+    from engine.events import TokenEvent
+    from engine.generate import Engine
+    real = Engine.generate
+    seen = []
+
+    def generate(self, req, cancel=None):
+        req = dataclasses.replace(req, forced_ids=tuple(range(5, 205)))  # no end-of-text stops it early
+        for ev in real(self, req, cancel):
+            if isinstance(ev, TokenEvent):
+                seen.append(ev.token_id)
+                if len(seen) == 1:
+                    try:
+                        signal.raise_signal(signal.SIGINT)
+                    except KeyboardInterrupt:
+                        pass  # what ctypes does with an exception raised in a callback
+            yield ev
+    monkeypatch.setattr(Engine, "generate", generate)
+    assert colibri(["run", "--model", str(tiny_store), "--prompt", "hello", "--raw", "--max-new-tokens", "200",
+                    "--no-history", "--threads", "1"]) == 0
+    assert 1 <= len(seen) < 10, len(seen)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back

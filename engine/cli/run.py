@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -12,6 +14,34 @@ from ..chat_template import raw_mode_warning
 from ..events import ChatMessage, Finished, FinishReason, GenerateRequest, StepMetrics, TokenEvent
 from ..settings import ENGINE, SAMPLING
 from .flags import add_setting_flags, engine_config, sampling_params
+
+
+@contextlib.contextmanager
+def interrupt_sets(cancel: threading.Event):
+    """While inside, Ctrl+C (SIGINT) sets ``cancel`` and then raises KeyboardInterrupt as
+    Python's own handler does. A KeyboardInterrupt raised while the main thread runs a ctypes
+    callback (llvmlite's, as numba loads a cached kernel) is printed and dropped by ctypes
+    ("Exception ignored on calling ctypes callback"), and the answer ran to its end; the
+    engine polls ``cancel`` between layers, so the flag stops it all the same. Outside the
+    main thread (no signal handler can be set there), or when SIGINT is ignored (a background
+    job), it does nothing."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous == signal.SIG_IGN:
+        yield
+        return
+
+    def on_sigint(signum, frame):
+        cancel.set()
+        if callable(previous):
+            previous(signum, frame)  # Python's default handler raises KeyboardInterrupt
+        else:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _layers(n: int, kind: str) -> str:
@@ -68,7 +98,10 @@ def cmd_run(a) -> int:
             raise ValueError(f"--trace {t}: folder {t.parent} does not exist")
     store = resolve_store(a.model)
     cfg = engine_config(a, store)
-    with Engine.open(cfg, progress=open_notices) as eng:
+    cancel = threading.Event()
+    with interrupt_sets(cancel), Engine.open(cfg, progress=open_notices) as eng:
+        if cancel.is_set():  # a Ctrl+C while it opened that a ctypes callback swallowed
+            raise KeyboardInterrupt
         if a.prof:
             print(f"[prof] {eng.loaded.message}", file=sys.stderr)
         if eng.loaded.docs_problem and a.docs_lookup and not a.raw:
@@ -85,7 +118,6 @@ def cmd_run(a) -> int:
         if a.trace:
             from ..trace import TraceRecorder
             trace = TraceRecorder(eng, logits=a.trace_logits)
-        cancel = threading.Event()
         fin = None
         try:
             for ev in eng.generate(req, cancel):
