@@ -300,7 +300,6 @@ class ExpertCache:
         self._idle_readers = 0  # reader threads waiting in _readq_cv for a read
         self._readq_taken = 0  # demand reads the readers have taken from the queue
         self._handoff_waiters = 0
-        self.handoffs = 0  # hand-offs that waited (_hand_off), for benchmarks
         self._idle_cv = threading.Condition(self.lock)
         self.stats = CacheStats()
         self.observers = ObserverList()  # on_load, on_evict, on_pins (engine/observers.py)
@@ -861,7 +860,6 @@ class ExpertCache:
         target = self._readq_taken + 1
         deadline = time.perf_counter() + HANDOFF_WAIT_S
         self._handoff_waiters += 1
-        self.handoffs += 1
         try:
             while self._readq_taken < target and not self._closed:
                 left = deadline - time.perf_counter()
@@ -1296,7 +1294,6 @@ class ExpertCache:
                 if left <= 0:
                     break
                 self._spec_started_cv.wait(left)
-            self.handoffs += 1
             return True
 
     def _claim_back(self, layer: int, expert: int, slot: int, urgency: int) -> None:

@@ -1255,7 +1255,7 @@ def test_a_lookup_does_not_wait_for_a_busy_reader_or_without_hits(monkeypatch):
         assert hits == [] and misses == [9, 10]
         assert store.started.wait(10)  # the reader is now busy with 9, gated
         hits, slots, misses = cache.take_split(0, [0, 11])  # a hit and a miss, the reader busy
-        assert time.perf_counter() - t0 < 10 and misses == [11] and cache.handoffs == 0
+        assert time.perf_counter() - t0 < 10 and misses == [11]  # a hand-off would wait 30 s
         cache.release_slots(0, slots)
         store.gate.set()
         for e in (9, 10, 11):
