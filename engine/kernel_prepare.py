@@ -27,6 +27,7 @@ process compiles hundreds of kernels anyway, and its RSS is nobody's budget).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -88,7 +89,6 @@ def _marker_holds(marker: Path, cache_dir: str) -> bool:
     vouches for numba's cache: it reads and every index file it lists is there. A cache the
     user emptied (or a marker of another format) makes the child run again, rather than a
     silent compile in this process."""
-    import json
     try:
         files = json.loads(marker.read_text())["index_files"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -138,7 +138,6 @@ def _run_child(config: dict) -> int | None:
             p.join()
             return None
         return p.exitcode
-    import json
     import subprocess
     root = str(Path(__file__).resolve().parents[1])  # the folder holding the engine package
     env = {**os.environ, "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
@@ -205,7 +204,6 @@ def _prepare(config, kind: tuple, marker: Path, cache_dir: str, report, t0: floa
         _FAILED.add(kind)
         return time.perf_counter() - t0
     try:
-        import json
         atomic_write_text(marker, json.dumps({"kind": repr(kind), "index_files": _index_files(cache_dir)}) + "\n")
     except OSError as e:  # the next start prepares them again: slower, never wrong
         log.warning("could not write %s (%s); every start will run the compile's child process again "
