@@ -196,7 +196,9 @@ class Finished:
     min(max_new_tokens, context - prompt). threads: compute threads at the end. sources: the
     names of the documentation entries given to the model with the question (documentation
     lookup, engine.docs_lookup; () when off or when the model has no index), and
-    source_summaries their summaries as the model read them (same order).
+    source_summaries their summaries as the model read them (same order). decode_tok_per_s:
+    decode forwards per second from the end of the prefill to the end of the last decode
+    forward (each forward it times is counted; 0.0 when none ran).
     """
 
     finish_reason: FinishReason

@@ -566,6 +566,7 @@ class Engine:
         reason = FinishReason.LENGTH
         error = ""
         prefill_s = 0.0
+        dec_forwards, t_dec0, t_dec1 = 0, 0.0, 0.0
         # Prefix reuse: keep the KV rows of the longest common prefix with the last run.
         p = 0
         for a, b in zip(self._kv_ids, ids):
@@ -580,6 +581,7 @@ class Engine:
             self._kv_ids = list(ids)
             self.heat.tokens += len(ids) - p
             prefill_s = time.perf_counter() - t0
+            t_dec0 = t_dec1 = time.perf_counter()  # decode rate: every forward timed is counted
             context = list(ids)
             pos = len(ids)
             if self.guard.step(0) is not None:  # the prefill may have filled the cache
@@ -616,6 +618,8 @@ class Engine:
                     break
                 self._adapt_threads()
                 logits = self.model.forward(np.asarray([tok]), pos, cancel=cancel)
+                dec_forwards += 1
+                t_dec1 = time.perf_counter()
                 self._kv_ids.append(tok)
                 self.heat.tokens += 1
                 pos += 1
@@ -652,11 +656,10 @@ class Engine:
         tot = tracker.totals()
         n = len(out_ids)
         hit_rate, mb_per_token = answer_rates(tot, n)
-        dec_s = time.perf_counter() - (tracker.t_first or time.perf_counter())
         yield Finished(
             finish_reason=reason, prompt_tokens=len(ids), generated_tokens=n, text="".join(text_parts),
             token_ids=tuple(out_ids), ttft_s=tracker.ttft if tracker.t_first else time.perf_counter() - t0,
-            decode_tok_per_s=(n - 1) / dec_s if n > 1 and dec_s > 0 else 0.0,
+            decode_tok_per_s=dec_forwards / (t_dec1 - t_dec0) if dec_forwards and t_dec1 > t_dec0 else 0.0,
             prefill_tok_per_s=(len(ids) - p) / prefill_s if prefill_s > 0 else 0.0,
             hit_rate=hit_rate, mb_per_token=mb_per_token,
             felt_wait_s=tot["felt_wait_s"], error=error, dropped_messages=dropped, answer_room=max_new,

@@ -499,7 +499,8 @@ class SeededSource:
 def write_store_from_seed(dst: str | os.PathLike, config: dict, quant: str = "int8", seed: int = 0,
                           dtype: str = "bf16", std: float = 0.05, group_size: int = 32,
                           overwrite: bool = False, tokenizer: bool = True, progress=None,
-                          cancel=None, expert_draw: str = "exact", expert_layout: str = "auto") -> Path:
+                          cancel=None, expert_draw: str = "exact", expert_layout: str = "auto",
+                          dense_quant: str | None = None) -> Path:
     """Write a store (convert.py's layout) of ``config``'s family straight from the seed, for
     shapes too large to write as a bf16 checkpoint first (Qwen3-30B-A3B: 61 GB of bf16).
 
@@ -519,7 +520,8 @@ def write_store_from_seed(dst: str | os.PathLike, config: dict, quant: str = "in
         dst: the store folder. config: a config.json dict (e.g. ``PRESETS["qwen3-30b-a3b"]``).
         quant: "int8", "int4", "f16" or "f32". seed / dtype / std: as write_checkpoint.
         expert_draw: "exact" (default) or "codes" (int8 / int4 only; see above).
-        overwrite: replace an existing store. progress / cancel / expert_layout: as convert_checkpoint.
+        overwrite: replace an existing store. progress / cancel / expert_layout / dense_quant: as
+            convert_checkpoint (dense_quant None: the default for ``quant``).
 
     Returns: the store path.
     Raises:
@@ -543,7 +545,7 @@ def write_store_from_seed(dst: str | os.PathLike, config: dict, quant: str = "in
         if tokenizer:
             write_tokenizer(side, src.args.vocab_size)
         return write_store(src, side, dst, quant, group_size, progress, cancel, overwrite=overwrite,
-                           expert_layout=expert_layout,
+                           expert_layout=expert_layout, dense_quant=dense_quant,
                            extra_manifest={"model_name": dst.name,
                                            "source": f"synthetic seed {seed} ({dtype}, std {std}"
                                                      + (", expert codes drawn directly)" if expert_draw == "codes" else ")")})

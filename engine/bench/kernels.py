@@ -117,41 +117,48 @@ def _llama_cpu_rates(llama_bench: str, gguf: str, prompts: list[int], tokens: in
 
 
 def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: int,
-              cpu_time: bool = False, budget_gb: float | None = None, inner_reps: int = 1) -> dict:
+              cpu_time: bool = False, budget_gb: float | None = None, inner_reps: int = 1,
+              first: bool = False) -> dict:
     """One process: open ``store`` all resident, return prefill tok/s per prompt length and
-    decode tok/s (see the module docstring). With ``budget_gb``: the store streamed at that RAM
-    budget instead (automatic cap, O_DIRECT, nothing pre-loaded): decode tok/s of a second
-    teacher-forced generation after a first (cold) one, hit rate and MB read per token of that
-    generation (its 16-token prompt's prefill included), and the first one's as ``*_cold``.
+    decode tok/s (see the module docstring). With ``budget_gb``, or ``first`` (the user's
+    default RAM budget): the store opened as ``colibri run`` opens it (default context length,
+    automatic cap, O_DIRECT, nothing pre-loaded) and timed cold, on the first generation after
+    open: decode tok/s, hit rate and MB read per token of that generation (its 16-token
+    prompt's prefill included), ``open_s`` and ``ttft_s``; a second generation of another
+    stream right after is reported as ``*_warm``.
     ``inner_reps`` (all resident only): each prefill and the decode run that many times in this
-    process, each on its own seeded stream; the fastest is the value, every run's tok/s is in
-    ``<key>_runs`` (as llama-bench ``-r inner_reps``, see ``--inner-reps``)."""
+    process, each on its own seeded stream; the median is the value, every run's tok/s is in
+    ``<key>_runs``."""
     from .common import forced_stream, run_forced
     from ..config import EngineConfig, ModelArgs
     from ..events import Finished
     from ..generate import Engine
     args = ModelArgs.from_hf_config(Path(store) / "config.json")
     E = args.num_experts
-    ctx = -(-(max(prompts + [DECODE_PROMPT + tokens]) + 2) // 256) * 256
-    if budget_gb is not None:
-        eng = Engine.open(EngineConfig(store=store, ram_budget_gb=budget_gb, pilot=0, pinning=False, history=False,
-                                       threads=threads, context_length=ctx))
+    if budget_gb is not None or first:
+        t0 = time.perf_counter()
+        cfg = EngineConfig(store=store, pilot=0, pinning=False, history=False, threads=threads)
+        if budget_gb is not None:
+            cfg = EngineConfig(store=store, ram_budget_gb=budget_gb, pilot=0, pinning=False, history=False,
+                               threads=threads)
+        eng = Engine.open(cfg)
+        open_s = time.perf_counter() - t0
         try:
             def stream(s: list[int]) -> Finished:
                 return run_forced(eng, s[:DECODE_PROMPT], s[DECODE_PROMPT:])
-            # cold: the first generation after open, every expert's first use a read
-            cold = stream(forced_stream(args.vocab_size, DECODE_PROMPT + tokens, seed + 999))
-            # warm: the timed one, after that warm-up, as llama-bench times its tg after loading
-            # (its load reads the whole GGUF) and its own warm-up run
-            fin = stream(forced_stream(args.vocab_size, DECODE_PROMPT + tokens, seed))
+            # cold: the first generation after open, as a user's first answer
+            cold = stream(forced_stream(args.vocab_size, DECODE_PROMPT + tokens, seed))
+            warm = stream(forced_stream(args.vocab_size, DECODE_PROMPT + tokens, seed + 999))
             return {"quant": eng.store.quant, "dense_quant": eng.store.dense_quant, "budget_gb": budget_gb,
-                    "cap": eng.cache.cap, f"tg{tokens}": fin.decode_tok_per_s, "hit_rate": fin.hit_rate,
-                    "mb_per_token": fin.mb_per_token, f"tg{tokens}_cold": cold.decode_tok_per_s,
-                    "hit_rate_cold": cold.hit_rate, "mb_per_token_cold": cold.mb_per_token}
+                    "cap": eng.cache.cap, "context_length": eng.context_length, "open_s": open_s,
+                    "ttft_s": cold.ttft_s, f"tg{tokens}": cold.decode_tok_per_s, "hit_rate": cold.hit_rate,
+                    "mb_per_token": cold.mb_per_token, "felt_wait_s": cold.felt_wait_s,
+                    f"tg{tokens}_warm": warm.decode_tok_per_s, "hit_rate_warm": warm.hit_rate,
+                    "mb_per_token_warm": warm.mb_per_token}
         finally:
             eng.close()
     eng = Engine.open(EngineConfig(store=store, cap=E, pilot=0, pinning=False, history=False, o_direct=False,
-                                   threads=threads, context_length=ctx))
+                                   threads=threads))
     try:
         for layer in range(args.num_moe_layers):
             eng.cache.load_experts(layer, np.arange(E))
@@ -164,19 +171,20 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
         warm = forced_stream(args.vocab_size, 40, seed + 999)
         run(warm[:32], warm[32:])  # JIT for T = 32 and T = 1; not counted
         out = {"quant": eng.store.quant, "dense_quant": eng.store.dense_quant,
-               "expert_layout": eng.store.expert_layout}
-        def best(key: str, prompt_len: int, n: int, seed0: int, rate: str) -> None:
-            """out[key] = the fastest of inner_reps runs (each on its own seeded stream)."""
+               "expert_layout": eng.store.expert_layout, "context_length": eng.context_length}
+
+        def median_of(key: str, prompt_len: int, n: int, seed0: int, rate: str) -> None:
+            """out[key] = the median of inner_reps runs (each on its own seeded stream)."""
             runs = []
             for j in range(inner_reps):
                 s = forced_stream(args.vocab_size, prompt_len + n, seed0 + 1000 * j)
                 runs.append(getattr(run(s[:prompt_len], s[prompt_len:]), rate))
-            out[key] = max(runs)
+            out[key] = float(np.median(runs))
             if inner_reps > 1:
                 out[f"{key}_runs"] = runs
         for i, p in enumerate(prompts):
-            best(f"pp{p}", p, 1, seed + 1 + i, "prefill_tok_per_s")
-        best(f"tg{tokens}", DECODE_PROMPT, tokens, seed, "decode_tok_per_s")
+            median_of(f"pp{p}", p, 1, seed + 1 + i, "prefill_tok_per_s")
+        median_of(f"tg{tokens}", DECODE_PROMPT, tokens, seed, "decode_tok_per_s")
         if cpu_time:
             out.update(_ours_cpu_rates(run, args.vocab_size, tokens, prompts, seed))
         return out
@@ -187,7 +195,7 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
 def _llama_arm(llama_bench: str, gguf: str, prompts: list[int], tokens: int, threads: int,
                wrap=None, extra: list[str] = (), inner_reps: int = 1) -> dict:
     """One llama-bench process: tok/s per test (``pp<P>``, ``tg<N>``). With ``inner_reps`` > 1
-    (``-r inner_reps``) the fastest of its samples (``samples_ts``), every sample in
+    (``-r inner_reps``) the median of its samples (``samples_ts``), every sample in
     ``<key>_runs``; else its average of the one run."""
     cmd = [llama_bench, "-m", gguf, "-t", str(threads), "-p", ",".join(map(str, prompts)) or "0",
            "-n", str(tokens), "-r", str(inner_reps), "-o", "json", *extra]
@@ -203,7 +211,7 @@ def _llama_arm(llama_bench: str, gguf: str, prompts: list[int], tokens: int, thr
         key = f"pp{t['n_prompt']}" if t["n_gen"] == 0 else f"tg{t['n_gen']}"
         samples = [float(v) for v in t.get("samples_ts") or []]
         if inner_reps > 1 and samples:
-            out[key] = max(samples)
+            out[key] = float(np.median(samples))
             out[f"{key}_runs"] = samples
         else:
             out[key] = float(t["avg_ts"])
@@ -228,17 +236,18 @@ def _children_read_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_inblock * 512
 
 
-LLAMA_CGROUP_FLAGS = "-lm mmap --repack 0"
+# llama.cpp's "best flags" arm in a memory limit: the file stays mapped and Q4_0 is not repacked
+# into anonymous memory (--repack 1, the default, which a limit smaller than the model pages
+# out or OOM-kills); the headline arm runs llama-bench with its default flags, as users do.
+LLAMA_BEST_CGROUP_FLAGS = "-lm mmap --repack 0"
 
 
 def _llama_cgroup_arm(llama_bench: str, gguf: str, tokens: int, threads: int, group,
-                      flags: str = LLAMA_CGROUP_FLAGS) -> dict:
+                      flags: str = "", wrap=None) -> dict:
     """``llama-bench -p 0 -n tokens FLAGS`` cold in a fresh memory group (``group()`` makes
     one, with ``wrap``, ``stats``, ``remove``), then ``-n 16`` likewise: tg from the first, MB
     read per token = (read(tokens) - read(16)) / (tokens - 16), and the group's stats of the
-    first. FLAGS by default map the file and keep its weights there: llama.cpp's CPU back end
-    otherwise repacks Q4_0 into anonymous memory (``--repack 1``), which a limit smaller than
-    the model OOM-kills instead of paging."""
+    first. ``wrap`` (e.g. a blkio group's) wraps the command inside the memory group's."""
     import shlex
     out, read = {}, {}
     for n in (tokens, 16) if tokens > 16 else (tokens,):
@@ -246,7 +255,8 @@ def _llama_cgroup_arm(llama_bench: str, gguf: str, tokens: int, threads: int, gr
         grp = group()
         try:
             r0 = _children_read_bytes()
-            r = _llama_arm(llama_bench, gguf, [], n, threads, wrap=grp.wrap, extra=shlex.split(flags))
+            w = grp.wrap if wrap is None else (lambda c: grp.wrap(wrap(c)))
+            r = _llama_arm(llama_bench, gguf, [], n, threads, wrap=w, extra=shlex.split(flags))
             read[n] = _children_read_bytes() - r0
             if n == tokens:
                 out.update(r)
@@ -259,15 +269,19 @@ def _llama_cgroup_arm(llama_bench: str, gguf: str, tokens: int, threads: int, gr
     return out
 
 
-def _spawn_ours(label: str, store: str, a, budget_gb: float | None = None, wrap=None) -> dict:
+def _spawn_ours(label: str, store: str, a, budget_gb: float | None = None, wrap=None,
+                first: bool = False) -> dict:
     cmd = [sys.executable, "-m", "engine.bench.kernels", "--store", store, "--threads", str(a.threads),
            "--tokens", str(a.tokens), "--seed", str(a.seed), "--prompts", *map(str, a.prompts)]
-    if a.cpu_time and budget_gb is None:
+    resident = budget_gb is None and not first
+    if a.cpu_time and resident:
         cmd.append("--cpu-time")
-    if budget_gb is None and a.inner_reps > 1:
+    if resident and a.inner_reps > 1:
         cmd += ["--inner-reps", str(a.inner_reps)]
     if budget_gb is not None:
         cmd += ["--budget-gb", str(budget_gb)]
+    if first:
+        cmd.append("--first")
     if wrap is not None:
         cmd = wrap(cmd)
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -301,56 +315,60 @@ def _paired_ratios(rows: list[dict], ours_arm: str, llama_arm: str, keys: list[s
     return out
 
 
-def _best_ratios(rows: list[dict], ours_arm: str, llama_arm: str, keys: list[str]) -> dict:
-    """Each arm's largest value over its repetitions (tok/s: its fastest run), ours / llama.cpp
-    for each key in ``keys`` both arms have. Returns {key: ratio}."""
-    out = {}
-    for k in keys:
-        o = [r[k] for r in rows if r["arm"] == ours_arm and k in r]
-        ll = [r[k] for r in rows if r["arm"] == llama_arm and r.get(k)]
-        if o and ll:
-            out[k] = float(max(o) / max(ll))
+def _arm_name(arm: dict) -> str:
+    """``ours-int4``, ``ours-int4-first``, ``llama-q4_0-best@8GB@2GB/s``..."""
+    from .blockdev import bps_label
+    name = f"{arm['system']}-{arm['label']}" + (f"-{arm['variant']}" if arm["variant"] else "")
+    if arm["limit"] is not None:
+        name += f"@{arm['limit']:g}GB"
+    if arm["bps"]:
+        name += "@" + bps_label(arm["bps"])
+    return name
+
+
+def _ratio_pairs(a, arms: list[dict]) -> list[tuple[str, str, str]]:
+    """(pair name, ours arm, llama arm) for every comparison the run holds: all resident, the
+    first answer against llama-bench's tg, and each memory limit / read bandwidth against
+    llama.cpp's default flags and, where run, its best flags."""
+    names = {_arm_name(x) for x in arms}
+    out = []
+    for ol, ll in a.pair:
+        cand = [(f"{ol}/{ll}", f"ours-{ol}", f"llama-{ll}"),
+                (f"{ol}-first/{ll}", f"ours-{ol}-first", f"llama-{ll}")]
+        for x in arms:
+            if x["system"] == "ours" and x["label"] == ol and x["limit"] is not None:
+                o = _arm_name(x)
+                sfx = o[len(f"ours-{ol}"):]
+                cand.append((f"{ol}/{ll}{sfx}", o, f"llama-{ll}{sfx}"))
+                cand.append((f"{ol}/{ll}-best{sfx}", o, f"llama-{ll}-best{sfx}"))
+        out += [c for c in cand if c[1] in names and c[2] in names]
     return out
 
 
 def _write(a, arms, rows, quiet: bool = False) -> None:
     """Medians, ratios and every run -> bench/results/<name>.{json,md}."""
     from .common import machine_info, md_table, write_results
-    keys = [f"tg{a.tokens}"] + ([] if a.cgroup_only else [f"pp{p}" for p in a.prompts])  # cgroup arms: tg only
+    tg = f"tg{a.tokens}"
+    keys = [tg] + ([] if a.cgroup_only else [f"pp{p}" for p in a.prompts])
     if a.cpu_time:
         big = max([p for p in a.prompts if 16 < p <= 128], default=None)
         keys += ["tg_per_cpu_s"] + ([f"pp{big}_per_cpu_s"] if big else [])
-    keys_all = keys + ["hit_rate", "mb_per_token"]
+    extra = ["hit_rate", "mb_per_token", "felt_wait_s", "ttft_s", "open_s", "cap", f"{tg}_warm",
+             "read_ahead_kb", "read_bps"]
     med = {}
-    for system, label, _, limit in arms:
-        arm = f"{system}-{label}" + (f"@{limit:g}GB" if limit is not None else "")
-        med[arm] = {k: float(np.median([r[k] for r in rows if r["arm"] == arm and k in r]))
-                    for k in keys_all if any(r["arm"] == arm and k in r for r in rows)}
-    ratios = {}
-    for ours_label, llama_label in a.pair:
-        o, ll = med.get(f"ours-{ours_label}", {}), med.get(f"llama-{llama_label}", {})
-        if o and ll:
-            ratios[f"{ours_label}/{llama_label}"] = {k: o[k] / ll[k] for k in keys if k in o and ll.get(k)}
-        if a.cgroup_gb:
-            sfx = f"@{a.cgroup_gb:g}GB"
-            o, ll = med.get(f"ours-{ours_label}{sfx}", {}), med.get(f"llama-{llama_label}{sfx}", {})
-            if o and ll:
-                ratios[f"{ours_label}/{llama_label}{sfx}"] = {k: o[k] / ll[k] for k in keys if k in o and ll.get(k)}
-    # The host is shared: its load drifts within a run. Each repetition ran a pair's arms side
-    # by side, so the median over repetitions of their ratio follows the drift less than the
-    # ratio of the two medians; best / best (the fastest run of each arm) is the least-disturbed
-    # run of each. Both are reported beside the ratio of medians.
-    paired, best = {}, {}
-    for ours_label, llama_label in a.pair:
-        sfxs = [""] + ([f"@{a.cgroup_gb:g}GB"] if a.cgroup_gb else [])
-        for sfx in sfxs:
-            oa, la = f"ours-{ours_label}{sfx}", f"llama-{llama_label}{sfx}"
-            pr = _paired_ratios(rows, oa, la, keys)
-            if pr:
-                paired[f"{ours_label}/{llama_label}{sfx}"] = pr
-            br = _best_ratios(rows, oa, la, keys)
-            if br:
-                best[f"{ours_label}/{llama_label}{sfx}"] = br
+    for arm in arms:
+        name = _arm_name(arm)
+        med[name] = {k: float(np.median([r[k] for r in rows if r["arm"] == name and r.get(k) is not None]))
+                     for k in keys + extra if any(r["arm"] == name and r.get(k) is not None for r in rows)}
+    ratios, paired = {}, {}
+    for pair, oa, la in _ratio_pairs(a, arms):
+        o, ll = med.get(oa, {}), med.get(la, {})
+        r = {k: o[k] / ll[k] for k in keys if k in o and ll.get(k)}
+        if r:
+            ratios[pair] = r
+        pr = _paired_ratios(rows, oa, la, keys)
+        if pr:
+            paired[pair] = pr
     ours_labels = [lb for lb, _ in a.ours]
     for l4 in [lb for lb in ours_labels if lb.startswith("int4")]:
         if "int8" in ours_labels:
@@ -358,34 +376,112 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
             ratios[f"{l4}/int8"] = {k: o4[k] / o8[k] for k in keys if k in o4 and o8.get(k)}
     cols = [("arm", "arm", "")] + [(k.replace("_per_cpu_s", " tok/CPU-s") if "cpu" in k else k + " tok/s", k, ".1f")
                                    for k in keys]
-    if a.cgroup_gb:
-        cols += [("hit rate", "hit_rate", ".3f"), ("MB read / token", "mb_per_token", ".1f")]
+    cols += [("hit rate", "hit_rate", ".3f"), ("MB read / token", "mb_per_token", ".1f"),
+             ("felt wait s", "felt_wait_s", ".2f"), ("TTFT s", "ttft_s", ".2f"), ("open s", "open_s", ".1f"),
+             ("cap", "cap", ".0f"), (f"{tg} warm tok/s", f"{tg}_warm", ".1f"),
+             ("read-ahead KB", "read_ahead_kb", ".0f"), ("read B/s (0 = unthrottled)", "read_bps", ".2g")]
     done = len({r["rep"] for r in rows})
-    table = "Medians over %d interleaved repetitions (of %d asked), %d threads\n\n" % (done, a.reps, a.threads)
+    table = ("Medians over %d interleaved repetitions (of %d asked), %d threads. Ours: `-first` and the "
+             "memory-limited arms are the first generation after open in a fresh process, cold, at the "
+             "default context length; the unmarked arm has every expert pre-loaded. llama.cpp: llama-bench "
+             "with its default flags (`-best`: %r), the read-ahead of the device holding the file as "
+             "listed.\n\n") % (done, a.reps, a.threads, a.llama_best_flags)
     table += md_table([{"arm": arm, **m} for arm, m in med.items()], cols)
-    table += "\n\nRatios (median / median)\n\n" + md_table(
+    table += "\n\nRatios ours / llama.cpp (median / median)\n\n" + md_table(
         [{"arm": name, **r} for name, r in ratios.items()], [("pair", "arm", "")] + [(k, k, ".2f") for k in keys])
     if paired:
         table += ("\n\nRatios (median over repetitions of each repetition's ours / llama.cpp: the two arms "
                   "of a repetition ran side by side)\n\n") + md_table(
             [{"arm": name, **r} for name, r in paired.items()], [("pair", "arm", "")] + [(k, k, ".2f") for k in keys])
-    if best:
-        table += "\n\nRatios (best / best: each arm's fastest run)\n\n" + md_table(
-            [{"arm": name, **r} for name, r in best.items()], [("pair", "arm", "")] + [(k, k, ".2f") for k in keys])
     table += "\n\nEvery run\n\n" + md_table(rows, [("arm", "arm", ""), ("rep", "rep", "d"),
                                                   ("load 1 min", "load_avg_1m", ".1f")] + cols[1:])
     cmd = "colibri bench kernels " + " ".join(sys.argv[3:]) if len(sys.argv) > 3 else "colibri bench kernels"
     table += f"\n\nCommand: `{cmd}`\n"
     data = {"machine": machine_info(), "command": cmd, "threads": a.threads, "tokens": a.tokens,
             "prompts": a.prompts, "reps": a.reps, "ours": dict(a.ours), "llama": dict(a.llama),
-            "llama_bench": a.llama_bench, "cgroup_gb": a.cgroup_gb, "rows": rows, "medians": med,
-            "ratios": ratios, "paired_ratios": paired, "best_ratios": best, "load_avg_1m": [r["load_avg_1m"] for r in rows]}
+            "llama_bench": a.llama_bench, "llama_best_flags": a.llama_best_flags, "cgroup_gb": a.cgroup_gb,
+            "read_ahead_kb": a.read_ahead_kb, "read_bps": a.read_bps, "rows": rows, "medians": med,
+            "ratios": ratios, "paired_ratios": paired, "load_avg_1m": [r["load_avg_1m"] for r in rows]}
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         write_results(a.name, data, table, a.out_dir)
 
 
+def _plan_arms(a, cg_ok: bool) -> list[dict]:
+    """The arms in run order: each pair side by side (ours, then its llama.cpp peer, then ours'
+    first answer), so an interrupted run still holds complete pairs; the memory-limited arms
+    (per read bandwidth) after them."""
+    ours, llama = dict(a.ours), dict(a.llama)
+    arms, seen = [], set()
+
+    def add(system, label, limit=None, bps=0, variant=""):
+        src = ours if system == "ours" else llama
+        key = (system, label, limit, bps, variant)
+        if label in src and key not in seen:
+            seen.add(key)
+            arms.append({"system": system, "label": label, "path": src[label], "limit": limit, "bps": bps,
+                         "variant": variant})
+    free = not a.cgroup_only
+    for ol, ll in a.pair:
+        if free:
+            add("ours", ol)
+            add("llama", ll)
+            if a.first_answer:
+                add("ours", ol, variant="first")
+    for lb in ours if free else ():
+        add("ours", lb)
+    for lb in llama if free else ():
+        add("llama", lb)
+    if cg_ok:
+        for bps in a.read_bps:
+            for system, src in (("ours", ours), ("llama", llama)):
+                for lb in src:
+                    if lb in (a.cgroup_arms or [lb]):
+                        add(system, lb, a.cgroup_gb, bps)
+                        if system == "llama" and a.llama_best_flags:
+                            add(system, lb, a.cgroup_gb, bps, "best")
+    return arms
+
+
+def _run_arm(a, arm: dict, dev_of: dict) -> dict:
+    """One arm (a fresh process; cgroup arms inside a fresh memory group, and a blkio group
+    when throttled). Returns its row's values."""
+    from .blockdev import BlkioCgroup, read_ahead_kb
+    from .peers import MemCgroup
+    system, label, path, limit, bps = arm["system"], arm["label"], arm["path"], arm["limit"], arm["bps"]
+    blk = BlkioCgroup(dev_of[path], bps, a.blkio_root) if bps else None
+    grp = None
+    try:
+        if system == "ours" and (limit is not None or arm["variant"] == "first"):
+            _evict([path])
+        if system == "ours" and limit is not None:
+            grp = MemCgroup(int(limit * 1e9), a.cgroup_root)
+        if system == "ours":
+            wrap = grp.wrap if grp else None
+            if blk is not None:
+                wrap = (lambda c: grp.wrap(blk.wrap(c))) if grp else blk.wrap
+            r = _spawn_ours(label, path, a, budget_gb=limit, wrap=wrap, first=arm["variant"] == "first")
+        elif limit is not None:  # llama.cpp's mmap in the same memory limit: decode only
+            flags = a.llama_best_flags if arm["variant"] == "best" else a.llama_cgroup_flags
+            r = _llama_cgroup_arm(a.llama_bench, path, a.tokens, a.threads,
+                                  lambda: MemCgroup(int(limit * 1e9), a.cgroup_root), flags,
+                                  wrap=blk.wrap if blk else None)
+        else:
+            r = _llama_arm(a.llama_bench, path, a.prompts, a.tokens, a.threads, inner_reps=a.inner_reps)
+            if a.cpu_time:
+                r.update(_llama_cpu_rates(a.llama_bench, path, a.prompts, a.tokens, a.threads))
+        if grp is not None:
+            r.update(grp.stats())
+    finally:
+        if grp is not None:
+            grp.remove()
+        if blk is not None:
+            blk.remove()
+    return {**r, "read_ahead_kb": read_ahead_kb(path), "read_bps": bps}
+
+
 def main(a) -> int:
     """Run the interleaved arms; write bench/results/<name>.{json,md}. Returns 0, or 2 on bad input."""
+    from .blockdev import blkio_available, device_of, read_ahead
     if a.reps < 1 or a.inner_reps < 1:
         print(f"--reps {a.reps} / --inner-reps {a.inner_reps}: both must be at least 1", file=sys.stderr)
         return 2
@@ -403,16 +499,13 @@ def main(a) -> int:
         print(f"--llama-bench {a.llama_bench}: not an executable; build llama.cpp natively "
               f"(bench/README.md)", file=sys.stderr)
         return 2
-    # Order: the pairs side by side (ours, then its llama.cpp peer), so an interrupted run still
-    # holds complete pairs; the cgroup arms of the first pair right after it; the rest after.
-    ours, llama = dict(a.ours), dict(a.llama)
-    arms, seen = [], set()
-
-    def add(system, label, limit=None):
-        src = ours if system == "ours" else llama
-        if label in src and (system, label, limit) not in seen:
-            seen.add((system, label, limit))
-            arms.append((system, label, src[label], limit))
+    paths = [p for _, p in a.ours] + [p for _, p in a.llama]
+    try:
+        dev_of = {p: device_of(p)[0] for p in paths}
+    except OSError as e:
+        print(f"{e}; put the stores and GGUFs on a block device (bench/README.md: the loop device)",
+              file=sys.stderr)
+        return 2
     cg_ok = False
     if a.cgroup_gb:
         from .peers import cgroup_available
@@ -422,59 +515,33 @@ def main(a) -> int:
     if a.cgroup_only and not cg_ok:
         print("--cgroup-only: no cgroup arm can run; nothing to do", file=sys.stderr)
         return 2
-    free = not a.cgroup_only  # the unconstrained arms
-    for n, (ol, ll) in enumerate(a.pair):
-        if free:
-            add("ours", ol)
-            add("llama", ll)
-        if n == 0 and cg_ok:
-            for system, label in (("ours", ol), ("llama", ll)):
-                if label in (a.cgroup_arms or [label]):
-                    add(system, label, a.cgroup_gb)
-    for lb in ours if free else ():
-        add("ours", lb)
-    for lb in llama if free else ():
-        add("llama", lb)
-    if cg_ok:
-        for system, src in (("ours", ours), ("llama", llama)):
-            for lb in src:
-                if lb in (a.cgroup_arms or [lb]):
-                    add(system, lb, a.cgroup_gb)
+    if any(a.read_bps):
+        ok, why = blkio_available(a.blkio_root)
+        if not ok:
+            print(f"--read-bps: {why}", file=sys.stderr)
+            return 2
+    arms = _plan_arms(a, cg_ok)
     rows = []
-    for rep in range(a.reps):
-        for system, label, path, limit in (arms if rep % 2 == 0 else arms[::-1]):
-            load = os.getloadavg()[0]
-            t0 = time.perf_counter()
-            grp = None
-            try:
-                from .peers import MemCgroup
-                if system == "ours" and limit is not None:
-                    _evict([path])
-                    grp = MemCgroup(int(limit * 1e9), a.cgroup_root)
-                if system == "ours":
-                    r = _spawn_ours(label, path, a, budget_gb=limit, wrap=grp.wrap if grp else None)
-                elif limit is not None:  # llama.cpp's mmap in the same memory limit: decode only
-                    r = _llama_cgroup_arm(a.llama_bench, path, a.tokens, a.threads,
-                                          lambda: MemCgroup(int(limit * 1e9), a.cgroup_root),
-                                          a.llama_cgroup_flags)
-                else:
-                    r = _llama_arm(a.llama_bench, path, a.prompts, a.tokens, a.threads, inner_reps=a.inner_reps)
-                    if a.cpu_time:
-                        r.update(_llama_cpu_rates(a.llama_bench, path, a.prompts, a.tokens, a.threads))
-                if grp is not None:
-                    r.update(grp.stats())
-            except (RuntimeError, OSError) as e:
-                print(str(e), file=sys.stderr)
-                continue
-            finally:
-                if grp is not None:
-                    grp.remove()
-            name = f"{system}-{label}" + (f"@{limit:g}GB" if limit is not None else "")
-            row = {"arm": name, "rep": rep, "load_avg_1m": load,
-                   "wall_s": time.perf_counter() - t0, **r}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-            _write(a, arms, rows, quiet=True)  # partial results survive an interrupted run
+    try:
+        with read_ahead(paths, a.read_ahead_kb):
+            for rep in range(a.reps):
+                for arm in (arms if rep % 2 == 0 else arms[::-1]):
+                    load = os.getloadavg()[0]
+                    t0 = time.perf_counter()
+                    try:
+                        r = _run_arm(a, arm, dev_of)
+                    except (RuntimeError, OSError) as e:
+                        print(str(e), file=sys.stderr)
+                        continue
+                    row = {"arm": _arm_name(arm), "rep": rep, "load_avg_1m": load,
+                           "wall_s": time.perf_counter() - t0, **r}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    _write(a, arms, rows, quiet=True)  # partial results survive an interrupted run
+    except OSError as e:
+        print(f"--read-ahead-kb {a.read_ahead_kb}: {e} (run as root, or pass --read-ahead-kb -1 to leave "
+              f"the devices as they are and record their read-ahead)", file=sys.stderr)
+        return 2
     _write(a, arms, rows)
     return 0
 
@@ -500,22 +567,44 @@ def add_parser(subparsers) -> None:
                         "that RAM budget, llama-bench tg on its mmap in the same limit")
     k.add_argument("--cgroup-only", action="store_true",
                    help="with --cgroup-gb: only the cgroup arms (for a model larger than RAM)")
-    k.add_argument("--llama-cgroup-flags", default=LLAMA_CGROUP_FLAGS,
-                   help="llama-bench flags of the cgroup arms (default %(default)r: mmap, no Q4_0 repacking "
-                        "into anonymous memory, which OOMs under a limit smaller than the model)")
+    k.add_argument("--llama-cgroup-flags", default="",
+                   help="llama-bench flags of the cgroup arms (default: none, llama.cpp's defaults, as its "
+                        "users run it)")
+    k.add_argument("--llama-best-flags", default=LLAMA_BEST_CGROUP_FLAGS,
+                   help="a second llama.cpp cgroup arm (`-best`) with these flags (default %(default)r: "
+                        "the file stays mapped, no Q4_0 repacking into anonymous memory); '' for none")
+    k.add_argument("--first-answer", action="store_true",
+                   help="also ours' first answer: a fresh process, the user's default settings (RAM budget, "
+                        "context length, cap), timed cold on the first generation after open")
+    k.add_argument("--read-ahead-kb", type=int, default=128,
+                   help="set the read-ahead of the devices holding the stores and GGUFs for the run (KB; "
+                        "distributions use 128, the default), restored after; -1 leaves them as they are. "
+                        "Each row records its device's read-ahead")
+    k.add_argument("--read-bps", type=float, nargs="+", default=[0],
+                   help="cgroup arms: read bandwidths (bytes/s) to throttle to with a blkio cgroup, e.g. "
+                        "0 2e9 5e8 (0 = unthrottled; default %(default)s)")
+    k.add_argument("--blkio-root", default="/sys/fs/cgroup/blkio")
     k.add_argument("--cgroup-arms", nargs="*", default=None, metavar="LABEL",
                    help="labels that get a cgroup arm (default: every arm)")
     k.add_argument("--cgroup-root", default="/sys/fs/cgroup/memory")
     k.add_argument("--reps", type=int, default=3)
     k.add_argument("--inner-reps", type=int, default=1,
                    help="unconstrained arms: run each test this many times inside the arm's process "
-                        "(llama-bench -r N; ours likewise) and keep the fastest. On a VM whose host "
-                        "backs fresh guest memory slowly, a process's first tens of seconds decode slower "
-                        "(bench/README.md, Session 40)")
+                        "(llama-bench -r N; ours likewise) and keep the median")
     k.add_argument("--seed", type=int, default=0)
     k.add_argument("--name", default="kernels_olmoe_1b_7b")
     k.add_argument("--out-dir", default="bench/results")
-    k.set_defaults(fn=main)
+    k.set_defaults(fn=_checked_main)
+
+
+def _checked_main(a) -> int:
+    a.read_bps = [int(b) for b in a.read_bps]
+    if any(b < 0 for b in a.read_bps):
+        print(f"--read-bps {a.read_bps}: bandwidths must be 0 (unthrottled) or positive", file=sys.stderr)
+        return 2
+    if a.read_ahead_kb < 0:
+        a.read_ahead_kb = None
+    return main(a)
 
 
 def _arm_main(argv: list[str]) -> int:
@@ -529,8 +618,9 @@ def _arm_main(argv: list[str]) -> int:
     p.add_argument("--cpu-time", action="store_true")
     p.add_argument("--budget-gb", type=float, default=None)
     p.add_argument("--inner-reps", type=int, default=1)
+    p.add_argument("--first", action="store_true")
     a = p.parse_args(argv)
-    r = _ours_arm(a.store, a.prompts, a.tokens, a.threads, a.seed, a.cpu_time, a.budget_gb, a.inner_reps)
+    r = _ours_arm(a.store, a.prompts, a.tokens, a.threads, a.seed, a.cpu_time, a.budget_gb, a.inner_reps, a.first)
     print("ARM " + json.dumps(r), flush=True)
     return 0
 

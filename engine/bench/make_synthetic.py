@@ -93,6 +93,10 @@ def cmd_make_synthetic(a) -> int:
     if a.direct_store and a.quant not in DIRECT_QUANTS:
         print(f"--direct-store writes --quant {' or '.join(DIRECT_QUANTS)} (got {a.quant!r})", file=sys.stderr)
         return 2
+    if a.dense_quant and not a.direct_store:
+        print("--dense-quant applies to --direct-store; for a checkpoint, convert it with "
+              "`colibri convert CKPT DST --quant Q --dense-quant D`", file=sys.stderr)
+        return 2
     try:
         cfg, name = cut_layers(preset_config(a.preset), a.preset, a.layers, a.dense_layers)
     except ValueError as e:
@@ -102,7 +106,8 @@ def cmd_make_synthetic(a) -> int:
     n_params = (args.dense_param_count() + args.num_moe_layers * args.num_experts * 3
                 * args.hidden_size * args.moe_intermediate_size)
     store_bytes = estimate(args, a.quant, 0).store_bytes
-    ck, st = Path(a.out) / f"{name}-hf", Path(a.out) / f"{name}-{a.quant}"
+    ck = Path(a.out) / f"{name}-hf"
+    st = Path(a.out) / (f"{name}-{a.quant}" + (f"-dense{a.dense_quant.removeprefix('int')}" if a.dense_quant else ""))
     have_ck = (ck / "config.json").exists() and not a.force
     need = store_bytes + (0 if a.direct_store or have_ck else n_params * 2)  # + bf16 checkpoint
     out = Path(a.out)
@@ -125,14 +130,15 @@ def cmd_make_synthetic(a) -> int:
         t0 = time.perf_counter()
         with PeakRss() as pr:
             write_store_from_seed(st, cfg, quant=a.quant, seed=a.seed, overwrite=True,
-                                  progress=_progress_printer(f"writing {st.name}"), expert_draw=a.expert_draw)
+                                  progress=_progress_printer(f"writing {st.name}"), expert_draw=a.expert_draw,
+                                  dense_quant=a.dense_quant)
         dt = time.perf_counter() - t0
         size = sum(f.stat().st_size for f in st.rglob("*") if f.is_file())
         res.update(store_write_s=dt, store_gb=size / 1e9, store_mb_per_s=size / 1e6 / dt,
                    store_peak_rss_gb=pr.peak / 1e9)
         print(f"wrote {st} ({n_params / 1e9:.2f} B params, {size / 1e9:.2f} GB) in {dt:.0f} s, "
               f"peak RSS {pr.peak / 1e9:.2f} GB")
-        write_results(f"make_synthetic_{name}_{a.quant}_direct", res, md_table([res], [
+        write_results(f"make_synthetic_{name}_{st.name.removeprefix(name + '-')}_direct", res, md_table([res], [
             ("preset", "preset", ""), ("quant", "quant", ""), ("params (B)", "params", ".3g"),
             ("store GB", "store_gb", ".2f"), ("write s", "store_write_s", ".0f"),
             ("MB/s", "store_mb_per_s", ".0f"), ("peak RSS GB", "store_peak_rss_gb", ".2f")]))
@@ -170,6 +176,9 @@ def add_parser(bs) -> None:
     m.add_argument("--preset", choices=preset_names(), default="1b")
     m.add_argument("--out", default="bench/work")
     m.add_argument("--quant", default="int8", choices=("int8", "int4", "f16", "f32", "mxfp4"))
+    m.add_argument("--dense-quant", default=None, choices=("int8", "int4", "f16", "f32"),
+                   help="--direct-store: quantization of the resident dense matrices (default: the "
+                        "converter's default for --quant); the store is named <preset>-<quant>-dense<N>")
     m.add_argument("--direct-store", action="store_true",
                    help="write the int8/int4 store straight from the seed, no bf16 checkpoint (for shapes too "
                         "large to write as one; no transformers comparison then; llama.cpp's GGUF of the same "
