@@ -238,7 +238,7 @@ class ExpertCache:
             only. Why: the cap is planned from the dense bytes and a fixed runtime reserve,
             while the process's real runtime can be more; a reservation that faulted in every
             slot at once pushed a 7B int4 store's RSS to 4.03 GB at a 4.0 GB budget before any
-            token, and inside a 4 GB memory cgroup the process was OOM-killed (session 41).
+            token, and inside a 4 GB memory cgroup the process was OOM-killed.
 
     The arena is a private anonymous mmap of L x cap x slot_bytes (page aligned, so
     O_DIRECT-ready); slots emptied by a cap reduction give their pages back to the OS
@@ -336,10 +336,8 @@ class ExpertCache:
         # memory; the fault-in alone 3.7 ms. Only ``populate_ahead`` slots per layer, so the
         # RSS grows with use, not to the whole arena at open.
         # ``reserve``: every slot under the cap, in the background from open (setting
-        # reserve_cache), so no read after the first seconds pays the faults. Measured in a VM
-        # whose host takes freed guest memory back (bench/README.md, session 39): a first touch
-        # of fresh memory ran at 0.4-1 GB/s, and an 8 GB streaming arm decoded 5.4 tok/s cold
-        # vs 9.4 tok/s after the reservation (its CPU per token 0.35 -> 0.17 s).
+        # reserve_cache), so no read after the first seconds pays the faults, which cost most
+        # where the host takes freed guest memory back (docs/decisions/0008-reserve-cache.md).
         self.populate_ahead = cap if reserve else 2
         self._read_t0: dict[tuple[int, int], float] = {}  # reads in progress: when each began
         self.read_s_ema = 0.0  # seconds per slab read (EMA over finished reads; 0 before the first)

@@ -614,7 +614,7 @@ def _make_q4_tile(R: int, TT: int, il: int = 0):
     costs two integer dot products, one conversion, one multiply and one FMA; the 16-lane-per-row
     layout before took one dot product, conversion, multiply and FMA per row (64). Measured on this project's AMD EPYC
     Zen 4 host (tools/micro_linear_q4.py: linear_q4i on [1024, 2048] and [2048, 1024], T = 128,
-    best of 5, same session): one thread 48.9 / 42.7 -> 65.7 / 54.4 G multiply-adds/s, two
+    best of 5, in one run): one thread 48.9 / 42.7 -> 65.7 / 54.4 G multiply-adds/s, two
     threads 85.3 / 78.9 -> 128.7 / 109.8; the doubled E / O blocks and lane starts of
     _q4_prep_simd let both rows' register meet plain 64-byte loads (broadcasting 32 bytes per
     token cost ~+10%), and 4-row tiles (_TR4) share each token's loads between two registers.
@@ -832,43 +832,10 @@ _TR4 = 2 if INT_FLAVOR == "avx2" else RB
 _q4_tile_rx4 = _make_int_tile("q4", _TR4, 4)
 _q4_tile_1x4 = _make_int_tile("q4", 1, 4)
 _q4_tile_1x1 = _make_int_tile("q4", 1, 1)
-# Decode (T = 1) stays one weight row per pass. Measured on AMD EPYC Zen 4, 2 threads, OLMoE-1B-7B
-# int4-dense4 by tools/profile_forward.py, interleaved with the 1 x 1 code: a 4 x 1 tile over the
-# row block (sharing the activation loads) made the experts 20-21 -> 28-31 ms per token, and two
-# 2 x 1 tiles 17-21 -> 28-29: R rows of a row-major matrix are R short streams 1 KB apart,
-# where 1 x 1 walks the block as one sequential stream. With the rows interleaved every 32
-# bytes (llama.cpp's repacked layout) a 4 x 1 tile gave bit-identical sums and ~31 GB/s on a
-# [65536, 2048] matrix, the same as 1 x 1 (both at this machine's DRAM bandwidth), so the T = 1
-# tile is not what holds decode back: the experts of a token run at ~25 GB/s alone (16 layers
-# x 8 experts cycled, 453 MB) and ~22 GB/s inside the forward. Dropping the software prefetch
-# (PREFETCH_BYTES = 0) made them ~10% slower.
-# Also measured there, 2026-12-03 (noisy host: interleaved A/B in one process, best and median),
-# none kept: (a) the decode experts kernel in 2 parallel regions instead of 4 (gate and up rows
-# in one loop split by thread, each thread quantizing its own experts' h): same speed; (b)
-# prefetching the next expert's first 8 KB near the end of each matrix: same; (c) numba's
-# dynamic chunks (set_parallel_chunksize 32 / 128): 5-12% slower; (d) two FMA chains per
-# element (even / odd pairs): no faster at one thread from L3 (the 1 x 1 loop is not bound by
-# the FMA latency), and it changes the sums; (e) RB rows one after another in one intrinsic
-# instead of RB 1 x 1 tiles: within the noise. What was measured: linear_q4 at T = 1, one thread,
-# L3-resident: 16.7 / 18.9 / 20-22 / 22.4 / 24.3 GB/s for 256 / 512 / 1024 / 2048 / 4096-byte
-# rows (~7 ns per row on top of ~25 GB/s); a token's experts (453 MB, 2 threads) read at ~0.75-0.8x
-# the rate of a big [65536, 2048] matrix measured beside them (24.5 vs 31.3 GB/s).
-# Session 30 (same host kind, interleaved, best of 15), none kept: (f) weights on transparent huge
-# pages (an anonymous mapping advised MADV_HUGEPAGE, 2 MB-aligned): a plain float32 read of 512
-# MB ran 30 -> 33 GB/s with 2 threads, but linear_q4 at T = 1 over 64 [2048, 2048] matrices ran
-# 5-15% slower than on 4 KB pages in five runs out of five; (g) for T > 1, the token tiles
-# outermost over units of 64 rows (one tile's activations kept in L1 while they meet the unit's
-# rows): 2048 x 2048 at T = 128 91-99 GMAC/s against 87-100 for the row blocks outermost.
-# Session 33 (same host, one thread, linear_q4 T = 1, interleaved old / new, best of 5): the
-# GFNI unpack (one vgf2p8affineqb instead of and / shift / 512-bit insert) ran +3-8%; since
-# session 40 the unpack is a plain byte shift, which LLVM lowers to vgf2p8affineqb itself;
-# not kept, both within the noise of 14-20 GB/s for [256 | 1024 | 65536, 2048] and [2048, 1024]:
-# (h) two pairs per pass sharing one load and multiply of the 4 group scales and one prefetch per
-# 64 bytes; (i) two FMA chains per element (even / odd pairs). Single-thread q4 decode stays at
-# ~17-20 GB/s from L2 and from DRAM alike, the per-core rate llama.cpp's Q4_0 decode also shows
-# here (~36 GB/s on 2 threads when quiet). Session 34: the row-interleaved layout (IL below) is
-# what lifts it (4 rows per pass over one stream); not kept: 2 x n prefill tails, the decode
-# attention block as one compiled call, the arena on huge pages (bench/README.md, Session 34).
+# Decode (T = 1) of a row-major matrix stays one weight row per pass: R rows are R short
+# streams 1 KB apart, while 1 x 1 walks the row block as one sequential stream (a 4 x 1 tile made
+# the decode experts ~40% slower). The row-interleaved layout (IL below) lets 4 rows share one
+# stream. Variants tried and not kept are in docs/decisions/0002-int4-interleaved-layout.md.
 _q8_tile_rx4 = _make_int_tile("q8", _TR, 4)
 _q8_tile_1x4 = _make_int_tile("q8", 1, 4)
 _q8_tile_1x1 = _make_int_tile("q8", 1, 1)

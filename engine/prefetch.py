@@ -365,9 +365,8 @@ class Pilot(Observer):
         in flight. Only when the cache expects the wait (``wait_s``) to last at least as long
         as a draft takes (``draft_s``, measured; lowered by a tenth at each skip, so one slow
         draft does not switch them off): else the read is in first and the draft would only
-        delay the layer. Measured on the 7B random-weight store (forced stream, one
-        missing expert per layer): recall of the next layer's top-8 0.96 with the attention,
-        0.74 without, 0.70 for mode 1's after-attention residual (bench/README.md, session 41)."""
+        delay the layer. The next layer's attention is what makes the draft close: recall of
+        its top-8 0.96 with it, 0.74 without (tools/draft_recall.py)."""
         if not (self.draft and self.mode >= 1 and layer + 1 < self.L and self.wanted(layer + 1)):
             return
         if wait_s < self.draft_s:  # the read would be in before the draft: it would only delay

@@ -16,14 +16,11 @@ GB = 1_000_000_000
 # Room the cache's background growth (reservation, populate-ahead, idle fill: ExpertCache
 # grow_ok) leaves free under the budget for the next forward's activations and scratch (a
 # 512-token prefill of OLMoE-1B-7B's shape allocates ~50 MB for a moment), so a reservation
-# does not end right at a limit the next forward then crosses. Session 41: without any check a
-# reservation took the RSS past a 4 GB budget (4.03 GB) and a 4 GB memory cgroup killed the
-# process; with this margin the same store reserved up to 3.96 GB and ran.
+# does not end right at a limit the next forward then crosses (docs/decisions/0003-runtime-reserve.md).
 GROWTH_HEADROOM_BYTES = 64_000_000
 RESERVE_BYTES = 200_000_000  # Python + numpy + numba runtime, activations, logits: RSS - dense - KV - cache
-# measured 172-183 MB after a 24-token answer (the default model, the 7B int4 and int8 stores), with
-# the compiler's memory given back once the kernels are loaded (release_compiler_memory; 249-259
-# MB before, and `colibri run` ~12 MB above the in-process figure: session 44)
+# measured 172-183 MB after a 24-token answer once the compiler's memory is given back
+# (release_compiler_memory; docs/decisions/0003-runtime-reserve.md)
 AVAILABLE_SHARE = 0.88
 FALLBACK_BYTES = 8 * GB
 

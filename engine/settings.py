@@ -161,13 +161,13 @@ PILOT_MODES = ("0 – off (load experts on demand only)", "1 – predict the nex
 
 ENGINE_SETTINGS: tuple[Setting, ...] = (
     _S("pilot", int, 0, "PILOT router-lookahead prefetch: load the experts the next layers will probably need "
-       "while the current layer computes (0 = off; 0 measured best on the reference machine, see "
-       "bench/README.md)", "PILOT prefetch", choices=(0, 1, 2, 3), choice_labels=PILOT_MODES),
+       "while the current layer computes (0 = off: on the machines measured so far, prefetch read more "
+       "than it saved)", "PILOT prefetch", choices=(0, 1, 2, 3), choice_labels=PILOT_MODES),
     _S("pilot_draft", bool, True, "while a decode step waits for experts that were not in RAM, predict the "
        "next layer from the draft residual (the layer's output with the missing experts left out, through the "
        "next layer's attention) and queue its likely misses behind the read, when the wait is longer than the "
        "draft takes; a draft is far closer to the next layer's input than the residual "
-       "PILOT predicts from otherwise (measured: bench/README.md, session 41)", "Draft lookahead",
+       "PILOT predicts from otherwise", "Draft lookahead",
        check_text="predict from the partial layer while a read is waited for", needs_pilot=True),
     _S("pilot_workers", int, 1, "loader threads for prefetched experts", "Prefetch workers", lo=1, hi=8,
        unit="threads", needs_pilot=True),
@@ -196,7 +196,7 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "history and looked-up entries that do not fit are left out)",
        "Context length", lo=0, hi=1 << 20, unit="tokens", special="model default (≤ 4096)", step=256),
     _S("kv_dtype", str, "f16", "element of the KV cache: f16 (IEEE half, half the RAM per token of context; "
-       "measured on the bundled model: mean KL vs f32 3.5e-8 nats, bf16 4.9e-5, so f16) or f32",
+       "next-token probabilities indistinguishable from f32 on the bundled model) or f32",
        "KV cache precision", choices=KV_DTYPES, choice_labels=("f16 – half the RAM", "f32 – exact")),
     _S("o_direct", bool, True, "read experts with O_DIRECT, bypassing the OS page cache, so the RAM "
        "budget is real (where supported)", "Direct I/O", check_text="O_DIRECT reads (bypass the page cache)"),
@@ -204,13 +204,12 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "low-priority background thread from the moment the model opens, so no token pays the OS's page faults "
        "and zeroing later; the process's RSS rises to the cache's size within seconds instead of growing with "
        "use (with the automatic RAM budget on a model bigger than RAM that is most of the memory available "
-       "at open). Off: only the next 2 slots of each layer are faulted in ahead (measured: bench/README.md, "
-       "session 39)", "Reserve cache memory", check_text="fault in the cache's memory when the model opens"),
+       "at open). Off: only the next 2 slots of each layer are faulted in ahead", "Reserve cache memory", check_text="fault in the cache's memory when the model opens"),
     _S("idle_fill", bool, False, "while the SSD is idle, read experts not yet in RAM into free cache slots "
        "(never evicting one), the most used first: a model whose experts fit in the cache becomes wholly "
        "resident in the first idle seconds after it opens (in the app or `colibri serve`; a one-shot "
        "`colibri run` starts at once), one that does not has its free slots filled with likely experts; "
-       "it helps most when the model nearly or wholly fits the budget (measured: bench/README.md, session 39)", "Idle fill",
+       "it helps most when the model nearly or wholly fits the budget", "Idle fill",
        check_text="fill free cache slots while the SSD is idle"),
     _S("pinning", bool, True, "after warm-up keep the most used experts of each layer resident, and load "
        "them before the first token next time", "Hot pinning",
@@ -221,13 +220,12 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "expert, or on every load", "Expert checksums", choices=CHECKSUM_MODES),
     _S("io_threads", int, 1, "expert reads in flight at once (the SSD queue depth); 1 reads a layer's misses "
        "one after another in the order the layer computes them, so the first one needed arrives first "
-       "(measured best on the reference machine, whose disk is no faster at depth 4; see bench/README.md)",
+       "(best on disks that are no faster at a deeper queue)",
        "Read threads", lo=1, hi=16, unit="threads"),
     _S("history", bool, True, "remember which experts are used (saved next to the model, per model) to "
        "pin and pre-warm the hottest", "Routing history", check_text="remember which experts are used (per model)"),
     _S("threads", int, 0, "threads for the numeric kernels (numba); auto: the cores this process may use "
-       "(CPU affinity, cgroup quota) minus those other programs keep busy, re-counted while it generates "
-       "(measured: bench/results/contention_*.md)", "Compute threads", lo=0, hi=1024,
+       "(CPU affinity, cgroup quota) minus those other programs keep busy, re-counted while it generates", "Compute threads", lo=0, hi=1024,
        unit="threads", special="auto (free cores)", old_names=("numba_threads",)),
     _S("cluster", str, "", "expert-parallel serving: the address (host:port) of a Ray cluster started with "
        "`colibri cluster head`; the computers joined to it with `colibri cluster join` hold shares of the "
@@ -256,12 +254,11 @@ SAMPLING_SETTINGS: tuple[Setting, ...] = (
     _S("docs_lookup", bool, True, "before each answer, look the question up in the model's documentation "
        "index (the bundled model: the docstrings of the Python standard library) and give the best three "
        "entries to the model with the question; they are listed with the answer (\"looked up\"). Only models "
-       "that ship docs_index.jsonl have one", "Documentation lookup", group=SAMPLING, needs_reload=False,
+       "that ship a documentation index have one", "Documentation lookup", group=SAMPLING, needs_reload=False,
        check_text="look questions up in the model's documentation"),
     _S("docs_copy", float, 0.5, "how strongly an answer that is quoting a looked-up entry keeps to that "
        "entry's words: the next-token probabilities are mixed with those of continuing the entry (kNN-LM "
-       "interpolation); 0 = the model alone. The default scored best on test questions "
-       "(tools/choose_docs_copy.py)", "Copy from documentation", group=SAMPLING, lo=0.0, hi=1.0, needs_reload=False,
+       "interpolation); 0 = the model alone. The default scored best on test questions", "Copy from documentation", group=SAMPLING, lo=0.0, hi=1.0, needs_reload=False,
        step=0.1, decimals=2),
 )
 

@@ -547,7 +547,7 @@ def test_huge_page_advice_covers_whole_blocks_inside_each_slot_only():
 def test_huge_page_advice_never_takes_more_than_half_the_mappings_left(monkeypatch):
     """Each advised slot interior is a memory mapping of its own (up to 2 per slot); at the
     process's limit (vm.max_map_count) a thread or an mmap can no longer be made, which hung an
-    ExpertCache opened near it (review of session 37). With too little room nothing is advised
+    ExpertCache opened near it. With too little room nothing is advised
     and no mapping is split; with room, the advice goes ahead."""
     import engine.expert_cache as ec
 
@@ -711,7 +711,7 @@ def test_background_growth_stops_where_grow_ok_says_no():
     slots only while it says yes, then stops (grow_stopped, nothing pending, wait_populated
     returns); the idle fill likewise reads into no slot that is not faulted in yet; demand
     loads go on (the RSS guard's business); a lower cap lets background growth ask again.
-    Session 41: a reservation pushed a 4 GB budget's RSS to 4.03 GB and the cgroup killed it."""
+    A reservation once pushed a 4 GB budget's RSS to 4.03 GB and the cgroup killed it."""
     L, E = 2, 16
     allowed = {"n": 5}  # slots the "budget" has room for
     asked = []
@@ -754,7 +754,7 @@ def test_background_growth_stops_where_grow_ok_says_no():
 def test_a_slot_populated_after_the_fill_paused_wakes_the_fill():
     """The fill thread paused on the budget (every layer's free slots not faulted in, grow_ok
     no) while the populate thread, which had asked first, faulted a slot in: that wakes the
-    fill, which reads into it, so wait_filled returns (it hung; found by session 41's review)."""
+    fill, which reads into it, so wait_filled returns (it used to hang)."""
     L, E = 2, 8
     gate = threading.Event()
 

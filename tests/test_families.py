@@ -400,7 +400,7 @@ def test_routing_identical_across_cap_guard_pilot_threads(routed_store):
 
 def test_rope_scaling_beside_rope_parameters_is_not_ignored():
     """A legacy rope_scaling next to a default rope_parameters is read (YaRN) or refused (linear),
-    never dropped; two different scaling types are refused (found by the new-user review)."""
+    never dropped; two different scaling types are refused."""
     yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     a = ModelArgs.from_dict(deepseek_v3_config(rope_scaling=yarn))
     assert dict(a.rope_scaling)["factor"] == 4.0
@@ -771,7 +771,7 @@ def test_streaming_decode_runs_resident_layers_in_one_call(family_stores, tmp_pa
 
 def test_streaming_decode_step_polls_cancel_before_a_waiting_layer(family_stores, tmp_path):
     """The one-call decode step of a streaming step checks ``cancel`` before a layer that
-    waits for its experts, as the per-layer path checks between layers (review, session 41)."""
+    waits for its experts, as the per-layer path checks between layers."""
     if not K_SIMD:
         pytest.skip("the interleaved int4 kernels need the SIMD path")
     from engine.errors import Cancelled

@@ -394,7 +394,7 @@ def test_arena_offsets_past_2_gib_do_not_wrap():
 
 def test_reserve_and_fill_stay_inside_the_ram_budget(tiny_store, monkeypatch):
     """The engine asks RSS + slot (+ KV before the model is built) + headroom within the
-    budget before the reservation or the idle fill grows the process (session 41: a reservation took a 7B int4 store's RSS to 4.03 GB at
+    budget before the reservation or the idle fill grows the process (a reservation once took a 7B int4 store's RSS to 4.03 GB at
     a 4.0 GB budget and a 4 GB cgroup killed it). A fake RSS (a base + the arena's faulted
     slots) leaves room for 5 slots: the reservation stops there, the fill reads into no new
     slot, and generation still works (demand loads: the RSS guard's business)."""
@@ -751,7 +751,7 @@ def test_bench_arms_decode_through_the_one_call_step(medium_store, logits_trace,
     """run_arm (every arm of bench overlap, pilot, cache, matrix) decodes through the product's
     one-call step: its routing recorder (TouchedExperts) is token-batched, so it no longer
     forces the per-layer path, and the routing digest and logits are those of the per-layer
-    path. (Sessions 38-42 measured the per-layer path in those arms without knowing it.)"""
+    path."""
     import engine.models.base as base
     from engine.bench.arm import run_arm
     calls = []
@@ -778,8 +778,8 @@ def test_bench_arms_decode_through_the_one_call_step(medium_store, logits_trace,
 
 def test_speculations_finished_during_a_run_are_parked_and_the_next_read_starts():
     """A one-call run holds the cache's lock for milliseconds: the speculation reader parks
-    each read it finishes meanwhile and starts the next (review, session 42: it used to wait
-    for the lock after the first), and the next holder that looks at slots publishes them:
+    each read it finishes meanwhile and starts the next (it used to wait for the lock after
+    the first), and the next holder that looks at slots publishes them:
     after the run, all of them are hits."""
     import time as _t
     from engine.expert_cache import ExpertCache

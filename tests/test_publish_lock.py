@@ -1,4 +1,4 @@
-"""The ``.NAME.lock`` file of a conversion (new-user review, fault 2): removed after a
+"""The ``.NAME.lock`` file of a conversion: removed after a
 successful conversion and after a failed one; a stale one left by a killed process never
 blocks the next conversion (it is taken and removed); removing the file never lets two
 holders in at once (engine.fsutil.FileLock)."""

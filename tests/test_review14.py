@@ -1,4 +1,4 @@
-"""Issue 14 (DeepSeek / GLM review): FP8 scale checks (dtype, zero / negative / NaN, the
+"""DeepSeek / GLM checkpoints: FP8 scale checks (dtype, zero / negative / NaN, the
 assumed 128x128 block), unused checkpoint tensors named as notes and in the manifest (MTP
 layers only when present, q/k norms under use_qk_norm false), Ctrl+C in `colibri convert`,
 `colibri run --model NAME` from `colibri models`, and the lines `colibri info` adds (rope /

@@ -1,4 +1,4 @@
-"""Broken stores (new-user review, fault 1): a corrupt or half-written manifest, a truncated or
+"""Broken stores: a corrupt or half-written manifest, a truncated or
 missing expert file, a missing or damaged dense file, a missing config.json are listed as
 BROKEN with the reason naming the file and what to do, by the one validation
 (engine.expert_store.store_problem) that `colibri models`, `colibri doctor` and the app's model

@@ -1,4 +1,4 @@
-"""A user folder that is a file (new-user review, fault 3): COLIBRI_DATA_DIR, COLIBRI_CONFIG_DIR,
+"""A user folder that is a file: COLIBRI_DATA_DIR, COLIBRI_CONFIG_DIR,
 the models folder inside the data folder and NUMBA_CACHE_DIR pointing at a regular file (or
 under one) are reported as "a file, not a folder" with what to do, by `colibri doctor`,
 `colibri models`, `colibri run`, the library and the app start; never "not created yet",

@@ -14,8 +14,8 @@ j+1's top-k experts (recall: the share of the real top-k predicted) made from:
 
 each through layer t's own post-attention norm and router. The draft's attention writes the
 KV row of the position, which the real layer j+1 rewrites before reading (a measurement tool,
-not the engine's path: MoEModel.draft_attention puts the row back). Session 41, 7B random
-store (bench/README.md): P1 0.70, FULL 0.75, PART 0.74, PARTATT 0.96, D2 0.63 / 0.72.
+not the engine's path: MoEModel.draft_attention puts the row back). On the 7B random-weight
+store: P1 0.70, FULL 0.75, PART 0.74, PARTATT 0.96, D2 0.63 / 0.72.
 """
 import sys, numpy as np
 from engine.config import EngineConfig

@@ -27,8 +27,8 @@ class TouchedExperts(Observer):
 
     Token-batched (Observer.token_batched): it only records, and grouped routing comes in the
     same layer order, so the digest is the same; without the flag every arm's decode steps
-    took the per-layer path instead of the product's one-call step (sessions 38-42 measured
-    that path in every ``run_arm`` benchmark: overlap, pilot, cache, matrix)."""
+    took the per-layer path instead of the product's one-call step, so the benchmarks would
+    not measure the product's decode."""
 
     token_batched = True
 

@@ -1,4 +1,4 @@
-"""The app's model library shows broken stores (new-user review, fault 1): a store with a
+"""The app's model library shows broken stores: a store with a
 half-written manifest or a truncated expert file is a "Broken" row whose status line names the
 file and says to re-convert or delete; it cannot be set as current, and it can be deleted."""
 

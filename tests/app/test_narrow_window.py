@@ -1,4 +1,4 @@
-"""The main window at its minimum size (new-user review, fault 4), checked on the widgets and
+"""The main window at its minimum size, checked on the widgets and
 grabbed to PNG (set COLIBRI_SHOTS_DIR to keep the images): no text is cut or wraps where it
 cannot show. The prompt box's placeholder fits on its one line (a shorter variant, else
 elided, for every state); the "Ask anything" hint wraps; the residency map's hint stays inside

@@ -1,4 +1,4 @@
-"""tools/screenshot.py (and bench_gui_stall.py) with bad arguments (new-user review, fault 5):
+"""tools/screenshot.py (and bench_gui_stall.py) with bad arguments:
 one ``error:`` line naming the option and what to give, exit code 2, nothing written; never a
 traceback and never a silent fallback (a --store that is not a store used to open the default
 model; a --size below the window's minimum used to be clamped)."""

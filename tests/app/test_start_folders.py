@@ -1,4 +1,4 @@
-"""The app start with a data or config folder that is a file (new-user review, fault 3): one
+"""The app start with a data or config folder that is a file: one
 message box (and one stderr line) saying which path is a file and what to do, exit code 2,
 no window and no traceback."""
 
