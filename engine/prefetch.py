@@ -19,8 +19,7 @@ time): a read that is nearly in is waited for, not delayed.
 Hooks run only for small batches (T <= 8: decode), never during a long prefill.
 A layer whose every expert is already in the cache (live slots = num_experts) is not predicted
 unless something subscribed to the predictions (``on_prediction``): nothing could be loaded for
-it, and on the bundled model, where every expert fits, predicting anyway cost 12-25% of decode
-(bench/README.md, "PILOT when every expert is resident").
+it, and on the bundled model, where every expert fits, predicting anyway cost 12-25% of decode.
 
 Prediction: h' = RMSNorm(x; target post_attention_layernorm); logits = h' W_router^T;
 with smooth s > 0 the predictor uses blended = (1-s) logits + s EMA (the EMA is also fed by
