@@ -1,0 +1,108 @@
+"""The project's prose stays documentation: no work-log numbering in code, docs or results,
+every file the docs name exists, and setting help texts (which reach `colibri run --help` and
+the app's tooltips) speak to users, not of the repository's files."""
+
+import ast
+import functools
+import glob
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCANNED = ("engine", "colibri_app", "tools", "tests", "bench", "docs", "README.md")
+TEXT_SUFFIXES = {".py", ".md", ".json", ".txt", ".toml", ".cfg", ".ini", ".yaml", ".yml", ".spec", ".desktop", ".sh"}
+SKIP_DIRS = {"__pycache__", "work", ".pytest_cache"}
+# "session" followed by a number, as words or inside a file name; the pattern is split so that
+# this file does not match itself
+WORK_LOG = re.compile(r"(?i)\bsess" r"ions?[ _-]?\d|_sess" r"ion\d")
+DOCS = ["README.md", "bench/README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
+TOP_DIRS = "engine|colibri_app|tests|tools|docs|bench|packaging|resources"
+REPO_PATH = re.compile(r"(?<![\w/.$-])((?:" + TOP_DIRS + r")/[\w./*{},-]*[\w*}])")
+BARE_PY = re.compile(r"(?<![\w/.$-])(\w+\.py)\b")
+RESULT_PREFIXES = ("cache|cluster|contention|decode|gui|kernels|layouts|make_synthetic|markdown|matrix|overlap|"
+                   "peers|pilot|replay|serve|stream")
+RESULT_NAME = re.compile(r"`((?:" + RESULT_PREFIXES + r")_[\w*-]+)(?:\.(?:json|md|png))?`")
+
+
+def _files(top: str):
+    path = ROOT / top
+    if path.is_file():
+        yield path
+        return
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
+        for name in filenames:
+            yield Path(dirpath) / name
+
+
+def _expand(path: str) -> list[str]:
+    """Brace alternatives ("x.{json,md}") expanded; globs kept for glob()."""
+    m = re.search(r"\{([^{}]*)\}", path)
+    if not m:
+        return [path]
+    return [q for alt in m.group(1).split(",") for q in _expand(path[:m.start()] + alt + path[m.end():])]
+
+
+@functools.lru_cache(maxsize=1)
+def _engine_identifiers() -> frozenset:
+    """The names the engine's code defines or uses (functions, attributes, arguments), not its
+    strings, so a result's default file name does not count as code."""
+    words = set()
+    for f in _files("engine"):
+        if f.suffix == ".py":
+            for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+                for field in ("id", "attr", "name", "arg"):
+                    value = getattr(node, field, None)
+                    if isinstance(value, str):
+                        words.add(value)
+    return frozenset(words)
+
+
+def _exists(path: str) -> bool:
+    return bool(glob.glob(str(ROOT / path))) if "*" in path else (ROOT / path).exists()
+
+
+def test_no_work_log_numbering_in_code_docs_or_result_names():
+    found = []
+    for top in SCANNED:
+        for f in _files(top):
+            rel = f.relative_to(ROOT)
+            if WORK_LOG.search(f.name):
+                found.append(f"{rel} (file name)")
+            if f.suffix not in TEXT_SUFFIXES and f.name != "README.md":
+                continue
+            for n, line in enumerate(f.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+                if WORK_LOG.search(line):
+                    found.append(f"{rel}:{n}: {line.strip()[:100]}")
+    assert not found, "say what the code does and why, not when it was measured:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_file_a_doc_names_exists(doc):
+    text = (ROOT / doc).read_text(encoding="utf-8")
+    missing = []
+    for raw in REPO_PATH.findall(text):
+        if raw.startswith("bench/work"):  # benchmark scratch output, made by the commands
+            continue
+        for path in _expand(raw.split("::")[0]):
+            if not _exists(path):
+                missing.append(path)
+    names = {p.name for top in ("engine", "colibri_app", "tools", "tests", "packaging") for p in _files(top)}
+    missing += [name for name in BARE_PY.findall(text) if name not in names]
+    identifiers = _engine_identifiers()  # `cache_take_resident`, `pilot_draft` are code, not results
+    results = ROOT / "bench" / "results"
+    missing += [f"bench/results/{name}" for name in RESULT_NAME.findall(text) if name not in identifiers
+                if not glob.glob(str(results / (name.rstrip("*") + "*")))]
+    assert not missing, f"{doc} names files that do not exist: {sorted(set(missing))}"
+
+
+def test_setting_help_texts_name_no_files():
+    from engine.settings import APP_SETTINGS, ENGINE_SETTINGS, SAMPLING_SETTINGS
+
+    file_like = re.compile(r"[\w-]+\.(?:md|py|json|jsonl|toml|txt|png|csv)\b|\b(?:bench|tools|tests|docs)/")
+    bad = [f"{s.name}: {s.help}" for s in (*ENGINE_SETTINGS, *SAMPLING_SETTINGS, *APP_SETTINGS)
+           if file_like.search(s.help) or WORK_LOG.search(s.help)]
+    assert not bad, "help texts are for users (no file names, no measurement logs):\n" + "\n".join(bad)
