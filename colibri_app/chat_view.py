@@ -6,7 +6,7 @@ the engine. An answer is rendered as Markdown while it streams and when it compl
 Copy button; each update re-renders only the block being written). A leading
 ``<think>...</think>`` reasoning block (engine.split_reasoning) is shown in a collapsed
 "Thinking" section above the answer, also while it streams; the saved text keeps it whole.
-A model without a chat template gets a banner and an explicit raw mode (issue 18, fault 5).
+A model without a chat template gets a banner and an explicit raw mode.
 """
 
 from __future__ import annotations
@@ -389,7 +389,7 @@ class ChatView(QWidget):
         hl.addWidget(self.system_edit)
         lay.addWidget(head)
 
-        # no chat template: say so, and let the user choose raw mode knowingly (issue 18.5)
+        # no chat template: say so, and let the user choose raw mode knowingly
         self.template_banner = QFrame()
         self.template_banner.setObjectName("templateBanner")
         self.template_banner.setAccessibleName("This model has no chat template")

@@ -1,4 +1,4 @@
-"""One app instance per data folder (issue 18 fault 11, the app's half).
+"""One app instance per data folder.
 
 Two windows writing one data folder race on the history and on first-start conversions. The
 first instance holds a ``QLockFile`` in the data folder (``colibri-app.lock``; a lock left by a

@@ -1288,7 +1288,7 @@ class MainWindow(QMainWindow):
         self.serve.stop()   # before the engine lane ends: its requests run there
         self.controller.shutdown()
         # and every other background task (wizard download / conversion, library scan): cancel
-        # and join them now, while the objects they report to still exist (issue 18 fault 6)
+        # and join them now, while the objects they report to still exist
         shutdown_all()
         # the worker's last events (its tokens and Finished) are queued for this thread
         QCoreApplication.sendPostedEvents(self, QEvent.MetaCall)

@@ -3,7 +3,7 @@
 The scheme follows the desktop (``QStyleHints.colorScheme()``, Qt 6.5+) unless the user picks
 Light or Dark in Settings (the ``theme`` setting, engine.settings APP_SETTINGS). Both palettes
 set the *Disabled* colour group, and the style sheet has ``:disabled`` rules for every widget
-it styles, so a disabled control is drawn greyed out (issue 17.6: before, ``QPalette.setColor``
+it styles, so a disabled control is drawn greyed out (before, ``QPalette.setColor``
 without a group gave disabled widgets the enabled colours, pixel for pixel).
 
 :data:`THEME` is the one :class:`ThemeController`; widgets that paint with scheme colours of

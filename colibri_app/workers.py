@@ -9,8 +9,8 @@ one of ``result(object)`` / ``error(EngineFailure)``, then ``finished()``.
 A :class:`Lane` is a ``QThreadPool`` with a fixed number of threads (1 = strictly serial, as the
 engine needs: open, generate, close in order). Engine, wizard and library work all go through
 lanes. A pooled thread ends when its function returns: nothing on the GUI thread has to run for
-a worker to stop, so shutdown works when the event loop no longer runs (the cause of the SIGABRT
-of issue 18 fault 6, where a ``QThread`` could only be quit by a GUI-thread slot).
+a worker to stop, so shutdown works when the event loop no longer runs (the cause of a SIGABRT when
+a ``QThread`` could only be quit by a GUI-thread slot).
 
 Shutdown: :func:`shutdown_all` (connected to ``QCoreApplication.aboutToQuit`` and called by the
 main window when it closes) cancels every task of every lane and joins their threads with a

@@ -21,7 +21,7 @@ read for its semantics, reimplemented here with jinja2):
   when nothing else declares a template. With several named templates, ``tool_use`` is chosen when
   tools are given and it exists, else ``default``.
 
-Control tokens (issue 18, fault 4): a user who pastes ``<|im_end|>`` must not end the turn. As
+Control tokens: a user who pastes ``<|im_end|>`` must not end the turn. As
 transformers' ``apply_chat_template(..., sanitize_control_tokens=True)``, every control token inside
 a caller string (message contents, tool calls, tools, documents, template keywords) is wrapped in two
 private-use markers (U+F0000, U+F0001) before rendering; :meth:`engine.tokenizer.Tokenizer.encode_chat`

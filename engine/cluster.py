@@ -1,5 +1,5 @@
 """Expert-parallel serving over Ray: other computers hold shares of the routed experts in RAM
-and compute them for the hidden states this computer sends (issue 21).
+and compute them for the hidden states this computer sends.
 
 This computer keeps the dense weights, attention, the KV cache and its own expert cache (the
 hottest experts by routing heat, and every expert no worker holds, streamed from the SSD as

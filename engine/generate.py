@@ -262,7 +262,7 @@ class Engine:
 
     def _warm_kernels(self, report) -> float:
         """Run the model's kernels once before "ready", so the first answer does not wait for
-        numba to compile or load them (~8 s on a fresh install, issue 17); once per process and
+        numba to compile or load them (~8 s on a fresh install); once per process and
         kind of model: a 2-token prefill and a 1-token decode step, each twice at the same
         positions (the decode step after the model's ``rewind``). The second of each routes
         exactly as the first, so it finds the experts the first left in the cache (at least

@@ -18,7 +18,7 @@ per byte, low nibble = even column, value = nibble - 8; s [O, G] uint16 half bit
 or w interleaved by 4 rows, uint8 [O / 4, N / 64, 128]: engine.quant.interleave_q4), mxfp4 (w uint8
 [O, N // 2] e2m1 codes, low nibble = even column; s uint8 [O, N // 32] e8m0 exponents).
 
-int8 and int4 (issue #19): the activation rows are quantized once per call to int8 per block
+int8 and int4: the activation rows are quantized once per call to int8 per block
 (32 columns for q8, the weight group for q4; llama.cpp's Q8_0 activations) and the block dot
 products are integer: AVX-512 VNNI ``vpdpbusd`` through numba intrinsics (LLVM vector IR) on
 CPUs that have it (``INT_FLAVOR`` "vnni"), AVX-512BW ``vpmaddubsw`` for q4 ("bw"), AVX2
@@ -41,7 +41,7 @@ at once: on an AMD EPYC Zen 4 (2 vCPUs), weights cycled through 400 MB so they c
 8: 6-14 GB/s; software prefetch distance 0-16 KB changed nothing), q8 at 1 thread 7.6 -> 19 GB/s.
 So token rows that do not fill a token tile run 1 x 1 per weight row (_q4_block_pairs).
 
-Process-wide setup done here, before the first kernel compiles (issue #18, faults 7 and 8):
+Process-wide setup done here, before the first kernel compiles:
 
 - numba's on-disk cache goes to the user cache folder (platformdirs), not next to the package:
   a read-only install with no writable home would otherwise fail at import with numba's "no
@@ -51,12 +51,12 @@ Process-wide setup done here, before the first kernel compiles (issue #18, fault
   ``NUMBA_THREADING_LAYER``). ``workqueue`` aborts the process when two threads launch parallel
   kernels at once, so under it (``SERIALIZED``) every parallel kernel runs under one lock.
 - OpenMP wait policy: spin a while, then sleep. Spinning threads fight any other busy program
-  for its core (issue 17: ~800 -> 10 tok/s with one core busy), but ``OMP_WAIT_POLICY=PASSIVE``
+  for its core (~800 -> 10 tok/s with one core busy), but ``OMP_WAIT_POLICY=PASSIVE``
   cost 80% of the quiet speed of the default model (a futex wake at each of the many small
   parallel regions of a token); instead the engine runs only as many threads as there are free
   cores (threads = 0: engine.sysinfo.FreeCores). Measured by ``colibri bench contention``
   (bench/results/contention_*.md). The spin is shortened from libgomp's 300000 to
-  ``GOMP_SPINCOUNT=30000`` (issue 19; unless the user set GOMP_SPINCOUNT or OMP_WAIT_POLICY):
+  ``GOMP_SPINCOUNT=30000`` (unless the user set GOMP_SPINCOUNT or OMP_WAIT_POLICY):
   libgomp's default kept a worker spinning ~5-8 ms after every parallel region on this
   machine's CPU, a whole core while a streaming decode waited for the disk (perf: 34% of a
   streamed 7B run's CPU in libgomp; 0.30 -> 0.22 CPU s per token at an 8 GB budget), while
@@ -524,7 +524,7 @@ def _q4_out(P, w, s, sh, hg, o, t):
     return _q4_dot_portable(xe[t], xo[t], w[o], s[o], sh, hg)
 
 
-# --- register tiles: R weight rows x TT tokens per pass over the weights (issue #19) ------------
+# --- register tiles: R weight rows x TT tokens per pass over the weights ------------
 #
 # One pass over the packed weights of R rows computes the pair sums for TT tokens at once: each
 # row's nibbles are unpacked once per 64 columns and met by TT activation rows, each activation

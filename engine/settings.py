@@ -275,7 +275,7 @@ def check_context_length(context_length: int, max_positions: int, model: str = "
     can take it.
 
     Positions past ``max_positions`` (Hugging Face ``max_position_embeddings``) were never
-    trained: rotary embeddings there give garbage (issue 17), so a longer context is refused.
+    trained: rotary embeddings there give garbage, so a longer context is refused.
 
     Raises:
         ConfigError: the setting exceeds the model's limit; the message gives both numbers.

@@ -25,7 +25,7 @@ Automatic cap (after colibri's cap_for_ram, PR #1445, counted in single slots):
 The automatic budget is RSS after the dense weights are loaded + AVAILABLE_SHARE x available
 memory (ram_budget.probe_available), but never more than the model can use: that RSS + KV +
 every expert of every layer + reserve (a 13 MB model took a 21 GB budget, and claimed it from
-other colibri processes; issue 17). The pre-download verdict applies the same plan_cap to the
+other colibri processes). The pre-download verdict applies the same plan_cap to the
 share of available memory the engine would budget.
 
 A new model family plugs in through its file in engine/models/ (``dense_tensors``, registered
@@ -250,7 +250,7 @@ def plan_cap(num_experts: int, slot_bytes: list[int], dense_bytes: int, kv_bytes
         if available is None:
             available, _ = probe_available()
             # what other colibri processes have budgeted but not yet taken is not ours
-            # (issue 18 fault 11: two instances must not each take 88% of RAM)
+            # (two instances must not each take 88% of RAM)
             from .sysinfo import others_unreserved
             available = max(0, available - others_unreserved())
         base = rss_now if rss_now is not None else dense_bytes

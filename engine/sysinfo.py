@@ -258,7 +258,7 @@ def memory(root: str | os.PathLike | None = None,
 # --- RAM claimed by other colibri processes -------------------------------------------------
 #
 # Two processes that each size their automatic budget from the same "available" figure both
-# take 88% of it (issue 18, fault 11): an engine's expert arena is filled lazily, so the first
+# take 88% of it: an engine's expert arena is filled lazily, so the first
 # process's budget is not yet visible in the second's probe. Every open engine therefore
 # records its budget in a small claim file (one per process and engine, JSON {"pid", "budget"});
 # the automatic budget of another process subtracts what each live claim has not yet taken
@@ -343,7 +343,7 @@ def others_unreserved(folder: str | os.PathLike | None = None) -> int:
 #
 # A parallel kernel with a static split waits at its barrier for its slowest thread; when another
 # program holds one of the cores, the thread that shares that core runs only part of the time
-# and every one of the hundreds of barriers per token waits for it (issue 17: 10.5 tok/s with
+# and every one of the hundreds of barriers per token waits for it (10.5 tok/s with
 # "all cores" and one busy core, 185 tok/s with one thread). The engine therefore runs as many
 # threads as there are cores the other programs leave free, measured while it runs:
 #

@@ -1,4 +1,4 @@
-"""The self-contained Linux bundle (issue #20), built and started for real (slow: minutes).
+"""The self-contained Linux bundle, built and started for real (slow: minutes).
 
 One build (``python packaging/build.py`` into a temp folder) serves every test here. The bundle
 is then copied to a fresh place and made read-only (a read-only bind mount as root, chmod a-w

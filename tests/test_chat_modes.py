@@ -1,4 +1,4 @@
-"""Chat mode vs raw mode through the engine and the CLI (issue 18, faults 4 and 5)."""
+"""Chat mode vs raw mode through the engine and the CLI."""
 
 from __future__ import annotations
 

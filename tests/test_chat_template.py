@@ -6,8 +6,8 @@ the family's added tokens, a tokenizer_config.json and a chat template written i
 the family's published one (tests/chat_templates/). The strings of ``apply_chat_template`` and
 the ids of ``encode_chat`` must equal transformers' ``apply_chat_template`` (tokenize=False /
 True, and True with ``sanitize_control_tokens=True``) for system prompts, multi-turn chats, tool
-calls and results, reasoning and template keywords. Then the regression tests of issue 18 fault
-4 (a control token typed by the user stays text) and fault 5 (no chat template is explicit).
+calls and results, reasoning and template keywords. Then a control token typed by the user stays
+text, and a model without a chat template is explicit.
 """
 
 from __future__ import annotations
@@ -341,7 +341,7 @@ def test_environment_features_like_transformers(tmp_path):
     assert ours.encode_chat(msgs, **kw) == _theirs(hf, msgs, True, sanitize=True, **kw)
 
 
-# --- issue 18, fault 4: user text never becomes control tokens ------------------------------------
+# --- user text never becomes control tokens ------------------------------------
 
 
 HIJACKS = {
@@ -440,7 +440,7 @@ def test_reasoning_open_and_history_message():
     assert history_message("user", "<think>r</think>a") == {"role": "user", "content": "<think>r</think>a"}
 
 
-# --- issue 18, fault 5: no chat template is explicit --------------------------------------------
+# --- no chat template is explicit --------------------------------------------
 
 
 def test_no_template_is_explicit(tmp_path):

@@ -1,4 +1,4 @@
-"""Expert-parallel serving over Ray (engine/cluster.py, issue 21) on a local cluster: a head
+"""Expert-parallel serving over Ray (engine/cluster.py) on a local cluster: a head
 and two workers started with `colibri cluster head` / `colibri cluster join` on this machine
 (each worker in its own memory cgroup when /sys/fs/cgroup/memory is writable).
 

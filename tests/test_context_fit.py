@@ -1,4 +1,4 @@
-"""A chat that keeps going (issue 17, point 4): the context limit of the model is enforced, the
+"""A chat that keeps going: the context limit of the model is enforced, the
 oldest turns are dropped when a conversation no longer fits (never the system prompt), the
 answer is capped by the room left, and a trimmed chat still reuses its prefill."""
 

@@ -97,7 +97,7 @@ def test_f32_logits_match_transformers(tmp_path, name):
     store = convert_checkpoint(d, tmp_path / f"{name}-f32", quant="f32")
     a = ModelArgs.from_hf_config(store)
     assert a.model_type == m.config.model_type
-    # transformers saves no MTP layer (and no unused tensor): nothing is named as skipped (issue 14)
+    # transformers saves no MTP layer (and no unused tensor): nothing is named as skipped
     import json
     assert "skipped" not in json.loads((store / "manifest.json").read_text())
     assert a.num_moe_layers == sum(hasattr(layer.mlp, "gate") for layer in m.model.layers)

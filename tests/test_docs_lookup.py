@@ -1,4 +1,4 @@
-"""Documentation lookup (engine.docs_lookup, issue 17 point 1): a model that ships
+"""Documentation lookup (engine.docs_lookup): a model that ships
 docs_index.jsonl is given the index entries matching each question, right before it; the answer
 names them; off, or without an index, the prompt is exactly the plain chat."""
 

@@ -1,4 +1,4 @@
-"""``colibri --version`` and ``colibri doctor`` (issue #20): every fact a bug report needs, on a
+"""``colibri --version`` and ``colibri doctor``: every fact a bug report needs, on a
 fresh data folder, with models, on a read-only data folder, and where the data folder cannot
 be created; the disk test is bounded and leaves nothing behind."""
 

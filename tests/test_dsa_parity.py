@@ -5,7 +5,7 @@ positions: f32 logits at every prefill position and over 16 cached decode steps,
 store's teacher-forced KL, the indexer-key cache in the KV bytes, the absorbed path equal to
 the expanded one under the selection, and our rule on exact ties.
 
-Ties (issue 14): the indexer sums ReLU'd scores; with 2 indexer heads and random weights many
+Ties: the indexer sums ReLU'd scores; with 2 indexer heads and random weights many
 scores are exactly 0 and transformers' own full forward and cached decode pick different
 tokens (logits differ by O(1)). The configurations here use 16 indexer heads, where
 transformers' full forward and cached decode agree to 2e-6.

@@ -319,7 +319,7 @@ def test_trace_and_heat_use_moe_layer_rows(family_stores, tmp_path, name):
         assert eng.heat.tokens > 0 and eng.loaded.prewarmed_experts > 0
 
 
-# --- routing identical across placement, RSS guard firing included (issue 13) ----------------------
+# --- routing identical across placement, RSS guard firing included ----------------------
 #
 # The Qwen3-30B-A3B-shaped benchmark once reported 1344 distinct experts for one int8 cell where
 # the other cells of the same store and forced stream reported 1057. The id hashes of a forced

@@ -104,7 +104,7 @@ def test_quantized_kl_against_transformers(tmp_path, name, quant, kl_bound, top1
     assert top1 >= top1_bound
 
 
-# Mixtral at expert width 64 (issue 13's open point). With every matrix N(0, 0.08), the weights
+# Mixtral at expert width 64. With every matrix N(0, 0.08), the weights
 # of the width-32 "mixtral-gqa" seed at width 64 give our int8 store a mean KL of 2.6e-3 nats and
 # int4 7.8e-3, above the bounds the width-32 config meets. The cause is the random config, not our
 # code: transformers' own MixtralForCausalLM with the same weights rounded by an independent torch

@@ -1,4 +1,4 @@
-"""gpt-oss (issue #15): parity against transformers' own GptOssForCausalLM, the MXFP4 store
+"""gpt-oss: parity against transformers' own GptOssForCausalLM, the MXFP4 store
 quantization (format, kernel, converter, size), and greedy ids across placement and prefix reuse.
 
 The checkpoints are tiny (hidden 64, 3 layers, 8 experts) and every prompt is longer than the

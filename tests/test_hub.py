@@ -307,7 +307,7 @@ def test_cli_download_and_models(fake, capsys):
 
 
 def test_cli_download_pasted_address_and_failed_self_test(fake, capsys, monkeypatch):
-    """Issue 17.7 siblings in the CLI: a pasted hub address is the repo id; a store whose
+    """The wizard's checks in the CLI too: a pasted hub address is the repo id; a store whose
     self-test fails is removed (not left in the library)."""
     from engine.cli import main
     from engine.cli import models as cli_models

@@ -1,5 +1,4 @@
-"""The int8 store's KL on TRAINED weights (issue 14: "int8 mean KL <= 1e-3" against
-transformers' own models).
+"""The int8 store's KL on TRAINED weights: mean KL <= 1e-3 against transformers' own models.
 
 test_deepseek_glm_parity.py and test_dsa_parity.py measure the int8 KL on random weights, where
 the rounding itself (transformers with an independently rounded copy, fake_quantized_copy)

@@ -3,7 +3,7 @@
 Random shapes (odd sizes wherever the weight kind allows them), several T including 1, every
 weight kind. Plus the invariants the engine relies on: a row's result does not depend on T
 (the other rows of the call) nor on the number of threads, bit for bit; and the process-wide
-setup of kernels.py (issue #18 faults 7 and 8) in subprocesses.
+setup of kernels.py in subprocesses.
 
 Tolerance (why it is not a guess): both sides compute the same real-valued expression in
 float32 with a different summation order. For a dot product of n terms, any order gives
@@ -420,7 +420,7 @@ def test_attention_matches_reference(kv):
         assert np.abs(a - b).max() <= tol, (T, H, Hkv, S, pos0, np.abs(a - b).max(), tol)
 
 
-# --- process-wide setup (issue #18, faults 7 and 8) -----------------------------------------------
+# --- process-wide setup -----------------------------------------------
 
 def _clean_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_") and k != "XDG_CACHE_HOME"}

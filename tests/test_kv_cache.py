@@ -1,4 +1,4 @@
-"""The 16-bit KV cache (issue #19): the kv_dtype setting, its accuracy on the bundled default
+"""The 16-bit KV cache: the kv_dtype setting, its accuracy on the bundled default
 model, and the RAM per token of context it saves in the sizing rule, the budget and
 ``colibri info``."""
 
@@ -15,7 +15,7 @@ from engine.library import default_model_dir
 from engine.units import format_bytes
 
 MODEL = default_model_dir()
-KL_BOUND = 1e-4  # nats (issue #19); measured 3.5e-8 for f16 (bf16 emulated: 4.9e-5)
+KL_BOUND = 1e-4  # nats; measured 3.5e-8 for f16 (bf16 emulated: 4.9e-5)
 
 
 def _log_softmax(z):

@@ -1,4 +1,4 @@
-"""Streaming overlap (issue 19): checksums verified by the reader threads, old stores still
+"""Streaming overlap: checksums verified by the reader threads, old stores still
 open, realistic routing replayed deterministically, values identical across placement."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""engine.platform_io: uncached reads per operating system (issue #20).
+"""engine.platform_io: uncached reads per operating system.
 
 Linux runs for real; macOS (fcntl F_NOCACHE) and Windows (CreateFileW FILE_FLAG_NO_BUFFERING,
 ReadFile with an OVERLAPPED offset) run here with sys.platform patched and the OS calls

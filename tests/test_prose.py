@@ -18,6 +18,9 @@ SKIP_DIRS = {"__pycache__", "work", ".pytest_cache"}
 # "session" followed by a number, as words or inside a file name; the pattern is split so that
 # this file does not match itself
 WORK_LOG = re.compile(r"(?i)\bsess" r"ions?[ _-]?\d|_sess" r"ion\d")
+# the project speaks of itself, not of its tracker
+ISSUE_NUMBER = re.compile(r"(?i)\biss" r"ues? #?\d")
+ISSUE_SCANNED = ("engine", "colibri_app", "tools", "tests", "docs", "bench/README.md")
 DOCS = ["README.md", "bench/README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))]
 TOP_DIRS = "engine|colibri_app|tests|tools|docs|bench|packaging|resources"
 REPO_PATH = re.compile(r"(?<![\w/.$-])((?:" + TOP_DIRS + r")/[\w./*{},-]*[\w*}])")
@@ -70,7 +73,7 @@ def test_no_work_log_numbering_in_code_docs_or_result_names():
     for top in SCANNED:
         for f in _files(top):
             rel = f.relative_to(ROOT)
-            if WORK_LOG.search(f.name):
+            if WORK_LOG.search(f.name) or "review" in f.name or re.search(r"(?i)issue[\W_]?\d", f.name):
                 found.append(f"{rel} (file name)")
             if f.suffix not in TEXT_SUFFIXES and f.name != "README.md":
                 continue
@@ -78,6 +81,18 @@ def test_no_work_log_numbering_in_code_docs_or_result_names():
                 if WORK_LOG.search(line):
                     found.append(f"{rel}:{n}: {line.strip()[:100]}")
     assert not found, "say what the code does and why, not when it was measured:\n" + "\n".join(found)
+
+
+def test_no_issue_numbers_in_code_or_docs():
+    found = []
+    for top in ISSUE_SCANNED:
+        for f in _files(top):
+            if f.suffix not in TEXT_SUFFIXES:
+                continue
+            for n, line in enumerate(f.read_text(encoding="utf-8", errors="replace").splitlines(), 1):
+                if ISSUE_NUMBER.search(line):
+                    found.append(f"{f.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
+    assert not found, "say what the code does and why, not which issue asked for it:\n" + "\n".join(found)
 
 
 @pytest.mark.parametrize("doc", DOCS)

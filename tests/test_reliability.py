@@ -1,4 +1,5 @@
-"""Regression tests of issue 18 (reliability): faults 1, 2, 3, 9, 11 (store half) and 12.
+"""Regression tests of reliability faults: the RSS guard with pins, unreadable or non-finite
+stores, cgroup limits, concurrent starts and budgets, out-of-vocabulary ids.
 
 Each test states the fault it pins down; every one failed on the code before the fix.
 """
@@ -470,7 +471,7 @@ def test_second_process_budgets_around_the_first(tmp_path, monkeypatch, tiny_sto
     monkeypatch.setenv("COLIBRI_CLAIMS_DIR", str(tmp_path / "claims"))
     monkeypatch.setattr(sizing, "probe_available", lambda: (10 * GB, True))
     # 8192 experts of 1 MB per layer: more than 8.8 GB, so the automatic budget is not capped
-    # at "the whole model" (issue 17) and the claims decide it
+    # at "the whole model" and the claims decide it
     plan = lambda: sizing.plan_cap(8192, [1_000_000] * 2, 50_000_000, 1_000_000, None, None,  # noqa: E731
                                    rss_now=100_000_000)
     alone = plan().budget

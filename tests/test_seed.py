@@ -1,5 +1,5 @@
 """Sampling seeds: "auto" draws a fresh seed per sampler, reports it, and the reported seed
-replays the same tokens (engine side of issue 17's Regenerate)."""
+replays the same tokens (the engine side of Regenerate)."""
 
 from __future__ import annotations
 

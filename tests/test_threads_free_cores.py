@@ -1,5 +1,5 @@
-"""Compute threads follow the cores other programs leave free (issue 17, point 2), the kernels
-are prepared before "ready", and the automatic budget fits the model (issue 17, point 8)."""
+"""Compute threads follow the cores other programs leave free, the kernels
+are prepared before "ready", and the automatic budget fits the model."""
 
 from __future__ import annotations
 

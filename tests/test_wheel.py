@@ -1,4 +1,4 @@
-"""`pip install .` carries the bundled model (issue 17): the wheel holds resources/models as the
+"""`pip install .` carries the bundled model: the wheel holds resources/models as the
 data-only package ``colibri_resources``; installed into a fresh venv, ``colibri run`` answers
 from outside the repository with the bundled model."""
 

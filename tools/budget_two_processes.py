@@ -1,4 +1,4 @@
-"""Show that two colibri processes do not each take 88% of RAM (issue 18, fault 11).
+"""Show that two colibri processes do not each take 88% of RAM.
 
 Opens the bundled default model in a first process and keeps it open, opens it in a second
 process meanwhile, then once more alone; each prints the automatic RAM budget it chose.

@@ -14,7 +14,7 @@ import numpy as np
 
 
 PRESETS = {
-    # >= 1B parameters, OLMoE-shaped (issue 2/3 benchmarks): 1.14B params, 8 x 64 experts.
+    # >= 1B parameters, OLMoE-shaped: 1.14B params, 8 x 64 experts.
     "1b": dict(hidden_size=1024, intermediate_size=640, num_hidden_layers=8, num_attention_heads=16,
                num_key_value_heads=16, num_experts=64, num_experts_per_tok=8, vocab_size=50304,
                max_position_embeddings=4096),

@@ -1,12 +1,12 @@
 """``colibri bench contention``: decode speed of each candidate thread default when other
-programs keep cores busy (issue 17, point 2).
+programs keep cores busy.
 
 Arms (candidate defaults of "Compute threads" and the OpenMP wait policy), each one persistent
 process (``bench contention-arm``, hidden) started with its own environment, since libgomp reads
 ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` once, when numba starts its thread pool:
 
   today        threads = all usable cores, libgomp's default wait (GOMP_SPINCOUNT=300000,
-               what an unset OMP_WAIT_POLICY means): the default before issue 17
+               what an unset OMP_WAIT_POLICY means): the default before auto
   one          threads = 1
   all-passive  all cores, OMP_WAIT_POLICY=PASSIVE (waiting threads sleep at once)
   all-spin10k  all cores, GOMP_SPINCOUNT=10000 (spin ~30x shorter, then sleep)
@@ -15,7 +15,7 @@ process (``bench contention-arm``, hidden) started with its own environment, sin
                generating (sysinfo.FreeCores), libgomp's default wait
   auto-passive the same with OMP_WAIT_POLICY=PASSIVE
   auto-spin30k threads = 0 with GOMP_SPINCOUNT=30000 (~0.5 ms of spinning here, then sleep):
-               the engine's default since issue 19 (a worker spinning ~5-8 ms after each
+               the engine's default (a worker spinning ~5-8 ms after each
                parallel region held a core while a streaming decode waited for the disk)
 
 Loads: 0, 1 and 2 busy background processes (``python -c "while True: pass"``, nice 0, started

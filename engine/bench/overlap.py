@@ -20,7 +20,7 @@ def ceiling(compute_s: float, mb_per_token: float, disk_gbps: float) -> tuple[fl
     """The I/O-bound ceiling: (tok/s, io s/token) for compute ``compute_s`` s/token (all
     resident), ``mb_per_token`` MB read per token (demand + speculative) and the disk's
     ``disk_gbps`` GB/s: 1 / max(compute, I/O) - what perfect overlap of reads and compute gives
-    (the issue #8 matrix's definition, with every byte read counted)."""
+    (`bench matrix`'s definition, with every byte read counted)."""
     io_s = mb_per_token * 1e6 / (disk_gbps * 1e9)
     return 1.0 / max(compute_s, io_s), io_s
 

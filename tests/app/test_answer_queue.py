@@ -1,4 +1,4 @@
-"""Issue 18 fault 10: one engine, several chats. A message sent in another chat while an answer
+"""One engine, several chats. A message sent in another chat while an answer
 is being written is kept and waits its turn with a visible note (never silently dropped); Stop
 shows only in the chat being answered and stops only that answer; the sidebar marks the chat
 being answered and the chats waiting. Also its siblings: Regenerate in another chat, and taking

@@ -1,4 +1,4 @@
-"""Issue 17, chat niceties and point 8 (part): search in message text (SQLite FTS5, a v1 file
+"""Chat niceties: search in message text (SQLite FTS5, a v1 file
 migrated safely) from the sidebar; export a chat to Markdown and JSON (atomic); the
 "generating" mark in the sidebar; the "Ask anything" hint after New chat; a narrow window."""
 

@@ -1,5 +1,5 @@
-"""The app shows which documentation entries an answer was given (issue 17 point 1: the
-documentation lookup); Settings > Documentation lookup off gives the plain chat."""
+"""The app shows which documentation entries an answer was given (the documentation
+lookup); Settings > Documentation lookup off gives the plain chat."""
 
 from __future__ import annotations
 

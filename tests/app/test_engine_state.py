@@ -1,4 +1,4 @@
-"""The window tells the truth about the engine (issue 17, points 4, 6 and 8): stale status
+"""The window tells the truth about the engine: stale status
 cleared on failure, a warning before Apply stops an answer, human words, a broken current model
 not reopened at every start, a "preparing kernels" state, "auto" showing the value in use, one
 source for hit rate and MB/token, the context limit in the dialog, dropped turns said in the chat."""

@@ -1,4 +1,4 @@
-"""Issue 18 fault 11, the app's half: one instance per data folder. A second start of the app on
+"""One app instance per data folder. A second start of the app on
 the same data folder either brings the first window to the front (and ends with exit code 0),
 or, when the first does not answer, runs read-only on the history with a visible note. Each
 test runs the other instance in a second process."""

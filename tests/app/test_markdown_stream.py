@@ -1,4 +1,4 @@
-"""Issue 17, chat niceties: code blocks highlighted (Pygments) with a Copy button; Markdown while
+"""Chat niceties: code blocks highlighted (Pygments) with a Copy button; Markdown while
 the answer streams (not only at the end), re-rendering only the block being written."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Regenerate draws a fresh seed; the seed is stored with the answer and reproduces it (issue 17).
+"""Regenerate draws a fresh seed; the seed is stored with the answer and reproduces it.
 
 On a sampled answer (temperature 0.7) three regenerations give three different answers, each
 stored with its own seed (history column ``seed``, schema version 2); sending the question

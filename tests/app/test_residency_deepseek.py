@@ -1,5 +1,5 @@
-"""The residency panel at DeepSeek-V3's shape (issue 14: "residency panel (256 experts x 61
-layers)"): 61 transformer layers of which the first 3 are dense, so 58 MoE rows x 256 experts,
+"""The residency panel at DeepSeek-V3's shape: 61 transformer layers of which the first 3 are
+dense, so 58 MoE rows x 256 experts,
 in the side dock's width (the main window's dock is at least 360 px) and in a wide panel."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 18 fault 6: closing the app while a wizard task (download, conversion) runs must end the
+"""Closing the app while a wizard task (download, conversion) runs must end the
 process cleanly (exit code 0), not abort it (SIGABRT, -6) in a running thread's destructor.
 
 Each case runs the real app objects in a child process (an abort would kill the test runner),

@@ -1,4 +1,4 @@
-"""Issue 17 point 6: disabled controls look disabled; the window follows the desktop's light or
+"""Disabled controls look disabled; the window follows the desktop's light or
 dark scheme, with a choice in Settings (System / Light / Dark) kept in the settings file; the
 plots and the residency map follow the scheme."""
 
@@ -78,7 +78,7 @@ MAKERS = {
 @pytest.mark.parametrize("kind", list(MAKERS))
 def test_disabled_controls_look_disabled(qtbot, themed, scheme, kind):
     if scheme == "light" and resources.apply_theme.__code__.co_argcount == 1:
-        resources.apply_theme(themed)          # the one light theme before issue 17 (to show the fault)
+        resources.apply_theme(themed)          # the one light theme of before (to show the fault)
     else:
         resources.apply_theme(themed, scheme)
     _box, a, b = _pair(qtbot, MAKERS[kind])

@@ -1,4 +1,4 @@
-"""Issue 17 point 7: the wizard checks the tokenizer and chat template before converting,
+"""The wizard checks the tokenizer and chat template before converting,
 accepts a pasted hub address, says why Next is disabled, and removes a store whose self-test
 fails (with "Use this model" disabled and the reason shown)."""
 
