@@ -24,21 +24,14 @@ products are integer: AVX-512 VNNI ``vpdpbusd`` through numba intrinsics (LLVM v
 CPUs that have it (``INT_FLAVOR`` "vnni"), AVX-512BW ``vpmaddubsw`` for q4 ("bw"), AVX2
 ``vpmaddubsw`` on 256-bit halves for q4 and q8 ("avx2": AMD before Zen 4, Intel desktop chips
 since Alder Lake), plain vectorizable numba loops on the dequantized activations elsewhere
-("portable"). On an AMD EPYC Zen 3 (AVX2, no AVX-512; one thread, best of up to 60 calls)
-linear_q4 ran 2.0-2.5 G multiply-adds/s portable and 14-26 with "avx2" at T = 1-64. Every path
+("portable", several times slower than "avx2"). Every path
 computes the same real-valued expression, quantize_activations(x) @ dequant(W)^T, which is
 what kernels_ref computes. The SIMD paths run register tiles (see "register tiles" below): one
 pass over R weight rows serves TT tokens, with R x TT independent accumulators, and the
 nibbles' "- 8" (q4) and the unsigned activations' "+ 128" (q8) are folded into vpdpbusd's
 start values, so a group costs one vpdpbusd, one int -> float conversion, one multiply and one
-FMA per (row, token). Measured on this repo's machine (Intel Xeon with AVX-512 VNNI, shared
-with other jobs at load 20-30: one thread, thread CPU time, best of 40, a 2048 x 1024 expert in
-cache), before -> after the tiles: q4 T = 1 17 -> 31, T = 4 20 -> 49, T = 64 26 -> 46;
-q8 T = 1 18 -> 20, T = 64 27 -> 50 G multiply-adds per CPU-second. At T = 1 the expert
-weights come from DRAM, and there one row per pass (the 1 x 1 tile) streams faster than R rows
-at once: on an AMD EPYC Zen 4 (2 vCPUs), weights cycled through 400 MB so they come from DRAM,
-2 threads, q4 [50304, 2048] 13.4 GB/s with the 4 x 1 tile -> 18.7-27 GB/s with 1 x 1 (R = 2, 4,
-8: 6-14 GB/s; software prefetch distance 0-16 KB changed nothing), q8 at 1 thread 7.6 -> 19 GB/s.
+FMA per (row, token). At T = 1 the weights come from DRAM, and there one row-major row per
+pass (the 1 x 1 tile) streams faster than R rows at once (docs/decisions/0002-int4-interleaved-layout.md).
 So token rows that do not fill a token tile run 1 x 1 per weight row (_q4_block_pairs).
 
 Process-wide setup done here, before the first kernel compiles:
@@ -51,17 +44,13 @@ Process-wide setup done here, before the first kernel compiles:
   ``NUMBA_THREADING_LAYER``). ``workqueue`` aborts the process when two threads launch parallel
   kernels at once, so under it (``SERIALIZED``) every parallel kernel runs under one lock.
 - OpenMP wait policy: spin a while, then sleep. Spinning threads fight any other busy program
-  for its core (~800 -> 10 tok/s with one core busy), but ``OMP_WAIT_POLICY=PASSIVE``
-  cost 80% of the quiet speed of the default model (a futex wake at each of the many small
-  parallel regions of a token); instead the engine runs only as many threads as there are free
-  cores (threads = 0: engine.sysinfo.FreeCores). Measured by ``colibri bench contention``
-  (bench/results/contention_*.md). The spin is shortened from libgomp's 300000 to
-  ``GOMP_SPINCOUNT=30000`` (unless the user set GOMP_SPINCOUNT or OMP_WAIT_POLICY):
-  libgomp's default kept a worker spinning ~5-8 ms after every parallel region on this
-  machine's CPU, a whole core while a streaming decode waited for the disk (perf: 34% of a
-  streamed 7B run's CPU in libgomp; 0.30 -> 0.22 CPU s per token at an 8 GB budget), while
-  30000 (~0.5 ms) still covers the gaps between a token's kernels: the default model's quiet
-  decode 638 vs 630 tok/s, with one core busy 521 vs 530 (contention_spin30k_default).
+  for its core, but ``OMP_WAIT_POLICY=PASSIVE`` pays a futex wake at each of the many small
+  parallel regions of a token; instead the engine runs only as many threads as there are free
+  cores (threads = 0: engine.sysinfo.FreeCores). The spin is shortened from libgomp's 300000
+  to ``GOMP_SPINCOUNT=30000`` (unless the user set GOMP_SPINCOUNT or OMP_WAIT_POLICY):
+  libgomp's default kept a core spinning ~5-8 ms after every parallel region while a
+  streaming decode waited for the disk, and ~0.5 ms still covers the gaps between a token's
+  kernels (docs/decisions/0005-compute-threads-auto.md).
 """
 
 from __future__ import annotations
