@@ -17,6 +17,7 @@ from .events import (ABSENT, LOADING, PINNED, REMOTE, RESIDENT, ChatMessage, Eng
 from .chat_template import reasoning_open, split_reasoning
 from .docs_lookup import DocEntry, DocsIndex
 from .fsutil import atomic_write_text
+from .gui_check import GuiCheck, check_gui
 from .generate import Engine
 from .sampling import fresh_seed
 from .settings import (APP, CHECKSUM_MODES, ENGINE, POLICIES, SAMPLING, AppSettings, EngineConfig, Setting,
@@ -32,4 +33,5 @@ __all__ = [
     "LoadProgress", "ResidencySnapshot", "SamplingParams", "StepMetrics", "TokenEvent", "atomic_write_text",
     "Engine", "ENGINE", "SAMPLING", "APP", "AppSettings", "Setting", "settings_table", "upgrade_keys", "validate", "format_bytes",
     "format_duration", "fresh_seed", "DocEntry", "DocsIndex", "split_reasoning", "reasoning_open", "describe_model", "family_name", "supported_families",
+    "GuiCheck", "check_gui",
 ]

@@ -39,9 +39,25 @@ def _fake_bundle(base: Path) -> Path:
     plat.mkdir(parents=True)
     for f in ("libqoffscreen.so", "libqxcb.so"):
         (plat / f).write_text("")
+    from engine import gui_check as G
+    for so in {**G.QT_GUI_LIBS, **G.XCB_LIBS}:
+        if so not in ("libGL.so.1", "libEGL.so.1", "libxcb.so.1"):
+            (inner / so).write_text("")
     (b / "colibri").write_text("#!/bin/sh\n")
     (b / "colibri").chmod(0o755)
     return b
+
+
+def test_check_bundle_refuses_a_bundle_without_the_x11_libraries(B, tmp_path):
+    """PyInstaller copies the xcb plugin's libraries from the build machine; one missing there
+    would leave a bundle whose window aborts on a machine without it."""
+    b = _fake_bundle(tmp_path)
+    (b / "_internal" / "libxcb-icccm.so.4").unlink()
+    (b / "_internal" / "libxcb-keysyms.so.1").unlink()
+    with pytest.raises(B.BuildError, match=r"libxcb-icccm.so.4, libxcb-keysyms.so.1.*apt-get install "
+                                           r"libxcb-icccm4 libxcb-keysyms1"):
+        B.check_bundle(b, "linux")
+    assert "libxcb-cursor.so.0" in B.check_bundle(_fake_bundle(tmp_path / "ok"), "linux")["gui_libraries"]
 
 
 def test_version_has_one_source(B):

@@ -3,7 +3,9 @@
 ``colibri doctor`` prints: the colibri version and how it is installed (source / pip or the
 frozen bundle, with its BUILDINFO), Python and the OS, the versions of the libraries the engine
 runs on (read from package metadata: PySide6 is never imported, so no Qt starts), the CPU and
-its SIMD features (AVX2, AVX-512, VNNI: what LLVM sees, the int kernel path chosen), the
+its SIMD features (AVX2, AVX-512, VNNI: what LLVM sees, the int kernel path chosen), whether
+the desktop window can open (a display, the shared libraries Qt needs: engine.gui_check, with
+the install command for what is missing), the
 threads (numba's threading layer, the default thread count from CPU affinity and the cgroup
 CPU quota, the settings file's choice), numba's cache folder, RAM (host and cgroup limit,
 engine.sysinfo), the data and config folders (writable or not, free disk), a short disk read
@@ -263,6 +265,13 @@ def collect(disk_test: bool = True, budget_bytes: int = DISK_TEST_BYTES,
                                                    "path": cg.path}}
     _section(facts, "memory", memory)
 
+    def window():
+        from ..gui_check import check_gui
+        chk = check_gui()
+        return {"ok": chk.ok, "platform": chk.platform, "display": chk.display, "display_ok": chk.display_ok,
+                "missing": sorted(chk.missing), "install": chk.install, "message": chk.message()}
+    _section(facts, "window", window)
+
     data = user_data_dir(create=False)
     config = user_config_dir(create=False)
     _section(facts, "data_folder", lambda: _folder_fact(data, "COLIBRI_DATA_DIR", "models, downloads and chats"))
@@ -360,6 +369,16 @@ def format_report(f: dict) -> str:
         add("cgroup", "no memory limit" if cg is None else
             f"limit {format_bytes(cg['limit_bytes'])} (v{cg['version']}, {cg['path']}), "
             f"{format_bytes(cg['available_bytes'])} left")
+    if err("window"):
+        add("window", err("window"))
+    elif "window" in f:
+        w = f["window"]
+        if w["ok"]:
+            add("window", f"can open ({w['platform']}" + (f" on {w['display']}" if w["display"] else "")
+                + "; the libraries Qt needs load)")
+        else:
+            for i, line in enumerate(x for x in w["message"].splitlines() if x.strip()):
+                add("window" if i == 0 else "", line.strip() if i else line)
     for key, label in (("data_folder", "data folder"), ("config_folder", "config")):
         if err(key):
             add(label, err(key))
