@@ -27,8 +27,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .. import __version__
-from ..platform_io import BUFFERED, open_for_reads, positional_reader
-from ..quant import aligned_empty
 from ..units import format_bytes
 
 APP = "colibri-desktop"
@@ -95,6 +93,9 @@ def _timed_reads(path: Path, budget_bytes: int, budget_s: float) -> DiskSpeed:
     """Uncached reads of ``path`` in shuffled 1 MiB blocks until ``budget_bytes`` or
     ``budget_s`` is reached (whichever first). Raises OSError."""
     import random
+
+    from ..platform_io import open_for_reads, positional_reader
+    from ..quant import aligned_empty
     f = open_for_reads(path, uncached=True)
     read = positional_reader()
     try:
@@ -151,6 +152,7 @@ def disk_read_speed(folder: Path, fallback_files: list[Path] = (), budget_bytes:
                 return r
             except OSError as e2:
                 why += f"; reading {big} failed too ({e2.strerror or e2})"
+        from ..platform_io import BUFFERED
         return DiskSpeed(0, 0.0, BUFFERED, str(folder), f"not measured: {why}")
     finally:
         if tmp is not None:
@@ -230,17 +232,17 @@ def collect(disk_test: bool = True, budget_bytes: int = DISK_TEST_BYTES,
     _section(facts, "packages", package_versions)
 
     def cpu():
-        from .. import kernels as K
+        from .. import kernel_facts as K  # what the kernels will use, without starting numba
         from ..sysinfo import affinity_cpus, cgroup_cpu_quota, cpu_name, usable_cpus
         feats = K.cpu_features()
         return {"name": cpu_name(), "logical_cpus": os.cpu_count(), "affinity_cpus": affinity_cpus(),
                 "cgroup_cpu_quota": cgroup_cpu_quota(), "usable_cpus": usable_cpus(),
                 "features": {f: feats[f] for f in CPU_FLAGS if f in feats},
-                "int_kernels": K.INT_FLAVOR}
+                "int_kernels": K.int_flavor()}
     _section(facts, "cpu", cpu)
 
     def threads():
-        from .. import kernels as K
+        from .. import kernel_facts as K
         from ..settings import EngineConfig
         from ..sysinfo import usable_cpus
         default = EngineConfig().threads or usable_cpus()
@@ -248,10 +250,12 @@ def collect(disk_test: bool = True, budget_bytes: int = DISK_TEST_BYTES,
             saved = _settings_threads(user_config_dir(create=False))
         except OSError:
             saved = None
-        return {"threading_layer": K.THREADING_LAYER, "serialized": K.SERIALIZED, "default": default,
+        layer = K.threading_layer()
+        cache, cache_problem = K._numba_cache_dir()
+        return {"threading_layer": layer, "serialized": layer not in ("omp", "tbb"), "default": default,
                 "settings_file": saved, "in_use": saved or default,  # 0 = all usable CPUs
                 "limit": K.thread_limit(),
-                "numba_cache": K.CACHE_DIR, "numba_cache_problem": K.CACHE_PROBLEM}
+                "numba_cache": cache, "numba_cache_problem": cache_problem}
     _section(facts, "threads", threads)
 
     def memory():
