@@ -1130,7 +1130,7 @@ class MainWindow(QMainWindow):
         except ImportError:
             self._not_available("Adding a model")
             return
-        dlg = ModelWizard(self)
+        dlg = ModelWizard(self, recommendations=True)
         dlg.model_ready.connect(self.use_model)
         self._show_dialog(dlg)
 
