@@ -35,6 +35,18 @@ log = logging.getLogger(__name__)
 
 UI_STATE_FILE = "ui_state.json"
 GENERATING, WAITING = "generating…", "waiting"   # sidebar marks
+# what an empty chat says while the bundled model is open: what it is, what it gets right and
+# wrong, and the way to a real model
+BUNDLED_INTRO = (
+    "<p><b>This is the bundled model</b>, a small offline model (11 M parameters) that explains "
+    "Python's standard library from its documentation.</p>"
+    "<p>Good at “What does <code>json.dumps</code> do?” (it looks the entry up and answers from it). "
+    "Often wrong on “How do I …?” questions and on follow-up questions in the same chat.</p>"
+    "<p>For everyday questions, code and longer chats, get a real model: "
+    "<a href=\"recommended\">Recommended for this computer…</a> (File › Add model…).</p>")
+BUNDLED_PLACEHOLDERS = ("Ask what a standard-library function does, e.g. What does json.dumps do?  (Enter to send)",
+                        "Ask what a function does, e.g. What does json.dumps do?",
+                        "e.g. What does json.dumps do?")
 
 
 def mark_icon(mark: str) -> QIcon:
@@ -404,6 +416,7 @@ class MainWindow(QMainWindow):
         self.chat.regenerate_requested.connect(self.regenerate)
         self.chat.edit_requested.connect(self.edit_message)
         self.chat.system_prompt_edited.connect(self._system_prompt_edited)
+        self.chat.recommendations_requested.connect(self.open_wizard)
         rl.addWidget(self.chat, 1)
         # notices sit between the header and the transcript
         self.chat.layout().insertWidget(1, notices)
@@ -613,6 +626,8 @@ class MainWindow(QMainWindow):
             self.banner.hide()
         self.chat.model_name = ev.model_name
         self.chat.set_chat_template(ev.has_chat_template)
+        bundled = ev.model_name == library.DEFAULT_MODEL
+        self.chat.set_intro(BUNDLED_INTRO if bundled else "", BUNDLED_PLACEHOLDERS if bundled else ())
         self.panels.on_loaded(ev)
         self.st_model.setText(f"{ev.model_name} ({ev.quant})")
         self._show_cap(ev.cap_per_layer, ev.expert_slots)

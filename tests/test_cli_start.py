@@ -99,3 +99,16 @@ def test_verbose_is_accepted_before_and_after_the_verb(argv):
 
 def test_without_verbose_it_is_off():
     assert build_parser().parse_args(["run", "--prompt", "x"]).verbose is False
+
+
+@pytest.mark.parametrize("name,says", [("model.safetensors", "manifest.json"), ("m.gguf", "GGUF")])
+def test_a_file_given_as_the_model_is_not_a_folder(tmp_path, capsys, name, says):
+    """`--model FILE` said "unreadable or half-written ... re-run convert --overwrite"."""
+    from engine.cli import main
+    f = tmp_path / name
+    f.write_bytes(b"\0" * 64)
+    for argv in (["run", "--model", str(f), "--prompt", "hi"], ["info", str(f)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"{f}: is a file, not a folder" in err and says in err, err
+        assert "half-written" not in err and "Traceback" not in err

@@ -1,0 +1,66 @@
+"""What a first start shows: the bundled model says what it is, what it is good at and where it
+is wrong, with a link to the recommendations; the prompt box's placeholder is repainted when
+its text changes (it stayed on "Loading the model…" after "Model ready")."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from PySide6.QtCore import QEvent, QObject  # noqa: E402
+
+from engine import library  # noqa: E402
+from colibri_app import wizard as wz  # noqa: E402
+from colibri_app.chat_view import PromptEdit  # noqa: E402
+
+
+class Paints(QObject):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def eventFilter(self, obj, ev):  # noqa: N802 - Qt's name
+        if ev.type() == QEvent.Paint:
+            self.n += 1
+        return False
+
+
+def test_a_new_placeholder_over_a_shown_one_is_painted(qtbot):
+    box = PromptEdit()
+    qtbot.addWidget(box)
+    box.resize(600, 40)
+    box.show()
+    box.set_placeholders("Loading the model…")
+    qtbot.waitExposed(box)
+    paints = Paints()
+    box.viewport().installEventFilter(paints)
+    quiet = -1
+    while quiet != paints.n:  # the first paints of showing it are over
+        quiet = paints.n
+        qtbot.wait(300)
+    box.set_placeholders("Message the model…  (Enter to send)")
+    qtbot.waitUntil(lambda: paints.n >= 1, timeout=10000)
+    assert box.placeholderText() == "Message the model…  (Enter to send)"
+
+
+def test_the_bundled_model_says_what_it_is_and_links_to_the_recommendations(make_window, qtbot, monkeypatch):
+    win = make_window()
+    assert "bundled" not in win.chat.empty_label.text()  # another model: the general line
+    assert win.chat.input.placeholderText().startswith("Message the model")
+    win.on_loaded(replace(win.loaded, model_name=library.DEFAULT_MODEL))
+    intro = win.chat.empty_label.text()
+    for part in ("bundled model", "offline", "standard library", "What does", "How do I", "follow-up",
+                 "Recommended for this computer"):
+        assert part in intro, part
+    assert win.chat.empty_label.isVisible()
+    assert "json.dumps" in win.chat.input.placeholderText()
+    shown = []
+    monkeypatch.setattr(win, "_show_dialog", lambda dlg: shown.append(dlg))
+    win.chat.empty_label.linkActivated.emit("recommended")
+    assert shown and shown[0].startId() == wz.PAGE_RECOMMENDED
+    shown[0].deleteLater()
+    win.on_loaded(replace(win.loaded, model_name="tiny-olmoe"))  # switching away: the general texts again
+    assert "bundled" not in win.chat.empty_label.text()
+    assert win.chat.input.placeholderText().startswith("Message the model")
