@@ -49,6 +49,11 @@ BUNDLED_PLACEHOLDERS = ("Ask what a standard-library function does, e.g. What do
                         "e.g. What does json.dumps do?")
 
 
+def auto_title(first_text: str) -> str:
+    """A new chat's title: its first message on one line, at most 48 characters."""
+    return " ".join(first_text.split())[:48] or DEFAULT_TITLE
+
+
 def mark_icon(mark: str) -> QIcon:
     """A dot before a conversation in the sidebar: accent while generating, grey while waiting."""
     from .resources import colors
@@ -204,9 +209,10 @@ class Banner(QFrame):
             fn()
 
     def show_message(self, kind: str, message: str, hint: str = "", error: bool = True,
-                     action: tuple[str, object] | None = None) -> None:
+                     action: tuple[str, object] | None = None, title: str = "") -> None:
         """Show ``message`` (in the app's words: engine_bridge.app_words) with a hint picked from
-        ``kind`` unless given; ``action`` = (button text, callable) adds a button beside Dismiss."""
+        ``kind`` unless given and a title from ``kind`` unless given; ``action`` = (button
+        text, callable) adds a button beside Dismiss."""
         from .engine_bridge import app_words
         message = app_words(message)
         self.kind = kind
@@ -227,7 +233,8 @@ class Banner(QFrame):
                             ErrorKind.HISTORY: "The chat history was reset",
                             ErrorKind.SETTINGS: "Your settings could not be used",
                             ErrorKind.MODEL: "The chosen model was not found",
-                            ErrorKind.UNAVAILABLE: "Not available"}.get(kind, "Something went wrong"))
+                            ErrorKind.UNAVAILABLE: "Not available"}.get(kind, "Something went wrong")
+                           if not title else title)
         self.text.setText(message)
         self.hint.setText(hint or HINTS.get(kind, HINTS[ErrorKind.GENERATION]))
         self.show()
@@ -832,7 +839,7 @@ class MainWindow(QMainWindow):
 
     def _ensure_conversation(self, first_text: str) -> int:
         if self.conv_id is None:
-            title = " ".join(first_text.split())[:48] or DEFAULT_TITLE
+            title = auto_title(first_text)
             system = self.chat.system_prompt() or self._pending_system
             conv = self.history.create_conversation(title, system)
             self.conv_id = conv.id
@@ -856,8 +863,15 @@ class MainWindow(QMainWindow):
             return
         conv_id = self._ensure_conversation(text)
         if self._editing is not None:
+            edited = self.history.message(self._editing)
+            firsts = [m.id for m in self.history.messages(conv_id) if m.role == "user"][:1]
             self._truncate_from(conv_id, self._editing)
             self._cancel_edit(clear=False)
+            conv = self.history.conversation(conv_id)
+            # the first message named the chat: its new text names it, unless the user renamed it
+            if edited is not None and firsts == [edited.id] and conv is not None \
+                    and conv.title == auto_title(edited.content):
+                self.rename_conversation(conv_id, auto_title(text))
         sp = self.chat.system_prompt()
         conv = self.history.conversation(conv_id)
         if conv is not None and sp != conv.system_prompt:
@@ -1096,12 +1110,20 @@ class MainWindow(QMainWindow):
     def start_serving(self, port: int, api_key: str = "") -> bool:
         """Serve the open model on 127.0.0.1:``port`` (0 = a free port); the status bar shows
         the URL and the request count. A failure (port in use, short key) shows a banner."""
+        import errno
         try:
             url = self.serve.start(port, api_key, self.settings.sampling)
         except (ValueError, OSError) as e:   # ConfigError is a ValueError
             self.act_serve.setChecked(False)
-            self.banner.show_message(ErrorKind.CONFIG, f"The server could not start: {e}",
-                                     hint="Choose another port (Server › Serve on this computer…).")
+            if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+                text = (f"Port {port} on this computer is already in use by another program (or another "
+                        f"colibri window).")
+                hint = ("Choose another port, or 0 for any free one (Server › Serve on this computer…), or stop "
+                        "the program using it.")
+            else:  # the dialog's words, not the command line's flags
+                text = str(e).replace("--api-key", "the API key").replace("--port", "the port")
+                hint = "Change it in Server › Serve on this computer…."
+            self.banner.show_message(ErrorKind.CONFIG, text, hint=hint, title="The server could not start")
             return False
         self._serve_port, self._serve_key = (port or self._serve_port), api_key
         self.act_serve.setChecked(True)

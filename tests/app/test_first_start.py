@@ -64,3 +64,28 @@ def test_the_bundled_model_says_what_it_is_and_links_to_the_recommendations(make
     win.on_loaded(replace(win.loaded, model_name="tiny-olmoe"))  # switching away: the general texts again
     assert "bundled" not in win.chat.empty_label.text()
     assert win.chat.input.placeholderText().startswith("Message the model")
+
+
+def test_editing_the_first_message_renames_the_chat_unless_renamed(qtbot, make_window):
+    """The chat is named after its first message; editing that message names it anew (the
+    title kept the old text). A title the user chose stays."""
+    from answer_helpers import send, wait_finished
+    from PySide6.QtCore import Qt
+    win = make_window(max_new_tokens=3)
+    send(qtbot, win, "What does len do?")
+    conv = win.conv_id
+    assert win.history.conversation(conv).title == "What does len do?"
+    first = win.history.messages(conv)[0].id
+    win.edit_message(first)
+    win.chat.input.setPlainText("What does json.dumps do?")
+    wait_finished(qtbot, win, lambda: qtbot.keyClick(win.chat.input, Qt.Key_Return))
+    assert win.history.conversation(conv).title == "What does json.dumps do?"
+    assert win.chat.title_label.text() == "What does json.dumps do?"
+    assert win.sidebar.list.item(0).text().startswith("What does json.dumps do?") or any(
+        "json.dumps" in win.sidebar.list.item(i).text() for i in range(win.sidebar.list.count()))
+    win.rename_conversation(conv, "My chat")
+    first = win.history.messages(conv)[0].id
+    win.edit_message(first)
+    win.chat.input.setPlainText("What does os.path.join do?")
+    wait_finished(qtbot, win, lambda: qtbot.keyClick(win.chat.input, Qt.Key_Return))
+    assert win.history.conversation(conv).title == "My chat"

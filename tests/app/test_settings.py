@@ -206,3 +206,16 @@ def test_cluster_address_is_a_text_field(dialog):
     assert new.engine.cluster == "192.168.1.20:6380" and Settings().needs_reload(new)
     assert RELOAD_MARK in d.status_label.text() or "reopen" in d.status_label.text()
     assert isinstance(d.fields["cluster_timeout_ms"].value(), int)
+
+
+def test_the_app_and_the_command_line_share_every_default():
+    """One declaration per setting: the app's defaults are the table's, as `colibri run`'s
+    flags are (the app's max new tokens was 512 while the command line's was 256)."""
+    from engine import ENGINE, SAMPLING, settings_table
+    from engine.cli import build_parser
+    from colibri_app.settings_store import Settings
+    a = build_parser("run").parse_args(["run", "--prompt", "x"])
+    s = Settings()
+    for group, values in ((SAMPLING, s.sampling), (ENGINE, s.engine)):
+        for st in settings_table(group):
+            assert getattr(values, st.name) == getattr(a, st.name) == st.default, st.name
