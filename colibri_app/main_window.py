@@ -110,6 +110,7 @@ def save_ui_state(state: dict) -> None:
 
 # --- widgets --------------------------------------------------------------------------------
 
+DOCK_MIN_PX = 360      # the panels' narrowest width beside the chat
 NARROW_PX = 900        # below this width the panels dock moves under the chat (2 x 2 cards)
 COMPACT_PX = 700       # below this the status bar keeps only model, speed and cap
 STATUS_SPACING_PX = 8  # space QStatusBar keeps around each permanent label (approximate, generous)
@@ -456,9 +457,10 @@ class MainWindow(QMainWindow):
         self.panels_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self.panels_scroll.setWidget(self.panels)
         self.dock.setWidget(self.panels_scroll)
-        self.dock.setMinimumWidth(360)
+        self.dock.setMinimumWidth(DOCK_MIN_PX)
         self.addDockWidget(Qt.RightDockWidgetArea, self.dock)
         self._dock_stacked = False       # moved under the chat because the window is narrow
+        self._dock_side_width = 0        # its width beside the chat before it moved
         self.dock.dockLocationChanged.connect(self._dock_moved)
 
         sb = self.statusBar()
@@ -508,6 +510,7 @@ class MainWindow(QMainWindow):
                        and self.dockWidgetArea(self.dock) in (Qt.RightDockWidgetArea, Qt.LeftDockWidgetArea))
         if w < NARROW_PX and docked_side and not self.dock.isHidden():
             self._dock_stacked = True
+            self._dock_side_width = self.dock.width()  # given back when the window is wide again
             self.addDockWidget(Qt.BottomDockWidgetArea, self.dock)
             # as tall as the 2 x 2 cards need when the window can spare it (else they scroll)
             need = self.panels.grid.totalMinimumHeightForWidth(max(1, self.width() - 20)) + 30
@@ -516,9 +519,17 @@ class MainWindow(QMainWindow):
             self._dock_stacked = False
             if self.dockWidgetArea(self.dock) == Qt.BottomDockWidgetArea and not self.dock.isFloating():
                 self.addDockWidget(Qt.RightDockWidgetArea, self.dock)
+                # back at the width it had beside the chat, not the share Qt splits a re-docked panel to
+                QTimer.singleShot(0, self._dock_back_at_side_width)
         for lab in (self.st_ttft, self.st_pilot):
             lab.setVisible(w >= COMPACT_PX)
         self._fit_status_message(self.statusBar().currentMessage())
+
+    def _dock_back_at_side_width(self) -> None:
+        """The panels beside the chat again: the width they had there, not the minimum the two
+        columns under the chat left on the dock (it stayed at ~530 px, half a wide window)."""
+        self.dock.setMinimumWidth(DOCK_MIN_PX)
+        self.resizeDocks([self.dock], [max(DOCK_MIN_PX, self._dock_side_width)], Qt.Horizontal)
 
     def status_message_room(self) -> int:
         """Pixels the status bar leaves a temporary message left of its visible permanent labels."""

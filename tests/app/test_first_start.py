@@ -89,3 +89,26 @@ def test_editing_the_first_message_renames_the_chat_unless_renamed(qtbot, make_w
     win.chat.input.setPlainText("What does os.path.join do?")
     wait_finished(qtbot, win, lambda: qtbot.keyClick(win.chat.input, Qt.Key_Return))
     assert win.history.conversation(conv).title == "My chat"
+
+
+def test_the_model_library_is_wide_enough_for_its_columns(qtbot, app_dirs, monkeypatch):
+    from colibri_app.library import ModelLibraryDialog
+    from engine.library import ModelEntry
+    long = ModelEntry("Qwen3-Coder-30B-A3B-Instruct", "hf://Qwen/Qwen3-Coder-30B-A3B-Instruct@0123456789abcdef",
+                      "int4", 17_890_000_000, "2026-12-07T08:00:00Z", "/home/u/.local/share/colibri-desktop/models/x",
+                      family="qwen3_moe")
+    from PySide6.QtCore import QRect
+
+    class Screen:  # a desktop wider than the test platform's 800 px
+        def availableGeometry(self):  # noqa: N802 - Qt's name
+            return QRect(0, 0, 1920, 1080)
+    monkeypatch.setattr(ModelLibraryDialog, "screen", lambda self: Screen())
+    dlg = ModelLibraryDialog(None)
+    qtbot.addWidget(dlg)
+    dlg.show()
+    dlg._show([long])
+    t = dlg.table
+    need = sum(max(t.sizeHintForColumn(j), t.horizontalHeader().sectionSizeHint(j)) for j in range(t.columnCount()))
+    assert dlg.width() >= need, (dlg.width(), need)
+    for j in range(dlg.table.columnCount()):  # no column is cut: each at least its contents' width
+        assert dlg.table.columnWidth(j) >= dlg.table.sizeHintForColumn(j) - 1, j
