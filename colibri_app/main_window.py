@@ -20,7 +20,8 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, Q
                                QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout, QWidget)
 
 from engine import (ABSENT, ChatMessage, EngineConfig, EngineFailure, Finished, Loaded, LoadProgress,
-                    ErrorKind, ResidencySnapshot, SamplingParams, StepMetrics, TokenEvent, fresh_seed, library)
+                    ErrorKind, ResidencySnapshot, SamplingParams, StepMetrics, TokenEvent, compile_needed, fresh_seed,
+                    library)
 
 from .chat_view import ChatView, ConversationList
 from .answer import AnswerEnd, AnswerStream
@@ -1163,7 +1164,8 @@ class MainWindow(QMainWindow):
         except ImportError:
             self._not_available("Settings")
             return
-        dlg = SettingsDialog(self.settings, self, auto_values=self.auto_values, save=None)  # saved here, once
+        dlg = SettingsDialog(self.settings, self, auto_values=self.auto_values, save=None,  # saved here, once
+                             compile_note=self.compile_note)
         if self.loaded is not None and hasattr(dlg, "show_in_use"):
             dlg.show_in_use(self.values_in_use(), self.loaded.max_context, self.loaded.model_name)
         dlg.applied.connect(self.apply_settings)
@@ -1222,6 +1224,18 @@ class MainWindow(QMainWindow):
             return self.loaded.cap_per_layer, self.loaded.ram_budget_bytes
         plan = library.plan_for_store(self.loaded.store_path, engine)
         return plan.cap, plan.budget
+
+    def compile_note(self, engine: EngineConfig) -> str:
+        """The sentence saying that opening the model with ``engine`` first compiles kernels not
+        yet compiled on this computer (engine.compile_needed), "" when it does not."""
+        if self.loaded is None:
+            return ""
+        needed, seconds = compile_needed(self.loaded.store_path, engine)
+        if not needed:
+            return ""
+        took = f"about {seconds:.0f} s, as the last one here" if seconds else "a minute or two"
+        return (f"They need a one-time compile of the compute kernels for this model ({took}) before the next "
+                f"answer.")
 
     def ask_reload_during_answer(self) -> str:
         """Ask whether settings that reopen the model may stop the answer being written:
