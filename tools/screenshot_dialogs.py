@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Render a page of the model wizard offscreen and save it (docs/wizard-recommended.png):
-"Recommended for this computer" sized for this machine's memory (or --ram-gb), or the source
-page (radio buttons) in either colour scheme.
+"""Render a dialog offscreen and save it: the model wizard's "Recommended for this computer"
+(docs/wizard-recommended.png; sized for this machine's memory, or --ram-gb), its source page
+(radio buttons), or the Settings dialog (docs/settings-dark.png), in either colour scheme.
 
-    QT_QPA_PLATFORM=offscreen python tools/screenshot_wizard.py [--out docs/wizard-recommended.png]
-        [--page recommended|source] [--theme light|dark] [--ram-gb 16] [--select Qwen/Qwen3-30B-A3B]
+    QT_QPA_PLATFORM=offscreen python tools/screenshot_dialogs.py [--out docs/wizard-recommended.png]
+        [--page recommended|source|settings] [--theme light|dark] [--ram-gb 16]
+        [--select Qwen/Qwen3-30B-A3B] [--size 1040x660]
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ sys.path.insert(0, str(ROOT))
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="screenshot_wizard.py", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="screenshot_dialogs.py", description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "docs" / "wizard-recommended.png"))
-    ap.add_argument("--page", choices=("recommended", "source"), default="recommended")
+    ap.add_argument("--page", choices=("recommended", "source", "settings"), default="recommended")
     ap.add_argument("--theme", choices=("light", "dark"), default="light")
     ap.add_argument("--ram-gb", type=float, default=0, help="size for a machine with this much RAM (0: this one)")
     ap.add_argument("--select", default="", help="repository id of the row to select")
@@ -41,7 +42,12 @@ def main(argv=None) -> int:
     if a.ram_gb:
         total = int(a.ram_gb * 1e9)
         lib.machine_ram = lambda: (total, int(total * 0.8))
-    w = wz.ModelWizard(None, context_length=0, recommendations=a.page == "recommended")
+    if a.page == "settings":
+        from colibri_app.settings_dialog import SettingsDialog
+        from colibri_app.settings_store import Settings
+        w = SettingsDialog(Settings(), None, save=None)
+    else:
+        w = wz.ModelWizard(None, context_length=0, recommendations=a.page == "recommended")
     width, height = (int(v) for v in a.size.split("x"))
     w.resize(width, height)
     w.show()
@@ -52,7 +58,7 @@ def main(argv=None) -> int:
     for _ in range(5):
         app.processEvents()
     if not w.grab().save(a.out):
-        print(f"screenshot_wizard.py: error: cannot write {a.out}", file=sys.stderr)
+        print(f"screenshot_dialogs.py: error: cannot write {a.out}", file=sys.stderr)
         return 1
     print(a.out)
     w.reject()
