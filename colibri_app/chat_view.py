@@ -318,6 +318,9 @@ class PromptEdit(QPlainTextEdit):
             text = fm.elidedText(self._placeholders[-1], Qt.ElideRight, room)
         if text != self.placeholderText():
             self.setPlaceholderText(text)
+            # Qt repaints only when the placeholder appears or disappears: a new text over a
+            # shown one ("Loading the model…" -> "Message the model…") stayed on screen
+            self.viewport().update()
         self.setToolTip("" if text == self._placeholders[0] else self._placeholders[0])
 
     def resizeEvent(self, e):  # noqa: N802 - Qt's name
