@@ -93,9 +93,37 @@ class RecommendedPage(QWizardPage):
         lay.addWidget(self.detail)
         lay.addWidget(self.other)
         self.rows: list = []
+        self.ram = (0, 0)
+        self.disk_task: Task | None = None
+        self.disk_measured = 0.0  # bytes/s of the models folder's disk, once measured
 
     def initializePage(self) -> None:
-        self.show_for(*lib.machine_ram())
+        """Fill the table at once with an assumed disk speed, then again with the speed of the
+        disk the models go to, measured in the background (a 32 MB read test, about a second)."""
+        self.ram = lib.machine_ram()
+        if self.disk_task is None and not self.disk_measured:
+            def fn(progress, cancel):
+                where = lib.models_dir()
+                return lib.disk_read_speed(where, [p for p in where.glob("*/experts/*.bin")][:1])
+            self.disk_task = run_task(fn, result=self._disk_measured, error=self._disk_failed)
+        self.show_for(*self.ram, self.disk_measured or None)
+
+    @Slot(object)
+    def _disk_measured(self, speed) -> None:
+        self.disk_task = None
+        self.disk_measured = (speed.mb_per_s or 0.0) * 1e6
+        self._refill()
+
+    @Slot(object)
+    def _disk_failed(self, _f) -> None:
+        self.disk_task = None  # the assumed speed stays, and the page says it is assumed
+        self._refill()
+
+    def _refill(self) -> None:
+        chosen = self.chosen()
+        self.show_for(*self.ram, self.disk_measured or None)
+        if chosen is not None:  # keep the user's choice
+            self.table.selectRow(next(i for i, r in enumerate(self.rows) if r.model is chosen.model))
 
     def show_for(self, total: int, available: int, disk_bytes_per_s: float | None = None) -> None:
         """Fill the table for a machine with ``total`` / ``available`` bytes of RAM (the tests
@@ -106,7 +134,7 @@ class RecommendedPage(QWizardPage):
         self.machine.setText(
             f"This computer: {fb(total)} of RAM, {fb(available)} available now. Sizes and budgets come from the "
             f"engine's own RAM rule; the speed range is an estimate from this project's measurements with a disk "
-            f"reading {disk / 1e9:.1f} GB/s ({'measured' if self.rows and self.rows[0].disk_measured else 'assumed: a typical NVMe SSD'}) "
+            f"reading {disk / 1e9:.1f} GB/s ({'measured on the models folder' if self.rows and self.rows[0].disk_measured else 'assumed: a typical NVMe SSD, measuring…' if self.disk_task is not None else 'assumed: a typical NVMe SSD'}) "
             f"and uniform routing (real routing reads less). Recommended models are listed first, in bold.")
         self.table.setRowCount(len(self.rows))
         for i, r in enumerate(self.rows):
@@ -907,7 +935,7 @@ class ModelWizard(QWizard):
 
     def tasks(self) -> list[Task]:
         return [t for t in (self.source_page.task, self.download_page.task, self.convert_page.task,
-                            self.done_page.task) if t is not None]
+                            self.done_page.task, self.recommended_page.disk_task) if t is not None]
 
     def accept(self) -> None:
         if self.done_page.passed and self.store_path:

@@ -12,6 +12,7 @@ these names only (docs/engine-api.md); the modules are split by concern:
     default_model  the small bundled model, converted on first use
     errors         HubError, DiskSpaceError, VerificationError
     catalog        MoE models people run, sized for this computer ("Recommended" in the wizard)
+    disk           a short read-speed test of the disk under a folder (doctor, the wizard)
 The RAM numbers come from engine.sizing (the rule Engine.open applies); they are re-exported
 here for the wizard.
 """
@@ -34,6 +35,7 @@ _WHERE = {
     "ModelEntry": "engine.library.models", "convert_downloaded": "engine.library.models", "delete_model": "engine.library.models", "list_models": "engine.library.models", "looks_like_store": "engine.library.models", "repair_advice": "engine.library.models", "self_test": "engine.library.models",
     "CATALOG": "engine.library.catalog", "CatalogModel": "engine.library.catalog",
     "Recommendation": "engine.library.catalog", "recommend": "engine.library.catalog",
+    "DiskSpeed": "engine.library.disk", "disk_read_speed": "engine.library.disk",
     "blocking_file": "engine.library.paths", "download_dir_for": "engine.library.paths", "downloads_dir": "engine.library.paths", "folder_problem": "engine.library.paths", "free_space": "engine.library.paths", "models_dir": "engine.library.paths", "resources_dir": "engine.library.paths", "store_name": "engine.library.paths", "user_config_dir": "engine.library.paths", "user_data_dir": "engine.library.paths",
 }
 
@@ -75,5 +77,5 @@ __all__ = [
     "convert_downloaded", "delete_model", "list_models", "looks_like_store", "repair_advice", "self_test",
     "store_problem", "download_dir_for", "downloads_dir",
     "free_space", "models_dir", "resources_dir", "store_name", "user_config_dir", "user_data_dir",
-    "CATALOG", "CatalogModel", "Recommendation", "recommend",
+    "CATALOG", "CatalogModel", "Recommendation", "recommend", "DiskSpeed", "disk_read_speed",
 ]

@@ -5,6 +5,7 @@ the usual hub check with its repository and quantization filled in."""
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 
@@ -16,17 +17,26 @@ import engine.library as lib  # noqa: E402
 from colibri_app import wizard as wz  # noqa: E402
 
 GB = 10 ** 9
+DISK_SPEED = {"bytes": 0}  # bytes the stand-in disk test reads in one second (0: not measured)
 
 
 @pytest.fixture
 def rec_wizard(qtbot, monkeypatch, app_dirs):
     from colibri_app import workers
     monkeypatch.setattr(lib, "machine_ram", lambda: (16 * GB, 12 * GB))
+    measured = threading.Event()  # the disk test waits for the test to let it finish
+
+    def disk(folder, files=()):
+        measured.wait(60)
+        return lib.DiskSpeed(DISK_SPEED["bytes"], 1.0 if DISK_SPEED["bytes"] else 0.0, "O_DIRECT", str(folder))
+    monkeypatch.setattr(lib, "disk_read_speed", disk)
     w = wz.ModelWizard(None, context_length=0, recommendations=True)
     qtbot.addWidget(w)
     w.resize(1000, 640)
     w.show()
+    w.measured = measured
     yield w
+    measured.set()
     w.reject()
     assert workers.shutdown_all(30)
 
@@ -73,3 +83,16 @@ def test_the_wizard_opened_from_the_window_starts_on_the_recommendations(monkeyp
     win.open_wizard()
     assert shown and shown[0].startId() == wz.PAGE_RECOMMENDED
     shown[0].deleteLater()
+
+
+def test_the_disk_speed_is_measured_and_said(qtbot, rec_wizard, monkeypatch):
+    monkeypatch.setitem(DISK_SPEED, "bytes", 400_000_000)
+    p = rec_wizard.recommended_page
+    assert "measuring" in p.machine.text()
+    row = next(i for i, r in enumerate(p.rows) if r.model.repo_id == "Qwen/Qwen3-30B-A3B")
+    p.table.selectRow(row)
+    rec_wizard.measured.set()
+    qtbot.waitUntil(lambda: "0.4 GB/s (measured on the models folder)" in p.machine.text(), timeout=30000)
+    assert p.rows == lib.recommend(16 * GB, 12 * GB, 400_000_000)
+    assert all(r.disk_measured and r.disk_bytes_per_s == 400_000_000 for r in p.rows)
+    assert p.chosen().model.repo_id == "Qwen/Qwen3-30B-A3B"  # the choice survives the refill
