@@ -20,6 +20,18 @@ def folder_problem_at_start() -> str | None:
     return None
 
 
+def window_problem_at_start() -> tuple[str, int] | None:
+    """None when the window can open here, else (the message naming the missing display or
+    every missing library with the install command, the exit code): checked before Qt loads
+    its platform plugin, which would abort the process naming one library at most."""
+    qtw = sys.modules.get("PySide6.QtWidgets")
+    if qtw is not None and qtw.QApplication.instance() is not None:
+        return None  # Qt is up already (an embedding program, the tests)
+    from engine import check_gui
+    chk = check_gui()
+    return None if chk.ok else (chk.message(), chk.exit_code)
+
+
 def show_fatal(text: str) -> None:
     """Tell the user why the app cannot start (a modal message box; tests replace it)."""
     from PySide6.QtWidgets import QMessageBox
@@ -32,8 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     The model is ``settings.current_model`` when it exists, else the bundled default model
     (converted into the user data directory on first run, with visible progress, on the
     worker thread). Returns the application's exit code (2, after a message box, when the data
-    or config folder cannot be used: folder_problem_at_start).
+    or config folder cannot be used: folder_problem_at_start; 3, after one message on stderr,
+    when there is no display or a library the window needs is missing: window_problem_at_start).
     """
+    problem = window_problem_at_start()
+    if problem:
+        print(problem[0], file=sys.stderr)
+        return problem[1]
     from PySide6.QtCore import QTimer
     from PySide6.QtGui import QIcon
     from PySide6.QtWidgets import QApplication

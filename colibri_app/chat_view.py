@@ -318,6 +318,9 @@ class PromptEdit(QPlainTextEdit):
             text = fm.elidedText(self._placeholders[-1], Qt.ElideRight, room)
         if text != self.placeholderText():
             self.setPlaceholderText(text)
+            # Qt repaints only when the placeholder appears or disappears: a new text over a
+            # shown one ("Loading the model…" -> "Message the model…") stayed on screen
+            self.viewport().update()
         self.setToolTip("" if text == self._placeholders[0] else self._placeholders[0])
 
     def resizeEvent(self, e):  # noqa: N802 - Qt's name
@@ -345,10 +348,16 @@ class ChatView(QWidget):
     regenerate_requested = Signal(int)      #: assistant message id
     edit_requested = Signal(int)            #: user message id
     system_prompt_edited = Signal(str)
+    recommendations_requested = Signal()    #: the intro's link to "Recommended for this computer"
+
+    EMPTY_TEXT = "Ask anything. Enter sends, Shift+Enter adds a line."
+    READY_TEXTS = ("Message the model…  (Enter to send, Shift+Enter for a new line)",
+                   "Message the model…  (Enter to send)", "Message the model…")
 
     def __init__(self, parent: QWidget | None = None):
         super().__init__(parent)
         self.setObjectName("chatView")
+        self.ready_texts = self.READY_TEXTS
         self.model_name = ""
         self.views: dict[int, MessageView] = {}
         self.generating = False
@@ -420,8 +429,9 @@ class ChatView(QWidget):
         self.msg_layout = QVBoxLayout(self.inner)
         self.msg_layout.setContentsMargins(20, 16, 20, 16)
         self.msg_layout.setSpacing(12)
-        self.empty_label = QLabel("Ask anything. Enter sends, Shift+Enter adds a line.")
+        self.empty_label = QLabel(self.EMPTY_TEXT)
         self.empty_label.setObjectName("emptyLabel")
+        self.empty_label.linkActivated.connect(lambda _link: self.recommendations_requested.emit())
         self.empty_label.setAlignment(Qt.AlignCenter)
         self.empty_label.setWordWrap(True)   # a narrow window wraps it instead of widening the page
         self.msg_layout.addWidget(self.empty_label)
@@ -594,9 +604,17 @@ class ChatView(QWidget):
                      "Raw mode: text for the model to continue  (Enter to send)", "Raw mode  (Enter to send)",
                      "Raw mode")
         else:
-            texts = ("Message the model…  (Enter to send, Shift+Enter for a new line)",
-                     "Message the model…  (Enter to send)", "Message the model…")
+            texts = self.ready_texts
         self.input.set_placeholders(*texts)
+
+    def set_intro(self, html: str = "", placeholders: tuple[str, ...] = ()) -> None:
+        """What an empty chat says about the open model (rich text; a link asks for the
+        recommendations) and the prompt box's placeholders once it is ready, longest first;
+        empty: the general ones."""
+        self.empty_label.setTextFormat(Qt.RichText if html else Qt.AutoText)
+        self.empty_label.setText(html or self.EMPTY_TEXT)
+        self.ready_texts = tuple(placeholders) or self.READY_TEXTS
+        self._update_placeholder()
 
     # --- chat template / raw mode ---------------------------------------------------------
 

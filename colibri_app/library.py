@@ -159,10 +159,27 @@ class ModelLibraryDialog(QDialog):
                         it.setForeground(self.palette().color(QPalette.Text))
                 self.table.setItem(i, j, it)
         self.table.resizeColumnsToContents()
+        self._fit_width()
         self.empty.setVisible(not self.entries)
         if self.entries and not self.table.selectedItems():
             self.table.selectRow(0)
         self._selection_changed()
+
+    def table_content_width(self) -> int:
+        """Pixels the table needs to show every column whole (contents and headers)."""
+        t = self.table
+        cols = sum(max(t.sizeHintForColumn(j), t.horizontalHeader().sectionSizeHint(j)) for j in range(t.columnCount()))
+        return cols + 2 * t.frameWidth() + t.verticalScrollBar().sizeHint().width()
+
+    def _fit_width(self) -> None:
+        """Widen the dialog (never past the screen) so that names, sources and paths are not cut:
+        a hub source with its commit alone is wider than the first size."""
+        lay = self.layout()
+        m = lay.contentsMargins()
+        need = self.table_content_width() + m.left() + m.right()
+        screen = self.screen().availableGeometry().width() if self.screen() else need
+        if self.width() < need:
+            self.resize(min(need, int(0.95 * screen)), self.height())
 
     def selected(self) -> lib.ModelEntry | None:
         rows = {i.row() for i in self.table.selectedItems()}

@@ -20,7 +20,8 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, Q
                                QMessageBox, QProgressBar, QPushButton, QSplitter, QVBoxLayout, QWidget)
 
 from engine import (ABSENT, ChatMessage, EngineConfig, EngineFailure, Finished, Loaded, LoadProgress,
-                    ErrorKind, ResidencySnapshot, SamplingParams, StepMetrics, TokenEvent, fresh_seed, library)
+                    ErrorKind, ResidencySnapshot, SamplingParams, StepMetrics, TokenEvent, compile_needed, fresh_seed,
+                    library)
 
 from .chat_view import ChatView, ConversationList
 from .answer import AnswerEnd, AnswerStream
@@ -35,6 +36,23 @@ log = logging.getLogger(__name__)
 
 UI_STATE_FILE = "ui_state.json"
 GENERATING, WAITING = "generating…", "waiting"   # sidebar marks
+# what an empty chat says while the bundled model is open: what it is, what it gets right and
+# wrong, and the way to a real model
+BUNDLED_INTRO = (
+    "<p><b>This is the bundled model</b>, a small offline model (11 M parameters) that explains "
+    "Python's standard library from its documentation.</p>"
+    "<p>Good at “What does <code>json.dumps</code> do?” (it looks the entry up and answers from it). "
+    "Often wrong on “How do I …?” questions and on follow-up questions in the same chat.</p>"
+    "<p>For everyday questions, code and longer chats, get a real model: "
+    "<a href=\"recommended\">Recommended for this computer…</a> (File › Add model…).</p>")
+BUNDLED_PLACEHOLDERS = ("Ask what a standard-library function does, e.g. What does json.dumps do?  (Enter to send)",
+                        "Ask what a function does, e.g. What does json.dumps do?",
+                        "e.g. What does json.dumps do?")
+
+
+def auto_title(first_text: str) -> str:
+    """A new chat's title: its first message on one line, at most 48 characters."""
+    return " ".join(first_text.split())[:48] or DEFAULT_TITLE
 
 
 def mark_icon(mark: str) -> QIcon:
@@ -93,6 +111,7 @@ def save_ui_state(state: dict) -> None:
 
 # --- widgets --------------------------------------------------------------------------------
 
+DOCK_MIN_PX = 360      # the panels' narrowest width beside the chat
 NARROW_PX = 900        # below this width the panels dock moves under the chat (2 x 2 cards)
 COMPACT_PX = 700       # below this the status bar keeps only model, speed and cap
 STATUS_SPACING_PX = 8  # space QStatusBar keeps around each permanent label (approximate, generous)
@@ -192,9 +211,10 @@ class Banner(QFrame):
             fn()
 
     def show_message(self, kind: str, message: str, hint: str = "", error: bool = True,
-                     action: tuple[str, object] | None = None) -> None:
+                     action: tuple[str, object] | None = None, title: str = "") -> None:
         """Show ``message`` (in the app's words: engine_bridge.app_words) with a hint picked from
-        ``kind`` unless given; ``action`` = (button text, callable) adds a button beside Dismiss."""
+        ``kind`` unless given and a title from ``kind`` unless given; ``action`` = (button
+        text, callable) adds a button beside Dismiss."""
         from .engine_bridge import app_words
         message = app_words(message)
         self.kind = kind
@@ -215,7 +235,8 @@ class Banner(QFrame):
                             ErrorKind.HISTORY: "The chat history was reset",
                             ErrorKind.SETTINGS: "Your settings could not be used",
                             ErrorKind.MODEL: "The chosen model was not found",
-                            ErrorKind.UNAVAILABLE: "Not available"}.get(kind, "Something went wrong"))
+                            ErrorKind.UNAVAILABLE: "Not available"}.get(kind, "Something went wrong")
+                           if not title else title)
         self.text.setText(message)
         self.hint.setText(hint or HINTS.get(kind, HINTS[ErrorKind.GENERATION]))
         self.show()
@@ -404,6 +425,7 @@ class MainWindow(QMainWindow):
         self.chat.regenerate_requested.connect(self.regenerate)
         self.chat.edit_requested.connect(self.edit_message)
         self.chat.system_prompt_edited.connect(self._system_prompt_edited)
+        self.chat.recommendations_requested.connect(self.open_wizard)
         rl.addWidget(self.chat, 1)
         # notices sit between the header and the transcript
         self.chat.layout().insertWidget(1, notices)
@@ -436,9 +458,10 @@ class MainWindow(QMainWindow):
         self.panels_scroll.setHorizontalScrollBarPolicy(Qt.ScrollBarAlwaysOff)
         self.panels_scroll.setWidget(self.panels)
         self.dock.setWidget(self.panels_scroll)
-        self.dock.setMinimumWidth(360)
+        self.dock.setMinimumWidth(DOCK_MIN_PX)
         self.addDockWidget(Qt.RightDockWidgetArea, self.dock)
         self._dock_stacked = False       # moved under the chat because the window is narrow
+        self._dock_side_width = 0        # its width beside the chat before it moved
         self.dock.dockLocationChanged.connect(self._dock_moved)
 
         sb = self.statusBar()
@@ -488,6 +511,7 @@ class MainWindow(QMainWindow):
                        and self.dockWidgetArea(self.dock) in (Qt.RightDockWidgetArea, Qt.LeftDockWidgetArea))
         if w < NARROW_PX and docked_side and not self.dock.isHidden():
             self._dock_stacked = True
+            self._dock_side_width = self.dock.width()  # given back when the window is wide again
             self.addDockWidget(Qt.BottomDockWidgetArea, self.dock)
             # as tall as the 2 x 2 cards need when the window can spare it (else they scroll)
             need = self.panels.grid.totalMinimumHeightForWidth(max(1, self.width() - 20)) + 30
@@ -496,9 +520,17 @@ class MainWindow(QMainWindow):
             self._dock_stacked = False
             if self.dockWidgetArea(self.dock) == Qt.BottomDockWidgetArea and not self.dock.isFloating():
                 self.addDockWidget(Qt.RightDockWidgetArea, self.dock)
+                # back at the width it had beside the chat, not the share Qt splits a re-docked panel to
+                QTimer.singleShot(0, self._dock_back_at_side_width)
         for lab in (self.st_ttft, self.st_pilot):
             lab.setVisible(w >= COMPACT_PX)
         self._fit_status_message(self.statusBar().currentMessage())
+
+    def _dock_back_at_side_width(self) -> None:
+        """The panels beside the chat again: the width they had there, not the minimum the two
+        columns under the chat left on the dock (it stayed at ~530 px, half a wide window)."""
+        self.dock.setMinimumWidth(DOCK_MIN_PX)
+        self.resizeDocks([self.dock], [max(DOCK_MIN_PX, self._dock_side_width)], Qt.Horizontal)
 
     def status_message_room(self) -> int:
         """Pixels the status bar leaves a temporary message left of its visible permanent labels."""
@@ -613,6 +645,8 @@ class MainWindow(QMainWindow):
             self.banner.hide()
         self.chat.model_name = ev.model_name
         self.chat.set_chat_template(ev.has_chat_template)
+        bundled = ev.model_name == library.DEFAULT_MODEL
+        self.chat.set_intro(BUNDLED_INTRO if bundled else "", BUNDLED_PLACEHOLDERS if bundled else ())
         self.panels.on_loaded(ev)
         self.st_model.setText(f"{ev.model_name} ({ev.quant})")
         self._show_cap(ev.cap_per_layer, ev.expert_slots)
@@ -817,7 +851,7 @@ class MainWindow(QMainWindow):
 
     def _ensure_conversation(self, first_text: str) -> int:
         if self.conv_id is None:
-            title = " ".join(first_text.split())[:48] or DEFAULT_TITLE
+            title = auto_title(first_text)
             system = self.chat.system_prompt() or self._pending_system
             conv = self.history.create_conversation(title, system)
             self.conv_id = conv.id
@@ -841,8 +875,15 @@ class MainWindow(QMainWindow):
             return
         conv_id = self._ensure_conversation(text)
         if self._editing is not None:
+            edited = self.history.message(self._editing)
+            firsts = [m.id for m in self.history.messages(conv_id) if m.role == "user"][:1]
             self._truncate_from(conv_id, self._editing)
             self._cancel_edit(clear=False)
+            conv = self.history.conversation(conv_id)
+            # the first message named the chat: its new text names it, unless the user renamed it
+            if edited is not None and firsts == [edited.id] and conv is not None \
+                    and conv.title == auto_title(edited.content):
+                self.rename_conversation(conv_id, auto_title(text))
         sp = self.chat.system_prompt()
         conv = self.history.conversation(conv_id)
         if conv is not None and sp != conv.system_prompt:
@@ -1081,12 +1122,20 @@ class MainWindow(QMainWindow):
     def start_serving(self, port: int, api_key: str = "") -> bool:
         """Serve the open model on 127.0.0.1:``port`` (0 = a free port); the status bar shows
         the URL and the request count. A failure (port in use, short key) shows a banner."""
+        import errno
         try:
             url = self.serve.start(port, api_key, self.settings.sampling)
         except (ValueError, OSError) as e:   # ConfigError is a ValueError
             self.act_serve.setChecked(False)
-            self.banner.show_message(ErrorKind.CONFIG, f"The server could not start: {e}",
-                                     hint="Choose another port (Server › Serve on this computer…).")
+            if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+                text = (f"Port {port} on this computer is already in use by another program (or another "
+                        f"colibri window).")
+                hint = ("Choose another port, or 0 for any free one (Server › Serve on this computer…), or stop "
+                        "the program using it.")
+            else:  # the dialog's words, not the command line's flags
+                text = str(e).replace("--api-key", "the API key").replace("--port", "the port")
+                hint = "Change it in Server › Serve on this computer…."
+            self.banner.show_message(ErrorKind.CONFIG, text, hint=hint, title="The server could not start")
             return False
         self._serve_port, self._serve_key = (port or self._serve_port), api_key
         self.act_serve.setChecked(True)
@@ -1115,7 +1164,8 @@ class MainWindow(QMainWindow):
         except ImportError:
             self._not_available("Settings")
             return
-        dlg = SettingsDialog(self.settings, self, auto_values=self.auto_values, save=None)  # saved here, once
+        dlg = SettingsDialog(self.settings, self, auto_values=self.auto_values, save=None,  # saved here, once
+                             compile_note=self.compile_note)
         if self.loaded is not None and hasattr(dlg, "show_in_use"):
             dlg.show_in_use(self.values_in_use(), self.loaded.max_context, self.loaded.model_name)
         dlg.applied.connect(self.apply_settings)
@@ -1130,7 +1180,7 @@ class MainWindow(QMainWindow):
         except ImportError:
             self._not_available("Adding a model")
             return
-        dlg = ModelWizard(self)
+        dlg = ModelWizard(self, recommendations=True)
         dlg.model_ready.connect(self.use_model)
         self._show_dialog(dlg)
 
@@ -1174,6 +1224,18 @@ class MainWindow(QMainWindow):
             return self.loaded.cap_per_layer, self.loaded.ram_budget_bytes
         plan = library.plan_for_store(self.loaded.store_path, engine)
         return plan.cap, plan.budget
+
+    def compile_note(self, engine: EngineConfig) -> str:
+        """The sentence saying that opening the model with ``engine`` first compiles kernels not
+        yet compiled on this computer (engine.compile_needed), "" when it does not."""
+        if self.loaded is None:
+            return ""
+        needed, seconds = compile_needed(self.loaded.store_path, engine)
+        if not needed:
+            return ""
+        took = f"about {seconds:.0f} s, as the last one here" if seconds else "a minute or two"
+        return (f"They need a one-time compile of the compute kernels for this model ({took}) before the next "
+                f"answer.")
 
     def ask_reload_during_answer(self) -> str:
         """Ask whether settings that reopen the model may stop the answer being written:

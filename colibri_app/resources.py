@@ -172,6 +172,19 @@ QScrollBar:vertical { background: transparent; width: 10px; margin: 2px; }
 QScrollBar::handle:vertical { background: %(scroll)s; border-radius: 4px; min-height: 24px; }
 QScrollBar::add-line:vertical, QScrollBar::sub-line:vertical { height: 0; }
 QSplitter::handle { background: %(sidebar_border)s; }
+QRadioButton::indicator, QCheckBox::indicator { width: 13px; height: 13px; border: 1px solid %(muted)s;
+    background: %(input)s; }
+QRadioButton::indicator { border-radius: 7px; }
+QCheckBox::indicator { border-radius: 3px; }
+QRadioButton::indicator:checked { border-color: %(accent)s; background: qradialgradient(cx:0.5, cy:0.5,
+    radius:0.5, fx:0.5, fy:0.5, stop:0 %(accent)s, stop:0.48 %(accent)s, stop:0.58 %(input)s, stop:1 %(input)s); }
+QCheckBox::indicator:checked { border-color: %(accent)s; background: %(accent)s; image: url(%(check_icon)s); }
+QRadioButton::indicator:disabled, QCheckBox::indicator:disabled { border-color: %(disabled_border)s;
+    background: %(disabled_bg)s; }
+QCheckBox::indicator:checked:disabled { background: %(disabled_accent)s; border-color: %(disabled_accent)s; }
+QRadioButton::indicator:checked:disabled { background: qradialgradient(cx:0.5, cy:0.5, radius:0.5, fx:0.5,
+    fy:0.5, stop:0 %(disabled_accent)s, stop:0.48 %(disabled_accent)s, stop:0.58 %(disabled_bg)s,
+    stop:1 %(disabled_bg)s); }
 """
 
 
@@ -192,8 +205,12 @@ def resolve(choice: str) -> str:
 
 
 def stylesheet(scheme: str) -> str:
-    """The application style sheet of ``scheme`` (LIGHT or DARK)."""
-    return STYLESHEET % SCHEMES[scheme]
+    """The application style sheet of ``scheme`` (LIGHT or DARK). Radio buttons and check boxes
+    get their own indicator: the platform style draws its ring in a shade of the window colour,
+    nearly invisible on the dark scheme."""
+    from engine.library import resources_dir
+    check = (resources_dir() / "icons" / "check.svg").as_posix()
+    return STYLESHEET % dict(SCHEMES[scheme], check_icon=check)
 
 
 def palette(scheme: str) -> QPalette:

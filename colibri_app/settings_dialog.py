@@ -49,6 +49,9 @@ class SettingsDialog(QDialog):
     Args:
         auto_values: (cap, budget bytes) the engine picks for "auto" with a candidate
             EngineConfig (None: unknown); shown beside the "auto" boxes.
+        compile_note: the sentence saying a candidate EngineConfig needs a one-time compile of
+            the compute kernels ("" when it does not); shown with the pending changes, before
+            they are applied.
         save: called once per Apply / OK with the new settings (default: save_settings);
             None when the receiver of ``applied`` saves them.
     Attributes:
@@ -61,12 +64,15 @@ class SettingsDialog(QDialog):
 
     def __init__(self, settings: Settings, parent: QWidget | None = None,
                  auto_values: AutoValues | None = None,
-                 save: Callable[[Settings], object] | None = ...):
+                 save: Callable[[Settings], object] | None = ...,
+                 compile_note: Callable[[EngineConfig], str] | None = None):
         super().__init__(parent)
         self._save = save_settings if save is ... else save
         self.setWindowTitle("Settings")
         self._base = settings
         self._auto_values = auto_values
+        self._compile_note = compile_note
+        self._compile_notes: dict[tuple, str] = {}
         self.fields: dict[str, QWidget] = {}
         self.auto_boxes: dict[str, QCheckBox] = {}
         self._valid: Settings | None = settings
@@ -329,7 +335,8 @@ class SettingsDialog(QDialog):
             self.error_label.hide()
             self._show_auto(new.engine)
             if self._base.needs_reload(new):
-                self.status_label.setText(f"Pending changes marked {RELOAD_MARK} will reopen the model.")
+                self.status_label.setText(f"Pending changes marked {RELOAD_MARK} will reopen the model."
+                                          + self._compile_text(new.engine))
             elif new.engine != self._base.engine or new.sampling != self._base.sampling:
                 self.status_label.setText("Pending changes apply to the next message.")
             elif new != self._base:
@@ -339,6 +346,20 @@ class SettingsDialog(QDialog):
         ok = self._valid is not None
         self.buttons.button(QDialogButtonBox.Ok).setEnabled(ok)
         self.buttons.button(QDialogButtonBox.Apply).setEnabled(ok)
+
+    def _compile_text(self, engine: EngineConfig) -> str:
+        """" " + the compile_note for ``engine`` when it needs other kernels than the open
+        settings (PILOT on / off, the KV cache type), else ""."""
+        key = (engine.pilot > 0, engine.kv_dtype)
+        if self._compile_note is None or key == (self._base.engine.pilot > 0, self._base.engine.kv_dtype):
+            return ""
+        if key not in self._compile_notes:  # asked once per kind: it opens the store's manifest
+            try:
+                self._compile_notes[key] = self._compile_note(engine)
+            except Exception:  # noqa: BLE001 - no note rather than no dialog
+                self._compile_notes[key] = ""
+        note = self._compile_notes[key]
+        return f" {note}" if note else ""
 
     @property
     def is_valid(self) -> bool:

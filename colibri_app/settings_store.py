@@ -33,7 +33,7 @@ class Settings:
     app: the app's own settings (AppSettings: the colour scheme)."""
 
     engine: EngineConfig = field(default_factory=EngineConfig)
-    sampling: SamplingParams = field(default_factory=lambda: SamplingParams(max_new_tokens=512))
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # the settings table's defaults
     current_model: str | None = None
     app: AppSettings = field(default_factory=AppSettings)
 

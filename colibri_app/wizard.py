@@ -24,7 +24,7 @@ from engine import library as lib
 
 from .workers import Lane, Task
 
-PAGE_SOURCE, PAGE_CHECK, PAGE_DOWNLOAD, PAGE_CONVERT, PAGE_DONE = range(5)
+PAGE_SOURCE, PAGE_CHECK, PAGE_DOWNLOAD, PAGE_CONVERT, PAGE_DONE, PAGE_RECOMMENDED = range(6)
 RED, ORANGE, GREEN = "#c62828", "#e65100", "#2e7d32"
 
 
@@ -51,6 +51,140 @@ def _error_style(label: QLabel, color: str) -> None:
 
 
 # --- pages ----------------------------------------------------------------------------------
+
+
+class RecommendedPage(QWizardPage):
+    """"Recommended for this computer": the catalog's MoE models (engine.library.recommend)
+    sized for this machine's memory, with the download and store sizes, the RAM budget the
+    engine would take, the expert slots per layer it holds, the expected decode speed and the
+    quantization to take. Choosing one fills the hub repository (and that quantization) of
+    the source page: from there the usual check, download and conversion follow."""
+
+    COLUMNS = ("Model", "Take", "Download", "Store", "RAM budget", "Experts in RAM", "Speed", "")
+
+    def __init__(self, wiz: "ModelWizard"):
+        super().__init__(wiz)
+        self.wiz = wiz
+        self.setTitle("Recommended for this computer")
+        self.machine = QLabel()
+        self.machine.setObjectName("machineLine")
+        self.machine.setWordWrap(True)
+        self.table = QTableWidget(0, len(self.COLUMNS))
+        self.table.setObjectName("recommendations")
+        self.table.setHorizontalHeaderLabels(self.COLUMNS)
+        self.table.horizontalHeader().setSectionResizeMode(0, QHeaderView.Stretch)
+        for i in range(1, len(self.COLUMNS)):
+            self.table.horizontalHeader().setSectionResizeMode(i, QHeaderView.ResizeToContents)
+        self.table.verticalHeader().hide()
+        self.table.setEditTriggers(QTableWidget.NoEditTriggers)
+        self.table.setSelectionBehavior(QTableWidget.SelectRows)
+        self.table.setSelectionMode(QTableWidget.SingleSelection)
+        self.table.itemSelectionChanged.connect(self._selected)
+        self.table.itemDoubleClicked.connect(lambda *_: self.wiz.next())
+        self.detail = QLabel()
+        self.detail.setObjectName("recommendationDetail")
+        self.detail.setWordWrap(True)
+        self.other = QLabel("Or press Next without choosing to name any repository of the hub, or a folder "
+                            "on this computer.")
+        self.other.setWordWrap(True)
+        lay = QVBoxLayout(self)
+        lay.addWidget(self.machine)
+        lay.addWidget(self.table, 1)
+        lay.addWidget(self.detail)
+        lay.addWidget(self.other)
+        self.rows: list = []
+        self.ram = (0, 0)
+        self.disk_task: Task | None = None
+        self.disk_measured = 0.0  # bytes/s of the models folder's disk, once measured
+
+    def initializePage(self) -> None:
+        """Fill the table at once with an assumed disk speed, then again with the speed of the
+        disk the models go to, measured in the background (a 32 MB read test, about a second)."""
+        self.ram = lib.machine_ram()
+        if self.disk_task is None and not self.disk_measured:
+            def fn(progress, cancel):
+                where = lib.models_dir()
+                return lib.disk_read_speed(where, [p for p in where.glob("*/experts/*.bin")][:1])
+            self.disk_task = run_task(fn, result=self._disk_measured, error=self._disk_failed)
+        self.show_for(*self.ram, self.disk_measured or None)
+
+    @Slot(object)
+    def _disk_measured(self, speed) -> None:
+        self.disk_task = None
+        self.disk_measured = (speed.mb_per_s or 0.0) * 1e6
+        self._refill()
+
+    @Slot(object)
+    def _disk_failed(self, _f) -> None:
+        self.disk_task = None  # the assumed speed stays, and the page says it is assumed
+        self._refill()
+
+    def _refill(self) -> None:
+        chosen = self.chosen()
+        self.show_for(*self.ram, self.disk_measured or None)
+        if chosen is not None:  # keep the user's choice
+            self.table.selectRow(next(i for i, r in enumerate(self.rows) if r.model is chosen.model))
+
+    def show_for(self, total: int, available: int, disk_bytes_per_s: float | None = None) -> None:
+        """Fill the table for a machine with ``total`` / ``available`` bytes of RAM (the tests
+        pass other machines' numbers) and a disk of ``disk_bytes_per_s`` (None: assumed)."""
+        fb = lib.format_bytes
+        self.rows = lib.recommend(total, available, disk_bytes_per_s, self.wiz.context_length)
+        disk = self.rows[0].disk_bytes_per_s if self.rows else 0
+        self.machine.setText(
+            f"This computer: {fb(total)} of RAM, {fb(available)} available now. Sizes and budgets come from the "
+            f"engine's own RAM rule; the speed range is an estimate from this project's measurements with a disk "
+            f"reading {disk / 1e9:.1f} GB/s ({'measured on the models folder' if self.rows and self.rows[0].disk_measured else 'assumed: a typical NVMe SSD, measuring…' if self.disk_task is not None else 'assumed: a typical NVMe SSD'}) "
+            f"and uniform routing (real routing reads less). Recommended models are listed first, in bold.")
+        self.table.setRowCount(len(self.rows))
+        for i, r in enumerate(self.rows):
+            lo, hi = r.tokens_per_s
+            speed = f"{lo:.1f}–{hi:.1f} tok/s" if r.slots_per_layer else "does not open"
+            slots = (f"{r.slots_per_layer} of {r.estimate.num_experts} per layer" if r.slots_per_layer else "none")
+            verdict = ("recommended" if r.recommended else {"refuse": "not enough RAM", "warn": "tight on RAM"}.get(
+                r.verdict, "slow here"))
+            cells = (r.model.name, r.quant, fb(r.download_bytes), fb(r.estimate.store_bytes),
+                     fb(r.budget_bytes) if r.budget_bytes else "—", slots, speed, verdict)
+            for j, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                item.setToolTip(f"{r.model.repo_id}: {r.model.note}")
+                if r.recommended:
+                    f = item.font()
+                    f.setBold(True)
+                    item.setFont(f)
+                self.table.setItem(i, j, item)
+        self.table.clearSelection()
+        self.detail.setText("")
+
+    def chosen(self):
+        """The selected Recommendation, or None."""
+        rows = self.table.selectionModel().selectedRows() if self.table.selectionModel() else []
+        return self.rows[rows[0].row()] if rows else None
+
+    @Slot()
+    def _selected(self) -> None:
+        r = self.chosen()
+        if r is None:
+            self.detail.setText("")
+            return
+        fb = lib.format_bytes
+        self.detail.setText(
+            f"<b>{r.model.repo_id}</b> — {r.model.note}. Take the Hugging Face safetensors ({fb(r.download_bytes)}) "
+            f"and convert them to a <b>{r.quant}</b> store ({fb(r.estimate.store_bytes)}; GGUF files are not read). "
+            f"{r.message}")
+        self.detail.setTextFormat(Qt.RichText)
+
+    def validatePage(self) -> bool:
+        r = self.chosen()
+        sp = self.wiz.source_page
+        if r is not None:
+            sp.hub_radio.setChecked(True)
+            sp.repo_edit.setText(r.model.repo_id)
+            self.wiz.preferred_quant = r.quant
+        return True
+
+    def nextId(self) -> int:
+        return PAGE_SOURCE
 
 
 class SourcePage(QWizardPage):
@@ -547,7 +681,8 @@ class ConvertPage(QWizardPage):
         for e in c.estimates:
             self.quant.addItem(f"{e.quant} — store {lib.format_bytes(e.store_bytes)}, RAM ≥ "
                                f"{lib.format_bytes(e.ram_needed)}", e.quant)
-        self.quant.setCurrentIndex(max(0, self.quant.findData("int8")))
+        preferred = self.quant.findData(self.wiz.preferred_quant) if self.wiz.preferred_quant else -1
+        self.quant.setCurrentIndex(max(0, preferred if preferred >= 0 else self.quant.findData("int8")))
         self.quant.blockSignals(False)
         if c.source == "local":
             self.wiz.source_dir = c.download_dir
@@ -758,7 +893,8 @@ class DonePage(QWizardPage):
 
 
 class ModelWizard(QWizard):
-    """Add a model: Source -> Check -> Download (hub only) -> Convert -> Done.
+    """Add a model: [Recommended ->] Source -> Check -> Download (hub only) -> Convert -> Done
+    (``recommendations``: start on the list of models sized for this computer).
 
     Signals:
         model_ready(str): the converted store path; emitted on Finish when the self-test passed.
@@ -768,7 +904,8 @@ class ModelWizard(QWizard):
 
     model_ready = Signal(str)
 
-    def __init__(self, parent: QWidget | None = None, context_length: int | None = None):
+    def __init__(self, parent: QWidget | None = None, context_length: int | None = None,
+                 recommendations: bool = False):
         super().__init__(parent)
         self.setWindowTitle("Add a model")
         self.setOption(QWizard.NoBackButtonOnLastPage, True)
@@ -781,6 +918,8 @@ class ModelWizard(QWizard):
         self.source_dir: str | None = None
         self.store_path: str | None = None
         self.converted_now = False   # store_path was converted by this wizard (not an existing one)
+        self.preferred_quant: str | None = None  # the quantization a recommendation suggests
+        self.recommended_page = RecommendedPage(self)
         self.source_page = SourcePage(self)
         self.check_page = CheckPage(self)
         self.download_page = DownloadPage(self)
@@ -788,15 +927,15 @@ class ModelWizard(QWizard):
         self.done_page = DonePage(self)
         for pid, page in ((PAGE_SOURCE, self.source_page), (PAGE_CHECK, self.check_page),
                           (PAGE_DOWNLOAD, self.download_page), (PAGE_CONVERT, self.convert_page),
-                          (PAGE_DONE, self.done_page)):
+                          (PAGE_DONE, self.done_page), (PAGE_RECOMMENDED, self.recommended_page)):
             self.setPage(pid, page)
-        self.setStartId(PAGE_SOURCE)
+        self.setStartId(PAGE_RECOMMENDED if recommendations else PAGE_SOURCE)
         self.setButtonText(QWizard.FinishButton, "Use this model")
         self.resize(760, 560)
 
     def tasks(self) -> list[Task]:
         return [t for t in (self.source_page.task, self.download_page.task, self.convert_page.task,
-                            self.done_page.task) if t is not None]
+                            self.done_page.task, self.recommended_page.disk_task) if t is not None]
 
     def accept(self) -> None:
         if self.done_page.passed and self.store_path:

@@ -7,21 +7,38 @@ docs/architecture.md. This package never imports the library, the benchmarks or 
 
 __version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
 
-from .config import SUPPORTED_MODEL_TYPES, ModelArgs, describe_model, family_name, supported_families
-from .convert import ConversionCancelled, convert_checkpoint
-from .errors import (BudgetError, Cancelled, CheckpointError, ConfigError, ContextOverflowError, EngineError,
-                     ErrorKind, ExpertReadError, StoreError, TokenizerError, error_kind)
-from .events import (ABSENT, LOADING, PINNED, REMOTE, RESIDENT, ChatMessage, EngineFailure, Finished, FinishReason,
-                     GenerateRequest, Loaded, LoadProgress, ResidencySnapshot, SamplingParams,
-                     StepMetrics, TokenEvent)
-from .chat_template import reasoning_open, split_reasoning
-from .docs_lookup import DocEntry, DocsIndex
-from .fsutil import atomic_write_text
-from .generate import Engine
-from .sampling import fresh_seed
-from .settings import (APP, CHECKSUM_MODES, ENGINE, POLICIES, SAMPLING, AppSettings, EngineConfig, Setting,
-                       settings_table, upgrade_keys, validate)
-from .units import format_bytes, format_duration
+# name -> the module that defines it: imported at the first use of a name (PEP 562), so that
+# `import engine` (the command line, the launcher's window check) starts no numpy or numba
+_WHERE = {
+    "SUPPORTED_MODEL_TYPES": "config", "ModelArgs": "config", "describe_model": "config", "family_name": "config", "supported_families": "config",
+    "ConversionCancelled": "convert", "convert_checkpoint": "convert",
+    "BudgetError": "errors", "Cancelled": "errors", "CheckpointError": "errors", "ConfigError": "errors", "ContextOverflowError": "errors", "EngineError": "errors", "ErrorKind": "errors", "ExpertReadError": "errors", "StoreError": "errors", "TokenizerError": "errors", "error_kind": "errors",
+    "ABSENT": "events", "LOADING": "events", "PINNED": "events", "REMOTE": "events", "RESIDENT": "events", "ChatMessage": "events", "EngineFailure": "events", "Finished": "events", "FinishReason": "events", "GenerateRequest": "events", "Loaded": "events", "LoadProgress": "events", "ResidencySnapshot": "events", "SamplingParams": "events", "StepMetrics": "events", "TokenEvent": "events",
+    "reasoning_open": "chat_template", "split_reasoning": "chat_template",
+    "DocEntry": "docs_lookup", "DocsIndex": "docs_lookup",
+    "atomic_write_text": "fsutil",
+    "GuiCheck": "gui_check", "check_gui": "gui_check",
+    "Engine": "generate",
+    "compile_needed": "kernel_prepare",
+    "fresh_seed": "sampling",
+    "APP": "settings", "CHECKSUM_MODES": "settings", "ENGINE": "settings", "POLICIES": "settings", "SAMPLING": "settings", "AppSettings": "settings", "EngineConfig": "settings", "Setting": "settings", "settings_table": "settings", "upgrade_keys": "settings", "validate": "settings",
+    "format_bytes": "units", "format_duration": "units",
+}
+
+
+def __getattr__(name: str):
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    from importlib import import_module
+    value = getattr(import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __all__ = [
     "POLICIES", "CHECKSUM_MODES", "SUPPORTED_MODEL_TYPES", "EngineConfig", "ModelArgs", "ConversionCancelled",
@@ -32,4 +49,5 @@ __all__ = [
     "LoadProgress", "ResidencySnapshot", "SamplingParams", "StepMetrics", "TokenEvent", "atomic_write_text",
     "Engine", "ENGINE", "SAMPLING", "APP", "AppSettings", "Setting", "settings_table", "upgrade_keys", "validate", "format_bytes",
     "format_duration", "fresh_seed", "DocEntry", "DocsIndex", "split_reasoning", "reasoning_open", "describe_model", "family_name", "supported_families",
+    "GuiCheck", "check_gui", "compile_needed",
 ]

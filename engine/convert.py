@@ -45,7 +45,7 @@ from safetensors.numpy import save_file
 from .checkpoint import Checkpoint
 from .errors import Cancelled, CheckpointError, StoreError
 from .events import LoadProgress
-from .fsutil import FileLock, fsync_dir, normalize_modes
+from .fsutil import FileLock, fsync_dir, normalize_modes, pid_is_gone  # noqa: F401  (pid_is_gone: also here)
 from .quant import (ALIGN, EXPERT_ONLY_QUANTS, QUANTS, check_finite, int4_interleavable, interleave_q4,
                     quantize, slab_layout)
 from .store_format import (CHECKSUM_OF_VERSION, EXPERT_LAYOUTS, FORMAT_NAME, FORMAT_VERSION, check_store_files,
@@ -74,7 +74,7 @@ def dense_quant_for(quant: str) -> str:
 # dense int8 8.2e-4 nats, int4 attention 1.3e-2, int4 attention + lm_head + embedding 2.1e-2
 # (llama.cpp's Q4_0 files likewise keep the output matrix at higher precision). The default
 # stays int8 for that quality; int4 dense is the option for speed.
-LM_HEAD_QUANT = {"int4": "int8"}
+from .quant import LM_HEAD_QUANT  # noqa: E402  (kept there: sizing reads it without the converter)
 
 
 def check_destination(dst: Path, overwrite: bool) -> None:
@@ -412,19 +412,6 @@ def _identity(path: Path):
     except (OSError, ValueError, AttributeError):
         created = None
     return (st.st_dev, st.st_ino, created)
-
-
-def pid_is_gone(pid: int) -> bool:
-    """True when no process ``pid`` exists (a process of another user counts as alive)."""
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False  # alive (another user's process)
-    return False
 
 
 def _remove_stale_temps(dst: Path) -> None:

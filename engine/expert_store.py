@@ -71,6 +71,11 @@ def read_manifest(path: str | os.PathLike) -> tuple[dict, ModelArgs, str]:
         raise StoreError(f"{mpath}: {_denied()}") from None
     except IsADirectoryError:
         raise StoreError(f"{mpath}: is a folder, not the store's manifest file; re-run `colibri convert`") from None
+    except NotADirectoryError:  # a file given as the store (or a file on its path)
+        what = ("a GGUF file, which colibri does not read: download the model's Hugging Face safetensors "
+                "repository instead (`colibri download REPO`)" if path.suffix.lower() == ".gguf" else
+                "a converted model is the folder holding manifest.json; `colibri models` lists yours")
+        raise StoreError(f"{path}: is a file, not a folder ({what})") from None
     except (OSError, ValueError) as e:
         raise StoreError(f"{mpath}: unreadable or half-written ({type(e).__name__}: {e}); re-run "
                          f"`colibri convert --overwrite`") from None

@@ -7,6 +7,19 @@ import tempfile
 from pathlib import Path
 
 
+def pid_is_gone(pid: int) -> bool:
+    """True when no process ``pid`` exists (a process of another user counts as alive)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # alive (another user's process)
+    return False
+
+
 def fsync_dir(path: Path) -> None:
     """fsync the folder ``path`` so a rename inside it survives a crash (best effort: errors are ignored)."""
     try:

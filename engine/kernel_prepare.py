@@ -96,6 +96,30 @@ def _marker_holds(marker: Path, cache_dir: str) -> bool:
     return all((Path(cache_dir) / f).is_file() for f in files)
 
 
+def compile_needed(store: str, config) -> tuple[bool, float | None]:
+    """Whether opening ``store`` with EngineConfig ``config`` must first compile kernels (its
+    kind, :func:`kernel_kind`: the family, formats, KV type, PILOT on or off, has no marker
+    that holds, or there is no writable cache), and the seconds that is expected to take: the
+    longest compile a marker on this machine recorded, None when none did. The settings dialog
+    says so before a change (PILOT on, another KV type) is applied.
+    Raises StoreError / ConfigError: the store cannot be read."""
+    from .expert_store import ExpertStore
+    from .kernels import CACHE_DIR
+    with ExpertStore(store, o_direct=False) as st:
+        kind = kernel_kind(st.args, st, config)
+    if CACHE_DIR is not None and _marker_holds(marker_path(CACHE_DIR, kind), CACHE_DIR):
+        return False, None
+    seconds = []
+    for m in (Path(CACHE_DIR) / MARKER_DIR).glob("*") if CACHE_DIR is not None else ():
+        if m.suffix:  # the .lock files beside the markers
+            continue
+        try:
+            seconds.append(float(json.loads(m.read_text())["seconds"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return True, (max(seconds) if seconds else None)
+
+
 def _child(config: dict) -> None:
     """The child process: open the store with a small budget and answer two tokens (every kernel
     a generation calls gets compiled, or loaded, and written to numba's cache)."""
@@ -204,7 +228,8 @@ def _prepare(config, kind: tuple, marker: Path, cache_dir: str, report, t0: floa
         _FAILED.add(kind)
         return time.perf_counter() - t0
     try:
-        atomic_write_text(marker, json.dumps({"kind": repr(kind), "index_files": _index_files(cache_dir)}) + "\n")
+        atomic_write_text(marker, json.dumps({"kind": repr(kind), "index_files": _index_files(cache_dir),
+                                              "seconds": round(time.perf_counter() - t0, 1)}) + "\n")
     except OSError as e:  # the next start prepares them again: slower, never wrong
         log.warning("could not write %s (%s); every start will run the compile's child process again "
                     "until it can: make %s a writable folder (or delete it)", marker, e, marker.parent)

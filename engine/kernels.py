@@ -63,48 +63,10 @@ import tempfile
 import threading
 
 
-def _writable_dir(path: str) -> bool:
-    try:
-        os.makedirs(path, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".probe", dir=path)
-        os.close(fd)
-        os.unlink(probe)
-        return True
-    except OSError:
-        return False
-
-
-def _cache_dir_problem(path: str, env: str | None) -> str:
-    """Why ``path`` cannot be the kernel cache: a file in the way (and what to do), else unwritable."""
-    q = os.path.abspath(os.path.expanduser(path))
-    a = q
-    while not os.path.isdir(a) and os.path.dirname(a) != a:
-        if os.path.lexists(a):
-            head = (f"{path} is a file, not a folder" if a == q else
-                    f"{path} cannot be created: {a} is a file, not a folder")
-            todo = (f"point {env} at a folder or unset it" if env else "move or rename that file")
-            return f"{head}; {todo} (kernels compile at every start until then)"
-        a = os.path.dirname(a)
-    via = f"{env}=" if env else ""
-    return f"{via}{path} is not writable; kernels compile at every start (make it writable" + (
-        f" or point {env} at a folder you can write)" if env else ")")
-
-
-def _numba_cache_dir() -> tuple[str | None, str]:
-    """(the folder numba caches compiled kernels in, or None when no folder is writable;
-    why not, "" when there is one).
-
-    ``NUMBA_CACHE_DIR`` if the user set it (and it is writable), else
-    ``<platformdirs user cache>/colibri-desktop/numba``."""
-    user = os.environ.get("NUMBA_CACHE_DIR")
-    if user:
-        return (user, "") if _writable_dir(user) else (None, _cache_dir_problem(user, "NUMBA_CACHE_DIR"))
-    try:
-        import platformdirs
-        d = os.path.join(platformdirs.user_cache_dir("colibri-desktop", appauthor=False), "numba")
-    except Exception:  # platformdirs cannot name a folder (no HOME at all)
-        return None, "no user cache folder (no home folder); kernels compile at every start"
-    return (d, "") if _writable_dir(d) else (None, _cache_dir_problem(d, None))
+# the cache folder, the integer-kernel path and the CPU features are worked out without numba
+# (engine.kernel_facts) so that `colibri doctor` can report them without starting it
+from .kernel_facts import (_cache_dir_problem, _numba_cache_dir, _writable_dir,  # noqa: E402,F401
+                           cpu_features, int_flavor as _int_flavor)
 
 
 CACHE_DIR, CACHE_PROBLEM = _numba_cache_dir()  # CACHE_PROBLEM: why CACHE_DIR is None ("" otherwise)
@@ -163,33 +125,6 @@ def _start_threading_layer() -> str:
 THREADING_LAYER = _start_threading_layer()
 SERIALIZED = THREADING_LAYER not in ("omp", "tbb")  # workqueue (or unknown): not thread-safe
 
-
-
-def _int_flavor() -> str:
-    """How the q4 / q8 dot products run on this CPU: "vnni" (AVX-512 VNNI vpdpbusd: q4 and q8),
-    "bw" (AVX-512BW vpmaddubsw + vpmaddwd: q4; q8 portable), "avx2" (the same two instructions
-    on 256-bit halves, for q8 with vpsignb: q4 and q8) or "portable" (plain numba loops, any
-    CPU). All paths compute the same real-valued expression. ``COLIBRI_INT_KERNEL`` forces one
-    (tests use it to check every path here); a forced choice compiles uncached, so the on-disk
-    cache only ever holds this machine's own choice."""
-    forced = os.environ.get("COLIBRI_INT_KERNEL")
-    if forced:
-        if forced not in ("vnni", "bw", "avx2", "portable"):
-            raise ValueError(f"COLIBRI_INT_KERNEL={forced!r}: choose vnni, bw, avx2 or portable")
-        return forced
-    import platform
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return "portable"
-    try:
-        import llvmlite.binding as llb
-        feats = llb.get_host_cpu_features()
-    except Exception:
-        return "portable"
-    if feats.get("avx512bw") and feats.get("avx512f"):  # vnni also runs vpdpbusd on 256 bits (VL)
-        return "vnni" if feats.get("avx512vnni") and feats.get("avx512vl") else "bw"
-    if feats.get("avx2") and feats.get("fma"):
-        return "avx2"
-    return "portable"
 
 
 INT_FLAVOR = _int_flavor()
@@ -2657,17 +2592,6 @@ def set_threads(n: int) -> None:
     """Threads of the parallel kernels launched from the calling thread (numba's count is per
     thread), clamped to 1..NUMBA_NUM_THREADS."""
     numba.set_num_threads(max(1, min(int(n), numba.config.NUMBA_NUM_THREADS)))
-
-
-def cpu_features() -> dict[str, bool]:
-    """The host CPU's instruction-set features as LLVM (llvmlite) reports them, e.g.
-    {"avx2": True, "avx512f": True, "avx512vnni": False, ...}; {} when unknown. For reports
-    (``colibri doctor``); the kernels choose their path with INT_FLAVOR."""
-    try:
-        import llvmlite.binding as llb
-        return {str(k): bool(v) for k, v in llb.get_host_cpu_features().items()}
-    except Exception:  # noqa: BLE001 - llvmlite without host feature support
-        return {}
 
 
 def thread_limit() -> int:

@@ -40,6 +40,7 @@ FP4_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
 E8M0_VALUES = np.append(np.ldexp(1.0, np.arange(255) - 127), np.inf).astype(np.float32)
 _FP4_MIDPOINTS = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
 IL = 4  # rows per group of the interleaved int4 layout
+LM_HEAD_QUANT = {"int4": "int8"}  # lm_head / embedding quantization per dense one (engine.convert)
 ALIGN = 4096  # slab alignment on disk and in RAM: one O_DIRECT read per expert
 _FIELD_ALIGN = 64
 

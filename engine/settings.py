@@ -249,7 +249,7 @@ SAMPLING_SETTINGS: tuple[Setting, ...] = (
     _S("seed", int, None, "same seed + same input = same output when sampling; auto = a new seed for "
        "every answer (the seed used is reported with the answer, so it can be reproduced)", "Seed",
        group=SAMPLING, lo=0, hi=2 ** 63 - 1, needs_reload=False, auto=True),
-    _S("max_new_tokens", int, 256, "longest answer, in tokens", "Max new tokens", group=SAMPLING, lo=1,
+    _S("max_new_tokens", int, 512, "longest answer, in tokens", "Max new tokens", group=SAMPLING, lo=1,
        hi=1 << 20, unit="tokens", needs_reload=False, step=64),
     _S("docs_lookup", bool, True, "before each answer, look the question up in the model's documentation "
        "index (the bundled model: the docstrings of the Python standard library) and give the best three "

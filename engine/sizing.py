@@ -304,6 +304,17 @@ def plan_for_store(store: str | Path, config, rss_now: int | None = None,
 # --- the verdict before a download --------------------------------------------------------
 
 
+def plan_before_open(est: Estimate, available: int) -> BudgetPlan:
+    """The plan a model gets before it is downloaded, on a machine with ``available`` bytes
+    free: AVAILABLE_SHARE of them as the budget (the engine's automatic one, counted before the
+    dense weights are loaded). ram_verdict judges it; the wizard's recommendations show it.
+    Raises BudgetError: not one slot per layer fits."""
+    num_experts = est.num_experts or est.expert_bytes // max(1, est.slots_bytes)
+    layer_slots = list(est.layer_slot_bytes) or [est.slots_bytes]
+    return plan_cap(num_experts, layer_slots, est.dense_bytes, est.kv_bytes, int(AVAILABLE_SHARE * available) / GB,
+                    None, reserve=est.reserve_bytes)
+
+
 def ram_verdict(est: Estimate, num_experts_per_tok: int, total: int, available: int) -> tuple[str, str]:
     """("ok" | "warn" | "refuse", message with the numbers).
 
@@ -324,8 +335,7 @@ def ram_verdict(est: Estimate, num_experts_per_tok: int, total: int, available: 
     num_experts = est.num_experts or est.expert_bytes // max(1, est.slots_bytes)
     layer_slots = list(est.layer_slot_bytes) or [est.slots_bytes]
     try:
-        p = plan_cap(num_experts, layer_slots, est.dense_bytes, est.kv_bytes, usable / GB, None,
-                     reserve=est.reserve_bytes)
+        p = plan_before_open(est, available)
         fit = p.slots // p.layers  # the slots every layer has at least
     except BudgetError:
         return "warn", (f"Tight on RAM: the model {head}. Close other programs or lower the context "
@@ -365,3 +375,38 @@ def machine_ram() -> tuple[int, int]:
     """(total, available) RAM in bytes this process may use (psutil, cut to the cgroup limit)."""
     from .sysinfo import memory
     return memory()
+
+
+# Weight bytes the decode kernels go through per second once they are in RAM (active_bytes
+# per token x tokens/s), measured on this project's 2-core machine, int8 stores, 2 threads:
+# OLMoE-1B-7B's shape with every expert resident, 1.19 GB a token at 21.9 tok/s
+# (bench/results/peers_olmoe_1b_7b*.md), and Qwen3-30B-A3B's shape streamed, 3.09 GB a token
+# in 0.41 s of compute (bench/results/stream_qwen3_30b_a3b.md). The larger model ran at the
+# lower rate, so speeds are given as the range of the two; another CPU scales both.
+COMPUTE_BYTES_PER_S_LOW = 7.5e9
+COMPUTE_BYTES_PER_S_HIGH = 26e9
+
+
+def active_bytes(est: Estimate) -> int:
+    """Weight bytes one decoded token reads: the resident dense weights and the
+    ``num_experts_per_tok`` routed experts of every MoE layer."""
+    return int(est.dense_bytes + est.num_experts_per_tok * sum(est.layer_slot_bytes))
+
+
+def expected_tokens_per_s(est: Estimate, slots_per_layer: int, disk_bytes_per_s: float = DISK_READ_BYTES_PER_S,
+                          compute_bytes_per_s: float = COMPUTE_BYTES_PER_S_LOW) -> float:
+    """Decode speed to expect (tokens/s) with ``slots_per_layer`` experts cached per MoE
+    layer: 1 / (active_bytes / compute_bytes_per_s + uniform_miss_bytes / disk_bytes_per_s).
+    Uniform routing misses the most, so trained routing usually reads less; 0 when not one
+    slot per layer fits."""
+    if slots_per_layer < 1:
+        return 0.0
+    miss = uniform_miss_bytes(slots_per_layer, est.num_experts, est.num_experts_per_tok, list(est.layer_slot_bytes))
+    return 1.0 / (active_bytes(est) / compute_bytes_per_s + miss / disk_bytes_per_s)
+
+
+def expected_speed_range(est: Estimate, slots_per_layer: int,
+                         disk_bytes_per_s: float = DISK_READ_BYTES_PER_S) -> tuple[float, float]:
+    """(low, high) tokens/s: expected_tokens_per_s at the two measured compute rates."""
+    return (expected_tokens_per_s(est, slots_per_layer, disk_bytes_per_s, COMPUTE_BYTES_PER_S_LOW),
+            expected_tokens_per_s(est, slots_per_layer, disk_bytes_per_s, COMPUTE_BYTES_PER_S_HIGH))

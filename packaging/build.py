@@ -8,7 +8,8 @@ One command per platform, the same recipe (packaging/colibri.spec, PyInstaller o
     Windows  dist/colibri-desktop/  (colibri.exe, colibri-desktop.exe)  and  a .zip          (UNTESTED)
 
 Steps: run PyInstaller on the spec with a fixed hash seed; check the bundle (no torch or
-transformers, Qt's offscreen and xcb platform plugins and the default model present);
+transformers, Qt's offscreen and xcb platform plugins and the default model present, and on
+Linux the X11 libraries the xcb plugin links, which PyInstaller copies from the build machine);
 precompile the engine's shipped .py sources into unchecked-hash .pyc (valid whatever the
 files' mtimes after copying); add the desktop entry and icon; write BUILDINFO.json (versions
 of every bundled distribution); pack a reproducible archive (sorted members, one mtime:
@@ -130,7 +131,43 @@ def check_bundle(bundle: Path, system: str) -> dict:
     for n in need:
         if not any(p.startswith(n) for p in plugins):
             raise BuildError(f"Qt platform plugin {n} missing from the bundle (found: {plugins})")
-    return {"qt_platform_plugins": plugins}
+    facts = {"qt_platform_plugins": plugins}
+    if system == "linux":
+        facts["gui_libraries"] = check_gui_libraries(bundle)
+    return facts
+
+
+def _gui_check():
+    """engine/gui_check.py loaded from its file (the build never imports the engine package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("colibri_gui_check", ROOT / "engine" / "gui_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# PyInstaller leaves these to the system on purpose (its exclusion list: the GL stack and
+# libxcb itself change with the X server and the graphics driver); any X11 desktop has them
+SYSTEM_GUI_LIBS = ("libGL.so.1", "libEGL.so.1", "libxcb.so.1")
+
+
+def check_gui_libraries(bundle: Path) -> list[str]:
+    """The X11 / Qt GUI libraries the bundle ships (every one engine/gui_check.py lists except
+    SYSTEM_GUI_LIBS). PyInstaller copies the libraries Qt's xcb plugin links from the build
+    machine, so one missing there would be missing from the bundle, and the bundle's window
+    would not open on a machine without it. Raises BuildError naming them and the command
+    that installs them on the build machine."""
+    G = _gui_check()
+    want = [so for so in {**G.QT_GUI_LIBS, **G.XCB_LIBS} if so not in SYSTEM_GUI_LIBS]
+    have = {p.name for p in bundle.rglob("lib*.so*")}
+    missing = sorted(so for so in want if so not in have)
+    if missing:
+        pkgs = G._packages(missing, 0)
+        raise BuildError(f"the bundle lacks {', '.join(missing)}, which Qt's xcb plugin needs: they are not "
+                         f"installed on the build machine. Install them (Debian / Ubuntu: sudo apt-get install "
+                         f"{' '.join(pkgs)}) and build again")
+    return sorted(want)
 
 
 def precompile_engine(bundle: Path) -> None:

@@ -8,6 +8,7 @@ running after close."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -18,7 +19,7 @@ import time
 import numpy as np
 import pytest
 
-from engine.cluster import LOCAL, plan_placement
+from engine.cluster import LOCAL, RESOURCE, plan_placement
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 M, E, K_TOP = 3, 16, 4
@@ -200,7 +201,7 @@ def test_cli_status_lists_the_workers(cluster):
     assert r.returncode == 0, r.stderr
     from engine.units import format_bytes
     rows = r.stdout.splitlines()[1:]
-    want = format_bytes(int(0.05 * 1024) << 20)  # --ram-gb 0.05, in MiB
+    want = format_bytes((int(0.05e9) >> 20) << 20)  # --ram-gb 0.05: GB, held in whole MiB
     assert len(rows) == 2 and all(" up " in ln and want in ln for ln in rows), r.stdout
 
 
@@ -222,6 +223,19 @@ def test_nothing_left_after_close(store, cluster, reference):
         time.sleep(0.5)
     assert shards == []
     assert not [t for t in threading.enumerate() if t.name.startswith("colibri-cluster")]
+
+
+def test_join_counts_gb_as_every_other_size(monkeypatch, capsys):
+    """`cluster join --ram-gb 2` said "2.15 GB" (it took GiB); GB is 1e9 bytes everywhere."""
+    from engine.cli import cluster as C
+    from engine.cli import main
+    seen = {}
+    monkeypatch.setattr(C, "_ray_start", lambda args: args)
+    monkeypatch.setattr(C, "_run_foreground", lambda cmd, banner: seen.update(cmd=cmd, banner=banner) or 0)
+    assert main(["cluster", "join", "127.0.0.1:6380", "--ram-gb", "2"]) == 0
+    assert "with 2.00 GB for experts" in seen["banner"], seen["banner"]
+    mib = json.loads(seen["cmd"][seen["cmd"].index("--resources") + 1])[RESOURCE]
+    assert mib == int(2e9) >> 20
 
 
 def test_cluster_cli_refuses_bad_input(capsys):

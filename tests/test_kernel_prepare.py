@@ -155,3 +155,25 @@ def test_two_first_starts_at_once_compile_once(cache_dir, monkeypatch):
     assert len(runs) == 1
     assert sorted(m.split(" in ")[0].split(" (")[0] for d, m in said if d == 1) == [
         "compute kernels compiled", "compute kernels compiled by another colibri process"]
+
+
+def test_compile_needed_says_when_a_setting_needs_new_kernels(cache_dir, monkeypatch, tiny_store):
+    """PILOT on (or another KV type) is another kind of kernels: without its marker the open
+    compiles first; the estimate is the longest compile a marker on this machine recorded."""
+    off, on = EngineConfig(store=str(tiny_store)), EngineConfig(store=str(tiny_store), pilot=1)
+    assert kernel_prepare.compile_needed(str(tiny_store), off) == (True, None)  # nothing compiled yet
+    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg: 0)
+    (cache_dir / "engine_x").mkdir(parents=True)
+    (cache_dir / "engine_x" / "kernels.rmsnorm-10.py311.nbi").write_bytes(b"index")
+    from engine.expert_store import ExpertStore
+    with ExpertStore(str(tiny_store), o_direct=False) as st:
+        kind_off = kernel_prepare.kernel_kind(st.args, st, off)
+    kernel_prepare.prepare_in_child(off, kind_off)
+    import json
+    marker = kernel_prepare.marker_path(str(cache_dir), kind_off)
+    data = json.loads(marker.read_text())
+    assert data["seconds"] >= 0.0
+    data["seconds"] = 95.0  # as a real compile here took
+    marker.write_text(json.dumps(data))
+    assert kernel_prepare.compile_needed(str(tiny_store), off) == (False, None)
+    assert kernel_prepare.compile_needed(str(tiny_store), on) == (True, 95.0)

@@ -39,9 +39,25 @@ def _fake_bundle(base: Path) -> Path:
     plat.mkdir(parents=True)
     for f in ("libqoffscreen.so", "libqxcb.so"):
         (plat / f).write_text("")
+    from engine import gui_check as G
+    for so in {**G.QT_GUI_LIBS, **G.XCB_LIBS}:
+        if so not in ("libGL.so.1", "libEGL.so.1", "libxcb.so.1"):
+            (inner / so).write_text("")
     (b / "colibri").write_text("#!/bin/sh\n")
     (b / "colibri").chmod(0o755)
     return b
+
+
+def test_check_bundle_refuses_a_bundle_without_the_x11_libraries(B, tmp_path):
+    """PyInstaller copies the xcb plugin's libraries from the build machine; one missing there
+    would leave a bundle whose window aborts on a machine without it."""
+    b = _fake_bundle(tmp_path)
+    (b / "_internal" / "libxcb-icccm.so.4").unlink()
+    (b / "_internal" / "libxcb-keysyms.so.1").unlink()
+    with pytest.raises(B.BuildError, match=r"libxcb-icccm.so.4, libxcb-keysyms.so.1.*apt-get install "
+                                           r"libxcb-icccm4 libxcb-keysyms1"):
+        B.check_bundle(b, "linux")
+    assert "libxcb-cursor.so.0" in B.check_bundle(_fake_bundle(tmp_path / "ok"), "linux")["gui_libraries"]
 
 
 def test_version_has_one_source(B):
@@ -131,3 +147,22 @@ def test_install_script_installs_and_uninstalls(B, tmp_path):
     assert not link.exists() and not link.is_symlink()
     assert not (home / ".local" / "share" / "applications" / "colibri-desktop.desktop").exists()
     assert (b / "colibri").is_file()  # the bundle itself is never touched
+
+
+def test_the_docs_agree_on_how_the_tests_run():
+    """The README's test command is CI's; it installs the CPU build of torch (PyPI's Linux
+    wheel is the CUDA one); the bundle test is marked slow and both READMEs say the default
+    run skips it (packaging/README said it was part of the default run)."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    cmd = next(ln.strip() for ln in readme.splitlines() if ln.startswith("    ") and "pytest -q" in ln)
+    assert cmd in ci.splitlines()
+    cpu = cmd.index("--index-url https://download.pytorch.org/whl/cpu")
+    assert "torch==2.13.0" in cmd[:cpu] and cmd.index("'.[test,parity]'") > cpu
+    assert "torch==2.13.0" in (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    bundle = (ROOT / "tests" / "test_bundle.py").read_text(encoding="utf-8")
+    assert "pytest.mark.slow" in bundle
+    assert "addopts = \"-m 'not slow'\"" in (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    pack = " ".join((ROOT / "packaging" / "README.md").read_text(encoding="utf-8").split())
+    assert "part of the default" not in pack and "the default `python -m pytest -q` run skips it" in pack
+    assert "That default run skips the tests marked slow (the self-contained bundle" in " ".join(readme.split())

@@ -8,7 +8,7 @@ so. History, settings and the converted model live in a temporary folder, so the
 data is never touched.
 
     QT_QPA_PLATFORM=offscreen python tools/screenshot.py [--out docs/screenshot.png] [--theme dark]
-        [--size 780x900] [--prompt "How do I read a CSV file?"]
+        [--size 780x900] [--prompt "How do I read a CSV file?"] [--first-start]
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--theme", default="light", choices=("system", "light", "dark"),
                     help="colour scheme (Settings › Appearance)")
     ap.add_argument("--prompt", help="the second question (the one captured mid-answer)")
+    ap.add_argument("--first-start", action="store_true",
+                    help="capture the empty chat once the model is ready (what a first start shows), no answers")
     a = ap.parse_args(argv)
     out = Path(a.out).expanduser()
     if out.suffix.lower() not in IMAGE_SUFFIXES:
@@ -138,6 +140,9 @@ def _run(a, app, win, prompts, pump) -> int:
         raise SystemExit(f"the model did not open: {win.banner.text.text()}")
     print(f"loaded {win.loaded.model_name}: {win.loaded.num_layers} layers x {win.loaded.num_experts} experts, "
           f"cap {win.loaded.cap_per_layer}")
+    if a.first_start:
+        app.processEvents()
+        return _save(a, win.grab())
     # one complete answer (rendered Markdown + statistics line), then capture the second mid-stream
     win.send(prompts[0])
     pump(lambda: win.answer is None, "the first answer")
@@ -159,13 +164,18 @@ def _run(a, app, win, prompts, pump) -> int:
     p.redraw()
     app.processEvents()
     img = win.grab()
+    _save(a, img)
+    print(f"{len(tokens)} tokens streamed, {len(p.hit_ring)} metric points, generating={win.answer is not None}")
+    return 0
+
+
+def _save(a, img) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     if not img.save(str(out)):
         raise SystemExit(f"screenshot.py: error: could not write {out} (check the folder's permissions and "
                          f"free space)")
-    print(f"saved {out} ({img.width()}x{img.height()}); {len(tokens)} tokens streamed, "
-          f"{len(p.hit_ring)} metric points, generating={win.answer is not None}")
+    print(f"saved {out} ({img.width()}x{img.height()})")
     return 0
 
 

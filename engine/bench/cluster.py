@@ -235,7 +235,7 @@ def cmd_cluster(a) -> int:
     M, E = args.num_moe_layers, args.num_experts
     n_max = max(a.workers)
     # each worker can hold half the experts (the 2-worker arm puts everything remote)
-    ram_gb = max(M * E * slab / 2 * 1.05 / (1 << 30), 2 / 1024)  # at least 2 MiB (join counts whole MiB)
+    ram_gb = max(M * E * slab / 2 * 1.05 / 1e9, 2 * (1 << 20) / 1e9)  # --ram-gb is GB (1e9); at least 2 MiB
     prompt = list(range(3, 3 + a.prompt_tokens))
     rows = []
     cl = LocalCluster(workers=n_max, ram_gb=ram_gb, cgroup_bytes=0) if n_max else None

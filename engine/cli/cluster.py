@@ -71,7 +71,8 @@ def cmd_head(a) -> int:
 
 def cmd_join(a) -> int:
     """Join the cluster at ADDRESS as a worker lending ``--ram-gb`` of RAM to experts."""
-    mb = int(a.ram_gb * 1024) if a.ram_gb == a.ram_gb else 0  # whole MiB (NaN: 0)
+    # GB as everywhere else (1e9 bytes, format_bytes), held as whole MiB (Ray's resource: RESOURCE)
+    mb = int(a.ram_gb * 1e9) >> 20 if a.ram_gb == a.ram_gb and 0 < a.ram_gb < 1e9 else 0  # NaN, inf: 0
     if mb < 1:
         raise ConfigError(f"--ram-gb {a.ram_gb}: give the RAM (GB) this computer lends to experts, at least "
                           f"0.001, e.g. --ram-gb 8")

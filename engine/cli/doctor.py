@@ -3,7 +3,9 @@
 ``colibri doctor`` prints: the colibri version and how it is installed (source / pip or the
 frozen bundle, with its BUILDINFO), Python and the OS, the versions of the libraries the engine
 runs on (read from package metadata: PySide6 is never imported, so no Qt starts), the CPU and
-its SIMD features (AVX2, AVX-512, VNNI: what LLVM sees, the int kernel path chosen), the
+its SIMD features (AVX2, AVX-512, VNNI: what LLVM sees, the int kernel path chosen), whether
+the desktop window can open (a display, the shared libraries Qt needs: engine.gui_check, with
+the install command for what is missing), the
 threads (numba's threading layer, the default thread count from CPU affinity and the cgroup
 CPU quota, the settings file's choice), numba's cache folder, RAM (host and cgroup limit,
 engine.sysinfo), the data and config folders (writable or not, free disk), a short disk read
@@ -21,12 +23,11 @@ import platform
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 from .. import __version__
-from ..platform_io import BUFFERED, open_for_reads, positional_reader
-from ..quant import aligned_empty
+from ..library.disk import BLOCK, DISK_TEST_BYTES, DISK_TEST_SECONDS, DiskSpeed, disk_read_speed  # noqa: F401 - here too
 from ..units import format_bytes
 
 APP = "colibri-desktop"
@@ -39,11 +40,6 @@ PACKAGES = (("numpy", ("numpy",)), ("numba", ("numba",)), ("llvmlite", ("llvmlit
 # LLVM feature names worth a line in a bug report (x86 SIMD the kernels care about; NEON on ARM)
 CPU_FLAGS = ("sse4.2", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni",
              "avxvnni", "avx512bf16", "amx-int8", "neon", "dotprod")
-DISK_TEST_BYTES = 32 << 20
-DISK_TEST_SECONDS = 1.0
-BLOCK = 1 << 20  # one 1 MiB aligned read at a time, in shuffled order (experts are read at random)
-
-
 def is_frozen() -> bool:
     """True inside the PyInstaller bundle."""
     return bool(getattr(sys, "frozen", False))
@@ -70,92 +66,6 @@ def package_versions() -> dict[str, str]:
                 continue
         out[label] = v
     return out
-
-
-@dataclass
-class DiskSpeed:
-    """Result of :func:`disk_read_speed`: bytes read in seconds (0 when not measured), the
-    read method (O_DIRECT, F_NOCACHE, FILE_FLAG_NO_BUFFERING or "buffered"), the file read and
-    a note (why buffered, why not measured, or that a store file was read instead)."""
-
-    bytes_read: int
-    seconds: float
-    method: str
-    path: str
-    note: str = ""
-
-    @property
-    def mb_per_s(self) -> float | None:
-        return self.bytes_read / self.seconds / 1e6 if self.bytes_read and self.seconds > 0 else None
-
-
-def _timed_reads(path: Path, budget_bytes: int, budget_s: float) -> DiskSpeed:
-    """Uncached reads of ``path`` in shuffled 1 MiB blocks until ``budget_bytes`` or
-    ``budget_s`` is reached (whichever first). Raises OSError."""
-    import random
-    f = open_for_reads(path, uncached=True)
-    read = positional_reader()
-    try:
-        size = os.fstat(f.fd).st_size
-        n_blocks = max(1, min(size, budget_bytes) // BLOCK)
-        order = list(range(n_blocks))
-        random.Random(0).shuffle(order)
-        buf = aligned_empty(BLOCK)
-        done, t0 = 0, time.perf_counter()
-        for i in order:
-            done += read(f.fd, [buf], i * BLOCK)
-            if time.perf_counter() - t0 >= budget_s:
-                break
-        dt = time.perf_counter() - t0
-    finally:
-        os.close(f.fd)
-    note = f.reason + ("; the page cache may inflate the figure" if not f.uncached else "")
-    return DiskSpeed(done, dt, f.how, str(path), note.strip("; "))
-
-
-def disk_read_speed(folder: Path, fallback_files: list[Path] = (), budget_bytes: int = DISK_TEST_BYTES,
-                    budget_s: float = DISK_TEST_SECONDS) -> DiskSpeed:
-    """Read speed of the disk under ``folder``: write a temp file of ``budget_bytes`` there
-    (random bytes, fsync), read it back uncached (engine.platform_io) for at most ``budget_s``
-    seconds, delete it. When ``folder`` is not writable, read the largest of ``fallback_files``
-    (a converted store's expert file) instead; else report why nothing was measured. Never
-    raises for I/O errors."""
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(prefix=".colibri-doctor-", suffix=".tmp", dir=folder)
-        try:
-            chunk = os.urandom(BLOCK)
-            left = budget_bytes
-            t0 = time.perf_counter()
-            while left > 0:
-                left -= os.write(fd, chunk[:min(BLOCK, left)])
-                if time.perf_counter() - t0 > 10 * budget_s:  # a very slow disk: test what we have
-                    break
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        r = _timed_reads(Path(tmp), budget_bytes, budget_s)
-        r.path = str(folder)
-        r.note = "; ".join(x for x in ("a temp file, removed", r.note) if x)
-        return r
-    except OSError as e:
-        why = f"{folder} is not writable ({e.strerror or e})"
-        files = [p for p in fallback_files if p.is_file()]
-        if files:
-            big = max(files, key=lambda p: p.stat().st_size)
-            try:
-                r = _timed_reads(big, budget_bytes, budget_s)
-                r.note = "; ".join(x for x in (f"{why}: read a store file instead", r.note) if x)
-                return r
-            except OSError as e2:
-                why += f"; reading {big} failed too ({e2.strerror or e2})"
-        return DiskSpeed(0, 0.0, BUFFERED, str(folder), f"not measured: {why}")
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def _writable(folder: Path) -> tuple[bool, str]:
@@ -228,17 +138,17 @@ def collect(disk_test: bool = True, budget_bytes: int = DISK_TEST_BYTES,
     _section(facts, "packages", package_versions)
 
     def cpu():
-        from .. import kernels as K
+        from .. import kernel_facts as K  # what the kernels will use, without starting numba
         from ..sysinfo import affinity_cpus, cgroup_cpu_quota, cpu_name, usable_cpus
         feats = K.cpu_features()
         return {"name": cpu_name(), "logical_cpus": os.cpu_count(), "affinity_cpus": affinity_cpus(),
                 "cgroup_cpu_quota": cgroup_cpu_quota(), "usable_cpus": usable_cpus(),
                 "features": {f: feats[f] for f in CPU_FLAGS if f in feats},
-                "int_kernels": K.INT_FLAVOR}
+                "int_kernels": K.int_flavor()}
     _section(facts, "cpu", cpu)
 
     def threads():
-        from .. import kernels as K
+        from .. import kernel_facts as K
         from ..settings import EngineConfig
         from ..sysinfo import usable_cpus
         default = EngineConfig().threads or usable_cpus()
@@ -246,10 +156,12 @@ def collect(disk_test: bool = True, budget_bytes: int = DISK_TEST_BYTES,
             saved = _settings_threads(user_config_dir(create=False))
         except OSError:
             saved = None
-        return {"threading_layer": K.THREADING_LAYER, "serialized": K.SERIALIZED, "default": default,
+        layer = K.threading_layer()
+        cache, cache_problem = K._numba_cache_dir()
+        return {"threading_layer": layer, "serialized": layer not in ("omp", "tbb"), "default": default,
                 "settings_file": saved, "in_use": saved or default,  # 0 = all usable CPUs
                 "limit": K.thread_limit(),
-                "numba_cache": K.CACHE_DIR, "numba_cache_problem": K.CACHE_PROBLEM}
+                "numba_cache": cache, "numba_cache_problem": cache_problem}
     _section(facts, "threads", threads)
 
     def memory():
@@ -262,6 +174,13 @@ def collect(disk_test: bool = True, budget_bytes: int = DISK_TEST_BYTES,
                                                    "available_bytes": cg.available, "version": cg.version,
                                                    "path": cg.path}}
     _section(facts, "memory", memory)
+
+    def window():
+        from ..gui_check import check_gui
+        chk = check_gui()
+        return {"ok": chk.ok, "platform": chk.platform, "display": chk.display, "display_ok": chk.display_ok,
+                "missing": sorted(chk.missing), "install": chk.install, "message": chk.message()}
+    _section(facts, "window", window)
 
     data = user_data_dir(create=False)
     config = user_config_dir(create=False)
@@ -360,6 +279,16 @@ def format_report(f: dict) -> str:
         add("cgroup", "no memory limit" if cg is None else
             f"limit {format_bytes(cg['limit_bytes'])} (v{cg['version']}, {cg['path']}), "
             f"{format_bytes(cg['available_bytes'])} left")
+    if err("window"):
+        add("window", err("window"))
+    elif "window" in f:
+        w = f["window"]
+        if w["ok"]:
+            add("window", f"can open ({w['platform']}" + (f" on {w['display']}" if w["display"] else "")
+                + "; the libraries Qt needs load)")
+        else:
+            for i, line in enumerate(x for x in w["message"].splitlines() if x.strip()):
+                add("window" if i == 0 else "", line.strip() if i else line)
     for key, label in (("data_folder", "data folder"), ("config_folder", "config")):
         if err(key):
             add(label, err(key))

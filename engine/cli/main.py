@@ -10,27 +10,74 @@ import argparse
 import logging
 import sys
 
+from importlib import import_module
+
 from ..errors import EngineError
-from . import cluster, doctor, models, run, serve
 
 log = logging.getLogger("colibri")
 
+# verb -> (the module of engine.cli whose add_parsers adds it, its line in `colibri --help`).
+# Only the verb being run has its module imported and its parser built: `--help`, `--version`
+# and the light verbs never import numpy, the converter, the server or the kernels.
+# tests/test_cli_start.py checks these lines against the full parsers' own help.
+VERBS = {
+    "run": ("run", "generate from a prompt, streaming to stdout"),
+    "convert": ("run", "convert a Hugging Face MoE folder into a store"),
+    "info": ("run", "describe a converted store"),
+    "download": ("models", "download a model from the Hugging Face hub, check it and convert it"),
+    "models": ("models", "list converted models"),
+    "serve": ("serve", "serve a model over an OpenAI-compatible HTTP API on this computer"),
+    "cluster": ("cluster", "serve experts from other computers' RAM (Ray)"),
+    "doctor": ("doctor", "print what a bug report needs (versions, CPU, RAM, disk speed, models)"),
+    "bench": ("..bench", "benchmarks (JSON + markdown in bench/results/)"),
+}
+VERBOSE_HELP = "log what the engine does (the plan line, timings); also accepted after the command"
 
-def build_parser() -> argparse.ArgumentParser:
-    """The whole ``colibri`` argument parser: run, convert, info, download, models, serve, doctor, bench."""
-    from ..bench import add_bench_parser
+
+def _add_verbose(parser: argparse.ArgumentParser) -> None:
+    """``-v`` on ``parser`` and every subcommand below it, so ``colibri run --prof -v`` works as
+    ``colibri -v run --prof`` does (SUPPRESS: a subcommand without it keeps the top level's)."""
+    for action in parser._actions:  # argparse has no public accessor for a parser's subparsers
+        if isinstance(action, argparse._SubParsersAction):
+            for child in set(action.choices.values()):
+                if "-v" not in child._option_string_actions:
+                    child.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                                       help=VERBOSE_HELP)
+                _add_verbose(child)
+
+
+def verb_of(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names (its first word that is not an option), or None."""
+    for a in argv:
+        if not a.startswith("-"):
+            return a
+        if a == "--":
+            return None
+    return None
+
+
+def build_parser(verb: str | None = "") -> argparse.ArgumentParser:
+    """The ``colibri`` argument parser: run, convert, info, download, models, serve, cluster,
+    doctor, bench. ``verb`` "" (the default) builds every subcommand in full; a verb name builds
+    only that one's module (the others are listed by name and help line); None builds none."""
+    from .doctor import version_line
     p = argparse.ArgumentParser(prog="colibri", description="Run MoE models larger than RAM. "
                                 "Without a command, `colibri` starts the desktop app.")
-    p.add_argument("-v", "--verbose", action="store_true")
-    p.add_argument("--version", action="version", version=doctor.version_line(),
+    p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
+    p.add_argument("--version", action="version", version=version_line(),
                    help="print the version and exit")
     sub = p.add_subparsers(dest="cmd", required=True)
-    run.add_parsers(sub)
-    models.add_parsers(sub)
-    serve.add_parsers(sub)
-    cluster.add_parsers(sub)
-    doctor.add_parsers(sub)
-    add_bench_parser(sub)
+    built: set[str] = set()
+    for name, (mod, help_line) in VERBS.items():
+        if mod in built:
+            continue
+        if verb == "" or VERBS.get(verb, ("",))[0] == mod:
+            m = import_module(mod if mod.startswith("..") else "." + mod, __package__)
+            (m.add_bench_parser if mod == "..bench" else m.add_parsers)(sub)
+            built.add(mod)
+        else:
+            sub.add_parser(name, help=help_line, add_help=False)
+    _add_verbose(p)
     return p
 
 
@@ -38,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: sys.argv[1:]) and run the subcommand. Returns the exit code
     (2 with one ``colibri: error: ...`` line for bad input; never a traceback for it)."""
     argv = sys.argv[1:] if argv is None else argv
-    a = build_parser().parse_args(argv)
+    verb = verb_of(argv)
+    a = build_parser(verb if verb in VERBS else "" if verb else None).parse_args(argv)
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:

@@ -9,8 +9,7 @@ import time
 
 from ..errors import EngineError
 from ..events import LoadProgress
-from ..library import (WIZARD_QUANTS, check_repo, convert_downloaded, delete_model, download, format_bytes,
-                       list_models, models_dir, self_test)
+from ..units import format_bytes
 
 
 _LINE_OPEN = [False]  # a progress line is on stderr without its newline yet
@@ -55,6 +54,7 @@ def open_notices(ev: LoadProgress) -> None:
 
 def cmd_download(a) -> int:
     """``colibri download REPO``: check, download, convert, self-test, print the store path."""
+    from ..library import check_repo, convert_downloaded, delete_model, download, self_test
     try:
         chk = check_repo(a.repo, a.revision, a.quant, a.context_length)
     except ValueError as e:  # ConfigError included (unsupported model type)
@@ -111,6 +111,7 @@ def cmd_download(a) -> int:
 def cmd_models(a) -> int:
     """``colibri models``: table of converted stores; a broken store is listed as BROKEN with
     the reason (naming the file) and what to do. Exit code 1 when any store is broken."""
+    from ..library import list_models, models_dir
     ms = list_models()
     if not ms:
         print(f"no converted models in {models_dir()} (add one with `colibri download REPO`)")
@@ -130,6 +131,7 @@ def cmd_models(a) -> int:
 
 def add_parsers(sub) -> None:
     """Add ``download`` and ``models`` to the ``colibri`` argparse subparsers ``sub``."""
+    from ..library import WIZARD_QUANTS
     d = sub.add_parser("download", help="download a model from the Hugging Face hub, check it and convert it",
                        description="Check (disk, RAM), download only the needed files (resumable), "
                                    "convert into a store in the user data folder, self-test, print the path.")

@@ -10,7 +10,6 @@ import threading
 import time
 from pathlib import Path
 
-from ..chat_template import raw_mode_warning
 from ..events import ChatMessage, Finished, FinishReason, GenerateRequest, StepMetrics, TokenEvent
 from ..settings import ENGINE, SAMPLING
 from .flags import add_setting_flags, engine_config, sampling_params
@@ -85,6 +84,7 @@ def resolve_store(model: str | None) -> str:
 
 def cmd_run(a) -> int:
     """``colibri run``: generate from a prompt, streaming the text to stdout."""
+    from ..chat_template import raw_mode_warning
     from ..generate import Engine
     from .models import open_notices
     from ..prof import Profile
@@ -297,8 +297,9 @@ def add_parsers(sub) -> None:
     r.set_defaults(fn=cmd_run)
 
     from ..models import FAMILY_NAMES
-    c = sub.add_parser("convert", help=f"convert a Hugging Face MoE folder ({', '.join(FAMILY_NAMES.values())}) "
-                                       f"into a store")
+    c = sub.add_parser("convert", help="convert a Hugging Face MoE folder into a store",
+                       description=f"Convert a Hugging Face MoE folder ({', '.join(FAMILY_NAMES.values())}) "
+                                   f"into a store.")
     c.add_argument("src")
     c.add_argument("dst")
     c.add_argument("--quant", choices=("int8", "int4", "f16", "f32", "mxfp4"), default="int8",
@@ -307,8 +308,8 @@ def add_parsers(sub) -> None:
     c.add_argument("--dense-quant", choices=("int8", "int4", "f16", "f32"), default=None,
                    help="resident dense weights; int4 = attention int4, embedding and lm_head int8 "
                         "(default: int8 for int8/int4 stores, else the --quant)")
-    from ..convert import EXPERT_LAYOUT_CHOICES
-    c.add_argument("--expert-layout", choices=EXPERT_LAYOUT_CHOICES, default="auto",
+    from ..store_format import EXPERT_LAYOUTS  # convert's choices, without importing the converter
+    c.add_argument("--expert-layout", choices=("auto",) + EXPERT_LAYOUTS, default="auto",
                    help="int4 expert weights row-interleaved by 4 (interleaved_4: the decode kernels' fastest "
                         "read) or row_major; auto (default): interleaved_4 for int4 with group size 32 and "
                         "widths that are multiples of 64 on a CPU with the SIMD int4 kernels, else row_major. "

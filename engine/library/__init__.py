@@ -11,24 +11,61 @@ these names only (docs/engine-api.md); the modules are split by concern:
     models         convert a download, self-test, list / delete converted stores
     default_model  the small bundled model, converted on first use
     errors         HubError, DiskSpaceError, VerificationError
+    catalog        MoE models people run, sized for this computer ("Recommended" in the wizard)
+    disk           a short read-speed test of the disk under a folder (doctor, the wizard)
 The RAM numbers come from engine.sizing (the rule Engine.open applies); they are re-exported
 here for the wizard.
 """
 
-from ..errors import Cancelled
-from ..fsutil import atomic_write_text
-from ..sizing import BudgetPlan, Estimate, estimate, machine_ram, plan_for_store, ram_verdict
-from ..units import format_bytes, format_duration
-from .check import (DISK_MARGIN_BYTES, HUB_HOSTS, NEEDED_PATTERNS, PARTIAL_DIR, WIZARD_QUANTS, RepoCheck,
-                    RepoFile, TokenizerCheck, check_local, check_repo, check_tokenizer, parse_repo_id)
-from .default_model import DEFAULT_MODEL, default_model_dir, default_store
-from .download import check_weight_file, delete_download, download
-from .errors import DiskSpaceError, DownloadCancelled, FolderError, HubError, VerificationError
-from ..expert_store import store_problem
-from .models import (ModelEntry, convert_downloaded, delete_model, list_models, looks_like_store, repair_advice,
-                     self_test)
-from .paths import (blocking_file, download_dir_for, downloads_dir, folder_problem, free_space, models_dir,
-                    resources_dir, store_name, user_config_dir, user_data_dir)
+import sys
+import types
+
+# name -> the module that defines it, imported at the first use of a name (PEP 562): listing the
+# folders or the models must not pull in the converter, numpy or the kernels
+_WHERE = {
+    "Cancelled": "engine.errors",
+    "atomic_write_text": "engine.fsutil",
+    "BudgetPlan": "engine.sizing", "Estimate": "engine.sizing", "estimate": "engine.sizing", "machine_ram": "engine.sizing", "plan_for_store": "engine.sizing", "ram_verdict": "engine.sizing",
+    "format_bytes": "engine.units", "format_duration": "engine.units",
+    "DISK_MARGIN_BYTES": "engine.library.check", "HUB_HOSTS": "engine.library.check", "NEEDED_PATTERNS": "engine.library.check", "PARTIAL_DIR": "engine.library.check", "WIZARD_QUANTS": "engine.library.check", "RepoCheck": "engine.library.check", "RepoFile": "engine.library.check", "TokenizerCheck": "engine.library.check", "check_local": "engine.library.check", "check_repo": "engine.library.check", "check_tokenizer": "engine.library.check", "parse_repo_id": "engine.library.check",
+    "DEFAULT_MODEL": "engine.library.default_model", "default_model_dir": "engine.library.default_model", "default_store": "engine.library.default_model",
+    "check_weight_file": "engine.library.download", "delete_download": "engine.library.download", "download": "engine.library.download",
+    "DiskSpaceError": "engine.library.errors", "DownloadCancelled": "engine.library.errors", "FolderError": "engine.library.errors", "HubError": "engine.library.errors", "VerificationError": "engine.library.errors",
+    "store_problem": "engine.expert_store",
+    "ModelEntry": "engine.library.models", "convert_downloaded": "engine.library.models", "delete_model": "engine.library.models", "list_models": "engine.library.models", "looks_like_store": "engine.library.models", "repair_advice": "engine.library.models", "self_test": "engine.library.models",
+    "CATALOG": "engine.library.catalog", "CatalogModel": "engine.library.catalog",
+    "Recommendation": "engine.library.catalog", "recommend": "engine.library.catalog",
+    "DiskSpeed": "engine.library.disk", "disk_read_speed": "engine.library.disk",
+    "blocking_file": "engine.library.paths", "download_dir_for": "engine.library.paths", "downloads_dir": "engine.library.paths", "folder_problem": "engine.library.paths", "free_space": "engine.library.paths", "models_dir": "engine.library.paths", "resources_dir": "engine.library.paths", "store_name": "engine.library.paths", "user_config_dir": "engine.library.paths", "user_data_dir": "engine.library.paths",
+}
+
+
+def __getattr__(name: str):
+    mod = _WHERE.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from importlib import import_module
+    value = getattr(import_module(mod), name)
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_WHERE))
+
+
+class _Library(types.ModuleType):
+    """The import system binds a submodule to its name on the package when it is imported;
+    ``download`` names the function here (as it did when this file imported it), not its module."""
+
+    def __setattr__(self, name, value):
+        if name in _WHERE and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Library
+
 
 __all__ = [
     "Cancelled", "atomic_write_text", "BudgetPlan", "Estimate", "estimate", "machine_ram", "plan_for_store",
@@ -40,4 +77,5 @@ __all__ = [
     "convert_downloaded", "delete_model", "list_models", "looks_like_store", "repair_advice", "self_test",
     "store_problem", "download_dir_for", "downloads_dir",
     "free_space", "models_dir", "resources_dir", "store_name", "user_config_dir", "user_data_dir",
+    "CATALOG", "CatalogModel", "Recommendation", "recommend", "DiskSpeed", "disk_read_speed",
 ]

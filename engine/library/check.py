@@ -19,7 +19,6 @@ from urllib.parse import unquote, urlsplit
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint import Checkpoint
 from ..config import SUPPORTED_MODEL_TYPES, ModelArgs, describe_model, supported_families
 from ..errors import ConfigError, TokenizerError
 from ..quant import QUANTS
@@ -430,6 +429,7 @@ def check_local(folder: str | os.PathLike, quant: str = "int8",
     """
     folder = Path(folder).expanduser()
     args = ModelArgs.from_hf_config(folder)  # refuses unsupported model types with the list
+    from ..checkpoint import Checkpoint  # here: listing or sizing models never loads ml_dtypes
     with Checkpoint(folder):  # pointers, truncated headers, missing tensors, shapes
         pass
     tok = check_tokenizer(folder)

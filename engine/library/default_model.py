@@ -8,7 +8,6 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from ..convert import convert_checkpoint
 from ..docs_lookup import INDEX_FILE, DocsIndex
 from ..errors import StoreError
 from ..events import LoadProgress
@@ -62,6 +61,7 @@ def default_store(progress: Callable[[LoadProgress], None] | None = None,
                 log.warning("the converted default model is broken (%s); converting it again", why)
         except (OSError, ValueError, AttributeError):
             pass
+    from ..convert import convert_checkpoint  # here: naming the default model needs no converter
     convert_checkpoint(src, dst, quant=quant, overwrite=True, progress=progress, cancel=cancel,
                        extra_manifest={"source_mtime": stamp})
     return dst

@@ -185,7 +185,7 @@ def list_models() -> list[ModelEntry]:
     Raises:
         OSError: the models folder cannot be created or listed (the message names it).
     """
-    from ..convert import pid_is_gone
+    from ..fsutil import pid_is_gone
     out = []
     for p in sorted(models_dir().iterdir()):
         if ".deleting-" in p.name:  # a delete_model that was killed mid-way: finish it

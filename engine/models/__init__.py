@@ -58,8 +58,7 @@ def dense_bytes(args, quant: str, group_size: int = 32, dense_quant: str | None 
     (``--dense-quant``); ``only``: count just these store names (e.g. ("embed_tokens",))."""
     import numpy as np
 
-    from ..convert import LM_HEAD_QUANT
-    from ..quant import _field_specs
+    from ..quant import LM_HEAD_QUANT, _field_specs
     dq = dense_quant or ("int8" if quant in ("int8", "int4", "mxfp4") else quant)
     seen, total = set(), 0
     fam = family_for(args.model_type)

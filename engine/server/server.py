@@ -141,7 +141,7 @@ class LocalServer:
             sock.close()
             self.queue.close()
             raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}; choose another port "
-                                   f"(--port) or stop the program using it") from None
+                                   f"or stop the program using it") from None
         sock.listen(128)
         self._sock = sock
         self.port = sock.getsockname()[1]

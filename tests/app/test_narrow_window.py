@@ -115,3 +115,19 @@ def test_minimum_size_window_cuts_no_text(qtbot, make_window):
     qtbot.waitUntil(lambda: edit.placeholder_room() >= edit.fontMetrics().horizontalAdvance(full), timeout=5000)
     qtbot.waitUntil(lambda: edit.placeholderText() == full, timeout=2000)
     assert edit.toolTip() == ""
+
+
+def test_widening_gives_the_panels_their_width_back(qtbot, make_window):
+    """780 px puts the panels under the chat; back at 1400 px they were left ~530 px wide (the
+    minimum their two columns had set) instead of the width they had beside the chat."""
+    from PySide6.QtCore import Qt
+    win = make_window(wait_loaded=False)
+    win.resize(1400, 900)
+    qtbot.waitUntil(lambda: win.width() == 1400 and win.dockWidgetArea(win.dock) == Qt.RightDockWidgetArea)
+    qtbot.wait(50)
+    before = win.dock.width()
+    win.resize(780, 700)
+    qtbot.waitUntil(lambda: win.dockWidgetArea(win.dock) == Qt.BottomDockWidgetArea, timeout=10000)
+    win.resize(1400, 900)
+    qtbot.waitUntil(lambda: win.dockWidgetArea(win.dock) == Qt.RightDockWidgetArea, timeout=10000)
+    qtbot.waitUntil(lambda: abs(win.dock.width() - before) <= 8, timeout=10000)

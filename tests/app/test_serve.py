@@ -86,7 +86,9 @@ def test_serve_dialog_and_refusals(qtbot, make_window):
     dlg.key.setText("  abc  ")
     assert dlg.values() == (8123, "abc")
     assert not win.start_serving(0, "short")   # a key under 8 characters is refused, with a banner
-    assert win.banner.isVisible() and "--api-key" in win.banner.text.text()
+    assert win.banner.isVisible() and "API key" in win.banner.text.text()
+    assert "--" not in win.banner.text.text()  # the dialog's words, not the command line's
+    assert win.banner.title.text() == "The server could not start"
     assert not win.act_serve.isChecked() and win.serve.server is None
     assert win.start_serving(0, "long-enough-key")
     url = win.serve.server.url
@@ -96,7 +98,9 @@ def test_serve_dialog_and_refusals(qtbot, make_window):
     port = win.serve.server.port
     other = make_window()
     assert not other.start_serving(port)       # the port is taken: a banner, no crash
-    assert "cannot listen" in other.banner.text.text()
+    # the port is in use: said so, not "A setting is invalid ... (--port)"
+    assert f"Port {port} on this computer is already in use" in other.banner.text.text()
+    assert other.banner.title.text() == "The server could not start" and "--" not in other.banner.text.text()
     win.close()                                # closing the window stops the server
     with pytest.raises(httpx2.TransportError):
         httpx2.get(url.removesuffix("/v1") + "/health", timeout=5)

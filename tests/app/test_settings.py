@@ -206,3 +206,42 @@ def test_cluster_address_is_a_text_field(dialog):
     assert new.engine.cluster == "192.168.1.20:6380" and Settings().needs_reload(new)
     assert RELOAD_MARK in d.status_label.text() or "reopen" in d.status_label.text()
     assert isinstance(d.fields["cluster_timeout_ms"].value(), int)
+
+
+def test_the_app_and_the_command_line_share_every_default():
+    """One declaration per setting: the app's defaults are the table's, as `colibri run`'s
+    flags are (the app's max new tokens was 512 while the command line's was 256)."""
+    from engine import ENGINE, SAMPLING, settings_table
+    from engine.cli import build_parser
+    from colibri_app.settings_store import Settings
+    a = build_parser("run").parse_args(["run", "--prompt", "x"])
+    s = Settings()
+    for group, values in ((SAMPLING, s.sampling), (ENGINE, s.engine)):
+        for st in settings_table(group):
+            assert getattr(values, st.name) == getattr(a, st.name) == st.default, st.name
+
+
+def test_a_change_that_needs_new_kernels_says_so_before_it_is_applied(qtbot, make_window, monkeypatch):
+    """PILOT on needs kernels of another kind: the pending-changes line says a one-time
+    compile comes (with the time the last one took here), before Apply."""
+    import colibri_app.main_window as mw
+    win = make_window()
+    asked = []
+
+    def needed(store, engine):
+        asked.append((store, engine.pilot))
+        return (engine.pilot > 0, 95.0)
+    monkeypatch.setattr(mw, "compile_needed", needed)
+    shown = []
+    monkeypatch.setattr(win, "_show_dialog", lambda dlg: shown.append(dlg))
+    win.open_settings()
+    dlg = shown[0]
+    qtbot.addWidget(dlg)
+    dlg.fields["cap"].setValue(3)  # a reload, same kernels: no note
+    assert "compile" not in dlg.status_label.text() and asked == []
+    dlg.fields["pilot"].setCurrentIndex(1)
+    text = dlg.status_label.text()
+    assert "one-time compile of the compute kernels" in text and "about 95 s" in text, text
+    assert asked == [(win.loaded.store_path, 1)]
+    dlg.fields["pilot"].setCurrentIndex(0)
+    assert "compile" not in dlg.status_label.text()

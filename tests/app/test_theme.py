@@ -12,7 +12,7 @@ import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 
-from PySide6.QtGui import QImage, QPalette  # noqa: E402
+from PySide6.QtGui import QColor, QImage, QPalette  # noqa: E402
 from PySide6.QtWidgets import (QApplication, QCheckBox, QComboBox, QLineEdit, QPushButton,  # noqa: E402
                                QSpinBox, QWidget, QHBoxLayout)
 
@@ -175,3 +175,32 @@ def test_theme_choice_in_settings_is_saved_and_applied(qtbot, themed, app_dirs, 
     assert saved["app"] == {"theme": "dark"}
     assert load_settings()[0].app.theme == "dark"
     assert win.panels.scheme == "dark"
+
+
+def _luminance(rgb: int) -> float:
+    def ch(v):
+        c = v / 255
+        return c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+    return 0.2126 * ch((rgb >> 16) & 255) + 0.7152 * ch((rgb >> 8) & 255) + 0.0722 * ch(rgb & 255)
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+@pytest.mark.parametrize("kind", ["radio", "check"])
+def test_unchecked_radio_buttons_and_check_boxes_stand_out(qtbot, themed, scheme, kind):
+    """The indicator's ring has at least 3:1 contrast with the window (WCAG's rule for the parts
+    of a control); in the dark scheme the style's own ring was nearly invisible."""
+    from PySide6.QtWidgets import QRadioButton, QStyle, QStyleOptionButton
+    resources.apply_theme(themed, scheme)
+    w = QRadioButton("From a folder") if kind == "radio" else QCheckBox("auto")
+    qtbot.addWidget(w)
+    w.show()
+    qtbot.waitExposed(w)
+    opt = QStyleOptionButton()
+    w.initStyleOption(opt)
+    r = w.style().subElementRect(QStyle.SE_RadioButtonIndicator if kind == "radio" else QStyle.SE_CheckBoxIndicator,
+                                 opt, w)
+    px = _img(w)
+    area = px[max(0, r.top()):r.bottom() + 1, max(0, r.left()):r.right() + 1] & 0xFFFFFF
+    bg = _luminance(int(QColor(resources.SCHEMES[scheme]["bg"]).rgb()) & 0xFFFFFF)
+    best = max((max(_luminance(int(v)), bg) + 0.05) / (min(_luminance(int(v)), bg) + 0.05) for v in set(area.ravel()))
+    assert best >= 3.0, (scheme, kind, best)

@@ -1,0 +1,98 @@
+"""The wizard's "Recommended for this computer" page: the catalog sized for this machine's
+memory (here 16 GB, given), recommended models first and in bold, and a chosen one leads into
+the usual hub check with its repository and quantization filled in."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+
+from PySide6.QtWidgets import QWizard  # noqa: E402
+
+import engine.library as lib  # noqa: E402
+from colibri_app import wizard as wz  # noqa: E402
+
+GB = 10 ** 9
+DISK_SPEED = {"bytes": 0}  # bytes the stand-in disk test reads in one second (0: not measured)
+
+
+@pytest.fixture
+def rec_wizard(qtbot, monkeypatch, app_dirs):
+    from colibri_app import workers
+    monkeypatch.setattr(lib, "machine_ram", lambda: (16 * GB, 12 * GB))
+    measured = threading.Event()  # the disk test waits for the test to let it finish
+
+    def disk(folder, files=()):
+        measured.wait(60)
+        return lib.DiskSpeed(DISK_SPEED["bytes"], 1.0 if DISK_SPEED["bytes"] else 0.0, "O_DIRECT", str(folder))
+    monkeypatch.setattr(lib, "disk_read_speed", disk)
+    w = wz.ModelWizard(None, context_length=0, recommendations=True)
+    qtbot.addWidget(w)
+    w.resize(1000, 640)
+    w.show()
+    w.measured = measured
+    yield w
+    measured.set()
+    w.reject()
+    assert workers.shutdown_all(30)
+
+
+def test_the_page_lists_the_catalog_sized_for_this_machine(rec_wizard):
+    w = rec_wizard
+    assert w.currentId() == wz.PAGE_RECOMMENDED
+    p = w.recommended_page
+    expected = lib.recommend(16 * GB, 12 * GB)
+    assert p.table.rowCount() == len(lib.CATALOG) == len(expected)
+    assert "16.00 GB of RAM" in p.machine.text() and "assumed" in p.machine.text()
+    for i, r in enumerate(expected):
+        cells = [p.table.item(i, j).text() for j in range(p.table.columnCount())]
+        assert cells[0] == r.model.name and cells[1] == r.quant
+        assert cells[2] == lib.format_bytes(r.download_bytes) and cells[3] == lib.format_bytes(r.estimate.store_bytes)
+        assert cells[4] == lib.format_bytes(r.budget_bytes)
+        assert p.table.item(i, 0).font().bold() == r.recommended
+        assert (cells[7] == "recommended") == r.recommended
+    assert p.table.item(0, 7).text() == "recommended"
+
+
+def test_choosing_a_model_fills_the_hub_source_and_its_quantization(qtbot, rec_wizard):
+    w = rec_wizard
+    p = w.recommended_page
+    row = next(i for i, r in enumerate(p.rows) if r.model.repo_id == "Qwen/Qwen3-30B-A3B")
+    p.table.selectRow(row)
+    assert "Qwen/Qwen3-30B-A3B" in p.detail.text() and p.rows[row].quant in p.detail.text()
+    w.next()
+    assert w.currentId() == wz.PAGE_SOURCE
+    assert w.source_page.hub_radio.isChecked() and w.source_page.repo_edit.text() == "Qwen/Qwen3-30B-A3B"
+    assert w.preferred_quant == p.rows[row].quant == "int4"
+    w.back()
+    p.table.clearSelection()
+    w.source_page.repo_edit.setText("")
+    w.next()  # no choice: the source page, empty, for any repository or folder
+    assert w.currentId() == wz.PAGE_SOURCE and w.source_page.repo_edit.text() == ""
+    assert w.button(QWizard.BackButton).isEnabled()
+
+
+def test_the_wizard_opened_from_the_window_starts_on_the_recommendations(monkeypatch, make_window, qtbot):
+    win = make_window(wait_loaded=False)
+    shown = []
+    monkeypatch.setattr(win, "_show_dialog", lambda dlg: shown.append(dlg))
+    win.open_wizard()
+    assert shown and shown[0].startId() == wz.PAGE_RECOMMENDED
+    shown[0].deleteLater()
+
+
+def test_the_disk_speed_is_measured_and_said(qtbot, rec_wizard, monkeypatch):
+    monkeypatch.setitem(DISK_SPEED, "bytes", 400_000_000)
+    p = rec_wizard.recommended_page
+    assert "measuring" in p.machine.text()
+    row = next(i for i, r in enumerate(p.rows) if r.model.repo_id == "Qwen/Qwen3-30B-A3B")
+    p.table.selectRow(row)
+    rec_wizard.measured.set()
+    qtbot.waitUntil(lambda: "0.4 GB/s (measured on the models folder)" in p.machine.text(), timeout=30000)
+    assert p.rows == lib.recommend(16 * GB, 12 * GB, 400_000_000)
+    assert all(r.disk_measured and r.disk_bytes_per_s == 400_000_000 for r in p.rows)
+    assert p.chosen().model.repo_id == "Qwen/Qwen3-30B-A3B"  # the choice survives the refill
