@@ -283,3 +283,23 @@ def test_throttled_llama_arm_runs_inside_a_blkio_group(monkeypatch, tmp_path):
     assert seen["cmds"] == [["MEM", "BLKIO", "llama-bench"]] * 2
     assert len(made) == 1 and made[0].dev == "7:0" and made[0].bps == 2_000_000_000 and made[0].removed
     assert r["read_bps"] == 2_000_000_000 and r["read_ahead_kb"] == 128 and r["tg32"] == 5.0
+
+
+def test_an_arm_that_fails_is_a_result(tmp_path):
+    """llama.cpp OOM-killed in a memory limit (its default flags repack the weights into
+    anonymous memory): the arm's row says it failed and why, instead of vanishing from the
+    tables; the ratio is left out."""
+    a = _kernels_args("--ours", "int4=/s", "--llama", "q4_0=/g.gguf", "--pair", "int4/q4_0", "--cgroup-gb", "8",
+                      "--cgroup-only", "--tokens", "32", "--name", "k", "--out-dir", str(tmp_path))
+    a.read_bps = [0]
+    arms = bench_kernels._plan_arms(a, cg_ok=True)
+    rows = [{"arm": "ours-int4@8GB", "rep": 0, "load_avg_1m": 1.0, "tg32": 8.0},
+            {"arm": "llama-q4_0@8GB", "rep": 0, "load_avg_1m": 1.0,
+             "failed": "llama-bench ... failed: / memory group: peak 8.00 GB, OOM kills 1"},
+            {"arm": "llama-q4_0-best@8GB", "rep": 0, "load_avg_1m": 1.0, "tg32": 2.0}]
+    bench_kernels._write(a, arms, rows, quiet=True)
+    res = json.loads((tmp_path / "k.json").read_text())
+    assert res["medians"]["llama-q4_0@8GB"]["failed"].startswith("1 of 1 runs: ") and "OOM kills 1" in \
+        res["medians"]["llama-q4_0@8GB"]["failed"]
+    assert "int4/q4_0@8GB" not in res["ratios"] and res["ratios"]["int4/q4_0-best@8GB"]["tg32"] == 4.0
+    assert "OOM kills 1" in (tmp_path / "k.md").read_text()

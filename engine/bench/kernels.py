@@ -256,7 +256,12 @@ def _llama_cgroup_arm(llama_bench: str, gguf: str, tokens: int, threads: int, gr
         try:
             r0 = _children_read_bytes()
             w = grp.wrap if wrap is None else (lambda c: grp.wrap(wrap(c)))
-            r = _llama_arm(llama_bench, gguf, [], n, threads, wrap=w, extra=shlex.split(flags))
+            try:
+                r = _llama_arm(llama_bench, gguf, [], n, threads, wrap=w, extra=shlex.split(flags))
+            except RuntimeError as e:  # e.g. OOM-killed in the limit: the row says so
+                st = grp.stats()
+                raise RuntimeError(f"{e}\nmemory group: peak {st['cgroup_max_usage_bytes'] / 1e9:.2f} GB, "
+                                   f"OOM kills {st['cgroup_oom_kills']}") from None
             read[n] = _children_read_bytes() - r0
             if n == tokens:
                 out.update(r)
@@ -358,8 +363,12 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
     med = {}
     for arm in arms:
         name = _arm_name(arm)
-        med[name] = {k: float(np.median([r[k] for r in rows if r["arm"] == name and r.get(k) is not None]))
-                     for k in keys + extra if any(r["arm"] == name and r.get(k) is not None for r in rows)}
+        ok = [r for r in rows if r["arm"] == name and "failed" not in r]
+        med[name] = {k: float(np.median([r[k] for r in ok if r.get(k) is not None]))
+                     for k in keys + extra if any(r.get(k) is not None for r in ok)}
+        failed = [r["failed"] for r in rows if r["arm"] == name and "failed" in r]
+        if failed:
+            med[name]["failed"] = f"{len(failed)} of {len(failed) + len(ok)} runs: {failed[-1][-160:]}"
     ratios, paired = {}, {}
     for pair, oa, la in _ratio_pairs(a, arms):
         o, ll = med.get(oa, {}), med.get(la, {})
@@ -379,7 +388,8 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
     cols += [("hit rate", "hit_rate", ".3f"), ("MB read / token", "mb_per_token", ".1f"),
              ("felt wait s", "felt_wait_s", ".2f"), ("TTFT s", "ttft_s", ".2f"), ("open s", "open_s", ".1f"),
              ("cap", "cap", ".0f"), (f"{tg} warm tok/s", f"{tg}_warm", ".1f"),
-             ("read-ahead KB", "read_ahead_kb", ".0f"), ("read B/s (0 = unthrottled)", "read_bps", ".2g")]
+             ("read-ahead KB", "read_ahead_kb", ".0f"), ("read B/s (0 = unthrottled)", "read_bps", ".2g"),
+             ("failed", "failed", "")]
     done = len({r["rep"] for r in rows})
     table = ("Medians over %d interleaved repetitions (of %d asked), %d threads. Ours: `-first` and the "
              "memory-limited arms are the first generation after open in a fresh process, cold, at the "
@@ -530,9 +540,10 @@ def main(a) -> int:
                     t0 = time.perf_counter()
                     try:
                         r = _run_arm(a, arm, dev_of)
-                    except (RuntimeError, OSError) as e:
-                        print(str(e), file=sys.stderr)
-                        continue
+                    except (RuntimeError, OSError) as e:  # kept as a failed run: an arm that
+                        print(str(e), file=sys.stderr)     # cannot run is a result too
+                        lines = [x for x in str(e).splitlines() if x.strip()]
+                        r = {"failed": " / ".join(lines[-2:])[-300:].replace("|", "/")}
                     row = {"arm": _arm_name(arm), "rep": rep, "load_avg_1m": load,
                            "wall_s": time.perf_counter() - t0, **r}
                     rows.append(row)
