@@ -298,7 +298,7 @@ def test_disconnect_mid_stream_frees_the_engine_within_one_token(engine, server)
 
 def _bad(server, body, status=400, raw=None, headers=None):
     r = httpx2.post(server.url + "/chat/completions", json=body if raw is None else None,
-                    content=raw, headers=headers, timeout=30)
+                    content=raw, headers=headers or {"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == status, (body, r.status_code, r.text)
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"], err

@@ -19,6 +19,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import secrets
 import time
 from dataclasses import dataclass, replace
@@ -39,7 +40,9 @@ from ..docs_lookup import DOCS_PER_QUESTION, last_user_text, with_docs_each
 from ..errors import ConfigError, EngineError
 from ..events import SamplingParams
 from ..settings import setting
+from .gate import RequestGate
 from .jobs import Job, JobQueue, QueueFull
+from .tools import ToolsError, arguments_as, check_tool_calls, check_tool_choice, check_tools
 from .stats import ServerStats, exposition
 
 log = logging.getLogger(__name__)
@@ -99,11 +102,19 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote a client's string, and one that
+    cannot be encoded as UTF-8 (a lone surrogate) must not turn the refusal into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    type_: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
     if status >= 500 and type_ == "invalid_request_error":
         type_ = "server_error"
-    return JSONResponse(error_body(message, param, code, type_), status_code=status, headers=headers)
+    return _AsciiJSONResponse(error_body(message, param, code, type_), status_code=status, headers=headers)
 
 
 # --- request parsing ---------------------------------------------------------------------------
@@ -127,14 +138,66 @@ async def read_json(request: Request, max_bytes: int) -> dict:
         if len(body) > max_bytes:
             raise ApiError(413, f"the request body is larger than the limit of {max_bytes} bytes "
                                 f"(colibri serve --max-body-bytes)", code="request_too_large")
+    return parse_json(bytes(body))
+
+
+def parse_json(body: bytes) -> dict:
+    """A request body -> a JSON object whose strings are valid Unicode, nested at most
+    MAX_JSON_DEPTH deep.
+
+    Raises ApiError (400 ``invalid_json``): bad UTF-8, not JSON, not an object, too deep,
+    a lone surrogate (``"\\ud800"``) or a number out of the float range."""
     try:
-        data = json.loads(bytes(body).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+        data = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels",
+                       code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, an integer of more than 4300 digits, NaN/Infinity
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}",
                        code="invalid_json")
+    _check_tree(data)
     return data
+
+
+MAX_JSON_DEPTH = 64  # a tool's JSON schema nests a few levels; nothing legitimate needs more
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_tree(data) -> None:
+    """Depth, strings (lone surrogates cannot be encoded, tokenized or answered) and floats
+    (1e999 parses as infinity) of a decoded body, walked without recursion."""
+    stack = [(data, 1, "")]
+    while stack:
+        v, depth, where = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels",
+                           code="invalid_json")
+        if isinstance(v, dict):
+            for k, x in v.items():
+                _check_str(k, where)
+                stack.append((x, depth + 1, f"{where}.{k}" if where else k))
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1, f"{where}[{i}]") for i, x in enumerate(v))
+        elif isinstance(v, str):
+            _check_str(v, where)
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ApiError(400, f"'{where}': the number is out of range", param=where or None,
+                           code="invalid_value")
+
+
+def _check_str(s: str, where: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"'{where or 'body'}' holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
+                            f"which is not text", param=where or None, code="invalid_json") from None
 
 
 def _check_setting(name: str, param: str, value: Any) -> Any:
@@ -142,7 +205,9 @@ def _check_setting(name: str, param: str, value: Any) -> Any:
         return setting(name).check(value)
     except ConfigError as e:
         msg = str(e).replace(f"setting '{name}'", f"'{param}'", 1)
-        raise ApiError(400, msg, param=param, code="invalid_value") from None
+        raise ApiError(400, msg[:500], param=param, code="invalid_value") from None
+    except OverflowError:  # an integer too large for a float
+        raise ApiError(400, f"'{param}' is out of range", param=param, code="invalid_value") from None
 
 
 def sampling_from(body: dict, defaults: SamplingParams) -> SamplingParams:
@@ -240,7 +305,9 @@ def _text_content(content: Any, i: int) -> str:
 def chat_messages(body: dict) -> list[dict]:
     """The ``messages`` of a chat request as the dicts the chat template reads: roles system
     (``developer`` too), user, assistant (``tool_calls`` with their JSON ``arguments`` parsed, as
-    Hugging Face templates expect, ``reasoning_content``), tool (``tool_call_id``, ``name``)."""
+    most Hugging Face templates expect; :func:`string_arguments` gives them back as strings for
+    the templates that concatenate them; ``reasoning_content``), tool (``tool_call_id``,
+    ``name``)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages",
@@ -260,24 +327,19 @@ def chat_messages(body: dict) -> list[dict]:
             if isinstance(m.get(k), str):
                 d[k] = m[k]
         calls = m.get("tool_calls")
-        if calls is not None:
-            if not isinstance(calls, list):
-                raise ApiError(400, f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls",
-                               code="invalid_type")
-            fixed = []
-            for c in calls:
-                c = dict(c) if isinstance(c, dict) else {}
-                fn = dict(c.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except ValueError:
-                        pass
-                c["function"] = fn
-                fixed.append(c)
-            d["tool_calls"] = fixed
+        if calls is not None and role == "assistant":
+            try:
+                d["tool_calls"] = arguments_as(check_tool_calls(calls, f"messages[{i}].tool_calls"), True)
+            except ToolsError as e:
+                raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
         out.append(d)
     return out
+
+
+def string_arguments(msgs: list[dict]) -> list[dict]:
+    """``msgs`` with every tool call's ``arguments`` as a JSON string (DeepSeek's templates add
+    them to the text with ``+``, which an object cannot be)."""
+    return [{**m, "tool_calls": arguments_as(m["tool_calls"], False)} if m.get("tool_calls") else m for m in msgs]
 
 
 # --- the app -----------------------------------------------------------------------------------
@@ -414,9 +476,16 @@ class Api:
         sp = sampling_from(body, self.defaults)
         stops = stops_from(body)
         stream, include_usage = stream_flags(body)
-        tools = body.get("tools")
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise ApiError(400, "'tools' must be a list of objects", param="tools", code="invalid_type")
+        try:
+            tools = check_tools(body.get("tools"))
+            choice = check_tool_choice(body.get("tool_choice"), tools)
+        except ToolsError as e:
+            raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
+        if choice.mode in ("required", "function"):
+            raise ApiError(400, "'tool_choice' \"required\" or a named function is not supported by this server; "
+                                "use \"auto\"", param="tool_choice", code="unsupported_parameter")
+        if choice.mode == "none":
+            tools = None
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise ApiError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs",
@@ -427,7 +496,12 @@ class Api:
                            code="no_chat_template")
 
         def encode(ms):
-            return m.tokenizer.encode_chat(ms, tools=tools or None, **kwargs)
+            try:
+                return m.tokenizer.encode_chat(ms, tools=tools or None, **kwargs)
+            except EngineError:
+                if not any(x.get("tool_calls") for x in ms):
+                    raise
+                return m.tokenizer.encode_chat(string_arguments(ms), tools=tools or None, **kwargs)
 
         def prompt() -> tuple[list[int], tuple]:
             if m.docs is not None and sp.docs_lookup and not tools:
@@ -603,6 +677,10 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     return error_response(exc.status_code, msg, code=code, headers=getattr(exc, "headers", None))
 
 
+def _gate_error(path: str, status: int, message: str, code: str) -> Response:
+    return error_response(status, message, code=code)
+
+
 async def _api_error(request: Request, exc: ApiError) -> Response:
     return exc.response()
 
@@ -613,9 +691,10 @@ async def _internal_error(request: Request, exc: Exception) -> Response:
                           code="internal_error", type_="server_error")
 
 
-def build_app(api: Api, api_key: str = "", cors_origins: tuple[str, ...] = ()) -> Starlette:
-    """The Starlette application of ``api``: routes, OpenAI-shaped error handlers, the API-key
-    guard and, only when ``cors_origins`` are given, CORS for those origins."""
+def build_app(api: Api, api_key: str = "", cors_origins: tuple[str, ...] = (), host: str = "127.0.0.1") -> Starlette:
+    """The Starlette application of ``api``: routes, OpenAI-shaped error handlers, the request
+    gate (engine/server/gate.py: Host, Origin, Content-Type), the API-key guard and, only when
+    ``cors_origins`` are given, CORS for those origins."""
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
@@ -624,7 +703,7 @@ def build_app(api: Api, api_key: str = "", cors_origins: tuple[str, ...] = ()) -
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
     ]
-    middleware = []
+    middleware = [Middleware(RequestGate, host=host, cors_origins=cors_origins, error=_gate_error)]
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
                                      allow_methods=["GET", "POST", "OPTIONS"],
