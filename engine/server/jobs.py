@@ -5,8 +5,8 @@ side submits it to the :class:`JobQueue`; the queue's dispatcher thread hands jo
 submission order, to a *runner* that runs ``fn(engine)`` where the engine computes:
 :class:`DirectRunner` on the dispatcher thread itself (``colibri serve``), or the app's engine
 lane (the chat and the server share that one thread, colibri_app). :func:`run_job` turns the
-engine's events into the job's deltas (stop strings and the reasoning split applied on the
-engine thread, so a stop string ends the generation at the token that completed it) and its
+engine's events into the job's deltas (the reasoning split, then stop strings on the answer,
+applied on the engine thread, so a stop string ends the generation at the token that completed it) and its
 final record. A job cancelled while waiting never reaches the engine; one cancelled while
 running ends at the engine's next cancel check (after the current token).
 """
@@ -23,7 +23,7 @@ from typing import Callable
 from ..errors import EngineError
 from ..events import Finished, FinishReason, GenerateRequest, SamplingParams, StepMetrics, TokenEvent
 from ..observers import Observer
-from .textstream import ReasoningSplitter, StopMatcher
+from .textstream import AnswerFilter
 
 log = logging.getLogger(__name__)
 
@@ -110,16 +110,10 @@ class PrefillSpy(Observer):
 def run_job(engine, job: Job, stats=None) -> None:
     """Run ``job`` on ``engine`` (on the thread that computes) and emit its deltas and result.
     ``stats``: a ServerStats fed with the step metrics and the result. Never raises."""
-    stop = StopMatcher(job.stops)
-    split = ReasoningSplitter(job.prompt_opened) if job.chat else None
+    filt = AnswerFilter(job.stops, job.chat, job.prompt_opened)
     spy = PrefillSpy()
 
-    def deliver(text: str) -> None:
-        if split is None:
-            if text:
-                job.emit(("delta", "", text))
-            return
-        r, c = split.push(text)
+    def deliver(r: str, c: str) -> None:
         if r or c:
             job.emit(("delta", r, c))
 
@@ -134,10 +128,10 @@ def run_job(engine, job: Job, stats=None) -> None:
                 job.tokens += 1
                 if stopped:
                     continue
-                text, stopped = stop.push(ev.text)
+                r, c, stopped = filt.push(ev.text)
                 if stopped:
                     job.cancel.set()  # the engine ends right after this token
-                deliver(text)
+                deliver(r, c)
             elif isinstance(ev, StepMetrics):
                 if stats is not None:
                     stats.on_step(ev)
@@ -158,12 +152,7 @@ def run_job(engine, job: Job, stats=None) -> None:
         return
     finally:
         engine.model.unsubscribe(spy)
-    if not stopped:
-        deliver(stop.flush())
-    if split is not None:
-        r, c = split.flush()
-        if r or c:
-            job.emit(("delta", r, c))
+    deliver(*filt.flush())
     prefill = spy.first[1] if spy.first else 0
     if fin is None:
         result = JobResult("error", len(job.ids), job.tokens, prefill, "the engine ended without a result", 500)

@@ -2,7 +2,9 @@
 
 Both work on the text of each token as it is decoded (``TokenEvent.text``) and never take back
 what they emitted, so the concatenated deltas of a streamed answer equal the text of the same
-answer returned whole (the server runs the same filters for both).
+answer returned whole (the server runs the same filters for both). :class:`AnswerFilter` chains
+them: the reasoning split first, then the stop strings on the answer only (a stop string the
+model writes while reasoning does not end the answer, as in llama.cpp's server and vLLM).
 """
 
 from __future__ import annotations
@@ -124,3 +126,34 @@ class ReasoningSplitter:
             text = text.lstrip("\n")
             self._a_started = bool(text)
         return text
+
+
+class AnswerFilter:
+    """Reasoning split (chat only) then stop strings on the content.
+
+    ``push(text) -> (reasoning, content, stopped)``: the deltas of one token's text, and True
+    once a stop string appeared in the content (nothing more comes after it);
+    ``flush() -> (reasoning, content)`` at the end of the generation.
+    """
+
+    def __init__(self, stops: tuple[str, ...] = (), chat: bool = False, prompt_opened: bool = False):
+        self.stop = StopMatcher(stops)
+        self.split = ReasoningSplitter(prompt_opened) if chat else None
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop.stopped
+
+    def push(self, text: str) -> tuple[str, str, bool]:
+        if self.stop.stopped:
+            return "", "", True
+        r, c = self.split.push(text) if self.split is not None else ("", text)
+        c, stopped = self.stop.push(c)
+        return r, c, stopped
+
+    def flush(self) -> tuple[str, str]:
+        if self.stop.stopped:
+            return "", ""
+        r, c = self.split.flush() if self.split is not None else ("", "")
+        c, stopped = self.stop.push(c)
+        return r, c if stopped else c + self.stop.flush()
