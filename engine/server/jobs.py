@@ -24,6 +24,7 @@ from ..errors import EngineError
 from ..events import Finished, FinishReason, GenerateRequest, SamplingParams, StepMetrics, TokenEvent
 from ..observers import Observer
 from .textstream import AnswerFilter
+from .tools import CallSplitter
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class JobResult:
     error: str = ""
     status: int = 200
     finished: Finished | None = None
+    tool_calls: tuple = ()    # engine.server.tools.Call parsed from the answer
 
 
 @dataclass(eq=False)
@@ -75,6 +77,8 @@ class Job:
     prompt_opened: bool = False
     model_key: object = None
     docs: tuple = ()               # the documentation entries given with the last question (DocEntry)
+    tool_format: object = None     # engine.server.tools.ToolFormat: parse the calls of the answer
+    tools: list | None = None      # the request's tools (parameter types for XML-style calls)
     cancel: threading.Event = field(default_factory=threading.Event)
     state: str = "new"             # new, queued, running, done
     tokens: int = 0                # TokenEvents seen so far (engine thread)
@@ -110,7 +114,10 @@ class PrefillSpy(Observer):
 def run_job(engine, job: Job, stats=None) -> None:
     """Run ``job`` on ``engine`` (on the thread that computes) and emit its deltas and result.
     ``stats``: a ServerStats fed with the step metrics and the result. Never raises."""
-    filt = AnswerFilter(job.stops, job.chat, job.prompt_opened)
+    calls = CallSplitter(job.tool_format, job.tools) if job.tool_format is not None else None
+    # with a call format the answer is decoded here, with the markers of calls shown
+    dec = job.tool_format.decoder(engine.tokenizer) if job.tool_format is not None else None
+    filt = AnswerFilter(job.stops, job.chat, job.prompt_opened, calls)
     spy = PrefillSpy()
 
     def deliver(r: str, c: str) -> None:
@@ -128,7 +135,7 @@ def run_job(engine, job: Job, stats=None) -> None:
                 job.tokens += 1
                 if stopped:
                     continue
-                r, c, stopped = filt.push(ev.text)
+                r, c, stopped = filt.push(ev.text if dec is None else dec.push(ev.token_id))
                 if stopped:
                     job.cancel.set()  # the engine ends right after this token
                 deliver(r, c)
@@ -152,6 +159,9 @@ def run_job(engine, job: Job, stats=None) -> None:
         return
     finally:
         engine.model.unsubscribe(spy)
+    if dec is not None and not stopped:
+        r, c, stopped = filt.push(dec.flush())
+        deliver(r, c)
     deliver(*filt.flush())
     prefill = spy.first[1] if spy.first else 0
     if fin is None:
@@ -161,7 +171,10 @@ def run_job(engine, job: Job, stats=None) -> None:
     else:
         reason = ("stop" if stopped or fin.finish_reason == FinishReason.STOP else
                   "cancelled" if fin.finish_reason == FinishReason.CANCELLED else "length")
-        result = JobResult(reason, fin.prompt_tokens, fin.generated_tokens, prefill, finished=fin)
+        if filt.calls and reason == "stop":
+            reason = "tool_calls"
+        result = JobResult(reason, fin.prompt_tokens, fin.generated_tokens, prefill, finished=fin,
+                           tool_calls=tuple(filt.calls))
     if stats is not None:
         stats.on_result(job, result)
     job.finish(result)

@@ -42,7 +42,7 @@ from ..events import SamplingParams
 from ..settings import setting
 from .gate import RequestGate
 from .jobs import Job, JobQueue, QueueFull
-from .tools import ToolsError, arguments_as, check_tool_calls, check_tool_choice, check_tools
+from .tools import ToolsError, arguments_as, check_tool_calls, check_tool_choice, check_tools, tool_format
 from .stats import ServerStats, exposition
 
 log = logging.getLogger(__name__)
@@ -336,6 +336,13 @@ def chat_messages(body: dict) -> list[dict]:
     return out
 
 
+def tool_calls_json(calls) -> list[dict]:
+    """Parsed calls (engine.server.tools.Call) -> OpenAI ``tool_calls``: the id the model wrote
+    (templates such as Mistral's render it back) or a fresh one, ``arguments`` as a JSON string."""
+    return [{"id": c.id or "call_" + secrets.token_hex(12), "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}} for c in calls]
+
+
 def string_arguments(msgs: list[dict]) -> list[dict]:
     """``msgs`` with every tool call's ``arguments`` as a JSON string (DeepSeek's templates add
     them to the text with ``+``, which an object cannot be)."""
@@ -423,9 +430,10 @@ class Api:
                                 f"{len(ids)} (one more is needed to answer); shorten the {param}",
                            param=param, code="context_length_exceeded")
 
-    def _submit(self, m: ServedModel, ids, sp, stops, chat, opened, emit, docs=()) -> Job:
+    def _submit(self, m: ServedModel, ids, sp, stops, chat, opened, emit, docs=(), calls=None) -> Job:
+        fmt, tools = calls or (None, None)
         job = Job(ids=list(ids), sampling=sp, emit=emit, stops=stops, chat=chat, prompt_opened=opened,
-                  model_key=m.key, docs=tuple(docs))
+                  model_key=m.key, docs=tuple(docs), tool_format=fmt, tools=tools)
         try:
             self.queue.submit(job)
         except QueueFull as e:
@@ -486,6 +494,8 @@ class Api:
                                 "use \"auto\"", param="tool_choice", code="unsupported_parameter")
         if choice.mode == "none":
             tools = None
+        fmt = tool_format(m.tokenizer) if tools else None
+        calls = (fmt, tools) if fmt is not None else None
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise ApiError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs",
@@ -521,7 +531,7 @@ class Api:
         tail = m.tokenizer.decode(ids[-8:], skip_special_tokens=False)
         opened = tail.rstrip().endswith(THINK_OPEN)
         return await self._generate(request, m, ids, sp, stops, stream, include_usage, chat=True,
-                                    opened=opened, docs=docs)
+                                    opened=opened, docs=docs, calls=calls)
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.max_body_bytes)
@@ -549,13 +559,14 @@ class Api:
 
     # --- generation --------------------------------------------------------------------------
 
-    async def _generate(self, request, m, ids, sp, stops, stream, include_usage, chat, opened, docs=()) -> Response:
+    async def _generate(self, request, m, ids, sp, stops, stream, include_usage, chat, opened, docs=(),
+                        calls=None) -> Response:
         loop = asyncio.get_running_loop()
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if not stream:
-            return await self._whole(request, loop, m, ids, sp, stops, chat, opened, rid, created, obj, docs)
+            return await self._whole(request, loop, m, ids, sp, stops, chat, opened, rid, created, obj, docs, calls)
         q: asyncio.Queue = asyncio.Queue()
 
         def emit(item):
@@ -564,7 +575,7 @@ class Api:
             except RuntimeError:  # the event loop is gone (server stopped)
                 pass
 
-        job = self._submit(m, ids, sp, stops, chat, opened, emit, docs)
+        job = self._submit(m, ids, sp, stops, chat, opened, emit, docs, calls)
         chunk_obj = obj + ".chunk" if chat else obj
 
         def chunk(choice: dict | None, usage=None) -> str:
@@ -599,6 +610,9 @@ class Api:
                         msg = res.error or "the generation was cancelled (the server is stopping)"
                         yield {"data": json.dumps(error_body(msg, type_="server_error"))}
                     else:
+                        for i, c in enumerate(tool_calls_json(res.tool_calls)):
+                            yield {"data": chunk({"index": 0, "delta": {"tool_calls": [{"index": i, **c}]},
+                                                  "logprobs": None, "finish_reason": None})}
                         end = ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": res.finish_reason}
                                if chat else
                                {"index": 0, "text": "", "logprobs": None, "finish_reason": res.finish_reason})
@@ -614,7 +628,8 @@ class Api:
 
         return EventSourceResponse(events(), sep="\n", ping=15)
 
-    async def _whole(self, request, loop, m, ids, sp, stops, chat, opened, rid, created, obj, docs=()) -> Response:
+    async def _whole(self, request, loop, m, ids, sp, stops, chat, opened, rid, created, obj, docs=(),
+                     calls=None) -> Response:
         reasoning: list[str] = []
         content: list[str] = []
         done = asyncio.Event()
@@ -631,7 +646,7 @@ class Api:
                 except RuntimeError:
                     pass
 
-        job = self._submit(m, ids, sp, stops, chat, opened, emit, docs)
+        job = self._submit(m, ids, sp, stops, chat, opened, emit, docs, calls)
 
         async def client_left():
             while True:
@@ -661,6 +676,9 @@ class Api:
         text = "".join(content)
         if chat:
             msg = {"role": "assistant", "content": text}
+            if res.tool_calls:
+                msg["tool_calls"] = tool_calls_json(res.tool_calls)
+                msg["content"] = text or None
             if reasoning or (job.prompt_opened and not text):
                 msg["reasoning_content"] = "".join(reasoning)
             choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": res.finish_reason}

@@ -129,16 +129,22 @@ class ReasoningSplitter:
 
 
 class AnswerFilter:
-    """Reasoning split (chat only) then stop strings on the content.
+    """Reasoning split (chat only), then function calls (when ``calls``, a
+    engine.server.tools.CallSplitter, is given: text from a call's start on is kept for
+    parsing), then stop strings on the content.
 
     ``push(text) -> (reasoning, content, stopped)``: the deltas of one token's text, and True
     once a stop string appeared in the content (nothing more comes after it);
-    ``flush() -> (reasoning, content)`` at the end of the generation.
+    ``flush() -> (reasoning, content)`` at the end of the generation; ``calls``: the parsed
+    calls after flush (engine.server.tools.Call; empty when none or malformed).
     """
 
-    def __init__(self, stops: tuple[str, ...] = (), chat: bool = False, prompt_opened: bool = False):
+    def __init__(self, stops: tuple[str, ...] = (), chat: bool = False, prompt_opened: bool = False,
+                 calls=None):
         self.stop = StopMatcher(stops)
         self.split = ReasoningSplitter(prompt_opened) if chat else None
+        self.splitter = calls
+        self.calls: list = []
 
     @property
     def stopped(self) -> bool:
@@ -148,6 +154,8 @@ class AnswerFilter:
         if self.stop.stopped:
             return "", "", True
         r, c = self.split.push(text) if self.split is not None else ("", text)
+        if self.splitter is not None:
+            c = self.splitter.push(c)
         c, stopped = self.stop.push(c)
         return r, c, stopped
 
@@ -155,5 +163,9 @@ class AnswerFilter:
         if self.stop.stopped:
             return "", ""
         r, c = self.split.flush() if self.split is not None else ("", "")
+        if self.splitter is not None:
+            c = self.splitter.push(c)
+            rest, self.calls = self.splitter.finish()
+            c += rest
         c, stopped = self.stop.push(c)
         return r, c if stopped else c + self.stop.flush()
