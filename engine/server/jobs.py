@@ -79,6 +79,7 @@ class Job:
     docs: tuple = ()               # the documentation entries given with the last question (DocEntry)
     tool_format: object = None     # engine.server.tools.ToolFormat: parse the calls of the answer
     tools: list | None = None      # the request's tools (parameter types for XML-style calls)
+    constraint: object = None      # engine.server.grammar.TokenConstraint: the sampler's token mask
     cancel: threading.Event = field(default_factory=threading.Event)
     state: str = "new"             # new, queued, running, done
     tokens: int = 0                # TokenEvents seen so far (engine thread)
@@ -129,7 +130,7 @@ def run_job(engine, job: Job, stats=None) -> None:
     engine.model.subscribe(spy)
     try:
         events = engine.generate(GenerateRequest(prompt_ids=tuple(job.ids), sampling=job.sampling,
-                                                   docs_entries=job.docs), job.cancel)
+                                                   docs_entries=job.docs, constraint=job.constraint), job.cancel)
         for ev in events:
             if isinstance(ev, TokenEvent):
                 job.tokens += 1

@@ -41,6 +41,7 @@ from ..errors import ConfigError, EngineError
 from ..events import SamplingParams
 from ..settings import setting
 from .gate import RequestGate
+from .grammar import GrammarError, call_grammar, compile_checked, json_grammar, schema_of
 from .jobs import Job, JobQueue, QueueFull
 from .tools import ToolsError, arguments_as, check_tool_calls, check_tool_choice, check_tools, tool_format
 from .stats import ServerStats, exposition
@@ -210,7 +211,7 @@ def _check_setting(name: str, param: str, value: Any) -> Any:
         raise ApiError(400, f"'{param}' is out of range", param=param, code="invalid_value") from None
 
 
-def sampling_from(body: dict, defaults: SamplingParams) -> SamplingParams:
+def sampling_from(body: dict, defaults: SamplingParams, chat: bool = False) -> SamplingParams:
     """SamplingParams of a request: the server's defaults (its sampling flags) overridden by
     ``temperature``, ``top_p``, ``seed``, ``max_completion_tokens`` / ``max_tokens``, and the
     extensions ``top_k``, ``repetition_penalty``, ``docs_lookup`` (false: no documentation
@@ -244,7 +245,7 @@ def sampling_from(body: dict, defaults: SamplingParams) -> SamplingParams:
     if best_of not in (None, 1):
         raise ApiError(400, "'best_of' other than 1 is not supported", param="best_of", code="unsupported_parameter")
     rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+    if not chat and rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
         raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported",
                        param="response_format", code="unsupported_parameter")
     return replace(defaults, **kw)
@@ -430,10 +431,11 @@ class Api:
                                 f"{len(ids)} (one more is needed to answer); shorten the {param}",
                            param=param, code="context_length_exceeded")
 
-    def _submit(self, m: ServedModel, ids, sp, stops, chat, opened, emit, docs=(), calls=None) -> Job:
+    def _submit(self, m: ServedModel, ids, sp, stops, chat, opened, emit, docs=(), calls=None,
+                constraint=None) -> Job:
         fmt, tools = calls or (None, None)
         job = Job(ids=list(ids), sampling=sp, emit=emit, stops=stops, chat=chat, prompt_opened=opened,
-                  model_key=m.key, docs=tuple(docs), tool_format=fmt, tools=tools)
+                  model_key=m.key, docs=tuple(docs), tool_format=fmt, tools=tools, constraint=constraint)
         try:
             self.queue.submit(job)
         except QueueFull as e:
@@ -481,7 +483,11 @@ class Api:
         body = await read_json(request, self.max_body_bytes)
         m = self._model(body)
         msgs = chat_messages(body)
-        sp = sampling_from(body, self.defaults)
+        sp = sampling_from(body, self.defaults, chat=True)
+        try:
+            constrained, schema = schema_of(body.get("response_format"))
+        except ValueError as e:
+            raise ApiError(400, str(e), param="response_format", code="invalid_value") from None
         stops = stops_from(body)
         stream, include_usage = stream_flags(body)
         try:
@@ -489,13 +495,14 @@ class Api:
             choice = check_tool_choice(body.get("tool_choice"), tools)
         except ToolsError as e:
             raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
-        if choice.mode in ("required", "function"):
-            raise ApiError(400, "'tool_choice' \"required\" or a named function is not supported by this server; "
-                                "use \"auto\"", param="tool_choice", code="unsupported_parameter")
         if choice.mode == "none":
             tools = None
         fmt = tool_format(m.tokenizer) if tools else None
         calls = (fmt, tools) if fmt is not None else None
+        if choice.mode in ("required", "function") and fmt is None:
+            raise ApiError(400, f"'tool_choice' {body.get('tool_choice')!r} needs a model whose chat template writes "
+                                f"function calls in a known format; {m.model_id!r} has none", param="tool_choice",
+                           code="unsupported_parameter")
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise ApiError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs",
@@ -530,8 +537,20 @@ class Api:
         self._check_prompt(m, ids, "messages")
         tail = m.tokenizer.decode(ids[-8:], skip_special_tokens=False)
         opened = tail.rstrip().endswith(THINK_OPEN)
+        constraint = None
+        if choice.mode in ("required", "function") or constrained:
+            def build():
+                if choice.mode in ("required", "function"):
+                    return compile_checked(m.tokenizer, call_grammar(m.tokenizer, msgs, tools, choice.name, kwargs))
+                return compile_checked(m.tokenizer, json_grammar(m.tokenizer, schema, opened))
+            try:
+                constraint = await run_in_threadpool(build)
+            except (GrammarError, EngineError) as e:
+                param = "tool_choice" if choice.mode in ("required", "function") else "response_format"
+                raise ApiError(400, f"the output cannot be constrained as asked: {e}", param=param,
+                               code="invalid_value") from None
         return await self._generate(request, m, ids, sp, stops, stream, include_usage, chat=True,
-                                    opened=opened, docs=docs, calls=calls)
+                                    opened=opened, docs=docs, calls=calls, constraint=constraint)
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.max_body_bytes)
@@ -560,13 +579,14 @@ class Api:
     # --- generation --------------------------------------------------------------------------
 
     async def _generate(self, request, m, ids, sp, stops, stream, include_usage, chat, opened, docs=(),
-                        calls=None) -> Response:
+                        calls=None, constraint=None) -> Response:
         loop = asyncio.get_running_loop()
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if not stream:
-            return await self._whole(request, loop, m, ids, sp, stops, chat, opened, rid, created, obj, docs, calls)
+            return await self._whole(request, loop, m, ids, sp, stops, chat, opened, rid, created, obj, docs, calls,
+                                     constraint)
         q: asyncio.Queue = asyncio.Queue()
 
         def emit(item):
@@ -575,7 +595,7 @@ class Api:
             except RuntimeError:  # the event loop is gone (server stopped)
                 pass
 
-        job = self._submit(m, ids, sp, stops, chat, opened, emit, docs, calls)
+        job = self._submit(m, ids, sp, stops, chat, opened, emit, docs, calls, constraint)
         chunk_obj = obj + ".chunk" if chat else obj
 
         def chunk(choice: dict | None, usage=None) -> str:
@@ -629,7 +649,7 @@ class Api:
         return EventSourceResponse(events(), sep="\n", ping=15)
 
     async def _whole(self, request, loop, m, ids, sp, stops, chat, opened, rid, created, obj, docs=(),
-                     calls=None) -> Response:
+                     calls=None, constraint=None) -> Response:
         reasoning: list[str] = []
         content: list[str] = []
         done = asyncio.Event()
@@ -646,7 +666,7 @@ class Api:
                 except RuntimeError:
                     pass
 
-        job = self._submit(m, ids, sp, stops, chat, opened, emit, docs, calls)
+        job = self._submit(m, ids, sp, stops, chat, opened, emit, docs, calls, constraint)
 
         async def client_left():
             while True:
