@@ -84,6 +84,21 @@ class ServedModel:
                    aliases=(folder,) if folder != name else (), docs=getattr(engine, "docs", None))
 
 
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat request ready to run: prompt ids, SamplingParams, stop strings, whether the prompt
+    opened a reasoning block, documentation entries, (ToolFormat, tools) to parse calls or
+    None, and the TokenConstraint or None."""
+
+    ids: list
+    sampling: SamplingParams
+    stops: tuple
+    opened: bool
+    docs: tuple
+    calls: Any
+    constraint: Any
+
+
 class ApiError(Exception):
     """A refusal with an HTTP status and an OpenAI-shaped body."""
 
@@ -483,13 +498,21 @@ class Api:
         body = await read_json(request, self.max_body_bytes)
         m = self._model(body)
         msgs = chat_messages(body)
+        stream, include_usage = stream_flags(body)
+        plan = await self.prepare_chat(m, body, msgs)
+        return await self._generate(request, m, plan.ids, plan.sampling, plan.stops, stream, include_usage, chat=True,
+                                    opened=plan.opened, docs=plan.docs, calls=plan.calls, constraint=plan.constraint)
+
+    async def prepare_chat(self, m: ServedModel, body: dict, msgs: list[dict]) -> "ChatPlan":
+        """A chat request's prompt ids, sampling, stop strings, call parsing and constraint, from
+        ``body``'s OpenAI fields (``tools``, ``tool_choice``, ``response_format``, sampling) and
+        the template messages ``msgs``. Raises ApiError (400) naming what is wrong."""
         sp = sampling_from(body, self.defaults, chat=True)
         try:
             constrained, schema = schema_of(body.get("response_format"))
         except ValueError as e:
             raise ApiError(400, str(e), param="response_format", code="invalid_value") from None
         stops = stops_from(body)
-        stream, include_usage = stream_flags(body)
         try:
             tools = check_tools(body.get("tools"))
             choice = check_tool_choice(body.get("tool_choice"), tools)
@@ -549,8 +572,7 @@ class Api:
                 param = "tool_choice" if choice.mode in ("required", "function") else "response_format"
                 raise ApiError(400, f"the output cannot be constrained as asked: {e}", param=param,
                                code="invalid_value") from None
-        return await self._generate(request, m, ids, sp, stops, stream, include_usage, chat=True,
-                                    opened=opened, docs=docs, calls=calls, constraint=constraint)
+        return ChatPlan(ids, sp, stops, opened, docs, calls, constraint)
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.max_body_bytes)
@@ -587,15 +609,7 @@ class Api:
         if not stream:
             return await self._whole(request, loop, m, ids, sp, stops, chat, opened, rid, created, obj, docs, calls,
                                      constraint)
-        q: asyncio.Queue = asyncio.Queue()
-
-        def emit(item):
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:  # the event loop is gone (server stopped)
-                pass
-
-        job = self._submit(m, ids, sp, stops, chat, opened, emit, docs, calls, constraint)
+        job, q = self.stream_queue(m, ids, sp, stops, chat, opened, docs, calls, constraint)
         chunk_obj = obj + ".chunk" if chat else obj
 
         def chunk(choice: dict | None, usage=None) -> str:
@@ -648,8 +662,10 @@ class Api:
 
         return EventSourceResponse(events(), sep="\n", ping=15)
 
-    async def _whole(self, request, loop, m, ids, sp, stops, chat, opened, rid, created, obj, docs=(),
-                     calls=None, constraint=None) -> Response:
+    async def collect(self, request, m, ids, sp, stops, chat, opened, docs=(), calls=None, constraint=None):
+        """Run a job to its end -> (job, reasoning, content), or None when the client left first.
+        Raises ApiError for a job that failed or was cancelled."""
+        loop = asyncio.get_running_loop()
         reasoning: list[str] = []
         content: list[str] = []
         done = asyncio.Event()
@@ -685,7 +701,7 @@ class Api:
                 job.client_gone()
                 self.queue.withdraw(job)
         if job.state != "done":
-            return Response(status_code=499)
+            return None
         res = job.result
         if res.finish_reason == "error":
             raise ApiError(res.status, res.error, code="engine_error" if res.status >= 500 else "invalid_request",
@@ -693,14 +709,35 @@ class Api:
         if res.finish_reason == "cancelled":
             raise ApiError(503, "the generation was cancelled (the server is stopping)", code="cancelled",
                            type_="server_error")
-        text = "".join(content)
+        return job, "".join(reasoning), "".join(content)
+
+    def stream_queue(self, m, ids, sp, stops, chat, opened, docs=(), calls=None, constraint=None):
+        """Submit a streamed job -> (job, asyncio.Queue of its ("delta", r, c) / ("done", result))."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def emit(item):
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the event loop is gone (server stopped)
+                pass
+        return self._submit(m, ids, sp, stops, chat, opened, emit, docs, calls, constraint), q
+
+    async def _whole(self, request, loop, m, ids, sp, stops, chat, opened, rid, created, obj, docs=(),
+                     calls=None, constraint=None) -> Response:
+        got = await self.collect(request, m, ids, sp, stops, chat, opened, docs, calls, constraint)
+        if got is None:
+            return Response(status_code=499)
+        job, reasoning, content = got
+        res = job.result
+        text = content
         if chat:
             msg = {"role": "assistant", "content": text}
             if res.tool_calls:
                 msg["tool_calls"] = tool_calls_json(res.tool_calls)
                 msg["content"] = text or None
             if reasoning or (job.prompt_opened and not text):
-                msg["reasoning_content"] = "".join(reasoning)
+                msg["reasoning_content"] = reasoning
             choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": res.finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": res.finish_reason}
