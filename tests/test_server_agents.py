@@ -158,3 +158,91 @@ def test_json_schema_answers_all_validate(family):
                 {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}):
         with pytest.raises(openai.BadRequestError):
             c.chat.completions.create(model=model, messages=ASK, response_format=bad, max_tokens=2)
+
+
+# --- Anthropic's Messages API ------------------------------------------------------------------
+
+anthropic = pytest.importorskip("anthropic")
+A_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"]} for t in TOOLS]
+A_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _anthropic(srv):
+    return anthropic.Anthropic(base_url=srv.url.removesuffix("/v1"), api_key="unused", max_retries=0, timeout=300)
+
+
+def test_anthropic_two_turn_tool_conversation(family):
+    name, eng, srv = family
+    c = _anthropic(srv)
+    model = srv.api.served().model_id
+    first = c.messages.create(model=model, max_tokens=96, system="You are a helpful assistant.", messages=A_ASK,
+                              tools=A_TOOLS, tool_choice={"type": "any"})
+    assert first.stop_reason == "tool_use", (name, first)
+    uses = [b for b in first.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].id.startswith("toolu_")
+    jsonschema.validate(uses[0].input, _schema(uses[0].name))
+    assert first.usage.input_tokens > 0 and first.usage.output_tokens > 0
+    generated = eng.tokenizer.decode(list(eng._kv_ids[first.usage.input_tokens:]), skip_special_tokens=False)
+    # what the model wrote is what the template renders for the tool_use block sent back
+    from engine.server.anthropic_api import to_chat
+    from engine.server.openai_api import chat_messages, string_arguments
+    sent = {"system": "You are a helpful assistant.", "max_tokens": 1, "tools": A_TOOLS,
+            "messages": A_ASK + [{"role": "assistant", "content": [b.model_dump() for b in first.content]}]}
+    raw, fields = to_chat(sent)
+    msgs = chat_messages({"messages": raw})
+    head = eng.tokenizer.apply_chat_template(msgs[:-1], tools=fields["tools"])
+    try:
+        again = eng.tokenizer.apply_chat_template(msgs, tools=fields["tools"], add_generation_prompt=False)
+    except Exception:
+        again = eng.tokenizer.apply_chat_template(string_arguments(msgs), tools=fields["tools"],
+                                                  add_generation_prompt=False)
+    assert again.startswith(head + generated), (name, again[len(head):], generated)
+    second = c.messages.create(
+        model=model, max_tokens=8, system="You are a helpful assistant.", tools=A_TOOLS,
+        tool_choice={"type": "none"},
+        messages=A_ASK + [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                                        "content": '{"sky": "sunny"}'}]}])
+    assert second.stop_reason in ("end_turn", "max_tokens")
+    assert [b.type for b in second.content if b.type != "thinking"] == ["text"]
+
+
+def test_anthropic_streamed_tool_use_and_errors(family):
+    name, eng, srv = family
+    c = _anthropic(srv)
+    model = srv.api.served().model_id
+    kw = dict(model=model, max_tokens=96, messages=A_ASK, tools=A_TOOLS, tool_choice={"type": "tool", "name": "search"})
+    whole = c.messages.create(**kw)
+    with c.messages.stream(**kw) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
+    assert final.stop_reason == whole.stop_reason == "tool_use"
+    got = [(b.name, b.input) for b in final.content if b.type == "tool_use"]
+    assert got == [(b.name, b.input) for b in whole.content if b.type == "tool_use"] and got[0][0] == "search"
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    with pytest.raises(anthropic.BadRequestError) as e:
+        c.messages.create(model=model, max_tokens=4, messages=[{"role": "robot", "content": "x"}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    r = httpx2.post(srv.url + "/messages", content=b'{"model": 1', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+
+
+def test_anthropic_text_stop_sequences_and_streamed_text(family):
+    name, eng, srv = family
+    if name != "qwen3_moe":
+        pytest.skip("plain text on one family")
+    c = _anthropic(srv)
+    model = srv.api.served().model_id
+    kw = dict(model=model, max_tokens=24, messages=A_ASK, extra_body={"temperature": 0})
+    full = c.messages.create(**kw)
+    text = "".join(b.text for b in full.content if b.type == "text")
+    with c.messages.stream(**kw) as s:
+        streamed = "".join(s.text_stream)
+    assert streamed == text
+    stop = text[len(text) // 2:][:2]
+    assert len(stop) == 2
+    cut = c.messages.create(stop_sequences=[stop], **kw)
+    got = "".join(b.text for b in cut.content if b.type == "text")
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop and got == text[:text.index(stop)]

@@ -245,10 +245,17 @@ def test_fuzz_of_malformed_bodies_gets_only_4xx(server):
     with httpx2.Client(timeout=60) as h:
         for i in range(2000):
             raw = _malformed(rng, base)
-            path = "/chat/completions" if i % 4 else "/completions"   # no 'prompt': refused there too
+            # no 'prompt' for /completions, no 'max_tokens' for /messages: refused there too
+            path = {0: "/completions", 1: "/messages"}.get(i % 4, "/chat/completions")
+            if path == "/messages":   # OpenAI-only fields are not errors there: take max_tokens away
+                raw = raw.replace(b'"max_tokens"', b'"max_tokens_"')
             r = h.post(server.url + path, content=raw, headers={"Content-Type": "application/json"})
             statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
             assert 400 <= r.status_code < 500, (i, raw[:300], r.status_code, r.text[:500])
+            if path == "/messages":   # Anthropic's error shape
+                body = r.json()
+                assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+                continue
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"}, err
     assert ended(server) == before, "a malformed body reached the engine"

@@ -56,6 +56,7 @@ class JobResult:
     status: int = 200
     finished: Finished | None = None
     tool_calls: tuple = ()    # engine.server.tools.Call parsed from the answer
+    stop_sequence: str | None = None  # the stop string that ended the answer
 
 
 @dataclass(eq=False)
@@ -175,7 +176,7 @@ def run_job(engine, job: Job, stats=None) -> None:
         if filt.calls and reason == "stop":
             reason = "tool_calls"
         result = JobResult(reason, fin.prompt_tokens, fin.generated_tokens, prefill, finished=fin,
-                           tool_calls=tuple(filt.calls))
+                           tool_calls=tuple(filt.calls), stop_sequence=filt.stop.matched)
     if stats is not None:
         stats.on_result(job, result)
     job.finish(result)

@@ -50,7 +50,8 @@ log = logging.getLogger(__name__)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 4  # the OpenAI API's limit
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages")
+ANTHROPIC_PATHS = ("/v1/messages",)   # errors there in Anthropic's shape
 
 
 @dataclass(frozen=True)
@@ -390,16 +391,18 @@ class _Guard:
 
         try:
             if self.key and path != "/health" and scope.get("method") != "OPTIONS":
-                given = b""
+                token = b""
                 for k, v in scope.get("headers", ()):
-                    if k == b"authorization":
-                        given = v
+                    if k == b"authorization" and v[:7].lower() == b"bearer ":
+                        token = v[7:].strip()
                         break
-                token = given[7:].strip() if given[:7].lower() == b"bearer " else b""
+                    if k == b"x-api-key":   # Anthropic's clients
+                        token = v.strip()
+                        break
                 if not hmac.compare_digest(token, self.key):
-                    resp = error_response(401, "a valid API key is required: send 'Authorization: Bearer "
-                                          "<key>' (the key given to colibri serve --api-key)",
-                                          code="invalid_api_key")
+                    resp = path_error(path, 401, "a valid API key is required: send 'Authorization: Bearer "
+                                      "<key>' or 'x-api-key: <key>' (the key given to colibri serve --api-key)",
+                                      code="invalid_api_key")
                     return await resp(scope, receive, counting_send)
             await self.app(scope, receive, counting_send)
         finally:
@@ -573,6 +576,11 @@ class Api:
                 raise ApiError(400, f"the output cannot be constrained as asked: {e}", param=param,
                                code="invalid_value") from None
         return ChatPlan(ids, sp, stops, opened, docs, calls, constraint)
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API (engine/server/anthropic_api.py)."""
+        from .anthropic_api import messages
+        return await messages(self, request)
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.max_body_bytes)
@@ -749,21 +757,31 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     msg = {404: f"there is no endpoint {request.url.path} (see GET /v1/models, POST /v1/chat/completions)",
            405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-    return error_response(exc.status_code, msg, code=code, headers=getattr(exc, "headers", None))
+    return path_error(request.url.path, exc.status_code, msg, code=code, headers=getattr(exc, "headers", None))
+
+
+def path_error(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
+               type_: str = "invalid_request_error", headers: dict | None = None) -> Response:
+    """An error in the shape of the API ``path`` belongs to: Anthropic's for /v1/messages,
+    OpenAI's elsewhere."""
+    if path in ANTHROPIC_PATHS:
+        from .anthropic_api import error_body as anthropic_error
+        return _AsciiJSONResponse(anthropic_error(status, message), status_code=status, headers=headers)
+    return error_response(status, message, param, code, type_, headers)
 
 
 def _gate_error(path: str, status: int, message: str, code: str) -> Response:
-    return error_response(status, message, code=code)
+    return path_error(path, status, message, code=code)
 
 
 async def _api_error(request: Request, exc: ApiError) -> Response:
-    return exc.response()
+    return path_error(request.url.path, exc.status, exc.message, exc.param, exc.code, exc.type, exc.headers)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("request failed: %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, f"internal server error ({type(exc).__name__}); see the server log",
-                          code="internal_error", type_="server_error")
+    return path_error(request.url.path, 500, f"internal server error ({type(exc).__name__}); see the server log",
+                      code="internal_error", type_="server_error")
 
 
 def build_app(api: Api, api_key: str = "", cors_origins: tuple[str, ...] = (), host: str = "127.0.0.1") -> Starlette:
@@ -777,12 +795,14 @@ def build_app(api: Api, api_key: str = "", cors_origins: tuple[str, ...] = (), h
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/messages", api.messages, methods=["POST"]),
     ]
     middleware = [Middleware(RequestGate, host=host, cors_origins=cors_origins, error=_gate_error)]
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
                                      allow_methods=["GET", "POST", "OPTIONS"],
-                                     allow_headers=["Authorization", "Content-Type"]))
+                                     allow_headers=["Authorization", "Content-Type", "x-api-key",
+                                                    "anthropic-version"]))
     middleware.append(Middleware(_Guard, api_key=api_key, stats=api.stats))
     return Starlette(routes=routes, middleware=middleware, exception_handlers={
         ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error})

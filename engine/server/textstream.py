@@ -37,6 +37,7 @@ class StopMatcher:
         self.stops = tuple(s for s in stops if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None   # the stop string that ended the text
 
     def push(self, text: str) -> tuple[str, bool]:
         if self.stopped:
@@ -45,8 +46,9 @@ class StopMatcher:
         if not self.stops:
             self._held = ""
             return buf, False
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
+        if hits:
+            cut, self.matched = min(hits, key=lambda h: h[0])
             self._held, self.stopped = "", True
             return buf[:cut], True
         k = _held_suffix(buf, self.stops)
