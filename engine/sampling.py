@@ -111,9 +111,12 @@ class Sampler:
                 x = np.log(q)
 
         if allowed is not None:  # constrained decoding: only the tokens a grammar allows
-            x = np.where(allowed[:x.shape[0]], x, -np.inf)
+            ok_mask = np.zeros(x.shape[0], dtype=bool)
+            n = min(x.shape[0], allowed.shape[0])
+            ok_mask[:n] = allowed[:n]
+            x = np.where(ok_mask, x, -np.inf)
             if not np.isfinite(x).any():
-                ok = np.flatnonzero(allowed[:x.shape[0]])
+                ok = np.flatnonzero(ok_mask)
                 if ok.size == 0:
                     raise ValueError("the grammar allows no token")
                 return int(ok[0])

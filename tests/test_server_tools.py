@@ -176,3 +176,30 @@ def test_tool_choice_and_tools_checks():
             check_tools(bad)
     with pytest.raises(ApiError):
         chat_messages({"messages": [{"role": "assistant", "tool_calls": [{"function": "x"}]}]})
+
+
+def test_a_stop_string_in_the_analysis_channel_leaves_the_reasoning_whole(tmp_path):
+    """gpt-oss: the analysis channel streams as reasoning; a stop string written there does not
+    end the answer, one in the final channel does."""
+    from test_gpt_oss import _harmony_folder
+    from engine.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(_harmony_folder(tmp_path))
+    ids = tok.encode("<|channel|>analysis<|message|>Is 7 prime? It has no divisor.<|end|>"
+                     "<|start|>assistant<|channel|>final<|message|>Yes, 7 is prime. No divisor.")
+    dec = tok.incremental_decoder()
+    f = AnswerFilter(("divisor",), chat=True)
+    parts = [f.push(dec.push(i)) for i in ids]
+    tail = f.flush()
+    assert "".join(p[0] for p in parts) + tail[0] == "Is 7 prime? It has no divisor."
+    assert "".join(p[1] for p in parts) + tail[1] == "Yes, 7 is prime. No "
+    assert f.stopped
+
+
+def test_bench_grammar_writes_its_results(tmp_path, capsys):
+    from engine.cli import main
+    assert main(["bench", "grammar", "--runs", "1", "--max-tokens", "12", "--big-vocab", "0", "--no-xgrammar",
+                 "--out-dir", str(tmp_path), "--name", "g"]) == 0
+    d = json.loads((tmp_path / "g.json").read_text())
+    libs = {r["library"] for r in d["rows"]}
+    assert libs == {"llguidance", "llguidance as used"} and all(r["tokens"] > 0 for r in d["rows"])
+    assert "mask µs median" in (tmp_path / "g.md").read_text()
