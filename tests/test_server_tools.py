@@ -193,6 +193,37 @@ def test_a_stop_string_in_the_analysis_channel_leaves_the_reasoning_whole(tmp_pa
     assert "".join(p[0] for p in parts) + tail[0] == "Is 7 prime? It has no divisor."
     assert "".join(p[1] for p in parts) + tail[1] == "Yes, 7 is prime. No "
     assert f.stopped
+    # a stop string only in the reasoning leaves reasoning and answer whole
+    dec, f = tok.incremental_decoder(), AnswerFilter(("Is 7",), chat=True)
+    parts = [f.push(dec.push(i)) for i in ids]
+    tail = f.flush()
+    assert "".join(p[0] for p in parts) + tail[0] == "Is 7 prime? It has no divisor."
+    assert "".join(p[1] for p in parts) + tail[1] == "Yes, 7 is prime. No divisor." and not f.stopped
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"])
+def test_tool_turns_render_as_transformers_renders_them(family, tmp_path):
+    """A tool conversation as the server gives it to the template (arguments as objects, or as
+    JSON strings for templates that concatenate them) renders as transformers renders it."""
+    transformers = pytest.importorskip("transformers")
+    from tool_models import write_family_tokenizer
+    from engine.tokenizer import Tokenizer
+    write_family_tokenizer(tmp_path, family)
+    ours = Tokenizer.from_dir(tmp_path)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    body = {"messages": USER + [
+        {"role": "assistant", "content": None, "tool_calls": tool_calls_json(CALLS[:1])},
+        {"role": "tool", "tool_call_id": "x", "content": '{"sky": "sunny"}'},
+        {"role": "user", "content": "And tomorrow?"}]}
+    msgs = chat_messages(body)
+    try:
+        text = ours.apply_chat_template(msgs, tools=TOOLS)
+    except Exception:
+        msgs = string_arguments(msgs)
+        text = ours.apply_chat_template(msgs, tools=TOOLS)
+    want = theirs.apply_chat_template(msgs, tools=TOOLS, tokenize=False, add_generation_prompt=True)
+    assert text == want
+    assert json.dumps(CALLS[0].arguments, ensure_ascii=False) in text or "<arg_key>city</arg_key>" in text
 
 
 def test_bench_grammar_writes_its_results(tmp_path, capsys):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -88,11 +87,6 @@ class TokenConstraint:
     def accept(self, token_id: int) -> None:
         if not self.matcher.consume_token(int(token_id)) and not self.error:
             self.error = self.matcher.get_error()
-
-
-def check_grammar(tokenizer, grammar: str) -> None:
-    """Raise GrammarError when ``grammar`` does not compile for ``tokenizer``."""
-    TokenConstraint(tokenizer, grammar)
 
 
 def _schema_with_style(schema: dict) -> dict:

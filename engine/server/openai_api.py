@@ -610,12 +610,11 @@ class Api:
 
     async def _generate(self, request, m, ids, sp, stops, stream, include_usage, chat, opened, docs=(),
                         calls=None, constraint=None) -> Response:
-        loop = asyncio.get_running_loop()
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if not stream:
-            return await self._whole(request, loop, m, ids, sp, stops, chat, opened, rid, created, obj, docs, calls,
+            return await self._whole(request, m, ids, sp, stops, chat, opened, rid, created, obj, docs, calls,
                                      constraint)
         job, q = self.stream_queue(m, ids, sp, stops, chat, opened, docs, calls, constraint)
         chunk_obj = obj + ".chunk" if chat else obj
@@ -731,7 +730,7 @@ class Api:
                 pass
         return self._submit(m, ids, sp, stops, chat, opened, emit, docs, calls, constraint), q
 
-    async def _whole(self, request, loop, m, ids, sp, stops, chat, opened, rid, created, obj, docs=(),
+    async def _whole(self, request, m, ids, sp, stops, chat, opened, rid, created, obj, docs=(),
                      calls=None, constraint=None) -> Response:
         got = await self.collect(request, m, ids, sp, stops, chat, opened, docs, calls, constraint)
         if got is None:
