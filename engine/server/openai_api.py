@@ -155,6 +155,8 @@ async def read_json(request: Request, max_bytes: int) -> dict:
         if len(body) > max_bytes:
             raise ApiError(413, f"the request body is larger than the limit of {max_bytes} bytes "
                                 f"(colibri serve --max-body-bytes)", code="request_too_large")
+    if len(body) > 1 << 16:   # a big body is parsed and checked off the event loop
+        return await run_in_threadpool(parse_json, bytes(body))
     return parse_json(bytes(body))
 
 
