@@ -68,6 +68,8 @@ def test_foreign_host_is_refused_before_any_work(server):
         r = httpx2.get(server.url + "/models", headers={"Host": host})
         assert r.status_code == 421
     assert ended(server) == before
+    assert server.stats.request_count("/v1/") >= 5   # the refusals show in /metrics
+    assert 'status="421"' in httpx2.get(server.url.removesuffix("/v1") + "/metrics").text
     for host in (f"127.0.0.1:{server.port}", f"localhost:{server.port}", "localhost", f"[::1]:{server.port}",
                  "127.3.4.5"):
         r = httpx2.post(url, json=ok_body(server), headers={"Host": host})

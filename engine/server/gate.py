@@ -76,11 +76,12 @@ class RequestGate:
     """Pure ASGI middleware applying the checks of the module docstring.
 
     host: the configured ``--host``; cors_origins: origins allowed besides the server's own;
-    error: ``error(path, status, message, code) -> starlette Response`` (the API's error shape).
+    error: ``error(path, status, message, code) -> starlette Response`` (the API's error shape);
+    counted: ``counted(path, status)`` for each refusal (the /metrics request counts).
     """
 
-    def __init__(self, app, host: str, cors_origins: tuple[str, ...], error):
-        self.app, self.error = app, error
+    def __init__(self, app, host: str, cors_origins: tuple[str, ...], error, counted=None):
+        self.app, self.error, self.counted = app, error, counted
         self.host = host.strip().lower().strip("[]")
         self.any_host = host.strip() in WILDCARD_HOSTS
         self.origins = frozenset(o.rstrip("/").lower() for o in cors_origins)
@@ -110,6 +111,8 @@ class RequestGate:
         refusal = self._refusal(scope, headers)
         if refusal is not None:
             status, message, code = refusal
+            if self.counted is not None:
+                self.counted(path, status)
             return await self.error(path, status, message, code)(scope, receive, send)
         return await self.app(scope, receive, send)
 

@@ -371,6 +371,11 @@ def string_arguments(msgs: list[dict]) -> list[dict]:
 # --- the app -----------------------------------------------------------------------------------
 
 
+def endpoint_of(path: str) -> str:
+    """The endpoint label of a request path in /metrics ("other" for unknown paths)."""
+    return next((e for e in ENDPOINTS if path == e or path.startswith(e + "/")), "other")
+
+
 class _Guard:
     """Pure ASGI middleware: the API key (``Authorization: Bearer KEY``, constant-time
     comparison, every path but /health) and the request counts by endpoint and status."""
@@ -383,7 +388,7 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = next((e for e in ENDPOINTS if path == e or path.startswith(e + "/")), "other")
+        endpoint = endpoint_of(path)
         status = [0]
 
         async def counting_send(msg):
@@ -798,7 +803,8 @@ def build_app(api: Api, api_key: str = "", cors_origins: tuple[str, ...] = (), h
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/messages", api.messages, methods=["POST"]),
     ]
-    middleware = [Middleware(RequestGate, host=host, cors_origins=cors_origins, error=_gate_error)]
+    middleware = [Middleware(RequestGate, host=host, cors_origins=cors_origins, error=_gate_error,
+                             counted=lambda path, status: api.stats.on_request(endpoint_of(path), status))]
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
                                      allow_methods=["GET", "POST", "OPTIONS"],
