@@ -368,7 +368,7 @@ class MainWindow(QMainWindow):
         self.idle_timer.setInterval(IDLE_RESIDENCY_MS)
         self.idle_timer.timeout.connect(self._poll_idle_residency)
         self.idle_timer.start()
-        self._serve_port, self._serve_key = 8000, ""
+        self._serve_port, self._serve_key, self._serve_origins = 8000, "", ()
 
         self._build_ui()
         self._build_menus()
@@ -1114,17 +1114,18 @@ class MainWindow(QMainWindow):
         if not checked:
             self.stop_serving()
             return
-        dlg = ServeDialog(self._serve_port, self._serve_key, self)
+        dlg = ServeDialog(self._serve_port, self._serve_key, self._serve_origins, self)
         dlg.accepted.connect(lambda: self.start_serving(*dlg.values()))
         dlg.rejected.connect(lambda: self.act_serve.setChecked(self.serve.serving))
         self._show_dialog(dlg)
 
-    def start_serving(self, port: int, api_key: str = "") -> bool:
-        """Serve the open model on 127.0.0.1:``port`` (0 = a free port); the status bar shows
-        the URL and the request count. A failure (port in use, short key) shows a banner."""
+    def start_serving(self, port: int, api_key: str = "", origins: tuple[str, ...] = ()) -> bool:
+        """Serve the open model on 127.0.0.1:``port`` (0 = a free port), web pages of ``origins``
+        allowed; the status bar shows the URL and the request count. A failure (port in use,
+        short key) shows a banner."""
         import errno
         try:
-            url = self.serve.start(port, api_key, self.settings.sampling)
+            url = self.serve.start(port, api_key, self.settings.sampling, origins)
         except (ValueError, OSError) as e:   # ConfigError is a ValueError
             self.act_serve.setChecked(False)
             if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
@@ -1137,7 +1138,7 @@ class MainWindow(QMainWindow):
                 hint = "Change it in Server › Serve on this computer…."
             self.banner.show_message(ErrorKind.CONFIG, text, hint=hint, title="The server could not start")
             return False
-        self._serve_port, self._serve_key = (port or self._serve_port), api_key
+        self._serve_port, self._serve_key, self._serve_origins = (port or self._serve_port), api_key, tuple(origins)
         self.act_serve.setChecked(True)
         self.statusBar().showMessage(f"Serving the model on {url}", 6000)
         return True
@@ -1318,6 +1319,9 @@ class MainWindow(QMainWindow):
                     self._serve_port = port
                 if isinstance(key, str):
                     self._serve_key = key
+                origins = serve.get("origins", [])
+                if isinstance(origins, list) and all(isinstance(o, str) for o in origins):
+                    self._serve_origins = tuple(origins)
         except (ValueError, TypeError) as e:
             log.warning("ignoring the saved window state: %s", e)
         last = st.get("last_conversation")
@@ -1334,7 +1338,7 @@ class MainWindow(QMainWindow):
             "splitter": [int(s) for s in self.splitter.sizes()],
             "panels_visible": not self.dock.isHidden(),
             "last_conversation": self.conv_id,
-            "serve": {"port": self._serve_port, "api_key": self._serve_key},
+            "serve": {"port": self._serve_port, "api_key": self._serve_key, "origins": list(self._serve_origins)},
         }
 
     def closeEvent(self, e) -> None:

@@ -4,8 +4,8 @@ window has open.
 The chat and the server share the one engine: a server request waits in the server's FIFO
 queue, then runs as a task of the app's engine lane (colibri_app/engine_bridge.py), in order
 with the chat's answers, on the same thread. :class:`ServeController` owns the server and its
-status; :class:`ServeDialog` asks for the port and the optional API key. The server listens on
-127.0.0.1 only (this computer). A request reaches the lane through the GUI thread's event loop
+status; :class:`ServeDialog` asks for the port, the optional API key and the web pages allowed
+to use it, and copies the client settings. The server listens on 127.0.0.1 only (this computer). A request reaches the lane through the GUI thread's event loop
 (the lane is driven from there), so a client must not block that thread: clients are other
 programs, or, in tests, other threads.
 """
@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import threading
 
-from PySide6.QtCore import QObject, QTimer, Signal, Slot
-from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QFormLayout, QLabel, QLineEdit, QSpinBox,
-                               QVBoxLayout, QWidget)
+from PySide6.QtCore import QObject, Qt, QTimer, Signal, Slot
+from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPushButton,
+                               QSpinBox, QVBoxLayout, QWidget)
 
-from engine.server import DEFAULT_PORT, LocalServer, NoModel, ServedModel, ServerOptions
+from engine.server import DEFAULT_PORT, LocalServer, NoModel, ServedModel, ServerOptions, check_origin_syntax
 
 log = logging.getLogger(__name__)
 
@@ -71,15 +72,17 @@ class ServeController(QObject):
     def serving(self) -> bool:
         return self.server is not None
 
-    def start(self, port: int = DEFAULT_PORT, api_key: str = "", defaults=None) -> str:
-        """Listen on 127.0.0.1:``port`` (0 = a free port); returns the URL.
+    def start(self, port: int = DEFAULT_PORT, api_key: str = "", defaults=None,
+              origins: tuple[str, ...] = ()) -> str:
+        """Listen on 127.0.0.1:``port`` (0 = a free port), web pages of ``origins`` allowed
+        (CORS); returns the URL.
 
         Raises:
-            ConfigError: a bad port or key; OSError: the port is in use.
+            ConfigError: a bad port, key or origin; OSError: the port is in use.
         """
         self.stop()
-        srv = LocalServer(lambda: self._served, self._run, ServerOptions(host=HOST, port=port, api_key=api_key),
-                          defaults)
+        srv = LocalServer(lambda: self._served, self._run,
+                          ServerOptions(host=HOST, port=port, api_key=api_key, cors_origins=tuple(origins)), defaults)
         srv.start()
         self.server = srv
         self.timer.start()
@@ -156,17 +159,37 @@ class ServeController(QObject):
             done.set()
 
 
-class ServeDialog(QDialog):
-    """Asks for the port and the optional API key of "Serve on this computer"."""
+def client_settings(base_url: str, api_key: str, kind: str) -> str:
+    """What a client needs to use the server, to paste: environment variables and a few lines of
+    Python for the official ``openai`` (kind "openai") or ``anthropic`` (kind "anthropic")
+    package. ``base_url``: the server's ``http://HOST:PORT/v1``; ``api_key``: "" when none is
+    required (clients still send one: any text works)."""
+    key = api_key or "unused"
+    if kind == "anthropic":
+        root = base_url.removesuffix("/v1")
+        return (f"ANTHROPIC_BASE_URL={root}\nANTHROPIC_API_KEY={key}\n\n"
+                f"import anthropic\n"
+                f"client = anthropic.Anthropic(base_url=\"{root}\", api_key=\"{key}\")\n")
+    return (f"OPENAI_BASE_URL={base_url}\nOPENAI_API_KEY={key}\n\n"
+            f"from openai import OpenAI\n"
+            f"client = OpenAI(base_url=\"{base_url}\", api_key=\"{key}\")\n")
 
-    def __init__(self, port: int = DEFAULT_PORT, api_key: str = "", parent: QWidget | None = None):
+
+class ServeDialog(QDialog):
+    """"Serve on this computer": the port, the optional API key and the web pages (origins)
+    allowed to use the server; shows the base URL and copies the client settings for OpenAI and
+    Anthropic clients. ``values() -> (port, api key, origins)``; an origin that is not
+    ``scheme://host[:port]`` keeps the dialog open with the reason."""
+
+    def __init__(self, port: int = DEFAULT_PORT, api_key: str = "", origins: tuple[str, ...] = (),
+                 parent: QWidget | None = None):
         super().__init__(parent)
         self.setWindowTitle("Serve on this computer")
-        self.setMinimumWidth(440)
+        self.setMinimumWidth(480)
         lay = QVBoxLayout(self)
-        info = QLabel("Other programs on this computer (editors, scripts) can use the open model through an "
-                      "OpenAI-compatible API at http://127.0.0.1:PORT/v1. The chat and the server take turns "
-                      "on the one engine.")
+        info = QLabel("Other programs on this computer (editors, agents, scripts) can use the open model through "
+                      "an OpenAI-compatible API and Anthropic's Messages API. The chat and the server take turns "
+                      "on the one engine. Web pages cannot use it unless you allow their origin below.")
         info.setWordWrap(True)
         lay.addWidget(info)
         form = QFormLayout()
@@ -175,13 +198,33 @@ class ServeDialog(QDialog):
         self.port.setValue(port if 1024 <= port <= 65535 else DEFAULT_PORT)
         self.port.setAccessibleName("Server port")
         form.addRow("Port", self.port)
+        self.url = QLabel()
+        self.url.setTextInteractionFlags(Qt.TextSelectableByMouse)
+        self.url.setAccessibleName("Base URL")
+        form.addRow("Base URL", self.url)
         self.key = QLineEdit(api_key)
         self.key.setEchoMode(QLineEdit.PasswordEchoOnEdit)
         self.key.setPlaceholderText("optional; at least 8 characters")
         self.key.setAccessibleName("API key")
-        self.key.setToolTip("Clients must send 'Authorization: Bearer <key>'. Leave empty for none.")
+        self.key.setToolTip("Clients must send 'Authorization: Bearer <key>' (or 'x-api-key: <key>'). "
+                            "Leave empty for none.")
         form.addRow("API key", self.key)
+        self.origins = QLineEdit(" ".join(origins))
+        self.origins.setPlaceholderText("none (e.g. http://localhost:3000)")
+        self.origins.setAccessibleName("Allowed web page origins")
+        self.origins.setToolTip("Web pages from these origins (scheme://host:port, separated by spaces) may use "
+                                "the server from a browser. Pages from anywhere else are refused, so a site "
+                                "you visit cannot use the model.")
+        form.addRow("Allowed web pages", self.origins)
         lay.addLayout(form)
+        copy_row = QHBoxLayout()
+        self.copy_openai = QPushButton("Copy settings for OpenAI clients")
+        self.copy_anthropic = QPushButton("Copy settings for Anthropic clients")
+        self.copy_openai.clicked.connect(lambda: self._copy("openai"))
+        self.copy_anthropic.clicked.connect(lambda: self._copy("anthropic"))
+        copy_row.addWidget(self.copy_openai)
+        copy_row.addWidget(self.copy_anthropic)
+        lay.addLayout(copy_row)
         self.error = QLabel()
         self.error.setObjectName("bannerText")
         self.error.setWordWrap(True)
@@ -189,10 +232,41 @@ class ServeDialog(QDialog):
         lay.addWidget(self.error)
         buttons = QDialogButtonBox(QDialogButtonBox.Ok | QDialogButtonBox.Cancel)
         buttons.button(QDialogButtonBox.Ok).setText("Start serving")
-        buttons.accepted.connect(self.accept)
+        buttons.accepted.connect(self._accept)
         buttons.rejected.connect(self.reject)
         lay.addWidget(buttons)
+        self.port.valueChanged.connect(self._update_url)
+        self._update_url()
 
-    def values(self) -> tuple[int, str]:
-        """(port, api key)."""
-        return self.port.value(), self.key.text().strip()
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port.value()}/v1"
+
+    def _update_url(self) -> None:
+        self.url.setText(self.base_url())
+
+    def _copy(self, kind: str) -> None:
+        QGuiApplication.clipboard().setText(client_settings(self.base_url(), self.key.text().strip(), kind))
+
+    def origin_list(self) -> tuple[str, ...]:
+        """The allowed origins as written (split on spaces and commas). Raises ValueError."""
+        out = []
+        for o in self.origins.text().replace(",", " ").split():
+            out.append(check_origin_syntax(o))
+        return tuple(out)
+
+    def _accept(self) -> None:
+        try:
+            self.origin_list()
+        except ValueError as e:
+            self.error.setText(f"Allowed web pages: {e}")
+            self.error.show()
+            return
+        self.accept()
+
+    def values(self) -> tuple[int, str, tuple[str, ...]]:
+        """(port, api key, allowed origins)."""
+        try:
+            origins = self.origin_list()
+        except ValueError:
+            origins = ()
+        return self.port.value(), self.key.text().strip(), origins

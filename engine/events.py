@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from .settings import SamplingParams  # noqa: F401  (declared in the settings table)
 
@@ -38,6 +39,9 @@ class GenerateRequest:
     ``docs_entries``: with ``prompt_ids`` built by the caller with the documentation lookup's
     blocks (the server), the entries given with the last question (engine.docs_lookup.DocEntry):
     they feed the copy prior and ``Finished.sources`` as the engine's own lookup would.
+    ``constraint``: constrained decoding (the server's grammars): an object with
+    ``mask(n) -> np.ndarray`` bool (n,) of the tokens allowed next and ``accept(token_id)``
+    called with every generated token; the sampler draws only allowed tokens.
     """
 
     messages: tuple[ChatMessage, ...] = ()
@@ -46,6 +50,7 @@ class GenerateRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     forced_ids: tuple[int, ...] | None = None
     docs_entries: tuple = ()
+    constraint: Any = None
 
 
 # --- events ---------------------------------------------------------------------------

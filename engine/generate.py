@@ -556,6 +556,7 @@ class Engine:
         # the answer is capped by the room the context has left
         max_new = min(sp.max_new_tokens, C - len(ids))
         forced = request.forced_ids
+        cons = request.constraint
         tracker = MetricsTracker(self.cache, self.plan.budget, self.read_rss, self.pilot,
                                  remote=self.cluster.remote_mask if getattr(self, "cluster", None) else None)
         dec = self.tokenizer.incremental_decoder()
@@ -593,13 +594,16 @@ class Engine:
                         f"{self.store.path} holds broken weights; convert the checkpoint again "
                         f"(`colibri convert --overwrite` refuses NaN/inf weights and names the tensor)")
                 prop = copier.propose(out_ids) if copier is not None else None
-                tok = sampler(logits[-1], context, None if prop is None else (copier.weight, prop))
+                allowed = cons.mask(logits.shape[-1]) if cons is not None else None
+                tok = sampler(logits[-1], context, None if prop is None else (copier.weight, prop), allowed)
                 if forced is not None:
                     if len(out_ids) >= len(forced):
                         reason = FinishReason.LENGTH
                         break
                     tok = int(forced[len(out_ids)])
                 step_t = time.perf_counter()
+                if cons is not None:
+                    cons.accept(tok)
                 is_eos = forced is None and tok in self.tokenizer.eos_ids
                 if is_eos:
                     reason = FinishReason.STOP

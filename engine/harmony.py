@@ -32,6 +32,7 @@ MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
 ENDS = ("<|end|>", "<|return|>", "<|call|>")  # each ends a message
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 HEADER_LIMIT = 32  # ids a header may take before <|message|>; beyond it (and with no <|channel|>) it is text
+CALL_MARK, ARGS_MARK = "<|channel|>", "<|message|>"  # around a call's header with show_calls
 
 
 def is_harmony(tokenizer) -> bool:
@@ -52,14 +53,17 @@ class HarmonyDecoder:
     a message of another channel starts, or at the end). A message whose header names no
     channel counts as final. Header text (role, channel name, ``to=...``, ``<|constrain|>json``)
     is never shown, except for output that never follows the format: more than HEADER_LIMIT ids
-    with no <|channel|> and no <|message|> are shown as a final message.
+    with no <|channel|> and no <|message|> are shown as a final message. With ``show_calls``
+    (the server, when the request offers tools), a message addressed ``to=functions.NAME`` is
+    shown as ``<|channel|>HEADER<|message|>ARGUMENTS`` (HEADER as written, special tokens shown).
     """
 
     HEADER, CONTENT = "header", "content"
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, show_calls: bool = False) -> None:
         from .tokenizer import IncrementalDecoder
         self._tok = tokenizer
+        self.show_calls = show_calls
         self._make = lambda: IncrementalDecoder(tokenizer)
         self._id = {m: tokenizer.token_to_id(m) for m in MARKERS + ENDS}
         self._ends = {self._id[m] for m in ENDS if self._id[m] is not None}
@@ -82,9 +86,15 @@ class HarmonyDecoder:
     def _open(self) -> str:
         self._channel = self._channel_of(self._header)
         self.channels.append(self._channel)
+        header = self._tok.decode(self._header, skip_special_tokens=False)
         self._header = []
         self._content = self._make()
         self.state = self.CONTENT
+        if self.show_calls and " to=functions." in " " + header.replace("<|channel|>", " "):
+            # a function call: shown with its header, so the caller can parse name and arguments
+            out = THINK_CLOSE if self._in_think else ""
+            self._in_think = False
+            return out + CALL_MARK + header.split("<|channel|>")[-1] + ARGS_MARK
         if self._channel == "analysis" and not self._in_think:
             self._in_think = True
             return THINK_OPEN

@@ -50,6 +50,8 @@ class Sampler:
     ``sampler(logits, context_ids) -> int``:
       logits: np.ndarray, shape (V,), float (float32 from the engine); never modified.
       context_ids: the prompt and generated ids so far (for the repetition penalty).
+      allowed: optional bool array (V,): only these tokens may be drawn (constrained
+        decoding, applied after the repetition penalty and the copy prior).
     Greedy when temperature <= 0 (argmax, lowest id on ties); the repetition penalty still
     applies when != 1. NaN logits count as -inf; +inf logits win (sampled among themselves);
     if no logit is finite the result is argmax(nan_to_num(logits)) and a warning is logged
@@ -71,7 +73,7 @@ class Sampler:
                         "(this warning is shown once)", what)
 
     def __call__(self, logits: np.ndarray, context_ids: Sequence[int] = (),
-                 copy: tuple[float, dict] | None = None) -> int:
+                 copy: tuple[float, dict] | None = None, allowed: np.ndarray | None = None) -> int:
         raw = np.asarray(logits)
         if raw.ndim != 1 or raw.shape[0] == 0:
             raise ValueError(f"logits must be a non-empty 1-D array (V,), got shape {raw.shape}")
@@ -107,6 +109,17 @@ class Sampler:
                     q[t] += lam * pc
             with np.errstate(divide="ignore"):
                 x = np.log(q)
+
+        if allowed is not None:  # constrained decoding: only the tokens a grammar allows
+            ok_mask = np.zeros(x.shape[0], dtype=bool)
+            n = min(x.shape[0], allowed.shape[0])
+            ok_mask[:n] = allowed[:n]
+            x = np.where(ok_mask, x, -np.inf)
+            if not np.isfinite(x).any():
+                ok = np.flatnonzero(ok_mask)
+                if ok.size == 0:
+                    raise ValueError("the grammar allows no token")
+                return int(ok[0])
 
         if self.greedy or p.top_k == 1:
             return int(np.argmax(x))

@@ -171,3 +171,19 @@ def test_speed_full_vocab():
         s(x, ctx)
     per_call = (time.perf_counter() - t) / 20
     assert per_call < 0.02, per_call  # generous: shared CI machine
+
+
+def test_allowed_mask_limits_greedy_and_sampled_draws():
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal(500).astype(np.float32)
+    allowed = np.zeros(500, dtype=bool)
+    allowed[[3, 77, 400]] = True
+    assert Sampler(SamplingParams(temperature=0))(logits, (), None, allowed) == int(
+        np.array([3, 77, 400])[np.argmax(logits[[3, 77, 400]])])
+    s = Sampler(SamplingParams(temperature=1.5, top_p=0.9, seed=3))
+    draws = {s(logits, (), None, allowed) for _ in range(300)}
+    assert draws <= {3, 77, 400} and len(draws) > 1
+    # a mask shorter than the logits (the model's padded vocabulary) allows nothing beyond it
+    short = np.zeros(450, dtype=bool)
+    short[10] = True
+    assert Sampler(SamplingParams(temperature=0))(logits, (), None, short) == 10

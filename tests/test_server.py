@@ -18,7 +18,7 @@ httpx2 = pytest.importorskip("httpx2")
 from engine import ConfigError, Engine, EngineConfig, Finished, GenerateRequest, SamplingParams  # noqa: E402
 from engine.library import default_model_dir  # noqa: E402
 from engine.server import LocalServer, ServerOptions  # noqa: E402
-from engine.server.textstream import ReasoningSplitter, StopMatcher  # noqa: E402
+from engine.server.textstream import AnswerFilter, ReasoningSplitter, StopMatcher  # noqa: E402
 from engine import split_reasoning  # noqa: E402
 
 from server_helpers import (ENGINE_FLAGS, ENGINE_KW, LONG_PROMPT, SHORT_PROMPT, Background, SlowDown,  # noqa: E402
@@ -298,7 +298,7 @@ def test_disconnect_mid_stream_frees_the_engine_within_one_token(engine, server)
 
 def _bad(server, body, status=400, raw=None, headers=None):
     r = httpx2.post(server.url + "/chat/completions", json=body if raw is None else None,
-                    content=raw, headers=headers, timeout=30)
+                    content=raw, headers=headers or {"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == status, (body, r.status_code, r.text)
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"], err
@@ -317,7 +317,7 @@ def test_each_bad_input_is_a_4xx_with_an_openai_error(server, client):
                          ("top_p", 1.5), ("max_tokens", 0), ("max_tokens", 2.5), ("max_completion_tokens", -3),
                          ("seed", -1), ("n", 2), ("stop", ["a", "b", "c", "d", "e"]), ("stop", 7),
                          ("stream", "yes"), ("presence_penalty", 0.5), ("logprobs", True),
-                         ("response_format", {"type": "json_object"})):
+                         ("response_format", {"type": "xml"})):
         err = _bad(server, {**ok, param: value})
         assert err["param"] == param, (param, value, err)
     assert _bad(server, {**ok, "messages": []})["param"] == "messages"
@@ -495,6 +495,43 @@ def test_reasoning_content_when_the_prompt_opens_a_think_block(thinking_server):
             parts.append((choice.delta.model_extra or {}).get("reasoning_content") or "")
             assert not choice.delta.content
     assert "".join(parts) == reasoning
+
+
+def test_a_stop_string_inside_the_reasoning_leaves_it_whole(thinking_server):
+    c = openai.OpenAI(base_url=thinking_server.url, api_key="x", max_retries=0, timeout=120)
+    kw = dict(model="colibri-stdlib-moe", messages=chat(LONG_PROMPT))
+    full = c.chat.completions.create(**kw)
+    reasoning = full.choices[0].message.model_extra["reasoning_content"]
+    stop = reasoning[len(reasoning) // 2:][:3]
+    assert len(stop) == 3
+    for stream in (False, True):
+        if stream:
+            parts, reason = [], None
+            for ch in c.chat.completions.create(stream=True, stop=[stop], **kw):
+                for choice in ch.choices:
+                    parts.append((choice.delta.model_extra or {}).get("reasoning_content") or "")
+                    assert not choice.delta.content
+                    reason = choice.finish_reason or reason
+            got = "".join(parts)
+        else:
+            r = c.chat.completions.create(stop=[stop], **kw)
+            got, reason = r.choices[0].message.model_extra["reasoning_content"], r.choices[0].finish_reason
+            assert r.choices[0].message.content == "" and r.usage.completion_tokens == full.usage.completion_tokens
+        assert (got, reason) == (reasoning, full.choices[0].finish_reason) == (reasoning, "length")
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 100])
+def test_answer_filter_stops_in_the_answer_only(size):
+    text = "<think>\nplan STOP more\n</think>\n\nanswer STOP tail"
+    f = AnswerFilter(("STOP",), chat=True)
+    parts = [f.push(p) for p in _pieces(text, size)]
+    tail = f.flush()
+    assert "".join(p[0] for p in parts) + tail[0] == "plan STOP more"
+    assert "".join(p[1] for p in parts) + tail[1] == "answer "
+    assert f.stopped and parts[-1][2]
+    raw = AnswerFilter(("STOP",))      # a completion: no reasoning split, the stop applies to it all
+    out = [raw.push(p) for p in _pieces(text, size)]
+    assert "".join(p[1] for p in out) + raw.flush()[1] == "<think>\nplan "
 
 
 def test_non_streamed_client_that_leaves_cancels_its_generation(engine, server):

@@ -24,6 +24,7 @@ clock. Verbs:
   layouts         the same model in several stores (expert layouts), one process, requests alternated
   contention      decode tok/s of the compute-thread defaults with 0, 1, 2 busy background processes
   serve           the OpenAI-compatible server vs the engine called directly; multi-turn prefill
+  grammar         constrained decoding: the token mask's cost per token, llguidance vs xgrammar
 A new benchmark: add ``engine/bench/<verb>.py`` with ``cmd_<verb>(args) -> int`` and
 ``add_parser(bs)``, and list the module in VERBS.
 """
@@ -36,7 +37,7 @@ import importlib
 
 VERBS = ("make_synthetic", "decode", "cache", "pilot", "disk", "replay", "matrix", "trace_heldout", "arm",
          "cluster",
-         "gguf", "peers", "kernels", "layouts", "contention", "overlap", "serve")
+         "gguf", "peers", "kernels", "layouts", "contention", "overlap", "serve", "grammar")
 
 
 INTERNAL_VERBS = ("arm", "decode-arm", "peer-arm", "contention-arm")  # run by the verbs themselves, one arm per process

@@ -49,7 +49,8 @@ def add_parsers(sub) -> None:
     from ..server.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING, DEFAULT_PORT
     s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API on this computer",
                        description="Serve a converted model on an OpenAI-compatible HTTP API "
-                                   "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics). "
+                                   "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics) "
+                                   "and Anthropic's Messages API (/v1/messages). "
                                    "One engine answers every client, one request at a time, in order.")
     s.add_argument("--model", help="converted store (default: the bundled model)")
     s.add_argument("--host", default="127.0.0.1",
@@ -58,7 +59,8 @@ def add_parsers(sub) -> None:
     s.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}, else none)")
     s.add_argument("--cors-origin", action="append", metavar="ORIGIN",
-                   help="allow browser pages from ORIGIN (repeatable; default: CORS off)")
+                   help="allow web pages from ORIGIN (scheme://host[:port], repeatable) to use the server; "
+                        "pages from any other origin are refused (default: none)")
     s.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"largest request body (default {DEFAULT_MAX_BODY_BYTES})")
     s.add_argument("--max-waiting", type=int, default=DEFAULT_MAX_WAITING,

@@ -5,8 +5,8 @@ side submits it to the :class:`JobQueue`; the queue's dispatcher thread hands jo
 submission order, to a *runner* that runs ``fn(engine)`` where the engine computes:
 :class:`DirectRunner` on the dispatcher thread itself (``colibri serve``), or the app's engine
 lane (the chat and the server share that one thread, colibri_app). :func:`run_job` turns the
-engine's events into the job's deltas (stop strings and the reasoning split applied on the
-engine thread, so a stop string ends the generation at the token that completed it) and its
+engine's events into the job's deltas (the reasoning split, then stop strings on the answer,
+applied on the engine thread, so a stop string ends the generation at the token that completed it) and its
 final record. A job cancelled while waiting never reaches the engine; one cancelled while
 running ends at the engine's next cancel check (after the current token).
 """
@@ -23,7 +23,8 @@ from typing import Callable
 from ..errors import EngineError
 from ..events import Finished, FinishReason, GenerateRequest, SamplingParams, StepMetrics, TokenEvent
 from ..observers import Observer
-from .textstream import ReasoningSplitter, StopMatcher
+from .textstream import AnswerFilter
+from .tools import CallSplitter
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,8 @@ class JobResult:
     error: str = ""
     status: int = 200
     finished: Finished | None = None
+    tool_calls: tuple = ()    # engine.server.tools.Call parsed from the answer
+    stop_sequence: str | None = None  # the stop string that ended the answer
 
 
 @dataclass(eq=False)
@@ -75,6 +78,9 @@ class Job:
     prompt_opened: bool = False
     model_key: object = None
     docs: tuple = ()               # the documentation entries given with the last question (DocEntry)
+    tool_format: object = None     # engine.server.tools.ToolFormat: parse the calls of the answer
+    tools: list | None = None      # the request's tools (parameter types for XML-style calls)
+    constraint: object = None      # engine.server.grammar.TokenConstraint: the sampler's token mask
     cancel: threading.Event = field(default_factory=threading.Event)
     state: str = "new"             # new, queued, running, done
     tokens: int = 0                # TokenEvents seen so far (engine thread)
@@ -110,16 +116,13 @@ class PrefillSpy(Observer):
 def run_job(engine, job: Job, stats=None) -> None:
     """Run ``job`` on ``engine`` (on the thread that computes) and emit its deltas and result.
     ``stats``: a ServerStats fed with the step metrics and the result. Never raises."""
-    stop = StopMatcher(job.stops)
-    split = ReasoningSplitter(job.prompt_opened) if job.chat else None
+    calls = CallSplitter(job.tool_format, job.tools) if job.tool_format is not None else None
+    # with a call format the answer is decoded here, with the markers of calls shown
+    dec = job.tool_format.decoder(engine.tokenizer) if job.tool_format is not None else None
+    filt = AnswerFilter(job.stops, job.chat, job.prompt_opened, calls)
     spy = PrefillSpy()
 
-    def deliver(text: str) -> None:
-        if split is None:
-            if text:
-                job.emit(("delta", "", text))
-            return
-        r, c = split.push(text)
+    def deliver(r: str, c: str) -> None:
         if r or c:
             job.emit(("delta", r, c))
 
@@ -128,16 +131,16 @@ def run_job(engine, job: Job, stats=None) -> None:
     engine.model.subscribe(spy)
     try:
         events = engine.generate(GenerateRequest(prompt_ids=tuple(job.ids), sampling=job.sampling,
-                                                   docs_entries=job.docs), job.cancel)
+                                                   docs_entries=job.docs, constraint=job.constraint), job.cancel)
         for ev in events:
             if isinstance(ev, TokenEvent):
                 job.tokens += 1
                 if stopped:
                     continue
-                text, stopped = stop.push(ev.text)
+                r, c, stopped = filt.push(ev.text if dec is None else dec.push(ev.token_id))
                 if stopped:
                     job.cancel.set()  # the engine ends right after this token
-                deliver(text)
+                deliver(r, c)
             elif isinstance(ev, StepMetrics):
                 if stats is not None:
                     stats.on_step(ev)
@@ -158,12 +161,10 @@ def run_job(engine, job: Job, stats=None) -> None:
         return
     finally:
         engine.model.unsubscribe(spy)
-    if not stopped:
-        deliver(stop.flush())
-    if split is not None:
-        r, c = split.flush()
-        if r or c:
-            job.emit(("delta", r, c))
+    if dec is not None and not stopped:
+        r, c, stopped = filt.push(dec.flush())
+        deliver(r, c)
+    deliver(*filt.flush())
     prefill = spy.first[1] if spy.first else 0
     if fin is None:
         result = JobResult("error", len(job.ids), job.tokens, prefill, "the engine ended without a result", 500)
@@ -172,7 +173,10 @@ def run_job(engine, job: Job, stats=None) -> None:
     else:
         reason = ("stop" if stopped or fin.finish_reason == FinishReason.STOP else
                   "cancelled" if fin.finish_reason == FinishReason.CANCELLED else "length")
-        result = JobResult(reason, fin.prompt_tokens, fin.generated_tokens, prefill, finished=fin)
+        if filt.calls and reason == "stop":
+            reason = "tool_calls"
+        result = JobResult(reason, fin.prompt_tokens, fin.generated_tokens, prefill, finished=fin,
+                           tool_calls=tuple(filt.calls), stop_sequence=filt.stop.matched)
     if stats is not None:
         stats.on_result(job, result)
     job.finish(result)

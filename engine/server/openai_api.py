@@ -19,6 +19,7 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import secrets
 import time
 from dataclasses import dataclass, replace
@@ -39,14 +40,18 @@ from ..docs_lookup import DOCS_PER_QUESTION, last_user_text, with_docs_each
 from ..errors import ConfigError, EngineError
 from ..events import SamplingParams
 from ..settings import setting
+from .gate import RequestGate
+from .grammar import GrammarError, call_grammar, compile_checked, json_grammar, schema_of
 from .jobs import Job, JobQueue, QueueFull
+from .tools import ToolsError, arguments_as, check_tool_calls, check_tool_choice, check_tools, tool_format
 from .stats import ServerStats, exposition
 
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 4  # the OpenAI API's limit
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages")
+ANTHROPIC_PATHS = ("/v1/messages",)   # errors there in Anthropic's shape
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,21 @@ class ServedModel:
                    aliases=(folder,) if folder != name else (), docs=getattr(engine, "docs", None))
 
 
+@dataclass(frozen=True)
+class ChatPlan:
+    """A chat request ready to run: prompt ids, SamplingParams, stop strings, whether the prompt
+    opened a reasoning block, documentation entries, (ToolFormat, tools) to parse calls or
+    None, and the TokenConstraint or None."""
+
+    ids: list
+    sampling: SamplingParams
+    stops: tuple
+    opened: bool
+    docs: tuple
+    calls: Any
+    constraint: Any
+
+
 class ApiError(Exception):
     """A refusal with an HTTP status and an OpenAI-shaped body."""
 
@@ -99,11 +119,19 @@ def error_body(message: str, param: str | None = None, code: str | None = None,
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+class _AsciiJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote a client's string, and one that
+    cannot be encoded as UTF-8 (a lone surrogate) must not turn the refusal into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    type_: str = "invalid_request_error", headers: dict | None = None) -> JSONResponse:
     if status >= 500 and type_ == "invalid_request_error":
         type_ = "server_error"
-    return JSONResponse(error_body(message, param, code, type_), status_code=status, headers=headers)
+    return _AsciiJSONResponse(error_body(message, param, code, type_), status_code=status, headers=headers)
 
 
 # --- request parsing ---------------------------------------------------------------------------
@@ -127,14 +155,68 @@ async def read_json(request: Request, max_bytes: int) -> dict:
         if len(body) > max_bytes:
             raise ApiError(413, f"the request body is larger than the limit of {max_bytes} bytes "
                                 f"(colibri serve --max-body-bytes)", code="request_too_large")
+    if len(body) > 1 << 16:   # a big body is parsed and checked off the event loop
+        return await run_in_threadpool(parse_json, bytes(body))
+    return parse_json(bytes(body))
+
+
+def parse_json(body: bytes) -> dict:
+    """A request body -> a JSON object whose strings are valid Unicode, nested at most
+    MAX_JSON_DEPTH deep.
+
+    Raises ApiError (400 ``invalid_json``): bad UTF-8, not JSON, not an object, too deep,
+    a lone surrogate (``"\\ud800"``) or a number out of the float range."""
     try:
-        data = json.loads(bytes(body).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
+        data = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not valid UTF-8: {e}", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels",
+                       code="invalid_json") from None
+    except ValueError as e:  # JSONDecodeError, an integer of more than 4300 digits, NaN/Infinity
         raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}",
                        code="invalid_json")
+    _check_tree(data)
     return data
+
+
+MAX_JSON_DEPTH = 64  # a tool's JSON schema nests a few levels; nothing legitimate needs more
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_tree(data) -> None:
+    """Depth, strings (lone surrogates cannot be encoded, tokenized or answered) and floats
+    (1e999 parses as infinity) of a decoded body, walked without recursion."""
+    stack = [(data, 1, "")]
+    while stack:
+        v, depth, where = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"the request body nests JSON deeper than {MAX_JSON_DEPTH} levels",
+                           code="invalid_json")
+        if isinstance(v, dict):
+            for k, x in v.items():
+                _check_str(k, where)
+                stack.append((x, depth + 1, f"{where}.{k}" if where else k))
+        elif isinstance(v, list):
+            stack.extend((x, depth + 1, f"{where}[{i}]") for i, x in enumerate(v))
+        elif isinstance(v, str):
+            _check_str(v, where)
+        elif isinstance(v, float) and not math.isfinite(v):
+            raise ApiError(400, f"'{where}': the number is out of range", param=where or None,
+                           code="invalid_value")
+
+
+def _check_str(s: str, where: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"'{where or 'body'}' holds a lone UTF-16 surrogate (\\ud800-\\udfff), "
+                            f"which is not text", param=where or None, code="invalid_json") from None
 
 
 def _check_setting(name: str, param: str, value: Any) -> Any:
@@ -142,10 +224,12 @@ def _check_setting(name: str, param: str, value: Any) -> Any:
         return setting(name).check(value)
     except ConfigError as e:
         msg = str(e).replace(f"setting '{name}'", f"'{param}'", 1)
-        raise ApiError(400, msg, param=param, code="invalid_value") from None
+        raise ApiError(400, msg[:500], param=param, code="invalid_value") from None
+    except OverflowError:  # an integer too large for a float
+        raise ApiError(400, f"'{param}' is out of range", param=param, code="invalid_value") from None
 
 
-def sampling_from(body: dict, defaults: SamplingParams) -> SamplingParams:
+def sampling_from(body: dict, defaults: SamplingParams, chat: bool = False) -> SamplingParams:
     """SamplingParams of a request: the server's defaults (its sampling flags) overridden by
     ``temperature``, ``top_p``, ``seed``, ``max_completion_tokens`` / ``max_tokens``, and the
     extensions ``top_k``, ``repetition_penalty``, ``docs_lookup`` (false: no documentation
@@ -179,7 +263,7 @@ def sampling_from(body: dict, defaults: SamplingParams) -> SamplingParams:
     if best_of not in (None, 1):
         raise ApiError(400, "'best_of' other than 1 is not supported", param="best_of", code="unsupported_parameter")
     rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+    if not chat and rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
         raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported",
                        param="response_format", code="unsupported_parameter")
     return replace(defaults, **kw)
@@ -240,7 +324,9 @@ def _text_content(content: Any, i: int) -> str:
 def chat_messages(body: dict) -> list[dict]:
     """The ``messages`` of a chat request as the dicts the chat template reads: roles system
     (``developer`` too), user, assistant (``tool_calls`` with their JSON ``arguments`` parsed, as
-    Hugging Face templates expect, ``reasoning_content``), tool (``tool_call_id``, ``name``)."""
+    most Hugging Face templates expect; :func:`string_arguments` gives them back as strings for
+    the templates that concatenate them; ``reasoning_content``), tool (``tool_call_id``,
+    ``name``)."""
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise ApiError(400, "'messages' must be a non-empty list of messages", param="messages",
@@ -260,27 +346,34 @@ def chat_messages(body: dict) -> list[dict]:
             if isinstance(m.get(k), str):
                 d[k] = m[k]
         calls = m.get("tool_calls")
-        if calls is not None:
-            if not isinstance(calls, list):
-                raise ApiError(400, f"messages[{i}].tool_calls must be a list", param=f"messages[{i}].tool_calls",
-                               code="invalid_type")
-            fixed = []
-            for c in calls:
-                c = dict(c) if isinstance(c, dict) else {}
-                fn = dict(c.get("function") or {})
-                if isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except ValueError:
-                        pass
-                c["function"] = fn
-                fixed.append(c)
-            d["tool_calls"] = fixed
+        if calls is not None and role == "assistant":
+            try:
+                d["tool_calls"] = arguments_as(check_tool_calls(calls, f"messages[{i}].tool_calls"), True)
+            except ToolsError as e:
+                raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
         out.append(d)
     return out
 
 
+def tool_calls_json(calls) -> list[dict]:
+    """Parsed calls (engine.server.tools.Call) -> OpenAI ``tool_calls``: the id the model wrote
+    (templates such as Mistral's render it back) or a fresh one, ``arguments`` as a JSON string."""
+    return [{"id": c.id or "call_" + secrets.token_hex(12), "type": "function",
+             "function": {"name": c.name, "arguments": json.dumps(c.arguments, ensure_ascii=False)}} for c in calls]
+
+
+def string_arguments(msgs: list[dict]) -> list[dict]:
+    """``msgs`` with every tool call's ``arguments`` as a JSON string (DeepSeek's templates add
+    them to the text with ``+``, which an object cannot be)."""
+    return [{**m, "tool_calls": arguments_as(m["tool_calls"], False)} if m.get("tool_calls") else m for m in msgs]
+
+
 # --- the app -----------------------------------------------------------------------------------
+
+
+def endpoint_of(path: str) -> str:
+    """The endpoint label of a request path in /metrics ("other" for unknown paths)."""
+    return next((e for e in ENDPOINTS if path == e or path.startswith(e + "/")), "other")
 
 
 class _Guard:
@@ -295,7 +388,7 @@ class _Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
-        endpoint = next((e for e in ENDPOINTS if path == e or path.startswith(e + "/")), "other")
+        endpoint = endpoint_of(path)
         status = [0]
 
         async def counting_send(msg):
@@ -305,16 +398,18 @@ class _Guard:
 
         try:
             if self.key and path != "/health" and scope.get("method") != "OPTIONS":
-                given = b""
+                token = b""
                 for k, v in scope.get("headers", ()):
-                    if k == b"authorization":
-                        given = v
+                    if k == b"authorization" and v[:7].lower() == b"bearer ":
+                        token = v[7:].strip()
                         break
-                token = given[7:].strip() if given[:7].lower() == b"bearer " else b""
+                    if k == b"x-api-key":   # Anthropic's clients
+                        token = v.strip()
+                        break
                 if not hmac.compare_digest(token, self.key):
-                    resp = error_response(401, "a valid API key is required: send 'Authorization: Bearer "
-                                          "<key>' (the key given to colibri serve --api-key)",
-                                          code="invalid_api_key")
+                    resp = path_error(path, 401, "a valid API key is required: send 'Authorization: Bearer "
+                                      "<key>' or 'x-api-key: <key>' (the key given to colibri serve --api-key)",
+                                      code="invalid_api_key")
                     return await resp(scope, receive, counting_send)
             await self.app(scope, receive, counting_send)
         finally:
@@ -361,9 +456,11 @@ class Api:
                                 f"{len(ids)} (one more is needed to answer); shorten the {param}",
                            param=param, code="context_length_exceeded")
 
-    def _submit(self, m: ServedModel, ids, sp, stops, chat, opened, emit, docs=()) -> Job:
+    def _submit(self, m: ServedModel, ids, sp, stops, chat, opened, emit, docs=(), calls=None,
+                constraint=None) -> Job:
+        fmt, tools = calls or (None, None)
         job = Job(ids=list(ids), sampling=sp, emit=emit, stops=stops, chat=chat, prompt_opened=opened,
-                  model_key=m.key, docs=tuple(docs))
+                  model_key=m.key, docs=tuple(docs), tool_format=fmt, tools=tools, constraint=constraint)
         try:
             self.queue.submit(job)
         except QueueFull as e:
@@ -411,12 +508,34 @@ class Api:
         body = await read_json(request, self.max_body_bytes)
         m = self._model(body)
         msgs = chat_messages(body)
-        sp = sampling_from(body, self.defaults)
-        stops = stops_from(body)
         stream, include_usage = stream_flags(body)
-        tools = body.get("tools")
-        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-            raise ApiError(400, "'tools' must be a list of objects", param="tools", code="invalid_type")
+        plan = await self.prepare_chat(m, body, msgs)
+        return await self._generate(request, m, plan.ids, plan.sampling, plan.stops, stream, include_usage, chat=True,
+                                    opened=plan.opened, docs=plan.docs, calls=plan.calls, constraint=plan.constraint)
+
+    async def prepare_chat(self, m: ServedModel, body: dict, msgs: list[dict]) -> "ChatPlan":
+        """A chat request's prompt ids, sampling, stop strings, call parsing and constraint, from
+        ``body``'s OpenAI fields (``tools``, ``tool_choice``, ``response_format``, sampling) and
+        the template messages ``msgs``. Raises ApiError (400) naming what is wrong."""
+        sp = sampling_from(body, self.defaults, chat=True)
+        try:
+            constrained, schema = schema_of(body.get("response_format"))
+        except ValueError as e:
+            raise ApiError(400, str(e), param="response_format", code="invalid_value") from None
+        stops = stops_from(body)
+        try:
+            tools = check_tools(body.get("tools"))
+            choice = check_tool_choice(body.get("tool_choice"), tools)
+        except ToolsError as e:
+            raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
+        if choice.mode == "none":
+            tools = None
+        fmt = tool_format(m.tokenizer) if tools else None
+        calls = (fmt, tools) if fmt is not None else None
+        if choice.mode in ("required", "function") and fmt is None:
+            raise ApiError(400, f"'tool_choice' {body.get('tool_choice')!r} needs a model whose chat template writes "
+                                f"function calls in a known format; {m.model_id!r} has none", param="tool_choice",
+                           code="unsupported_parameter")
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
             raise ApiError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs",
@@ -427,7 +546,12 @@ class Api:
                            code="no_chat_template")
 
         def encode(ms):
-            return m.tokenizer.encode_chat(ms, tools=tools or None, **kwargs)
+            try:
+                return m.tokenizer.encode_chat(ms, tools=tools or None, **kwargs)
+            except EngineError:
+                if not any(x.get("tool_calls") for x in ms):
+                    raise
+                return m.tokenizer.encode_chat(string_arguments(ms), tools=tools or None, **kwargs)
 
         def prompt() -> tuple[list[int], tuple]:
             if m.docs is not None and sp.docs_lookup and not tools:
@@ -446,8 +570,24 @@ class Api:
         self._check_prompt(m, ids, "messages")
         tail = m.tokenizer.decode(ids[-8:], skip_special_tokens=False)
         opened = tail.rstrip().endswith(THINK_OPEN)
-        return await self._generate(request, m, ids, sp, stops, stream, include_usage, chat=True,
-                                    opened=opened, docs=docs)
+        constraint = None
+        if choice.mode in ("required", "function") or constrained:
+            def build():
+                if choice.mode in ("required", "function"):
+                    return compile_checked(m.tokenizer, call_grammar(m.tokenizer, msgs, tools, choice.name, kwargs))
+                return compile_checked(m.tokenizer, json_grammar(m.tokenizer, schema, opened))
+            try:
+                constraint = await run_in_threadpool(build)
+            except (GrammarError, EngineError) as e:
+                param = "tool_choice" if choice.mode in ("required", "function") else "response_format"
+                raise ApiError(400, f"the output cannot be constrained as asked: {e}", param=param,
+                               code="invalid_value") from None
+        return ChatPlan(ids, sp, stops, opened, docs, calls, constraint)
+
+    async def messages(self, request: Request) -> Response:
+        """Anthropic's Messages API (engine/server/anthropic_api.py)."""
+        from .anthropic_api import messages
+        return await messages(self, request)
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.max_body_bytes)
@@ -475,22 +615,15 @@ class Api:
 
     # --- generation --------------------------------------------------------------------------
 
-    async def _generate(self, request, m, ids, sp, stops, stream, include_usage, chat, opened, docs=()) -> Response:
-        loop = asyncio.get_running_loop()
+    async def _generate(self, request, m, ids, sp, stops, stream, include_usage, chat, opened, docs=(),
+                        calls=None, constraint=None) -> Response:
         rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         if not stream:
-            return await self._whole(request, loop, m, ids, sp, stops, chat, opened, rid, created, obj, docs)
-        q: asyncio.Queue = asyncio.Queue()
-
-        def emit(item):
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, item)
-            except RuntimeError:  # the event loop is gone (server stopped)
-                pass
-
-        job = self._submit(m, ids, sp, stops, chat, opened, emit, docs)
+            return await self._whole(request, m, ids, sp, stops, chat, opened, rid, created, obj, docs, calls,
+                                     constraint)
+        job, q = self.stream_queue(m, ids, sp, stops, chat, opened, docs, calls, constraint)
         chunk_obj = obj + ".chunk" if chat else obj
 
         def chunk(choice: dict | None, usage=None) -> str:
@@ -525,6 +658,9 @@ class Api:
                         msg = res.error or "the generation was cancelled (the server is stopping)"
                         yield {"data": json.dumps(error_body(msg, type_="server_error"))}
                     else:
+                        for i, c in enumerate(tool_calls_json(res.tool_calls)):
+                            yield {"data": chunk({"index": 0, "delta": {"tool_calls": [{"index": i, **c}]},
+                                                  "logprobs": None, "finish_reason": None})}
                         end = ({"index": 0, "delta": {}, "logprobs": None, "finish_reason": res.finish_reason}
                                if chat else
                                {"index": 0, "text": "", "logprobs": None, "finish_reason": res.finish_reason})
@@ -540,7 +676,10 @@ class Api:
 
         return EventSourceResponse(events(), sep="\n", ping=15)
 
-    async def _whole(self, request, loop, m, ids, sp, stops, chat, opened, rid, created, obj, docs=()) -> Response:
+    async def collect(self, request, m, ids, sp, stops, chat, opened, docs=(), calls=None, constraint=None):
+        """Run a job to its end -> (job, reasoning, content), or None when the client left first.
+        Raises ApiError for a job that failed or was cancelled."""
+        loop = asyncio.get_running_loop()
         reasoning: list[str] = []
         content: list[str] = []
         done = asyncio.Event()
@@ -557,7 +696,7 @@ class Api:
                 except RuntimeError:
                     pass
 
-        job = self._submit(m, ids, sp, stops, chat, opened, emit, docs)
+        job = self._submit(m, ids, sp, stops, chat, opened, emit, docs, calls, constraint)
 
         async def client_left():
             while True:
@@ -576,7 +715,7 @@ class Api:
                 job.client_gone()
                 self.queue.withdraw(job)
         if job.state != "done":
-            return Response(status_code=499)
+            return None
         res = job.result
         if res.finish_reason == "error":
             raise ApiError(res.status, res.error, code="engine_error" if res.status >= 500 else "invalid_request",
@@ -584,11 +723,35 @@ class Api:
         if res.finish_reason == "cancelled":
             raise ApiError(503, "the generation was cancelled (the server is stopping)", code="cancelled",
                            type_="server_error")
-        text = "".join(content)
+        return job, "".join(reasoning), "".join(content)
+
+    def stream_queue(self, m, ids, sp, stops, chat, opened, docs=(), calls=None, constraint=None):
+        """Submit a streamed job -> (job, asyncio.Queue of its ("delta", r, c) / ("done", result))."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+
+        def emit(item):
+            try:
+                loop.call_soon_threadsafe(q.put_nowait, item)
+            except RuntimeError:  # the event loop is gone (server stopped)
+                pass
+        return self._submit(m, ids, sp, stops, chat, opened, emit, docs, calls, constraint), q
+
+    async def _whole(self, request, m, ids, sp, stops, chat, opened, rid, created, obj, docs=(),
+                     calls=None, constraint=None) -> Response:
+        got = await self.collect(request, m, ids, sp, stops, chat, opened, docs, calls, constraint)
+        if got is None:
+            return Response(status_code=499)
+        job, reasoning, content = got
+        res = job.result
+        text = content
         if chat:
             msg = {"role": "assistant", "content": text}
+            if res.tool_calls:
+                msg["tool_calls"] = tool_calls_json(res.tool_calls)
+                msg["content"] = text or None
             if reasoning or (job.prompt_opened and not text):
-                msg["reasoning_content"] = "".join(reasoning)
+                msg["reasoning_content"] = reasoning
             choice = {"index": 0, "message": msg, "logprobs": None, "finish_reason": res.finish_reason}
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": res.finish_reason}
@@ -600,22 +763,37 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
     msg = {404: f"there is no endpoint {request.url.path} (see GET /v1/models, POST /v1/chat/completions)",
            405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-    return error_response(exc.status_code, msg, code=code, headers=getattr(exc, "headers", None))
+    return path_error(request.url.path, exc.status_code, msg, code=code, headers=getattr(exc, "headers", None))
+
+
+def path_error(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
+               type_: str = "invalid_request_error", headers: dict | None = None) -> Response:
+    """An error in the shape of the API ``path`` belongs to: Anthropic's for /v1/messages,
+    OpenAI's elsewhere."""
+    if path in ANTHROPIC_PATHS:
+        from .anthropic_api import error_body as anthropic_error
+        return _AsciiJSONResponse(anthropic_error(status, message), status_code=status, headers=headers)
+    return error_response(status, message, param, code, type_, headers)
+
+
+def _gate_error(path: str, status: int, message: str, code: str) -> Response:
+    return path_error(path, status, message, code=code)
 
 
 async def _api_error(request: Request, exc: ApiError) -> Response:
-    return exc.response()
+    return path_error(request.url.path, exc.status, exc.message, exc.param, exc.code, exc.type, exc.headers)
 
 
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("request failed: %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(500, f"internal server error ({type(exc).__name__}); see the server log",
-                          code="internal_error", type_="server_error")
+    return path_error(request.url.path, 500, f"internal server error ({type(exc).__name__}); see the server log",
+                      code="internal_error", type_="server_error")
 
 
-def build_app(api: Api, api_key: str = "", cors_origins: tuple[str, ...] = ()) -> Starlette:
-    """The Starlette application of ``api``: routes, OpenAI-shaped error handlers, the API-key
-    guard and, only when ``cors_origins`` are given, CORS for those origins."""
+def build_app(api: Api, api_key: str = "", cors_origins: tuple[str, ...] = (), host: str = "127.0.0.1") -> Starlette:
+    """The Starlette application of ``api``: routes, OpenAI-shaped error handlers, the request
+    gate (engine/server/gate.py: Host, Origin, Content-Type), the API-key guard and, only when
+    ``cors_origins`` are given, CORS for those origins."""
     routes = [
         Route("/health", api.health, methods=["GET"]),
         Route("/metrics", api.metrics, methods=["GET"]),
@@ -623,12 +801,15 @@ def build_app(api: Api, api_key: str = "", cors_origins: tuple[str, ...] = ()) -
         Route("/v1/models/{model:path}", api.model, methods=["GET"]),
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
+        Route("/v1/messages", api.messages, methods=["POST"]),
     ]
-    middleware = []
+    middleware = [Middleware(RequestGate, host=host, cors_origins=cors_origins, error=_gate_error,
+                             counted=lambda path, status: api.stats.on_request(endpoint_of(path), status))]
     if cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
                                      allow_methods=["GET", "POST", "OPTIONS"],
-                                     allow_headers=["Authorization", "Content-Type"]))
+                                     allow_headers=["Authorization", "Content-Type", "x-api-key",
+                                                    "anthropic-version"]))
     middleware.append(Middleware(_Guard, api_key=api_key, stats=api.stats))
     return Starlette(routes=routes, middleware=middleware, exception_handlers={
         ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error})

@@ -20,6 +20,7 @@ from typing import Callable
 
 from ..errors import ConfigError
 from ..events import SamplingParams
+from .gate import check_origin_syntax
 from .jobs import DirectRunner, JobQueue
 from .openai_api import Api, ServedModel, build_app
 from .stats import ServerStats
@@ -78,6 +79,11 @@ class ServerOptions:
             raise ConfigError(f"--host {self.host}: serving beyond this computer needs an API key; pass "
                               f"--api-key KEY (clients send 'Authorization: Bearer KEY'), or keep the "
                               f"default --host 127.0.0.1")
+        for o in self.cors_origins:
+            try:
+                check_origin_syntax(o)
+            except ValueError as e:
+                raise ConfigError(f"--cors-origin: {e}") from None
         if self.api_key and (self.api_key != self.api_key.strip() or len(self.api_key) < 8):
             raise ConfigError("the API key (--api-key) must have at least 8 characters, without surrounding "
                               "spaces")
@@ -104,7 +110,7 @@ class LocalServer:
         self.stats = ServerStats()
         self.queue = JobQueue(runner, self.options.max_waiting, self.stats)
         self.api = Api(served, self.queue, self.stats, defaults or SamplingParams(), self.options.max_body_bytes)
-        self.app = build_app(self.api, self.options.api_key, self.options.cors_origins)
+        self.app = build_app(self.api, self.options.api_key, self.options.cors_origins, self.options.host)
         self._uvicorn = None
         self._thread: threading.Thread | None = None
         self._sock: socket.socket | None = None
@@ -135,6 +141,9 @@ class LocalServer:
         family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # accepted connections inherit it: a response's head and body are two writes, and with
+        # Nagle's algorithm the second waited for the client's delayed ACK (40 ms a request)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.bind((host.strip("[]"), port))
         except OSError as e:

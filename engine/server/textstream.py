@@ -2,7 +2,9 @@
 
 Both work on the text of each token as it is decoded (``TokenEvent.text``) and never take back
 what they emitted, so the concatenated deltas of a streamed answer equal the text of the same
-answer returned whole (the server runs the same filters for both).
+answer returned whole (the server runs the same filters for both). :class:`AnswerFilter` chains
+them: the reasoning split first, then the stop strings on the answer only (a stop string the
+model writes while reasoning does not end the answer, as in llama.cpp's server and vLLM).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class StopMatcher:
         self.stops = tuple(s for s in stops if s)
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None   # the stop string that ended the text
 
     def push(self, text: str) -> tuple[str, bool]:
         if self.stopped:
@@ -43,8 +46,9 @@ class StopMatcher:
         if not self.stops:
             self._held = ""
             return buf, False
-        cut = min((i for i in (buf.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        hits = [(i, s) for i, s in ((buf.find(s), s) for s in self.stops) if i >= 0]
+        if hits:
+            cut, self.matched = min(hits, key=lambda h: h[0])
             self._held, self.stopped = "", True
             return buf[:cut], True
         k = _held_suffix(buf, self.stops)
@@ -124,3 +128,46 @@ class ReasoningSplitter:
             text = text.lstrip("\n")
             self._a_started = bool(text)
         return text
+
+
+class AnswerFilter:
+    """Reasoning split (chat only), then function calls (when ``calls``, a
+    engine.server.tools.CallSplitter, is given: text from a call's start on is kept for
+    parsing), then stop strings on the content.
+
+    ``push(text) -> (reasoning, content, stopped)``: the deltas of one token's text, and True
+    once a stop string appeared in the content (nothing more comes after it);
+    ``flush() -> (reasoning, content)`` at the end of the generation; ``calls``: the parsed
+    calls after flush (engine.server.tools.Call; empty when none or malformed).
+    """
+
+    def __init__(self, stops: tuple[str, ...] = (), chat: bool = False, prompt_opened: bool = False,
+                 calls=None):
+        self.stop = StopMatcher(stops)
+        self.split = ReasoningSplitter(prompt_opened) if chat else None
+        self.splitter = calls
+        self.calls: list = []
+
+    @property
+    def stopped(self) -> bool:
+        return self.stop.stopped
+
+    def push(self, text: str) -> tuple[str, str, bool]:
+        if self.stop.stopped:
+            return "", "", True
+        r, c = self.split.push(text) if self.split is not None else ("", text)
+        if self.splitter is not None:
+            c = self.splitter.push(c)
+        c, stopped = self.stop.push(c)
+        return r, c, stopped
+
+    def flush(self) -> tuple[str, str]:
+        if self.stop.stopped:
+            return "", ""
+        r, c = self.split.flush() if self.split is not None else ("", "")
+        if self.splitter is not None:
+            c = self.splitter.push(c)
+            rest, self.calls = self.splitter.finish()
+            c += rest
+        c, stopped = self.stop.push(c)
+        return r, c if stopped else c + self.stop.flush()

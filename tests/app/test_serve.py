@@ -81,10 +81,10 @@ def test_chat_and_server_share_the_engine(qtbot, make_window):
 
 def test_serve_dialog_and_refusals(qtbot, make_window):
     win = make_window()
-    dlg = ServeDialog(8123, "", win)
+    dlg = ServeDialog(8123, "", parent=win)
     qtbot.addWidget(dlg)
     dlg.key.setText("  abc  ")
-    assert dlg.values() == (8123, "abc")
+    assert dlg.values() == (8123, "abc", ())
     assert not win.start_serving(0, "short")   # a key under 8 characters is refused, with a banner
     assert win.banner.isVisible() and "API key" in win.banner.text.text()
     assert "--" not in win.banner.text.text()  # the dialog's words, not the command line's
@@ -104,3 +104,34 @@ def test_serve_dialog_and_refusals(qtbot, make_window):
     win.close()                                # closing the window stops the server
     with pytest.raises(httpx2.TransportError):
         httpx2.get(url.removesuffix("/v1") + "/health", timeout=5)
+
+
+def test_serve_dialog_shows_the_url_origins_and_copies_client_settings(qtbot, make_window):
+    from PySide6.QtGui import QGuiApplication
+    win = make_window()
+    dlg = ServeDialog(8123, "long-enough-key", ("http://localhost:3000",), win)
+    qtbot.addWidget(dlg)
+    assert dlg.url.text() == "http://127.0.0.1:8123/v1"
+    dlg.port.setValue(8200)
+    assert dlg.url.text() == "http://127.0.0.1:8200/v1"
+    dlg.copy_openai.click()
+    text = QGuiApplication.clipboard().text()
+    assert "OPENAI_BASE_URL=http://127.0.0.1:8200/v1" in text and "long-enough-key" in text
+    dlg.copy_anthropic.click()
+    text = QGuiApplication.clipboard().text()
+    assert "ANTHROPIC_BASE_URL=http://127.0.0.1:8200\n" in text and "anthropic.Anthropic(" in text
+    assert dlg.values() == (8200, "long-enough-key", ("http://localhost:3000",))
+    dlg.origins.setText("http://localhost:3000, *")          # a wildcard is refused, the dialog stays
+    dlg._accept()
+    assert not dlg.error.isHidden() and "every web page" in dlg.error.text() and dlg.result() == 0
+    # the origins reach the server: that page may call it, another is refused
+    page = "http://localhost:3000"
+    assert win.start_serving(0, "", (page,))
+    url = win.serve.server.url
+    body = {"model": win.loaded.model_name, "prompt": "hi", "max_tokens": 1}
+    r = httpx2.post(url + "/completions", json=body, headers={"Origin": "http://evil.example"}, timeout=30)
+    assert r.status_code == 403
+    pre = httpx2.options(url + "/completions", headers={"Origin": page, "Access-Control-Request-Method": "POST"},
+                         timeout=30)
+    assert pre.headers.get("access-control-allow-origin") == page
+    win.stop_serving()

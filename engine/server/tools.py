@@ -1,0 +1,482 @@
+"""Function calling on the server: the request's ``tools`` / ``tool_choice`` checked, assistant
+``tool_calls`` given back to the chat template, and the calls a model writes parsed out of its
+answer.
+
+Checks raise :class:`ToolsError` (the API turns it into a 400 naming the parameter).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ToolsError(ValueError):
+    """A malformed ``tools`` / ``tool_choice`` / ``tool_calls``; ``param`` names it."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def check_tools(tools: Any) -> list[dict] | None:
+    """The request's ``tools``: a list of ``{"type": "function", "function": {"name": str,
+    "description"?: str, "parameters"?: JSON-schema object, "strict"?: bool}}`` -> the list (None
+    when absent). Raises ToolsError."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ToolsError("'tools' must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+    names = set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+            raise ToolsError(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": ..., "
+                             f"\"parameters\": {{...}}}}}}", where)
+        fn = t["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not name or len(name) > 128:
+            raise ToolsError(f"{where}.function.name must be a non-empty string", f"{where}.function.name")
+        if name in names:
+            raise ToolsError(f"{where}: the function name {name!r} is given twice", f"{where}.function.name")
+        names.add(name)
+        if "description" in fn and not isinstance(fn["description"], (str, type(None))):
+            raise ToolsError(f"{where}.function.description must be a string", f"{where}.function.description")
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ToolsError(f"{where}.function.parameters must be a JSON schema object",
+                             f"{where}.function.parameters")
+        if "strict" in fn and not isinstance(fn["strict"], (bool, type(None))):
+            raise ToolsError(f"{where}.function.strict must be true or false", f"{where}.function.strict")
+    return tools
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """``tool_choice``: mode "auto" (the model may call), "none" (no tools in the prompt, no
+    parsing), "required" (a call of one offered tool is forced) or "function" (a call of
+    ``name`` is forced)."""
+
+    mode: str = "auto"
+    name: str | None = None
+
+
+def check_tool_choice(value: Any, tools: list[dict] | None) -> ToolChoice:
+    """Raises ToolsError for a value the API does not define, or a function not offered."""
+    if value is None:
+        return ToolChoice("auto" if tools else "none")
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise ToolsError(f"'tool_choice' = {value!r}: must be \"auto\", \"none\", \"required\" or "
+                             f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tool_choice")
+        if value == "required" and not tools:
+            raise ToolsError("'tool_choice' is \"required\" but the request offers no 'tools'", "tool_choice")
+        return ToolChoice(value if tools else "none")
+    if (isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict)
+            and isinstance(value["function"].get("name"), str)):
+        name = value["function"]["name"]
+        if not any(t["function"]["name"] == name for t in tools or ()):
+            raise ToolsError(f"'tool_choice' names the function {name!r}, which is not among the 'tools'",
+                             "tool_choice")
+        return ToolChoice("function", name)
+    raise ToolsError("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
+                     "\"function\": {\"name\": ...}}", "tool_choice")
+
+
+def check_tool_calls(calls: Any, where: str) -> list[dict]:
+    """An assistant message's ``tool_calls`` -> a list of ``{"id", "type": "function",
+    "function": {"name", "arguments"}}`` with ``arguments`` as the client sent it (a JSON string
+    or an object). Raises ToolsError."""
+    if not isinstance(calls, list):
+        raise ToolsError(f"{where} must be a list", where)
+    out = []
+    for j, c in enumerate(calls):
+        w = f"{where}[{j}]"
+        if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+            raise ToolsError(f"{w} must be {{\"id\", \"type\": \"function\", \"function\": {{\"name\", "
+                             f"\"arguments\"}}}}", w)
+        fn = c["function"]
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ToolsError(f"{w}.function.name must be a non-empty string", f"{w}.function.name")
+        args = fn.get("arguments", "{}")
+        if not isinstance(args, (str, dict)):
+            raise ToolsError(f"{w}.function.arguments must be a JSON string (or an object)", f"{w}.function.arguments")
+        if c.get("id") is not None and not isinstance(c["id"], str):
+            raise ToolsError(f"{w}.id must be a string", f"{w}.id")
+        out.append({**({"id": c["id"]} if c.get("id") else {}), "type": "function",
+                    "function": {"name": fn["name"], "arguments": args}})
+    return out
+
+
+def arguments_as(calls: list[dict], as_object: bool) -> list[dict]:
+    """``calls`` with every ``arguments`` a dict (``as_object``; a string that is not a JSON
+    object is kept) or a JSON string (an object is dumped as ``json.dumps`` writes it)."""
+    out = []
+    for c in calls:
+        a = c["function"]["arguments"]
+        if as_object and isinstance(a, str):
+            try:
+                parsed = json.loads(a)
+            except ValueError:
+                parsed = None
+            a = parsed if isinstance(parsed, dict) else a
+        elif not as_object and not isinstance(a, str):
+            a = json.dumps(a, ensure_ascii=False)
+        out.append({**c, "function": {**c["function"], "arguments": a}})
+    return out
+
+
+# --- the calls a model writes ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Call:
+    """One parsed call: the function's name, its arguments (a JSON object) and the id the model
+    wrote (Mistral's calls carry one; None otherwise)."""
+
+    name: str
+    arguments: dict
+    id: str | None = field(default=None, compare=False)
+
+
+def _json_object(text: str) -> dict | None:
+    try:
+        v = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return v if isinstance(v, dict) else None
+
+
+def _param_types(tools: list[dict] | None, name: str) -> dict[str, Any]:
+    for t in tools or ():
+        if t["function"]["name"] == name:
+            props = (t["function"].get("parameters") or {}).get("properties")
+            return {k: (v or {}).get("type") for k, v in props.items()} if isinstance(props, dict) else {}
+    return {}
+
+
+def _typed_value(raw: str, typ: Any) -> Any:
+    """An XML-style parameter value: text for a string parameter, else JSON when it parses."""
+    if typ == "string" or (isinstance(typ, list) and "string" in typ and len(typ) == 1):
+        return raw
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return raw
+
+
+class ToolFormat:
+    """How one family writes calls. ``starts``: the texts that open the calls in an answer
+    (decoded with special tokens shown); :meth:`parse` reads the text from the first start to
+    the end -> (calls, text left over) or None when it is not a well-formed call."""
+
+    name = ""
+    starts: tuple[str, ...] = ()
+    raw_decode = True   # the answer is decoded with special tokens shown (their markers are special)
+
+    def parse(self, text: str, tools: list[dict] | None) -> tuple[list[Call], str] | None:
+        raise NotImplementedError
+
+    def decoder(self, tokenizer):
+        return tokenizer.incremental_decoder(skip_special_tokens=not self.raw_decode)
+
+    @staticmethod
+    def _blocks(text: str, open_: str, close: str) -> tuple[list[str], str] | None:
+        """The bodies of ``open_ ... close`` blocks and the text between them; the last block
+        may be unclosed (the model's end-of-turn token may follow its last call directly)."""
+        bodies, rest, pos = [], [], 0
+        while True:
+            i = text.find(open_, pos)
+            if i < 0:
+                rest.append(text[pos:])
+                break
+            rest.append(text[pos:i])
+            j = text.find(close, i + len(open_))
+            if j < 0:
+                bodies.append(text[i + len(open_):])
+                break
+            bodies.append(text[i + len(open_):j])
+            pos = j + len(close)
+        return (bodies, "".join(rest).strip()) if bodies else None
+
+
+class HermesFormat(ToolFormat):
+    """Qwen2.5 / Qwen3 / Hermes: ``<tool_call>\\n{"name": N, "arguments": {...}}\\n</tool_call>``."""
+
+    name, starts = "hermes", ("<tool_call>",)
+
+    def parse(self, text, tools):
+        got = self._blocks(text, "<tool_call>", "</tool_call>")
+        if got is None:
+            return None
+        calls = []
+        for body in got[0]:
+            obj = _json_object(body.strip())
+            if obj is None or not isinstance(obj.get("name"), str):
+                return None
+            args = obj.get("arguments", obj.get("parameters", {}))
+            if isinstance(args, str):
+                args = _json_object(args)
+            if not isinstance(args, dict):
+                return None
+            calls.append(Call(obj["name"], args))
+        return calls, got[1]
+
+
+class QwenCoderFormat(ToolFormat):
+    """Qwen3-Coder: ``<tool_call>\\n<function=N>\\n<parameter=K>\\nV\\n</parameter>...</function>\\n</tool_call>``."""
+
+    name, starts = "qwen3_coder", ("<tool_call>", "<function=")
+    _fn = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)
+    _param = re.compile(r"<parameter=([^>\n]+)>(.*?)(?:</parameter>|(?=<parameter=)|$)", re.S)
+
+    def parse(self, text, tools):
+        body = text.replace("<tool_call>", "").replace("</tool_call>", "")
+        calls, pos, rest = [], 0, []
+        for m in self._fn.finditer(body):
+            rest.append(body[pos:m.start()])
+            pos = m.end()
+            name = m.group(1).strip()
+            types = _param_types(tools, name)
+            args = {}
+            for p in self._param.finditer(m.group(2)):
+                raw = p.group(2)
+                raw = raw[1:] if raw.startswith("\n") else raw
+                raw = raw[:-1] if raw.endswith("\n") else raw
+                args[p.group(1).strip()] = _typed_value(raw, types.get(p.group(1).strip()))
+            calls.append(Call(name, args))
+        rest.append(body[pos:])
+        return (calls, "".join(rest).strip()) if calls else None
+
+
+class GlmFormat(ToolFormat):
+    """GLM-4.5 / 4.6: ``<tool_call>N\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n</tool_call>``
+    (string values as they are, others as JSON)."""
+
+    name, starts = "glm45", ("<tool_call>",)
+    _pair = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+    def parse(self, text, tools):
+        got = self._blocks(text, "<tool_call>", "</tool_call>")
+        if got is None:
+            return None
+        calls = []
+        for body in got[0]:
+            head, _, tail = body.partition("<arg_key>")
+            name = head.strip()
+            if not name or "\n" in name or "<" in name:
+                return None
+            types = _param_types(tools, name)
+            tail = "<arg_key>" + tail if tail else ""
+            args = {k.strip(): _typed_value(v, types.get(k.strip())) for k, v in self._pair.findall(tail)}
+            if self._pair.sub("", tail).strip():
+                return None
+            calls.append(Call(name, args))
+        return calls, got[1]
+
+
+class DeepSeekFormat(ToolFormat):
+    """DeepSeek-V3 / R1 (``<｜tool▁call▁begin｜>function<｜tool▁sep｜>N\\n```json\\nARGS\\n```<｜tool▁call▁end｜>``)
+    and V3.1 (``<｜tool▁call▁begin｜>N<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>``), inside
+    ``<｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜>``."""
+
+    name = "deepseek"
+    BEGIN, END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+    CALL, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+    starts = (BEGIN, CALL)
+
+    def parse(self, text, tools):
+        text = text.replace(self.BEGIN, "").replace(self.END, "")
+        got = self._blocks(text, self.CALL, self.CALL_END)
+        if got is None:
+            return None
+        calls = []
+        for body in got[0]:
+            left, sep, right = body.partition(self.SEP)
+            if not sep:
+                return None
+            if left.strip() == "function" and "\n" in right:   # V3 / R1
+                name, _, rest = right.partition("\n")
+                rest = rest.strip()
+                if rest.startswith("```"):
+                    rest = rest[3:].removeprefix("json").strip()
+                    rest = rest[:-3] if rest.endswith("```") else rest
+                args = _json_object(rest.strip())
+            else:                                                 # V3.1
+                name, args = left, _json_object(right.strip())
+            if args is None or not name.strip():
+                return None
+            calls.append(Call(name.strip(), args))
+        return calls, got[1]
+
+
+class KimiFormat(ToolFormat):
+    """Kimi-K2: ``<|tool_calls_section_begin|><|tool_call_begin|>functions.N:IDX<|tool_call_argument_begin|>ARGS<|tool_call_end|>...``."""
+
+    name = "kimi_k2"
+    starts = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
+
+    def parse(self, text, tools):
+        for s in self.starts:
+            text = text.replace(s, "")
+        text = text.replace("<|tool_calls_section_end|>", "").replace("<|tool_call_section_end|>", "")
+        got = self._blocks(text, "<|tool_call_begin|>", "<|tool_call_end|>")
+        if got is None:
+            return None
+        calls = []
+        for body in got[0]:
+            ident, sep, args = body.partition("<|tool_call_argument_begin|>")
+            name = ident.strip().removeprefix("functions.").rsplit(":", 1)[0]
+            obj = _json_object(args.strip())
+            if not sep or obj is None or not name:
+                return None
+            calls.append(Call(name, obj))
+        return calls, got[1]
+
+
+class MistralFormat(ToolFormat):
+    """Mistral / Mixtral: ``[TOOL_CALLS] [{"name": N, "arguments": {...}, "id": ...}]`` (v3) or
+    ``[TOOL_CALLS]N[ARGS]{...}`` (v11)."""
+
+    name, starts = "mistral", ("[TOOL_CALLS]",)
+
+    def parse(self, text, tools):
+        calls, rest = [], []
+        for part in text.split("[TOOL_CALLS]")[1:]:
+            part = part.strip()
+            if "[ARGS]" in part and not part.startswith("["):
+                name, _, args = part.partition("[ARGS]")
+                obj, end = self._raw(args.strip())
+                if obj is None or not isinstance(obj, dict):
+                    return None
+                calls.append(Call(name.strip(), obj))
+                rest.append(args.strip()[end:])
+                continue
+            arr, end = self._raw(part)
+            if isinstance(arr, dict):
+                arr = [arr]
+            if not isinstance(arr, list) or not arr:
+                return None
+            for c in arr:
+                if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+                    return None
+                args = c.get("arguments", {})
+                args = _json_object(args) if isinstance(args, str) else args
+                if not isinstance(args, dict):
+                    return None
+                cid = c.get("id")
+                calls.append(Call(c["name"], args, cid if isinstance(cid, str) and cid else None))
+            rest.append(part[end:])
+        return (calls, "".join(rest).strip()) if calls else None
+
+    @staticmethod
+    def _raw(s: str):
+        try:
+            return json.JSONDecoder().raw_decode(s)
+        except (ValueError, RecursionError):
+            return None, 0
+
+
+class HarmonyFormat(ToolFormat):
+    """gpt-oss (harmony): a message ``<|channel|>commentary to=functions.N <|constrain|>json<|message|>ARGS``
+    ending in ``<|call|>``. The answer is decoded by :class:`engine.harmony.HarmonyDecoder` with
+    ``show_calls``, which shows such a message with its header (reasoning and answer as usual)."""
+
+    name = "harmony"
+    raw_decode = False
+
+    @property
+    def starts(self):
+        from ..harmony import CALL_MARK
+        return (CALL_MARK,)
+
+    def decoder(self, tokenizer):
+        from ..harmony import HarmonyDecoder
+        return HarmonyDecoder(tokenizer, show_calls=True)
+
+    def parse(self, text, tools):
+        from ..harmony import ARGS_MARK, CALL_MARK
+        calls = []
+        for part in text.split(CALL_MARK)[1:]:
+            header, sep, args = part.partition(ARGS_MARK)
+            m = re.search(r"to=functions\.([^\s<]+)", header)
+            obj = _json_object(args.strip())
+            if not sep or obj is None or m is None:
+                return None
+            calls.append(Call(m.group(1), obj))
+        return (calls, "") if calls else None
+
+
+def tool_format(tokenizer) -> ToolFormat | None:
+    """The call format of a model, from its chat template (and harmony tokens); None when the
+    template shows no known format (the answer is then returned as text)."""
+    from ..harmony import is_harmony
+    if is_harmony(tokenizer):
+        return HarmonyFormat()
+    sources = "\0".join(getattr(tokenizer, "chat_templates", {}).values())
+    if "<｜tool▁call▁begin｜>" in sources or "tool▁calls▁begin" in sources:
+        return DeepSeekFormat()
+    if "<|tool_call_begin|>" in sources or "tool_calls_section_begin" in sources:
+        return KimiFormat()
+    if "[TOOL_CALLS]" in sources:
+        return MistralFormat()
+    if "<arg_key>" in sources:
+        return GlmFormat()
+    if "<function=" in sources and "<parameter=" in sources:
+        return QwenCoderFormat()
+    if "<tool_call>" in sources:
+        return HermesFormat()
+    return None
+
+
+class CallSplitter:
+    """Streams an answer's content, holding back a possible start of a call; from the first
+    start on everything is kept until :meth:`finish` parses it.
+
+    ``push(text) -> content``; ``finish() -> (content, calls)``: the calls (empty when none, or
+    when the text is not well-formed, which then comes back as content).
+    """
+
+    def __init__(self, fmt: ToolFormat, tools: list[dict] | None):
+        self.fmt, self.tools = fmt, tools
+        self._held = ""
+        self._calls: str | None = None
+
+    @property
+    def in_call(self) -> bool:
+        return self._calls is not None
+
+    def push(self, text: str) -> str:
+        if self._calls is not None:
+            self._calls += text
+            return ""
+        buf = self._held + text
+        hits = [i for i in (buf.find(s) for s in self.fmt.starts) if i >= 0]
+        if hits:
+            i = min(hits)
+            self._held, self._calls = "", buf[i:]
+            return buf[:i]
+        k = 0
+        for s in self.fmt.starts:
+            for n in range(min(len(s) - 1, len(buf)), k, -1):
+                if buf.endswith(s[:n]):
+                    k = n
+                    break
+        self._held = buf[len(buf) - k:] if k else ""
+        return buf[:len(buf) - k]
+
+    def finish(self) -> tuple[str, list[Call]]:
+        held, self._held = self._held, ""
+        if self._calls is None:
+            return held, []
+        text, self._calls = self._calls, None
+        try:
+            got = self.fmt.parse(text, self.tools)
+        except Exception:  # noqa: BLE001 - a malformed call is returned as text, never a 500
+            got = None
+        if got is None:
+            return held + text, []
+        calls, rest = got
+        return held + rest, calls

@@ -1,0 +1,248 @@
+"""Agents against a running server: the official `openai` client doing tool conversations on tiny
+random Qwen3-MoE, DeepSeek-V3, GLM-4.5 and gpt-oss models whose chat templates are written like
+the published ones; the calls are forced through the grammar (tool_choice), so they are real
+model output, parsed, and rendered back by the template exactly as the model wrote them.
+Structured output: 50 json_schema answers of a random model all parse and validate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+openai = pytest.importorskip("openai")
+jsonschema = pytest.importorskip("jsonschema")
+pytest.importorskip("llguidance")
+httpx2 = pytest.importorskip("httpx2")
+
+from engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from engine.server import LocalServer, ServerOptions  # noqa: E402
+
+from server_helpers import ENGINE_KW  # noqa: E402
+from tool_models import family_store  # noqa: E402
+
+FAMILIES = ["qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss"]
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "Weather of a city",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+                       "properties": {"city": {"type": "string", "maxLength": 12},
+                                      "days": {"type": "integer", "minimum": 1, "maximum": 7}}}}},
+    {"type": "function", "function": {
+        "name": "search", "description": "Search the web",
+        "parameters": {"type": "object", "additionalProperties": False, "required": ["query"],
+                       "properties": {"query": {"type": "string", "maxLength": 16}}}}},
+]
+ASK = [{"role": "system", "content": "You are a helpful assistant."},
+       {"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    d = tmp_path_factory.mktemp("families")
+    return {f: family_store(d, f) for f in FAMILIES}
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, stores):
+    with Engine.open(EngineConfig(store=str(stores[request.param]), **ENGINE_KW)) as eng:
+        srv = LocalServer.for_engine(eng, ServerOptions(port=0), SamplingParams(max_new_tokens=96))
+        srv.start()
+        try:
+            yield request.param, eng, srv
+        finally:
+            srv.stop()
+
+
+def _client(srv):
+    return openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=300)
+
+
+def _schema(name):
+    return next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == name)
+
+
+def test_two_turn_tool_conversation(family):
+    name, eng, srv = family
+    c = _client(srv)
+    model = srv.api.served().model_id
+    first = c.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="required", seed=1)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", (name, choice)
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id and call.function.name in ("get_weather", "search")
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, _schema(call.function.name))
+    # what the model wrote is exactly what the template renders for the call sent back
+    generated = eng.tokenizer.decode(list(eng._kv_ids[first.usage.prompt_tokens:]), skip_special_tokens=False)
+    back = ASK + [{"role": "assistant", "content": choice.message.content,
+                   "tool_calls": [call.model_dump(exclude_none=True)]}]
+    from engine.server.openai_api import chat_messages, string_arguments
+    msgs = chat_messages({"messages": back})
+    head = eng.tokenizer.apply_chat_template(ASK, tools=TOOLS)
+    try:
+        again = eng.tokenizer.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=False)
+    except Exception:
+        again = eng.tokenizer.apply_chat_template(string_arguments(msgs), tools=TOOLS, add_generation_prompt=False)
+    assert again.startswith(head + generated), (name, again[len(head):], generated)
+    # turn 2: the tool's result, then an answer in words
+    second = c.chat.completions.create(
+        model=model, tools=TOOLS, tool_choice="none", max_tokens=8, seed=2,
+        messages=back + [{"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny", "celsius": 21}'}])
+    assert second.choices[0].finish_reason in ("stop", "length")
+    assert second.choices[0].message.tool_calls is None and isinstance(second.choices[0].message.content, str)
+
+
+def test_streamed_tool_call_and_named_function(family):
+    name, eng, srv = family
+    c = _client(srv)
+    model = srv.api.served().model_id
+    kw = dict(model=model, messages=ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "search"}},
+              seed=3)
+    whole = c.chat.completions.create(**kw)
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "search"
+    jsonschema.validate(json.loads(call.function.arguments), _schema("search"))
+    parts, ids, names, reason, content = [], set(), set(), None, ""
+    for ch in c.chat.completions.create(stream=True, **kw):
+        for choice in ch.choices:
+            for tc in choice.delta.tool_calls or ():
+                assert tc.index == 0
+                ids.add(tc.id)
+                names.add(tc.function.name)
+                parts.append(tc.function.arguments or "")
+            content += choice.delta.content or ""
+            reason = choice.finish_reason or reason
+    assert reason == "tool_calls" and names == {"search"} and len(ids) == 1
+    assert "".join(parts) == call.function.arguments    # the same seed, the same call
+    assert content == (whole.choices[0].message.content or "")
+
+
+def test_tool_choice_none_puts_no_tools_in_the_prompt(family):
+    name, eng, srv = family
+    c = _client(srv)
+    model = srv.api.served().model_id
+    none = c.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=1)
+    plain = c.chat.completions.create(model=model, messages=ASK, max_tokens=1)
+    auto = c.chat.completions.create(model=model, messages=ASK, tools=TOOLS, max_tokens=1)
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens < auto.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=model, messages=ASK, tools=TOOLS, tool_choice="sometimes")
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags", "ok"],
+          "properties": {"name": {"type": "string", "maxLength": 10},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 150},
+                         "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 3},
+                         "ok": {"type": "boolean"}}}
+
+
+def test_json_schema_answers_all_validate(family):
+    name, eng, srv = family
+    if name != "qwen3_moe":
+        pytest.skip("one family is enough for the 50 answers")
+    c = _client(srv)
+    model = srv.api.served().model_id
+    rf = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    for seed in range(50):
+        r = c.chat.completions.create(model=model, messages=ASK, response_format=rf, temperature=1.0, seed=seed,
+                                      max_tokens=96)
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop", (seed, text)
+        jsonschema.validate(json.loads(text), SCHEMA)
+    obj = c.chat.completions.create(model=model, messages=ASK, response_format={"type": "json_object"}, seed=0,
+                                    max_tokens=96, temperature=0)
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    for bad in ({"type": "json_schema"}, {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}},
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}):
+        with pytest.raises(openai.BadRequestError):
+            c.chat.completions.create(model=model, messages=ASK, response_format=bad, max_tokens=2)
+
+
+# --- Anthropic's Messages API ------------------------------------------------------------------
+
+anthropic = pytest.importorskip("anthropic")
+A_TOOLS = [{"name": t["function"]["name"], "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"]} for t in TOOLS]
+A_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _anthropic(srv):
+    return anthropic.Anthropic(base_url=srv.url.removesuffix("/v1"), api_key="unused", max_retries=0, timeout=300)
+
+
+def test_anthropic_two_turn_tool_conversation(family):
+    name, eng, srv = family
+    c = _anthropic(srv)
+    model = srv.api.served().model_id
+    first = c.messages.create(model=model, max_tokens=96, system="You are a helpful assistant.", messages=A_ASK,
+                              tools=A_TOOLS, tool_choice={"type": "any"})
+    assert first.stop_reason == "tool_use", (name, first)
+    uses = [b for b in first.content if b.type == "tool_use"]
+    assert len(uses) == 1 and uses[0].id.startswith("toolu_")
+    jsonschema.validate(uses[0].input, _schema(uses[0].name))
+    assert first.usage.input_tokens > 0 and first.usage.output_tokens > 0
+    generated = eng.tokenizer.decode(list(eng._kv_ids[first.usage.input_tokens:]), skip_special_tokens=False)
+    # what the model wrote is what the template renders for the tool_use block sent back
+    from engine.server.anthropic_api import to_chat
+    from engine.server.openai_api import chat_messages, string_arguments
+    sent = {"system": "You are a helpful assistant.", "max_tokens": 1, "tools": A_TOOLS,
+            "messages": A_ASK + [{"role": "assistant", "content": [b.model_dump() for b in first.content]}]}
+    raw, fields = to_chat(sent)
+    msgs = chat_messages({"messages": raw})
+    head = eng.tokenizer.apply_chat_template(msgs[:-1], tools=fields["tools"])
+    try:
+        again = eng.tokenizer.apply_chat_template(msgs, tools=fields["tools"], add_generation_prompt=False)
+    except Exception:
+        again = eng.tokenizer.apply_chat_template(string_arguments(msgs), tools=fields["tools"],
+                                                  add_generation_prompt=False)
+    assert again.startswith(head + generated), (name, again[len(head):], generated)
+    second = c.messages.create(
+        model=model, max_tokens=8, system="You are a helpful assistant.", tools=A_TOOLS,
+        tool_choice={"type": "none"},
+        messages=A_ASK + [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                          {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                                        "content": '{"sky": "sunny"}'}]}])
+    assert second.stop_reason in ("end_turn", "max_tokens")
+    assert [b.type for b in second.content if b.type != "thinking"] == ["text"]
+
+
+def test_anthropic_streamed_tool_use_and_errors(family):
+    name, eng, srv = family
+    c = _anthropic(srv)
+    model = srv.api.served().model_id
+    kw = dict(model=model, max_tokens=96, messages=A_ASK, tools=A_TOOLS, tool_choice={"type": "tool", "name": "search"})
+    whole = c.messages.create(**kw)
+    with c.messages.stream(**kw) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_message()
+    assert kinds[0] == "message_start" and kinds[-1] == "message_stop" and "content_block_delta" in kinds
+    assert final.stop_reason == whole.stop_reason == "tool_use"
+    got = [(b.name, b.input) for b in final.content if b.type == "tool_use"]
+    assert got == [(b.name, b.input) for b in whole.content if b.type == "tool_use"] and got[0][0] == "search"
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    with pytest.raises(anthropic.BadRequestError) as e:
+        c.messages.create(model=model, max_tokens=4, messages=[{"role": "robot", "content": "x"}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    r = httpx2.post(srv.url + "/messages", content=b'{"model": 1', headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+
+
+def test_anthropic_text_stop_sequences_and_streamed_text(family):
+    name, eng, srv = family
+    if name != "qwen3_moe":
+        pytest.skip("plain text on one family")
+    c = _anthropic(srv)
+    model = srv.api.served().model_id
+    kw = dict(model=model, max_tokens=24, messages=A_ASK, extra_body={"temperature": 0})
+    full = c.messages.create(**kw)
+    text = "".join(b.text for b in full.content if b.type == "text")
+    with c.messages.stream(**kw) as s:
+        streamed = "".join(s.text_stream)
+    assert streamed == text
+    stop = text[len(text) // 2:][:2]
+    assert len(stop) == 2
+    cut = c.messages.create(stop_sequences=[stop], **kw)
+    got = "".join(b.text for b in cut.content if b.type == "text")
+    assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop and got == text[:text.index(stop)]

@@ -1,0 +1,264 @@
+"""The server refuses what a web page or a broken client sends, before any work: foreign Host
+names (DNS rebinding), foreign Origins, bodies that are not JSON, and malformed JSON of every
+kind (a fuzz of 2,000 bodies), each with a 4xx and an OpenAI error body, never a 500. On a tiny
+random OLMoE model (the gate and the parsing do not depend on the model)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+httpx2 = pytest.importorskip("httpx2")
+
+from engine import ConfigError, Engine, EngineConfig, SamplingParams  # noqa: E402
+from engine.server import LocalServer, ServerOptions  # noqa: E402
+from engine.server.gate import split_host  # noqa: E402
+
+from server_helpers import ENGINE_KW  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_store):
+    with Engine.open(EngineConfig(store=str(tiny_store), **ENGINE_KW)) as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    srv = LocalServer.for_engine(engine, ServerOptions(port=0), SamplingParams(max_new_tokens=2))
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def model_id(server) -> str:
+    return server.api.served().model_id
+
+
+def ended(server) -> int:
+    """Jobs the queue ended (generations run, or refused by the engine)."""
+    return sum(server.stats.results.values())
+
+
+def ok_body(server) -> dict:
+    return {"model": model_id(server), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def _assert_error(r, status=None):
+    assert 400 <= r.status_code < 500, (r.status_code, r.text[:300])
+    if status is not None:
+        assert r.status_code == status, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+# --- Host, Origin, Content-Type ------------------------------------------------------------------
+
+
+def test_foreign_host_is_refused_before_any_work(server):
+    before = ended(server)
+    url = server.url + "/chat/completions"
+    for host in (f"evil.example:{server.port}", "evil.example", "127.0.0.1.evil.example", "[::2]:80",
+                 f"192.168.1.4:{server.port}"):
+        r = httpx2.post(url, json=ok_body(server), headers={"Host": host})
+        assert _assert_error(r, 421)["code"] == "host_not_allowed", host
+        r = httpx2.get(server.url + "/models", headers={"Host": host})
+        assert r.status_code == 421
+    assert ended(server) == before
+    assert server.stats.request_count("/v1/") >= 5   # the refusals show in /metrics
+    assert 'status="421"' in httpx2.get(server.url.removesuffix("/v1") + "/metrics").text
+    for host in (f"127.0.0.1:{server.port}", f"localhost:{server.port}", "localhost", f"[::1]:{server.port}",
+                 "127.3.4.5"):
+        r = httpx2.post(url, json=ok_body(server), headers={"Host": host})
+        assert r.status_code == 200, (host, r.text)
+    assert ended(server) == before + 5
+
+
+def test_foreign_origin_is_refused_whatever_the_body(server):
+    before = ended(server)
+    url = server.url + "/chat/completions"
+    body = json.dumps(ok_body(server))
+    for origin in ("http://evil.example", "null", "https://localhost.evil.example",
+                   f"http://localhost:{server.port + 1 if server.port < 65535 else 1}"):
+        for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+                      "application/json"):
+            r = httpx2.post(url, content=body, headers={"Origin": origin, "Content-Type": ctype})
+            assert _assert_error(r, 403)["code"] == "origin_not_allowed", (origin, ctype)
+    assert ended(server) == before
+    # the server's own origin, and clients that send none (SDKs, curl), are served
+    r = httpx2.post(url, json=ok_body(server), headers={"Origin": f"http://127.0.0.1:{server.port}"})
+    assert r.status_code == 200, r.text
+    assert httpx2.post(url, json=ok_body(server)).status_code == 200
+    assert ended(server) == before + 2
+
+
+def test_a_body_that_is_not_json_is_refused(server):
+    before = ended(server)
+    body = json.dumps(ok_body(server))
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x", None,
+                  "application/jsonp", "text/json"):
+        headers = {"Content-Type": ctype} if ctype else {}
+        r = httpx2.post(server.url + "/chat/completions", content=body, headers=headers)
+        assert _assert_error(r, 415)["code"] == "unsupported_media_type", ctype
+    assert ended(server) == before
+    r = httpx2.post(server.url + "/chat/completions", content=body,
+                    headers={"Content-Type": "Application/JSON; charset=utf-8"})
+    assert r.status_code == 200
+
+
+def test_listed_origins_get_cors_and_are_served(engine):
+    page = "http://localhost:5173"
+    srv = LocalServer.for_engine(engine, ServerOptions(port=0, cors_origins=(page,)), SamplingParams(max_new_tokens=2))
+    srv.start()
+    try:
+        pre = httpx2.options(srv.url + "/chat/completions",
+                             headers={"Origin": page, "Access-Control-Request-Method": "POST",
+                                      "Access-Control-Request-Headers": "content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == page
+        r = httpx2.post(srv.url + "/chat/completions", json=ok_body(srv), headers={"Origin": page})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        r = httpx2.post(srv.url + "/chat/completions", json=ok_body(srv), headers={"Origin": "http://other.example"})
+        assert r.status_code == 403
+    finally:
+        srv.stop()
+
+
+def test_cors_origins_are_checked_and_the_host_parser():
+    for bad in ("*", "localhost:3000", "http://x.example/path", "ftp://x"):
+        with pytest.raises(ConfigError, match="--cors-origin"):
+            ServerOptions(cors_origins=(bad,)).validated()
+    ServerOptions(cors_origins=("http://localhost:3000", "https://app.example")).validated()
+    assert split_host("LOCALHOST:8000") == ("localhost", 8000)
+    assert split_host("[::1]:80") == ("::1", 80)
+    assert split_host("::1") == ("::1", None)
+    for bad in ("", "[::1", "a:b", "x:99999"):
+        with pytest.raises(ValueError):
+            split_host(bad)
+
+
+# --- malformed bodies: 4xx, never 500 -----------------------------------------------------------
+
+SURROGATE = '"\\ud800"'
+
+
+def _malformed(rng: random.Random, base: dict) -> bytes:
+    """One body that must be refused: the valid ``base`` with one thing broken."""
+    kind = rng.randrange(6)
+    fields = ["model", "messages", "temperature", "top_p", "max_tokens", "max_completion_tokens", "seed", "stop",
+              "stream", "stream_options", "tools", "tool_choice", "chat_template_kwargs", "n", "top_k",
+              "repetition_penalty", "response_format", "presence_penalty", "logprobs"]
+    if kind == 0:  # nesting, in the body or inside a field
+        depth = rng.choice([65, 100, 1000, 5000, 100000])
+        opener, closer = rng.choice([("[", "]"), ('{"a":', "}")])
+        nested = opener * depth + "1" + closer * depth
+        if rng.random() < 0.3:
+            return nested.encode()
+        body = json.dumps({**base, rng.choice(fields): "@@"}).replace('"@@"', nested)
+        return body.encode()
+    if kind == 1:  # bad UTF-8 inside a string, or a truncated body
+        raw = json.dumps(base).encode()
+        junk = rng.choice([b"\xff", b"\xc3\x28", b"\xed\xa0\x80", b"\xf0\x28\x8c", b"\x80", b"\xfe\xfe"])
+        if rng.random() < 0.2:
+            return raw[:rng.randrange(1, len(raw) - 1)]
+        i = raw.index(b'"hi"') + 2
+        return raw[:i] + junk + raw[i:]
+    if kind == 2:  # a wrong type for a field
+        wrong = rng.choice([[], {}, "x", 3, -1, True, [1, 2], {"a": 1}, [None], [[]], 2.5])
+        field = rng.choice(fields + ["messages[0]", "messages[0].role", "messages[0].content", "tool_calls",
+                                     "tool_calls[0]", "tool_calls[0].function", "tools[0]", "tools[0].function",
+                                     "content_parts"])
+        body = json.loads(json.dumps(base))
+        m0 = body["messages"][0]
+        if field == "messages[0]":
+            body["messages"][0] = wrong if not isinstance(wrong, dict) or wrong == {} else {"x": 1}
+        elif field == "messages[0].role":
+            m0["role"] = wrong
+        elif field == "messages[0].content":
+            m0["content"] = rng.choice([3, {"a": 1}, [1], [{"type": "text", "text": 5}], True])
+        elif field == "tool_calls":
+            body["messages"].append({"role": "assistant", "content": None,
+                                     "tool_calls": rng.choice(["x", 3, {"a": 1}, True])})
+        elif field == "tool_calls[0]":
+            body["messages"].append({"role": "assistant", "tool_calls": [rng.choice(["x", 3, [], None])]})
+        elif field == "tool_calls[0].function":
+            fn = rng.choice(["x", 3, [], {"name": 5}, {"name": "f", "arguments": 7}, {"arguments": "{}"}])
+            body["messages"].append({"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+                                                                          "function": fn}]})
+        elif field == "tools[0]":
+            body["tools"] = [rng.choice(["x", 3, [], {"type": "function"}, {"type": "other", "function": {}}])]
+        elif field == "tools[0].function":
+            body["tools"] = [{"type": "function", "function": rng.choice(
+                ["x", 3, {"name": 3}, {"parameters": {}}, {"name": "f", "parameters": "x"}])}]
+        elif field == "content_parts":
+            m0["content"] = [rng.choice([{"type": "text"}, "x", 3, {"type": "image_url"}])]
+        elif field in ("model",):
+            body["model"] = rng.choice([3, [], {}, True, "no-such-model"])
+        elif field in ("stream", "stream_options", "chat_template_kwargs", "logprobs"):
+            body[field] = rng.choice(["yes", 3, [1]] + ([{"include_usage": "x"}] if field == "stream_options" else []))
+        elif field in ("tool_choice",):
+            body[field] = rng.choice(["sometimes", 3, [], {"type": "function"}, {"type": "function", "function": {}},
+                                      {"type": "function", "function": {"name": "not_offered"}}])
+        elif field in ("response_format",):
+            body[field] = rng.choice(["json", 3, {"type": "xml"}, {"type": "json_schema"},
+                                      {"type": "json_schema", "json_schema": {"name": "x", "schema": 3}}])
+        elif field in ("messages",):
+            body[field] = rng.choice(["x", 3, {}, [], [1], None])
+        elif field == "tools":
+            body[field] = rng.choice(["x", 3, {}, [1]])
+        elif field == "stop":
+            body[field] = rng.choice([3, {}, [1], ["a"] * 5, [None]])
+        else:
+            body[field] = rng.choice(["x", [], {}, [1], -1e308 if field != "seed" else -5])
+        return json.dumps(body).encode()
+    if kind == 3:  # huge numbers
+        field = rng.choice(["temperature", "top_p", "max_tokens", "max_completion_tokens", "seed", "top_k",
+                            "repetition_penalty", "n", "presence_penalty"])
+        num = rng.choice(["1e999", "-1e999", "1" + "0" * 5000, "1" + "0" * 400, "1e308", "-" + "9" * 40,
+                          "123456789012345678901234567890", "NaN", "Infinity"])
+        return json.dumps({**base, field: "@@"}).replace('"@@"', num).encode()
+    if kind == 4:  # a lone surrogate in a string or a key
+        where = rng.choice(["content", "model", "role", "stop", "key", "tool"])
+        body = json.dumps(base)
+        if where == "content":
+            return body.replace('"hi"', SURROGATE).encode()
+        if where == "model":
+            return json.dumps({**base, "model": "@@"}).replace('"@@"', SURROGATE).encode()
+        if where == "role":
+            return body.replace('"user"', '"us\\udfffer"').encode()
+        if where == "stop":
+            return json.dumps({**base, "stop": ["@@"]}).replace('"@@"', SURROGATE).encode()
+        if where == "key":
+            return body.replace('"max_tokens"', '"max\\ud83d_tokens"').encode()
+        tools = [{"type": "function", "function": {"name": "f", "description": "@@", "parameters": {"type": "object"}}}]
+        return json.dumps({**base, "tools": tools}).replace('"@@"', SURROGATE).encode()
+    # not a JSON object at all
+    return rng.choice([b"", b"null", b"[]", b"3", b'"x"', b"{", b"{}", b'{"model": 1', b"\x00\x01", b"nan",
+                       b'{"messages": []}'])
+
+
+def test_fuzz_of_malformed_bodies_gets_only_4xx(server):
+    rng = random.Random(49)
+    base = ok_body(server)
+    before = ended(server)
+    statuses: dict[int, int] = {}
+    with httpx2.Client(timeout=60) as h:
+        for i in range(2000):
+            raw = _malformed(rng, base)
+            # no 'prompt' for /completions, no 'max_tokens' for /messages: refused there too
+            path = {0: "/completions", 1: "/messages"}.get(i % 4, "/chat/completions")
+            if path == "/messages":   # OpenAI-only fields are not errors there: take max_tokens away
+                raw = raw.replace(b'"max_tokens"', b'"max_tokens_"')
+            r = h.post(server.url + path, content=raw, headers={"Content-Type": "application/json"})
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert 400 <= r.status_code < 500, (i, raw[:300], r.status_code, r.text[:500])
+            if path == "/messages":   # Anthropic's error shape
+                body = r.json()
+                assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+                continue
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}, err
+    assert ended(server) == before, "a malformed body reached the engine"
+    assert len(statuses) >= 2, statuses
