@@ -1,6 +1,7 @@
 """The wizard for every model family: a local folder and the loopback fake hub each convert a
 tiny checkpoint saved by transformers' own class (OlmoeForCausalLM, Qwen3MoeForCausalLM,
-MixtralForCausalLM, Qwen2MoeForCausalLM) and the result chats; a GGUF-only folder and an
+MixtralForCausalLM, Qwen2MoeForCausalLM and the MoE families added
+after them) and the result chats; a GGUF-only folder and an
 unsupported model_type each get one clear line and Next stays disabled."""
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
         intermediate_size=48), "shared expert width 24"),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
+        moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_num_shared_experts=1, intermediate_size=48),
+        "ERNIE 4.5"),
 }
 
 
