@@ -217,6 +217,56 @@ def ernie4_5_moe_config(**kw) -> dict:
     return cfg
 
 
+def dots1_config(**kw) -> dict:
+    """A tiny dots.llm1-like config.json dict (Dots1Config names): GQA 4/2 with per-head q/k
+    norms, layer 0 dense, 8 experts top-2 in 2 groups (1 kept) with one shared expert, scaled
+    sigmoid routing; the last layer slides over 6 positions."""
+    cfg = {
+        "architectures": ["Dots1ForCausalLM"], "model_type": "dots1", "hidden_size": 64, "intermediate_size": 96,
+        "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "vocab_size": 300, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "sliding_window": 6,
+        "max_window_layers": 2, "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 0,
+        "bos_token_id": None,
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def hunyuan_v1_moe_config(**kw) -> dict:
+    """A tiny Hunyuan-A13B-like config.json dict (HunYuanMoEV1Config names): GQA 4/2 with q/k
+    norms after RoPE, NTK-alpha RoPE, 8 experts top-2 (``moe_topk``) of width 32 and a shared MLP."""
+    cfg = {
+        "architectures": ["HunYuanMoEV1ForCausalLM"], "model_type": "hunyuan_v1_moe", "hidden_size": 64,
+        "intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_experts": 8, "moe_topk": 2, "vocab_size": 300, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                                  "rope_theta": 10000.0},
+        "attention_bias": False, "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 0,
+        "bos_token_id": None,
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def minimax_m2_config(**kw) -> dict:
+    """A tiny MiniMax-M2-like config.json dict (MiniMaxM2Config names): GQA 4/2 of head_dim 16
+    with whole-projection q/k norms and rotary_dim 8, 8 experts top-2 of width 32, sigmoid
+    routing with the correction bias."""
+    cfg = {
+        "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "hidden_size": 64,
+        "intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rotary_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 300,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
+        "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 0, "bos_token_id": None,
+    }
+    cfg.update(kw)
+    return cfg
+
+
 def qwen3_next_config(**kw) -> dict:
     """A tiny Qwen3-Next config.json dict (Qwen3NextConfig names): Gated DeltaNet layers (2 key /
     4 value heads of 16) with a gated full-attention layer every 4th (the last one when fewer
@@ -267,7 +317,8 @@ CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixt
            "glm4_moe": glm4_moe_config, "gpt_oss": gpt_oss_config, "deepseek_v32": deepseek_v32_config,
            "glm_moe_dsa": glm_moe_dsa_config, "glm4_moe_lite": glm4_moe_lite_config, "qwen3_next": qwen3_next_config,
            "qwen3_5_moe_text": qwen3_5_moe_text_config, "qwen3_5_moe": qwen3_5_moe_config,
-           "ernie4_5_moe": ernie4_5_moe_config}
+           "ernie4_5_moe": ernie4_5_moe_config, "dots1": dots1_config, "hunyuan_v1_moe": hunyuan_v1_moe_config,
+           "minimax_m2": minimax_m2_config}
 
 # Exact shapes of published checkpoints (their config.json values; weights are random).
 PRESETS = {

@@ -21,9 +21,10 @@ from engine.models import SUPPORTED_MODEL_TYPES, family_for
 from engine.quant import slab_layout
 from engine.kernels import _Q4_SIMD as K_SIMD
 from engine.synthetic import (CONFIGS, PRESETS, deepseek_v2_config, deepseek_v3_config, deepseek_v32_config,
-                              ernie4_5_moe_config, glm4_moe_config, glm4_moe_lite_config, glm_moe_dsa_config, mixtral_config,
+                              dots1_config, ernie4_5_moe_config, glm4_moe_config, glm4_moe_lite_config, glm_moe_dsa_config, mixtral_config,
                               olmoe_config, qwen2_moe_config, qwen3_5_moe_config, qwen3_5_moe_text_config,
-                              qwen3_moe_config, qwen3_next_config, write_checkpoint, write_store_from_seed)
+                              qwen3_moe_config, qwen3_next_config, write_checkpoint, write_store_from_seed,
+                              hunyuan_v1_moe_config, minimax_m2_config)
 
 # Family configs with dense layers, GQA, shared experts and windows (small but streaming).
 FAMILY_CONFIGS = {
@@ -49,6 +50,12 @@ FAMILY_CONFIGS = {
     "qwen3_5_moe": qwen3_5_moe_config(num_hidden_layers=2, num_experts_per_tok=3),  # as published: text_config, model.language_model.*
     # pair-rotated RoPE, softmax router with a selection-only bias, a shared expert, layer 0 dense
     "ernie4_5_moe": ernie4_5_moe_config(),
+    # sigmoid routing over 2 groups with the bias, a shared expert, layer 0 dense, the last layer sliding
+    "dots1": dots1_config(),
+    # q/k norms after RoPE with NTK alpha, a shared MLP beside top-2 softmax experts
+    "hunyuan_v1_moe": hunyuan_v1_moe_config(),
+    # whole-projection q/k norms, rotary over half of each head, sigmoid routing with the bias
+    "minimax_m2": minimax_m2_config(),
 }
 
 

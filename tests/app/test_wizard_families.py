@@ -46,6 +46,14 @@ FAMILIES = {
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
         moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_num_shared_experts=1, intermediate_size=48),
         "ERNIE 4.5"),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, intermediate_size=48,
+        first_k_dense_replace=1, head_dim=8), "dots.llm1"),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", dict(
+        num_experts=4, moe_topk=2, intermediate_size=16, head_dim=8), "Hunyuan"),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=16, head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}), "MiniMax-M2"),
 }
 
 
