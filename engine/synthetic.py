@@ -267,6 +267,38 @@ def minimax_m2_config(**kw) -> dict:
     return cfg
 
 
+def llama4_text_config(**kw) -> dict:
+    """A tiny Llama-4-like text config.json dict (Llama4TextConfig names): GQA 4/2 of head_dim 16,
+    layer 3 of 4 without RoPE, chunks of 8, MoE on layers 1 and 3 (8 experts top-1 of width 32 and
+    a shared expert), dense MLPs of 96, llama3 RoPE scaling, temperature tuning from position 3."""
+    cfg = {
+        "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "hidden_size": 64,
+        "intermediate_size": 32, "intermediate_size_mlp": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2, "no_rope_layer_interval": 4, "attention_chunk_size": 8,
+        "use_qk_norm": True, "attn_temperature_tuning": True, "floor_scale": 4, "attn_scale": 0.1,
+        "vocab_size": 300, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 0, "bos_token_id": None,
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def llama4_config(**kw) -> dict:
+    """A tiny Llama 4 config.json dict as published (Llama4Config: :func:`llama4_text_config` with
+    ``kw`` under ``text_config``; a vision tower config beside it, whose weights the synthetic
+    checkpoint leaves out)."""
+    text = llama4_text_config(**kw)
+    text.pop("architectures")
+    return {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "text_config": text,
+            "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 32, "num_hidden_layers": 1,
+                              "num_attention_heads": 2, "intermediate_size": 32, "image_size": 28, "patch_size": 14,
+                              "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 64},
+            "eos_token_id": text.get("eos_token_id")}
+
+
 def qwen3_next_config(**kw) -> dict:
     """A tiny Qwen3-Next config.json dict (Qwen3NextConfig names): Gated DeltaNet layers (2 key /
     4 value heads of 16) with a gated full-attention layer every 4th (the last one when fewer
@@ -318,7 +350,7 @@ CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixt
            "glm_moe_dsa": glm_moe_dsa_config, "glm4_moe_lite": glm4_moe_lite_config, "qwen3_next": qwen3_next_config,
            "qwen3_5_moe_text": qwen3_5_moe_text_config, "qwen3_5_moe": qwen3_5_moe_config,
            "ernie4_5_moe": ernie4_5_moe_config, "dots1": dots1_config, "hunyuan_v1_moe": hunyuan_v1_moe_config,
-           "minimax_m2": minimax_m2_config}
+           "minimax_m2": minimax_m2_config, "llama4_text": llama4_text_config, "llama4": llama4_config}
 
 # Exact shapes of published checkpoints (their config.json values; weights are random).
 PRESETS = {

@@ -24,7 +24,7 @@ from engine.synthetic import (CONFIGS, PRESETS, deepseek_v2_config, deepseek_v3_
                               dots1_config, ernie4_5_moe_config, glm4_moe_config, glm4_moe_lite_config, glm_moe_dsa_config, mixtral_config,
                               olmoe_config, qwen2_moe_config, qwen3_5_moe_config, qwen3_5_moe_text_config,
                               qwen3_moe_config, qwen3_next_config, write_checkpoint, write_store_from_seed,
-                              hunyuan_v1_moe_config, minimax_m2_config)
+                              hunyuan_v1_moe_config, llama4_config, llama4_text_config, minimax_m2_config)
 
 # Family configs with dense layers, GQA, shared experts and windows (small but streaming).
 FAMILY_CONFIGS = {
@@ -56,6 +56,10 @@ FAMILY_CONFIGS = {
     "hunyuan_v1_moe": hunyuan_v1_moe_config(),
     # whole-projection q/k norms, rotary over half of each head, sigmoid routing with the bias
     "minimax_m2": minimax_m2_config(),
+    # chunks of 7 (the 20-token prompt + 12 new tokens cross them), a NoPE layer with temperature
+    # tuning, input-scaled top-1 experts and a shared expert on layers 1 and 3; top-2 as published
+    "llama4_text": llama4_text_config(attention_chunk_size=7),
+    "llama4": llama4_config(num_experts_per_tok=2, attention_chunk_size=7),
 }
 
 

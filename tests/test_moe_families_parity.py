@@ -72,6 +72,28 @@ CONFIGS = {
         num_attention_heads=4, num_key_value_heads=4, head_dim=32, num_local_experts=6, num_experts_per_tok=3,
         intermediate_size=32, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                "partial_rotary_factor": 0.25})),
+    # Llama 4: chunks of 8 inside the 24-token prompt, layer 3 without RoPE with temperature tuning
+    # from position 3 (floor_scale 4), MoE on layers 1 and 3 (top-1 plus the shared expert), dense
+    # MLPs of 96 between, weightless q/k norms, llama3 RoPE scaling over an original length of 64
+    "llama4-chunks-nope-dense": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+        num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=96, interleave_moe_layer_step=2,
+        attention_chunk_size=8, floor_scale=4, attn_scale=0.1,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    # Llama 4: top-2 on every layer, no q/k norm, layer 1 without RoPE, chunks of 6, MHA of head_dim 32
+    "llama4-top2-noqknorm": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=4, head_dim=32, num_local_experts=6, num_experts_per_tok=2,
+        intermediate_size=32, intermediate_size_mlp=64, use_qk_norm=False, no_rope_layers=[1, 0, 1],
+        attention_chunk_size=6, floor_scale=2, attn_scale=0.2)),
+    # Llama 4 as published: the multimodal checkpoint (a tiny vision tower beside), its language model
+    "llama4-multimodal-dense": ("Llama4Config", "Llama4ForConditionalGeneration", dict(
+        text_config=dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         num_local_experts=4, num_experts_per_tok=1, intermediate_size=32, intermediate_size_mlp=64,
+                         interleave_moe_layer_step=2, attention_chunk_size=8, floor_scale=4),
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                           image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                           projector_output_dim=64))),
 }
 
 # the correction bias is drawn this wide so that it changes which experts are chosen (families
@@ -84,7 +106,11 @@ def saved(tmp_path, name):
     from N(0, 0.08), norms from 1 + N(0, 0.1), the correction biases from N(0, BIAS_STD)."""
     cfg_cls, model_cls, kw = CONFIGS[name]
     torch.manual_seed(sum(map(ord, name)))
-    cfg = getattr(transformers, cfg_cls)(**{**BASE, **kw})
+    if "text_config" in kw:  # a multimodal checkpoint: the language model's settings in text_config
+        kw = {**kw, "text_config": {**BASE, **kw["text_config"]}}
+    else:
+        kw = {**BASE, **kw}
+    cfg = getattr(transformers, cfg_cls)(**kw)
     cfg._attn_implementation = "eager"
     m = getattr(transformers, model_cls)(cfg).eval()
     bias_std = BIAS_STD.get(name.split("-")[0], 0.0)
@@ -155,6 +181,8 @@ def test_f32_logits_match_transformers(tmp_path, name, record_property):
     assert a.model_type == m.config.model_type
     assert (a.num_moe_layers < a.num_hidden_layers) == ("dense" in name or "interval" in name)
     assert max(a.layer_windows) == (8 if "window" in name else 0)
+    if "llama4" in name:  # chunks inside the prompt, and layers without RoPE
+        assert 0 < a.attention_chunk_size < 24 and not all(a.rope_layers)
     prefill, decode, hf_self = f32_errors(m, store)
     record_property("prefill_err", prefill)
     record_property("decode_err", decode)
@@ -174,9 +202,24 @@ def rounded_weights_kl(m, quant, ids):
     exact = dict(m.named_parameters())
     with torch.no_grad():
         for n, p in mq.named_parameters():
-            if n.endswith(".gate.wg.weight") or "e_score_correction_bias" in n:
+            if n.endswith((".gate.wg.weight", "feed_forward.router.weight")) or "e_score_correction_bias" in n:
                 p.copy_(exact[n])
+            elif "feed_forward.experts." in n:  # Llama 4 holds experts input-major [E, in, out]: round per out row
+                t = copy_rounded(exact[n].transpose(-1, -2), quant)
+                p.copy_(t.transpose(-1, -2))
     return float(kl(hf_logits(m, ids), hf_logits(mq, ids)).mean())
+
+
+def copy_rounded(w, quant, group_size=32):
+    """``w`` [..., N] rounded per row as our stores round routed experts (int8 absmax / 127 per
+    row; int4 absmax / 7 per group of ``group_size``, codes -8..7)."""
+    w = w.double()
+    if quant == "int4":
+        g = w.reshape(*w.shape[:-1], w.shape[-1] // group_size, group_size)
+        s = g.abs().amax(-1, keepdim=True) / 7
+        return (torch.round(g / s).clamp(-8, 7) * s).reshape(w.shape).float()
+    s = w.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(w / s).clamp(-127, 127) * s).float()
 
 
 # int8 per-row and int4 group-32: the bounds of test_families_parity.py (mean KL <= 1e-3 / 5e-3

@@ -54,6 +54,9 @@ FAMILIES = {
     "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
         num_local_experts=4, num_experts_per_tok=2, intermediate_size=16, head_dim=8,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}), "MiniMax-M2"),
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=1, intermediate_size=16, intermediate_size_mlp=48, head_dim=8,
+        interleave_moe_layer_step=2, attention_chunk_size=8), "Llama 4"),
 }
 
 
