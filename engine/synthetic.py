@@ -299,6 +299,39 @@ def llama4_config(**kw) -> dict:
             "eos_token_id": text.get("eos_token_id")}
 
 
+def gemma4_text_config(**kw) -> dict:
+    """A tiny Gemma-4-26B-A4B-like text config.json dict (Gemma4TextConfig names): sliding layers
+    (window 6, 2 KV heads of 16; even layers but the last) and full layers (one KV head of 32 that is also V, proportional
+    RoPE), a dense GeGLU of 64 beside 8 experts top-2 of width 32, logits soft-capped at 30."""
+    cfg = {
+        "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "hidden_size": 64,
+        "intermediate_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True, "enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
+        "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "sliding_window": 6, "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh", "vocab_size": 300, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6, "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}},
+        "tie_word_embeddings": True, "eos_token_id": 0, "bos_token_id": None, "pad_token_id": 0,
+    }
+    cfg.update(kw)
+    if "layer_types" not in kw:  # sliding, full, sliding, ..., the last one full
+        L = cfg["num_hidden_layers"]
+        cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 and i < L - 1 else "full_attention" for i in range(L)]
+    return cfg
+
+
+def gemma4_config(**kw) -> dict:
+    """A tiny Gemma 4 config.json dict as published (Gemma4Config: :func:`gemma4_text_config` with
+    ``kw`` under ``text_config``, no vision or audio tower)."""
+    text = gemma4_text_config(**kw)
+    text.pop("architectures")
+    return {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text,
+            "vision_config": None, "audio_config": None,
+            "tie_word_embeddings": text.pop("tie_word_embeddings", True), "eos_token_id": text.get("eos_token_id")}
+
+
 def qwen3_next_config(**kw) -> dict:
     """A tiny Qwen3-Next config.json dict (Qwen3NextConfig names): Gated DeltaNet layers (2 key /
     4 value heads of 16) with a gated full-attention layer every 4th (the last one when fewer
@@ -350,7 +383,8 @@ CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixt
            "glm_moe_dsa": glm_moe_dsa_config, "glm4_moe_lite": glm4_moe_lite_config, "qwen3_next": qwen3_next_config,
            "qwen3_5_moe_text": qwen3_5_moe_text_config, "qwen3_5_moe": qwen3_5_moe_config,
            "ernie4_5_moe": ernie4_5_moe_config, "dots1": dots1_config, "hunyuan_v1_moe": hunyuan_v1_moe_config,
-           "minimax_m2": minimax_m2_config, "llama4_text": llama4_text_config, "llama4": llama4_config}
+           "minimax_m2": minimax_m2_config, "llama4_text": llama4_text_config, "llama4": llama4_config,
+           "gemma4_text": gemma4_text_config, "gemma4": gemma4_config}
 
 # Exact shapes of published checkpoints (their config.json values; weights are random).
 PRESETS = {

@@ -24,7 +24,7 @@ from engine.synthetic import (CONFIGS, PRESETS, deepseek_v2_config, deepseek_v3_
                               dots1_config, ernie4_5_moe_config, glm4_moe_config, glm4_moe_lite_config, glm_moe_dsa_config, mixtral_config,
                               olmoe_config, qwen2_moe_config, qwen3_5_moe_config, qwen3_5_moe_text_config,
                               qwen3_moe_config, qwen3_next_config, write_checkpoint, write_store_from_seed,
-                              hunyuan_v1_moe_config, llama4_config, llama4_text_config, minimax_m2_config)
+                              gemma4_config, gemma4_text_config, hunyuan_v1_moe_config, llama4_config, llama4_text_config, minimax_m2_config)
 
 # Family configs with dense layers, GQA, shared experts and windows (small but streaming).
 FAMILY_CONFIGS = {
@@ -60,7 +60,15 @@ FAMILY_CONFIGS = {
     # tuning, input-scaled top-1 experts and a shared expert on layers 1 and 3; top-2 as published
     "llama4_text": llama4_text_config(attention_chunk_size=7),
     "llama4": llama4_config(num_experts_per_tok=2, attention_chunk_size=7),
+    # sliding / full layers of two head sizes with K = V on full ones, GeGLU experts beside a dense
+    # GeGLU, per-expert scales, layer scalars, soft-capped logits
+    "gemma4_text": gemma4_text_config(),
+    "gemma4": gemma4_config(attention_k_eq_v=False, top_k_experts=3),
 }
+
+
+OWN_EXPERT_MLP = ("gpt_oss", "gemma4_text", "gemma4")  # not SwiGLU: the arena kernels do not run them
+DENSE_BESIDE_EXPERTS = ("gemma4_text", "gemma4")  # a resident MLP in every MoE layer
 
 
 @pytest.fixture(scope="module")
@@ -123,8 +131,9 @@ def test_int4_prefill_does_not_depend_on_placement(family_stores, tmp_path, name
         got, path = _prefill_logits(store, **kw)
         took.add(path)
         assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), kw
-    # gpt-oss has its own expert MLP and MXFP4 experts: never the sorted path
-    assert took == ({False} if FAMILY_CONFIGS[name]["model_type"] == "gpt_oss" else {True}), took
+    # gpt-oss (clamped SwiGLU with biases, MXFP4) and Gemma 4 (GeGLU) have their own expert MLP:
+    # never the sorted path
+    assert took == ({False} if name in OWN_EXPERT_MLP else {True}), took
 
 
 @pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
@@ -141,7 +150,8 @@ def test_store_records_family_and_moe_layers(family_stores, name):
     dense = load_file(str(store / "dense.safetensors"))
     for i in range(a.num_hidden_layers):
         if i in a.moe_layers:
-            assert f"layers.{i}.router" in dense and f"layers.{i}.mlp.gate_proj.w" not in dense
+            assert f"layers.{i}.router" in dense
+            assert (f"layers.{i}.mlp.gate_proj.w" in dense) == (name in DENSE_BESIDE_EXPERTS)
             assert (f"layers.{i}.shared_expert.up_proj.w" in dense) == (a.shared_expert_intermediate_size > 0)
         else:  # dense layers are resident and have no router
             assert f"layers.{i}.mlp.down_proj.w" in dense and f"layers.{i}.router" not in dense

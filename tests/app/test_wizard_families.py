@@ -57,6 +57,10 @@ FAMILIES = {
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
         num_local_experts=4, num_experts_per_tok=1, intermediate_size=16, intermediate_size_mlp=48, head_dim=8,
         interleave_moe_layer_step=2, attention_chunk_size=8), "Llama 4"),
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        num_experts=4, top_k_experts=2, moe_intermediate_size=16, intermediate_size=24, head_dim=8, global_head_dim=16,
+        enable_moe_block=True, hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=8), "Gemma 4"),
 }
 
 
