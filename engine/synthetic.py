@@ -332,6 +332,24 @@ def gemma4_config(**kw) -> dict:
             "tie_word_embeddings": text.pop("tie_word_embeddings", True), "eos_token_id": text.get("eos_token_id")}
 
 
+def lfm2_moe_config(**kw) -> dict:
+    """A tiny LFM2-8B-A1B-like config.json dict (Lfm2MoeConfig names): conv layers (3 taps) around
+    a GQA 4/2 attention layer, layer 0 dense, 8 experts top-2 with the expert bias."""
+    cfg = {
+        "architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe", "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2, "num_dense_layers": 1,
+        "use_expert_bias": True, "norm_topk_prob": True, "routed_scaling_factor": 1.0, "conv_L_cache": 3,
+        "conv_bias": False, "vocab_size": 300, "max_position_embeddings": 2048, "norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": True,
+        "eos_token_id": 0, "bos_token_id": None, "pad_token_id": 0,
+    }
+    cfg.update(kw)
+    if "layer_types" not in kw:  # conv, attention, conv, conv, attention, ...
+        cfg["layer_types"] = ["full_attention" if i % 3 == 1 else "conv" for i in range(cfg["num_hidden_layers"])]
+    return cfg
+
+
 def qwen3_next_config(**kw) -> dict:
     """A tiny Qwen3-Next config.json dict (Qwen3NextConfig names): Gated DeltaNet layers (2 key /
     4 value heads of 16) with a gated full-attention layer every 4th (the last one when fewer
@@ -384,7 +402,7 @@ CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixt
            "qwen3_5_moe_text": qwen3_5_moe_text_config, "qwen3_5_moe": qwen3_5_moe_config,
            "ernie4_5_moe": ernie4_5_moe_config, "dots1": dots1_config, "hunyuan_v1_moe": hunyuan_v1_moe_config,
            "minimax_m2": minimax_m2_config, "llama4_text": llama4_text_config, "llama4": llama4_config,
-           "gemma4_text": gemma4_text_config, "gemma4": gemma4_config}
+           "gemma4_text": gemma4_text_config, "gemma4": gemma4_config, "lfm2_moe": lfm2_moe_config}
 
 # Exact shapes of published checkpoints (their config.json values; weights are random).
 PRESETS = {

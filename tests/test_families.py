@@ -24,7 +24,7 @@ from engine.synthetic import (CONFIGS, PRESETS, deepseek_v2_config, deepseek_v3_
                               dots1_config, ernie4_5_moe_config, glm4_moe_config, glm4_moe_lite_config, glm_moe_dsa_config, mixtral_config,
                               olmoe_config, qwen2_moe_config, qwen3_5_moe_config, qwen3_5_moe_text_config,
                               qwen3_moe_config, qwen3_next_config, write_checkpoint, write_store_from_seed,
-                              gemma4_config, gemma4_text_config, hunyuan_v1_moe_config, llama4_config, llama4_text_config, minimax_m2_config)
+                              gemma4_config, gemma4_text_config, hunyuan_v1_moe_config, lfm2_moe_config, llama4_config, llama4_text_config, minimax_m2_config)
 
 # Family configs with dense layers, GQA, shared experts and windows (small but streaming).
 FAMILY_CONFIGS = {
@@ -64,6 +64,8 @@ FAMILY_CONFIGS = {
     # GeGLU, per-expert scales, layer scalars, soft-capped logits
     "gemma4_text": gemma4_text_config(),
     "gemma4": gemma4_config(attention_k_eq_v=False, top_k_experts=3),
+    # gated short convolutions carrying their state across calls, sigmoid routing with the bias
+    "lfm2_moe": lfm2_moe_config(),
 }
 
 

@@ -121,11 +121,23 @@ CONFIGS = {
                          layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                          final_logit_softcapping=30.0),
         vision_config=None, audio_config=None)),
+    # LFM2-MoE: conv layers (3 taps) before and after an attention layer, layer 0 dense, sigmoid
+    # routing with the expert bias, tied embeddings
+    "lfm2-dense-conv-bias": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        intermediate_size=96, num_dense_layers=1, layer_types=["conv", "full_attention", "conv"])),
+    # LFM2-MoE: 4-tap convolutions with biases, two attention layers, every layer MoE, no expert
+    # bias, weights renormalised and scaled by 1.5, top-3 of 6
+    "lfm2-convbias-top3": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(
+        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, num_experts=6, num_experts_per_tok=3,
+        moe_intermediate_size=32, intermediate_size=64, num_dense_layers=0, conv_L_cache=4, conv_bias=True,
+        use_expert_bias=False, norm_topk_prob=True, routed_scaling_factor=1.5,
+        layer_types=["full_attention", "conv", "conv", "full_attention"])),
 }
 
 # the correction bias is drawn this wide so that it changes which experts are chosen (families
 # without one: none)
-BIAS_STD = {"ernie": 0.08, "dots": 0.1, "minimax": 0.1}
+BIAS_STD = {"ernie": 0.08, "dots": 0.1, "minimax": 0.1, "lfm2": 0.1}
 
 
 def saved(tmp_path, name):
@@ -146,7 +158,7 @@ def saved(tmp_path, name):
         for n, p in list(m.named_parameters()) + list(m.named_buffers()):
             if n not in saved_names:
                 continue
-            if "e_score_correction_bias" in n:
+            if "e_score_correction_bias" in n or n.endswith("feed_forward.expert_bias"):
                 p.normal_(0, bias_std)
             elif not p.is_floating_point() or "inv_freq" in n:
                 continue
@@ -204,7 +216,7 @@ def chosen_with_and_without_bias(m, ids):
     change when the correction bias is zeroed (the bias must matter in these configs)."""
     changed = 0
     for n, p in list(m.named_parameters()) + list(m.named_buffers()):
-        if "e_score_correction_bias" in n:
+        if "e_score_correction_bias" in n or n.endswith("feed_forward.expert_bias"):
             with torch.no_grad():
                 keep = p.clone()
                 a = hf_logits(m, ids)
@@ -232,20 +244,21 @@ def test_f32_logits_match_transformers(tmp_path, name, record_property):
           f"decode vs its full forward {hf_self:.2e}")
     assert prefill <= 1e-4 and decode <= 1e-4
     assert hf_self <= 1e-4  # transformers agrees with itself here: its cached decode is not the one checked
-    if name.split("-")[0] in BIAS_STD:
+    if name.split("-")[0] in BIAS_STD and a.router_bias:
         assert chosen_with_and_without_bias(m, list(range(3, 27))) > 0
 
 
 def rounded_weights_kl(m, quant, ids):
     """(mean KL in nats, top-1 agreement) of transformers' own model with its weights rounded as
-    our stores round them (parity_helpers.fake_quantized_copy), routers and correction biases
-    kept exact as our stores keep them, against the exact model: the rounded weights' own error."""
+    our stores round them (parity_helpers.fake_quantized_copy), routers, correction biases and
+    convolution taps kept exact as our stores keep them, against the exact model: the rounded
+    weights' own error."""
     mq = fake_quantized_copy(m, quant)
     exact = dict(m.named_parameters())
     with torch.no_grad():
         for n, p in mq.named_parameters():
-            if n.endswith((".gate.wg.weight", "feed_forward.router.weight", ".router.proj.weight")) or \
-                    "e_score_correction_bias" in n:
+            if n.endswith((".gate.wg.weight", "feed_forward.router.weight", ".router.proj.weight", "conv.conv.weight",
+                           "feed_forward.expert_bias")) or "e_score_correction_bias" in n:
                 p.copy_(exact[n])
             elif "feed_forward.experts." in n:  # Llama 4 holds experts input-major [E, in, out]: round per out row
                 t = copy_rounded(exact[n].transpose(-1, -2), quant)

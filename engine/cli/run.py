@@ -267,6 +267,9 @@ def _attention_text(a) -> str:
         getattr(a, "qk_norm", "none"), "")
     extra += ", q/k/v biases" if getattr(a, "attention_bias", False) else ""
     text = f"heads {a.num_attention_heads} (KV heads {a.num_key_value_heads}, head size {a.head_dim}{rot}{extra})"
+    if getattr(a, "conv_layers", ()):  # LFM2: gated short convolutions between the attention layers
+        text = (f"{_layers(len(a.full_layers), 'attention')} ({text}), "
+                f"{_layers(len(a.conv_layers), 'gated short-convolution')} ({a.conv_L_cache} taps)")
     if getattr(a, "linear_layers", ()):
         text = (f"{_layers(len(a.full_layers), 'gated full-attention')} ({text}), "
                 f"{_layers(len(a.linear_layers), 'Gated DeltaNet linear-attention')} ({a.linear_num_key_heads} key / {a.linear_num_value_heads} value heads "

@@ -61,6 +61,9 @@ FAMILIES = {
         num_experts=4, top_k_experts=2, moe_intermediate_size=16, intermediate_size=24, head_dim=8, global_head_dim=16,
         enable_moe_block=True, hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1,
         layer_types=["sliding_attention", "full_attention"], sliding_window=8), "Gemma 4"),
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=48, num_dense_layers=1,
+        layer_types=["conv", "full_attention"]), "LFM2-MoE"),
 }
 
 
