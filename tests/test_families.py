@@ -463,6 +463,23 @@ def test_info_counts_the_indexer_keys_in_the_kv_cache(family_stores, name, n_ind
     assert ("1 of 3 layers reuse the previous layer's choice" in text) == (name == "glm_moe_dsa")
 
 
+@pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
+@pytest.mark.parametrize("name,per_token", [
+    ("gemma4", 64 + 128 + 128),  # a sliding layer (2 KV heads of 16) + two full ones (2 of 32)
+    ("lfm2_moe", 64),  # the one attention layer; the conv layers' state apart, any context
+    ("llama4", 4 * 64), ("ernie4_5_moe", 3 * 64)])
+def test_kv_cache_bytes_are_what_sizing_plans(family_stores, name, per_token, kv_dtype):
+    """The KV cache a model allocates is the one sizing plans (Engine.open's budget): per layer
+    of its own shape (Gemma 4), only the attention layers plus the recurrent state (LFM2)."""
+    from engine.sizing import kv_bytes
+    _, store = family_stores[name]
+    a = ModelArgs.from_hf_config(store)
+    assert a.kv_values_all_layers == per_token
+    cfg = EngineConfig(store=str(store), history=False, o_direct=False, context_length=96, kv_dtype=kv_dtype)
+    with Engine.open(cfg) as eng:
+        assert eng.model.kv_bytes == kv_bytes(a, 96, kv_dtype) == eng.plan.kv
+
+
 def test_glm5_preset_sizes_its_latent_and_indexer_cache():
     """GLM-5's shape: the KV cache per token is 78 layers x (512 + 64) latent values plus 78 x 128
     indexer-key values, 109,824 bytes at f16 (the expanded heads would be 78 x 2 x 64 x 256)."""
