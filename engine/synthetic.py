@@ -350,6 +350,28 @@ def lfm2_moe_config(**kw) -> dict:
     return cfg
 
 
+def granitemoehybrid_config(**kw) -> dict:
+    """A tiny Granite-4.0-H-like config.json dict (GraniteMoeHybridConfig names): Mamba2 layers
+    (4 heads of 32 in 2 groups, d_state 8, 4-tap conv) around a NoPE GQA 4/2 layer, 8 experts
+    top-2 of width 32 beside a shared MLP of 64, Granite multipliers."""
+    cfg = {
+        "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid", "hidden_size": 64,
+        "intermediate_size": 32, "shared_intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2, "mamba_n_heads": 4,
+        "mamba_d_head": 32, "mamba_d_state": 8, "mamba_n_groups": 2, "mamba_expand": 2, "mamba_d_conv": 4,
+        "mamba_conv_bias": True, "mamba_proj_bias": False, "position_embedding_type": None,
+        "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.0625,
+        "logits_scaling": 2.0, "vocab_size": 300, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False,
+        "hidden_act": "silu", "eos_token_id": 0, "bos_token_id": None,
+    }
+    cfg.update(kw)
+    if "layer_types" not in kw:  # Mamba2, attention, Mamba2, Mamba2, attention, ...
+        cfg["layer_types"] = ["full_attention" if i % 3 == 1 else "linear_attention"
+                              for i in range(cfg["num_hidden_layers"])]
+    return cfg
+
+
 def qwen3_next_config(**kw) -> dict:
     """A tiny Qwen3-Next config.json dict (Qwen3NextConfig names): Gated DeltaNet layers (2 key /
     4 value heads of 16) with a gated full-attention layer every 4th (the last one when fewer
@@ -402,7 +424,8 @@ CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixt
            "qwen3_5_moe_text": qwen3_5_moe_text_config, "qwen3_5_moe": qwen3_5_moe_config,
            "ernie4_5_moe": ernie4_5_moe_config, "dots1": dots1_config, "hunyuan_v1_moe": hunyuan_v1_moe_config,
            "minimax_m2": minimax_m2_config, "llama4_text": llama4_text_config, "llama4": llama4_config,
-           "gemma4_text": gemma4_text_config, "gemma4": gemma4_config, "lfm2_moe": lfm2_moe_config}
+           "gemma4_text": gemma4_text_config, "gemma4": gemma4_config, "lfm2_moe": lfm2_moe_config,
+           "granitemoehybrid": granitemoehybrid_config}
 
 # Exact shapes of published checkpoints (their config.json values; weights are random).
 PRESETS = {

@@ -64,6 +64,9 @@ FAMILIES = {
     "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=48, num_dense_layers=1,
         layer_types=["conv", "full_attention"]), "LFM2-MoE"),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=16, shared_intermediate_size=24,
+        layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8), "Granite 4.0"),
 }
 
 
