@@ -201,6 +201,177 @@ def gpt_oss_config(**kw) -> dict:
 
 
 
+def ernie4_5_moe_config(**kw) -> dict:
+    """A tiny ERNIE-4.5-21B-A3B-like config.json dict (Ernie4_5_MoeConfig names): GQA 4/2,
+    layer 0 dense, 8 experts top-2 (``moe_k``) with one shared expert, tied embeddings."""
+    cfg = {
+        "architectures": ["Ernie4_5_MoeForCausalLM"], "model_type": "ernie4_5_moe", "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "moe_num_experts": 8, "moe_k": 2, "moe_num_shared_experts": 1,
+        "moe_layer_start_index": 1, "moe_layer_end_index": -1, "moe_layer_interval": 1, "moe_norm_min": 1e-12,
+        "use_bias": False, "vocab_size": 300, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "tie_word_embeddings": True,
+        "hidden_act": "silu", "eos_token_id": 0, "bos_token_id": None, "pad_token_id": 0,
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def dots1_config(**kw) -> dict:
+    """A tiny dots.llm1-like config.json dict (Dots1Config names): GQA 4/2 with per-head q/k
+    norms, layer 0 dense, 8 experts top-2 in 2 groups (1 kept) with one shared expert, scaled
+    sigmoid routing; the last layer slides over 6 positions."""
+    cfg = {
+        "architectures": ["Dots1ForCausalLM"], "model_type": "dots1", "hidden_size": 64, "intermediate_size": 96,
+        "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "n_group": 2, "topk_group": 1, "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "vocab_size": 300, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "sliding_window": 6,
+        "max_window_layers": 2, "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 0,
+        "bos_token_id": None,
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def hunyuan_v1_moe_config(**kw) -> dict:
+    """A tiny Hunyuan-A13B-like config.json dict (HunYuanMoEV1Config names): GQA 4/2 with q/k
+    norms after RoPE, NTK-alpha RoPE, 8 experts top-2 (``moe_topk``) of width 32 and a shared MLP."""
+    cfg = {
+        "architectures": ["HunYuanMoEV1ForCausalLM"], "model_type": "hunyuan_v1_moe", "hidden_size": 64,
+        "intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_experts": 8, "moe_topk": 2, "vocab_size": 300, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                                  "rope_theta": 10000.0},
+        "attention_bias": False, "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 0,
+        "bos_token_id": None,
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def minimax_m2_config(**kw) -> dict:
+    """A tiny MiniMax-M2-like config.json dict (MiniMaxM2Config names): GQA 4/2 of head_dim 16
+    with whole-projection q/k norms and rotary_dim 8, 8 experts top-2 of width 32, sigmoid
+    routing with the correction bias."""
+    cfg = {
+        "architectures": ["MiniMaxM2ForCausalLM"], "model_type": "minimax_m2", "hidden_size": 64,
+        "intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rotary_dim": 8, "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 300,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5},
+        "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 0, "bos_token_id": None,
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def llama4_text_config(**kw) -> dict:
+    """A tiny Llama-4-like text config.json dict (Llama4TextConfig names): GQA 4/2 of head_dim 16,
+    layer 3 of 4 without RoPE, chunks of 8, MoE on layers 1 and 3 (8 experts top-1 of width 32 and
+    a shared expert), dense MLPs of 96, llama3 RoPE scaling, temperature tuning from position 3."""
+    cfg = {
+        "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "hidden_size": 64,
+        "intermediate_size": 32, "intermediate_size_mlp": 96, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2, "no_rope_layer_interval": 4, "attention_chunk_size": 8,
+        "use_qk_norm": True, "attn_temperature_tuning": True, "floor_scale": 4, "attn_scale": 0.1,
+        "vocab_size": 300, "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": 0, "bos_token_id": None,
+    }
+    cfg.update(kw)
+    return cfg
+
+
+def llama4_config(**kw) -> dict:
+    """A tiny Llama 4 config.json dict as published (Llama4Config: :func:`llama4_text_config` with
+    ``kw`` under ``text_config``; a vision tower config beside it, whose weights the synthetic
+    checkpoint leaves out)."""
+    text = llama4_text_config(**kw)
+    text.pop("architectures")
+    return {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "text_config": text,
+            "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 32, "num_hidden_layers": 1,
+                              "num_attention_heads": 2, "intermediate_size": 32, "image_size": 28, "patch_size": 14,
+                              "vision_output_dim": 32, "projector_input_dim": 32, "projector_output_dim": 64},
+            "eos_token_id": text.get("eos_token_id")}
+
+
+def gemma4_text_config(**kw) -> dict:
+    """A tiny Gemma-4-26B-A4B-like text config.json dict (Gemma4TextConfig names): sliding layers
+    (window 6, 2 KV heads of 16; even layers but the last) and full layers (one KV head of 32 that is also V, proportional
+    RoPE), a dense GeGLU of 64 beside 8 experts top-2 of width 32, logits soft-capped at 30."""
+    cfg = {
+        "architectures": ["Gemma4ForCausalLM"], "model_type": "gemma4_text", "hidden_size": 64,
+        "intermediate_size": 64, "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "global_head_dim": 32, "num_global_key_value_heads": 1,
+        "attention_k_eq_v": True, "enable_moe_block": True, "num_experts": 8, "top_k_experts": 2,
+        "hidden_size_per_layer_input": 0, "num_kv_shared_layers": 0, "sliding_window": 6, "final_logit_softcapping": 30.0,
+        "hidden_activation": "gelu_pytorch_tanh", "vocab_size": 300, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6, "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1000000.0}},
+        "tie_word_embeddings": True, "eos_token_id": 0, "bos_token_id": None, "pad_token_id": 0,
+    }
+    cfg.update(kw)
+    if "layer_types" not in kw:  # sliding, full, sliding, ..., the last one full
+        L = cfg["num_hidden_layers"]
+        cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 and i < L - 1 else "full_attention" for i in range(L)]
+    return cfg
+
+
+def gemma4_config(**kw) -> dict:
+    """A tiny Gemma 4 config.json dict as published (Gemma4Config: :func:`gemma4_text_config` with
+    ``kw`` under ``text_config``, no vision or audio tower)."""
+    text = gemma4_text_config(**kw)
+    text.pop("architectures")
+    return {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": text,
+            "vision_config": None, "audio_config": None,
+            "tie_word_embeddings": text.pop("tie_word_embeddings", True), "eos_token_id": text.get("eos_token_id")}
+
+
+def lfm2_moe_config(**kw) -> dict:
+    """A tiny LFM2-8B-A1B-like config.json dict (Lfm2MoeConfig names): conv layers (3 taps) around
+    a GQA 4/2 attention layer, layer 0 dense, 8 experts top-2 with the expert bias."""
+    cfg = {
+        "architectures": ["Lfm2MoeForCausalLM"], "model_type": "lfm2_moe", "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_experts": 8, "num_experts_per_tok": 2, "num_dense_layers": 1,
+        "use_expert_bias": True, "norm_topk_prob": True, "routed_scaling_factor": 1.0, "conv_L_cache": 3,
+        "conv_bias": False, "vocab_size": 300, "max_position_embeddings": 2048, "norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": True,
+        "eos_token_id": 0, "bos_token_id": None, "pad_token_id": 0,
+    }
+    cfg.update(kw)
+    if "layer_types" not in kw:  # conv, attention, conv, conv, attention, ...
+        cfg["layer_types"] = ["full_attention" if i % 3 == 1 else "conv" for i in range(cfg["num_hidden_layers"])]
+    return cfg
+
+
+def granitemoehybrid_config(**kw) -> dict:
+    """A tiny Granite-4.0-H-like config.json dict (GraniteMoeHybridConfig names): Mamba2 layers
+    (4 heads of 32 in 2 groups, d_state 8, 4-tap conv) around a NoPE GQA 4/2 layer, 8 experts
+    top-2 of width 32 beside a shared MLP of 64, Granite multipliers."""
+    cfg = {
+        "architectures": ["GraniteMoeHybridForCausalLM"], "model_type": "granitemoehybrid", "hidden_size": 64,
+        "intermediate_size": 32, "shared_intermediate_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "num_local_experts": 8, "num_experts_per_tok": 2, "mamba_n_heads": 4,
+        "mamba_d_head": 32, "mamba_d_state": 8, "mamba_n_groups": 2, "mamba_expand": 2, "mamba_d_conv": 4,
+        "mamba_conv_bias": True, "mamba_proj_bias": False, "position_embedding_type": None,
+        "embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.0625,
+        "logits_scaling": 2.0, "vocab_size": 300, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": False,
+        "hidden_act": "silu", "eos_token_id": 0, "bos_token_id": None,
+    }
+    cfg.update(kw)
+    if "layer_types" not in kw:  # Mamba2, attention, Mamba2, Mamba2, attention, ...
+        cfg["layer_types"] = ["full_attention" if i % 3 == 1 else "linear_attention"
+                              for i in range(cfg["num_hidden_layers"])]
+    return cfg
+
+
 def qwen3_next_config(**kw) -> dict:
     """A tiny Qwen3-Next config.json dict (Qwen3NextConfig names): Gated DeltaNet layers (2 key /
     4 value heads of 16) with a gated full-attention layer every 4th (the last one when fewer
@@ -250,7 +421,11 @@ CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixt
            "qwen2_moe": qwen2_moe_config, "deepseek_v2": deepseek_v2_config, "deepseek_v3": deepseek_v3_config,
            "glm4_moe": glm4_moe_config, "gpt_oss": gpt_oss_config, "deepseek_v32": deepseek_v32_config,
            "glm_moe_dsa": glm_moe_dsa_config, "glm4_moe_lite": glm4_moe_lite_config, "qwen3_next": qwen3_next_config,
-           "qwen3_5_moe_text": qwen3_5_moe_text_config, "qwen3_5_moe": qwen3_5_moe_config}
+           "qwen3_5_moe_text": qwen3_5_moe_text_config, "qwen3_5_moe": qwen3_5_moe_config,
+           "ernie4_5_moe": ernie4_5_moe_config, "dots1": dots1_config, "hunyuan_v1_moe": hunyuan_v1_moe_config,
+           "minimax_m2": minimax_m2_config, "llama4_text": llama4_text_config, "llama4": llama4_config,
+           "gemma4_text": gemma4_text_config, "gemma4": gemma4_config, "lfm2_moe": lfm2_moe_config,
+           "granitemoehybrid": granitemoehybrid_config}
 
 # Exact shapes of published checkpoints (their config.json values; weights are random).
 PRESETS = {

@@ -21,9 +21,10 @@ from engine.models import SUPPORTED_MODEL_TYPES, family_for
 from engine.quant import slab_layout
 from engine.kernels import _Q4_SIMD as K_SIMD
 from engine.synthetic import (CONFIGS, PRESETS, deepseek_v2_config, deepseek_v3_config, deepseek_v32_config,
-                              glm4_moe_config, glm4_moe_lite_config, glm_moe_dsa_config, mixtral_config,
+                              dots1_config, ernie4_5_moe_config, glm4_moe_config, glm4_moe_lite_config, glm_moe_dsa_config, mixtral_config,
                               olmoe_config, qwen2_moe_config, qwen3_5_moe_config, qwen3_5_moe_text_config,
-                              qwen3_moe_config, qwen3_next_config, write_checkpoint, write_store_from_seed)
+                              qwen3_moe_config, qwen3_next_config, write_checkpoint, write_store_from_seed,
+                              gemma4_config, gemma4_text_config, granitemoehybrid_config, hunyuan_v1_moe_config, lfm2_moe_config, llama4_config, llama4_text_config, minimax_m2_config)
 
 # Family configs with dense layers, GQA, shared experts and windows (small but streaming).
 FAMILY_CONFIGS = {
@@ -47,7 +48,31 @@ FAMILY_CONFIGS = {
     "qwen3_5_moe_text": qwen3_5_moe_text_config(num_hidden_layers=3, layer_types=[
         "linear_attention", "full_attention", "linear_attention"]),
     "qwen3_5_moe": qwen3_5_moe_config(num_hidden_layers=2, num_experts_per_tok=3),  # as published: text_config, model.language_model.*
+    # pair-rotated RoPE, softmax router with a selection-only bias, a shared expert, layer 0 dense
+    "ernie4_5_moe": ernie4_5_moe_config(),
+    # sigmoid routing over 2 groups with the bias, a shared expert, layer 0 dense, the last layer sliding
+    "dots1": dots1_config(),
+    # q/k norms after RoPE with NTK alpha, a shared MLP beside top-2 softmax experts
+    "hunyuan_v1_moe": hunyuan_v1_moe_config(),
+    # whole-projection q/k norms, rotary over half of each head, sigmoid routing with the bias
+    "minimax_m2": minimax_m2_config(),
+    # chunks of 7 (the 20-token prompt + 12 new tokens cross them), a NoPE layer with temperature
+    # tuning, input-scaled top-1 experts and a shared expert on layers 1 and 3; top-2 as published
+    "llama4_text": llama4_text_config(attention_chunk_size=7),
+    "llama4": llama4_config(num_experts_per_tok=2, attention_chunk_size=7),
+    # sliding / full layers of two head sizes with K = V on full ones, GeGLU experts beside a dense
+    # GeGLU, per-expert scales, layer scalars, soft-capped logits
+    "gemma4_text": gemma4_text_config(),
+    "gemma4": gemma4_config(attention_k_eq_v=False, top_k_experts=3),
+    # gated short convolutions carrying their state across calls, sigmoid routing with the bias
+    "lfm2_moe": lfm2_moe_config(),
+    # Mamba2 layers carrying conv inputs and state across calls, a NoPE attention layer, multipliers
+    "granitemoehybrid": granitemoehybrid_config(),
 }
+
+
+OWN_EXPERT_MLP = ("gpt_oss", "gemma4_text", "gemma4")  # not SwiGLU: the arena kernels do not run them
+DENSE_BESIDE_EXPERTS = ("gemma4_text", "gemma4")  # a resident MLP in every MoE layer
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +135,9 @@ def test_int4_prefill_does_not_depend_on_placement(family_stores, tmp_path, name
         got, path = _prefill_logits(store, **kw)
         took.add(path)
         assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), kw
-    # gpt-oss has its own expert MLP and MXFP4 experts: never the sorted path
-    assert took == ({False} if FAMILY_CONFIGS[name]["model_type"] == "gpt_oss" else {True}), took
+    # gpt-oss (clamped SwiGLU with biases, MXFP4) and Gemma 4 (GeGLU) have their own expert MLP:
+    # never the sorted path
+    assert took == ({False} if name in OWN_EXPERT_MLP else {True}), took
 
 
 @pytest.mark.parametrize("name", list(FAMILY_CONFIGS))
@@ -128,7 +154,8 @@ def test_store_records_family_and_moe_layers(family_stores, name):
     dense = load_file(str(store / "dense.safetensors"))
     for i in range(a.num_hidden_layers):
         if i in a.moe_layers:
-            assert f"layers.{i}.router" in dense and f"layers.{i}.mlp.gate_proj.w" not in dense
+            assert f"layers.{i}.router" in dense
+            assert (f"layers.{i}.mlp.gate_proj.w" in dense) == (name in DENSE_BESIDE_EXPERTS)
             assert (f"layers.{i}.shared_expert.up_proj.w" in dense) == (a.shared_expert_intermediate_size > 0)
         else:  # dense layers are resident and have no router
             assert f"layers.{i}.mlp.down_proj.w" in dense and f"layers.{i}.router" not in dense
@@ -283,9 +310,10 @@ def test_size_functions_match_the_store(family_stores, name):
     a = ModelArgs.from_hf_config(store)
     assert dense_bytes(a, "int8") == m["dense_bytes"]
     assert expert_slot_bytes(a, "int8") == m["slab_layout"]["slot_bytes"]
+    # a tied lm_head is stored beside the embedding (its own quantization) but is no parameter of its own
     assert a.dense_param_count() == sum(int(np.prod(v.shape)) for k, v in
                                         load_file(str(store / "dense.safetensors")).items()
-                                        if not k.endswith(".s"))
+                                        if not k.endswith(".s") and not (a.tie_word_embeddings and k.startswith("lm_head")))
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
@@ -435,6 +463,24 @@ def test_info_counts_the_indexer_keys_in_the_kv_cache(family_stores, name, n_ind
     assert f"({per_token * 4} B per token of context at f32" in text.replace(".0 B", " B")
     assert "index_topk 8 past tokens" in text
     assert ("1 of 3 layers reuse the previous layer's choice" in text) == (name == "glm_moe_dsa")
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
+@pytest.mark.parametrize("name,per_token", [
+    ("gemma4", 64 + 128 + 128),  # a sliding layer (2 KV heads of 16) + two full ones (2 of 32)
+    ("lfm2_moe", 64),  # the one attention layer; the conv layers' state apart, any context
+    ("granitemoehybrid", 64),  # the one attention layer; the Mamba2 layers' state apart
+    ("llama4", 4 * 64), ("ernie4_5_moe", 3 * 64)])
+def test_kv_cache_bytes_are_what_sizing_plans(family_stores, name, per_token, kv_dtype):
+    """The KV cache a model allocates is the one sizing plans (Engine.open's budget): per layer
+    of its own shape (Gemma 4), only the attention layers plus the recurrent state (LFM2, Granite)."""
+    from engine.sizing import kv_bytes
+    _, store = family_stores[name]
+    a = ModelArgs.from_hf_config(store)
+    assert a.kv_values_all_layers == per_token
+    cfg = EngineConfig(store=str(store), history=False, o_direct=False, context_length=96, kv_dtype=kv_dtype)
+    with Engine.open(cfg) as eng:
+        assert eng.model.kv_bytes == kv_bytes(a, 96, kv_dtype) == eng.plan.kv
 
 
 def test_glm5_preset_sizes_its_latent_and_indexer_cache():

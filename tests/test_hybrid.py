@@ -19,12 +19,16 @@ from engine.config import EngineConfig, ModelArgs
 from engine.events import Finished, FinishReason, GenerateRequest, SamplingParams
 from engine.generate import Engine
 from engine import kernels, kernels_ref
-from engine.synthetic import qwen3_5_moe_text_config, qwen3_next_config, write_checkpoint
+from engine.synthetic import granitemoehybrid_config, lfm2_moe_config, qwen3_5_moe_text_config, qwen3_next_config, write_checkpoint
 
 HYBRID = {
     "qwen3_next": qwen3_next_config(mlp_only_layers=[1]),
     "qwen3_5_moe_text": qwen3_5_moe_text_config(num_hidden_layers=3, layer_types=[
         "linear_attention", "full_attention", "linear_attention"]),
+    # short convolutions (their last inputs the state) around an attention layer
+    "lfm2_moe": lfm2_moe_config(num_hidden_layers=4),
+    # Mamba2 layers (conv inputs and the SSM state) around an attention layer
+    "granitemoehybrid": granitemoehybrid_config(num_hidden_layers=4),
 }
 
 

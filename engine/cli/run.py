@@ -267,6 +267,14 @@ def _attention_text(a) -> str:
         getattr(a, "qk_norm", "none"), "")
     extra += ", q/k/v biases" if getattr(a, "attention_bias", False) else ""
     text = f"heads {a.num_attention_heads} (KV heads {a.num_key_value_heads}, head size {a.head_dim}{rot}{extra})"
+    if getattr(a, "conv_layers", ()):  # LFM2: gated short convolutions between the attention layers
+        text = (f"{_layers(len(a.full_layers), 'attention')} ({text}), "
+                f"{_layers(len(a.conv_layers), 'gated short-convolution')} ({a.conv_L_cache} taps)")
+    if getattr(a, "mamba_layers", ()):  # Granite 4.0 hybrids
+        text = (f"{_layers(len(a.full_layers), 'attention')} ({text}"
+                + ("" if a.use_rope else ", no RoPE") + f"), {_layers(len(a.mamba_layers), 'Mamba2')} "
+                f"({a.mamba_n_heads} heads of {a.mamba_d_head}, {a.mamba_n_groups} groups, state {a.mamba_d_state}, "
+                f"conv {a.mamba_d_conv})")
     if getattr(a, "linear_layers", ()):
         text = (f"{_layers(len(a.full_layers), 'gated full-attention')} ({text}), "
                 f"{_layers(len(a.linear_layers), 'Gated DeltaNet linear-attention')} ({a.linear_num_key_heads} key / {a.linear_num_value_heads} value heads "

@@ -11,13 +11,17 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import ConfigError
-from . import (deepseek_v2, deepseek_v3, deepseek_v32, glm4_moe, glm4_moe_lite, glm_moe_dsa, gpt_oss,
-               mixtral, olmoe, qwen2_moe, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next)
+from . import (deepseek_v2, deepseek_v3, deepseek_v32, dots1, ernie4_5_moe, gemma4, gemma4_text, glm4_moe, glm4_moe_lite,
+               glm_moe_dsa, gpt_oss, granitemoehybrid, hunyuan_v1_moe, lfm2_moe, llama4, llama4_text, minimax_m2, mixtral, olmoe, qwen2_moe,
+               qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next)
 
 FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (olmoe, qwen3_moe, mixtral, qwen2_moe, deepseek_v2,
                                                            deepseek_v3, glm4_moe, gpt_oss, glm4_moe_lite,
                                                            deepseek_v32, glm_moe_dsa, qwen3_next,
-                                                           qwen3_5_moe_text, qwen3_5_moe)}
+                                                           qwen3_5_moe_text, qwen3_5_moe, ernie4_5_moe, dots1,
+                                                           hunyuan_v1_moe, minimax_m2, llama4_text, llama4,
+                                                           gemma4_text, gemma4, lfm2_moe,
+                                                           granitemoehybrid)}
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 FAMILY_NAMES = {m.MODEL_TYPE: m.DISPLAY_NAME for m in FAMILIES.values()}
 

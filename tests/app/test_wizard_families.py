@@ -1,6 +1,7 @@
 """The wizard for every model family: a local folder and the loopback fake hub each convert a
 tiny checkpoint saved by transformers' own class (OlmoeForCausalLM, Qwen3MoeForCausalLM,
-MixtralForCausalLM, Qwen2MoeForCausalLM) and the result chats; a GGUF-only folder and an
+MixtralForCausalLM, Qwen2MoeForCausalLM and the MoE families added
+after them) and the result chats; a GGUF-only folder and an
 unsupported model_type each get one clear line and Next stays disabled."""
 
 from __future__ import annotations
@@ -42,6 +43,30 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
         intermediate_size=48), "shared expert width 24"),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", "Ernie4_5_MoeForCausalLM", dict(
+        moe_num_experts=4, moe_k=2, moe_intermediate_size=16, moe_num_shared_experts=1, intermediate_size=48),
+        "ERNIE 4.5"),
+    "dots1": ("Dots1Config", "Dots1ForCausalLM", dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, intermediate_size=48,
+        first_k_dense_replace=1, head_dim=8), "dots.llm1"),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", "HunYuanMoEV1ForCausalLM", dict(
+        num_experts=4, moe_topk=2, intermediate_size=16, head_dim=8), "Hunyuan"),
+    "minimax_m2": ("MiniMaxM2Config", "MiniMaxM2ForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=16, head_dim=8,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}), "MiniMax-M2"),
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=1, intermediate_size=16, intermediate_size_mlp=48, head_dim=8,
+        interleave_moe_layer_step=2, attention_chunk_size=8), "Llama 4"),
+    "gemma4_text": ("Gemma4TextConfig", "Gemma4ForCausalLM", dict(
+        num_experts=4, top_k_experts=2, moe_intermediate_size=16, intermediate_size=24, head_dim=8, global_head_dim=16,
+        enable_moe_block=True, hidden_size_per_layer_input=0, attention_k_eq_v=True, num_global_key_value_heads=1,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=8), "Gemma 4"),
+    "lfm2_moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", dict(
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, intermediate_size=48, num_dense_layers=1,
+        layer_types=["conv", "full_attention"]), "LFM2-MoE"),
+    "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=16, shared_intermediate_size=24,
+        layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8), "Granite 4.0"),
 }
 
 
