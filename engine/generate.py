@@ -546,7 +546,11 @@ class Engine:
 
     def _run(self, ids, request, sampler, cancel, dropped=0, sources=()) -> Iterator[object]:
         with self._lock:
-            yield from self._run_locked(ids, request, sampler, cancel, dropped, sources)
+            self.cache.hold_fill()  # the pre-read waits while the answer reads on demand
+            try:
+                yield from self._run_locked(ids, request, sampler, cancel, dropped, sources)
+            finally:
+                self.cache.release_fill()
 
     def _run_locked(self, ids, request, sampler, cancel, dropped=0, sources=()) -> Iterator[object]:
         self._apply_threads()

@@ -208,10 +208,10 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "session 39)", "Reserve cache memory", check_text="fault in the cache's memory when the model opens"),
     _S("idle_fill", bool, True, "from the moment the model opens, read the experts not yet in RAM into free "
        "cache slots in one sequential pass over the store (large reads in file order, at the disk's sequential "
-       "rate), whenever no expert the model waits for is being read (those always go first), never evicting one: "
-       "a model whose experts fit in the cache becomes wholly resident seconds after it opens, so the first "
-       "answer waits on no expert read; one that does not fit gets its free slots filled with the experts its "
-       "routing history uses most. Off: experts are read when the model first needs them", "Pre-read experts",
+       "rate) while no answer is being generated (an answer's own reads have the disk to themselves), never "
+       "evicting one: a model whose experts fit in the cache becomes wholly resident seconds after it opens, so "
+       "a question asked after that waits on no expert read; one that does not fit gets its free slots filled "
+       "with the experts its routing history uses most. Off: experts are read when the model first needs them", "Pre-read experts",
        check_text="read experts into free cache slots in the background"),
     _S("pinning", bool, True, "after warm-up keep the most used experts of each layer resident, and load "
        "them before the first token next time", "Hot pinning",

@@ -130,3 +130,27 @@ def test_a_demand_read_during_the_pass_goes_first(medium_store):
         gate.set()
         cache.close()
         store.close()
+
+
+def test_a_held_pass_reads_nothing_until_released(medium_store):
+    """hold_fill (the engine holds the pass while it generates: its demand reads then have the
+    disk and the cores alone) stops the pass before any run; release_fill lets it read the
+    whole store."""
+    store, calls, _ = _recording_store(medium_store)
+    a = store.args
+    cache = ExpertCache(store, a.num_moe_layers, a.num_experts, a.num_experts, policy="lru", io_threads=1, fill=True)
+    try:
+        cache.hold_fill()
+        assert cache.start_fill()
+        for _ in range(6000):  # the fill thread has woken and seen the hold (it clears the wake first)
+            if not cache._fill_wake.is_set():
+                break
+            threading.Event().wait(0.01)
+        with cache.lock:  # a run starts only after the hold check, under this lock
+            assert cache.stats.fill_loads == 0 and cache._fill_inflight == 0 and calls == []
+        assert cache.fill_pending() == a.num_moe_layers * a.num_experts
+        cache.release_fill()
+        assert cache.wait_filled(timeout=60.0) and cache.residency().all()
+    finally:
+        cache.close()
+        store.close()
