@@ -50,6 +50,7 @@ from .errors import EngineError, ExpertReadError
 from .events import ABSENT, LOADING, PINNED, RESIDENT
 from .kernel_choice import K
 from .observers import ObserverList
+from .units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -711,8 +712,9 @@ class ExpertCache:
             n = self.stats.fill_loads - n0
             if n:
                 dt = time.perf_counter() - t0
-                log.info("read %d experts (%.0f MB) ahead of use in %.2f s (%.2f GB/s)", n,
-                         (self.stats.spec_bytes - b0) / 1e6, dt, (self.stats.spec_bytes - b0) / 1e9 / max(dt, 1e-9))
+                nb = self.stats.spec_bytes - b0
+                log.info("read %d experts (%s) ahead of use in %.2f s (%.2f GB/s)", n, format_bytes(nb), dt,
+                         nb / 1e9 / max(dt, 1e-9))
 
     def _load_run(self, layer: int, experts: list[int], slots: list[int]) -> None:
         """Read ``experts`` of ``layer`` into their reserved ``slots`` as one pre-read run
