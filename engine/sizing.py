@@ -351,7 +351,7 @@ def ram_verdict(est: Estimate, num_experts_per_tok: int, total: int, available: 
     layer_slots = list(est.layer_slot_bytes) or [est.slots_bytes]
     try:
         p = plan_cap(num_experts, layer_slots, est.dense_bytes, est.kv_bytes, usable / GB, None,
-                     reserve=est.reserve_bytes)
+                     reserve=est.reserve_bytes, kv_open=None if est.kv_open_bytes < 0 else est.kv_open_bytes)
         fit = p.slots // p.layers  # the slots every layer has at least
     except BudgetError:
         return "warn", (f"Tight on RAM: the model {head}. Close other programs or lower the context "

@@ -114,6 +114,12 @@ def test_the_cap_sets_aside_the_kv_of_the_first_tokens_only():
     assert abs(p.slots - whole_kv - (est.kv_bytes - est.kv_open_bytes) / est.slot_bytes) <= 1
     assert p.slots >= whole_kv + 130 and p.kv == est.kv_bytes and p.kv_set_aside == est.kv_open_bytes
     assert "KV (up to" in p.describe()
+    # the wizard's verdict before a download applies the same plan to its share of available RAM
+    from engine.sizing import AVAILABLE_SHARE, ram_verdict
+    avail = -(-4 * GB // AVAILABLE_SHARE)
+    _, msg = ram_verdict(est, 8, 16 * GB, int(avail))
+    fit = plan_estimate(est, int(AVAILABLE_SHARE * avail) / GB, None).slots // 16
+    assert fit >= 59 and f"about {fit} expert slots per layer fit" in msg, msg
     # the refusal counts the whole context: one slot per layer beside 537 MB of KV
     need = est.dense_bytes + est.kv_bytes + est.reserve_bytes + 16 * est.slot_bytes
     plan_cap(64, [est.slot_bytes] * 16, est.dense_bytes, est.kv_bytes, need / GB, None, kv_open=est.kv_open_bytes)
