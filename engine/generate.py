@@ -28,7 +28,7 @@ from .models import build_model
 from .models.base import K, mean_router_probs, softmax_rows
 from .observers import Observer, ObserverFailure
 from .ram_budget import GROWTH_HEADROOM_BYTES, RssGuard, current_rss, release_compiler_memory
-from .sizing import estimate_store, plan_estimate
+from .sizing import estimate_store, kv_bytes, plan_estimate
 from .sampling import Sampler
 from .settings import check_context_length
 from .sysinfo import BudgetClaim, FreeCores, threads_for, usable_cpus
@@ -40,6 +40,9 @@ WARMUP_TOKENS = 16
 #: (model class, dense quant, expert quant) whose kernels this process has already run
 _WARMED: set[tuple] = set()
 ADAPT_INTERVAL_S = 0.25  # threads = 0 (auto): re-count the free cores this often while generating
+# The KV cache's room is made (Engine._kv_room) this many positions at a time: its pages are
+# mapped as positions are written, 16 positions to a 4 KB page for a 128-wide f16 head
+KV_STEP_TOKENS = 64
 
 
 class RoutingFeed(Observer):
@@ -186,6 +189,7 @@ class Engine:
         self.heat = RoutingHeat(a.num_moe_layers, a.num_experts, store.manifest.get("created", ""))
         if config.history:
             self.heat.load(store.path)
+        self._kv_reached = 0  # positions the KV cache has room made for (_kv_room)
         self.cache = ExpertCache(store, a.num_moe_layers, a.num_experts, self.plan.cap, config.policy,
                                  heat=self.heat.counts, checksum=config.checksum,
                                  io_threads=config.io_threads, reserve=config.reserve_cache, fill=config.idle_fill,
@@ -546,7 +550,11 @@ class Engine:
 
     def _run(self, ids, request, sampler, cancel, dropped=0, sources=()) -> Iterator[object]:
         with self._lock:
-            yield from self._run_locked(ids, request, sampler, cancel, dropped, sources)
+            self.cache.hold_fill()  # the pre-read waits while the answer reads on demand
+            try:
+                yield from self._run_locked(ids, request, sampler, cancel, dropped, sources)
+            finally:
+                self.cache.release_fill()
 
     def _run_locked(self, ids, request, sampler, cancel, dropped=0, sources=()) -> Iterator[object]:
         self._apply_threads()
@@ -578,6 +586,7 @@ class Engine:
         p = self.model.rewind(p)  # a family with recurrent state may resume earlier (qwen3_next.py)
         self._kv_ids = self._kv_ids[:p]
         try:
+            self._kv_room(len(ids))
             logits = self.model.forward(np.asarray(ids[p:]), p, cancel=cancel)
             self._kv_ids = list(ids)
             self.heat.tokens += len(ids) - p
@@ -621,6 +630,7 @@ class Engine:
                     reason = FinishReason.CANCELLED
                     break
                 self._adapt_threads()
+                self._kv_room(pos + 1)
                 logits = self.model.forward(np.asarray([tok]), pos, cancel=cancel)
                 dec_forwards += 1
                 t_dec1 = time.perf_counter()
@@ -671,12 +681,31 @@ class Engine:
             threads=self.threads, seed=sampler.seed)
 
     def _grow_ok(self, nbytes: int) -> bool:
-        """Whether the expert cache's background growth (reservation, populate-ahead, idle fill)
-        may add ``nbytes`` now: RSS + nbytes + the KV cache while the model (which allocates
-        the KV cache filled, MoEModel.alloc_kv) is not built yet + GROWTH_HEADROOM_BYTES within
-        the RAM budget (the plan read at call time: it is re-planned after the warm-up)."""
-        kv = 0 if getattr(self, "model", None) is not None else self.plan.kv
+        """Whether the expert cache's background growth (reservation, populate-ahead, pre-read)
+        may add ``nbytes`` now: RSS + nbytes + the KV cache the plan set aside that the context
+        has not reached yet (its pages are mapped as positions are written: kv_zeros) +
+        GROWTH_HEADROOM_BYTES within the RAM budget (the plan read at call time: it is
+        re-planned after the warm-up)."""
+        kv = max(0, self.plan.kv_set_aside - self._kv_bytes(self._kv_reached))
         return self.read_rss() + nbytes + kv + GROWTH_HEADROOM_BYTES <= self.plan.budget
+
+    def _kv_bytes(self, n: int) -> int:
+        """KV cache bytes of the first ``n`` positions (engine.sizing.kv_bytes)."""
+        return kv_bytes(self.args, n, self.config.kv_dtype)
+
+    def _kv_room(self, n: int) -> None:
+        """Before a forward that writes KV rows up to position ``n`` - 1: when that passes the
+        positions room was made for (in steps of KV_STEP_TOKENS), the expert cache gives back
+        the slots the KV cache's new pages need if the budget cannot hold them beside it
+        (RssGuard.make_room), before they are written, so the RSS never runs past the budget
+        for the KV's sake. The plan set aside the KV of the first sizing.KV_OPEN_TOKENS."""
+        n = min(self.context_length, -(-int(n) // KV_STEP_TOKENS) * KV_STEP_TOKENS)
+        if n <= self._kv_reached:
+            return
+        grow = self._kv_bytes(n) - self._kv_bytes(self._kv_reached)
+        self._kv_reached = n
+        if self.guard.make_room(grow) is not None:
+            self.sync_pins()
 
     def cluster_status(self):
         """engine.cluster.ClusterStatus (workers, which experts live where: placement int16

@@ -150,6 +150,15 @@ class RssGuard:
             return None
         return self._check(token_index)
 
+    def make_room(self, nbytes: int) -> str | None:
+        """Call at a safe point before the process grows by ``nbytes`` it can foresee (the KV
+        cache's next positions, whose pages are mapped as they are written): when RSS + nbytes
+        is over the budget, the slots are lowered as for an overrun, with those bytes counted
+        as already there. Returns a log line when it fired."""
+        if nbytes <= 0:
+            return None
+        return self._check(None, int(nbytes))
+
     def poll(self) -> str | None:
         """Call at a safe point (no expert acquired, e.g. a layer start): looks only if the
         cache loaded something since the last look. Returns a log line when it fired."""
@@ -157,18 +166,19 @@ class RssGuard:
             return None
         return self._check(None)
 
-    def _check(self, token_index: int | None) -> str | None:
+    def _check(self, token_index: int | None, extra: int = 0) -> str | None:
         c = self.cache
         self._loads_seen = c.stats.loads
         rss = self.read_rss()
         self.peak = max(self.peak, rss)
         self.last_rss = rss
-        if rss <= self.budget:
+        if rss + extra <= self.budget:
             return None
         self.last_rss = None  # the cap may drop below: a later reader measures again
         # The slots that fit if every slot fills up (a prefill fills the layers one after the
-        # other): what the budget leaves beside the RSS that is not cache, in single slots.
-        outside = rss - c.resident_bytes()
+        # other): what the budget leaves beside the RSS that is not cache (and the growth to
+        # come, ``extra``), in single slots.
+        outside = rss + extra - c.resident_bytes()
         fit = (self.budget - outside) // c.slot_bytes
         old, old_cap = c.slots, c.cap
         new = int(max(c.L, min(old - 1, fit)))
@@ -176,7 +186,8 @@ class RssGuard:
             if not self.floor_warned:
                 self.floor_warned = True
                 self.last_message = (
-                    f"RSS {rss / 1e6:,.0f} MB is over the {self.budget / 1e6:,.0f} MB RAM budget with one expert slot "
+                    f"RSS {(rss + extra) / 1e6:,.0f} MB{' with the KV cache of the context' if extra else ''} is over the "
+                    f"{self.budget / 1e6:,.0f} MB RAM budget with one expert slot "
                     f"per layer: this budget cannot be held; raise it to at least {(outside + c.L * c.slot_bytes) / 1e6:,.0f} MB "
                     f"for one slot per layer, more for speed")
                 log.warning(self.last_message)
@@ -186,10 +197,12 @@ class RssGuard:
         n = c.set_slots(new, self.pins_for_cap(new_cap) if self.pins_for_cap else None)
         self.fired += 1
         self.trail.append((token_index, rss, old_cap, c.cap, old, c.slots))
-        self.last_message = (f"RSS {rss / 1e6:,.0f} MB over the {self.budget / 1e6:,.0f} MB RAM budget: expert slots "
+        grows = f" with {extra / 1e6:,.1f} MB more KV cache for the context" if extra else ""
+        self.last_message = (f"RSS {rss / 1e6:,.0f} MB{grows} over the {self.budget / 1e6:,.0f} MB RAM budget: expert slots "
                              f"{old} -> {c.slots} ({per_layer(old, c.L)} -> {per_layer(c.slots, c.L)} per layer), "
                              f"{n} cached expert{'' if n == 1 else 's'} evicted")
-        log.warning(self.last_message)
+        # a context growing into the room the cache had is the plan (sizing.KV_OPEN_TOKENS), not a fault
+        (log.info if extra else log.warning)(self.last_message)
         return self.last_message
 
 

@@ -205,12 +205,13 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "and zeroing later; the process's RSS rises to the cache's size within seconds instead of growing with "
        "use (with the automatic RAM budget on a model bigger than RAM that is most of the memory available "
        "at open). Off: only the next 2 slots of each layer are faulted in ahead", "Reserve cache memory", check_text="fault in the cache's memory when the model opens"),
-    _S("idle_fill", bool, False, "while the SSD is idle, read experts not yet in RAM into free cache slots "
-       "(never evicting one), the most used first: a model whose experts fit in the cache becomes wholly "
-       "resident in the first idle seconds after it opens (in the app or `colibri serve`; a one-shot "
-       "`colibri run` starts at once), one that does not has its free slots filled with likely experts; "
-       "it helps most when the model nearly or wholly fits the budget", "Idle fill",
-       check_text="fill free cache slots while the SSD is idle"),
+    _S("idle_fill", bool, True, "from the moment the model opens, read the experts not yet in RAM into free "
+       "cache slots in one sequential pass over the store (large reads in file order, at the disk's sequential "
+       "rate) while no answer is being generated (an answer's own reads have the disk to themselves), never "
+       "evicting one: a model whose experts fit in the cache becomes wholly resident seconds after it opens, so "
+       "a question asked after that waits on no expert read; one that does not fit gets its free slots filled "
+       "with the experts its routing history uses most. Off: experts are read when the model first needs them", "Pre-read experts",
+       check_text="read experts into free cache slots in the background"),
     _S("pinning", bool, True, "after warm-up keep the most used experts of each layer resident, and load "
        "them before the first token next time", "Hot pinning",
        check_text="pin the hottest experts and pre-warm them at start"),

@@ -12,13 +12,16 @@ Sizes are bytes (GB = 1e9 bytes), context lengths tokens.
             experts, dense-layer MLPs; engine.models.embedding_bytes left out).
     kv      2 (K and V) x transformer layers (num_hidden_layers) x KV heads x context x
             head_dim x 2 bytes (the kv_dtype setting's default f16; 4 bytes with f32).
+    kv_open the KV of the first KV_OPEN_TOKENS of the context: what the cap sets aside (the
+            KV's pages are mapped as the context fills; the expert cache gives slots back as
+            it grows).
     slots   one routed-expert slab per MoE layer (``manifest["slot_bytes"]``, else
             engine.models.expert_slot_bytes over moe_intermediate_size); dense layers
             (Qwen's mlp_only_layers / decoder_sparse_step) have no expert row.
     reserve RESERVE_BYTES for the Python / numpy / numba runtime, activations and logits.
 
 Automatic cap (after colibri's cap_for_ram, PR #1445, counted in single slots):
-    slots = (budget - dense - kv - reserve) // slot bytes, clamped to [L, L x num_experts],
+    slots = (budget - dense - kv_open - reserve) // slot bytes, clamped to [L, L x num_experts],
     cap = ceil(slots / L): every MoE layer holds cap or cap - 1 experts (ExpertCache.set_slots),
     so no budget is left unused for want of a whole slot in every layer (up to L - 1 slots:
     56 MB of a 7B int4 model's 4 GB budget).
@@ -45,6 +48,12 @@ from .ram_budget import AVAILABLE_SHARE, GB, RESERVE_BYTES, per_layer, probe_ava
 from .units import format_bytes
 
 MAX_DEFAULT_CONTEXT = 4096  # the context when the setting is 0 (capped by the model's own)
+# The KV cache's pages are mapped as the context fills (engine.models.base.kv_zeros), so the
+# plan sets aside the KV of the first KV_OPEN_TOKENS only (a question and its answer) and gives
+# the rest of the room to the expert cache, which gives slots back as the context grows
+# (Engine: RssGuard.make_room before each forward). The whole context's KV still counts in the
+# minimum a budget must hold (ram_needed, plan_cap's refusal).
+KV_OPEN_TOKENS = 512
 
 
 # --- the parts -----------------------------------------------------------------------------
@@ -114,7 +123,8 @@ class Estimate:
 
     ram_needed = dense + kv + one expert slot per MoE layer + reserve: the minimum plan_cap
     accepts. expert_bytes: every expert (a cache holding all of them). store_bytes: the
-    converted store on disk. num_experts: experts per layer.
+    converted store on disk. num_experts: experts per layer. kv_bytes: the KV cache at the
+    whole context; kv_open_bytes: at its first KV_OPEN_TOKENS (what the cap sets aside).
     """
 
     quant: str
@@ -130,6 +140,7 @@ class Estimate:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     layer_slot_bytes: tuple[int, ...] = ()
+    kv_open_bytes: int = -1  # the KV the cap sets aside at open (KV_OPEN_TOKENS); -1: kv_bytes
 
     @property
     def all_in_ram_bytes(self) -> int:
@@ -164,7 +175,8 @@ def estimate(args, quant: str = "int8", context_length: int = MAX_DEFAULT_CONTEX
     # on disk the dense file holds the embedding table too (read from there row by row)
     store = experts + dense + embedding_bytes(args, quant) + extra_store_bytes + 4096 + 120 * M * E + 128 * n_dense
     return Estimate(quant, slot, experts, dense, store, kv, slots, RESERVE_BYTES,
-                    dense + kv + slots + RESERVE_BYTES, ctx, E, args.num_experts_per_tok, (slot,) * M)
+                    dense + kv + slots + RESERVE_BYTES, ctx, E, args.num_experts_per_tok, (slot,) * M,
+                    kv_bytes(args, min(ctx, KV_OPEN_TOKENS), kv_dtype))
 
 
 def read_manifest(store: str | Path) -> dict:
@@ -190,7 +202,7 @@ def estimate_store(args, manifest: dict, context_length: int, kv_dtype: str = DE
     E = args.num_experts
     return Estimate(str(manifest.get("quant", "")), max(layer_slots), E * slots, dense, 0, kv, slots,
                     RESERVE_BYTES, dense + kv + slots + RESERVE_BYTES, ctx, E, args.num_experts_per_tok,
-                    layer_slots)
+                    layer_slots, kv_bytes(args, min(ctx, KV_OPEN_TOKENS), kv_dtype))
 
 
 # --- the cap -------------------------------------------------------------------------------
@@ -202,7 +214,7 @@ class BudgetPlan:
 
     budget: int
     dense: int
-    kv: int
+    kv: int  # the KV cache at the whole context
     reserve: int
     slot_bytes_sum: int  # one slot in every layer
     cap: int
@@ -211,6 +223,12 @@ class BudgetPlan:
     slots: int = 0  # expert slots of all MoE layers together (cap x layers, or fewer: cap - 1 in some)
     layers: int = 0  # MoE layers
     room_slots: int = 0  # the slots the budget has room for (an explicit cap may ask for more)
+    kv_open: int = -1  # the KV set aside at open (sizing.KV_OPEN_TOKENS); -1: all of ``kv``
+
+    @property
+    def kv_set_aside(self) -> int:
+        """The KV bytes the cap was planned around (``kv_open``, or ``kv`` when unset)."""
+        return self.kv if self.kv_open < 0 else self.kv_open
 
     def describe(self) -> str:
         """One line: slots per layer, budget and its parts (sizes in the unit that reads: kB,
@@ -224,17 +242,22 @@ class BudgetPlan:
                     f"per layer): the RSS guard will lower it, or raise the RAM budget")
         return (f"{spread}: {format_bytes(self.budget)} budget "
                 f"({'auto' if self.auto_budget else 'set'}), {format_bytes(self.dense)} dense, "
-                f"{format_bytes(self.kv)} KV, {format_bytes(self.reserve)} reserve, "
+                + (f"{format_bytes(self.kv)} KV" if self.kv_set_aside >= self.kv else
+                   f"{format_bytes(self.kv_set_aside)} KV (up to {format_bytes(self.kv)} as the context fills)")
+                + f", {format_bytes(self.reserve)} reserve, "
                 f"{format_bytes(self.slot_bytes_sum)} per slot across layers{over}")
 
 
 def plan_cap(num_experts: int, slot_bytes: list[int], dense_bytes: int, kv_bytes: int,
              ram_budget_gb: float | None, cap: int | None, rss_now: int | None = None,
-             available: int | None = None, reserve: int = RESERVE_BYTES) -> BudgetPlan:
+             available: int | None = None, reserve: int = RESERVE_BYTES, kv_open: int | None = None) -> BudgetPlan:
     """Size the expert cache.
 
     Args:
-        slot_bytes: per-layer slot size (bytes). dense_bytes, kv_bytes: resident bytes.
+        slot_bytes: per-layer slot size (bytes). dense_bytes: resident bytes. kv_bytes: the
+            KV cache at the whole context (the minimum a budget must hold counts it all).
+        kv_open: the KV the cap sets aside (the first KV_OPEN_TOKENS; None: all of kv_bytes);
+            the cache gives slots back as the context grows past it.
         ram_budget_gb: explicit budget (GB) or None for automatic (rss_now, default
             dense_bytes, + AVAILABLE_SHARE x available, default probed).
         cap: explicit slots/layer (overrides the automatic cap; still refused if its minimum,
@@ -259,11 +282,13 @@ def plan_cap(num_experts: int, slot_bytes: list[int], dense_bytes: int, kv_bytes
         budget = int(min(base + AVAILABLE_SHARE * available, whole))
     else:
         budget = int(ram_budget_gb * GB)
-    room = budget - dense_bytes - kv_bytes - reserve
+    kv_open = kv_bytes if kv_open is None else min(int(kv_open), kv_bytes)
+    room = budget - dense_bytes - kv_open - reserve
     L = max(1, len(slot_bytes))
     one = max(slot_bytes, default=0)
     fit = room // one if one > 0 else num_experts * L  # single slots
-    if fit < L:
+    full = (budget - dense_bytes - kv_bytes - reserve) // one if one > 0 else fit  # at the whole context
+    if full < L:
         raise BudgetError(
             f"RAM budget {format_bytes(budget)} cannot hold the dense weights ({format_bytes(dense_bytes)}) + "
             f"KV cache ({format_bytes(kv_bytes)}) + reserve ({format_bytes(reserve)}) + one expert slot per "
@@ -277,14 +302,15 @@ def plan_cap(num_experts: int, slot_bytes: list[int], dense_bytes: int, kv_bytes
         c = int(min(cap, num_experts))
         slots = c * L
     return BudgetPlan(budget, dense_bytes, kv_bytes, reserve, per, c, ram_budget_gb is None, auto_cap,
-                      slots=slots, layers=L, room_slots=int(fit))
+                      slots=slots, layers=L, room_slots=int(fit), kv_open=kv_open)
 
 
 def plan_estimate(est: Estimate, ram_budget_gb: float | None, cap: int | None,
                   rss_now: int | None = None, available: int | None = None) -> BudgetPlan:
     """plan_cap for an Estimate (what Engine.open does for the same model and settings)."""
     return plan_cap(est.num_experts, list(est.layer_slot_bytes), est.dense_bytes, est.kv_bytes,
-                    ram_budget_gb, cap, rss_now=rss_now, available=available, reserve=est.reserve_bytes)
+                    ram_budget_gb, cap, rss_now=rss_now, available=available, reserve=est.reserve_bytes,
+                    kv_open=None if est.kv_open_bytes < 0 else est.kv_open_bytes)
 
 
 def plan_for_store(store: str | Path, config, rss_now: int | None = None,
@@ -312,7 +338,7 @@ def plan_before_open(est: Estimate, available: int) -> BudgetPlan:
     num_experts = est.num_experts or est.expert_bytes // max(1, est.slots_bytes)
     layer_slots = list(est.layer_slot_bytes) or [est.slots_bytes]
     return plan_cap(num_experts, layer_slots, est.dense_bytes, est.kv_bytes, int(AVAILABLE_SHARE * available) / GB,
-                    None, reserve=est.reserve_bytes)
+                    None, reserve=est.reserve_bytes, kv_open=None if est.kv_open_bytes < 0 else est.kv_open_bytes)
 
 
 def ram_verdict(est: Estimate, num_experts_per_tok: int, total: int, available: int) -> tuple[str, str]:

@@ -328,7 +328,7 @@ def test_trace_and_heat_use_moe_layer_rows(family_stores, tmp_path, name):
     req = GenerateRequest(prompt_ids=tuple(stream[:10]), forced_ids=tuple(stream[10:]),
                           sampling=SamplingParams(max_new_tokens=40))
     cfg = EngineConfig(store=str(store), cap=3, policy="ema", pinning=True, pin_per_layer=1, pilot=0,
-                       history=True, o_direct=False)
+                       history=True, o_direct=False, idle_fill=False)
     with Engine.open(cfg) as eng:
         rec = TraceRecorder(eng)
         list(eng.generate(req))
@@ -571,7 +571,7 @@ def _decode_all_resident(store, policy: str, kv_dtype: str, steps: int = 6, obse
     after them (counters, use clock, last use, routed_now, busy counts, eviction order, the
     routing heat)."""
     cfg = EngineConfig(store=str(store), history=False, o_direct=False, pilot=0, policy=policy,
-                       kv_dtype=kv_dtype, pinning=False)
+                       kv_dtype=kv_dtype, pinning=False, idle_fill=False)
     with Engine.open(cfg) as eng:
         m, c = eng.model, eng.cache
         for layer in range(c.L):
@@ -709,7 +709,7 @@ def test_decode_step_in_one_call_with_the_cap_lowered_around_it(family_stores, t
         base.DECODE_T1 = one_call
         try:
             with Engine.open(EngineConfig(store=str(store), history=False, o_direct=False, pilot=0,
-                                          pinning=False, policy=policy)) as eng:
+                                          pinning=False, policy=policy, idle_fill=False)) as eng:
                 m, c = eng.model, eng.cache
                 for layer in range(c.L):
                     c.load_experts(layer, np.arange(c.E))
@@ -759,7 +759,7 @@ def _decode_streaming(store, policy: str, cap: int, steps: int = 24):
     the logits of a 20-token prefill and ``steps`` greedy decode steps, and the cache's
     bookkeeping after them (as _decode_all_resident, plus which expert each slot holds)."""
     cfg = EngineConfig(store=str(store), history=False, o_direct=False, pilot=0, policy=policy, cap=cap,
-                       pinning=False, checksum="always")
+                       pinning=False, checksum="always", idle_fill=False)
     with Engine.open(cfg) as eng:
         m, c = eng.model, eng.cache
         if m._decode_plan() is not None:

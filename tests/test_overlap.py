@@ -403,12 +403,16 @@ def test_reserve_and_fill_stay_inside_the_ram_budget(tiny_store, monkeypatch):
     def fake_rss():
         c = holder.get("cache")
         return holder["base"] + (int(c._faulted.sum()) * c.slot_bytes if c is not None else 0)
-    with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, cap=3)) as eng:
+    ctx = 512  # the KV the plan sets aside at open is then the whole context's (sizing.KV_OPEN_TOKENS)
+    with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, cap=3,
+                                  context_length=ctx)) as eng:
         slot, plan = eng.cache.slot_bytes, eng.plan
+    assert plan.kv_set_aside == plan.kv
     budget_gb = (plan.dense + plan.kv + plan.reserve + 3 * eng.args.num_moe_layers * slot) / 1e9 + 1e-6
     from engine.ram_budget import GROWTH_HEADROOM_BYTES
-    # room for 5 slots once the model (and its KV cache, in the RSS from then on) is built
-    holder["base"] = int(budget_gb * 1e9) - GROWTH_HEADROOM_BYTES - 5 * slot - slot // 2
+    # room for 5 slots beside the KV cache the plan sets aside (not in the RSS before the
+    # context reaches it: the engine counts it in)
+    holder["base"] = int(budget_gb * 1e9) - GROWTH_HEADROOM_BYTES - 5 * slot - slot // 2 - plan.kv
     import engine.generate as G
 
     class Seen(G.ExpertCache):  # the fake RSS sees the arena from the cache's first thread on
@@ -419,7 +423,7 @@ def test_reserve_and_fill_stay_inside_the_ram_budget(tiny_store, monkeypatch):
     monkeypatch.setattr(G, "ExpertCache", Seen)
     for over in (dict(reserve_cache=True), dict(idle_fill=True)):
         with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, ram_budget_gb=budget_gb,
-                                      pinning=False, **over), read_rss=fake_rss) as eng:
+                                      pinning=False, context_length=ctx, **over), read_rss=fake_rss) as eng:
             c = eng.cache
             assert c is holder["cache"] and c.cap == 3 and c.grow_ok is not None
             if c._populater is None or not c._populater.is_alive():

@@ -93,7 +93,7 @@ def test_layers_with_every_expert_resident_are_not_predicted(medium_store, monke
             self.layers.add(layer)
 
     for subscribe in (False, True):
-        cfg = EngineConfig(store=str(medium_store), history=False, pinning=False, cap=16, pilot=1)
+        cfg = EngineConfig(store=str(medium_store), history=False, pinning=False, cap=16, pilot=1, idle_fill=False)
         with Engine.open(cfg) as eng:
             p = eng.pilot
             L, E = p.L, p.E

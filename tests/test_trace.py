@@ -13,7 +13,7 @@ from engine.trace import TraceRecorder, load_trace, replay_all, replay_belady, r
                                                     ("ema", False, 5), ("ema", True, 8)])
 def test_replay_reproduces_engine_counts_exactly(medium_store, tmp_path, policy, pinning, cap):
     cfg = EngineConfig(store=str(medium_store), cap=cap, policy=policy, pinning=pinning, pilot=0,
-                       history=False)
+                       history=False, idle_fill=False)  # the replay starts from an empty cache
     stream = np.random.default_rng(8).integers(10, 500, 70).tolist()
     req = GenerateRequest(prompt_ids=tuple(stream[:20]), forced_ids=tuple(stream[20:]),
                           sampling=SamplingParams(max_new_tokens=50))

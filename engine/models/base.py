@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import mmap
 import os
 import threading
 from dataclasses import dataclass, field
@@ -754,6 +755,30 @@ def run_expert(kind: str, v: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray
         K.expert_f32(x, v["gate_proj.w"], v["up_proj.w"], v["down_proj.w"], h, out)
 
 
+def kv_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """A zeroed array for a KV cache whose memory the OS maps page by page as positions are
+    first written: a private anonymous mapping (zero pages on first touch), advised against
+    transparent huge pages where the platform has the advice (a 2 MB page faulted in for one
+    position of each head would map the whole cache within a few tokens). A KV cache laid out
+    position by position along its context axis then holds, in RAM, the positions the
+    conversation has reached, not the whole context: the RAM the rest would take is the expert
+    cache's until the context grows (engine.sizing.KV_OPEN_TOKENS). Values are those of
+    np.zeros."""
+    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    if n == 0:
+        return np.zeros(shape, dtype)
+    if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
+        mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    else:
+        mm = mmap.mmap(-1, n)  # Windows: private pagefile-backed memory, committed on first touch
+    if hasattr(mmap, "MADV_NOHUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_NOHUGEPAGE)
+        except OSError:
+            pass
+    return np.frombuffer(mm, dtype).reshape(shape)
+
+
 def rope_tables(head_dim: int, theta: float, n_pos: int,
                 scaling: tuple[tuple[str, float], ...] = ()) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin float32 [n_pos, head_dim // 2], computed in float32 as transformers does
@@ -951,15 +976,12 @@ class MoEModel:
         return ly
 
     def alloc_kv(self) -> None:
-        """The KV cache k_cache, v_cache [L, Hkv, C, S] (KV_DTYPES[kv_dtype]) and the RoPE tables."""
+        """The KV cache k_cache, v_cache [L, Hkv, C, S] (KV_DTYPES[kv_dtype]; :func:`kv_zeros`:
+        its memory grows with the positions written) and the RoPE tables."""
         a = self.args
         L, Hkv, S = a.num_hidden_layers, a.num_key_value_heads, a.head_dim
-        # Filled (not np.zeros, whose pages appear lazily) so the KV the budget reserves is
-        # resident from the start: RSS then matches the plan instead of creeping up later.
-        self.k_cache = np.empty((L, Hkv, self.C, S), dtype=KV_DTYPES[self.kv_dtype])  # [L, Hkv, C, S]
-        self.v_cache = np.empty((L, Hkv, self.C, S), dtype=KV_DTYPES[self.kv_dtype])
-        self.k_cache.fill(0)
-        self.v_cache.fill(0)
+        self.k_cache = kv_zeros((L, Hkv, self.C, S), KV_DTYPES[self.kv_dtype])  # [L, Hkv, C, S]
+        self.v_cache = kv_zeros((L, Hkv, self.C, S), KV_DTYPES[self.kv_dtype])
         self.rotary_dim = a.rotary_dim or S
         self.cos, self.sin = rope_tables(self.rotary_dim, a.rope_theta, self.C, a.rope_scaling)  # [C, R/2]
         self.scale = np.float32(S ** -0.5)

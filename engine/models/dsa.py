@@ -203,9 +203,8 @@ class DSAModel(mla.MLAModel):
         super().alloc_kv()
         a = self.args
         self.index_row = {layer: n for n, layer in enumerate(a.indexer_layers)}
-        self.index_cache = np.empty((len(a.indexer_layers), self.C, a.index_head_dim),
-                                    dtype=base.KV_DTYPES[self.kv_dtype])  # [Li, C, Di]
-        self.index_cache.fill(0)
+        self.index_cache = base.kv_zeros((len(a.indexer_layers), self.C, a.index_head_dim),
+                                         base.KV_DTYPES[self.kv_dtype])  # [Li, C, Di]
         dr = a.qk_rope_head_dim
         self.index_perm = np.concatenate([np.arange(0, dr, 2), np.arange(1, dr, 2)]) \
             if a.indexer_rope_interleave else None

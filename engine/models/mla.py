@@ -183,8 +183,7 @@ class MLAModel(base.MoEModel):
     def alloc_kv(self) -> None:
         a = self.args
         L, W = a.num_hidden_layers, a.kv_lora_rank + a.qk_rope_head_dim
-        self.kv_cache = np.empty((L, 1, self.C, W), dtype=base.KV_DTYPES[self.kv_dtype])  # [L, 1, C, r + dr]
-        self.kv_cache.fill(0)  # resident from the start, as the budget plans (see MoEModel)
+        self.kv_cache = base.kv_zeros((L, 1, self.C, W), base.KV_DTYPES[self.kv_dtype])  # [L, 1, C, r + dr]
         self.rotary_dim = a.qk_rope_head_dim
         self.cos, self.sin = base.rope_tables(a.qk_rope_head_dim, a.rope_theta, self.C, a.rope_scaling)
         scale = a.qk_head_dim ** -0.5

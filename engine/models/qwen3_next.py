@@ -324,10 +324,8 @@ class Model(base.MoEModel):
         self.kv_row = {i: r for r, i in enumerate(a.full_layers)}
         self.state_row = {i: r for r, i in enumerate(a.linear_layers)}
         dt = base.KV_DTYPES[self.kv_dtype]
-        self.k_cache = np.empty((Lf, Hkv, self.C, S), dtype=dt)  # [Lf, Hkv, C, S]
-        self.v_cache = np.empty((Lf, Hkv, self.C, S), dtype=dt)
-        self.k_cache.fill(0)  # resident from the start, as the budget plans (see MoEModel)
-        self.v_cache.fill(0)
+        self.k_cache = base.kv_zeros((Lf, Hkv, self.C, S), dt)  # [Lf, Hkv, C, S]
+        self.v_cache = base.kv_zeros((Lf, Hkv, self.C, S), dt)
         kc = a.linear_conv_kernel_dim - 1
         nv, dk, dv = a.linear_num_value_heads, a.linear_key_head_dim, a.linear_value_head_dim
         self.conv_state = np.zeros((Ll, kc, a.conv_dim), np.float32)  # [Ll, Kc - 1, Cc]

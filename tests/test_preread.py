@@ -1,0 +1,156 @@
+"""The pre-read (setting idle_fill, on by default): one sequential pass over the store's experts
+from open, in large reads in file order, that a demand read always goes before; a first answer
+after it reads nothing on demand, and its tokens are those of a run without it."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from engine import Engine, EngineConfig, GenerateRequest, SamplingParams
+from engine.expert_cache import ExpertCache
+from engine.expert_store import ExpertStore
+
+
+def _answer(eng, n=12):
+    req = GenerateRequest(prompt_ids=(5, 6, 7, 8, 9), sampling=SamplingParams(max_new_tokens=n))
+    fin = list(eng.generate(req))[-1]
+    assert fin.error == ""
+    return fin
+
+
+def test_a_first_answer_after_the_pass_reads_no_expert_on_demand(medium_store):
+    """With the default settings a store that fits its budget is read whole at open; the first
+    answer then has no miss and no demand byte, and its tokens equal those of a run with the
+    pass off (which reads its experts on demand)."""
+    # a budget with room for the test process beside the whole store (an automatic one is the
+    # RSS at open plus what the model needs, which a first kernel compile here can outgrow)
+    cfg = dict(store=str(medium_store), history=False, o_direct=False, pinning=False, ram_budget_gb=4.0)
+    with Engine.open(EngineConfig(**cfg)) as eng:
+        assert eng.config.idle_fill  # the default
+        assert eng.cache.wait_filled(timeout=120.0)
+        assert eng.cache.residency().all()
+        on = _answer(eng)
+        assert eng.cache.stats.misses == 0 and eng.cache.stats.demand_bytes == 0
+        assert on.hit_rate == 1.0
+    with Engine.open(EngineConfig(idle_fill=False, **cfg)) as eng:
+        off = _answer(eng)
+        assert eng.cache.stats.misses > 0 and eng.cache.stats.fill_loads == 0
+    assert on.token_ids == off.token_ids and on.text == off.text
+
+
+def _recording_store(path, gate_first_run: threading.Event | None = None):
+    """An ExpertStore whose positional reads are recorded as (offset, buffers, bytes); with
+    ``gate_first_run`` the first read of more than one buffer waits for it (``run_started``
+    is set when it begins)."""
+    store = ExpertStore(path, o_direct=False)
+    calls: list[tuple[int, int, int]] = []
+    real = store._preadv
+    run_started = threading.Event()
+    lock = threading.Lock()
+
+    def preadv(fd, bufs, offset):
+        with lock:
+            first_run = len(bufs) > 1 and not run_started.is_set()
+            if first_run:
+                run_started.set()
+        if first_run and gate_first_run is not None:
+            assert gate_first_run.wait(60.0)
+        n = real(fd, bufs, offset)
+        with lock:
+            calls.append((offset, len(bufs), n))
+        return n
+    store._preadv = preadv
+    return store, calls, run_started
+
+
+def test_the_pass_reads_back_to_back_slabs_in_one_read_each_run(medium_store):
+    """Each layer's slabs lie back to back in its file: the pass reads them with one positional
+    read of many buffers, in file order, and the bytes are those of one read per slab
+    (checksums verified on the way: no read error)."""
+    store, calls, _ = _recording_store(medium_store)
+    a = store.args
+    L, E = a.num_moe_layers, a.num_experts
+    cache = ExpertCache(store, L, E, E, policy="lru", io_threads=1, fill=True)
+    try:
+        cache.pass_run = 6  # runs of 6, 6, 4 slabs per layer
+        assert cache.start_fill() and cache.wait_filled(timeout=60.0)
+        assert cache.residency().all() and cache.stats.read_errors == 0
+        assert cache.stats.fill_loads == L * E and cache.stats.demand_bytes == 0
+        assert [c[1] for c in calls] == [6, 6, 4] * L
+        assert all(n == k * store.slot_bytes for _o, k, n in calls)
+        for layer in range(L):  # file order: each layer's runs at ascending offsets
+            offs = [c[0] for c in calls[3 * layer:3 * layer + 3]]
+            assert offs == sorted(offs)
+        one = store.new_buffer()
+        for layer in range(L):
+            for e in range(E):
+                store.read(layer, e, one)
+                v = cache.acquire(layer, e)
+                try:
+                    got = cache.arena[cache._slot_offset(layer, cache.where[layer, e]):][:store.slot_bytes]
+                    assert np.array_equal(got, one)
+                finally:
+                    cache.release(layer, e)
+                assert v
+    finally:
+        cache.close()
+        store.close()
+
+
+def test_a_demand_read_during_the_pass_goes_first(medium_store):
+    """A demand read that arrives while a pass run is in flight is read at once, beside it (the
+    pass run cannot hold it back), and the pass starts its next run only after it: the last
+    expert of the last layer, which the pass would read last, is resident while the pass's
+    first run still waits."""
+    gate = threading.Event()
+    store, calls, run_started = _recording_store(medium_store, gate)
+    a = store.args
+    L, E = a.num_moe_layers, a.num_experts
+    cache = ExpertCache(store, L, E, E, policy="lru", io_threads=1, fill=True)
+    try:
+        cache.pass_run = 4
+        assert cache.start_fill()
+        assert run_started.wait(60.0)
+        last = (L - 1, E - 1)
+        cache.prepare(L - 1, [E - 1])
+        v = cache.acquire(*last)  # served while the pass's first run is held
+        cache.release(*last)
+        assert v and not gate.is_set()
+        assert cache.stats.demand_bytes == store.slot_bytes and cache.stats.misses == 1
+        assert calls == [(store.experts[last[0]][last[1]]["offset"], 1, store.slot_bytes)]
+        gate.set()
+        assert cache.wait_filled(timeout=60.0)
+        assert cache.residency().all()
+        # after the demand read: the held run, then the rest of the pass (the demanded expert
+        # not read again)
+        assert calls[1][1] == 4 and sum(k for _o, k, _n in calls[1:]) == L * E - 1
+    finally:
+        gate.set()
+        cache.close()
+        store.close()
+
+
+def test_a_held_pass_reads_nothing_until_released(medium_store):
+    """hold_fill (the engine holds the pass while it generates: its demand reads then have the
+    disk and the cores alone) stops the pass before any run; release_fill lets it read the
+    whole store."""
+    store, calls, _ = _recording_store(medium_store)
+    a = store.args
+    cache = ExpertCache(store, a.num_moe_layers, a.num_experts, a.num_experts, policy="lru", io_threads=1, fill=True)
+    try:
+        cache.hold_fill()
+        assert cache.start_fill()
+        for _ in range(6000):  # the fill thread has woken and seen the hold (it clears the wake first)
+            if not cache._fill_wake.is_set():
+                break
+            threading.Event().wait(0.01)
+        with cache.lock:  # a run starts only after the hold check, under this lock
+            assert cache.stats.fill_loads == 0 and cache._fill_inflight == 0 and calls == []
+        assert cache.fill_pending() == a.num_moe_layers * a.num_experts
+        cache.release_fill()
+        assert cache.wait_filled(timeout=60.0) and cache.residency().all()
+    finally:
+        cache.close()
+        store.close()
