@@ -151,11 +151,22 @@ def cmd_run(a) -> int:
 def cmd_convert(a) -> int:
     """``colibri convert SRC DST``: convert a Hugging Face checkpoint folder into a store."""
     from ..convert import convert_checkpoint
+    from ..gguf_import import convert_gguf, is_gguf_path
     t0 = time.perf_counter()
+    gguf = is_gguf_path(a.src)
+    if gguf and a.quant is not None:
+        print(f"colibri: {a.src}: a GGUF's experts keep the blocks it was published with; --quant does not "
+              f"apply (--dense-quant sets the resident weights)", file=sys.stderr)
+        return 2
+    quant = a.quant or "int8"
     try:
-        dst = convert_checkpoint(a.src, a.dst, quant=a.quant, overwrite=a.overwrite, group_size=a.group_size,
-                                 dense_quant=a.dense_quant, expert_layout=a.expert_layout,
-                                 progress=_progress_printer(f"converting ({a.quant})"))
+        if gguf:
+            dst = convert_gguf(a.src, a.dst, overwrite=a.overwrite, dense_quant=a.dense_quant or "int8",
+                               group_size=a.group_size, progress=_progress_printer("importing GGUF"))
+        else:
+            dst = convert_checkpoint(a.src, a.dst, quant=quant, overwrite=a.overwrite, group_size=a.group_size,
+                                     dense_quant=a.dense_quant, expert_layout=a.expert_layout,
+                                     progress=_progress_printer(f"converting ({quant})"))
     except KeyboardInterrupt:  # the converter removed its partial folder on the way out
         from .models import end_progress_line
         end_progress_line()
@@ -298,11 +309,13 @@ def add_parsers(sub) -> None:
 
     from ..models import FAMILY_NAMES
     c = sub.add_parser("convert", help=f"convert a Hugging Face MoE folder ({', '.join(FAMILY_NAMES.values())}) "
-                                       f"into a store")
+                                       f"or a GGUF model (a .gguf file, a split's parts, or a folder holding "
+                                       f"them) into a store")
     c.add_argument("src")
     c.add_argument("dst")
-    c.add_argument("--quant", choices=("int8", "int4", "f16", "f32", "mxfp4"), default="int8",
-                   help="expert quantization; mxfp4 keeps an MXFP4 checkpoint's experts (gpt-oss) as they are")
+    c.add_argument("--quant", choices=("int8", "int4", "f16", "f32", "mxfp4"), default=None,
+                   help="expert quantization (default int8); mxfp4 keeps an MXFP4 checkpoint's experts (gpt-oss) "
+                        "as they are; a GGUF's experts always keep their published blocks")
     c.add_argument("--group-size", type=int, default=32, help="int4 group size")
     c.add_argument("--dense-quant", choices=("int8", "int4", "f16", "f32"), default=None,
                    help="resident dense weights; int4 = attention int4, embedding and lm_head int8 "

@@ -728,7 +728,12 @@ def run_expert(kind: str, v: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray
     """out[T, D] = down(silu(gate(x)) * up(x)) for x [T, D] with the weight views ``v``
     (slab fields "gate_proj.w", "gate_proj.s", ...); h [T, I] is scratch. int4 weights stored
     interleaved (3-D views, store format 4) run K.expert_q4i, or, on a CPU without the SIMD
-    int4 kernels, K.expert_q4 on row-major copies: the same values either way."""
+    int4 kernels, K.expert_q4 on row-major copies: the same values either way. "gguf": a
+    GGUF-born slab's blocks as published (engine.kernels_gguf)."""
+    if kind == "gguf":
+        from .. import kernels_gguf
+        kernels_gguf.run_expert(v, x, h, out)
+        return
     if kind == "mxfp4":  # no fused kernel: three MXFP4 matmuls
         u = linear_views(kind, v, "up_proj", x, np.empty_like(h), gs)
         linear_views(kind, v, "gate_proj", x, h, gs)
