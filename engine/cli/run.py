@@ -179,6 +179,12 @@ def cmd_convert(a) -> int:
     return 0
 
 
+def _gguf_types(m: dict) -> str:
+    """The expert block types of a GGUF-born store's manifest, e.g. "Q4_K, Q6_K"."""
+    types = (m.get("gguf") or {}).get("expert_types") or []
+    return ", ".join(sorted({t for row in types for t in row if isinstance(t, str)})) or "GGUF"
+
+
 def describe_store(path: str, context_length: int = 0) -> str:
     """A few lines describing a converted store (``colibri info``): family, MoE and dense
     layers, shared expert, experts and top-k, slab bytes, and the RAM estimate of the one
@@ -225,6 +231,7 @@ def describe_store(path: str, context_length: int = 0) -> str:
                               if a.shared_expert_intermediate_size else "none"),
             f"vocab       {a.vocab_size}, context {a.max_position_embeddings}",
             f"quant       experts {m['quant']}" + (f" (group {m['group_size']})" if m.get("group_size") else "")
+            + (f" ({_gguf_types(m)} blocks as published)" if m["quant"] == "gguf" else "")
             + f", dense {m['dense_quant']}"
             + (", experts stored row-interleaved by 4" if m.get("expert_layout") == "interleaved_4" else ""),
             f"expert slab {format_bytes(st.slot_bytes)} each (one {m['alignment']}-byte-aligned read), "

@@ -389,9 +389,9 @@ def check_not_gguf(folder: Path, has_config: bool = False) -> None:
         return
     if ggufs and (has_config or not (folder / "config.json").exists()):
         raise ConfigError(
-            f"{folder}: holds GGUF file(s) ({ggufs[0]}{', ...' if len(ggufs) > 1 else ''}); GGUF is not "
-            f"read by colibri - download the model's Hugging Face repository with config.json and "
-            f"*.safetensors instead (e.g. Qwen/Qwen3-30B-A3B rather than a -GGUF repo)")
+            f"{folder}: holds GGUF file(s) ({ggufs[0]}{', ...' if len(ggufs) > 1 else ''}), not a Hugging Face "
+            f"checkpoint (config.json and *.safetensors); import a GGUF with `colibri convert "
+            f"{folder / ggufs[0]} STORE` (or the wizard's 'From this computer')")
 
 
 def common_args(cfg: dict, path: str, family: str, *, expert_width_key: str,
