@@ -21,7 +21,8 @@ What the store gets:
     ``tokenizer.chat_template`` (engine.gguf_tokenizer).
 
 Architectures: ``qwen3moe``, ``olmoe``, ``qwen2moe``, ``llama`` with experts (Mixtral; its
-q/k rows are un-permuted back to the rotate-half order the converter permuted them from).
+q/k rows are un-permuted back to the rotate-half order the converter permuted them from),
+``gpt-oss`` (the experts' biases ``ffn_*_exps.bias`` go into each slab beside the blocks).
 
 Errors (one line, before any work, nothing left in DST): not a GGUF, a truncated header, tensor
 data shorter than the header says, a split with a part missing, an architecture or block type
@@ -52,7 +53,7 @@ log = logging.getLogger(__name__)
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 
 # llama.cpp architecture -> our family's model_type
-ARCHS = {"qwen3moe": "qwen3_moe", "olmoe": "olmoe", "qwen2moe": "qwen2_moe", "llama": "mixtral"}
+ARCHS = {"qwen3moe": "qwen3_moe", "olmoe": "olmoe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "gpt-oss": "gpt_oss"}
 
 # per-layer tensors: Hugging Face name inside model.layers.N. -> GGUF name inside blk.N.
 _LAYER_NAMES = {
@@ -61,7 +62,9 @@ _LAYER_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
     "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
     "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.sinks": "attn_sinks.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
     "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
     "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
@@ -77,14 +80,20 @@ _EXPERT_NAMES = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.we
                  "down_proj": "ffn_down_exps.weight"}
 
 
-def gguf_name(hf: str) -> str:
-    """The GGUF tensor name of the Hugging Face tensor ``hf`` (KeyError when GGUF has none)."""
+# gpt-oss's norm after attention is "post_attention_norm" in GGUF (ffn_norm elsewhere)
+_ARCH_LAYER_NAMES = {"gpt-oss": {"post_attention_layernorm.weight": "post_attention_norm.weight"}}
+
+
+def gguf_name(hf: str, arch: str = "") -> str:
+    """The GGUF tensor name of the Hugging Face tensor ``hf`` in architecture ``arch`` (KeyError
+    when GGUF has none)."""
     if hf in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[hf]
     m = re.match(r"model\.layers\.(\d+)\.(.+)$", hf)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if m is None or m.group(2) not in names:
         raise KeyError(hf)
-    return f"blk.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return f"blk.{m.group(1)}.{names[m.group(2)]}"
 
 
 def is_gguf_path(path: str | os.PathLike) -> bool:
@@ -279,8 +288,9 @@ def hf_config(g: GGUFModel) -> dict:
     if vocab is None:
         vocab = int(g.tensor("token_embd.weight").shape[1])
     scaling = g.key("rope.scaling.type", (str,), optional=True, default="none")
-    if scaling not in ("none", "linear") or (scaling == "linear" and g.key("rope.scaling.factor", (float,),
-                                                                            optional=True, default=1.0) != 1.0):
+    yarn = arch == "gpt-oss" and scaling == "yarn"
+    if not yarn and (scaling not in ("none", "linear") or
+                     (scaling == "linear" and g.key("rope.scaling.factor", (float,), optional=True, default=1.0) != 1.0)):
         raise ConfigError(f"{g.files[0]}: {arch}.rope.scaling.type = {scaling!r}: RoPE scaling is not supported "
                           f"for GGUF imports yet")
     cfg = {
@@ -311,6 +321,19 @@ def hf_config(g: GGUFModel) -> dict:
     elif arch == "olmoe":
         cfg.update(model_type="olmoe", architectures=["OlmoeForCausalLM"], num_experts=E,
                    intermediate_size=_expert_width(g, ff), norm_topk_prob=False, clip_qkv=None)
+    elif arch == "gpt-oss":  # sliding-window layers first, then every other (llama.cpp's swa pattern 2)
+        cfg.update(model_type="gpt_oss", architectures=["GptOssForCausalLM"], num_local_experts=E,
+                   intermediate_size=_expert_width(g, ff), attention_bias="blk.0.attn_q.bias" in g.tensors,
+                   sliding_window=g.key("attention.sliding_window"),
+                   layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)])
+        rope = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+        if yarn:
+            rope.update(rope_type="yarn", factor=g.key("rope.scaling.factor", (float,)),
+                        original_max_position_embeddings=g.key("rope.scaling.original_context_length"),
+                        beta_fast=g.key("rope.scaling.yarn_beta_fast", (float,), optional=True, default=32.0),
+                        beta_slow=g.key("rope.scaling.yarn_beta_slow", (float,), optional=True, default=1.0),
+                        truncate=False)
+        cfg["rope_parameters"] = rope
     else:  # llama with experts: Mixtral
         cfg.update(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=E,
                    intermediate_size=_expert_width(g, ff))
@@ -341,6 +364,12 @@ def _dequantize(t) -> np.ndarray:
     """float32 numpy array of a ReaderTensor (gguf.quants' decoding), numpy shape."""
     from gguf.quants import dequantize
     return np.asarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+
+
+def _dequantize_rows(t, e: int) -> np.ndarray:
+    """float32 values of index ``e`` of a stacked ReaderTensor's first numpy axis."""
+    from gguf.quants import dequantize
+    return np.asarray(dequantize(np.asarray(t.data[e]), t.tensor_type), dtype=np.float32).reshape(-1)
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -378,9 +407,10 @@ class GGUFSource:
                                       f"implies {list(t.shape)}; the file is inconsistent")
         # experts: per MoE layer, per projection: (tensor, ggml type, row bytes)
         self.expert_rows: list[dict] = []
+        self.expert_biases: list[dict] = []  # per MoE layer: proj -> (bias tensor numpy [E, rows], first row)
         shapes = {"gate_proj": (I, D), "up_proj": (I, D), "down_proj": (D, I)}
         for i in a.moe_layers:
-            row = {}
+            row, biases = {}, {}
             fused = g.tensors.get(f"blk.{i}.ffn_gate_up_exps.weight")
             for proj in PROJS:
                 if fused is not None and proj != "down_proj":
@@ -398,12 +428,19 @@ class GGUFSource:
                     raise CheckpointError(f"{g.files[0]}: {t.name} has ggml shape {[int(x) for x in t.shape]}, the "
                                           f"metadata implies {[N, want_rows, a.num_experts]}")
                 row[proj] = (t, ty, row_bytes(ty, N), lo)
+                if a.expert_bias:  # gpt-oss: ffn_*_exps.bias, float32 [E, rows]
+                    bt = g.tensor(t.name[:-len(".weight")] + ".bias")
+                    if [int(x) for x in bt.shape] != [want_rows, a.num_experts]:
+                        raise CheckpointError(f"{g.files[0]}: {bt.name} has ggml shape {[int(x) for x in bt.shape]}, "
+                                              f"the metadata implies {[want_rows, a.num_experts]}")
+                    biases[proj] = (bt, lo)
             self.expert_rows.append(row)
+            self.expert_biases.append(biases)
         self.widths = {p: max(r[p][2] for r in self.expert_rows) for p in PROJS}
 
     def _gguf_tensor(self, hf: str):
         try:
-            name = gguf_name(hf)
+            name = gguf_name(hf, self.g.arch)
         except KeyError:
             raise CheckpointError(f"{self.g.files[0]}: the {self.g.arch} import has no GGUF name for {hf}") from None
         return self.g.tensor(name)
@@ -425,6 +462,12 @@ class GGUFSource:
         O = self.args.moe_intermediate_size if proj != "down_proj" else self.args.hidden_size
         data = np.asarray(t.data[e])
         return ty, np.ascontiguousarray(data[lo:lo + O]).view(np.uint8).reshape(O, rb)
+
+    def expert_bias(self, j: int, e: int, proj: str) -> np.ndarray:
+        """float32 [O]: expert ``e``'s bias of ``proj`` in MoE layer ``j`` (gpt-oss)."""
+        bt, lo = self.expert_biases[j][proj]
+        O = self.args.moe_intermediate_size if proj != "down_proj" else self.args.hidden_size
+        return _dequantize_rows(bt, e)[lo:lo + O]
 
     def expert_nbytes(self, j: int) -> int:
         return sum(r[2] * (self.args.moe_intermediate_size if p != "down_proj" else self.args.hidden_size)
@@ -507,20 +550,20 @@ def _write_store(source: GGUFSource, tok: dict, dst: Path, overwrite: bool, dq: 
         for t in source.tensors:
             check_cancel()
             w = source.get(t.hf, t.shape)
-            check_finite(gguf_name(t.hf), w, "f32" if t.kind == "keep" else dq, str(label))
+            check_finite(gguf_name(t.hf, g.arch), w, "f32" if t.kind == "keep" else dq, str(label))
             if t.kind == "keep":
                 dense[t.ours] = np.ascontiguousarray(w, np.float32)
             elif t.ours in ("embed_tokens", "lm_head"):
                 _put(dense, t.ours, w, LM_HEAD_QUANT.get(dq, dq), group_size)
             else:
                 if dq == "int4" and w.shape[-1] % group_size:
-                    raise CheckpointError(f"{label}: --dense-quant int4 needs the input width of {gguf_name(t.hf)} "
+                    raise CheckpointError(f"{label}: --dense-quant int4 needs the input width of {gguf_name(t.hf, g.arch)} "
                                           f"({w.shape[-1]}) to be a multiple of the group size {group_size}; use int8")
                 _put(dense, t.ours, w, dq, group_size)
             if t.hf not in counted:
                 counted.add(t.hf)
                 done += source.nbytes(t.hf)
-            report(gguf_name(t.hf))
+            report(gguf_name(t.hf, g.arch))
         experts_meta, types_meta = [], []
         slab = np.zeros(layout["slot_bytes"], np.uint8)
         offs = {name: (off, shape) for name, off, _dt, shape in layout["fields"]}
@@ -538,6 +581,9 @@ def _write_store(source: GGUFSource, tok: dict, dst: Path, overwrite: bool, dq: 
                         off, (O, width) = offs[f"{proj}.q"]
                         view = slab[off:off + O * width].reshape(O, width)
                         view[:, :rows.shape[1]] = rows
+                        if a.expert_bias:
+                            boff, (bo,) = offs[f"{proj}.b"]
+                            slab[boff:boff + 4 * bo].view(np.float32)[:] = source.expert_bias(j, e, proj)
                     done += source.expert_nbytes(j)
                     metas.append({"file": rel, "offset": f.tell(), "length": layout["slot_bytes"],
                                   CHECKSUM: slab_checksum(CHECKSUM, slab)})

@@ -208,3 +208,35 @@ def test_cli_convert_refuses_quant_for_gguf(olmoe_ck, tmp_path, capsys):
     assert "--quant does not apply" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "st")]) == 0
     assert main(["info", str(tmp_path / "st")]) == 0
+
+
+def test_slab_views_compute_the_swiglu_expert_and_biased_projections():
+    """A GGUF slab of mixed types (Q4_K gate, Q8_0 up, Q6_K down) with biases: run_expert's
+    SwiGLU equals the decoded matrices' math, and linear_views (what gpt-oss's expert uses) adds
+    each projection's bias to its block product."""
+    from engine import kernels_gguf as KG
+    from engine.gguf_blocks import TYPE_IDS, row_bytes
+    from engine.models.base import linear_views, run_expert
+    from engine.quant import slab_views
+    rng = np.random.default_rng(1)
+    D, I = 256, 512
+    types = {"gate_proj": TYPE_IDS["Q4_K"], "up_proj": TYPE_IDS["Q8_0"], "down_proj": TYPE_IDS["Q6_K"]}
+    shapes = {"gate_proj": (I, D), "up_proj": (I, D), "down_proj": (D, I)}
+    widths = {p: row_bytes(types[p], shapes[p][1]) for p in types}
+    lay = gguf_slab_layout(D, I, widths, bias=True)
+    buf = np.zeros(lay["slot_bytes"], np.uint8)
+    v = slab_views(buf, lay)
+    dense = {}
+    for k, p in enumerate(("gate_proj", "up_proj", "down_proj")):
+        v["types"][k] = types[p]
+        v[p + ".q"][:] = _random_blocks(types[p], shapes[p][0], shapes[p][1], rng)
+        v[p + ".b"][:] = rng.standard_normal(shapes[p][0]).astype(np.float32)
+        dense[p] = KG.dequantize(types[p], v[p + ".q"], shapes[p][1]).astype(np.float64)
+    x = rng.standard_normal((3, D)).astype(np.float32)
+    out = np.empty((3, D), np.float32)
+    run_expert("gguf", v, x, np.empty((3, I), np.float32), out, 32)
+    g, u = x @ dense["gate_proj"].T, x @ dense["up_proj"].T
+    want = (g / (1 + np.exp(-g)) * u) @ dense["down_proj"].T
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    got = linear_views("gguf", v, "up_proj", x, np.empty((3, I), np.float32), 32)
+    np.testing.assert_allclose(got, u + v["up_proj.b"], rtol=1e-4, atol=1e-4 * np.abs(u).max())

@@ -702,6 +702,14 @@ class LinearGroup:
 def linear_views(kind: str, v: dict, proj: str, x: np.ndarray, out: np.ndarray, gs: int) -> np.ndarray:
     """out[T, O] = x[T, N] @ W^T (+ the bias "{proj}.b" when the slab holds one) for the
     projection ``proj`` of the slab views ``v`` at weight kind ``kind``."""
+    if kind == "gguf":  # GGUF blocks as published: the slab's header names the projection's type
+        from .. import kernels_gguf
+        from ..gguf_blocks import PROJS
+        kernels_gguf.linear(x, v[proj + ".q"], int(v["types"][PROJS.index(proj)]), out)
+        b = v.get(proj + ".b")
+        if b is not None:
+            out += b
+        return out
     w, s = v[proj + ".w"], v.get(proj + ".s")
     if kind == "int8":
         K.linear_q8(x, w, s, out)
