@@ -78,6 +78,8 @@ _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.w
                  "lm_head.weight": "output.weight"}
 _EXPERT_NAMES = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
                  "down_proj": "ffn_down_exps.weight"}
+# Mixtral files converted before llama.cpp stacked the experts: one tensor per expert, blk.N.ffn_gate.E.weight
+_PER_EXPERT_NAMES = {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
 
 # gpt-oss's norm after attention is "post_attention_norm" in GGUF (ffn_norm elsewhere)
@@ -379,6 +381,23 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2)).reshape(w.shape)
 
 
+class _PerExpert:
+    """A layer's per-expert tensors (blk.N.ffn_gate.E.weight) seen as one stacked tensor: ``data[e]``
+    is expert e's rows, ``shape`` ggml's [N, O, E], the type and name those of expert 0."""
+
+    def __init__(self, tensors: list):
+        self.tensors = tensors
+        t0 = tensors[0]
+        self.name, self.tensor_type = t0.name, t0.tensor_type
+        self.types = [int(t.tensor_type) for t in tensors]
+        self.shape = [int(t0.shape[0]), int(t0.shape[1]), len(tensors)]
+        self.data = [t.data for t in tensors]
+        for t in tensors:
+            if [int(x) for x in t.shape] != self.shape[:2]:
+                raise CheckpointError(f"{t.name} has ggml shape {[int(x) for x in t.shape]}, expert 0 "
+                                      f"{self.shape[:2]}; the file is inconsistent")
+
+
 class GGUFSource:
     """The tensors of a GGUF model under the family's Hugging Face names (float32) and its routed
     experts as block rows, for :func:`convert_gguf`.
@@ -413,10 +432,14 @@ class GGUFSource:
             row, biases = {}, {}
             fused = g.tensors.get(f"blk.{i}.ffn_gate_up_exps.weight")
             for proj in PROJS:
+                stacked = f"blk.{i}.{_EXPERT_NAMES[proj]}"
+                old = f"blk.{i}.{_PER_EXPERT_NAMES[proj]}.%d.weight"
                 if fused is not None and proj != "down_proj":
                     t, lo = fused, (0 if proj == "gate_proj" else I)
+                elif stacked not in g.tensors and old % 0 in g.tensors:
+                    t, lo = _PerExpert([g.tensor(old % e) for e in range(a.num_experts)]), 0
                 else:
-                    t, lo = g.tensor(f"blk.{i}.{_EXPERT_NAMES[proj]}"), 0
+                    t, lo = g.tensor(stacked), 0
                 O, N = shapes[proj]
                 ty = int(t.tensor_type)
                 if ty not in BLOCK_TYPES:
@@ -461,6 +484,9 @@ class GGUFSource:
         t, ty, rb, lo = self.expert_rows[j][proj]
         O = self.args.moe_intermediate_size if proj != "down_proj" else self.args.hidden_size
         data = np.asarray(t.data[e])
+        if int(t.tensor_type if not isinstance(t, _PerExpert) else t.types[e]) != ty:
+            raise CheckpointError(f"{self.g.files[0]}: the experts of {t.name} are of different block types; "
+                                  f"not supported")
         return ty, np.ascontiguousarray(data[lo:lo + O]).view(np.uint8).reshape(O, rb)
 
     def expert_bias(self, j: int, e: int, proj: str) -> np.ndarray:

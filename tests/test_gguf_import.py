@@ -240,3 +240,63 @@ def test_slab_views_compute_the_swiglu_expert_and_biased_projections():
     np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
     got = linear_views("gguf", v, "up_proj", x, np.empty((3, I), np.float32), 32)
     np.testing.assert_allclose(got, u + v["up_proj.b"], rtol=1e-4, atol=1e-4 * np.abs(u).max())
+
+
+def _llama_moe_gguf(path: Path, per_expert: bool, rng_seed: int = 4) -> Path:
+    """A tiny llama-architecture MoE (Mixtral) GGUF written with gguf's writer: the experts as
+    llama.cpp stacks them (blk.N.ffn_gate_exps) or, as files converted before that did, one tensor
+    per expert (blk.N.ffn_gate.E.weight); Q8_0 expert rows, F32 elsewhere."""
+    rng = np.random.default_rng(rng_seed)
+    D, I, E, L, V, H, KV = 64, 64, 4, 2, 96, 4, 2
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(L)
+    w.add_context_length(256)
+    w.add_embedding_length(D)
+    w.add_feed_forward_length(I)
+    w.add_head_count(H)
+    w.add_head_count_kv(KV)
+    w.add_expert_count(E)
+    w.add_expert_used_count(2)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(V)
+
+    def f(*shape, s=0.1):
+        return (rng.standard_normal(shape) * s).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", f(V, D))
+    w.add_tensor("output_norm.weight", 1 + f(D))
+    w.add_tensor("output.weight", f(V, D))
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    for i in range(L):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", 1 + f(D))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", 1 + f(D))
+        for n, o in (("attn_q", D), ("attn_k", D // H * KV), ("attn_v", D // H * KV), ("attn_output", D)):
+            w.add_tensor(f"blk.{i}.{n}.weight", f(o, D))
+        w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", f(E, D, s=1.0))
+        for n, (o, k) in (("ffn_gate", (I, D)), ("ffn_up", (I, D)), ("ffn_down", (D, I))):
+            x = f(E, o, k)
+            if per_expert:
+                for e in range(E):
+                    w.add_tensor(f"blk.{i}.{n}.{e}.weight", gguf.quants.quantize(x[e], q8), raw_dtype=q8)
+            else:
+                w.add_tensor(f"blk.{i}.{n}_exps.weight", gguf.quants.quantize(x, q8), raw_dtype=q8)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_per_expert_mixtral_file_imports_as_the_stacked_one(tmp_path):
+    """A Mixtral GGUF with one tensor per expert (files converted before llama.cpp stacked them)
+    gives byte-identical expert slabs and the same logits as the stacked layout of the same weights."""
+    a = convert_gguf(_llama_moe_gguf(tmp_path / "stacked.gguf", False), tmp_path / "a")
+    b = convert_gguf(_llama_moe_gguf(tmp_path / "old.gguf", True), tmp_path / "b")
+    for j in range(2):
+        assert (a / f"experts/layer_{j:03d}.bin").read_bytes() == (b / f"experts/layer_{j:03d}.bin").read_bytes()
+    assert json.loads((a / "config.json").read_text())["model_type"] == "mixtral"
+    ids = np.arange(1, 17)
+    la = open_model(a, kv_dtype="f32")[0].forward(ids, 0, all_logits=True)
+    lb = open_model(b, kv_dtype="f32")[0].forward(ids, 0, all_logits=True)
+    assert np.array_equal(la, lb) and np.isfinite(la).all()
