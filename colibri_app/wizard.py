@@ -197,7 +197,7 @@ class SourcePage(QWizardPage):
         self.setTitle("Choose a model")
         self.setSubTitle("Download a model from the Hugging Face hub, or convert one already on this computer.")
         self.hub_radio = QRadioButton("From the Hugging Face hub")
-        self.local_radio = QRadioButton("From a folder on this computer (Hugging Face layout)")
+        self.local_radio = QRadioButton("From this computer: a Hugging Face folder or a GGUF file")
         self.hub_radio.setChecked(True)
         grp = QButtonGroup(self)
         grp.addButton(self.hub_radio)
@@ -211,12 +211,18 @@ class SourcePage(QWizardPage):
         self.revision_edit.setToolTip("Branch, tag or commit (default: main).")
         self.folder_edit = QLineEdit()
         self.folder_edit.setObjectName("folder")
-        self.folder_edit.setPlaceholderText("folder with config.json and *.safetensors")
+        self.folder_edit.setPlaceholderText("folder with config.json and *.safetensors, or a .gguf file")
         self.browse = QPushButton("Browse…")
         self.browse.clicked.connect(self._browse)
+        self.browse_file = QPushButton("GGUF file…")
+        self.browse_file.setObjectName("browseGguf")
+        self.browse_file.setToolTip("A .gguf model file (LM Studio, Ollama, a -GGUF repository); its expert "
+                                    "blocks are imported as published, the file is only read.")
+        self.browse_file.clicked.connect(self._browse_file)
         self.supported = QLabel(
-            f"Supported mixture-of-experts families: {supported_families()}. Other model types, and GGUF "
-            f"files, are refused before anything is downloaded.")
+            f"Supported mixture-of-experts families: {supported_families()} (GGUF architectures qwen3moe, "
+            f"olmoe, qwen2moe, llama with experts, gpt-oss). Other model types are refused before anything is "
+            f"downloaded.")
         self.supported.setWordWrap(True)
         self.status = QLabel()
         self.status.setObjectName("sourceStatus")
@@ -241,6 +247,7 @@ class SourcePage(QWizardPage):
         g.addWidget(QLabel("Folder"), 5, 0)
         g.addWidget(self.folder_edit, 5, 1)
         g.addWidget(self.browse, 5, 2)
+        g.addWidget(self.browse_file, 5, 3)
         lay = QVBoxLayout(self)
         lay.addLayout(g)
         lay.addWidget(self.supported)
@@ -279,8 +286,9 @@ class SourcePage(QWizardPage):
         p = Path(k[1]).expanduser()
         if not p.exists():
             return f"Next is disabled: the folder {p} does not exist."
-        if not p.is_dir():
-            return f"Next is disabled: {p} is a file, not a folder; choose the folder that holds config.json."
+        if not p.is_dir() and p.suffix.lower() != ".gguf":
+            return (f"Next is disabled: {p} is a file, not a folder; choose the folder that holds config.json "
+                    f"(or a .gguf file).")
         return ""
 
     @Slot()
@@ -310,6 +318,7 @@ class SourcePage(QWizardPage):
             w.setEnabled(hub_mode)
         self.folder_edit.setEnabled(not hub_mode)
         self.browse.setEnabled(not hub_mode)
+        self.browse_file.setEnabled(not hub_mode)
         if self.task is None and self.refused != self.key():
             self.status.setText("")
             self.refused = None
@@ -327,6 +336,12 @@ class SourcePage(QWizardPage):
         d = QFileDialog.getExistingDirectory(self, "Model folder", self.folder_edit.text())
         if d:
             self.folder_edit.setText(d)
+
+    @Slot()
+    def _browse_file(self) -> None:
+        f, _ = QFileDialog.getOpenFileName(self, "GGUF model file", self.folder_edit.text(), "GGUF models (*.gguf)")
+        if f:
+            self.folder_edit.setText(f)
 
     def isComplete(self) -> bool:
         if self.task is not None:
@@ -679,7 +694,8 @@ class ConvertPage(QWizardPage):
         self.quant.blockSignals(True)
         self.quant.clear()
         for e in c.estimates:
-            self.quant.addItem(f"{e.quant} — store {lib.format_bytes(e.store_bytes)}, RAM ≥ "
+            label = "GGUF blocks as published" if e.quant == "gguf" else e.quant
+            self.quant.addItem(f"{label} — store {lib.format_bytes(e.store_bytes)}, RAM ≥ "
                                f"{lib.format_bytes(e.ram_needed)}", e.quant)
         preferred = self.quant.findData(self.wiz.preferred_quant) if self.wiz.preferred_quant else -1
         self.quant.setCurrentIndex(max(0, preferred if preferred >= 0 else self.quant.findData("int8")))

@@ -113,7 +113,7 @@ def _check_manifest(mpath: Path, m: dict, a: ModelArgs, ck: str) -> None:
         ok_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
         if ck not in CHECKSUM_OF_VERSION.values():
             raise ValueError(f"checksum {ck!r}")
-        if m["quant"] not in QUANTS or m["dense_quant"] not in QUANTS:
+        if m["quant"] not in QUANTS + ("gguf",) or m["dense_quant"] not in QUANTS:
             raise ValueError(f"quant {m['quant']!r} / dense_quant {m['dense_quant']!r}")
         gs = m.get("group_size")
         if gs is not None and not (ok_int(gs) and gs > 0 and gs % 2 == 0):
@@ -124,9 +124,13 @@ def _check_manifest(mpath: Path, m: dict, a: ModelArgs, ck: str) -> None:
             raise ValueError(f"expert_layout {el!r}")
         if el != "row_major" and m["version"] < 4:
             raise ValueError(f"expert_layout {el!r} in a store of version {m['version']} (layouts came with 4)")
-        want = slab_layout(m["quant"], a.hidden_size, a.moe_intermediate_size, gs or 32, bias=a.expert_bias,
-                           f32_int4_scales=m.get("version", FORMAT_VERSION) < 3,
-                           interleaved=el == "interleaved_4")
+        if m["quant"] == "gguf":  # GGUF blocks as published (engine.gguf_blocks)
+            from .gguf_blocks import gguf_slab_layout
+            want = gguf_slab_layout(a.hidden_size, a.moe_intermediate_size, m["gguf"]["row_bytes"], bias=a.expert_bias)
+        else:
+            want = slab_layout(m["quant"], a.hidden_size, a.moe_intermediate_size, gs or 32, bias=a.expert_bias,
+                               f32_int4_scales=m.get("version", FORMAT_VERSION) < 3,
+                               interleaved=el == "interleaved_4")
         got = {"fields": lay["fields"], "data_bytes": lay["data_bytes"], "slot_bytes": lay["slot_bytes"]}
         if got != json.loads(json.dumps(want)):
             raise ValueError("slab_layout does not match config.json and the quantization")

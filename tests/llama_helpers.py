@@ -3,7 +3,46 @@ GGUF tests (tests/test_bench_peers.py, tests/test_bench_gguf_seed.py)."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import numpy as np
+import pytest
+
+# A llama.cpp source tree built with cmake (build/bin: llama-quantize, llama-tokenize, libllama.so ...):
+# tests that need llama.cpp's own tools find it here, and skip (saying so) without it.
+LLAMA_CPP_DIR_ENV = "LLAMA_CPP_DIR"
+
+
+def llama_cpp_dir() -> Path | None:
+    """The llama.cpp source tree named by $LLAMA_CPP_DIR when it holds a cmake build, else None."""
+    d = os.environ.get(LLAMA_CPP_DIR_ENV)
+    if d and (Path(d) / "build" / "bin").is_dir():
+        return Path(d)
+    return None
+
+
+def llama_cpp_tool(name: str) -> Path:
+    """The path of llama.cpp's native tool ``name`` (build/bin), or skip the test saying how to get it."""
+    d = llama_cpp_dir()
+    if d is None or not (d / "build" / "bin" / name).is_file():
+        pytest.skip(f"needs llama.cpp's {name}: set {LLAMA_CPP_DIR_ENV} to a llama.cpp source tree built with "
+                    f"cmake (cmake -B build && cmake --build build)")
+    return d / "build" / "bin" / name
+
+
+def import_llama_cpp():
+    """The llama_cpp module (llama-cpp-python), its shared library taken from $LLAMA_CPP_DIR's
+    build when the package was installed without one; skip the test when it cannot load."""
+    d = llama_cpp_dir()
+    if d is not None and not os.environ.get("LLAMA_CPP_LIB_PATH"):
+        os.environ["LLAMA_CPP_LIB_PATH"] = str(d / "build" / "bin")
+    try:
+        import llama_cpp
+    except (ImportError, OSError, RuntimeError) as e:  # FileNotFoundError: a package built without its library
+        pytest.skip(f"needs llama-cpp-python with its library ({type(e).__name__}: {e}); set {LLAMA_CPP_DIR_ENV} "
+                    f"to a built llama.cpp tree for a package installed with LLAMA_BUILD=OFF")
+    return llama_cpp
 
 
 def kl(p_logits: np.ndarray, q_logits: np.ndarray) -> np.ndarray:

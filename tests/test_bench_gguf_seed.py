@@ -27,7 +27,7 @@ from engine.bench.gguf import gguf_plan, int4_codes_to_q4_0, plan_bytes, write_g
 from engine.config import ModelArgs  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.synthetic import SeededSource, qwen3_moe_config, write_checkpoint  # noqa: E402
-from llama_helpers import agreement, llama_logits  # noqa: E402
+from llama_helpers import agreement, import_llama_cpp, llama_logits  # noqa: E402
 from llama_helpers import kl as _kl  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,7 +223,7 @@ def test_llama_cpp_logits_on_seed_gguf_match_transformers(kind, tiny_ck, seed_gg
     checkpoint, Q4_0 ~6e-2, routing flips among near-tied experts; bounded loosely). The Q4_0
     / Q8_0 block layout itself is checked above (byte-equal to gguf.quants of the checkpoint,
     decoded values within a step of the checkpoint's)."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = import_llama_cpp()
     ref = hf_logits if kind == "f16" else \
         _transformers_logits(_dequantized_checkpoint(seed_ggufs[kind], tiny_ck, tmp_path / "deq"))
     got, _ = llama_logits(llama_cpp, seed_ggufs[kind], IDS, threads=1)

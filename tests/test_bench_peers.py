@@ -15,7 +15,7 @@ gguf = pytest.importorskip("gguf")
 from engine.bench.gguf import gguf_plan, write_gguf  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
-from llama_helpers import agreement, llama_logits  # noqa: E402
+from llama_helpers import agreement, import_llama_cpp, llama_logits  # noqa: E402
 from engine.synthetic import olmoe_config, write_checkpoint  # noqa: E402
 
 CFG = dict(hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -97,7 +97,7 @@ def test_llama_cpp_logits_match_transformers(olmoe_gguf, hf_logits):
     """F16 GGUF: the same numbers up to f16 rounding (layout and conventions exact). Q8_0: the
     weight and activation quantization noise of llama.cpp's Q8_0 kernels only: small KL, and
     top-1 differs only where transformers' two best logits are nearly tied."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = import_llama_cpp()
     ck, out, kind = olmoe_gguf
     ref = hf_logits
     got, llm = llama_logits(llama_cpp, out, IDS, threads=2)

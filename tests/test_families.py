@@ -258,10 +258,10 @@ def test_gguf_only_folder_gets_a_clear_message(tmp_path):
         with pytest.raises(ConfigError) as ei:
             call()
         msg = str(ei.value)
-        assert "GGUF is not read" in msg and "safetensors" in msg and "\n" not in msg
+        assert "colibri convert" in msg and "safetensors" in msg and "\n" not in msg
     # config.json next to the GGUF but no safetensors: the same advice
     (tmp_path / "config.json").write_text(json.dumps(qwen3_moe_config()))
-    with pytest.raises(ConfigError, match="GGUF is not read"):
+    with pytest.raises(ConfigError, match="import a GGUF with `colibri convert"):
         convert_checkpoint(tmp_path, tmp_path / "out")
 
 

@@ -29,8 +29,10 @@ convert_hf_to_gguf.py / conversion/qwen.py):
     (F16 when a row is not a multiple of 32, as the converter falls back), except that with Q4_0
     ``output.weight`` is Q8_0: ``llama-quantize ... Q4_0`` would give it Q6_K, which gguf-py
     cannot write in numpy; Q8_0 is the nearest larger type it can.
-  - a vocab-less model: ``tokenizer.ggml.model = "none"`` plus ``<arch>.vocab_size`` (llama.cpp
-    then sizes its dummy vocabulary from vocab_size); token ids are fed directly.
+  - the checkpoint's byte-level BPE tokenizer when it has a tokenizer.json (tokenizer.ggml.model
+    "gpt2", pre "gpt-2"), else a vocab-less model: ``tokenizer.ggml.model = "none"`` plus
+    ``<arch>.vocab_size`` (llama.cpp then sizes its dummy vocabulary from vocab_size); token ids
+    are fed directly.
 
 Q4_0 (ggml block_q4_0): per 32 values one f16 scale d = v / -8 (v the value of largest
 magnitude) and 16 bytes of nibbles q + 8 (element j in the low nibble of byte j, element j + 16
@@ -225,9 +227,52 @@ def _layer_experts(src, layer: int, kinds: dict[str, str], E: int) -> dict[str, 
     return out
 
 
-def _write(src, out: Path, *, matrix_type: str, overwrite: bool, name: str, where: str, log) -> dict:
+def _add_vocab(w, folder: Path, vocab_size: int, where: str) -> None:
+    """The byte-level BPE tokenizer of ``folder`` (tokenizer.json, tokenizer_config.json) as GGUF
+    metadata: tokenizer.ggml.model "gpt2" with the GPT-2 pre-tokenizer (what a ByteLevel
+    pre-tokenizer with its default regex is), tokens padded to ``vocab_size`` as llama.cpp's
+    converter pads them, merges, BOS / EOS and the chat template."""
+    import json
+
+    import gguf
+    tj = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+    m, pre = tj.get("model") or {}, tj.get("pre_tokenizer") or {}
+    if m.get("type") != "BPE" or pre.get("type") != "ByteLevel" or not pre.get("use_regex", True):
+        raise ConfigError(f"{folder / 'tokenizer.json'}: only a byte-level BPE tokenizer with the GPT-2 "
+                          f"pre-tokenizer is written into the GGUF")
+    ids = {**m["vocab"], **{t["content"]: t["id"] for t in tj.get("added_tokens", [])}}
+    special = {t["id"] for t in tj.get("added_tokens", []) if t.get("special")}
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [gguf.TokenType.UNUSED] * vocab_size
+    for text, i in ids.items():
+        if i >= vocab_size:
+            raise ConfigError(f"{where}: token id {i} is beyond vocab_size {vocab_size}")
+        tokens[i] = text
+        types[i] = gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges([x if isinstance(x, str) else " ".join(x) for x in m.get("merges", [])])
+    tc_path = folder / "tokenizer_config.json"
+    tc = json.loads(tc_path.read_text(encoding="utf-8")) if tc_path.is_file() else {}
+    for key, add in (("bos_token", w.add_bos_token_id), ("eos_token", w.add_eos_token_id)):
+        t = tc.get(key)
+        t = t.get("content") if isinstance(t, dict) else t
+        if isinstance(t, str) and t in ids:
+            add(ids[t])
+    w.add_add_bos_token(bool(tc.get("add_bos_token", False)))
+    if isinstance(tc.get("chat_template"), str):
+        w.add_chat_template(tc["chat_template"])
+    elif (folder / "chat_template.jinja").is_file():
+        w.add_chat_template((folder / "chat_template.jinja").read_text(encoding="utf-8"))
+
+
+def _write(src, out: Path, *, matrix_type: str, overwrite: bool, name: str, where: str, log,
+           vocab_dir: Path | None = None) -> dict:
     """Write ``src`` (Checkpoint or SeededSource: ``args``, ``get(hf_name)``, ``expert(l, e)``)
-    as a GGUF at ``out`` (via ``out.partial``, fsynced, renamed)."""
+    as a GGUF at ``out`` (via ``out.partial``, fsynced, renamed); with the tokenizer of
+    ``vocab_dir`` when it holds a tokenizer.json, else vocabulary-less."""
     import gguf
     from ..fsutil import fsync_dir
     t0 = time.perf_counter()
@@ -257,7 +302,10 @@ def _write(src, out: Path, *, matrix_type: str, overwrite: bool, name: str, wher
              "f16": gguf.LlamaFileType.MOSTLY_F16}[matrix_type]
     w.add_file_type(ftype)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    w.add_tokenizer_model("none")
+    if vocab_dir is not None and (Path(vocab_dir) / "tokenizer.json").is_file():
+        _add_vocab(w, Path(vocab_dir), a.vocab_size, where)
+    else:
+        w.add_tokenizer_model("none")
     raw = {"f32": None, "f16": None, "q8_0": gguf.GGMLQuantizationType.Q8_0,
            "q4_0": gguf.GGMLQuantizationType.Q4_0}
     np_dt = {"f32": np.float32, "f16": np.float16, "q8_0": np.float32, "q4_0": np.float32}
@@ -323,7 +371,7 @@ def write_gguf(checkpoint: str | os.PathLike, out: str | os.PathLike, *, matrix_
     ck = Checkpoint(checkpoint)
     try:
         return _write(ck, out, matrix_type=matrix_type, overwrite=overwrite, name=Path(checkpoint).name,
-                      where=str(Path(checkpoint) / "config.json"), log=log)
+                      where=str(Path(checkpoint) / "config.json"), log=log, vocab_dir=Path(checkpoint))
     finally:
         ck.close()
 

@@ -151,11 +151,22 @@ def cmd_run(a) -> int:
 def cmd_convert(a) -> int:
     """``colibri convert SRC DST``: convert a Hugging Face checkpoint folder into a store."""
     from ..convert import convert_checkpoint
+    from ..gguf_import import convert_gguf, is_gguf_path
     t0 = time.perf_counter()
+    gguf = is_gguf_path(a.src)
+    if gguf and a.quant is not None:
+        print(f"colibri: {a.src}: a GGUF's experts keep the blocks it was published with; --quant does not "
+              f"apply (--dense-quant sets the resident weights)", file=sys.stderr)
+        return 2
+    quant = a.quant or "int8"
     try:
-        dst = convert_checkpoint(a.src, a.dst, quant=a.quant, overwrite=a.overwrite, group_size=a.group_size,
-                                 dense_quant=a.dense_quant, expert_layout=a.expert_layout,
-                                 progress=_progress_printer(f"converting ({a.quant})"))
+        if gguf:
+            dst = convert_gguf(a.src, a.dst, overwrite=a.overwrite, dense_quant=a.dense_quant or "int8",
+                               group_size=a.group_size, progress=_progress_printer("importing GGUF"))
+        else:
+            dst = convert_checkpoint(a.src, a.dst, quant=quant, overwrite=a.overwrite, group_size=a.group_size,
+                                     dense_quant=a.dense_quant, expert_layout=a.expert_layout,
+                                     progress=_progress_printer(f"converting ({quant})"))
     except KeyboardInterrupt:  # the converter removed its partial folder on the way out
         from .models import end_progress_line
         end_progress_line()
@@ -166,6 +177,12 @@ def cmd_convert(a) -> int:
         print(f"note: {a.src} has no tokenizer.json, so the store cannot chat or take a text prompt; copy the "
               f"model's tokenizer.json (and tokenizer_config.json) into {dst}", file=sys.stderr)
     return 0
+
+
+def _gguf_types(m: dict) -> str:
+    """The expert block types of a GGUF-born store's manifest, e.g. "Q4_K, Q6_K"."""
+    types = (m.get("gguf") or {}).get("expert_types") or []
+    return ", ".join(sorted({t for row in types for t in row if isinstance(t, str)})) or "GGUF"
 
 
 def describe_store(path: str, context_length: int = 0) -> str:
@@ -214,6 +231,7 @@ def describe_store(path: str, context_length: int = 0) -> str:
                               if a.shared_expert_intermediate_size else "none"),
             f"vocab       {a.vocab_size}, context {a.max_position_embeddings}",
             f"quant       experts {m['quant']}" + (f" (group {m['group_size']})" if m.get("group_size") else "")
+            + (f" ({_gguf_types(m)} blocks as published)" if m["quant"] == "gguf" else "")
             + f", dense {m['dense_quant']}"
             + (", experts stored row-interleaved by 4" if m.get("expert_layout") == "interleaved_4" else ""),
             f"expert slab {format_bytes(st.slot_bytes)} each (one {m['alignment']}-byte-aligned read), "
@@ -305,13 +323,15 @@ def add_parsers(sub) -> None:
     r.set_defaults(fn=cmd_run)
 
     from ..models import FAMILY_NAMES
-    c = sub.add_parser("convert", help="convert a Hugging Face MoE folder into a store",
+    c = sub.add_parser("convert", help="convert a Hugging Face MoE folder or a GGUF model into a store",
                        description=f"Convert a Hugging Face MoE folder ({', '.join(FAMILY_NAMES.values())}) "
+                                   f"or a GGUF model (a .gguf file, a split's parts, or a folder holding them) "
                                    f"into a store.")
     c.add_argument("src")
     c.add_argument("dst")
-    c.add_argument("--quant", choices=("int8", "int4", "f16", "f32", "mxfp4"), default="int8",
-                   help="expert quantization; mxfp4 keeps an MXFP4 checkpoint's experts (gpt-oss) as they are")
+    c.add_argument("--quant", choices=("int8", "int4", "f16", "f32", "mxfp4"), default=None,
+                   help="expert quantization (default int8); mxfp4 keeps an MXFP4 checkpoint's experts (gpt-oss) "
+                        "as they are; a GGUF's experts always keep their published blocks")
     c.add_argument("--group-size", type=int, default=32, help="int4 group size")
     c.add_argument("--dense-quant", choices=("int8", "int4", "f16", "f32"), default=None,
                    help="resident dense weights; int4 = attention int4, embedding and lm_head int8 "

@@ -378,9 +378,10 @@ def check_repo(repo_id: str, revision: str | None = None, quant: str = "int8",
         if ggufs:
             raise ConfigError(
                 f"{repo_id}: holds GGUF file(s) ({ggufs[0]}{', ...' if len(ggufs) > 1 else ''}) and no "
-                f"config.json; GGUF is not read by colibri - choose the model's Hugging Face repository "
-                f"with config.json and *.safetensors instead (e.g. Qwen/Qwen3-30B-A3B rather than a -GGUF "
-                f"repo). Nothing was downloaded.")
+                f"config.json; GGUF repositories are not downloaded from the hub yet - download the .gguf "
+                f"file and import it with the wizard's 'From this computer' (or `colibri convert FILE.gguf "
+                f"STORE`), or choose the model's Hugging Face repository with config.json and *.safetensors "
+                f"(e.g. Qwen/Qwen3-30B-A3B). Nothing was downloaded.")
         raise HubError(f"{repo_id}: the repository has no config.json; it is not a Hugging Face "
                        f"transformers model")
     from huggingface_hub import hf_hub_download
@@ -419,7 +420,8 @@ def check_repo(repo_id: str, revision: str | None = None, quant: str = "int8",
 
 def check_local(folder: str | os.PathLike, quant: str = "int8",
                 context_length: int = DEFAULT_CONTEXT) -> RepoCheck:
-    """Check a local Hugging Face checkpoint folder (as check_repo, without a download).
+    """Check a local Hugging Face checkpoint folder (as check_repo, without a download), or a
+    GGUF model (gguf_check.check_gguf: a .gguf file, a split's part, a folder of them).
 
     Raises:
         ConfigError: unsupported model_type / invalid config.json.
@@ -428,6 +430,10 @@ def check_local(folder: str | os.PathLike, quant: str = "int8",
             (check_tokenizer).
     """
     folder = Path(folder).expanduser()
+    from ..gguf_import import is_gguf_path
+    if is_gguf_path(folder):  # a .gguf file, a split's part or a folder of GGUFs: imported as published
+        from .gguf_check import check_gguf
+        return check_gguf(folder, context_length)
     args = ModelArgs.from_hf_config(folder)  # refuses unsupported model types with the list
     from ..checkpoint import Checkpoint  # here: listing or sizing models never loads ml_dtypes
     with Checkpoint(folder):  # pointers, truncated headers, missing tensors, shapes

@@ -33,7 +33,8 @@ def convert_downloaded(src: str | os.PathLike, quant: str = "int8",
                        progress: Callable[[LoadProgress], None] | None = None,
                        cancel: threading.Event | None = None, *, overwrite: bool = False,
                        name: str | None = None) -> Path:
-    """Convert a downloaded (or local) checkpoint into ``models_dir()/<name>-<quant>``.
+    """Convert a downloaded (or local) checkpoint into ``models_dir()/<name>-<quant>`` (quant
+    "gguf": import the GGUF model at ``src``, gguf_check.import_gguf).
 
     Atomic (engine.convert_checkpoint writes a unique ``.DST.*.partial`` and renames): a cancel or an
     error leaves no store. The manifest records model_name and source (``hf://repo@commit``
@@ -51,6 +52,9 @@ def convert_downloaded(src: str | os.PathLike, quant: str = "int8",
             before anything is written.
     """
     from ..convert import convert_checkpoint
+    if quant == "gguf":  # a GGUF model: its expert blocks imported as published
+        from .gguf_check import import_gguf
+        return import_gguf(src, progress, cancel, overwrite=overwrite, name=name)
     src = Path(src)
     info = _source_info(src)
     model_name = name or (info["repo_id"].split("/")[-1] if info.get("repo_id") else src.name)

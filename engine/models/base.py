@@ -390,9 +390,9 @@ def check_not_gguf(folder: Path, has_config: bool = False) -> None:
         return
     if ggufs and (has_config or not (folder / "config.json").exists()):
         raise ConfigError(
-            f"{folder}: holds GGUF file(s) ({ggufs[0]}{', ...' if len(ggufs) > 1 else ''}); GGUF is not "
-            f"read by colibri - download the model's Hugging Face repository with config.json and "
-            f"*.safetensors instead (e.g. Qwen/Qwen3-30B-A3B rather than a -GGUF repo)")
+            f"{folder}: holds GGUF file(s) ({ggufs[0]}{', ...' if len(ggufs) > 1 else ''}), not a Hugging Face "
+            f"checkpoint (config.json and *.safetensors); import a GGUF with `colibri convert "
+            f"{folder / ggufs[0]} STORE` (or the wizard's 'From this computer')")
 
 
 def common_args(cfg: dict, path: str, family: str, *, expert_width_key: str,
@@ -703,6 +703,14 @@ class LinearGroup:
 def linear_views(kind: str, v: dict, proj: str, x: np.ndarray, out: np.ndarray, gs: int) -> np.ndarray:
     """out[T, O] = x[T, N] @ W^T (+ the bias "{proj}.b" when the slab holds one) for the
     projection ``proj`` of the slab views ``v`` at weight kind ``kind``."""
+    if kind == "gguf":  # GGUF blocks as published: the slab's header names the projection's type
+        from .. import kernels_gguf
+        from ..gguf_blocks import PROJS
+        kernels_gguf.linear(x, v[proj + ".q"], int(v["types"][PROJS.index(proj)]), out)
+        b = v.get(proj + ".b")
+        if b is not None:
+            out += b
+        return out
     w, s = v[proj + ".w"], v.get(proj + ".s")
     if kind == "int8":
         K.linear_q8(x, w, s, out)
@@ -729,7 +737,12 @@ def run_expert(kind: str, v: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray
     """out[T, D] = down(silu(gate(x)) * up(x)) for x [T, D] with the weight views ``v``
     (slab fields "gate_proj.w", "gate_proj.s", ...); h [T, I] is scratch. int4 weights stored
     interleaved (3-D views, store format 4) run K.expert_q4i, or, on a CPU without the SIMD
-    int4 kernels, K.expert_q4 on row-major copies: the same values either way."""
+    int4 kernels, K.expert_q4 on row-major copies: the same values either way. "gguf": a
+    GGUF-born slab's blocks as published (engine.kernels_gguf)."""
+    if kind == "gguf":
+        from .. import kernels_gguf
+        kernels_gguf.run_expert(v, x, h, out)
+        return
     if kind == "mxfp4":  # no fused kernel: three MXFP4 matmuls
         u = linear_views(kind, v, "up_proj", x, np.empty_like(h), gs)
         linear_views(kind, v, "gate_proj", x, h, gs)

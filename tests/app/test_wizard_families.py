@@ -166,7 +166,7 @@ def _refused_line(qtbot, w) -> str:
     return text
 
 
-def test_gguf_only_folder_gets_one_clear_line(qtbot, wizard, tmp_path):
+def test_damaged_gguf_in_a_folder_gets_one_clear_line(qtbot, wizard, tmp_path):
     d = tmp_path / "Qwen3-30B-A3B-GGUF"
     d.mkdir()
     (d / "Qwen3-30B-A3B-Q4_K_M.gguf").write_bytes(b"GGUF" + bytes(60))
@@ -174,10 +174,10 @@ def test_gguf_only_folder_gets_one_clear_line(qtbot, wizard, tmp_path):
     w.source_page.local_radio.setChecked(True)
     w.source_page.folder_edit.setText(str(d))
     w.next()
-    text = _refused_line(qtbot, w)
-    assert "GGUF is not read" in text and "safetensors" in text and "Qwen3-30B-A3B-Q4_K_M.gguf" in text
-    w.source_page.folder_edit.setText(str(tmp_path))  # another input: Next is offered again
-    assert w.source_page.isComplete() and w.source_page.status.text() == ""
+    qtbot.waitUntil(lambda: "download it again" in w.source_page.status.text(), timeout=30_000)
+    text = w.source_page.status.text()
+    assert "Qwen3-30B-A3B-Q4_K_M.gguf" in text and "download it again" in text and "\n" not in text
+    assert w.currentId() == wz.PAGE_SOURCE and w.check is None
 
 
 def test_gguf_only_hub_repo_gets_one_clear_line(qtbot, wizard, tmp_path, monkeypatch):
@@ -194,7 +194,7 @@ def test_gguf_only_hub_repo_gets_one_clear_line(qtbot, wizard, tmp_path, monkeyp
         w.source_page.repo_edit.setText("someone/Model-GGUF")
         w.next()
         text = _refused_line(qtbot, w)
-        assert "GGUF is not read" in text and "config.json" in text
+        assert "not downloaded from the hub yet" in text and "config.json" in text
         assert h.weight_requests() == []
     finally:
         h.stop()

@@ -1,0 +1,682 @@
+"""Import a GGUF model (llama.cpp's file format: LM Studio, Ollama, the -GGUF repositories) as a store.
+
+``convert_gguf(SRC, DST)``: SRC is one ``.gguf`` file, the first (or any) part of a split model
+``NAME-00001-of-0000N.gguf``, or a folder holding one model's GGUF file(s). The file is read
+with the ``gguf`` package (llama.cpp's own reader); nothing is written next to it and it is never
+changed or moved.
+
+What the store gets:
+  - config.json: the Hugging Face config of the architecture's family, from the GGUF metadata
+    (``<arch>.block_count``, ``.embedding_length``, ``.attention.head_count`` ...); a missing
+    key is one error naming it, before anything is written.
+  - routed experts: their blocks as published (no second rounding). GGUF stacks a layer's
+    experts in ``blk.N.ffn_{gate,up,down}_exps`` (numpy [E, O, row bytes]); each expert's three
+    row sets are copied into one slab (engine.gguf_blocks), so one read loads one expert as in
+    every store, and the kernels of engine.kernels_gguf compute on the blocks.
+  - dense tensors (attention, embeddings, output, norms, router, shared experts): decoded with
+    gguf.quants and stored in the store's dense formats (int8 by default, ``dense_quant``):
+    the resident kernels, the row-by-row embedding reads and sizing stay the ones every store
+    uses. Norms, routers and biases stay float32 as published (GGUF keeps them F32).
+  - tokenizer.json / tokenizer_config.json built from ``tokenizer.ggml.*`` and
+    ``tokenizer.chat_template`` (engine.gguf_tokenizer).
+
+Architectures: ``qwen3moe``, ``olmoe``, ``qwen2moe``, ``llama`` with experts (Mixtral; its
+q/k rows are un-permuted back to the rotate-half order the converter permuted them from),
+``gpt-oss`` (the experts' biases ``ffn_*_exps.bias`` go into each slab beside the blocks).
+
+Errors (one line, before any work, nothing left in DST): not a GGUF, a truncated header, tensor
+data shorter than the header says, a split with a part missing, an architecture or block type
+this engine does not run, a missing metadata key or tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .errors import Cancelled, CheckpointError, ConfigError
+from .events import LoadProgress
+from .gguf_blocks import BLOCK_TYPES, PROJS, gguf_slab_layout, row_bytes, type_name
+
+log = logging.getLogger(__name__)
+
+SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
+
+# llama.cpp architecture -> our family's model_type
+ARCHS = {"qwen3moe": "qwen3_moe", "olmoe": "olmoe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "gpt-oss": "gpt_oss"}
+
+# per-layer tensors: Hugging Face name inside model.layers.N. -> GGUF name inside blk.N.
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.weight": "attn_k.weight", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.o_proj.weight": "attn_output.weight", "self_attn.o_proj.bias": "attn_output.bias",
+    "self_attn.sinks": "attn_sinks.weight",
+    "mlp.router.weight": "ffn_gate_inp.weight", "mlp.router.bias": "ffn_gate_inp.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight", "block_sparse_moe.gate.weight": "ffn_gate_inp.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                 "lm_head.weight": "output.weight"}
+_EXPERT_NAMES = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
+                 "down_proj": "ffn_down_exps.weight"}
+# Mixtral files converted before llama.cpp stacked the experts: one tensor per expert, blk.N.ffn_gate.E.weight
+_PER_EXPERT_NAMES = {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+
+
+# gpt-oss's norm after attention is "post_attention_norm" in GGUF (ffn_norm elsewhere)
+_ARCH_LAYER_NAMES = {"gpt-oss": {"post_attention_layernorm.weight": "post_attention_norm.weight"}}
+
+
+def gguf_name(hf: str, arch: str = "") -> str:
+    """The GGUF tensor name of the Hugging Face tensor ``hf`` in architecture ``arch`` (KeyError
+    when GGUF has none)."""
+    if hf in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[hf]
+    m = re.match(r"model\.layers\.(\d+)\.(.+)$", hf)
+    names = {**_LAYER_NAMES, **_ARCH_LAYER_NAMES.get(arch, {})}
+    if m is None or m.group(2) not in names:
+        raise KeyError(hf)
+    return f"blk.{m.group(1)}.{names[m.group(2)]}"
+
+
+def is_gguf_path(path: str | os.PathLike) -> bool:
+    """True for a ``.gguf`` file or a folder holding one (and no config.json): what
+    ``colibri convert`` hands to :func:`convert_gguf`."""
+    p = Path(path)
+    if p.suffix.lower() == ".gguf" and not p.is_dir():
+        return True
+    try:
+        return p.is_dir() and not (p / "config.json").exists() and any(p.glob("*.gguf"))
+    except OSError:
+        return False
+
+
+def gguf_files(src: str | os.PathLike) -> list[Path]:
+    """The file(s) of the GGUF model at ``src``, in part order: the file itself, every part of a
+    split model (``-0000K-of-0000N.gguf``; any part may be given), or the one model in a folder
+    (projector files ``mmproj*.gguf`` left out).
+
+    Raises:
+        CheckpointError: missing file, a part of a split missing, a folder with no GGUF or with
+            several models (naming them: give the file).
+    """
+    p = Path(src)
+    if p.is_dir():
+        found = sorted(x for x in p.glob("*.gguf") if x.is_file() and not x.name.lower().startswith("mmproj"))
+        if not found:
+            raise CheckpointError(f"{p}: holds no .gguf file; give a GGUF file or a folder holding one")
+        models = {SPLIT_RE.match(x.name).group("stem") if SPLIT_RE.match(x.name) else x.name for x in found}
+        if len(models) > 1:
+            names = ", ".join(sorted(models)[:4]) + (", ..." if len(models) > 4 else "")
+            raise CheckpointError(f"{p}: holds {len(models)} GGUF models ({names}); give the file of the one "
+                                  f"to import")
+        p = found[0]
+    if not p.is_file():
+        raise CheckpointError(f"{p}: no such file; give a .gguf file or a folder holding one")
+    m = SPLIT_RE.match(p.name)
+    if m is None:
+        return [p]
+    count = int(m.group("count"))
+    parts = [p.with_name(f"{m.group('stem')}-{k:05d}-of-{count:05d}.gguf") for k in range(1, count + 1)]
+    missing = [x.name for x in parts if not x.is_file()]
+    if missing:
+        raise CheckpointError(f"{p}: part of a model split in {count} files, but {missing[0]}"
+                              f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''} is missing "
+                              f"beside it; download every part into the same folder")
+    return parts
+
+
+class GGUFModel:
+    """One GGUF model opened (every part of a split), metadata and tensors indexed.
+
+    Attributes:
+        files: its part files. kv: metadata key -> Python value. arch: general.architecture.
+        tensors: GGUF name -> gguf ReaderTensor (``data`` a read-only memory map).
+
+    Raises (constructor):
+        CheckpointError: a part that is not a GGUF file, a truncated header, tensor data shorter
+            than the header says (one line naming the file and what to do).
+    """
+
+    def __init__(self, src: str | os.PathLike):
+        try:
+            import gguf  # noqa: F401
+        except ImportError:
+            raise CheckpointError("reading GGUF files needs the 'gguf' package: pip install gguf") from None
+        self.files = gguf_files(src)
+        self.kv: dict = {}
+        self.tensors: dict = {}
+        self._readers = []
+        for i, f in enumerate(self.files):
+            r = _open_reader(f)
+            self._readers.append(r)
+            for name, field in r.fields.items():
+                if i == 0 or name not in self.kv:
+                    try:
+                        self.kv[name] = field.contents()
+                    except Exception:  # noqa: BLE001 - a value gguf cannot decode: absent, as if not written
+                        continue
+            for t in r.tensors:
+                if t.name in self.tensors:
+                    raise CheckpointError(f"{f}: tensor {t.name} is also in {self.files[0].name}; the parts "
+                                          f"belong to different models - download the model again")
+                self.tensors[t.name] = t
+        self.arch = self.kv.get("general.architecture")
+        if not isinstance(self.arch, str):
+            raise CheckpointError(f"{self.files[0]}: no general.architecture in its metadata; not a model file "
+                                  f"(a vocabulary- or adapter-only GGUF?)")
+
+    @property
+    def name(self) -> str:
+        m = SPLIT_RE.match(self.files[0].name)
+        return m.group("stem") if m else self.files[0].stem
+
+    def close(self) -> None:
+        """Drop the memory maps (the files stay as they are)."""
+        for r in self._readers:
+            mm = getattr(r, "data", None)
+            if mm is not None and getattr(mm, "_mmap", None) is not None:
+                try:
+                    mm._mmap.close()
+                except (BufferError, ValueError):
+                    pass  # a view still alive: the map closes with it
+        self._readers, self.tensors = [], {}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def key(self, name: str, kinds=(int,), optional: bool = False, default=None):
+        """Metadata ``<arch>.name`` (or ``name`` itself when it has a dot prefix like
+        ``general.``/``tokenizer.``) as a value of one of ``kinds``.
+
+        Raises:
+            ConfigError: the key is missing (unless ``optional``) or of another type, naming it.
+        """
+        full = name if name.startswith(("general.", "tokenizer.", "split.")) else f"{self.arch}.{name}"
+        v = self.kv.get(full)
+        if v is None:
+            if optional:
+                return default
+            raise ConfigError(f"{self.files[0]}: the GGUF metadata has no {full}; this file cannot be imported "
+                              f"(a damaged or unusual conversion - try another download of the model)")
+        if float in kinds and isinstance(v, int) and not isinstance(v, bool):
+            v = float(v)
+        if not isinstance(v, tuple(kinds)) or isinstance(v, bool) and bool not in kinds:
+            raise ConfigError(f"{self.files[0]}: GGUF metadata {full} = {v!r} is not a "
+                              f"{'/'.join(k.__name__ for k in kinds)}")
+        return v
+
+    def tensor(self, name: str):
+        """The ReaderTensor ``name``. Raises CheckpointError naming it when the file lacks it."""
+        t = self.tensors.get(name)
+        if t is None:
+            raise CheckpointError(f"{self.files[0]}: has no tensor {name}, which a {self.arch} model needs; "
+                                  f"the file is incomplete or of another layout - download it again")
+        return t
+
+
+def _open_reader(f: Path):
+    """gguf.GGUFReader of ``f``, its failures as one CheckpointError line naming the file."""
+    from gguf import GGUFReader
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as e:
+        raise CheckpointError(f"{f}: cannot be read ({e.strerror or e})") from None
+    if magic != b"GGUF":
+        raise CheckpointError(f"{f}: not a GGUF file (it does not start with 'GGUF'); give a model file "
+                              f"from a -GGUF repository, LM Studio or Ollama")
+    try:
+        r = GGUFReader(f, "r")
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, MemoryError) as e:
+        if "reshape" in str(e) or "cannot" in str(e) and "size" in str(e):
+            raise CheckpointError(f"{f}: the tensor data is short (the file ends at {size} bytes, before the "
+                                  f"data its header lists): an interrupted download; download it again") from None
+        raise CheckpointError(f"{f}: truncated or damaged GGUF header ({type(e).__name__}: {e}); download it "
+                              f"again") from None
+    ends = [t.data_offset + t.n_bytes for t in r.tensors]
+    if ends and max(ends) > size:
+        raise CheckpointError(f"{f}: the tensor data is short (the file is {size} bytes, its tensors end at "
+                              f"{max(ends)}): an interrupted download; download it again")
+    return r
+
+
+# --- metadata -> config.json ------------------------------------------------------------------
+
+def hf_config(g: GGUFModel) -> dict:
+    """The Hugging Face config.json dict of ``g``'s family, from its metadata and tensor shapes.
+
+    Raises:
+        ConfigError: an architecture this engine does not run (naming it and the ones it does),
+            a dense model, a missing or ill-typed key (naming it), a RoPE scaling not supported.
+    """
+    arch = g.arch
+    if arch not in ARCHS:
+        raise ConfigError(f"{g.files[0]}: GGUF architecture {arch!r} is not supported; colibri imports "
+                          f"{', '.join(ARCHS)} (mixture-of-experts models)")
+    E = g.key("expert_count", optional=True, default=0)
+    if not E:
+        raise ConfigError(f"{g.files[0]}: a dense {arch} model ({arch}.expert_count is absent or 0); colibri "
+                          f"runs mixture-of-experts models only")
+    D = g.key("embedding_length")
+    heads = g.key("attention.head_count")
+    kvh = g.key("attention.head_count_kv", optional=True, default=heads)
+    L = g.key("block_count")
+    tokens = g.kv.get("tokenizer.ggml.tokens")
+    vocab = g.key("vocab_size", optional=True) or (len(tokens) if tokens else None)
+    if vocab is None:
+        vocab = int(g.tensor("token_embd.weight").shape[1])
+    scaling = g.key("rope.scaling.type", (str,), optional=True, default="none")
+    yarn = arch == "gpt-oss" and scaling == "yarn"
+    if not yarn and (scaling not in ("none", "linear") or
+                     (scaling == "linear" and g.key("rope.scaling.factor", (float,), optional=True, default=1.0) != 1.0)):
+        raise ConfigError(f"{g.files[0]}: {arch}.rope.scaling.type = {scaling!r}: RoPE scaling is not supported "
+                          f"for GGUF imports yet")
+    cfg = {
+        "hidden_size": D, "num_hidden_layers": L, "num_attention_heads": heads, "num_key_value_heads": kvh,
+        "num_experts_per_tok": g.key("expert_used_count"), "vocab_size": int(vocab),
+        "max_position_embeddings": g.key("context_length", optional=True, default=4096),
+        "rms_norm_eps": g.key("attention.layer_norm_rms_epsilon", (float,)),
+        "rope_theta": g.key("rope.freq_base", (float,), optional=True, default=10000.0),
+        "tie_word_embeddings": "output.weight" not in g.tensors, "hidden_act": "silu",
+    }
+    hd = g.key("attention.key_length", optional=True)
+    if hd is not None:
+        vd = g.key("attention.value_length", optional=True, default=hd)
+        if vd != hd:
+            raise ConfigError(f"{g.files[0]}: {arch}.attention.key_length {hd} != value_length {vd}; not supported")
+        cfg["head_dim"] = hd
+    ff = g.key("feed_forward_length", optional=True)
+    if arch == "qwen3moe":
+        cfg.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], num_experts=E,
+                   moe_intermediate_size=g.key("expert_feed_forward_length"), norm_topk_prob=True,
+                   intermediate_size=ff or g.key("expert_feed_forward_length"))
+    elif arch == "qwen2moe":
+        cfg.update(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], num_experts=E,
+                   moe_intermediate_size=g.key("expert_feed_forward_length"), norm_topk_prob=False,
+                   shared_expert_intermediate_size=g.key("expert_shared_feed_forward_length"),
+                   intermediate_size=ff or g.key("expert_feed_forward_length"),
+                   qkv_bias="blk.0.attn_q.bias" in g.tensors)
+    elif arch == "olmoe":
+        cfg.update(model_type="olmoe", architectures=["OlmoeForCausalLM"], num_experts=E,
+                   intermediate_size=_expert_width(g, ff), norm_topk_prob=False, clip_qkv=None)
+    elif arch == "gpt-oss":  # sliding-window layers first, then every other (llama.cpp's swa pattern 2)
+        cfg.update(model_type="gpt_oss", architectures=["GptOssForCausalLM"], num_local_experts=E,
+                   intermediate_size=_expert_width(g, ff), attention_bias="blk.0.attn_q.bias" in g.tensors,
+                   sliding_window=g.key("attention.sliding_window"),
+                   layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)])
+        rope = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+        if yarn:
+            rope.update(rope_type="yarn", factor=g.key("rope.scaling.factor", (float,)),
+                        original_max_position_embeddings=g.key("rope.scaling.original_context_length"),
+                        beta_fast=g.key("rope.scaling.yarn_beta_fast", (float,), optional=True, default=32.0),
+                        beta_slow=g.key("rope.scaling.yarn_beta_slow", (float,), optional=True, default=1.0),
+                        truncate=False)
+        cfg["rope_parameters"] = rope
+    else:  # llama with experts: Mixtral
+        cfg.update(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=E,
+                   intermediate_size=_expert_width(g, ff))
+    if g.key("expert_weights_scale", (float,), optional=True, default=1.0) not in (0.0, 1.0):
+        raise ConfigError(f"{g.files[0]}: {arch}.expert_weights_scale != 1 is not supported")
+    for k, gk in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
+        v = g.kv.get(gk)
+        if isinstance(v, int) and not isinstance(v, bool):
+            cfg[k] = v
+    return cfg
+
+
+def _expert_width(g: GGUFModel, ff) -> int:
+    """The routed expert width: ``expert_feed_forward_length`` when written, else
+    ``feed_forward_length`` (OLMoE's and Mixtral's converters write the expert width there)."""
+    w = g.key("expert_feed_forward_length", optional=True)
+    if w:
+        return w
+    if ff is None:
+        raise ConfigError(f"{g.files[0]}: the GGUF metadata has neither {g.arch}.expert_feed_forward_length nor "
+                          f"{g.arch}.feed_forward_length; this file cannot be imported")
+    return ff
+
+
+# --- tensors ------------------------------------------------------------------------------------
+
+def _dequantize(t) -> np.ndarray:
+    """float32 numpy array of a ReaderTensor (gguf.quants' decoding), numpy shape."""
+    from gguf.quants import dequantize
+    return np.asarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32)
+
+
+def _dequantize_rows(t, e: int) -> np.ndarray:
+    """float32 values of index ``e`` of a stacked ReaderTensor's first numpy axis."""
+    from gguf.quants import dequantize
+    return np.asarray(dequantize(np.asarray(t.data[e]), t.tensor_type), dtype=np.float32).reshape(-1)
+
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of llama.cpp's Llama converter's q/k row permutation (it permutes rotate-half
+    rows into the interleaved pairs ggml's RoPE rotates): rows [n_head, S/2, 2] -> [n_head, 2, S/2]."""
+    rows = w.shape[0]
+    return np.ascontiguousarray(w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2)).reshape(w.shape)
+
+
+class _PerExpert:
+    """A layer's per-expert tensors (blk.N.ffn_gate.E.weight) seen as one stacked tensor: ``data[e]``
+    is expert e's rows, ``shape`` ggml's [N, O, E], the type and name those of expert 0."""
+
+    def __init__(self, tensors: list):
+        self.tensors = tensors
+        t0 = tensors[0]
+        self.name, self.tensor_type = t0.name, t0.tensor_type
+        self.types = [int(t.tensor_type) for t in tensors]
+        self.shape = [int(t0.shape[0]), int(t0.shape[1]), len(tensors)]
+        self.data = [t.data for t in tensors]
+        for t in tensors:
+            if [int(x) for x in t.shape] != self.shape[:2]:
+                raise CheckpointError(f"{t.name} has ggml shape {[int(x) for x in t.shape]}, expert 0 "
+                                      f"{self.shape[:2]}; the file is inconsistent")
+
+
+class GGUFSource:
+    """The tensors of a GGUF model under the family's Hugging Face names (float32) and its routed
+    experts as block rows, for :func:`convert_gguf`.
+
+    Raises (constructor): ConfigError / CheckpointError as hf_config and GGUFModel; a missing
+    tensor, a tensor whose shape disagrees with the metadata, or an expert block type this
+    engine does not compute on (naming the tensor and its type).
+    """
+
+    def __init__(self, g: GGUFModel):
+        from .models import family_for
+        self.g = g
+        self.config = hf_config(g)
+        self.family = family_for(self.config["model_type"])
+        try:
+            self.args = self.family.ModelArgs.from_dict(self.config, f"{g.files[0]} (metadata)")
+        except ConfigError:
+            raise
+        a = self.args
+        D, I = a.hidden_size, a.moe_intermediate_size
+        self.tensors = self.family.dense_tensors(a)
+        for t in self.tensors:
+            gt = self._gguf_tensor(t.hf)
+            if int(gt.n_elements) != int(np.prod(t.shape)):
+                raise CheckpointError(f"{g.files[0]}: tensor {gt.name} holds {gt.n_elements} values, the metadata "
+                                      f"implies {list(t.shape)}; the file is inconsistent")
+        # experts: per MoE layer, per projection: (tensor, ggml type, row bytes)
+        self.expert_rows: list[dict] = []
+        self.expert_biases: list[dict] = []  # per MoE layer: proj -> (bias tensor numpy [E, rows], first row)
+        shapes = {"gate_proj": (I, D), "up_proj": (I, D), "down_proj": (D, I)}
+        for i in a.moe_layers:
+            row, biases = {}, {}
+            fused = g.tensors.get(f"blk.{i}.ffn_gate_up_exps.weight")
+            for proj in PROJS:
+                stacked = f"blk.{i}.{_EXPERT_NAMES[proj]}"
+                old = f"blk.{i}.{_PER_EXPERT_NAMES[proj]}.%d.weight"
+                if fused is not None and proj != "down_proj":
+                    t, lo = fused, (0 if proj == "gate_proj" else I)
+                elif stacked not in g.tensors and old % 0 in g.tensors:
+                    t, lo = _PerExpert([g.tensor(old % e) for e in range(a.num_experts)]), 0
+                else:
+                    t, lo = g.tensor(stacked), 0
+                O, N = shapes[proj]
+                ty = int(t.tensor_type)
+                if ty not in BLOCK_TYPES:
+                    raise CheckpointError(f"{g.files[0]}: {t.name} is {t.tensor_type.name}, a block type colibri "
+                                          f"does not compute on yet; supported: "
+                                          f"{', '.join(n for n, _b, _s in BLOCK_TYPES.values())}")
+                want_rows = 2 * I if t is fused else O
+                if [int(x) for x in t.shape] != [N, want_rows, a.num_experts]:
+                    raise CheckpointError(f"{g.files[0]}: {t.name} has ggml shape {[int(x) for x in t.shape]}, the "
+                                          f"metadata implies {[N, want_rows, a.num_experts]}")
+                row[proj] = (t, ty, row_bytes(ty, N), lo)
+                if a.expert_bias:  # gpt-oss: ffn_*_exps.bias, float32 [E, rows]
+                    bt = g.tensor(t.name[:-len(".weight")] + ".bias")
+                    if [int(x) for x in bt.shape] != [want_rows, a.num_experts]:
+                        raise CheckpointError(f"{g.files[0]}: {bt.name} has ggml shape {[int(x) for x in bt.shape]}, "
+                                              f"the metadata implies {[want_rows, a.num_experts]}")
+                    biases[proj] = (bt, lo)
+            self.expert_rows.append(row)
+            self.expert_biases.append(biases)
+        self.widths = {p: max(r[p][2] for r in self.expert_rows) for p in PROJS}
+
+    def _gguf_tensor(self, hf: str):
+        try:
+            name = gguf_name(hf, self.g.arch)
+        except KeyError:
+            raise CheckpointError(f"{self.g.files[0]}: the {self.g.arch} import has no GGUF name for {hf}") from None
+        return self.g.tensor(name)
+
+    def get(self, hf: str, shape: tuple) -> np.ndarray:
+        """float32 tensor ``hf`` in its Hugging Face shape (q/k un-permuted for llama)."""
+        w = _dequantize(self._gguf_tensor(hf)).reshape(shape)
+        if self.g.arch == "llama" and hf.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
+            heads = self.args.num_attention_heads if ".q_proj" in hf else self.args.num_key_value_heads
+            w = _unpermute(w, heads)
+        return w
+
+    def nbytes(self, hf: str) -> int:
+        return int(self._gguf_tensor(hf).n_bytes)
+
+    def expert_block_rows(self, j: int, e: int, proj: str) -> tuple[int, np.ndarray]:
+        """(ggml type, uint8 [O, row bytes]) of expert ``e``'s ``proj`` in MoE layer ``j``."""
+        t, ty, rb, lo = self.expert_rows[j][proj]
+        O = self.args.moe_intermediate_size if proj != "down_proj" else self.args.hidden_size
+        data = np.asarray(t.data[e])
+        if int(t.tensor_type if not isinstance(t, _PerExpert) else t.types[e]) != ty:
+            raise CheckpointError(f"{self.g.files[0]}: the experts of {t.name} are of different block types; "
+                                  f"not supported")
+        return ty, np.ascontiguousarray(data[lo:lo + O]).view(np.uint8).reshape(O, rb)
+
+    def expert_bias(self, j: int, e: int, proj: str) -> np.ndarray:
+        """float32 [O]: expert ``e``'s bias of ``proj`` in MoE layer ``j`` (gpt-oss)."""
+        bt, lo = self.expert_biases[j][proj]
+        O = self.args.moe_intermediate_size if proj != "down_proj" else self.args.hidden_size
+        return _dequantize_rows(bt, e)[lo:lo + O]
+
+    def expert_nbytes(self, j: int) -> int:
+        return sum(r[2] * (self.args.moe_intermediate_size if p != "down_proj" else self.args.hidden_size)
+                   for p, r in self.expert_rows[j].items())
+
+
+# --- the store ----------------------------------------------------------------------------------
+
+def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, overwrite: bool = False,
+                 dense_quant: str = "int8", group_size: int = 32,
+                 progress: Callable[[LoadProgress], None] | None = None,
+                 cancel: threading.Event | None = None) -> Path:
+    """Import the GGUF model at ``src`` (a file, a split's part, or a folder) as a store at ``dst``.
+
+    Args:
+        dense_quant: the resident dense matrices' format ("int8", "int4", "f16", "f32"); the
+            routed experts keep their GGUF blocks.
+        progress: LoadProgress(stage="convert", done=bytes, total=bytes, unit="B").
+        cancel: set to stop; raises Cancelled, leaving nothing.
+
+    Returns: the store path.
+
+    Raises:
+        CheckpointError / ConfigError: the file(s) cannot be imported (one line, raised before
+            anything is written). FileExistsError: as convert.check_destination.
+        ValueError: an unknown ``dense_quant``. Cancelled: ``cancel`` was set.
+    """
+    from .convert import check_destination
+    from .quant import EXPERT_ONLY_QUANTS, QUANTS
+    if dense_quant not in QUANTS or dense_quant in EXPERT_ONLY_QUANTS:
+        raise ValueError(f"--dense-quant {dense_quant!r}: choose one of "
+                         f"{', '.join(q for q in QUANTS if q not in EXPERT_ONLY_QUANTS)}")
+    src, dst = Path(src), Path(dst)
+    check_destination(dst, overwrite)
+    with GGUFModel(src) as g:
+        source = GGUFSource(g)
+        from .gguf_tokenizer import tokenizer_files
+        tok = tokenizer_files(g)  # checked before anything is written
+        return _write_store(source, tok, dst, overwrite, dense_quant, group_size, progress, cancel)
+
+
+def _write_store(source: GGUFSource, tok: dict, dst: Path, overwrite: bool, dq: str, group_size: int,
+                 progress, cancel) -> Path:
+    from safetensors.numpy import save_file
+
+    from .convert import (CHECKSUM, LM_HEAD_QUANT, _identity, _publish, _put, _remove_stale_temps,
+                          check_destination)
+    from .fsutil import fsync_dir, normalize_modes
+    from .quant import ALIGN, check_finite
+    from .store_format import FORMAT_NAME, FORMAT_VERSION, check_store_files, slab_checksum
+
+    g, a, fam = source.g, source.args, source.family
+    label = g.files[0]
+    D, I, E, M = a.hidden_size, a.moe_intermediate_size, a.num_experts, a.num_moe_layers
+    layout = gguf_slab_layout(D, I, source.widths, bias=a.expert_bias)
+    check_destination(dst, overwrite)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    seen = _identity(dst)
+    _remove_stale_temps(dst)
+    partial = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{os.getpid()}.", suffix=".partial", dir=dst.parent))
+    total = sum(source.nbytes(t.hf) for t in {t.hf: t for t in source.tensors}.values())
+    total += sum(source.expert_nbytes(j) * E for j in range(M))
+    done, last = 0, 0.0
+
+    def report(msg: str, force: bool = False) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if progress and (force or now - last > 0.1):
+            last = now
+            progress(LoadProgress("convert", done, total, "B", msg))
+
+    def check_cancel() -> None:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(f"import of {label} cancelled; nothing was written to {dst}")
+
+    try:
+        (partial / "experts").mkdir()
+        dense: dict[str, np.ndarray] = {}
+        counted: set[str] = set()
+        for t in source.tensors:
+            check_cancel()
+            w = source.get(t.hf, t.shape)
+            check_finite(gguf_name(t.hf, g.arch), w, "f32" if t.kind == "keep" else dq, str(label))
+            if t.kind == "keep":
+                dense[t.ours] = np.ascontiguousarray(w, np.float32)
+            elif t.ours in ("embed_tokens", "lm_head"):
+                _put(dense, t.ours, w, LM_HEAD_QUANT.get(dq, dq), group_size)
+            else:
+                if dq == "int4" and w.shape[-1] % group_size:
+                    raise CheckpointError(f"{label}: --dense-quant int4 needs the input width of {gguf_name(t.hf, g.arch)} "
+                                          f"({w.shape[-1]}) to be a multiple of the group size {group_size}; use int8")
+                _put(dense, t.ours, w, dq, group_size)
+            if t.hf not in counted:
+                counted.add(t.hf)
+                done += source.nbytes(t.hf)
+            report(gguf_name(t.hf, g.arch))
+        experts_meta, types_meta = [], []
+        slab = np.zeros(layout["slot_bytes"], np.uint8)
+        offs = {name: (off, shape) for name, off, _dt, shape in layout["fields"]}
+        for j, i in enumerate(a.moe_layers):
+            rel = f"experts/layer_{j:03d}.bin"
+            metas = []
+            types_meta.append([type_name(source.expert_rows[j][p][1]) for p in PROJS])
+            with open(partial / rel, "wb") as f:
+                for e in range(E):
+                    check_cancel()
+                    slab[:] = 0
+                    for k, proj in enumerate(PROJS):
+                        ty, rows = source.expert_block_rows(j, e, proj)
+                        slab[k] = ty
+                        off, (O, width) = offs[f"{proj}.q"]
+                        view = slab[off:off + O * width].reshape(O, width)
+                        view[:, :rows.shape[1]] = rows
+                        if a.expert_bias:
+                            boff, (bo,) = offs[f"{proj}.b"]
+                            slab[boff:boff + 4 * bo].view(np.float32)[:] = source.expert_bias(j, e, proj)
+                    done += source.expert_nbytes(j)
+                    metas.append({"file": rel, "offset": f.tell(), "length": layout["slot_bytes"],
+                                  CHECKSUM: slab_checksum(CHECKSUM, slab)})
+                    f.write(slab.tobytes())
+                    report(f"blk.{i} expert {e}")
+                f.flush()
+                os.fsync(f.fileno())
+            experts_meta.append(metas)
+        check_cancel()
+        report("dense weights", force=True)
+        dense_path = partial / "dense.safetensors"
+        save_file(dense, str(dense_path), metadata={"format": FORMAT_NAME, "dense_quant": dq})
+        dense_bytes = sum(v.nbytes for v in dense.values())
+        del dense
+        with open(dense_path, "rb+") as f:
+            os.fsync(f.fileno())
+        cfg = dict(source.config)
+        (partial / "config.json").write_text(json.dumps(cfg, indent=1), encoding="utf-8")
+        for name, text in tok.items():
+            (partial / name).write_text(text, encoding="utf-8")
+        manifest = {
+            "format": FORMAT_NAME, "version": FORMAT_VERSION, "model_type": a.model_type,
+            "model_name": g.name, "source": str(g.files[0].resolve()),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "quant": "gguf", "dense_quant": dq, "group_size": group_size if dq == "int4" else None,
+            "expert_layout": "row_major", "alignment": ALIGN, "checksum": CHECKSUM,
+            "dense_file": "dense.safetensors", "dense_bytes": dense_bytes,
+            "slab_layout": {"fields": [list(x) for x in layout["fields"]], "data_bytes": layout["data_bytes"],
+                            "slot_bytes": layout["slot_bytes"]},
+            "slot_bytes": [layout["slot_bytes"]] * M, "num_layers": M, "num_hidden_layers": a.num_hidden_layers,
+            "moe_layers": list(a.moe_layers), "num_experts": E, "experts": experts_meta, "files": {},
+            "gguf": {"architecture": g.arch, "files": [x.name for x in g.files],
+                     "file_type": g.kv.get("general.file_type"), "row_bytes": source.widths,
+                     "expert_types": types_meta},
+        }
+        manifest["files"] = {rel: (partial / rel).stat().st_size
+                             for rel in ["dense.safetensors"] + [f"experts/layer_{j:03d}.bin" for j in range(M)]}
+        with open(partial / "manifest.json", "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        check_store_files(partial, manifest)
+        normalize_modes(partial)
+        fsync_dir(partial / "experts")
+        fsync_dir(partial)
+        check_cancel()
+        _publish(partial, dst, seen, manifest, overwrite)
+        report("done", force=True)
+        return dst
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+
+
+def gguf_estimate(source: GGUFSource, context_length: int = 0, dense_quant: str = "int8",
+                  extra_store_bytes: int = 0):
+    """engine.sizing.Estimate of the store ``source`` imports to (quant "gguf": the experts' slabs
+    at their published sizes, the dense weights at ``dense_quant``) before any import."""
+    from .models import dense_bytes, embedding_bytes, family_for
+    from .sizing import RESERVE_BYTES, Estimate, effective_context, kv_bytes
+    a = source.args
+    slot = gguf_slab_layout(a.hidden_size, a.moe_intermediate_size, source.widths, bias=a.expert_bias)["slot_bytes"]
+    ctx = effective_context(a, context_length)
+    M, E = a.num_moe_layers, a.num_experts
+    dense = dense_bytes(a, dense_quant, dense_quant=dense_quant)
+    kv = kv_bytes(a, ctx)
+    n_dense = 3 * len(family_for(a.model_type).dense_tensors(a))
+    store = (M * E * slot + dense + embedding_bytes(a, dense_quant, dense_quant=dense_quant) + extra_store_bytes
+             + 4096 + 120 * M * E + 128 * n_dense)
+    return Estimate("gguf", slot, M * E * slot, dense, store, kv, M * slot, RESERVE_BYTES,
+                    dense + kv + M * slot + RESERVE_BYTES, ctx, E, a.num_experts_per_tok, (slot,) * M)
