@@ -325,6 +325,9 @@ class MainWindow(QMainWindow):
         hist_msg = None
         if history is None:
             history, hist_msg = History.open(read_only=bool(read_only))
+        if history.read_only and not read_only:  # the file is locked by another program
+            self.read_only = read_only = history.read_only
+            hist_msg = None                      # the read-only note says it
         self.history = history
 
         self.controller = EngineController(self)

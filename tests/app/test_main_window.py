@@ -179,10 +179,41 @@ def test_corrupt_history_is_moved_aside(qtbot, app_dirs, make_window):
     p = history_path()
     p.write_bytes(b"garbage" * 1000)
     win = make_window()
-    assert list(p.parent.glob(p.name + ".corrupt-*"))
+    aside = list(p.parent.glob(p.name + ".corrupt-*"))
+    assert aside
     assert win.banner.isVisible() and win.banner.kind == "history"
+    assert str(aside[0]) in win.banner.text.text() and "rename" in win.banner.text.text()
     _send(qtbot, win, "still works")
     assert len(win.history.messages(win.conv_id)) == 2
+
+
+def test_a_history_locked_by_another_program_is_shown_read_only(qtbot, app_dirs, make_window, monkeypatch):
+    import subprocess
+    from colibri_app import history as hist
+    monkeypatch.setattr(hist, "BUSY_WAIT_S", 0.2)
+    h, _ = History.open()
+    c = h.create_conversation("mine")
+    h.add_message(c.id, "user", "q")
+    h.close()
+    p = history_path()
+    hold = ("import sqlite3, sys\nconn = sqlite3.connect(sys.argv[1], isolation_level=None)\n"
+            "conn.execute('BEGIN IMMEDIATE')\nconn.execute('UPDATE conversations SET title=title')\n"
+            "print('locked', flush=True)\nsys.stdin.read()\n")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(p)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        win = make_window(wait_loaded=False)
+        win.start()
+        note = win.read_only_note.text.text()
+        assert win.read_only_note.isVisible() and "in use by another program" in note
+        assert f"pid {holder.pid}" in note and "read-only" in note
+        assert win.sidebar.list.count() == 1            # the chats are there
+        assert not win.chat.send_btn.isEnabled() and win.loaded is None
+        assert not list(p.parent.glob(p.name + ".corrupt-*"))
+    finally:
+        holder.stdin.close()
+        holder.wait(120)
 
 
 def test_close_while_generating_stops_everything(qtbot, make_window):
