@@ -506,18 +506,20 @@ class Engine:
         while head < len(msgs) and msgs[head].role == "system":
             head += 1
         starts = [i for i in range(head + 1, len(msgs)) if msgs[i].role == "user"]
+        if not starts:
+            return ids, 0
+        # the last question alone first: when even it does not fit, no shorter prompt does
+        # (each encoding of a long paste costs as much as the first)
+        last = self._encode_chat(tuple(msgs[:head]) + tuple(msgs[starts[-1]:]), docs)
+        if len(last) + room > C:
+            # send it alone (the answer gets what is left) or let generate() refuse it
+            return last, starts[-1] - head
         cands = []  # (start, ids) that fit, fewest dropped first
-        for st in starts:
+        for st in starts[:-1]:
             c = self._encode_chat(tuple(msgs[:head]) + tuple(msgs[st:]), docs)
             if len(c) + room <= C:
                 cands.append((st, c))
-        if not cands:
-            if not starts:
-                return ids, 0
-            # even the last question alone leaves less room than wished: send it alone (the
-            # answer gets what is left) or let generate() refuse it
-            st = starts[-1]
-            return self._encode_chat(tuple(msgs[:head]) + tuple(msgs[st:]), docs), st - head
+        cands.append((starts[-1], last))
 
         def common(c: list[int]) -> int:
             n = 0

@@ -111,3 +111,16 @@ def test_one_message_too_long_is_refused_without_pointing_past_the_limit(tiny_st
         with pytest.raises(ContextOverflowError) as e:
             eng.generate(GenerateRequest(messages=(ChatMessage("user", "abc " * 200),)))
         assert "raise the context length" in str(e.value) and "2048" in str(e.value)
+
+
+def test_a_too_long_last_message_is_encoded_once_more_at_most(tiny_store, monkeypatch):
+    """Encoding a long paste is the expensive part of refusing it: the whole chat once, then the
+    last question alone (what the refusal counts), never a third time."""
+    with Engine.open(_cfg(tiny_store, context_length=256)) as eng:
+        calls = []
+        encode = eng.tokenizer.encode
+        monkeypatch.setattr(eng.tokenizer, "encode", lambda text, *a, **k: (calls.append(len(text)), encode(text, *a, **k))[1])
+        msgs = tuple(_chat(2, words=5)) + (ChatMessage("user", "abc " * 2000),)
+        with pytest.raises(ContextOverflowError):
+            eng.generate(GenerateRequest(messages=msgs))
+        assert len([n for n in calls if n > 8000]) == 2

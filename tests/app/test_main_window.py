@@ -216,6 +216,35 @@ def test_a_history_locked_by_another_program_is_shown_read_only(qtbot, app_dirs,
         holder.wait(120)
 
 
+def test_a_200_kb_paste_does_not_freeze_the_window(qtbot, make_window):
+    """The worker tokenizes a 200 KB paste (the tiny model refuses it as too long): a QTimer on
+    the GUI thread records its gaps meanwhile. Holding the GIL for the encode made the worst
+    gap the whole encode (~0.3 s idle, seconds under load). The bound: 100 ms, or a third of
+    the send-to-refusal time when the machine is so busy that this is longer (scheduling
+    delays stretch the gaps and the encode alike; a held GIL makes the gap most of it)."""
+    from PySide6.QtCore import QTimer
+    win = make_window()
+    text = ("Hello world, this is a pasted log line number 12345 with some words. " * 3000)[:200_000]
+    win.chat.input.setPlainText(text)
+    qtbot.wait(50)                               # the paste's own layout is the box's work
+    stamps, ended = [], []
+    timer = QTimer()
+    timer.setInterval(5)
+    timer.timeout.connect(lambda: stamps.append(time.perf_counter()))
+    win.controller.worker.failed.connect(lambda *a: ended.append(time.perf_counter()), Qt.DirectConnection)
+    timer.start()
+    qtbot.waitUntil(lambda: len(stamps) >= 2, timeout=60000)
+    win.chat.send_btn.click()
+    t0 = time.perf_counter()                     # from the end of the click's own work
+    qtbot.waitUntil(lambda: bool(ended), timeout=600000)
+    timer.stop()
+    took = ended[0] - t0
+    gaps = [b - a for a, b in zip(stamps, stamps[1:]) if a >= t0 and b <= ended[0]]
+    worst = max(gaps)
+    assert gaps and worst < max(0.1, took / 3), (worst, took)
+    assert "tokens" in win.banner.text.text()   # refused, as too long
+
+
 def test_close_while_generating_stops_everything(qtbot, make_window):
     win = make_window(max_new_tokens=2000)
     seen = []
