@@ -691,7 +691,7 @@ class Engine:
         self.cache.set_pinned(np.zeros_like(self.heat.pinned))
         self._pins_applied = False
         if self.config.history:
-            self.heat.save(self.store.path)
+            self.heat.save(self.store.path, force=True)  # asked for: replaces even a kept file
 
     def close(self) -> None:
         """Join prefetch and I/O threads and close every file. Idempotent."""

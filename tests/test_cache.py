@@ -262,19 +262,46 @@ def test_heat_file_roundtrip_and_mismatch(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
     r = RoutingHeat(4, 8)
     assert r.load(tmp_path) and r.counts[0, 0] == 5 and r.counts[1, 2] == 2 and r.pinned[1, 2]
-    # dimensions of another model: ignored with a message
+    # dimensions of another model: ignored with a message, moved aside (never deleted)
+    p = tmp_path / FILENAME
+    good = p.read_text()
     other = RoutingHeat(4, 16)
     assert not other.load(tmp_path) and "do not match" in other.message and other.counts.sum() == 0
-    # truncated
-    p = tmp_path / FILENAME
-    p.write_text(p.read_text()[:40])
+    aside = list(tmp_path.glob(FILENAME + ".bad-*"))
+    assert len(aside) == 1 and aside[0].read_text() == good and str(aside[0]) in other.message
+    assert not p.exists() and not other.keep_file
+    # truncated: moved aside too
+    p.write_text(good[:40])
     t = RoutingHeat(4, 8)
     assert not t.load(tmp_path) and "ignoring routing history" in t.message
-    # another engine's file
-    d = json.loads(h.to_json())
-    d["engine"] = "glm_moe_dsa"
-    p.write_text(json.dumps(d))
-    assert not RoutingHeat(4, 8).load(tmp_path)
+    assert len(list(tmp_path.glob(FILENAME + ".bad-*"))) == 2
+
+
+@pytest.mark.parametrize("case", ["newer version", "another engine", "unreadable"])
+def test_a_heat_file_this_build_cannot_use_is_never_overwritten(tmp_path, case):
+    """Busy, newer or another program's: ignored, left as it is, not saved over (until the
+    user resets the history)."""
+    p = tmp_path / FILENAME
+    d = json.loads(RoutingHeat(4, 8, "x").to_json())
+    if case == "newer version":
+        d["version"] = 2
+    elif case == "another engine":
+        d["engine"] = "glm_moe_dsa"
+    if case == "unreadable":
+        p.mkdir()                       # a read error, not a broken file
+        before = None
+    else:
+        p.write_text(json.dumps(d))
+        before = p.read_text()
+    h = RoutingHeat(4, 8, "x")
+    assert not h.load(tmp_path) and h.keep_file and "left as it is" in h.message
+    h.observe(0, np.array([[1, 2]]))
+    h.save(tmp_path)
+    assert (p.is_dir() if before is None else p.read_text() == before)
+    assert not list(tmp_path.glob(FILENAME + ".bad-*"))
+    if before is not None:
+        h.save(tmp_path, force=True)    # "Reset routing history" replaces it
+        assert json.loads(p.read_text())["counts"][0][1] == 1
 
 
 def test_pins_persist_and_prewarm(medium_store, tmp_path):
