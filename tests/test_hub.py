@@ -306,6 +306,22 @@ def test_cli_download_and_models(fake, capsys):
     assert main(["download", "meta/none"]) == 2
 
 
+def test_cli_self_test_that_cannot_run_keeps_the_store(fake, capsys, monkeypatch):
+    """Too little free RAM for the self-test says nothing about the store: it is kept (the
+    wizard's rule), and the message says how to try it again."""
+    from engine import BudgetError
+    from engine.cli import main
+    from engine.cli import models as cli_models
+
+    def short(store, max_new_tokens=8):
+        raise BudgetError("the RAM budget 0.1 GB cannot hold the dense weights (0.2 GB)")
+    monkeypatch.setattr(cli_models, "self_test", short)
+    assert main(["download", REPO, "--quant", "int8", "--yes"]) == 1
+    err = capsys.readouterr().err
+    assert "could not run" in err and "kept" in err and "colibri run --model" in err
+    assert len(hub.list_models()) == 1 and (paths.models_dir() / "tiny-olmoe-int8").exists()
+
+
 def test_cli_download_pasted_address_and_failed_self_test(fake, capsys, monkeypatch):
     """Issue 17.7 siblings in the CLI: a pasted hub address is the repo id; a store whose
     self-test fails is removed (not left in the library)."""

@@ -7,10 +7,10 @@ import sys
 import threading
 import time
 
-from ..errors import EngineError
+from ..errors import EngineError, error_kind
 from ..events import LoadProgress
 from ..library import (WIZARD_QUANTS, check_repo, convert_downloaded, delete_model, download, format_bytes,
-                       list_models, models_dir, self_test)
+                       list_models, models_dir, self_test, self_test_says_broken)
 
 
 _LINE_OPEN = [False]  # a progress line is on stderr without its newline yet
@@ -96,8 +96,12 @@ def cmd_download(a) -> int:
     print(f"\nconverted in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     try:
         text = self_test(store)
-    except EngineError as e:  # the store does not run: it is not kept in the library
-        delete_model(store)
+    except EngineError as e:
+        if not self_test_says_broken(error_kind(e)):  # e.g. too little free RAM now: the store may be fine
+            print(f"colibri: the self-test of {store} could not run ({e}); the store was kept: run "
+                  f"`colibri run --model {store} --prompt hi` once that is solved", file=sys.stderr)
+            return 1
+        delete_model(store)  # the store does not run: it is not kept in the library
         print(f"colibri: the self-test of {store} failed ({e}); the store was removed (the download is "
               f"kept in {src})", file=sys.stderr)
         return 1

@@ -26,7 +26,7 @@ from .download import check_weight_file, delete_download, download
 from .errors import DiskSpaceError, DownloadCancelled, FolderError, HubError, VerificationError
 from ..expert_store import store_problem
 from .models import (ModelEntry, convert_downloaded, delete_model, list_models, looks_like_store, repair_advice,
-                     self_test)
+                     self_test, self_test_says_broken)
 from .paths import (blocking_file, download_dir_for, downloads_dir, folder_problem, free_space, models_dir,
                     resources_dir, store_name, user_config_dir, user_data_dir)
 
@@ -38,6 +38,7 @@ __all__ = [
     "default_model_dir", "default_store", "check_weight_file", "delete_download", "download",
     "DiskSpaceError", "DownloadCancelled", "FolderError", "blocking_file", "folder_problem", "HubError", "VerificationError", "ModelEntry",
     "convert_downloaded", "delete_model", "list_models", "looks_like_store", "repair_advice", "self_test",
+    "self_test_says_broken",
     "store_problem", "download_dir_for", "downloads_dir",
     "free_space", "models_dir", "resources_dir", "store_name", "user_config_dir", "user_data_dir",
 ]
