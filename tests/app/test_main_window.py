@@ -471,3 +471,17 @@ def test_cap_in_the_status_bar_shows_single_slots(qtbot, make_window):
     win.on_loaded(replace(win.loaded, cap_per_layer=4, expert_slots=4 * L - 1))
     assert win.st_cap.text() == f"cap {(4 * L - 1) / L:.1f}/{E} per layer"
     assert win.st_cap.toolTip() == f"{4 * L - 1} expert slots in RAM: 3-4 per layer"
+
+
+def test_saving_the_window_state_keeps_what_this_version_does_not_write(app_dirs):
+    from colibri_app.main_window import save_ui_state
+    p = ui_state_path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"future_panel": {"open": True}, "splitter": [1, 2]}))
+    save_ui_state({"splitter": [240, 700], "serve": {"port": 8000, "api_key": "k" * 8}})
+    assert json.loads(p.read_text()) == {"future_panel": {"open": True}, "splitter": [240, 700],
+                                         "serve": {"port": 8000, "api_key": "k" * 8}}
+    p.unlink()
+    p.mkdir()                                   # cannot be read: left as it is
+    save_ui_state({"splitter": [240, 700]})
+    assert p.is_dir()
