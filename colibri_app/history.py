@@ -15,7 +15,8 @@ never renamed. Only a file SQLite reports as not a database or corrupt, or that 
 ``PRAGMA quick_check`` (a subset of integrity_check: failing it fails both), is moved aside
 (``history.sqlite3.corrupt-<time>``) and a fresh one is created; the message returned by
 :meth:`History.open` says where it went and how to get it back. Any other error (permissions,
-a full disk, an I/O error) leaves the file where it is and opens an empty history in memory.
+a full disk, an I/O error) leaves the file where it is and opens it read-only (or, when it cannot
+be read either, an empty history in memory).
 Rows are read one by one and converted defensively, so one bad row never hides the others.
 
 Search: :meth:`History.search` finds words in message text with SQLite's FTS5 full-text index
@@ -248,11 +249,11 @@ class History:
         """Open (or create) the database; returns (history, message or None).
 
         A file another program holds locked is waited for ``busy_wait_s`` seconds (default
-        :data:`BUSY_WAIT_S`), then opened
-        read-only (:attr:`read_only` and the message say so, nothing is renamed or written). A
-        file that is damaged (:func:`is_broken`) is renamed with a timestamp and a fresh one is
-        created; the message says where it went and how to get it back. Any other error leaves
-        the file alone: an empty history in memory, read-only, and a message. Messages left
+        :data:`BUSY_WAIT_S`), then opened read-only (:attr:`read_only` and the message say so;
+        nothing is renamed or written). A file that is damaged (:func:`is_broken`) is renamed
+        with a timestamp and a fresh one is created; the message says where it went and how to
+        get it back. Any other error leaves the file alone: it is opened read-only (an empty
+        history in memory when it cannot be read either), with a message. Messages left
         "streaming" become "interrupted" (with the pieces shown before the crash).
         ``read_only``: another instance owns the file: open it for reading only, never repair,
         recover or write it (a missing or unreadable file gives an empty in-memory history).
