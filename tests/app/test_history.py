@@ -188,3 +188,16 @@ def test_streamed_pieces_after_the_last_checkpoint_survive_a_crash(tmp_path):
     assert (m.content, m.status) == ("Hello, world", INTERRUPTED)
     assert h.conn.execute("SELECT count(*) FROM stream_tail").fetchone()[0] == 0
     h.close()
+
+
+def test_a_history_that_cannot_be_opened_is_left_where_it_is(tmp_path):
+    """Not busy and not damaged (here a folder where the file should be: SQLite cannot open
+    it): nothing is renamed; an empty read-only history and a message."""
+    p = tmp_path / "h.sqlite3"
+    p.mkdir()
+    (p / "mine.txt").write_text("keep me")
+    h, msg = History.open(p, busy_wait_s=0.2)
+    assert h.read_only and msg == h.read_only and "could not be opened for writing" in msg
+    assert (p / "mine.txt").read_text() == "keep me" and not list(tmp_path.glob("*.corrupt-*"))
+    assert h.conversations() == []
+    h.close()
