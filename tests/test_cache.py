@@ -791,7 +791,7 @@ def test_a_slot_populated_after_the_fill_paused_wakes_the_fill():
 
     def grow_ok(n):
         if threading.current_thread().name == "colibri-populate":
-            gate.wait(10)  # the populate thread asked before the budget filled up
+            gate.wait(600)  # the populate thread asked before the budget filled up
             return True
         return False  # the fill thread: the budget says no
     c = ExpertCache(_MBStore(), L, E, 4, policy="lru", io_threads=1, reserve=True, fill=True, grow_ok=grow_ok)
@@ -912,18 +912,18 @@ def test_idle_fill_does_not_retry_a_failing_expert_and_stops_on_close():
     class SlowStore(FakeStore):
         def read(self, layer, expert, buf, verify=False):
             started.set()
-            gate.wait(10.0)
+            gate.wait(600)
             return super().read(layer, expert, buf, verify)
 
     cache = ExpertCache(SlowStore(), 2, 8, 8, policy="lru", io_threads=1, fill=True)
     cache.start_fill()
-    assert started.wait(10.0)
+    assert started.wait(600)
     closer = threading.Thread(target=cache.close)
     closer.start()
     time.sleep(0.2)
     assert closer.is_alive()  # waits for the read in flight
     gate.set()
-    closer.join(10.0)
+    closer.join(600)
     assert not closer.is_alive()
     assert not [n for n in engine_threads_alive() if n == "colibri-fill"]
     assert cache.stats.fill_loads == 0 and cache.populate_pending() == 0 and cache.fill_pending() == 0
@@ -936,7 +936,7 @@ def test_idle_fill_waits_while_a_demand_read_is_in_flight():
     class SlowStore(FakeStore):
         def read(self, layer, expert, buf, verify=False):
             if (layer, expert) == (0, 5):
-                gate.wait(10.0)
+                gate.wait(600)
             return super().read(layer, expert, buf, verify)
 
     cache = ExpertCache(SlowStore(), 2, 8, 8, policy="lru", io_threads=1, fill=True)
@@ -948,7 +948,7 @@ def test_idle_fill_waits_while_a_demand_read_is_in_flight():
         time.sleep(0.3)
         assert cache.stats.loads == 0 and cache.stats.fill_loads == 0
         gate.set()
-        t.join(10.0)
+        t.join(600)
         assert cache.wait_filled(timeout=600.0)
         assert cache.residency().all() and cache.stats.demand_bytes == FakeStore.slot_bytes
     finally:
@@ -1051,7 +1051,7 @@ def test_populate_ahead_faults_the_next_slot_first(monkeypatch):
     gate = threading.Event()
 
     def record(addr, n, advice):
-        gate.wait(10)
+        gate.wait(600)
         order.append(addr)
         return 0
 
@@ -1233,7 +1233,7 @@ class _GatedStore(FakeStore):
     def read(self, layer, expert, buf, verify=False):
         if expert == self.expert:
             self.started.set()
-            self.gate.wait(10)
+            self.gate.wait(600)
         return super().read(layer, expert, buf, verify)
 
 
