@@ -157,6 +157,26 @@ def test_sha256_mismatch_is_refused_and_removed(fake):
     assert (dest / WEIGHTS).read_bytes() == _weights(fake)
 
 
+def test_a_verified_download_that_cannot_be_read_now_is_kept(fake, monkeypatch):
+    """The weights arrive and match the hub's hash, but the safetensors check cannot read the
+    file (permissions, an I/O error): the download stops saying so, the file is not deleted,
+    and the next run finds it without fetching it again."""
+    import safetensors
+    real = safetensors.safe_open
+
+    def unreadable(path, *a, **k):
+        raise PermissionError(13, "Permission denied", path)
+    monkeypatch.setattr(safetensors, "safe_open", unreadable)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: could not be read \(Permission denied\)"):
+        hub.download(REPO)
+    dest = hub.download_dir_for(REPO)
+    assert (dest / WEIGHTS).read_bytes() == _weights(fake)
+    monkeypatch.setattr(safetensors, "safe_open", real)
+    fetched = len(fake.gets(WEIGHTS))
+    hub.download(REPO)
+    assert len(fake.gets(WEIGHTS)) == fetched and (dest / WEIGHTS).read_bytes() == _weights(fake)
+
+
 @pytest.mark.parametrize("listed_as_pointer", [True, False])
 def test_lfs_pointer_instead_of_weights(fake, listed_as_pointer):
     ptr = hubserver.lfs_pointer(_weights(fake))
