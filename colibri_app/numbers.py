@@ -2,8 +2,8 @@
 
 Qt's spin boxes read typed text with the user's locale only: in German ``0.6`` is read as 6
 (the dot is the thousands separator there) and ``2.5`` as 25, silently. :class:`DecimalBox`
-reads ``0,6`` and ``0.6`` alike as six tenths and :class:`WholeBox` refuses ``0,6`` or ``8.000``
-instead of reading 6 or 8000; both show numbers in the user's locale (``0,6`` in German) and,
+reads ``0,6`` and ``0.6`` alike as six tenths (and refuses ``2.500``, which could be either
+2500 or 2,5) and :class:`WholeBox` refuses ``0,6`` or ``8.000`` instead of reading 6 or 8000; both show numbers in the user's locale (``0,6`` in German) and,
 while the text cannot be read, hold a sentence saying why (:attr:`problem`, signal
 ``problem_changed``), which the dialogs show next to their OK button (disabled meanwhile).
 """
@@ -34,6 +34,14 @@ def read_number(text: str, locale: QLocale, whole: bool) -> tuple[float | None, 
     if len(found) > 1:
         return None, (f"“{text.strip()}” has {len(found)} separators: type the number with one decimal "
                       f"mark and no thousands separator (0{locale.decimalPoint()}6 or 0.6)")
+    if found and found[0] == locale.groupSeparator() != locale.decimalPoint():
+        # "2.500" in German, "1,000" in English: a thousands separator as much as a decimal
+        # mark; refused rather than guessed
+        whole_part, _, frac = t.partition(found[0])
+        if len(frac) == 3 and frac.isdigit() and whole_part.lstrip("+-") not in ("", "0"):
+            return None, (f"“{text.strip()}” could be {whole_part}{frac} or {whole_part}"
+                          f"{locale.decimalPoint()}{frac}: type it without a thousands separator, "
+                          f"or with fewer decimals")
     for m in found:
         t = t.replace(m, ".")
     try:

@@ -79,6 +79,15 @@ def test_a_decimal_field_refuses_two_separators(dialog, qtbot):
     assert dialog.is_valid and dialog.current_settings().sampling.top_p == pytest.approx(0.9)
 
 
+def test_a_decimal_field_refuses_what_could_be_thousands(dialog, qtbot):
+    """German "2.500" is 2500 (thousands separator) as much as 2,5: refused, not guessed."""
+    dialog.auto_boxes["ram_budget_gb"].setChecked(False)
+    _type(qtbot, dialog.fields["ram_budget_gb"], "2.500")
+    assert not dialog.is_valid and "could be 2500 or 2,500" in dialog.error_label.text()
+    _type(qtbot, dialog.fields["ram_budget_gb"], "2.5")
+    assert dialog.is_valid and dialog.current_settings().engine.ram_budget_gb == pytest.approx(2.5)
+
+
 @pytest.mark.parametrize("typed", ["0,6", "0.6", "8.000"])
 def test_a_whole_number_field_refuses_a_separator(dialog, qtbot, typed):
     """Max new tokens: neither 0,6 nor 0.6 is a token count; 8.000 is not silently 8 or 8000."""
