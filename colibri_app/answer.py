@@ -6,7 +6,8 @@ keeps the text (shown + not yet shown), the token count and the last metrics, sh
 in the chat view at most every :data:`FLUSH_MS` when that conversation is on screen (and
 the whole text again when the user comes back to it), and writes the message to the history:
 a crash-safety checkpoint at most every :data:`SAVE_EVERY_S` while streaming (status
-"streaming"; the next start marks it "interrupted"), then once with its final status, content
+"streaming"; the next start marks it "interrupted") and every piece shown in between appended
+(:meth:`History.append_stream`), so a kill -9 loses nothing that was on screen; then once with its final status, content
 and numbers when it ends, is stopped, fails, or the window closes first.
 Runs on the GUI thread only (it touches widgets and the history).
 """
@@ -95,6 +96,8 @@ class AnswerStream(QObject):
         if now - self._last_save >= SAVE_EVERY_S:
             self.history.update_message(self.asst_id, content=self.text)
             self._last_save = now
+        else:  # what is shown is saved: a kill -9 now loses nothing of it
+            self.history.append_stream(self.asst_id, piece)
 
     def show(self) -> None:
         """The conversation is on screen again (its cards were rebuilt from the history):

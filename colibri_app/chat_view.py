@@ -29,6 +29,10 @@ NO_TEMPLATE_TEXT = ("This model has no chat template, so it cannot hold a conver
                     "and earlier turns cannot be sent. Raw mode sends only your latest message, as plain "
                     "text for the model to continue.")
 
+# A user message longer than this shows its start and a "Show all" toggle: laying out a 200 KB
+# paste takes Qt ~100 ms on the GUI thread, at every send, status change and resize.
+LONG_MESSAGE_CHARS = 6000
+
 STATUS_NOTE = {
     STOPPED: "stopped",
     INTERRUPTED: "interrupted — the app closed while this answer was being written",
@@ -109,6 +113,8 @@ class MessageView(QFrame):
         self.text = MarkdownBody()
         self.text.setAccessibleName("Message text")
         lay.addWidget(self.text)
+        self.more_btn = self._disclosure("Show the whole message", lambda _on: self._show_user_text())
+        lay.addWidget(self.more_btn)
         self.note = QLabel()
         self.note.setObjectName("statusNote")
         self.note.setWordWrap(True)
@@ -200,7 +206,7 @@ class MessageView(QFrame):
         """Show a complete (or final) message: Markdown for answers, plain for the user."""
         self._text, self.status, self._meta = text, status, meta
         if self.role != "assistant":
-            self.text.set_plain(text)
+            self._show_user_text()
         else:
             reasoning, answer = split_reasoning(text)
             thinking = reasoning_open(text) and status == STREAMING
@@ -229,6 +235,23 @@ class MessageView(QFrame):
                                             zip(names, sums + [""] * (len(names) - len(sums)))))
         self.docs_text.setVisible(self.docs_btn.isChecked())
 
+    def _show_user_text(self) -> None:
+        """A user's (or system) message: whole, or its start and the "Show all" toggle."""
+        text = self._text
+        long = len(text) > LONG_MESSAGE_CHARS
+        self.more_btn.setVisible(long)
+        if long and not self.more_btn.isChecked():
+            self.more_btn.setText(f"Show all ({len(text):,} characters)")
+            self.more_btn.setArrowType(Qt.RightArrow)
+            shown = text[:LONG_MESSAGE_CHARS] + " …"
+        else:
+            if long:
+                self.more_btn.setText("Show less")
+                self.more_btn.setArrowType(Qt.DownArrow)
+            shown = text
+        if not (self.text._plain and self.text._text == shown):  # a status change: no new layout
+            self.text.set_plain(shown)
+
     def _toggle_docs(self, on: bool) -> None:
         self._set_open(self.docs_btn, self.docs_text, on, "the documentation this answer was given")
 
@@ -237,7 +260,7 @@ class MessageView(QFrame):
         self.status = STREAMING
         self._text += piece
         if self.role != "assistant":
-            self.text.set_plain(self._text)
+            self._show_user_text()
             return
         reasoning, answer = split_reasoning(self._text)
         thinking = reasoning_open(self._text)

@@ -2,10 +2,21 @@
 
 The file lives in ``user_data_dir()/history.sqlite3``. Used only from the GUI thread.
 
-Crash safety: an answer is written while it streams (status "streaming"); on the next start
-:meth:`History.open` marks every message still "streaming" as "interrupted", so the partial
-answer is kept. A file SQLite cannot read is moved aside (``history.sqlite3.corrupt-<time>``)
-and a fresh one is created; the message returned by :meth:`History.open` says where it went.
+Crash safety: an answer is written while it streams (status "streaming"): every piece the
+window shows is appended to ``stream_tail`` (a small append-only table, so a long answer is not
+rewritten, nor re-indexed, 25 times a second); on the next start :meth:`History.open` joins the
+pieces to their message and marks every message still "streaming" as "interrupted", so the
+partial answer is kept up to the last piece shown.
+
+Busy is not broken: a file another program holds (SQLITE_BUSY / SQLITE_LOCKED: a database
+browser's open write transaction, the sqlite3 shell, a backup tool) is waited for, then opened
+read-only (:attr:`History.read_only` says why, naming the program when it can be found); it is
+never renamed. Only a file SQLite reports as not a database or corrupt, or that fails
+``PRAGMA quick_check`` (a subset of integrity_check: failing it fails both), is moved aside
+(``history.sqlite3.corrupt-<time>``) and a fresh one is created; the message returned by
+:meth:`History.open` says where it went and how to get it back. Any other error (permissions,
+a full disk, an I/O error) leaves the file where it is and opens it read-only (or, when it cannot
+be read either, an empty history in memory).
 Rows are read one by one and converted defensively, so one bad row never hides the others.
 
 Search: :meth:`History.search` finds words in message text with SQLite's FTS5 full-text index
@@ -62,7 +73,68 @@ CREATE TABLE IF NOT EXISTS messages (
     sampling_json TEXT NOT NULL DEFAULT '{}'
 );
 CREATE INDEX IF NOT EXISTS messages_by_conversation ON messages(conversation_id, id);
+CREATE TABLE IF NOT EXISTS stream_tail (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    message_id INTEGER NOT NULL,
+    piece TEXT NOT NULL
+);
 """
+
+# How long a locked file is waited for before it is opened read-only (seconds).
+BUSY_WAIT_S = 5.0
+_BUSY_CODES = (5, 6)          # SQLITE_BUSY, SQLITE_LOCKED (primary codes)
+_BROKEN_CODES = (11, 26)      # SQLITE_CORRUPT, SQLITE_NOTADB
+
+
+class _Corrupt(sqlite3.DatabaseError):
+    """The file opened but failed PRAGMA quick_check."""
+
+
+def _code(e: BaseException) -> int:
+    return (getattr(e, "sqlite_errorcode", 0) or 0) & 0xFF
+
+
+def is_busy(e: BaseException) -> bool:
+    """True for SQLite's "database is locked" / "database table is locked" (another
+    connection holds the lock): the file is healthy, only busy."""
+    if not isinstance(e, sqlite3.Error):
+        return False
+    if _code(e) in _BUSY_CODES:
+        return True
+    return _code(e) == 0 and "locked" in str(e).lower()
+
+
+def is_broken(e: BaseException) -> bool:
+    """True only when the file itself is damaged: not a database, corrupt, or failing the
+    integrity check. Permissions, a full disk, I/O errors and locks are not."""
+    if isinstance(e, _Corrupt):
+        return True
+    if not isinstance(e, sqlite3.DatabaseError) or is_busy(e):
+        return False
+    if _code(e) in _BROKEN_CODES:
+        return True
+    text = str(e).lower()
+    return _code(e) == 0 and ("not a database" in text or "malformed" in text)
+
+
+def holders(path: Path) -> list[str]:
+    """"name (pid N)" of the other processes that have ``path`` open (best effort: those of
+    this user that psutil may inspect; [] when none is found)."""
+    try:
+        import psutil
+    except ImportError:
+        return []
+    target = {os.path.realpath(path)} | {os.path.realpath(str(path) + s) for s in ("-wal", "-journal")}
+    out = []
+    for proc in psutil.process_iter(["pid", "name"]):
+        if proc.info["pid"] == os.getpid():
+            continue
+        try:
+            if any(f.path in target for f in proc.open_files()):
+                out.append(f"{proc.info['name']} (pid {proc.info['pid']})")
+        except (psutil.Error, OSError):
+            continue
+    return out
 
 # Version 2: full-text search over message text (https://sqlite.org/fts5.html, "External
 # Content Tables": the index holds no copy of the text; the triggers keep it in step).
@@ -165,37 +237,80 @@ class History:
     def __init__(self, conn: sqlite3.Connection, path: Path):
         self.conn = conn
         self.path = path
+        #: why this history cannot be written ("" = writable): the file is locked by another
+        #: program or cannot be opened for writing (set by :meth:`open`)
+        self.read_only = ""
 
     # --- opening ------------------------------------------------------------------------------
 
     @classmethod
-    def open(cls, path: str | os.PathLike | None = None,
-             read_only: bool = False) -> tuple["History", str | None]:
+    def open(cls, path: str | os.PathLike | None = None, read_only: bool = False,
+             busy_wait_s: float | None = None) -> tuple["History", str | None]:
         """Open (or create) the database; returns (history, message or None).
 
-        A file that is not a readable SQLite database is renamed with a timestamp and a fresh
-        one is created; the message says so. Messages left "streaming" become "interrupted".
+        A file another program holds locked is waited for ``busy_wait_s`` seconds (default
+        :data:`BUSY_WAIT_S`), then opened read-only (:attr:`read_only` and the message say so;
+        nothing is renamed or written). A file that is damaged (:func:`is_broken`) is renamed
+        with a timestamp and a fresh one is created; the message says where it went and how to
+        get it back. Any other error leaves the file alone: it is opened read-only (an empty
+        history in memory when it cannot be read either), with a message. Messages left
+        "streaming" become "interrupted" (with the pieces shown before the crash).
         ``read_only``: another instance owns the file: open it for reading only, never repair,
         recover or write it (a missing or unreadable file gives an empty in-memory history).
         """
         p = Path(path) if path else history_path()
         if read_only:
             return cls._open_read_only(p)
+        busy_wait_s = BUSY_WAIT_S if busy_wait_s is None else busy_wait_s
         p.parent.mkdir(parents=True, exist_ok=True)
         message = None
+        conn = None
         try:
-            conn = cls._connect(p)
-        except sqlite3.DatabaseError as e:
+            conn = cls._connect(p, busy_wait_s)
+            self = cls(conn, p)
+            n = self.recover_interrupted()
+        except sqlite3.Error as e:
+            if conn is not None:
+                conn.close()
+            if is_busy(e):
+                return cls._open_busy(p, e)
+            if not is_broken(e):
+                return cls._open_unusable(p, e)
             aside = cls._move_aside(p)
-            message = (f"The chat history {p} could not be read ({e}). It was moved to {aside} "
-                       f"and a new, empty history was started.")
+            message = (f"The chat history {p} is damaged ({e}). It was moved to {aside} and a new, "
+                       f"empty history was started. To get it back, quit colibri and rename "
+                       f"{aside.name} to {p.name} (or rescue what it holds with the sqlite3 "
+                       f"shell's .recover command).")
             log.warning("%s", message)
-            conn = cls._connect(p)
-        self = cls(conn, p)
-        n = self.recover_interrupted()
+            self = cls(cls._connect(p, busy_wait_s), p)
+            n = 0
         if n:
             log.info("marked %d interrupted answer(s)", n)
         return self, message
+
+    @classmethod
+    def _open_busy(cls, p: Path, e: sqlite3.Error) -> tuple["History", str]:
+        who = holders(p)
+        by = f"another program ({', '.join(who)})" if who else "another program"
+        self, err = cls._open_read_only(p)
+        if err:  # the lock keeps readers out too (an exclusive transaction)
+            shown = "Its chats cannot be shown until it lets go"
+        else:
+            shown = "Its chats are shown read-only"
+        self.read_only = (f"The chat history {p} is in use by {by} ({e}). {shown}: nothing is "
+                          f"written or renamed. Close that program and restart colibri to chat.")
+        log.warning("%s", self.read_only)
+        return self, self.read_only
+
+    @classmethod
+    def _open_unusable(cls, p: Path, e: sqlite3.Error) -> tuple["History", str]:
+        self, err = cls._open_read_only(p)
+        self.read_only = (f"The chat history {p} could not be opened for writing ({e}). "
+                          + ("It is shown read-only" if not err else "It was left as it is")
+                          + "; nothing is written or renamed. Check the file's permissions and "
+                          "the free disk space, then restart colibri.")
+        log.warning("%s", self.read_only)
+        return self, self.read_only
 
     @classmethod
     def _open_read_only(cls, p: Path) -> tuple["History", str | None]:
@@ -213,8 +328,8 @@ class History:
             return cls(conn, p), f"The chat history {p} could not be read ({e})."
 
     @staticmethod
-    def _connect(p: Path) -> sqlite3.Connection:
-        conn = sqlite3.connect(str(p), timeout=5.0)
+    def _connect(p: Path, busy_wait_s: float = BUSY_WAIT_S) -> sqlite3.Connection:
+        conn = sqlite3.connect(str(p), timeout=busy_wait_s)
         conn.text_factory = lambda b: b.decode("utf-8", "replace")  # bad bytes in one row stay readable
         try:
             conn.execute("PRAGMA journal_mode=WAL")
@@ -222,7 +337,7 @@ class History:
             conn.execute("PRAGMA synchronous=NORMAL")
             ok = conn.execute("PRAGMA quick_check").fetchone()
             if not ok or ok[0] != "ok":
-                raise sqlite3.DatabaseError(f"integrity check failed: {ok[0] if ok else 'no answer'}")
+                raise _Corrupt(f"integrity check failed: {ok[0] if ok else 'no answer'}")
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             with conn:
                 conn.executescript(_SCHEMA)
@@ -319,10 +434,24 @@ class History:
                 self.conn = None
 
     def recover_interrupted(self) -> int:
-        """Mark messages still "streaming" (the app died mid-answer) as "interrupted"."""
+        """Mark messages still "streaming" (the app died mid-answer) as "interrupted", their
+        content completed with the pieces saved after the last checkpoint (stream_tail)."""
         with self.conn:
+            for (mid,) in self.conn.execute("SELECT DISTINCT message_id FROM stream_tail").fetchall():
+                tail = "".join(_text(r[0]) for r in self.conn.execute(
+                    "SELECT piece FROM stream_tail WHERE message_id=? ORDER BY seq", (mid,)))
+                self.conn.execute("UPDATE messages SET content=content || ? WHERE id=? AND status=?",
+                                  (tail, mid, STREAMING))
+            self.conn.execute("DELETE FROM stream_tail")
             cur = self.conn.execute("UPDATE messages SET status=? WHERE status=?", (INTERRUPTED, STREAMING))
         return cur.rowcount
+
+    def append_stream(self, msg_id: int, piece: str) -> None:
+        """Save ``piece``, the next text of a streaming answer, as it is shown: one small
+        insert (the message row and its search index change only at checkpoints)."""
+        if piece:
+            with self.conn:
+                self.conn.execute("INSERT INTO stream_tail(message_id, piece) VALUES (?, ?)", (msg_id, piece))
 
     # --- conversations ------------------------------------------------------------------------
 
@@ -441,11 +570,14 @@ class History:
             return
         with self.conn:
             self.conn.execute(f"UPDATE messages SET {', '.join(sets)} WHERE id=?", (*args, msg_id))
+            if content is not None:  # the pieces are in the content now
+                self.conn.execute("DELETE FROM stream_tail WHERE message_id=?", (msg_id,))
 
     def delete_message(self, msg_id: int) -> None:
         """Delete one message."""
         with self.conn:
             self.conn.execute("DELETE FROM messages WHERE id=?", (msg_id,))
+            self.conn.execute("DELETE FROM stream_tail WHERE message_id=?", (msg_id,))
 
     def delete_from(self, conv_id: int, msg_id: int) -> None:
         """Delete message ``msg_id`` and every later message of the conversation (edit, regenerate)."""

@@ -102,9 +102,21 @@ def load_ui_state() -> dict:
 
 
 def save_ui_state(state: dict) -> None:
-    """Write the UI state atomically (errors are logged, never raised)."""
+    """Write the UI state atomically (errors are logged, never raised). Keys of the file this
+    build does not write (a newer version's) are kept; a file that exists but cannot be read
+    now is left as it is (it holds the server's API key)."""
+    p = ui_state_path()
     try:
-        library.atomic_write_text(ui_state_path(), json.dumps(state, indent=1))
+        old = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        old = {}
+    except OSError as e:
+        log.warning("the window state %s cannot be read (%s); it is left as it is", p, e)
+        return
+    except ValueError:  # not JSON: nothing in it can be kept
+        old = {}
+    try:
+        library.atomic_write_text(p, json.dumps({**(old if isinstance(old, dict) else {}), **state}, indent=1))
     except OSError as e:
         log.warning("could not save the window state: %s", e)
 
@@ -346,6 +358,9 @@ class MainWindow(QMainWindow):
         hist_msg = None
         if history is None:
             history, hist_msg = History.open(read_only=bool(read_only))
+        if history.read_only and not read_only:  # the file is locked by another program
+            self.read_only = read_only = history.read_only
+            hist_msg = None                      # the read-only note says it
         self.history = history
 
         self.controller = EngineController(self)

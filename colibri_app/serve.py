@@ -18,9 +18,11 @@ import threading
 from PySide6.QtCore import QObject, Qt, QTimer, Signal, Slot
 from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPushButton,
-                               QSpinBox, QVBoxLayout, QWidget)
+                               QVBoxLayout, QWidget)
 
 from engine.server import DEFAULT_PORT, LocalServer, NoModel, ServedModel, ServerOptions, check_origin_syntax
+
+from .numbers import WholeBox
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +195,7 @@ class ServeDialog(QDialog):
         info.setWordWrap(True)
         lay.addWidget(info)
         form = QFormLayout()
-        self.port = QSpinBox()
+        self.port = WholeBox()       # "8.000" is refused with a reason, not read as 8 or 8000
         self.port.setRange(1024, 65535)
         self.port.setValue(port if 1024 <= port <= 65535 else DEFAULT_PORT)
         self.port.setAccessibleName("Server port")
@@ -237,6 +239,18 @@ class ServeDialog(QDialog):
         lay.addWidget(buttons)
         self.port.valueChanged.connect(self._update_url)
         self._update_url()
+        self._ok = buttons.button(QDialogButtonBox.Ok)
+        self.port.problem_changed.connect(self._port_problem)
+
+    def _port_problem(self, why: str) -> None:
+        self.error.setText(f"Port: {why}" if why else "")
+        self.error.setVisible(bool(why))
+        self._ok.setEnabled(not why)
+
+    def accept(self) -> None:
+        if self.port.problem:  # Enter in the port field with unreadable text
+            return
+        super().accept()
 
     def base_url(self) -> str:
         return f"http://{HOST}:{self.port.value()}/v1"

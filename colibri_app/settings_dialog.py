@@ -2,8 +2,9 @@
 
 Every widget is derived from the settings table (engine.settings): its kind (check box, list,
 spin box, "auto" pair), range, unit (suffix), tooltip (help and valid range), label and
-whether a change reopens the model (marked ⟳). Spin boxes refuse values outside their range as
-they are typed, and the whole form is validated with the table's one validation, with an
+whether a change reopens the model (marked ⟳). Number fields read ``0,6`` and ``0.6`` alike in
+every locale and show numbers in the user's (colibri_app.numbers); what they cannot read, or
+what is outside their range, is refused with a sentence saying why, and the whole form is validated with the table's one validation, with an
 inline error that disables OK / Apply. "auto" shows the value the engine picks for the current
 model (``auto_values``). OK / Apply save the settings atomically (``save``, default
 settings_store.save_settings; None when the receiver of ``applied`` saves them, as MainWindow
@@ -22,6 +23,7 @@ from PySide6.QtWidgets import (QCheckBox, QComboBox, QDialog, QDialogButtonBox, 
                                QWidget)
 
 from engine import APP, ENGINE, SAMPLING, ConfigError, EngineConfig, Setting, settings_table, validate
+from .numbers import DecimalBox, WholeBox
 from .settings_store import Settings, save_settings
 
 RELOAD_MARK = "⟳"
@@ -138,10 +140,11 @@ class SettingsDialog(QDialog):
         elif s.type is int and (s.hi or 0) > QT_INT_MAX:
             w = QLineEdit()
             digits = len(str(int(s.hi)))
-            w.setValidator(QRegularExpressionValidator(QRegularExpression(rf"\d{{0,{digits}}}"), w))
+            # separators get through, to be refused with a reason (not "1.000" read as 1000)
+            w.setValidator(QRegularExpressionValidator(QRegularExpression(rf"[\d.,\s]{{0,{digits + 8}}}"), w))
             w.setPlaceholderText("" if s.default is None else str(s.default))
         else:
-            w = QSpinBox() if s.type is int else QDoubleSpinBox()
+            w = WholeBox() if s.type is int else DecimalBox()   # 0,6 and 0.6 alike, in any locale
             if s.type is float:
                 w.setDecimals(s.decimals)
             lo = s.lo + 10 ** -s.decimals if s.lo_open else s.lo
@@ -201,6 +204,8 @@ class SettingsDialog(QDialog):
     def _connect(self, w: QWidget) -> None:
         if isinstance(w, (QSpinBox, QDoubleSpinBox)):
             w.valueChanged.connect(self._revalidate)
+            if hasattr(w, "problem_changed"):
+                w.problem_changed.connect(self._revalidate)
         elif isinstance(w, QCheckBox):
             w.toggled.connect(self._revalidate)
         elif isinstance(w, QComboBox):
@@ -225,13 +230,16 @@ class SettingsDialog(QDialog):
             w.setText(str(value))
         else:
             w.setValue(value)
+            if hasattr(w, "problem"):
+                w._set_problem("")
 
     def _get(self, s: Setting, base):
         """The value the widget of ``s`` holds (``base``: the stored value, kept when the widget
         shows it rounded, so that opening and closing the dialog changes nothing).
 
         Raises:
-            ConfigError: an empty or out-of-range number in a text field.
+            ConfigError: an empty or out-of-range number in a text field, or a spin box's text
+                that cannot be read as a number (numbers.DecimalBox / WholeBox).
         """
         w = self.fields[s.name]
         if s.auto and self.auto_boxes[s.name].isChecked():
@@ -247,7 +255,12 @@ class SettingsDialog(QDialog):
             if not text:
                 raise ConfigError(f"setting '{s.name}' is empty: enter a whole number "
                                   f"{s.range_text()}")
+            if not text.isdigit():
+                raise ConfigError(f"{s.label}: “{text}” is not a whole number: type digits only, "
+                                  f"without separators")
             return s.check(int(text))
+        if getattr(w, "problem", ""):  # typed text that cannot be read as a number
+            raise ConfigError(f"{s.label}: {w.problem}")
         v = w.value()
         if isinstance(w, QDoubleSpinBox):
             if base is not None and abs(v - round(base, w.decimals())) < 1e-9:
@@ -310,8 +323,9 @@ class SettingsDialog(QDialog):
             self.budget_auto.setText("auto")
             return
         cap, budget = picked
-        self.cap_auto.setText(f"auto ({cap} experts / {budget / 1e9:.1f} GB)")
-        self.budget_auto.setText(f"auto ({budget / 1e9:.1f} GB)")
+        gb = self.fields["ram_budget_gb"].locale().toString(budget / 1e9, "f", 1)  # "2,5" in German
+        self.cap_auto.setText(f"auto ({cap} experts / {gb} GB)")
+        self.budget_auto.setText(f"auto ({gb} GB)")
         # an unticked "auto" starts from the engine's pick
         for box, w, v in ((self.cap_auto, self.fields["cap"], cap),
                           (self.budget_auto, self.fields["ram_budget_gb"], budget / 1e9)):

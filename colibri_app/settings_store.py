@@ -1,8 +1,14 @@
 """The app's persisted settings: engine settings, sampling defaults, current model.
 
 One versioned JSON file in the user config directory (platformdirs), written atomically.
-An unreadable or out-of-range file falls back to defaults with a message, and is kept aside
-as ``settings.json.bad-<time>`` (never overwritten silently).
+
+Forward-compatible: keys this build does not know (a newer build's settings, in any section)
+are kept and written back untouched; a file of a newer ``version`` is read for the keys this
+build knows, with one note, and its version and the values this build refused are written back
+as they were. A value out of range falls back to its default with a note naming it. Only a
+file that is not a settings file at all (not JSON, not an object, another format) is moved
+aside as ``settings.json.bad-<time>`` (the note says where and how to get it back); a file that
+cannot be read (permissions, a folder of that name) is left where it is.
 """
 
 from __future__ import annotations
@@ -36,6 +42,9 @@ class Settings:
     sampling: SamplingParams = field(default_factory=SamplingParams)  # the settings table's defaults
     current_model: str | None = None
     app: AppSettings = field(default_factory=AppSettings)
+    #: the file as read: keys this build does not know, a newer version, and (of a newer
+    #: file) the known keys whose values this build refused, all written back by to_json
+    kept: dict = field(default_factory=dict, compare=False, repr=False)
 
     def engine_config(self, store: str) -> EngineConfig:
         return replace(self.engine, store=store)
@@ -49,47 +58,107 @@ class Settings:
     def to_json(self) -> str:
         e = asdict(self.engine)
         e.pop("store", None)
-        return json.dumps({"format": SETTINGS_FORMAT, "version": SETTINGS_VERSION, "engine": e,
-                           "sampling": asdict(self.sampling), "current_model": self.current_model,
-                           "app": asdict(self.app)},
-                          indent=1)
+        known = {"format": SETTINGS_FORMAT, "version": SETTINGS_VERSION, "engine": e,
+                 "sampling": asdict(self.sampling), "current_model": self.current_model,
+                 "app": asdict(self.app)}
+        out = {}
+        for key, value in known.items():
+            if isinstance(value, dict):  # a section: this build's keys over the file's others
+                value = {**self.kept.get(key, {}), **value}
+                for name, (raw, default) in self.kept.get("refused", {}).get(key, {}).items():
+                    if value.get(name) == default:  # not set by this build: the newer value stays
+                        value[name] = raw
+            out[key] = value
+        out["version"] = max(SETTINGS_VERSION, self.kept.get("version", 0))
+        for key, value in self.kept.get("top", {}).items():
+            out.setdefault(key, value)
+        return json.dumps(out, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Settings":
-        """Parse and validate. Raises ValueError / ConfigError naming the bad setting."""
+        """Parse and validate. Raises ValueError / ConfigError naming the bad setting (see
+        :meth:`read` for the tolerant reading the app uses)."""
+        settings, notes = cls.read(text, strict=True)
+        return settings
+
+    @classmethod
+    def read(cls, text: str, strict: bool = False) -> tuple["Settings", list[str]]:
+        """(settings, notes). Raises ValueError when ``text`` is not a settings file at all
+        (not JSON, not an object, another format, a version that is not a whole number).
+        Keys this build does not know are kept (:attr:`kept`); a newer version gives one note;
+        a value out of range gives a note and its default. ``strict``: raise on those instead
+        (ValueError / ConfigError naming the setting)."""
         d = json.loads(text)
         if not isinstance(d, dict) or d.get("format") != SETTINGS_FORMAT:
             raise ValueError("not a colibri-desktop settings file")
         version = d.get("version")
-        if version not in (1, SETTINGS_VERSION):
-            raise ValueError(f"settings version {version!r} is not {SETTINGS_VERSION}")
-        e = d.get("engine", {})
-        if not isinstance(e, dict):
-            raise ValueError("'engine' must be an object")
-        e = upgrade_keys(e, ENGINE)  # e.g. numba_threads (before 0.2) -> threads
-        names = {f.name for f in fields(EngineConfig)} - {"store"}
-        unknown = set(e) - names
-        if unknown:
-            raise ValueError(f"unknown engine settings: {', '.join(sorted(unknown))}")
-        engine = EngineConfig(**e).validated()
-        s = d.get("sampling", {})
-        snames = {f.name for f in fields(SamplingParams)}
-        if not isinstance(s, dict) or set(s) - snames:
-            raise ValueError("'sampling' has unknown keys")
-        if version == 1 and s.get("seed") == 0:
-            s = {**s, "seed": None}
-        sampling = SamplingParams(**s)
-        validate(sampling, SAMPLING)
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise ValueError(f"settings version {version!r} is not a whole number >= 1")
+        notes: list[str] = []
+        newer = version > SETTINGS_VERSION
+        if newer:
+            if strict:
+                raise ValueError(f"settings version {version!r} is not {SETTINGS_VERSION}")
+            notes.append(f"the settings file was written by a newer colibri (settings version {version}, "
+                         f"this one reads {SETTINGS_VERSION}): the settings this version knows are used, "
+                         f"the others are kept in the file untouched")
+        kept: dict = {"top": {k: v for k, v in d.items() if k not in _TOP_KEYS}, "refused": {}}
+        if newer:
+            kept["version"] = version
+
+        def section(key: str, dc, group: str, fix=None):
+            raw = d.get(key, {})  # absent in files written before the section existed
+            if not isinstance(raw, dict):
+                if strict or not newer:
+                    raise ValueError(f"'{key}' must be an object")
+                kept["top"][key] = raw
+                raw = {}
+            raw = upgrade_keys(raw, group) if group == ENGINE else dict(raw)
+            if fix:
+                raw = fix(raw)
+            names = {f.name for f in fields(dc)} - {"store"}
+            unknown = {k: v for k, v in raw.items() if k not in names}
+            if unknown and strict:
+                raise ValueError(f"unknown {key} settings: {', '.join(sorted(unknown))}")
+            kept[key] = unknown
+            table = {st.name: st for st in settings_table(group)}
+            default = dc()
+            good = {}
+            for k, v in raw.items():
+                if k not in names:
+                    continue
+                try:
+                    good[k] = table[k].check(v) if k in table else v
+                except ConfigError as e:
+                    if strict:
+                        raise
+                    notes.append(f"{e}; its default {getattr(default, k)!r} is used")
+                    if newer:  # a newer build may allow it: written back as it was
+                        kept["refused"].setdefault(key, {})[k] = (v, getattr(default, k))
+            try:
+                obj = dc(**good)
+                validate(obj, group)
+            except (TypeError, ConfigError) as e:
+                if strict:
+                    raise
+                notes.append(f"the {key} settings could not be used together ({e}); their defaults are used")
+                obj = default
+            return obj
+
+        engine = section("engine", EngineConfig, ENGINE)
+        sampling = section("sampling", SamplingParams, SAMPLING,
+                           (lambda s: {**s, "seed": None} if s.get("seed") == 0 else s) if version == 1 else None)
+        app = section("app", AppSettings, APP)
         cm = d.get("current_model")
         if cm is not None and not isinstance(cm, str):
-            raise ValueError("'current_model' must be a path or null")
-        a = d.get("app", {})  # absent in files written before the app settings existed
-        anames = {f.name for f in fields(AppSettings)}
-        if not isinstance(a, dict) or set(a) - anames:
-            raise ValueError("'app' has unknown keys")
-        app = AppSettings(**a)
-        validate(app, APP)
-        return cls(engine=engine, sampling=sampling, current_model=cm, app=app)
+            if strict:
+                raise ValueError("'current_model' must be a path or null")
+            notes.append(f"'current_model' = {cm!r} is not a path; the default model is used")
+            cm = None
+        return cls(engine=engine, sampling=sampling, current_model=cm, app=app, kept=kept), notes
+
+
+_TOP_KEYS = ("format", "version", "engine", "sampling", "current_model", "app")
 
 
 def settings_path() -> Path:
@@ -98,14 +167,21 @@ def settings_path() -> Path:
 
 
 def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
-    """(settings, message). A missing file gives defaults and no message; a bad file gives
-    defaults, is moved aside, and the message says where it went and why."""
+    """(settings, message). A missing file gives defaults and no message. A file that is not
+    a settings file at all gives defaults and is moved aside (the message says where it went);
+    one that cannot be read is left in place; a newer or partly invalid one is used for what
+    this build can read (the message says what was not)."""
     p = path or settings_path()
     if not p.exists():
         return Settings(), None
     try:
-        return Settings.from_json(p.read_text(encoding="utf-8")), None
-    except (OSError, ValueError, TypeError, ConfigError) as e:
+        data = p.read_bytes()
+    except OSError as e:
+        return Settings(), (f"Settings file {p} could not be read ({e.strerror or e}); defaults are in effect "
+                            f"and the file was left as it is.")
+    try:
+        settings, notes = Settings.read(data.decode("utf-8"))
+    except ValueError as e:
         aside = p.with_name(p.name + f".bad-{time.strftime('%Y%m%d-%H%M%S')}")
         n = 1
         while aside.exists():  # never overwrite an earlier file kept aside
@@ -113,10 +189,13 @@ def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
             n += 1
         try:
             os.replace(p, aside)
-            where = f"kept as {aside}"
+            where = f"kept as {aside} (rename it back to {p.name} to use it again once it is fixed)"
         except OSError:
             where = "left in place"
         return Settings(), f"Settings file {p} could not be used ({e}); defaults are in effect, the file was {where}."
+    if not notes:
+        return settings, None
+    return settings, f"Settings file {p}: " + "; ".join(notes) + "."
 
 
 def save_settings(s: Settings, path: Path | None = None) -> Path:

@@ -881,6 +881,8 @@ class DonePage(QWizardPage):
         removed = ""
         if f.kind == ErrorKind.BUDGET:   # the store may be fine; this machine lacks the RAM now
             removed = " The store was kept: free some memory, then open it from File › Models…."
+        elif not lib.self_test_says_broken(f.kind):  # a cancel, a disk error, a bug: not the store's fault
+            removed = " The store was kept: open it from File › Models… once that is solved."
         elif store and self.wiz.converted_now:
             try:
                 lib.delete_model(store)

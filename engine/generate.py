@@ -465,9 +465,11 @@ class Engine:
         sampler = Sampler(request.sampling)
         C = self.context_length
         entries = self.lookup(request)
-        ids, dropped = self._fit_prompt(request, self._docs_on(request))
-        if self._docs_on(request) and len(ids) >= C:  # it fits only without the looked-up entries
-            ids, dropped = self._fit_prompt(request, False)
+        docs = self._docs_on(request) and not self._surely_too_long(request)
+        ids, dropped = self._fit_prompt(request, docs)
+        if self._docs_on(request) and (not docs or len(ids) >= C):  # it fits only without the entries
+            if docs:
+                ids, dropped = self._fit_prompt(request, False)
             entries = []
         if len(ids) == 0:
             raise ValueError("the prompt is empty")
@@ -497,31 +499,50 @@ class Engine:
         """
         return self._fit_prompt(request, self._docs_on(request))
 
+    def _surely_too_long(self, request: GenerateRequest) -> bool:
+        """True when the last user message's text alone needs more tokens than the context
+        holds, by a lower bound (characters / the longest vocabulary entry): a long paste is
+        then encoded once, alone, before it is refused. Never changes a result: a bound that
+        misjudges (a normalizer that removes characters) costs one more encoding."""
+        if request.prompt_ids is not None or not request.messages:
+            return False
+        text = last_user_text(request.messages) or ""
+        return len(text) > self.context_length * self.tokenizer.max_token_chars
+
     def _fit_prompt(self, request: GenerateRequest, docs: bool) -> tuple[list[int], int]:
-        ids = self._prompt_ids(request, docs)
         msgs = request.messages
-        if request.prompt_ids is not None or not msgs:
-            return ids, 0
+        head = 0
+        while msgs and head < len(msgs) and msgs[head].role == "system":
+            head += 1
+        starts = [i for i in range(head + 1, len(msgs or ())) if msgs[i].role == "user"]
         C = self.context_length
         room = self.answer_room(request.sampling.max_new_tokens)
+        last = None
+        if starts and self._surely_too_long(request):
+            # the last question alone first: the whole chat (as long) need not be encoded
+            last = self._encode_chat(tuple(msgs[:head]) + tuple(msgs[starts[-1]:]), docs)
+            if len(last) + room > C:
+                return last, starts[-1] - head
+        ids = self._prompt_ids(request, docs)
+        if request.prompt_ids is not None or not msgs:
+            return ids, 0
         if len(ids) + room <= C:
             return ids, 0
-        head = 0
-        while head < len(msgs) and msgs[head].role == "system":
-            head += 1
-        starts = [i for i in range(head + 1, len(msgs)) if msgs[i].role == "user"]
+        if not starts:
+            return ids, 0
+        # the last question alone: when even it does not fit, no shorter prompt does (each
+        # encoding of a long paste costs as much as the first)
+        if last is None:
+            last = self._encode_chat(tuple(msgs[:head]) + tuple(msgs[starts[-1]:]), docs)
+        if len(last) + room > C:
+            # send it alone (the answer gets what is left) or let generate() refuse it
+            return last, starts[-1] - head
         cands = []  # (start, ids) that fit, fewest dropped first
-        for st in starts:
+        for st in starts[:-1]:
             c = self._encode_chat(tuple(msgs[:head]) + tuple(msgs[st:]), docs)
             if len(c) + room <= C:
                 cands.append((st, c))
-        if not cands:
-            if not starts:
-                return ids, 0
-            # even the last question alone leaves less room than wished: send it alone (the
-            # answer gets what is left) or let generate() refuse it
-            st = starts[-1]
-            return self._encode_chat(tuple(msgs[:head]) + tuple(msgs[st:]), docs), st - head
+        cands.append((starts[-1], last))
 
         def common(c: list[int]) -> int:
             n = 0
@@ -725,7 +746,7 @@ class Engine:
         self.cache.set_pinned(np.zeros_like(self.heat.pinned))
         self._pins_applied = False
         if self.config.history:
-            self.heat.save(self.store.path)
+            self.heat.save(self.store.path, force=True)  # asked for: replaces even a kept file
 
     def close(self) -> None:
         """Join prefetch and I/O threads and close every file. Idempotent."""

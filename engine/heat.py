@@ -5,13 +5,19 @@ File ``routing_heat.json`` next to the store, written atomically after each gene
      "num_layers": L, "num_experts": E, "store_created": ..., "tokens": n,
      "counts": [[...E ints] x L], "pinned": [[expert ids] x L]}
 A file whose format, version, engine or dimensions do not match is ignored with a log line
-(colibri's .coli_usage rules: never trust a mismatched history).
+(colibri's .coli_usage rules: never trust a mismatched history). Ignored is not overwritten:
+a file that cannot be read now (permissions, I/O), or that a newer version or another program
+wrote, stays as it is and this session's counts are not saved over it (:attr:`keep_file`);
+only a file that does not parse or contradicts itself (truncated, negative counts, other
+dimensions) is moved aside as ``routing_heat.json.bad-<time>`` before a fresh one is written.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +70,8 @@ class RoutingHeat:
         self.session = np.zeros((num_layers, num_experts), np.int64)  # this process only
         self.tokens = 0
         self.message = ""
+        #: the file on disk was not used and must not be overwritten (set by :meth:`load`)
+        self.keep_file = False
 
     def observe(self, layer: int, idx: np.ndarray) -> None:
         """Count routing selections idx (int [T, K]) of ``layer``."""
@@ -97,9 +105,14 @@ class RoutingHeat:
             "pinned": [np.nonzero(r)[0].tolist() for r in self.pinned],
         })
 
-    def save(self, folder: str | Path) -> Path:
+    def save(self, folder: str | Path, force: bool = False) -> Path:
+        """Write the file atomically; nothing when :attr:`keep_file` (a file this build could
+        not use is left as it is) unless ``force`` (the user reset the history)."""
         p = Path(folder) / FILENAME
+        if self.keep_file and not force:
+            return p
         atomic_write_text(p, self.to_json())
+        self.keep_file = False
         return p
 
     def load(self, folder: str | Path) -> bool:
@@ -108,9 +121,27 @@ class RoutingHeat:
         if not p.exists():
             return False
         try:
-            d = json.loads(p.read_text(encoding="utf-8"))
-            ok = (d.get("format") == HEAT_FORMAT and d.get("version") == HEAT_VERSION
-                  and d.get("engine") == ENGINE_NAME and d.get("num_layers") == self.L
+            text = p.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            if isinstance(e, OSError):  # busy or unreadable, not broken: left alone, not saved over
+                self.keep_file = True
+                self.message = f"ignoring routing history {p} (it is left as it is and not saved this session): {e}"
+                log.warning(self.message)
+                return False
+            return self._broken(p, e)
+        try:
+            d = json.loads(text)
+            if not isinstance(d, dict):
+                raise ValueError("not a JSON object")
+            if (d.get("format") != HEAT_FORMAT or d.get("engine") != ENGINE_NAME
+                    or not isinstance(d.get("version"), int) or d["version"] > HEAT_VERSION):
+                self.keep_file = True   # another program's or a newer version's: not ours to replace
+                self.message = (f"ignoring routing history {p}: format/version/engine {d.get('format')!r} "
+                                f"{d.get('version')!r} {d.get('engine')!r} are not this version's; it is left "
+                                f"as it is and not saved this session")
+                log.warning(self.message)
+                return False
+            ok = (d.get("version") == HEAT_VERSION and d.get("num_layers") == self.L
                   and d.get("num_experts") == self.E)
             if not ok:
                 raise ValueError(f"format/version/engine/dimensions do not match this store "
@@ -127,9 +158,25 @@ class RoutingHeat:
                 if ids.size and (ids.min() < 0 or ids.max() >= self.E):
                     raise ValueError("pinned expert id out of range")
                 pinned[layer, ids] = True
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            self.message = f"ignoring routing history {p}: {e}"
-            log.warning(self.message)
-            return False
+        except (ValueError, KeyError, TypeError) as e:
+            return self._broken(p, e)
         self.counts, self.pinned, self.tokens = counts, pinned, int(d.get("tokens", 0))
         return True
+
+    def _broken(self, p: Path, e: BaseException) -> bool:
+        """A file that does not parse or contradicts itself: moved aside (never deleted), so
+        that the next save starts a fresh one; ``message`` says where it went."""
+        aside = p.with_name(f"{p.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}")
+        n = 1
+        while aside.exists():
+            aside = p.with_name(f"{p.name}.bad-{time.strftime('%Y%m%d-%H%M%S')}-{n}")
+            n += 1
+        try:
+            os.replace(p, aside)
+            where = f"it was moved to {aside}"
+        except OSError:
+            self.keep_file = True
+            where = "it is left as it is and not saved this session"
+        self.message = f"ignoring routing history {p}: {e}; {where}"
+        log.warning(self.message)
+        return False

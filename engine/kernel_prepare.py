@@ -18,7 +18,8 @@ bundle), with a small budget, runs a two-token answer there and exits; the child
 fills numba's cache, its memory goes with it, and the engine then loads the kernels from the
 cache. A child that fails (a crash, no way to start a process) changes nothing: the engine
 compiles in process as before, and does not try a child again for that kind of model until it
-restarts. Two processes that start at once (the app and ``colibri serve``) compile once: the
+restarts. The child ends with its parent (a kill -9 of the app leaves no compile running:
+:func:`_exit_with_parent`). Two processes that start at once (the app and ``colibri serve``) compile once: the
 second waits on a lock beside the marker (fsutil.FileLock) and then finds it. The environment
 variable ``COLIBRI_COMPILE_IN_PROCESS=1`` skips the child (the test suite sets it: a pytest
 process compiles hundreds of kernels anyway, and its RSS is nobody's budget).
@@ -32,6 +33,7 @@ import logging
 import os
 import platform
 import sys
+import threading
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -120,9 +122,37 @@ def compile_needed(store: str, config) -> tuple[bool, float | None]:
     return True, (max(seconds) if seconds else None)
 
 
-def _child(config: dict) -> None:
+def _exit_with_parent(parent_pid: int) -> None:
+    """End this process as soon as process ``parent_pid`` is no longer its parent: a kill -9
+    of the app during its first compile must not leave the compile running (minutes of a core
+    and hundreds of MB). On Linux the kernel sends SIGKILL when the parent dies
+    (PR_SET_PDEATHSIG); everywhere a daemon thread checks the parent pid twice a second (it
+    also catches a parent that died before the prctl)."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            import signal
+            pr_set_pdeathsig = 1
+            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):  # no libc prctl: the thread below does it
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(3)
+
+    if os.getppid() != parent_pid:
+        os._exit(3)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def _child(config: dict, parent_pid: int | None = None) -> None:
     """The child process: open the store with a small budget and answer two tokens (every kernel
-    a generation calls gets compiled, or loaded, and written to numba's cache)."""
+    a generation calls gets compiled, or loaded, and written to numba's cache). ``parent_pid``:
+    the process that started it; the child ends when that one does."""
+    if parent_pid is not None:
+        _exit_with_parent(parent_pid)
     from .events import GenerateRequest, SamplingParams
     from .generate import Engine
     from .settings import EngineConfig
@@ -154,7 +184,7 @@ def _run_child(config: dict) -> int | None:
     spawn, which the bundle's entry point supports (``freeze_support``)."""
     if getattr(sys, "frozen", False):
         import multiprocessing
-        p = multiprocessing.get_context("spawn").Process(target=_child, args=(config,), daemon=True)
+        p = multiprocessing.get_context("spawn").Process(target=_child, args=(config, os.getpid()), daemon=True)
         p.start()
         p.join(CHILD_TIMEOUT_S)
         if p.is_alive():
@@ -167,7 +197,8 @@ def _run_child(config: dict) -> int | None:
     env = {**os.environ, "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
     # -c, not -m engine.kernel_prepare: the engine package imports this module, and runpy then
     # warns on every child's stderr (which a failed child's log line would quote as its cause)
-    code = "import json, sys; from engine.kernel_prepare import _child; _child(json.loads(sys.stdin.read()))"
+    code = ("import json, sys; from engine.kernel_prepare import _child; "
+            f"_child(json.loads(sys.stdin.read()), {os.getpid()})")
     try:
         r = subprocess.run([sys.executable, "-c", code], input=json.dumps(config), text=True,
                            env=env, capture_output=True, timeout=CHILD_TIMEOUT_S)

@@ -124,6 +124,17 @@ class Tokenizer:
         self._added = {t.content: bool(t.special) for _, t in
                        sorted(hf.get_added_tokens_decoder().items())}
         self._newline_ids: list[int] | None = None
+        self._max_token_chars: int | None = None
+
+    @property
+    def max_token_chars(self) -> int:
+        """The longest vocabulary entry, in characters (at least 1): a text of n characters
+        takes at least n / max_token_chars tokens unless the normalizer removes characters
+        (a byte-level entry's characters stand for bytes, never fewer than the text's)."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(1, max((len(t) for t in self._hf.get_vocab(with_added_tokens=True)),
+                                               default=1))
+        return self._max_token_chars
 
     # -- construction --
 
@@ -210,7 +221,9 @@ class Tokenizer:
         ``add_special_tokens=True`` runs the tokenizer's post-processor and, when
         tokenizer_config.json says add_bos_token, makes sure the ids start with one BOS.
         """
-        ids = list(self._hf.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch releases the GIL while it works (encode holds it: ~0.3 s for 200 KB of
+        # text, a frozen window when the app's worker thread tokenizes a long paste)
+        ids = list(self._hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids)
         if add_special_tokens:
             ids = self._ensure_bos(ids)
         return ids

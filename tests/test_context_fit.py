@@ -111,3 +111,25 @@ def test_one_message_too_long_is_refused_without_pointing_past_the_limit(tiny_st
         with pytest.raises(ContextOverflowError) as e:
             eng.generate(GenerateRequest(messages=(ChatMessage("user", "abc " * 200),)))
         assert "raise the context length" in str(e.value) and "2048" in str(e.value)
+
+
+@pytest.mark.parametrize("paste_chars", [2000, 200_000])
+def test_a_too_long_last_message_is_encoded_once(tiny_store, monkeypatch, paste_chars):
+    """Encoding a long paste is the expensive part of refusing it. One that surely cannot fit
+    (more characters than the context times the longest vocabulary entry) is encoded once,
+    alone; a shorter one that does not fit: the whole chat, then the last question alone (what
+    the refusal counts), never a third time. Either way the refusal counts the same tokens."""
+    with Engine.open(_cfg(tiny_store, context_length=256)) as eng:
+        calls = []
+        encode = eng.tokenizer.encode
+        monkeypatch.setattr(eng.tokenizer, "encode", lambda text, *a, **k: (calls.append(len(text)), encode(text, *a, **k))[1])
+        paste = ("abc " * paste_chars)[:paste_chars]
+        msgs = tuple(_chat(2, words=5)) + (ChatMessage("user", paste),)
+        with pytest.raises(ContextOverflowError) as e:
+            eng.generate(GenerateRequest(messages=msgs))
+        big = len([n for n in calls if n >= paste_chars])
+        alone = len(eng.tokenizer.encode_chat((msgs[0], msgs[-1])))
+        assert f"has {alone} tokens" in str(e.value)
+        surely = paste_chars > 256 * eng.tokenizer.max_token_chars
+        assert big == (1 if surely else 2)
+        assert surely == (paste_chars == 200_000)

@@ -157,6 +157,26 @@ def test_sha256_mismatch_is_refused_and_removed(fake):
     assert (dest / WEIGHTS).read_bytes() == _weights(fake)
 
 
+def test_a_verified_download_that_cannot_be_read_now_is_kept(fake, monkeypatch):
+    """The weights arrive and match the hub's hash, but the safetensors check cannot read the
+    file (permissions, an I/O error): the download stops saying so, the file is not deleted,
+    and the next run finds it without fetching it again."""
+    import safetensors
+    real = safetensors.safe_open
+
+    def unreadable(path, *a, **k):
+        raise PermissionError(13, "Permission denied", path)
+    monkeypatch.setattr(safetensors, "safe_open", unreadable)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: could not be read \(Permission denied\)"):
+        hub.download(REPO)
+    dest = hub.download_dir_for(REPO)
+    assert (dest / WEIGHTS).read_bytes() == _weights(fake)
+    monkeypatch.setattr(safetensors, "safe_open", real)
+    fetched = len(fake.gets(WEIGHTS))
+    hub.download(REPO)
+    assert len(fake.gets(WEIGHTS)) == fetched and (dest / WEIGHTS).read_bytes() == _weights(fake)
+
+
 @pytest.mark.parametrize("listed_as_pointer", [True, False])
 def test_lfs_pointer_instead_of_weights(fake, listed_as_pointer):
     ptr = hubserver.lfs_pointer(_weights(fake))
@@ -304,6 +324,22 @@ def test_cli_download_and_models(fake, capsys):
     listing = capsys.readouterr().out
     assert "tiny-olmoe" in listing and "OLMoE" in listing and "family" in listing
     assert main(["download", "meta/none"]) == 2
+
+
+def test_cli_self_test_that_cannot_run_keeps_the_store(fake, capsys, monkeypatch):
+    """Too little free RAM for the self-test says nothing about the store: it is kept (the
+    wizard's rule), and the message says how to try it again."""
+    from engine import BudgetError
+    from engine.cli import main
+    from engine.cli import models as cli_models
+
+    def short(store, max_new_tokens=8):
+        raise BudgetError("the RAM budget 0.1 GB cannot hold the dense weights (0.2 GB)")
+    monkeypatch.setattr(cli_models, "self_test", short)
+    assert main(["download", REPO, "--quant", "int8", "--yes"]) == 1
+    err = capsys.readouterr().err
+    assert "could not run" in err and "kept" in err and "colibri run --model" in err
+    assert len(hub.list_models()) == 1 and (paths.models_dir() / "tiny-olmoe-int8").exists()
 
 
 def test_cli_download_pasted_address_and_failed_self_test(fake, capsys, monkeypatch):

@@ -151,7 +151,7 @@ def test_two_first_starts_at_once_compile_once(cache_dir, monkeypatch):
     for t in ts:
         t.start()
     for t in ts:
-        t.join(30)
+        t.join(600)
     assert len(runs) == 1
     assert sorted(m.split(" in ")[0].split(" (")[0] for d, m in said if d == 1) == [
         "compute kernels compiled", "compute kernels compiled by another colibri process"]
@@ -177,3 +177,42 @@ def test_compile_needed_says_when_a_setting_needs_new_kernels(cache_dir, monkeyp
     marker.write_text(json.dumps(data))
     assert kernel_prepare.compile_needed(str(tiny_store), off) == (False, None)
     assert kernel_prepare.compile_needed(str(tiny_store), on) == (True, 95.0)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs a FIFO")
+def test_a_killed_parent_leaves_no_compile_child_running(tmp_path):
+    """The app is killed (SIGKILL) while its first compile runs in the child: the child ends
+    too. The child's store is a folder whose manifest is a FIFO nobody writes: opening it
+    blocks, standing for a compile of minutes, so without the parent link it never ends."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import time
+
+    import psutil
+    store = tmp_path / "store"
+    store.mkdir()
+    os.mkfifo(store / "manifest.json")
+    code = ("import sys; from engine import kernel_prepare as k; "
+            f"k._run_child({{'store': {str(store)!r}}})")
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    child = None
+    try:
+        p = psutil.Process(parent.pid)
+        deadline = time.monotonic() + 600   # only a hang trips this: the child starts at once
+        while not p.children() and time.monotonic() < deadline:
+            assert parent.poll() is None, "the parent ended before starting its child"
+            time.sleep(0.05)
+        child = p.children()[0]
+        assert child.is_running() and child.status() != psutil.STATUS_ZOMBIE
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait(600)
+        gone, alive = psutil.wait_procs([child], timeout=60)
+        assert child in gone and not alive, "the compile child outlived its killed parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if child is not None and child.is_running():
+            child.kill()

@@ -87,7 +87,7 @@ def test_file_lock_excludes_while_the_file_is_removed(tmp_path):
     for t in ts:
         t.start()
     for t in ts:
-        t.join(60)
+        t.join(600)
     assert not overlaps and not path.exists()
 
 

@@ -408,7 +408,7 @@ def test_colibri_serve_greedy_equals_colibri_run(default_store):
         assert r.choices[0].message.content == run.stdout.removesuffix("\n")
     finally:
         p.send_signal(signal.SIGINT)
-        assert p.wait(60) == 0
+        assert p.wait(600) == 0
 
 
 # --- the stream filters --------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import sys
 import threading
 import time
 
-from ..errors import EngineError
+from ..errors import EngineError, error_kind
 from ..events import LoadProgress
 from ..units import format_bytes
 
@@ -54,7 +54,7 @@ def open_notices(ev: LoadProgress) -> None:
 
 def cmd_download(a) -> int:
     """``colibri download REPO``: check, download, convert, self-test, print the store path."""
-    from ..library import check_repo, convert_downloaded, delete_model, download, self_test
+    from ..library import check_repo, convert_downloaded, delete_model, download, self_test, self_test_says_broken
     try:
         chk = check_repo(a.repo, a.revision, a.quant, a.context_length)
     except ValueError as e:  # ConfigError included (unsupported model type)
@@ -96,8 +96,12 @@ def cmd_download(a) -> int:
     print(f"\nconverted in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     try:
         text = self_test(store)
-    except EngineError as e:  # the store does not run: it is not kept in the library
-        delete_model(store)
+    except EngineError as e:
+        if not self_test_says_broken(error_kind(e)):  # e.g. too little free RAM now: the store may be fine
+            print(f"colibri: the self-test of {store} could not run ({e}); the store was kept: run "
+                  f"`colibri run --model {store} --prompt hi` once that is solved", file=sys.stderr)
+            return 1
+        delete_model(store)  # the store does not run: it is not kept in the library
         print(f"colibri: the self-test of {store} failed ({e}); the store was removed (the download is "
               f"kept in {src})", file=sys.stderr)
         return 1

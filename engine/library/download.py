@@ -105,11 +105,17 @@ def _is_complete(dest: Path, f: RepoFile, verified: dict, cancel: threading.Even
     return False
 
 
+class UnreadableWeightFile(CheckpointError):
+    """The weight file could not be read now (permissions, an I/O error): it is not known to
+    be broken, so it is never deleted for this."""
+
+
 def check_weight_file(path: str | os.PathLike) -> None:
     """Refuse a Git LFS pointer or a truncated/corrupt safetensors file.
 
     Raises:
-        CheckpointError: naming the file and what to do.
+        CheckpointError: naming the file and what to do (UnreadableWeightFile when the file
+            could not be read, which says nothing about its content).
     """
     path = Path(path)
     if is_lfs_pointer(path):
@@ -122,9 +128,12 @@ def check_weight_file(path: str | os.PathLike) -> None:
         try:
             with safe_open(str(path), framework="numpy") as h:
                 h.keys()
-        except (SafetensorError, OSError) as e:
+        except SafetensorError as e:
             raise CheckpointError(f"{path.name}: not a complete safetensors file ({e}); it is truncated or "
                                   f"corrupt - delete it and download the model again") from None
+        except OSError as e:
+            raise UnreadableWeightFile(f"{path.name}: could not be read ({e.strerror or e}); check the file's "
+                                       f"permissions and the disk, then try again") from None
 
 
 def _refuse_pointer(part: Path, f: RepoFile) -> None:
@@ -364,6 +373,8 @@ def download(repo_id: str, revision: str | None = None, dest: str | os.PathLike 
         if f.name.endswith(".safetensors"):
             try:
                 check_weight_file(final)
+            except UnreadableWeightFile:  # not known to be broken: the verified bytes are kept
+                raise
             except CheckpointError:
                 final.unlink(missing_ok=True)
                 raise

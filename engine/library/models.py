@@ -107,6 +107,15 @@ def self_test(store: str | os.PathLike, max_new_tokens: int = 8) -> str:
     return fin.text
 
 
+def self_test_says_broken(kind) -> bool:
+    """Whether a :func:`self_test` failure of ErrorKind ``kind`` says the store itself is
+    broken (a store converted just now is then removed). A RAM shortfall, a cancel, a disk or
+    permission error, or a bug say nothing about the store: it is kept."""
+    from ..errors import ErrorKind
+    return ErrorKind(kind) not in (ErrorKind.BUDGET, ErrorKind.CANCELLED, ErrorKind.DISK,
+                                   ErrorKind.INTERNAL, ErrorKind.CONTEXT)
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     """A converted store in models_dir(): size_bytes on disk, created (ISO time, UTC),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from PySide6.QtCore import Qt
 
 
-def wait_finished(qtbot, win, action, timeout=60000):
+def wait_finished(qtbot, win, action, timeout=300000):
     """Run ``action`` and wait until the window has handled the answer's end; returns Finished.
 
     (Events are collected with a plain callable: pytest-qt's waitSignal on a signal emitted
@@ -21,6 +21,6 @@ def wait_finished(qtbot, win, action, timeout=60000):
     return got[-1]
 
 
-def send(qtbot, win, text, timeout=60000):
+def send(qtbot, win, text, timeout=300000):
     """Send and wait for the answer to end; returns the Finished event."""
     return wait_finished(qtbot, win, lambda: win.send(text), timeout)

@@ -54,6 +54,27 @@ def test_no_reasoning_no_section_and_copy_copies_answer(qtbot):
     assert QGuiApplication.clipboard().text() == "hello"
 
 
+def test_a_long_pasted_message_shows_its_start_and_show_all(qtbot):
+    from colibri_app.chat_view import LONG_MESSAGE_CHARS
+    from colibri_app.history import ERROR
+    text = "line of a long log\n" * 20000
+    cv = ChatView()
+    qtbot.addWidget(cv)
+    cv.show()
+    v = cv.add_message(Message(3, 1, "user", text, COMPLETE))
+    shown = v.text.toPlainText()
+    assert len(shown) < LONG_MESSAGE_CHARS + 10 and text.startswith(shown[:-2])
+    assert not v.more_btn.isHidden() and f"{len(text):,} characters" in v.more_btn.text()
+    v.set_content(text, ERROR)                       # a status change keeps the short form
+    assert v.text.toPlainText() == shown
+    v.more_btn.click()
+    assert v.text.toPlainText() == text and v.more_btn.text() == "Show less"
+    cv._copy(3)
+    assert QGuiApplication.clipboard().text() == text and v.content == text
+    short = cv.add_message(Message(4, 1, "user", "short", COMPLETE))
+    assert short.more_btn.isHidden() and short.text.toPlainText() == "short"
+
+
 def test_no_template_banner_and_raw_mode(qtbot):
     cv = ChatView()
     qtbot.addWidget(cv)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import sqlite3
 
+import pytest
+
 from colibri_app.history import COMPLETE, INTERRUPTED, STREAMING, History
 
 
@@ -87,4 +89,115 @@ def test_readonly_sqlite_error_is_not_swallowed(tmp_path):
     other = sqlite3.connect(str(p))
     assert other.execute("SELECT COUNT(*) FROM conversations").fetchone()[0] == 1
     other.close()
+    h.close()
+
+
+# --- busy is not broken -------------------------------------------------------------------------
+
+# Another program with an open write transaction on the file (a database browser, the sqlite3
+# shell): it prints "locked" once it holds the lock and keeps it until its stdin closes.
+_HOLD = """
+import sqlite3, sys
+conn = sqlite3.connect(sys.argv[1], isolation_level=None)
+conn.execute("BEGIN IMMEDIATE")
+conn.execute("UPDATE conversations SET title = title")
+print("locked", flush=True)
+sys.stdin.read()
+conn.execute("ROLLBACK")
+"""
+
+
+def _hold_lock(path):
+    import subprocess
+    import sys
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(path)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "locked"
+    return proc
+
+
+def _release(proc):
+    proc.stdin.close()
+    assert proc.wait(120) == 0
+
+
+def _history_with_a_chat(p, journal_mode):
+    h, _ = History.open(p)
+    c = h.create_conversation("kept")
+    h.add_message(c.id, "user", "q")
+    h.add_message(c.id, "assistant", "partial", STREAMING)
+    h.close()
+    if journal_mode != "wal":
+        conn = sqlite3.connect(str(p))
+        assert conn.execute(f"PRAGMA journal_mode={journal_mode}").fetchone()[0] == journal_mode
+        conn.close()
+    return c
+
+
+
+@pytest.mark.parametrize("journal_mode", ["delete", "wal"])
+def test_a_locked_history_opens_read_only_and_is_never_renamed(tmp_path, journal_mode):
+    p = tmp_path / "h.sqlite3"
+    c = _history_with_a_chat(p, journal_mode)
+    before = sorted(x.name for x in tmp_path.iterdir())
+    holder = _hold_lock(p)
+    try:
+        h, msg = History.open(p, busy_wait_s=0.2)
+        assert h.read_only and msg == h.read_only
+        assert "in use by another program" in msg and f"pid {holder.pid}" in msg and "read-only" in msg
+        assert [x.title for x in h.conversations()] == ["kept"]          # the chats are shown
+        assert [m.content for m in h.messages(c.id)] == ["q", "partial"]
+        assert not list(tmp_path.glob("*.corrupt-*"))
+        h.close()
+    finally:
+        _release(holder)
+    assert sorted(x.name for x in tmp_path.iterdir() if not x.name.endswith(("-wal", "-shm"))) == \
+        [n for n in before if not n.endswith(("-wal", "-shm"))]
+    h, msg = History.open(p)                     # the lock is gone: writable again, recovered
+    assert msg is None and not h.read_only
+    assert [m.status for m in h.messages(c.id)] == [COMPLETE, INTERRUPTED]
+    h.close()
+
+
+def test_a_damaged_history_is_moved_aside_with_how_to_get_it_back(tmp_path):
+    p = tmp_path / "h.sqlite3"
+    _history_with_a_chat(p, "delete")
+    raw = bytearray(p.read_bytes())
+    raw[100:4096] = b"\xff" * (4096 - 100)        # the schema page's cells: SQLite calls it corrupt
+    p.write_bytes(bytes(raw))
+    h, msg = History.open(p, busy_wait_s=0.2)
+    aside = list(tmp_path.glob("h.sqlite3.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_bytes() == bytes(raw)
+    assert "damaged" in msg and str(aside[0]) in msg and f"rename {aside[0].name} to h.sqlite3" in msg
+    assert not h.read_only and h.conversations() == []
+    h.close()
+
+
+def test_streamed_pieces_after_the_last_checkpoint_survive_a_crash(tmp_path):
+    p = tmp_path / "h.sqlite3"
+    h, _ = History.open(p)
+    c = h.create_conversation("t")
+    mid = h.add_message(c.id, "assistant", "", STREAMING)
+    h.append_stream(mid, "Hel")
+    h.update_message(mid, content="Hel")           # a checkpoint takes the pieces in
+    h.append_stream(mid, "lo, ")
+    h.append_stream(mid, "world")
+    h.close()                                      # the app died here
+    h, _ = History.open(p)
+    m = h.message(mid)
+    assert (m.content, m.status) == ("Hello, world", INTERRUPTED)
+    assert h.conn.execute("SELECT count(*) FROM stream_tail").fetchone()[0] == 0
+    h.close()
+
+
+def test_a_history_that_cannot_be_opened_is_left_where_it_is(tmp_path):
+    """Not busy and not damaged (here a folder where the file should be: SQLite cannot open
+    it): nothing is renamed; an empty read-only history and a message."""
+    p = tmp_path / "h.sqlite3"
+    p.mkdir()
+    (p / "mine.txt").write_text("keep me")
+    h, msg = History.open(p, busy_wait_s=0.2)
+    assert h.read_only and msg == h.read_only and "could not be opened for writing" in msg
+    assert (p / "mine.txt").read_text() == "keep me" and not list(tmp_path.glob("*.corrupt-*"))
+    assert h.conversations() == []
     h.close()

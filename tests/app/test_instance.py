@@ -138,7 +138,7 @@ def test_second_start_runs_read_only_when_the_first_does_not_answer(qtbot, app_d
         h.close()
     finally:
         first.stdin.close()
-        first.wait(30)
+        first.wait(600)
     # the first instance ended: its lock is taken over
     again = claim(paths.user_data_dir(), timeout_ms=500)
     try:

@@ -24,7 +24,7 @@ def _to_min_size(qtbot, win) -> None:
             return True
         win.resize(low)
         return False
-    qtbot.waitUntil(at_min, timeout=10000)
+    qtbot.waitUntil(at_min, timeout=120000)
     qtbot.wait(50)
     low = win.minimumSizeHint().expandedTo(win.minimumSize())
     assert (win.width(), win.height()) == (low.width(), low.height())
@@ -112,8 +112,8 @@ def test_minimum_size_window_cuts_no_text(qtbot, make_window):
     # wide again: the whole placeholder sentence
     full = "Message the model…  (Enter to send, Shift+Enter for a new line)"
     win.resize(2000, 900)
-    qtbot.waitUntil(lambda: edit.placeholder_room() >= edit.fontMetrics().horizontalAdvance(full), timeout=5000)
-    qtbot.waitUntil(lambda: edit.placeholderText() == full, timeout=2000)
+    qtbot.waitUntil(lambda: edit.placeholder_room() >= edit.fontMetrics().horizontalAdvance(full), timeout=120000)
+    qtbot.waitUntil(lambda: edit.placeholderText() == full, timeout=120000)
     assert edit.toolTip() == ""
 
 

@@ -145,10 +145,12 @@ def test_corrupt_settings_file(dialog, qtbot, cfgdirs):
     assert s == Settings() and msg and "defaults" in msg
     aside = [x for x in p.parent.iterdir() if x.name.startswith("settings.json.bad-")]
     assert len(aside) == 1 and aside[0].read_text() == "{ this is not json" and not p.exists()
-    # out-of-range values are also refused by the loader
-    p.write_text(json.dumps({**json.loads(Settings().to_json()), "engine": {"wide": 9}}))
+    # an out-of-range value gets its default and a note naming it; the file stays where it is
+    p.write_text(json.dumps({**json.loads(Settings().to_json()), "engine": {"wide": 9, "cap": 3}}))
     s, msg = load_settings()
-    assert s == Settings() and "wide" in msg
+    assert s == Settings(engine=Settings().engine.with_(cap=3)) and "wide" in msg and p.exists()
+    assert not [x for x in p.parent.iterdir() if x.name.startswith("settings.json.bad-")][1:]
+    s = Settings()
     # the dialog opened on the defaults saves a good file again
     d = dialog(s)
     with qtbot.waitSignal(d.applied):
@@ -245,3 +247,54 @@ def test_a_change_that_needs_new_kernels_says_so_before_it_is_applied(qtbot, mak
     assert asked == [(win.loaded.store_path, 1)]
     dlg.fields["pilot"].setCurrentIndex(0)
     assert "compile" not in dlg.status_label.text()
+
+
+def test_a_newer_settings_file_is_read_and_kept(cfgdirs):
+    """Version 3 (a newer build): the known settings are used, with one note; the file is not
+    renamed; unknown keys, the version and a value this build refuses are written back."""
+    from dataclasses import replace
+    from colibri_app.settings_store import save_settings
+    p = settings_path()
+    d = json.loads(Settings().to_json())
+    d["version"] = 3
+    d["engine"].update(pilot=2, wide=9, turbo_mode="max")   # wide 9: allowed by the newer build
+    d["sampling"].update(temperature=0.3, min_p_schedule=[0.1, 0.2])
+    d["app"]["font_size"] = 13
+    d["sync"] = {"account": "me"}
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(d))
+    s, msg = load_settings()
+    assert s.engine.pilot == 2 and s.sampling.temperature == 0.3 and s.engine.wide == Settings().engine.wide
+    assert msg.count("newer colibri") == 1 and "version 3" in msg and "wide" in msg
+    assert p.exists() and not list(p.parent.glob("settings.json.bad-*"))
+    save_settings(replace(s, sampling=replace(s.sampling, temperature=0.6)))
+    back = json.loads(p.read_text())
+    assert back["version"] == 3 and back["sync"] == {"account": "me"} and back["app"]["font_size"] == 13
+    assert back["engine"]["turbo_mode"] == "max" and back["engine"]["wide"] == 9 and back["engine"]["pilot"] == 2
+    assert back["sampling"]["min_p_schedule"] == [0.1, 0.2] and back["sampling"]["temperature"] == 0.6
+
+
+def test_unknown_keys_are_kept_on_save(cfgdirs):
+    """Same version, keys this build does not know: no note, nothing lost on save."""
+    from dataclasses import replace
+    from colibri_app.settings_store import save_settings
+    p = settings_path()
+    d = json.loads(Settings().to_json())
+    d["engine"]["future_knob"] = 1
+    d["window"] = {"x": 5}
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(d))
+    s, msg = load_settings()
+    assert msg is None and s == Settings()
+    save_settings(replace(s, current_model="/m"))
+    back = json.loads(p.read_text())
+    assert back["engine"]["future_knob"] == 1 and back["window"] == {"x": 5} and back["current_model"] == "/m"
+    assert back["version"] == 2 and load_settings()[0].current_model == "/m"
+
+
+def test_an_unreadable_settings_file_is_left_in_place(cfgdirs):
+    p = settings_path()
+    p.mkdir(parents=True)           # a folder where the file should be: read fails
+    s, msg = load_settings()
+    assert s == Settings() and "could not be read" in msg and "left as it is" in msg
+    assert p.is_dir() and not list(p.parent.glob("settings.json.bad-*"))

@@ -26,7 +26,7 @@ from colibri_app.library import ModelLibraryDialog  # noqa: E402
 
 REPO = "allenai/tiny-olmoe"
 WEIGHTS = "model.safetensors"
-T = 30_000  # ms
+T = 300_000  # ms: only a hang trips it
 
 
 @pytest.fixture(scope="session")
@@ -164,13 +164,13 @@ def test_convert_cancel_leaves_nothing(qtbot, wizard, fake, monkeypatch):
     def slow_convert(src, quant, progress, cancel, **kw):
         def p(ev):
             started.set()
-            cancel.wait(5)
+            cancel.wait(600)   # until the Cancel button: only a hang waits it out
             progress(ev)
         return real(src, quant, p, cancel, **kw)
     monkeypatch.setattr(hub, "convert_downloaded", slow_convert)
     cp.quant.setCurrentIndex(cp.quant.findData("int4"))
     cp.convert_button.click()
-    assert started.wait(10)
+    assert started.wait(600)
     cp.cancel_button.click()
     qtbot.waitUntil(lambda: "cancelled" in cp.status.text(), timeout=T)
     assert not cp.isComplete()

@@ -21,7 +21,7 @@ from engine import library as lib  # noqa: E402
 from colibri_app import wizard as wz  # noqa: E402
 
 REPO = "allenai/tiny-olmoe"
-T = 30_000
+T = 300_000  # ms: only a hang trips it
 
 
 @pytest.fixture(scope="session")
@@ -167,9 +167,10 @@ def test_failed_self_test_removes_the_store(qtbot, wizard, tiny):
     assert fired == []
 
 
-def test_self_test_short_of_ram_keeps_the_store(qtbot, wizard, tiny, monkeypatch):
-    """A self-test that fails for lack of RAM says so and keeps the store (it may be fine);
-    "Use this model" stays disabled."""
+@pytest.mark.parametrize("short_of", ["ram", "permission"])
+def test_self_test_short_of_ram_keeps_the_store(qtbot, wizard, tiny, monkeypatch, short_of):
+    """A self-test that fails for lack of RAM (or of a permission: a disk error) says so and
+    keeps the store (it may be fine); "Use this model" stays disabled."""
     from engine import BudgetError
     w = wizard
     w.source_page.local_radio.setChecked(True)
@@ -182,6 +183,8 @@ def test_self_test_short_of_ram_keeps_the_store(qtbot, wizard, tiny, monkeypatch
     store = Path(w.store_path)
 
     def short(store, max_new_tokens=8):
+        if short_of == "permission":
+            raise PermissionError(13, "Permission denied", str(Path(store) / "dense.safetensors"))
         raise BudgetError("the RAM budget 0.1 GB cannot hold the dense weights (0.2 GB)")
     monkeypatch.setattr(lib, "self_test", short)
     w.next()

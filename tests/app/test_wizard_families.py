@@ -27,7 +27,7 @@ from engine import library as hub  # noqa: E402
 from engine.synthetic import write_tokenizer  # noqa: E402
 from colibri_app import wizard as wz  # noqa: E402
 
-T = 60_000  # ms
+T = 300_000  # ms: only a hang trips it (a loaded machine converts slowly)
 V = 320
 BASE = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=512, eos_token_id=0, pad_token_id=0, bos_token_id=None)
