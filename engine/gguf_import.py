@@ -192,13 +192,8 @@ class GGUFModel:
 
     def close(self) -> None:
         """Drop the memory maps (the files stay as they are)."""
-        for r in self._readers:
-            mm = getattr(r, "data", None)
-            if mm is not None and getattr(mm, "_mmap", None) is not None:
-                try:
-                    mm._mmap.close()
-                except (BufferError, ValueError):
-                    pass  # a view still alive: the map closes with it
+        # numpy closes a memory map when its last array goes; the readers and the tensor views
+        # dropped here are those arrays
         self._readers, self.tensors = [], {}
 
     def __enter__(self):

@@ -38,7 +38,7 @@ CALL_MARK, ARGS_MARK = "<|channel|>", "<|message|>"  # around a call's header wi
 def is_harmony(tokenizer) -> bool:
     """True when ``tokenizer`` (engine.tokenizer.Tokenizer) speaks harmony: <|start|>,
     <|channel|>, <|message|> and <|end|> are special tokens and a chat template uses <|channel|>."""
-    added = getattr(tokenizer, "_added", {})
+    added = getattr(tokenizer, "added_tokens", {})
     return (all(added.get(m) for m in MARKERS)
             and any("<|channel|>" in t for t in tokenizer.chat_templates.values()))
 

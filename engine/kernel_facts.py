@@ -40,7 +40,7 @@ def _cache_dir_problem(path: str, env: str | None) -> str:
         f" or point {env} at a folder you can write)" if env else ")")
 
 
-def _numba_cache_dir() -> tuple[str | None, str]:
+def numba_cache_dir() -> tuple[str | None, str]:
     """(the folder numba caches compiled kernels in, or None when no folder is writable;
     why not, "" when there is one).
 

@@ -65,11 +65,11 @@ import threading
 
 # the cache folder, the integer-kernel path and the CPU features are worked out without numba
 # (engine.kernel_facts) so that `colibri doctor` can report them without starting it
-from .kernel_facts import (_cache_dir_problem, _numba_cache_dir, _writable_dir,  # noqa: E402,F401
+from .kernel_facts import (_cache_dir_problem, numba_cache_dir, _writable_dir,  # noqa: E402,F401
                            cpu_features, int_flavor as _int_flavor)
 
 
-CACHE_DIR, CACHE_PROBLEM = _numba_cache_dir()  # CACHE_PROBLEM: why CACHE_DIR is None ("" otherwise)
+CACHE_DIR, CACHE_PROBLEM = numba_cache_dir()  # CACHE_PROBLEM: why CACHE_DIR is None ("" otherwise)
 if CACHE_DIR is not None:
     os.environ["NUMBA_CACHE_DIR"] = CACHE_DIR
 if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:

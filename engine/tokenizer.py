@@ -127,6 +127,18 @@ class Tokenizer:
         self._max_token_chars: int | None = None
 
     @property
+    def added_tokens(self) -> dict[str, bool]:
+        """The added tokens' texts (the chat markers, tool-call tags...) -> whether each is
+        special, in id order."""
+        return self._added
+
+    @property
+    def backend_tokenizer(self):
+        """The ``tokenizers.Tokenizer`` underneath (as transformers' fast tokenizers name it),
+        for libraries that build on its JSON form (the server's grammar mask)."""
+        return self._hf
+
+    @property
     def max_token_chars(self) -> int:
         """The longest vocabulary entry, in characters (at least 1): a text of n characters
         takes at least n / max_token_chars tokens unless the normalizer removes characters

@@ -55,6 +55,17 @@ def _random_blocks(t: int, rows: int, n: int, rng) -> np.ndarray:
     return raw.reshape(rows, -1)
 
 
+def _f32_logits(folder, ids):
+    """Every position's logits of the store at ``folder`` (f32 KV cache), its cache and store
+    closed after (their reader threads end with them)."""
+    model, store, cache = open_model(folder, kv_dtype="f32")
+    try:
+        return model.forward(ids, 0, all_logits=True)
+    finally:
+        cache.close()
+        store.close()
+
+
 @pytest.mark.parametrize("t", sorted(BLOCK_TYPES), ids=[BLOCK_TYPES[t][0] for t in sorted(BLOCK_TYPES)])
 def test_block_decoding_equals_gguf_bit_for_bit(t):
     """Every block type the kernels compute on decodes to gguf.quants' float32 values, bit for
@@ -107,8 +118,7 @@ def test_f16_gguf_computes_what_the_f16_store_computes(family, olmoe_ck, tmp_pat
     m = json.loads((st / "manifest.json").read_text())
     assert m["quant"] == "gguf" and m["gguf"]["expert_types"][0] == ["F16", "F16", "F16"]
     ids = np.random.default_rng(7).integers(1, 512, 24)
-    got = open_model(st, kv_dtype="f32")[0].forward(ids, 0, all_logits=True)
-    want = open_model(ref, kv_dtype="f32")[0].forward(ids, 0, all_logits=True)
+    got, want = _f32_logits(st, ids), _f32_logits(ref, ids)
     assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
 
 
@@ -297,6 +307,5 @@ def test_per_expert_mixtral_file_imports_as_the_stacked_one(tmp_path):
         assert (a / f"experts/layer_{j:03d}.bin").read_bytes() == (b / f"experts/layer_{j:03d}.bin").read_bytes()
     assert json.loads((a / "config.json").read_text())["model_type"] == "mixtral"
     ids = np.arange(1, 17)
-    la = open_model(a, kv_dtype="f32")[0].forward(ids, 0, all_logits=True)
-    lb = open_model(b, kv_dtype="f32")[0].forward(ids, 0, all_logits=True)
+    la, lb = _f32_logits(a, ids), _f32_logits(b, ids)
     assert np.array_equal(la, lb) and np.isfinite(la).all()

@@ -114,14 +114,16 @@ CASES = ([(f, t) for f in ("qwen3_moe", "olmoe", "mixtral") for t in TYPES]
 
 
 @pytest.mark.parametrize("family,qtype", CASES, ids=[f"{f}-{t}" for f, t in CASES])
-def test_logits_and_greedy_steps_match_llama_cpp(family, qtype, made, tmp_path):
+def test_logits_and_greedy_steps_match_llama_cpp(family, qtype, made, tmp_path, request):
     from llama_helpers import llama_logits
     llama_cpp = import_llama_cpp()
     f = made(family, qtype)
     st = convert_gguf(f, tmp_path / "st", dense_quant="f32")
     kinds = {t for row in json.loads((st / "manifest.json").read_text())["gguf"]["expert_types"] for t in row}
     ref, llm = llama_logits(llama_cpp, f, IDS, threads=2)
-    model = open_model(st, kv_dtype="f32")[0]
+    model, store, cache = open_model(st, kv_dtype="f32")
+    request.addfinalizer(store.close)
+    request.addfinalizer(cache.close)  # its reader threads end with it
     got = model.forward(np.array(IDS), 0, all_logits=True)
     agree, margin, max_abs, scale, kl = agreement(ref, got)
     # llama.cpp's greedy continuation, teacher-forced through our decode path (T = 1)

@@ -330,12 +330,12 @@ def test_cli_self_test_that_cannot_run_keeps_the_store(fake, capsys, monkeypatch
     """Too little free RAM for the self-test says nothing about the store: it is kept (the
     wizard's rule), and the message says how to try it again."""
     from engine import BudgetError
+    import engine.library
     from engine.cli import main
-    from engine.cli import models as cli_models
 
     def short(store, max_new_tokens=8):
         raise BudgetError("the RAM budget 0.1 GB cannot hold the dense weights (0.2 GB)")
-    monkeypatch.setattr(cli_models, "self_test", short)
+    monkeypatch.setattr(engine.library, "self_test", short)  # `colibri download` imports it at use
     assert main(["download", REPO, "--quant", "int8", "--yes"]) == 1
     err = capsys.readouterr().err
     assert "could not run" in err and "kept" in err and "colibri run --model" in err
@@ -345,12 +345,12 @@ def test_cli_self_test_that_cannot_run_keeps_the_store(fake, capsys, monkeypatch
 def test_cli_download_pasted_address_and_failed_self_test(fake, capsys, monkeypatch):
     """The wizard's checks in the CLI too: a pasted hub address is the repo id; a store whose
     self-test fails is removed (not left in the library)."""
+    import engine.library
     from engine.cli import main
-    from engine.cli import models as cli_models
 
     def broken(store, max_new_tokens=8):
         raise hub.HubError(f"{store}: self-test generation failed (bad weights)")
-    monkeypatch.setattr(cli_models, "self_test", broken)
+    monkeypatch.setattr(engine.library, "self_test", broken)  # `colibri download` imports it at use
     assert main(["download", f"https://huggingface.co/{REPO}/tree/main", "--quant", "int8", "--yes",
                  "--keep-download"]) == 1
     err = capsys.readouterr().err

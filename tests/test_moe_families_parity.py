@@ -231,6 +231,7 @@ def f32_errors(m, store, n_prefill=24, n_decode=16):
     finally:
         cache.close()
         st.close()
+        st.close()
 
 
 def chosen_with_and_without_bias(m, ids):

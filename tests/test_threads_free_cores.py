@@ -130,7 +130,8 @@ def test_kernels_are_prepared_before_ready_and_leave_no_trace(tiny_store, monkey
     import engine.generate as gen
     monkeypatch.setattr(gen, "_WARMED", set())
     stages = []
-    cfg = EngineConfig(store=str(tiny_store), pilot=0, pinning=False, history=False, o_direct=False)
+    # the pre-read off: it fills the cache in the background; the warm-up itself leaves nothing
+    cfg = EngineConfig(store=str(tiny_store), pilot=0, pinning=False, history=False, o_direct=False, idle_fill=False)
     with Engine.open(cfg, progress=lambda ev: stages.append((ev.stage, ev.done, ev.total, ev.message))) as eng:
         names = [s[0] for s in stages]
         assert "kernels" in names and names.index("kernels") < len(names) - 1

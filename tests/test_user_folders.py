@@ -81,9 +81,9 @@ def test_library_folders_raise_folder_error(afile, tmp_path, monkeypatch):
 def test_numba_cache_dir_that_is_a_file_is_explained(afile, monkeypatch):
     import engine.kernels as K
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(afile))
-    cache, problem = K._numba_cache_dir()   # what the module computes at import (CACHE_DIR, CACHE_PROBLEM)
+    cache, problem = K.numba_cache_dir()   # what the module computes at import (CACHE_DIR, CACHE_PROBLEM)
     assert cache is None
     assert problem.startswith(f"{afile} is a file, not a folder; point NUMBA_CACHE_DIR at a folder"), problem
     monkeypatch.setenv("NUMBA_CACHE_DIR", str(afile / "numba"))
-    assert K._numba_cache_dir()[1].startswith(f"{afile / 'numba'} cannot be created: {afile} is a file")
+    assert K.numba_cache_dir()[1].startswith(f"{afile / 'numba'} cannot be created: {afile} is a file")
     assert afile.read_text() == "not a folder"

@@ -46,9 +46,10 @@ INTERNAL_VERBS = ("arm", "decode-arm", "peer-arm", "contention-arm")  # run by t
 def add_bench_parser(sub) -> None:
     """Add ``bench`` and every verb's subcommand to the ``colibri`` argparse subparsers ``sub``."""
     b = sub.add_parser("bench", help="benchmarks (JSON + markdown in bench/results/)")
-    # every bench command shows its defaults in --help
+    # every bench command shows its defaults in --help; type(b): the command line's parser class
+    # (it takes -v after the verb too)
     bs = b.add_subparsers(dest="bench_cmd", required=True, parser_class=functools.partial(
-        argparse.ArgumentParser, formatter_class=argparse.ArgumentDefaultsHelpFormatter))
+        type(b), formatter_class=argparse.ArgumentDefaultsHelpFormatter))
     for verb in VERBS:
         importlib.import_module(f"{__name__}.{verb}").add_parser(bs)
     # the per-arm subprocess entry points stay callable but out of the listed verbs

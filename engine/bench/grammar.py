@@ -166,7 +166,7 @@ def _as_used(hf, eos_id: int, schema, runs: int, max_tokens: int, seed: int) -> 
     from ..server.grammar import TokenConstraint, json_grammar
 
     class Tok:  # the attributes TokenConstraint reads of engine.tokenizer.Tokenizer
-        _hf, vocab_size, eos_ids, _added = hf, hf.get_vocab_size(), {eos_id}, {}
+        backend_tokenizer, vocab_size, eos_ids = hf, hf.get_vocab_size(), {eos_id}
     steps, tokens = [], 0
     for r in range(runs):
         rng = np.random.default_rng([seed, r])

@@ -157,7 +157,7 @@ def collect(disk_test: bool = True, budget_bytes: int = DISK_TEST_BYTES,
         except OSError:
             saved = None
         layer = K.threading_layer()
-        cache, cache_problem = K._numba_cache_dir()
+        cache, cache_problem = K.numba_cache_dir()
         return {"threading_layer": layer, "serialized": layer not in ("omp", "tbb"), "default": default,
                 "settings_file": saved, "in_use": saved or default,  # 0 = all usable CPUs
                 "limit": K.thread_limit(),

@@ -22,7 +22,7 @@ log = logging.getLogger("colibri")
 # tests/test_cli_start.py checks these lines against the full parsers' own help.
 VERBS = {
     "run": ("run", "generate from a prompt, streaming to stdout"),
-    "convert": ("run", "convert a Hugging Face MoE folder into a store"),
+    "convert": ("run", "convert a Hugging Face MoE folder or a GGUF model into a store"),
     "info": ("run", "describe a converted store"),
     "download": ("models", "download a model from the Hugging Face hub, check it and convert it"),
     "models": ("models", "list converted models"),
@@ -34,16 +34,15 @@ VERBS = {
 VERBOSE_HELP = "log what the engine does (the plan line, timings); also accepted after the command"
 
 
-def _add_verbose(parser: argparse.ArgumentParser) -> None:
-    """``-v`` on ``parser`` and every subcommand below it, so ``colibri run --prof -v`` works as
-    ``colibri -v run --prof`` does (SUPPRESS: a subcommand without it keeps the top level's)."""
-    for action in parser._actions:  # argparse has no public accessor for a parser's subparsers
-        if isinstance(action, argparse._SubParsersAction):
-            for child in set(action.choices.values()):
-                if "-v" not in child._option_string_actions:
-                    child.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                                       help=VERBOSE_HELP)
-                _add_verbose(child)
+class _SubParser(argparse.ArgumentParser):
+    """A subcommand's parser: it takes ``-v`` too, so ``colibri run --prof -v`` works as
+    ``colibri -v run --prof`` does (SUPPRESS: without it the top level's value stands). Its own
+    subcommands are of this class as well (add_subparsers' default parser_class is the
+    parser's type)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=VERBOSE_HELP)
 
 
 def verb_of(argv: list[str]) -> str | None:
@@ -66,7 +65,7 @@ def build_parser(verb: str | None = "") -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     p.add_argument("--version", action="version", version=version_line(),
                    help="print the version and exit")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_SubParser)
     built: set[str] = set()
     for name, (mod, help_line) in VERBS.items():
         if mod in built:
@@ -77,7 +76,6 @@ def build_parser(verb: str | None = "") -> argparse.ArgumentParser:
             built.add(mod)
         else:
             sub.add_parser(name, help=help_line, add_help=False)
-    _add_verbose(p)
     return p
 
 

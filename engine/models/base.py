@@ -899,7 +899,7 @@ _T1_FIELDS = ("gate_proj.w", "gate_proj.s", "up_proj.w", "up_proj.s", "down_proj
 _ARENA_DTYPES = {"int4": (np.dtype(np.uint8), np.dtype(np.uint16)), "int8": (np.dtype(np.int8), np.dtype(np.float32))}
 
 
-def _mlp_views(dense: dict, prefix: str) -> dict:
+def mlp_views(dense: dict, prefix: str) -> dict:
     return {f"{p}.{k}": dense[f"{prefix}{p}.{k}"] for p in EXPERT_PROJS for k in ("w", "s")
             if f"{prefix}{p}.{k}" in dense}
 
@@ -953,10 +953,10 @@ class MoEModel:
                 ly["router"] = dense[p + "router"]
                 ly["router_bias"] = dense.get(p + "router_bias")
                 if a.shared_expert_intermediate_size:
-                    ly["shared_expert"] = _mlp_views(dense, p + "shared_expert.")
+                    ly["shared_expert"] = mlp_views(dense, p + "shared_expert.")
                     ly["shared_expert_gate"] = dense.get(p + "shared_expert_gate")
             else:
-                ly["mlp"] = _mlp_views(dense, p + "mlp.")
+                ly["mlp"] = mlp_views(dense, p + "mlp.")
             self.layers.append(ly)
         self.moe_layer_ids = list(a.moe_layers)
         if kv_dtype not in KV_DTYPES:

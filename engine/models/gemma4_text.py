@@ -241,7 +241,7 @@ class Model(base.MoEModel):
                       "per_expert_scale"):
                 ly[n] = dense[p + n]
             ly["layer_scalar"] = np.float32(dense[p + "layer_scalar"].reshape(-1)[0])
-            ly["mlp"] = base._mlp_views(dense, p + "mlp.")
+            ly["mlp"] = base.mlp_views(dense, p + "mlp.")
         self.unit = np.ones(max(args.head_dim, args.full_head_dim), np.float32)
         self.ones = np.ones(D, np.float32)
         self.embed_scale = np.float32(D ** 0.5)

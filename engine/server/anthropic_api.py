@@ -162,7 +162,7 @@ def _stop(res) -> tuple[str, str | None]:
 async def messages(api, request: Request) -> Response:
     """``POST /v1/messages``."""
     body = await read_json(request, api.max_body_bytes)
-    m = api._model(body)
+    m = api.model_for(body)
     raw, fields = to_chat(body)
     msgs = chat_messages({"messages": raw})
     stream = fields.pop("stream", False)

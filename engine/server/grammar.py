@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -38,18 +39,19 @@ class GrammarError(ValueError):
 
 
 _lock = threading.Lock()
+_LL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Tokenizer -> its llguidance tokenizer
 
 
 def ll_tokenizer(tokenizer):
     """The llguidance tokenizer of an engine.tokenizer.Tokenizer (built once per tokenizer:
     about a second for a 150k vocabulary)."""
     with _lock:
-        lt = getattr(tokenizer, "_ll_tokenizer", None)
+        lt = _LL.get(tokenizer)
         if lt is None:
             import llguidance
-            lt = llguidance.LLTokenizer(tokenizer._hf.to_str(), n_vocab=tokenizer.vocab_size,
+            lt = llguidance.LLTokenizer(tokenizer.backend_tokenizer.to_str(), n_vocab=tokenizer.vocab_size,
                                         eos_token=sorted(tokenizer.eos_ids))
-            tokenizer._ll_tokenizer = lt
+            _LL[tokenizer] = lt
         return lt
 
 
@@ -101,7 +103,7 @@ def json_rule(schema: dict | None) -> str:
 
 def _literal(tokenizer, text: str) -> list[str]:
     """Lark items matching ``text`` exactly, its added tokens as those tokens."""
-    added = [t for t in getattr(tokenizer, "_added", {}) if t and not t.isspace()]
+    added = [t for t in getattr(tokenizer, "added_tokens", {}) if t and not t.isspace()]
     items: list[str] = []
     if not added:
         return [json.dumps(text, ensure_ascii=False)] if text else []
@@ -196,7 +198,7 @@ def call_grammar(tokenizer, msgs: list[dict], tools: list[dict], name: str | Non
             # the markup one argument adds: what ``one`` has between the common prefix and
             # suffix of the two renderings; a cut inside an added token (``</tool_call>`` and
             # ``<arg_key>`` share "<") moves to its edge, so every token stays whole
-            spans = [(mt.start(), mt.end()) for t in getattr(tokenizer, "_added", {}) if t
+            spans = [(mt.start(), mt.end()) for t in getattr(tokenizer, "added_tokens", {}) if t
                      for mt in re.finditer(re.escape(t), one)]
             i = 0
             while i < min(len(none), len(one)) and none[i] == one[i]:

@@ -434,7 +434,7 @@ class Api:
 
     # --- helpers -----------------------------------------------------------------------------
 
-    def _model(self, body: dict | None = None) -> ServedModel:
+    def model_for(self, body: dict | None = None) -> ServedModel:
         m = self.served()
         if m is None:
             raise ApiError(503, "no model is open yet (the app is loading or switching models); retry shortly",
@@ -497,7 +497,7 @@ class Api:
         return JSONResponse({"object": "list", "data": [self._model_obj(m)] if m else []})
 
     async def model(self, request: Request) -> Response:
-        m = self._model()
+        m = self.model_for()
         name = request.path_params["model"]
         if name != m.model_id and name not in m.aliases:
             raise ApiError(404, f"the model {name!r} does not exist here; this server serves {m.model_id!r}",
@@ -506,7 +506,7 @@ class Api:
 
     async def chat_completions(self, request: Request) -> Response:
         body = await read_json(request, self.max_body_bytes)
-        m = self._model(body)
+        m = self.model_for(body)
         msgs = chat_messages(body)
         stream, include_usage = stream_flags(body)
         plan = await self.prepare_chat(m, body, msgs)
@@ -591,7 +591,7 @@ class Api:
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.max_body_bytes)
-        m = self._model(body)
+        m = self.model_for(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]

@@ -59,6 +59,8 @@ SCRIPT = textwrap.dedent(r'''
         win.show()
         win.open_wizard()
         w = win._dialogs[-1]
+        if w.currentId() == wz.PAGE_RECOMMENDED:  # Next without choosing: any repository or folder
+            w.next()
     else:
         w = wz.ModelWizard(None, context_length=256)
         w.show()
