@@ -262,3 +262,56 @@ def test_fuzz_of_malformed_bodies_gets_only_4xx(server):
             assert set(err) == {"message", "type", "param", "code"}, err
     assert ended(server) == before, "a malformed body reached the engine"
     assert len(statuses) >= 2, statuses
+
+
+def test_listed_origins_may_send_the_browser_sdks_headers(engine):
+    """The official JS SDKs send x-stainless-* (and Anthropic's its direct-browser header) on
+    every request, and Chrome preflights a public page's request to this computer with
+    Access-Control-Request-Private-Network: a listed origin's preflight allows them all."""
+    page = "https://app.example"
+    srv = LocalServer.for_engine(engine, ServerOptions(port=0, cors_origins=(page,)), SamplingParams(max_new_tokens=2))
+    srv.start()
+    try:
+        pre = httpx2.options(srv.url + "/chat/completions", headers={
+            "Origin": page, "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "content-type,x-stainless-os,anthropic-dangerous-direct-browser-access",
+            "Access-Control-Request-Private-Network": "true"})
+        assert pre.status_code == 200, pre.text
+        allowed = pre.headers["access-control-allow-headers"].lower()
+        assert "x-stainless-os" in allowed and "anthropic-dangerous-direct-browser-access" in allowed
+        assert pre.headers.get("access-control-allow-private-network") == "true"
+        other = httpx2.options(srv.url + "/chat/completions", headers={
+            "Origin": "https://evil.example", "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in other.headers
+    finally:
+        srv.stop()
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_no_server_error(server, caplog):
+    """A client that closes the connection before its whole body arrived: counted as 499 in
+    /metrics, no error logged and no traceback (there were two: the handler's and uvicorn's)."""
+    import logging
+    import socket
+    import time
+    from urllib.parse import urlsplit
+    u = urlsplit(server.url)
+    before = sum(n for (ep, st), n in server.stats.requests.items() if st == 499)
+    with caplog.at_level(logging.INFO):
+        with socket.create_connection((u.hostname, u.port), timeout=60) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"a\": 1}")
+            s.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + 120   # only a hang trips this
+        while (sum(n for (ep, st), n in server.stats.requests.items() if st == 499) == before
+               and time.monotonic() < deadline):
+            time.sleep(0.05)
+    assert sum(n for (ep, st), n in server.stats.requests.items() if st == 499) == before + 1
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+
+
+def test_messages_refuse_a_null_max_tokens(server):
+    """Anthropic's API requires max_tokens: null is refused as an absent one is (it ran with
+    the server's default)."""
+    r = httpx2.post(server.url.removesuffix("/v1") + "/v1/messages", json={
+        "model": model_id(server), "max_tokens": None, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "max_tokens" in r.text

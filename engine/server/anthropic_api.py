@@ -103,7 +103,7 @@ def to_chat(body: dict) -> tuple[list[dict], dict]:
                 d["reasoning_content"] = "\n".join(thinking)
             msgs.append(d)
     fields: dict[str, Any] = {}
-    if "max_tokens" not in body:
+    if body.get("max_tokens") is None:  # absent or null: the Messages API requires it
         raise _bad("'max_tokens' is required", "max_tokens")
     for k in ("max_tokens", "temperature", "top_p", "top_k", "stream"):
         if k in body:

@@ -31,7 +31,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -784,6 +784,13 @@ async def _api_error(request: Request, exc: ApiError) -> Response:
     return path_error(request.url.path, exc.status, exc.message, exc.param, exc.code, exc.type, exc.headers)
 
 
+async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+    """The client closed the connection while sending its body: nobody reads an answer, and it
+    is not the server's fault (no traceback); /metrics counts it as 499, as nginx names it."""
+    log.info("client closed the connection during %s %s", request.method, request.url.path)
+    return Response(status_code=499)
+
+
 async def _internal_error(request: Request, exc: Exception) -> Response:
     log.exception("request failed: %s %s", request.method, request.url.path, exc_info=exc)
     return path_error(request.url.path, 500, f"internal server error ({type(exc).__name__}); see the server log",
@@ -806,10 +813,12 @@ def build_app(api: Api, api_key: str = "", cors_origins: tuple[str, ...] = (), h
     middleware = [Middleware(RequestGate, host=host, cors_origins=cors_origins, error=_gate_error,
                              counted=lambda path, status: api.stats.on_request(endpoint_of(path), status))]
     if cors_origins:
+        # the listed origins are the user's own pages: any request header (the official JS SDKs
+        # send x-stainless-* and anthropic-dangerous-direct-browser-access on every request) and
+        # Chrome's private-network preflight from a public page to this computer
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
-                                     allow_methods=["GET", "POST", "OPTIONS"],
-                                     allow_headers=["Authorization", "Content-Type", "x-api-key",
-                                                    "anthropic-version"]))
+                                     allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                                     allow_private_network=True))
     middleware.append(Middleware(_Guard, api_key=api_key, stats=api.stats))
     return Starlette(routes=routes, middleware=middleware, exception_handlers={
-        ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error})
+        ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone, Exception: _internal_error})
