@@ -101,16 +101,20 @@ class BlkioCgroup:
         return ["sh", "-c", 'echo $$ > "$0" && exec "$@"', str(self.path / "cgroup.procs"), *cmd]
 
     def remove(self) -> None:
-        """rmdir the group (retried briefly while the kernel tears the task down)."""
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.1)
-        print(f"warning: could not remove cgroup {self.path}", file=sys.stderr)
+        remove_group(self.path)
+
+
+def remove_group(path: Path) -> None:
+    """rmdir a cgroup folder, retried briefly while the kernel tears its last task down."""
+    for _ in range(50):
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.1)
+    print(f"warning: could not remove cgroup {path}", file=sys.stderr)
 
 
 def blkio_available(root: str = BLKIO_ROOT) -> tuple[bool, str]:

@@ -226,16 +226,8 @@ class MemCgroup:
                 "cgroup_oom_kills": int(oom.get("oom_kill", 0))}
 
     def remove(self) -> None:
-        """rmdir the group (retried briefly: the kernel may still be tearing the task down)."""
-        for _ in range(50):
-            try:
-                self.path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError:
-                time.sleep(0.1)
-        print(f"warning: could not remove cgroup {self.path}", file=sys.stderr)
+        from .blockdev import remove_group
+        remove_group(self.path)
 
 def cgroup_available(root: str = CGROUP_ROOT) -> tuple[bool, str]:
     """(True, "") when a memory cgroup can be created under ``root``, else (False, reason)."""

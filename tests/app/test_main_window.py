@@ -242,7 +242,8 @@ def test_a_200_kb_paste_does_not_freeze_the_window(qtbot, make_window):
     gaps = [b - a for a, b in zip(stamps, stamps[1:]) if a >= t0 and b <= ended[0]]
     worst = max(gaps)
     assert gaps and worst < max(0.1, took / 3), (worst, took)
-    assert "tokens" in win.banner.text.text()   # refused, as too long
+    # refused, as too long: the banner follows the worker's signal through the GUI thread's queue
+    qtbot.waitUntil(lambda: "tokens" in win.banner.text.text(), timeout=120000)
 
 
 def test_close_while_generating_stops_everything(qtbot, make_window):
