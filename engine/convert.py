@@ -197,6 +197,16 @@ def check_docs_index(folder: Path) -> None:
                                   f"documentation lookup") from None
 
 
+def write_dense(folder: Path, dense: dict, dense_quant: str) -> int:
+    """``folder``/dense.safetensors from ``dense`` (name -> array), synced to the disk before
+    the store is published. Returns its tensors' bytes."""
+    path = folder / "dense.safetensors"
+    save_file(dense, str(path), metadata={"format": FORMAT_NAME, "dense_quant": dense_quant})
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    return sum(v.nbytes for v in dense.values())
+
+
 def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: int = 32,
                 progress: Callable[[LoadProgress], None] | None = None,
                 cancel: threading.Event | None = None, extra_manifest: dict | None = None,
@@ -334,12 +344,8 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
             experts_meta.append(metas)
         check_cancel()
         report("dense weights", force=True)
-        dense_path = partial / "dense.safetensors"
-        save_file(dense, str(dense_path), metadata={"format": FORMAT_NAME, "dense_quant": dq})
-        dense_bytes = sum(v.nbytes for v in dense.values())
+        dense_bytes = write_dense(partial, dense, dq)
         del dense
-        with open(dense_path, "rb+") as f:
-            os.fsync(f.fileno())
         for name in COPIED_FILES:
             if (source_folder / name).exists():
                 try:

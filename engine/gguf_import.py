@@ -532,10 +532,8 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, overwrite: bool
 
 def _write_store(source: GGUFSource, tok: dict, dst: Path, overwrite: bool, dq: str, group_size: int,
                  progress, cancel) -> Path:
-    from safetensors.numpy import save_file
-
     from .convert import (CHECKSUM, LM_HEAD_QUANT, _identity, _publish, _put, _remove_stale_temps,
-                          check_destination)
+                          check_destination, write_dense)
     from .fsutil import fsync_dir, normalize_modes
     from .quant import ALIGN, check_finite
     from .store_format import FORMAT_NAME, FORMAT_VERSION, check_store_files, slab_checksum
@@ -615,12 +613,8 @@ def _write_store(source: GGUFSource, tok: dict, dst: Path, overwrite: bool, dq: 
             experts_meta.append(metas)
         check_cancel()
         report("dense weights", force=True)
-        dense_path = partial / "dense.safetensors"
-        save_file(dense, str(dense_path), metadata={"format": FORMAT_NAME, "dense_quant": dq})
-        dense_bytes = sum(v.nbytes for v in dense.values())
+        dense_bytes = write_dense(partial, dense, dq)
         del dense
-        with open(dense_path, "rb+") as f:
-            os.fsync(f.fileno())
         cfg = dict(source.config)
         (partial / "config.json").write_text(json.dumps(cfg, indent=1), encoding="utf-8")
         for name, text in tok.items():
