@@ -4,7 +4,7 @@ not the engine's.
 numba compiles a kernel through LLVM the first time a process calls it with new argument types,
 then writes the machine code to its cache (engine.kernels.CACHE_DIR); later processes load that
 code in ~1-3 s. The compile itself is what costs memory: on a fresh install (or after an update
-of engine/kernels.py, which invalidates numba's cache) the engine process kept ~500 MB more
+of engine/kernels/, which invalidates numba's cache) the engine process kept ~500 MB more
 resident after compiling than after loading (the LLVM modules numba keeps with each compiled
 function; ``malloc_trim`` and MADV_PAGEOUT give back almost none of it). The RSS guard counts
 that memory as the process's own and took it from the expert cache: the first session after an
@@ -59,29 +59,35 @@ def kernel_kind(args, store, config) -> tuple:
 
 def marker_path(cache_dir: str, kind: tuple) -> Path:
     """The marker file saying ``kind``'s kernels are in numba's cache at ``cache_dir``: named by
-    a digest of ``kind``, the kernel source file's path, size and modification time (numba's own
-    cache key for a source file), numba's and Python's versions and the CPU (numba's cache is
-    per CPU name and features)."""
+    a digest of ``kind``, the kernel source files' paths, sizes and modification times (numba's
+    own cache key for a source file), numba's and Python's versions and the CPU (numba's cache
+    is per CPU name and features)."""
     import numba
-    from . import kernels
-    src = Path(kernels.__file__).resolve()
-    st = src.stat()
+    sources = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in _kernel_sources()]
     try:
         from llvmlite import binding
         cpu = binding.get_host_cpu_name() + binding.get_host_cpu_features().flatten()
     except Exception:  # noqa: BLE001 - a marker per machine is still right without the features
         cpu = platform.machine()
-    h = hashlib.sha256(repr((kind, str(src), st.st_size, st.st_mtime_ns, numba.__version__,
+    h = hashlib.sha256(repr((kind, sources, numba.__version__,
                              sys.version_info[:2], cpu)).encode()).hexdigest()[:24]
     return Path(cache_dir) / MARKER_DIR / h
 
 
-def _index_files(cache_dir: str) -> list[str]:
-    """numba's index files (``kernels.<function>-<line>.py<version>.nbi``, one per cached
-    kernel of engine/kernels.py) under ``cache_dir``, relative to it."""
+def _kernel_sources() -> list[Path]:
+    """The kernel package's source files (engine/kernels/*.py), sorted."""
     from . import kernels
+    return sorted(Path(kernels.__file__).resolve().parent.glob("*.py"))
+
+
+def _index_files(cache_dir: str) -> list[str]:
+    """numba's index files (``<module>.<function>-<line>.py<version>.nbi``, one per cached
+    kernel of a module of engine/kernels/, in numba's folder ``kernels_<digest of the path>``)
+    under ``cache_dir``, relative to it."""
+    stems = {p.stem for p in _kernel_sources()}
     try:
-        return sorted(str(p.relative_to(cache_dir)) for p in Path(cache_dir).rglob(f"{Path(kernels.__file__).stem}.*.nbi"))
+        return sorted(str(p.relative_to(cache_dir)) for p in Path(cache_dir).rglob("*.nbi")
+                      if p.parent.name.split("_", 1)[0] == "kernels" and p.name.split(".", 1)[0] in stems)
     except OSError:
         return []
 

@@ -122,7 +122,7 @@ def check_bundle(bundle: Path, system: str) -> dict:
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         if not (model / f).is_file():
             raise BuildError(f"{model / f}: the bundled default model is incomplete")
-    kernels = inner / "engine" / "kernels.py"
+    kernels = inner / "engine" / "kernels" / "__init__.py"
     if not kernels.is_file():
         raise BuildError(f"{kernels}: missing; numba's cache needs the engine's .py sources in the bundle")
     plugins = sorted(p.name for p in inner.rglob("platforms/*") if p.is_file())

@@ -5,6 +5,8 @@ cold compiles) runs in tests/test_sizing.py::test_first_open_compiles_in_a_child
 from __future__ import annotations
 
 import logging
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -28,8 +30,8 @@ def test_a_child_that_succeeds_leaves_a_marker_and_the_next_open_starts_none(cac
     report = lambda done, msg: said.append((done, msg))  # noqa: E731
     cfg = EngineConfig(store="/models/x", ram_budget_gb=3.0, context_length=4096, cap=40, threads=2,
                        reserve_cache=True, idle_fill=True, pinning=True, history=True, cluster="ray://h:1")
-    (cache_dir / "engine_x").mkdir(parents=True)  # what the child's compile leaves in numba's cache
-    (cache_dir / "engine_x" / "kernels.rmsnorm-10.py311.nbi").write_bytes(b"index")
+    (cache_dir / "kernels_4f2a").mkdir(parents=True)  # what the child's compile leaves in numba's cache
+    (cache_dir / "kernels_4f2a" / "attention.rmsnorm-10.py311.nbi").write_bytes(b"index")
     assert kernel_prepare.prepare_in_child(cfg, KIND, report) >= 0.0
     assert len(runs) == 1 and [d for d, _m in said] == [0, 1] and "compute kernels" in said[0][1]
     child = runs[0]  # as small as the store allows, nothing of the user's touched
@@ -39,7 +41,7 @@ def test_a_child_that_succeeds_leaves_a_marker_and_the_next_open_starts_none(cac
     assert EngineConfig.from_dict(child).store == "/models/x"  # what the child process builds
     import json
     marker = json.loads(kernel_prepare.marker_path(str(cache_dir), KIND).read_text())
-    assert marker["index_files"] == ["engine_x/kernels.rmsnorm-10.py311.nbi"]
+    assert marker["index_files"] == ["kernels_4f2a/attention.rmsnorm-10.py311.nbi"]
     assert kernel_prepare.prepare_in_child(cfg, KIND) == 0.0 and len(runs) == 1
     other = KIND[:-1] + (True,)  # PILOT's kernels: another kind
     kernel_prepare.prepare_in_child(cfg, other)
@@ -106,14 +108,18 @@ def test_a_marker_whose_cache_files_are_gone_runs_the_child_again(cache_dir, mon
 
 
 def test_the_marker_changes_with_the_kernel_source(cache_dir, monkeypatch, tmp_path):
-    """numba invalidates its cache when engine/kernels.py changes (size, mtime): so does the marker."""
+    """numba invalidates its cache when a module of engine/kernels/ changes (size, mtime): so
+    does the marker."""
     a = kernel_prepare.marker_path(str(cache_dir), KIND)
     assert a == kernel_prepare.marker_path(str(cache_dir), KIND)
     assert a != kernel_prepare.marker_path(str(cache_dir), KIND[:-2] + ("f32", False))
-    copy = tmp_path / "kernels.py"
-    copy.write_text(open(kernels.__file__).read() + "\n# changed\n")
-    monkeypatch.setattr(kernels, "__file__", str(copy))
-    assert kernel_prepare.marker_path(str(cache_dir), KIND) != a
+    copy = tmp_path / "kernels"
+    shutil.copytree(Path(kernels.__file__).parent, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(kernels, "__file__", str(copy / "__init__.py"))
+    assert kernel_prepare.marker_path(str(cache_dir), KIND) != a  # another path
+    b = kernel_prepare.marker_path(str(cache_dir), KIND)
+    (copy / "routing.py").write_text((copy / "routing.py").read_text() + "\n# changed\n")
+    assert kernel_prepare.marker_path(str(cache_dir), KIND) != b  # one module changed
 
 
 def test_the_command_line_names_only_the_first_compile(capsys):
@@ -140,8 +146,8 @@ def test_two_first_starts_at_once_compile_once(cache_dir, monkeypatch):
     def child(cfg):
         runs.append(cfg)
         time.sleep(0.5)
-        (cache_dir / "engine_x").mkdir(parents=True, exist_ok=True)
-        (cache_dir / "engine_x" / "kernels.rmsnorm-10.py311.nbi").write_bytes(b"index")
+        (cache_dir / "kernels_4f2a").mkdir(parents=True, exist_ok=True)
+        (cache_dir / "kernels_4f2a" / "attention.rmsnorm-10.py311.nbi").write_bytes(b"index")
         return 0
     monkeypatch.setattr(kernel_prepare, "_run_child", child)
     said = []
@@ -163,8 +169,8 @@ def test_compile_needed_says_when_a_setting_needs_new_kernels(cache_dir, monkeyp
     off, on = EngineConfig(store=str(tiny_store)), EngineConfig(store=str(tiny_store), pilot=1)
     assert kernel_prepare.compile_needed(str(tiny_store), off) == (True, None)  # nothing compiled yet
     monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg: 0)
-    (cache_dir / "engine_x").mkdir(parents=True)
-    (cache_dir / "engine_x" / "kernels.rmsnorm-10.py311.nbi").write_bytes(b"index")
+    (cache_dir / "kernels_4f2a").mkdir(parents=True)
+    (cache_dir / "kernels_4f2a" / "attention.rmsnorm-10.py311.nbi").write_bytes(b"index")
     from engine.expert_store import ExpertStore
     with ExpertStore(str(tiny_store), o_direct=False) as st:
         kind_off = kernel_prepare.kernel_kind(st.args, st, off)

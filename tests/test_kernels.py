@@ -1,9 +1,9 @@
-"""Every numba kernel of engine/kernels.py against its numpy twin in engine/kernels_ref.py.
+"""Every numba kernel of engine/kernels/ against its numpy twin in engine/kernels_ref.py.
 
 Random shapes (odd sizes wherever the weight kind allows them), several T including 1, every
 weight kind. Plus the invariants the engine relies on: a row's result does not depend on T
 (the other rows of the call) nor on the number of threads, bit for bit; and the process-wide
-setup of kernels.py in subprocesses.
+setup of engine/kernels/setup.py in subprocesses.
 
 Tolerance (why it is not a guess): both sides compute the same real-valued expression in
 float32 with a different summation order. For a dot product of n terms, any order gives

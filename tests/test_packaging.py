@@ -34,7 +34,8 @@ def _fake_bundle(base: Path) -> Path:
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         (m / f).write_text("x")
     (inner / "engine").mkdir()
-    (inner / "engine" / "kernels.py").write_text("x = 1\n")
+    (inner / "engine" / "kernels").mkdir()
+    (inner / "engine" / "kernels" / "__init__.py").write_text("x = 1\n")
     plat = inner / "PySide6" / "Qt" / "plugins" / "platforms"
     plat.mkdir(parents=True)
     for f in ("libqoffscreen.so", "libqxcb.so"):
@@ -92,7 +93,7 @@ def test_check_bundle_refuses_missing_plugin_or_model(B, tmp_path):
 def test_precompiled_engine_sources_survive_a_copy(B, tmp_path):
     b = _fake_bundle(tmp_path)
     B.precompile_engine(b)
-    pyc = list((b / "_internal" / "engine" / "__pycache__").glob("kernels.*.pyc"))
+    pyc = list((b / "_internal" / "engine" / "kernels" / "__pycache__").glob("__init__.*.pyc"))
     assert len(pyc) == 1
     flags = int.from_bytes(pyc[0].read_bytes()[4:8], "little")
     assert flags == 0b01  # hash-based, unchecked (PEP 552): valid whatever the source mtime

@@ -618,7 +618,7 @@ class ExpertProvider(Protocol):
 
 
 class Linear:
-    """A resident dense matrix [O, N] in one of the kinds of kernels.py, optional float32 bias [O].
+    """A resident dense matrix [O, N] in one of the kinds of engine/kernels, optional float32 bias [O].
 
     ``il``: the int4 rows are interleaved by groups of K.IL (:meth:`interleave`; w is then
     uint8 [O / IL, N / 64, IL * 32] and runs K.linear_q4i, bit-identical to K.linear_q4)."""

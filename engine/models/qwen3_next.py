@@ -29,7 +29,7 @@ Mamba2 with Delta Rule", arXiv 2412.06464):
     per value head: S <- exp(g) S;  S <- S + k (beta (v - k^T S))^T;  o = q^T S   (S [dk, dv])
     out = out_proj(rmsnorm(o) * norm.weight * silu(z))                          per head over dv
 
-The rule runs as one numba kernel (engine/kernels.py ``gated_delta``, numpy twin in
+The rule runs as one numba kernel (engine/kernels/recurrent.py ``gated_delta``, numpy twin in
 kernels_ref.py) in chunks of CHUNK = 64 tokens, the WY / UT-transform form of transformers'
 torch_chunk_gated_delta_rule and the paper's section 3: inside a chunk of n tokens with
 cumulative log decays c_i, a unit lower-triangular system (I + strict_lower(beta_i k_i.k_j
