@@ -188,9 +188,10 @@ def test_anthropic_two_turn_tool_conversation(family):
     from engine.server.anthropic_api import to_chat
     from engine.server.openai_api import chat_messages, string_arguments
     sent = {"system": "You are a helpful assistant.", "max_tokens": 1, "tools": A_TOOLS,
-            "messages": A_ASK + [{"role": "assistant", "content": [b.model_dump() for b in first.content]}]}
+            "messages": A_ASK + [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id}]}]}
     raw, fields = to_chat(sent)
-    msgs = chat_messages({"messages": raw})
+    msgs = chat_messages({"messages": raw})[:-1]   # up to the assistant's call
     head = eng.tokenizer.apply_chat_template(msgs[:-1], tools=fields["tools"])
     try:
         again = eng.tokenizer.apply_chat_template(msgs, tools=fields["tools"], add_generation_prompt=False)
@@ -259,7 +260,7 @@ def test_anthropic_prefill_and_count_tokens(family):
     kw = dict(model=model, system="You are a helpful assistant.", tools=A_TOOLS,
               messages=A_ASK + [{"role": "assistant", "content": "It is sunny in"}])
     counted = c.messages.count_tokens(**kw)
-    r = c.messages.create(max_tokens=4, temperature=0, **kw)
+    r = c.messages.create(max_tokens=4, extra_body={"temperature": 0}, **kw)
     assert r.usage.input_tokens == counted.input_tokens
     prompt = eng.tokenizer.decode(list(eng._kv_ids[:r.usage.input_tokens]), skip_special_tokens=False)
     head = eng.tokenizer.apply_chat_template([{"role": "system", "content": "You are a helpful assistant."}] + A_ASK,
@@ -267,7 +268,18 @@ def test_anthropic_prefill_and_count_tokens(family):
                                                  "name": t["name"], "description": t["description"],
                                                  "parameters": t["input_schema"]}} for t in A_TOOLS])
     assert prompt == head + "<think>\n\n</think>\n\nIt is sunny in", prompt[len(head):]
-    with c.messages.stream(max_tokens=4, temperature=0, **kw) as s:
+    with c.messages.stream(max_tokens=4, extra_body={"temperature": 0}, **kw) as s:
         streamed = "".join(s.text_stream)
     assert streamed == "".join(b.text for b in r.content if b.type == "text")
     assert c.messages.count_tokens(model=model, messages=A_ASK).input_tokens < counted.input_tokens
+    # thinking off: the template's enable_thinking=false closes the think block before the answer
+    on = c.messages.count_tokens(model=model, messages=A_ASK, thinking={"type": "enabled", "budget_tokens": 1024})
+    off = c.messages.count_tokens(model=model, messages=A_ASK, thinking={"type": "disabled"})
+    want = eng.tokenizer.encode_chat(A_ASK, enable_thinking=False)
+    assert off.input_tokens == len(want) > on.input_tokens
+    # the seed an answer reports reproduces it
+    hot = {"temperature": 1.5}
+    raw = c.messages.with_raw_response.create(model=model, max_tokens=6, messages=A_ASK, extra_body=hot)
+    seed = int(raw.headers["x-colibri-seed"])
+    again = c.messages.create(model=model, max_tokens=6, messages=A_ASK, extra_body={**hot, "seed": seed})
+    assert again.content == raw.parse().content
