@@ -120,6 +120,8 @@ def test_listed_origins_get_cors_and_are_served(engine):
         assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == page
         r = httpx2.post(srv.url + "/chat/completions", json=ok_body(srv), headers={"Origin": page})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        # the page may read the seed its answer used
+        assert "x-colibri-seed" in r.headers["access-control-expose-headers"].lower()
         r = httpx2.post(srv.url + "/chat/completions", json=ok_body(srv), headers={"Origin": "http://other.example"})
         assert r.status_code == 403
     finally:
@@ -513,3 +515,31 @@ def test_queue_full_message_counts_in_words():
     from engine.server.jobs import QueueFull
     assert "1 request is waiting" in str(QueueFull(1, 2))
     assert "3 requests are waiting" in str(QueueFull(3, 2))
+
+
+def test_a_request_the_engine_refuses_mid_stream_keeps_its_4xx_type(tiny_store):
+    """A streamed request the engine refuses when its turn comes (the HTTP status is already
+    200) ends with an error event whose type is the refusal's, not a server error."""
+    from engine.server.jobs import JobResult
+    from engine.server.openai_api import ServedModel
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_store)
+    served = ServedModel("refuser", tok, 2048, 300, 0, None)
+
+    def runner(fn, job):   # the engine's own request check said no
+        job.finish(JobResult("error", len(job.ids), error="the engine refused the request", status=400))
+
+    srv = LocalServer(lambda: served, runner, ServerOptions(port=0))
+    srv.start()
+    try:
+        body = {"model": "refuser", "max_tokens": 2, "stream": True, "messages": [USER_HI]}
+        with httpx2.stream("POST", srv.url + "/chat/completions", json=body) as r:
+            events = [json.loads(ln[5:]) for ln in r.iter_lines() if ln.startswith("data:") and "[DONE]" not in ln]
+        assert events[-1]["error"]["type"] == "invalid_request_error", events
+        with httpx2.stream("POST", srv.url + "/messages", json=body) as r:
+            events = [json.loads(ln[5:]) for ln in r.iter_lines() if ln.startswith("data:")]
+        assert events[-1] == {"type": "error", "error": {"type": "invalid_request_error",
+                                                         "message": "the engine refused the request"}}, events
+    finally:
+        srv.stop()

@@ -324,7 +324,8 @@ async def messages(api, request: Request) -> Response:
                     yield ev("content_block_stop", {"index": index})
                 if res.finish_reason in ("error", "cancelled"):
                     msg = res.error or "the generation was cancelled (the server is stopping)"
-                    yield {"event": "error", "data": json.dumps(error_body(500, msg))}
+                    status = res.status if res.status >= 400 else 503 if res.finish_reason == "cancelled" else 500
+                    yield {"event": "error", "data": json.dumps(error_body(status, msg))}
                     return
                 for c in res.tool_calls:
                     index += 1

@@ -739,7 +739,8 @@ class Api:
                     res = item[1]
                     if res.finish_reason in ("error", "cancelled"):
                         msg = res.error or "the generation was cancelled (the server is stopping)"
-                        yield {"data": json.dumps(error_body(msg, type_="server_error"))}
+                        kind = "invalid_request_error" if 400 <= res.status < 500 else "server_error"
+                        yield {"data": json.dumps(error_body(msg, type_=kind))}
                     else:
                         for i, c in enumerate(tool_calls_json(res.tool_calls)):
                             yield {"data": chunk({"index": 0, "delta": {"tool_calls": [{"index": i, **c}]},
@@ -906,7 +907,7 @@ def build_app(api: Api, api_key: str = "", cors_origins: tuple[str, ...] = (), h
         # Chrome's private-network preflight from a public page to this computer
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
                                      allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
-                                     allow_private_network=True))
+                                     expose_headers=[SEED_HEADER, "Retry-After"], allow_private_network=True))
     middleware.append(Middleware(_Guard, api_key=api_key, stats=api.stats))
     return Starlette(routes=routes, middleware=middleware, exception_handlers={
         ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone, Exception: _internal_error})
