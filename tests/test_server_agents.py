@@ -249,6 +249,19 @@ def test_anthropic_text_stop_sequences_and_streamed_text(family):
     assert cut.stop_reason == "stop_sequence" and cut.stop_sequence == stop and got == text[:text.index(stop)]
 
 
+def test_anthropic_client_lists_the_model(family):
+    name, eng, srv = family
+    if name != "qwen3_moe":
+        pytest.skip("one family is enough")
+    c = _anthropic(srv)
+    page = c.models.list()
+    (info,) = page.data
+    assert info.id == srv.api.served().model_id and info.type == "model" and info.display_name == info.id
+    assert info.created_at.year >= 2024 and page.has_more is False
+    assert c.models.retrieve(info.id).id == info.id
+    assert _client(srv).models.list().data[0].id == info.id   # the openai client reads the same list
+
+
 def test_anthropic_prefill_and_count_tokens(family):
     """The anthropic client's prefill (a last assistant message) is continued through the
     family's template, and messages.count_tokens counts what messages.create gets."""

@@ -529,12 +529,18 @@ class Api:
         return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def _model_obj(self, m: ServedModel) -> dict:
+        # OpenAI's model object and Anthropic's (type, display_name, created_at) in one: both SDKs
+        # list models at GET /v1/models
+        created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.created))
         return {"id": m.model_id, "object": "model", "created": m.created, "owned_by": "colibri",
-                "context_length": m.context_length}
+                "context_length": m.context_length, "type": "model", "display_name": m.model_id,
+                "created_at": created_at, "max_input_tokens": m.context_length}
 
     async def models(self, request: Request) -> Response:
         m = self.served()
-        return JSONResponse({"object": "list", "data": [self._model_obj(m)] if m else []})
+        ids = [m.model_id] if m else []
+        return JSONResponse({"object": "list", "data": [self._model_obj(m)] if m else [], "has_more": False,
+                             "first_id": ids[0] if ids else None, "last_id": ids[-1] if ids else None})
 
     async def model(self, request: Request) -> Response:
         m = self.model_for()
