@@ -372,6 +372,17 @@ def test_tools_the_template_cannot_write_are_refused_not_dropped(server):
     assert r.status_code == 400 and r.json()["type"] == "error"
     assert "'tools'" in r.json()["error"]["message"] and repr(model_id(server)) in r.json()["error"]["message"]
     assert ended(server) == before
+    # nor an assistant's calls in the history: the model would not see what it did
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    r = httpx2.post(server.url + "/chat/completions", json={**ok_body(server), "messages": [USER_HI, call, USER_HI]})
+    err = _assert_error(r, 400)
+    assert err["param"] == "messages[1].tool_calls" and repr(model_id(server)) in err["message"], err
+    use = {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "f", "input": {}}]}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "ok"}]}
+    r = httpx2.post(server.url + "/messages", json={**ok_body(server), "messages": [USER_HI, use, result]})
+    assert r.status_code == 400 and "tool_use blocks" in r.json()["error"]["message"], r.text
+    assert ended(server) == before
     # "none" puts no tools into the prompt: nothing is dropped
     r = httpx2.post(server.url + "/chat/completions", json={**ok_body(server), "tools": tools, "tool_choice": "none"})
     assert r.status_code == 200, r.text

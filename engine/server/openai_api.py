@@ -627,6 +627,10 @@ class Api:
                 return m.tokenizer.encode_chat(string_arguments(ms), tools=t, continue_final_message=prefill, **kwargs)
 
         def prompt() -> tuple[list[int], tuple]:
+            called = [i for i, x in enumerate(msgs) if x.get("tool_calls")]
+            if called and encode(msgs) == encode([{k: v for k, v in x.items() if k != "tool_calls"} for x in msgs]):
+                # the template never writes an assistant's calls: the model would not see them
+                raise _ToolsNotRendered(called[0])
             if m.docs is not None and sp.docs_lookup and not tools:
                 # the documentation lookup, as in the app (engine.Engine._encode_chat; not with
                 # tools), unless the looked-up entries would make the prompt too long
@@ -641,7 +645,14 @@ class Api:
             return ids, ()
         try:
             ids, docs = await run_in_threadpool(prompt)
-        except _ToolsNotRendered:
+        except _ToolsNotRendered as e:
+            if e.args:   # an assistant message's calls
+                what, where = (("tool_use blocks", "messages") if anthropic else
+                               ("'tool_calls'", f"messages[{e.args[0]}].tool_calls"))
+                raise ApiError(400, f"the chat template of the model {m.model_id!r} does not write the {what} of "
+                                    f"assistant messages into the prompt, so the model would not see its own calls; "
+                                    f"give them as text in the message's content", param=where,
+                               code="tools_not_supported") from None
             raise ApiError(400, f"the chat template of the model {m.model_id!r} does not write 'tools' into the "
                                 f"prompt, so the model could not learn of them or call them; send the request "
                                 f"without 'tools'", param="tools", code="tools_not_supported") from None
