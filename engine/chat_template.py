@@ -390,6 +390,23 @@ def render(source: str, where: str, messages: Any, *, tools: Any = None, documen
         raise TokenizerError(f"the chat template of {where} failed: {type(e).__name__}: {e}") from e
 
 
+def cut_after_final_message(rendered: str, messages: list[dict]) -> str:
+    """``rendered`` (a conversation rendered without a generation prompt) cut right after the
+    last message's text, so that generation continues that message (transformers'
+    ``continue_final_message``). Templates often strip a message's text, so the stripped text
+    is looked for when the text as given is not there. Raises TokenizerError when the last
+    message has no text or the template does not write it."""
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str) or not content.strip():
+        raise TokenizerError("the last message has no text to continue")
+    for needle in (content, content.strip()):
+        i = rendered.rfind(needle)
+        if i >= 0:
+            return rendered[:i + len(needle)]
+    raise TokenizerError("the chat template does not write the last message's text as given, so the "
+                         "answer cannot continue it")
+
+
 # --- control tokens ----------------------------------------------------------------------
 
 

@@ -303,7 +303,7 @@ class Tokenizer:
     def encode_chat(self, messages: Iterable[MessageLike],
                     add_generation_prompt: bool = True, *, tools: Any = None,
                     documents: Any = None, chat_template: str | None = None,
-                    **template_kwargs: Any) -> list[int]:
+                    continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:
         """Render the conversation and tokenize it -> list[int], control-token safe.
 
         The ids equal transformers' ``apply_chat_template(..., tokenize=True,
@@ -312,17 +312,22 @@ class Tokenizer:
         ``<|im_end|>``) is encoded as plain text (see chat_template.py). A conversation without
         such text gives exactly the ids of tokenizing the rendered string. If
         tokenizer_config.json asks for add_bos_token and the ids do not start with BOS, one is
-        prepended (BOS is never doubled). Raises TokenizerError as apply_chat_template, or when
-        a control token cannot be written as plain text in this vocabulary.
+        prepended (BOS is never doubled). ``continue_final_message``: the prompt ends inside the
+        last message, right after its text (an assistant "prefill" the answer continues), as
+        transformers' option of that name; ``add_generation_prompt`` is then ignored. Raises
+        TokenizerError as apply_chat_template, when a control token cannot be written as plain
+        text in this vocabulary, or when the last message's text cannot be found in the rendering.
         """
         source = self.chat_template_source(chat_template, tools)
         control = ct.ControlTokens.build(self._added, source, self._chat_control_tokens)
         msgs = control.mark(ct.normalize_messages([self._message_dict(m) for m in messages]))
         rendered = ct.render(source, self.name, msgs, tools=control.mark(tools),
                              documents=control.mark(documents),
-                             add_generation_prompt=add_generation_prompt,
+                             add_generation_prompt=add_generation_prompt and not continue_final_message,
                              special_tokens=self.special_tokens,
                              template_kwargs=control.mark(template_kwargs))
+        if continue_final_message:
+            rendered = ct.cut_after_final_message(rendered, msgs)
         return self._ensure_bos(self._encode_marked(rendered, control))
 
     def _encode_marked(self, rendered: str, control: ct.ControlTokens) -> list[int]:

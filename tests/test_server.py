@@ -457,6 +457,11 @@ def test_tool_and_developer_roles_render_through_the_template(client, engine):
                 {"id": "call_1", "type": "function", "function": {"name": "ls", "arguments": '{"path": "."}'}}]},
             {"role": "tool", "tool_call_id": "call_1", "content": "a.py b.py"},
             {"role": "user", "content": [{"type": "text", "text": "Which one"}, {"type": "text", "text": "is first?"}]}]
+    # the default model's template has no place for an assistant's calls: refused, not dropped
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="colibri-stdlib-moe", messages=msgs, max_tokens=4)
+    assert e.value.body["param"] == "messages[2].tool_calls"
+    msgs[2] = {"role": "assistant", "content": None}
     r = client.chat.completions.create(model="colibri-stdlib-moe", messages=msgs, max_tokens=4)
     want = chat_ids(engine, [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "List the files."},

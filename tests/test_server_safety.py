@@ -120,6 +120,8 @@ def test_listed_origins_get_cors_and_are_served(engine):
         assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == page
         r = httpx2.post(srv.url + "/chat/completions", json=ok_body(srv), headers={"Origin": page})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == page
+        # the page may read the seed its answer used
+        assert "x-colibri-seed" in r.headers["access-control-expose-headers"].lower()
         r = httpx2.post(srv.url + "/chat/completions", json=ok_body(srv), headers={"Origin": "http://other.example"})
         assert r.status_code == 403
     finally:
@@ -315,3 +317,240 @@ def test_messages_refuse_a_null_max_tokens(server):
     r = httpx2.post(server.url.removesuffix("/v1") + "/v1/messages", json={
         "model": model_id(server), "max_tokens": None, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and "max_tokens" in r.text
+
+
+# --- what never reaches the API, tools a template cannot write, the Messages API's own names ------
+
+
+def _raw_http(server, request: bytes) -> tuple[int, dict, bytes]:
+    """Send ``request`` as it is on a new connection -> (status, headers, body) of the answer
+    (read until the server closes the connection)."""
+    import socket
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as s:
+        s.sendall(request)
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (ln.partition(":") for ln in lines[1:])}
+    return int(lines[0].split()[1]), headers, body
+
+
+def test_a_request_that_is_not_http_gets_a_json_error_in_the_apis_shape(server):
+    before = ended(server)
+    for path in ("/v1/chat/completions", "/v1/messages", "/v1/messages/count_tokens"):
+        status, headers, body = _raw_http(server, f"POST {path} HTTP/1.1\r\nContent-Type: application/json\r\n"
+                                                  f"Content-Length: 2\r\n\r\n{{}}".encode())
+        assert status == 400 and headers["content-type"] == "application/json", (path, headers, body)
+        data = json.loads(body)
+        if path.startswith("/v1/messages"):
+            assert data["type"] == "error" and data["error"]["type"] == "invalid_request_error"
+            message = data["error"]["message"]
+        else:
+            assert data["error"]["code"] == "invalid_http"
+            message = data["error"]["message"]
+        assert "no Host header" in message, message
+    status, headers, body = _raw_http(server, b"NOT HTTP AT ALL\r\n\r\n")
+    assert status == 400 and json.loads(body)["error"]["code"] == "invalid_http"
+    assert ended(server) == before
+    assert server.stats.requests[("/v1/messages/count_tokens", 400)] == 1
+
+
+def test_tools_the_template_cannot_write_are_refused_not_dropped(server):
+    """The tiny model's template has no place for tools: answering as if none were offered would
+    be another question's answer; the refusal names the model and 'tools'."""
+    before = ended(server)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    r = httpx2.post(server.url + "/chat/completions", json={**ok_body(server), "tools": tools})
+    err = _assert_error(r, 400)
+    assert err["param"] == "tools" and err["code"] == "tools_not_supported" and repr(model_id(server)) in err["message"]
+    r = httpx2.post(server.url + "/messages", json={**ok_body(server), "tools": [{"name": "f", "input_schema": {}}]})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "'tools'" in r.json()["error"]["message"] and repr(model_id(server)) in r.json()["error"]["message"]
+    assert ended(server) == before
+    # nor an assistant's calls in the history: the model would not see what it did
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    r = httpx2.post(server.url + "/chat/completions", json={**ok_body(server), "messages": [USER_HI, call, USER_HI]})
+    err = _assert_error(r, 400)
+    assert err["param"] == "messages[1].tool_calls" and repr(model_id(server)) in err["message"], err
+    use = {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "f", "input": {}}]}
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c1", "content": "ok"}]}
+    r = httpx2.post(server.url + "/messages", json={**ok_body(server), "messages": [USER_HI, use, result]})
+    assert r.status_code == 400 and "tool_use blocks" in r.json()["error"]["message"], r.text
+    assert ended(server) == before
+    # "none" puts no tools into the prompt: nothing is dropped
+    r = httpx2.post(server.url + "/chat/completions", json={**ok_body(server), "tools": tools, "tool_choice": "none"})
+    assert r.status_code == 200, r.text
+
+
+OPENAI_WORDS = ("'stop'", "function", '"required"', "tool_calls", "parameters", "chat_template_kwargs",
+                "unsupported content block")
+USER_HI = {"role": "user", "content": "hi"}
+A_TOOL = {"name": "f", "input_schema": {"type": "object"}}
+ANTHROPIC_BAD = [
+    ({"stop_sequences": 3}, "'stop_sequences' must be a list"),
+    ({"tool_choice": {"type": "any"}}, "list the tools the model may call in 'tools'"),
+    ({"tool_choice": {"type": "tool", "name": "f"}}, "list the tools the model may call in 'tools'"),
+    ({"tools": [A_TOOL], "tool_choice": {"type": "tool", "name": "g"}}, "names the tool 'g', which is not among"),
+    ({"tools": [{"name": "f", "input_schema": 3}]}, "tools[0].input_schema must be a JSON schema object"),
+    ({"tools": [A_TOOL, A_TOOL]}, "tools[1]: the tool name 'f' is given twice"),
+    ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "'web_search_20250305'"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content is empty"),
+    ({"messages": [{"role": "user", "content": ""}]}, "messages[0].content is empty"),
+    ({"messages": [USER_HI, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": '{"a": 1}'}]}, USER_HI]},
+     "messages[1].content[0].input must be an object (the tool's arguments), got a string"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}]},
+     "a tool_use block belongs in an assistant message"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, "image blocks are not supported"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text must"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+        {"type": "text", "text": None}]}]}]}, "content[0].content[0].text must be a string"),
+    ({"messages": [USER_HI, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t1", "name": "f", "input": {}}]}]}, "send each tool's answer in a tool_result"),
+    ({"messages": [{"role": "system", "content": "x"}]}, "a system prompt goes in the request's 'system'"),
+]
+
+
+@pytest.mark.parametrize("change, says", ANTHROPIC_BAD, ids=range(len(ANTHROPIC_BAD)))
+def test_messages_errors_speak_the_messages_apis_names(server, change, says):
+    before = ended(server)
+    body = {"model": model_id(server), "max_tokens": 2, "messages": [USER_HI], **change}
+    for path in ("/messages", "/messages/count_tokens"):
+        r = httpx2.post(server.url + path, json=body)
+        assert r.status_code == 400, (path, r.text)
+        data = r.json()
+        assert data["type"] == "error" and data["error"]["type"] == "invalid_request_error", data
+        message = data["error"]["message"]
+        assert says in message, message
+        assert not [w for w in OPENAI_WORDS if w in message], message
+    assert ended(server) == before
+
+
+def test_messages_take_more_than_four_stop_sequences(server):
+    body = {"model": model_id(server), "max_tokens": 2, "messages": [USER_HI],
+            "stop_sequences": ["<a>", "<b>", "<c>", "<d>", "<e>", "<f>"]}
+    r = httpx2.post(server.url + "/messages", json=body)
+    assert r.status_code == 200, r.text
+    r = httpx2.post(server.url + "/chat/completions", json={**ok_body(server), "stop": body["stop_sequences"]})
+    assert _assert_error(r, 400)["param"] == "stop"   # the OpenAI API's limit stays there
+
+
+def test_openai_errors_say_what_to_do(server):
+    """tool_choice without tools, empty content, template variables the request sets itself:
+    each error says what is wrong in the request's terms and what to send instead."""
+    before = ended(server)
+    cases = [({"tool_choice": "required"}, "tool_choice", "list the functions the model may call in 'tools'"),
+             ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice",
+              "the request has no 'tools': list the function in 'tools'"),
+             ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "is an empty list"),
+             ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages[0].content[0].text",
+              "messages[0].content[0].text must be a string"),
+             ({"chat_template_kwargs": {"tools": 3}}, "chat_template_kwargs.tools",
+              "give the functions in the request's 'tools'"),
+             ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt",
+              "cannot set 'add_generation_prompt'")]
+    for change, param, says in cases:
+        r = httpx2.post(server.url + "/chat/completions", json={**ok_body(server), **change})
+        err = _assert_error(r, 400)
+        assert err["param"] == param and says in err["message"], (change, err)
+        assert "encode_chat" not in err["message"] and "keyword argument" not in err["message"]
+    assert ended(server) == before
+
+
+def test_an_assistant_prefill_is_continued(server, engine):
+    """A last assistant message is a prefill on /v1/messages (Anthropic's API) and with
+    continue_final_message on /v1/chat/completions: the prompt ends right after its text and
+    the answer is what the model writes from there."""
+    prefill = "The quick brown"
+    msgs = [USER_HI, {"role": "assistant", "content": prefill}]
+    r = httpx2.post(server.url + "/messages", json={"model": model_id(server), "max_tokens": 2, "temperature": 0,
+                                                    "messages": msgs})
+    assert r.status_code == 200, r.text
+    n = r.json()["usage"]["input_tokens"]
+    prompt_ids = list(engine._kv_ids[:n])
+    assert engine.tokenizer.decode(prompt_ids, skip_special_tokens=False) == \
+        engine.tokenizer.apply_chat_template([USER_HI], add_generation_prompt=True) + prefill
+    text = "".join(b["text"] for b in r.json()["content"] if b["type"] == "text")
+    raw = httpx2.post(server.url + "/completions", json={"model": model_id(server), "prompt": prompt_ids,
+                                                         "max_tokens": 2, "temperature": 0})
+    assert raw.json()["choices"][0]["text"] == text
+    r = httpx2.post(server.url + "/chat/completions", json={
+        "model": model_id(server), "max_tokens": 2, "temperature": 0, "messages": msgs, "continue_final_message": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == n and r.json()["choices"][0]["message"]["content"] == text
+    # a prefill and a constrained answer do not go together
+    r = httpx2.post(server.url + "/chat/completions", json={
+        "model": model_id(server), "max_tokens": 2, "messages": msgs, "continue_final_message": True,
+        "response_format": {"type": "json_object"}})
+    assert _assert_error(r, 400)["param"] == "response_format"
+
+
+def test_count_tokens_is_the_messages_input_tokens(server, engine):
+    body = {"model": model_id(server), "system": "Be brief.", "messages": [USER_HI]}
+    r = httpx2.post(server.url + "/messages/count_tokens", json=body)
+    assert r.status_code == 200 and set(r.json()) == {"input_tokens"}, r.text
+    n = r.json()["input_tokens"]
+    assert n == len(engine.tokenizer.encode_chat([{"role": "system", "content": "Be brief."}, USER_HI]))
+    r = httpx2.post(server.url + "/messages", json={**body, "max_tokens": 1})
+    assert r.json()["usage"]["input_tokens"] == n
+    r = httpx2.post(server.url + "/messages/count_tokens", json={"model": "nope", "messages": [USER_HI]})
+    assert r.status_code == 404 and r.json()["type"] == "error"
+
+
+def test_every_answer_reports_its_seed(server):
+    """Without a seed (the server's --seed auto) a fresh one is drawn and reported in a
+    header; sending it back reproduces the sampled answer."""
+    body = {**ok_body(server), "temperature": 1.5, "max_tokens": 2}
+    r = httpx2.post(server.url + "/chat/completions", json=body)
+    seed = int(r.headers["x-colibri-seed"])
+    again = httpx2.post(server.url + "/chat/completions", json={**body, "seed": seed})
+    assert again.headers["x-colibri-seed"] == str(seed)
+    assert again.json()["choices"][0]["message"] == r.json()["choices"][0]["message"]
+    with httpx2.stream("POST", server.url + "/chat/completions", json={**body, "stream": True}) as s:
+        assert int(s.headers["x-colibri-seed"]) >= 0
+        s.read()
+    r = httpx2.post(server.url + "/messages", json={**body, "seed": None})
+    assert int(r.headers["x-colibri-seed"]) >= 0
+    r = httpx2.post(server.url + "/completions", json={"model": model_id(server), "prompt": "hi", "max_tokens": 1,
+                                                       "seed": 7})
+    assert r.headers["x-colibri-seed"] == "7"
+
+
+def test_queue_full_message_counts_in_words():
+    from engine.server.jobs import QueueFull
+    assert "1 request is waiting" in str(QueueFull(1, 2))
+    assert "3 requests are waiting" in str(QueueFull(3, 2))
+
+
+def test_a_request_the_engine_refuses_mid_stream_keeps_its_4xx_type(tiny_store):
+    """A streamed request the engine refuses when its turn comes (the HTTP status is already
+    200) ends with an error event whose type is the refusal's, not a server error."""
+    from engine.server.jobs import JobResult
+    from engine.server.openai_api import ServedModel
+    from engine.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(tiny_store)
+    served = ServedModel("refuser", tok, 2048, 300, 0, None)
+
+    def runner(fn, job):   # the engine's own request check said no
+        job.finish(JobResult("error", len(job.ids), error="the engine refused the request", status=400))
+
+    srv = LocalServer(lambda: served, runner, ServerOptions(port=0))
+    srv.start()
+    try:
+        body = {"model": "refuser", "max_tokens": 2, "stream": True, "messages": [USER_HI]}
+        with httpx2.stream("POST", srv.url + "/chat/completions", json=body) as r:
+            events = [json.loads(ln[5:]) for ln in r.iter_lines() if ln.startswith("data:") and "[DONE]" not in ln]
+        assert events[-1]["error"]["type"] == "invalid_request_error", events
+        with httpx2.stream("POST", srv.url + "/messages", json=body) as r:
+            events = [json.loads(ln[5:]) for ln in r.iter_lines() if ln.startswith("data:")]
+        assert events[-1] == {"type": "error", "error": {"type": "invalid_request_error",
+                                                         "message": "the engine refused the request"}}, events
+    finally:
+        srv.stop()

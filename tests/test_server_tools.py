@@ -234,3 +234,27 @@ def test_bench_grammar_writes_its_results(tmp_path, capsys):
     libs = {r["library"] for r in d["rows"]}
     assert libs == {"llguidance", "llguidance as used"} and all(r["tokens"] > 0 for r in d["rows"])
     assert "mask µs median" in (tmp_path / "g.md").read_text()
+
+
+def test_template_errors_name_the_model_not_the_store_folder(tmp_path):
+    """A chat template that refuses a conversation: the client is told the model's name and
+    the template's reason, never where the server keeps the model on disk."""
+    import asyncio
+
+    from engine import SamplingParams
+    from engine.server.openai_api import Api, ServedModel
+    from engine.tokenizer import Tokenizer
+    from tool_models import write_family_tokenizer
+    folder = tmp_path / "models" / "store-folder-7"
+    folder.mkdir(parents=True)
+    write_family_tokenizer(folder, "qwen3_moe")
+    (folder / "chat_template.jinja").write_text(
+        "{% if messages|length > 1 %}{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+        "{{ messages[0].content }}")
+    tok = Tokenizer.from_dir(folder)
+    m = ServedModel("pretty-model", tok, 4096, 384, 0, None)
+    api = Api(lambda: m, None, None, SamplingParams(), 1 << 20)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(api.prepare_chat(m, {}, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]))
+    assert e.value.param == "messages" and "roles must alternate" in e.value.message
+    assert "'pretty-model'" in e.value.message and str(tmp_path) not in e.value.message, e.value.message

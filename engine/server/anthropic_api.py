@@ -20,12 +20,12 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .openai_api import ApiError, chat_messages, read_json
+from .openai_api import SEED_HEADER, ApiError, chat_messages, read_json
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                415: "invalid_request_error", 421: "permission_error", 429: "rate_limit_error",
-               503: "overloaded_error"}
+               431: "request_too_large", 503: "overloaded_error"}
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -46,19 +46,36 @@ def _text_of(content: Any, where: str) -> str:
         return ""
     if isinstance(content, list):
         parts = []
-        for b in content:
-            if not (isinstance(b, dict) and b.get("type") == "text" and isinstance(b.get("text"), str)):
-                kind = b.get("type") if isinstance(b, dict) else type(b).__name__
-                raise _bad(f"{where}: only text blocks are supported here (got {kind!r})", where)
-            parts.append(b["text"])
+        for k, b in enumerate(content):
+            w = f"{where}[{k}]"
+            if isinstance(b, dict) and b.get("type") == "text":
+                if not isinstance(b.get("text"), str):
+                    raise _bad(f"{w}.text must be a string", f"{w}.text")
+                parts.append(b["text"])
+                continue
+            kind = b.get("type") if isinstance(b, dict) and isinstance(b.get("type"), str) else None
+            if kind is None:
+                raise _bad(f"{w} must be a text block {{\"type\": \"text\", \"text\": ...}}", w)
+            raise _bad(f"{w}: {kind} blocks are not supported here (this server reads text blocks)", w)
         return "\n".join(parts)
     raise _bad(f"{where} must be a string or a list of text blocks", where)
 
 
-def to_chat(body: dict) -> tuple[list[dict], dict]:
+UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload", "server_tool_use",
+                      "web_search_tool_result")
+
+
+def _empty(content: Any) -> bool:
+    return content == "" or content == []
+
+
+def to_chat(body: dict, count_only: bool = False) -> tuple[list[dict], dict]:
     """An Anthropic request -> (messages in the OpenAI form chat_messages reads, the OpenAI
-    fields: max_tokens, temperature, top_p, top_k, stop, tools, tool_choice, stream).
-    Raises ApiError (400) naming the field."""
+    fields: max_tokens, temperature, top_p, top_k, stop, tools, tool_choice, stream). A last
+    message of role ``assistant`` with text is a prefill: the answer continues it (the messages
+    then end with it and ``fields["prefill"]`` is True). ``count_only``: the request of
+    /v1/messages/count_tokens (no ``max_tokens``). Raises ApiError (400) naming the field with
+    the Messages API's names."""
     msgs: list[dict] = []
     if body.get("system") is not None:
         msgs.append({"role": "system", "content": _text_of(body["system"], "system")})
@@ -68,66 +85,144 @@ def to_chat(body: dict) -> tuple[list[dict], dict]:
     for i, m in enumerate(raw):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
-            raise _bad(f"{where} must have 'role' \"user\" or \"assistant\"", f"{where}.role")
-        content = m.get("content")
+            raise _bad(f"{where} must have 'role' \"user\" or \"assistant\" (a system prompt goes in the "
+                       f"request's 'system')", f"{where}.role")
+        role, content = m["role"], m.get("content")
+        last = i == len(raw) - 1
+        if _empty(content) and not (last and role == "assistant"):
+            raise _bad(f"{where}.content is empty: give the message's text or at least one content block "
+                       f"(only a final assistant message may be empty)", f"{where}.content")
         if isinstance(content, str):
-            msgs.append({"role": m["role"], "content": content})
+            if content or role == "user":
+                msgs.append({"role": role, "content": content})
             continue
         if not isinstance(content, list):
             raise _bad(f"{where}.content must be a string or a list of content blocks", f"{where}.content")
         text, calls, thinking = [], [], []
         for j, b in enumerate(content):
             w = f"{where}.content[{j}]"
-            kind = b.get("type") if isinstance(b, dict) else None
-            if kind == "text" and isinstance(b.get("text"), str):
+            if not isinstance(b, dict) or not isinstance(b.get("type"), str):
+                raise _bad(f"{w} must be a content block: an object with a 'type' (text, tool_use, tool_result, "
+                           f"thinking)", w)
+            kind = b["type"]
+            if kind == "text":
+                if not isinstance(b.get("text"), str):
+                    raise _bad(f"{w}.text must be a string", f"{w}.text")
                 text.append(b["text"])
-            elif kind == "tool_result" and m["role"] == "user" and isinstance(b.get("tool_use_id"), str):
+            elif kind == "tool_result":
+                if role != "user":
+                    raise _bad(f"{w}: a tool_result block belongs in a user message (it answers the assistant's "
+                               f"tool_use)", w)
+                if not isinstance(b.get("tool_use_id"), str) or not b["tool_use_id"]:
+                    raise _bad(f"{w}.tool_use_id must be the id of the tool_use block it answers", f"{w}.tool_use_id")
+                if b.get("is_error") is not None and not isinstance(b["is_error"], bool):
+                    raise _bad(f"{w}.is_error must be true or false", f"{w}.is_error")
                 msgs.append({"role": "tool", "tool_call_id": b["tool_use_id"],
                              "content": _text_of(b.get("content"), f"{w}.content")})
-            elif kind == "tool_use" and m["role"] == "assistant" and isinstance(b.get("name"), str) \
-                    and isinstance(b.get("id"), str) and isinstance(b.get("input", {}), dict):
-                calls.append({"id": b["id"], "type": "function",
-                              "function": {"name": b["name"], "arguments": b.get("input", {})}})
-            elif kind in ("thinking", "redacted_thinking") and m["role"] == "assistant":
-                if isinstance(b.get("thinking"), str):
+            elif kind == "tool_use":
+                if role != "assistant":
+                    raise _bad(f"{w}: a tool_use block belongs in an assistant message (the model's call); a "
+                               f"tool's answer goes back in a tool_result block of a user message", w)
+                if not isinstance(b.get("id"), str) or not b["id"]:
+                    raise _bad(f"{w}.id must be a non-empty string (the id tool_result blocks refer to)", f"{w}.id")
+                if not isinstance(b.get("name"), str) or not b["name"]:
+                    raise _bad(f"{w}.name must be the tool's name", f"{w}.name")
+                args = b.get("input", {})
+                if not isinstance(args, dict):
+                    raise _bad(f"{w}.input must be an object (the tool's arguments), got "
+                               f"{_json_type(args)}", f"{w}.input")
+                calls.append({"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": args}})
+            elif kind in ("thinking", "redacted_thinking"):
+                if role != "assistant":
+                    raise _bad(f"{w}: a {kind} block belongs in an assistant message", w)
+                if kind == "thinking":
+                    if not isinstance(b.get("thinking"), str):
+                        raise _bad(f"{w}.thinking must be a string", f"{w}.thinking")
                     thinking.append(b["thinking"])
+            elif kind in UNSUPPORTED_BLOCKS:
+                raise _bad(f"{w}: {kind} blocks are not supported by this server (it reads text: text, tool_use, "
+                           f"tool_result and thinking blocks)", w)
             else:
-                raise _bad(f"{w}: unsupported content block {kind!r} for role {m['role']!r} (text, tool_use, "
-                           f"tool_result and thinking are)", w)
-        if text or calls or thinking or m["role"] == "assistant":
-            d: dict[str, Any] = {"role": m["role"], "content": "".join(text) if m["role"] == "assistant"
-                                 else "\n".join(text)}
+                raise _bad(f"{w}: unknown content block type {kind!r} (text, tool_use, tool_result and thinking "
+                           f"are supported)", w)
+        if text or calls or thinking:
+            d: dict[str, Any] = {"role": role, "content": "".join(text) if role == "assistant" else "\n".join(text)}
             if calls:
                 d["tool_calls"] = calls
             if thinking:
                 d["reasoning_content"] = "\n".join(thinking)
             msgs.append(d)
     fields: dict[str, Any] = {}
-    if body.get("max_tokens") is None:  # absent or null: the Messages API requires it
+    final = raw[-1]
+    if final["role"] == "assistant" and msgs and msgs[-1]["role"] == "assistant":
+        if msgs[-1].get("tool_calls"):
+            raise _bad(f"messages[{len(raw) - 1}] is an assistant message with tool_use blocks at the end of the "
+                       f"conversation: send each tool's answer in a tool_result block of a following user message",
+                       f"messages[{len(raw) - 1}]")
+        if msgs[-1]["content"]:
+            fields["prefill"] = True   # the answer continues this text
+        else:                          # only thinking: nothing to continue, a fresh answer
+            msgs.pop()
+    if not count_only and body.get("max_tokens") is None:  # absent or null: the Messages API requires it
         raise _bad("'max_tokens' is required", "max_tokens")
-    for k in ("max_tokens", "temperature", "top_p", "top_k", "stream"):
+    # seed: an extension (Anthropic's API has none), so that the seed an answer reports
+    # (x-colibri-seed) can reproduce it
+    for k in ("temperature", "top_p", "top_k", "seed", "stream") + (() if count_only else ("max_tokens",)):
         if k in body:
             fields[k] = body[k]
+    thinking = body.get("thinking")
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        if kind not in ("enabled", "disabled"):
+            raise _bad("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N} or {\"type\": "
+                       "\"disabled\"}", "thinking")
+        # the templates of reasoning models that can answer without it read enable_thinking
+        fields["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
             raise _bad("'stop_sequences' must be a list of strings", "stop_sequences")
         fields["stop"] = stops
+    names: list[str] = []
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list):
-            raise _bad("'tools' must be a list", "tools")
+            raise _bad("'tools' must be a list of {\"name\", \"description\", \"input_schema\"}", "tools")
         conv = []
         for k, t in enumerate(tools):
-            if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-                raise _bad(f"tools[{k}] must have a 'name' and an 'input_schema'", f"tools[{k}]")
+            w = f"tools[{k}]"
+            if not isinstance(t, dict):
+                raise _bad(f"{w} must be an object with 'name', 'description' and 'input_schema'", w)
+            if t.get("type") not in (None, "custom"):
+                raise _bad(f"{w}: the tool type {t['type']!r} (a tool run by Anthropic's servers) is not available "
+                           f"here; give your own tools as {{\"name\", \"description\", \"input_schema\"}}", f"{w}.type")
+            name = t.get("name")
+            if not isinstance(name, str) or not name or len(name) > 128:
+                raise _bad(f"{w}.name must be a non-empty string (at most 128 characters)", f"{w}.name")
+            if name in names:
+                raise _bad(f"{w}: the tool name {name!r} is given twice", f"{w}.name")
+            names.append(name)
+            if t.get("description") is not None and not isinstance(t["description"], str):
+                raise _bad(f"{w}.description must be a string", f"{w}.description")
+            schema = t.get("input_schema")
+            if schema is not None and not isinstance(schema, dict):
+                raise _bad(f"{w}.input_schema must be a JSON schema object, e.g. {{\"type\": \"object\", "
+                           f"\"properties\": {{...}}}}", f"{w}.input_schema")
             conv.append({"type": "function", "function": {
-                "name": t["name"], "description": t.get("description") or "",
-                "parameters": t.get("input_schema") if t.get("input_schema") is not None else {"type": "object"}}})
+                "name": name, "description": t.get("description") or "",
+                "parameters": schema if schema is not None else {"type": "object"}}})
         fields["tools"] = conv
     tc = body.get("tool_choice")
     if tc is not None:
         kind = tc.get("type") if isinstance(tc, dict) else None
+        if isinstance(tc, dict) and tc.get("disable_parallel_tool_use") is not None \
+                and not isinstance(tc["disable_parallel_tool_use"], bool):
+            raise _bad("'tool_choice.disable_parallel_tool_use' must be true or false", "tool_choice")
+        if kind in ("any", "tool") and not names:
+            shown = "{\"type\": \"any\"}" if kind == "any" else "{\"type\": \"tool\", ...}"
+            raise _bad(f"'tool_choice' {shown} asks for a tool call, but the request has no 'tools': list the tools "
+                       f"the model may call in 'tools' (name, description, input_schema), or leave 'tool_choice' "
+                       f"out for a plain answer", "tool_choice")
         if kind == "auto":
             fields["tool_choice"] = "auto"
         elif kind == "any":
@@ -135,11 +230,19 @@ def to_chat(body: dict) -> tuple[list[dict], dict]:
         elif kind == "none":
             fields["tool_choice"] = "none"
         elif kind == "tool" and isinstance(tc.get("name"), str):
+            if tc["name"] not in names:
+                raise _bad(f"'tool_choice' names the tool {tc['name']!r}, which is not among the 'tools' "
+                           f"({', '.join(map(repr, names))}): name one of them or add it to 'tools'", "tool_choice")
             fields["tool_choice"] = {"type": "function", "function": {"name": tc["name"]}}
         else:
             raise _bad("'tool_choice' must be {\"type\": \"auto\" | \"any\" | \"none\"} or {\"type\": \"tool\", "
                        "\"name\": ...}", "tool_choice")
     return msgs, fields
+
+
+def _json_type(v: Any) -> str:
+    return {str: "a string", list: "an array", bool: "a boolean", type(None): "null", int: "a number",
+            float: "a number"}.get(type(v), type(v).__name__)
 
 
 def _blocks(reasoning: str, text: str, calls) -> list[dict]:
@@ -166,9 +269,12 @@ async def messages(api, request: Request) -> Response:
     raw, fields = to_chat(body)
     msgs = chat_messages({"messages": raw})
     stream = fields.pop("stream", False)
+    if stream is None:
+        stream = False
     if not isinstance(stream, bool):
         raise _bad("'stream' must be true or false", "stream")
-    plan = await api.prepare_chat(m, fields, msgs)
+    plan = await api.prepare_chat(m, fields, msgs, anthropic=True)
+    headers = {SEED_HEADER: str(plan.sampling.seed)}
     mid = "msg_" + secrets.token_hex(12)
     if not stream:
         got = await api.collect(request, m, plan.ids, plan.sampling, plan.stops, True, plan.opened, plan.docs,
@@ -181,7 +287,8 @@ async def messages(api, request: Request) -> Response:
         return JSONResponse({"id": mid, "type": "message", "role": "assistant", "model": m.model_id,
                              "content": _blocks(reasoning, text, res.tool_calls), "stop_reason": reason,
                              "stop_sequence": seq, "usage": {"input_tokens": res.prompt_tokens,
-                                                             "output_tokens": res.completion_tokens}})
+                                                             "output_tokens": res.completion_tokens}},
+                            headers=headers)
     job, q = api.stream_queue(m, plan.ids, plan.sampling, plan.stops, True, plan.opened, plan.docs, plan.calls,
                               plan.constraint)
 
@@ -217,7 +324,8 @@ async def messages(api, request: Request) -> Response:
                     yield ev("content_block_stop", {"index": index})
                 if res.finish_reason in ("error", "cancelled"):
                     msg = res.error or "the generation was cancelled (the server is stopping)"
-                    yield {"event": "error", "data": json.dumps(error_body(500, msg))}
+                    status = res.status if res.status >= 400 else 503 if res.finish_reason == "cancelled" else 500
+                    yield {"event": "error", "data": json.dumps(error_body(status, msg))}
                     return
                 for c in res.tool_calls:
                     index += 1
@@ -239,4 +347,16 @@ async def messages(api, request: Request) -> Response:
                 job.client_gone()
                 api.queue.withdraw(job)
 
-    return EventSourceResponse(events(), sep="\n", ping=15)
+    return EventSourceResponse(events(), sep="\n", ping=15, headers=headers)
+
+
+async def count_tokens(api, request: Request) -> Response:
+    """``POST /v1/messages/count_tokens``: the tokens the request's prompt has ({"input_tokens":
+    N}), rendered as /v1/messages renders it (system, messages, tools) and counted with the
+    model's tokenizer; nothing is generated."""
+    body = await read_json(request, api.max_body_bytes)
+    m = api.model_for(body)
+    raw, fields = to_chat(body, count_only=True)
+    msgs = chat_messages({"messages": raw})
+    plan = await api.prepare_chat(m, fields, msgs, anthropic=True, count_only=True)
+    return JSONResponse({"input_tokens": len(plan.ids)})

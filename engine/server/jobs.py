@@ -33,7 +33,8 @@ class QueueFull(Exception):
     """The queue holds its maximum of waiting jobs; ``retry_after_s`` estimates when to retry."""
 
     def __init__(self, waiting: int, retry_after_s: int):
-        super().__init__(f"the server is busy: {waiting} requests are waiting for the engine")
+        super().__init__(f"the server is busy: {waiting} request{' is' if waiting == 1 else 's are'} waiting "
+                         f"for the engine")
         self.waiting, self.retry_after_s = waiting, retry_after_s
 
 

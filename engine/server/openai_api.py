@@ -39,6 +39,7 @@ from ..chat_template import THINK_OPEN
 from ..docs_lookup import DOCS_PER_QUESTION, last_user_text, with_docs_each
 from ..errors import ConfigError, EngineError
 from ..events import SamplingParams
+from ..sampling import fresh_seed
 from ..settings import setting
 from .gate import RequestGate
 from .grammar import GrammarError, call_grammar, compile_checked, json_grammar, schema_of
@@ -50,8 +51,10 @@ log = logging.getLogger(__name__)
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 4  # the OpenAI API's limit
-ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions", "/v1/messages")
-ANTHROPIC_PATHS = ("/v1/messages",)   # errors there in Anthropic's shape
+ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
+             "/v1/messages/count_tokens", "/v1/messages")
+ANTHROPIC_PATH = "/v1/messages"   # errors there, and below it, in Anthropic's shape
+SEED_HEADER = "x-colibri-seed"    # the sampling seed an answer used (a fresh one when the request gave none)
 
 
 @dataclass(frozen=True)
@@ -266,20 +269,23 @@ def sampling_from(body: dict, defaults: SamplingParams, chat: bool = False) -> S
     if not chat and rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
         raise ApiError(400, "'response_format' other than {\"type\": \"text\"} is not supported",
                        param="response_format", code="unsupported_parameter")
-    return replace(defaults, **kw)
+    sp = replace(defaults, **kw)
+    # "auto": the server picks the seed, so that the answer can report it (SEED_HEADER)
+    return sp if sp.seed is not None else replace(sp, seed=fresh_seed())
 
 
-def stops_from(body: dict) -> tuple[str, ...]:
-    """The ``stop`` parameter: a string or a list of at most 4 strings."""
+def stops_from(body: dict, param: str = "stop", limit: int | None = MAX_STOPS) -> tuple[str, ...]:
+    """The ``stop`` parameter: a string or a list of at most ``limit`` strings (None: any
+    number, as Anthropic's ``stop_sequences``); ``param`` is the name errors give it."""
     stop = body.get("stop")
     if stop is None:
         return ()
     if isinstance(stop, str):
         return (stop,) if stop else ()
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise ApiError(400, "'stop' must be a string or a list of strings", param="stop", code="invalid_type")
-    if len(stop) > MAX_STOPS:
-        raise ApiError(400, f"'stop' has {len(stop)} strings; at most {MAX_STOPS} are allowed", param="stop",
+        raise ApiError(400, f"'{param}' must be a string or a list of strings", param=param, code="invalid_type")
+    if limit is not None and len(stop) > limit:
+        raise ApiError(400, f"'{param}' has {len(stop)} strings; at most {limit} are allowed", param=param,
                        code="invalid_value")
     return tuple(s for s in stop if s)
 
@@ -309,13 +315,23 @@ def _text_content(content: Any, i: int) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
+        if not content:
+            raise ApiError(400, f"messages[{i}].content is an empty list: give the text as a string or at least "
+                                f"one {{\"type\": \"text\", \"text\": ...}} part", param=f"messages[{i}].content",
+                           code="invalid_value")
         parts = []
-        for p in content:
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                kind = p.get("type") if isinstance(p, dict) else type(p).__name__
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported (got {kind!r})",
-                               param=f"messages[{i}].content", code="unsupported_content")
-            parts.append(p["text"])
+        for j, p in enumerate(content):
+            w = f"messages[{i}].content[{j}]"
+            if isinstance(p, dict) and p.get("type") == "text":
+                if not isinstance(p.get("text"), str):
+                    raise ApiError(400, f"{w}.text must be a string", param=f"{w}.text", code="invalid_type")
+                parts.append(p["text"])
+                continue
+            if not isinstance(p, dict) or not isinstance(p.get("type"), str):
+                raise ApiError(400, f"{w} must be a content part {{\"type\": \"text\", \"text\": ...}}", param=w,
+                               code="invalid_type")
+            raise ApiError(400, f"{w}: {p['type']!r} parts are not supported by this server (it reads text: "
+                                f"{{\"type\": \"text\", \"text\": ...}})", param=w, code="unsupported_content")
         return "\n".join(parts)
     raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
                    param=f"messages[{i}].content", code="invalid_type")
@@ -416,6 +432,30 @@ class _Guard:
             self.stats.on_request(endpoint, status[0] or 499)
 
 
+#: template variables a request sets through its own fields, not through chat_template_kwargs
+RESERVED_TEMPLATE_VARIABLES = {
+    "messages": "the conversation is the request's 'messages'",
+    "tools": "give the functions in the request's 'tools'",
+    "documents": "documents are not taken by this server",
+    "add_generation_prompt": "the server always ends the prompt where the answer starts (see "
+                             "'continue_final_message' to continue a last assistant message)",
+    "continue_final_message": "it is a field of the request, not a template variable",
+    "chat_template": "the model's own chat template is used",
+}
+
+
+class _ToolsNotRendered(Exception):
+    pass
+
+
+def _named(m: ServedModel, e: Exception) -> str:
+    """An engine error's text with the store's folder path replaced by the model's name (the
+    client knows the model, not where the server keeps it)."""
+    text = str(e)
+    where = str(getattr(m.tokenizer, "name", "") or "")
+    return text.replace(where, f"the model {m.model_id!r}") if where else text
+
+
 class Api:
     """The endpoints over a model provider and a job queue.
 
@@ -489,12 +529,18 @@ class Api:
         return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     def _model_obj(self, m: ServedModel) -> dict:
+        # OpenAI's model object and Anthropic's (type, display_name, created_at) in one: both SDKs
+        # list models at GET /v1/models
+        created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.created))
         return {"id": m.model_id, "object": "model", "created": m.created, "owned_by": "colibri",
-                "context_length": m.context_length}
+                "context_length": m.context_length, "type": "model", "display_name": m.model_id,
+                "created_at": created_at, "max_input_tokens": m.context_length}
 
     async def models(self, request: Request) -> Response:
         m = self.served()
-        return JSONResponse({"object": "list", "data": [self._model_obj(m)] if m else []})
+        ids = [m.model_id] if m else []
+        return JSONResponse({"object": "list", "data": [self._model_obj(m)] if m else [], "has_more": False,
+                             "first_id": ids[0] if ids else None, "last_id": ids[-1] if ids else None})
 
     async def model(self, request: Request) -> Response:
         m = self.model_for()
@@ -513,16 +559,21 @@ class Api:
         return await self._generate(request, m, plan.ids, plan.sampling, plan.stops, stream, include_usage, chat=True,
                                     opened=plan.opened, docs=plan.docs, calls=plan.calls, constraint=plan.constraint)
 
-    async def prepare_chat(self, m: ServedModel, body: dict, msgs: list[dict]) -> "ChatPlan":
+    async def prepare_chat(self, m: ServedModel, body: dict, msgs: list[dict], anthropic: bool = False,
+                           count_only: bool = False) -> "ChatPlan":
         """A chat request's prompt ids, sampling, stop strings, call parsing and constraint, from
-        ``body``'s OpenAI fields (``tools``, ``tool_choice``, ``response_format``, sampling) and
-        the template messages ``msgs``. Raises ApiError (400) naming what is wrong."""
+        ``body``'s OpenAI fields (``tools``, ``tool_choice``, ``response_format``, sampling,
+        ``prefill`` / ``continue_final_message``: the answer continues the last assistant
+        message) and the template messages ``msgs``. ``anthropic``: errors speak the Messages
+        API's parameter names (and its stop_sequences have no count limit); ``count_only``: only
+        the prompt ids are wanted (no constraint is built, a prompt beyond the context is
+        counted). Raises ApiError (400) naming what is wrong."""
         sp = sampling_from(body, self.defaults, chat=True)
         try:
             constrained, schema = schema_of(body.get("response_format"))
         except ValueError as e:
             raise ApiError(400, str(e), param="response_format", code="invalid_value") from None
-        stops = stops_from(body)
+        stops = stops_from(body, "stop_sequences", None) if anthropic else stops_from(body)
         try:
             tools = check_tools(body.get("tools"))
             choice = check_tool_choice(body.get("tool_choice"), tools)
@@ -530,30 +581,56 @@ class Api:
             raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
         if choice.mode == "none":
             tools = None
+        forced = choice.mode in ("required", "function")
+        shown_choice = json.dumps(body.get("tool_choice"))
+        if anthropic:
+            shown_choice = json.dumps({"type": "any"} if choice.mode == "required" else {"type": "tool", "name": choice.name})
         fmt = tool_format(m.tokenizer) if tools else None
         calls = (fmt, tools) if fmt is not None else None
-        if choice.mode in ("required", "function") and fmt is None:
-            raise ApiError(400, f"'tool_choice' {body.get('tool_choice')!r} needs a model whose chat template writes "
-                                f"function calls in a known format; {m.model_id!r} has none", param="tool_choice",
-                           code="unsupported_parameter")
+        if forced and fmt is None:
+            raise ApiError(400, f"'tool_choice' {shown_choice} needs a model whose chat template writes tool calls "
+                                f"in a known format; {m.model_id!r} has none (docs/server.md lists the formats): "
+                                f"leave 'tool_choice' out", param="tool_choice", code="unsupported_parameter")
+        prefill = body.get("prefill" if anthropic else "continue_final_message") or False
+        if not isinstance(prefill, bool):
+            raise ApiError(400, "'continue_final_message' must be true or false", param="continue_final_message",
+                           code="invalid_type")
+        if prefill and (msgs[-1].get("role") != "assistant" or not msgs[-1].get("content")):
+            raise ApiError(400, "'continue_final_message' continues the last message, which must be an assistant "
+                                "message with text", param="continue_final_message", code="invalid_value")
+        if prefill and (forced or constrained):
+            what = f"'tool_choice' {shown_choice}" if forced else "'response_format'"
+            raise ApiError(400, f"an assistant prefill (a last assistant message the answer continues) cannot be "
+                                f"combined with {what}, which constrains the answer from its first token: leave one "
+                                f"of them out", param="tool_choice" if forced else "response_format",
+                           code="invalid_value")
         kwargs = body.get("chat_template_kwargs") or {}
         if not isinstance(kwargs, dict):
-            raise ApiError(400, "'chat_template_kwargs' must be an object", param="chat_template_kwargs",
-                           code="invalid_type")
+            raise ApiError(400, "'chat_template_kwargs' must be an object of template variables, e.g. "
+                                "{\"enable_thinking\": false}", param="chat_template_kwargs", code="invalid_type")
+        for k in kwargs:
+            if k in RESERVED_TEMPLATE_VARIABLES:
+                raise ApiError(400, f"'chat_template_kwargs' cannot set {k!r}: {RESERVED_TEMPLATE_VARIABLES[k]}",
+                               param=f"chat_template_kwargs.{k}", code="invalid_value")
         if not m.tokenizer.has_chat_template:
             raise ApiError(400, f"the model {m.model_id!r} has no chat template, so it cannot take chat "
                                 f"messages; use POST /v1/completions with a raw prompt", param="messages",
                            code="no_chat_template")
 
-        def encode(ms):
+        def encode(ms, with_tools=True):
+            t = (tools or None) if with_tools else None
             try:
-                return m.tokenizer.encode_chat(ms, tools=tools or None, **kwargs)
+                return m.tokenizer.encode_chat(ms, tools=t, continue_final_message=prefill, **kwargs)
             except EngineError:
                 if not any(x.get("tool_calls") for x in ms):
                     raise
-                return m.tokenizer.encode_chat(string_arguments(ms), tools=tools or None, **kwargs)
+                return m.tokenizer.encode_chat(string_arguments(ms), tools=t, continue_final_message=prefill, **kwargs)
 
         def prompt() -> tuple[list[int], tuple]:
+            called = [i for i, x in enumerate(msgs) if x.get("tool_calls")]
+            if called and encode(msgs) == encode([{k: v for k, v in x.items() if k != "tool_calls"} for x in msgs]):
+                # the template never writes an assistant's calls: the model would not see them
+                raise _ToolsNotRendered(called[0])
             if m.docs is not None and sp.docs_lookup and not tools:
                 # the documentation lookup, as in the app (engine.Engine._encode_chat; not with
                 # tools), unless the looked-up entries would make the prompt too long
@@ -561,26 +638,44 @@ class Api:
                 if len(looked) < m.context_length:
                     text = last_user_text(msgs)
                     return looked, tuple(m.docs.search(text, DOCS_PER_QUESTION)) if text else ()
-            return encode(msgs), ()
+            ids = encode(msgs)
+            if tools and ids == encode(msgs, with_tools=False):
+                # the template never writes the tools: the model could not know them
+                raise _ToolsNotRendered()
+            return ids, ()
         try:
             ids, docs = await run_in_threadpool(prompt)
+        except _ToolsNotRendered as e:
+            if e.args:   # an assistant message's calls
+                what, where = (("tool_use blocks", "messages") if anthropic else
+                               ("'tool_calls'", f"messages[{e.args[0]}].tool_calls"))
+                raise ApiError(400, f"the chat template of the model {m.model_id!r} does not write the {what} of "
+                                    f"assistant messages into the prompt, so the model would not see its own calls; "
+                                    f"give them as text in the message's content", param=where,
+                               code="tools_not_supported") from None
+            raise ApiError(400, f"the chat template of the model {m.model_id!r} does not write 'tools' into the "
+                                f"prompt, so the model could not learn of them or call them; send the request "
+                                f"without 'tools'", param="tools", code="tools_not_supported") from None
         except (EngineError, TypeError, ValueError) as e:
-            raise ApiError(400, f"the messages cannot be rendered with the model's chat template: {e}",
-                           param="messages", code="invalid_messages") from None
+            raise ApiError(400, f"the messages cannot be rendered with the chat template of the model "
+                                f"{m.model_id!r}: {_named(m, e)}", param="messages", code="invalid_messages") from None
+        if count_only:
+            self._check_prompt(m, ids[:1], "messages")
+            return ChatPlan(ids, sp, stops, False, docs, calls, None)
         self._check_prompt(m, ids, "messages")
         tail = m.tokenizer.decode(ids[-8:], skip_special_tokens=False)
         opened = tail.rstrip().endswith(THINK_OPEN)
         constraint = None
-        if choice.mode in ("required", "function") or constrained:
+        if forced or constrained:
             def build():
-                if choice.mode in ("required", "function"):
+                if forced:
                     return compile_checked(m.tokenizer, call_grammar(m.tokenizer, msgs, tools, choice.name, kwargs))
                 return compile_checked(m.tokenizer, json_grammar(m.tokenizer, schema, opened))
             try:
                 constraint = await run_in_threadpool(build)
             except (GrammarError, EngineError) as e:
-                param = "tool_choice" if choice.mode in ("required", "function") else "response_format"
-                raise ApiError(400, f"the output cannot be constrained as asked: {e}", param=param,
+                param = "tool_choice" if forced else "response_format"
+                raise ApiError(400, f"the output cannot be constrained as asked: {_named(m, e)}", param=param,
                                code="invalid_value") from None
         return ChatPlan(ids, sp, stops, opened, docs, calls, constraint)
 
@@ -588,6 +683,11 @@ class Api:
         """Anthropic's Messages API (engine/server/anthropic_api.py)."""
         from .anthropic_api import messages
         return await messages(self, request)
+
+    async def count_tokens(self, request: Request) -> Response:
+        """Anthropic's token counting (engine/server/anthropic_api.py)."""
+        from .anthropic_api import count_tokens
+        return await count_tokens(self, request)
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.max_body_bytes)
@@ -656,7 +756,8 @@ class Api:
                     res = item[1]
                     if res.finish_reason in ("error", "cancelled"):
                         msg = res.error or "the generation was cancelled (the server is stopping)"
-                        yield {"data": json.dumps(error_body(msg, type_="server_error"))}
+                        kind = "invalid_request_error" if 400 <= res.status < 500 else "server_error"
+                        yield {"data": json.dumps(error_body(msg, type_=kind))}
                     else:
                         for i, c in enumerate(tool_calls_json(res.tool_calls)):
                             yield {"data": chunk({"index": 0, "delta": {"tool_calls": [{"index": i, **c}]},
@@ -674,7 +775,7 @@ class Api:
                     job.client_gone()
                     self.queue.withdraw(job)
 
-        return EventSourceResponse(events(), sep="\n", ping=15)
+        return EventSourceResponse(events(), sep="\n", ping=15, headers={SEED_HEADER: str(sp.seed)})
 
     async def collect(self, request, m, ids, sp, stops, chat, opened, docs=(), calls=None, constraint=None):
         """Run a job to its end -> (job, reasoning, content), or None when the client left first.
@@ -756,12 +857,16 @@ class Api:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": res.finish_reason}
         return JSONResponse({"id": rid, "object": obj, "created": created, "model": m.model_id,
-                             "system_fingerprint": None, "choices": [choice], "usage": self._usage(res)})
+                             "system_fingerprint": None, "choices": [choice], "usage": self._usage(res)},
+                            headers={SEED_HEADER: str(sp.seed)})
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-    msg = {404: f"there is no endpoint {request.url.path} (see GET /v1/models, POST /v1/chat/completions)",
+    path = request.url.path
+    see = ("POST /v1/messages, POST /v1/messages/count_tokens" if path.startswith(ANTHROPIC_PATH + "/")
+           else "GET /v1/models, POST /v1/chat/completions, POST /v1/messages")
+    msg = {404: f"there is no endpoint {path} (see {see})",
            405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
     return path_error(request.url.path, exc.status_code, msg, code=code, headers=getattr(exc, "headers", None))
 
@@ -770,7 +875,7 @@ def path_error(path: str, status: int, message: str, param: str | None = None, c
                type_: str = "invalid_request_error", headers: dict | None = None) -> Response:
     """An error in the shape of the API ``path`` belongs to: Anthropic's for /v1/messages,
     OpenAI's elsewhere."""
-    if path in ANTHROPIC_PATHS:
+    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
         from .anthropic_api import error_body as anthropic_error
         return _AsciiJSONResponse(anthropic_error(status, message), status_code=status, headers=headers)
     return error_response(status, message, param, code, type_, headers)
@@ -809,6 +914,7 @@ def build_app(api: Api, api_key: str = "", cors_origins: tuple[str, ...] = (), h
         Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/messages", api.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", api.count_tokens, methods=["POST"]),
     ]
     middleware = [Middleware(RequestGate, host=host, cors_origins=cors_origins, error=_gate_error,
                              counted=lambda path, status: api.stats.on_request(endpoint_of(path), status))]
@@ -818,7 +924,7 @@ def build_app(api: Api, api_key: str = "", cors_origins: tuple[str, ...] = (), h
         # Chrome's private-network preflight from a public page to this computer
         middleware.append(Middleware(CORSMiddleware, allow_origins=list(cors_origins),
                                      allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
-                                     allow_private_network=True))
+                                     expose_headers=[SEED_HEADER, "Retry-After"], allow_private_network=True))
     middleware.append(Middleware(_Guard, api_key=api_key, stats=api.stats))
     return Starlette(routes=routes, middleware=middleware, exception_handlers={
         ApiError: _api_error, HTTPException: _http_error, ClientDisconnect: _client_gone, Exception: _internal_error})

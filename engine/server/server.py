@@ -10,9 +10,12 @@ app's engine thread.
 
 from __future__ import annotations
 
+import http
 import ipaddress
 import logging
+import re
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -22,7 +25,7 @@ from ..errors import ConfigError
 from ..events import SamplingParams
 from .gate import check_origin_syntax
 from .jobs import DirectRunner, JobQueue
-from .openai_api import Api, ServedModel, build_app
+from .openai_api import Api, ServedModel, build_app, endpoint_of, path_error
 from .stats import ServerStats
 
 log = logging.getLogger(__name__)
@@ -90,6 +93,52 @@ class ServerOptions:
         return self
 
 
+_REQUEST_LINE = re.compile(rb"\s*[A-Za-z]+ +(/[^ ?#\r\n]*)")
+
+
+def _http_protocol(stats: ServerStats):
+    """uvicorn's HTTP/1.1 protocol, refusing a request that is not valid HTTP (no ``Host``, a
+    malformed request line or header) with a JSON error in the API's shape instead of uvicorn's
+    plain-text 400: such a request never reaches the application, so its refusal is written
+    here. The path of the request line, when it has one, chooses the shape (Anthropic's on
+    /v1/messages); the refusal is counted in /metrics."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class JsonErrorsProtocol(H11Protocol):
+        _path = ""
+
+        def data_received(self, data: bytes) -> None:
+            m = _REQUEST_LINE.match(data[:4096])
+            if m is not None:
+                self._path = m.group(1).decode("latin-1")
+            super().data_received(data)
+
+        def send_400_response(self, msg: str) -> None:
+            import h11
+            # called from inside uvicorn's ``except h11.RemoteProtocolError``: the error says why
+            exc = sys.exc_info()[1]
+            status = getattr(exc, "error_status_hint", 400) if isinstance(exc, h11.RemoteProtocolError) else 400
+            why = str(exc) if exc is not None else msg
+            if "host" in why.lower() and "missing" in why.lower():
+                message = ("the request has no Host header, which HTTP/1.1 requires; HTTP clients send it "
+                           "themselves, a request written by hand needs e.g. 'Host: 127.0.0.1'")
+                status = 400
+            else:
+                # h11's reason without the bytes it quotes ("illegal header line: bytearray(...)")
+                message = f"the request is not valid HTTP/1.1 ({why.split(':')[0]}); send it with an HTTP client"
+            resp = path_error(self._path, status, message, code="invalid_http")
+            headers = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in resp.headers.items()]
+            headers.append((b"connection", b"close"))
+            reason = http.HTTPStatus(status).phrase.encode("ascii")
+            for event in (h11.Response(status_code=status, headers=headers, reason=reason), h11.Data(data=resp.body),
+                          h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+            self.transport.close()
+            stats.on_request(endpoint_of(self._path), status)
+
+    return JsonErrorsProtocol
+
+
 class LocalServer:
     """The OpenAI-compatible server on a background thread.
 
@@ -155,7 +204,8 @@ class LocalServer:
         self._sock = sock
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=5, timeout_graceful_shutdown=5)
+                                timeout_keep_alive=5, timeout_graceful_shutdown=5,
+                                http=_http_protocol(self.stats))
         self._uvicorn = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._serve, name="colibri-server-http", daemon=True)
         self._thread.start()

@@ -72,14 +72,18 @@ def check_tool_choice(value: Any, tools: list[dict] | None) -> ToolChoice:
             raise ToolsError(f"'tool_choice' = {value!r}: must be \"auto\", \"none\", \"required\" or "
                              f"{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}", "tool_choice")
         if value == "required" and not tools:
-            raise ToolsError("'tool_choice' is \"required\" but the request offers no 'tools'", "tool_choice")
+            raise ToolsError("'tool_choice' \"required\" asks for a function call, but the request has no 'tools': "
+                             "list the functions the model may call in 'tools', or leave 'tool_choice' out for a "
+                             "plain answer", "tool_choice")
         return ToolChoice(value if tools else "none")
     if (isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("function"), dict)
             and isinstance(value["function"].get("name"), str)):
         name = value["function"]["name"]
-        if not any(t["function"]["name"] == name for t in tools or ()):
-            raise ToolsError(f"'tool_choice' names the function {name!r}, which is not among the 'tools'",
-                             "tool_choice")
+        offered = [t["function"]["name"] for t in tools or ()]
+        if name not in offered:
+            among = (f"which is not among the 'tools' ({', '.join(map(repr, offered))}): name one of them or add "
+                     f"it to 'tools'" if offered else "but the request has no 'tools': list the function in 'tools'")
+            raise ToolsError(f"'tool_choice' names the function {name!r}, {among}", "tool_choice")
         return ToolChoice("function", name)
     raise ToolsError("'tool_choice' must be \"auto\", \"none\", \"required\" or {\"type\": \"function\", "
                      "\"function\": {\"name\": ...}}", "tool_choice")
