@@ -616,20 +616,23 @@ class ExpertCache:
         room = max(0, min(min(ly.cap, ly.target) - ly.live, len(ly.free)))
         return room, np.flatnonzero((self.where[layer] < 0) & ~self._fill_bad[layer])
 
-    def fill_pending(self) -> int:
+    def fill_pending(self, layer: int | None = None) -> int:
         """Experts the idle fill could still read now (free slots under the cap, summed over the
         layers, each at most the absent experts of its layer that have not failed a fill read;
         once ``grow_stopped``, only free slots whose pages are in) plus its read in flight; 0
-        without a running fill thread."""
+        without a running fill thread. With ``layer``, that MoE layer's alone, plus its slots
+        still being read (the pass's or a demand read's)."""
         with self.lock:
             if self._filler is None or not self._filler.is_alive() or self._closed:
                 return 0
             n = 0
-            for layer in range(self.L):
-                room, absent = self._fill_room(layer)
+            for ly in range(self.L) if layer is None else (layer,):
+                room, absent = self._fill_room(ly)
                 if self.grow_stopped:  # only slots whose pages are in: the budget refuses more
-                    room = min(room, int(self._faulted[layer, self.layers[layer].free].sum()))
+                    room = min(room, int(self._faulted[ly, self.layers[ly].free].sum()))
                 n += min(room, absent.size)
+            if layer is not None:
+                return n + int((self.slot_state[layer] == _LOADING).sum())
             return n + self._fill_inflight
 
     def wait_filled(self, timeout: float | None = None, poll_s: float = 0.05) -> bool:

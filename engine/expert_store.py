@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -415,11 +416,13 @@ class ExpertStore:
 
 
 EMBED_TENSORS = ("embed_tokens.w", "embed_tokens.s")
+EMBED_ROWS_KEPT_BYTES = 4 << 20  # the recently embedded rows EmbeddingRows keeps in RAM
 
 
 class EmbeddingRows:
     """A store's token-embedding table read row by row from its dense file (one positional read
-    of each distinct id's row and scale row, engine.platform_io) when a forward embeds tokens, never held in RAM: a decode
+    of each distinct id's row and scale row, engine.platform_io) when a forward embeds tokens, never held in RAM
+    whole (the rows of recently embedded ids are kept, EMBED_ROWS_KEPT_BYTES of them): a decode
     step reads one row of D values (2 KB at int8 for D = 2048), and the RAM the V x D table
     took goes to the expert cache (OLMoE-1B-7B: 103 MB, ~29 int4 experts; DeepSeek-V3: 0.9 GB
     at int8). llama.cpp likewise leaves token_embd in its mmap'd file. The rows come back
@@ -462,6 +465,12 @@ class EmbeddingRows:
         self.w = empty[0]
         self.s = empty[1] if len(empty) > 1 else None
         self.nbytes = sum(r * self.num_rows for *_x, r in self.parts)
+        # the rows of recently embedded ids (id -> one row per part), least recent first: a
+        # decode step embeds one token, and reading its row from the disk each step cost ~2 ms
+        # of a ~30 ms token (two reads at the disk's latency; the dense file's pages are not cached)
+        self._recent: OrderedDict[int, list[np.ndarray]] = OrderedDict()
+        self._recent_max = max(1, EMBED_ROWS_KEPT_BYTES // max(1, sum(r for *_x, r in self.parts)))
+        self._recent_lock = threading.Lock()
 
     def rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(local int64 [T], w, s): the rows of the distinct ids among ``ids`` (int [T]), in
@@ -479,11 +488,18 @@ class EmbeddingRows:
         fd = self._fd()
         if fd is None:
             raise StoreError(f"{self.path}: the store is closed; open the model again")
-        out = []
-        for name, dt, shape, off, row in self.parts:
-            arr = np.empty((uniq.size,) + shape, dt)
-            flat = arr.reshape(uniq.size, -1).view(np.uint8)
-            for i, t in enumerate(uniq.tolist()):
+        out = [np.empty((uniq.size,) + shape, dt) for _n, dt, shape, _o, _r in self.parts]
+        flats = [arr.reshape(uniq.size, -1).view(np.uint8) for arr in out]
+        for i, t in enumerate(uniq.tolist()):
+            with self._recent_lock:
+                kept = self._recent.get(t)
+                if kept is not None:
+                    self._recent.move_to_end(t)
+            if kept is not None:
+                for flat, r in zip(flats, kept):
+                    flat[i] = r
+                continue
+            for flat, (name, _dt, _shape, off, row) in zip(flats, self.parts):
                 try:
                     got = self._read(fd, [flat[i]], off + t * row)
                 except OSError as e:
@@ -491,7 +507,10 @@ class EmbeddingRows:
                 if got != row:
                     raise StoreError(f"{self.path}: short read of row {t} of {name} ({got} of {row} bytes); "
                                      f"the file is truncated - re-run `colibri convert`")
-            out.append(arr)
+            with self._recent_lock:
+                self._recent[t] = [flat[i].copy() for flat in flats]
+                while len(self._recent) > self._recent_max:
+                    self._recent.popitem(last=False)
         return local.reshape(ids.shape), out[0], out[1] if len(out) > 1 else None
 
 

@@ -89,6 +89,38 @@ class _GuardPoll(Observer):
             self.engine.sync_pins()
 
 
+class _PassFollower(Observer):
+    """A first answer asked while the pre-read (idle fill) still runs, on a cache that holds all
+    but at most top-k experts of every layer: before each MoE layer of the prefill, wait until
+    the pass has read that layer (ExpertCache.fill_pending(layer) is 0), so the layer computes
+    on experts read at the disk's sequential rate instead of reading them on demand beside the
+    pass. The pass goes in file order, which is layer order: layer l computes while l + 1 is read.
+    Stops waiting when ``cancel`` is set or the layer's count has not moved for ``stall_s``
+    seconds (then the layer reads on demand, as without the pass). Token-batched: a one-token
+    prompt's decode step publishes every layer's start before it runs, and waits for all."""
+
+    token_batched = True
+
+    def __init__(self, cache: ExpertCache, cancel: threading.Event | None, stall_s: float = 10.0):
+        self.cache, self.cancel, self.stall_s = cache, cancel, stall_s
+        self.waited_s = 0.0
+
+    def on_layer_start(self, layer: int) -> None:
+        t0 = last_t = time.monotonic()
+        last = -1
+        while not (self.cancel is not None and self.cancel.is_set()):
+            n = self.cache.fill_pending(layer)
+            now = time.monotonic()
+            if n == 0:
+                break
+            if n != last:
+                last, last_t = n, now
+            elif now - last_t > self.stall_s:
+                break
+            time.sleep(0.002)
+        self.waited_s += time.monotonic() - t0
+
+
 class Engine:
     """A loaded model ready to generate. Create with :meth:`open`; close with :meth:`close`.
 
@@ -571,11 +603,39 @@ class Engine:
 
     def _run(self, ids, request, sampler, cancel, dropped=0, sources=()) -> Iterator[object]:
         with self._lock:
-            self.cache.hold_fill()  # the pre-read waits while the answer reads on demand
+            self._following = self._follow_pass(cancel)
+            if self._following is None:
+                self.cache.hold_fill()  # the pre-read waits while the answer reads on demand
             try:
                 yield from self._run_locked(ids, request, sampler, cancel, dropped, sources)
             finally:
+                self._stop_following()
                 self.cache.release_fill()
+
+    def _follow_pass(self, cancel) -> _PassFollower | None:
+        """When the pre-read still has experts to read and brings all but at most top-k of every
+        layer's (the cache holds that many), the prefill follows it layer by layer
+        (:class:`_PassFollower`) instead of reading on demand beside it: a store that fits is
+        then wholly resident by the first token. A cache with fewer slots keeps the pass
+        held while it answers (its demand reads alone on the disk). Returns the subscribed
+        follower, or None."""
+        a = self.args
+        if (min(self.cache.layer_caps()) < a.num_experts - a.num_experts_per_tok
+                or self.cache.fill_pending() == 0):
+            return None
+        f = _PassFollower(self.cache, cancel)
+        self.model.subscribe(f)
+        return f
+
+    def _stop_following(self) -> None:
+        """End :meth:`_follow_pass` (after the prefill; a no-op when not following): the pass is
+        held for the rest of the answer, as when it was not followed."""
+        f, self._following = getattr(self, "_following", None), None
+        if f is not None:
+            self.model.unsubscribe(f)
+            self.cache.hold_fill()
+            if f.waited_s:
+                log.info("the prefill waited %.2f s for the pre-read", f.waited_s)
 
     def _run_locked(self, ids, request, sampler, cancel, dropped=0, sources=()) -> Iterator[object]:
         self._apply_threads()
@@ -609,6 +669,7 @@ class Engine:
         try:
             self._kv_room(len(ids))
             logits = self.model.forward(np.asarray(ids[p:]), p, cancel=cancel)
+            self._stop_following()
             self._kv_ids = list(ids)
             self.heat.tokens += len(ids) - p
             prefill_s = time.perf_counter() - t0

@@ -209,7 +209,8 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "cache slots in one sequential pass over the store (large reads in file order, at the disk's sequential "
        "rate) while no answer is being generated (an answer's own reads have the disk to themselves), never "
        "evicting one: a model whose experts fit in the cache becomes wholly resident seconds after it opens, so "
-       "a question asked after that waits on no expert read; one that does not fit gets its free slots filled "
+       "a question asked after that waits on no expert read (one asked sooner waits for the pass, layer by layer, "
+       "instead of reading experts one by one beside it); one that does not fit gets its free slots filled "
        "with the experts its routing history uses most. Off: experts are read when the model first needs them", "Pre-read experts",
        check_text="read experts into free cache slots in the background"),
     _S("pinning", bool, True, "after warm-up keep the most used experts of each layer resident, and load "

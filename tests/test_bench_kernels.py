@@ -133,6 +133,11 @@ def test_bench_kernels_cgroup_arm(tiny_store, tmp_path):
     assert r["context_length"] == ctx and r["ttft_s"] > 0 and r["open_s"] > 0
     assert 0 < r["cgroup_max_usage_bytes"] <= 2e9 and r["cgroup_oom_kills"] == 0
     assert res["cgroup_gb"] == 2.0 and "MB read / token" in (out / "k.md").read_text()
+    # the overlap ceiling of the same run: the decode's own compute and bytes, the disk measured first
+    assert r["compute_s_per_token"] > 0 and r["decode_mb_per_token"] >= 0 and res["disk_gbps"] > 0
+    io_s = r["decode_mb_per_token"] * 1e6 / (res["disk_gbps"] * 1e9)
+    assert abs(r["ceiling_tok_s"] - 1 / max(r["compute_s_per_token"], io_s)) < 1e-6 * r["ceiling_tok_s"]
+    assert abs(r["ceiling_share"] - r["tg12"] / r["ceiling_tok_s"]) < 1e-9 and "of ceiling" in (out / "k.md").read_text()
 
 
 def test_llama_cgroup_arm_reads_per_token_by_difference(monkeypatch):

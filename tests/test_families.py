@@ -893,6 +893,33 @@ def test_expert_layout_choice_is_checked_before_writing(family_stores, tmp_path)
     assert json.loads((s / "manifest.json").read_text())["expert_layout"] == "row_major"
 
 
+def test_embedding_rows_of_recent_ids_are_not_read_again(family_stores, tmp_path):
+    """A decode step embeds one token a step: the rows of ids embedded lately are kept, so
+    embedding them again reads nothing from the dense file, with the same bytes; an id not
+    seen before is read."""
+    ck, _ = family_stores["olmoe"]
+    store = convert_checkpoint(ck, tmp_path / "s", quant="int4", dense_quant="int4")
+    with ExpertStore(store, o_direct=False) as st:
+        rows = st.embedding_rows()
+        reads = []
+        real = rows._read
+
+        def counted(fd, bufs, off):
+            reads.append(off)
+            return real(fd, bufs, off)
+        rows._read = counted
+        ids = np.array([7, 3, 7], np.int64)
+        local, w, s = rows.rows(ids)
+        n = len(reads)
+        assert n == 2 * len(rows.parts)  # ids 3 and 7, each part's row
+        local2, w2, s2 = rows.rows(ids[::-1])
+        assert len(reads) == n
+        assert w2[local2].tobytes() == w[local][::-1].tobytes()
+        assert s2[local2].tobytes() == s[local][::-1].tobytes()
+        rows.rows(np.array([5]))
+        assert len(reads) == n + len(rows.parts)
+
+
 @pytest.mark.parametrize("quant,dense_quant", [("int8", None), ("int4", "int4"), ("f16", None), ("f32", None)])
 def test_embedding_rows_come_from_the_store_bit_identical(family_stores, tmp_path, quant, dense_quant):
     """The engine leaves the token-embedding table in the store and reads the rows a forward

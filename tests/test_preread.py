@@ -154,3 +154,37 @@ def test_a_held_pass_reads_nothing_until_released(medium_store):
     finally:
         cache.close()
         store.close()
+
+
+def test_a_first_answer_asked_at_open_follows_the_pass(medium_store, monkeypatch):
+    """A question asked while the pass still runs (a one-shot `colibri run`, or one typed right
+    at open) on a store that fits: the prefill waits for the pass layer by layer instead of
+    reading on demand beside it, so the answer reads nothing on demand and its tokens equal a
+    run with the pass off. The pass's reads are held until the answer's forward starts, so the
+    answer certainly begins before the pass has read anything."""
+    from engine.observers import Observer
+
+    gate = threading.Event()
+    real = ExpertStore.read_run
+
+    def gated(self, *args, **kwargs):
+        assert gate.wait(60.0)
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(ExpertStore, "read_run", gated)
+
+    class OpenGate(Observer):
+        def on_forward_start(self, pos0, num_tokens):
+            gate.set()
+
+    cfg = dict(store=str(medium_store), history=False, o_direct=False, pinning=False, ram_budget_gb=4.0)
+    with Engine.open(EngineConfig(**cfg)) as eng:
+        a = eng.args
+        assert eng.cache.stats.fill_loads == 0 and not gate.is_set()
+        eng.model.subscribe(OpenGate())
+        on = _answer(eng)
+        assert eng.cache.stats.misses == 0 and eng.cache.stats.demand_bytes == 0
+        assert eng.cache.stats.fill_loads == a.num_moe_layers * a.num_experts
+    with Engine.open(EngineConfig(idle_fill=False, **cfg)) as eng:
+        off = _answer(eng)
+        assert eng.cache.stats.misses > 0
+    assert on.token_ids == off.token_ids and on.text == off.text

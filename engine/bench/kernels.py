@@ -11,20 +11,23 @@ Arms (each a fresh process, interleaved, the order reversed every other repetiti
 - llama-<label>: ``llama-bench -m GGUF -t threads -p P1,P2,.. -n tokens -r 1 -o json``
   (its own warm-up run; pp = prompt processing of P tokens, tg = generation of ``tokens``).
 - ``--inner-reps N``: both kinds of arm run each test N times in their process (llama-bench
-  ``-r N``) and keep the fastest; every run's tok/s is in the row as ``<key>_runs``.
+  ``-r N``) and keep the median; every run's tok/s is in the row as ``<key>_runs``.
 
 ``--cgroup-gb G`` adds, per arm, the same model inside a cgroup v1 memory limit of G GB
 (engine.bench.peers.MemCgroup): ours streamed at a RAM budget of G GB (automatic cap, O_DIRECT,
-nothing pre-loaded; decode tok/s, hit rate, MB read per token of a second generation, after one
-warm-up generation of another stream: llama-bench times its tg after a load that reads the whole
-GGUF and after its own warm-up run; the first, cold generation's figures are in the JSON row as
-``tg<N>_cold``, ``hit_rate_cold``, ``mb_per_token_cold``) and ``llama-bench -p 0 -n
-tokens`` on its mmap'd GGUF in the same limit (the kernel evicts and re-reads its pages). Before
+nothing pre-loaded; decode tok/s, hit rate, MB read per token of the first generation after
+open, cold, as a user's first answer; a second generation of another stream is in the row as
+``tg<N>_warm``; ``decode_mb_per_token`` and ``compute_s_per_token`` (the decode's wall time
+less its felt wait, per token) of the first give its overlap ceiling 1 / max(compute, decode
+bytes / read rate), the rate the blkio throttle or, unthrottled, the fastest O_DIRECT slab
+read rate measured before the arms: ``ceiling_tok_s``, ``ceiling_share``) and ``llama-bench
+-p 0 -n tokens`` on its mmap'd GGUF in the same limit (the kernel evicts and re-reads its pages). Before
 every cgroup arm the arm's files are evicted from the page cache (posix_fadvise DONTNEED on
 them only): pages cached by an earlier arm stay charged to that arm's group, so a later
 llama.cpp arm would otherwise map them for free, past its limit. The llama.cpp cgroup arms run
 with ``-lm mmap --repack 0`` (``--llama-cgroup-flags``): repacked Q4_0 weights live in anonymous
-memory and a limit below the model's size OOM-kills llama-bench. llama.cpp's MB read per token
+memory and a limit below the model's size OOM-kills llama-bench; the `-best` arms add those
+flags to llama.cpp's defaults. llama.cpp's MB read per token
 is taken by difference from the block reads of two runs (``-n tokens`` and ``-n 16``, each
 cold in a fresh group; rusage ru_inblock of the child, mmap faults included), so loading and
 the first fill of the cache cancel as in ours' decode-only figure. ``--cgroup-only`` skips the
@@ -53,6 +56,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from ..observers import Observer
+from .overlap import ceiling
 
 DECODE_PROMPT = 16
 
@@ -116,6 +122,39 @@ def _llama_cpu_rates(llama_bench: str, gguf: str, prompts: list[int], tokens: in
     return out
 
 
+class _DecodeMark(Observer):
+    """A model observer (engine.observers' hook ``on_forward_start``) that marks the cache's
+    counters and the clock at each one-token forward after the prefill, for the decode-only
+    figures of a generation: :meth:`decode`."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.first = None  # (clock, counters) at the first decode forward
+        self.steps = 0
+
+    def on_forward_start(self, pos0: int, num_tokens: int) -> None:
+        if num_tokens == 1:
+            if self.first is None:
+                self.first = (time.perf_counter(), self.cache.stats.snapshot())
+            self.steps += 1
+
+    def decode(self) -> dict:
+        """``decode_mb_per_token`` (demand + speculative + pre-read bytes read from the first decode
+        forward on, per decode forward), ``decode_felt_wait_s_per_token`` and
+        ``compute_s_per_token`` (wall time per decode forward less its felt wait); {} when no
+        decode forward ran. Call right after the generation."""
+        if self.first is None or self.steps == 0:
+            return {}
+        t0, c0 = self.first
+        c1 = self.cache.stats.snapshot()
+        n = self.steps
+        wall = time.perf_counter() - t0
+        felt = c1["felt_wait_s"] - c0["felt_wait_s"]
+        nbytes = c1["demand_bytes"] + c1["spec_bytes"] - c0["demand_bytes"] - c0["spec_bytes"]
+        return {"decode_mb_per_token": nbytes / 1e6 / n, "decode_felt_wait_s_per_token": felt / n,
+                "compute_s_per_token": max(wall - felt, 0.0) / n}
+
+
 def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: int,
               cpu_time: bool = False, budget_gb: float | None = None, inner_reps: int = 1,
               first: bool = False) -> dict:
@@ -147,9 +186,13 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
             def stream(s: list[int]) -> Finished:
                 return run_forced(eng, s[:DECODE_PROMPT], s[DECODE_PROMPT:])
             # cold: the first generation after open, as a user's first answer
+            mark = _DecodeMark(eng.cache)
+            eng.model.subscribe(mark)
             cold = stream(forced_stream(args.vocab_size, DECODE_PROMPT + tokens, seed))
+            dec = mark.decode()
+            eng.model.unsubscribe(mark)
             warm = stream(forced_stream(args.vocab_size, DECODE_PROMPT + tokens, seed + 999))
-            return {"quant": eng.store.quant, "dense_quant": eng.store.dense_quant, "budget_gb": budget_gb,
+            return {**dec, "quant": eng.store.quant, "dense_quant": eng.store.dense_quant, "budget_gb": budget_gb,
                     "cap": eng.cache.cap, "context_length": eng.context_length, "open_s": open_s,
                     "ttft_s": cold.ttft_s, f"tg{tokens}": cold.decode_tok_per_s, "hit_rate": cold.hit_rate,
                     "mb_per_token": cold.mb_per_token, "felt_wait_s": cold.felt_wait_s,
@@ -358,8 +401,13 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
     if a.cpu_time:
         big = max([p for p in a.prompts if 16 < p <= 128], default=None)
         keys += ["tg_per_cpu_s"] + ([f"pp{big}_per_cpu_s"] if big else [])
-    extra = ["hit_rate", "mb_per_token", "felt_wait_s", "ttft_s", "open_s", "cap", f"{tg}_warm",
-             "read_ahead_kb", "read_bps"]
+    for r in rows:  # the overlap ceiling of ours' memory-limited arms (see the module docstring)
+        bw = r.get("read_bps") or getattr(a, "disk_gbps", 0.0) * 1e9
+        if r.get("compute_s_per_token") is not None and r.get(tg) and bw:
+            r["ceiling_tok_s"] = ceiling(r["compute_s_per_token"], r["decode_mb_per_token"], bw / 1e9)[0]
+            r["ceiling_share"] = r[tg] / r["ceiling_tok_s"]
+    extra = ["hit_rate", "mb_per_token", "decode_mb_per_token", "felt_wait_s", "ttft_s", "open_s", "cap",
+             f"{tg}_warm", "ceiling_tok_s", "ceiling_share", "read_ahead_kb", "read_bps"]
     med = {}
     for arm in arms:
         name = _arm_name(arm)
@@ -386,8 +434,10 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
     cols = [("arm", "arm", "")] + [(k.replace("_per_cpu_s", " tok/CPU-s") if "cpu" in k else k + " tok/s", k, ".1f")
                                    for k in keys]
     cols += [("hit rate", "hit_rate", ".3f"), ("MB read / token", "mb_per_token", ".1f"),
+             ("decode MB / token", "decode_mb_per_token", ".1f"),
              ("felt wait s", "felt_wait_s", ".2f"), ("TTFT s", "ttft_s", ".2f"), ("open s", "open_s", ".1f"),
              ("cap", "cap", ".0f"), (f"{tg} warm tok/s", f"{tg}_warm", ".1f"),
+             ("ceiling tok/s", "ceiling_tok_s", ".1f"), ("of ceiling", "ceiling_share", ".2f"),
              ("read-ahead KB", "read_ahead_kb", ".0f"), ("read B/s (0 = unthrottled)", "read_bps", ".2g"),
              ("failed", "failed", "")]
     done = len({r["rep"] for r in rows})
@@ -395,7 +445,11 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
              "memory-limited arms are the first generation after open in a fresh process, cold, at the "
              "default context length; the unmarked arm has every expert pre-loaded. llama.cpp: llama-bench "
              "with its default flags (`-best`: %r), the read-ahead of the device holding the file as "
-             "listed.\n\n") % (done, a.reps, a.threads, a.llama_best_flags)
+             "listed. MB read / token: every byte read during the generation (the pre-read's included) "
+             "over its tokens; decode MB / token: from the first decode step on. Ceiling: 1 / max(compute, "
+             "decode bytes / read rate), the rate the throttle's or, unthrottled, %.2f GB/s (O_DIRECT slab "
+             "reads measured before the arms).\n\n") % (done, a.reps, a.threads, a.llama_best_flags,
+                                                       getattr(a, "disk_gbps", 0.0))
     table += md_table([{"arm": arm, **m} for arm, m in med.items()], cols)
     table += "\n\nRatios ours / llama.cpp (median / median)\n\n" + md_table(
         [{"arm": name, **r} for name, r in ratios.items()], [("pair", "arm", "")] + [(k, k, ".2f") for k in keys])
@@ -410,7 +464,8 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
     data = {"machine": machine_info(), "command": cmd, "threads": a.threads, "tokens": a.tokens,
             "prompts": a.prompts, "reps": a.reps, "ours": dict(a.ours), "llama": dict(a.llama),
             "llama_bench": a.llama_bench, "llama_best_flags": a.llama_best_flags, "cgroup_gb": a.cgroup_gb,
-            "read_ahead_kb": a.read_ahead_kb, "read_bps": a.read_bps, "rows": rows, "medians": med,
+            "read_ahead_kb": a.read_ahead_kb, "read_bps": a.read_bps, "disk_gbps": getattr(a, "disk_gbps", None),
+            "rows": rows, "medians": med,
             "ratios": ratios, "paired_ratios": paired, "load_avg_1m": [r["load_avg_1m"] for r in rows]}
     with contextlib.redirect_stdout(io.StringIO()) if quiet else contextlib.nullcontext():
         write_results(a.name, data, table, a.out_dir)
@@ -531,6 +586,13 @@ def main(a) -> int:
             print(f"--read-bps: {why}", file=sys.stderr)
             return 2
     arms = _plan_arms(a, cg_ok)
+    a.disk_gbps = 0.0
+    if any(arm["system"] == "ours" and arm["limit"] is not None for arm in arms):
+        from .disk import measure_disk
+        d = measure_disk(a.ours[0][1])
+        a.disk_gbps = max(d["qd1_gbps"], d["qd4_gbps"])
+        print(f"O_DIRECT slab reads: {d['qd1_gbps']:.2f} GB/s at queue depth 1, {d['qd4_gbps']:.2f} at 4",
+              flush=True)
     rows = []
     try:
         with read_ahead(paths, a.read_ahead_kb):
