@@ -155,6 +155,8 @@ class StepMetrics:
     total_mb_per_token: float = 0.0  #: this answer so far (as Finished.mb_per_token)
     cluster: str = ""  #: expert-parallel serving: ClusterStatus.summary() now ("" = off)
     expert_slots: int = 0  #: cache slots of all MoE layers together (each has cap_per_layer or one fewer)
+    tokens_per_forward: float = 1.0  #: tokens per decode forward so far (above 1: speculation's drafts kept)
+    draft_acceptance: float = 0.0  #: share of the draft tokens verified so far that were kept
 
 
 # Residency states in ResidencySnapshot.state (REMOTE: not in this computer's cache, held in the
@@ -202,8 +204,8 @@ class Finished:
     names of the documentation entries given to the model with the question (documentation
     lookup, engine.docs_lookup; () when off or when the model has no index), and
     source_summaries their summaries as the model read them (same order). decode_tok_per_s:
-    decode forwards per second from the end of the prefill to the end of the last decode
-    forward (each forward it times is counted; 0.0 when none ran).
+    tokens sampled from decode forwards per second, from the end of the prefill to the end of
+    the last decode forward (0.0 when none ran); with speculation a forward gives several.
     """
 
     finish_reason: FinishReason
@@ -224,6 +226,14 @@ class Finished:
     sources: tuple[str, ...] = ()
     source_summaries: tuple[str, ...] = ()
     seed: int | None = None  #: the sampling seed used (SamplingParams.seed, or the fresh one for "auto")
+    tokens_per_forward: float = 0.0  #: tokens sampled per decode forward (1.0 without speculation; 0.0: none ran)
+    draft_tokens: int = 0  #: draft tokens verified (speculation, engine/speculative.py)
+    accepted_tokens: int = 0  #: draft tokens kept (each the token the sampler picked)
+
+    @property
+    def draft_acceptance(self) -> float:
+        """Share of the draft tokens that were kept (0.0 without drafts)."""
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
 
 
 @dataclass(frozen=True)

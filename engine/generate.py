@@ -31,6 +31,7 @@ from .ram_budget import GROWTH_HEADROOM_BYTES, RssGuard, current_rss, release_co
 from .sizing import estimate_store, kv_bytes, plan_estimate
 from .sampling import Sampler
 from .settings import check_context_length
+from .speculative import DraftLength, PromptLookup
 from .sysinfo import BudgetClaim, FreeCores, threads_for, usable_cpus
 from .tokenizer import Tokenizer
 
@@ -657,6 +658,8 @@ class Engine:
         error = ""
         prefill_s = 0.0
         dec_forwards, t_dec0, t_dec1 = 0, 0.0, 0.0
+        dec_rows, drafted, accepted = 0, 0, 0  # rows sampled after decode forwards; draft tokens, kept
+        lengths = DraftLength(self.config.draft_max) if self.config.speculation != "off" else None
         # Prefix reuse: keep the KV rows of the longest common prefix with the last run.
         p = 0
         for a, b in zip(self._kv_ids, ids):
@@ -675,55 +678,97 @@ class Engine:
             prefill_s = time.perf_counter() - t0
             t_dec0 = t_dec1 = time.perf_counter()  # decode rate: every forward timed is counted
             context = list(ids)
-            pos = len(ids)
+            pos = len(ids)  # the position the token sampled from rows[0] takes
             if self.guard.step(0) is not None:  # the prefill may have filled the cache
                 self.sync_pins()
+            # Speculation (engine/speculative.py): each forward after the prefill feeds the last
+            # sampled token and a draft; every row is sampled as plain decoding samples it, and
+            # the draft is kept up to the first token the sampler did not pick.
+            drafter = PromptLookup() if self.config.speculation == "prompt_lookup" else None
+            rows, fed, draft = logits[-1:], None, []  # fed: the tokens the last forward fed
+            timed = None  # (draft tokens, seconds) of the last decode forward
             while True:
-                if not np.isfinite(logits[-1]).all():
-                    raise EngineError(
-                        f"the model produced non-finite logits (NaN/inf) at output token {len(out_ids)}: "
-                        f"{self.store.path} holds broken weights; convert the checkpoint again "
-                        f"(`colibri convert --overwrite` refuses NaN/inf weights and names the tensor)")
-                prop = copier.propose(out_ids) if copier is not None else None
-                allowed = cons.mask(logits.shape[-1]) if cons is not None else None
-                tok = sampler(logits[-1], context, None if prop is None else (copier.weight, prop), allowed)
-                if forced is not None:
-                    if len(out_ids) >= len(forced):
-                        reason = FinishReason.LENGTH
+                m, done = 0, False  # m: draft tokens the sampler confirmed
+                for r in range(rows.shape[0]):
+                    row = rows[r]
+                    if not np.isfinite(row).all():
+                        raise EngineError(
+                            f"the model produced non-finite logits (NaN/inf) at output token {len(out_ids)}: "
+                            f"{self.store.path} holds broken weights; convert the checkpoint again "
+                            f"(`colibri convert --overwrite` refuses NaN/inf weights and names the tensor)")
+                    if fed is not None:
+                        dec_rows += 1
+                    prop = copier.propose(out_ids) if copier is not None else None
+                    allowed = cons.mask(logits.shape[-1]) if cons is not None else None
+                    tok = sampler(row, context, None if prop is None else (copier.weight, prop), allowed)
+                    if forced is not None:
+                        if len(out_ids) >= len(forced):
+                            reason, done = FinishReason.LENGTH, True
+                            break
+                        tok = int(forced[len(out_ids)])
+                    step_t = time.perf_counter()
+                    if cons is not None:
+                        cons.accept(tok)
+                    is_eos = forced is None and tok in self.tokenizer.eos_ids
+                    if is_eos:
+                        reason, done = FinishReason.STOP, True
+                        text_parts.append(dec.flush())
                         break
-                    tok = int(forced[len(out_ids)])
-                step_t = time.perf_counter()
-                if cons is not None:
-                    cons.accept(tok)
-                is_eos = forced is None and tok in self.tokenizer.eos_ids
-                if is_eos:
-                    reason = FinishReason.STOP
-                    text_parts.append(dec.flush())
+                    out_ids.append(tok)
+                    context.append(tok)
+                    piece = dec.push(tok)
+                    text_parts.append(piece)
+                    yield TokenEvent(len(out_ids) - 1, tok, piece, time.perf_counter() - step_t)
+                    if len(out_ids) >= max_new or pos + r >= C:
+                        reason, done = FinishReason.LENGTH, True
+                        break
+                    if r < len(draft) and tok == draft[r]:
+                        m += 1
+                        continue
                     break
-                out_ids.append(tok)
-                context.append(tok)
-                piece = dec.push(tok)
-                text_parts.append(piece)
-                yield TokenEvent(len(out_ids) - 1, tok, piece, time.perf_counter() - step_t)
-                if len(out_ids) >= max_new or pos >= C:
-                    reason = FinishReason.LENGTH
+                if fed is not None:  # the positions of the last forward that stay
+                    self.model.accept(1 + m)
+                    self._kv_ids.extend(fed[:1 + m])
+                    if draft:
+                        drafted += len(draft)
+                        accepted += m
+                    if timed is not None and lengths is not None:
+                        lengths.record(timed[0], m, timed[1])
+                if done:
                     break
                 if cancel.is_set():
                     reason = FinishReason.CANCELLED
                     break
+                p0 = pos + m  # where the last sampled token goes
                 self._adapt_threads()
-                self._kv_room(pos + 1)
-                logits = self.model.forward(np.asarray([tok]), pos, cancel=cancel)
+                draft = []
+                if drafter is not None:
+                    room = min(max_new - len(out_ids) - 1, C - p0 - 1)
+                    k = lengths.choose(room)
+                    if k and forced is not None:  # the answer is known: draft it
+                        draft = [int(t) for t in forced[len(out_ids):len(out_ids) + k]]
+                    elif k:
+                        draft = drafter.propose(context, k)
+                fed = [tok] + draft
+                self._kv_room(p0 + len(fed))
+                t_f = time.perf_counter()
+                if draft:
+                    rows = self.model.verify(np.asarray(fed), p0, cancel=cancel)
+                else:
+                    rows = self.model.forward(np.asarray(fed), p0, cancel=cancel)
                 dec_forwards += 1
                 t_dec1 = time.perf_counter()
-                self._kv_ids.append(tok)
-                self.heat.tokens += 1
-                pos += 1
+                timed = (len(draft), t_dec1 - t_f)
+                self.heat.tokens += len(fed)
+                pos = p0 + 1
                 n = len(out_ids)
                 if self.guard.step(n) is not None:  # before the metrics: they show the RSS it left
                     self.sync_pins()
-                m = tracker.step(n, self.threads, rss=self.guard.last_rss)  # one RSS read a token
-                yield m if self.cluster is None else replace(m, cluster=self.cluster.status().summary())
+                m_ev = tracker.step(n, self.threads, rss=self.guard.last_rss)  # one RSS read a forward
+                if dec_forwards > 1:  # the forwards whose rows were sampled so far
+                    m_ev = replace(m_ev, tokens_per_forward=dec_rows / (dec_forwards - 1),
+                                   draft_acceptance=accepted / drafted if drafted else 0.0)
+                yield m_ev if self.cluster is None else replace(m_ev, cluster=self.cluster.status().summary())
                 snap = tracker.residency(n, self.heat.counts)
                 if snap is not None:
                     yield snap
@@ -755,12 +800,14 @@ class Engine:
         yield Finished(
             finish_reason=reason, prompt_tokens=len(ids), generated_tokens=n, text="".join(text_parts),
             token_ids=tuple(out_ids), ttft_s=tracker.ttft if tracker.t_first else time.perf_counter() - t0,
-            decode_tok_per_s=dec_forwards / (t_dec1 - t_dec0) if dec_forwards and t_dec1 > t_dec0 else 0.0,
+            decode_tok_per_s=dec_rows / (t_dec1 - t_dec0) if dec_rows and t_dec1 > t_dec0 else 0.0,
             prefill_tok_per_s=(len(ids) - p) / prefill_s if prefill_s > 0 else 0.0,
             hit_rate=hit_rate, mb_per_token=mb_per_token,
             felt_wait_s=tot["felt_wait_s"], error=error, dropped_messages=dropped, answer_room=max_new,
             sources=tuple(e.name for e in sources), source_summaries=tuple(e.summary for e in sources),
-            threads=self.threads, seed=sampler.seed)
+            threads=self.threads, seed=sampler.seed,
+            tokens_per_forward=dec_rows / dec_forwards if dec_forwards else 0.0,
+            draft_tokens=drafted, accepted_tokens=accepted)
 
     def _grow_ok(self, nbytes: int) -> bool:
         """Whether the expert cache's background growth (reservation, populate-ahead, pre-read)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field, fields, make_dataclass, replac
 from typing import Any
 
 from .errors import ConfigError
+from .speculative import SPECULATION_MODES
 
 POLICIES = ("lru", "lfru", "ema")
 CHECKSUM_MODES = ("off", "first", "always")
@@ -229,6 +230,15 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
     _S("threads", int, 0, "threads for the numeric kernels (numba); auto: the cores this process may use "
        "(CPU affinity, cgroup quota) minus those other programs keep busy, re-counted while it generates", "Compute threads", lo=0, hi=1024,
        unit="threads", special="auto (free cores)", old_names=("numba_threads",)),
+    _S("speculation", str, "prompt_lookup", "speculative decoding: draft the next tokens by finding the text's "
+       "last few tokens earlier in the conversation (prompt lookup: strong when the answer repeats the "
+       "question, as code edits and quotes do) and verify the draft in one forward, which reads each needed "
+       "expert once for all its positions; the answer is the same token for token (every token is still the "
+       "one the sampler picks); off = one token per forward", "Speculative decoding",
+       choices=SPECULATION_MODES, choice_labels=("prompt lookup", "off")),
+    _S("draft_max", int, 8, "most draft tokens one forward verifies; fewer are drafted when few are kept or "
+       "a longer forward costs more than it saves (both measured while generating)", "Longest draft",
+       lo=1, hi=32, unit="tokens"),
     _S("cluster", str, "", "expert-parallel serving: the address (host:port) of a Ray cluster started with "
        "`colibri cluster head`; the computers joined to it with `colibri cluster join` hold shares of the "
        "experts in their RAM and compute them, this computer keeps the hottest (empty = this computer only; "

@@ -1005,6 +1005,20 @@ class MoEModel:
         with recurrent state (Qwen3-Next) returns an earlier position it holds the state of."""
         return p
 
+    def verify(self, ids: np.ndarray, pos0: int, cancel: threading.Event | None = None) -> np.ndarray:
+        """A speculative draft's check (engine/speculative.py): logits float32 [T, V] of tokens
+        ``ids`` (int [T]) at positions pos0..pos0+T-1, row t bit-identical to the logits a
+        one-token forward at pos0 + t would give after the rows before it (the T > 1 kernels
+        compute every row as the one-token ones do). Call :meth:`accept` next. Raises as
+        :meth:`forward`."""
+        return self.forward(ids, pos0, all_logits=True, cancel=cancel)
+
+    def accept(self, n: int) -> None:
+        """Keep the first ``n`` (1..T) positions of the last :meth:`verify`. The KV cache is
+        positional: the rows past them are never read (attention reads only positions before
+        its own) and the next forward overwrites them. A family with recurrent state rolls it
+        back to pos0 + n (qwen3_next.py)."""
+
     def subscribe(self, observer) -> None:
         """Publish this model's forward, layer and routing events to ``observer`` (any object
         with some of the hooks of ``engine.observers.Observer``), after earlier subscribers."""

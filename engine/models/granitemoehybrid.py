@@ -259,7 +259,7 @@ class Model(qwen3_next.Model):
         return out
 
     def attention(self, i: int, x: np.ndarray, pos0: int) -> np.ndarray:
-        out = self.full_attention(i, x, pos0) if i in self.kv_row else self.mamba(i, x)
+        out = self.full_attention(i, x, pos0) if i in self.kv_row else self._stateful(i, x, pos0, self.mamba)
         out *= np.float32(self.args.residual_multiplier)
         return out
 

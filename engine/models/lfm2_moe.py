@@ -190,7 +190,7 @@ class Model(qwen3_next.Model):
     def attention(self, i: int, x: np.ndarray, pos0: int) -> np.ndarray:
         if i in self.kv_row:
             return self.full_attention(i, x, pos0)
-        return self.short_conv(i, x)
+        return self._stateful(i, x, pos0, self.short_conv)
 
     def full_attention(self, i: int, x: np.ndarray, pos0: int) -> np.ndarray:
         """GQA with per-head q/k norms before RoPE; writes KV row kv_row[i]."""

@@ -289,6 +289,8 @@ class Model(base.MoEModel):
     snapshot's position (-1 = none).
     """
 
+    _hist = None  # verify's per-token states (conv [T, ...], rec [T, ...], pos0) until accept
+
     def __init__(self, args, dense, dense_quant, expert_quant, experts, context_length, group_size=32,
                  kv_dtype="f16", embed_rows=None):
         super().__init__(args, dense, dense_quant, expert_quant, experts, context_length, group_size,
@@ -388,6 +390,45 @@ class Model(base.MoEModel):
         self.rec_snap[:] = self.rec_state
         self.snap_pos = pos
 
+    def verify(self, ids: np.ndarray, pos0: int, cancel: threading.Event | None = None) -> np.ndarray:
+        """As MoEModel.verify: the stateful layers step token by token (the one-token
+        recurrence, bit-identical to decoding; the chunked rule of a prefill rounds otherwise)
+        and keep their state after each token, for :meth:`accept`; no prefill snapshot is
+        taken (the draft's tokens may be rejected). Holds T copies of the state meanwhile."""
+        T = len(ids)
+        self._hist = (np.empty((T, *self.conv_state.shape), np.float32),
+                      np.empty((T, *self.rec_state.shape), np.float32), pos0)
+        try:
+            return super().verify(ids, pos0, cancel)
+        except BaseException:
+            self._hist = None
+            raise
+
+    def accept(self, n: int) -> None:
+        """The state after the first ``n`` positions of the last :meth:`verify` becomes the live one."""
+        hist, self._hist = self._hist, None
+        if hist is None or not self.state_row:
+            return
+        conv, rec, pos0 = hist
+        if pos0 + n != self.state_pos:
+            self.conv_state[:] = conv[n - 1]
+            self.rec_state[:] = rec[n - 1]
+            self.state_pos = pos0 + n
+
+    def _stateful(self, i: int, x: np.ndarray, pos0: int, mixer) -> np.ndarray:
+        """``mixer(i, x)`` of stateful layer i on x [T, D] at positions pos0.. (its state carried
+        across calls); during :meth:`verify` one token at a time, recording the state after each."""
+        hist = self._hist
+        if hist is None:
+            return mixer(i, x)
+        r = self.state_row[i]
+        out = np.empty_like(x)
+        for t in range(x.shape[0]):
+            out[t:t + 1] = mixer(i, x[t:t + 1])
+            hist[0][pos0 - hist[2] + t, r] = self.conv_state[r]
+            hist[1][pos0 - hist[2] + t, r] = self.rec_state[r]
+        return out
+
     def forward(self, ids: np.ndarray, pos0: int, all_logits: bool = False,
                 cancel: threading.Event | None = None) -> np.ndarray:
         """As MoEModel.forward, from the linear layers' state at ``pos0`` (live, snapshot or
@@ -415,7 +456,7 @@ class Model(base.MoEModel):
         bounds = [(c0, min(c0 + PREFILL_CHUNK, T - 1)) for c0 in range(0, T - 1, PREFILL_CHUNK)] + [(T - 1, T)]
         outs = []
         for c0, c1 in bounds:
-            if c0 == T - 1 and T > 1:
+            if c0 == T - 1 and T > 1 and self._hist is None:
                 self._snapshot(pos0 + T - 1)
             x = self._layers(ids[c0:c1], pos0 + c0, cancel)
             if all_logits:
@@ -437,7 +478,7 @@ class Model(base.MoEModel):
         """Layer i's token mixer on x [T, D] (positions pos0..): gated attention or Gated DeltaNet."""
         if i in self.kv_row:
             return self.full_attention(i, x, pos0)
-        return self.linear_attention(i, x)
+        return self._stateful(i, x, pos0, self.linear_attention)
 
     def full_attention(self, i: int, x: np.ndarray, pos0: int) -> np.ndarray:
         """Gated GQA with per-head q/k norms and partial RoPE; writes KV row kv_row[i]."""
