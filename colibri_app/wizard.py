@@ -221,7 +221,7 @@ class SourcePage(QWizardPage):
         self.browse_file.clicked.connect(self._browse_file)
         self.supported = QLabel(
             f"Supported mixture-of-experts families: {supported_families()} (GGUF architectures qwen3moe, "
-            f"olmoe, qwen2moe, llama with experts, gpt-oss). Other model types are refused before anything is "
+            f"olmoe, qwen2moe, llama with experts, gpt-oss, deepseek2). Other model types are refused before anything is "
             f"downloaded.")
         self.supported.setWordWrap(True)
         self.status = QLabel()

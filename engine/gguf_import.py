@@ -22,7 +22,9 @@ What the store gets:
 
 Architectures: ``qwen3moe``, ``olmoe``, ``qwen2moe``, ``llama`` with experts (Mixtral; its
 q/k rows are un-permuted back to the rotate-half order the converter permuted them from),
-``gpt-oss`` (the experts' biases ``ffn_*_exps.bias`` go into each slab beside the blocks).
+``gpt-oss`` (the experts' biases ``ffn_*_exps.bias`` go into each slab beside the blocks),
+``deepseek2`` (DeepSeek-V2 / V3, Kimi-K2: MLA, whose ``attn_k_b`` / ``attn_v_b`` are the store's
+absorbed tensors; the router's gating function picks the family).
 
 Errors (one line, before any work, nothing left in DST): not a GGUF, a truncated header, tensor
 data shorter than the header says, a split with a part missing, an architecture or block type
@@ -53,7 +55,8 @@ log = logging.getLogger(__name__)
 SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.IGNORECASE)
 
 # llama.cpp architecture -> our family's model_type
-ARCHS = {"qwen3moe": "qwen3_moe", "olmoe": "olmoe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "gpt-oss": "gpt_oss"}
+ARCHS = {"qwen3moe": "qwen3_moe", "olmoe": "olmoe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "gpt-oss": "gpt_oss",
+         "deepseek2": "deepseek_v3"}
 
 # per-layer tensors: Hugging Face name inside model.layers.N. -> GGUF name inside blk.N.
 _LAYER_NAMES = {
@@ -73,6 +76,15 @@ _LAYER_NAMES = {
     "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    # DeepSeek / GLM: MLA, the routers' score bias, ungated shared experts
+    "self_attn.q_a_proj.weight": "attn_q_a.weight", "self_attn.q_a_layernorm.weight": "attn_q_a_norm.weight",
+    "self_attn.q_b_proj.weight": "attn_q_b.weight",
+    "self_attn.kv_a_proj_with_mqa.weight": "attn_kv_a_mqa.weight",
+    "self_attn.kv_a_layernorm.weight": "attn_kv_a_norm.weight", "self_attn.kv_b_proj.weight": "attn_kv_b.weight",
+    "mlp.gate.e_score_correction_bias": "exp_probs_b.bias",
+    "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
 }
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
@@ -285,7 +297,7 @@ def hf_config(g: GGUFModel) -> dict:
     if vocab is None:
         vocab = int(g.tensor("token_embd.weight").shape[1])
     scaling = g.key("rope.scaling.type", (str,), optional=True, default="none")
-    yarn = arch == "gpt-oss" and scaling == "yarn"
+    yarn = arch in ("gpt-oss", "deepseek2") and scaling == "yarn"
     if not yarn and (scaling not in ("none", "linear") or
                      (scaling == "linear" and g.key("rope.scaling.factor", (float,), optional=True, default=1.0) != 1.0)):
         raise ConfigError(f"{g.files[0]}: {arch}.rope.scaling.type = {scaling!r}: RoPE scaling is not supported "
@@ -298,6 +310,8 @@ def hf_config(g: GGUFModel) -> dict:
         "rope_theta": g.key("rope.freq_base", (float,), optional=True, default=10000.0),
         "tie_word_embeddings": "output.weight" not in g.tensors, "hidden_act": "silu",
     }
+    if arch == "deepseek2":
+        return _deepseek2_config(g, cfg, E, yarn)
     hd = g.key("attention.key_length", optional=True)
     if hd is not None:
         vd = g.key("attention.value_length", optional=True, default=hd)
@@ -336,11 +350,78 @@ def hf_config(g: GGUFModel) -> dict:
                    intermediate_size=_expert_width(g, ff))
     if g.key("expert_weights_scale", (float,), optional=True, default=1.0) not in (0.0, 1.0):
         raise ConfigError(f"{g.files[0]}: {arch}.expert_weights_scale != 1 is not supported")
+    return _special_ids(g, cfg)
+
+
+def _special_ids(g: GGUFModel, cfg: dict) -> dict:
     for k, gk in (("bos_token_id", "tokenizer.ggml.bos_token_id"), ("eos_token_id", "tokenizer.ggml.eos_token_id")):
         v = g.kv.get(gk)
         if isinstance(v, int) and not isinstance(v, bool):
             cfg[k] = v
     return cfg
+
+
+# llama.cpp's expert_gating_func values
+_GATING = {1: "softmax", 2: "sigmoid"}
+
+
+def _deepseek2_config(g: GGUFModel, cfg: dict, E: int, yarn: bool) -> dict:
+    """config.json of a ``deepseek2`` GGUF (DeepSeek-V2 / V3, Kimi-K2): a sigmoid router
+    (``expert_gating_func`` 2, with ``exp_probs_b``) is DeepSeek-V3's family, a softmax one
+    (1, or absent as in the first V2 files, as llama.cpp reads them) DeepSeek-V2's.
+
+    MLA sizes: llama.cpp writes the latent view as ``attention.key_length`` = kv_lora_rank +
+    rope width and ``value_length`` = kv_lora_rank, the per-head sizes as ``key_length_mla`` /
+    ``value_length_mla``; files older than those two keys carry the per-head sizes in
+    ``key_length`` / ``value_length``.
+    """
+    L = cfg["num_hidden_layers"] - g.key("nextn_predict_layers", optional=True, default=0)
+    dr = g.key("rope.dimension_count")
+    if g.key("attention.key_length_mla", optional=True) is not None:
+        qk, dv = g.key("attention.key_length_mla"), g.key("attention.value_length_mla")
+    else:
+        qk, dv = g.key("attention.key_length"), g.key("attention.value_length")
+    if qk <= dr:
+        raise ConfigError(f"{g.files[0]}: {g.arch}.attention.key_length_mla ({qk}) is not larger than "
+                          f"{g.arch}.rope.dimension_count ({dr}); the file is inconsistent")
+    gating = g.key("expert_gating_func", optional=True, default=1)
+    if gating not in _GATING:
+        raise ConfigError(f"{g.files[0]}: {g.arch}.expert_gating_func = {gating} is not supported "
+                          f"(1 softmax or 2 sigmoid)")
+    v3 = _GATING[gating] == "sigmoid"
+    n_group = g.key("expert_group_count", optional=True, default=1)
+    topk_group = g.key("expert_group_used_count", optional=True, default=n_group)
+    k_dense = g.key("leading_dense_block_count", optional=True, default=0)
+    qr = g.key("attention.q_lora_rank", optional=True, default=0)
+    cfg.update(num_hidden_layers=L, num_key_value_heads=cfg["num_attention_heads"], n_routed_experts=E,
+               q_lora_rank=qr or None, kv_lora_rank=g.key("attention.kv_lora_rank"),
+               qk_nope_head_dim=qk - dr, qk_rope_head_dim=dr, v_head_dim=dv,
+               moe_intermediate_size=g.key("expert_feed_forward_length"),
+               n_shared_experts=g.key("expert_shared_count", optional=True, default=0),
+               first_k_dense_replace=k_dense,
+               norm_topk_prob=bool(g.key("expert_weights_norm", (bool, int), optional=True, default=False)),
+               routed_scaling_factor=g.key("expert_weights_scale", (float,), optional=True, default=1.0) or 1.0,
+               scoring_func=_GATING[gating], n_group=n_group, topk_group=topk_group, rope_interleave=True,
+               attention_bias=False)
+    if k_dense:
+        cfg["intermediate_size"] = g.key("feed_forward_length")
+    if v3:
+        cfg.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], topk_method="noaux_tc")
+    else:
+        cfg.update(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"],
+                   topk_method="group_limited_greedy" if n_group > 1 else "greedy")
+    rope = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta")}
+    if yarn:
+        # llama.cpp stores 0.1 * mscale_all_dim as the log multiplier and takes mscale equal to it
+        mall = g.key("rope.scaling.yarn_log_multiplier", (float,), optional=True, default=0.0) / 0.1
+        rope.update(rope_type="yarn", factor=g.key("rope.scaling.factor", (float,)),
+                    original_max_position_embeddings=g.key("rope.scaling.original_context_length"),
+                    beta_fast=g.key("rope.scaling.yarn_beta_fast", (float,), optional=True, default=32.0),
+                    beta_slow=g.key("rope.scaling.yarn_beta_slow", (float,), optional=True, default=1.0))
+        if mall:
+            rope.update(mscale=mall, mscale_all_dim=mall)
+    cfg["rope_parameters"] = rope
+    return _special_ids(g, cfg)
 
 
 def _expert_width(g: GGUFModel, ff) -> int:
@@ -415,10 +496,16 @@ class GGUFSource:
         D, I = a.hidden_size, a.moe_intermediate_size
         self.tensors = self.family.dense_tensors(a)
         for t in self.tensors:
-            gt = self._gguf_tensor(t.hf)
-            if int(gt.n_elements) != int(np.prod(t.shape)):
-                raise CheckpointError(f"{g.files[0]}: tensor {gt.name} holds {gt.n_elements} values, the metadata "
-                                      f"implies {list(t.shape)}; the file is inconsistent")
+            if self._kv_b_parts(t.hf):
+                H, r = a.num_attention_heads, a.kv_lora_rank
+                want = {"attn_k_b": H * r * a.qk_nope_head_dim, "attn_v_b": H * a.v_head_dim * r}
+                parts = [(gt, want[gt.name.split(".")[2]]) for gt in self._kv_b_parts(t.hf)]
+            else:
+                parts = [(self._gguf_tensor(t.hf), int(np.prod(t.shape)))]
+            for gt, n in parts:
+                if int(gt.n_elements) != n:
+                    raise CheckpointError(f"{g.files[0]}: tensor {gt.name} holds {gt.n_elements} values, the "
+                                          f"metadata implies {n}; the file is inconsistent")
         # experts: per MoE layer, per projection: (tensor, ggml type, row bytes)
         self.expert_rows: list[dict] = []
         self.expert_biases: list[dict] = []  # per MoE layer: proj -> (bias tensor numpy [E, rows], first row)
@@ -463,8 +550,26 @@ class GGUFSource:
             raise CheckpointError(f"{self.g.files[0]}: the {self.g.arch} import has no GGUF name for {hf}") from None
         return self.g.tensor(name)
 
+    def _kv_b_parts(self, hf: str) -> list:
+        """[attn_k_b, attn_v_b] when ``hf`` is MLA's kv_b_proj and the file holds it split as
+        llama.cpp's converter writes it since its absorbed-MLA layout; [] otherwise."""
+        if not hf.endswith("self_attn.kv_b_proj.weight"):
+            return []
+        blk = gguf_name(hf, self.g.arch)[: -len("attn_kv_b.weight")]
+        if blk + "attn_kv_b.weight" in self.g.tensors:
+            return []
+        return [self.g.tensor(blk + "attn_k_b.weight"), self.g.tensor(blk + "attn_v_b.weight")]
+
     def get(self, hf: str, shape: tuple) -> np.ndarray:
-        """float32 tensor ``hf`` in its Hugging Face shape (q/k un-permuted for llama)."""
+        """float32 tensor ``hf`` in its Hugging Face shape (q/k un-permuted for llama; MLA's
+        kv_b_proj joined again from llama.cpp's attn_k_b [H, r, dn] and attn_v_b [H, dv, r])."""
+        split = self._kv_b_parts(hf)
+        if split:
+            a = self.args
+            H, r, dn, dv = a.num_attention_heads, a.kv_lora_rank, a.qk_nope_head_dim, a.v_head_dim
+            kb = _dequantize(split[0]).reshape(H, r, dn).transpose(0, 2, 1)
+            vb = _dequantize(split[1]).reshape(H, dv, r)
+            return np.ascontiguousarray(np.concatenate([kb, vb], axis=1)).reshape(shape)
         w = _dequantize(self._gguf_tensor(hf)).reshape(shape)
         if self.g.arch == "llama" and hf.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             heads = self.args.num_attention_heads if ".q_proj" in hf else self.args.num_key_value_heads
@@ -472,7 +577,8 @@ class GGUFSource:
         return w
 
     def nbytes(self, hf: str) -> int:
-        return int(self._gguf_tensor(hf).n_bytes)
+        split = self._kv_b_parts(hf)
+        return sum(int(t.n_bytes) for t in split) if split else int(self._gguf_tensor(hf).n_bytes)
 
     def expert_block_rows(self, j: int, e: int, proj: str) -> tuple[int, np.ndarray]:
         """(ggml type, uint8 [O, row bytes]) of expert ``e``'s ``proj`` in MoE layer ``j``."""
@@ -570,7 +676,10 @@ def _write_store(source: GGUFSource, tok: dict, dst: Path, overwrite: bool, dq: 
             check_cancel()
             w = source.get(t.hf, t.shape)
             check_finite(gguf_name(t.hf, g.arch), w, "f32" if t.kind == "keep" else dq, str(label))
-            if t.kind == "keep":
+            if t.split:  # one tensor stored as several (MLA's kv_b_proj: k_absorb, v_absorb)
+                for name, part in fam.split_tensor(a, t, w).items():
+                    _put(dense, name, part, dq, group_size)
+            elif t.kind == "keep":
                 dense[t.ours] = np.ascontiguousarray(w, np.float32)
             elif t.ours in ("embed_tokens", "lm_head"):
                 _put(dense, t.ours, w, LM_HEAD_QUANT.get(dq, dq), group_size)

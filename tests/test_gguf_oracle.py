@@ -46,8 +46,8 @@ from llama_helpers import agreement, import_llama_cpp, llama_cpp_dir, llama_cpp_
 
 from engine.gguf_import import GGUFModel, convert_gguf  # noqa: E402
 from engine.gguf_tokenizer import tokenizer_files  # noqa: E402
-from engine.synthetic import (gpt_oss_config, mixtral_config, olmoe_config, qwen2_moe_config,  # noqa: E402
-                              qwen3_moe_config, write_checkpoint)
+from engine.synthetic import (deepseek_v2_config, deepseek_v3_config, gpt_oss_config, mixtral_config,  # noqa: E402
+                              olmoe_config, qwen2_moe_config, qwen3_moe_config, write_checkpoint)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import open_model  # noqa: E402
@@ -70,6 +70,12 @@ def _config(family: str, vocab: int) -> dict:
         return olmoe_config(intermediate_size=256, num_key_value_heads=4, **kw)
     if family == "qwen2_moe":
         return qwen2_moe_config(moe_intermediate_size=256, shared_expert_intermediate_size=256, **kw)
+    if family in ("deepseek_v3", "deepseek_v2"):  # layer 0 dense, MLA with (V3) and without (V2) q LoRA
+        make = deepseek_v3_config if family == "deepseek_v3" else deepseek_v2_config
+        kw.update(num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1)
+        extra = dict(n_group=1, topk_group=1, q_lora_rank=128) if family == "deepseek_v3" else {}
+        return make(intermediate_size=256, moe_intermediate_size=256, kv_lora_rank=64, qk_nope_head_dim=32,
+                    qk_rope_head_dim=16, v_head_dim=32, num_nextn_predict_layers=0, **extra, **kw)
     if family == "gpt_oss":  # window 8: the 24-token prompt crosses it
         return gpt_oss_config(intermediate_size=256, num_key_value_heads=2, head_dim=64, sliding_window=8, **kw)
     return mixtral_config(intermediate_size=256, **kw)
@@ -110,7 +116,8 @@ def made(tmp_path_factory):
 
 
 CASES = ([(f, t) for f in ("qwen3_moe", "olmoe", "mixtral") for t in TYPES]
-         + [("qwen2_moe", "Q4_K_M"), ("gpt_oss", "MXFP4_MOE"), ("gpt_oss", "Q8_0")])
+         + [("qwen2_moe", "Q4_K_M"), ("gpt_oss", "MXFP4_MOE"), ("gpt_oss", "Q8_0")]
+         + [("deepseek_v3", t) for t in TYPES] + [("deepseek_v2", "Q4_K_M")])
 
 
 @pytest.mark.parametrize("family,qtype", CASES, ids=[f"{f}-{t}" for f, t in CASES])
