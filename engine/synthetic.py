@@ -372,6 +372,30 @@ def granitemoehybrid_config(**kw) -> dict:
     return cfg
 
 
+def kimi_linear_config(**kw) -> dict:
+    """A tiny Kimi-Linear config.json dict (KimiLinearConfig names, as transformers saves them):
+    KDA layers (4 heads of 16, 4-tap conv) around a NoPE MLA layer (kv LoRA 32, nope / rope / v
+    16), layer 0 dense, 8 experts in 2 groups (1 kept) top-2 with the correction bias, one
+    shared expert."""
+    cfg = {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "num_experts": 8, "num_experts_per_token": 2, "num_expert_group": 2,
+        "topk_group": 1, "num_shared_experts": 1, "moe_renormalize": True, "routed_scaling_factor": 2.446,
+        "q_lora_rank": None, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 16, "v_head_dim": 16,
+        "linear_num_heads": 4, "linear_head_dim": 16, "linear_conv_kernel_dim": 4, "vocab_size": 300,
+        "model_max_length": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "hidden_act": "silu",
+        "eos_token_id": 0, "bos_token_id": None, "pad_token_id": 0,
+    }
+    cfg.update(kw)
+    L = cfg["num_hidden_layers"]
+    if "layer_types" not in kw and "linear_attn_config" not in kw:  # KDA, MLA, KDA, KDA, MLA, ...
+        cfg["layer_types"] = ["full_attention" if i % 3 == 1 else "linear_attention" for i in range(L)]
+    if "mlp_layer_types" not in kw and "first_k_dense_replace" not in kw:
+        cfg["mlp_layer_types"] = ["dense" if i < 1 else "sparse" for i in range(L)]
+    return cfg
+
+
 def qwen3_next_config(**kw) -> dict:
     """A tiny Qwen3-Next config.json dict (Qwen3NextConfig names): Gated DeltaNet layers (2 key /
     4 value heads of 16) with a gated full-attention layer every 4th (the last one when fewer
@@ -425,7 +449,7 @@ CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixt
            "ernie4_5_moe": ernie4_5_moe_config, "dots1": dots1_config, "hunyuan_v1_moe": hunyuan_v1_moe_config,
            "minimax_m2": minimax_m2_config, "llama4_text": llama4_text_config, "llama4": llama4_config,
            "gemma4_text": gemma4_text_config, "gemma4": gemma4_config, "lfm2_moe": lfm2_moe_config,
-           "granitemoehybrid": granitemoehybrid_config}
+           "granitemoehybrid": granitemoehybrid_config, "kimi_linear": kimi_linear_config}
 
 # Exact shapes of published checkpoints (their config.json values; weights are random).
 PRESETS = {
@@ -440,6 +464,24 @@ PRESETS = {
         max_position_embeddings=262144, rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], bos_token_id=151643, eos_token_id=151645),
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct (its published config.json keys): 27 layers, 7 of
+    # them NoPE MLA (32 heads, kv LoRA 512, nope 128, rope 64, v 128), the others KDA (32 heads of
+    # 128, 4-tap conv); layer 1 dense; 256 experts of width 1024, top-8, one shared expert.
+    "kimi-linear-48b-a3b": {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "hidden_size": 2304,
+        "intermediate_size": 9216, "moe_intermediate_size": 1024, "num_hidden_layers": 27,
+        "num_attention_heads": 32, "num_key_value_heads": 32, "head_dim": 72, "kv_lora_rank": 512,
+        "q_lora_rank": None, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "mla_use_nope": True, "linear_attn_config": {
+            "full_attn_layers": [4, 8, 12, 16, 20, 24, 27],
+            "kda_layers": [1, 2, 3, 5, 6, 7, 9, 10, 11, 13, 14, 15, 17, 18, 19, 21, 22, 23, 25, 26],
+            "num_heads": 32, "head_dim": 128, "short_conv_kernel_size": 4},
+        "first_k_dense_replace": 1, "moe_layer_freq": 1, "num_experts": 256, "num_experts_per_token": 8,
+        "num_shared_experts": 1, "num_expert_group": 1, "topk_group": 1, "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid", "routed_scaling_factor": 2.446, "use_grouped_topk": True,
+        "model_max_length": 1048576, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
+        "tie_word_embeddings": False, "hidden_act": "silu", "vocab_size": 163840, "bos_token_id": 163584,
+        "eos_token_id": 163586, "pad_token_id": 163839},
     # Qwen/Qwen3-30B-A3B: 48 layers x 128 experts, top-8, ~31 GB at int8, ~16 GB at int4.
     "qwen3-30b-a3b": qwen3_moe_config(
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,

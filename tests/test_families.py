@@ -24,7 +24,7 @@ from engine.synthetic import (CONFIGS, PRESETS, deepseek_v2_config, deepseek_v3_
                               dots1_config, ernie4_5_moe_config, glm4_moe_config, glm4_moe_lite_config, glm_moe_dsa_config, mixtral_config,
                               olmoe_config, qwen2_moe_config, qwen3_5_moe_config, qwen3_5_moe_text_config,
                               qwen3_moe_config, qwen3_next_config, write_checkpoint, write_store_from_seed,
-                              gemma4_config, gemma4_text_config, granitemoehybrid_config, hunyuan_v1_moe_config, lfm2_moe_config, llama4_config, llama4_text_config, minimax_m2_config)
+                              gemma4_config, gemma4_text_config, granitemoehybrid_config, hunyuan_v1_moe_config, kimi_linear_config, lfm2_moe_config, llama4_config, llama4_text_config, minimax_m2_config)
 
 # Family configs with dense layers, GQA, shared experts and windows (small but streaming).
 FAMILY_CONFIGS = {
@@ -68,6 +68,8 @@ FAMILY_CONFIGS = {
     "lfm2_moe": lfm2_moe_config(),
     # Mamba2 layers carrying conv inputs and state across calls, a NoPE attention layer, multipliers
     "granitemoehybrid": granitemoehybrid_config(),
+    # KDA layers carrying conv inputs and a per-channel-decay state, a NoPE latent-attention layer
+    "kimi_linear": kimi_linear_config(),
 }
 
 
@@ -470,6 +472,7 @@ def test_info_counts_the_indexer_keys_in_the_kv_cache(family_stores, name, n_ind
     ("gemma4", 64 + 128 + 128),  # a sliding layer (2 KV heads of 16) + two full ones (2 of 32)
     ("lfm2_moe", 64),  # the one attention layer; the conv layers' state apart, any context
     ("granitemoehybrid", 64),  # the one attention layer; the Mamba2 layers' state apart
+    ("kimi_linear", 32 + 16),  # the one latent-attention layer (kv_lora_rank + qk_rope_head_dim)
     ("llama4", 4 * 64), ("ernie4_5_moe", 3 * 64)])
 def test_kv_cache_bytes_are_what_sizing_plans(family_stores, name, per_token, kv_dtype):
     """The KV cache a model allocates is the one sizing plans (Engine.open's budget): per layer

@@ -19,7 +19,9 @@ from engine.config import EngineConfig, ModelArgs
 from engine.events import Finished, FinishReason, GenerateRequest, SamplingParams
 from engine.generate import Engine
 from engine import kernels, kernels_ref
-from engine.synthetic import granitemoehybrid_config, lfm2_moe_config, qwen3_5_moe_text_config, qwen3_next_config, write_checkpoint
+from engine.models.kimi_linear import kimi_delta
+from engine.synthetic import (granitemoehybrid_config, kimi_linear_config, lfm2_moe_config, qwen3_5_moe_text_config,
+                              qwen3_next_config, write_checkpoint)
 
 HYBRID = {
     "qwen3_next": qwen3_next_config(mlp_only_layers=[1]),
@@ -29,6 +31,8 @@ HYBRID = {
     "lfm2_moe": lfm2_moe_config(num_hidden_layers=4),
     # Mamba2 layers (conv inputs and the SSM state) around an attention layer
     "granitemoehybrid": granitemoehybrid_config(num_hidden_layers=4),
+    # Kimi Delta Attention layers (conv inputs and the per-channel-decay state) around NoPE MLA
+    "kimi_linear": kimi_linear_config(num_hidden_layers=4),
 }
 
 
@@ -187,6 +191,38 @@ def test_chunked_rule_equals_the_recurrence(impl, T, chunk):
     np.testing.assert_allclose(S1, S2, atol=2e-5 * np.abs(S2).max())
 
 
+def _channel_recurrence(q, k, v, g, beta, S):
+    """The delta rule with a decay per key channel, token by token (the definition)."""
+    out = np.empty((q.shape[0], q.shape[1], v.shape[2]), np.float64)
+    for t in range(q.shape[1]):
+        S *= np.exp(g[:, t])[:, :, None]
+        delta = (v[:, t] - np.einsum("hk,hkv->hv", k[:, t], S)) * beta[:, t, None]
+        S += k[:, t, :, None] * delta[:, None, :]
+        out[:, t] = np.einsum("hk,hkv->hv", q[:, t], S)
+    return out
+
+
+@pytest.mark.parametrize("T,chunk", [(1, 64), (63, 64), (130, 64), (17, 4)])
+def test_kimi_delta_chunks_equal_the_recurrence(T, chunk):
+    """Kimi Delta Attention's chunked rule (a decay per key channel) equals the token-by-token
+    recurrence, across chunk edges, with decays down to e^-200 in one channel."""
+    rng = np.random.default_rng(T)
+    H, dk, dv = 3, 8, 5
+    q = rng.standard_normal((H, T, dk)).astype(np.float32)
+    k = rng.standard_normal((H, T, dk)).astype(np.float32)
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    v = rng.standard_normal((H, T, dv)).astype(np.float32)
+    g = -rng.uniform(0.0, 3.0, (H, T, dk)).astype(np.float32)
+    g[0, T // 2, 1] = -200.0
+    beta = rng.uniform(0.0, 1.0, (H, T)).astype(np.float32)
+    S0 = rng.standard_normal((H, dk, dv)).astype(np.float32)
+    S1, S2 = S0.copy(), S0.astype(np.float64)
+    got = kimi_delta(q, k, v, g, beta, S1, chunk)
+    want = _channel_recurrence(q, k, v, g, beta, S2)
+    np.testing.assert_allclose(got, want, atol=2e-5 * np.abs(want).max())
+    np.testing.assert_allclose(S1, S2, atol=2e-5 * np.abs(S2).max())
+
+
 @pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
 def test_sizing_counts_full_layer_kv_and_the_recurrent_state(hybrid_stores, kv_dtype):
     store = hybrid_stores["qwen3_next"]
@@ -203,6 +239,40 @@ def test_sizing_counts_full_layer_kv_and_the_recurrent_state(hybrid_stores, kv_d
     text = describe_store(str(store), 96)
     assert "1 gated full-attention layer (" in text and "3 Gated DeltaNet linear-attention layers" in text
     assert "recurrent state of the 3 linear-attention layers" in text
+
+
+@pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
+def test_kimi_linear_sizing_counts_the_latent_cache_and_the_kda_state(hybrid_stores, kv_dtype):
+    store = hybrid_stores["kimi_linear"]
+    a = ModelArgs.from_hf_config(store)
+    assert a.full_layers == (1,) and a.linear_layers == (0, 2, 3) and a.num_kv_layers == 1
+    state = 2 * 3 * 4 * (3 * 64 * 3 + 4 * 16 * 16)  # live + snapshot, float32, 3 KDA layers
+    assert a.recurrent_state_bytes == state
+    per = {"f16": 2, "f32": 4}[kv_dtype]
+    assert sizing.kv_bytes(a, 96, kv_dtype) == 1 * (32 + 16) * 96 * per + state  # one latent row per token
+    cfg = EngineConfig(store=str(store), history=False, o_direct=False, context_length=96, kv_dtype=kv_dtype)
+    with Engine.open(cfg) as eng:
+        assert eng.model.kv_bytes == sizing.kv_bytes(a, 96, kv_dtype) == eng.plan.kv
+        assert eng.model.kv_cache.shape == (1, 1, 96, 48)
+    text = describe_store(str(store), 96)
+    assert "1 multi-head latent attention layer (heads 4, no RoPE, kv_lora_rank 32" in text
+    assert "3 Kimi Delta Attention linear-attention layers (4 heads of 16, conv 4)" in text
+    assert "recurrent state of the 3 linear-attention layers" in text
+    assert "rope        none (attention without rotary embeddings)" in text
+
+
+def test_kimi_linear_48b_preset_reads_the_published_config():
+    """The published config.json (1-based layer lists in linear_attn_config, num_experts_per_token,
+    moe_renormalize, ...) gives the published shape."""
+    from engine.synthetic import PRESETS
+    a = ModelArgs.from_dict(PRESETS["kimi-linear-48b-a3b"])
+    assert (a.num_hidden_layers, a.num_moe_layers, a.full_layers) == (27, 26, (3, 7, 11, 15, 19, 23, 26))
+    assert (a.num_experts, a.num_experts_per_tok, a.n_shared_experts, a.norm_topk_prob) == (256, 8, 1, True)
+    assert (a.linear_num_heads, a.linear_head_dim, a.linear_conv_kernel_dim, a.kv_values_per_token) == (32, 128, 4, 576)
+    # live + snapshot state of 20 KDA layers: conv 3 x 12288 + S 32 x 128 x 128, float32
+    assert a.recurrent_state_bytes == 2 * 20 * 4 * (3 * 12288 + 32 * 128 * 128) == 89_784_320
+    assert sizing.kv_bytes(a, 4096) == 7 * 576 * 4096 * 2 + a.recurrent_state_bytes
+    assert a.max_position_embeddings == 1048576 and not a.use_rope
 
 
 def test_qwen3_next_80b_preset_sizes():

@@ -254,7 +254,10 @@ def describe_store(path: str, context_length: int = 0) -> str:
 
 
 def _rope_text(a) -> str:
-    """The rotary embedding line of ``colibri info``: theta, then YaRN's parameters or "no scaling"."""
+    """The rotary embedding line of ``colibri info``: theta, then YaRN's parameters or "no scaling"
+    ("none" for a model whose attention has no rotary embedding: Kimi-Linear, NoPE Granite)."""
+    if getattr(a, "use_rope", True) is False:
+        return "none (attention without rotary embeddings)"
     text = f"theta {getattr(a, 'rope_theta', 0):g}"
     sc = dict(getattr(a, "rope_scaling", ()) or ())
     if not sc:
@@ -270,6 +273,12 @@ def _attention_text(a) -> str:
     """The attention part of ``colibri info``'s layers line."""
     if getattr(a, "kv_lora_rank", 0):
         q = f"q LoRA rank {a.q_lora_rank}" if a.q_lora_rank else "plain q_proj"
+        if getattr(a, "linear_layers", ()):  # Kimi-Linear: KDA layers around NoPE latent attention
+            return (f"{_layers(len(a.full_layers), 'multi-head latent attention')} (heads {a.num_attention_heads}, "
+                    f"no RoPE, kv_lora_rank {a.kv_lora_rank}, qk_nope_head_dim {a.qk_nope_head_dim}, "
+                    f"qk_rope_head_dim {a.qk_rope_head_dim}, v_head_dim {a.v_head_dim}, {q}; latent KV cache), "
+                    f"{_layers(len(a.linear_layers), 'Kimi Delta Attention linear-attention')} "
+                    f"({a.linear_num_heads} heads of {a.linear_head_dim}, conv {a.linear_conv_kernel_dim})")
         out = (f"heads {a.num_attention_heads}, multi-head latent attention (kv_lora_rank {a.kv_lora_rank}, "
                f"qk_rope_head_dim {a.qk_rope_head_dim}, qk_nope_head_dim {a.qk_nope_head_dim}, v_head_dim "
                f"{a.v_head_dim}, {q}); latent KV cache")

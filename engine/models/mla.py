@@ -167,6 +167,12 @@ class MLAModel(base.MoEModel):
     """
 
     absorb = True
+    rope = True  # False: the "rope" part of q and k enters the score unrotated (Kimi-Linear's NoPE MLA)
+
+    def latent_row(self, i: int) -> int:
+        """Row of ``kv_cache`` holding transformer layer i's latents (every layer has one here;
+        a hybrid family caches its MLA layers only)."""
+        return i
 
     def attention_weights(self, dense: dict, p: str) -> dict:
         a, dq, gs = self.args, self.dense_quant, self.gs
@@ -222,10 +228,11 @@ class MLAModel(base.MoEModel):
         if self.perm is not None:
             q_pe, k_pe = q_pe[:, :, self.perm], k_pe[:, :, self.perm]
         q_pe, k_pe = np.ascontiguousarray(q_pe), np.ascontiguousarray(k_pe)  # [T, H, dr], [T, 1, dr]
-        cos, sin = self.cos[pos0:pos0 + T], self.sin[pos0:pos0 + T]
-        K.rope(q_pe, cos, sin)
-        K.rope(k_pe, cos, sin)
-        cache = self.kv_cache[i]  # [1, C, r + dr]
+        if self.rope:
+            cos, sin = self.cos[pos0:pos0 + T], self.sin[pos0:pos0 + T]
+            K.rope(q_pe, cos, sin)
+            K.rope(k_pe, cos, sin)
+        cache = self.kv_cache[self.latent_row(i)]  # [1, C, r + dr]
         self._kv_write(cache[0, pos0:pos0 + T, :r], c)
         self._kv_write(cache[0, pos0:pos0 + T, r:], k_pe[:, 0])
         sel = self.select(i, h, qa, pos0, T)

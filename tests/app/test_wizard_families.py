@@ -67,6 +67,11 @@ FAMILIES = {
     "granitemoehybrid": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", dict(
         num_local_experts=4, num_experts_per_tok=2, intermediate_size=16, shared_intermediate_size=24,
         layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8), "Granite 4.0"),
+    "kimi_linear": ("KimiLinearConfig", "KimiLinearForCausalLM", dict(
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, moe_intermediate_size=16, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+        linear_num_heads=2, linear_head_dim=16, layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"]), "Kimi-Linear"),
 }
 
 
