@@ -16,7 +16,13 @@ def app_store(tmp_path_factory):
     from engine import synthetic
     root = tmp_path_factory.mktemp("tiny-model")
     ck = synthetic.write_checkpoint(root / "ck", synthetic.olmoe_config(), seed=0)
-    return str(convert_checkpoint(ck, root / "store", quant="int8"))
+    store = str(convert_checkpoint(ck, root / "store", quant="int8"))
+    # Compile (or load from numba's cache) the kernels once, here, with no deadline: a fresh
+    # clone compiles them for minutes on a loaded machine, and the windows' load waits below
+    # are for the app, not for the compiler.
+    from engine import Engine, EngineConfig
+    Engine.open(EngineConfig(store=store, cap=4, pinning=False, history=False)).close()
+    return store
 
 
 @pytest.fixture
