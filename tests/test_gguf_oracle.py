@@ -46,7 +46,7 @@ from llama_helpers import agreement, import_llama_cpp, llama_cpp_dir, llama_cpp_
 
 from engine.gguf_import import GGUFModel, convert_gguf  # noqa: E402
 from engine.gguf_tokenizer import tokenizer_files  # noqa: E402
-from engine.synthetic import (gpt_oss_config, mixtral_config, olmoe_config, qwen2_moe_config,  # noqa: E402
+from engine.bench.synthetic import (gpt_oss_config, mixtral_config, olmoe_config, qwen2_moe_config,  # noqa: E402
                               qwen3_moe_config, write_checkpoint)
 
 sys.path.insert(0, str(Path(__file__).parent))
