@@ -21,7 +21,7 @@ from .errors import Cancelled, ContextOverflowError, EngineError, ExpertReadErro
 from .events import Finished, FinishReason, GenerateRequest, Loaded, LoadProgress, ResidencySnapshot, TokenEvent
 from .expert_cache import ExpertCache
 from .expert_store import EMBED_TENSORS, ExpertStore
-from .kernel_prepare import kernel_kind, prepare_in_child
+from .kernel_prepare import CHILD_TIMEOUT_S, exit_with_parent, kernel_kind, prepare_in_child
 from .heat import RoutingHeat, cap_pins, pins_per_layer
 from .metrics import MetricsTracker, answer_rates, residency_snapshot
 from .models import build_model
@@ -209,7 +209,7 @@ class Engine:
         if prepare_kernels:
             self.kernel_prepare_s = prepare_in_child(
                 config, kernel_kind(a, store, config),
-                lambda done, msg: report(LoadProgress("compile", done, 1, "", msg)))
+                lambda done, msg: report(LoadProgress("compile", done, 1, "", msg)), child=compile_child)
         dense = store.load_dense(exclude=EMBED_TENSORS)
         embed_rows = store.embedding_rows()
         dense_bytes = sum(v.nbytes for v in dense.values())
@@ -884,3 +884,21 @@ def engine_threads_alive() -> list[str]:
             if t.name.startswith(("colibri-io", "colibri-pilot", "colibri-cluster", "colibri-fill",
                                   "colibri-populate"))]
 
+
+def compile_child(config: dict, parent_pid: int | None = None) -> None:
+    """The kernel compile's child process (engine.kernel_prepare.prepare_in_child): open the store
+    with ``config`` (an EngineConfig as a dict, kernel_prepare.child_config: a small budget) and
+    answer two tokens, so every kernel a generation calls gets compiled, or loaded, and written
+    to numba's cache. ``parent_pid``: the process that started it; the child ends when that one
+    does."""
+    if parent_pid is not None:
+        exit_with_parent(parent_pid)
+    from .events import SamplingParams
+    eng = Engine.open(EngineConfig.from_dict(config), prepare_kernels=False)
+    try:
+        eng.model.wait_decode_ready(CHILD_TIMEOUT_S)
+        req = GenerateRequest(prompt_ids=(1, 2, 3), sampling=SamplingParams(max_new_tokens=2))
+        for _ in eng.generate(req):
+            pass
+    finally:
+        eng.close()

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from .detokenizer import IncrementalDecoder
+
 MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")
 ENDS = ("<|end|>", "<|return|>", "<|call|>")  # each ends a message
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
@@ -61,7 +63,6 @@ class HarmonyDecoder:
     HEADER, CONTENT = "header", "content"
 
     def __init__(self, tokenizer, show_calls: bool = False) -> None:
-        from .tokenizer import IncrementalDecoder
         self._tok = tokenizer
         self.show_calls = show_calls
         self._make = lambda: IncrementalDecoder(tokenizer)

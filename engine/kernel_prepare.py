@@ -13,13 +13,14 @@ install ran a 7B-shaped model at a 4 GB budget with ~140 fewer expert slots than
 So Engine.open, when the kernels a store needs were not yet prepared on this machine (a marker
 file per kind of model in numba's cache folder, named by a digest of the kernel source, numba's
 version, the CPU and the kind of model: :func:`marker_path`), first opens the same store in a
-child process (the same Python running :func:`_child`, or multiprocessing's spawn in the frozen
+child process (the same Python running the child entry Engine.open passes,
+engine.generate.compile_child, or multiprocessing's spawn in the frozen
 bundle), with a small budget, runs a two-token answer there and exits; the child's compile
 fills numba's cache, its memory goes with it, and the engine then loads the kernels from the
 cache. A child that fails (a crash, no way to start a process) changes nothing: the engine
 compiles in process as before, and does not try a child again for that kind of model until it
 restarts. The child ends with its parent (a kill -9 of the app leaves no compile running:
-:func:`_exit_with_parent`). Two processes that start at once (the app and ``colibri serve``) compile once: the
+:func:`exit_with_parent`). Two processes that start at once (the app and ``colibri serve``) compile once: the
 second waits on a lock beside the marker (fsutil.FileLock) and then finds it. The environment
 variable ``COLIBRI_COMPILE_IN_PROCESS=1`` skips the child (the test suite sets it: a pytest
 process compiles hundreds of kernels anyway, and its RSS is nobody's budget).
@@ -128,7 +129,7 @@ def compile_needed(store: str, config) -> tuple[bool, float | None]:
     return True, (max(seconds) if seconds else None)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
+def exit_with_parent(parent_pid: int) -> None:
     """End this process as soon as process ``parent_pid`` is no longer its parent: a kill -9
     of the app during its first compile must not leave the compile running (minutes of a core
     and hundreds of MB). On Linux the kernel sends SIGKILL when the parent dies
@@ -153,25 +154,6 @@ def _exit_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def _child(config: dict, parent_pid: int | None = None) -> None:
-    """The child process: open the store with a small budget and answer two tokens (every kernel
-    a generation calls gets compiled, or loaded, and written to numba's cache). ``parent_pid``:
-    the process that started it; the child ends when that one does."""
-    if parent_pid is not None:
-        _exit_with_parent(parent_pid)
-    from .events import GenerateRequest, SamplingParams
-    from .generate import Engine
-    from .settings import EngineConfig
-    eng = Engine.open(EngineConfig.from_dict(config), prepare_kernels=False)
-    try:
-        eng.model.wait_decode_ready(CHILD_TIMEOUT_S)
-        req = GenerateRequest(prompt_ids=(1, 2, 3), sampling=SamplingParams(max_new_tokens=2))
-        for _ in eng.generate(req):
-            pass
-    finally:
-        eng.close()
-
-
 def child_config(config) -> dict:
     """The child's settings: the engine's own, as small as the store allows (cap 1, a 64-token
     context, no reservation, idle fill, pinning, history or cluster: nothing of the user's is
@@ -182,15 +164,15 @@ def child_config(config) -> dict:
     return d
 
 
-def _run_child(config: dict) -> int | None:
-    """Run :func:`_child` in a new process; its exit code (None: killed after CHILD_TIMEOUT_S).
-    From a Python interpreter: ``python -c`` calling it with the settings as JSON on stdin
+def _run_child(config: dict, child) -> int | None:
+    """Run ``child(config, parent_pid)`` in a new process; its exit code (None: killed after
+    CHILD_TIMEOUT_S). From a Python interpreter: ``python -c`` calling it with the settings as JSON on stdin
     (the parent's ``__main__`` is not imported again, as multiprocessing's spawn would). From
     the frozen bundle (PyInstaller, whose executable runs the app, not ``-c``): multiprocessing's
     spawn, which the bundle's entry point supports (``freeze_support``)."""
     if getattr(sys, "frozen", False):
         import multiprocessing
-        p = multiprocessing.get_context("spawn").Process(target=_child, args=(config, os.getpid()), daemon=True)
+        p = multiprocessing.get_context("spawn").Process(target=child, args=(config, os.getpid()), daemon=True)
         p.start()
         p.join(CHILD_TIMEOUT_S)
         if p.is_alive():
@@ -201,10 +183,10 @@ def _run_child(config: dict) -> int | None:
     import subprocess
     root = str(Path(__file__).resolve().parents[1])  # the folder holding the engine package
     env = {**os.environ, "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
-    # -c, not -m engine.kernel_prepare: the engine package imports this module, and runpy then
-    # warns on every child's stderr (which a failed child's log line would quote as its cause)
-    code = ("import json, sys; from engine.kernel_prepare import _child; "
-            f"_child(json.loads(sys.stdin.read()), {os.getpid()})")
+    # -c, not -m: the engine package imports the child's module, and runpy then warns on every
+    # child's stderr (which a failed child's log line would quote as its cause)
+    code = (f"import json, sys; from {child.__module__} import {child.__name__}; "
+            f"{child.__name__}(json.loads(sys.stdin.read()), {os.getpid()})")
     try:
         r = subprocess.run([sys.executable, "-c", code], input=json.dumps(config), text=True,
                            env=env, capture_output=True, timeout=CHILD_TIMEOUT_S)
@@ -217,9 +199,12 @@ def _run_child(config: dict) -> int | None:
     return r.returncode
 
 
-def prepare_in_child(config, kind: tuple, report=None) -> float:
+def prepare_in_child(config, kind: tuple, report=None, *, child) -> float:
     """Compile ``kind``'s kernels in a child process when this machine has not yet (see the
-    module docstring). ``report(done, message)``: called with 0 before the child starts and 1
+    module docstring). ``child(config: dict, parent_pid: int)``: what the child process runs, a
+    module-level function (named in ``python -c``, pickled by spawn) that opens the store with
+    ``config`` and generates (Engine.open passes engine.generate.compile_child; the engine is
+    not imported here, which would be a circle). ``report(done, message)``: called with 0 before the child starts and 1
     when it succeeded (Engine.open turns them into LoadProgress stage "compile"). Returns the
     seconds it took (0.0 when the marker says they are ready, or when there is no writable
     numba cache to fill). Never raises: a failed child is logged and the engine compiles in
@@ -248,13 +233,13 @@ def prepare_in_child(config, kind: tuple, report=None) -> float:
             if report is not None:
                 report(1, f"compute kernels compiled by another colibri process ({dt:.0f} s)")
             return dt
-        return _prepare(config, kind, marker, CACHE_DIR, report, t0)
+        return _prepare(config, kind, marker, CACHE_DIR, report, t0, child)
 
 
-def _prepare(config, kind: tuple, marker: Path, cache_dir: str, report, t0: float) -> float:
+def _prepare(config, kind: tuple, marker: Path, cache_dir: str, report, t0: float, child) -> float:
     """prepare_in_child's compile, the lock held: the child, then the marker."""
     try:
-        code = _run_child(child_config(config))
+        code = _run_child(child_config(config), child)
     except Exception as e:  # noqa: BLE001 - the engine compiles in process instead
         log.warning("could not compile the kernels in a child process (%s: %s); compiling them here",
                     type(e).__name__, e)

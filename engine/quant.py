@@ -239,7 +239,7 @@ def kind_of(w: np.ndarray, s: np.ndarray | None) -> str:
     raise ValueError(f"weight dtype {w.dtype} with scales {None if s is None else s.shape} is no known quantization")
 
 
-def _field_specs(quant: str, O: int, N: int, gs: int, f32_int4_scales: bool = False
+def field_specs(quant: str, O: int, N: int, gs: int, f32_int4_scales: bool = False
                  ) -> list[tuple[str, np.dtype, tuple]]:
     if quant == "int8":
         return [("w", np.dtype(np.int8), (O, N)), ("s", np.dtype(np.float32), (O,))]
@@ -307,7 +307,7 @@ def slab_layout(quant: str, hidden_size: int, intermediate_size: int, group_size
     fields = []
     off = 0
     for proj, (O, N) in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
-        specs = (_field_specs(quant, O, N, group_size, f32_int4_scales)
+        specs = (field_specs(quant, O, N, group_size, f32_int4_scales)
                  + ([("b", np.dtype(np.float32), (O,))] if bias else []))
         if interleaved:
             specs = [(n, dt, (O // IL, N // 64, IL * 32) if n == "w" else sh) for n, dt, sh in specs]

@@ -204,11 +204,3 @@ class RssGuard:
         # a context growing into the room the cache had is the plan (sizing.KV_OPEN_TOKENS), not a fault
         (log.info if extra else log.warning)(self.last_message)
         return self.last_message
-
-
-def __getattr__(name: str):
-    """Old names: the sizing rule (plan_cap, BudgetPlan) lives in engine/sizing.py now."""
-    if name in ("plan_cap", "BudgetPlan"):
-        from . import sizing
-        return getattr(sizing, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -28,7 +28,7 @@ def _isolated_dirs(tmp_path_factory, monkeypatch):
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A random OLMoE checkpoint (hidden 64, 2 layers, 8 experts, top-2, GQA 4/2) in HF layout."""
-    from engine.synthetic import olmoe_config, write_checkpoint
+    from engine.bench.synthetic import olmoe_config, write_checkpoint
     d = tmp_path_factory.mktemp("ck") / "tiny"
     return write_checkpoint(d, olmoe_config(num_key_value_heads=2), seed=3)
 
@@ -42,7 +42,7 @@ def tiny_store(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="session")
 def medium_checkpoint(tmp_path_factory):
     """Bigger random model (4 layers x 16 experts, top-4) so small caps really stream."""
-    from engine.synthetic import olmoe_config, write_checkpoint
+    from engine.bench.synthetic import olmoe_config, write_checkpoint
     d = tmp_path_factory.mktemp("ck") / "medium"
     cfg = olmoe_config(hidden_size=128, intermediate_size=64, num_hidden_layers=4, num_experts=16,
                        num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=512)

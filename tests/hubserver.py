@@ -275,8 +275,8 @@ _TINY_CACHE: dict[str, Path] = {}
 
 
 def tiny_checkpoint(root: Path, **cfg) -> Path:
-    """engine.synthetic's tiny OLMoE checkpoint (written once per root and config)."""
-    from engine import synthetic
+    """engine.bench.synthetic's tiny OLMoE checkpoint (written once per root and config)."""
+    from engine.bench import synthetic
     key = json.dumps(cfg, sort_keys=True)
     folder = root / ("tiny-" + hashlib.sha1(key.encode()).hexdigest()[:8])
     if not (folder / "config.json").exists():

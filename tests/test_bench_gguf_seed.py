@@ -26,7 +26,7 @@ gguf = pytest.importorskip("gguf")
 from engine.bench.gguf import gguf_plan, int4_codes_to_q4_0, plan_bytes, write_gguf, write_gguf_from_seed  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
-from engine.synthetic import SeededSource, qwen3_moe_config, write_checkpoint  # noqa: E402
+from engine.bench.synthetic import SeededSource, qwen3_moe_config, write_checkpoint  # noqa: E402
 from llama_helpers import agreement, import_llama_cpp, llama_logits  # noqa: E402
 from llama_helpers import kl as _kl  # noqa: E402
 
@@ -115,7 +115,7 @@ def test_codes_draw_is_the_int4_store(tmp_path):
     f16); a q8_0 GGUF of the same draw holds the dequantized codes (Q8_0-rounded)."""
     from engine.expert_store import ExpertStore
     from engine.quant import deinterleave_q4, dequantize
-    from engine.synthetic import write_store_from_seed
+    from engine.bench.synthetic import write_store_from_seed
     cfg = dict(CFG, num_hidden_layers=1)
     out = write_gguf_from_seed(cfg, tmp_path / "c.gguf", seed=3, matrix_type="q4_0", expert_draw="codes", **quiet)
     st = write_store_from_seed(tmp_path / "st", cfg, quant="int4", seed=3, expert_draw="codes", tokenizer=False)

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from engine import convert_checkpoint
-from engine.synthetic import olmoe_config, write_checkpoint
+from engine.bench.synthetic import olmoe_config, write_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from engine.bench.gguf import gguf_plan, write_gguf  # noqa: E402
 from engine.config import ModelArgs  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from llama_helpers import agreement, import_llama_cpp, llama_logits  # noqa: E402
-from engine.synthetic import olmoe_config, write_checkpoint  # noqa: E402
+from engine.bench.synthetic import olmoe_config, write_checkpoint  # noqa: E402
 
 CFG = dict(hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=4, num_experts=8, num_experts_per_tok=2, vocab_size=512,

@@ -12,7 +12,7 @@ from engine.bench.disk import measure_disk
 from engine.bench.matrix import matrix_markdown, summary_row
 from engine.expert_store import ExpertStore
 from engine.quant import dequantize, slab_views
-from engine.synthetic import SeededSource, qwen3_moe_config, write_store_from_seed
+from engine.bench.synthetic import SeededSource, qwen3_moe_config, write_store_from_seed
 
 # 4 layers, layer 1 a dense MLP: 3 MoE layers, whose rows (0, 1, 2) are not layer numbers.
 CFG = qwen3_moe_config(num_hidden_layers=4, mlp_only_layers=[1], num_experts=8, num_experts_per_tok=2)

@@ -45,7 +45,7 @@ def test_run_and_info_through_the_launcher(tiny_store, capsys):
 
 
 def test_info_names_family_dense_layers_shared_expert_and_ram(tmp_path, capsys):
-    from engine.synthetic import qwen2_moe_config, write_store_from_seed
+    from engine.bench.synthetic import qwen2_moe_config, write_store_from_seed
     from engine import ModelArgs, sizing
     cfg = qwen2_moe_config(num_hidden_layers=3, mlp_only_layers=[1])
     store = write_store_from_seed(tmp_path / "q2", cfg, quant="int4")
@@ -82,7 +82,8 @@ def test_make_synthetic_presets_and_direct_store(tmp_path, monkeypatch, capsys):
     """The published-shape presets are offered; --direct-store writes the quantized store from
     the seed (a tiny preset stands in for the big shapes) and records the run."""
     import json
-    from engine import Engine, EngineConfig, synthetic
+    from engine import Engine, EngineConfig
+    from engine.bench import synthetic
     from engine.bench.make_synthetic import preset_config, preset_names
     assert {"1b", "olmoe-1b-7b", "qwen3-30b-a3b", "mixtral-8x7b"} <= set(preset_names())
     assert preset_config("qwen3-30b-a3b") == synthetic.PRESETS["qwen3-30b-a3b"]
@@ -109,7 +110,7 @@ def test_make_synthetic_reduced_layers(tmp_path, monkeypatch, capsys):
     fit the disk): the store has that many layers, the folder and the results say so, and a
     layer count the preset cannot have is refused with the reason."""
     import json
-    from engine import synthetic
+    from engine.bench import synthetic
     monkeypatch.setitem(synthetic.PRESETS, "tiny-v3", synthetic.deepseek_v3_config(num_hidden_layers=4,
                                                                                    first_k_dense_replace=2))
     monkeypatch.chdir(tmp_path)
@@ -134,7 +135,7 @@ def test_info_refuses_a_context_length_run_would_refuse(tmp_path, capsys, ctx, s
     tokens" (before the fix)."""
     import re
 
-    from engine.synthetic import qwen3_next_config, write_store_from_seed
+    from engine.bench.synthetic import qwen3_next_config, write_store_from_seed
     store = write_store_from_seed(tmp_path / "qn", qwen3_next_config(num_hidden_layers=2), quant="int8")
     assert colibri(["info", str(store), "--context-length", ctx]) == 2
     err = capsys.readouterr().err.strip()

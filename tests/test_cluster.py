@@ -54,7 +54,7 @@ slow = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    from engine.synthetic import olmoe_config, write_store_from_seed
+    from engine.bench.synthetic import olmoe_config, write_store_from_seed
     cfg = olmoe_config(num_hidden_layers=M, num_experts=E, num_experts_per_tok=K_TOP, num_key_value_heads=2)
     return str(write_store_from_seed(tmp_path_factory.mktemp("cl") / "st", cfg, seed=7))
 
@@ -127,7 +127,7 @@ def test_ids_identical_to_one_machine(store, cluster, reference, name):
 def test_ids_identical_for_other_families(tmp_path, cluster, family):
     """A shared expert (Qwen2-MoE) and another expert MLP with biases and a clamped SwiGLU
     (gpt-oss, Model.expert_forward) compute the same on the workers."""
-    from engine import synthetic
+    from engine.bench import synthetic
     from engine.cluster import ClusterOptions
     cfg = getattr(synthetic, f"{family}_config")()
     st = str(synthetic.write_store_from_seed(tmp_path / family, cfg, seed=11))

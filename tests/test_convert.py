@@ -16,7 +16,7 @@ from engine.convert import ConversionCancelled
 from engine.store_format import FORMAT_VERSION
 from engine.expert_store import ExpertStore
 from engine.quant import ALIGN, dequantize_int4, quantize_int4
-from engine.synthetic import olmoe_config, write_checkpoint
+from engine.bench.synthetic import olmoe_config, write_checkpoint
 
 
 def copy_ck(src, tmp_path, name="ck"):

@@ -4,7 +4,7 @@ layers only when present, q/k norms under use_qk_norm false), Ctrl+C in `colibri
 `colibri run --model NAME` from `colibri models`, and the lines `colibri info` adds (rope /
 YaRN, q/k norm and biases, no tokenizer, index_topk covering the context).
 
-Tiny checkpoints are written with numpy (engine.synthetic.write_checkpoint); FP8 ones get
+Tiny checkpoints are written with numpy (engine.bench.synthetic.write_checkpoint); FP8 ones get
 float8_e4m3fn weights and float32 ``weight_scale_inv`` block scales as the published ones.
 """
 
@@ -20,7 +20,7 @@ from safetensors.numpy import save_file
 
 from colibri_app.launcher import main as colibri
 from engine import CheckpointError, convert_checkpoint
-from engine.synthetic import deepseek_v3_config, glm4_moe_config, glm_moe_dsa_config, write_checkpoint
+from engine.bench.synthetic import deepseek_v3_config, glm4_moe_config, glm_moe_dsa_config, write_checkpoint
 
 KV_B = "model.layers.1.self_attn.kv_b_proj.weight"
 
@@ -217,7 +217,7 @@ def test_run_model_by_name_from_colibri_models(tiny_store, capsys):
 
 
 def test_info_rope_yarn_qk_norm_bias_tokenizer_and_dense_dsa(tmp_path, capsys):
-    from engine.synthetic import write_store_from_seed
+    from engine.bench.synthetic import write_store_from_seed
     glm = write_store_from_seed(tmp_path / "glm", glm4_moe_config(rope_parameters={
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512,
         "partial_rotary_factor": 0.5}))

@@ -9,7 +9,7 @@ import pytest
 
 from engine import Engine, EngineConfig, convert_checkpoint
 from engine.library import default_model_dir
-from engine.evaluate import teacher_forced_nll, usage_entropy
+from engine.bench.evaluate import teacher_forced_nll, usage_entropy
 
 MODEL = default_model_dir()
 pytestmark = pytest.mark.skipif(not (MODEL / "model.safetensors").exists(),

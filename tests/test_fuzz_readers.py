@@ -149,7 +149,7 @@ def _read_store(folder: Path):
 
 @pytest.fixture(scope="module")
 def sharded_checkpoint(tmp_path_factory):
-    from engine.synthetic import olmoe_config, write_checkpoint
+    from engine.bench.synthetic import olmoe_config, write_checkpoint
     d = tmp_path_factory.mktemp("fuzzck") / "sharded"
     return write_checkpoint(d, olmoe_config(num_key_value_heads=2), seed=9, shard_bytes=60_000, tokenizer=False)
 

@@ -35,7 +35,7 @@ from engine.convert import convert_checkpoint  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.gguf_import import GGUFModel, convert_gguf  # noqa: E402
 from engine.gguf_tokenizer import tokenizer_files  # noqa: E402
-from engine.synthetic import deepseek_v2_config, deepseek_v3_config, write_checkpoint  # noqa: E402
+from engine.bench.synthetic import deepseek_v2_config, deepseek_v3_config, write_checkpoint  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import open_model  # noqa: E402

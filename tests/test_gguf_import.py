@@ -23,7 +23,7 @@ from engine.convert import convert_checkpoint  # noqa: E402
 from engine.errors import CheckpointError, ConfigError  # noqa: E402
 from engine.gguf_blocks import BLOCK_TYPES, gguf_slab_layout  # noqa: E402
 from engine.gguf_import import convert_gguf, gguf_files  # noqa: E402
-from engine.synthetic import olmoe_config, qwen3_moe_config, write_checkpoint  # noqa: E402
+from engine.bench.synthetic import olmoe_config, qwen3_moe_config, write_checkpoint  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import open_model  # noqa: E402

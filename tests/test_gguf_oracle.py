@@ -46,8 +46,8 @@ from llama_helpers import agreement, import_llama_cpp, llama_cpp_dir, llama_cpp_
 
 from engine.gguf_import import GGUFModel, convert_gguf  # noqa: E402
 from engine.gguf_tokenizer import tokenizer_files  # noqa: E402
-from engine.synthetic import (deepseek_v2_config, deepseek_v3_config, gpt_oss_config, mixtral_config,  # noqa: E402
-                              olmoe_config, qwen2_moe_config, qwen3_moe_config, write_checkpoint)
+from engine.bench.synthetic import (deepseek_v2_config, deepseek_v3_config, gpt_oss_config, mixtral_config,  # noqa: E402
+                                    olmoe_config, qwen2_moe_config, qwen3_moe_config, write_checkpoint)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import open_model  # noqa: E402

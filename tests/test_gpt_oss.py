@@ -25,7 +25,7 @@ from engine.expert_store import ExpertStore
 from engine.generate import Engine
 from engine.models import dense_bytes, expert_slot_bytes
 from engine.quant import FP4_VALUES, dequantize_mxfp4, quantize_mxfp4, slab_layout
-from engine.synthetic import PRESETS, gpt_oss_config, write_checkpoint
+from engine.bench.synthetic import PRESETS, gpt_oss_config, write_checkpoint
 
 V = 256
 BASE = dict(vocab_size=V, hidden_size=64, max_position_embeddings=256, eos_token_id=0, pad_token_id=0,
@@ -411,7 +411,7 @@ def test_harmony_chat_through_the_engine(tmp_path):
 def test_mxfp4_store_from_seed(tmp_path):
     """write_store_from_seed at mxfp4 equals converting the seeded checkpoint (float experts
     rounded by quantize_mxfp4); the "codes" draw (the benchmarks' big stores) opens and runs."""
-    from engine.synthetic import write_store_from_seed
+    from engine.bench.synthetic import write_store_from_seed
     cfg = gpt_oss_config(num_hidden_layers=2)
     s1 = convert_checkpoint(write_checkpoint(tmp_path / "ck", cfg, seed=4, tokenizer=False), tmp_path / "a",
                             quant="mxfp4")

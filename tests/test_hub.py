@@ -247,7 +247,7 @@ def test_disk_space_shortfall(fake, monkeypatch):
 
 def test_ram_verdicts():
     from engine import ModelArgs
-    from engine import synthetic
+    from engine.bench import synthetic
     args = ModelArgs.from_dict(synthetic.olmoe_config())
     est = hub.estimate(args, "int8", 512)
     assert hub.ram_verdict(est, 2, est.ram_needed - 1, est.ram_needed)[0] == "refuse"

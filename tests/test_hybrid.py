@@ -20,8 +20,8 @@ from engine.events import Finished, FinishReason, GenerateRequest, SamplingParam
 from engine.generate import Engine
 from engine import kernels, kernels_ref
 from engine.models.kimi_linear import kimi_delta
-from engine.synthetic import (granitemoehybrid_config, kimi_linear_config, lfm2_moe_config, qwen3_5_moe_text_config,
-                              qwen3_next_config, write_checkpoint)
+from engine.bench.synthetic import (granitemoehybrid_config, kimi_linear_config, lfm2_moe_config, qwen3_5_moe_text_config,
+                                    qwen3_next_config, write_checkpoint)
 
 HYBRID = {
     "qwen3_next": qwen3_next_config(mlp_only_layers=[1]),
@@ -264,7 +264,7 @@ def test_kimi_linear_sizing_counts_the_latent_cache_and_the_kda_state(hybrid_sto
 def test_kimi_linear_48b_preset_reads_the_published_config():
     """The published config.json (1-based layer lists in linear_attn_config, num_experts_per_token,
     moe_renormalize, ...) gives the published shape."""
-    from engine.synthetic import PRESETS
+    from engine.bench.synthetic import PRESETS
     a = ModelArgs.from_dict(PRESETS["kimi-linear-48b-a3b"])
     assert (a.num_hidden_layers, a.num_moe_layers, a.full_layers) == (27, 26, (3, 7, 11, 15, 19, 23, 26))
     assert (a.num_experts, a.num_experts_per_tok, a.n_shared_experts, a.norm_topk_prob) == (256, 8, 1, True)
@@ -276,7 +276,7 @@ def test_kimi_linear_48b_preset_reads_the_published_config():
 
 
 def test_qwen3_next_80b_preset_sizes():
-    from engine.synthetic import PRESETS
+    from engine.bench.synthetic import PRESETS
     a = ModelArgs.from_dict(PRESETS["qwen3-next-80b-a3b"])
     assert (a.num_hidden_layers, a.num_moe_layers, len(a.full_layers), a.full_layers[:2]) == (48, 48, 12, (3, 7))
     assert (a.num_experts, a.num_experts_per_tok, a.rotary_dim, a.conv_dim) == (512, 10, 64, 8192)
@@ -295,7 +295,7 @@ def test_config_missing_a_linear_attention_key_names_it(tmp_path, make, key):
     import json
 
     from engine.errors import CheckpointError
-    from engine.synthetic import qwen3_5_moe_config
+    from engine.bench.synthetic import qwen3_5_moe_config
     cfg = qwen3_next_config(num_hidden_layers=2) if make == "qwen3_next" else qwen3_5_moe_config(num_hidden_layers=2)
     ck = write_checkpoint(tmp_path / "ck", cfg, seed=1, tokenizer=False)
     c = json.loads((ck / "config.json").read_text())

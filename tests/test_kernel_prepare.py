@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine import EngineConfig, kernel_prepare, kernels
+from engine.generate import compile_child
 
 KIND = ("olmoe", "int8", "int8", 32, "row_major", "f16", False)
 
@@ -25,14 +26,14 @@ def cache_dir(tmp_path, monkeypatch):
 
 def test_a_child_that_succeeds_leaves_a_marker_and_the_next_open_starts_none(cache_dir, monkeypatch):
     runs = []
-    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg: runs.append(cfg) or 0)
+    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg, child: runs.append(cfg) or 0)
     said = []
     report = lambda done, msg: said.append((done, msg))  # noqa: E731
     cfg = EngineConfig(store="/models/x", ram_budget_gb=3.0, context_length=4096, cap=40, threads=2,
                        reserve_cache=True, idle_fill=True, pinning=True, history=True, cluster="ray://h:1")
     (cache_dir / "kernels_4f2a").mkdir(parents=True)  # what the child's compile leaves in numba's cache
     (cache_dir / "kernels_4f2a" / "attention.rmsnorm-10.py311.nbi").write_bytes(b"index")
-    assert kernel_prepare.prepare_in_child(cfg, KIND, report) >= 0.0
+    assert kernel_prepare.prepare_in_child(cfg, KIND, report, child=compile_child) >= 0.0
     assert len(runs) == 1 and [d for d, _m in said] == [0, 1] and "compute kernels" in said[0][1]
     child = runs[0]  # as small as the store allows, nothing of the user's touched
     assert (child["store"], child["cap"], child["ram_budget_gb"], child["context_length"], child["threads"]) == \
@@ -42,9 +43,9 @@ def test_a_child_that_succeeds_leaves_a_marker_and_the_next_open_starts_none(cac
     import json
     marker = json.loads(kernel_prepare.marker_path(str(cache_dir), KIND).read_text())
     assert marker["index_files"] == ["kernels_4f2a/attention.rmsnorm-10.py311.nbi"]
-    assert kernel_prepare.prepare_in_child(cfg, KIND) == 0.0 and len(runs) == 1
+    assert kernel_prepare.prepare_in_child(cfg, KIND, child=compile_child) == 0.0 and len(runs) == 1
     other = KIND[:-1] + (True,)  # PILOT's kernels: another kind
-    kernel_prepare.prepare_in_child(cfg, other)
+    kernel_prepare.prepare_in_child(cfg, other, child=compile_child)
     assert len(runs) == 2
 
 
@@ -55,7 +56,7 @@ def test_a_child_that_fails_is_logged_not_retried_and_leaves_no_marker(cache_dir
     child for that kind again in this process."""
     runs = []
 
-    def run(cfg):
+    def run(cfg, child):
         runs.append(cfg)
         if isinstance(outcome, Exception):
             raise outcome
@@ -63,25 +64,25 @@ def test_a_child_that_fails_is_logged_not_retried_and_leaves_no_marker(cache_dir
     monkeypatch.setattr(kernel_prepare, "_run_child", run)
     cfg = EngineConfig(store="/models/x")
     with caplog.at_level(logging.WARNING, logger="engine.kernel_prepare"):
-        kernel_prepare.prepare_in_child(cfg, KIND)
+        kernel_prepare.prepare_in_child(cfg, KIND, child=compile_child)
     assert "compiling them here" in caplog.text
     assert not kernel_prepare.marker_path(str(cache_dir), KIND).exists()
-    kernel_prepare.prepare_in_child(cfg, KIND)
+    kernel_prepare.prepare_in_child(cfg, KIND, child=compile_child)
     assert len(runs) == 1
 
 
 def test_no_child_without_a_cache_to_fill_or_when_asked_to_compile_in_process(cache_dir, monkeypatch):
     """No writable numba cache: no child (nothing would persist), and the reason every start
     compiles is said (kernels.CACHE_PROBLEM, naming the folder and what to do)."""
-    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg: pytest.fail("no child expected"))
+    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg, child: pytest.fail("no child expected"))
     cfg = EngineConfig(store="/models/x")
     said = []
     monkeypatch.setenv(kernel_prepare.IN_PROCESS_ENV, "1")
-    assert kernel_prepare.prepare_in_child(cfg, KIND, lambda d, m: said.append(m)) == 0.0 and not said
+    assert kernel_prepare.prepare_in_child(cfg, KIND, lambda d, m: said.append(m), child=compile_child) == 0.0 and not said
     monkeypatch.delenv(kernel_prepare.IN_PROCESS_ENV)
     monkeypatch.setattr(kernels, "CACHE_DIR", None)
     monkeypatch.setattr(kernels, "CACHE_PROBLEM", "/x/afile/cache cannot be created: /x/afile is a file, not a folder")
-    assert kernel_prepare.prepare_in_child(cfg, KIND, lambda d, m: said.append(m)) == 0.0
+    assert kernel_prepare.prepare_in_child(cfg, KIND, lambda d, m: said.append(m), child=compile_child) == 0.0
     assert said == ["compiling the compute kernels in this process, at every start: "
                     "/x/afile/cache cannot be created: /x/afile is a file, not a folder"]
 
@@ -91,19 +92,19 @@ def test_a_marker_whose_cache_files_are_gone_runs_the_child_again(cache_dir, mon
     engine trusted the marker and compiled in process, its ~500 MB back, without a word)."""
     import json
     runs = []
-    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg: runs.append(cfg) or 0)
+    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg, child: runs.append(cfg) or 0)
     cfg = EngineConfig(store="/models/x")
     marker = kernel_prepare.marker_path(str(cache_dir), KIND)
     marker.parent.mkdir(parents=True)
     (cache_dir / "engine_abc").mkdir()
     (cache_dir / "engine_abc" / "kernels.rmsnorm-1.py311.nbi").write_bytes(b"x")
     marker.write_text(json.dumps({"kind": repr(KIND), "index_files": ["engine_abc/kernels.rmsnorm-1.py311.nbi"]}))
-    assert kernel_prepare.prepare_in_child(cfg, KIND) == 0.0 and not runs  # the files are there
+    assert kernel_prepare.prepare_in_child(cfg, KIND, child=compile_child) == 0.0 and not runs  # the files are there
     (cache_dir / "engine_abc" / "kernels.rmsnorm-1.py311.nbi").unlink()
-    kernel_prepare.prepare_in_child(cfg, KIND)
+    kernel_prepare.prepare_in_child(cfg, KIND, child=compile_child)
     assert len(runs) == 1
     marker.write_text("('olmoe',)\n")  # not a marker this version wrote
-    kernel_prepare.prepare_in_child(cfg, KIND)
+    kernel_prepare.prepare_in_child(cfg, KIND, child=compile_child)
     assert len(runs) == 2
 
 
@@ -143,7 +144,7 @@ def test_two_first_starts_at_once_compile_once(cache_dir, monkeypatch):
     import time
     runs = []
 
-    def child(cfg):
+    def child(cfg, entry):
         runs.append(cfg)
         time.sleep(0.5)
         (cache_dir / "kernels_4f2a").mkdir(parents=True, exist_ok=True)
@@ -152,7 +153,8 @@ def test_two_first_starts_at_once_compile_once(cache_dir, monkeypatch):
     monkeypatch.setattr(kernel_prepare, "_run_child", child)
     said = []
     cfg = EngineConfig(store="/models/x")
-    ts = [threading.Thread(target=kernel_prepare.prepare_in_child, args=(cfg, KIND, lambda d, m: said.append((d, m))))
+    ts = [threading.Thread(target=kernel_prepare.prepare_in_child, args=(cfg, KIND, lambda d, m: said.append((d, m))),
+                          kwargs={"child": compile_child})
           for _ in range(2)]
     for t in ts:
         t.start()
@@ -168,13 +170,13 @@ def test_compile_needed_says_when_a_setting_needs_new_kernels(cache_dir, monkeyp
     compiles first; the estimate is the longest compile a marker on this machine recorded."""
     off, on = EngineConfig(store=str(tiny_store)), EngineConfig(store=str(tiny_store), pilot=1)
     assert kernel_prepare.compile_needed(str(tiny_store), off) == (True, None)  # nothing compiled yet
-    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg: 0)
+    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg, child: 0)
     (cache_dir / "kernels_4f2a").mkdir(parents=True)
     (cache_dir / "kernels_4f2a" / "attention.rmsnorm-10.py311.nbi").write_bytes(b"index")
     from engine.expert_store import ExpertStore
     with ExpertStore(str(tiny_store), o_direct=False) as st:
         kind_off = kernel_prepare.kernel_kind(st.args, st, off)
-    kernel_prepare.prepare_in_child(off, kind_off)
+    kernel_prepare.prepare_in_child(off, kind_off, child=compile_child)
     import json
     marker = kernel_prepare.marker_path(str(cache_dir), kind_off)
     data = json.loads(marker.read_text())
@@ -202,7 +204,7 @@ def test_a_killed_parent_leaves_no_compile_child_running(tmp_path):
     store.mkdir()
     os.mkfifo(store / "manifest.json")
     code = ("import sys; from engine import kernel_prepare as k; "
-            f"k._run_child({{'store': {str(store)!r}}})")
+            f"from engine.generate import compile_child; k._run_child({{'store': {str(store)!r}}}, compile_child)")
     parent = subprocess.Popen([sys.executable, "-c", code])
     child = None
     try:

@@ -15,7 +15,7 @@ from engine import Engine, EngineConfig, GenerateRequest, SamplingParams
 from engine.config import ModelArgs
 from engine.models import base
 from engine.sizing import KV_OPEN_TOKENS, GB, estimate, estimate_store, kv_bytes, plan_cap, plan_estimate, read_manifest
-from engine.synthetic import deepseek_v3_config, deepseek_v32_config, mixtral_config, olmoe_config, qwen3_next_config, write_checkpoint
+from engine.bench.synthetic import deepseek_v3_config, deepseek_v32_config, mixtral_config, olmoe_config, qwen3_next_config, write_checkpoint
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) tells resident pages on Linux")
 

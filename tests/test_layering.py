@@ -133,6 +133,53 @@ def test_tree_respects_the_floors():
     assert check_tree(ROOT) == []
 
 
+def core_circles(root: Path) -> list[list[str]]:
+    """Every import circle among the core's modules (floor 0) under ``root``: the modules of each
+    strongly connected component of more than one module of the import graph (every import
+    statement, function bodies included, as imports_of reads them), each sorted."""
+    mods = {module_name(root, p): p for p in sorted((root / "engine").rglob("*.py"))}
+    core = {m for m in mods if floor_of(m) == 0}
+    graph = {m: sorted({t for _line, t, _names in imports_of(root, mods[m]) if t in core and t != m}) for m in core}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+    for start in sorted(graph):  # Tarjan's algorithm, iterative (no recursion limit on deep chains)
+        if start in index:
+            continue
+        work = [(start, 0)]
+        while work:
+            v, i = work.pop()
+            if i == 0:
+                index[v] = low[v] = len(index)
+                stack.append(v)
+            if i < len(graph[v]):
+                work.append((v, i + 1))
+                w = graph[v][i]
+                if w not in index:
+                    work.append((w, 0))
+                elif w in stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    out.append(sorted(comp))
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+    return sorted(out)
+
+
+def test_core_has_no_import_circle():
+    """A circle ties its modules together: none can be read, tested or imported alone."""
+    assert core_circles(ROOT) == []
+
+
 def _mini_tree(tmp_path: Path) -> Path:
     for d in ("engine/library", "engine/server", "engine/bench", "engine/cli", "colibri_app"):
         (tmp_path / d).mkdir(parents=True, exist_ok=True)
@@ -157,6 +204,21 @@ def test_checker_catches_an_upward_import_in_a_function_body(tmp_path):
         "import numpy\n\n\ndef helper():\n    if True:\n        from .library import lib_mod\n    return lib_mod\n")
     bad = check_tree(root)
     assert len(bad) == 1 and "core_mod.py:6" in bad[0] and "engine.library.lib_mod" in bad[0], bad
+
+
+def test_circle_check_finds_a_planted_circle(tmp_path):
+    """Two core modules that import each other (one inside a function) and a third that joins
+    them through a subpackage are one circle; a one-way import is none."""
+    root = _mini_tree(tmp_path)
+    assert core_circles(root) == []
+    (root / "engine" / "models").mkdir()
+    (root / "engine" / "models" / "__init__.py").write_text("from . import base\n")
+    (root / "engine" / "models" / "base.py").write_text("def f():\n    from ..core_mod import x\n")
+    (root / "engine" / "core_mod.py").write_text("import numpy\nfrom .tok import y\n")
+    (root / "engine" / "tok.py").write_text("from .models.base import f\n")
+    assert core_circles(root) == [["engine.core_mod", "engine.models.base", "engine.tok"]]
+    (root / "engine" / "models" / "base.py").write_text("def f():\n    from ..errors import x\n")
+    assert core_circles(root) == []
 
 
 def test_checker_catches_every_kind(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 
 from engine import Engine, EngineConfig, EngineError, Finished, GenerateRequest, SamplingParams
 from engine.observers import Observer, ObserverList
-from engine.synthetic import qwen3_moe_config, write_store_from_seed
+from engine.bench.synthetic import qwen3_moe_config, write_store_from_seed
 from engine.trace import TraceRecorder
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -29,7 +29,8 @@ from engine.events import Finished, GenerateRequest, SamplingParams, StepMetrics
 from engine.expert_cache import ExpertCache
 from engine.expert_store import ExpertStore
 from engine.generate import Engine
-from engine.ram_budget import GB, plan_cap, probe_available
+from engine.ram_budget import GB, probe_available
+from engine.sizing import plan_cap
 
 ROOT = Path(__file__).resolve().parent.parent
 NOBODY = 65534

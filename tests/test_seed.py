@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from engine import ConfigError, Engine, EngineConfig, Finished, GenerateRequest, SamplingParams, convert_checkpoint
-from engine import synthetic
+from engine.bench import synthetic
 from engine.sampling import Sampler, fresh_seed
 from engine.settings import setting
 

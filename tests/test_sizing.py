@@ -56,7 +56,7 @@ FAMILY_CONFIGS = {
 
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory):
-    from engine.synthetic import CONFIGS, write_checkpoint
+    from engine.bench.synthetic import CONFIGS, write_checkpoint
     d = tmp_path_factory.mktemp("sizing-fam")
     return {name: write_checkpoint(d / name, CONFIGS[name](**kw), seed=7) for name, kw in FAMILY_CONFIGS.items()}
 
@@ -128,7 +128,7 @@ def test_verdict_uses_the_same_cap_rule(tiny_store):
 def test_every_family_is_sized_as_engine_open_does(tmp_path, make, kw):
     """The numbers before a download (from config.json alone) equal Engine.open's for every
     family: its dense tensors, its expert width and one slot per MoE layer only."""
-    from engine import synthetic
+    from engine.bench import synthetic
     ck = synthetic.write_checkpoint(tmp_path / "ck", getattr(synthetic, make)(**kw), seed=1)
     store = convert_checkpoint(ck, tmp_path / "st", quant="int8")
     args = ModelArgs.from_hf_config(ck)

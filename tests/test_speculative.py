@@ -14,7 +14,7 @@ from engine.events import Finished, GenerateRequest, SamplingParams, StepMetrics
 from engine.generate import Engine
 from engine.observers import Observer
 from engine.speculative import DraftLength, PromptLookup
-from engine.synthetic import gpt_oss_config, write_checkpoint
+from engine.bench.synthetic import gpt_oss_config, write_checkpoint
 
 from test_families import FAMILY_CONFIGS
 

@@ -67,7 +67,8 @@ def write_family_tokenizer(folder: Path, family: str) -> None:
 
 def family_store(tmp: Path, family: str) -> Path:
     """A converted int8 store of a tiny random ``family`` model with its tokenizer."""
-    from engine import convert_checkpoint, synthetic
+    from engine import convert_checkpoint
+    from engine.bench import synthetic
     cfg = getattr(synthetic, FAMILIES[family]["config"])(vocab_size=384)
     ck = synthetic.write_checkpoint(tmp / f"{family}-ck", cfg, seed=7, tokenizer=False)
     write_family_tokenizer(ck, family)

@@ -53,7 +53,7 @@ def synthetic_store(root: Path) -> str:
     """A random OLMoE shaped like the default model (8 layers x 32 experts, top-4), converted
     to int8 under ``root``; returns the store path."""
     from engine import convert_checkpoint
-    from engine.synthetic import olmoe_config, write_checkpoint
+    from engine.bench.synthetic import olmoe_config, write_checkpoint
     cfg = olmoe_config(hidden_size=128, intermediate_size=64, num_hidden_layers=8, num_experts=32,
                        num_experts_per_tok=4, num_attention_heads=4, num_key_value_heads=4, vocab_size=512)
     ck = write_checkpoint(root / "synthetic-olmoe", cfg, seed=7)

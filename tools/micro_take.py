@@ -4,7 +4,7 @@ num_experts_per_tok resident experts (the all-resident path), best of 7 x 4096 c
     python tools/micro_take.py STORE
 
 STORE: any converted store (every expert is loaded first, so keep it small: e.g. a 16-layer x
-64-expert int4 store of hidden 256 made with engine.synthetic.olmoe_config + write_checkpoint
+64-expert int4 store of hidden 256 made with engine.bench.synthetic.olmoe_config + write_checkpoint
 and engine.convert_checkpoint). Run two versions of the engine alternately to compare.
 """
 import sys

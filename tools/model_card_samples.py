@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 from engine import (ChatMessage, Engine, EngineConfig, Finished, GenerateRequest,  # noqa: E402
                     SamplingParams, convert_checkpoint)
 from engine.library import default_model_dir  # noqa: E402
-from engine.evaluate import teacher_forced_nll, usage_entropy  # noqa: E402
+from engine.bench.evaluate import teacher_forced_nll, usage_entropy  # noqa: E402
 
 TEMPERATURES = (0.0, 0.7)
 MAX_NEW = 96

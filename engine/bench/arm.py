@@ -90,7 +90,7 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
     from ..config import EngineConfig
     from ..events import PINNED, RESIDENT, Finished, GenerateRequest, SamplingParams, StepMetrics
     from ..generate import Engine
-    from ..prof import Profile
+    from .prof import Profile
     over = {k: v for k, v in cfg_over.items() if k not in BENCH_KEYS}
     cfg = EngineConfig(store=store, **over).validated()
     t_open = time.perf_counter()

@@ -4,7 +4,7 @@ gguf   writes a GGUF (Q8_0, Q4_0 or F16 matrices) in llama.cpp's "olmoe" layout 
        checkpoint, or in its "qwen3moe" layout of a Qwen3-MoE one, streaming: one tensor (or one
        layer's experts) in memory at a time. The source is a Hugging Face checkpoint
        (``--checkpoint``) or, with ``--preset P --from-seed``, the seeded random weights that
-       ``bench make-synthetic`` writes (engine.synthetic.SeededSource: the same bf16-rounded
+       ``bench make-synthetic`` writes (engine.bench.synthetic.SeededSource: the same bf16-rounded
        numbers as ``write_checkpoint`` and ``write_store_from_seed`` for the same seed), for
        shapes whose bf16 checkpoint does not fit the disk (Qwen3-30B-A3B: 61 GB).
 
@@ -392,7 +392,7 @@ def write_gguf_from_seed(config: dict, out: str | os.PathLike, *, seed: int = 0,
     Peak RSS: the largest dense tensor in float32 (the embedding) plus one layer's experts
     encoded. Returns / raises: as write_gguf (ConfigError for an invalid config).
     """
-    from ..synthetic import SeededSource
+    from .synthetic import SeededSource
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"{out}: already exists (pass --overwrite to replace it)")
@@ -457,7 +457,7 @@ def cmd_gguf(a) -> int:
 
 def add_parser(bs) -> None:
     """Register `gguf` under ``colibri bench``."""
-    from ..synthetic import EXPERT_DRAWS
+    from .synthetic import EXPERT_DRAWS
     from .make_synthetic import preset_names
     g = bs.add_parser("gguf", help="write a GGUF (llama.cpp olmoe / qwen3moe; Q8_0, Q4_0 or F16) of an HF "
                       "checkpoint, or of a preset's seeded weights (--preset P --from-seed)")

@@ -3,11 +3,11 @@ writer's and the converter's speed and peak RSS.
 
 Presets: ``1b`` and ``olmoe-1b-7b`` (OLMoE-shaped, bench.common.PRESETS) and the exact shapes of
 Qwen3-30B-A3B (``qwen3-30b-a3b``) and Mixtral-8x7B (``mixtral-8x7b``) from
-engine.synthetic.PRESETS.
+engine.bench.synthetic.PRESETS.
 
 Default mode: write a bf16 Hugging Face checkpoint (``OUT/<preset>-hf``), then convert it in a
 subprocess (``OUT/<preset>-<quant>``). ``--direct-store`` writes the quantized store straight
-from the seed (engine.synthetic.write_store_from_seed) for shapes too large to write as a bf16
+from the seed (engine.bench.synthetic.write_store_from_seed) for shapes too large to write as a bf16
 checkpoint first (Qwen3-30B-A3B: 61 GB of bf16); the weights equal those of the default mode.
 What it skips: no checkpoint exists, so nothing can be compared with transformers (no `bench
 decode` / `peers` on it; llama.cpp gets the same weights from `bench gguf --preset P --from-seed`
@@ -31,14 +31,14 @@ DIRECT_QUANTS = ("int8", "int4", "mxfp4")
 
 
 def preset_names() -> list[str]:
-    """Every preset: the OLMoE-shaped ones and engine.synthetic.PRESETS."""
-    from ..synthetic import PRESETS
+    """Every preset: the OLMoE-shaped ones and engine.bench.synthetic.PRESETS."""
+    from .synthetic import PRESETS
     return sorted({*OLMOE_PRESETS, *PRESETS})
 
 
 def preset_config(name: str) -> dict:
     """The config.json dict of preset ``name``. Raises KeyError for an unknown name."""
-    from ..synthetic import PRESETS, olmoe_config
+    from .synthetic import PRESETS, olmoe_config
     if name in PRESETS:
         return dict(PRESETS[name])
     return olmoe_config(**OLMOE_PRESETS[name])
@@ -123,7 +123,7 @@ def cmd_make_synthetic(a) -> int:
            "expert_draw": a.expert_draw if a.direct_store else "exact",
            "mode": "direct-store" if a.direct_store else "checkpoint+convert", "machine": machine_info()}
     if a.direct_store:
-        from ..synthetic import write_store_from_seed
+        from .synthetic import write_store_from_seed
         if (st / "manifest.json").exists() and not a.force:
             print(f"{st} exists (use --force to write it again)")
             return 0
@@ -143,7 +143,7 @@ def cmd_make_synthetic(a) -> int:
             ("store GB", "store_gb", ".2f"), ("write s", "store_write_s", ".0f"),
             ("MB/s", "store_mb_per_s", ".0f"), ("peak RSS GB", "store_peak_rss_gb", ".2f")]))
         return 0
-    from ..synthetic import write_checkpoint
+    from .synthetic import write_checkpoint
     if not (ck / "config.json").exists() or a.force:
         t0 = time.perf_counter()
         with PeakRss() as pr:
@@ -183,7 +183,7 @@ def add_parser(bs) -> None:
                    help="write the int8/int4 store straight from the seed, no bf16 checkpoint (for shapes too "
                         "large to write as one; no transformers comparison then; llama.cpp's GGUF of the same "
                         "weights: `bench gguf --preset P --from-seed`)")
-    from ..synthetic import EXPERT_DRAWS
+    from .synthetic import EXPERT_DRAWS
     m.add_argument("--expert-draw", choices=EXPERT_DRAWS, default="exact",
                    help="--direct-store: 'codes' draws the experts' quantized codes directly (fast; the "
                         "default 'exact' quantizes the seeded bf16 draw, as the checkpoint mode does)")

@@ -84,7 +84,7 @@ def _arm_ours(store: str, prompt: list, forced: list, threads: int, ctx: int, li
     from ..config import EngineConfig, ModelArgs
     from ..events import Finished, GenerateRequest, SamplingParams, StepMetrics, TokenEvent
     from ..generate import Engine
-    from ..prof import Profile
+    from .prof import Profile
     E = ModelArgs.from_hf_config(Path(store) / "config.json").num_experts
     cfg = dict(o_direct=True, history=False, threads=threads, context_length=ctx)
     if limit_gb is None:

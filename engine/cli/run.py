@@ -87,7 +87,7 @@ def cmd_run(a) -> int:
     from ..chat_template import raw_mode_warning
     from ..generate import Engine
     from .models import open_notices
-    from ..prof import Profile
+    from ..bench.prof import Profile
     if not a.prompt.strip():
         raise ValueError("--prompt is empty: give the text to answer or continue")
     if a.trace:  # refuse a trace path that cannot be written before any compute

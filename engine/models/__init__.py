@@ -11,6 +11,7 @@ from __future__ import annotations
 from types import ModuleType
 
 from ..errors import ConfigError
+from .base import register_family_lookup
 from . import (deepseek_v2, deepseek_v3, deepseek_v32, dots1, ernie4_5_moe, gemma4, gemma4_text, glm4_moe, glm4_moe_lite,
                glm_moe_dsa, gpt_oss, granitemoehybrid, hunyuan_v1_moe, kimi_linear, lfm2_moe, llama4, llama4_text, minimax_m2, mixtral, olmoe, qwen2_moe,
                qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next)
@@ -44,6 +45,9 @@ def family_for(model_type, path: str = "config.json") -> ModuleType:
     return fam
 
 
+register_family_lookup(family_for)
+
+
 def build_model(args, dense: dict, dense_quant: str, expert_quant: str, experts, context_length: int,
                 group_size: int = 32, kv_dtype: str = "f16", embed_rows=None):
     """The family's Model over resident ``dense`` tensors and an ExpertProvider (see base.MoEModel;
@@ -62,7 +66,7 @@ def dense_bytes(args, quant: str, group_size: int = 32, dense_quant: str | None 
     (``--dense-quant``); ``only``: count just these store names (e.g. ("embed_tokens",))."""
     import numpy as np
 
-    from ..quant import LM_HEAD_QUANT, _field_specs
+    from ..quant import LM_HEAD_QUANT, field_specs
     dq = dense_quant or ("int8" if quant in ("int8", "int4", "mxfp4") else quant)
     seen, total = set(), 0
     fam = family_for(args.model_type)
@@ -75,7 +79,7 @@ def dense_bytes(args, quant: str, group_size: int = 32, dense_quant: str | None 
         else:
             q = LM_HEAD_QUANT.get(dq, dq) if t.ours in ("embed_tokens", "lm_head") else dq  # as convert.py stores them
             for _, shape2 in (fam.split_shapes(args, t) if t.split else [(t.ours, t.shape)]):
-                total += sum(int(np.prod(shape)) * dt.itemsize for _, dt, shape in _field_specs(q, *shape2, group_size))
+                total += sum(int(np.prod(shape)) * dt.itemsize for _, dt, shape in field_specs(q, *shape2, group_size))
     return total
 
 

@@ -43,6 +43,15 @@ from ..kernel_choice import K
 
 log = logging.getLogger(__name__)
 
+# The family registry (engine/models/__init__.py, which imports every family and so this module)
+# registers its lookup here: ModelArgs.from_dict dispatches to a family without importing it.
+_FAMILY_FOR: list = []
+
+
+def register_family_lookup(family_for) -> None:
+    """Make ``family_for(model_type, path) -> family module`` the lookup of ModelArgs.from_dict."""
+    _FAMILY_FOR[:] = [family_for]
+
 PREFILL_CHUNK = 128
 # int4 attention matrices stored row-interleaved (Linear.interleave, K.linear_q4i): a decode step
 # reads each group of 4 rows in one pass. Values are bit-identical; tests turn it off to compare.
@@ -347,10 +356,9 @@ class ModelArgs:
             ConfigError: naming ``path`` and the key; an unsupported model_type gets one line
                 naming the supported families.
         """
-        from . import family_for
         if not isinstance(cfg, dict):
             raise ConfigError(f"{path}: expected a JSON object at the top level")
-        return family_for(cfg.get("model_type"), path).ModelArgs.from_dict(cfg, path)
+        return _FAMILY_FOR[0](cfg.get("model_type"), path).ModelArgs.from_dict(cfg, path)
 
     @classmethod
     def from_hf_config(cls, path: str | os.PathLike) -> "ModelArgs":

@@ -13,7 +13,7 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 def app_store(tmp_path_factory):
     """A converted int8 store of a tiny random OLMoE (2 layers, 8 experts, top-2)."""
     from engine import convert_checkpoint
-    from engine import synthetic
+    from engine.bench import synthetic
     root = tmp_path_factory.mktemp("tiny-model")
     ck = synthetic.write_checkpoint(root / "ck", synthetic.olmoe_config(), seed=0)
     store = str(convert_checkpoint(ck, root / "store", quant="int8"))

@@ -24,7 +24,7 @@ from PySide6.QtWidgets import QWizard  # noqa: E402
 
 from engine import ChatMessage, Engine, EngineConfig, Finished, GenerateRequest, SamplingParams  # noqa: E402
 from engine import library as hub  # noqa: E402
-from engine.synthetic import write_tokenizer  # noqa: E402
+from engine.bench.synthetic import write_tokenizer  # noqa: E402
 from colibri_app import wizard as wz  # noqa: E402
 
 T = 300_000  # ms: only a hang trips it (a loaded machine converts slowly)
@@ -78,7 +78,7 @@ FAMILIES = {
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """family -> a folder saved by transformers' save_pretrained, plus a small BPE tokenizer with
-    a chat template (engine.synthetic.write_tokenizer)."""
+    a chat template (engine.bench.synthetic.write_tokenizer)."""
     root = tmp_path_factory.mktemp("hf-families")
     out = {}
     for fam, (cfg_cls, model_cls, kw, _) in FAMILIES.items():

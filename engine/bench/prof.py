@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .events import Finished, StepMetrics
+from ..events import Finished, StepMetrics
 
 
 class Profile:

@@ -22,10 +22,10 @@ import ml_dtypes
 import numpy as np
 from safetensors.numpy import save_file
 
-from .checkpoint import hf_names
-from .config import ModelArgs
-from .models import base, family_for
-from .fsutil import normalize_modes
+from ..checkpoint import hf_names
+from ..config import ModelArgs
+from ..models import base, family_for
+from ..fsutil import normalize_modes
 
 TOKENIZER_SPECIALS = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 CHAT_TEMPLATE = (
@@ -745,8 +745,8 @@ def write_store_from_seed(dst: str | os.PathLike, config: dict, quant: str = "in
         ConfigError: invalid config. FileExistsError: ``dst`` exists and overwrite is False.
         ConversionCancelled: ``cancel`` was set (nothing is left behind).
     """
-    from .convert import check_destination, write_store
-    from .quant import QUANTS
+    from ..convert import check_destination, write_store
+    from ..quant import QUANTS
     if quant not in QUANTS:
         raise ValueError(f"quant {quant!r}: choose one of {', '.join(QUANTS)}")
     dst = Path(dst)
