@@ -74,6 +74,7 @@ class HarmonyDecoder:
         self._channel = "final"
         self._in_think = False
         self.channels: list[str] = []  # the channel of every message so far (for callers / tests)
+        self._pending = ""  # text a continued message's header opened, shown with the first push
 
     def _channel_of(self, header: Sequence[int]) -> str:
         """The channel a header names: the first word after <|channel|> (final if none)."""
@@ -83,6 +84,14 @@ class HarmonyDecoder:
         after = list(header[header.index(ch) + 1:])
         words = self._tok.decode(after).split()
         return words[0] if words else "final"
+
+    def continuing(self, header: Sequence[int]) -> "HarmonyDecoder":
+        """Start inside the message whose header (the ids between ``<|start|>`` and
+        ``<|message|>``) the prompt already wrote: the answer continues a prefilled message, so
+        its first ids are content, not a header. Returns self."""
+        self._header = list(header)
+        self._pending = self._open()
+        return self
 
     def _open(self) -> str:
         self._channel = self._channel_of(self._header)
@@ -106,6 +115,9 @@ class HarmonyDecoder:
 
     def push(self, token_id: int) -> str:
         """One generated id -> the newly shown text."""
+        if self._pending:
+            out, self._pending = self._pending, ""
+            return out + self.push(token_id)
         t = int(token_id)
         if self.state == self.CONTENT:
             if t in self._ends or t == self._id["<|start|>"]:
@@ -129,7 +141,8 @@ class HarmonyDecoder:
 
     def flush(self) -> str:
         """End of generation -> the held-back text (and the closing </think> of an open block)."""
-        out = self._content.flush() if self._content is not None else ""
+        out, self._pending = self._pending, ""
+        out += self._content.flush() if self._content is not None else ""
         self._content = None
         if self._in_think:
             self._in_think = False

@@ -554,3 +554,50 @@ def test_a_request_the_engine_refuses_mid_stream_keeps_its_4xx_type(tiny_store):
                                                          "message": "the engine refused the request"}}, events
     finally:
         srv.stop()
+
+
+def _mutations(value, path=()):
+    """Every (path, value) inside a JSON value, for the fuzz below to break one at a time."""
+    yield path, value
+    if isinstance(value, dict):
+        for k, v in value.items():
+            yield from _mutations(v, path + (k,))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _mutations(v, path + (i,))
+
+
+def test_fuzz_of_messages_bodies_gets_no_server_error(server):
+    """A valid Messages request (system, tools, a tool_result, thinking, stop sequences, a
+    prefill) with one value replaced by a wrong one, 600 times: each is answered (the change may
+    be harmless) or refused with a 4xx in Anthropic's shape; never a 5xx. (The tiny model's
+    template writes neither tools nor calls: tool_choice none, and no tool_use in the history.)"""
+    rng = random.Random(2026)
+    base = {"model": model_id(server), "max_tokens": 2, "system": [{"type": "text", "text": "Be brief."}],
+            "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "none"}, "stop_sequences": ["x"], "thinking": {"type": "disabled"},
+            "messages": [USER_HI,
+                         {"role": "assistant", "content": [{"type": "text", "text": "a"}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                                       "content": [{"type": "text", "text": "r"}]}]},
+                         {"role": "assistant", "content": "pre"}]}
+    spots = [p for p, _ in _mutations(base) if p]
+    wrong = [None, "", "x", 0, -1, 1e308, 10 ** 30, True, [], {}, [None], {"type": "text"}, "\u0000",
+             {"type": "image", "source": {}}, [{"type": "tool_use"}], "a" * 10000]
+    statuses: dict[int, int] = {}
+    with httpx2.Client(timeout=120) as h:
+        for _ in range(600):
+            body = json.loads(json.dumps(base))
+            path = rng.choice(spots)
+            target = body
+            for k in path[:-1]:
+                target = target[k]
+            target[path[-1]] = rng.choice(wrong)
+            for url in ("/messages", "/messages/count_tokens"):
+                r = h.post(server.url + url, json=body)
+                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                assert r.status_code in (200, 400, 404), (path, target, r.status_code, r.text[:300])
+                if r.status_code != 200:
+                    data = r.json()
+                    assert data["type"] == "error" and set(data["error"]) == {"type", "message"}, data
+    assert statuses.get(400, 0) > 100 and statuses.get(200, 0) > 100, statuses

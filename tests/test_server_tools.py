@@ -115,6 +115,24 @@ def test_harmony_calls_through_the_decoder(tmp_path):
     assert (reasoning, content, calls) == ("I should look it up.", "", CALLS[:1])
 
 
+def test_a_prefilled_harmony_message_is_continued(tmp_path):
+    """gpt-oss: a prefill leaves the prompt inside the final message, so the answer's first ids
+    are its content (a fresh decoder would take them for a header and show nothing)."""
+    from test_gpt_oss import _harmony_folder
+    from engine.tokenizer import Tokenizer
+    tok = Tokenizer.from_dir(_harmony_folder(tmp_path))
+    ids = tok.encode_chat(USER + [{"role": "assistant", "content": "It is"}], continue_final_message=True)
+    start, message = tok.token_to_id("<|start|>"), tok.token_to_id("<|message|>")
+    header = ids[len(ids) - ids[::-1].index(start):len(ids) - 1 - ids[::-1].index(message)]
+    assert tok.decode(header, skip_special_tokens=False) == "assistant<|channel|>final"
+    answer = tok.encode(" sunny in Paris.") + [tok.token_to_id("<|return|>")]
+    for fmt in (HarmonyFormat(header, show_calls=False), HarmonyFormat(header)):
+        dec = fmt.decoder(tok)
+        assert "".join(dec.push(i) for i in answer) + dec.flush() == " sunny in Paris."
+    dec = HarmonyFormat(show_calls=False).decoder(tok)
+    assert "".join(dec.push(i) for i in answer) + dec.flush() == ""   # what a fresh decoder shows
+
+
 PUBLISHED = [  # the formats of families whose templates are not among the test templates
     (QwenCoderFormat(), "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis «x»\n</parameter>\n"
                         "<parameter=days>\n3\n</parameter>\n<parameter=units>\n{\"t\": \"C\"}\n</parameter>\n"

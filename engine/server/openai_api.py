@@ -39,12 +39,14 @@ from ..chat_template import THINK_OPEN
 from ..docs_lookup import DOCS_PER_QUESTION, last_user_text, with_docs_each
 from ..errors import ConfigError, EngineError
 from ..events import SamplingParams
+from ..harmony import is_harmony
 from ..sampling import fresh_seed
 from ..settings import setting
 from .gate import RequestGate
 from .grammar import GrammarError, call_grammar, compile_checked, json_grammar, schema_of
 from .jobs import Job, JobQueue, QueueFull
-from .tools import ToolsError, arguments_as, check_tool_calls, check_tool_choice, check_tools, tool_format
+from .tools import (HarmonyFormat, ToolsError, arguments_as, check_tool_calls, check_tool_choice, check_tools,
+                    tool_format)
 from .stats import ServerStats, exposition
 
 log = logging.getLogger(__name__)
@@ -657,12 +659,19 @@ class Api:
                                 f"prompt, so the model could not learn of them or call them; send the request "
                                 f"without 'tools'", param="tools", code="tools_not_supported") from None
         except (EngineError, TypeError, ValueError) as e:
+            why = _named(m, e).removeprefix(f"the chat template of the model {m.model_id!r} failed: ")
             raise ApiError(400, f"the messages cannot be rendered with the chat template of the model "
-                                f"{m.model_id!r}: {_named(m, e)}", param="messages", code="invalid_messages") from None
+                                f"{m.model_id!r}: {why}", param="messages", code="invalid_messages") from None
         if count_only:
             self._check_prompt(m, ids[:1], "messages")
             return ChatPlan(ids, sp, stops, False, docs, calls, None)
         self._check_prompt(m, ids, "messages")
+        if prefill and is_harmony(m.tokenizer):
+            # the prompt ends inside a harmony message: the answer's first ids are its content
+            start, message = (m.tokenizer.token_to_id(t) for t in ("<|start|>", "<|message|>"))
+            i, j = (max((k for k, t in enumerate(ids) if t == x), default=-1) for x in (start, message))
+            if 0 <= i < j:
+                calls = (HarmonyFormat(ids[i + 1:j], show_calls=calls is not None), tools)
         tail = m.tokenizer.decode(ids[-8:], skip_special_tokens=False)
         opened = tail.rstrip().endswith(THINK_OPEN)
         constraint = None

@@ -391,14 +391,20 @@ class HarmonyFormat(ToolFormat):
     name = "harmony"
     raw_decode = False
 
+    def __init__(self, header: list[int] | None = None, show_calls: bool = True):
+        # header: the prompt ends inside a message with this header (a prefill the answer
+        # continues); show_calls False: only that decoding is wanted (no tools offered)
+        self.header, self.show_calls = header, show_calls
+
     @property
     def starts(self):
         from ..harmony import CALL_MARK
-        return (CALL_MARK,)
+        return (CALL_MARK,) if self.show_calls else ()
 
     def decoder(self, tokenizer):
         from ..harmony import HarmonyDecoder
-        return HarmonyDecoder(tokenizer, show_calls=True)
+        dec = HarmonyDecoder(tokenizer, show_calls=self.show_calls)
+        return dec.continuing(self.header) if self.header is not None else dec
 
     def parse(self, text, tools):
         from ..harmony import ARGS_MARK, CALL_MARK
