@@ -332,6 +332,16 @@ def test_kimi_linear_prefill_over_two_delta_chunks(tmp_path, name):
     assert prefill <= 1e-4 and decode <= 1e-4 and hf_self <= 1e-4
 
 
+def test_deepseek_v4_prefill_over_two_chunks(tmp_path):
+    """A 150-token prompt runs in two prefill chunks of 128: the compressed entries whose window
+    spans the chunk boundary, and the indexer over 37 entries, still match transformers."""
+    name = "dsv4-hash-csa-hca-yarn"
+    m, d = saved(tmp_path, name)
+    store = convert_checkpoint(d, tmp_path / "f32", quant="f32")
+    prefill, decode, hf_self = f32_errors(m, store, n_prefill=150)
+    assert prefill <= 1e-4 and decode <= 1e-4 and hf_self <= 1e-4
+
+
 def test_deepseek_v4_indexer_drops_entries_within_the_prompt(tmp_path):
     """The compressed sparse layers' indexer keeps fewer entries than have closed for the later
     queries of the parity prompt, so the f32 parity above covers its choice."""
