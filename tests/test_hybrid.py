@@ -273,6 +273,10 @@ def test_kimi_linear_48b_preset_reads_the_published_config():
     assert a.recurrent_state_bytes == 2 * 20 * 4 * (3 * 12288 + 32 * 128 * 128) == 89_784_320
     assert sizing.kv_bytes(a, 4096) == 7 * 576 * 4096 * 2 + a.recurrent_state_bytes
     assert a.max_position_embeddings == 1048576 and not a.use_rope
+    from engine.models import kimi_linear
+    names = {t.hf for t in kimi_linear.dense_tensors(a)}
+    assert "model.layers.0.mlp.gate_proj.weight" in names  # the published dense layer's names
+    assert "model.layers.1.block_sparse_moe.gate.e_score_correction_bias" in names
 
 
 def test_qwen3_next_80b_preset_sizes():
