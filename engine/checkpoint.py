@@ -291,6 +291,8 @@ class Checkpoint:
                            f"{list(want)}; config and weights do not match")
                 raise CheckpointError(f"{self._where[sn]}: tensor '{sn}' has shape {list(ssl.get_shape())} "
                                       f"for '{name}' {list(got)}, but {src}")
+        elif sl.get_dtype() in ("I64", "I32") and len(got) == 2 and name.endswith(".tid2eid"):
+            pass  # DeepSeek-V4's token -> experts table: integers, read as float32 (exact below 2^24)
         elif sl.get_dtype() not in ("BF16", "F16", "F32"):
             raise CheckpointError(f"{f}: tensor '{name}' has dtype {sl.get_dtype()}; only "
                                   f"bf16, f16, f32 and block-scaled float8 (e4m3) checkpoints are supported")
@@ -405,7 +407,7 @@ class Checkpoint:
 
     def nbytes(self, name: str) -> int:
         sl = self._handles[self._where[name]].get_slice(name)
-        size = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1}[sl.get_dtype()]
+        size = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "U8": 1, "I64": 8, "I32": 4}[sl.get_dtype()]
         return int(np.prod(sl.get_shape())) * size
 
     def get(self, name: str) -> np.ndarray:
@@ -444,7 +446,7 @@ class Checkpoint:
             raise CheckpointError(f"{path}: tensor '{name}' is uint8 where a float tensor belongs; "
                                   f"the checkpoint is damaged or of another layout - download it again")
         np_dt = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32,
-                 "F8_E4M3": ml_dtypes.float8_e4m3fn}[dt]
+                 "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32}[dt]
         w = np.frombuffer(raw, dtype=np_dt).reshape(shape).astype(np.float32)
         if dt == "F8_E4M3":
             if row is not None or w.ndim != 2:

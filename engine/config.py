@@ -44,7 +44,10 @@ def describe_model(args: ModelArgs) -> str:
               if args.shared_expert_intermediate_size else "")
     if getattr(args, "kv_lora_rank", 0):
         shared += f", latent attention (KV rank {args.kv_lora_rank} + {args.qk_rope_head_dim})"
-    if getattr(args, "index_topk", 0):
+    if getattr(args, "hc_mult", 0):  # DeepSeek-V4: the indexer picks compressed entries, not tokens
+        shared += (f", {args.hc_mult} residual streams, compressed sparse attention (top {args.index_topk} "
+                   f"compressed entries per query)")
+    elif getattr(args, "index_topk", 0):
         shared += f", sparse attention (top {args.index_topk} tokens per query)"
     return (f"{family_name(args.model_type)} ({args.model_type}): {layers}, {args.num_experts} experts, "
             f"top-{args.num_experts_per_tok}, expert width {args.moe_intermediate_size}{shared}, "

@@ -24,7 +24,7 @@ from engine.bench.synthetic import (CONFIGS, PRESETS, deepseek_v2_config, deepse
                               dots1_config, ernie4_5_moe_config, glm4_moe_config, glm4_moe_lite_config, glm_moe_dsa_config, mixtral_config,
                               olmoe_config, qwen2_moe_config, qwen3_5_moe_config, qwen3_5_moe_text_config,
                               qwen3_moe_config, qwen3_next_config, write_checkpoint, write_store_from_seed,
-                              gemma4_config, gemma4_text_config, granitemoehybrid_config, hunyuan_v1_moe_config, kimi_linear_config, lfm2_moe_config, llama4_config, llama4_text_config, minimax_m2_config)
+                              deepseek_v4_config, gemma4_config, gemma4_text_config, granitemoehybrid_config, hunyuan_v1_moe_config, kimi_linear_config, lfm2_moe_config, llama4_config, llama4_text_config, minimax_m2_config)
 
 # Family configs with dense layers, GQA, shared experts and windows (small but streaming).
 FAMILY_CONFIGS = {
@@ -70,10 +70,13 @@ FAMILY_CONFIGS = {
     "granitemoehybrid": granitemoehybrid_config(),
     # KDA layers carrying conv inputs and a per-channel-decay state, a NoPE latent-attention layer
     "kimi_linear": kimi_linear_config(),
+    # residual streams, sliding / compressed sparse / heavily compressed attention with sinks,
+    # a hash-routed first layer, clamped SwiGLU experts
+    "deepseek_v4": deepseek_v4_config(),
 }
 
 
-OWN_EXPERT_MLP = ("gpt_oss", "gemma4_text", "gemma4")  # not SwiGLU: the arena kernels do not run them
+OWN_EXPERT_MLP = ("gpt_oss", "gemma4_text", "gemma4", "deepseek_v4")  # not SwiGLU: the arena kernels do not run them
 DENSE_BESIDE_EXPERTS = ("gemma4_text", "gemma4")  # a resident MLP in every MoE layer
 
 
@@ -473,6 +476,9 @@ def test_info_counts_the_indexer_keys_in_the_kv_cache(family_stores, name, n_ind
     ("lfm2_moe", 64),  # the one attention layer; the conv layers' state apart, any context
     ("granitemoehybrid", 64),  # the one attention layer; the Mamba2 layers' state apart
     ("kimi_linear", 32 + 16),  # the one latent-attention layer (kv_lora_rank + qk_rope_head_dim)
+    # a sliding key row of 32 per layer; the compressor inputs (CSA: kv and gate of 2 x 32 and the
+    # indexer's 2 x 16; HCA: 32 and 32) and 1 / m of an entry (CSA: (32 + 16) / 4, HCA: 32 / 8)
+    ("deepseek_v4", 4 * 32 + 2 * (192 + 12) + (64 + 4)),
     ("llama4", 4 * 64), ("ernie4_5_moe", 3 * 64)])
 def test_kv_cache_bytes_are_what_sizing_plans(family_stores, name, per_token, kv_dtype):
     """The KV cache a model allocates is the one sizing plans (Engine.open's budget): per layer
@@ -974,3 +980,16 @@ def test_embedding_rows_come_from_the_store_bit_identical(family_stores, tmp_pat
             f.truncate(off + 10)
         with pytest.raises(StoreError, match="short read of row .* embed_tokens"):
             rows.rows(np.array([a.vocab_size - 1]))
+
+
+def test_info_gives_deepseek_v4_kv_bytes_per_token(family_stores):
+    """colibri info names DeepSeek-V4's attention kinds and gives its KV cache per token of
+    context: the sliding key rows, the compressor inputs and the compressed entries."""
+    from engine.cli.run import describe_store
+    _, store = family_stores["deepseek_v4"]
+    text = describe_store(str(store), 96)
+    assert "KV cache    604 values per token over the 4 layers" in text
+    assert "(2.4 kB per token of context at f32, 1.2 kB at f16)" in text
+    assert "1 sliding layer (window 8), 2 compressed sparse layers (every 4 positions, the indexer keeps 3" in text
+    assert "1 heavily compressed layer (every 8 positions)" in text and "3 residual streams" in text
+    assert "compressed layers and their compressors: theta 160000, YaRN scaling factor 4" in text

@@ -273,6 +273,10 @@ def test_kimi_linear_48b_preset_reads_the_published_config():
     assert a.recurrent_state_bytes == 2 * 20 * 4 * (3 * 12288 + 32 * 128 * 128) == 89_784_320
     assert sizing.kv_bytes(a, 4096) == 7 * 576 * 4096 * 2 + a.recurrent_state_bytes
     assert a.max_position_embeddings == 1048576 and not a.use_rope
+    from engine.models import kimi_linear
+    names = {t.hf for t in kimi_linear.dense_tensors(a)}
+    assert "model.layers.0.mlp.gate_proj.weight" in names  # the published dense layer's names
+    assert "model.layers.1.block_sparse_moe.gate.e_score_correction_bias" in names
 
 
 def test_qwen3_next_80b_preset_sizes():
@@ -333,3 +337,26 @@ def test_positions_outside_the_context_are_refused_before_any_compute(hybrid_sto
             with pytest.raises(ValueError, match="exceed the context of 64 tokens"):
                 m.forward(np.arange(3), 62)
             assert np.array_equal(m.k_cache, before[0]) and np.array_equal(m.v_cache, before[1])
+
+
+def test_deepseek_v4_prefix_reuse_recomputes_the_compressed_entries(tmp_path):
+    """DeepSeek-V4's compressed entries are recomputed from their stored inputs when a reused
+    prefix ends inside a compression window: the next turn, a regenerate and a divergence
+    inside the answer give the ids of a fresh prefill."""
+    from engine.bench.synthetic import deepseek_v4_config
+    ck = write_checkpoint(tmp_path / "ck", deepseek_v4_config(), seed=5, std=0.1)
+    store = convert_checkpoint(ck, tmp_path / "st", quant="int8")
+    cfg = EngineConfig(store=str(store), history=False, o_direct=False, cap=8, context_length=256)
+    with Engine.open(cfg) as eng, Engine.open(cfg) as ref:
+        A = list(range(7, 7 + 21))  # ends inside a window of 4 and one of 8
+        out1 = _gen(eng, A).token_ids
+        assert out1 == _fresh(ref, A)
+        ids2 = A + list(out1) + [40, 41, 42]
+        assert _gen(eng, ids2).token_ids == _fresh(ref, ids2)
+        assert _gen(eng, ids2).token_ids == _fresh(ref, ids2)  # regenerate
+        ids3 = ids2 + [50, 51, 52]
+        out3 = _gen(eng, ids3).token_ids
+        ids4 = ids3 + list(out3[:3]) + [70, 71]  # diverges after 3 answer tokens
+        assert _gen(eng, ids4).token_ids == _fresh(ref, ids4)
+        ids5 = A[:13] + [90, 91, 92]  # inside the first prompt
+        assert _gen(eng, ids5).token_ids == _fresh(ref, ids5)

@@ -396,6 +396,38 @@ def kimi_linear_config(**kw) -> dict:
     return cfg
 
 
+def deepseek_v4_config(**kw) -> dict:
+    """A tiny DeepSeek-V4 config.json dict (DeepseekV4Config names): 4 heads over one shared KV
+    head of 32 (rotary 8), 3 residual streams, a sliding layer (window 8), compressed sparse
+    layers (every 4 positions, the indexer keeps 3) and a heavily compressed one (every 8),
+    YaRN on the compressed branch, the first layer hash-routed, 8 experts top-2 with the
+    correction bias, one shared expert."""
+    cfg = {
+        "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "hidden_size": 64,
+        "moe_intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 32, "q_lora_rank": 32, "partial_rotary_factor": 0.25, "n_routed_experts": 8,
+        "num_experts_per_tok": 2, "n_shared_experts": 1, "scoring_func": "sqrtsoftplus", "norm_topk_prob": True,
+        "routed_scaling_factor": 1.5, "hc_mult": 3, "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "sliding_window": 8,
+        "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        "o_groups": 2, "o_lora_rank": 16, "index_n_heads": 8, "index_head_dim": 16, "index_topk": 3,
+        "swiglu_limit": 10.0, "rope_theta": 10000.0, "compress_rope_theta": 160000.0,
+        "rope_parameters": {"main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                            "compress": {"rope_type": "yarn", "rope_theta": 160000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+                                         "attention_factor": 1.0, "partial_rotary_factor": 0.25}},
+        "vocab_size": 300, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "hidden_act": "silu", "eos_token_id": 0, "bos_token_id": None, "pad_token_id": 0,
+    }
+    cfg.update(kw)
+    L = cfg["num_hidden_layers"]
+    if "layer_types" not in kw:  # sliding, CSA, HCA, CSA, ...
+        cfg["layer_types"] = ["sliding_attention"] + [
+            "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(1, L)]
+    if "mlp_layer_types" not in kw:
+        cfg["mlp_layer_types"] = ["hash_moe"] + ["moe"] * (L - 1)
+    return cfg
+
+
 def qwen3_next_config(**kw) -> dict:
     """A tiny Qwen3-Next config.json dict (Qwen3NextConfig names): Gated DeltaNet layers (2 key /
     4 value heads of 16) with a gated full-attention layer every 4th (the last one when fewer
@@ -449,7 +481,8 @@ CONFIGS = {"olmoe": olmoe_config, "qwen3_moe": qwen3_moe_config, "mixtral": mixt
            "ernie4_5_moe": ernie4_5_moe_config, "dots1": dots1_config, "hunyuan_v1_moe": hunyuan_v1_moe_config,
            "minimax_m2": minimax_m2_config, "llama4_text": llama4_text_config, "llama4": llama4_config,
            "gemma4_text": gemma4_text_config, "gemma4": gemma4_config, "lfm2_moe": lfm2_moe_config,
-           "granitemoehybrid": granitemoehybrid_config, "kimi_linear": kimi_linear_config}
+           "granitemoehybrid": granitemoehybrid_config, "kimi_linear": kimi_linear_config,
+           "deepseek_v4": deepseek_v4_config}
 
 # Exact shapes of published checkpoints (their config.json values; weights are random).
 PRESETS = {
@@ -567,10 +600,14 @@ EXPERT_DRAWS = ("exact", "codes")
 CODE_QUANTS = ("int8", "int4", "mxfp4")  # the quantizations expert_draw="codes" draws directly
 
 
-def seeded_tensor(seed: int, n: int, shape: tuple[int, ...], std: float) -> np.ndarray:
+def seeded_tensor(seed: int, n: int, shape: tuple[int, ...], std: float, name: str = "",
+                  num_experts: int = 0) -> np.ndarray:
     """Tensor number ``n`` of a seeded checkpoint, float32 of ``shape``: 1 + N(0, 0.05) for a
-    vector (norms), N(0, std) otherwise, drawn from default_rng([seed, n])."""
+    vector (norms), N(0, std) otherwise, drawn from default_rng([seed, n]); a hash-routing table
+    (``*.tid2eid`` [V, K], DeepSeek-V4) holds K distinct expert ids below ``num_experts`` per row."""
     rng = np.random.default_rng([seed, n])
+    if name.endswith(".tid2eid"):
+        return np.argsort(rng.random((shape[0], num_experts)), axis=1)[:, :shape[1]].astype(np.float32)
     if len(shape) == 1:
         return 1.0 + 0.05 * rng.standard_normal(shape, dtype=np.float32)
     return std * rng.standard_normal(shape, dtype=np.float32)
@@ -608,7 +645,7 @@ def write_checkpoint(folder: str | os.PathLike, config: dict, seed: int = 0, dty
         shard, size = {}, 0
 
     for i, (name, shape) in enumerate(names.items()):
-        arr = seeded_tensor(seed, i, shape, std).astype(DTYPES[dtype])
+        arr = seeded_tensor(seed, i, shape, std, name, args.num_experts).astype(DTYPES[dtype])
         shard[name] = arr
         size += arr.nbytes
         if size >= shard_bytes:
@@ -648,7 +685,7 @@ class SeededSource:
         self.itemsize = np.dtype(self.dtype).itemsize
 
     def get(self, name: str) -> np.ndarray:
-        w = seeded_tensor(self.seed, self.index[name], self.names[name], self.std)
+        w = seeded_tensor(self.seed, self.index[name], self.names[name], self.std, name, self.args.num_experts)
         return w.astype(self.dtype).astype(np.float32)
 
     def nbytes(self, name: str) -> int:

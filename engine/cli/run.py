@@ -211,7 +211,10 @@ def describe_store(path: str, context_length: int = 0) -> str:
             + (f", {len(dense_layers)} dense MLP (layers {', '.join(map(str, dense_layers))}, resident)"
                if dense_layers else ", none dense")
             + f"; hidden {a.hidden_size}, " + _attention_text(a),
-            f"KV cache    {a.kv_values_per_token} values per token and layer"
+            (f"KV cache    {a.kv_values_all_layers} values per token over the {L} layers: a sliding key row of "
+             f"{a.head_dim} (one shared K = V head) per layer, the compressor inputs and 1 / m of an entry on the "
+             f"compressed layers" if getattr(a, "hc_mult", 0) else
+             f"KV cache    {a.kv_values_per_token} values per token and layer")
             + (f" + {a.index_head_dim} indexer-key values on the {len(a.indexer_layers)} layers with an indexer"
                if getattr(a, "indexer_layers", ()) else "")
             + f" ({format_bytes(a.kv_values_all_layers * 4)} per token of context at f32, "
@@ -258,8 +261,15 @@ def _rope_text(a) -> str:
     ("none" for a model whose attention has no rotary embedding: Kimi-Linear, NoPE Granite)."""
     if getattr(a, "use_rope", True) is False:
         return "none (attention without rotary embeddings)"
-    text = f"theta {getattr(a, 'rope_theta', 0):g}"
-    sc = dict(getattr(a, "rope_scaling", ()) or ())
+    if getattr(a, "hc_mult", 0):  # DeepSeek-V4: plain RoPE on sliding layers, its own on compressed ones
+        return (f"theta {a.rope_theta:g} on the sliding layers, no scaling; compressed layers and their "
+                f"compressors: " + _theta_text(a.compress_rope_theta, a.compress_rope_scaling))
+    return _theta_text(getattr(a, "rope_theta", 0), getattr(a, "rope_scaling", ()))
+
+
+def _theta_text(theta: float, scaling) -> str:
+    text = f"theta {theta:g}"
+    sc = dict(scaling or ())
     if not sc:
         return text + ", no scaling (plain RoPE)"
     text += (f", YaRN scaling factor {sc.get('factor', 1.0):g} (original context "
@@ -271,6 +281,20 @@ def _rope_text(a) -> str:
 
 def _attention_text(a) -> str:
     """The attention part of ``colibri info``'s layers line."""
+    if getattr(a, "hc_mult", 0):  # DeepSeek-V4
+        kinds = {t: sum(1 for x in a.layer_types if x == t) for t in set(a.layer_types)}
+        parts = [f"{_layers(kinds.get('sliding_attention', 0), 'sliding')} (window {a.sliding_window})",
+                 f"{_layers(kinds.get('compressed_sparse_attention', 0), 'compressed sparse')} (every "
+                 f"{a.csa_rate} positions, the indexer keeps {a.index_topk}: index_n_heads {a.index_n_heads}, "
+                 f"index_head_dim {a.index_head_dim})",
+                 f"{_layers(kinds.get('heavily_compressed_attention', 0), 'heavily compressed')} (every "
+                 f"{a.hca_rate} positions)"]
+        hashed = sum(1 for x in a.mlp_layer_types if x == "hash_moe")
+        return (f"heads {a.num_attention_heads} over one shared K = V head of {a.head_dim} (rotary {a.qk_rope_head_dim}, "
+                f"interleaved), attention sinks, q LoRA rank {a.q_lora_rank}, grouped output projection ({a.o_groups} "
+                f"groups of rank {a.o_lora_rank}); {a.hc_mult} residual streams (hyper-connections); "
+                + ", ".join(parts) + f"; {_layers(hashed, 'hash-routed')}, sqrt-softplus routing, SwiGLU clamped "
+                f"at {a.swiglu_limit:g}")
     if getattr(a, "kv_lora_rank", 0):
         q = f"q LoRA rank {a.q_lora_rank}" if a.q_lora_rank else "plain q_proj"
         if getattr(a, "linear_layers", ()):  # Kimi-Linear: KDA layers around NoPE latent attention

@@ -12,7 +12,7 @@ from types import ModuleType
 
 from ..errors import ConfigError
 from .base import register_family_lookup
-from . import (deepseek_v2, deepseek_v3, deepseek_v32, dots1, ernie4_5_moe, gemma4, gemma4_text, glm4_moe, glm4_moe_lite,
+from . import (deepseek_v2, deepseek_v3, deepseek_v32, deepseek_v4, dots1, ernie4_5_moe, gemma4, gemma4_text, glm4_moe, glm4_moe_lite,
                glm_moe_dsa, gpt_oss, granitemoehybrid, hunyuan_v1_moe, kimi_linear, lfm2_moe, llama4, llama4_text, minimax_m2, mixtral, olmoe, qwen2_moe,
                qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next)
 
@@ -22,7 +22,7 @@ FAMILIES: dict[str, ModuleType] = {m.MODEL_TYPE: m for m in (olmoe, qwen3_moe, m
                                                            qwen3_5_moe_text, qwen3_5_moe, ernie4_5_moe, dots1,
                                                            hunyuan_v1_moe, minimax_m2, llama4_text, llama4,
                                                            gemma4_text, gemma4, lfm2_moe,
-                                                           granitemoehybrid, kimi_linear)}
+                                                           granitemoehybrid, kimi_linear, deepseek_v4)}
 SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(FAMILIES)
 FAMILY_NAMES = {m.MODEL_TYPE: m.DISPLAY_NAME for m in FAMILIES.values()}
 

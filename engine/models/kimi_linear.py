@@ -41,8 +41,8 @@ Checkpoint names (as published and as transformers saves them):
 model.layers.N.self_attn.{q,k,v}_proj, {q,k,v}_conv1d, f_a_proj, f_b_proj, dt_bias, A_log,
 b_proj, g_a_proj, g_b_proj, o_norm, o_proj (KDA) or the MLA names of mla.py;
 model.layers.N.block_sparse_moe.gate.{weight, e_score_correction_bias}, .experts.E.{w1,w3,w2},
-.shared_experts.{gate,up,down}_proj; dense layers model.layers.N.block_sparse_moe.{gate,up,down}_proj
-(or mlp.*).
+.shared_experts.{gate,up,down}_proj; dense layers model.layers.N.mlp.{gate,up,down}_proj as
+published (a config.json with linear_attn_config), block_sparse_moe.* as transformers saves them.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ class ModelArgs(mla.MLAArgs):
     linear_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
     n_shared_experts: int = 0
+    published_layout: bool = False  # config.json as published (linear_attn_config), not as transformers saves it
 
     use_rope = False  # the MLA layers are NoPE; KDA has no positions
 
@@ -161,7 +162,8 @@ class ModelArgs(mla.MLAArgs):
         def n(key, hi, default):
             return base.num(cfg, key, path, 1, hi, integer=True, family=DISPLAY_NAME, default=default)
 
-        return cls(**v, layer_types=tuple(types), linear_num_heads=n("linear_num_heads", 1 << 12, 32),
+        return cls(**v, layer_types=tuple(types), published_layout="linear_attn_config" in cfg,
+                   linear_num_heads=n("linear_num_heads", 1 << 12, 32),
                    linear_head_dim=n("linear_head_dim", 1 << 16, 128),
                    linear_conv_kernel_dim=n("linear_conv_kernel_dim", 64, 4))
 
@@ -193,7 +195,9 @@ def mixer_tensors(args: ModelArgs, i: int) -> list[Tensor]:
 def dense_tensors(args: ModelArgs) -> list[Tensor]:
     out = base.decoder_tensors(args, "block_sparse_moe", shared="block_sparse_moe.shared_experts.",
                                attention=mixer_tensors)
-    # dense layers: transformers saves them under block_sparse_moe (its rename of mlp, reversed)
+    if args.published_layout:  # the published checkpoint keeps its dense layers' MLP under mlp
+        return out
+    # transformers saves them under block_sparse_moe (its load-time rename of it to mlp, reversed)
     return [t._replace(hf=t.hf.replace(".mlp.", ".block_sparse_moe.")) if ".mlp." in t.hf else t for t in out]
 
 

@@ -72,6 +72,13 @@ FAMILIES = {
         v_head_dim=8, moe_intermediate_size=16, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
         linear_num_heads=2, linear_head_dim=16, layer_types=["linear_attention", "full_attention"],
         mlp_layer_types=["dense", "sparse"]), "Kimi-Linear"),
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(
+        num_key_value_heads=1, head_dim=16, q_lora_rank=16, partial_rotary_factor=0.5, moe_intermediate_size=16,
+        n_routed_experts=4, num_experts_per_tok=2, hc_mult=2, sliding_window=4, o_groups=2, o_lora_rank=8,
+        index_n_heads=2, index_head_dim=8, index_topk=2,
+        compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+        mlp_layer_types=["hash_moe", "moe"]), "DeepSeek-V4"),
 }
 
 
