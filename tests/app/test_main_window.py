@@ -106,7 +106,7 @@ def test_residency_map_follows_the_idle_fill_between_answers(qtbot, make_window)
     p = win.panels
     # 2 MoE layers x cap 4 of 8 experts: 8 filled before anything was asked
     qtbot.waitUntil(lambda: bool(p.snapshot is not None and sum(s != 0 for s in p.snapshot.state) == 8),
-                    timeout=30000)
+                    timeout=300000)
     assert p.snapshot.token_index == -1
     assert win.controller.idle_residency() is not None
     fin = _send(qtbot, win, "hello there")
