@@ -81,3 +81,35 @@ def test_metrics_are_rate_limited(qtbot, app_store):
         assert metrics[-1].token_index == 119  # the last state is never dropped
     finally:
         c.shutdown()
+
+
+def test_an_opened_model_gets_the_other_settings_kernels_compiled_in_the_background(qtbot, app_store, tmp_path,
+                                                                                    monkeypatch):
+    """Once the model is open, the kernels a PILOT or KV-type change needs are compiled in
+    lower-priority children, so the Settings dialog then announces no compile for PILOT on.
+    The children are replaced by a function that fills the cache folder as a compile would."""
+    from engine import compile_needed, kernel_prepare, kernels
+    cache = tmp_path / "numba"
+    monkeypatch.setattr(kernels, "CACHE_DIR", str(cache))
+    monkeypatch.delenv(kernel_prepare.IN_PROCESS_ENV, raising=False)
+    monkeypatch.setattr(kernel_prepare, "_FAILED", set())
+    runs = []
+
+    def child(cfg, niceness=0, stop=None):
+        runs.append((cfg["pilot"], cfg["kv_dtype"], niceness))
+        (cache / "engine_x").mkdir(parents=True, exist_ok=True)
+        (cache / "engine_x" / "kernels.rmsnorm-10.py311.nbi").write_bytes(b"index")
+        return 0
+    monkeypatch.setattr(kernel_prepare, "_run_child", child)
+    c = EngineController()
+    loaded = []
+    c.worker.loaded.connect(loaded.append, Qt.DirectConnection)
+    try:
+        c.open(EngineConfig(store=app_store, pinning=False))
+        qtbot.waitUntil(lambda: bool(loaded) and c.worker.variants is not None, timeout=120000)
+        assert c.worker.variants.finished.wait(600)  # only a hang trips this
+        n = kernel_prepare.BACKGROUND_NICENESS
+        assert runs == [(0, "f16", 0), (1, "f16", n), (0, "f32", n), (1, "f32", n)]
+        assert compile_needed(app_store, EngineConfig(store=app_store, pilot=1)) == (False, None)
+    finally:
+        assert c.shutdown()
