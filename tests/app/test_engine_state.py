@@ -49,7 +49,7 @@ def test_apply_that_reopens_during_an_answer_asks_first(qtbot, make_window):
     assert not job.cancel.is_set() and win.settings.engine.cap == 2
     win.stop()
     qtbot.waitUntil(lambda: bool(win.answer is None), timeout=120000)
-    qtbot.waitUntil(lambda: bool(win.loaded is not None and win.loaded.cap_per_layer == 2), timeout=120000)
+    qtbot.waitUntil(lambda: bool(win.loaded is not None and win.loaded.cap_per_layer == 2), timeout=1_800_000)
 
 
 def test_engine_messages_use_the_apps_words(qtbot, make_window, tmp_path, app_store):

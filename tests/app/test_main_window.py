@@ -122,7 +122,7 @@ def test_missing_store_shows_banner_then_a_good_model_answers(qtbot, make_window
     assert "no-such-store" in win.banner.text.text() and win.banner.hint.text()
     assert not win.chat.send_btn.isEnabled()
     win.open_model(app_store)
-    qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=120000)
+    qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=1_800_000)
     assert not win.banner.isVisible()
     fin = _send(qtbot, win, "hi")
     assert fin.finish_reason in ("length", "stop")
@@ -357,7 +357,7 @@ def test_settings_applied_reload_and_sampling(qtbot, make_window, app_store):
     new2 = replace(new, engine=replace(new.engine, cap=2))
     win.apply_settings(new2, True)
     assert win.loaded is None
-    qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=120000)
+    qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=1_800_000)
     assert win.loaded.cap_per_layer == 2
     win.reset_routing_history()                         # Settings › reset history, on the worker
     _send(qtbot, win, "y")
@@ -443,7 +443,7 @@ def test_menu_dialogs_are_wired(qtbot, make_window, app_store):
     assert isinstance(wiz, ModelWizard)
     wiz.model_ready.emit(app_store)
     assert win.loaded is None                      # reopening
-    qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=120000)
+    qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=1_800_000)
     assert load_settings()[0].current_model == app_store
     wiz.reject()
 
@@ -451,7 +451,7 @@ def test_menu_dialogs_are_wired(qtbot, make_window, app_store):
     lib = win._dialogs[-1]
     assert isinstance(lib, ModelLibraryDialog)
     lib.current_changed.emit(app_store)
-    qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=120000)
+    qtbot.waitUntil(lambda: bool(win.loaded is not None), timeout=1_800_000)
     lib.reject()
     qtbot.waitUntil(lambda: not win._dialogs, timeout=120000)
 
