@@ -29,7 +29,7 @@ def test_worker_streams_tokens_then_finished(qtbot, app_store):
         assert isinstance(loaded[0], Loaded) and loaded[0].num_experts == 8
         req = GenerateRequest(messages=(ChatMessage("user", "hello"),), sampling=SamplingParams(max_new_tokens=10))
         c.generate(req)
-        qtbot.waitUntil(lambda: bool(got and isinstance(got[-1], Finished)), timeout=120000)
+        qtbot.waitUntil(lambda: bool(got and isinstance(got[-1], Finished)), timeout=1_800_000)
         c.job_done()
         ev = got[-1]
         assert isinstance(ev, Finished) and ev.finish_reason == "length" and ev.generated_tokens == 10
@@ -50,7 +50,7 @@ def test_open_failure_is_a_signal(qtbot, tmp_path):
     c.worker.failed.connect(failed.append, Qt.DirectConnection)
     try:
         c.open(EngineConfig(store=str(tmp_path / "missing-store")))
-        qtbot.waitUntil(lambda: bool(failed), timeout=120000)
+        qtbot.waitUntil(lambda: bool(failed), timeout=1_800_000)
         ev = failed[0]
         assert isinstance(ev, EngineFailure) and ev.kind == "store" and "missing-store" in ev.message
     finally:
@@ -68,9 +68,9 @@ def test_metrics_are_rate_limited(qtbot, app_store):
     c.worker.finished.connect(done.append, Qt.DirectConnection)
     try:
         c.open(EngineConfig(store=app_store, pinning=False))
-        qtbot.waitUntil(lambda: bool(done), timeout=120000)
+        qtbot.waitUntil(lambda: bool(done), timeout=1_800_000)
         c.generate(GenerateRequest(prompt="hello", sampling=SamplingParams(max_new_tokens=120)))
-        qtbot.waitUntil(lambda: bool(len(done) == 2), timeout=120000)
+        qtbot.waitUntil(lambda: bool(len(done) == 2), timeout=1_800_000)
         c.job_done()
         ev = done[-1]
         assert len(tokens) == 120
