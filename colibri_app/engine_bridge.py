@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from PySide6.QtCore import QObject, Signal
 
 from engine import (Engine, EngineConfig, EngineError, EngineFailure, ErrorKind, Finished, GenerateRequest,
-                    LoadProgress, ResidencySnapshot, StepMetrics, TokenEvent)
+                    LoadProgress, ResidencySnapshot, StepMetrics, TokenEvent, prepare_kernel_variants)
 from engine.library import default_store
 
 from .workers import Lane, Throttle
@@ -100,6 +100,7 @@ class EngineWorker(QObject):
         super().__init__()
         self.engine: Engine | None = None
         self._progress = Throttle(EMIT_INTERVAL_S)
+        self.variants = None  # the background compile of the other settings' kernels (KernelVariants)
 
     # --- run on the lane thread ---------------------------------------------------------------
 
@@ -121,6 +122,23 @@ class EngineWorker(QObject):
                                            detail=traceback.format_exc()))
             return
         self.loaded.emit(self.engine.loaded)
+        self._prepare_variants(self.engine.config)
+
+    def _prepare_variants(self, config: EngineConfig) -> None:
+        """Compile the kernels a PILOT or KV-type change would need in the background, so that
+        change reopens the model in seconds; one run per store (the set is the same from either
+        end of a switch)."""
+        if self.variants is not None and self.variants.config.store == config.store:
+            return
+        if self.variants is not None:
+            self.variants.stop()
+        self.variants = prepare_kernel_variants(config)
+
+    def final(self) -> None:
+        """At shutdown: close the engine and end a background compile."""
+        self.close_engine()
+        if self.variants is not None:
+            self.variants.stop()
 
     def generate(self, job: GenerationJob) -> None:
         """Run one generation, emitting its events; Finished is always the last one."""
@@ -198,7 +216,7 @@ class EngineController(QObject):
         self.worker = EngineWorker()
         # one thread: open, generate, reset and close run in the order they were asked for;
         # at shutdown the lane cancels what is queued or running, then closes the engine
-        self.lane = Lane("engine", threads=1, final=self.worker.close_engine)
+        self.lane = Lane("engine", threads=1, final=self.worker.final)
         self._job: GenerationJob | None = None
         self._open: OpenRequest | None = None
         self._next_id = 1

@@ -19,7 +19,7 @@ _WHERE = {
     "atomic_write_text": "fsutil",
     "GuiCheck": "gui_check", "check_gui": "gui_check",
     "Engine": "generate",
-    "compile_needed": "kernel_prepare",
+    "compile_needed": "kernel_prepare", "prepare_kernel_variants": "generate",
     "fresh_seed": "sampling",
     "APP": "settings", "CHECKSUM_MODES": "settings", "ENGINE": "settings", "POLICIES": "settings", "SAMPLING": "settings", "AppSettings": "settings", "EngineConfig": "settings", "Setting": "settings", "settings_table": "settings", "upgrade_keys": "settings", "validate": "settings",
     "format_bytes": "units", "format_duration": "units",
@@ -49,5 +49,5 @@ __all__ = [
     "LoadProgress", "ResidencySnapshot", "SamplingParams", "StepMetrics", "TokenEvent", "atomic_write_text",
     "Engine", "ENGINE", "SAMPLING", "APP", "AppSettings", "Setting", "settings_table", "upgrade_keys", "validate", "format_bytes",
     "format_duration", "fresh_seed", "DocEntry", "DocsIndex", "split_reasoning", "reasoning_open", "describe_model", "family_name", "supported_families",
-    "GuiCheck", "check_gui", "compile_needed",
+    "GuiCheck", "check_gui", "compile_needed", "prepare_kernel_variants",
 ]

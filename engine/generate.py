@@ -8,6 +8,7 @@ always a final Finished. The loop has no I/O of its own and no Qt (mlx-lm stream
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import replace
@@ -885,14 +886,17 @@ def engine_threads_alive() -> list[str]:
                                   "colibri-populate"))]
 
 
-def compile_child(config: dict, parent_pid: int | None = None) -> None:
+def compile_child(config: dict, parent_pid: int | None = None, niceness: int = 0) -> None:
     """The kernel compile's child process (engine.kernel_prepare.prepare_in_child): open the store
     with ``config`` (an EngineConfig as a dict, kernel_prepare.child_config: a small budget) and
     answer two tokens, so every kernel a generation calls gets compiled, or loaded, and written
     to numba's cache. ``parent_pid``: the process that started it; the child ends when that one
-    does."""
+    does. ``niceness``: added to its scheduling priority (a compile in the background gives way
+    to the answers)."""
     if parent_pid is not None:
         exit_with_parent(parent_pid)
+    if niceness and hasattr(os, "nice"):
+        os.nice(niceness)
     from .events import SamplingParams
     eng = Engine.open(EngineConfig.from_dict(config), prepare_kernels=False)
     try:
@@ -902,3 +906,11 @@ def compile_child(config: dict, parent_pid: int | None = None) -> None:
             pass
     finally:
         eng.close()
+
+
+def prepare_kernel_variants(config):
+    """Compile, in the background, the kernels the other values of PILOT and the KV cache type
+    need for ``config``'s store (engine.kernel_prepare.KernelVariants, whose child process runs
+    :func:`compile_child`). Call it once the model is open."""
+    from .kernel_prepare import prepare_kernel_variants as start
+    return start(config, compile_child)

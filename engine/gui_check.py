@@ -9,8 +9,8 @@ The check (no Qt import; ctypes only):
   set; none of them is "no display" (an ssh session, a server);
 - a display to connect to: the X server of ``DISPLAY`` answers (``xcb_connect``), the Wayland
   socket exists; platforms that need none (offscreen, minimal, vnc, ...) skip this;
-- the shared libraries QtGui, QtDBus and that platform's plugin link (``NEEDED`` of PySide6's
-  libQt6Gui, libQt6DBus, libqxcb / libQt6XcbQpa and libqwayland; tests/test_gui_check.py
+- the shared libraries QtGui, QtDBus, QtNetwork and that platform's plugin link (``NEEDED`` of
+  PySide6's libQt6Gui, libQt6DBus, libQt6Network, libqxcb / libQt6XcbQpa and libqwayland; tests/test_gui_check.py
   compares this table with the installed wheel's files), each loaded by its soname as the
   dynamic loader would, then from PySide6's own Qt/lib and the frozen bundle's folder.
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # soname -> (Debian / Ubuntu package, Fedora package, Arch package)
-QT_GUI_LIBS = {  # QtGui, QtWidgets, QtDBus: needed by every platform plugin
+QT_GUI_LIBS = {  # QtGui, QtWidgets, QtDBus, QtNetwork: needed by every platform plugin
     "libEGL.so.1": ("libegl1", "libglvnd-egl", "libglvnd"),
     "libGL.so.1": ("libgl1", "libglvnd-glx", "libglvnd"),
     "libfontconfig.so.1": ("libfontconfig1", "fontconfig", "fontconfig"),
@@ -38,6 +38,10 @@ QT_GUI_LIBS = {  # QtGui, QtWidgets, QtDBus: needed by every platform plugin
     "libgthread-2.0.so.0": ("libglib2.0-0", "glib2", "glib2"),
     "libxkbcommon.so.0": ("libxkbcommon0", "libxkbcommon", "libxkbcommon"),
     "libdbus-1.so.3": ("libdbus-1-3", "dbus-libs", "dbus"),
+    # QtNetwork: the app's one-instance socket (QLocalServer) loads it before any window
+    "libgssapi_krb5.so.2": ("libgssapi-krb5-2", "krb5-libs", "krb5"),
+    "libbrotlidec.so.1": ("libbrotli1", "libbrotli", "brotli"),
+    "libbrotlicommon.so.1": ("libbrotli1", "libbrotli", "brotli"),
 }
 XCB_LIBS = {  # the xcb platform plugin (libqxcb.so and libQt6XcbQpa)
     "libxkbcommon-x11.so.0": ("libxkbcommon-x11-0", "libxkbcommon-x11", "libxkbcommon-x11"),

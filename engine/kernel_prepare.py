@@ -164,49 +164,71 @@ def child_config(config) -> dict:
     return d
 
 
-def _run_child(config: dict, child) -> int | None:
-    """Run ``child(config, parent_pid)`` in a new process; its exit code (None: killed after
-    CHILD_TIMEOUT_S). From a Python interpreter: ``python -c`` calling it with the settings as JSON on stdin
-    (the parent's ``__main__`` is not imported again, as multiprocessing's spawn would). From
-    the frozen bundle (PyInstaller, whose executable runs the app, not ``-c``): multiprocessing's
-    spawn, which the bundle's entry point supports (``freeze_support``)."""
+def _run_child(config: dict, child, niceness: int = 0, stop: threading.Event | None = None) -> int | None:
+    """Run ``child(config, parent_pid, niceness)`` in a new process; its exit code (None: killed
+    after CHILD_TIMEOUT_S, or because ``stop`` was set). From a Python interpreter: ``python -c``
+    calling it with the settings as JSON on stdin (the parent's ``__main__`` is not imported
+    again, as multiprocessing's spawn would). From the frozen bundle (PyInstaller, whose
+    executable runs the app, not ``-c``): multiprocessing's spawn, which the bundle's entry point
+    supports (``freeze_support``)."""
+    stop = stop or threading.Event()
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
     if getattr(sys, "frozen", False):
         import multiprocessing
-        p = multiprocessing.get_context("spawn").Process(target=child, args=(config, os.getpid()), daemon=True)
+        p = multiprocessing.get_context("spawn").Process(target=child, args=(config, os.getpid(), niceness),
+                                                         daemon=True)
         p.start()
-        p.join(CHILD_TIMEOUT_S)
+        while p.is_alive() and not stop.is_set() and time.monotonic() < deadline:
+            p.join(0.5)
         if p.is_alive():
             p.kill()
             p.join()
             return None
         return p.exitcode
     import subprocess
+    import tempfile
     root = str(Path(__file__).resolve().parents[1])  # the folder holding the engine package
     env = {**os.environ, "PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
     # -c, not -m: the engine package imports the child's module, and runpy then warns on every
     # child's stderr (which a failed child's log line would quote as its cause)
     code = (f"import json, sys; from {child.__module__} import {child.__name__}; "
-            f"{child.__name__}(json.loads(sys.stdin.read()), {os.getpid()})")
-    try:
-        r = subprocess.run([sys.executable, "-c", code], input=json.dumps(config), text=True,
-                           env=env, capture_output=True, timeout=CHILD_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return None
-    if r.returncode != 0:  # its last line (the error), not a traceback; the whole of it at debug level
-        lines = r.stderr.strip().splitlines()
+            f"{child.__name__}(json.loads(sys.stdin.read()), {os.getpid()}, {int(niceness)})")
+    with tempfile.TemporaryFile() as err:  # a file, not a pipe: nobody need drain it while we wait
+        p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                             stderr=err, env=env)
+        try:
+            p.stdin.write(json.dumps(config).encode())
+            p.stdin.close()
+        except OSError:  # it died at start: its exit code and stderr say why
+            pass
+        while p.poll() is None and not stop.is_set() and time.monotonic() < deadline:
+            try:
+                p.wait(0.5)
+            except subprocess.TimeoutExpired:
+                pass
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+            return None
+        err.seek(0)
+        text = err.read().decode(errors="replace")
+    if p.returncode != 0:  # its last line (the error), not a traceback; the whole of it at debug level
+        lines = text.strip().splitlines()
         log.warning("the kernel compile's child process said: %s", lines[-1] if lines else "nothing")
-        log.debug("the kernel compile's child process's stderr:\n%s", r.stderr)
-    return r.returncode
+        log.debug("the kernel compile's child process's stderr:\n%s", text)
+    return p.returncode
 
 
-def prepare_in_child(config, kind: tuple, report=None, *, child) -> float:
+def prepare_in_child(config, kind: tuple, report=None, *, child, niceness: int = 0,
+                     stop: threading.Event | None = None) -> float:
     """Compile ``kind``'s kernels in a child process when this machine has not yet (see the
-    module docstring). ``child(config: dict, parent_pid: int)``: what the child process runs, a
-    module-level function (named in ``python -c``, pickled by spawn) that opens the store with
-    ``config`` and generates (Engine.open passes engine.generate.compile_child; the engine is
-    not imported here, which would be a circle). ``report(done, message)``: called with 0 before the child starts and 1
-    when it succeeded (Engine.open turns them into LoadProgress stage "compile"). Returns the
-    seconds it took (0.0 when the marker says they are ready, or when there is no writable
+    module docstring). ``child(config: dict, parent_pid: int, niceness: int)``: what the child
+    process runs, a module-level function (named in ``python -c``, pickled by spawn) that opens
+    the store with ``config`` and generates (Engine.open passes engine.generate.compile_child; the
+    engine is not imported here, which would be a circle). ``report(done, message)``: called with
+    0 before the child starts and 1 when it succeeded (Engine.open turns them into LoadProgress
+    stage "compile"). ``niceness``: the child's lower priority; ``stop``: set, it ends the child
+    (nothing is marked). Returns the seconds it took (0.0 when the marker says they are ready, or when there is no writable
     numba cache to fill). Never raises: a failed child is logged and the engine compiles in
     process."""
     from .kernels import CACHE_DIR, CACHE_PROBLEM
@@ -233,17 +255,20 @@ def prepare_in_child(config, kind: tuple, report=None, *, child) -> float:
             if report is not None:
                 report(1, f"compute kernels compiled by another colibri process ({dt:.0f} s)")
             return dt
-        return _prepare(config, kind, marker, CACHE_DIR, report, t0, child)
+        return _prepare(config, kind, marker, CACHE_DIR, report, t0, child, niceness, stop)
 
 
-def _prepare(config, kind: tuple, marker: Path, cache_dir: str, report, t0: float, child) -> float:
+def _prepare(config, kind: tuple, marker: Path, cache_dir: str, report, t0: float, child, niceness: int = 0,
+             stop: threading.Event | None = None) -> float:
     """prepare_in_child's compile, the lock held: the child, then the marker."""
     try:
-        code = _run_child(child_config(config), child)
+        code = _run_child(child_config(config), child, niceness, stop)
     except Exception as e:  # noqa: BLE001 - the engine compiles in process instead
         log.warning("could not compile the kernels in a child process (%s: %s); compiling them here",
                     type(e).__name__, e)
         _FAILED.add(kind)
+        return time.perf_counter() - t0
+    if stop is not None and stop.is_set():  # ended on purpose: the next one to need it compiles it
         return time.perf_counter() - t0
     if code != 0:
         log.warning("compiling the kernels in a child process failed (exit code %s); compiling them here", code)
@@ -260,3 +285,73 @@ def _prepare(config, kind: tuple, marker: Path, cache_dir: str, report, t0: floa
         report(1, f"compute kernels compiled in {dt:.0f} s")
     return dt
 
+
+
+BACKGROUND_NICENESS = 10  # a compile nobody waits for yet gives the cores to the answers
+
+
+def kernel_variants(config) -> list:
+    """The settings (EngineConfig) besides ``config`` that open its store with other kernels:
+    PILOT switched (off <-> on) first, then each other KV cache type with PILOT off and on. The
+    other settings change no kernel (:func:`kernel_kind`)."""
+    from dataclasses import replace
+    from .settings import KV_DTYPES
+    pilot_other = 1 if config.pilot == 0 else 0
+    out = [replace(config, pilot=pilot_other)]
+    for kv in KV_DTYPES:
+        if kv != config.kv_dtype:
+            out += [replace(config, kv_dtype=kv, pilot=config.pilot), replace(config, kv_dtype=kv, pilot=pilot_other)]
+    return out
+
+
+class KernelVariants:
+    """Compiles, one after the other in a background thread, the kernels of the
+    :func:`kernel_variants` of a store's settings that this machine has not prepared, each in a
+    child process at a lower priority (``BACKGROUND_NICENESS``). A setting changed later (PILOT
+    on, the other KV type) then reopens the model on cached kernels in seconds instead of
+    compiling for minutes; a reopen while one of them still compiles waits for that child (the
+    marker's lock), not for a second compile. Never raises."""
+
+    def __init__(self, config, child):
+        self.config, self.child = config, child
+        self._stop = threading.Event()
+        self.done: list[tuple] = []  # kinds prepared by this object (compiled or found ready)
+        self.finished = threading.Event()  # set when every variant was tried or stop() was called
+        self._thread = threading.Thread(target=self._run, name="kernel-variants", daemon=True)
+
+    def start(self) -> "KernelVariants":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            from .kernels import CACHE_DIR
+            if os.environ.get(IN_PROCESS_ENV) == "1" or not CACHE_DIR:  # every process compiles its own
+                return
+            from .expert_store import ExpertStore
+            with ExpertStore(self.config.store, o_direct=False) as st:
+                kinds = [(kernel_kind(st.args, st, c), c) for c in kernel_variants(self.config)]
+            for kind, cfg in kinds:
+                if self._stop.is_set():
+                    return
+                prepare_in_child(cfg, kind, child=self.child, niceness=BACKGROUND_NICENESS, stop=self._stop)
+                if not self._stop.is_set() and kind not in _FAILED:
+                    self.done.append(kind)
+        except Exception:  # noqa: BLE001 - a missed head start only means a compile later
+            log.debug("preparing the other settings' kernels failed", exc_info=True)
+        finally:
+            self.finished.set()
+
+    def stop(self, timeout: float | None = None) -> None:
+        """End the compile under way (its child is killed) and start no other; waits for the thread."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+
+def prepare_kernel_variants(config, child) -> KernelVariants:
+    """Start compiling, in the background, the kernels that the other values of the settings that
+    choose kernels (PILOT on or off, the KV cache type) need for ``config``'s store (an
+    EngineConfig with ``store`` set); see :class:`KernelVariants`; ``child`` as for
+    :func:`prepare_in_child`. Call it once the model is open, so its own kernels come first."""
+    return KernelVariants(config, child).start()

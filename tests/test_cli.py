@@ -148,11 +148,14 @@ def test_ctrl_c_that_a_ctypes_callback_swallows_still_stops_run(tiny_store, monk
     run`` ran its answer to the end (a new user's report, 1 of ~13 tries). The SIGINT handler
     of ``run`` also sets the generation's cancel flag, so the engine stops at its next layer.
     Here the signal is raised after the first token inside a handler that drops the
-    KeyboardInterrupt, as ctypes does."""
+    KeyboardInterrupt, as ctypes does. Python's own SIGINT handler is put in place first, as in
+    a terminal: a pytest started as a background job of a script inherits SIGINT ignored,
+    where ``run`` rightly installs nothing (no Ctrl+C can come) and the signal is lost."""
     import dataclasses
     import signal
     from engine.events import TokenEvent
     from engine.generate import Engine
+    outside = signal.signal(signal.SIGINT, signal.default_int_handler)
     real = Engine.generate
     seen = []
 
@@ -168,7 +171,10 @@ def test_ctrl_c_that_a_ctypes_callback_swallows_still_stops_run(tiny_store, monk
                         pass  # what ctypes does with an exception raised in a callback
             yield ev
     monkeypatch.setattr(Engine, "generate", generate)
-    assert colibri(["run", "--model", str(tiny_store), "--prompt", "hello", "--raw", "--max-new-tokens", "200",
-                    "--no-history", "--threads", "1"]) == 0
-    assert 1 <= len(seen) < 10, len(seen)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+    try:
+        assert colibri(["run", "--model", str(tiny_store), "--prompt", "hello", "--raw", "--max-new-tokens", "200",
+                        "--no-history", "--threads", "1"]) == 0
+        assert 1 <= len(seen) < 10, len(seen)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
+    finally:
+        signal.signal(signal.SIGINT, outside)

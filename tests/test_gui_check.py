@@ -47,12 +47,13 @@ def _pyside_dir() -> Path:
 
 # the C / C++ runtime, and Qt's own libraries (shipped in the wheel)
 SYSTEM = ("libc.so", "libm.so", "libstdc++.so", "libgcc_s.so", "libpthread.so", "libdl.so", "librt.so", "ld-linux",
-          "libz.so", "libzstd.so")
+          "libz.so", "libzstd.so", "libresolv.so")
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="ELF libraries")
 @pytest.mark.parametrize("lib,table", [
     ("Qt/lib/libQt6Gui.so.6", "gui"), ("Qt/lib/libQt6DBus.so.6", "gui"), ("Qt/lib/libQt6Widgets.so.6", "gui"),
+    ("Qt/lib/libQt6Network.so.6", "gui"),
     ("Qt/plugins/platforms/libqxcb.so", "xcb"), ("Qt/lib/libQt6XcbQpa.so.6", "xcb"),
     ("Qt/plugins/platforms/libqwayland.so", "wayland"), ("Qt/lib/libQt6WaylandClient.so.6", "wayland")])
 def test_the_table_lists_every_library_the_installed_qt_links(lib, table):

@@ -26,7 +26,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 def test_a_child_that_succeeds_leaves_a_marker_and_the_next_open_starts_none(cache_dir, monkeypatch):
     runs = []
-    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg, child: runs.append(cfg) or 0)
+    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg, *_: runs.append(cfg) or 0)
     said = []
     report = lambda done, msg: said.append((done, msg))  # noqa: E731
     cfg = EngineConfig(store="/models/x", ram_budget_gb=3.0, context_length=4096, cap=40, threads=2,
@@ -56,7 +56,7 @@ def test_a_child_that_fails_is_logged_not_retried_and_leaves_no_marker(cache_dir
     child for that kind again in this process."""
     runs = []
 
-    def run(cfg, child):
+    def run(cfg, *_):
         runs.append(cfg)
         if isinstance(outcome, Exception):
             raise outcome
@@ -74,7 +74,7 @@ def test_a_child_that_fails_is_logged_not_retried_and_leaves_no_marker(cache_dir
 def test_no_child_without_a_cache_to_fill_or_when_asked_to_compile_in_process(cache_dir, monkeypatch):
     """No writable numba cache: no child (nothing would persist), and the reason every start
     compiles is said (kernels.CACHE_PROBLEM, naming the folder and what to do)."""
-    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg, child: pytest.fail("no child expected"))
+    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg, *_: pytest.fail("no child expected"))
     cfg = EngineConfig(store="/models/x")
     said = []
     monkeypatch.setenv(kernel_prepare.IN_PROCESS_ENV, "1")
@@ -92,7 +92,7 @@ def test_a_marker_whose_cache_files_are_gone_runs_the_child_again(cache_dir, mon
     engine trusted the marker and compiled in process, its ~500 MB back, without a word)."""
     import json
     runs = []
-    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg, child: runs.append(cfg) or 0)
+    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg, *_: runs.append(cfg) or 0)
     cfg = EngineConfig(store="/models/x")
     marker = kernel_prepare.marker_path(str(cache_dir), KIND)
     marker.parent.mkdir(parents=True)
@@ -144,7 +144,7 @@ def test_two_first_starts_at_once_compile_once(cache_dir, monkeypatch):
     import time
     runs = []
 
-    def child(cfg, entry):
+    def child(cfg, *_):
         runs.append(cfg)
         time.sleep(0.5)
         (cache_dir / "kernels_4f2a").mkdir(parents=True, exist_ok=True)
@@ -170,7 +170,7 @@ def test_compile_needed_says_when_a_setting_needs_new_kernels(cache_dir, monkeyp
     compiles first; the estimate is the longest compile a marker on this machine recorded."""
     off, on = EngineConfig(store=str(tiny_store)), EngineConfig(store=str(tiny_store), pilot=1)
     assert kernel_prepare.compile_needed(str(tiny_store), off) == (True, None)  # nothing compiled yet
-    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg, child: 0)
+    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg, *_: 0)
     (cache_dir / "kernels_4f2a").mkdir(parents=True)
     (cache_dir / "kernels_4f2a" / "attention.rmsnorm-10.py311.nbi").write_bytes(b"index")
     from engine.expert_store import ExpertStore
@@ -224,3 +224,76 @@ def test_a_killed_parent_leaves_no_compile_child_running(tmp_path):
             parent.kill()
         if child is not None and child.is_running():
             child.kill()
+
+
+def test_the_variants_are_every_other_choice_of_the_kernel_settings():
+    """PILOT switched comes first (the change users make), then the other KV type with PILOT
+    off and on: with the open settings, every kind a setting can select."""
+    from engine.settings import KV_DTYPES
+    for pilot, kv in ((0, "f16"), (2, "f32")):
+        cfg = EngineConfig(store="/models/x", pilot=pilot, kv_dtype=kv)
+        vs = kernel_prepare.kernel_variants(cfg)
+        assert (vs[0].pilot > 0, vs[0].kv_dtype) == (pilot == 0, kv)
+        kinds = {(c.pilot > 0, c.kv_dtype) for c in vs + [cfg]}
+        assert len(vs) == 3 and kinds == {(p, k) for p in (False, True) for k in KV_DTYPES}
+
+
+def test_the_variants_compile_in_the_background_and_a_pilot_change_then_needs_none(cache_dir, monkeypatch,
+                                                                                   tiny_store):
+    """After the model opens, the other settings' kernels are compiled one after the other in
+    children at a lower priority; then switching PILOT on needs no compile (the settings
+    dialog says none, the reopen starts no child)."""
+    runs = []
+
+    def child(cfg, entry, niceness=0, stop=None):
+        runs.append((cfg["pilot"], cfg["kv_dtype"], niceness))
+        (cache_dir / "kernels_4f2a").mkdir(parents=True, exist_ok=True)
+        (cache_dir / "kernels_4f2a" / "attention.rmsnorm-10.py311.nbi").write_bytes(b"index")
+        return 0
+    monkeypatch.setattr(kernel_prepare, "_run_child", child)
+    off = EngineConfig(store=str(tiny_store))
+    on = EngineConfig(store=str(tiny_store), pilot=1)
+    assert kernel_prepare.compile_needed(str(tiny_store), on)[0]
+    v = kernel_prepare.prepare_kernel_variants(off, compile_child)
+    assert v.finished.wait(600)  # only a hang trips this
+    n = kernel_prepare.BACKGROUND_NICENESS
+    assert runs == [(1, "f16", n), (0, "f32", n), (1, "f32", n)] and len(v.done) == 3
+    assert kernel_prepare.compile_needed(str(tiny_store), on) == (False, None)
+    monkeypatch.setattr(kernel_prepare, "_run_child", lambda cfg, *_: pytest.fail("no child expected"))
+    from engine.expert_store import ExpertStore
+    with ExpertStore(str(tiny_store), o_direct=False) as st:
+        assert kernel_prepare.prepare_in_child(on, kernel_prepare.kernel_kind(st.args, st, on), child=compile_child) == 0.0
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs a FIFO")
+def test_a_background_compile_runs_lower_and_stop_ends_its_child(tmp_path, cache_dir):
+    """The background child runs BACKGROUND_NICENESS lower than the app, and stop() kills it
+    (an app that closes, or opens another model, leaves no compile running) without marking
+    the kind as failed. The child's store has a FIFO manifest nobody writes: it blocks as a
+    long compile would."""
+    import os
+    import threading
+    import time
+
+    import psutil
+    store = tmp_path / "store"
+    store.mkdir()
+    os.mkfifo(store / "manifest.json")
+    stop = threading.Event()
+    out = []
+    t = threading.Thread(target=lambda: out.append(kernel_prepare._run_child({"store": str(store)}, compile_child,
+                                                                             kernel_prepare.BACKGROUND_NICENESS, stop)))
+    t.start()
+    me = psutil.Process()
+    deadline = time.monotonic() + 600  # only a hang trips this: the child starts at once
+    child = None
+    while time.monotonic() < deadline:
+        kids = [c for c in me.children() if "compile_child" in " ".join(c.cmdline())]
+        if kids and kids[0].nice() != me.nice():  # it lowers itself first thing after it starts
+            child = kids[0]
+            break
+        time.sleep(0.05)
+    assert child is not None and child.nice() == min(19, me.nice() + kernel_prepare.BACKGROUND_NICENESS)
+    stop.set()
+    t.join(600)
+    assert out == [None] and not child.is_running()

@@ -5,8 +5,9 @@ from __future__ import annotations
 from PySide6.QtCore import Qt
 
 
-def wait_finished(qtbot, win, action, timeout=300000):
+def wait_finished(qtbot, win, action, timeout=1_800_000):
     """Run ``action`` and wait until the window has handled the answer's end; returns Finished.
+    The timeout only catches a hang: a first answer may compile kernels, minutes on a busy machine.
 
     (Events are collected with a plain callable: pytest-qt's waitSignal on a signal emitted
     from another thread would stop its timer from that thread.)"""
@@ -21,6 +22,6 @@ def wait_finished(qtbot, win, action, timeout=300000):
     return got[-1]
 
 
-def send(qtbot, win, text, timeout=300000):
+def send(qtbot, win, text, timeout=1_800_000):
     """Send and wait for the answer to end; returns the Finished event."""
     return wait_finished(qtbot, win, lambda: win.send(text), timeout)

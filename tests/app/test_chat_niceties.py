@@ -154,14 +154,14 @@ def test_generating_mark_in_sidebar(qtbot, make_window):
     from colibri_app.main_window import GENERATING
     win = make_window(max_new_tokens=400)
     win.send("Tell me a long story")
-    qtbot.waitUntil(lambda: win.answer is not None, timeout=120000)
+    qtbot.waitUntil(lambda: win.answer is not None, timeout=1_800_000)
     lst = win.sidebar.list
     [row] = [i for i in range(lst.count()) if lst.item(i).data(Qt.UserRole) == win.conv_id]
     it = lst.item(row)
     assert it.data(Qt.UserRole + 1) == GENERATING == "generating…" and "generating" in it.text()
     assert not it.icon().isNull()
     win.stop()
-    qtbot.waitUntil(lambda: win.answer is None, timeout=120000)
+    qtbot.waitUntil(lambda: win.answer is None, timeout=1_800_000)
     it = lst.item(row)
     assert it.data(Qt.UserRole + 1) == "" and "generating" not in it.text() and it.icon().isNull()
 
@@ -188,13 +188,13 @@ def test_window_can_be_narrow(qtbot, make_window):
     def narrow():
         win.resize(780, 700)                 # as a user drags the edge: in steps
         return win.width() <= 800
-    qtbot.waitUntil(narrow, timeout=120000)
-    qtbot.waitUntil(lambda: win.minimumSizeHint().width() <= 800, timeout=120000)   # was 1124 px
-    qtbot.waitUntil(lambda: win.chat.width() >= 300, timeout=120000)   # the chat stays usable
+    qtbot.waitUntil(narrow, timeout=1_800_000)
+    qtbot.waitUntil(lambda: win.minimumSizeHint().width() <= 800, timeout=1_800_000)   # was 1124 px
+    qtbot.waitUntil(lambda: win.chat.width() >= 300, timeout=1_800_000)   # the chat stays usable
     assert win.chat.send_btn.isVisibleTo(win) and win.chat.input.width() >= 150
     # the panels stack under the chat (two by two), and go back beside it in a wide window
     assert win.dockWidgetArea(win.dock) == Qt.BottomDockWidgetArea and win.panels.columns == 2
     assert win.dock.isVisible() and win.dock.width() >= 600
     win.resize(1300, 800)
-    qtbot.waitUntil(lambda: win.dockWidgetArea(win.dock) == Qt.RightDockWidgetArea, timeout=120000)
+    qtbot.waitUntil(lambda: win.dockWidgetArea(win.dock) == Qt.RightDockWidgetArea, timeout=1_800_000)
     assert win.panels.columns == 1

@@ -124,5 +124,5 @@ def test_window_on_model_without_template_runs_raw_when_chosen(qtbot, make_windo
     win.chat.input.setPlainText("Once upon a time")
     win.chat._submit()
     qtbot.waitUntil(lambda: win.answer is None and any(
-        v.role == "assistant" and v.status != STREAMING for v in win.chat.views.values()), timeout=300000)
+        v.role == "assistant" and v.status != STREAMING for v in win.chat.views.values()), timeout=1_800_000)
     assert win.banner.kind not in ("tokenizer", "error") or not win.banner.isVisible()

@@ -37,9 +37,9 @@ def test_a_new_placeholder_over_a_shown_one_reaches_the_screen(qtbot):
     box.show()
     qtbot.waitExposed(box)
     box.set_placeholders("Loading the model…")
-    qtbot.waitUntil(lambda: _on_screen_as_drawn(box.viewport()), timeout=120000)
+    qtbot.waitUntil(lambda: _on_screen_as_drawn(box.viewport()), timeout=1_800_000)
     box.set_placeholders("Message the model…  (Enter to send)")
-    qtbot.waitUntil(lambda: _on_screen_as_drawn(box.viewport()), timeout=120000)
+    qtbot.waitUntil(lambda: _on_screen_as_drawn(box.viewport()), timeout=1_800_000)
 
 
 def test_the_bundled_model_says_what_it_is_and_links_to_the_recommendations(make_window, qtbot, monkeypatch):

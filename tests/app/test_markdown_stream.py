@@ -69,7 +69,7 @@ def test_code_block_is_highlighted_with_a_copy_button(qtbot):
     py.copy_btn.click()
     assert QGuiApplication.clipboard().text() == py.code
     assert py.copy_btn.text() == "Copied"
-    qtbot.waitUntil(lambda: py.copy_btn.text() == "Copy code", timeout=120000)
+    qtbot.waitUntil(lambda: py.copy_btn.text() == "Copy code", timeout=1_800_000)
     # the prose around the code is Markdown (bold, inline code), not literal asterisks
     prose = v.text.widgets[0]
     assert "**" not in prose.toPlainText() and "csv" in prose.toPlainText()

@@ -24,7 +24,7 @@ def _to_min_size(qtbot, win) -> None:
             return True
         win.resize(low)
         return False
-    qtbot.waitUntil(at_min, timeout=120000)
+    qtbot.waitUntil(at_min, timeout=1_800_000)
     qtbot.wait(50)
     low = win.minimumSizeHint().expandedTo(win.minimumSize())
     assert (win.width(), win.height()) == (low.width(), low.height())
@@ -115,8 +115,8 @@ def test_minimum_size_window_cuts_no_text(qtbot, make_window):
     # wide again: the whole placeholder sentence
     full = "Message the model…  (Enter to send, Shift+Enter for a new line)"
     win.resize(2000, 900)
-    qtbot.waitUntil(lambda: edit.placeholder_room() >= edit.fontMetrics().horizontalAdvance(full), timeout=120000)
-    qtbot.waitUntil(lambda: edit.placeholderText() == full, timeout=120000)
+    qtbot.waitUntil(lambda: edit.placeholder_room() >= edit.fontMetrics().horizontalAdvance(full), timeout=1_800_000)
+    qtbot.waitUntil(lambda: edit.placeholderText() == full, timeout=1_800_000)
     assert edit.toolTip() == ""
 
 
@@ -130,7 +130,7 @@ def test_widening_gives_the_panels_their_width_back(qtbot, make_window):
     qtbot.wait(50)
     before = win.dock.width()
     win.resize(780, 700)
-    qtbot.waitUntil(lambda: win.dockWidgetArea(win.dock) == Qt.BottomDockWidgetArea, timeout=120000)
+    qtbot.waitUntil(lambda: win.dockWidgetArea(win.dock) == Qt.BottomDockWidgetArea, timeout=1_800_000)
     win.resize(1400, 900)
-    qtbot.waitUntil(lambda: win.dockWidgetArea(win.dock) == Qt.RightDockWidgetArea, timeout=120000)
-    qtbot.waitUntil(lambda: abs(win.dock.width() - before) <= 8, timeout=120000)
+    qtbot.waitUntil(lambda: win.dockWidgetArea(win.dock) == Qt.RightDockWidgetArea, timeout=1_800_000)
+    qtbot.waitUntil(lambda: abs(win.dock.width() - before) <= 8, timeout=1_800_000)

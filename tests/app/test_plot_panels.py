@@ -104,7 +104,7 @@ def test_heat_map_128_experts_x_48_layers_is_built_at_screen_size(qtbot):
         assert E * cw <= vb.width() * p.heat_plot.devicePixelRatioF() < E * (cw + 1)
         assert L * ch <= vb.height() * p.heat_plot.devicePixelRatioF() < L * (ch + 1)
     p.resize(1100, 1500)
-    qtbot.waitUntil(lambda: p._cell_px(32, 8) != (cw, ch), timeout=120000)
+    qtbot.waitUntil(lambda: p._cell_px(32, 8) != (cw, ch), timeout=1_800_000)
     p.redraw()
     assert p.heat_image.shape[:2] == (32 * p._cell_px(32, 8)[1], 8 * p._cell_px(32, 8)[0])
 

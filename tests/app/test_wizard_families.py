@@ -186,7 +186,7 @@ def test_damaged_gguf_in_a_folder_gets_one_clear_line(qtbot, wizard, tmp_path):
     w.source_page.local_radio.setChecked(True)
     w.source_page.folder_edit.setText(str(d))
     w.next()
-    qtbot.waitUntil(lambda: "download it again" in w.source_page.status.text(), timeout=30_000)
+    qtbot.waitUntil(lambda: "download it again" in w.source_page.status.text(), timeout=1_800_000)
     text = w.source_page.status.text()
     assert "Qwen3-30B-A3B-Q4_K_M.gguf" in text and "download it again" in text and "\n" not in text
     assert w.currentId() == wz.PAGE_SOURCE and w.check is None
