@@ -445,11 +445,13 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
              "memory-limited arms are the first generation after open in a fresh process, cold, at the "
              "default context length; the unmarked arm has every expert pre-loaded. llama.cpp: llama-bench "
              "with its default flags (`-best`: %r), the read-ahead of the device holding the file as "
-             "listed. MB read / token: every byte read during the generation (the pre-read's included) "
-             "over its tokens; decode MB / token: from the first decode step on. Ceiling: 1 / max(compute, "
-             "decode bytes / read rate), the rate the throttle's or, unthrottled, %.2f GB/s (O_DIRECT slab "
-             "reads measured before the arms).\n\n") % (done, a.reps, a.threads, a.llama_best_flags,
-                                                       getattr(a, "disk_gbps", 0.0))
+             "listed.") % (done, a.reps, a.threads, a.llama_best_flags)
+    if any(r.get("ceiling_tok_s") for r in rows):
+        table += (" MB read / token: every byte read during the generation (the pre-read's included) over "
+                  "its tokens; decode MB / token: from the first decode step on. Ceiling: 1 / max(compute, "
+                  "decode bytes / read rate), the rate the throttle's or, unthrottled, %.2f GB/s (O_DIRECT "
+                  "slab reads measured before the arms).") % getattr(a, "disk_gbps", 0.0)
+    table += "\n\n"
     table += md_table([{"arm": arm, **m} for arm, m in med.items()], cols)
     table += "\n\nRatios ours / llama.cpp (median / median)\n\n" + md_table(
         [{"arm": name, **r} for name, r in ratios.items()], [("pair", "arm", "")] + [(k, k, ".2f") for k in keys])
