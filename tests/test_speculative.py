@@ -199,6 +199,7 @@ def test_prompt_lookup_takes_the_longest_latest_match():
 def test_draft_length_follows_acceptance_and_cost(monkeypatch):
     monkeypatch.setattr(speculative, "ADAPT", True)
     good = DraftLength(8)
+    assert good.choose(8) == 0  # the first decode forward measures a one-token one
     good.record(0, 0, 0.010)  # a one-token forward: 10 ms
     for _ in range(20):
         good.record(8, 8, 0.012)  # 9 positions for 12 ms, every draft token kept
@@ -210,3 +211,15 @@ def test_draft_length_follows_acceptance_and_cost(monkeypatch):
         bad.record(4, 0, 0.030)  # every draft rejected at its first token, 5 positions for 30 ms
     assert bad.choose(8) == 0
     assert any(bad.choose(8) for _ in range(speculative.EXPLORE_EVERY))  # still measured now and then
+    # a fast one-token step beside a slower verify path: worth it only at high acceptance
+    costly = DraftLength(8)
+    costly.record(0, 0, 0.001)
+    costly.record(1, 1, 0.002)
+    costly.record(8, 8, 0.005)  # 9 positions: 5 ms
+    assert costly.estimate(5) == pytest.approx(0.002 + 3 * 0.003 / 7)
+    for _ in range(30):
+        costly.record(8, 8, 0.005)
+    assert costly.choose(8) == 8  # ~9 tokens for 5 ms beats 1 for 1 ms
+    for _ in range(30):
+        costly.record(8, 1, 0.005)
+    assert costly.choose(8) == 0  # ~2 tokens for 2-5 ms does not
