@@ -43,7 +43,8 @@ class PromptLookup:
     ``propose(context, k) -> list[int]``: for n from NGRAM_MAX down to NGRAM_MIN, the last n
     tokens of ``context`` (ints, the prompt and the answer so far) are looked up among the
     context's earlier n-grams; the first n that matches gives up to ``k`` tokens that followed
-    its latest occurrence ([] when none matches). The index grows with the context (each call
+    its latest occurrence, repeated with period L - end where they reach the context's end (a
+    text that repeats keeps repeating), [] when none matches. The index grows with the context (each call
     adds the n-grams ending before the current suffix): O(new tokens) per call. ``context``
     must only grow between calls (a generation's context does: rejected drafts never enter it).
     """
@@ -66,7 +67,9 @@ class PromptLookup:
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             end = self._last.get(tuple(context[L - n:]))
             if end is not None:
-                return [int(t) for t in context[end:end + k]]
+                # a continuation that runs into the context's end repeats with period L - end
+                # (the suffix recurs every L - end tokens: "#\n#\n..." drafts more than 2)
+                return [int(context[end + i % (L - end)]) for i in range(k)]
         return []
 
 

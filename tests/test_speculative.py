@@ -192,6 +192,7 @@ def test_prompt_lookup_takes_the_longest_latest_match():
     assert d.propose(ctx, 3) == [7, 6, 5]  # "2 3" last followed by 7 6 5 (latest match)
     ctx += [7]
     assert d.propose(ctx, 2) == [6, 5]  # "2 3 7" (3-gram) beats the 2-gram "3 7"
+    assert PromptLookup(n_max=2, n_min=2).propose([8, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]  # periodic
     assert d.propose([4, 4], 3) == []
     assert PromptLookup().propose([1, 2, 3, 4], 4) == []  # no earlier occurrence
 
