@@ -119,6 +119,9 @@ class AnswerStream(QObject):
                 "tok_per_s": round(ev.decode_tok_per_s, 2), "ttft_s": round(ev.ttft_s, 3),
                 "hit_rate": round(ev.hit_rate, 4), "mb_per_token": round(ev.mb_per_token, 3),
                 "finish_reason": ev.finish_reason}
+        if ev.draft_tokens:  # speculative decoding drafted: its yield is shown with the answer
+            meta["tokens_per_forward"] = round(ev.tokens_per_forward, 3)
+            meta["draft_acceptance"] = round(ev.draft_acceptance, 3)
         if ev.dropped_messages:
             meta["dropped_messages"] = ev.dropped_messages
         if ev.sources:  # the documentation lookup's entries the model was given with the question

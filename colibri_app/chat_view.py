@@ -48,9 +48,15 @@ def rates_text(hit_rate: float, mb_per_token: float) -> tuple[str, str]:
     return f"hit rate {100 * round(hit_rate, 4):.0f}%", f"{round(mb_per_token, 3):.2f} MB/token"
 
 
+def draft_text(tokens_per_forward: float, acceptance: float) -> str:
+    """"N.NN tokens/forward, drafts P% kept": speculative decoding's yield, as the answer line
+    and the SSD panel both show it (Finished / StepMetrics tokens_per_forward, draft_acceptance)."""
+    return f"{tokens_per_forward:.2f} tokens/forward, drafts {100 * acceptance:.0f}% kept"
+
+
 def format_meta(meta: dict) -> str:
-    """The line under an answer: tokens, tok/s, TTFT, hit rate, MB/token, finish reason, the
-    documentation entries looked up for it."""
+    """The line under an answer: tokens, tok/s, TTFT, hit rate, MB/token, tokens per forward
+    (when speculation drafted), finish reason, the documentation entries looked up for it."""
     if not meta:
         return ""
     parts = []
@@ -64,6 +70,8 @@ def format_meta(meta: dict) -> str:
         parts.append(rates_text(meta["hit_rate"], 0.0)[0])
     if "mb_per_token" in meta:
         parts.append(rates_text(1.0, meta["mb_per_token"])[1])
+    if meta.get("tokens_per_forward"):
+        parts.append(draft_text(meta["tokens_per_forward"], meta.get("draft_acceptance", 0.0)))
     if meta.get("finish_reason"):
         parts.append(f"finish: {meta['finish_reason']}" + (" (the context is full)" if meta.get("context_full") else ""))
     if meta.get("dropped_messages"):

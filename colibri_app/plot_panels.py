@@ -443,12 +443,14 @@ class PlotPanels(QWidget):
         if m.budget_bytes:
             self.budget_gb = m.budget_bytes / 1e9
         self.answer_rates = (m.total_hit_rate, m.total_mb_per_token)
+        self.draft_rates = (m.tokens_per_forward, m.draft_acceptance)
         self._dirty_lines = True
 
     def on_finished(self, ev) -> None:
         """The answer ended: the legends show its whole-answer hit rate and MB/token, the very
         numbers of the line under the answer (Finished; StepMetrics.total_* while streaming)."""
         self.answer_rates = (ev.hit_rate, ev.mb_per_token)
+        self.draft_rates = (ev.tokens_per_forward, ev.draft_acceptance)
         self._legend_t = 0.0
         self._dirty_lines = True
         self.redraw()
@@ -622,7 +624,15 @@ class PlotPanels(QWidget):
         self.ssd_legend.setText(" &nbsp; ".join([
             _swatch(C_DEMAND, f"demand {d} MB"), _swatch(C_SPEC, f"speculative {s} MB"),
             "<span style='color:#80868b'>(stacked)</span>",
-            f"<span style='white-space:nowrap'>answer: {self._answer_texts()[1]}</span>"]))
+            f"<span style='white-space:nowrap'>answer: {self._answer_texts()[1]}</span>",
+            *([f"<span style='white-space:nowrap'>{self._draft_text()}</span>"] if self._draft_text() else [])]))
+
+    def _draft_text(self) -> str:
+        """"N.NN tokens/forward, drafts P% kept" of the answer so far (speculative decoding;
+        chat_view.draft_text), or "" before a decode forward."""
+        from .chat_view import draft_text
+        r = getattr(self, "draft_rates", None)
+        return "" if r is None or r[0] <= 0 else draft_text(r[0], r[1])
 
     def _set_ram_legend(self, v) -> None:
         fmt = lambda x: "–" if x is None else f"{x:.2f} GB"  # noqa: E731

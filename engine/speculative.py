@@ -34,7 +34,7 @@ NGRAM_MIN = 2  # shortest: a single token repeats too often in code to predict w
 # Adapt the draft length to what is measured; off (tests), every draft is as long as allowed, so
 # which drafts are made does not depend on timing
 ADAPT = True
-EXPLORE_EVERY = 16  # with k = 0 chosen, still draft one token this often so acceptance stays measured
+EXPLORE_EVERY = 32  # with k = 0 chosen, still draft this often so acceptance and cost stay measured
 
 
 class PromptLookup:
@@ -43,7 +43,8 @@ class PromptLookup:
     ``propose(context, k) -> list[int]``: for n from NGRAM_MAX down to NGRAM_MIN, the last n
     tokens of ``context`` (ints, the prompt and the answer so far) are looked up among the
     context's earlier n-grams; the first n that matches gives up to ``k`` tokens that followed
-    its latest occurrence ([] when none matches). The index grows with the context (each call
+    its latest occurrence, repeated with period L - end where they reach the context's end (a
+    text that repeats keeps repeating), [] when none matches. The index grows with the context (each call
     adds the n-grams ending before the current suffix): O(new tokens) per call. ``context``
     must only grow between calls (a generation's context does: rejected drafts never enter it).
     """
@@ -66,30 +67,55 @@ class PromptLookup:
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             end = self._last.get(tuple(context[L - n:]))
             if end is not None:
-                return [int(t) for t in context[end:end + k]]
+                # a continuation that runs into the context's end repeats with period L - end
+                # (the suffix recurs every L - end tokens: "#\n#\n..." drafts more than 2)
+                return [int(context[end + i % (L - end)]) for i in range(k)]
         return []
 
 
 class DraftLength:
     """How many draft tokens to verify next, from what speculation has measured so far.
 
-    Model: each draft token is accepted with probability ``a`` until the first rejection, so k
-    draft tokens yield (1 - a^(k+1)) / (1 - a) tokens per forward; a forward over T positions
-    costs t1 (1 + r (T - 1)). ``a`` is accepted / (accepted + rejections), and t1 and r moving
-    averages of the forwards' seconds; the k in 0..k_max with the most tokens per second wins
-    (0: a plain forward). Starts optimistic (a = 0.7, r = 0.25) so the first drafts are tried.
+    Model: each draft token is kept with probability ``a`` until the first rejection, so k
+    draft tokens yield (1 - a^(k+1)) / (1 - a) tokens per forward. ``a`` is kept / (kept +
+    rejections), decayed moving counts. A forward's cost is measured per number of positions T
+    (moving averages of its seconds); an unmeasured T > 1 is estimated from the measured ones
+    (a line through the two nearest, or a measured one plus a quarter per further position):
+    a one-token step may run on another path than a verify (the one-call decode step), so its
+    cost is no guide to a verify's. The k in 0..k_max with the most tokens per second wins
+    (0: a plain forward); every EXPLORE_EVERY plain forwards in a row the best k > 0 is tried
+    anyway, so a change in acceptance or cost is seen. Starts with a = 0.7.
     """
 
     def __init__(self, k_max: int):
         self.k_max = k_max
         self.accepted, self.rejected = 0.7, 0.3  # pseudo-counts of the prior, decayed with use
-        self.t1: float | None = None  # seconds of a one-token forward (moving average)
-        self.r = 0.25  # extra cost of each further position, as a share of t1
+        self.cost: dict[int, float] = {}  # positions T -> seconds of a forward (moving average)
         self._since_draft = 0
+
+    @property
+    def t1(self) -> float | None:
+        """Seconds of a one-token forward (moving average), None before one is measured."""
+        return self.cost.get(1)
 
     @property
     def acceptance(self) -> float:
         return self.accepted / (self.accepted + self.rejected)
+
+    def estimate(self, T: int) -> float:
+        """Estimated seconds of a forward over T positions (T >= 1; a one-token one measured)."""
+        if T in self.cost:
+            return self.cost[T]
+        seen = sorted(t for t in self.cost if t > 1)
+        if len(seen) >= 2:
+            lo, hi = (seen[0], seen[1]) if T < seen[0] else (seen[-2], seen[-1]) if T > seen[-1] else \
+                (max(t for t in seen if t < T), min(t for t in seen if t > T))
+            slope = max(0.0, (self.cost[hi] - self.cost[lo]) / (hi - lo))
+            return max(self.cost[lo] + slope * (T - lo), self.cost[1])
+        if seen:
+            t = seen[0]
+            return self.cost[t] * (1.0 + 0.25 * (T - t) / t)
+        return self.cost[1] * (1.0 + 0.25 * (T - 1))
 
     def choose(self, available: int) -> int:
         """Draft tokens to verify next (0 = a plain one-token forward); ``available``: the most
@@ -100,15 +126,18 @@ class DraftLength:
         if n <= 0 or self.t1 is None:  # the first decode forward is a plain one: it measures t1
             return 0
         a = min(self.acceptance, 0.999)
-        best, best_k = 1.0, 0
+        t1 = self.t1
+        best, best_k, alt, alt_k = 1.0 / t1, 0, 0.0, 0
         for k in range(1, n + 1):
-            rate = (1.0 - a ** (k + 1)) / (1.0 - a) / (1.0 + self.r * k)
+            rate = (1.0 - a ** (k + 1)) / (1.0 - a) / self.estimate(k + 1)
+            if rate > alt:
+                alt, alt_k = rate, k
             if rate > best * 1.02:  # a longer draft must clearly pay for its positions
                 best, best_k = rate, k
         if best_k == 0:
             self._since_draft += 1
             if self._since_draft >= EXPLORE_EVERY:
-                best_k = 1
+                best_k = alt_k
         if best_k:
             self._since_draft = 0
         return best_k
@@ -120,10 +149,7 @@ class DraftLength:
         if drafted:
             self.accepted = w * self.accepted + accepted
             self.rejected = w * self.rejected + (1 if accepted < drafted else 0)
-        if seconds <= 0:
-            return
-        if drafted == 0:
-            self.t1 = seconds if self.t1 is None else w * self.t1 + (1 - w) * seconds
-        elif self.t1 is not None:
-            r = max(0.0, seconds / self.t1 - 1.0) / drafted
-            self.r = w * self.r + (1 - w) * min(r, 2.0)
+        if seconds > 0:
+            T = drafted + 1
+            old = self.cost.get(T)
+            self.cost[T] = seconds if old is None else w * old + (1 - w) * seconds

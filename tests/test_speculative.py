@@ -21,6 +21,7 @@ from test_families import FAMILY_CONFIGS
 CONFIGS = {**FAMILY_CONFIGS, "gpt_oss": gpt_oss_config()}
 # a prompt that repeats itself: prompt lookup drafts from it, the random models follow it only
 # in part, so drafts are both kept and rejected
+INT4 = ("olmoe", "qwen3_moe", "deepseek_v3", "qwen3_next")
 PROMPT = tuple([5, 6, 7, 8, 9, 10, 11, 12] * 3 + [5, 6, 7])
 
 
@@ -37,6 +38,8 @@ def stores(tmp_path_factory):
         d = tmp_path_factory.mktemp("spec")
         ck = write_checkpoint(d / name, cfg, seed=11, std=0.1)
         out[name] = convert_checkpoint(ck, d / f"{name}-int8", quant="int8")
+        if name in INT4:  # the int4 kernels too: sorted prefill experts vs the one-call decode step
+            out[f"{name}@int4"] = convert_checkpoint(ck, d / f"{name}-int4", quant="int4")
     return out
 
 
@@ -72,6 +75,7 @@ def _run(store, speculation: str, temperature: float = 0.0, seeds=(7,), n: int =
                        draft_max=draft_max)
     out = []
     with Engine.open(cfg) as eng:
+        eng.model.wait_decode_ready(600)  # plain steps in the one-call kernel where the family has it
         if observer is not None:
             eng.subscribe(observer)
         for seed in seeds:
@@ -84,7 +88,7 @@ def _run(store, speculation: str, temperature: float = 0.0, seeds=(7,), n: int =
     return out
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(CONFIGS) + [f"{n}@int4" for n in INT4])
 def test_greedy_ids_identical_with_speculation(stores, name, monkeypatch):
     monkeypatch.setattr(speculative, "NGRAM_MIN", 1)  # draft after any token seen before
     said, = _run(stores[name], "off")
@@ -192,6 +196,7 @@ def test_prompt_lookup_takes_the_longest_latest_match():
     assert d.propose(ctx, 3) == [7, 6, 5]  # "2 3" last followed by 7 6 5 (latest match)
     ctx += [7]
     assert d.propose(ctx, 2) == [6, 5]  # "2 3 7" (3-gram) beats the 2-gram "3 7"
+    assert PromptLookup(n_max=2, n_min=2).propose([8, 1, 2, 1, 2], 5) == [1, 2, 1, 2, 1]  # periodic
     assert d.propose([4, 4], 3) == []
     assert PromptLookup().propose([1, 2, 3, 4], 4) == []  # no earlier occurrence
 
@@ -199,6 +204,7 @@ def test_prompt_lookup_takes_the_longest_latest_match():
 def test_draft_length_follows_acceptance_and_cost(monkeypatch):
     monkeypatch.setattr(speculative, "ADAPT", True)
     good = DraftLength(8)
+    assert good.choose(8) == 0  # the first decode forward measures a one-token one
     good.record(0, 0, 0.010)  # a one-token forward: 10 ms
     for _ in range(20):
         good.record(8, 8, 0.012)  # 9 positions for 12 ms, every draft token kept
@@ -210,3 +216,15 @@ def test_draft_length_follows_acceptance_and_cost(monkeypatch):
         bad.record(4, 0, 0.030)  # every draft rejected at its first token, 5 positions for 30 ms
     assert bad.choose(8) == 0
     assert any(bad.choose(8) for _ in range(speculative.EXPLORE_EVERY))  # still measured now and then
+    # a fast one-token step beside a slower verify path: worth it only at high acceptance
+    costly = DraftLength(8)
+    costly.record(0, 0, 0.001)
+    costly.record(1, 1, 0.002)
+    costly.record(8, 8, 0.005)  # 9 positions: 5 ms
+    assert costly.estimate(5) == pytest.approx(0.002 + 3 * 0.003 / 7)
+    for _ in range(30):
+        costly.record(8, 8, 0.005)
+    assert costly.choose(8) == 8  # ~9 tokens for 5 ms beats 1 for 1 ms
+    for _ in range(30):
+        costly.record(8, 1, 0.005)
+    assert costly.choose(8) == 0  # ~2 tokens for 2-5 ms does not

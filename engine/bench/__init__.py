@@ -25,6 +25,7 @@ clock. Verbs:
   contention      decode tok/s of the compute-thread defaults with 0, 1, 2 busy background processes
   serve           the OpenAI-compatible server vs the engine called directly; multi-turn prefill
   grammar         constrained decoding: the token mask's cost per token, llguidance vs xgrammar
+  spec            speculative decoding (prompt lookup) vs plain, bundled model, edit-this-code prompts
 A new benchmark: add ``engine/bench/<verb>.py`` with ``cmd_<verb>(args) -> int`` and
 ``add_parser(bs)``, and list the module in VERBS.
 """
@@ -37,7 +38,7 @@ import importlib
 
 VERBS = ("make_synthetic", "decode", "cache", "pilot", "disk", "replay", "matrix", "trace_heldout", "arm",
          "cluster",
-         "gguf", "peers", "kernels", "layouts", "contention", "overlap", "serve", "grammar")
+         "gguf", "peers", "kernels", "layouts", "contention", "overlap", "serve", "grammar", "spec")
 
 
 INTERNAL_VERBS = ("arm", "decode-arm", "peer-arm", "contention-arm")  # run by the verbs themselves, one arm per process

@@ -138,3 +138,25 @@ def test_metrics_mark_cluster_experts_remote():
     assert snap.state == (REMOTE, RESIDENT, ABSENT)
     snap = MetricsTracker(cache, 1, lambda: 0).residency(0, np.zeros((1, 3)), force=True)
     assert snap.state == (ABSENT, RESIDENT, ABSENT)
+
+
+def test_ssd_panel_shows_tokens_per_forward_and_drafts_kept(qtbot):
+    """Speculative decoding's yield: the SSD panel's legend and the answer line say it alike."""
+    from dataclasses import replace
+
+    from engine import Finished
+    from colibri_app.chat_view import format_meta
+    p = PlotPanels()
+    qtbot.addWidget(p)
+    p.timer.stop()
+    p.on_loaded(Loaded("m", "/s", "int8", 2, 4, 2, 512, 4, 8_000_000_000, 1, 1, 1))
+    p.on_metrics(replace(_metrics(3), tokens_per_forward=2.5, draft_acceptance=0.75))
+    p.redraw()
+    assert "2.50 tokens/forward, drafts 75% kept" in p.ssd_legend.text()
+    fin = Finished("stop", 10, 9, "x", (1,) * 9, 0.1, 50.0, 100.0, 1.0, 0.0, 0.0,
+                   tokens_per_forward=2.0, draft_tokens=8, accepted_tokens=6)
+    p.on_finished(fin)
+    assert "2.00 tokens/forward, drafts 75% kept" in p.ssd_legend.text()
+    assert "2.00 tokens/forward, drafts 75% kept" in format_meta({"tokens": 9, "tokens_per_forward": 2.0,
+                                                                  "draft_acceptance": 0.75})
+    assert "tokens/forward" not in format_meta({"tokens": 9})
