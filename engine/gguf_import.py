@@ -111,12 +111,16 @@ def gguf_name(hf: str, arch: str = "") -> str:
 
 
 def is_gguf_path(path: str | os.PathLike) -> bool:
-    """True for a ``.gguf`` file or a folder holding one (and no config.json): what
-    ``colibri convert`` hands to :func:`convert_gguf`."""
+    """True for a ``.gguf`` file, a file that starts with GGUF's magic (Ollama's blobs have no
+    suffix) or a folder holding a .gguf (and no config.json): what ``colibri convert`` hands to
+    :func:`convert_gguf`."""
     p = Path(path)
     if p.suffix.lower() == ".gguf" and not p.is_dir():
         return True
     try:
+        if p.is_file():
+            with open(p, "rb") as f:
+                return f.read(4) == b"GGUF"
         return p.is_dir() and not (p / "config.json").exists() and any(p.glob("*.gguf"))
     except OSError:
         return False
@@ -199,8 +203,14 @@ class GGUFModel:
 
     @property
     def name(self) -> str:
+        """The file's name without .gguf and split suffix; for a content-addressed blob (Ollama's
+        ``sha256-<hex>``) the metadata's ``general.name`` when it has one."""
         m = SPLIT_RE.match(self.files[0].name)
-        return m.group("stem") if m else self.files[0].stem
+        stem = m.group("stem") if m else self.files[0].stem
+        meta = self.kv.get("general.name")
+        if re.fullmatch(r"sha256-[0-9a-f]{64}", stem) and isinstance(meta, str) and meta.strip():
+            return re.sub(r"[^\w.+-]+", "-", meta.strip()).strip("-") or stem
+        return stem
 
     def close(self) -> None:
         """Drop the memory maps (the files stay as they are)."""
