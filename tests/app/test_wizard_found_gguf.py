@@ -119,6 +119,18 @@ def test_find_gguf_models_lists_lm_studio_ollama_and_the_hub_cache(fake_home):
     assert lib.is_gguf_path(blob)  # a blob without the .gguf suffix is read by its magic
 
 
+def test_cli_models_found_lists_them(fake_home, capsys):
+    from engine.cli.main import main
+    _home, blob, _cached, _tmp = fake_home
+    assert main(["models", "--found"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["name", "where", "size"]
+    row = next(x for x in out if x.startswith("tiny-olmoe:q8_0"))
+    assert "Ollama" in row and "Q8_0" in row and "olmoe" in row and " yes " in row and str(blob) in row
+    bert = out.index(next(x for x in out if x.startswith("bert-F32")))
+    assert " no " in out[bert] and "GGUF architecture 'bert' is not supported" in out[bert + 1]
+
+
 @pytest.mark.parametrize("where", ["LM Studio", "Ollama"])
 def test_found_model_imports_and_chats(where, app_dirs, fake_home, qtbot, wizard_dialog):
     _home, blob, _cached, tmp = fake_home
