@@ -168,6 +168,10 @@ def describe_gguf(name: str, path: Path, where: str, context_length: int = 0) ->
     except (CheckpointError, ConfigError, OSError) as e:
         return FoundGGUF(name, str(path), where, size, quant, arch, False, str(e).splitlines()[0] if str(e) else
                          type(e).__name__)
+    except Exception as e:  # noqa: BLE001 - one odd file must not hide the others from the list
+        log.warning("%s: cannot be described: %r", path, e)
+        return FoundGGUF(name, str(path), where, size, quant, arch, False,
+                         f"{path}: cannot be read as a GGUF model ({type(e).__name__}); try importing it to see why")
 
 
 def find_gguf_models(home: str | os.PathLike | None = None, ollama_models: str | os.PathLike | None = None,

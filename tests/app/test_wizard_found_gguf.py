@@ -119,6 +119,23 @@ def test_find_gguf_models_lists_lm_studio_ollama_and_the_hub_cache(fake_home):
     assert lib.is_gguf_path(blob)  # a blob without the .gguf suffix is read by its magic
 
 
+def test_a_file_that_fails_oddly_does_not_hide_the_others(fake_home, monkeypatch):
+    """A fault of one file other than the import's own errors lists it as not running, the others
+    as before."""
+    from engine import gguf_import
+    real = gguf_import.GGUFSource
+
+    def odd(g):
+        if g.arch == "bert":
+            raise RuntimeError("odd")
+        return real(g)
+    monkeypatch.setattr(gguf_import, "GGUFSource", odd)
+    found = lib.find_gguf_models()
+    assert [(f.architecture, f.runs) for f in found] == [("olmoe", True), ("bert", False), ("olmoe", True),
+                                                         ("olmoe", True)]
+    assert "cannot be read as a GGUF model (RuntimeError)" in found[1].message
+
+
 def test_cli_models_found_lists_them(fake_home, capsys):
     from engine.cli.main import main
     _home, blob, _cached, _tmp = fake_home
