@@ -189,7 +189,11 @@ class RecommendedPage(QWizardPage):
 
 class SourcePage(QWizardPage):
     """Hub repo id + revision, or a local folder. Next runs the check (off the GUI thread);
-    an unsupported model_type or a missing repo is refused here, before any download."""
+    an unsupported model_type or a missing repo is refused here, before any download. Below,
+    the GGUF models already on this computer (lib.find_gguf_models, in the background):
+    choosing one fills the local file."""
+
+    FOUND_COLUMNS = ("Model", "Where", "Size", "Quant", "Architecture", "Runs here")
 
     def __init__(self, wiz: "ModelWizard"):
         super().__init__(wiz)
@@ -221,8 +225,8 @@ class SourcePage(QWizardPage):
         self.browse_file.clicked.connect(self._browse_file)
         self.supported = QLabel(
             f"Supported mixture-of-experts families: {supported_families()} (GGUF architectures qwen3moe, "
-            f"olmoe, qwen2moe, llama with experts, gpt-oss, deepseek2). Other model types are refused before anything is "
-            f"downloaded.")
+            f"olmoe, qwen2moe, llama with experts, gpt-oss, deepseek2, glm4moe). Other model types are refused "
+            f"before anything is downloaded.")
         self.supported.setWordWrap(True)
         self.status = QLabel()
         self.status.setObjectName("sourceStatus")
@@ -235,6 +239,23 @@ class SourcePage(QWizardPage):
         self.next_reason.setObjectName("nextReason")
         self.next_reason.setAccessibleName("Why Next is disabled")
         self.next_reason.setWordWrap(True)
+        # the GGUF models LM Studio, Ollama and the Hugging Face cache already hold
+        self.found_label = QLabel("Looking for GGUF models already on this computer (LM Studio, Ollama, "
+                                  "Hugging Face cache)…")
+        self.found_label.setObjectName("foundLabel")
+        self.found_label.setWordWrap(True)
+        self.found_table = QTableWidget(0, len(self.FOUND_COLUMNS))
+        self.found_table.setObjectName("foundModels")
+        self.found_table.setHorizontalHeaderLabels(self.FOUND_COLUMNS)
+        self.found_table.setSelectionBehavior(QTableWidget.SelectRows)
+        self.found_table.setSelectionMode(QTableWidget.SingleSelection)
+        self.found_table.setEditTriggers(QTableWidget.NoEditTriggers)
+        self.found_table.verticalHeader().setVisible(False)
+        self.found_table.horizontalHeader().setStretchLastSection(True)
+        self.found_table.itemSelectionChanged.connect(self._found_selected)
+        self.found: list = []  # lib.FoundGGUF rows of found_table
+        self.picked = None  # the FoundGGUF whose path is in folder_edit
+        self.find_task: Task | None = None
 
         g = QGridLayout()
         g.addWidget(self.hub_radio, 0, 0, 1, 3)
@@ -251,7 +272,8 @@ class SourcePage(QWizardPage):
         lay = QVBoxLayout(self)
         lay.addLayout(g)
         lay.addWidget(self.supported)
-        lay.addStretch(1)
+        lay.addWidget(self.found_label)
+        lay.addWidget(self.found_table, 1)
         lay.addWidget(self.status)
         lay.addWidget(self.next_reason)
         self.repo_edit.textChanged.connect(self._repo_edited)
@@ -262,6 +284,49 @@ class SourcePage(QWizardPage):
         self._advance = False
         self.refused: tuple | None = None  # the input a check refused (Next stays disabled for it)
         self._changed()
+
+    def initializePage(self) -> None:
+        if self.find_task is None and not self.found:
+            ctx = self.wiz.context_length
+
+            def fn(progress, cancel):
+                return lib.find_gguf_models(context_length=ctx)
+            self.find_task = run_task(fn, result=self._found_done, error=self._found_failed)
+
+    @Slot(object)
+    def _found_done(self, found) -> None:
+        self.find_task = None
+        self.found = list(found)
+        fb = lib.format_bytes
+        self.found_label.setText(
+            f"GGUF models already on this computer ({len(found)}): choose one to import it (the file is only read)."
+            if found else "No GGUF models found in LM Studio's or Ollama's folders or the Hugging Face cache.")
+        self.found_table.setRowCount(len(found))
+        for i, f in enumerate(found):
+            runs = "yes" if f.runs else "no"
+            cells = (f.name, f.where, fb(f.size), f.quant or "?", f.architecture or "?", runs)
+            for j, text in enumerate(cells):
+                item = QTableWidgetItem(text)
+                item.setToolTip(f"{f.path}\n{f.message}")
+                self.found_table.setItem(i, j, item)
+        self.found_table.resizeColumnsToContents()
+
+    @Slot(object)
+    def _found_failed(self, f: EngineFailure) -> None:
+        self.find_task = None
+        self.found_label.setText(f"Could not look for GGUF models on this computer: {f.message}")
+
+    @Slot()
+    def _found_selected(self) -> None:
+        rows = self.found_table.selectionModel().selectedRows()
+        if not rows:
+            return
+        f = self.found[rows[0].row()]
+        self.local_radio.setChecked(True)
+        self.folder_edit.setText(f.path)
+        self.picked = f
+        self.status.setText(f.message if not f.runs else "")
+        _error_style(self.status, RED if not f.runs else "")
 
     def key(self) -> tuple:
         if self.hub_radio.isChecked():
@@ -286,7 +351,7 @@ class SourcePage(QWizardPage):
         p = Path(k[1]).expanduser()
         if not p.exists():
             return f"Next is disabled: the folder {p} does not exist."
-        if not p.is_dir() and p.suffix.lower() != ".gguf":
+        if not p.is_dir() and not lib.is_gguf_path(p):
             return (f"Next is disabled: {p} is a file, not a folder; choose the folder that holds config.json "
                     f"(or a .gguf file).")
         return ""
@@ -374,8 +439,11 @@ class SourcePage(QWizardPage):
             self.status.setText(f"Checking {repo} on the hub (config.json and the file list only)…")
         else:
             folder = key[1]
+            picked = self.picked if self.picked is not None and self.picked.path == folder else None
 
             def fn(progress, cancel):
+                if picked is not None:  # a found GGUF: under the name LM Studio / Ollama show
+                    return lib.check_gguf(folder, ctx, name=picked.model_name)
                 return lib.check_local(folder, "int8", ctx)
             self.status.setText(f"Checking {folder}…")
         _error_style(self.status, "")
@@ -952,7 +1020,8 @@ class ModelWizard(QWizard):
         self.resize(760, 560)
 
     def tasks(self) -> list[Task]:
-        return [t for t in (self.source_page.task, self.download_page.task, self.convert_page.task,
+        return [t for t in (self.source_page.task, self.source_page.find_task, self.download_page.task,
+                            self.convert_page.task,
                             self.done_page.task, self.recommended_page.disk_task) if t is not None]
 
     def accept(self) -> None:

@@ -24,7 +24,7 @@ Architectures: ``qwen3moe``, ``olmoe``, ``qwen2moe``, ``llama`` with experts (Mi
 q/k rows are un-permuted back to the rotate-half order the converter permuted them from),
 ``gpt-oss`` (the experts' biases ``ffn_*_exps.bias`` go into each slab beside the blocks),
 ``deepseek2`` (DeepSeek-V2 / V3, Kimi-K2: MLA, whose ``attn_k_b`` / ``attn_v_b`` are the store's
-absorbed tensors; the router's gating function picks the family).
+absorbed tensors; the router's gating function picks the family), ``glm4moe`` (GLM-4.5 / 4.6).
 
 Errors (one line, before any work, nothing left in DST): not a GGUF, a truncated header, tensor
 data shorter than the header says, a split with a part missing, an architecture or block type
@@ -56,7 +56,7 @@ SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$",
 
 # llama.cpp architecture -> our family's model_type
 ARCHS = {"qwen3moe": "qwen3_moe", "olmoe": "olmoe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "gpt-oss": "gpt_oss",
-         "deepseek2": "deepseek_v3"}
+         "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe"}
 
 # per-layer tensors: Hugging Face name inside model.layers.N. -> GGUF name inside blk.N.
 _LAYER_NAMES = {
@@ -94,8 +94,9 @@ _EXPERT_NAMES = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.we
 _PER_EXPERT_NAMES = {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
 
 
-# gpt-oss's norm after attention is "post_attention_norm" in GGUF (ffn_norm elsewhere)
-_ARCH_LAYER_NAMES = {"gpt-oss": {"post_attention_layernorm.weight": "post_attention_norm.weight"}}
+# gpt-oss's and GLM-4 MoE's norm after attention is "post_attention_norm" in GGUF (ffn_norm elsewhere)
+_ARCH_LAYER_NAMES = {"gpt-oss": {"post_attention_layernorm.weight": "post_attention_norm.weight"},
+                     "glm4moe": {"post_attention_layernorm.weight": "post_attention_norm.weight"}}
 
 
 def gguf_name(hf: str, arch: str = "") -> str:
@@ -111,12 +112,16 @@ def gguf_name(hf: str, arch: str = "") -> str:
 
 
 def is_gguf_path(path: str | os.PathLike) -> bool:
-    """True for a ``.gguf`` file or a folder holding one (and no config.json): what
-    ``colibri convert`` hands to :func:`convert_gguf`."""
+    """True for a ``.gguf`` file, a file that starts with GGUF's magic (Ollama's blobs have no
+    suffix) or a folder holding a .gguf (and no config.json): what ``colibri convert`` hands to
+    :func:`convert_gguf`."""
     p = Path(path)
     if p.suffix.lower() == ".gguf" and not p.is_dir():
         return True
     try:
+        if p.is_file():
+            with open(p, "rb") as f:
+                return f.read(4) == b"GGUF"
         return p.is_dir() and not (p / "config.json").exists() and any(p.glob("*.gguf"))
     except OSError:
         return False
@@ -199,8 +204,14 @@ class GGUFModel:
 
     @property
     def name(self) -> str:
+        """The file's name without .gguf and split suffix; for a content-addressed blob (Ollama's
+        ``sha256-<hex>``) the metadata's ``general.name`` when it has one."""
         m = SPLIT_RE.match(self.files[0].name)
-        return m.group("stem") if m else self.files[0].stem
+        stem = m.group("stem") if m else self.files[0].stem
+        meta = self.kv.get("general.name")
+        if re.fullmatch(r"sha256-[0-9a-f]{64}", stem) and isinstance(meta, str) and meta.strip():
+            return re.sub(r"[^\w.+-]+", "-", meta.strip()).strip("-") or stem
+        return stem
 
     def close(self) -> None:
         """Drop the memory maps (the files stay as they are)."""
@@ -332,6 +343,8 @@ def hf_config(g: GGUFModel) -> dict:
     elif arch == "olmoe":
         cfg.update(model_type="olmoe", architectures=["OlmoeForCausalLM"], num_experts=E,
                    intermediate_size=_expert_width(g, ff), norm_topk_prob=False, clip_qkv=None)
+    elif arch == "glm4moe":
+        return _glm4moe_config(g, cfg, E)
     elif arch == "gpt-oss":  # sliding-window layers first, then every other (llama.cpp's swa pattern 2)
         cfg.update(model_type="gpt_oss", architectures=["GptOssForCausalLM"], num_local_experts=E,
                    intermediate_size=_expert_width(g, ff), attention_bias="blk.0.attn_q.bias" in g.tensors,
@@ -359,6 +372,36 @@ def _special_ids(g: GGUFModel, cfg: dict) -> dict:
         if isinstance(v, int) and not isinstance(v, bool):
             cfg[k] = v
     return cfg
+
+
+def _glm4moe_config(g: GGUFModel, cfg: dict, E: int) -> dict:
+    """config.json of a ``glm4moe`` GGUF (GLM-4.5 / 4.6 / 4.5-Air). llama.cpp's converter counts
+    the multi-token-prediction layers in ``block_count`` (``nextn_predict_layers`` of them, last):
+    they are left out. The rotary width is ``rope.dimension_count`` of each head's ``head_dim``
+    (rotate-half, as transformers: nothing permuted); q/k norms and q/k/v biases when the file has
+    them; the router renormalises only when ``expert_weights_norm`` says so (llama.cpp's default)."""
+    L = cfg["num_hidden_layers"] - g.key("nextn_predict_layers", optional=True, default=0)
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    rd = g.key("rope.dimension_count", optional=True, default=hd // 2)
+    k_dense = g.key("leading_dense_block_count", optional=True, default=0)
+    gating = g.key("expert_gating_func", optional=True, default=2)
+    if _GATING.get(gating) != "sigmoid":
+        raise ConfigError(f"{g.files[0]}: {g.arch}.expert_gating_func = {gating}: GLM-4 MoE routes with a sigmoid (2)")
+    n_group = g.key("expert_group_count", optional=True, default=1)
+    cfg.update(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], num_hidden_layers=L, head_dim=hd,
+               n_routed_experts=E, moe_intermediate_size=g.key("expert_feed_forward_length"),
+               n_shared_experts=g.key("expert_shared_count", optional=True, default=0),
+               first_k_dense_replace=k_dense, n_group=n_group,
+               topk_group=g.key("expert_group_used_count", optional=True, default=n_group),
+               norm_topk_prob=bool(g.key("expert_weights_norm", (bool, int), optional=True, default=False)),
+               routed_scaling_factor=g.key("expert_weights_scale", (float,), optional=True, default=1.0) or 1.0,
+               use_qk_norm="blk.0.attn_q_norm.weight" in g.tensors, attention_bias="blk.0.attn_q.bias" in g.tensors,
+               num_nextn_predict_layers=0,
+               rope_parameters={"rope_type": "default", "rope_theta": cfg.pop("rope_theta"),
+                                "partial_rotary_factor": rd / hd})
+    if k_dense:
+        cfg["intermediate_size"] = g.key("feed_forward_length")
+    return _special_ids(g, cfg)
 
 
 # llama.cpp's expert_gating_func values

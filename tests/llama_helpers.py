@@ -4,6 +4,7 @@ GGUF tests (tests/test_bench_peers.py, tests/test_bench_gguf_seed.py)."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -68,3 +69,25 @@ def agreement(ref: np.ndarray, got: np.ndarray):
     top2 = np.sort(ref, -1)[:, -2:]
     return (got.argmax(-1) == ref.argmax(-1), top2[:, 1] - top2[:, 0], float(np.abs(got - ref).max()),
             float(np.abs(ref).max()), kl(ref, got))
+
+
+# llama.cpp's converter, run with the GLM-4 MoE class reading the checkpoint's byte-level BPE
+# vocabulary as every gpt2-style model does (its own set_vocab looks up GLM's special tokens)
+_GLM_WITH_QWEN2_VOCAB = """
+import runpy, sys
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, str(__import__("pathlib").Path(script).parent))
+import conversion.glm as glm
+glm.Glm4MoeModel.set_vocab = lambda self: self._set_vocab_gpt2()
+runpy.run_path(script, run_name="__main__")
+"""
+
+
+def convert_command(d: Path, checkpoint: Path, out: Path, family: str) -> list[str]:
+    """The command line of llama.cpp's Hugging Face -> GGUF converter (tree ``d``) writing ``out``
+    as F16; for GLM-4 MoE with the checkpoint's byte-level BPE vocabulary (see above)."""
+    args = [str(d / "convert_hf_to_gguf.py"), str(checkpoint), "--outfile", str(out), "--outtype", "f16"]
+    if family == "glm4_moe":
+        args = ["-c", _GLM_WITH_QWEN2_VOCAB, *args]
+    return [sys.executable, *args]

@@ -42,12 +42,12 @@ pytest.importorskip("gguf")
 pytest.importorskip("torch")
 pytest.importorskip("sentencepiece")
 
-from llama_helpers import agreement, import_llama_cpp, llama_cpp_dir, llama_cpp_tool  # noqa: E402
+from llama_helpers import agreement, convert_command, import_llama_cpp, llama_cpp_dir, llama_cpp_tool  # noqa: E402
 
 from engine.gguf_import import GGUFModel, convert_gguf  # noqa: E402
 from engine.gguf_tokenizer import tokenizer_files  # noqa: E402
-from engine.bench.synthetic import (deepseek_v2_config, deepseek_v3_config, gpt_oss_config, mixtral_config,  # noqa: E402
-                                    olmoe_config, qwen2_moe_config, qwen3_moe_config, write_checkpoint)
+from engine.bench.synthetic import (deepseek_v2_config, deepseek_v3_config, glm4_moe_config, gpt_oss_config,  # noqa: E402
+                                    mixtral_config, olmoe_config, qwen2_moe_config, qwen3_moe_config, write_checkpoint)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import open_model  # noqa: E402
@@ -58,6 +58,9 @@ TYPES = ("Q8_0", "Q4_K_M", "Q6_K", "Q5_K_M", "Q4_0")
 # (measured, worst of qwen3moe / olmoe / Mixtral / qwen2moe / gpt-oss: Q8_0 0.040, Q4_K_M 0.058,
 # Q6_K 0.070, Q5_K_M 0.060, Q4_0 0.034, MXFP4_MOE 0.013, all of them Mixtral's but MXFP4's)
 BOUNDS = {"Q8_0": 0.06, "Q4_K_M": 0.09, "Q6_K": 0.10, "Q5_K_M": 0.09, "Q4_0": 0.05, "MXFP4_MOE": 0.02}
+# weights' spread: GLM's at 0.08 leave llama.cpp's greedy continuation decisive (margin >= MARGIN) at
+# only 5 of 32 steps
+STD = {"glm4_moe": 0.12}
 MARGIN = 0.25  # a greedy step counts where llama.cpp's top-1 leads its top-2 by this many logits
 IDS = [int(x) for x in np.random.default_rng(7).integers(0, 151000, 24)]
 
@@ -70,12 +73,18 @@ def _config(family: str, vocab: int) -> dict:
         return olmoe_config(intermediate_size=256, num_key_value_heads=4, **kw)
     if family == "qwen2_moe":
         return qwen2_moe_config(moe_intermediate_size=256, shared_expert_intermediate_size=256, **kw)
-    if family in ("deepseek_v3", "deepseek_v2"):  # layer 0 dense, MLA with (V3) and without (V2) q LoRA
+    if family in ("deepseek_v3", "deepseek_v2"):  # layer 0 dense, MLA; sigmoid (V3) or softmax (V2) router
         make = deepseek_v3_config if family == "deepseek_v3" else deepseek_v2_config
         kw.update(num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1)
-        extra = dict(n_group=1, topk_group=1, q_lora_rank=128) if family == "deepseek_v3" else {}
+        # q LoRA in both: llama.cpp loads a deepseek2 file without one only at the V2-Lite layer counts
+        extra = dict(n_group=1, topk_group=1) if family == "deepseek_v3" else {}
+        kw["q_lora_rank"] = 128
         return make(intermediate_size=256, moe_intermediate_size=256, kv_lora_rank=64, qk_nope_head_dim=32,
                     qk_rope_head_dim=16, v_head_dim=32, num_nextn_predict_layers=0, **extra, **kw)
+    if family == "glm4_moe":  # layer 0 dense, GQA 4/2 with biases and q/k norms, partial rotary 0.5
+        kw.update(num_hidden_layers=3, n_routed_experts=8, n_shared_experts=1, n_group=1, topk_group=1)
+        return glm4_moe_config(intermediate_size=256, moe_intermediate_size=256, head_dim=64, num_key_value_heads=2,
+                               num_nextn_predict_layers=0, **kw)
     if family == "gpt_oss":  # window 8: the 24-token prompt crosses it
         return gpt_oss_config(intermediate_size=256, num_key_value_heads=2, head_dim=64, sliding_window=8, **kw)
     return mixtral_config(intermediate_size=256, **kw)
@@ -99,12 +108,12 @@ def made(tmp_path_factory):
             return cache[family, qtype]
         base = root / f"{family}-F16.gguf"
         if not base.exists():
-            ck = write_checkpoint(root / f"ck-{family}", _config(family, vocab), seed=3, tokenizer=False, std=0.08)
+            ck = write_checkpoint(root / f"ck-{family}", _config(family, vocab), seed=3, tokenizer=False,
+                                  std=STD.get(family, 0.08))
             for name, text in tok.items():  # the checkpoint's tokenizer: Qwen2's, which the converter knows
                 (ck / name).write_text(text, encoding="utf-8")
             env = {**os.environ, "PYTHONPATH": str(d / "gguf-py")}
-            r = subprocess.run([sys.executable, str(d / "convert_hf_to_gguf.py"), str(ck), "--outfile", str(base),
-                                "--outtype", "f16"], env=env, capture_output=True, text=True)
+            r = subprocess.run(convert_command(d, ck, base, family), env=env, capture_output=True, text=True)
             assert r.returncode == 0, r.stderr[-3000:]
         out = root / f"{family}-{qtype}.gguf"
         r = subprocess.run([str(quantize), str(base), str(out), qtype], capture_output=True, text=True)
@@ -117,7 +126,8 @@ def made(tmp_path_factory):
 
 CASES = ([(f, t) for f in ("qwen3_moe", "olmoe", "mixtral") for t in TYPES]
          + [("qwen2_moe", "Q4_K_M"), ("gpt_oss", "MXFP4_MOE"), ("gpt_oss", "Q8_0")]
-         + [("deepseek_v3", t) for t in TYPES] + [("deepseek_v2", "Q4_K_M")])
+         + [("deepseek_v3", t) for t in TYPES] + [("deepseek_v2", "Q4_K_M")]
+         + [("glm4_moe", t) for t in ("Q8_0", "Q4_K_M")])
 
 
 @pytest.mark.parametrize("family,qtype", CASES, ids=[f"{f}-{t}" for f, t in CASES])

@@ -114,7 +114,10 @@ def cmd_download(a) -> int:
 
 def cmd_models(a) -> int:
     """``colibri models``: table of converted stores; a broken store is listed as BROKEN with
-    the reason (naming the file) and what to do. Exit code 1 when any store is broken."""
+    the reason (naming the file) and what to do. Exit code 1 when any store is broken.
+    ``--found``: the GGUF models LM Studio, Ollama and the Hugging Face cache hold instead."""
+    if getattr(a, "found", False):
+        return _cmd_found()
     from ..library import list_models, models_dir
     ms = list_models()
     if not ms:
@@ -130,6 +133,22 @@ def cmd_models(a) -> int:
     if broken:
         print(f"colibri: {broken} of {len(ms)} stores are broken (see BROKEN above)", file=sys.stderr)
         return 1
+    return 0
+
+
+def _cmd_found() -> int:
+    from ..library import find_gguf_models
+    found = find_gguf_models()
+    if not found:
+        print("no GGUF models found in LM Studio's or Ollama's folders or the Hugging Face cache")
+        return 0
+    print(f"{'name':<32} {'where':<18} {'size':>10}  {'quant':<8} {'architecture':<12} runs  path")
+    for f in found:
+        print(f"{f.name[:32]:<32} {f.where:<18} {format_bytes(f.size):>10}  {f.quant or '?':<8} "
+              f"{f.architecture or '?':<12} {'yes' if f.runs else 'no ':<4}  {f.path}")
+        if not f.runs:
+            print(f"{'':<4}{f.message}")
+    print("import one with `colibri convert PATH STORE` (the file is only read)")
     return 0
 
 
@@ -151,4 +170,6 @@ def add_parsers(sub) -> None:
                    help="keep the downloaded Hugging Face files after converting")
     d.set_defaults(fn=cmd_download)
     m = sub.add_parser("models", help="list converted models")
+    m.add_argument("--found", action="store_true",
+                   help="list the GGUF models LM Studio, Ollama and the Hugging Face cache hold instead")
     m.set_defaults(fn=cmd_models)

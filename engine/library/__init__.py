@@ -36,6 +36,8 @@ _WHERE = {
     "CATALOG": "engine.library.catalog", "CatalogModel": "engine.library.catalog",
     "Recommendation": "engine.library.catalog", "recommend": "engine.library.catalog",
     "DiskSpeed": "engine.library.disk", "disk_read_speed": "engine.library.disk",
+    "FoundGGUF": "engine.library.gguf_found", "find_gguf_models": "engine.library.gguf_found",
+    "check_gguf": "engine.library.gguf_check", "is_gguf_path": "engine.gguf_import",
     "blocking_file": "engine.library.paths", "download_dir_for": "engine.library.paths", "downloads_dir": "engine.library.paths", "folder_problem": "engine.library.paths", "free_space": "engine.library.paths", "models_dir": "engine.library.paths", "resources_dir": "engine.library.paths", "store_name": "engine.library.paths", "user_config_dir": "engine.library.paths", "user_data_dir": "engine.library.paths",
 }
 
@@ -78,5 +80,6 @@ __all__ = [
     "self_test_says_broken",
     "store_problem", "download_dir_for", "downloads_dir",
     "free_space", "models_dir", "resources_dir", "store_name", "user_config_dir", "user_data_dir",
+    "FoundGGUF", "find_gguf_models", "check_gguf", "is_gguf_path",
     "CATALOG", "CatalogModel", "Recommendation", "recommend", "DiskSpeed", "disk_read_speed",
 ]

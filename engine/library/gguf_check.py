@@ -23,8 +23,9 @@ from .paths import free_space, models_dir, store_name
 GGUF_QUANT = "gguf"  # the library's quantization label of an imported GGUF (its blocks as published)
 
 
-def check_gguf(path: str | os.PathLike, context_length: int = DEFAULT_CONTEXT) -> RepoCheck:
-    """Check the GGUF model at ``path`` for import (reads the header and metadata only).
+def check_gguf(path: str | os.PathLike, context_length: int = DEFAULT_CONTEXT, name: str | None = None) -> RepoCheck:
+    """Check the GGUF model at ``path`` for import (reads the header and metadata only);
+    ``name``: the model's name (default the file's, see GGUFModel.name), e.g. Ollama's ``name:tag``.
 
     Returns: a RepoCheck with source "local", quant "gguf" and one estimate; ``download_dir``
     is the path to import from.
@@ -38,7 +39,7 @@ def check_gguf(path: str | os.PathLike, context_length: int = DEFAULT_CONTEXT) -
         source = GGUFSource(g)
         tok_files = tokenizer_files(g)
         files = [RepoFile(f.name, f.stat().st_size, present_bytes=f.stat().st_size) for f in g.files]
-        name = g.name
+        name = name or g.name
         if tok_files:
             with tempfile.TemporaryDirectory() as td:
                 for n, text in tok_files.items():

@@ -1,5 +1,6 @@
-"""GGUF import of ``deepseek2`` files (DeepSeek-V2 / V3, Kimi-K2): MLA, group-limited routing,
-shared experts and leading dense layers, as llama.cpp's own converter writes them.
+"""GGUF import of ``deepseek2`` files (DeepSeek-V2 / V3, Kimi-K2: MLA) and ``glm4moe`` files
+(GLM-4.5: partial rotary, q/k norms, biases): group-limited routing with a score bias, shared
+experts and leading dense layers, as llama.cpp's own converter writes them.
 
 The files are made here by llama.cpp's ``convert_hf_to_gguf.py`` from tiny random checkpoints
 (F16), so the names, the metadata keys and the split ``attn_k_b`` / ``attn_v_b`` layout are
@@ -29,13 +30,13 @@ import pytest
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("torch")
 
-from llama_helpers import llama_cpp_dir  # noqa: E402
+from llama_helpers import convert_command, llama_cpp_dir  # noqa: E402
 
 from engine.convert import convert_checkpoint  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.gguf_import import GGUFModel, convert_gguf  # noqa: E402
 from engine.gguf_tokenizer import tokenizer_files  # noqa: E402
-from engine.bench.synthetic import deepseek_v2_config, deepseek_v3_config, write_checkpoint  # noqa: E402
+from engine.bench.synthetic import deepseek_v2_config, deepseek_v3_config, glm4_moe_config, write_checkpoint  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import open_model  # noqa: E402
@@ -57,15 +58,16 @@ def made(tmp_path_factory):
         if family not in cache:
             if family == "deepseek_v3":  # q LoRA, sigmoid router with its score bias, 4 groups of 2 kept
                 cfg = deepseek_v3_config(vocab_size=vocab, num_nextn_predict_layers=0)
-            else:  # V2-Lite-like: plain q_proj, softmax greedy, 2 shared experts
+            elif family == "deepseek_v2":  # V2-Lite-like: plain q_proj, softmax greedy, 2 shared experts
                 cfg = deepseek_v2_config(vocab_size=vocab, routed_scaling_factor=1.5)
+            else:  # GQA 8/2 with biases and q/k norms, partial rotary 0.5, 2 groups of which 1 kept, layer 0 dense
+                cfg = glm4_moe_config(vocab_size=vocab, num_nextn_predict_layers=0)
             ck = write_checkpoint(root / f"ck-{family}", cfg, seed=5, tokenizer=False, std=0.08)
             for name, text in tok.items():
                 (ck / name).write_text(text, encoding="utf-8")
             out = root / f"{family}-F16.gguf"
             env = {**os.environ, "PYTHONPATH": str(d / "gguf-py")}
-            r = subprocess.run([sys.executable, str(d / "convert_hf_to_gguf.py"), str(ck), "--outfile", str(out),
-                                "--outtype", "f16"], env=env, capture_output=True, text=True)
+            r = subprocess.run(convert_command(d, ck, out, family), env=env, capture_output=True, text=True)
             assert r.returncode == 0, r.stderr[-3000:]
             cache[family] = ck, out
         return cache[family]
@@ -112,23 +114,26 @@ def _rewrite(src: Path, dst: Path, *, join_kv_b: bool = False, drop_key: str = "
     return dst
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2"])
-def test_deepseek2_f16_gguf_computes_what_the_f16_store_computes(family, made, tmp_path):
-    """llama.cpp's F16 file of a tiny DeepSeek (layer 0 dense, MLA, top-2 of 8, shared experts)
-    imports to the family of its router (sigmoid + score bias = V3, softmax = V2) with the
+@pytest.mark.parametrize("family", ["deepseek_v3", "deepseek_v2", "glm4_moe"])
+def test_f16_gguf_computes_what_the_f16_store_computes(family, made, tmp_path):
+    """llama.cpp's F16 file of a tiny DeepSeek or GLM-4 MoE (layer 0 dense, top-2 of 8, shared
+    experts) imports to its family (deepseek2: sigmoid + score bias = V3, softmax = V2) with the
     checkpoint's sizes, and computes the f16 store's logits at every position."""
     ck, f = made(family)
-    with GGUFModel(f) as g:
-        assert "blk.0.attn_k_b.weight" in g.tensors and "blk.0.attn_kv_b.weight" not in g.tensors
+    if family != "glm4_moe":
+        with GGUFModel(f) as g:
+            assert "blk.0.attn_k_b.weight" in g.tensors and "blk.0.attn_kv_b.weight" not in g.tensors
     st = convert_gguf(f, tmp_path / "st", dense_quant="f16")
     ref = convert_checkpoint(ck, tmp_path / "ref", quant="f16", dense_quant="f16")
     from engine.models import family_for
     got_cfg, want_cfg = (json.loads((p / "config.json").read_text()) for p in (st, ck))
     assert got_cfg["model_type"] == family
     got_a, want_a = (family_for(family).ModelArgs.from_dict(c) for c in (got_cfg, want_cfg))
-    for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
-              "topk_group", "n_shared_experts", "moe_layers", "routed_scaling_factor", "norm_topk_prob",
-              "scoring_func", "topk_method", "router_bias", "rope_scaling", "rope_interleave"):
+    keys = ("n_group", "topk_group", "n_shared_experts", "moe_layers", "routed_scaling_factor", "norm_topk_prob",
+            "scoring_func", "topk_method", "router_bias", "rope_scaling", "num_key_value_heads", "head_dim")
+    keys += (("rotary_dim", "qk_norm", "attention_bias") if family == "glm4_moe" else
+             ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave"))
+    for k in keys:
         assert getattr(got_a, k) == getattr(want_a, k), k
     ids = np.random.default_rng(7).integers(1, 151000, 24)
     got, want = _logits(st, ids), _logits(ref, ids)
