@@ -42,9 +42,7 @@ def _fits(edit) -> bool:
 
 
 def test_minimum_size_window_cuts_no_text(qtbot, make_window):
-    from engine import EngineConfig
-    # no pre-read at open: the map must still be empty, showing its hint, when it is checked
-    win = make_window(engine=EngineConfig(cap=4, pinning=False, idle_fill=False))
+    win = make_window()
     _to_min_size(qtbot, win)
     chat, p = win.chat, win.panels
     edit = chat.input
