@@ -63,6 +63,9 @@ def app_words(message: str) -> str:
 EMIT_INTERVAL_S = 0.1  # metrics / residency / progress: at most ~10 emits per second
 GIL_SWITCH_S = 0.001   # the GUI thread gets the GIL back within ~1 ms (Python's default: 5 ms)
 SHUTDOWN_TIMEOUT_S = 30.0
+# its child is killed at once; the thread may still wait on another process's compile lock
+# (a daemon thread: it never holds the app open)
+VARIANTS_STOP_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -131,14 +134,14 @@ class EngineWorker(QObject):
         if self.variants is not None and self.variants.config.store == config.store:
             return
         if self.variants is not None:
-            self.variants.stop()
+            self.variants.stop(VARIANTS_STOP_S)
         self.variants = prepare_kernel_variants(config)
 
     def final(self) -> None:
         """At shutdown: close the engine and end a background compile."""
         self.close_engine()
         if self.variants is not None:
-            self.variants.stop()
+            self.variants.stop(VARIANTS_STOP_S)
 
     def generate(self, job: GenerationJob) -> None:
         """Run one generation, emitting its events; Finished is always the last one."""

@@ -393,6 +393,15 @@ def test_main_converts_default_model_with_progress(qtbot, app_dirs, app_store, m
         return app_store
 
     monkeypatch.setattr(bridge, "default_store", fake_default_store)
+    # main() leaves with os._exit when a worker lane could not be joined; in this process the
+    # lanes an earlier test left behind must not count, and an exit must fail this test, not
+    # end the whole run with code 0 (it did, 80 tests into a busy default run)
+    import os
+
+    from colibri_app import workers
+    monkeypatch.setattr(workers, "STUCK", [])
+    monkeypatch.setattr(os, "_exit", lambda rc: pytest.fail(f"main() ended the process (os._exit({rc})): "
+                                                            f"lanes not joined: {workers.STUCK}"))
     seen = {}
 
     def check():
