@@ -708,6 +708,17 @@ class LinearGroup:
         return outs
 
 
+def layers_of_type(layer_types: tuple[str, ...], kind: str) -> tuple[int, ...]:
+    """The indices of the transformer layers whose ``layer_types`` entry is ``kind``."""
+    return tuple(i for i, t in enumerate(layer_types) if t == kind)
+
+
+def tensor_params(args, tensors) -> int:
+    """Parameters of ``tensors`` (the family's dense_tensors), a tied lm_head counted once."""
+    return sum(int(np.prod(t.shape)) for t in tensors
+               if not (args.tie_word_embeddings and t.ours == "lm_head"))
+
+
 def linear_views(kind: str, v: dict, proj: str, x: np.ndarray, out: np.ndarray, gs: int) -> np.ndarray:
     """out[T, O] = x[T, N] @ W^T (+ the bias "{proj}.b" when the slab holds one) for the
     projection ``proj`` of the slab views ``v`` at weight kind ``kind``."""

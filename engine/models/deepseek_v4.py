@@ -123,8 +123,7 @@ class ModelArgs(base.ModelArgs):
         return n
 
     def dense_param_count(self) -> int:
-        return sum(int(np.prod(t.shape)) for t in dense_tensors(self)
-                   if not (self.tie_word_embeddings and t.ours == "lm_head"))
+        return base.tensor_params(self, dense_tensors(self))
 
     @classmethod
     def from_dict(cls, cfg: dict, path: str = "config.json") -> "ModelArgs":

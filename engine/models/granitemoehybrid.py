@@ -65,11 +65,11 @@ class ModelArgs(base.ModelArgs):
 
     @property
     def full_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+        return base.layers_of_type(self.layer_types, "full_attention")
 
     @property
     def mamba_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+        return base.layers_of_type(self.layer_types, "linear_attention")
 
     @property
     def mamba_width(self) -> int:
@@ -91,8 +91,7 @@ class ModelArgs(base.ModelArgs):
         return 2 * len(self.mamba_layers) * 4 * per
 
     def dense_param_count(self) -> int:
-        return sum(int(np.prod(t.shape)) for t in dense_tensors(self)
-                   if not (self.tie_word_embeddings and t.ours == "lm_head"))
+        return base.tensor_params(self, dense_tensors(self))
 
     @classmethod
     def from_dict(cls, cfg: dict, path: str = "config.json") -> "ModelArgs":

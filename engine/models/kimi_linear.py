@@ -77,12 +77,12 @@ class ModelArgs(mla.MLAArgs):
     @property
     def full_layers(self) -> tuple[int, ...]:
         """Transformer layers with latent attention: the only ones with a KV cache."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+        return base.layers_of_type(self.layer_types, "full_attention")
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
         """Transformer layers with KDA linear attention (a recurrent state each)."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+        return base.layers_of_type(self.layer_types, "linear_attention")
 
     @property
     def key_dim(self) -> int:
@@ -108,8 +108,7 @@ class ModelArgs(mla.MLAArgs):
         return 2 * len(self.linear_layers) * self.state_bytes_per_layer
 
     def dense_param_count(self) -> int:
-        return sum(int(np.prod(t.shape)) for t in dense_tensors(self)
-                   if not (self.tie_word_embeddings and t.ours == "lm_head"))
+        return base.tensor_params(self, dense_tensors(self))
 
     @classmethod
     def from_dict(cls, cfg: dict, path: str = "config.json") -> "ModelArgs":

@@ -52,12 +52,12 @@ class ModelArgs(base.ModelArgs):
 
     @property
     def full_layers(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+        return base.layers_of_type(self.layer_types, "full_attention")
 
     @property
     def conv_layers(self) -> tuple[int, ...]:
         """The short-convolution layers (the layers with a recurrent state)."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "conv")
+        return base.layers_of_type(self.layer_types, "conv")
 
     @property
     def num_kv_layers(self) -> int:
@@ -69,8 +69,7 @@ class ModelArgs(base.ModelArgs):
         return 2 * len(self.conv_layers) * 4 * (self.conv_L_cache - 1) * self.hidden_size
 
     def dense_param_count(self) -> int:
-        return sum(int(np.prod(t.shape)) for t in dense_tensors(self)
-                   if not (self.tie_word_embeddings and t.ours == "lm_head"))
+        return base.tensor_params(self, dense_tensors(self))
 
     @classmethod
     def from_dict(cls, cfg: dict, path: str = "config.json") -> "ModelArgs":

@@ -97,12 +97,12 @@ class ModelArgs(base.ModelArgs):
     @property
     def full_layers(self) -> tuple[int, ...]:
         """Transformer layers with (gated) full attention: the only ones with a KV cache."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+        return base.layers_of_type(self.layer_types, "full_attention")
 
     @property
     def linear_layers(self) -> tuple[int, ...]:
         """Transformer layers with Gated DeltaNet linear attention (a recurrent state each)."""
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+        return base.layers_of_type(self.layer_types, "linear_attention")
 
     @property
     def key_dim(self) -> int:
