@@ -623,7 +623,8 @@ class Engine:
             # Speculation (engine/speculative.py): each forward after the prefill feeds the last
             # sampled token and a draft; every row is sampled as plain decoding samples it, and
             # the draft is kept up to the first token the sampler did not pick.
-            drafter = PromptLookup() if self.config.speculation == "prompt_lookup" else None
+            # teacher forcing (forced_ids: benchmarks, routing traces) measures one-token steps
+            drafter = PromptLookup() if self.config.speculation == "prompt_lookup" and forced is None else None
 
             def step_metrics(n: int):
                 m_ev = tracker.step(n, self.threads, rss=self.guard.last_rss)  # one RSS read a forward
@@ -694,9 +695,7 @@ class Engine:
                 if drafter is not None:
                     room = min(max_new - len(out_ids) - 1, C - p0 - 1)
                     k = lengths.choose(room)
-                    if k and forced is not None:  # the answer is known: draft it
-                        draft = [int(t) for t in forced[len(out_ids):len(out_ids) + k]]
-                    elif k:
+                    if k:
                         draft = drafter.propose(context, k)
                 fed = [tok] + draft
                 self._kv_room(p0 + len(fed))

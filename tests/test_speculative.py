@@ -135,20 +135,32 @@ def test_several_tokens_per_forward_and_one_forward_per_draft(tiny_store):
     assert on.tokens_per_forward == pytest.approx((len(on.token_ids) - 1) / len(decode))
 
 
-def test_step_metrics_report_tokens_per_forward(stores):
+def test_step_metrics_report_tokens_per_forward(tiny_store):
     """Every token still has its StepMetrics (also a kept draft's), which carry the answer's
     tokens per forward and share of drafts kept so far."""
-    cfg = EngineConfig(store=str(stores["olmoe"]), history=False, o_direct=False, speculation="prompt_lookup")
+    cfg = EngineConfig(store=str(tiny_store), history=False, o_direct=False, speculation="prompt_lookup",
+                       draft_max=4)
     with Engine.open(cfg) as eng:
-        req = GenerateRequest(prompt_ids=PROMPT, forced_ids=PROMPT[:24],  # the answer is the prompt: drafts kept
-                              sampling=SamplingParams(temperature=0.0, max_new_tokens=24))
+        req = GenerateRequest(prompt_ids=PROMPT, sampling=SamplingParams(temperature=0.0, max_new_tokens=40),
+                              constraint=NoStop(eng.tokenizer.eos_ids))
         evs = list(eng.generate(req))
     steps = [e for e in evs if isinstance(e, StepMetrics)]
     fin = evs[-1]
-    assert isinstance(fin, Finished) and fin.generated_tokens == 24
-    assert [s.token_index for s in steps] == list(range(1, 24))
-    assert fin.accepted_tokens == fin.draft_tokens > 0 and fin.tokens_per_forward > 2
-    assert steps[-1].tokens_per_forward > 2 and steps[-1].draft_acceptance == 1.0
+    assert isinstance(fin, Finished) and fin.generated_tokens == 40 and fin.accepted_tokens > 0
+    assert [s.token_index for s in steps] == list(range(1, 40))
+    assert steps[-1].tokens_per_forward > 1 and 0 < steps[-1].draft_acceptance <= 1
+
+
+def test_teacher_forcing_decodes_one_token_per_forward(tiny_store):
+    """forced_ids (benchmarks, routing traces) measure one-token decode steps: no drafts."""
+    fin, = _run(tiny_store, "prompt_lookup", prompt=PROMPT)
+    cfg = EngineConfig(store=str(tiny_store), history=False, o_direct=False, speculation="prompt_lookup")
+    with Engine.open(cfg) as eng:
+        req = GenerateRequest(prompt_ids=PROMPT, forced_ids=fin.token_ids,
+                              sampling=SamplingParams(max_new_tokens=len(fin.token_ids)))
+        forced = [e for e in eng.generate(req) if isinstance(e, Finished)][-1]
+    assert fin.draft_tokens > 0 and forced.draft_tokens == 0 and forced.tokens_per_forward == 1.0
+    assert forced.token_ids == fin.token_ids
 
 
 def _chi2_two_sample(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
