@@ -638,6 +638,9 @@ class Engine:
             while True:
                 m, done = 0, False  # m: draft tokens the sampler confirmed
                 for r in range(rows.shape[0]):
+                    if r and cancel.is_set():  # Stop ends within one token, also inside a kept draft
+                        reason, done = FinishReason.CANCELLED, True
+                        break
                     row = rows[r]
                     if not np.isfinite(row).all():
                         raise EngineError(

@@ -243,3 +243,28 @@ def test_draft_length_follows_acceptance_and_cost(monkeypatch):
     for _ in range(30):
         costly.record(8, 1, 0.005)
     assert costly.choose(8) == 0  # ~2 tokens for 2-5 ms does not
+
+
+def test_cancel_ends_within_one_token_inside_a_kept_draft(tiny_store):
+    """Stop: no further token of a verified draft comes after the cancel is set."""
+    import threading
+
+    from engine.events import TokenEvent
+    cfg = EngineConfig(store=str(tiny_store), history=False, o_direct=False, speculation="prompt_lookup",
+                       draft_max=4)
+    with Engine.open(cfg) as eng:
+        req = GenerateRequest(prompt_ids=PROMPT, sampling=SamplingParams(temperature=0.0, max_new_tokens=40),
+                              constraint=NoStop(eng.tokenizer.eos_ids))
+        full = [e for e in eng.generate(req) if isinstance(e, Finished)][-1]
+        assert full.accepted_tokens > 0
+        for stop_at in range(1, 12):  # some of these land inside a kept draft
+            cancel, after = threading.Event(), 0
+            for ev in eng.generate(req, cancel):
+                if isinstance(ev, TokenEvent):
+                    after += cancel.is_set()
+                    if ev.index == stop_at:
+                        cancel.set()
+                if isinstance(ev, Finished):
+                    fin = ev
+            assert fin.finish_reason == "cancelled" and after == 0 and fin.generated_tokens == stop_at + 1
+            assert fin.token_ids == full.token_ids[:stop_at + 1]
