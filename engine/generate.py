@@ -685,12 +685,24 @@ class Engine:
             # Speculation (engine/speculative.py): each forward after the prefill feeds the last
             # sampled token and a draft; every row is sampled as plain decoding samples it, and
             # the draft is kept up to the first token the sampler did not pick.
-            drafter = PromptLookup() if self.config.speculation == "prompt_lookup" else None
+            # teacher forcing (forced_ids: benchmarks, routing traces) measures one-token steps
+            drafter = PromptLookup() if self.config.speculation == "prompt_lookup" and forced is None else None
+
+            def step_metrics(n: int):
+                m_ev = tracker.step(n, self.threads, rss=self.guard.last_rss)  # one RSS read a forward
+                if dec_forwards > 1:  # the forwards whose rows were sampled so far
+                    m_ev = replace(m_ev, tokens_per_forward=dec_rows / (dec_forwards - 1),
+                                   draft_acceptance=accepted / drafted if drafted else 0.0)
+                return m_ev if self.cluster is None else replace(m_ev, cluster=self.cluster.status().summary())
+
             rows, fed, draft = logits[-1:], None, []  # fed: the tokens the last forward fed
             timed = None  # (draft tokens, seconds) of the last decode forward
             while True:
                 m, done = 0, False  # m: draft tokens the sampler confirmed
                 for r in range(rows.shape[0]):
+                    if r and cancel.is_set():  # Stop ends within one token, also inside a kept draft
+                        reason, done = FinishReason.CANCELLED, True
+                        break
                     row = rows[r]
                     if not np.isfinite(row).all():
                         raise EngineError(
@@ -715,6 +727,8 @@ class Engine:
                         reason, done = FinishReason.STOP, True
                         text_parts.append(dec.flush())
                         break
+                    if r:  # a kept draft's next token: its StepMetrics, as every token has one
+                        yield step_metrics(len(out_ids))
                     out_ids.append(tok)
                     context.append(tok)
                     piece = dec.push(tok)
@@ -746,9 +760,7 @@ class Engine:
                 if drafter is not None:
                     room = min(max_new - len(out_ids) - 1, C - p0 - 1)
                     k = lengths.choose(room)
-                    if k and forced is not None:  # the answer is known: draft it
-                        draft = [int(t) for t in forced[len(out_ids):len(out_ids) + k]]
-                    elif k:
+                    if k:
                         draft = drafter.propose(context, k)
                 fed = [tok] + draft
                 self._kv_room(p0 + len(fed))
@@ -765,11 +777,7 @@ class Engine:
                 n = len(out_ids)
                 if self.guard.step(n) is not None:  # before the metrics: they show the RSS it left
                     self.sync_pins()
-                m_ev = tracker.step(n, self.threads, rss=self.guard.last_rss)  # one RSS read a forward
-                if dec_forwards > 1:  # the forwards whose rows were sampled so far
-                    m_ev = replace(m_ev, tokens_per_forward=dec_rows / (dec_forwards - 1),
-                                   draft_acceptance=accepted / drafted if drafted else 0.0)
-                yield m_ev if self.cluster is None else replace(m_ev, cluster=self.cluster.status().summary())
+                yield step_metrics(n)
                 snap = tracker.residency(n, self.heat.counts)
                 if snap is not None:
                     yield snap

@@ -135,17 +135,32 @@ def test_several_tokens_per_forward_and_one_forward_per_draft(tiny_store):
     assert on.tokens_per_forward == pytest.approx((len(on.token_ids) - 1) / len(decode))
 
 
-def test_step_metrics_report_tokens_per_forward(stores):
-    cfg = EngineConfig(store=str(stores["olmoe"]), history=False, o_direct=False, speculation="prompt_lookup")
+def test_step_metrics_report_tokens_per_forward(tiny_store):
+    """Every token still has its StepMetrics (also a kept draft's), which carry the answer's
+    tokens per forward and share of drafts kept so far."""
+    cfg = EngineConfig(store=str(tiny_store), history=False, o_direct=False, speculation="prompt_lookup",
+                       draft_max=4)
     with Engine.open(cfg) as eng:
-        req = GenerateRequest(prompt_ids=PROMPT, sampling=SamplingParams(temperature=0.0, max_new_tokens=24))
+        req = GenerateRequest(prompt_ids=PROMPT, sampling=SamplingParams(temperature=0.0, max_new_tokens=40),
+                              constraint=NoStop(eng.tokenizer.eos_ids))
         evs = list(eng.generate(req))
     steps = [e for e in evs if isinstance(e, StepMetrics)]
     fin = evs[-1]
-    assert isinstance(fin, Finished)
-    assert steps[-1].tokens_per_forward == pytest.approx(
-        (fin.generated_tokens - 1) / (len(steps) - 1), rel=0.2) or fin.finish_reason == "stop"
-    assert steps[-1].draft_acceptance == pytest.approx(fin.draft_acceptance, abs=0.3)
+    assert isinstance(fin, Finished) and fin.generated_tokens == 40 and fin.accepted_tokens > 0
+    assert [s.token_index for s in steps] == list(range(1, 40))
+    assert steps[-1].tokens_per_forward > 1 and 0 < steps[-1].draft_acceptance <= 1
+
+
+def test_teacher_forcing_decodes_one_token_per_forward(tiny_store):
+    """forced_ids (benchmarks, routing traces) measure one-token decode steps: no drafts."""
+    fin, = _run(tiny_store, "prompt_lookup", prompt=PROMPT)
+    cfg = EngineConfig(store=str(tiny_store), history=False, o_direct=False, speculation="prompt_lookup")
+    with Engine.open(cfg) as eng:
+        req = GenerateRequest(prompt_ids=PROMPT, forced_ids=fin.token_ids,
+                              sampling=SamplingParams(max_new_tokens=len(fin.token_ids)))
+        forced = [e for e in eng.generate(req) if isinstance(e, Finished)][-1]
+    assert fin.draft_tokens > 0 and forced.draft_tokens == 0 and forced.tokens_per_forward == 1.0
+    assert forced.token_ids == fin.token_ids
 
 
 def _chi2_two_sample(a: np.ndarray, b: np.ndarray) -> tuple[float, int]:
@@ -228,3 +243,28 @@ def test_draft_length_follows_acceptance_and_cost(monkeypatch):
     for _ in range(30):
         costly.record(8, 1, 0.005)
     assert costly.choose(8) == 0  # ~2 tokens for 2-5 ms does not
+
+
+def test_cancel_ends_within_one_token_inside_a_kept_draft(tiny_store):
+    """Stop: no further token of a verified draft comes after the cancel is set."""
+    import threading
+
+    from engine.events import TokenEvent
+    cfg = EngineConfig(store=str(tiny_store), history=False, o_direct=False, speculation="prompt_lookup",
+                       draft_max=4)
+    with Engine.open(cfg) as eng:
+        req = GenerateRequest(prompt_ids=PROMPT, sampling=SamplingParams(temperature=0.0, max_new_tokens=40),
+                              constraint=NoStop(eng.tokenizer.eos_ids))
+        full = [e for e in eng.generate(req) if isinstance(e, Finished)][-1]
+        assert full.accepted_tokens > 0
+        for stop_at in range(1, 12):  # some of these land inside a kept draft
+            cancel, after = threading.Event(), 0
+            for ev in eng.generate(req, cancel):
+                if isinstance(ev, TokenEvent):
+                    after += cancel.is_set()
+                    if ev.index == stop_at:
+                        cancel.set()
+                if isinstance(ev, Finished):
+                    fin = ev
+            assert fin.finish_reason == "cancelled" and after == 0 and fin.generated_tokens == stop_at + 1
+            assert fin.token_ids == full.token_ids[:stop_at + 1]

@@ -60,6 +60,13 @@ INTERLEAVE_Q4 = True
 # kind it runs; the same values either way. Tests turn it off to compare.
 ATTENTION_T1 = True
 DECODE_T1 = True  # a decode step's layers in one K.decode_layers_t1 call where it applies (_decode_step_all)
+# A prompt longer than a chunk on a cache that cannot hold every expert runs layer by layer over
+# the whole prompt (attention in chunks, the experts over waves of PREFILL_WAVE tokens), so each
+# expert a layer needs is read once per wave, not once per chunk; the same values either way.
+# A wave's expert rows take ~3 x wave x top-k x hidden x 4 bytes while it runs (Qwen3-30B-A3B:
+# ~400 MB at 2048 tokens). Tests turn it off to compare.
+PREFILL_BY_LAYER = True
+PREFILL_WAVE = 2048
 KV_DTYPES = {"f16": np.uint16, "f32": np.float32}  # KV cache element: IEEE half bits or float32
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # slab field names (store canonical)
 
@@ -1730,6 +1737,9 @@ class MoEModel:
             raise ValueError(f"positions {pos0}..{pos0 + T - 1} exceed the context of {self.C} tokens")
         obs = self.observers
         obs.publish("on_forward_start", pos0, T)
+        if T > PREFILL_CHUNK and PREFILL_BY_LAYER and self._streams():
+            x = self._prefill_by_layer(ids, pos0, cancel)
+            return self.logits(x if all_logits else x[-1:])
         outs = []
         for c0 in range(0, T, PREFILL_CHUNK):
             chunk = ids[c0:c0 + PREFILL_CHUNK]
@@ -1741,6 +1751,43 @@ class MoEModel:
             elif c0 + PREFILL_CHUNK >= T:
                 outs.append(self.logits(x[-1:]))
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
+
+    def _streams(self) -> bool:
+        """Whether the expert provider holds fewer slots than the model has experts
+        (ExpertCache.slots): a prompt's chunks may then read again an expert an earlier chunk
+        read. False for a family with its own layer loop (the layer-by-layer prefill is the
+        shared loop's)."""
+        slots = getattr(self.experts, "slots", None)
+        return (isinstance(slots, int) and slots < self.num_moe_layers * self.args.num_experts
+                and getattr(type(self), "_run_layers") is getattr(MoEModel, "_run_layers"))  # Gemma 4's own loop is kept
+
+    def _prefill_by_layer(self, ids: np.ndarray, pos0: int, cancel: threading.Event | None) -> np.ndarray:
+        """Every layer over the whole prompt ``ids`` (int [T]) at pos0.., layer after layer: its
+        attention chunk by chunk (PREFILL_CHUNK: the KV rows of a layer's earlier chunks are
+        written first), its feed-forward over waves of PREFILL_WAVE tokens (each expert the
+        wave routes to acquired once for all its rows). Every row is computed as in the chunk
+        by chunk order (the kernels compute rows independently). Returns the final residual
+        float32 [T, D]. Observers get each layer's hooks once, with all T rows."""
+        obs = self.observers
+        T = len(ids)
+        x = self.embed(ids)  # [T, D]
+        for i in range(self.args.num_hidden_layers):
+            if cancel is not None and cancel.is_set():
+                raise Cancelled("cancelled")
+            j = self.moe_index[i]
+            if j >= 0:
+                obs.publish("on_layer_start", j)
+            for c0 in range(0, T, PREFILL_CHUNK):
+                xc = x[c0:c0 + PREFILL_CHUNK]  # a view: updated in place
+                xc += self.attention(i, xc, pos0 + c0)
+            if j >= 0:
+                obs.publish("on_after_attention", j, x)
+            for w0 in range(0, T, PREFILL_WAVE):
+                xw = x[w0:w0 + PREFILL_WAVE]
+                xw += self.mlp(i, xw)
+            if j >= 0:
+                obs.publish("on_after_moe", j, x)
+        return x
 
     def _run_layers(self, x: np.ndarray, pos0: int, first: int, cancel: threading.Event | None) -> None:
         """Decoder layers first.. on x float32 [T, D] (rows at positions pos0..), in place, one

@@ -360,6 +360,7 @@ class Model(base.MoEModel):
         earlier state, and at most the previous answer is recomputed. One snapshot costs one
         more state (counted in the budget); states at more positions would cost one each.
         """
+        self._hist = None  # a verify whose accept never came (its generation failed) is dropped
         if not self.state_row:  # no linear layer: the KV cache alone, positional
             return p
         s = max((x for x in (self.state_pos, self.snap_pos) if 0 <= x <= p), default=0)
