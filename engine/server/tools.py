@@ -383,6 +383,39 @@ class MistralFormat(ToolFormat):
             return None, 0
 
 
+class Llama4Format(ToolFormat):
+    """Llama 4: JSON objects ``{"name": N, "parameters": {...}}`` one after another, after an
+    optional ``<|python_start|>...<|python_end|>`` block (its text is content), as Llama 4's
+    published template renders a call and asks the model to write one."""
+
+    name = "llama4_json"
+    PY, PY_END = "<|python_start|>", "<|python_end|>"
+    starts = (PY, '{"name"')
+
+    def parse(self, text, tools):
+        rest = ""
+        if text.startswith(self.PY):
+            rest, sep, text = text[len(self.PY):].partition(self.PY_END)
+            if not sep:  # the calls may sit inside the block
+                rest, text = "", rest
+        calls, dec, pos = [], json.JSONDecoder(), 0
+        while True:
+            while pos < len(text) and text[pos] in " \t\n;,":
+                pos += 1
+            if pos >= len(text) or text[pos] != "{":
+                break
+            try:
+                obj, pos = dec.raw_decode(text, pos)
+            except (ValueError, RecursionError):
+                return None
+            args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
+            args = _json_object(args) if isinstance(args, str) else args
+            if not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+                return None
+            calls.append(Call(obj["name"], args))
+        return (calls, (rest + text[pos:]).strip()) if calls else None
+
+
 class HarmonyFormat(ToolFormat):
     """gpt-oss (harmony): a message ``<|channel|>commentary to=functions.N <|constrain|>json<|message|>ARGS``
     ending in ``<|call|>``. The answer is decoded by :class:`engine.harmony.HarmonyDecoder` with
@@ -438,6 +471,8 @@ def tool_format(tokenizer) -> ToolFormat | None:
         return QwenCoderFormat()
     if "<tool_call>" in sources:
         return HermesFormat()
+    if "<|python_start|>" in sources and '"parameters": ' in sources:
+        return Llama4Format()
     return None
 
 
