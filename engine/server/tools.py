@@ -383,6 +383,45 @@ class MistralFormat(ToolFormat):
             return None, 0
 
 
+class DsmlFormat(ToolFormat):
+    """DeepSeek-V3.2 / V4 (DSML): ``<｜DSML｜function_calls>`` (or ``tool_calls``) around
+    ``<｜DSML｜invoke name="N"><｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>...</｜DSML｜invoke>``;
+    a value is text when ``string="true"``, JSON otherwise."""
+
+    name = "dsml"
+    D = "｜DSML｜"
+    starts = (f"<{D}function_calls>", f"<{D}tool_calls>", f"<{D}invoke ")
+    _invoke = re.compile(r'<｜DSML｜invoke name="([^"]+)">(.*?)(?:</｜DSML｜invoke>|$)', re.S)
+    _param = re.compile(r'<｜DSML｜parameter name="([^"]+)"(?: string="(true|false)")?>(.*?)</｜DSML｜parameter>', re.S)
+
+    def parse(self, text, tools):
+        for w in ("function_calls", "tool_calls"):
+            text = text.replace(f"<{self.D}{w}>", "").replace(f"</{self.D}{w}>", "")
+        calls, pos, rest = [], 0, []
+        for m in self._invoke.finditer(text):
+            rest.append(text[pos:m.start()])
+            pos = m.end()
+            name, body = m.group(1).strip(), m.group(2)
+            types = _param_types(tools, name)
+            args = {}
+            for p in self._param.finditer(body):
+                key, raw = p.group(1), p.group(3)
+                if p.group(2) == "true":
+                    args[key] = raw
+                elif p.group(2) == "false":
+                    try:
+                        args[key] = json.loads(raw)
+                    except (ValueError, RecursionError):
+                        return None
+                else:
+                    args[key] = _typed_value(raw, types.get(key))
+            if self._param.sub("", body).strip():
+                return None
+            calls.append(Call(name, args))
+        rest.append(text[pos:])
+        return (calls, "".join(rest).strip()) if calls else None
+
+
 class Llama4Format(ToolFormat):
     """Llama 4: JSON objects ``{"name": N, "parameters": {...}}`` one after another, after an
     optional ``<|python_start|>...<|python_end|>`` block (its text is content), as Llama 4's
@@ -459,6 +498,8 @@ def tool_format(tokenizer) -> ToolFormat | None:
     if is_harmony(tokenizer):
         return HarmonyFormat()
     sources = "\0".join(getattr(tokenizer, "chat_templates", {}).values())
+    if "｜DSML｜" in sources:
+        return DsmlFormat()
     if "<｜tool▁call▁begin｜>" in sources or "tool▁calls▁begin" in sources:
         return DeepSeekFormat()
     if "<|tool_call_begin|>" in sources or "tool_calls_section_begin" in sources:
