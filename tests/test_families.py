@@ -239,6 +239,16 @@ def test_presets_have_the_published_shapes():
             m.hidden_size, m.num_key_value_heads, m.head_dim) == ("mixtral", 32, 8, 2, 14336, 4096, 8, 128)
 
 
+def test_gemma4_preset_has_the_published_size():
+    """Gemma 4 26B-A4B's text tower: 25.2 B parameters, 3.8 B of them active a token, as Google gives them."""
+    g = ModelArgs.from_dict(PRESETS["gemma-4-26b-a4b"])
+    assert (g.model_type, g.num_hidden_layers, g.num_moe_layers, g.num_experts, g.num_experts_per_tok,
+            g.moe_intermediate_size, g.hidden_size) == ("gemma4_text", 30, 30, 128, 8, 704, 2816)
+    experts = g.num_moe_layers * g.num_experts * 3 * g.hidden_size * g.moe_intermediate_size
+    assert 25.1e9 < g.dense_param_count() + experts < 25.3e9
+    assert 3.75e9 < g.dense_param_count() + experts * 8 / 128 < 3.85e9
+
+
 def test_transformers5_qwen3_config_names(tmp_path):
     """transformers 5's save_pretrained writes Qwen3's expert count as num_local_experts."""
     cfg = qwen3_moe_config()

@@ -193,7 +193,7 @@ def logits_trace(tiny_store, tmp_path_factory):
     """A logits trace of the tiny model (2 layers x 8 experts, top-2), teacher forced."""
     path = tmp_path_factory.mktemp("tr") / "t.jsonl"
     stream = np.random.default_rng(4).integers(10, 200, 40).tolist()
-    cfg = EngineConfig(store=str(tiny_store), history=False, pinning=False, pilot=0)
+    cfg = EngineConfig(store=str(tiny_store), history=False, pinning=False, pilot=0, speculation="off")
     with Engine.open(cfg) as eng:
         rec = TraceRecorder(eng, logits=True)
         list(eng.generate(GenerateRequest(prompt_ids=tuple(stream[:1]), forced_ids=tuple(stream[1:]),

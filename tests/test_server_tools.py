@@ -12,8 +12,8 @@ import pytest
 from engine.chat_template import render
 from engine.server.openai_api import ApiError, chat_messages, string_arguments, tool_calls_json
 from engine.server.textstream import AnswerFilter
-from engine.server.tools import (Call, CallSplitter, DeepSeekFormat, GlmFormat, HarmonyFormat, HermesFormat,
-                                 KimiFormat, MistralFormat, QwenCoderFormat, ToolsError, check_tool_choice,
+from engine.server.tools import (Call, CallSplitter, DeepSeekFormat, DsmlFormat, GlmFormat, HarmonyFormat, HermesFormat,
+                                 KimiFormat, Llama4Format, MistralFormat, QwenCoderFormat, ToolsError, check_tool_choice,
                                  check_tools, tool_format)
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
@@ -64,6 +64,8 @@ FAMILIES = [  # template, expected format, end of the model's turn, arguments gi
     ("deepseek_v3.jinja", DeepSeekFormat, "<｜end▁of▁sentence｜>", True),
     ("glm4_moe.jinja", GlmFormat, None, False),
     ("mixtral.jinja", MistralFormat, "</s>", False),
+    ("llama4.jinja", Llama4Format, "<|eot|>", False),
+    ("deepseek_v4.jinja", DsmlFormat, "<｜end▁of▁sentence｜>", False),
 ]
 
 
@@ -148,6 +150,14 @@ PUBLISHED = [  # the formats of families whose templates are not among the test 
                    + json.dumps(CALLS[1].arguments) + "<|tool_call_end|><|tool_calls_section_end|>"),
     (MistralFormat(), "[TOOL_CALLS]get_weather[ARGS]" + json.dumps(CALLS[0].arguments)
                       + "[TOOL_CALLS]search[ARGS]" + json.dumps(CALLS[1].arguments)),
+    (Llama4Format(), "\n".join(json.dumps({"name": c.name, "parameters": c.arguments}) for c in CALLS)),
+    (DsmlFormat(), "<｜DSML｜function_calls>\n<｜DSML｜invoke name=\"get_weather\">\n"  # V3.2's encoding
+                   "<｜DSML｜parameter name=\"city\" string=\"true\">Paris «x»</｜DSML｜parameter>\n"
+                   "<｜DSML｜parameter name=\"days\" string=\"false\">3</｜DSML｜parameter>\n"
+                   "<｜DSML｜parameter name=\"units\" string=\"false\">{\"t\": \"C\"}</｜DSML｜parameter>\n"
+                   "</｜DSML｜invoke>\n<｜DSML｜invoke name=\"search\">\n<｜DSML｜parameter name=\"query\" "
+                   "string=\"true\">7 > 5 and \"quotes\"\nnew line</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
+                   "</｜DSML｜function_calls>"),
 ]
 
 
@@ -167,6 +177,10 @@ def test_published_formats(case, size):
     (DeepSeekFormat(), "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather{}<｜tool▁call▁end｜>"),
     (MistralFormat(), "[TOOL_CALLS] [{\"name\": 3}]"),
     (KimiFormat(), "<|tool_calls_section_begin|><|tool_call_begin|>functions.x:0 {}"),
+    (Llama4Format(), '{"name": "get_weather", "parameters": "Paris"}'),
+    (DsmlFormat(), '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
+                   '<｜DSML｜parameter name="days" string="false">three</｜DSML｜parameter>\n</｜DSML｜invoke>'),
+    (Llama4Format(), '<|python_start|><|python_end|>{"name": "get_weather", "parameters": {"city": "Par'),
 ])
 def test_a_malformed_call_is_returned_as_text(fmt, text):
     _, content, calls = _through_filter(fmt, "Sure. " + text, 3, chat=False)

@@ -92,6 +92,10 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
     from ..generate import Engine
     from .prof import Profile
     over = {k: v for k, v in cfg_over.items() if k not in BENCH_KEYS}
+    if forced and prompt_text is None:
+        # teacher forced, prompt lookup would draft the known answer and keep every draft: a
+        # forward of several tokens, not the one-token decode the arm measures
+        over.setdefault("speculation", "off")
     cfg = EngineConfig(store=store, **over).validated()
     t_open = time.perf_counter()
     eng = Engine.open(cfg)
@@ -207,9 +211,11 @@ def run_arm(store: str, cfg_over: dict, prompt_len: int, tokens: int, seed: int,
         # Decode only (steps after the first: the first covers the prompt's prefill and the
         # first token, where PILOT does not run); these are what tok/s and the ceiling compare.
         dec = steps[1:]
-        n = max(len(dec), 1)
+        # the tokens those steps produced: a forward that keeps a draft gives several
+        n = max(dec[-1].token_index - steps[0].token_index, 1) if dec else 1
         look = sum(m.hits + m.misses for m in dec)
         row.update(
+            decode_tokens=n if dec else 0,
             decode_hit_rate=sum(m.hits for m in dec) / look if look else 1.0,
             decode_mb_per_token=sum(m.demand_bytes + m.speculative_bytes for m in dec) / 1e6 / n,
             decode_demand_mb_per_token=sum(m.demand_bytes for m in dec) / 1e6 / n,

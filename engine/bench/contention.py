@@ -79,7 +79,8 @@ def cmd_contention_arm(a) -> int:
     threads = 0 if a.threads == "auto" else usable_cpus() if a.threads == "all" else int(a.threads)
     eng = Engine.open(EngineConfig(store=a.store, pilot=0, pinning=False, history=False, o_direct=False,
                                    threads=threads, ram_budget_gb=a.ram_budget_gb,
-                                   context_length=a.prompt_len + a.tokens + 8))   # small KV cache
+                                   context_length=a.prompt_len + a.tokens + 8,   # small KV cache
+                                   speculation="off"))   # forced ids: one forward a token
     stream = forced_stream(eng.args.vocab_size, a.prompt_len + a.tokens, a.seed)
     if a.stream == "repeat":   # few distinct experts: several big-model arms fit in RAM at once
         stream = stream[:a.prompt_len] + [stream[a.prompt_len]] * a.tokens

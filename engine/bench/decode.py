@@ -21,7 +21,8 @@ def _decode_ours(store: str, prompt: list, forced: list, tokens: int) -> dict:
     from ..events import Finished, GenerateRequest, SamplingParams
     from ..generate import Engine
     from ..models import base as model_mod
-    eng = Engine.open(EngineConfig(store=store, pilot=0, pinning=False, history=False, o_direct=False))
+    eng = Engine.open(EngineConfig(store=store, pilot=0, pinning=False, history=False, o_direct=False,
+                                   speculation="off"))  # forced ids: one forward a token
     args = eng.args
     try:
         def once():

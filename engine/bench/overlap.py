@@ -106,7 +106,7 @@ def cmd_overlap(a) -> int:
                   f"reserve {int(over.get('reserve_cache', 0))} fill {int(over.get('idle_fill', 0))}: "
                   + (f"cap {r['cap']} hit {100 * r['decode_hit_rate']:.1f}% {r['decode_mb_per_token']:.1f} MB/t "
                      f"felt {r['decode_felt_wait_s']:.2f}s {r['tok_per_s']:.2f} tok/s one-call steps {r.get('one_call_steps', 0)} cpu/t "
-                     f"{r['decode_cpu_s'] / max(r['decode_steps'], 1):.3f}s load {r['load_avg']:.1f} "
+                     f"{r['decode_cpu_s'] / max(r['decode_tokens'], 1):.3f}s load {r['load_avg']:.1f} "
                      f"logits {r['sha256_logits']}" if r.get("hit_rate") is not None else f"error {r['error']}"),
                   flush=True)
     disk.append(measure_disk(a.store, qd=a.qd))
@@ -117,12 +117,12 @@ def cmd_overlap(a) -> int:
         res = [r for r in rows if r["routing"] == routing and r["budget_gb"] == "all" and r.get("hit_rate") is not None]
         if res:
             compute[routing] = {
-                "compute_s_per_token": float(np.median([r["decode_wall_s"] / max(r["decode_steps"], 1) for r in res])),
-                "compute_cpu_s_per_token": float(np.median([r["decode_cpu_s"] / max(r["decode_steps"], 1) for r in res]))}
+                "compute_s_per_token": float(np.median([r["decode_wall_s"] / max(r["decode_tokens"], 1) for r in res])),
+                "compute_cpu_s_per_token": float(np.median([r["decode_cpu_s"] / max(r["decode_tokens"], 1) for r in res]))}
     for r in rows:
         if r.get("hit_rate") is None:
             continue
-        n = max(r["decode_steps"], 1)
+        n = max(r["decode_tokens"], 1)  # decoded tokens (a forward may keep several)
         r["decode_tok_s"] = r["tok_per_s"]
         r["felt_wait_s_per_token"] = r["decode_felt_wait_s"] / n
         r["cpu_s_per_token"] = r["decode_cpu_s"] / n

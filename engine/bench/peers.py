@@ -91,6 +91,7 @@ def _arm_ours(store: str, prompt: list, forced: list, threads: int, ctx: int, li
         cfg["cap"] = E
     else:
         cfg["ram_budget_gb"] = limit_gb
+    cfg.setdefault("speculation", "off")  # forced ids: one forward a token, as llama.cpp decodes
     cfg.update(over)
     io0, t0 = proc_read_bytes(), time.perf_counter()
     eng = Engine.open(EngineConfig(store=store, **cfg))

@@ -515,6 +515,21 @@ PRESETS = {
         "model_max_length": 1048576, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "rope_scaling": None,
         "tie_word_embeddings": False, "hidden_act": "silu", "vocab_size": 163840, "bos_token_id": 163584,
         "eos_token_id": 163586, "pad_token_id": 163839},
+    # google/gemma-4-26B-A4B(-it)'s text tower (text_config of its config.json): 30 layers, five
+    # sliding (1024; 8 KV heads of 256) then one full (2 KV heads of 512, K reused as V,
+    # proportional RoPE on a quarter), a GeGLU of 2112 beside 128 experts of width 704, top-8.
+    "gemma-4-26b-a4b": gemma4_text_config(
+        hidden_size=2816, intermediate_size=2112, moe_intermediate_size=704, num_hidden_layers=30,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, global_head_dim=512,
+        num_global_key_value_heads=2, attention_k_eq_v=True, enable_moe_block=True, num_experts=128,
+        top_k_experts=8, hidden_size_per_layer_input=0, num_kv_shared_layers=0, sliding_window=1024,
+        final_logit_softcapping=30.0, hidden_activation="gelu_pytorch_tanh", vocab_size=262144,
+        max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                         "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                            "rope_theta": 1000000.0}},
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 5,
+        tie_word_embeddings=True, eos_token_id=[1, 106], pad_token_id=0),
     # Qwen/Qwen3-30B-A3B: 48 layers x 128 experts, top-8, ~31 GB at int8, ~16 GB at int4.
     "qwen3-30b-a3b": qwen3_moe_config(
         hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,

@@ -30,8 +30,10 @@ def cmd_trace_heldout(a) -> int:
     store = a.store or str(default_store())
     seqs = [json.loads(x)["ids"] for x in (src / "heldout_sample.jsonl").read_text().splitlines() if x.strip()]
     seqs = seqs[:a.sequences]
+    # one forward a token: drafting the teacher-forced text would record PILOT's predictions for
+    # a few positions only
     cfg = EngineConfig(store=store, cap=a.cap or None, pilot=1, pinning=True, history=False,
-                       ram_budget_gb=a.ram_budget_gb).validated()
+                       ram_budget_gb=a.ram_budget_gb, speculation="off").validated()
     with Engine.open(cfg) as eng:
         rec = TraceRecorder(eng, logits=a.logits)
         marker = eng.tokenizer.token_to_id("<|assistant|>")

@@ -383,6 +383,78 @@ class MistralFormat(ToolFormat):
             return None, 0
 
 
+class DsmlFormat(ToolFormat):
+    """DeepSeek-V3.2 / V4 (DSML): ``<｜DSML｜function_calls>`` (or ``tool_calls``) around
+    ``<｜DSML｜invoke name="N"><｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>...</｜DSML｜invoke>``;
+    a value is text when ``string="true"``, JSON otherwise."""
+
+    name = "dsml"
+    D = "｜DSML｜"
+    starts = (f"<{D}function_calls>", f"<{D}tool_calls>", f"<{D}invoke ")
+    _invoke = re.compile(r'<｜DSML｜invoke name="([^"]+)">(.*?)(?:</｜DSML｜invoke>|$)', re.S)
+    _param = re.compile(r'<｜DSML｜parameter name="([^"]+)"(?: string="(true|false)")?>(.*?)</｜DSML｜parameter>', re.S)
+
+    def parse(self, text, tools):
+        for w in ("function_calls", "tool_calls"):
+            text = text.replace(f"<{self.D}{w}>", "").replace(f"</{self.D}{w}>", "")
+        calls, pos, rest = [], 0, []
+        for m in self._invoke.finditer(text):
+            rest.append(text[pos:m.start()])
+            pos = m.end()
+            name, body = m.group(1).strip(), m.group(2)
+            types = _param_types(tools, name)
+            args = {}
+            for p in self._param.finditer(body):
+                key, raw = p.group(1), p.group(3)
+                if p.group(2) == "true":
+                    args[key] = raw
+                elif p.group(2) == "false":
+                    try:
+                        args[key] = json.loads(raw)
+                    except (ValueError, RecursionError):
+                        return None
+                else:
+                    args[key] = _typed_value(raw, types.get(key))
+            if self._param.sub("", body).strip():
+                return None
+            calls.append(Call(name, args))
+        rest.append(text[pos:])
+        return (calls, "".join(rest).strip()) if calls else None
+
+
+class Llama4Format(ToolFormat):
+    """Llama 4: JSON objects ``{"name": N, "parameters": {...}}`` one after another, after an
+    optional ``<|python_start|>...<|python_end|>`` block (its text is content), as Llama 4's
+    published template renders a call and asks the model to write one."""
+
+    name = "llama4_json"
+    PY, PY_END = "<|python_start|>", "<|python_end|>"
+    starts = (PY, '{"name"')
+
+    def parse(self, text, tools):
+        rest = ""
+        if text.startswith(self.PY):
+            rest, sep, text = text[len(self.PY):].partition(self.PY_END)
+            if not sep:  # the calls may sit inside the block
+                rest, text = "", rest
+        calls, dec, pos = [], json.JSONDecoder(), 0
+        while True:
+            while pos < len(text) and text[pos] in " \t\n;,":
+                pos += 1
+            if pos >= len(text) or text[pos] != "{":
+                break
+            try:
+                obj, pos = dec.raw_decode(text, pos)
+            except (ValueError, RecursionError):
+                return None
+            args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
+            args = _json_object(args) if isinstance(args, str) else args
+            if not isinstance(obj.get("name"), str) or not isinstance(args, dict):
+                return None
+            calls.append(Call(obj["name"], args))
+        return (calls, (rest + text[pos:]).strip()) if calls else None
+
+
 class HarmonyFormat(ToolFormat):
     """gpt-oss (harmony): a message ``<|channel|>commentary to=functions.N <|constrain|>json<|message|>ARGS``
     ending in ``<|call|>``. The answer is decoded by :class:`engine.harmony.HarmonyDecoder` with
@@ -426,6 +498,8 @@ def tool_format(tokenizer) -> ToolFormat | None:
     if is_harmony(tokenizer):
         return HarmonyFormat()
     sources = "\0".join(getattr(tokenizer, "chat_templates", {}).values())
+    if "｜DSML｜" in sources:
+        return DsmlFormat()
     if "<｜tool▁call▁begin｜>" in sources or "tool▁calls▁begin" in sources:
         return DeepSeekFormat()
     if "<|tool_call_begin|>" in sources or "tool_calls_section_begin" in sources:
@@ -438,6 +512,8 @@ def tool_format(tokenizer) -> ToolFormat | None:
         return QwenCoderFormat()
     if "<tool_call>" in sources:
         return HermesFormat()
+    if "<|python_start|>" in sources and '"parameters": ' in sources:
+        return Llama4Format()
     return None
 
 
