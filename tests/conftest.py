@@ -26,6 +26,13 @@ def _isolated_dirs(tmp_path_factory, monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def tiny(tmp_path_factory):
+    """The tiny OLMoE checkpoint the fake hub serves (hubserver.tiny_checkpoint, seed 0)."""
+    import hubserver
+    return hubserver.tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A random OLMoE checkpoint (hidden 64, 2 layers, 8 experts, top-2, GQA 4/2) in HF layout."""
     from engine.bench.synthetic import olmoe_config, write_checkpoint

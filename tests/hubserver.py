@@ -271,6 +271,7 @@ def hub_env(monkeypatch, tmp_path: Path, url: str) -> None:
     monkeypatch.setenv("COLIBRI_CONFIG_DIR", str(tmp_path / "config"))
 
 
+TINY_REPO = "allenai/tiny-olmoe"  # the repo id the tests serve tiny_checkpoint under
 _TINY_CACHE: dict[str, Path] = {}
 
 

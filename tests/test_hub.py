@@ -24,11 +24,6 @@ REPO = "allenai/tiny-olmoe"
 WEIGHTS = "model.safetensors"
 
 
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> Path:
-    return hubserver.tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
-
-
 @pytest.fixture
 def fake(tmp_path, monkeypatch, tiny):
     h = hubserver.FakeHub()

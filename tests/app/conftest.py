@@ -26,6 +26,25 @@ def app_store(tmp_path_factory):
 
 
 @pytest.fixture
+def fake(tmp_path, monkeypatch, tiny):
+    """A fake hub (tests/hubserver.py) serving the tiny checkpoint as hubserver.TINY_REPO, with
+    the user folders and the hub endpoint of this test."""
+    import hubserver
+    h = hubserver.FakeHub()
+    url = h.start()
+    hubserver.hub_env(monkeypatch, tmp_path, url)
+    h.add_folder(hubserver.TINY_REPO, tiny)
+    yield h
+    h.stop()
+
+
+@pytest.fixture
+def wizard(fake, wizard_dialog):
+    """The model wizard over the fake hub."""
+    return wizard_dialog
+
+
+@pytest.fixture
 def app_dirs(tmp_path, monkeypatch):
     """Private user data / config directories (engine.library.paths honours these variables)."""
     data, cfg = tmp_path / "data", tmp_path / "config"

@@ -24,29 +24,9 @@ from engine import library as paths  # noqa: E402
 from colibri_app import wizard as wz  # noqa: E402
 from colibri_app.library import ModelLibraryDialog  # noqa: E402
 
-REPO = "allenai/tiny-olmoe"
+REPO = hubserver.TINY_REPO
 WEIGHTS = "model.safetensors"
 T = 300_000  # ms: only a hang trips it
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> Path:
-    return hubserver.tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
-
-
-@pytest.fixture
-def fake(tmp_path, monkeypatch, tiny):
-    h = hubserver.FakeHub()
-    url = h.start()
-    hubserver.hub_env(monkeypatch, tmp_path, url)
-    h.add_folder(REPO, tiny)
-    yield h
-    h.stop()
-
-
-@pytest.fixture
-def wizard(fake, wizard_dialog):
-    return wizard_dialog
 
 
 def _enter_repo(qtbot, w, repo=REPO):

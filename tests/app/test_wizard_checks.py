@@ -20,13 +20,8 @@ from PySide6.QtWidgets import QWizard  # noqa: E402
 from engine import library as lib  # noqa: E402
 from colibri_app import wizard as wz  # noqa: E402
 
-REPO = "allenai/tiny-olmoe"
+REPO = hubserver.TINY_REPO
 T = 300_000  # ms: only a hang trips it
-
-
-@pytest.fixture(scope="session")
-def tiny(tmp_path_factory) -> Path:
-    return hubserver.tiny_checkpoint(tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.fixture
@@ -37,21 +32,6 @@ def no_tok(tmp_path, tiny) -> Path:
     for p in d.glob("tokenizer*"):
         p.unlink()
     return d
-
-
-@pytest.fixture
-def fake(tmp_path, monkeypatch, tiny):
-    h = hubserver.FakeHub()
-    url = h.start()
-    hubserver.hub_env(monkeypatch, tmp_path, url)
-    h.add_folder(REPO, tiny)
-    yield h
-    h.stop()
-
-
-@pytest.fixture
-def wizard(fake, wizard_dialog):
-    return wizard_dialog
 
 
 def _shown(label) -> str:
