@@ -225,8 +225,8 @@ class SourcePage(QWizardPage):
         self.browse_file.clicked.connect(self._browse_file)
         self.supported = QLabel(
             f"Supported mixture-of-experts families: {supported_families()} (GGUF architectures qwen3moe, "
-            f"olmoe, qwen2moe, llama with experts, gpt-oss, deepseek2, glm4moe). Other model types are refused "
-            f"before anything is downloaded.")
+            f"olmoe, qwen2moe, llama with experts, gpt-oss, deepseek2, glm4moe, qwen3next). Other model types are "
+            f"refused before anything is downloaded.")
         self.supported.setWordWrap(True)
         self.status = QLabel()
         self.status.setObjectName("sourceStatus")

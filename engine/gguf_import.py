@@ -24,7 +24,8 @@ Architectures: ``qwen3moe``, ``olmoe``, ``qwen2moe``, ``llama`` with experts (Mi
 q/k rows are un-permuted back to the rotate-half order the converter permuted them from),
 ``gpt-oss`` (the experts' biases ``ffn_*_exps.bias`` go into each slab beside the blocks),
 ``deepseek2`` (DeepSeek-V2 / V3, Kimi-K2: MLA, whose ``attn_k_b`` / ``attn_v_b`` are the store's
-absorbed tensors; the router's gating function picks the family), ``glm4moe`` (GLM-4.5 / 4.6).
+absorbed tensors; the router's gating function picks the family), ``glm4moe`` (GLM-4.5 / 4.6),
+``qwen3next`` (its linear-attention tensors mapped back from llama.cpp's layout).
 
 Errors (one line, before any work, nothing left in DST): not a GGUF, a truncated header, tensor
 data shorter than the header says, a split with a part missing, an architecture or block type
@@ -56,7 +57,7 @@ SPLIT_RE = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$",
 
 # llama.cpp architecture -> our family's model_type
 ARCHS = {"qwen3moe": "qwen3_moe", "olmoe": "olmoe", "qwen2moe": "qwen2_moe", "llama": "mixtral", "gpt-oss": "gpt_oss",
-         "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe"}
+         "deepseek2": "deepseek_v3", "glm4moe": "glm4_moe", "qwen3next": "qwen3_next"}
 
 # per-layer tensors: Hugging Face name inside model.layers.N. -> GGUF name inside blk.N.
 _LAYER_NAMES = {
@@ -96,7 +97,19 @@ _PER_EXPERT_NAMES = {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": 
 
 # gpt-oss's and GLM-4 MoE's norm after attention is "post_attention_norm" in GGUF (ffn_norm elsewhere)
 _ARCH_LAYER_NAMES = {"gpt-oss": {"post_attention_layernorm.weight": "post_attention_norm.weight"},
-                     "glm4moe": {"post_attention_layernorm.weight": "post_attention_norm.weight"}}
+                     "glm4moe": {"post_attention_layernorm.weight": "post_attention_norm.weight"},
+                     "qwen3next": {"post_attention_layernorm.weight": "post_attention_norm.weight",
+                                   "linear_attn.in_proj_ba.weight": "ssm_ba.weight",
+                                   "linear_attn.in_proj_qkvz.weight": "attn_qkv.weight",  # + attn_gate
+                                   "linear_attn.conv1d.weight": "ssm_conv1d.weight",
+                                   "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.A_log": "ssm_a",
+                                   "linear_attn.norm.weight": "ssm_norm.weight",
+                                   "linear_attn.out_proj.weight": "ssm_out.weight"}}
+# Qwen3-Next: llama.cpp's converter writes in_proj_qkvz as two tensors (see GGUFSource._qkvz) and
+# stores these zero-centred norms' weights plus one
+_QWEN3NEXT_QKVZ = ("attn_qkv.weight", "attn_gate.weight")
+_PLUS_ONE_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_norm.weight",
+                   "self_attn.k_norm.weight", "model.norm.weight")
 
 
 def gguf_name(hf: str, arch: str = "") -> str:
@@ -345,6 +358,8 @@ def hf_config(g: GGUFModel) -> dict:
                    intermediate_size=_expert_width(g, ff), norm_topk_prob=False, clip_qkv=None)
     elif arch == "glm4moe":
         return _glm4moe_config(g, cfg, E)
+    elif arch == "qwen3next":
+        return _qwen3next_config(g, cfg, E)
     elif arch == "gpt-oss":  # sliding-window layers first, then every other (llama.cpp's swa pattern 2)
         cfg.update(model_type="gpt_oss", architectures=["GptOssForCausalLM"], num_local_experts=E,
                    intermediate_size=_expert_width(g, ff), attention_bias="blk.0.attn_q.bias" in g.tensors,
@@ -401,6 +416,41 @@ def _glm4moe_config(g: GGUFModel, cfg: dict, E: int) -> dict:
                                 "partial_rotary_factor": rd / hd})
     if k_dense:
         cfg["intermediate_size"] = g.key("feed_forward_length")
+    return _special_ids(g, cfg)
+
+
+def _qwen3next_config(g: GGUFModel, cfg: dict, E: int) -> dict:
+    """config.json of a ``qwen3next`` GGUF (Qwen3-Next). Gated DeltaNet sizes from the ``ssm.*``
+    keys as llama.cpp's converter writes them (``state_size`` = key head dim, ``group_count`` =
+    key heads, ``time_step_rank`` = value heads, ``inner_size`` = value heads x value head dim);
+    which layers are linear from ``attention.recurrent_layers``, else ``full_attention_interval``
+    (llama.cpp's rule); the multi-token-prediction layers counted in ``block_count`` left out."""
+    L = cfg["num_hidden_layers"] - g.key("nextn_predict_layers", optional=True, default=0)
+    hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    nv, nk = g.key("ssm.time_step_rank"), g.key("ssm.group_count")
+    inner = g.key("ssm.inner_size")
+    if not nv or not nk or inner % nv:
+        raise ConfigError(f"{g.files[0]}: {g.arch}.ssm.inner_size {inner} is not a multiple of "
+                          f"{g.arch}.ssm.time_step_rank {nv} (or a head count is 0); the file is inconsistent")
+    rec = g.kv.get(f"{g.arch}.attention.recurrent_layers")
+    if isinstance(rec, list) and len(rec) >= L:
+        linear = [bool(x) for x in rec[:L]]
+    else:
+        every = g.key("full_attention_interval", optional=True, default=4)
+        linear = [(i + 1) % every != 0 for i in range(L)]
+    ff = g.key("expert_feed_forward_length")
+    cfg.update(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], num_hidden_layers=L, head_dim=hd,
+               num_experts=E, moe_intermediate_size=ff, norm_topk_prob=True,
+               shared_expert_intermediate_size=g.key("expert_shared_feed_forward_length"),
+               intermediate_size=g.key("feed_forward_length", optional=True) or ff,
+               linear_conv_kernel_dim=g.key("ssm.conv_kernel"), linear_key_head_dim=g.key("ssm.state_size"),
+               linear_num_key_heads=nk, linear_num_value_heads=nv, linear_value_head_dim=inner // nv,
+               layer_types=["linear_attention" if x else "full_attention" for x in linear],
+               rope_parameters={"rope_type": "default", "rope_theta": cfg.pop("rope_theta"),
+                                "partial_rotary_factor": g.key("rope.dimension_count", optional=True,
+                                                               default=hd // 4) / hd})
+    if g.key("expert_weights_scale", (float,), optional=True, default=1.0) not in (0.0, 1.0):
+        raise ConfigError(f"{g.files[0]}: {g.arch}.expert_weights_scale != 1 is not supported")
     return _special_ids(g, cfg)
 
 
@@ -543,6 +593,8 @@ class GGUFSource:
                 H, r = a.num_attention_heads, a.kv_lora_rank
                 want = {"attn_k_b": H * r * a.qk_nope_head_dim, "attn_v_b": H * a.v_head_dim * r}
                 parts = [(gt, want[gt.name.split(".")[2]]) for gt in self._kv_b_parts(t.hf)]
+            elif self._qkvz_parts(t.hf):
+                parts = list(zip(self._qkvz_parts(t.hf), (a.conv_dim * D, a.value_dim * D)))
             else:
                 parts = [(self._gguf_tensor(t.hf), int(np.prod(t.shape)))]
             for gt, n in parts:
@@ -603,6 +655,37 @@ class GGUFSource:
             return []
         return [self.g.tensor(blk + "attn_k_b.weight"), self.g.tensor(blk + "attn_v_b.weight")]
 
+    def _qkvz_parts(self, hf: str) -> list:
+        """[attn_qkv, attn_gate] when ``hf`` is Qwen3-Next's in_proj_qkvz (llama.cpp's converter
+        writes it as those two); [] otherwise."""
+        if self.g.arch != "qwen3next" or not hf.endswith("linear_attn.in_proj_qkvz.weight"):
+            return []
+        blk = "blk." + hf.split(".")[2] + "."
+        return [self.g.tensor(blk + n) for n in _QWEN3NEXT_QKVZ]
+
+    def _qwen3next(self, hf: str, shape: tuple) -> np.ndarray:
+        """float32 Hugging Face tensor ``hf`` of a ``qwen3next`` file: the inverse of llama.cpp's
+        converter, which regroups in_proj_qkvz [nk * (q dk, k dk, v r dv, z r dv), D] into attn_qkv
+        [q of every key head, then k, then v; D] and attn_gate [z; D], stores A_log as
+        ssm_a = -exp(A_log), conv1d [Cc, 1, Kc] squeezed to [Cc, Kc], and the zero-centred norms'
+        weights plus one (the linear attention's own norm excepted)."""
+        a = self.args
+        if self._qkvz_parts(hf):
+            nk, dk, dv = a.linear_num_key_heads, a.linear_key_head_dim, a.linear_value_head_dim
+            qkv, z = (_dequantize(t) for t in self._qkvz_parts(hf))
+            D = qkv.shape[-1]
+            qkv = qkv.reshape(-1, D)
+            q, k, v = (qkv[:nk * dk], qkv[nk * dk:2 * nk * dk], qkv[2 * nk * dk:])
+            groups = [x.reshape(nk, -1, D) for x in (q, k, v, z.reshape(-1, D))]
+            return np.ascontiguousarray(np.concatenate(groups, axis=1)).reshape(shape)
+        w = _dequantize(self._gguf_tensor(hf)).reshape(shape)
+        if hf.endswith("linear_attn.A_log"):
+            with np.errstate(divide="ignore", invalid="ignore"):
+                return np.log(-w).astype(np.float32)  # a value >= 0 gives NaN: check_finite names it
+        if hf.endswith(_PLUS_ONE_NORMS):
+            return (w - np.float32(1)).astype(np.float32)
+        return w
+
     def get(self, hf: str, shape: tuple) -> np.ndarray:
         """float32 tensor ``hf`` in its Hugging Face shape (q/k un-permuted for llama; MLA's
         kv_b_proj joined again from llama.cpp's attn_k_b [H, r, dn] and attn_v_b [H, dv, r])."""
@@ -613,6 +696,8 @@ class GGUFSource:
             kb = _dequantize(split[0]).reshape(H, r, dn).transpose(0, 2, 1)
             vb = _dequantize(split[1]).reshape(H, dv, r)
             return np.ascontiguousarray(np.concatenate([kb, vb], axis=1)).reshape(shape)
+        if self.g.arch == "qwen3next":
+            return self._qwen3next(hf, shape)
         w = _dequantize(self._gguf_tensor(hf)).reshape(shape)
         if self.g.arch == "llama" and hf.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             heads = self.args.num_attention_heads if ".q_proj" in hf else self.args.num_key_value_heads
@@ -620,7 +705,7 @@ class GGUFSource:
         return w
 
     def nbytes(self, hf: str) -> int:
-        split = self._kv_b_parts(hf)
+        split = self._kv_b_parts(hf) or self._qkvz_parts(hf)
         return sum(int(t.n_bytes) for t in split) if split else int(self._gguf_tensor(hf).n_bytes)
 
     def expert_block_rows(self, j: int, e: int, proj: str) -> tuple[int, np.ndarray]:

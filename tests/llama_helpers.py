@@ -86,8 +86,10 @@ runpy.run_path(script, run_name="__main__")
 
 def convert_command(d: Path, checkpoint: Path, out: Path, family: str) -> list[str]:
     """The command line of llama.cpp's Hugging Face -> GGUF converter (tree ``d``) writing ``out``
-    as F16; for GLM-4 MoE with the checkpoint's byte-level BPE vocabulary (see above)."""
+    as F16 (Qwen3-Next: without multi-token-prediction layers); for GLM-4 MoE with the checkpoint's byte-level BPE vocabulary (see above)."""
     args = [str(d / "convert_hf_to_gguf.py"), str(checkpoint), "--outfile", str(out), "--outtype", "f16"]
     if family == "glm4_moe":
         args = ["-c", _GLM_WITH_QWEN2_VOCAB, *args]
+    if family == "qwen3_next":  # Qwen3-Next's config does not count its MTP layers: the converter asks
+        args.append("--no-mtp")
     return [sys.executable, *args]

@@ -36,7 +36,8 @@ from engine.convert import convert_checkpoint  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
 from engine.gguf_import import GGUFModel, convert_gguf  # noqa: E402
 from engine.gguf_tokenizer import tokenizer_files  # noqa: E402
-from engine.bench.synthetic import deepseek_v2_config, deepseek_v3_config, glm4_moe_config, write_checkpoint  # noqa: E402
+from engine.bench.synthetic import (deepseek_v2_config, deepseek_v3_config, glm4_moe_config, qwen3_next_config,
+                                    write_checkpoint)  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import open_model  # noqa: E402
@@ -60,6 +61,8 @@ def made(tmp_path_factory):
                 cfg = deepseek_v3_config(vocab_size=vocab, num_nextn_predict_layers=0)
             elif family == "deepseek_v2":  # V2-Lite-like: plain q_proj, softmax greedy, 2 shared experts
                 cfg = deepseek_v2_config(vocab_size=vocab, routed_scaling_factor=1.5)
+            elif family == "qwen3_next":  # Gated DeltaNet 2 key / 4 value heads, full attention every 4th
+                cfg = qwen3_next_config(vocab_size=vocab, num_hidden_layers=5, eos_token_id=151643)
             else:  # GQA 8/2 with biases and q/k norms, partial rotary 0.5, 2 groups of which 1 kept, layer 0 dense
                 cfg = glm4_moe_config(vocab_size=vocab, num_nextn_predict_layers=0)
             ck = write_checkpoint(root / f"ck-{family}", cfg, seed=5, tokenizer=False, std=0.08)
@@ -134,6 +137,27 @@ def test_f16_gguf_computes_what_the_f16_store_computes(family, made, tmp_path):
     keys += (("rotary_dim", "qk_norm", "attention_bias") if family == "glm4_moe" else
              ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleave"))
     for k in keys:
+        assert getattr(got_a, k) == getattr(want_a, k), k
+    ids = np.random.default_rng(7).integers(1, 151000, 24)
+    got, want = _logits(st, ids), _logits(ref, ids)
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+
+
+def test_qwen3next_f16_gguf_computes_what_the_f16_store_computes(made, tmp_path):
+    """llama.cpp's F16 file of a tiny Qwen3-Next (linear layers 0-2 and 4, full attention at 3)
+    imports with its linear attention mapped back (in_proj_qkvz from attn_qkv + attn_gate, A_log
+    from ssm_a = -exp(A_log), the norms' +1 removed, conv1d unsqueezed) and computes the f16
+    store's logits at every position."""
+    ck, f = made("qwen3_next")
+    st = convert_gguf(f, tmp_path / "st", dense_quant="f16")
+    ref = convert_checkpoint(ck, tmp_path / "ref", quant="f16", dense_quant="f16")
+    from engine.models import family_for
+    got_cfg, want_cfg = (json.loads((p / "config.json").read_text()) for p in (st, ck))
+    assert got_cfg["model_type"] == "qwen3_next"
+    got_a, want_a = (family_for("qwen3_next").ModelArgs.from_dict(c) for c in (got_cfg, want_cfg))
+    for k in ("layer_types", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+              "linear_value_head_dim", "linear_conv_kernel_dim", "rotary_dim", "shared_expert_intermediate_size",
+              "num_key_value_heads", "head_dim", "norm_topk_prob"):
         assert getattr(got_a, k) == getattr(want_a, k), k
     ids = np.random.default_rng(7).integers(1, 151000, 24)
     got, want = _logits(st, ids), _logits(ref, ids)
