@@ -17,6 +17,7 @@ rebinding). :class:`RequestGate` refuses, with a 4xx and an error body in the AP
 from __future__ import annotations
 
 import ipaddress
+import socket
 from urllib.parse import urlsplit
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")
@@ -29,7 +30,14 @@ def _is_loopback_name(host: str) -> bool:
     try:
         return ipaddress.ip_address(h).is_loopback
     except ValueError:
-        return False
+        pass
+    # the IPv4 shorthands every resolver accepts (127.1, 0x7f.1, 2130706433) name loopback too
+    if h and all(c in "0123456789abcdefx." for c in h):
+        try:
+            return ipaddress.ip_address(socket.inet_aton(h)).is_loopback
+        except (OSError, ValueError):
+            return False
+    return False
 
 
 def split_host(value: str) -> tuple[str, int | None]:
