@@ -568,18 +568,18 @@ def _mutations(value, path=()):
 
 
 def test_fuzz_of_messages_bodies_gets_no_server_error(server):
-    """A valid Messages request (system, tools, a tool_result, thinking, stop sequences, a
-    prefill) with one value replaced by a wrong one, 600 times: each is answered (the change may
-    be harmless) or refused with a 4xx in Anthropic's shape; never a 5xx. (The tiny model's
-    template writes neither tools nor calls: tool_choice none, and no tool_use in the history.)"""
+    """A valid Messages request (system, tools, thinking, stop sequences, a prefill) with one
+    value replaced by a wrong one, 600 times: each is answered (the change may be harmless) or
+    refused with a 4xx in Anthropic's shape; never a 5xx. (The tiny model's template writes
+    neither tools nor calls: tool_choice none, and no tool_use in the history, so no tool_result
+    either: one without its tool_use is refused.)"""
     rng = random.Random(2026)
     base = {"model": model_id(server), "max_tokens": 2, "system": [{"type": "text", "text": "Be brief."}],
             "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
             "tool_choice": {"type": "none"}, "stop_sequences": ["x"], "thinking": {"type": "disabled"},
             "messages": [USER_HI,
                          {"role": "assistant", "content": [{"type": "text", "text": "a"}]},
-                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
-                                                       "content": [{"type": "text", "text": "r"}]}]},
+                         {"role": "user", "content": [{"type": "text", "text": "r"}]},
                          {"role": "assistant", "content": "pre"}]}
     spots = [p for p, _ in _mutations(base) if p]
     wrong = [None, "", "x", 0, -1, 1e308, 10 ** 30, True, [], {}, [None], {"type": "text"}, "\u0000",
@@ -741,3 +741,15 @@ def test_health_says_loading_with_retry_after_while_no_model_is_open():
         assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready" and r.headers["retry-after"]
     finally:
         srv.stop()
+
+
+def test_an_answer_message_sent_back_whole_is_taken(server):
+    """Clients append the answer's message as the SDK returns it: its null fields (audio,
+    function_call, annotations) are not refused; a legacy function_call in it is."""
+    answer = {"content": "x", "refusal": None, "role": "assistant", "annotations": None, "audio": None,
+              "function_call": None, "tool_calls": None}
+    body = {**ok_body(server), "messages": [USER_HI, answer, USER_HI], "functions": None}
+    assert httpx2.post(server.url + "/chat/completions", json=body).status_code == 200
+    body["messages"][1]["function_call"] = {"name": "f", "arguments": "{}"}
+    err = _assert_error(httpx2.post(server.url + "/chat/completions", json=body), 400)
+    assert err["param"] == "messages[1].function_call" and "'tool_calls'" in err["message"]

@@ -70,7 +70,8 @@ CHAT_FIELDS = frozenset(SAMPLING_FIELDS + (
     "messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "response_format",
     "chat_template_kwargs", "continue_final_message", "reasoning_effort", "modalities"))
 COMPLETION_FIELDS = frozenset(SAMPLING_FIELDS + ("prompt", "echo", "suffix", "best_of"))
-MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal"))
+MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal",
+                            "annotations"))   # an answer's url citations: output metadata, not prompt text
 #: fields with a known meaning this server does not implement: the refusal says what to do instead
 UNSUPPORTED_FIELDS = {
     "functions": "the legacy 'functions' field is not supported: give the functions in 'tools' "
@@ -87,11 +88,16 @@ UNSUPPORTED_FIELDS = {
 def check_fields(body: dict, known: frozenset, where: str = "") -> None:
     """Refuse a field of ``body`` that is not in ``known`` (400 naming it: ``where`` prefixes its
     path, e.g. ``messages[2].``). Raises ApiError."""
-    for k in body:
-        if k in known:
+    for k, v in body.items():
+        # null is "not given": clients that send back a whole answer message (audio, function_call)
+        # or spell out every parameter send the OpenAI fields this server does not take as null
+        if k in known or (v is None and k in UNSUPPORTED_FIELDS):
             continue
-        if k in UNSUPPORTED_FIELDS and not where:
-            raise ApiError(400, UNSUPPORTED_FIELDS[k], param=k, code="unsupported_parameter")
+        if k == "function_call" and where:
+            raise ApiError(400, f"'{where}{k}' (the legacy form of a call) is not supported: give the call in the "
+                                f"message's 'tool_calls'", param=f"{where}{k}", code="unsupported_parameter")
+        if k in UNSUPPORTED_FIELDS:
+            raise ApiError(400, UNSUPPORTED_FIELDS[k], param=f"{where}{k}", code="unsupported_parameter")
         raise ApiError(400, f"unknown field '{where}{k}': this server does not know it, and ignoring it could change "
                             f"what you asked for; remove it (docs/server.md lists the fields)", param=f"{where}{k}",
                        code="unknown_parameter")
@@ -817,7 +823,8 @@ class Api:
                 constraint = await run_in_threadpool(build)
             except (GrammarError, EngineError) as e:
                 param = "tool_choice" if forced else "response_format"
-                raise ApiError(400, f"the output cannot be constrained as asked: {_named(m, e)}", param=param,
+                raise ApiError(400, f"'{param}': the output cannot be constrained as asked: {_named(m, e)}",
+                               param=param,
                                code="invalid_value") from None
         return ChatPlan(ids, sp, stops, opened, docs, calls, constraint)
 
