@@ -753,3 +753,19 @@ def test_an_answer_message_sent_back_whole_is_taken(server):
     body["messages"][1]["function_call"] = {"name": "f", "arguments": "{}"}
     err = _assert_error(httpx2.post(server.url + "/chat/completions", json=body), 400)
     assert err["param"] == "messages[1].function_call" and "'tool_calls'" in err["message"]
+
+
+def test_anthropic_clients_get_anthropics_shape_from_the_gate_and_the_key(engine):
+    srv = LocalServer.for_engine(engine, ServerOptions(port=0, api_key="k" * 12), SamplingParams(max_new_tokens=2))
+    srv.start()
+    try:
+        head = {"anthropic-version": "2023-06-01"}
+        r = httpx2.get(srv.url + "/models", headers={**head, "x-api-key": "wrong-key-123"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+        r = httpx2.get(srv.url + "/models", headers={**head, "Host": "evil.example"})
+        assert r.status_code == 421 and r.json()["type"] == "error", r.text
+        r = httpx2.get(srv.url + "/models", headers={"Authorization": "Bearer wrong-key-123"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    finally:
+        srv.stop()
+    assert ServerOptions(host="127.1").validated().host == "127.1"   # loopback: no key needed

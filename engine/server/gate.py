@@ -84,7 +84,8 @@ class RequestGate:
     """Pure ASGI middleware applying the checks of the module docstring.
 
     host: the configured ``--host``; cors_origins: origins allowed besides the server's own;
-    error: ``error(path, status, message, code) -> starlette Response`` (the API's error shape);
+    error: ``error(path, status, message, code, anthropic) -> starlette Response`` (the API's error
+    shape; ``anthropic``: the request came from an Anthropic client);
     counted: ``counted(path, status)`` for each refusal (the /metrics request counts).
     """
 
@@ -121,7 +122,9 @@ class RequestGate:
             status, message, code = refusal
             if self.counted is not None:
                 self.counted(path, status)
-            return await self.error(path, status, message, code)(scope, receive, send)
+            # Anthropic's clients send anthropic-version: their refusals get Anthropic's shape anywhere
+            return await self.error(path, status, message, code,
+                                    anthropic=b"anthropic-version" in headers)(scope, receive, send)
         return await self.app(scope, receive, send)
 
     def _refusal(self, scope, headers) -> tuple[int, str, str] | None:

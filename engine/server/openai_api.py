@@ -1045,8 +1045,8 @@ def path_error(path: str, status: int, message: str, param: str | None = None, c
     return error_response(status, message, param, code, type_, headers)
 
 
-def _gate_error(path: str, status: int, message: str, code: str) -> Response:
-    return path_error(path, status, message, code=code)
+def _gate_error(path: str, status: int, message: str, code: str, anthropic: bool = False) -> Response:
+    return path_error(path, status, message, code=code, anthropic=anthropic)
 
 
 async def _api_error(request: Request, exc: ApiError) -> Response:
