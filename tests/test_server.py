@@ -399,10 +399,19 @@ def test_colibri_serve_greedy_equals_colibri_run(default_store):
                          stderr=subprocess.PIPE, text=True,
                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
+        # the port opens before the model: a health check gets 503 "loading" (or 200 once it is
+        # open), never a refused connection
         line = p.stderr.readline()
-        while line and "serving" not in line:
+        while line and "listening on" not in line:
             line = p.stderr.readline()
         url = re.search(r"(http://\S+/v1)", line).group(1)
+        health = httpx2.get(url.removesuffix("/v1") + "/health", timeout=60)
+        assert health.status_code in (200, 503), health.text
+        if health.status_code == 503:
+            assert health.json()["status"] == "loading" and health.headers["retry-after"], health.text
+        while line and "serving" not in line:
+            line = p.stderr.readline()
+        assert url in line, line
         r = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=300).chat.completions.create(
             model="colibri-stdlib-moe", messages=chat(LONG_PROMPT))
         assert r.choices[0].message.content == run.stdout.removesuffix("\n")
@@ -461,11 +470,16 @@ def test_tool_and_developer_roles_render_through_the_template(client, engine):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="colibri-stdlib-moe", messages=msgs, max_tokens=4)
     assert e.value.body["param"] == "messages[2].tool_calls"
+    # nor a tool message without the call it answers
     msgs[2] = {"role": "assistant", "content": None}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="colibri-stdlib-moe", messages=msgs, max_tokens=4)
+    assert e.value.body["param"] == "messages[3].tool_call_id"
+    msgs[3] = {"role": "user", "content": "a.py b.py"}
     r = client.chat.completions.create(model="colibri-stdlib-moe", messages=msgs, max_tokens=4)
     want = chat_ids(engine, [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "List the files."},
-        {"role": "assistant", "content": ""}, {"role": "tool", "content": "a.py b.py"},
+        {"role": "assistant", "content": ""}, {"role": "user", "content": "a.py b.py"},
         {"role": "user", "content": "Which one\nis first?"}])
     assert r.usage.prompt_tokens == len(want)
 

@@ -296,3 +296,56 @@ def test_anthropic_prefill_and_count_tokens(family):
     seed = int(raw.headers["x-colibri-seed"])
     again = c.messages.create(model=model, max_tokens=6, messages=A_ASK, extra_body={**hot, "seed": seed})
     assert again.content == raw.parse().content
+
+
+def test_reasoning_settings_reach_the_template_or_are_refused(family):
+    """OpenAI's reasoning_effort and Anthropic's thinking go to the template variable that
+    holds them (gpt-oss: reasoning_effort; Qwen3 / GLM: enable_thinking), and are refused where
+    the template has none (DeepSeek-V3's test template), never ignored."""
+    name, eng, srv = family
+    c, a = _client(srv), _anthropic(srv)
+    model = srv.api.served().model_id
+    if name == "gpt_oss":
+        r = c.chat.completions.create(model=model, messages=ASK, max_tokens=1, reasoning_effort="high")
+        prompt = eng.tokenizer.decode(list(eng._kv_ids[:r.usage.prompt_tokens]), skip_special_tokens=False)
+        assert "Reasoning: high" in prompt, prompt
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=model, messages=ASK, max_tokens=1, reasoning_effort="minimal")
+        assert e.value.body["param"] == "reasoning_effort"
+        with pytest.raises(anthropic.BadRequestError) as e:   # gpt-oss always reasons
+            a.messages.count_tokens(model=model, messages=A_ASK, thinking={"type": "disabled"})
+        assert "always reasons" in e.value.body["error"]["message"]
+        a.messages.count_tokens(model=model, messages=A_ASK, thinking={"type": "enabled", "budget_tokens": 1024})
+    elif name == "qwen3_moe":
+        r = c.chat.completions.create(model=model, messages=ASK, max_tokens=1, reasoning_effort="none")
+        assert r.usage.prompt_tokens == len(eng.tokenizer.encode_chat(ASK, enable_thinking=False))
+        r = c.chat.completions.create(model=model, messages=ASK, max_tokens=1, reasoning_effort="low")
+        assert r.usage.prompt_tokens == len(eng.tokenizer.encode_chat(ASK, enable_thinking=True))
+    elif name == "deepseek_v3":
+        with pytest.raises(openai.BadRequestError) as e:
+            c.chat.completions.create(model=model, messages=ASK, max_tokens=1, reasoning_effort="high")
+        assert e.value.body["param"] == "reasoning_effort"
+        with pytest.raises(anthropic.BadRequestError) as e:
+            a.messages.create(model=model, max_tokens=2048, messages=A_ASK,
+                              thinking={"type": "enabled", "budget_tokens": 1024})
+        assert "no thinking switch" in e.value.body["error"]["message"]
+    else:
+        pytest.skip("three families cover the three kinds of template")
+
+
+def test_anthropic_output_format_is_constrained_like_json_schema(family):
+    name, eng, srv = family
+    if name != "qwen3_moe":
+        pytest.skip("one family is enough")
+    a = _anthropic(srv)
+    model = srv.api.served().model_id
+    for seed in range(3):
+        r = a.messages.create(model=model, max_tokens=96, messages=A_ASK, extra_body={
+            "output_format": {"type": "json_schema", "schema": SCHEMA}, "seed": seed, "temperature": 1.0})
+        text = "".join(b.text for b in r.content if b.type == "text")
+        assert r.stop_reason == "end_turn", (seed, text)
+        jsonschema.validate(json.loads(text), SCHEMA)
+    with pytest.raises(anthropic.BadRequestError) as e:
+        a.messages.create(model=model, max_tokens=8, messages=A_ASK,
+                          extra_body={"output_format": {"type": "json_schema", "schema": {"type": "nonsense"}}})
+    assert "'output_format'" in e.value.body["error"]["message"], e.value.body

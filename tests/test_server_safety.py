@@ -568,18 +568,18 @@ def _mutations(value, path=()):
 
 
 def test_fuzz_of_messages_bodies_gets_no_server_error(server):
-    """A valid Messages request (system, tools, a tool_result, thinking, stop sequences, a
-    prefill) with one value replaced by a wrong one, 600 times: each is answered (the change may
-    be harmless) or refused with a 4xx in Anthropic's shape; never a 5xx. (The tiny model's
-    template writes neither tools nor calls: tool_choice none, and no tool_use in the history.)"""
+    """A valid Messages request (system, tools, thinking, stop sequences, a prefill) with one
+    value replaced by a wrong one, 600 times: each is answered (the change may be harmless) or
+    refused with a 4xx in Anthropic's shape; never a 5xx. (The tiny model's template writes
+    neither tools nor calls: tool_choice none, and no tool_use in the history, so no tool_result
+    either: one without its tool_use is refused.)"""
     rng = random.Random(2026)
     base = {"model": model_id(server), "max_tokens": 2, "system": [{"type": "text", "text": "Be brief."}],
             "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
             "tool_choice": {"type": "none"}, "stop_sequences": ["x"], "thinking": {"type": "disabled"},
             "messages": [USER_HI,
                          {"role": "assistant", "content": [{"type": "text", "text": "a"}]},
-                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
-                                                       "content": [{"type": "text", "text": "r"}]}]},
+                         {"role": "user", "content": [{"type": "text", "text": "r"}]},
                          {"role": "assistant", "content": "pre"}]}
     spots = [p for p, _ in _mutations(base) if p]
     wrong = [None, "", "x", 0, -1, 1e308, 10 ** 30, True, [], {}, [None], {"type": "text"}, "\u0000",
@@ -601,3 +601,171 @@ def test_fuzz_of_messages_bodies_gets_no_server_error(server):
                     data = r.json()
                     assert data["type"] == "error" and set(data["error"]) == {"type", "message"}, data
     assert statuses.get(400, 0) > 100 and statuses.get(200, 0) > 100, statuses
+
+
+# --- fields that would change the answer are refused, never ignored ------------------------------
+
+A_FUNCTION = {"name": "f", "parameters": {"type": "object"}}
+
+
+def test_legacy_functions_are_refused_pointing_to_tools(server):
+    before = ended(server)
+    for change, param, says in (({"functions": [A_FUNCTION]}, "functions", "'tools'"),
+                                ({"function_call": "auto"}, "function_call", "'tool_choice'")):
+        r = httpx2.post(server.url + "/chat/completions", json={**ok_body(server), **change})
+        err = _assert_error(r, 400)
+        assert err["param"] == param and says in err["message"], err
+    assert ended(server) == before
+
+
+ANSWER_CHANGING = [({"min_p": 0.1}, "min_p"), ({"modalities": ["text", "audio"]}, "modalities"),
+                   ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+                   ({"web_search_options": {}}, "web_search_options"), ({"reasoning_effort": "high"}, "reasoning_effort"),
+                   ({"reasoning_effort": "extreme"}, "reasoning_effort"), ({"verbosity": "low"}, "verbosity"),
+                   ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+                   ({"frobnicate": 1}, "frobnicate"),
+                   ({"messages": [{"role": "user", "content": "hi", "frobnicate": 1}]}, "messages[0].frobnicate"),
+                   ({"messages": [{"role": "user"}]}, "messages[0].content"),
+                   ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+                   ({"messages": [{"role": "system", "content": None}, USER_HI]}, "messages[0].content"),
+                   ({"stop": ""}, "stop"), ({"stop": ["a", ""]}, "stop[1]"),
+                   ({"stream_options": {"include_usage": True}}, "stream_options"),
+                   ({"messages": [USER_HI, {"role": "tool", "content": "42"}]}, "messages[1].tool_call_id"),
+                   ({"messages": [USER_HI, {"role": "assistant", "content": "ok"},
+                                  {"role": "tool", "tool_call_id": "call_1", "content": "42"}]},
+                    "messages[2].tool_call_id")]
+
+
+@pytest.mark.parametrize("change, param", ANSWER_CHANGING, ids=[p for _, p in ANSWER_CHANGING])
+def test_chat_fields_that_would_change_the_answer_are_refused(server, change, param):
+    """The tiny model's template has no reasoning setting, so reasoning_effort cannot be honoured."""
+    before = ended(server)
+    r = httpx2.post(server.url + "/chat/completions", json={**ok_body(server), **change})
+    err = _assert_error(r, 400)
+    assert err["param"] == param, err
+    assert ended(server) == before
+
+
+def test_bookkeeping_fields_are_accepted_and_a_model_may_be_left_out(server):
+    """store / metadata / service_tier / user change no answer; min_p 0 and modalities ["text"]
+    are what the server does anyway; a request without 'model' gets the one model served."""
+    body = {**ok_body(server), "store": False, "metadata": {"k": "v"}, "service_tier": "auto", "user": "u1",
+            "min_p": 0, "modalities": ["text"]}
+    assert httpx2.post(server.url + "/chat/completions", json=body).status_code == 200
+    del body["model"]
+    assert httpx2.post(server.url + "/chat/completions", json=body).json()["model"] == model_id(server)
+    r = httpx2.post(server.url + "/completions", json={"model": model_id(server), "prompt": "a", "max_tokens": 1,
+                                                      "frobnicate": 1})
+    assert _assert_error(r, 400)["param"] == "frobnicate"
+    r = httpx2.post(server.url + "/completions", json={"prompt": "a", "max_tokens": 1, "stop": ""})
+    assert _assert_error(r, 400)["param"] == "stop"
+
+
+ANTHROPIC_REFUSED = [
+    ({"frobnicate": 1}, "frobnicate"),
+    ({"messages": [{"role": "user", "content": "hi", "frobnicate": 1}]}, "messages[0].frobnicate"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content"),
+    ({"stop_sequences": [""]}, "stop_sequences[0]"),
+    ({"stop_sequences": ["a", " \n"]}, "stop_sequences[1]"),
+    ({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "42"}]}]},
+     "messages[0].content[0].tool_use_id"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 100}, "max_tokens": 4096}, "thinking.budget_tokens"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 2048}, "max_tokens": 2048}, "thinking.budget_tokens"),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 2048}, "thinking"),
+    ({"output_format": {"type": "json_object"}}, "output_format"),
+]
+
+
+@pytest.mark.parametrize("change, param", ANTHROPIC_REFUSED, ids=[p for _, p in ANTHROPIC_REFUSED])
+def test_messages_fields_that_would_change_the_answer_are_refused(server, change, param):
+    """As the Messages API refuses them (thinking.budget_tokens below 1024 or not below
+    max_tokens; unknown fields); the tiny model's template has no thinking switch, so thinking
+    enabled cannot be honoured."""
+    before = ended(server)
+    body = {"model": model_id(server), "max_tokens": 2, "messages": [USER_HI], **change}
+    r = httpx2.post(server.url + "/messages", json=body)
+    assert r.status_code == 400 and r.json()["type"] == "error", r.text
+    assert param in r.json()["error"]["message"], r.text
+    assert ended(server) == before
+    # thinking disabled on a model that does not reason is what it does anyway
+    ok = {"model": model_id(server), "max_tokens": 2, "messages": [USER_HI], "thinking": {"type": "disabled"},
+          "metadata": {"user_id": "u"}}
+    assert httpx2.post(server.url + "/messages", json=ok).status_code == 200
+
+
+def test_forced_tool_choice_on_a_model_without_tools_says_so_at_once(server):
+    """tool_choice required / a named function (Anthropic's any / tool) with tools on a model
+    whose template cannot write tools: the one refusal that helps, not "leave tool_choice out"
+    followed by tools_not_supported."""
+    tools = [{"type": "function", "function": A_FUNCTION}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        r = httpx2.post(server.url + "/chat/completions", json={**ok_body(server), "tools": tools, "tool_choice": choice})
+        err = _assert_error(r, 400)
+        assert err["code"] == "tools_not_supported" and err["param"] == "tools", err
+        assert "cannot call tools" in err["message"] and "drop 'tools' and 'tool_choice'" in err["message"], err
+    for choice in ({"type": "any"}, {"type": "tool", "name": "f"}):
+        r = httpx2.post(server.url + "/messages", json={**ok_body(server), "tools": [A_TOOL], "tool_choice": choice})
+        assert r.status_code == 400 and "cannot call tools" in r.json()["error"]["message"], r.text
+
+
+def test_anthropic_clients_get_anthropics_error_shape_on_models(server):
+    anthropic = pytest.importorskip("anthropic")
+    c = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.NotFoundError) as e:
+        c.models.retrieve("claude-x")
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error", e.value.body
+    assert c.models.retrieve(model_id(server)).id == model_id(server)
+    # an OpenAI client still gets OpenAI's shape there
+    r = httpx2.get(server.url + "/models/claude-x")
+    assert _assert_error(r, 404)["code"] == "model_not_found"
+
+
+def test_ipv4_shorthands_of_loopback_are_this_computer(server):
+    for host in ("127.1", "127.0.0.2", "2130706433"):
+        r = httpx2.get(server.url + "/models", headers={"Host": f"{host}:{server.port}"})
+        assert r.status_code == 200, (host, r.text)
+    r = httpx2.get(server.url + "/models", headers={"Host": f"10.1:{server.port}"})
+    assert r.status_code == 421
+
+
+def test_health_says_loading_with_retry_after_while_no_model_is_open():
+    """The port opens before the model: a health check gets 503 "loading" and Retry-After, and a
+    request gets 503 model_not_ready (colibri serve listens first, then opens the model)."""
+    srv = LocalServer(lambda: None, lambda fn, job: None, ServerOptions(port=0))
+    srv.start()
+    try:
+        r = httpx2.get(srv.url.removesuffix("/v1") + "/health")
+        assert r.status_code == 503 and r.json()["status"] == "loading" and r.headers["retry-after"] == "2"
+        r = httpx2.post(srv.url + "/chat/completions", json={"messages": [USER_HI]})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "model_not_ready" and r.headers["retry-after"]
+    finally:
+        srv.stop()
+
+
+def test_an_answer_message_sent_back_whole_is_taken(server):
+    """Clients append the answer's message as the SDK returns it: its null fields (audio,
+    function_call, annotations) are not refused; a legacy function_call in it is."""
+    answer = {"content": "x", "refusal": None, "role": "assistant", "annotations": None, "audio": None,
+              "function_call": None, "tool_calls": None}
+    body = {**ok_body(server), "messages": [USER_HI, answer, USER_HI], "functions": None}
+    assert httpx2.post(server.url + "/chat/completions", json=body).status_code == 200
+    body["messages"][1]["function_call"] = {"name": "f", "arguments": "{}"}
+    err = _assert_error(httpx2.post(server.url + "/chat/completions", json=body), 400)
+    assert err["param"] == "messages[1].function_call" and "'tool_calls'" in err["message"]
+
+
+def test_anthropic_clients_get_anthropics_shape_from_the_gate_and_the_key(engine):
+    srv = LocalServer.for_engine(engine, ServerOptions(port=0, api_key="k" * 12), SamplingParams(max_new_tokens=2))
+    srv.start()
+    try:
+        head = {"anthropic-version": "2023-06-01"}
+        r = httpx2.get(srv.url + "/models", headers={**head, "x-api-key": "wrong-key-123"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", r.text
+        r = httpx2.get(srv.url + "/models", headers={**head, "Host": "evil.example"})
+        assert r.status_code == 421 and r.json()["type"] == "error", r.text
+        r = httpx2.get(srv.url + "/models", headers={"Authorization": "Bearer wrong-key-123"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+    finally:
+        srv.stop()
+    assert ServerOptions(host="127.1").validated().host == "127.1"   # loopback: no key needed

@@ -21,26 +21,39 @@ def server_options(a):
 
 
 def cmd_serve(a) -> int:
-    """Open the model, serve it until Ctrl+C."""
+    """Listen first, then open the model, serve it until Ctrl+C. While the model opens (the
+    first start compiles the kernels: minutes) the port is open and answers 503 with
+    Retry-After, so clients and health checks see "loading", not a refused connection."""
     from ..generate import Engine
     from .models import open_notices
     from ..server import LocalServer
+    from ..server.openai_api import ServedModel
     opts = server_options(a)          # refuse a bad host / key before loading anything
     sp = sampling_params(a)
     store = resolve_store(a.model)
     cfg = engine_config(a, store)
-    with Engine.open(cfg, progress=open_notices) as eng:
-        srv = LocalServer.for_engine(eng, opts, sp)
-        url = srv.start()
-        model = srv.api.served().model_id
-        print(f"colibri: serving {model} on {url} (OpenAI-compatible; Ctrl+C stops)"
-              + ("; API key required" if opts.api_key else ""), file=sys.stderr, flush=True)
-        try:
-            srv.wait()
-        except KeyboardInterrupt:
-            print("\ncolibri: stopping the server", file=sys.stderr)
-        finally:
-            srv.stop()
+    opened: dict = {}
+    # jobs reach the runner only once a model is served (503 before), so the engine exists then
+    srv = LocalServer(lambda: opened.get("served"), lambda fn, job: fn(opened["engine"]), opts, sp)
+    url = srv.start()
+    print(f"colibri: listening on {url}; opening the model (requests get 503 until it is ready)",
+          file=sys.stderr, flush=True)
+    try:
+        with Engine.open(cfg, progress=open_notices) as eng:
+            opened["engine"] = eng
+            opened["served"] = ServedModel.from_engine(eng)
+            model = opened["served"].model_id
+            print(f"colibri: serving {model} on {url} (OpenAI-compatible; Ctrl+C stops)"
+                  + ("; API key required" if opts.api_key else ""), file=sys.stderr, flush=True)
+            try:
+                srv.wait()
+            except KeyboardInterrupt:
+                print("\ncolibri: stopping the server", file=sys.stderr)
+            finally:
+                srv.stop()
+                opened.clear()
+    finally:
+        srv.stop()
     return 0
 
 

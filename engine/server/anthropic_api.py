@@ -20,7 +20,8 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .openai_api import SEED_HEADER, ApiError, chat_messages, read_json
+from .openai_api import SEED_HEADER, ApiError, chat_messages, read_json, template_reads
+from ..harmony import is_harmony
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
@@ -65,18 +66,36 @@ UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload", 
                       "web_search_tool_result")
 
 
+#: the request fields read here (``seed`` is an extension); any other is refused, naming it.
+#: ``metadata`` and ``service_tier`` change no answer and are accepted without effect.
+FIELDS = frozenset(("model", "messages", "system", "max_tokens", "metadata", "stop_sequences", "stream",
+                    "temperature", "top_p", "top_k", "tools", "tool_choice", "thinking", "service_tier", "seed",
+                    "output_format"))
+MIN_THINKING_BUDGET = 1024   # the Messages API's smallest budget_tokens
+
+
+def _check_fields(d: dict, known: frozenset, where: str = "") -> None:
+    for k in d:
+        if k not in known:
+            raise _bad(f"{where}{k}: Extra inputs are not permitted (this server does not know the field, and "
+                       f"ignoring it could change what you asked for; remove it)", f"{where}{k}")
+
+
 def _empty(content: Any) -> bool:
     return content == "" or content == []
 
 
-def to_chat(body: dict, count_only: bool = False) -> tuple[list[dict], dict]:
+def to_chat(body: dict, count_only: bool = False, model=None) -> tuple[list[dict], dict]:
     """An Anthropic request -> (messages in the OpenAI form chat_messages reads, the OpenAI
     fields: max_tokens, temperature, top_p, top_k, stop, tools, tool_choice, stream). A last
     message of role ``assistant`` with text is a prefill: the answer continues it (the messages
     then end with it and ``fields["prefill"]`` is True). ``count_only``: the request of
-    /v1/messages/count_tokens (no ``max_tokens``). Raises ApiError (400) naming the field with
-    the Messages API's names."""
+    /v1/messages/count_tokens (no ``max_tokens``). ``model``: the ServedModel (its template decides
+    whether ``thinking`` can be honoured). Raises ApiError (400) naming the field with the
+    Messages API's names."""
+    _check_fields(body, FIELDS)   # count_tokens takes the same body (its extra fields count nothing)
     msgs: list[dict] = []
+    use_ids: set[str] = set()
     if body.get("system") is not None:
         msgs.append({"role": "system", "content": _text_of(body["system"], "system")})
     raw = body.get("messages")
@@ -87,7 +106,11 @@ def to_chat(body: dict, count_only: bool = False) -> tuple[list[dict], dict]:
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
             raise _bad(f"{where} must have 'role' \"user\" or \"assistant\" (a system prompt goes in the "
                        f"request's 'system')", f"{where}.role")
+        _check_fields(m, frozenset(("role", "content")), f"{where}.")
         role, content = m["role"], m.get("content")
+        if content is None:
+            raise _bad(f"{where}.content is missing: give the message's text or a list of content blocks",
+                       f"{where}.content")
         last = i == len(raw) - 1
         if _empty(content) and not (last and role == "assistant"):
             raise _bad(f"{where}.content is empty: give the message's text or at least one content block "
@@ -117,8 +140,12 @@ def to_chat(body: dict, count_only: bool = False) -> tuple[list[dict], dict]:
                     raise _bad(f"{w}.tool_use_id must be the id of the tool_use block it answers", f"{w}.tool_use_id")
                 if b.get("is_error") is not None and not isinstance(b["is_error"], bool):
                     raise _bad(f"{w}.is_error must be true or false", f"{w}.is_error")
-                msgs.append({"role": "tool", "tool_call_id": b["tool_use_id"],
-                             "content": _text_of(b.get("content"), f"{w}.content")})
+                result = _text_of(b.get("content"), f"{w}.content")
+                if b["tool_use_id"] not in use_ids:
+                    raise _bad(f"{w}.tool_use_id {b['tool_use_id']!r}: no earlier assistant message has a tool_use "
+                               f"block with this id; a tool_result answers one (or send the tool's output as a "
+                               f"text block)", f"{w}.tool_use_id")
+                msgs.append({"role": "tool", "tool_call_id": b["tool_use_id"], "content": result})
             elif kind == "tool_use":
                 if role != "assistant":
                     raise _bad(f"{w}: a tool_use block belongs in an assistant message (the model's call); a "
@@ -132,6 +159,7 @@ def to_chat(body: dict, count_only: bool = False) -> tuple[list[dict], dict]:
                     raise _bad(f"{w}.input must be an object (the tool's arguments), got "
                                f"{_json_type(args)}", f"{w}.input")
                 calls.append({"id": b["id"], "type": "function", "function": {"name": b["name"], "arguments": args}})
+                use_ids.add(b["id"])
             elif kind in ("thinking", "redacted_thinking"):
                 if role != "assistant":
                     raise _bad(f"{w}: a {kind} block belongs in an assistant message", w)
@@ -176,8 +204,37 @@ def to_chat(body: dict, count_only: bool = False) -> tuple[list[dict], dict]:
         if kind not in ("enabled", "disabled"):
             raise _bad("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N} or {\"type\": "
                        "\"disabled\"}", "thinking")
-        # the templates of reasoning models that can answer without it read enable_thinking
-        fields["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
+        if kind == "enabled":
+            budget = thinking.get("budget_tokens")
+            if isinstance(budget, bool) or not isinstance(budget, int):
+                raise _bad("thinking.budget_tokens: an integer is required with \"type\": \"enabled\"",
+                           "thinking.budget_tokens")
+            if budget < MIN_THINKING_BUDGET:
+                raise _bad(f"thinking.budget_tokens: Input should be greater than or equal to {MIN_THINKING_BUDGET}",
+                           "thinking.budget_tokens")
+            mt = body.get("max_tokens")
+            if not count_only and isinstance(mt, int) and budget >= mt:
+                raise _bad(f"`max_tokens` must be greater than `thinking.budget_tokens` ({budget}); the budget is "
+                           f"part of max_tokens", "thinking.budget_tokens")
+        if model is None or template_reads(model, "enable_thinking"):
+            # the templates of reasoning models that can answer without it read enable_thinking
+            fields["chat_template_kwargs"] = {"enable_thinking": kind == "enabled"}
+        elif is_harmony(model.tokenizer):
+            if kind == "disabled":   # gpt-oss always reasons (its analysis channel)
+                raise _bad(f"'thinking' {{\"type\": \"disabled\"}}: the model {model.model_id!r} always reasons before "
+                           f"it answers (its template has no switch to turn it off); leave 'thinking' out",
+                           "thinking")
+        elif kind == "enabled":
+            raise _bad(f"'thinking' {{\"type\": \"enabled\"}}: the chat template of the model {model.model_id!r} has no "
+                       f"thinking switch (enable_thinking), so the model cannot be asked to think; leave 'thinking' "
+                       f"out (a model that reasons on its own still returns a thinking block)", "thinking")
+    of = body.get("output_format")
+    if of is not None:
+        # the structured-output beta: the same constrained decoding as OpenAI's json_schema
+        if not isinstance(of, dict) or of.get("type") != "json_schema" or not isinstance(of.get("schema"), dict):
+            raise _bad("'output_format' must be {\"type\": \"json_schema\", \"schema\": {...}}", "output_format")
+        fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": of["schema"],
+                                                                            "strict": True}}
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
@@ -262,18 +319,29 @@ def _stop(res) -> tuple[str, str | None]:
     return STOP_REASONS.get(res.finish_reason, "end_turn"), None
 
 
+async def _prepare(api, m, fields: dict, msgs: list[dict], count_only: bool = False):
+    """api.prepare_chat with a refusal of the structured output named ``output_format``."""
+    try:
+        return await api.prepare_chat(m, fields, msgs, anthropic=True, count_only=count_only)
+    except ApiError as e:
+        if e.param == "response_format":
+            e.param = "output_format"
+            e.message = e.message.replace("'response_format'", "'output_format'")
+        raise
+
+
 async def messages(api, request: Request) -> Response:
     """``POST /v1/messages``."""
     body = await read_json(request, api.max_body_bytes)
     m = api.model_for(body)
-    raw, fields = to_chat(body)
+    raw, fields = to_chat(body, model=m)
     msgs = chat_messages({"messages": raw})
     stream = fields.pop("stream", False)
     if stream is None:
         stream = False
     if not isinstance(stream, bool):
         raise _bad("'stream' must be true or false", "stream")
-    plan = await api.prepare_chat(m, fields, msgs, anthropic=True)
+    plan = await _prepare(api, m, fields, msgs)
     headers = {SEED_HEADER: str(plan.sampling.seed)}
     mid = "msg_" + secrets.token_hex(12)
     if not stream:
@@ -356,7 +424,7 @@ async def count_tokens(api, request: Request) -> Response:
     model's tokenizer; nothing is generated."""
     body = await read_json(request, api.max_body_bytes)
     m = api.model_for(body)
-    raw, fields = to_chat(body, count_only=True)
+    raw, fields = to_chat(body, count_only=True, model=m)
     msgs = chat_messages({"messages": raw})
-    plan = await api.prepare_chat(m, fields, msgs, anthropic=True, count_only=True)
+    plan = await _prepare(api, m, fields, msgs, count_only=True)
     return JSONResponse({"input_tokens": len(plan.ids)})

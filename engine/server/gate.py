@@ -17,6 +17,7 @@ rebinding). :class:`RequestGate` refuses, with a 4xx and an error body in the AP
 from __future__ import annotations
 
 import ipaddress
+import socket
 from urllib.parse import urlsplit
 
 WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")
@@ -29,7 +30,14 @@ def _is_loopback_name(host: str) -> bool:
     try:
         return ipaddress.ip_address(h).is_loopback
     except ValueError:
-        return False
+        pass
+    # the IPv4 shorthands every resolver accepts (127.1, 0x7f.1, 2130706433) name loopback too
+    if h and all(c in "0123456789abcdefx." for c in h):
+        try:
+            return ipaddress.ip_address(socket.inet_aton(h)).is_loopback
+        except (OSError, ValueError):
+            return False
+    return False
 
 
 def split_host(value: str) -> tuple[str, int | None]:
@@ -76,7 +84,8 @@ class RequestGate:
     """Pure ASGI middleware applying the checks of the module docstring.
 
     host: the configured ``--host``; cors_origins: origins allowed besides the server's own;
-    error: ``error(path, status, message, code) -> starlette Response`` (the API's error shape);
+    error: ``error(path, status, message, code, anthropic) -> starlette Response`` (the API's error
+    shape; ``anthropic``: the request came from an Anthropic client);
     counted: ``counted(path, status)`` for each refusal (the /metrics request counts).
     """
 
@@ -113,7 +122,9 @@ class RequestGate:
             status, message, code = refusal
             if self.counted is not None:
                 self.counted(path, status)
-            return await self.error(path, status, message, code)(scope, receive, send)
+            # Anthropic's clients send anthropic-version: their refusals get Anthropic's shape anywhere
+            return await self.error(path, status, message, code,
+                                    anthropic=b"anthropic-version" in headers)(scope, receive, send)
         return await self.app(scope, receive, send)
 
     def _refusal(self, scope, headers) -> tuple[int, str, str] | None:

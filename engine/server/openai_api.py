@@ -56,6 +56,51 @@ MAX_STOPS = 4  # the OpenAI API's limit
 ENDPOINTS = ("/health", "/metrics", "/v1/models", "/v1/chat/completions", "/v1/completions",
              "/v1/messages/count_tokens", "/v1/messages")
 ANTHROPIC_PATH = "/v1/messages"   # errors there, and below it, in Anthropic's shape
+ANTHROPIC_VERSION_HEADER = "anthropic-version"   # Anthropic's SDKs send it on every request
+
+#: the request fields each endpoint reads; any other is refused (400 naming it), as OpenAI's own
+#: API does, because a field ignored silently may have been meant to change the answer. The
+#: bookkeeping fields ``store``, ``metadata``, ``service_tier``, ``user``, ``prompt_cache_key``
+#: and ``safety_identifier`` change no answer and are accepted without effect.
+BOOKKEEPING_FIELDS = ("store", "metadata", "service_tier", "user", "prompt_cache_key", "safety_identifier")
+SAMPLING_FIELDS = ("model", "stream", "stream_options", "temperature", "top_p", "n", "stop", "max_tokens",
+                   "seed", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs",
+                   "top_k", "min_p", "repetition_penalty", "docs_lookup", "docs_copy") + BOOKKEEPING_FIELDS
+CHAT_FIELDS = frozenset(SAMPLING_FIELDS + (
+    "messages", "max_completion_tokens", "tools", "tool_choice", "parallel_tool_calls", "response_format",
+    "chat_template_kwargs", "continue_final_message", "reasoning_effort", "modalities"))
+COMPLETION_FIELDS = frozenset(SAMPLING_FIELDS + ("prompt", "echo", "suffix", "best_of"))
+MESSAGE_FIELDS = frozenset(("role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content", "refusal",
+                            "annotations"))   # an answer's url citations: output metadata, not prompt text
+#: fields with a known meaning this server does not implement: the refusal says what to do instead
+UNSUPPORTED_FIELDS = {
+    "functions": "the legacy 'functions' field is not supported: give the functions in 'tools' "
+                 "([{\"type\": \"function\", \"function\": {...}}])",
+    "function_call": "the legacy 'function_call' field is not supported: use 'tool_choice' (\"auto\", \"none\", "
+                     "\"required\" or {\"type\": \"function\", \"function\": {\"name\": ...}}) with 'tools'",
+    "web_search_options": "'web_search_options' is not supported: this server has no web search",
+    "verbosity": "'verbosity' is not supported: ask for a shorter or longer answer in the messages",
+    "prediction": "'prediction' (predicted outputs) is not supported by this server",
+    "audio": "'audio' output is not supported: this server answers with text",
+}
+
+
+def check_fields(body: dict, known: frozenset, where: str = "") -> None:
+    """Refuse a field of ``body`` that is not in ``known`` (400 naming it: ``where`` prefixes its
+    path, e.g. ``messages[2].``). Raises ApiError."""
+    for k, v in body.items():
+        # null is "not given": clients that send back a whole answer message (audio, function_call)
+        # or spell out every parameter send the OpenAI fields this server does not take as null
+        if k in known or (v is None and k in UNSUPPORTED_FIELDS):
+            continue
+        if k == "function_call" and where:
+            raise ApiError(400, f"'{where}{k}' (the legacy form of a call) is not supported: give the call in the "
+                                f"message's 'tool_calls'", param=f"{where}{k}", code="unsupported_parameter")
+        if k in UNSUPPORTED_FIELDS:
+            raise ApiError(400, UNSUPPORTED_FIELDS[k], param=f"{where}{k}", code="unsupported_parameter")
+        raise ApiError(400, f"unknown field '{where}{k}': this server does not know it, and ignoring it could change "
+                            f"what you asked for; remove it (docs/server.md lists the fields)", param=f"{where}{k}",
+                       code="unknown_parameter")
 SEED_HEADER = "x-colibri-seed"    # the sampling seed an answer used (a fresh one when the request gave none)
 
 
@@ -264,6 +309,10 @@ def sampling_from(body: dict, defaults: SamplingParams, chat: bool = False) -> S
         if v not in (None, False, 0, {}):
             raise ApiError(400, f"'{param}' is not supported by this server", param=param,
                            code="unsupported_parameter")
+    min_p = body.get("min_p")
+    if min_p is not None and (isinstance(min_p, bool) or not isinstance(min_p, (int, float)) or min_p != 0):
+        raise ApiError(400, f"'min_p' = {min_p!r} is not supported by this server's sampler; use 'top_p' or 'top_k' "
+                            f"(or leave 'min_p' out, or 0)", param="min_p", code="unsupported_parameter")
     best_of = body.get("best_of")
     if best_of not in (None, 1):
         raise ApiError(400, "'best_of' other than 1 is not supported", param="best_of", code="unsupported_parameter")
@@ -283,13 +332,20 @@ def stops_from(body: dict, param: str = "stop", limit: int | None = MAX_STOPS) -
     if stop is None:
         return ()
     if isinstance(stop, str):
-        return (stop,) if stop else ()
+        stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
         raise ApiError(400, f"'{param}' must be a string or a list of strings", param=param, code="invalid_type")
     if limit is not None and len(stop) > limit:
         raise ApiError(400, f"'{param}' has {len(stop)} strings; at most {limit} are allowed", param=param,
                        code="invalid_value")
-    return tuple(s for s in stop if s)
+    # an empty stop string would match everywhere (the Messages API also refuses whitespace-only ones)
+    blank = str.strip if limit is None else (lambda x: x)
+    for i, s in enumerate(stop):
+        if not blank(s):
+            where = param if body.get("stop") == s else f"{param}[{i}]"
+            raise ApiError(400, f"'{where}' is {'empty' if not s else 'only whitespace'}: give the text that ends "
+                                f"the answer, or leave the stop string out", param=where, code="invalid_value")
+    return tuple(stop)
 
 
 def stream_flags(body: dict) -> tuple[bool, bool]:
@@ -304,6 +360,9 @@ def stream_flags(body: dict) -> tuple[bool, bool]:
     if opts is not None:
         if not isinstance(opts, dict):
             raise ApiError(400, "'stream_options' must be an object", param="stream_options", code="invalid_type")
+        if not stream:   # as OpenAI's API: the options of a stream need one
+            raise ApiError(400, "'stream_options' is only allowed with \"stream\": true", param="stream_options",
+                           code="invalid_value")
         include = opts.get("include_usage", False)
         if not isinstance(include, bool):
             raise ApiError(400, "'stream_options.include_usage' must be true or false",
@@ -358,6 +417,13 @@ def chat_messages(body: dict) -> list[dict]:
         if role not in ROLES:
             raise ApiError(400, f"messages[{i}].role = {role!r}: must be one of {', '.join(ROLES)}",
                            param=f"messages[{i}].role", code="invalid_value")
+        check_fields(m, MESSAGE_FIELDS, f"messages[{i}].")
+        if m.get("content") is None and role != "assistant":
+            raise ApiError(400, f"messages[{i}] (role {role!r}) has no content: give its text in 'content'",
+                           param=f"messages[{i}].content", code="invalid_value")
+        if m.get("refusal") is not None and not isinstance(m["refusal"], str):
+            raise ApiError(400, f"messages[{i}].refusal must be a string", param=f"messages[{i}].refusal",
+                           code="invalid_type")
         d: dict[str, Any] = {"role": "system" if role == "developer" else role,
                              "content": _text_content(m.get("content"), i)}
         for k in ("name", "tool_call_id", "reasoning_content"):
@@ -371,6 +437,28 @@ def chat_messages(body: dict) -> list[dict]:
                 raise ApiError(400, str(e), param=e.param, code="invalid_value") from None
         out.append(d)
     return out
+
+
+def check_tool_results(msgs: list[dict]) -> None:
+    """Every tool message of ``msgs`` (template messages) must answer a call of an earlier
+    assistant message: its ``tool_call_id`` names that call's id (or, for calls sent without
+    ids, a tool message follows a message with calls). Raises ApiError (400) naming
+    ``messages[i].tool_call_id``."""
+    ids: set[str] = set()
+    called = False
+    for i, m in enumerate(msgs):
+        if m.get("role") == "assistant" and m.get("tool_calls"):
+            called = True
+            ids.update(c["id"] for c in m["tool_calls"] if c.get("id"))
+        if m.get("role") != "tool":
+            continue
+        cid = m.get("tool_call_id")
+        if cid is None or not (cid in ids or (called and not ids)):
+            shown = f"{cid!r}" if cid is not None else "missing"
+            raise ApiError(400, f"messages[{i}].tool_call_id is {shown}: a tool message answers an earlier call in an "
+                                f"assistant message's 'tool_calls' and names its id; there is no such call before "
+                                f"it (give the assistant message with the call first, or send the tool's output as "
+                                f"text in a user message)", param=f"messages[{i}].tool_call_id", code="invalid_value")
 
 
 def tool_calls_json(calls) -> list[dict]:
@@ -427,7 +515,7 @@ class _Guard:
                 if not hmac.compare_digest(token, self.key):
                     resp = path_error(path, 401, "a valid API key is required: send 'Authorization: Bearer "
                                       "<key>' or 'x-api-key: <key>' (the key given to colibri serve --api-key)",
-                                      code="invalid_api_key")
+                                      code="invalid_api_key", anthropic=anthropic_client(scope.get("headers", ())))
                     return await resp(scope, receive, counting_send)
             await self.app(scope, receive, counting_send)
         finally:
@@ -448,6 +536,45 @@ RESERVED_TEMPLATE_VARIABLES = {
 
 class _ToolsNotRendered(Exception):
     pass
+
+
+def template_reads(m: ServedModel, variable: str) -> bool:
+    """Whether one of the model's chat templates reads the variable ``variable``."""
+    return any(variable in (t or "") for t in getattr(m.tokenizer, "chat_templates", {}).values())
+
+
+def _tools_unwritten(m: ServedModel, tools) -> bool:
+    """True when the model's chat template renders the same prompt with and without ``tools``."""
+    probe = [{"role": "user", "content": "x"}]
+    try:
+        return m.tokenizer.encode_chat(probe, tools=tools) == m.tokenizer.encode_chat(probe)
+    except (EngineError, TypeError, ValueError):
+        return False
+
+
+REASONING_EFFORTS = ("low", "medium", "high")
+
+
+def reasoning_kwargs(m: ServedModel, effort: Any) -> dict:
+    """OpenAI's ``reasoning_effort`` as template variables: ``reasoning_effort`` itself for a
+    template that reads it (gpt-oss: low / medium / high); for a template with a thinking switch
+    (``enable_thinking``: Qwen3, GLM-4.5), "none" / "minimal" turn it off and low / medium / high
+    on. Raises ApiError (400 ``reasoning_effort``) for a template with neither."""
+    if effort is None:
+        return {}
+    if effort not in ("none", "minimal") + REASONING_EFFORTS:
+        raise ApiError(400, f"'reasoning_effort' = {effort!r}: must be one of none, minimal, low, medium, high",
+                       param="reasoning_effort", code="invalid_value")
+    if template_reads(m, "reasoning_effort"):
+        if effort not in REASONING_EFFORTS:
+            raise ApiError(400, f"'reasoning_effort' = {effort!r}: the chat template of the model {m.model_id!r} "
+                                f"takes low, medium or high", param="reasoning_effort", code="invalid_value")
+        return {"reasoning_effort": effort}
+    if template_reads(m, "enable_thinking"):
+        return {"enable_thinking": effort in REASONING_EFFORTS}
+    raise ApiError(400, f"'reasoning_effort': the chat template of the model {m.model_id!r} has no reasoning "
+                        f"setting (neither reasoning_effort nor enable_thinking), so the field would be ignored; "
+                        f"leave it out", param="reasoning_effort", code="unsupported_parameter")
 
 
 def _named(m: ServedModel, e: Exception) -> str:
@@ -523,7 +650,7 @@ class Api:
         m = self.served()
         body = {"status": "ok" if m else "loading", "model": m.model_id if m else None,
                 "queue_depth": self.queue.depth, "busy": self.queue.busy}
-        return JSONResponse(body, status_code=200 if m else 503)
+        return JSONResponse(body, status_code=200 if m else 503, headers=None if m else {"Retry-After": "2"})
 
     async def metrics(self, request: Request) -> Response:
         data = await run_in_threadpool(exposition, self.stats, self.queue,
@@ -554,8 +681,14 @@ class Api:
 
     async def chat_completions(self, request: Request) -> Response:
         body = await read_json(request, self.max_body_bytes)
+        check_fields(body, CHAT_FIELDS)
         m = self.model_for(body)
         msgs = chat_messages(body)
+        check_tool_results(msgs)
+        modalities = body.get("modalities")
+        if modalities is not None and modalities != ["text"]:
+            raise ApiError(400, f"'modalities' = {json.dumps(modalities)}: this server answers with text only "
+                                f"([\"text\"])", param="modalities", code="unsupported_parameter")
         stream, include_usage = stream_flags(body)
         plan = await self.prepare_chat(m, body, msgs)
         return await self._generate(request, m, plan.ids, plan.sampling, plan.stops, stream, include_usage, chat=True,
@@ -589,6 +722,11 @@ class Api:
             shown_choice = json.dumps({"type": "any"} if choice.mode == "required" else {"type": "tool", "name": choice.name})
         fmt = tool_format(m.tokenizer) if tools else None
         calls = (fmt, tools) if fmt is not None else None
+        if forced and fmt is None and await run_in_threadpool(_tools_unwritten, m, tools):
+            raise ApiError(400, f"the model {m.model_id!r} cannot call tools: its chat template does not write "
+                                f"'tools' into the prompt; drop 'tools' and 'tool_choice', or open a model with a "
+                                f"tool-call format (docs/server.md lists them)", param="tools",
+                           code="tools_not_supported")
         if forced and fmt is None:
             raise ApiError(400, f"'tool_choice' {shown_choice} needs a model whose chat template writes tool calls "
                                 f"in a known format; {m.model_id!r} has none (docs/server.md lists the formats): "
@@ -614,6 +752,7 @@ class Api:
             if k in RESERVED_TEMPLATE_VARIABLES:
                 raise ApiError(400, f"'chat_template_kwargs' cannot set {k!r}: {RESERVED_TEMPLATE_VARIABLES[k]}",
                                param=f"chat_template_kwargs.{k}", code="invalid_value")
+        kwargs = {**reasoning_kwargs(m, body.get("reasoning_effort")), **kwargs}
         if not m.tokenizer.has_chat_template:
             raise ApiError(400, f"the model {m.model_id!r} has no chat template, so it cannot take chat "
                                 f"messages; use POST /v1/completions with a raw prompt", param="messages",
@@ -684,7 +823,8 @@ class Api:
                 constraint = await run_in_threadpool(build)
             except (GrammarError, EngineError) as e:
                 param = "tool_choice" if forced else "response_format"
-                raise ApiError(400, f"the output cannot be constrained as asked: {_named(m, e)}", param=param,
+                raise ApiError(400, f"'{param}': the output cannot be constrained as asked: {_named(m, e)}",
+                               param=param,
                                code="invalid_value") from None
         return ChatPlan(ids, sp, stops, opened, docs, calls, constraint)
 
@@ -700,6 +840,7 @@ class Api:
 
     async def completions(self, request: Request) -> Response:
         body = await read_json(request, self.max_body_bytes)
+        check_fields(body, COMPLETION_FIELDS)
         m = self.model_for(body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -877,25 +1018,40 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
            else "GET /v1/models, POST /v1/chat/completions, POST /v1/messages")
     msg = {404: f"there is no endpoint {path} (see {see})",
            405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
-    return path_error(request.url.path, exc.status_code, msg, code=code, headers=getattr(exc, "headers", None))
+    return path_error(request.url.path, exc.status_code, msg, code=code, headers=getattr(exc, "headers", None),
+                      anthropic=anthropic_client(request.headers))
+
+
+def anthropic_client(headers) -> bool:
+    """Whether request headers (a mapping, or ASGI's list of byte pairs) come from an Anthropic
+    client: it sends ``anthropic-version`` on every request (and authenticates with
+    ``x-api-key``, never ``Authorization``), so its errors on the shared endpoints
+    (/v1/models) get Anthropic's shape."""
+    if isinstance(headers, (list, tuple)):
+        names = {k.decode("latin-1").lower() for k, _ in headers}
+    else:
+        names = {k.lower() for k in headers.keys()}
+    return ANTHROPIC_VERSION_HEADER in names or ("x-api-key" in names and "authorization" not in names)
 
 
 def path_error(path: str, status: int, message: str, param: str | None = None, code: str | None = None,
-               type_: str = "invalid_request_error", headers: dict | None = None) -> Response:
-    """An error in the shape of the API ``path`` belongs to: Anthropic's for /v1/messages,
-    OpenAI's elsewhere."""
-    if path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
+               type_: str = "invalid_request_error", headers: dict | None = None,
+               anthropic: bool = False) -> Response:
+    """An error in the shape of the API ``path`` belongs to: Anthropic's for /v1/messages (and
+    for an Anthropic client anywhere: ``anthropic``), OpenAI's elsewhere."""
+    if anthropic or path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/"):
         from .anthropic_api import error_body as anthropic_error
         return _AsciiJSONResponse(anthropic_error(status, message), status_code=status, headers=headers)
     return error_response(status, message, param, code, type_, headers)
 
 
-def _gate_error(path: str, status: int, message: str, code: str) -> Response:
-    return path_error(path, status, message, code=code)
+def _gate_error(path: str, status: int, message: str, code: str, anthropic: bool = False) -> Response:
+    return path_error(path, status, message, code=code, anthropic=anthropic)
 
 
 async def _api_error(request: Request, exc: ApiError) -> Response:
-    return path_error(request.url.path, exc.status, exc.message, exc.param, exc.code, exc.type, exc.headers)
+    return path_error(request.url.path, exc.status, exc.message, exc.param, exc.code, exc.type, exc.headers,
+                      anthropic=anthropic_client(request.headers))
 
 
 async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:

@@ -11,7 +11,6 @@ app's engine thread.
 from __future__ import annotations
 
 import http
-import ipaddress
 import logging
 import re
 import socket
@@ -23,7 +22,7 @@ from typing import Callable
 
 from ..errors import ConfigError
 from ..events import SamplingParams
-from .gate import check_origin_syntax
+from .gate import _is_loopback_name, check_origin_syntax
 from .jobs import DirectRunner, JobQueue
 from .openai_api import Api, ServedModel, build_app, endpoint_of, path_error
 from .stats import ServerStats
@@ -36,13 +35,9 @@ DEFAULT_MAX_WAITING = 16
 
 
 def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and loopback addresses (127.0.0.0/8, ::1)."""
-    if host.strip().lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+    """True for ``localhost`` and loopback addresses (127.0.0.0/8 with its shorthands such as
+    127.1, ::1)."""
+    return _is_loopback_name(host)
 
 
 @dataclass(frozen=True)
