@@ -6,18 +6,14 @@ engine.sizing's plan and the RSS guard), so the cache holds every slot the budge
 for, and a budget overrun costs the slots it needs, not a whole slot in every layer.
 
 Slot states: FREE, LOADING(expert), RESIDENT(expert); plus a busy count while a kernel reads
-the slot. Lookup is O(1) (a [L, E] slot index); victim choice is O(1) for LRU (an ordered
-dict per layer) and O(log distinct-heats) for LFRU (buckets of equal heat, LRU inside a
-bucket). LFRU's score is colibri's ``heat << 8 | recency`` (recency <= 255), so one routing
-count outweighs any recency: the victim is the least recent slot of the lowest heat.
+the slot. Lookup is O(1) (a [L, E] slot index). Victim choice is the eviction policy's
+(engine/cache/policy.py: "lru", "lfru", "ema"), called with the lock held.
 
-"ema" (router-probability EMA): the victim is the evictable slot whose expert has the lowest
-exponential moving average of the router's softmax probability (ties: least recent), one EMA
-step per MoE call with the call's mean probability (``observe_probs``). It keeps the experts
-the router keeps leaning towards, including ones it ranked just below top-k, which LRU cannot
-see. Chosen by replaying the default model's held-out routing traces (``colibri bench
-replay``): at cap = half the experts it hits 4 points more than LRU. Victim choice scans the
-cap's evictable slots (vectorised, O(cap)).
+"ema" (router-probability EMA) takes one EMA step per MoE call with the call's mean router
+probability (``observe_probs``). It keeps the experts the router keeps leaning towards,
+including ones it ranked just below top-k, which LRU cannot see. Chosen by replaying the
+default model's held-out routing traces (``colibri bench replay``): at cap = half the experts
+it hits 4 points more than LRU.
 
 Concurrency: one lock and one condition variable. Reads happen outside the lock, on the
 cache's reader threads; a second request for an expert that is loading waits for that load
@@ -41,11 +37,12 @@ import logging
 import mmap
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from enum import Enum, IntEnum
 
 import numpy as np
 
+from .cache.policy import LayerOrder, make_policy
 from .errors import EngineError, ExpertReadError
 from .events import ABSENT, LOADING, PINNED, RESIDENT
 from .kernel_choice import K
@@ -88,18 +85,17 @@ _LOADING = 1
 _RESIDENT = 2
 
 
-class _Layer:
-    __slots__ = ("lru", "buckets", "heap", "free", "live", "cap", "target", "staged")
+class _Layer(LayerOrder):
+    """A layer's slot allocation; its eviction order is the policy's (LayerOrder)."""
+
+    __slots__ = ("free", "live", "cap", "target")
 
     def __init__(self, n_slots: int, cap: int):
-        self.lru: OrderedDict[int, None] = OrderedDict()  # evictable resident slots, oldest first
-        self.buckets: dict[int, OrderedDict] = {}  # LFRU: heat -> OrderedDict(slot)
-        self.heap: list[int] = []  # LFRU: heats that may have a bucket (lazy deletion)
+        super().__init__()
         self.free = list(range(n_slots - 1, -1, -1))  # stack of FREE slot ids
         self.live = 0  # LOADING + RESIDENT slots
         self.cap = cap
         self.target = cap  # a cap being lowered: no growth past it while it settles
-        self.staged: OrderedDict[int, None] = OrderedDict()  # speculative loads not yet used
 
 
 class CacheStats:
@@ -228,7 +224,7 @@ class ExpertCache:
         cap: slots per layer (1..num_experts); the arena's width.
         slots: the slots of all layers together (num_layers..num_layers x cap), or None for
             cap in every layer; fewer leave some layers cap - 1 (see :meth:`set_slots`).
-        policy: "lru", "lfru" or "ema" (router-probability EMA, see the module docstring).
+        policy: a name in engine.cache.policy.POLICY_CLASSES ("lru", "lfru", "ema").
         heat: int64 [L, E] routing counts, shared with the engine (read only here).
         checksum: "off" | "first" | "always".
         io_threads: concurrent reads for one layer's misses (the disk's queue depth).
@@ -281,10 +277,10 @@ class ExpertCache:
         self.slot_state = np.zeros((num_layers, cap), np.int8)
         self.slot_busy = np.zeros((num_layers, cap), np.int32)
         self.slot_spec = np.zeros((num_layers, cap), bool)  # loaded speculatively, not yet used
-        self.slot_theat = np.zeros((num_layers, cap), np.int64)  # LFRU bucket a slot sits in
         self.where = np.full((num_layers, num_experts), -1, np.int32)
         self.last_use = np.zeros((num_layers, num_experts), np.int64)  # access clock per expert
         self.prob_ema = np.zeros((num_layers, num_experts), np.float64)  # "ema" policy's score
+        self._policy = make_policy(policy, self.heat, self.prob_ema, cap)
         self.clock = 0
         self.pinned = np.zeros((num_layers, num_experts), bool)
         self.layers = [_Layer(cap, cap) for _ in range(num_layers)]
@@ -382,55 +378,22 @@ class ExpertCache:
 
     def _track(self, layer: int, slot: int) -> None:
         """Make a resident, unpinned slot evictable (most recent position)."""
-        ly = self.layers[layer]
-        if self.policy != "lfru":
-            ly.lru[slot] = None
-        else:
-            h = int(self.heat[layer, self.slot_expert[layer, slot]])
-            self.slot_theat[layer, slot] = h
-            b = ly.buckets.get(h)
-            if b is None:
-                b = ly.buckets[h] = OrderedDict()
-                heapq.heappush(ly.heap, h)
-            b[slot] = None
+        self._policy.track(self.layers[layer], layer, slot, int(self.slot_expert[layer, slot]))
 
     def _track_cold(self, layer: int, slot: int) -> None:
         """Make a resident, unpinned slot evictable at the cold end (the first victim of its
-        order or heat bucket): an idle-fill load nothing has routed to yet."""
-        self._track(layer, slot)
-        ly = self.layers[layer]
-        if self.policy != "lfru":
-            ly.lru.move_to_end(slot, last=False)
-        else:
-            ly.buckets[int(self.slot_theat[layer, slot])].move_to_end(slot, last=False)
+        order): an idle-fill load nothing has routed to yet."""
+        self._policy.track_cold(self.layers[layer], layer, slot, int(self.slot_expert[layer, slot]))
 
     def _untrack(self, layer: int, slot: int) -> None:
-        ly = self.layers[layer]
-        if self.policy != "lfru":
-            ly.lru.pop(slot, None)
-        else:
-            b = ly.buckets.get(int(self.slot_theat[layer, slot]))
-            if b is not None:
-                b.pop(slot, None)
-        ly.staged.pop(slot, None)
+        self._policy.untrack(self.layers[layer], layer, slot)
 
     def touch(self, layer: int, slot: int) -> None:
         """Mark a resident slot most recently used (lock held)."""
-        if self.pinned[layer, self.slot_expert[layer, slot]]:
+        e = self.slot_expert[layer, slot]
+        if self.pinned[layer, e]:
             return
-        if self.policy == "lfru":
-            self._untrack(layer, slot)
-            self._track(layer, slot)
-            return
-        # _untrack + _track for the lru / ema order, in two dict operations (a decode step
-        # touches each hit twice: ~16 times per MoE layer)
-        ly = self.layers[layer]
-        if slot in ly.lru:
-            ly.lru.move_to_end(slot)
-        else:
-            ly.lru[slot] = None
-        if ly.staged:
-            ly.staged.pop(slot, None)
+        self._policy.touch(self.layers[layer], layer, slot, int(e))
 
     def _wait_slot_state(self) -> None:
         """Wait (lock held) up to 50 ms for a slot-state change: a load finished or a slot
@@ -446,43 +409,8 @@ class ExpertCache:
         """Least valuable evictable slot of ``layer`` under the policy, or -1. Skips busy slots;
         a speculation not yet used is only taken when nothing else is evictable (the LFRU
         heat-0 trap of the colibri notes: staged slots were evicted before use)."""
-        ly = self.layers[layer]
-        st = self.stats
-        if self.policy == "lru":
-            for s in ly.lru:
-                st.victim_scans += 1
-                if self.slot_busy[layer, s] == 0 and s not in ly.staged:
-                    return s
-        elif self.policy == "ema":
-            cand = [s for s in ly.lru if self.slot_busy[layer, s] == 0 and s not in ly.staged]
-            st.victim_scans += len(ly.lru)
-            if cand:
-                # ly.lru is oldest first and argmin takes the first minimum: ties -> least recent
-                score = self.prob_ema[layer, self.slot_expert[layer, cand]]
-                return cand[int(np.argmin(score))]
-        else:
-            while ly.heap:
-                h = ly.heap[0]
-                b = ly.buckets.get(h)
-                if not b:
-                    heapq.heappop(ly.heap)
-                    ly.buckets.pop(h, None)
-                    continue
-                for s in b:
-                    st.victim_scans += 1
-                    if self.slot_busy[layer, s] == 0 and s not in ly.staged:
-                        return s
-                # every slot of the coldest bucket is busy/staged: scan the next buckets
-                for h2 in sorted(ly.buckets):
-                    for s in ly.buckets[h2]:
-                        if self.slot_busy[layer, s] == 0 and s not in ly.staged:
-                            return s
-                break
-        if allow_staged:
-            for s in ly.staged:
-                if self.slot_busy[layer, s] == 0:
-                    return s
-        return -1
+        return self._policy.victim(self.layers[layer], layer, self.slot_busy[layer], self.slot_expert[layer],
+                                   self.stats, allow_staged)
 
     def _evict(self, layer: int, slot: int) -> None:
         e = self.slot_expert[layer, slot]
@@ -1108,20 +1036,7 @@ class ExpertCache:
         hits = ea.tolist()
         if self._counted_hit:  # as _take: a hit prepare counted is taken now
             self._counted_hit.difference_update((layer, e) for e in hits)
-        if self.policy == "lfru":
-            for s in sl:
-                self.touch(layer, s)
-        else:  # touch() inlined for the lru / ema order (pm: whether each slot's expert is pinned)
-            lru, staged = ly.lru, ly.staged
-            for s, p in zip(sl, pm):
-                if p:
-                    continue
-                if s in lru:
-                    lru.move_to_end(s)
-                else:
-                    lru[s] = None
-                if staged:
-                    staged.pop(s, None)
+        self._policy.touch_many(ly, layer, sl, pm, hits)
         return hits, ss, []
 
     def take_resident_layers(self, run, l0: int = 0, after_run=None) -> int:
