@@ -31,10 +31,8 @@ in the reader (``ExpertStore.read(verify=True)``).
 
 from __future__ import annotations
 
-import errno
 import heapq
 import logging
-import mmap
 import threading
 import time
 from collections import deque
@@ -42,6 +40,8 @@ from enum import Enum, IntEnum
 
 import numpy as np
 
+from .cache.arena import (HUGE_PAGE, MADV_POPULATE_WRITE, Arena, _advise_huge_interiors,  # noqa: F401 - re-exported
+                          _anonymous_map, _mapping_room, _populate_call)
 from .cache.policy import LayerOrder, make_policy
 from .errors import EngineError, ExpertReadError
 from .events import ABSENT, LOADING, PINNED, RESIDENT
@@ -114,88 +114,6 @@ class CacheStats:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
-MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault in writable pages of a range, data untouched
-
-
-def _populate_call():
-    """libc ``madvise`` through ctypes (which releases the GIL for the call: Python's
-    ``mmap.madvise`` holds it, and a 6 MB populate takes milliseconds), or None off Linux
-    or without ctypes (a Python built without libffi)."""
-    import sys
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-        f = ctypes.CDLL(None, use_errno=True).madvise  # the process's own libc (no ldconfig run)
-    except (ImportError, OSError, AttributeError):
-        return None
-    f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    f.restype = ctypes.c_int
-    return f
-
-
-def _errno() -> int:
-    import ctypes
-    return ctypes.get_errno()
-
-
-HUGE_PAGE = 2 << 20  # bytes: the transparent huge page of x86-64 and arm64 (4 KB granule)
-
-
-def _mapping_room() -> int | None:
-    """Memory mappings this process may still create: vm.max_map_count (65530 by default) minus
-    the mappings it has (the lines of /proc/self/maps); None where /proc does not tell."""
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            limit = int(f.read())
-        with open("/proc/self/maps", "rb") as f:
-            used = sum(1 for _ in f)
-    except (OSError, ValueError):
-        return None
-    return limit - used
-
-
-def _advise_huge_interiors(mm: mmap.mmap, base: int, slot_bytes: int, nslots: int) -> int:
-    """Advise the transparent huge pages (MADV_HUGEPAGE, Linux) of each slot's interior: the
-    whole HUGE_PAGE-aligned blocks inside slot i = [i * slot_bytes, (i + 1) * slot_bytes) of the
-    map ``mm``, whose first byte is at address ``base``. Only interiors, never a block two slots
-    share: a page of a slot the cache has not filled is never faulted in by its neighbour's
-    read (the RSS stays the pages the cache knows, tests/test_cache.py), and giving a slot back
-    (MADV_DONTNEED) frees its huge pages whole.
-
-    Each advised interior becomes a memory mapping of its own, with one unadvised mapping
-    between two of them: up to 2 per slot, against the process's limit (vm.max_map_count; at
-    the limit an mmap, a thread stack or a numpy allocation fails). So nothing is advised
-    unless those mappings take at most half of the room left (_mapping_room); a madvise that
-    still fails stops the advice there. Returns the bytes advised: 0 where the platform has no
-    MADV_HUGEPAGE or /proc does not tell the room, slots are smaller than one huge page, the
-    room is short, or the kernel refuses (THP compiled out).
-
-    Why: the decode kernels stream every routed expert's slab from the arena once per token;
-    with 4 KB pages a 3.5 MB slab is ~900 TLB misses, each a two-level page walk in a VM.
-    Measured (tools/micro_arena.py, OLMoE-1B-7B slabs, 8 of 64 experts per call, 2 threads,
-    this VM): K.experts_q4_t1 870-1196 us per call on 4 KB pages, 807-886 us on huge pages."""
-    if not hasattr(mmap, "MADV_HUGEPAGE") or slot_bytes < HUGE_PAGE or nslots < 1:
-        return 0
-    spans = []
-    for i in range(nslots):
-        lo = -(-(base + i * slot_bytes) // HUGE_PAGE) * HUGE_PAGE - base  # offsets in mm
-        hi = (base + (i + 1) * slot_bytes) // HUGE_PAGE * HUGE_PAGE - base
-        if hi > lo:
-            spans.append((lo, hi))
-    room = _mapping_room()
-    if room is None or 2 * len(spans) > room // 2:
-        return 0
-    done = 0
-    for lo, hi in spans:
-        try:
-            mm.madvise(mmap.MADV_HUGEPAGE, lo, hi - lo)
-        except OSError:
-            return done
-        done += hi - lo
-    return done
-
-
 def _poll_until_zero(pending, timeout: float | None, poll_s: float) -> bool:
     """Call ``pending()`` every ``poll_s`` seconds until it returns 0 (True) or ``timeout``
     seconds pass (False; None = no limit)."""
@@ -205,14 +123,6 @@ def _poll_until_zero(pending, timeout: float | None, poll_s: float) -> bool:
             return False
         time.sleep(poll_s)
     return True
-
-
-def _anonymous_map(n: int) -> mmap.mmap:
-    """n bytes of zeroed, page-aligned private anonymous memory (MAP_PRIVATE | MAP_ANONYMOUS
-    where the platform has them; Windows' mmap(-1) is private pagefile-backed memory already)."""
-    if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
-        return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return mmap.mmap(-1, n)
 
 
 class ExpertCache:
@@ -244,11 +154,8 @@ class ExpertCache:
             slot at once pushed a 7B int4 store's RSS to 4.03 GB at a 4.0 GB budget before any
             token, and inside a 4 GB memory cgroup the process was OOM-killed.
 
-    The arena is a private anonymous mmap of L x cap x slot_bytes (page aligned, so
-    O_DIRECT-ready); slots emptied by a cap reduction give their pages back to the OS
-    (MADV_DONTNEED). Private, not Python's default shared mapping: a shared anonymous mapping is
-    shmem, where MADV_DONTNEED only unmaps (the RSS falls, the memory stays allocated) and every
-    first touch of a page costs a shmem allocation (measured: 17% of a streaming run's CPU).
+    The arena (engine/cache/arena.py) is one private anonymous mapping of L x cap x slot_bytes;
+    slots emptied by a cap reduction give their pages back to the OS (MADV_DONTNEED).
     """
 
     RESIDENT_STATE = _RESIDENT  # the slot_state code of a resident slot (K.cache_take_resident's ``resident``)
@@ -269,10 +176,10 @@ class ExpertCache:
         self.heat = heat if heat is not None else np.zeros((num_layers, num_experts), np.int64)
         self.checksum = checksum
         self._verified = np.zeros((num_layers, num_experts), dtype=bool)
-        self._arena_mm = _anonymous_map(num_layers * cap * self.slot_bytes)
-        self.arena = np.frombuffer(self._arena_mm, dtype=np.uint8)
-        self.huge_bytes = _advise_huge_interiors(self._arena_mm, self.arena.ctypes.data, self.slot_bytes,
-                                                 num_layers * cap)
+        # module globals looked up here, so that a test can replace them
+        self._arena = Arena(num_layers, cap, self.slot_bytes, mapping_room=_mapping_room, madvise=_populate_call())
+        self.arena = self._arena.array
+        self.huge_bytes = self._arena.huge_bytes
         self.slot_expert = np.full((num_layers, cap), -1, np.int32)
         self.slot_state = np.zeros((num_layers, cap), np.int8)
         self.slot_busy = np.zeros((num_layers, cap), np.int32)
@@ -348,7 +255,7 @@ class ExpertCache:
         self.grow_ok = grow_ok
         self.grow_stopped = False  # grow_ok said no: populate / fill pause (see the Args)
         self._grow_gen = 0  # bumped with each reset of grow_stopped (a "no" from before it is stale)
-        self._faulted = np.zeros((num_layers, cap), bool)  # slot pages known present
+        self._faulted = self._arena.faulted  # slot pages known present
         self._populate_wake = threading.Event()
         self.fill = bool(fill)
         self._fill_wake = threading.Event()
@@ -357,9 +264,8 @@ class ExpertCache:
         self._fill_holds = 0  # hold_fill() calls not yet released: the pass waits
         self._fill_inflight = 0  # fill reads reserved and not finished
         self._fill_bad = np.zeros((num_layers, num_experts), bool)  # fill reads that failed: not retried
-        self._madvise = _populate_call()
         self._populater = None
-        if self._madvise is not None:
+        if self._arena.madvise is not None:
             self._populater = threading.Thread(target=self._populate_loop, name="colibri-populate", daemon=True)
             self._populater.start()
             self._populate_wake.set()
@@ -367,14 +273,11 @@ class ExpertCache:
     # --- slot helpers (lock held) ----------------------------------------------------------------
 
     def _slot_offset(self, layer: int, slot: int) -> int:
-        """Byte offset of (layer, slot) in the arena, as a Python int: slot ids often come
-        from the int32 index arrays, and an int32 product wraps past 2 GiB (numpy 2 keeps
-        the int32 type), which pointed slots of a > 2 GiB arena into other slots."""
-        return (int(layer) * self.max_cap + int(slot)) * int(self.slot_bytes)
+        """Byte offset of (layer, slot) in the arena (a Python int, see Arena.offset)."""
+        return self._arena.offset(layer, slot)
 
     def _buf(self, layer: int, slot: int) -> np.ndarray:
-        off = self._slot_offset(layer, slot)
-        return self.arena[off:off + self.slot_bytes]
+        return self._arena.buf(layer, slot)
 
     def _track(self, layer: int, slot: int) -> None:
         """Make a resident, unpinned slot evictable (most recent position)."""
@@ -426,12 +329,7 @@ class ExpertCache:
         self.observers.publish("on_evict", layer, int(e))
 
     def _release_pages(self, layer: int, slot: int) -> None:
-        self._faulted[layer, slot] = False
-        off = self._slot_offset(layer, slot)
-        try:
-            self._arena_mm.madvise(mmap.MADV_DONTNEED, off, self.slot_bytes)
-        except (AttributeError, OSError, ValueError):
-            pass
+        self._arena.release(layer, slot)
 
     def _populate_wanted(self, layer: int) -> list[int]:
         """Free slots of ``layer`` a load will take next (the top of the free stack, as many
@@ -451,7 +349,6 @@ class ExpertCache:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (AttributeError, OSError):
             pass
-        base = self.arena.ctypes.data
         while True:
             self._populate_wake.wait()
             self._populate_wake.clear()
@@ -472,8 +369,7 @@ class ExpertCache:
                         continue
                 if not self._may_grow():
                     break
-                ok = self._madvise(base + self._slot_offset(layer, v), self.slot_bytes, MADV_POPULATE_WRITE) == 0
-                again = not ok and _errno() in (errno.EINTR, errno.EAGAIN)  # try again at the next wake
+                ok, again = self._arena.populate(layer, v)  # again: EINTR / EAGAIN, at the next wake
                 with self.lock:
                     if ok:
                         self._faulted[layer, v] = True
