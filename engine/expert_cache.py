@@ -6,18 +6,14 @@ engine.sizing's plan and the RSS guard), so the cache holds every slot the budge
 for, and a budget overrun costs the slots it needs, not a whole slot in every layer.
 
 Slot states: FREE, LOADING(expert), RESIDENT(expert); plus a busy count while a kernel reads
-the slot. Lookup is O(1) (a [L, E] slot index); victim choice is O(1) for LRU (an ordered
-dict per layer) and O(log distinct-heats) for LFRU (buckets of equal heat, LRU inside a
-bucket). LFRU's score is colibri's ``heat << 8 | recency`` (recency <= 255), so one routing
-count outweighs any recency: the victim is the least recent slot of the lowest heat.
+the slot. Lookup is O(1) (a [L, E] slot index). Victim choice is the eviction policy's
+(engine/cache/policy.py: "lru", "lfru", "ema"), called with the lock held.
 
-"ema" (router-probability EMA): the victim is the evictable slot whose expert has the lowest
-exponential moving average of the router's softmax probability (ties: least recent), one EMA
-step per MoE call with the call's mean probability (``observe_probs``). It keeps the experts
-the router keeps leaning towards, including ones it ranked just below top-k, which LRU cannot
-see. Chosen by replaying the default model's held-out routing traces (``colibri bench
-replay``): at cap = half the experts it hits 4 points more than LRU. Victim choice scans the
-cap's evictable slots (vectorised, O(cap)).
+"ema" (router-probability EMA) takes one EMA step per MoE call with the call's mean router
+probability (``observe_probs``). It keeps the experts the router keeps leaning towards,
+including ones it ranked just below top-k, which LRU cannot see. Chosen by replaying the
+default model's held-out routing traces (``colibri bench replay``): at cap = half the experts
+it hits 4 points more than LRU.
 
 Concurrency: one lock and one condition variable. Reads happen outside the lock, on the
 cache's reader threads; a second request for an expert that is loading waits for that load
@@ -35,17 +31,18 @@ in the reader (``ExpertStore.read(verify=True)``).
 
 from __future__ import annotations
 
-import errno
 import heapq
 import logging
-import mmap
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from enum import Enum, IntEnum
 
 import numpy as np
 
+from .cache.arena import (HUGE_PAGE, MADV_POPULATE_WRITE, Arena, _advise_huge_interiors,  # noqa: F401 - re-exported
+                          _anonymous_map, _mapping_room, _populate_call)
+from .cache.policy import LayerOrder, make_policy
 from .errors import EngineError, ExpertReadError
 from .events import ABSENT, LOADING, PINNED, RESIDENT
 from .kernel_choice import K
@@ -88,18 +85,17 @@ _LOADING = 1
 _RESIDENT = 2
 
 
-class _Layer:
-    __slots__ = ("lru", "buckets", "heap", "free", "live", "cap", "target", "staged")
+class _Layer(LayerOrder):
+    """A layer's slot allocation; its eviction order is the policy's (LayerOrder)."""
+
+    __slots__ = ("free", "live", "cap", "target")
 
     def __init__(self, n_slots: int, cap: int):
-        self.lru: OrderedDict[int, None] = OrderedDict()  # evictable resident slots, oldest first
-        self.buckets: dict[int, OrderedDict] = {}  # LFRU: heat -> OrderedDict(slot)
-        self.heap: list[int] = []  # LFRU: heats that may have a bucket (lazy deletion)
+        super().__init__()
         self.free = list(range(n_slots - 1, -1, -1))  # stack of FREE slot ids
         self.live = 0  # LOADING + RESIDENT slots
         self.cap = cap
         self.target = cap  # a cap being lowered: no growth past it while it settles
-        self.staged: OrderedDict[int, None] = OrderedDict()  # speculative loads not yet used
 
 
 class CacheStats:
@@ -118,88 +114,6 @@ class CacheStats:
         return {k: getattr(self, k) for k in self.__slots__}
 
 
-MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault in writable pages of a range, data untouched
-
-
-def _populate_call():
-    """libc ``madvise`` through ctypes (which releases the GIL for the call: Python's
-    ``mmap.madvise`` holds it, and a 6 MB populate takes milliseconds), or None off Linux
-    or without ctypes (a Python built without libffi)."""
-    import sys
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-        f = ctypes.CDLL(None, use_errno=True).madvise  # the process's own libc (no ldconfig run)
-    except (ImportError, OSError, AttributeError):
-        return None
-    f.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    f.restype = ctypes.c_int
-    return f
-
-
-def _errno() -> int:
-    import ctypes
-    return ctypes.get_errno()
-
-
-HUGE_PAGE = 2 << 20  # bytes: the transparent huge page of x86-64 and arm64 (4 KB granule)
-
-
-def _mapping_room() -> int | None:
-    """Memory mappings this process may still create: vm.max_map_count (65530 by default) minus
-    the mappings it has (the lines of /proc/self/maps); None where /proc does not tell."""
-    try:
-        with open("/proc/sys/vm/max_map_count") as f:
-            limit = int(f.read())
-        with open("/proc/self/maps", "rb") as f:
-            used = sum(1 for _ in f)
-    except (OSError, ValueError):
-        return None
-    return limit - used
-
-
-def _advise_huge_interiors(mm: mmap.mmap, base: int, slot_bytes: int, nslots: int) -> int:
-    """Advise the transparent huge pages (MADV_HUGEPAGE, Linux) of each slot's interior: the
-    whole HUGE_PAGE-aligned blocks inside slot i = [i * slot_bytes, (i + 1) * slot_bytes) of the
-    map ``mm``, whose first byte is at address ``base``. Only interiors, never a block two slots
-    share: a page of a slot the cache has not filled is never faulted in by its neighbour's
-    read (the RSS stays the pages the cache knows, tests/test_cache.py), and giving a slot back
-    (MADV_DONTNEED) frees its huge pages whole.
-
-    Each advised interior becomes a memory mapping of its own, with one unadvised mapping
-    between two of them: up to 2 per slot, against the process's limit (vm.max_map_count; at
-    the limit an mmap, a thread stack or a numpy allocation fails). So nothing is advised
-    unless those mappings take at most half of the room left (_mapping_room); a madvise that
-    still fails stops the advice there. Returns the bytes advised: 0 where the platform has no
-    MADV_HUGEPAGE or /proc does not tell the room, slots are smaller than one huge page, the
-    room is short, or the kernel refuses (THP compiled out).
-
-    Why: the decode kernels stream every routed expert's slab from the arena once per token;
-    with 4 KB pages a 3.5 MB slab is ~900 TLB misses, each a two-level page walk in a VM.
-    Measured (tools/micro_arena.py, OLMoE-1B-7B slabs, 8 of 64 experts per call, 2 threads,
-    this VM): K.experts_q4_t1 870-1196 us per call on 4 KB pages, 807-886 us on huge pages."""
-    if not hasattr(mmap, "MADV_HUGEPAGE") or slot_bytes < HUGE_PAGE or nslots < 1:
-        return 0
-    spans = []
-    for i in range(nslots):
-        lo = -(-(base + i * slot_bytes) // HUGE_PAGE) * HUGE_PAGE - base  # offsets in mm
-        hi = (base + (i + 1) * slot_bytes) // HUGE_PAGE * HUGE_PAGE - base
-        if hi > lo:
-            spans.append((lo, hi))
-    room = _mapping_room()
-    if room is None or 2 * len(spans) > room // 2:
-        return 0
-    done = 0
-    for lo, hi in spans:
-        try:
-            mm.madvise(mmap.MADV_HUGEPAGE, lo, hi - lo)
-        except OSError:
-            return done
-        done += hi - lo
-    return done
-
-
 def _poll_until_zero(pending, timeout: float | None, poll_s: float) -> bool:
     """Call ``pending()`` every ``poll_s`` seconds until it returns 0 (True) or ``timeout``
     seconds pass (False; None = no limit)."""
@@ -211,14 +125,6 @@ def _poll_until_zero(pending, timeout: float | None, poll_s: float) -> bool:
     return True
 
 
-def _anonymous_map(n: int) -> mmap.mmap:
-    """n bytes of zeroed, page-aligned private anonymous memory (MAP_PRIVATE | MAP_ANONYMOUS
-    where the platform has them; Windows' mmap(-1) is private pagefile-backed memory already)."""
-    if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
-        return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return mmap.mmap(-1, n)
-
-
 class ExpertCache:
     """The ExpertProvider of the streaming engine.
 
@@ -228,7 +134,7 @@ class ExpertCache:
         cap: slots per layer (1..num_experts); the arena's width.
         slots: the slots of all layers together (num_layers..num_layers x cap), or None for
             cap in every layer; fewer leave some layers cap - 1 (see :meth:`set_slots`).
-        policy: "lru", "lfru" or "ema" (router-probability EMA, see the module docstring).
+        policy: a name in engine.cache.policy.POLICY_CLASSES ("lru", "lfru", "ema").
         heat: int64 [L, E] routing counts, shared with the engine (read only here).
         checksum: "off" | "first" | "always".
         io_threads: concurrent reads for one layer's misses (the disk's queue depth).
@@ -248,11 +154,8 @@ class ExpertCache:
             slot at once pushed a 7B int4 store's RSS to 4.03 GB at a 4.0 GB budget before any
             token, and inside a 4 GB memory cgroup the process was OOM-killed.
 
-    The arena is a private anonymous mmap of L x cap x slot_bytes (page aligned, so
-    O_DIRECT-ready); slots emptied by a cap reduction give their pages back to the OS
-    (MADV_DONTNEED). Private, not Python's default shared mapping: a shared anonymous mapping is
-    shmem, where MADV_DONTNEED only unmaps (the RSS falls, the memory stays allocated) and every
-    first touch of a page costs a shmem allocation (measured: 17% of a streaming run's CPU).
+    The arena (engine/cache/arena.py) is one private anonymous mapping of L x cap x slot_bytes;
+    slots emptied by a cap reduction give their pages back to the OS (MADV_DONTNEED).
     """
 
     RESIDENT_STATE = _RESIDENT  # the slot_state code of a resident slot (K.cache_take_resident's ``resident``)
@@ -273,18 +176,18 @@ class ExpertCache:
         self.heat = heat if heat is not None else np.zeros((num_layers, num_experts), np.int64)
         self.checksum = checksum
         self._verified = np.zeros((num_layers, num_experts), dtype=bool)
-        self._arena_mm = _anonymous_map(num_layers * cap * self.slot_bytes)
-        self.arena = np.frombuffer(self._arena_mm, dtype=np.uint8)
-        self.huge_bytes = _advise_huge_interiors(self._arena_mm, self.arena.ctypes.data, self.slot_bytes,
-                                                 num_layers * cap)
+        # module globals looked up here, so that a test can replace them
+        self._arena = Arena(num_layers, cap, self.slot_bytes, mapping_room=_mapping_room, madvise=_populate_call())
+        self.arena = self._arena.array
+        self.huge_bytes = self._arena.huge_bytes
         self.slot_expert = np.full((num_layers, cap), -1, np.int32)
         self.slot_state = np.zeros((num_layers, cap), np.int8)
         self.slot_busy = np.zeros((num_layers, cap), np.int32)
         self.slot_spec = np.zeros((num_layers, cap), bool)  # loaded speculatively, not yet used
-        self.slot_theat = np.zeros((num_layers, cap), np.int64)  # LFRU bucket a slot sits in
         self.where = np.full((num_layers, num_experts), -1, np.int32)
         self.last_use = np.zeros((num_layers, num_experts), np.int64)  # access clock per expert
         self.prob_ema = np.zeros((num_layers, num_experts), np.float64)  # "ema" policy's score
+        self._policy = make_policy(policy, self.heat, self.prob_ema, cap)
         self.clock = 0
         self.pinned = np.zeros((num_layers, num_experts), bool)
         self.layers = [_Layer(cap, cap) for _ in range(num_layers)]
@@ -352,7 +255,7 @@ class ExpertCache:
         self.grow_ok = grow_ok
         self.grow_stopped = False  # grow_ok said no: populate / fill pause (see the Args)
         self._grow_gen = 0  # bumped with each reset of grow_stopped (a "no" from before it is stale)
-        self._faulted = np.zeros((num_layers, cap), bool)  # slot pages known present
+        self._faulted = self._arena.faulted  # slot pages known present
         self._populate_wake = threading.Event()
         self.fill = bool(fill)
         self._fill_wake = threading.Event()
@@ -361,9 +264,8 @@ class ExpertCache:
         self._fill_holds = 0  # hold_fill() calls not yet released: the pass waits
         self._fill_inflight = 0  # fill reads reserved and not finished
         self._fill_bad = np.zeros((num_layers, num_experts), bool)  # fill reads that failed: not retried
-        self._madvise = _populate_call()
         self._populater = None
-        if self._madvise is not None:
+        if self._arena.madvise is not None:
             self._populater = threading.Thread(target=self._populate_loop, name="colibri-populate", daemon=True)
             self._populater.start()
             self._populate_wake.set()
@@ -371,66 +273,30 @@ class ExpertCache:
     # --- slot helpers (lock held) ----------------------------------------------------------------
 
     def _slot_offset(self, layer: int, slot: int) -> int:
-        """Byte offset of (layer, slot) in the arena, as a Python int: slot ids often come
-        from the int32 index arrays, and an int32 product wraps past 2 GiB (numpy 2 keeps
-        the int32 type), which pointed slots of a > 2 GiB arena into other slots."""
-        return (int(layer) * self.max_cap + int(slot)) * int(self.slot_bytes)
+        """Byte offset of (layer, slot) in the arena (a Python int, see Arena.offset)."""
+        return self._arena.offset(layer, slot)
 
     def _buf(self, layer: int, slot: int) -> np.ndarray:
-        off = self._slot_offset(layer, slot)
-        return self.arena[off:off + self.slot_bytes]
+        return self._arena.buf(layer, slot)
 
     def _track(self, layer: int, slot: int) -> None:
         """Make a resident, unpinned slot evictable (most recent position)."""
-        ly = self.layers[layer]
-        if self.policy != "lfru":
-            ly.lru[slot] = None
-        else:
-            h = int(self.heat[layer, self.slot_expert[layer, slot]])
-            self.slot_theat[layer, slot] = h
-            b = ly.buckets.get(h)
-            if b is None:
-                b = ly.buckets[h] = OrderedDict()
-                heapq.heappush(ly.heap, h)
-            b[slot] = None
+        self._policy.track(self.layers[layer], layer, slot, int(self.slot_expert[layer, slot]))
 
     def _track_cold(self, layer: int, slot: int) -> None:
         """Make a resident, unpinned slot evictable at the cold end (the first victim of its
-        order or heat bucket): an idle-fill load nothing has routed to yet."""
-        self._track(layer, slot)
-        ly = self.layers[layer]
-        if self.policy != "lfru":
-            ly.lru.move_to_end(slot, last=False)
-        else:
-            ly.buckets[int(self.slot_theat[layer, slot])].move_to_end(slot, last=False)
+        order): an idle-fill load nothing has routed to yet."""
+        self._policy.track_cold(self.layers[layer], layer, slot, int(self.slot_expert[layer, slot]))
 
     def _untrack(self, layer: int, slot: int) -> None:
-        ly = self.layers[layer]
-        if self.policy != "lfru":
-            ly.lru.pop(slot, None)
-        else:
-            b = ly.buckets.get(int(self.slot_theat[layer, slot]))
-            if b is not None:
-                b.pop(slot, None)
-        ly.staged.pop(slot, None)
+        self._policy.untrack(self.layers[layer], layer, slot)
 
     def touch(self, layer: int, slot: int) -> None:
         """Mark a resident slot most recently used (lock held)."""
-        if self.pinned[layer, self.slot_expert[layer, slot]]:
+        e = self.slot_expert[layer, slot]
+        if self.pinned[layer, e]:
             return
-        if self.policy == "lfru":
-            self._untrack(layer, slot)
-            self._track(layer, slot)
-            return
-        # _untrack + _track for the lru / ema order, in two dict operations (a decode step
-        # touches each hit twice: ~16 times per MoE layer)
-        ly = self.layers[layer]
-        if slot in ly.lru:
-            ly.lru.move_to_end(slot)
-        else:
-            ly.lru[slot] = None
-        if ly.staged:
-            ly.staged.pop(slot, None)
+        self._policy.touch(self.layers[layer], layer, slot, int(e))
 
     def _wait_slot_state(self) -> None:
         """Wait (lock held) up to 50 ms for a slot-state change: a load finished or a slot
@@ -446,43 +312,8 @@ class ExpertCache:
         """Least valuable evictable slot of ``layer`` under the policy, or -1. Skips busy slots;
         a speculation not yet used is only taken when nothing else is evictable (the LFRU
         heat-0 trap of the colibri notes: staged slots were evicted before use)."""
-        ly = self.layers[layer]
-        st = self.stats
-        if self.policy == "lru":
-            for s in ly.lru:
-                st.victim_scans += 1
-                if self.slot_busy[layer, s] == 0 and s not in ly.staged:
-                    return s
-        elif self.policy == "ema":
-            cand = [s for s in ly.lru if self.slot_busy[layer, s] == 0 and s not in ly.staged]
-            st.victim_scans += len(ly.lru)
-            if cand:
-                # ly.lru is oldest first and argmin takes the first minimum: ties -> least recent
-                score = self.prob_ema[layer, self.slot_expert[layer, cand]]
-                return cand[int(np.argmin(score))]
-        else:
-            while ly.heap:
-                h = ly.heap[0]
-                b = ly.buckets.get(h)
-                if not b:
-                    heapq.heappop(ly.heap)
-                    ly.buckets.pop(h, None)
-                    continue
-                for s in b:
-                    st.victim_scans += 1
-                    if self.slot_busy[layer, s] == 0 and s not in ly.staged:
-                        return s
-                # every slot of the coldest bucket is busy/staged: scan the next buckets
-                for h2 in sorted(ly.buckets):
-                    for s in ly.buckets[h2]:
-                        if self.slot_busy[layer, s] == 0 and s not in ly.staged:
-                            return s
-                break
-        if allow_staged:
-            for s in ly.staged:
-                if self.slot_busy[layer, s] == 0:
-                    return s
-        return -1
+        return self._policy.victim(self.layers[layer], layer, self.slot_busy[layer], self.slot_expert[layer],
+                                   self.stats, allow_staged)
 
     def _evict(self, layer: int, slot: int) -> None:
         e = self.slot_expert[layer, slot]
@@ -498,12 +329,7 @@ class ExpertCache:
         self.observers.publish("on_evict", layer, int(e))
 
     def _release_pages(self, layer: int, slot: int) -> None:
-        self._faulted[layer, slot] = False
-        off = self._slot_offset(layer, slot)
-        try:
-            self._arena_mm.madvise(mmap.MADV_DONTNEED, off, self.slot_bytes)
-        except (AttributeError, OSError, ValueError):
-            pass
+        self._arena.release(layer, slot)
 
     def _populate_wanted(self, layer: int) -> list[int]:
         """Free slots of ``layer`` a load will take next (the top of the free stack, as many
@@ -523,7 +349,6 @@ class ExpertCache:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         except (AttributeError, OSError):
             pass
-        base = self.arena.ctypes.data
         while True:
             self._populate_wake.wait()
             self._populate_wake.clear()
@@ -544,8 +369,7 @@ class ExpertCache:
                         continue
                 if not self._may_grow():
                     break
-                ok = self._madvise(base + self._slot_offset(layer, v), self.slot_bytes, MADV_POPULATE_WRITE) == 0
-                again = not ok and _errno() in (errno.EINTR, errno.EAGAIN)  # try again at the next wake
+                ok, again = self._arena.populate(layer, v)  # again: EINTR / EAGAIN, at the next wake
                 with self.lock:
                     if ok:
                         self._faulted[layer, v] = True
@@ -1108,20 +932,7 @@ class ExpertCache:
         hits = ea.tolist()
         if self._counted_hit:  # as _take: a hit prepare counted is taken now
             self._counted_hit.difference_update((layer, e) for e in hits)
-        if self.policy == "lfru":
-            for s in sl:
-                self.touch(layer, s)
-        else:  # touch() inlined for the lru / ema order (pm: whether each slot's expert is pinned)
-            lru, staged = ly.lru, ly.staged
-            for s, p in zip(sl, pm):
-                if p:
-                    continue
-                if s in lru:
-                    lru.move_to_end(s)
-                else:
-                    lru[s] = None
-                if staged:
-                    staged.pop(s, None)
+        self._policy.touch_many(ly, layer, sl, pm, hits)
         return hits, ss, []
 
     def take_resident_layers(self, run, l0: int = 0, after_run=None) -> int:

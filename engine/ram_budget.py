@@ -56,7 +56,7 @@ def release_compiler_memory() -> int:
     import sys
     if not sys.platform.startswith("linux"):
         return 0
-    from .expert_cache import _populate_call  # libc's madvise through ctypes (the GIL released)
+    from .cache.arena import _populate_call  # libc's madvise through ctypes (the GIL released)
     madvise = _populate_call()
     if madvise is None:
         return 0

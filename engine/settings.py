@@ -23,10 +23,11 @@ import numbers
 from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
 from typing import Any
 
+from .cache.policy import POLICY_CLASSES
 from .errors import ConfigError
 from .speculative import SPECULATION_MODES
 
-POLICIES = ("lru", "lfru", "ema")
+POLICIES = tuple(POLICY_CLASSES)  # the cache's eviction policies, by registered name
 CHECKSUM_MODES = ("off", "first", "always")
 KV_DTYPES = ("f16", "f32")  # KV cache element (engine.models.base.KV_DTYPES, engine.sizing.KV_ELEMENT_BYTES)
 

@@ -272,19 +272,19 @@ def replay_belady(head: dict, records: list[dict], cap: int, warm: bool = True) 
 
 
 def replay_all(path: str | Path, caps: list[int]) -> list[dict]:
-    """Hit rates of LRU, LFRU, EMA (router-probability EMA), our policy (the recorded engine's
-    policy with its pinning, re-derived per cap) and Belady per cap."""
+    """Hit rates of every registered policy without pinning (engine.cache.policy.POLICY_CLASSES:
+    LRU, LFRU, EMA...), our policy (the recorded engine's policy with its pinning, re-derived per
+    cap) and Belady per cap."""
+    from .cache.policy import POLICY_CLASSES
     head, recs = load_trace(path)
     rows = []
     for cap in caps:
-        rows.append({
-            "cap": cap,
-            "lru": replay_policy(head, recs, cap, "lru", False)["hit_rate"],
-            "lfru": replay_policy(head, recs, cap, "lfru", False)["hit_rate"],
-            "ema": replay_policy(head, recs, cap, "ema", False)["hit_rate"],
-            "ours": replay_policy(head, recs, cap, head.get("policy", "lru"), True)["hit_rate"],
-            "belady": replay_belady(head, recs, cap)["hit_rate"],
-        })
+        row = {"cap": cap}
+        for name in POLICY_CLASSES:
+            row[name] = replay_policy(head, recs, cap, name, False)["hit_rate"]
+        row["ours"] = replay_policy(head, recs, cap, head.get("policy", "lru"), True)["hit_rate"]
+        row["belady"] = replay_belady(head, recs, cap)["hit_rate"]
+        rows.append(row)
     return rows
 
 

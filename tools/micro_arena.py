@@ -17,12 +17,12 @@ import numba
 import numpy as np
 
 from engine import kernels as K
-from engine.expert_cache import _advise_huge_interiors
+from engine.cache.arena import _advise_huge_interiors
 
 
 def arena(nbytes: int, how: str, slab: int) -> np.ndarray:
     """4k: plain pages; huge: the whole map advised; slots: each slab's interior advised, as the
-    engine's ExpertCache does (engine.expert_cache._advise_huge_interiors)."""
+    engine's ExpertCache does (engine.cache.arena._advise_huge_interiors)."""
     size = -(-nbytes // (2 << 20)) * (2 << 20)
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     a = np.frombuffer(m, dtype=np.uint8, count=nbytes)

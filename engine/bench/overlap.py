@@ -32,7 +32,7 @@ def measure_first_touch(gb: float = 1.0) -> float | None:
     whose host takes freed guest memory back this is far below memory bandwidth."""
     import mmap
     import time
-    from ..expert_cache import MADV_POPULATE_WRITE, _anonymous_map, _populate_call
+    from ..cache.arena import MADV_POPULATE_WRITE, _anonymous_map, _populate_call
     call = _populate_call()
     if call is None:
         return None

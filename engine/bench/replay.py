@@ -1,5 +1,5 @@
-"""``colibri bench replay``: replay a routing trace (``colibri run --trace``) through LRU, LFRU,
-EMA, our policy and Belady, per cap."""
+"""``colibri bench replay``: replay a routing trace (``colibri run --trace``) through every
+registered cache policy (LRU, LFRU, EMA...), our policy and Belady, per cap."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ def cmd_replay(a) -> int:
     caps = a.caps or list(range(1, head["num_experts"] + 1))
     rows = replay_all(a.trace, caps)
     ours = f"ours ({head.get('policy', 'lru')} + pinning)"
-    table = md_table(rows, [("cap", "cap", "d"), ("LRU", "lru", ".1%"), ("LFRU", "lfru", ".1%"),
-                            ("EMA", "ema", ".1%"), (ours, "ours", ".1%"), ("Belady", "belady", ".1%")])
+    from ..cache.policy import POLICY_CLASSES
+    table = md_table(rows, [("cap", "cap", "d")] + [(n.upper(), n, ".1%") for n in POLICY_CLASSES]
+                     + [(ours, "ours", ".1%"), ("Belady", "belady", ".1%")])
     write_results(a.name, {"trace": str(a.trace), "rows": rows, "num_experts": head["num_experts"],
                            "top_k": head["top_k"], "policy": head.get("policy", "lru"),
                            "records": sum(1 for r in recs if "l" in r)}, table)
