@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.generate import Engine
 from engine.models import base
 from engine.observers import Observer
-from engine.synthetic import olmoe_config, qwen3_moe_config, write_checkpoint
+from engine.bench.synthetic import olmoe_config, qwen3_moe_config, write_checkpoint
 
 
 class Loads(Observer):
