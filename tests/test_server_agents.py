@@ -349,3 +349,24 @@ def test_anthropic_output_format_is_constrained_like_json_schema(family):
         a.messages.create(model=model, max_tokens=8, messages=A_ASK,
                           extra_body={"output_format": {"type": "json_schema", "schema": {"type": "nonsense"}}})
     assert "'output_format'" in e.value.body["error"]["message"], e.value.body
+    # the SDK's own structured output (messages.parse with a pydantic model) sends output_config.format,
+    # and its top-level cache_control hint is accepted without effect
+    import typing
+
+    import pydantic
+
+    class Answer(pydantic.BaseModel):
+        # fields whose type bounds them (the SDK moves string lengths into descriptions, and the
+        # tiny random model would write one string to max_tokens)
+        colour: typing.Literal["red", "green", "blue"]
+        ok: bool
+
+    r = a.messages.create(model=model, max_tokens=96, messages=A_ASK, cache_control={"type": "ephemeral"},
+                          output_config={"format": {"type": "json_schema", "schema": SCHEMA}})
+    text = "".join(b.text for b in r.content if b.type == "text")
+    jsonschema.validate(json.loads(text), SCHEMA)
+    parsed = a.messages.parse(model=model, max_tokens=96, messages=A_ASK, output_format=Answer)
+    assert isinstance(parsed.parsed_output, Answer), parsed
+    with pytest.raises(anthropic.BadRequestError) as e:
+        a.messages.create(model=model, max_tokens=8, messages=A_ASK, output_config={"task_budget": {"total": 9}})
+    assert e.value.body["error"]["message"].startswith("output_config.task_budget"), e.value.body

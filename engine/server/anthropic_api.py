@@ -67,18 +67,38 @@ UNSUPPORTED_BLOCKS = ("image", "document", "search_result", "container_upload", 
 
 
 #: the request fields read here (``seed`` is an extension); any other is refused, naming it.
-#: ``metadata`` and ``service_tier`` change no answer and are accepted without effect.
+#: ``metadata``, ``service_tier`` and ``cache_control`` (a prompt-caching hint: the engine reuses a
+#: chat's prefix on its own) change no answer and are accepted without effect.
 FIELDS = frozenset(("model", "messages", "system", "max_tokens", "metadata", "stop_sequences", "stream",
                     "temperature", "top_p", "top_k", "tools", "tool_choice", "thinking", "service_tier", "seed",
-                    "output_format"))
+                    "output_format", "output_config", "cache_control"))
+OUTPUT_CONFIG_FIELDS = frozenset(("format", "effort"))
+EFFORTS = ("low", "medium", "high")   # output_config.effort values a template's reasoning setting can take
 MIN_THINKING_BUDGET = 1024   # the Messages API's smallest budget_tokens
 
 
 def _check_fields(d: dict, known: frozenset, where: str = "") -> None:
-    for k in d:
-        if k not in known:
+    for k, v in d.items():
+        # null is "not given" (SDKs that spell out every parameter send the unset ones as null)
+        if k not in known and v is not None:
             raise _bad(f"{where}{k}: Extra inputs are not permitted (this server does not know the field, and "
                        f"ignoring it could change what you asked for; remove it)", f"{where}{k}")
+
+
+def _effort_kwargs(model, effort: Any) -> dict:
+    """``output_config.effort`` as template variables: the template's own ``reasoning_effort``
+    (gpt-oss), else its thinking switch on. Raises ApiError (400) for other values or a template
+    with neither."""
+    if effort not in EFFORTS:
+        raise _bad(f"'output_config.effort' = {effort!r}: this server takes low, medium or high", "output_config.effort")
+    if model is not None and template_reads(model, "reasoning_effort"):
+        return {"reasoning_effort": effort}
+    if model is not None and template_reads(model, "enable_thinking"):
+        return {"enable_thinking": True}
+    name = model.model_id if model is not None else "this model"
+    raise _bad(f"'output_config.effort': the chat template of the model {name!r} has no reasoning setting "
+               f"(neither reasoning_effort nor enable_thinking), so the field would be ignored; leave it out",
+               "output_config.effort")
 
 
 def _empty(content: Any) -> bool:
@@ -228,11 +248,26 @@ def to_chat(body: dict, count_only: bool = False, model=None) -> tuple[list[dict
             raise _bad(f"'thinking' {{\"type\": \"enabled\"}}: the chat template of the model {model.model_id!r} has no "
                        f"thinking switch (enable_thinking), so the model cannot be asked to think; leave 'thinking' "
                        f"out (a model that reasons on its own still returns a thinking block)", "thinking")
-    of = body.get("output_format")
+    of, of_name = body.get("output_format"), "output_format"
+    oc = body.get("output_config")
+    if oc is not None:
+        if not isinstance(oc, dict):
+            raise _bad("'output_config' must be an object with 'format' and/or 'effort'", "output_config")
+        _check_fields(oc, OUTPUT_CONFIG_FIELDS, "output_config.")
+        if oc.get("format") is not None:
+            if of is not None:
+                raise _bad("give the output format once: in 'output_config.format' or in 'output_format'",
+                           "output_config.format")
+            of, of_name = oc["format"], "output_config.format"
+        effort = oc.get("effort")
+        if effort is not None:
+            # an explicit 'thinking' setting wins over the effort's switch
+            fields["chat_template_kwargs"] = {**_effort_kwargs(model, effort),
+                                              **fields.get("chat_template_kwargs", {})}
     if of is not None:
-        # the structured-output beta: the same constrained decoding as OpenAI's json_schema
+        # structured output: the same constrained decoding as OpenAI's json_schema
         if not isinstance(of, dict) or of.get("type") != "json_schema" or not isinstance(of.get("schema"), dict):
-            raise _bad("'output_format' must be {\"type\": \"json_schema\", \"schema\": {...}}", "output_format")
+            raise _bad(f"'{of_name}' must be {{\"type\": \"json_schema\", \"schema\": {{...}}}}", of_name)
         fields["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": of["schema"],
                                                                             "strict": True}}
     stops = body.get("stop_sequences")

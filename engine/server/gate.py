@@ -143,6 +143,11 @@ class RequestGate:
         if raw_origin is not None:
             origin = raw_origin.decode("latin-1").strip().rstrip("/").lower()
             if origin not in self.origins and not self._own_origin(origin, scope):
+                if origin == "null":  # a sandboxed frame or a file:// page: no origin one could allow
+                    return (403, "requests from web pages with the opaque origin 'null' (a sandboxed frame or a "
+                                 "file:// page) are refused: a page must not use the model without the user's "
+                                 "consent; serve the page from an http(s) origin and allow that one with colibri "
+                                 "serve --cors-origin", "origin_not_allowed")
                 return (403, f"requests from web pages of {origin!r} are refused: a page must not use the "
                              f"model without the user's consent; allow the origin with colibri serve "
                              f"--cors-origin {origin} (or in the app's server dialog)", "origin_not_allowed")

@@ -796,7 +796,8 @@ class Api:
                                code="tools_not_supported") from None
             raise ApiError(400, f"the chat template of the model {m.model_id!r} does not write 'tools' into the "
                                 f"prompt, so the model could not learn of them or call them; send the request "
-                                f"without 'tools'", param="tools", code="tools_not_supported") from None
+                                f"without 'tools', or open a model with a tool-call format (docs/server.md lists "
+                                f"them)", param="tools", code="tools_not_supported") from None
         except (EngineError, TypeError, ValueError) as e:
             why = _named(m, e).removeprefix(f"the chat template of the model {m.model_id!r} failed: ")
             raise ApiError(400, f"the messages cannot be rendered with the chat template of the model "
