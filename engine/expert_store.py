@@ -25,7 +25,7 @@ from safetensors import SafetensorError, safe_open
 from .config import ModelArgs
 from .errors import ExpertReadError, StoreError
 from .platform_io import open_for_reads, positional_reader, preadv
-from .quant import ALIGN, QUANTS, aligned_empty, slab_layout, slab_views
+from .quant import ALIGN, QUANTS, aligned_empty, huge_empty, slab_layout, slab_views
 from .store_format import CHECKSUM_OF_VERSION, EXPERT_LAYOUTS, FORMAT_NAME, FORMAT_VERSION, READ_VERSIONS, check_store_files, slab_checksum
 
 log = logging.getLogger(__name__)
@@ -551,7 +551,7 @@ def _pread_safetensors(path: Path, names: list[str], chunk: int = 64 << 20) -> d
             if v["dtype"] not in _ST_DTYPES:
                 raise ValueError(f"tensor {k!r} has dtype {v['dtype']}, which a colibri store never holds")
             s, e = v["data_offsets"]
-            arr = np.empty(v["shape"], dtype=_ST_DTYPES[v["dtype"]])
+            arr = huge_empty(v["shape"], _ST_DTYPES[v["dtype"]])  # streamed every token: huge pages
             flat = arr.reshape(-1).view(np.uint8)
             if flat.size != e - s:
                 raise ValueError(f"tensor {k!r}: {e - s} bytes for shape {v['shape']} {v['dtype']}")

@@ -27,6 +27,8 @@ Q4_0 is the same idea). The values a kernel computes from either layout are bit-
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 from .errors import CheckpointError
@@ -333,3 +335,32 @@ def aligned_empty(nbytes: int, align: int = ALIGN) -> np.ndarray:
     raw = np.empty(nbytes + align, dtype=np.uint8)
     start = (-raw.ctypes.data) % align
     return raw[start:start + nbytes]
+
+
+HUGE_PAGE = 2 << 20  # bytes: the transparent huge page of x86-64 and arm64 (4 KB granule)
+
+
+def huge_empty(shape, dtype) -> np.ndarray:
+    """An uninitialized C-contiguous array (as np.empty) whose whole 2 MB blocks sit on
+    transparent huge pages where the platform allows it: a private anonymous mapping with the
+    array at a HUGE_PAGE-aligned address and MADV_HUGEPAGE on its whole blocks (the tail stays
+    on 4 KB pages, so the resident bytes stay the array's). Arrays under HUGE_PAGE bytes, and
+    platforms without MAP_ANONYMOUS or MADV_HUGEPAGE, get np.empty.
+
+    Why: the decode step streams every resident weight matrix once per token; on 4 KB pages a
+    2.4 MB matrix is ~600 TLB misses, each a page walk (two-level in a VM). Measured (K.linears_q4i
+    on 16 layers of OLMoE-1B-7B's int4 q / k / v, 2 threads, this VM): 26-29 GB/s on 4 KB
+    pages, 34-39 GB/s on huge pages. The values do not change."""
+    dt = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    if (n < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE") or not hasattr(mmap, "MAP_ANONYMOUS")
+            or not hasattr(mmap, "MAP_PRIVATE")):
+        return np.empty(shape, dt)
+    mm = mmap.mmap(-1, n + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = np.frombuffer(mm, dtype=np.uint8)  # keeps the mapping alive as long as the array
+    start = (-raw.ctypes.data) % HUGE_PAGE  # the bytes before it are never touched: never resident
+    try:
+        mm.madvise(mmap.MADV_HUGEPAGE, start, n // HUGE_PAGE * HUGE_PAGE)
+    except OSError:  # THP compiled out or refused: 4 KB pages, the same values
+        pass
+    return raw[start:start + n].view(dt).reshape(shape)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+import pytest
 
 from engine import Engine, EngineConfig, GenerateRequest, SamplingParams
 from engine.expert_cache import ExpertCache
@@ -188,3 +189,29 @@ def test_a_first_answer_asked_at_open_follows_the_pass(medium_store, monkeypatch
         off = _answer(eng)
         assert eng.cache.stats.misses > 0
     assert on.token_ids == off.token_ids and on.text == off.text
+
+
+def test_a_full_arena_is_asked_onto_huge_pages_once(medium_store, monkeypatch):
+    """Once the pass has filled every slot, the whole arena is asked onto huge pages
+    (MADV_COLLAPSE), once: the blocks two slots share too, which the advice at open leaves out."""
+    import engine.expert_cache as ec
+    real = ec._populate_call()
+    if real is None:
+        pytest.skip("libc madvise is Linux's")
+    calls, done = [], threading.Event()
+
+    def spy(addr, n, advice):
+        if advice == ec.MADV_COLLAPSE:
+            calls.append((addr, n))
+            done.set()
+        return real(addr, n, advice)
+
+    monkeypatch.setattr(ec, "_populate_call", lambda: spy)
+    cfg = dict(store=str(medium_store), history=False, o_direct=False, pinning=False, ram_budget_gb=4.0)
+    with Engine.open(EngineConfig(**cfg)) as eng:
+        assert eng.cache.wait_filled(timeout=120.0) and eng.cache.residency().all()
+        assert done.wait(120.0)
+        _answer(eng)  # a pass woken again finds the arena collapsed already
+        eng.cache.start_fill()
+        assert eng.cache.wait_filled(timeout=120.0)
+        assert calls == [(eng.cache.arena.ctypes.data, eng.cache.arena.nbytes)]

@@ -1,5 +1,6 @@
 """Microbenchmark of the decode step's expert kernel on an arena with 4 KB pages vs one advised
-for transparent huge pages (MADV_HUGEPAGE) whole or slab by slab as the cache does, arms interleaved, best of 5 x 200 calls per arm and
+for transparent huge pages (MADV_HUGEPAGE) whole or slab by slab as the cache does (and that one
+collapsed whole once filled, MADV_COLLAPSE, as the cache does once every slot is in), arms interleaved, best of 5 x 200 calls per arm and
 round, in us per call.
 
     python tools/micro_arena.py [--hidden 2048] [--inter 1024] [--experts 64] [--rounds 3]
@@ -17,7 +18,7 @@ import numba
 import numpy as np
 
 from engine import kernels as K
-from engine.cache.arena import _advise_huge_interiors
+from engine.cache.arena import MADV_COLLAPSE, _advise_huge_interiors, _populate_call
 
 
 def arena(nbytes: int, how: str, slab: int) -> np.ndarray:
@@ -28,7 +29,7 @@ def arena(nbytes: int, how: str, slab: int) -> np.ndarray:
     a = np.frombuffer(m, dtype=np.uint8, count=nbytes)
     if how == "huge":
         m.madvise(mmap.MADV_HUGEPAGE)
-    elif how == "slots":
+    elif how in ("slots", "collapsed"):
         _advise_huge_interiors(m, a.ctypes.data, slab, nbytes // slab)
     return a
 
@@ -52,9 +53,14 @@ def main() -> None:
             if k % 2:
                 src[o:o + sz].view(np.uint16)[:] = np.float16(0.01).view(np.uint16)
             o += sz
-    arms = {how: arena(len(src), how, slab) for how in ("4k", "huge", "slots")}
-    for ar in arms.values():
+    arms = {how: arena(len(src), how, slab) for how in ("4k", "huge", "slots", "collapsed")}
+    for k, ar in arms.items():
         ar[:] = src
+        if k == "collapsed":
+            import time as _t
+            t0 = _t.perf_counter()
+            r = _populate_call()(ar.ctypes.data - ar.ctypes.data % 4096, len(src) + ar.ctypes.data % 4096, MADV_COLLAPSE)
+            print(f"MADV_COLLAPSE -> {r} in {(_t.perf_counter() - t0) * 1e3:.0f} ms")
     fields = np.cumsum([0] + sizes[:-1]).astype(np.int64)
     x = rng.standard_normal((1, D)).astype(np.float32)
     h = np.empty((n, I), np.float32)
@@ -64,7 +70,7 @@ def main() -> None:
     numba.set_num_threads(a.threads)
     for k, ar in arms.items():
         K.experts_q4_t1(x, ar, sets[0], I, gs, h, out[k], True)
-    assert np.array_equal(out["4k"], out["huge"]) and np.array_equal(out["4k"], out["slots"])
+    assert all(np.array_equal(out["4k"], v) for v in out.values())
     best = {k: [] for k in arms}
     for _ in range(a.rounds):
         for k, ar in arms.items():
@@ -78,7 +84,7 @@ def main() -> None:
     gb = n * slab / 1e9
     for k, v in best.items():
         print(f"{k:5s} us/call by round: {' '.join(f'{u:.0f}' for u in v)}   best {min(v):.0f} us = {gb / min(v) * 1e6:.1f} GB/s")
-    for k in ("huge", "slots"):
+    for k in ("huge", "slots", "collapsed"):
         print(f"{k} / 4k time, best: {min(best[k]) / min(best['4k']):.3f}, "
               f"median of rounds: {np.median(best[k]) / np.median(best['4k']):.3f}")
 

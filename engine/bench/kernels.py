@@ -205,6 +205,7 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
     try:
         for layer in range(args.num_moe_layers):
             eng.cache.load_experts(layer, np.arange(E))
+        eng.cache.collapse_full()  # as the pre-read does once it has filled the arena
         wait = getattr(eng.model, "wait_decode_ready", None)
         if wait is not None:  # the one-call decode step compiles in the background after open
             wait(900)

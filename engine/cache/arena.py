@@ -18,6 +18,7 @@ import mmap
 import numpy as np
 
 MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault in writable pages of a range, data untouched
+MADV_COLLAPSE = 25  # Linux >= 6.1: put a range's pages on huge pages now, data untouched
 HUGE_PAGE = 2 << 20  # bytes: the transparent huge page of x86-64 and arm64 (4 KB granule)
 
 

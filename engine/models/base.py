@@ -34,7 +34,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from ..errors import Cancelled, ConfigError
-from ..quant import deinterleave_q4, kind_of
+from ..quant import deinterleave_q4, huge_empty, kind_of
 from ..observers import ObserverList
 from ..ram_budget import release_compiler_memory
 from .routing import route_tokens
@@ -670,7 +670,9 @@ class Linear:
         """Store int4 weights row-interleaved (K.interleave_q4) where K.q4_interleavable holds and
         INTERLEAVE_Q4 is on; a no-op otherwise. The values it computes do not change."""
         if INTERLEAVE_Q4 and self.kind == "int4" and not self.il and K.q4_interleavable(self.w, self.s, self.gs):
-            self.w = K.interleave_q4(self.w)
+            w = K.interleave_q4(self.w)
+            self.w = huge_empty(w.shape, w.dtype)  # streamed every token: huge pages (the loaded w's)
+            self.w[...] = w
             self.il = True
         return self
 
