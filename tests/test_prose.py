@@ -52,8 +52,10 @@ def _expand(path: str) -> list[str]:
 @functools.lru_cache(maxsize=1)
 def _engine_identifiers() -> frozenset:
     """The names the engine's code defines or uses (functions, attributes, arguments), not its
-    strings, so a result's default file name does not count as code."""
+    strings, so a result's default file name does not count as code; in the server, also the
+    request fields it reads (`cache_control`, `stream_options`: strings there, names of the APIs)."""
     words = set()
+    server = ROOT / "engine" / "server"
     for f in _files("engine"):
         if f.suffix == ".py":
             for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
@@ -61,6 +63,9 @@ def _engine_identifiers() -> frozenset:
                     value = getattr(node, field, None)
                     if isinstance(value, str):
                         words.add(value)
+                if (server in f.parents and isinstance(node, ast.Constant) and isinstance(node.value, str)
+                        and node.value.isidentifier()):
+                    words.add(node.value)
     return frozenset(words)
 
 

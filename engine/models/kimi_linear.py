@@ -319,7 +319,7 @@ class Model(qwen3_next.Model, mla.MLAModel):
     def attention(self, i: int, x: np.ndarray, pos0: int) -> np.ndarray:
         if i in self.kv_row:
             return mla.MLAModel.attention(self, i, x, pos0)
-        return self.kda(i, x)
+        return self._stateful(i, x, pos0, self.kda)
 
     def kda(self, i: int, x: np.ndarray) -> np.ndarray:
         """Kimi Delta Attention on x [T, D], continuing layer i's conv and recurrent state."""
