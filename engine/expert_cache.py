@@ -555,12 +555,15 @@ class ExpertCache:
         (tools/micro_arena.py, OLMoE-1B-7B slabs, 2 threads, this VM): K.experts_q4_t1 1028
         us per call with the interiors advised, 820-867 us collapsed.
 
-        The pre-read calls it when its pass ends; a caller that filled the arena with demand
-        reads (load_experts) may call it itself. Returns when the kernel is done, also when
+        The pre-read calls it when its pass ends and no answer holds it (hold_fill: the copying
+        slowed a first answer's decode from 36 to 11 tok/s); a caller that filled the arena with
+        demand reads (load_experts) may call it itself. Returns when the kernel is done, also when
         another thread's call got there first."""
         with self.lock:
             first = not self._collapsed
-            if (self._closed or self._arena.madvise is None
+            # not while the engine generates (it holds the pre-read): the kernel's copying slowed
+            # a first answer's decode 3x; the last release_fill wakes the pass, which calls again
+            if (self._closed or self._arena.madvise is None or (first and self._fill_holds)
                     or (first and not (self.slot_state == _RESIDENT).all())):
                 return
             self._collapsed = True

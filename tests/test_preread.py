@@ -5,6 +5,7 @@ after it reads nothing on demand, and its tokens are those of a run without it."
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -215,3 +216,37 @@ def test_a_full_arena_is_asked_onto_huge_pages_once(medium_store, monkeypatch):
         eng.cache.start_fill()
         assert eng.cache.wait_filled(timeout=120.0)
         assert calls == [(eng.cache.arena.ctypes.data, eng.cache.arena.nbytes)]
+
+
+def test_no_collapse_while_an_answer_holds_the_pass(medium_store, monkeypatch):
+    """The kernel's copying of a collapse slowed a first answer's decode about 3x: while the
+    engine holds the pre-read (an answer), collapse_full does nothing; the last release_fill
+    wakes the pass, which collapses then."""
+    import engine.expert_cache as ec
+    real = ec._populate_call()
+    if real is None:
+        pytest.skip("libc madvise is Linux's")
+    calls, done = [], threading.Event()
+
+    def spy(addr, n, advice):
+        if advice == ec.MADV_COLLAPSE:
+            calls.append((addr, n))
+            done.set()
+        return real(addr, n, advice)
+
+    monkeypatch.setattr(ec, "_populate_call", lambda: spy)
+    cfg = dict(store=str(medium_store), history=False, o_direct=False, pinning=False, ram_budget_gb=4.0)
+    with Engine.open(EngineConfig(**cfg)) as eng:
+        c = eng.cache
+        assert c.wait_filled(timeout=120.0) and c.residency().all()
+        assert done.wait(120.0)            # collapsed once nothing held it
+        n = len(calls)
+        c._collapsed = False               # as if it had not collapsed yet, then an answer holds the pass
+        c.hold_fill()
+        c.collapse_full()
+        assert len(calls) == n and not c._collapsed
+        c.release_fill()                   # the pass wakes and collapses
+        deadline = time.monotonic() + 120  # only a hang trips it
+        while len(calls) == n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(calls) == n + 1
