@@ -262,6 +262,7 @@ class ExpertCache:
         self._filler = None
         self.pass_run = max(1, PASS_READ_BYTES // int(self.slot_bytes))  # slabs per pre-read run
         self._fill_holds = 0  # hold_fill() calls not yet released: the pass waits
+        self._answers = 0  # answers running (begin_answer): no arena collapse meanwhile
         self._collapsed = False  # the whole arena asked onto huge pages once full (collapse_full)
         self._collapse_done = threading.Event()
         self._fill_inflight = 0  # fill reads reserved and not finished
@@ -409,6 +410,19 @@ class ExpertCache:
         with self.lock:
             self._fill_holds += 1
 
+    def begin_answer(self) -> None:
+        """An answer starts (calls nest): the arena is not collapsed onto huge pages until it
+        ends (:meth:`end_answer`), also while the answer lets the pass run to follow it."""
+        with self.lock:
+            self._answers += 1
+
+    def end_answer(self) -> None:
+        """Undo one :meth:`begin_answer`; the last one wakes the pass (which collapses a full arena)."""
+        with self.lock:
+            self._answers = max(0, self._answers - 1)
+            if self._answers == 0:
+                self._fill_wake.set()
+
     def release_fill(self) -> None:
         """Undo one :meth:`hold_fill`; the last one wakes the pre-read."""
         with self.lock:
@@ -555,15 +569,15 @@ class ExpertCache:
         (tools/micro_arena.py, OLMoE-1B-7B slabs, 2 threads, this VM): K.experts_q4_t1 1028
         us per call with the interiors advised, 820-867 us collapsed.
 
-        The pre-read calls it when its pass ends and no answer holds it (hold_fill: the copying
-        slowed a first answer's decode from 36 to 11 tok/s); a caller that filled the arena with
+        The pre-read calls it when its pass ends and no answer runs (hold_fill, begin_answer:
+        the copying slowed a first answer's decode from 36 to 11 tok/s); a caller that filled the arena with
         demand reads (load_experts) may call it itself. Returns when the kernel is done, also when
         another thread's call got there first."""
         with self.lock:
             first = not self._collapsed
             # not while the engine generates (it holds the pre-read): the kernel's copying slowed
             # a first answer's decode 3x; the last release_fill wakes the pass, which calls again
-            if (self._closed or self._arena.madvise is None or (first and self._fill_holds)
+            if (self._closed or self._arena.madvise is None or (first and (self._fill_holds or self._answers))
                     or (first and not (self.slot_state == _RESIDENT).all())):
                 return
             self._collapsed = True

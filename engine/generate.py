@@ -605,14 +605,18 @@ class Engine:
 
     def _run(self, ids, request, sampler, cancel, dropped=0, sources=()) -> Iterator[object]:
         with self._lock:
-            self._following = self._follow_pass(cancel)
-            if self._following is None:
-                self.cache.hold_fill()  # the pre-read waits while the answer reads on demand
+            self.cache.begin_answer()
             try:
-                yield from self._run_locked(ids, request, sampler, cancel, dropped, sources)
+                self._following = self._follow_pass(cancel)
+                if self._following is None:
+                    self.cache.hold_fill()  # the pre-read waits while the answer reads on demand
+                try:
+                    yield from self._run_locked(ids, request, sampler, cancel, dropped, sources)
+                finally:
+                    self._stop_following()
+                    self.cache.release_fill()
             finally:
-                self._stop_following()
-                self.cache.release_fill()
+                self.cache.end_answer()
 
     def _follow_pass(self, cancel) -> _PassFollower | None:
         """When the pre-read still has experts to read and brings all but at most top-k of every

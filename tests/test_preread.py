@@ -250,3 +250,14 @@ def test_no_collapse_while_an_answer_holds_the_pass(medium_store, monkeypatch):
         while len(calls) == n and time.monotonic() < deadline:
             time.sleep(0.01)
         assert len(calls) == n + 1
+        # an answer that lets the pass run (it follows the pass) still keeps the collapse off
+        n = len(calls)
+        c._collapsed = False
+        c.begin_answer()
+        c.collapse_full()
+        assert len(calls) == n and not c._collapsed
+        c.end_answer()                     # the pass wakes and collapses
+        deadline = time.monotonic() + 120  # only a hang trips it
+        while len(calls) == n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(calls) == n + 1
