@@ -192,9 +192,8 @@ def test_a_first_answer_asked_at_open_follows_the_pass(medium_store, monkeypatch
     assert on.token_ids == off.token_ids and on.text == off.text
 
 
-def test_a_full_arena_is_asked_onto_huge_pages_once(medium_store, monkeypatch):
-    """Once the pass has filled every slot, the whole arena is asked onto huge pages
-    (MADV_COLLAPSE), once: the blocks two slots share too, which the advice at open leaves out."""
+def _spy_collapses(monkeypatch):
+    """(calls, done): the cache's MADV_COLLAPSE calls (address, bytes), and an event set at each."""
     import engine.expert_cache as ec
     real = ec._populate_call()
     if real is None:
@@ -208,6 +207,13 @@ def test_a_full_arena_is_asked_onto_huge_pages_once(medium_store, monkeypatch):
         return real(addr, n, advice)
 
     monkeypatch.setattr(ec, "_populate_call", lambda: spy)
+    return calls, done
+
+
+def test_a_full_arena_is_asked_onto_huge_pages_once(medium_store, monkeypatch):
+    """Once the pass has filled every slot, the whole arena is asked onto huge pages
+    (MADV_COLLAPSE), once: the blocks two slots share too, which the advice at open leaves out."""
+    calls, done = _spy_collapses(monkeypatch)
     cfg = dict(store=str(medium_store), history=False, o_direct=False, pinning=False, ram_budget_gb=4.0)
     with Engine.open(EngineConfig(**cfg)) as eng:
         assert eng.cache.wait_filled(timeout=120.0) and eng.cache.residency().all()
@@ -222,19 +228,7 @@ def test_no_collapse_while_an_answer_holds_the_pass(medium_store, monkeypatch):
     """The kernel's copying of a collapse slowed a first answer's decode about 3x: while the
     engine holds the pre-read (an answer), collapse_full does nothing; the last release_fill
     wakes the pass, which collapses then."""
-    import engine.expert_cache as ec
-    real = ec._populate_call()
-    if real is None:
-        pytest.skip("libc madvise is Linux's")
-    calls, done = [], threading.Event()
-
-    def spy(addr, n, advice):
-        if advice == ec.MADV_COLLAPSE:
-            calls.append((addr, n))
-            done.set()
-        return real(addr, n, advice)
-
-    monkeypatch.setattr(ec, "_populate_call", lambda: spy)
+    calls, done = _spy_collapses(monkeypatch)
     cfg = dict(store=str(medium_store), history=False, o_direct=False, pinning=False, ram_budget_gb=4.0)
     with Engine.open(EngineConfig(**cfg)) as eng:
         c = eng.cache
