@@ -234,24 +234,16 @@ def test_no_collapse_while_an_answer_holds_the_pass(medium_store, monkeypatch):
         c = eng.cache
         assert c.wait_filled(timeout=120.0) and c.residency().all()
         assert done.wait(120.0)            # collapsed once nothing held it
-        n = len(calls)
-        c._collapsed = False               # as if it had not collapsed yet, then an answer holds the pass
-        c.hold_fill()
-        c.collapse_full()
-        assert len(calls) == n and not c._collapsed
-        c.release_fill()                   # the pass wakes and collapses
-        deadline = time.monotonic() + 120  # only a hang trips it
-        while len(calls) == n and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(calls) == n + 1
-        # an answer that lets the pass run (it follows the pass) still keeps the collapse off
-        n = len(calls)
-        c._collapsed = False
-        c.begin_answer()
-        c.collapse_full()
-        assert len(calls) == n and not c._collapsed
-        c.end_answer()                     # the pass wakes and collapses
-        deadline = time.monotonic() + 120  # only a hang trips it
-        while len(calls) == n and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(calls) == n + 1
+        # as if it had not collapsed yet, then an answer holds the pass (hold_fill), or lets the pass
+        # run to follow it (begin_answer): no collapse until its end wakes the pass, which collapses
+        for hold, release in ((c.hold_fill, c.release_fill), (c.begin_answer, c.end_answer)):
+            n = len(calls)
+            c._collapsed = False
+            hold()
+            c.collapse_full()
+            assert len(calls) == n and not c._collapsed
+            release()
+            deadline = time.monotonic() + 120  # only a hang trips it
+            while len(calls) == n and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert len(calls) == n + 1

@@ -20,7 +20,7 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .openai_api import SEED_HEADER, ApiError, chat_messages, read_json, template_reads
+from .openai_api import SEED_HEADER, ApiError, chat_messages, read_json, reasoning_kwargs, template_reads
 from ..harmony import is_harmony
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -86,19 +86,17 @@ def _check_fields(d: dict, known: frozenset, where: str = "") -> None:
 
 
 def _effort_kwargs(model, effort: Any) -> dict:
-    """``output_config.effort`` as template variables: the template's own ``reasoning_effort``
-    (gpt-oss), else its thinking switch on. Raises ApiError (400) for other values or a template
-    with neither."""
+    """``output_config.effort`` as template variables: OpenAI's ``reasoning_effort`` rule
+    (openai_api.reasoning_kwargs), refused with the Messages API's field name. Raises ApiError (400)."""
     if effort not in EFFORTS:
         raise _bad(f"'output_config.effort' = {effort!r}: this server takes low, medium or high", "output_config.effort")
-    if model is not None and template_reads(model, "reasoning_effort"):
-        return {"reasoning_effort": effort}
-    if model is not None and template_reads(model, "enable_thinking"):
-        return {"enable_thinking": True}
-    name = model.model_id if model is not None else "this model"
-    raise _bad(f"'output_config.effort': the chat template of the model {name!r} has no reasoning setting "
-               f"(neither reasoning_effort nor enable_thinking), so the field would be ignored; leave it out",
-               "output_config.effort")
+    if model is None:  # no template to read (a body checked without a model)
+        raise _bad("'output_config.effort': no model to read a reasoning setting from; leave it out",
+                   "output_config.effort")
+    try:
+        return reasoning_kwargs(model, effort)
+    except ApiError as e:
+        raise _bad(e.message.replace("'reasoning_effort'", "'output_config.effort'"), "output_config.effort") from None
 
 
 def _empty(content: Any) -> bool:
