@@ -1218,9 +1218,11 @@ class ExpertCache:
         for a demand read, and no demand read in flight (it would wait for that first: nothing
         to hand over). The run keeps both of a 2-core machine's cores busy, so a reader woken
         just before it waited for a core (:meth:`_hand_off`, the same for demand reads).
-        Returns whether it waited for a start."""
+        Returns whether it waited for a start. A reader that took a speculation and has not
+        started it yet (no demand read holds it back) is waited for too: it may lose its core
+        between the two, just when the run starts."""
         with self._spec_cv:
-            if (not self._spec_ready or self._spec_reading or self._spec_waiting is not None
+            if ((not self._spec_ready and self._spec_waiting is None) or self._spec_reading
                     or self.demand_inflight > 0 or self._closed):
                 return False
             target = self._spec_started + 1

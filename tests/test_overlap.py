@@ -539,21 +539,32 @@ def test_speculations_queued_before_a_run_are_started_before_it(monkeypatch):
     """Pilot.on_run_start queues its speculations (speculate_now) and then hands them off
     (ExpertCache.hand_off_speculations): it returns once the speculation reader has started
     the first read, so the read is on the disk before the run takes both cores (without the
-    hand-off the woken reader waited for a core behind the run's threads). No hand-off while
-    a demand read is in flight (the reader waits for it first) or with nothing queued. The
-    time limit is raised so the test does not depend on the machine's speed."""
+    hand-off the woken reader waited for a core behind the run's threads). The reader here is
+    always late (it moves only once the hand-off waits for it, as on a busy machine), both
+    before it took the queued read and after (taken, not started). No hand-off while a demand
+    read is in flight (the reader waits for it first) or with nothing queued."""
     import engine.expert_cache as EC
-    monkeypatch.setattr(EC, "HANDOFF_WAIT_S", 30.0)
+    monkeypatch.setattr(EC, "HANDOFF_WAIT_S", 600.0)  # only a hang trips it
     st = _GatedStore()
     cache = EC.ExpertCache(st, 1, 16, cap=8, io_threads=1)
+    waiting = threading.Event()  # the hand-off waits for the reader's start
+    real_wait = cache._spec_started_cv.wait
+
+    def wait(timeout=None):
+        waiting.set()
+        return real_wait(timeout)
+    cache._spec_started_cv.wait = wait
+    real_loop = cache._spec_read_loop
+
+    def late_loop():  # woken by the first speculate_now, the reader gets a core only later
+        waiting.wait(600)
+        real_loop()
+    cache._spec_read_loop = late_loop
     try:
         assert cache.hand_off_speculations() is False  # nothing queued (no reader started yet)
         assert cache.speculate_now(0, 3) >= 0
         assert cache.hand_off_speculations() is True
         assert cache._spec_started == 1            # the reader started the read before it returned
-        deadline = time.monotonic() + 600
-        while not st.started and time.monotonic() < deadline:
-            time.sleep(0.001)
         assert st.started == [(3, "colibri-spec-io")]
         st.release(3)
         deadline = time.monotonic() + 600  # only a hang trips it
@@ -561,12 +572,31 @@ def test_speculations_queued_before_a_run_are_started_before_it(monkeypatch):
             time.sleep(0.001)
         while cache._spec_reading and time.monotonic() < deadline:  # the reader is idle again
             time.sleep(0.001)
+
+        polling = threading.Event()  # the reader took 5 and polls for the demand read to end
+
+        class _LateTime:  # the reader's polls sleep until the hand-off waits for it
+            def __getattr__(self, name):
+                return getattr(time, name)
+
+            def sleep(self, s):
+                if threading.current_thread().name == "colibri-spec-io":
+                    polling.set()
+                    waiting.wait(600)
+                time.sleep(s)
+        waiting.clear()
+        monkeypatch.setattr(EC, "time", _LateTime())
         cache.demand_inflight = 1  # a demand read in flight: the reader waits for it, no hand-off
-        assert cache.speculate_now(0, 5) >= 0
+        slot = cache.speculate_now(0, 5)
+        assert slot >= 0
+        assert polling.wait(600) and cache._spec_waiting == (0, 5, slot)
         assert cache.hand_off_speculations() is False  # False: it did not wait
-        cache.demand_inflight = 0
+        cache.demand_inflight = 0  # the demand read ended: the reader has 5 but has not started it
+        assert cache.hand_off_speculations() is True
+        assert cache._spec_started == 2 and [e for e, _ in st.started] == [3, 5]
         st.release(5)
     finally:
+        waiting.set()
         for e in range(16):
             st.release(e)
         cache.close()
@@ -625,12 +655,11 @@ def test_demand_takes_over_a_speculation_the_reader_holds_while_demand_reads_run
         st.release(3)
         cache.acquire(0, 3)
         cache.release(0, 3)
-        cache.demand_inflight = 0  # the reader leaves its wait and finds the read taken over
-        _t.sleep(0.05)
-        assert st.started == [(3, "colibri-io-0")] and cache.stats.spec_completed == 0
         assert cache.is_present(0, 3) and cache.stats.misses == 1
+        cache.demand_inflight = 0  # the reader leaves its wait and finds the read taken over
     finally:
-        cache.close()
+        cache.close()  # joins the reader: it has passed its check of the taken-over read
+    assert st.started == [(3, "colibri-io-0")] and cache.stats.spec_completed == 0
 
 
 @pytest.mark.parametrize("replayed", [False, True])
