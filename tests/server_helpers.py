@@ -41,7 +41,20 @@ class SlowDown(Observer):
         time.sleep(self.seconds)
 
 
-def wait_until(cond, timeout_s: float = 60.0, poll_s: float = 0.02) -> bool:
+class HeldForward(Observer):
+    """Test instrumentation: every forward call waits until ``go`` is set, so a generation is
+    still running when a second client arrives however slow the machine is (the token ids are
+    unchanged)."""
+
+    def __init__(self):
+        self.go = threading.Event()
+
+    def on_forward_start(self, pos0: int, num_tokens: int) -> None:
+        self.go.wait(600)  # only a hang trips it
+
+
+def wait_until(cond, timeout_s: float = 600.0, poll_s: float = 0.02) -> bool:
+    """Poll ``cond`` until it holds; the time limit is one only a hang trips."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if cond():

@@ -481,11 +481,16 @@ def test_giving_back_experts_does_not_wake_idle_reader_threads(monkeypatch):
             wakeups[name] = wakeups.get(name, 0) + 1
             return r
 
+        def parked(self):  # threads waiting in it that no notify has woken (lock held)
+            return len(self._waiters)
+
     monkeypatch.setattr(EC.threading, "Condition", Counting)
     cache = ExpertCache(FakeStore(), 1, 8, 8, policy="lru", io_threads=2)
     try:
         cache.load_experts(0, np.arange(8))  # every expert resident: the readers go idle
-        time.sleep(0.05)
+        # both readers wait for a read and no wake-up of theirs is pending (a reader woken for
+        # a load another one took may not have run yet on a busy machine)
+        assert _wait_for(lambda: cache._readq_cv.parked() == 2)
         before = {k: v for k, v in wakeups.items() if k.startswith("colibri-io")}
         for _ in range(200):
             hits, misses = cache.prepare_split(0, [1, 5])
@@ -493,8 +498,10 @@ def test_giving_back_experts_does_not_wake_idle_reader_threads(monkeypatch):
             cache.acquire_many(0, hits)
             time.sleep(0.0002)  # a kernel runs without the GIL: a woken thread gets to run
             cache.release_many(0, hits)
-        time.sleep(0.05)
-        after = {k: v for k, v in wakeups.items() if k.startswith("colibri-io")}
+            with cache.lock:
+                assert cache._readq_cv.parked() == 2  # the release woke no reader
+        with cache.lock:
+            after = {k: v for k, v in wakeups.items() if k.startswith("colibri-io")}
         assert after == before, (before, after)
     finally:
         cache.close()

@@ -834,7 +834,8 @@ def test_speculations_finished_during_a_run_are_parked_and_the_next_read_starts(
             while len(st.started) < 3 and _t.monotonic() < deadline:
                 _t.sleep(0.001)
             assert [e for e, _ in st.started] == [2, 4, 6]  # all three read while the lock was held
-            _t.sleep(0.01)
+            while len(cache._spec_done) < 3 and _t.monotonic() < deadline:  # the last one parks
+                _t.sleep(0.001)
             assert all(cache.slot_state[0, cache.where[0, e]] != cache.RESIDENT_STATE for e in (2, 4, 6))
             assert len(cache._spec_done) == 3  # parked: the run holds the lock
         hits, slots, misses = cache.take_split(0, [2, 4, 6])

@@ -21,7 +21,7 @@ from engine.server import LocalServer, ServerOptions  # noqa: E402
 from engine.server.textstream import AnswerFilter, ReasoningSplitter, StopMatcher  # noqa: E402
 from engine import split_reasoning  # noqa: E402
 
-from server_helpers import (ENGINE_FLAGS, ENGINE_KW, LONG_PROMPT, SHORT_PROMPT, Background, SlowDown,  # noqa: E402
+from server_helpers import (ENGINE_FLAGS, ENGINE_KW, LONG_PROMPT, SHORT_PROMPT, Background, HeldForward, SlowDown,  # noqa: E402
                             metrics, wait_until)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -213,7 +213,7 @@ def test_multi_turn_prefills_only_the_new_tokens(client, engine, server):
 
 
 def test_two_clients_queue_fifo_and_metrics_show_it(client, engine, server):
-    slow = SlowDown(0.03)
+    slow = HeldForward()  # the first client's answer holds until the second one is queued
     engine.model.subscribe(slow)
     try:
         before = metrics(server.url)
@@ -226,8 +226,9 @@ def test_two_clients_queue_fifo_and_metrics_show_it(client, engine, server):
         b.start()
         assert wait_until(lambda: (seen.append(metrics(server.url)) or
                                    seen[-1]["colibri_queue_depth"] == 1 and seen[-1]["colibri_requests_running"] == 1))
-        a.join(120)
-        b.join(120)
+        slow.go.set()
+        a.join(600)
+        b.join(600)
         assert a.error is None and b.error is None, (a.error, b.error)
         assert a.result.choices[0].message.content == b.result.choices[0].message.content
         after = metrics(server.url)
@@ -235,16 +236,17 @@ def test_two_clients_queue_fifo_and_metrics_show_it(client, engine, server):
         key = "colibri_requests_total{endpoint=/v1/chat/completions,status=200}"
         assert after[key] - before.get(key, 0) == 2
     finally:
+        slow.go.set()
         engine.model.unsubscribe(slow)
 
 
 def test_queue_full_is_503_with_retry_after(engine):
-    slow = SlowDown(0.05)
+    slow = HeldForward()  # the first client's answer holds until the third one was refused
     srv = LocalServer.for_engine(engine, ServerOptions(port=0, max_waiting=1), SamplingParams(max_new_tokens=10))
     srv.start()
     engine.model.subscribe(slow)
     try:
-        c = openai.OpenAI(base_url=srv.url, api_key="x", max_retries=0, timeout=120)
+        c = openai.OpenAI(base_url=srv.url, api_key="x", max_retries=0, timeout=600)
         kw = dict(model="colibri-stdlib-moe", messages=chat(LONG_PROMPT))
         a = Background(lambda: c.chat.completions.create(**kw))
         a.start()
@@ -255,11 +257,13 @@ def test_queue_full_is_503_with_retry_after(engine):
         r = httpx2.post(srv.url + "/chat/completions", json=kw, timeout=30)
         assert r.status_code == 503 and int(r.headers["Retry-After"]) >= 1
         assert r.json()["error"]["code"] == "queue_full"
-        a.join(120)
-        b.join(120)
+        slow.go.set()
+        a.join(600)
+        b.join(600)
         assert a.error is None and b.error is None
         assert metrics(srv.url)["colibri_queue_rejected_total"] == 1
     finally:
+        slow.go.set()
         engine.model.unsubscribe(slow)
         srv.stop()
 
@@ -281,7 +285,7 @@ def test_disconnect_mid_stream_frees_the_engine_within_one_token(engine, server)
                         if got == 3:
                             break
         # the client is gone: the engine is free again after at most one more token
-        assert wait_until(lambda: not server.queue.busy, timeout_s=30)
+        assert wait_until(lambda: not server.queue.busy, timeout_s=600)  # only a hang trips it
         m = metrics(server.url)
         assert m["colibri_generations_total{reason=cancelled}"] == before + 1
         assert m["colibri_cancel_overrun_tokens"] <= 1
@@ -561,7 +565,7 @@ def test_non_streamed_client_that_leaves_cancels_its_generation(engine, server):
         body = {"model": "colibri-stdlib-moe", "messages": chat(LONG_PROMPT), "max_tokens": 400}
         with pytest.raises(httpx2.TimeoutException):
             httpx2.post(server.url + "/chat/completions", json=body, timeout=httpx2.Timeout(30, read=1.0))
-        assert wait_until(lambda: not server.queue.busy, timeout_s=30)
+        assert wait_until(lambda: not server.queue.busy, timeout_s=600)  # only a hang trips it
         m = metrics(server.url)
         assert m["colibri_generations_total{reason=cancelled}"] == before + 1
         assert m["colibri_cancel_overrun_tokens"] <= 1
