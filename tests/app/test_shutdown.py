@@ -81,7 +81,7 @@ SCRIPT = textwrap.dedent(r'''
         app.quit()
 
     def poll():
-        if time.monotonic() - t0 > 60:
+        if time.monotonic() - t0 > 600:  # only a hang trips it
             print("timeout waiting for the task", flush=True)
             os._exit(3)
         if w.currentId() == wz.PAGE_CHECK and w.check is not None:
@@ -104,7 +104,7 @@ SCRIPT = textwrap.dedent(r'''
 def test_closing_during_a_wizard_task_exits_cleanly(tmp_path, mode):
     env = dict(os.environ, QT_QPA_PLATFORM="offscreen", PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-c", SCRIPT, mode, str(tmp_path)], capture_output=True, text=True,
-                       timeout=180, env=env, cwd=str(ROOT))
+                       timeout=900, env=env, cwd=str(ROOT))
     out = r.stdout + r.stderr[-3000:]
     assert "closing" in r.stdout, out
     assert r.returncode == 0, f"exit code {r.returncode} (-6 = SIGABRT)\n{out}"
