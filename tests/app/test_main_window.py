@@ -216,13 +216,28 @@ def test_a_history_locked_by_another_program_is_shown_read_only(qtbot, app_dirs,
         holder.wait(120)
 
 
-def test_a_200_kb_paste_does_not_freeze_the_window(qtbot, make_window):
+def test_a_200_kb_paste_does_not_freeze_the_window(qtbot, make_window, monkeypatch):
     """The worker tokenizes a 200 KB paste (the tiny model refuses it as too long): a QTimer on
-    the GUI thread records its gaps meanwhile. Holding the GIL for the encode made the worst
-    gap the whole encode (~0.3 s idle, seconds under load). The bound: 100 ms, or a third of
-    the send-to-refusal time when the machine is so busy that this is longer (scheduling
-    delays stretch the gaps and the encode alike; a held GIL makes the gap most of it)."""
+    the GUI thread stamps its ticks meanwhile. Holding the GIL for the encode made the window
+    freeze for the whole encode (~0.3 s idle, seconds under load): no tick can run inside it
+    then, but one at each edge. So the test counts the GUI thread's ticks inside the
+    tokenizer's call, which a busy machine does not turn into a failure (a bound on the worst
+    gap did: scheduling delays at load ~20 stretch the gaps more than the encode); the worst
+    gap is in the failure message."""
     from PySide6.QtCore import QTimer
+
+    import engine.tokenizer as T
+    calls = []  # (start, end) of each long text's encode, on the worker thread
+    real_encode = T.Tokenizer.encode
+
+    def encode(self, text, add_special_tokens=False):
+        t = time.perf_counter()
+        try:
+            return real_encode(self, text, add_special_tokens)
+        finally:
+            if len(text) >= 100_000:
+                calls.append((t, time.perf_counter()))
+    monkeypatch.setattr(T.Tokenizer, "encode", encode)
     win = make_window()
     text = ("Hello world, this is a pasted log line number 12345 with some words. " * 3000)[:200_000]
     win.chat.input.setPlainText(text)
@@ -236,12 +251,13 @@ def test_a_200_kb_paste_does_not_freeze_the_window(qtbot, make_window):
     qtbot.waitUntil(lambda: len(stamps) >= 2, timeout=1_800_000)
     win.chat.send_btn.click()
     t0 = time.perf_counter()                     # from the end of the click's own work
-    qtbot.waitUntil(lambda: bool(ended), timeout=600000)
+    qtbot.waitUntil(lambda: bool(ended), timeout=1_800_000)
     timer.stop()
-    took = ended[0] - t0
+    assert calls, "the paste was not tokenized"
     gaps = [b - a for a, b in zip(stamps, stamps[1:]) if a >= t0 and b <= ended[0]]
-    worst = max(gaps)
-    assert gaps and worst < max(0.1, took / 3), (worst, took)
+    for start, end in calls:
+        inside = [s for s in stamps if start < s < end]
+        assert len(inside) >= 3, (len(inside), end - start, max(gaps, default=None))
     # refused, as too long: the banner follows the worker's signal through the GUI thread's queue
     qtbot.waitUntil(lambda: "tokens" in win.banner.text.text(), timeout=1_800_000)
 
