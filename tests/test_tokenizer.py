@@ -155,37 +155,33 @@ def test_round_trip(tok, text):
 
 def test_encoding_a_long_text_lets_other_threads_run(tok):
     """A 200 KB paste is tokenized on the app's worker thread: the encode must release the GIL
-    or the window freezes for the whole of it. A ticker thread measures its longest gap while
-    this thread encodes. The bound is relative (half the encode's own duration), so a busy
-    machine that slows both threads alike does not trip it; holding the GIL makes the gap the
-    whole encode."""
+    or the window freezes for the whole of it. A ticker thread stamps its ticks while this
+    thread encodes: holding the GIL leaves no tick in the middle half of the encode (a few at
+    its edges at most), releasing it lets the ticker run; counted, not timed, so a busy
+    machine does not trip it."""
     import threading
     import time
     text = ("Hello world, this is a small test of the tokenizer. " * 4000)[:200_000]
     assert tok.encode(text) == list(tok.backend_tokenizer.encode(text, add_special_tokens=False).ids)
-    stop, ready, gaps = threading.Event(), threading.Event(), []
+    stop, ready, stamps = threading.Event(), threading.Event(), []
 
     def tick():
-        last = time.perf_counter()
         ready.set()
         while not stop.is_set():
+            stamps.append(time.perf_counter())
             time.sleep(0.001)
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
 
     t = threading.Thread(target=tick)
     t.start()
     assert ready.wait(600)
-    n0 = len(gaps)
     t0 = time.perf_counter()
     tok.encode(text)
-    took = time.perf_counter() - t0
-    n1 = len(gaps)
+    t1 = time.perf_counter()
     stop.set()
     t.join()
-    during = gaps[n0:n1 + 1]
-    assert during and max(during) < took / 2, (max(during), took)
+    q = (t1 - t0) / 4  # the middle half: a held GIL can still let a tick or two in at the edges
+    inside = [s for s in stamps if t0 + q < s < t1 - q]
+    assert len(inside) >= 3, (len(inside), t1 - t0)
 
 
 def test_add_special_tokens_adds_single_bos(tok):

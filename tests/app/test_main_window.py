@@ -219,8 +219,8 @@ def test_a_history_locked_by_another_program_is_shown_read_only(qtbot, app_dirs,
 def test_a_200_kb_paste_does_not_freeze_the_window(qtbot, make_window, monkeypatch):
     """The worker tokenizes a 200 KB paste (the tiny model refuses it as too long): a QTimer on
     the GUI thread stamps its ticks meanwhile. Holding the GIL for the encode made the window
-    freeze for the whole encode (~0.3 s idle, seconds under load): no tick can run inside it
-    then, but one at each edge. So the test counts the GUI thread's ticks inside the
+    freeze for the whole encode (~0.3 s idle, seconds under load): no tick can run in it then,
+    but at its edges. So the test counts the GUI thread's ticks in the middle half of the
     tokenizer's call, which a busy machine does not turn into a failure (a bound on the worst
     gap did: scheduling delays at load ~20 stretch the gaps more than the encode); the worst
     gap is in the failure message."""
@@ -256,7 +256,8 @@ def test_a_200_kb_paste_does_not_freeze_the_window(qtbot, make_window, monkeypat
     assert calls, "the paste was not tokenized"
     gaps = [b - a for a, b in zip(stamps, stamps[1:]) if a >= t0 and b <= ended[0]]
     for start, end in calls:
-        inside = [s for s in stamps if start < s < end]
+        q = (end - start) / 4  # the middle half: a held GIL can still let a tick in at the edges
+        inside = [s for s in stamps if start + q < s < end - q]
         assert len(inside) >= 3, (len(inside), end - start, max(gaps, default=None))
     # refused, as too long: the banner follows the worker's signal through the GUI thread's queue
     qtbot.waitUntil(lambda: "tokens" in win.banner.text.text(), timeout=1_800_000)
