@@ -428,7 +428,7 @@ def test_reserve_and_fill_stay_inside_the_ram_budget(tiny_store, monkeypatch):
             assert c is holder["cache"] and c.cap == 3 and c.grow_ok is not None
             if c._populater is None or not c._populater.is_alive():
                 pytest.skip("no MADV_POPULATE_WRITE here")
-            assert c.wait_populated(timeout=60.0) and c.wait_filled(timeout=60.0)
+            assert c.wait_populated(timeout=600.0) and c.wait_filled(timeout=600.0)
             assert c.grow_stopped and int(c._faulted.sum()) <= 5
             if over.get("idle_fill"):
                 assert c.stats.fill_loads <= 5
@@ -445,14 +445,14 @@ def test_reserve_cache_setting_reserves_the_whole_cap(tiny_store):
     with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, reserve_cache=True,
                                   cap=3)) as eng:
         assert eng.cache.populate_ahead == eng.cache.max_cap == 3
-        assert eng.cache.wait_populated(timeout=60.0)
+        assert eng.cache.wait_populated(timeout=600.0)
         if eng.cache._populater is not None and eng.cache._populater.is_alive():
             assert eng.cache._faulted.all()
     with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, cap=3)) as eng:
         assert eng.cache.populate_ahead == 2
     with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, idle_fill=True)) as eng:
         assert eng.cache.fill and eng.cache._filler is not None  # started after the warm-up
-        assert eng.cache.wait_filled(timeout=60.0)
+        assert eng.cache.wait_filled(timeout=600.0)
         assert eng.cache.residency().all()  # the tiny store fits: wholly resident, then all-resident decode
         req = GenerateRequest(prompt_ids=(5, 6, 7), sampling=SamplingParams(max_new_tokens=3))
         assert list(eng.generate(req))[-1].error == ""

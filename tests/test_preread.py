@@ -31,7 +31,7 @@ def test_a_first_answer_after_the_pass_reads_no_expert_on_demand(medium_store):
     cfg = dict(store=str(medium_store), history=False, o_direct=False, pinning=False, ram_budget_gb=4.0)
     with Engine.open(EngineConfig(**cfg)) as eng:
         assert eng.config.idle_fill  # the default
-        assert eng.cache.wait_filled(timeout=120.0)
+        assert eng.cache.wait_filled(timeout=600.0)
         assert eng.cache.residency().all()
         on = _answer(eng)
         assert eng.cache.stats.misses == 0 and eng.cache.stats.demand_bytes == 0
@@ -58,7 +58,7 @@ def _recording_store(path, gate_first_run: threading.Event | None = None):
             if first_run:
                 run_started.set()
         if first_run and gate_first_run is not None:
-            assert gate_first_run.wait(60.0)
+            assert gate_first_run.wait(600.0)
         n = real(fd, bufs, offset)
         with lock:
             calls.append((offset, len(bufs), n))
@@ -77,7 +77,7 @@ def test_the_pass_reads_back_to_back_slabs_in_one_read_each_run(medium_store):
     cache = ExpertCache(store, L, E, E, policy="lru", io_threads=1, fill=True)
     try:
         cache.pass_run = 6  # runs of 6, 6, 4 slabs per layer
-        assert cache.start_fill() and cache.wait_filled(timeout=60.0)
+        assert cache.start_fill() and cache.wait_filled(timeout=600.0)
         assert cache.residency().all() and cache.stats.read_errors == 0
         assert cache.stats.fill_loads == L * E and cache.stats.demand_bytes == 0
         assert [c[1] for c in calls] == [6, 6, 4] * L
@@ -114,7 +114,7 @@ def test_a_demand_read_during_the_pass_goes_first(medium_store):
     try:
         cache.pass_run = 4
         assert cache.start_fill()
-        assert run_started.wait(60.0)
+        assert run_started.wait(600.0)
         last = (L - 1, E - 1)
         cache.prepare(L - 1, [E - 1])
         v = cache.acquire(*last)  # served while the pass's first run is held
@@ -123,7 +123,7 @@ def test_a_demand_read_during_the_pass_goes_first(medium_store):
         assert cache.stats.demand_bytes == store.slot_bytes and cache.stats.misses == 1
         assert calls == [(store.experts[last[0]][last[1]]["offset"], 1, store.slot_bytes)]
         gate.set()
-        assert cache.wait_filled(timeout=60.0)
+        assert cache.wait_filled(timeout=600.0)
         assert cache.residency().all()
         # after the demand read: the held run, then the rest of the pass (the demanded expert
         # not read again)
@@ -152,7 +152,7 @@ def test_a_held_pass_reads_nothing_until_released(medium_store):
             assert cache.stats.fill_loads == 0 and cache._fill_inflight == 0 and calls == []
         assert cache.fill_pending() == a.num_moe_layers * a.num_experts
         cache.release_fill()
-        assert cache.wait_filled(timeout=60.0) and cache.residency().all()
+        assert cache.wait_filled(timeout=600.0) and cache.residency().all()
     finally:
         cache.close()
         store.close()
@@ -170,7 +170,7 @@ def test_a_first_answer_asked_at_open_follows_the_pass(medium_store, monkeypatch
     real = ExpertStore.read_run
 
     def gated(self, *args, **kwargs):
-        assert gate.wait(60.0)
+        assert gate.wait(600.0)
         return real(self, *args, **kwargs)
     monkeypatch.setattr(ExpertStore, "read_run", gated)
 
@@ -216,11 +216,11 @@ def test_a_full_arena_is_asked_onto_huge_pages_once(medium_store, monkeypatch):
     calls, done = _spy_collapses(monkeypatch)
     cfg = dict(store=str(medium_store), history=False, o_direct=False, pinning=False, ram_budget_gb=4.0)
     with Engine.open(EngineConfig(**cfg)) as eng:
-        assert eng.cache.wait_filled(timeout=120.0) and eng.cache.residency().all()
-        assert done.wait(120.0)
+        assert eng.cache.wait_filled(timeout=600.0) and eng.cache.residency().all()
+        assert done.wait(600.0)
         _answer(eng)  # a pass woken again finds the arena collapsed already
         eng.cache.start_fill()
-        assert eng.cache.wait_filled(timeout=120.0)
+        assert eng.cache.wait_filled(timeout=600.0)
         assert calls == [(eng.cache.arena.ctypes.data, eng.cache.arena.nbytes)]
 
 
@@ -232,8 +232,8 @@ def test_no_collapse_while_an_answer_holds_the_pass(medium_store, monkeypatch):
     cfg = dict(store=str(medium_store), history=False, o_direct=False, pinning=False, ram_budget_gb=4.0)
     with Engine.open(EngineConfig(**cfg)) as eng:
         c = eng.cache
-        assert c.wait_filled(timeout=120.0) and c.residency().all()
-        assert done.wait(120.0)            # collapsed once nothing held it
+        assert c.wait_filled(timeout=600.0) and c.residency().all()
+        assert done.wait(600.0)            # collapsed once nothing held it
         # as if it had not collapsed yet, then an answer holds the pass (hold_fill), or lets the pass
         # run to follow it (begin_answer): no collapse until its end wakes the pass, which collapses
         for hold, release in ((c.hold_fill, c.release_fill), (c.begin_answer, c.end_answer)):
@@ -243,7 +243,7 @@ def test_no_collapse_while_an_answer_holds_the_pass(medium_store, monkeypatch):
             c.collapse_full()
             assert len(calls) == n and not c._collapsed
             release()
-            deadline = time.monotonic() + 120  # only a hang trips it
+            deadline = time.monotonic() + 600  # only a hang trips it
             while len(calls) == n and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert len(calls) == n + 1

@@ -118,7 +118,7 @@ def _hold_lock(path):
 
 def _release(proc):
     proc.stdin.close()
-    assert proc.wait(120) == 0
+    assert proc.wait(600) == 0
 
 
 def _history_with_a_chat(p, journal_mode):

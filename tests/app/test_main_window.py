@@ -213,7 +213,7 @@ def test_a_history_locked_by_another_program_is_shown_read_only(qtbot, app_dirs,
         assert not list(p.parent.glob(p.name + ".corrupt-*"))
     finally:
         holder.stdin.close()
-        holder.wait(120)
+        holder.wait(600)
 
 
 def test_a_200_kb_paste_does_not_freeze_the_window(qtbot, make_window, monkeypatch):

@@ -27,7 +27,7 @@ def rec_wizard(qtbot, monkeypatch, app_dirs):
     measured = threading.Event()  # the disk test waits for the test to let it finish
 
     def disk(folder, files=()):
-        measured.wait(60)
+        measured.wait(600)
         return lib.DiskSpeed(DISK_SPEED["bytes"], 1.0 if DISK_SPEED["bytes"] else 0.0, "O_DIRECT", str(folder))
     monkeypatch.setattr(lib, "disk_read_speed", disk)
     w = wz.ModelWizard(None, context_length=0, recommendations=True)
