@@ -177,7 +177,9 @@ class ExpertCache:
         self.checksum = checksum
         self._verified = np.zeros((num_layers, num_experts), dtype=bool)
         # module globals looked up here, so that a test can replace them
-        self._arena = Arena(num_layers, cap, self.slot_bytes, mapping_room=_mapping_room, madvise=_populate_call())
+        # a cap of every expert fills every slot: the whole arena on huge pages from the first read
+        self._arena = Arena(num_layers, cap, self.slot_bytes, mapping_room=_mapping_room, madvise=_populate_call(),
+                            whole=cap == num_experts and slots in (None, num_layers * cap))
         self.arena = self._arena.array
         self.huge_bytes = self._arena.huge_bytes
         self.slot_expert = np.full((num_layers, cap), -1, np.int32)
