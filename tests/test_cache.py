@@ -575,8 +575,8 @@ def test_huge_page_advice_covers_whole_blocks_inside_each_slot_only():
 
 
 @pytest.mark.skipif(not _THP, reason="Linux /proc, MADV_HUGEPAGE and a kernel with transparent huge pages only")
-def test_a_cap_of_every_expert_advises_the_whole_arena_as_huge_pages(monkeypatch):
-    """A cap that holds every expert fills every slot, so the whole arena is advised at once
+def test_an_arena_that_will_be_filled_is_advised_whole_as_huge_pages(monkeypatch):
+    """A cap that holds every expert, or a pre-read that fills the cap, fills every slot, so the whole arena is advised at once
     (one mapping, whatever the room for more): the blocks two slots share are on huge pages
     from their first read, not only after the collapse that waits for the first answer's end."""
     import engine.expert_cache as ec
@@ -593,6 +593,15 @@ def test_a_cap_of_every_expert_advises_the_whole_arena_as_huge_pages(monkeypatch
         got = _huge_advised_ranges(base, base + nbytes)
         assert got and got[0][0] <= base and got[-1][1] >= base + nbytes
         assert all(a2 == b1 for (_, b1), (a2, _) in zip(got, got[1:]))  # one unbroken span
+        assert cache.huge_bytes >= nbytes
+    finally:
+        cache.close()
+    # a cap under the experts that the pre-read (fill) fills: every slot is filled too
+    cache = ExpertCache(Store(), 2, 5, 4, policy="lru", io_threads=1, fill=True)
+    try:
+        base, nbytes = cache.arena.ctypes.data, cache.arena.nbytes
+        got = _huge_advised_ranges(base, base + nbytes)
+        assert got and got[0][0] <= base and got[-1][1] >= base + nbytes
         assert cache.huge_bytes >= nbytes
     finally:
         cache.close()

@@ -100,10 +100,13 @@ def _advise_huge_interiors(mm: mmap.mmap, base: int, slot_bytes: int, nslots: in
 
 def _advise_huge_whole(mm: mmap.mmap, slot_bytes: int) -> int:
     """Advise the whole map ``mm`` as transparent huge pages (one mapping, no split), for an
-    arena every slot of which will be filled (a cap of every expert: the store fits), so the
-    blocks two slots share are faulted in on huge pages too, at the fill, instead of waiting
-    for a collapse (MADV_COLLAPSE) the first answer would run without. Returns the bytes
-    advised (0 where the platform or the kernel refuses, or slots are under one huge page).
+    arena every slot of which will be filled (a cap of every expert, or the pre-read filling
+    the cap), so the blocks two slots share are faulted in on huge pages too, at the fill,
+    instead of waiting for a collapse (MADV_COLLAPSE) the first answer would run without. A
+    slot's read may then fault in the head of its neighbour (at most one huge page per slot
+    boundary, inside the arena the plan counted whole); giving a slot back splits the huge
+    pages it shares and frees its own. Returns the bytes advised (0 where the platform or the
+    kernel refuses, or slots are under one huge page).
 
     Measured (tools/micro_arena.py, OLMoE-1B-7B slabs, 2 threads, this VM): K.experts_q4_t1
     1011 us per call with the interiors advised, 917 us with the whole map advised, 931 us
