@@ -22,21 +22,22 @@ Hugging Face names, the checkpoint-name mapping, the forward).
 from __future__ import annotations
 
 import logging
-import math
-import mmap
 import threading
-from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
 import numpy as np
 
 from ..errors import Cancelled
-from ..quant import deinterleave_q4, huge_empty, kind_of
+from ..quant import huge_empty, kind_of
 from ..observers import ObserverList
 from ..ram_budget import release_compiler_memory
 from .routing import route_tokens
 from .args import (ModelArgs, check_not_gguf, common_args, expert_groups, flag, int_list, num,  # noqa: F401
                    register_family_lookup, rope_theta, rope_type, sparse_layers, yarn_params)
+from .ops import (kv_zeros, linear_views, mean_router_probs, mlp_views, route, rope_tables,  # noqa: F401
+                  run_expert, softmax_rows, yarn_mscale)
+from .tensors import (EXPERT_PROJS, ExpertNames, Tensor, attention_tensors, decoder_tensors,  # noqa: F401
+                      expert_shapes, global_tensors, hf_names, layers_of_type, mlp_tensors, tensor_params)
 
 from ..kernel_choice import K
 
@@ -58,145 +59,6 @@ DECODE_T1 = True  # a decode step's layers in one K.decode_layers_t1 call where 
 PREFILL_BY_LAYER = True
 PREFILL_WAVE = 2048
 KV_DTYPES = {"f16": np.uint16, "f32": np.float32}  # KV cache element: IEEE half bits or float32
-EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # slab field names (store canonical)
-
-
-# --- checkpoint-name mapping ------------------------------------------------------------------
-
-class Tensor(NamedTuple):
-    """One resident tensor: Hugging Face name -> store canonical name.
-
-    kind: "keep" (stored float32 as is: norms, routers, biases, gates) or "quant" (a matrix
-    stored in the store's dense quantization). split: "" (stored as one tensor named
-    ``ours``) or the name of a family transform that stores it as several tensors (MLA's
-    kv_b_proj: ``family.split_shapes(args, t)`` lists them, ``family.split_tensor(args, t, w)``
-    makes them from the float32 checkpoint tensor).
-    """
-
-    hf: str
-    ours: str
-    shape: tuple[int, ...]
-    kind: str
-    split: str = ""
-
-
-@dataclass(frozen=True)
-class ExpertNames:
-    """Where layer ``layer``'s routed experts live in a checkpoint.
-
-    Per-expert names (published checkpoints, and transformers' save_pretrained):
-    ``f"{prefix}{e}.{hf_proj[p]}.weight"`` for p in gate_proj / up_proj / down_proj.
-    Fused 3-D names (transformers 5's in-memory layout, written by some tools):
-    ``{fused_prefix}gate_up_proj`` [E, 2I, D] (gate rows first, then up) and
-    ``{fused_prefix}down_proj`` [E, D, I].
-    """
-
-    layer: int
-    prefix: str
-    hf_proj: dict = field(default_factory=lambda: {p: p for p in EXPERT_PROJS})
-    fused_prefixes: tuple[str, ...] = ()
-
-    def name(self, e: int, proj: str) -> str:
-        return f"{self.prefix}{e}.{self.hf_proj[proj]}.weight"
-
-
-def attention_tensors(args: ModelArgs, i: int) -> list[Tensor]:
-    """Norms and attention of transformer layer i (q/k norms and biases as args say)."""
-    D, S = args.hidden_size, args.head_dim
-    hp, cp = f"model.layers.{i}.", f"layers.{i}."
-    out = [Tensor(hp + "input_layernorm.weight", cp + "input_layernorm", (D,), "keep"),
-           Tensor(hp + "post_attention_layernorm.weight", cp + "post_attention_layernorm", (D,), "keep")]
-    for p, o in (("q_proj", args.q_dim), ("k_proj", args.kv_dim), ("v_proj", args.kv_dim)):
-        out.append(Tensor(f"{hp}self_attn.{p}.weight", cp + p, (o, D), "quant"))
-    out.append(Tensor(hp + "self_attn.o_proj.weight", cp + "o_proj", (D, args.q_dim), "quant"))
-    if args.qk_norm != "none":
-        qn, kn = (args.q_dim, args.kv_dim) if args.qk_norm == "proj" else (S, S)
-        out += [Tensor(hp + "self_attn.q_norm.weight", cp + "q_norm", (qn,), "keep"),
-                Tensor(hp + "self_attn.k_norm.weight", cp + "k_norm", (kn,), "keep")]
-    if args.attention_bias:
-        out += [Tensor(f"{hp}self_attn.{p}.bias", f"{cp}{p}.bias", (o,), "keep")
-                for p, o in (("q_proj", args.q_dim), ("k_proj", args.kv_dim), ("v_proj", args.kv_dim))]
-    return out
-
-
-def mlp_tensors(hf_prefix: str, our_prefix: str, D: int, I: int) -> list[Tensor]:
-    """A resident SwiGLU MLP (dense layer or shared expert): gate/up [I, D], down [D, I]."""
-    return [Tensor(f"{hf_prefix}gate_proj.weight", our_prefix + "gate_proj", (I, D), "quant"),
-            Tensor(f"{hf_prefix}up_proj.weight", our_prefix + "up_proj", (I, D), "quant"),
-            Tensor(f"{hf_prefix}down_proj.weight", our_prefix + "down_proj", (D, I), "quant")]
-
-
-def global_tensors(args: ModelArgs) -> list[Tensor]:
-    """Embeddings, final norm and lm_head (the tied embedding when tie_word_embeddings)."""
-    D, V = args.hidden_size, args.vocab_size
-    lm = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
-    return [Tensor("model.embed_tokens.weight", "embed_tokens", (V, D), "quant"),
-            Tensor("model.norm.weight", "norm", (D,), "keep"),
-            Tensor(lm, "lm_head", (V, D), "quant")]
-
-
-def decoder_tensors(args: ModelArgs, block: str = "mlp", shared: str = "mlp.shared_expert.",
-                    attention=None) -> list[Tensor]:
-    """Every resident tensor of a pre-norm MoE decoder, Hugging Face -> store names.
-
-    ``block``: the module holding the router and experts ("mlp" for OLMoE / Qwen,
-    "block_sparse_moe" for Mixtral). MoE layers: router ``{block}.gate.weight`` [E, D] ->
-    ``layers.i.router`` (float32), plus the shared expert (``mlp.shared_expert.*`` ->
-    ``layers.i.shared_expert.*``, ``mlp.shared_expert_gate.weight`` [1, D]) when args has one.
-    Dense layers: ``mlp.{gate,up,down}_proj`` -> ``layers.i.mlp.*``. ``shared``: the shared
-    expert's module prefix (DeepSeek / GLM: "mlp.shared_experts."); its gate only when
-    ``args.shared_expert_gated``; the router's ``e_score_correction_bias`` [E] ->
-    ``layers.i.router_bias`` when ``args.router_bias``. ``attention``: the family's
-    ``(args, i) -> [Tensor]`` for layer i's norms and attention (default
-    :func:`attention_tensors`).
-    """
-    D, E = args.hidden_size, args.num_experts
-    moe = set(args.moe_layers)
-    out: list[Tensor] = []
-    for i in range(args.num_hidden_layers):
-        hp, cp = f"model.layers.{i}.", f"layers.{i}."
-        out += (attention or attention_tensors)(args, i)
-        if i in moe:
-            out.append(Tensor(f"{hp}{block}.gate.weight", cp + "router", (E, D), "keep"))
-            if args.router_bias:
-                out.append(Tensor(f"{hp}{block}.gate.e_score_correction_bias", cp + "router_bias", (E,), "keep"))
-            Is = args.shared_expert_intermediate_size
-            if Is:
-                out += mlp_tensors(hp + shared, cp + "shared_expert.", D, Is)
-                if args.shared_expert_gated:
-                    out.append(Tensor(hp + "mlp.shared_expert_gate.weight", cp + "shared_expert_gate", (1, D), "keep"))
-        else:
-            out += mlp_tensors(hp + "mlp.", cp + "mlp.", D, args.intermediate_size)
-    return out + global_tensors(args)
-
-
-def expert_shapes(args: ModelArgs) -> dict[str, tuple[int, int]]:
-    D, I = args.hidden_size, args.moe_intermediate_size
-    return {"gate_proj": (I, D), "up_proj": (I, D), "down_proj": (D, I)}
-
-
-def hf_names(family, args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every tensor a per-expert checkpoint of ``family`` holds, with its shape, in a fixed
-    order (global tensors, then layer by layer: resident tensors, then experts; the seeded
-    synthetic checkpoints draw tensor n from the seed [seed, n], so the order is part of them)."""
-    tensors = family.dense_tensors(args)
-    names = {t.hf: t.shape for t in tensors if not t.hf.startswith("model.layers.")}
-    by_layer: dict[int, list[Tensor]] = {}
-    for t in tensors:
-        if t.hf.startswith("model.layers."):
-            by_layer.setdefault(int(t.hf.split(".")[2]), []).append(t)
-    shapes = expert_shapes(args)
-    moe = set(args.moe_layers)
-    for i in range(args.num_hidden_layers):
-        names.update({t.hf: t.shape for t in by_layer.get(i, [])})
-        if i in moe and hasattr(family, "expert_tensors"):  # fused experts only (gpt-oss)
-            names.update(family.expert_tensors(args, i))
-        elif i in moe:
-            en = family.expert_names(args, i)
-            for e in range(args.num_experts):
-                for p in EXPERT_PROJS:
-                    names[en.name(e, p)] = shapes[p]
-    return names
 
 
 # --- arithmetic -----------------------------------------------------------------------------
@@ -312,219 +174,9 @@ class LinearGroup:
         return outs
 
 
-def layers_of_type(layer_types: tuple[str, ...], kind: str) -> tuple[int, ...]:
-    """The indices of the transformer layers whose ``layer_types`` entry is ``kind``."""
-    return tuple(i for i, t in enumerate(layer_types) if t == kind)
-
-
-def tensor_params(args, tensors) -> int:
-    """Parameters of ``tensors`` (the family's dense_tensors), a tied lm_head counted once."""
-    return sum(int(np.prod(t.shape)) for t in tensors
-               if not (args.tie_word_embeddings and t.ours == "lm_head"))
-
-
-def linear_views(kind: str, v: dict, proj: str, x: np.ndarray, out: np.ndarray, gs: int) -> np.ndarray:
-    """out[T, O] = x[T, N] @ W^T (+ the bias "{proj}.b" when the slab holds one) for the
-    projection ``proj`` of the slab views ``v`` at weight kind ``kind``."""
-    if kind == "gguf":  # GGUF blocks as published: the slab's header names the projection's type
-        from .. import kernels_gguf
-        from ..gguf_blocks import PROJS
-        kernels_gguf.linear(x, v[proj + ".q"], int(v["types"][PROJS.index(proj)]), out)
-        b = v.get(proj + ".b")
-        if b is not None:
-            out += b
-        return out
-    w, s = v[proj + ".w"], v.get(proj + ".s")
-    if kind == "int8":
-        K.linear_q8(x, w, s, out)
-    elif kind == "int4" and w.ndim == 3:  # interleaved slab (store format 4)
-        if K.q4_interleaved_ok(gs):
-            K.linear_q4i(x, w, s, gs, out)
-        else:
-            K.linear_q4(x, deinterleave_q4(w), s, gs, out)
-    elif kind == "int4":
-        K.linear_q4(x, w, s, gs, out)
-    elif kind == "mxfp4":
-        K.linear_mxfp4(x, w, s, out)
-    elif kind == "f16":
-        K.linear_f16(x, w, K.F16_TABLE, out)
-    else:
-        K.linear_f32(x, w, out)
-    b = v.get(proj + ".b")
-    if b is not None:
-        out += b
-    return out
-
-
-def run_expert(kind: str, v: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray, gs: int) -> None:
-    """out[T, D] = down(silu(gate(x)) * up(x)) for x [T, D] with the weight views ``v``
-    (slab fields "gate_proj.w", "gate_proj.s", ...); h [T, I] is scratch. int4 weights stored
-    interleaved (3-D views, store format 4) run K.expert_q4i, or, on a CPU without the SIMD
-    int4 kernels, K.expert_q4 on row-major copies: the same values either way. "gguf": a
-    GGUF-born slab's blocks as published (engine.kernels_gguf)."""
-    if kind == "gguf":
-        from .. import kernels_gguf
-        kernels_gguf.run_expert(v, x, h, out)
-        return
-    if kind == "mxfp4":  # no fused kernel: three MXFP4 matmuls
-        u = linear_views(kind, v, "up_proj", x, np.empty_like(h), gs)
-        linear_views(kind, v, "gate_proj", x, h, gs)
-        h *= u / (np.float32(1.0) + np.exp(-h))
-        linear_views(kind, v, "down_proj", h, out, gs)
-        return
-    if kind == "int8":
-        K.expert_q8(x, v["gate_proj.w"], v["gate_proj.s"], v["up_proj.w"], v["up_proj.s"],
-                    v["down_proj.w"], v["down_proj.s"], h, out)
-    elif kind == "int4" and v["gate_proj.w"].ndim == 3:
-        if K.q4_interleaved_ok(gs):
-            K.expert_q4i(x, v["gate_proj.w"], v["gate_proj.s"], v["up_proj.w"], v["up_proj.s"],
-                         v["down_proj.w"], v["down_proj.s"], gs, h, out)
-        else:
-            K.expert_q4(x, deinterleave_q4(v["gate_proj.w"]), v["gate_proj.s"], deinterleave_q4(v["up_proj.w"]),
-                        v["up_proj.s"], deinterleave_q4(v["down_proj.w"]), v["down_proj.s"], gs, h, out)
-    elif kind == "int4":
-        K.expert_q4(x, v["gate_proj.w"], v["gate_proj.s"], v["up_proj.w"], v["up_proj.s"],
-                    v["down_proj.w"], v["down_proj.s"], gs, h, out)
-    elif kind == "f16":
-        K.expert_f16(x, v["gate_proj.w"], v["up_proj.w"], v["down_proj.w"], K.F16_TABLE, h, out)
-    else:
-        K.expert_f32(x, v["gate_proj.w"], v["up_proj.w"], v["down_proj.w"], h, out)
-
-
-def kv_zeros(shape: tuple[int, ...], dtype) -> np.ndarray:
-    """A zeroed array for a KV cache whose memory the OS maps page by page as positions are
-    first written: a private anonymous mapping (zero pages on first touch), advised against
-    transparent huge pages where the platform has the advice (a 2 MB page faulted in for one
-    position of each head would map the whole cache within a few tokens). A KV cache laid out
-    position by position along its context axis then holds, in RAM, the positions the
-    conversation has reached, not the whole context: the RAM the rest would take is the expert
-    cache's until the context grows (engine.sizing.KV_OPEN_TOKENS). Values are those of
-    np.zeros."""
-    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-    if n == 0:
-        return np.zeros(shape, dtype)
-    if hasattr(mmap, "MAP_PRIVATE") and hasattr(mmap, "MAP_ANONYMOUS"):
-        mm = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    else:
-        mm = mmap.mmap(-1, n)  # Windows: private pagefile-backed memory, committed on first touch
-    if hasattr(mmap, "MADV_NOHUGEPAGE"):
-        try:
-            mm.madvise(mmap.MADV_NOHUGEPAGE)
-        except OSError:
-            pass
-    return np.frombuffer(mm, dtype).reshape(shape)
-
-
-def rope_tables(head_dim: int, theta: float, n_pos: int,
-                scaling: tuple[tuple[str, float], ...] = ()) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin float32 [n_pos, head_dim // 2], computed in float32 as transformers does
-    (inv_freq = 1 / theta^(2j / S); angle = pos * inv_freq). ``head_dim``: the rotated width.
-
-    ``scaling`` (YaRN, :func:`yarn_params`): inv_freq blended between interpolated
-    (inv / factor) and extrapolated frequencies by a linear ramp between the dimensions of
-    beta_fast and beta_slow rotations over original_max_position_embeddings, and cos/sin
-    multiplied by the attention factor (0.1 ln(factor) + 1, or the mscale / mscale_all_dim
-    ratio); source: transformers' modeling_rope_utils._compute_yarn_parameters (after Peng et
-    al. 2023, "YaRN: Efficient Context Window Extension of Large Language Models").
-    """
-    inv = (np.float32(1.0) / (np.float32(theta) ** (np.arange(0, head_dim, 2, dtype=np.float32)
-                                                    / np.float32(head_dim)))).astype(np.float32)
-    factor = np.float32(1.0)
-    if scaling:
-        inv, factor = _yarn(head_dim, theta, dict(scaling))
-    ang = np.arange(n_pos, dtype=np.float32)[:, None] * inv[None, :]  # [C, S/2]
-    return (np.cos(ang) * factor).astype(np.float32), (np.sin(ang) * factor).astype(np.float32)
-
-
-def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's attention temperature 0.1 * mscale * ln(scale) + 1 (1 when scale <= 1)."""
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def _yarn(dim: int, base: float, p: dict) -> tuple[np.ndarray, np.float32]:
-    """(inv_freq float32 [dim/2], attention factor): transformers' _compute_yarn_parameters."""
-    factor = p["factor"]
-    orig = p["original_max_position_embeddings"]
-    if "attention_factor" in p:
-        att = p["attention_factor"]
-    elif p.get("mscale") and p.get("mscale_all_dim"):
-        att = yarn_mscale(factor, p["mscale"]) / yarn_mscale(factor, p["mscale_all_dim"])
-    else:
-        att = yarn_mscale(factor)
-
-    def correction_dim(rot):
-        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = correction_dim(p["beta_fast"] or 32.0), correction_dim(p["beta_slow"] or 1.0)
-    if p.get("truncate", 1.0):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    pos_freqs = np.float32(base) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
-    extra = np.float32(1.0) / pos_freqs
-    inter = np.float32(1.0) / (np.float32(factor) * pos_freqs)
-    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
-    extra_factor = np.float32(1.0) - ramp
-    inv = inter * (np.float32(1.0) - extra_factor) + extra * extra_factor
-    return inv.astype(np.float32), np.float32(att)
-
-
-_LAST_PROBS: tuple | None = None  # (logits array, its softmax) of the last route() call
-
-
-def route(router_logits: np.ndarray, k: int, norm_topk_prob: bool) -> tuple[np.ndarray, np.ndarray]:
-    """Softmax over all experts, top-k (lowest id on ties), optional renormalisation
-    (K.route_softmax: the numba kernel and its numpy twin give the same bits).
-
-    router_logits float32 [T, E] -> (indices int64 [T, K], weights float32 [T, K]).
-    Mixtral's "softmax over the selected logits" equals this with norm_topk_prob=True.
-    """
-    global _LAST_PROBS
-    T, E = router_logits.shape
-    idx = np.empty((T, k), np.int64)
-    w = np.empty((T, k), np.float32)
-    p = np.empty((T, E), np.float32)
-    K.route_softmax(np.ascontiguousarray(router_logits, np.float32), k, bool(norm_topk_prob), idx, w, p)
-    _LAST_PROBS = (router_logits, p)  # mean_router_probs of the same logits reuses it
-    return idx, w
-
-
-def mean_router_probs(router_logits: np.ndarray) -> np.ndarray:
-    """Mean over rows of the router softmax: float32 [T, E] logits -> float32 [E] probabilities
-    (the per-call input of the cache's "ema" eviction policy). The softmax :func:`route` just
-    computed of the same logits array is reused (the same values either way)."""
-    last = _LAST_PROBS
-    if last is not None and last[0] is router_logits:
-        p = last[1]
-    else:
-        T, E = router_logits.shape
-        p = np.empty((T, E), np.float32)
-        K.route_softmax(np.ascontiguousarray(router_logits, np.float32), 1, False, np.empty((T, 1), np.int64),
-                        np.empty((T, 1), np.float32), p)
-    if p.shape[0] == 1:  # the mean of one row is the row (x / 1 is exact)
-        return p[0]
-    return p.mean(axis=0, dtype=np.float32)
-
-
-def softmax_rows(router_logits: np.ndarray) -> np.ndarray:
-    """The router softmax of each row: float32 [n, E] logits -> float32 [n, E] probabilities,
-    by the kernel :func:`route` uses (K.route_softmax), so row i equals
-    ``mean_router_probs(router_logits[i:i + 1])``."""
-    n, E = router_logits.shape
-    p = np.empty((n, E), np.float32)
-    K.route_softmax(np.ascontiguousarray(router_logits, np.float32), 1, False, np.empty((n, 1), np.int64),
-                    np.empty((n, 1), np.float32), p)
-    return p
-
 
 _T1_FIELDS = ("gate_proj.w", "gate_proj.s", "up_proj.w", "up_proj.s", "down_proj.w", "down_proj.s")
 _ARENA_DTYPES = {"int4": (np.dtype(np.uint8), np.dtype(np.uint16)), "int8": (np.dtype(np.int8), np.dtype(np.float32))}
-
-
-def mlp_views(dense: dict, prefix: str) -> dict:
-    return {f"{p}.{k}": dense[f"{prefix}{p}.{k}"] for p in EXPERT_PROJS for k in ("w", "s")
-            if f"{prefix}{p}.{k}" in dense}
 
 
 class MoEModel:
