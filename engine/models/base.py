@@ -1,6 +1,16 @@
-"""Building blocks shared by every model family: config validation helpers, the common
-``ModelArgs``, the checkpoint-name mapping types, and the decoder (attention, RMSNorm, RoPE,
-router, routed experts through an ``ExpertProvider``, dense MLP, shared expert).
+"""The decoder every model family shares, ``MoEModel``, and the names the family files use
+(re-exported here from models/args.py, tensors.py and ops.py, so a family file reads
+``base.num``, ``base.Tensor``, ``base.run_expert``...).
+
+``MoEModel`` composes its concerns from one module each: attention (attention.py: GQA over a
+positional KV cache), the MoE block (moe_block.py: router, routed experts through the
+``ExpertProvider``, shared expert, dense MLP) and the fused decode step (fused_decode.py: runs
+of resident layers in one K.decode_layers_t1 call). This file keeps the model's state (weights,
+KV cache, RoPE tables), speculation's rollback (rewind / verify / accept), the layer loops
+(forward, prefill by layer) and the one place that chooses between the two decoders:
+:meth:`MoEModel._decode_plan` (with ``_attention_t1_args`` and ``_OVERRIDABLE``), which gives the
+fused step only to a model whose every step is the shared one. A family that overrides a step
+in its own file keeps the per-layer forward, with the same values.
 
 Key: T tokens in this call, D hidden, V vocab, E experts, K experts per token, I expert width,
 H query heads, Hkv KV heads, S head size, C context capacity, L transformer layers,
@@ -21,7 +31,6 @@ Hugging Face names, the checkpoint-name mapping, the forward).
 
 from __future__ import annotations
 
-import logging
 import threading
 from typing import Protocol
 
@@ -30,18 +39,17 @@ import numpy as np
 from ..errors import Cancelled
 from ..quant import huge_empty, kind_of
 from ..observers import ObserverList
-from ..ram_budget import release_compiler_memory
-from .routing import route_tokens
 from .args import (ModelArgs, check_not_gguf, common_args, expert_groups, flag, int_list, num,  # noqa: F401
                    register_family_lookup, rope_theta, rope_type, sparse_layers, yarn_params)
 from .ops import (kv_zeros, linear_views, mean_router_probs, mlp_views, route, rope_tables,  # noqa: F401
                   run_expert, softmax_rows, yarn_mscale)
+from .attention import Attention
+from .fused_decode import FusedDecode
+from .moe_block import _ARENA_DTYPES, _T1_FIELDS, MoEBlock  # noqa: F401
 from .tensors import (EXPERT_PROJS, ExpertNames, Tensor, attention_tensors, decoder_tensors,  # noqa: F401
                       expert_shapes, global_tensors, hf_names, layers_of_type, mlp_tensors, tensor_params)
 
 from ..kernel_choice import K
-
-log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 128
 # int4 attention matrices stored row-interleaved (Linear.interleave, K.linear_q4i): a decode step
@@ -174,12 +182,7 @@ class LinearGroup:
         return outs
 
 
-
-_T1_FIELDS = ("gate_proj.w", "gate_proj.s", "up_proj.w", "up_proj.s", "down_proj.w", "down_proj.s")
-_ARENA_DTYPES = {"int4": (np.dtype(np.uint8), np.dtype(np.uint16)), "int8": (np.dtype(np.int8), np.dtype(np.float32))}
-
-
-class MoEModel:
+class MoEModel(Attention, MoEBlock, FusedDecode):
     """Resident dense weights + KV cache + an ExpertProvider: the decoder every family shares
     (pre-norm blocks: x += attn(norm(x)); x += mlp(norm(x))).
 
@@ -327,18 +330,15 @@ class MoEModel:
             x[:] = w[ids]
         return x
 
-    def qk_norm(self, i: int, q: np.ndarray, k: np.ndarray) -> None:
-        """In place: OLMoE ("proj") normalises the whole projection [T, H*S]; Qwen3 ("head")
-        each head's S values (rows of the [T*H, S] view)."""
-        a, ly = self.args, self.layers[i]
-        if a.qk_norm == "proj":
-            K.rmsnorm(q, ly["q_norm"], a.rms_norm_eps, q)
-            K.rmsnorm(k, ly["k_norm"], a.rms_norm_eps, k)
-        elif a.qk_norm == "head":
-            S = a.head_dim
-            q2, k2 = q.reshape(-1, S), k.reshape(-1, S)
-            K.rmsnorm(q2, ly["q_norm"], a.rms_norm_eps, q2)
-            K.rmsnorm(k2, ly["k_norm"], a.rms_norm_eps, k2)
+    # --- which decoder runs: the fused path's guard ----------------------------------------------
+    # The per-layer forward (attention.py, moe_block.py, the loops below) is the reference; the
+    # fused kernels (K.attention_t1, K.decode_layers_t1) compute the same values for the plain
+    # layer. A model takes them only when nothing here says otherwise: a family that overrides a
+    # step in _OVERRIDABLE, or whose arrays are not the kinds the kernels read, keeps the
+    # per-layer path. Tests turn the fused path off (ATTENTION_T1, DECODE_T1) to compare.
+
+    _OVERRIDABLE = ("forward", "attention", "mlp", "moe", "route", "router_logits", "moe_norm", "_moe_t1",
+                    "expert_forward", "qk_norm", "_attend", "_kv_append", "_kv_write", "embed")
 
     def _attention_t1_args(self, i: int) -> tuple | None:
         """The fixed arguments of K.attention_t1 for transformer layer i, or None when the layer
@@ -368,409 +368,6 @@ class MoEModel:
                     ly["q_norm"] if qkn else none, ly["k_norm"] if qkn else none, o.w, o.s)
         memo[i] = args
         return args
-
-    def attention(self, i: int, x: np.ndarray, pos0: int) -> np.ndarray:
-        a, ly = self.args, self.layers[i]
-        T = x.shape[0]
-        H, Hkv, S = a.num_attention_heads, a.num_key_value_heads, a.head_dim
-        if T == 1:
-            f = self._attention_t1_args(i)
-            if f is not None:  # one kernel call, the same values as the steps below
-                ln_w, eps, w, s, gs, qkn, qn_w, kn_w, ow, osc = f
-                out = np.empty_like(x)
-                K.attention_t1(x, ln_w, eps, w, s, gs, qkn, qn_w, kn_w, self.cos[pos0:pos0 + 1],
-                               self.sin[pos0:pos0 + 1], self.k_cache[i], self.v_cache[i], pos0, self.scale,
-                               ow, osc, np.empty_like(x), np.empty((1, H * S), np.float32),
-                               np.empty((1, Hkv * S), np.float32), np.empty((1, Hkv * S), np.float32),
-                               np.empty((1, H * S), np.float32), out)
-                return out
-        h = np.empty_like(x)  # [T, D]
-        K.rmsnorm(x, ly["input_layernorm"], a.rms_norm_eps, h)
-        q, k, v = ly["qkv"](h, (np.empty((T, H * S), np.float32),  # [T, H*S]
-                                np.empty((T, Hkv * S), np.float32),  # [T, Hkv*S]
-                                np.empty((T, Hkv * S), np.float32)))  # [T, Hkv*S]
-        self.qk_norm(i, q, k)
-        if a.clip_qkv is not None:
-            for t in (q, k, v):
-                np.clip(t, -a.clip_qkv, a.clip_qkv, out=t)
-        q3 = q.reshape(T, H, S)
-        k3 = k.reshape(T, Hkv, S)
-        cos, sin = self.cos[pos0:pos0 + T], self.sin[pos0:pos0 + T]
-        if self.rotary_dim == S:
-            K.rope(q3, cos, sin)
-            K.rope(k3, cos, sin)
-        else:  # partial rotary (GLM): the first rotary_dim values of each head turn
-            R = self.rotary_dim
-            for t3 in (q3, k3):
-                part = np.ascontiguousarray(t3[:, :, :R])
-                K.rope(part, cos, sin)
-                t3[:, :, :R] = part
-        self._kv_append(i, pos0, k3, v.reshape(T, Hkv, S))
-        att = np.empty((T, H, S), np.float32)  # [T, H, S]
-        kc, vc = self.k_cache[i], self.v_cache[i]
-        w = self.windows[i]
-        # Sliding window w: the query at position p sees keys p - w + 1 .. p (transformers'
-        # mask kv_idx > q_idx - w). Queries at p < w see every earlier key (one causal call);
-        # later ones attend a cache view starting at their window's first key.
-        n_full = T if not w else min(T, max(0, w - pos0))
-        sinks = ly.get("sinks")  # gpt-oss: a learned sink logit per head joins the softmax
-        if n_full:
-            self._attend(q3[:n_full], kc, vc, pos0, sinks, att[:n_full])
-        for t in range(n_full, T):
-            j0 = pos0 + t - w + 1
-            self._attend(q3[t:t + 1], kc[:, j0:], vc[:, j0:], w - 1, sinks, att[t:t + 1])
-        return ly["o_proj"](att.reshape(T, H * S), np.empty_like(x))  # [T, D]
-
-    def draft_attention(self, j: int, x: np.ndarray, pos: int) -> np.ndarray | None:
-        """Attention of MoE layer ``j``'s decoder layer on a draft residual x float32 [1, D] at
-        position ``pos``, for a look ahead (PILOT's draft, engine/prefetch.py): float32 [1, D],
-        the model left as it was (the KV rows the call writes at ``pos`` are put back). None
-        when the family computes attention its own way (MLA, linear attention: more state than
-        one row), or pos is outside the context; the caller then predicts without it."""
-        if type(self).attention is not MoEModel.attention or x.shape[0] != 1 or not 0 <= pos < self.C:
-            return None
-        i = self.moe_layer_ids[j]
-        k_row, v_row = self.k_cache[i, :, pos].copy(), self.v_cache[i, :, pos].copy()
-        try:
-            return self.attention(i, x, pos)
-        finally:
-            self.k_cache[i, :, pos] = k_row
-            self.v_cache[i, :, pos] = v_row
-
-    def _attend(self, q, kc, vc, pos0, sinks, out) -> None:
-        if sinks is None:
-            K.attention(q, kc, vc, pos0, self.scale, out)
-        else:
-            K.attention_sink(q, kc, vc, pos0, self.scale, sinks, out)
-
-    def _kv_append(self, r: int, pos0: int, k3: np.ndarray, v3: np.ndarray) -> None:
-        """Store the K and V rows k3, v3 float32 [T, Hkv, S] of positions pos0..pos0+T-1 in
-        row r of the KV cache (k_cache / v_cache [L, Hkv, C, S])."""
-        T = k3.shape[0]
-        self._kv_write(self.k_cache[r, :, pos0:pos0 + T].transpose(1, 0, 2), k3)  # [T, Hkv, S] views
-        self._kv_write(self.v_cache[r, :, pos0:pos0 + T].transpose(1, 0, 2), v3)
-
-    def _kv_write(self, dst: np.ndarray, src: np.ndarray) -> None:
-        """Write float32 K or V rows src into the cache slice dst (same shape, 2-D or 3-D, any
-        strides) as the cache holds them: float32 as is; f16 rounded to nearest even and
-        clipped to the finite half range, so a huge value stays finite instead of becoming inf
-        (K.kv_put_f16: numpy's rounding bit for bit, without numpy's temporaries)."""
-        if self.kv_dtype == "f32":
-            dst[...] = src
-        elif src.ndim == 2:
-            K.kv_put_f16(src[None], dst[None])
-        else:
-            K.kv_put_f16(src, dst)
-
-    def moe_norm(self, j: int) -> np.ndarray:
-        """post_attention_layernorm weight float32 [D] of MoE layer j (PILOT's predictor input)."""
-        return self.layers[self.moe_layer_ids[j]]["post_attention_layernorm"]
-
-    def router_logits(self, j: int, h: np.ndarray) -> np.ndarray:
-        """Router logits float32 [T, E] of MoE layer j for normed rows h [T, D]."""
-        out = np.empty((h.shape[0], self.args.num_experts), np.float32)  # [T, E]
-        K.linear_f32(h, self.layers[self.moe_layer_ids[j]]["router"], out)
-        return out
-
-    def dense_mlp(self, views: dict, h: np.ndarray, width: int) -> np.ndarray:
-        """A resident SwiGLU MLP (dense layer or shared expert) of width ``width`` on h [T, D]."""
-        out = np.empty_like(h)
-        run_expert(self.dense_quant, views, h, np.empty((h.shape[0], width), np.float32), out, self.gs)
-        return out
-
-    def mlp(self, i: int, x: np.ndarray) -> np.ndarray:
-        """The feed-forward half of transformer layer i on x [T, D]: routed experts (plus the
-        shared expert, if any) on MoE layers, the resident MLP on dense layers."""
-        j = self.moe_index[i]
-        if j >= 0:
-            return self.moe(j, x)
-        a = self.args
-        h = np.empty_like(x)
-        K.rmsnorm(x, self.layers[i]["post_attention_layernorm"], a.rms_norm_eps, h)
-        return self.dense_mlp(self.layers[i]["mlp"], h, a.intermediate_size)
-
-    def moe(self, j: int, x: np.ndarray) -> np.ndarray:
-        """Routed experts of MoE layer j for the rows of x [T, D]; returns [T, D].
-
-        Rows are grouped by expert so each routed expert is acquired once per call (never once
-        per (token, rank): the prefill "reload storm"); outputs are combined in rank order.
-        A shared expert (Qwen2-MoE) is resident and added as sigmoid(gate(h)) * shared(h).
-        """
-        a = self.args
-        ly = self.layers[self.moe_layer_ids[j]]
-        T, D = x.shape
-        h = np.empty_like(x)
-        K.rmsnorm(x, ly["post_attention_layernorm"], a.rms_norm_eps, h)
-        logits = self.router_logits(j, h)  # [T, E]
-        idx, w = self.route(j, logits)  # [T, K]
-        self.observers.publish("on_route", j, idx, logits)
-        fields = self._t1_plan() if T == 1 else None
-        if fields is not None:
-            moe = self._moe_t1(j, h, idx, w, fields, x)
-        else:
-            moe = self._moe_grouped(j, h, idx, w)
-        if "shared_expert" in ly:
-            s = self.dense_mlp(ly["shared_expert"], h, a.shared_expert_intermediate_size)
-            if ly["shared_expert_gate"] is not None:
-                g = np.empty((T, 1), np.float32)
-                K.linear_f32(h, ly["shared_expert_gate"], g)
-                s *= np.float32(1.0) / (np.float32(1.0) + np.exp(-g))
-            moe += s
-        return moe
-
-    def _t1_plan(self) -> np.ndarray | None:
-        """The byte offsets int64 [6] inside an expert's slab of its six weight arrays
-        (_T1_FIELDS) when a decode step's resident experts can run in one K.experts_q4_t1 /
-        _q8_t1 call reading the cache arena in place: int4 or int8 experts whose slab layout
-        has the dtypes those kernels read, the SwiGLU expert, a provider with the arena and
-        ``take_split`` (ExpertCache), and for interleaved slabs a CPU that runs the interleaved
-        kernels (K.q4_interleaved_ok); else None (the grouped path). Memoised."""
-        memo = self._t1_memo
-        if memo is None:
-            ex = self.experts
-            fields = None
-            layout = getattr(getattr(ex, "store", None), "layout", None)
-            want = _ARENA_DTYPES.get(self.expert_quant)
-            if (want is not None and layout is not None and hasattr(ex, "take_split")
-                    and isinstance(getattr(ex, "arena", None), np.ndarray)
-                    and type(self).expert_forward is MoEModel.expert_forward
-                    and (not self._slabs_interleaved() or K.q4_interleaved_ok(self.gs))):
-                at = {name: (int(off), np.dtype(dt)) for name, off, dt, shape in layout["fields"]}
-                if all(f in at and at[f][1] == want[k % 2] for k, f in enumerate(_T1_FIELDS)):
-                    fields = np.array([at[f][0] for f in _T1_FIELDS], np.int64)
-            memo = self._t1_memo = (fields,)
-        return memo[0]
-
-    def _moe_t1(self, j: int, h: np.ndarray, idx: np.ndarray, w: np.ndarray, fields: np.ndarray,
-                x: np.ndarray | None = None) -> np.ndarray:
-        """The routed experts of a decode step (h [1, D] normed, idx/w [1, K] by rank): the
-        experts resident at lookup time in one kernel call reading their slabs in the cache
-        arena (K.experts_q4_t1 / _q8_t1; fields: _t1_plan's offsets inside a slab), then each
-        miss as its read completes, by :func:`run_expert`. Every expert's row is bit-identical
-        to :meth:`_moe_grouped`'s and the rows are combined in the same rank order, so the
-        values do not depend on which experts were hits.
-
-        With misses, before waiting for the first: ``on_moe_wait(j, x + the hits' weighted
-        outputs, wait_s)`` to subscribers (x float32 [1, D], the residual the MoE block adds to;
-        wait_s the cache's estimate of the seconds until the misses are in), the draft residual
-        PILOT predicts the next layer from while the disk reads. It is a separate array; the
-        layer's output is computed as without it."""
-        D = h.shape[1]
-        Kk = idx.shape[1]
-        ranked = idx[0]
-        order = np.argsort(ranked, kind="stable")  # rank positions of the experts, ascending ids
-        cache = self.experts
-        hits, slots, misses = cache.take_split(j, ranked[order])
-        y = np.empty((1, Kk, D), np.float32)  # [1, K, D] by rank
-        try:
-            if hits:
-                # rank position of each hit: the ascending ids that hit, in order
-                pos = order if not misses else order[np.isin(ranked[order], hits)]
-                offs = cache.slot_offsets(j, slots)[:, None] + fields[None, :]  # [n, 6]
-                I = self.args.moe_intermediate_size
-                scratch = np.empty((len(hits), I), np.float32)
-                out = np.empty((len(hits), D), np.float32)
-                if self.expert_quant == "int4":
-                    K.experts_q4_t1(h, cache.arena, offs, I, self.gs, scratch, out, self._slabs_interleaved())
-                else:
-                    K.experts_q8_t1(h, cache.arena, offs, I, scratch, out)
-                y[0, pos] = out
-        finally:
-            cache.release_slots(j, slots)
-        if misses:
-            rank_of = {int(e): k for k, e in enumerate(ranked.tolist())}
-            if x is not None and self.observers.has("on_moe_wait"):
-                for e in misses:  # the draft: the missing experts' rows count as zero
-                    y[0, rank_of[e]] = 0.0
-                draft = np.empty((1, D), np.float32)
-                K.combine_ranked(y, w, draft)
-                draft += x
-                est = getattr(cache, "wait_estimate", None)
-                self.observers.publish("on_moe_wait", j, draft, est(j, misses) if est is not None else 0.0)
-            scratch = np.empty((1, self.args.moe_intermediate_size), np.float32)
-            for e in misses:
-                views = cache.acquire(j, e)
-                try:
-                    k = rank_of[e]
-                    self.expert_forward(views, h, scratch, y[0, k:k + 1])
-                finally:
-                    cache.release(j, e)
-        moe = np.empty((1, D), np.float32)
-        K.combine_ranked(y, w, moe)
-        return moe
-
-    def _moe_grouped(self, j: int, h: np.ndarray, idx: np.ndarray, w: np.ndarray) -> np.ndarray:
-        """The routed experts for rows h [T, D] (normed), idx/w [T, K] by rank: rows grouped
-        by expert, each expert acquired once and run on all its rows, combined by rank."""
-        a = self.args
-        T, D = h.shape
-        Kk = idx.shape[1]
-        # Group the T*K (token, rank) entries by expert with one stable sort: entry n = t*K + k,
-        # so each expert's entries come out in ascending token order, contiguous; its tokens'
-        # rows are gathered once into xs and its outputs land in one slice of outs.
-        flat = idx.reshape(-1)
-        by_e = np.argsort(flat, kind="stable")  # [T*K]
-        sorted_e = flat[by_e]
-        uniq, first = np.unique(sorted_e, return_index=True)  # ascending expert ids
-        bounds = dict(zip(uniq.tolist(), zip(first.tolist(), first[1:].tolist() + [len(flat)])))
-        if T > 1 and self._sorted_ok():
-            return self._moe_sorted(j, h, w, by_e, uniq, bounds)
-        order = self.experts.prepare(j, uniq)
-        xs = h if T == 1 else h[by_e // Kk]  # [T*K, D] (T = 1: each expert sees the one row)
-        outs = np.empty((T * Kk, D), np.float32)  # [T*K, D] in expert-sorted order
-        scratch = np.empty((T, a.moe_intermediate_size), np.float32)  # [T, I]
-        # A provider that computes experts elsewhere (engine/cluster.py) sends their rows now,
-        # computes nothing of them here (its prepare returned only the local ones) and fills
-        # their rows of outs in collect, while the local experts run below: the same rows,
-        # the same kernel, so the sum below is the same.
-        dispatch = getattr(self.experts, "dispatch", None)
-        call = dispatch(j, xs, bounds, T == 1) if dispatch is not None else None
-        for e in (uniq.tolist() if order is None else order):  # order never changes values
-            lo, hi = bounds[int(e)]
-            n = hi - lo
-            views = self.experts.acquire(j, int(e))
-            try:
-                self.expert_forward(views, xs if T == 1 else xs[lo:hi], scratch[:n], outs[lo:hi])
-            finally:
-                self.experts.release(j, int(e))
-        if call is not None:
-            call.collect(outs, xs, scratch)
-        y = np.empty((T * Kk, D), np.float32)
-        y[by_e] = outs
-        y = y.reshape(T, Kk, D)  # [T, K, D] by rank
-        moe = np.empty((T, D), np.float32)
-        K.combine_ranked(y, np.ascontiguousarray(w, dtype=np.float32), moe)
-        return moe
-
-    def _sorted_ok(self) -> bool:
-        """Whether a prefill chunk's resident experts can run in one K.experts_q4_sorted call:
-        int4 experts with half-precision scales (store format 3), the SwiGLU expert, a
-        provider that keeps the slabs in one arena (ExpertCache) and computes nothing
-        elsewhere (no cluster dispatch), and for interleaved slabs a CPU that runs the
-        interleaved kernels (K.q4_interleaved_ok)."""
-        ok = self._sorted_memo
-        if ok is None:
-            ex = self.experts
-            ok = (self.expert_quant == "int4" and type(self).expert_forward is MoEModel.expert_forward
-                  and isinstance(getattr(ex, "arena", None), np.ndarray)
-                  and hasattr(ex, "prepare_split") and hasattr(ex, "acquire_many")
-                  and getattr(ex, "dispatch", None) is None and self.args.hidden_size % 2 == 0
-                  and (not self._slabs_interleaved() or K.q4_interleaved_ok(self.gs))
-                  and self.args.moe_intermediate_size % self.gs == 0 and self.args.hidden_size % self.gs == 0)
-            self._sorted_memo = ok
-        return ok
-
-    def _slabs_interleaved(self) -> bool:
-        """Whether the store's int4 expert slabs hold interleaved weights (store format 4: the
-        layout's w fields are 3-D, engine.quant.interleave_q4); the arena kernels then read them
-        with il=True. Memoised."""
-        il = self._il_memo
-        if il is None:
-            layout = getattr(getattr(self.experts, "store", None), "layout", None)
-            il = self._il_memo = bool(layout) and any(len(f[3]) == 3 for f in layout["fields"])
-        return il
-
-    def _arena_offsets(self, j: int, e: int, views: dict) -> np.ndarray | None:
-        """Byte offsets int64 [6] in the cache arena of expert e's six weight arrays
-        (_T1_FIELDS), for the kernels that read slabs in place (experts_q4_t1 / _q8_t1 /
-        experts_q4_sorted), or None when a view does not have the dtype they read (int4: uint8
-        nibbles and uint16 half scales; int8: int8 and float32), is not contiguous, or its
-        weights' layout (3-D: interleaved) is not the store's; memoised per (layer, expert)
-        while the cache hands out the same views dict (a reload makes a new one)."""
-        memo = self._offs_memo.get((j, e))
-        if memo is not None and memo[0] is views:
-            return memo[1]
-        want = _ARENA_DTYPES.get(self.expert_quant)
-        base = self.experts.arena.ctypes.data
-        offs = np.empty(6, np.int64)
-        for f, name in enumerate(_T1_FIELDS):
-            v = views[name]
-            if (want is None or v.dtype != want[f % 2] or not v.flags.c_contiguous
-                    or (f % 2 == 0 and (v.ndim == 3) != self._slabs_interleaved())):
-                return None
-            offs[f] = v.ctypes.data - base
-        self._offs_memo[(j, e)] = (views, offs)
-        return offs
-
-    def _moe_sorted(self, j: int, h: np.ndarray, w: np.ndarray, by_e: np.ndarray, uniq: np.ndarray,
-                    bounds: dict) -> np.ndarray:
-        """_moe_grouped's experts for a prefill chunk (h [T, D] normed, w [T, K]; by_e, uniq,
-        bounds: the entries grouped by expert): the experts resident at prepare time in one
-        K.experts_q4_sorted call reading their slabs in the arena, then each miss as its read
-        completes (run_expert on its gathered rows); the outputs combined in rank order by
-        K.combine_sorted. Every row is bit-identical to one expert_q4 call per expert, so the
-        values do not depend on which experts were resident."""
-        a = self.args
-        T, D = h.shape
-        Kk = w.shape[1]
-        M = by_e.shape[0]
-        tok = by_e // Kk  # [M] the row of h of each expert-ordered entry
-        outs = np.empty((M, D), np.float32)  # [M, D] in expert-sorted order
-        hits, misses = self.experts.prepare_split(j, uniq.tolist())
-        if hits:
-            views = self.experts.acquire_many(j, hits)
-            try:
-                offs = [self._arena_offsets(j, e, v) for e, v in zip(hits, views)]
-                if any(o is None for o in offs):  # not in the arena: one expert at a time
-                    run, misses = [], sorted(hits + misses)
-                else:
-                    run = hits
-                if run:
-                    spans = [bounds[e] for e in run]
-                    starts = np.zeros(len(run) + 1, np.int64)
-                    starts[1:] = np.cumsum([hi - lo for lo, hi in spans])
-                    every = len(run) == len(uniq)  # all resident: straight into outs
-                    # else the hits' entries, contiguous per expert, into a buffer of their
-                    # own, then copied into their rows of outs
-                    sel = None if every else np.concatenate([np.arange(lo, hi) for lo, hi in spans])
-                    n = M if every else len(sel)
-                    part = outs if every else np.empty((n, D), np.float32)
-                    K.experts_q4_sorted(h, tok if every else tok[sel], starts, self.experts.arena, np.stack(offs),
-                                        a.moe_intermediate_size, self.gs, K.current_threads(),
-                                        np.empty((n, a.moe_intermediate_size), np.float32), part,
-                                        self._slabs_interleaved())
-                    if not every:
-                        outs[sel] = part
-            finally:
-                self.experts.release_many(j, hits)
-        if misses:
-            scratch = np.empty((T, a.moe_intermediate_size), np.float32)  # [T, I]
-            for e in misses:
-                lo, hi = bounds[int(e)]
-                views = self.experts.acquire(j, int(e))
-                try:
-                    self.expert_forward(views, h[tok[lo:hi]], scratch[:hi - lo], outs[lo:hi])
-                finally:
-                    self.experts.release(j, int(e))
-        pos = np.empty(M, np.int64)
-        pos[by_e] = np.arange(M)
-        moe = np.empty((T, D), np.float32)
-        K.combine_sorted(outs, pos.reshape(T, Kk), np.ascontiguousarray(w, dtype=np.float32), moe)
-        return moe
-
-    def expert_forward(self, views: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray) -> None:
-        """One routed expert on rows x [T, D] into out [T, D] (h [T, I] scratch): SwiGLU
-        (:func:`run_expert`); a family with another expert MLP (gpt-oss) overrides it, reading
-        only ``args``, ``expert_quant`` and ``gs`` (engine/cluster.py runs it on workers that
-        hold no dense weights: ``cluster.expert_function``)."""
-        run_expert(self.expert_quant, views, x, h, out, self.gs)
-
-    def route(self, j: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Experts and weights of MoE layer j for router logits float32 [T, E]: (idx int64
-        [T, K] in rank order, w float32 [T, K]). Softmax top-K (:func:`route`) unless the
-        args name another router (engine/models/routing.py: sigmoid, groups, bias)."""
-        a = self.args
-        if a.scoring_func == "softmax" and a.topk_method == "greedy" and a.routed_scaling_factor == 1.0:
-            return route(logits, a.num_experts_per_tok, a.norm_topk_prob)
-        return route_tokens(logits, a.num_experts_per_tok, norm_topk_prob=a.norm_topk_prob,
-                            scoring_func=a.scoring_func, topk_method=a.topk_method, n_group=a.n_group,
-                            topk_group=a.topk_group, routed_scaling_factor=a.routed_scaling_factor,
-                            bias=self.layers[self.moe_layer_ids[j]]["router_bias"])
-
-    # --- a decode step in one call ------------------------------------------------------------
-
-    _OVERRIDABLE = ("forward", "attention", "mlp", "moe", "route", "router_logits", "moe_norm", "_moe_t1",
-                    "expert_forward", "qk_norm", "_attend", "_kv_append", "_kv_write", "embed")
 
     def _decode_plan(self) -> tuple | None:
         """The fixed arguments of K.decode_layers_t1, or None when this model's decode steps
@@ -809,163 +406,6 @@ class MoEModel:
                             self._slabs_interleaved())
         self._dec_memo = (plan,)
         return plan
-
-    def _decode_call(self, plan: tuple, x: np.ndarray, pos: int, kc: np.ndarray, vc: np.ndarray, outs: tuple,
-                     l0: int = 0, forced: np.ndarray | None = None, look: tuple | None = None):
-        """The function that runs K.decode_layers_t1 from layer ``l0`` on ``x`` at ``pos`` with KV
-        caches kc, vc and output arrays ``outs`` (idx, w, logits, ss, pm, nspec, look_logits,
-        upto: :meth:`_decode_outs`) once given the cache's arrays
-        (ExpertCache.take_resident_layers' ``run``, which gets the clock, the taken experts and
-        ``upto``); ``forced`` float32 [L, E]: the router logits to use instead of the routers' (a
-        replayed routing); ``look`` (want bool [L], forced predictor logits float32 [L, E] or
-        None): PILOT's predictions inside the run (Pilot.run_plan; the kernel's ``look``)."""
-        lists, gs, qkn, fields, q4, il = plan
-        a, cache = self.args, self.experts
-        idx, w, logits, ss, pm, nspec, look_logits, upto = outs
-        want, look_forced = look if look is not None else (self._no_look, None)
-
-        def run(where, state, busy, last_use, routed_now, pinned, spec, resident, clock):
-            c = K.decode_layers_t1(
-                x, pos, self.cos[pos:pos + 1], self.sin[pos:pos + 1], kc, vc, self.scale,
-                a.rms_norm_eps, lists["ln"], lists["w"], lists["s"], gs, qkn, lists["qn"], lists["kn"], lists["ow"],
-                lists["os"], lists["post"], lists["router"], a.num_experts_per_tok, bool(a.norm_topk_prob), where,
-                state, busy, last_use, routed_now, pinned, spec, resident, clock, cache.arena, cache.max_cap,
-                cache.slot_bytes, fields, a.moe_intermediate_size, self.gs, q4, il, idx, w, logits, ss, pm, nspec,
-                l0, forced if forced is not None else logits, forced is not None,
-                look is not None, want, look_forced if look_forced is not None else logits, look_forced is not None,
-                look_logits, upto)
-            return c, np.sort(idx, axis=1), ss, pm, nspec, int(upto[0])
-        return run
-
-    def _decode_outs(self) -> tuple:
-        a = self.args
-        L, k, E = a.num_hidden_layers, a.num_experts_per_tok, a.num_experts
-        return (np.empty((L, k), np.int64), np.empty((L, k), np.float32), np.empty((L, E), np.float32),
-                np.empty((L, k), np.int64), np.empty((L, k), np.bool_), np.zeros(L, np.int64),
-                np.zeros((L, E), np.float32), np.zeros(1, np.int64))
-
-    def warm_decode_step(self) -> bool:
-        """Compile (or load from numba's cache) K.decode_layers_t1 for this model's argument
-        types now, so the first all-resident decode step does not compile it while it holds the
-        cache's lock (a fresh install: ~1 min). Runs it once on scratch state: every expert of
-        every layer mapped to slot 0 of a copy of the cache's bookkeeping arrays, a one-position
-        copy of the KV cache, a zero input; the cache, the KV cache and the model are untouched
-        (the arena is only read). Returns whether the model has the one-call decode step."""
-        plan = self._decode_plan()
-        cache = self.experts
-        if plan is None:
-            return False
-        a = self.args
-        L, Hkv, S = self.k_cache.shape[0], self.k_cache.shape[1], self.k_cache.shape[3]
-        kc = np.zeros((L, Hkv, 1, S), self.k_cache.dtype)
-        vc = np.zeros((L, Hkv, 1, S), self.v_cache.dtype)
-        x = np.zeros((1, a.hidden_size), np.float32)
-        run = self._decode_call(plan, x, 0, kc, vc, self._decode_outs())
-        resident = cache.RESIDENT_STATE
-        run(np.zeros_like(cache.where), np.full_like(cache.slot_state, resident), np.zeros_like(cache.slot_busy),
-            np.zeros_like(cache.last_use), np.zeros_like(cache.routed_now), np.zeros_like(cache.pinned),
-            np.zeros_like(cache.slot_spec), resident, 0)
-        return True
-
-    def start_decode_warm(self) -> None:
-        """Compile K.decode_layers_t1 for this model in a background thread (:meth:`warm_decode_step`;
-        numba's cache makes it ~a token's compute after the first time); decode steps use the one
-        call only once it is done (the values are the same either way). On a fresh install the
-        compile takes ~1 min of one core: done before "ready" it kept the app from opening for
-        as long, done at the first all-resident step it ran inside the cache's lock."""
-        if self._decode_plan() is None:
-            return
-
-        def warm():
-            try:
-                self.warm_decode_step()
-                self._decode_ready.set()
-                release_compiler_memory()  # LLVM's pages: loading this kernel was their last use
-            except Exception as e:  # noqa: BLE001 - the per-layer path stays: the same values, slower
-                log.warning("the one-call decode step could not be prepared (%s: %s); decoding layer by layer",
-                            type(e).__name__, e)
-        threading.Thread(target=warm, name="colibri-warm-decode", daemon=True).start()
-
-    def wait_decode_ready(self, timeout: float | None = None) -> bool:
-        """Block until the one-call decode step is compiled (True) or ``timeout`` seconds pass;
-        False at once for a model without it (:meth:`_decode_plan`)."""
-        if self._decode_plan() is None:
-            return False
-        return self._decode_ready.wait(timeout)
-
-    def _decode_step_all(self, x: np.ndarray, pos: int, cancel: threading.Event | None = None) -> bool:
-        """Every layer of a decode step (x float32 [1, D], updated in place), its runs of
-        layers whose experts are resident each in one K.decode_layers_t1 call, when
-        :meth:`_decode_plan` allows it, no method of this object was replaced (but
-        ``forward`` by a wrapper, which reaches this step only through the class's forward, and
-        ``router_logits`` by a replayed routing that also offers ``routing_replay.step_logits(pos)``:
-        engine.trace.RecordedRouting, whose logits the kernel then takes) and every per-layer
-        observer is token-batched (Observer.token_batched). From layer l0 (0 first): token-batched
-        observers get ``on_layer_start`` of layers l0.. (the RSS guard polls there, before any
-        take) and ``on_run_start(l0)`` (PILOT reserves the reads it wants during the run), the
-        kernel runs layers until one has an expert that is not resident
-        (ExpertCache.take_resident_layers, the cache's lock held), then ``on_route`` of the
-        layers it ran, before the cache's bookkeeping of their takes (a layer's LFRU placement
-        reads that layer's routing heat, as in the per-layer path). The layer that stopped it
-        (its attention already run) gets ``on_after_attention``, takes its experts the
-        per-layer way (:meth:`mlp`: misses read, waited for) and gets ``on_after_moe``; the
-        next run starts after it. With PILOT (``run_lookahead``: Pilot.run_plan) the kernel
-        also predicts each next layer and may stop after a layer whose next one's prediction
-        holds an expert not in the cache (``upto``): PILOT queues it (Pilot.on_run_prediction)
-        and the next run starts at that layer. With every expert resident that is
-        one call per step; streaming, one call per run of resident layers instead of ~10
-        kernel launches per layer from Python. The values are bit-identical to the per-layer
-        path, and the cache's state ends as it leaves it (tests/test_families.py). Returns False,
-        having computed nothing, when it does not apply (the per-layer path then publishes
-        on_layer_start again: a second poll finds nothing new). Raises Cancelled when
-        ``cancel`` is set before a layer that waits for its experts (as the per-layer path
-        polls between layers)."""
-        plan = self._decode_plan()
-        cache = self.experts
-        replay = self.routing_replay
-        # (an instance's own ``forward``, a wrapper such as bench.arm's logits hash, runs this
-        # step only through the class's forward: it does not change what the step computes)
-        replaced = [f for f in self._OVERRIDABLE if f in self.__dict__ and f != "forward"]
-        if (plan is None or not self._decode_ready.is_set() or not self.observers.token_batched()
-                or (replaced and not (replay is not None and replaced == ["router_logits"]))):
-            return False
-        obs = self.observers
-        L = self.args.num_hidden_layers
-        forced = replay.step_logits(pos) if replay is not None else None
-        l0 = 0
-        while l0 < L:
-            for j in range(l0, L):
-                obs.publish("on_layer_start", j)
-            obs.publish("on_run_start", l0)
-            outs = self._decode_outs()
-            idx, logits = outs[0], outs[2]
-            lookahead = self.run_lookahead
-            look = lookahead.run_plan(l0) if lookahead is not None else None
-
-            def after_step(stop, l0=l0, idx=idx, logits=logits):  # the hooks before each layer's take
-                if stop > l0:
-                    obs.publish_route_layers(l0, idx[l0:stop], logits[l0:stop])
-            stop = cache.take_resident_layers(
-                self._decode_call(plan, x, pos, self.k_cache, self.v_cache, outs, l0, forced, look), l0, after_step)
-            if stop < 0:  # nothing ran (the cache was closed)
-                if l0 == 0:
-                    return False
-                self._run_layers(x, pos, l0, cancel)  # the rest layer by layer: a closed cache's errors there
-                return True
-            if l0 == 0:
-                self.one_call_steps += 1
-            if stop < L and outs[7][0] == stop:  # stopped for PILOT: layers up to stop - 1 ran in full
-                lookahead.on_run_prediction(stop, outs[6][stop])
-                l0 = stop
-                continue
-            if stop < L:  # its attention ran in the kernel: its experts the per-layer way
-                if cancel is not None and cancel.is_set():
-                    raise Cancelled("cancelled")
-                obs.publish("on_after_attention", stop, x)
-                x += self.mlp(stop, x)
-                obs.publish("on_after_moe", stop, x)
-            l0 = stop + 1
-        return True
 
     # --- forward ----------------------------------------------------------------------------
 
