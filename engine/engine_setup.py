@@ -323,6 +323,23 @@ class EngineSetup:
         """KV cache bytes of the first ``n`` positions (engine.sizing.kv_bytes)."""
         return kv_bytes(self.args, n, self.config.kv_dtype)
 
+    def _scratch_room(self, n: int) -> int:
+        """Before a forward of ``n`` tokens: when the RSS, that forward's activations
+        (MoEModel.forward_scratch_bytes) and the slots it may fill would pass the RAM budget,
+        the expert cache gives back the slots they need (RssGuard.hold_room), before they are
+        allocated. Returns the slots given back, for :meth:`_scratch_back` once the forward is
+        done (its buffers freed)."""
+        lent = self.guard.hold_room(self.model.forward_scratch_bytes(n))
+        if lent:
+            self.sync_pins()
+        return lent
+
+    def _scratch_back(self, slots: int) -> None:
+        """After the forward :meth:`_scratch_room` made room for: the slots it gave back return
+        (empty; the cache fills them as it reads), within the plan."""
+        if slots > 0:
+            self.cache.set_slots(min(self.plan.slots, self.cache.slots + slots))
+
     def _kv_room(self, n: int) -> None:
         """Before a forward that writes KV rows up to position ``n`` - 1: when that passes the
         positions room was made for (in steps of KV_STEP_TOKENS), the expert cache gives back

@@ -265,7 +265,11 @@ class Engine(EngineSetup, PromptFit):
         self._kv_ids = self._kv_ids[:p]
         try:
             self._kv_room(len(ids))
-            logits = self.model.forward(np.asarray(ids[p:]), p, cancel=cancel)
+            lent = self._scratch_room(len(ids) - p)
+            try:
+                logits = self.model.forward(np.asarray(ids[p:]), p, cancel=cancel)
+            finally:
+                self._scratch_back(lent)
             self._stop_following()
             self._kv_ids = list(ids)
             self.heat.tokens += len(ids) - p

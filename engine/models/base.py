@@ -441,6 +441,30 @@ class MoEModel(Attention, MoEBlock, FusedDecode):
                 outs.append(self.logits(x[-1:]))
         return outs[0] if len(outs) == 1 else np.concatenate(outs)
 
+    def forward_scratch_bytes(self, T: int) -> int:
+        """Bytes a :meth:`forward` of ``T`` tokens allocates for its activations at its peak
+        (an estimate from the shapes, float32): the residual of the rows it holds at once, one
+        attention chunk's projections, and the feed-forward of the rows it routes together (the
+        router's rows, the expert inputs and outputs of every (row, rank) gathered, ordered and
+        scattered back, a shared expert's rows). The KV cache's growth is not in it
+        (Engine._kv_room). The layer-by-layer prefill holds every row and routes PREFILL_WAVE
+        at once: 0.5 GB for 2,048 tokens of Qwen3-30B-A3B, more than the runtime reserve of the
+        plan, which inside an 8 GB memory limit was killed by the kernel."""
+        a = self.args
+        by_layer = T > PREFILL_CHUNK and PREFILL_BY_LAYER and self._streams()
+        rows = T if by_layer else min(T, PREFILL_CHUNK)  # residual rows held at once
+        wave = min(T, PREFILL_WAVE) if by_layer else min(T, PREFILL_CHUNK)  # rows routed together
+        chunk = min(T, PREFILL_CHUNK)
+        D, K, E = a.hidden_size, a.num_experts_per_tok, a.num_experts
+        hs, kvs = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+        dense = a.intermediate_size if self.num_moe_layers < a.num_hidden_layers else 0  # dense MLP layers
+        I = max(a.moe_intermediate_size, a.shared_expert_intermediate_size, dense)
+        floats = (2 * rows * D                                 # the residual and its embedding
+                  + chunk * (3 * hs + 2 * kvs + 2 * D)         # q, attention out, k, v, o_proj, norm
+                  + wave * (3 * D + 2 * E + 3 * I)             # normed rows, router, scratch, sum
+                  + 3 * wave * K * D)                          # gathered inputs, outputs, scattered
+        return 4 * floats
+
     def _streams(self) -> bool:
         """Whether the expert provider holds fewer slots than the model has experts
         (ExpertCache.slots): a prompt's chunks may then read again an expert an earlier chunk
