@@ -64,7 +64,7 @@ class ExpertCache(DemandLookups):
         cap: slots per layer (1..num_experts); the arena's width.
         slots: the slots of all layers together (num_layers..num_layers x cap), or None for
             cap in every layer; fewer leave some layers cap - 1 (see :meth:`set_slots`).
-        policy: a name in engine.cache.policy.POLICY_CLASSES ("lru", "lfru", "ema").
+        policy: a name in engine.cache.registry.POLICY_CLASSES ("lru", "lfru", "ema").
         heat: int64 [L, E] routing counts, shared with the engine (read only here).
         checksum: "off" | "first" | "always".
         io_threads: concurrent demand reads (the disk's queue depth).

@@ -25,7 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..events import ABSENT, LOADING as SHOWN_LOADING, PINNED, RESIDENT as SHOWN_RESIDENT
-from .policy import LayerOrder, make_policy
+from .policy import LayerOrder
+from .registry import make_policy
 
 FREE, LOADING, RESIDENT = 0, 1, 2  # slot_state codes (RESIDENT is K.cache_take_resident's ``resident``)
 PROB_EMA_ALPHA = 0.2  # weight of the newest call in the "ema" policy's router-probability EMA
@@ -66,7 +67,7 @@ class SlotTable:
     Args:
         num_layers, num_experts: L and E.
         cap: slots per layer (1..num_experts): the arena's width, ``max_cap``.
-        policy: a name in engine.cache.policy.POLICY_CLASSES.
+        policy: a name in engine.cache.registry.POLICY_CLASSES.
         heat: int64 [L, E] routing counts (read only here), or None for zeros.
         slot_bytes: bytes of one slot (counted in ``stats.spec_wasted_bytes``).
         observers: an ObserverList to publish ``on_evict`` and ``on_pins`` to, or None.
