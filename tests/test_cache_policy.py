@@ -138,3 +138,63 @@ def test_a_registered_policy_is_what_the_cache_and_the_simulator_evict_by(monkey
 def test_an_unknown_policy_names_the_choices():
     with pytest.raises(ValueError, match="unknown cache policy 'fifo'.*lru"):
         make_policy("fifo", np.zeros((1, 2), np.int64), np.zeros((1, 2)), 2)
+
+
+def _random_trace(seed, L=3, E=12, K=3, calls=120):
+    """A random trace with pre-warmed pins in its header, pin events and "ema" probabilities."""
+    rng = np.random.default_rng(seed)
+    heat = rng.integers(0, 20, (L, E))
+    head = {"num_layers": L, "num_experts": E, "top_k": K, "cap": 4, "policy": "lru", "pin_per_layer": 2,
+            "pins": [sorted(rng.choice(E, 2, replace=False).tolist()) for _ in range(L)], "heat": heat.tolist()}
+    recs = []
+    for i in range(calls):
+        if i % 40 == 39:
+            recs.append({"pin": []})
+        rows = [sorted(rng.choice(E, K, replace=False).tolist()) for _ in range(int(rng.integers(1, 4)))]
+        p = rng.random(E)
+        recs.append({"f": i, "l": int(rng.integers(L)), "idx": rows, "p": (p / p.sum()).tolist()})
+    return head, recs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_policy_simulator_counts_what_the_cache_counts(seed):
+    """replay_policy (the slot table alone) and the threaded ExpertCache fed the same calls
+    (prepare, then acquire + release of each expert, pre-warmed pins loaded first) count the
+    same hits, misses and pinned hits, for every policy, with and without pinning."""
+    from engine.expert_cache import ExpertCache
+    from engine.heat import choose_pins, pins_per_layer
+    from engine.trace import _initial_pins, replay_policy
+
+    head, recs = _random_trace(seed)
+    L, E = head["num_layers"], head["num_experts"]
+    for cap in (3, 5, 12):
+        for name in POLICY_CLASSES:
+            for pinning in (False, True):
+                heat = np.asarray(head["heat"], np.int64).copy()
+                cache = ExpertCache(_NullStore(), L, E, cap, name, heat=heat, io_threads=1)
+                try:
+                    pins0 = _initial_pins(head, cap) if pinning else []
+                    if any(pins0):
+                        p = np.zeros((L, E), bool)
+                        for layer, ids in enumerate(pins0):
+                            p[layer, ids] = True
+                        cache.set_pinned(p)
+                        for layer, ids in enumerate(pins0):
+                            cache.load_experts(layer, ids)
+                    for r in recs:
+                        if "pin" in r:
+                            if pinning:
+                                cache.set_pinned(choose_pins(heat, pins_per_layer(cap, head["pin_per_layer"])))
+                            continue
+                        idx = np.asarray(r["idx"], np.int64)
+                        np.add.at(heat[r["l"]], idx.reshape(-1), 1)
+                        cache.observe_probs(r["l"], np.asarray(r["p"], np.float32))
+                        for e in cache.prepare(r["l"], np.unique(idx)):
+                            cache.acquire(r["l"], int(e))
+                            cache.release(r["l"], int(e))
+                    want = (cache.stats.hits, cache.stats.misses, cache.stats.pinned_hits)
+                finally:
+                    cache.close()
+                r = replay_policy(head, recs, cap, name, pinning)
+                assert (r["hits"], r["misses"], r["pinned_hits"]) == want, (cap, name, pinning)
+                assert not pinning or cap < 3 or want[2] > 0
