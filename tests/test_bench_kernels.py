@@ -379,3 +379,4 @@ def test_ours_long_prompt_arm_reports_its_prefill_and_reads(tiny_store):
     r = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("ARM "))[4:])
     assert r["pp40"] > 0 and abs(r["pp40"] - 40 / r["ttft_s"]) < 1e-6 * r["pp40"]
     assert r["expert_gb"] > 0 and r["prefill_read_gb"] >= 0 and r["budget_gb"] == 1.0 and 0 <= r["hit_rate"] <= 1
+    assert r["dense_gb"] > 0 and r["open_to_token_read_gb"] >= r["prefill_read_gb"]

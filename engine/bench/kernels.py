@@ -256,13 +256,16 @@ def _ours_long_prompt(store: str, n: int, threads: int, seed: int, budget_gb: fl
     (the default settings otherwise), then at once an ``n``-token seeded random prompt and one
     token. ``pp<n>``: n / TTFT (tok/s, what the user waits for: the prompt's reads included);
     ``prefill_read_gb``: bytes read from storage from the prompt to its first token (the
-    pre-read's included); ``expert_gb``: the store's expert bytes, the least a prompt that
-    touches every expert reads."""
+    pre-read's included); ``open_to_token_read_gb``: from before the open to the first token
+    (the dense weights, the pre-read and the prompt's reads); ``expert_gb`` and ``dense_gb``: the
+    store's expert bytes (the least a prompt that touches every expert reads) and the rest of
+    its weight files."""
     from .common import forced_stream, run_forced
     from ..config import EngineConfig, ModelArgs
     from ..generate import Engine
     args = ModelArgs.from_hf_config(Path(store) / "config.json")
     t0 = time.perf_counter()
+    r_open = _read_bytes()
     eng = Engine.open(EngineConfig(store=store, ram_budget_gb=budget_gb, pilot=0, pinning=False, history=False,
                                    threads=threads))
     open_s = time.perf_counter() - t0
@@ -272,8 +275,10 @@ def _ours_long_prompt(store: str, n: int, threads: int, seed: int, budget_gb: fl
         fin = run_forced(eng, s[:n], s[n:])
         read = _read_bytes() - r0
         expert = args.num_moe_layers * args.num_experts * eng.store.slot_bytes
+        dense = (Path(store) / eng.store.manifest["dense_file"]).stat().st_size
         return {f"pp{n}": n / fin.ttft_s if fin.ttft_s > 0 else 0.0, "ttft_s": fin.ttft_s, "open_s": open_s,
                 "prefill_read_gb": read / 1e9, "expert_gb": expert / 1e9, "cap": eng.cache.cap,
+                "open_to_token_read_gb": (r0 + read - r_open) / 1e9, "dense_gb": dense / 1e9,
                 "hit_rate": fin.hit_rate, "budget_gb": budget_gb}
     finally:
         eng.close()
@@ -479,7 +484,8 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
         if r.get("compute_s_per_token") is not None and r.get(tg) and bw:
             r["ceiling_tok_s"] = ceiling(r["compute_s_per_token"], r["decode_mb_per_token"], bw / 1e9)[0]
             r["ceiling_share"] = r[tg] / r["ceiling_tok_s"]
-    extra = ["hit_rate", "mb_per_token", "decode_mb_per_token", "prefill_read_gb", "expert_gb", "felt_wait_s",
+    extra = ["hit_rate", "mb_per_token", "decode_mb_per_token", "prefill_read_gb", "open_to_token_read_gb",
+             "expert_gb", "dense_gb", "felt_wait_s",
              "ttft_s", "open_s", "cap",
              f"{tg}_warm", "ceiling_tok_s", "ceiling_share", "read_ahead_kb", "read_bps"]
     med = {}
@@ -509,7 +515,8 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
                                    for k in keys]
     cols += [("hit rate", "hit_rate", ".3f"), ("MB read / token", "mb_per_token", ".1f"),
              ("decode MB / token", "decode_mb_per_token", ".1f"),
-             ("prompt read GB", "prefill_read_gb", ".2f"), ("expert GB", "expert_gb", ".2f"),
+             ("prompt read GB", "prefill_read_gb", ".2f"), ("open to token read GB", "open_to_token_read_gb", ".2f"),
+             ("expert GB", "expert_gb", ".2f"), ("dense GB", "dense_gb", ".2f"),
              ("felt wait s", "felt_wait_s", ".2f"), ("TTFT s", "ttft_s", ".2f"), ("open s", "open_s", ".1f"),
              ("cap", "cap", ".0f"), (f"{tg} warm tok/s", f"{tg}_warm", ".1f"),
              ("ceiling tok/s", "ceiling_tok_s", ".1f"), ("of ceiling", "ceiling_share", ".2f"),
