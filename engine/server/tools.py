@@ -506,6 +506,11 @@ def tool_format(tokenizer) -> ToolFormat | None:
         return KimiFormat()
     if "[TOOL_CALLS]" in sources:
         return MistralFormat()
+    from .call_formats import Gemma4Format, HunyuanFormat, MiniMaxFormat, PythonicFormat
+    for marker, fmt in (("<|tool_call>", Gemma4Format), ("<minimax:tool_call>", MiniMaxFormat),
+                        ("<tool_calls>", HunyuanFormat), ("<|tool_list_start|>", PythonicFormat)):
+        if marker in sources:
+            return fmt()
     if "<arg_key>" in sources:
         return GlmFormat()
     if "<function=" in sources and "<parameter=" in sources:
