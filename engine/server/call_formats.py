@@ -1,4 +1,4 @@
-"""The call formats of Gemma 4, MiniMax-M2, Hunyuan and LFM2 (see :class:`engine.server.tools.ToolFormat`):
+"""The call formats of Gemma 4, MiniMax-M2, Hunyuan and LFM2 (see :class:`engine.server.call_syntax.ToolFormat`):
 each reads the calls its family's published chat template writes for an assistant turn's
 ``tool_calls``, and the calls its model writes.
 """
@@ -9,7 +9,7 @@ import ast
 import json
 import re
 
-from .tools import Call, ToolFormat, _json_object, _param_types, _typed_value
+from .call_syntax import Call, ToolFormat, _json_object, _param_types, _typed_value
 
 
 class _Gemma4Reader:
