@@ -25,7 +25,8 @@ q/k rows are un-permuted back to the rotate-half order the converter permuted th
 ``gpt-oss`` (the experts' biases ``ffn_*_exps.bias`` go into each slab beside the blocks),
 ``deepseek2`` (DeepSeek-V2 / V3, Kimi-K2: MLA, whose ``attn_k_b`` / ``attn_v_b`` are the store's
 absorbed tensors; the router's gating function picks the family), ``glm4moe`` (GLM-4.5 / 4.6),
-``qwen3next`` (its linear-attention tensors mapped back from llama.cpp's layout).
+``qwen3next`` (its linear-attention tensors mapped back from llama.cpp's layout), ``dots1`` and
+``ernie4_5-moe`` (engine.gguf_families).
 
 Errors (one line, before any work, nothing left in DST): not a GGUF, a truncated header, tensor
 data shorter than the header says, a split with a part missing, an architecture or block type
@@ -51,6 +52,7 @@ from .errors import Cancelled, CheckpointError, ConfigError
 from .events import LoadProgress
 from .gguf_blocks import BLOCK_TYPES, PROJS, gguf_slab_layout, row_bytes, type_name
 from .gguf_file import SPLIT_RE, GGUFModel, gguf_files, is_gguf_path  # noqa: F401 - the names callers use
+from . import gguf_families
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +107,8 @@ _ARCH_LAYER_NAMES = {"gpt-oss": {"post_attention_layernorm.weight": "post_attent
                                    "linear_attn.dt_bias": "ssm_dt.bias", "linear_attn.A_log": "ssm_a",
                                    "linear_attn.norm.weight": "ssm_norm.weight",
                                    "linear_attn.out_proj.weight": "ssm_out.weight"}}
+ARCHS.update(gguf_families.ARCHS)
+_ARCH_LAYER_NAMES.update(gguf_families.LAYER_NAMES)
 # Qwen3-Next: llama.cpp's converter writes in_proj_qkvz as two tensors (see GGUFSource._qkvz) and
 # stores these zero-centred norms' weights plus one
 _QWEN3NEXT_QKVZ = ("attn_qkv.weight", "attn_gate.weight")
@@ -165,6 +169,8 @@ def hf_config(g: GGUFModel) -> dict:
     }
     if arch == "deepseek2":
         return _deepseek2_config(g, cfg, E, yarn)
+    if arch in gguf_families.ARCHS:
+        return _special_ids(g, gguf_families.hf_config(g, cfg, E))
     hd = g.key("attention.key_length", optional=True)
     if hd is not None:
         vd = g.key("attention.value_length", optional=True, default=hd)
