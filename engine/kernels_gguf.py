@@ -1,5 +1,10 @@
 """Numba kernels on GGUF's quantized blocks, as a GGUF-born store keeps them (engine.gguf_blocks).
 
+K-quant rows (Q4_K, Q5_K, Q6_K: the types of Q4_K_M, Q5_K_M, Q6_K) run the integer kernels of
+engine.kernels.kquants against 8-bit activations (llama.cpp's Q8_K) when every projection of
+the call is one of them and the CPU has AVX2 (``linear`` and ``run_expert`` choose). Every other
+row, and K-quant rows elsewhere, take the float32 path below:
+
 Each row is decoded block by block into float32 exactly as gguf-py's ``gguf.quants`` decodes it
 (the same float32 operations in the same order, no fused multiply-add: the decoded weights equal
 gguf's bit for bit, tests/test_gguf_import.py), then multiplied with the activations (float32,
@@ -16,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from . import kernels as K
 from .gguf_blocks import BLOCK_TYPES
 from .kernels import _KW, F16_TABLE
 
@@ -342,14 +348,29 @@ def dequantize(t: int, rows: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
+def integer_ok(*ts: int) -> bool:
+    """Whether rows of the ggml types ``ts`` run the integer K-quant kernels here."""
+    return K.KQ_SIMD and all(int(t) in K.KQ_TYPES for t in ts)
+
+
 def linear(x: np.ndarray, w: np.ndarray, t: int, out: np.ndarray) -> np.ndarray:
-    """out[T, O] = x[T, N] @ W^T, W's rows uint8 [O, >= row bytes] of ggml type ``t``."""
+    """out[T, O] = x[T, N] @ W^T, W's rows uint8 [O, >= row bytes] of ggml type ``t`` (K-quant
+    rows: x quantized to Q8_K, integer products; :func:`integer_ok`)."""
+    if integer_ok(t):
+        K.linear_kq(np.ascontiguousarray(x, np.float32), w, int(t), out)
+        return out
     linear_gguf(np.ascontiguousarray(x, np.float32), w, int(t), out, F16_TABLE, IQ4_VALUES, MXFP4_VALUES)
     return out
 
 
 def run_expert(v: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray) -> None:
     """out[T, D] = the SwiGLU expert of a GGUF-born slab's views ``v`` (engine.gguf_blocks) at x
-    float32 [T, D]; h float32 [T, I] scratch."""
+    float32 [T, D]; h float32 [T, I] scratch. All three projections K-quants: the integer
+    kernel (K.expert_kq; :func:`integer_ok`), else the float32 one."""
+    ty = v["types"]
+    if integer_ok(ty[0], ty[1], ty[2]):
+        K.expert_kq(np.ascontiguousarray(x, np.float32), int(ty[0]), int(ty[1]), int(ty[2]), v["gate_proj.q"],
+                    v["up_proj.q"], v["down_proj.q"], h, np.empty_like(h), out)
+        return
     expert_gguf(x, v["types"], v["gate_proj.q"], v["up_proj.q"], v["down_proj.q"], h, out, F16_TABLE,
                 IQ4_VALUES, MXFP4_VALUES)
