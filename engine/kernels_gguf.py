@@ -374,3 +374,35 @@ def run_expert(v: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray) -> None:
         return
     expert_gguf(x, v["types"], v["gate_proj.q"], v["up_proj.q"], v["down_proj.q"], h, out, F16_TABLE,
                 IQ4_VALUES, MXFP4_VALUES)
+
+
+T1_FIELDS = ("types", "gate_proj.q", "up_proj.q", "down_proj.q")
+
+
+def t1_fields(layout: dict) -> np.ndarray | None:
+    """Byte offsets int64 [4] inside a GGUF-born slab of T1_FIELDS (for :func:`run_experts_t1`),
+    or None for a slab with biases (gpt-oss runs its own expert)."""
+    at = {name: int(off) for name, off, _dt, _shape in layout["fields"]}
+    if any(name.endswith(".b") for name in at):
+        return None
+    return np.array([at[f] for f in T1_FIELDS], np.int64)
+
+
+def run_experts_t1(x: np.ndarray, arena: np.ndarray, offs: np.ndarray, layout: dict, h: np.ndarray,
+                   out: np.ndarray) -> None:
+    """out[k] = run_expert(expert k)(x) for the n = out.shape[0] GGUF-born slabs whose
+    T1_FIELDS sit at byte offsets offs int64 [n, 4] of ``arena`` (the expert cache's), x
+    float32 [1, D], h float32 [n, I] scratch: K-quant experts in one call (K.experts_kq_t1,
+    bit-identical to run_expert on each), the others one by one."""
+    shapes = {name: shape for name, _off, _dt, shape in layout["fields"]}
+    (I, wgu), (D, wdn) = shapes["gate_proj.q"], shapes["down_proj.q"]
+    ty = arena[offs[0, 0]:offs[0, 0] + 3]  # a layer's experts share their types
+    if integer_ok(*ty):
+        K.experts_kq_t1(np.ascontiguousarray(x, np.float32), arena, offs, wgu, wdn, h, np.empty_like(h), out)
+        return
+    for k in range(out.shape[0]):
+        v = {"types": arena[offs[k, 0]:offs[k, 0] + 4]}
+        for f, (rows, width) in (("gate_proj.q", (I, wgu)), ("up_proj.q", (I, wgu)), ("down_proj.q", (D, wdn))):
+            o = offs[k, T1_FIELDS.index(f)]
+            v[f] = arena[o:o + rows * width].reshape(rows, width)
+        run_expert(v, x, h[k:k + 1], out[k:k + 1])

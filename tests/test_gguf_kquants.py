@@ -113,3 +113,36 @@ def test_kquant_slabs_run_the_integer_expert(types):
         KG.expert_gguf(x, v["types"], v["gate_proj.q"], v["up_proj.q"], v["down_proj.q"],
                        np.empty((T, I), np.float32), f32, K.F16_TABLE, KG.IQ4_VALUES, KG.MXFP4_VALUES)
         assert 0 < np.abs(out - f32).max() <= 2 * F32_BOUND * np.abs(f32).max()
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q8_0", "Q6_K")])
+def test_a_decode_steps_experts_in_the_arena_equal_one_call_each(types):
+    """kernels_gguf.run_experts_t1 (a decode step's resident experts, read in the cache's arena)
+    gives each expert the bits run_expert gives it alone (the misses' path), so which experts
+    were resident never changes a value; a layer with a type the integer kernels do not take
+    runs expert by expert."""
+    from engine.kernels_gguf import run_experts_t1, t1_fields
+    from engine.models.base import run_expert
+    rng = np.random.default_rng(8)
+    D, I, n = 512, 256, 5
+    ids = [TYPE_IDS[t] for t in types]
+    lay = gguf_slab_layout(D, I, {"gate_proj": row_bytes(TYPE_IDS["Q8_0"], D), "up_proj": row_bytes(TYPE_IDS["Q8_0"], D),
+                                  "down_proj": row_bytes(TYPE_IDS["Q6_K"], I)})
+    slot = lay["slot_bytes"]
+    arena = np.zeros(slot * (n + 2), np.uint8)
+    slots = np.array([3, 0, 6, 1, 4])[:n]  # slabs anywhere in the arena, in any order
+    views = []
+    for s in slots:
+        v = slab_views(arena[s * slot:(s + 1) * slot], lay)
+        for k, (p, rows, cols) in enumerate((("gate_proj", I, D), ("up_proj", I, D), ("down_proj", D, I))):
+            v["types"][k] = ids[k]
+            v[p + ".q"][:, :row_bytes(ids[k], cols)] = _random_blocks(ids[k], rows, cols, rng)
+        views.append(v)
+    x = rng.standard_normal((1, D)).astype(np.float32)
+    offs = slots[:, None].astype(np.int64) * slot + t1_fields(lay)[None, :]
+    out = np.full((n, D), np.nan, np.float32)
+    run_experts_t1(x, arena, offs, lay, np.empty((n, I), np.float32), out)
+    for k, v in enumerate(views):
+        one = np.empty((1, D), np.float32)
+        run_expert("gguf", v, x, np.empty((1, I), np.float32), one, 32)
+        assert np.array_equal(one[0], out[k])

@@ -345,3 +345,46 @@ def expert_kq(x, tg, tu, td, gw, uw, dw, hg, hu, out):
     for c in prange((D + _ROWS - 1) // _ROWS):
         for o in range(c * _ROWS, min(D, (c + 1) * _ROWS)):
             _kq_row(td, hq, hd, hb, dw, o, out)
+
+
+@njit(parallel=True, **_KW)
+def experts_kq_t1(x, arena, offs, wgu, wdn, h, hu, out):
+    """n K-quant experts on one row, reading their GGUF-born slabs in the expert cache's arena:
+    out[k] = expert_kq(x, expert k) for k < n, bit for bit (the same tiles on the same rows; h
+    quantized row by row as expert_kq quantizes its one row).
+
+    x float32 [1, D]; arena uint8 [bytes]; offs int64 [>= n, 4]: byte offsets in arena of expert
+    k's slab header (its ggml types: gate, up, down, each 12 / 13 / 14), gate_proj.q [I, wgu]
+    uint8, up_proj.q [I, wgu], down_proj.q [D, wdn]; h, hu float32 [n, I] scratch; out float32
+    [n, D]; n = out.shape[0]. One parallel loop over every expert's gate / up rows, one over
+    their down rows: the threads stream the n experts back to back (one call per expert forks
+    and joins twice per expert)."""
+    n, D = out.shape
+    I = h.shape[1]
+    xq, xd, xb = _q8k_prepare(x)
+    nci = (I + _ROWS - 1) // _ROWS
+    for u in prange(n * nci):
+        k = u // nci
+        c = u - k * nci
+        base = offs[k, 0]
+        tg, tu = arena[base], arena[base + 1]
+        gw = arena[offs[k, 1]:offs[k, 1] + I * wgu].reshape((I, wgu))
+        uw = arena[offs[k, 2]:offs[k, 2] + I * wgu].reshape((I, wgu))
+        hk, uk = h[k:k + 1], hu[k:k + 1]
+        i1 = min(I, (c + 1) * _ROWS)
+        for i in range(c * _ROWS, i1):
+            _kq_row(tg, xq, xd, xb, gw, i, hk)
+        for i in range(c * _ROWS, i1):
+            _kq_row(tu, xq, xd, xb, uw, i, uk)
+        for i in range(c * _ROWS, i1):
+            h[k, i] = _silu_mul(h[k, i], hu[k, i])
+    hq, hd, hb = _q8k_prepare(h)
+    ncd = (D + _ROWS - 1) // _ROWS
+    for u in prange(n * ncd):
+        k = u // ncd
+        c = u - k * ncd
+        td = arena[offs[k, 0] + 2]
+        dw = arena[offs[k, 3]:offs[k, 3] + D * wdn].reshape((D, wdn))
+        qk, dk, bk, ok = hq[k:k + 1], hd[k:k + 1], hb[k:k + 1], out[k:k + 1]
+        for o in range(c * _ROWS, min(D, (c + 1) * _ROWS)):
+            _kq_row(td, qk, dk, bk, dw, o, ok)

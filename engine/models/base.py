@@ -1284,12 +1284,16 @@ class MoEModel:
             fields = None
             layout = getattr(getattr(ex, "store", None), "layout", None)
             want = _ARENA_DTYPES.get(self.expert_quant)
-            if (want is not None and layout is not None and hasattr(ex, "take_split")
+            gguf = self.expert_quant == "gguf"  # kernels_gguf.run_experts_t1 on its four fields
+            if ((want is not None or gguf) and layout is not None and hasattr(ex, "take_split")
                     and isinstance(getattr(ex, "arena", None), np.ndarray)
                     and type(self).expert_forward is MoEModel.expert_forward
                     and (not self._slabs_interleaved() or K.q4_interleaved_ok(self.gs))):
                 at = {name: (int(off), np.dtype(dt)) for name, off, dt, shape in layout["fields"]}
-                if all(f in at and at[f][1] == want[k % 2] for k, f in enumerate(_T1_FIELDS)):
+                if gguf:
+                    from .. import kernels_gguf
+                    fields = kernels_gguf.t1_fields(layout)
+                elif all(f in at and at[f][1] == want[k % 2] for k, f in enumerate(_T1_FIELDS)):
                     fields = np.array([at[f][0] for f in _T1_FIELDS], np.int64)
             memo = self._t1_memo = (fields,)
         return memo[0]
@@ -1325,6 +1329,9 @@ class MoEModel:
                 out = np.empty((len(hits), D), np.float32)
                 if self.expert_quant == "int4":
                     K.experts_q4_t1(h, cache.arena, offs, I, self.gs, scratch, out, self._slabs_interleaved())
+                elif self.expert_quant == "gguf":
+                    from .. import kernels_gguf
+                    kernels_gguf.run_experts_t1(h, cache.arena, offs, cache.store.layout, scratch, out)
                 else:
                     K.experts_q8_t1(h, cache.arena, offs, I, scratch, out)
                 y[0, pos] = out
