@@ -406,3 +406,27 @@ def run_experts_t1(x: np.ndarray, arena: np.ndarray, offs: np.ndarray, layout: d
             o = offs[k, T1_FIELDS.index(f)]
             v[f] = arena[o:o + rows * width].reshape(rows, width)
         run_expert(v, x, h[k:k + 1], out[k:k + 1])
+
+
+def run_experts_sorted(x: np.ndarray, tok: np.ndarray, starts: np.ndarray, arena: np.ndarray, offs: np.ndarray,
+                       layout: dict, nch: int, h: np.ndarray, out: np.ndarray) -> None:
+    """A prefill chunk's resident GGUF-born experts (arguments as K.experts_kq_sorted's: x
+    float32 [T, D], tok int64 [M], starts int64 [n + 1], offs int64 [n, 4] of T1_FIELDS, h
+    float32 [M, I] scratch, out float32 [M, D]): K-quant experts in one call, bit-identical to
+    run_expert on each expert's rows x[tok[lo:hi]]; the others one by one."""
+    shapes = {name: shape for name, _off, _dt, shape in layout["fields"]}
+    (I, wgu), (D, wdn) = shapes["gate_proj.q"], shapes["down_proj.q"]
+    ty = arena[offs[0, 0]:offs[0, 0] + 3]  # a layer's experts share their types
+    if integer_ok(*ty):
+        K.experts_kq_sorted(np.ascontiguousarray(x, np.float32), tok, starts, arena, offs, wgu, wdn, nch, h,
+                            np.empty_like(h), out)
+        return
+    for e in range(offs.shape[0]):
+        lo, hi = int(starts[e]), int(starts[e + 1])
+        if hi == lo:
+            continue
+        v = {"types": arena[offs[e, 0]:offs[e, 0] + 4]}
+        for f, (rows, width) in (("gate_proj.q", (I, wgu)), ("up_proj.q", (I, wgu)), ("down_proj.q", (D, wdn))):
+            o = offs[e, T1_FIELDS.index(f)]
+            v[f] = arena[o:o + rows * width].reshape(rows, width)
+        run_expert(v, x[tok[lo:hi]], h[lo:hi], out[lo:hi])

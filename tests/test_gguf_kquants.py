@@ -146,3 +146,44 @@ def test_a_decode_steps_experts_in_the_arena_equal_one_call_each(types):
         one = np.empty((1, D), np.float32)
         run_expert("gguf", v, x, np.empty((1, I), np.float32), one, 32)
         assert np.array_equal(one[0], out[k])
+
+
+@pytest.mark.parametrize("types", [("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q8_0", "Q6_K")])
+def test_a_prefill_chunks_experts_in_the_arena_equal_one_call_each(types):
+    """kernels_gguf.run_experts_sorted (a prefill chunk's resident experts in one call, entries
+    grouped by expert, slabs read in the arena) gives each expert's rows the bits run_expert
+    gives them alone (the misses' path); experts with 0 to 6 entries, shares of the rows per
+    thread whatever their count."""
+    from engine.kernels_gguf import run_experts_sorted, t1_fields
+    from engine.models.base import run_expert
+    rng = np.random.default_rng(9)
+    D, I, n, T = 512, 256, 4, 7
+    ids = [TYPE_IDS[t] for t in types]
+    lay = gguf_slab_layout(D, I, {"gate_proj": row_bytes(TYPE_IDS["Q8_0"], D), "up_proj": row_bytes(TYPE_IDS["Q8_0"], D),
+                                  "down_proj": row_bytes(TYPE_IDS["Q6_K"], I)})
+    slot = lay["slot_bytes"]
+    arena = np.zeros(slot * 5, np.uint8)
+    slots = np.array([2, 0, 4, 1])
+    views = []
+    for s in slots:
+        v = slab_views(arena[s * slot:(s + 1) * slot], lay)
+        for k, (p, rows, cols) in enumerate((("gate_proj", I, D), ("up_proj", I, D), ("down_proj", D, I))):
+            v["types"][k] = ids[k]
+            v[p + ".q"][:, :row_bytes(ids[k], cols)] = _random_blocks(ids[k], rows, cols, rng)
+        views.append(v)
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    counts = [5, 0, 6, 2]
+    tok = np.concatenate([np.sort(rng.choice(T, c, replace=False)) for c in counts]).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    offs = slots[:, None].astype(np.int64) * slot + t1_fields(lay)[None, :]
+    M = len(tok)
+    for nch in (1, 3):
+        out = np.full((M, D), np.nan, np.float32)
+        run_experts_sorted(x, tok, starts, arena, offs, lay, nch, np.empty((M, I), np.float32), out)
+        for e, v in enumerate(views):
+            lo, hi = starts[e], starts[e + 1]
+            if hi == lo:
+                continue
+            want = np.empty((hi - lo, D), np.float32)
+            run_expert("gguf", v, x[tok[lo:hi]], np.empty((hi - lo, I), np.float32), want, 32)
+            assert np.array_equal(want, out[lo:hi])

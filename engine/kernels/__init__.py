@@ -51,7 +51,7 @@ from .attention import (ATT_QB, F16_MAX, attention, attention_sink, kv_put_f16, 
                         rmsnorm, rope)
 from .decode_step import attention_t1, decode_layers_t1  # noqa: F401
 from .recurrent import DELTA_EXP_FLOOR, DELTA_TINY, gated_delta  # noqa: F401
-from .kquants import KQ_SIMD, KQ_TYPES, expert_kq, experts_kq_t1, linear_kq  # noqa: F401
+from .kquants import KQ_SIMD, KQ_TYPES, expert_kq, experts_kq_sorted, experts_kq_t1, linear_kq  # noqa: F401
 
 
 if SERIALIZED:  # no njit function calls these names (decode_step binds its own), so rebinding them is safe

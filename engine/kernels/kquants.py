@@ -388,3 +388,54 @@ def experts_kq_t1(x, arena, offs, wgu, wdn, h, hu, out):
         qk, dk, bk, ok = hq[k:k + 1], hd[k:k + 1], hb[k:k + 1], out[k:k + 1]
         for o in range(c * _ROWS, min(D, (c + 1) * _ROWS)):
             _kq_row(td, qk, dk, bk, dw, o, ok)
+
+
+@njit(parallel=True, **_KW)
+def experts_kq_sorted(x, tok, starts, arena, offs, wgu, wdn, nch, h, hu, out):
+    """Routed K-quant experts of a prefill chunk, reading their GGUF-born slabs in the arena:
+    out[m] = expert_kq(x[tok[m]]) of the expert entry m belongs to, bit for bit (each entry's
+    row quantized on its own, the expert's entries through the same tiles in the same order).
+
+    x float32 [T, D]; tok int64 [M] the row of x of each (token, rank) entry, grouped by expert:
+    entries starts[e] .. starts[e + 1] - 1 go to expert e (starts int64 [n + 1]); offs int64 [n,
+    4] as experts_kq_t1's; h, hu float32 [M, I] scratch; out float32 [M, D]; nch: work shares
+    (the calling thread's kernel threads), share c taking rows c * I / nch .. of every expert
+    (balanced whatever the experts' token counts), one fork and join for all the experts."""
+    M = tok.shape[0]
+    n = starts.shape[0] - 1
+    D = x.shape[1]
+    I = h.shape[1]
+    xq = np.empty((M, D), np.int8)
+    xd = np.empty((M, D // KQ_BLOCK), np.float32)
+    xb = np.empty((M, D // 16), np.int16)
+    for m in prange(M):
+        _q8k_row(x[tok[m]], xq[m], xd[m], xb[m])
+    for ch in prange(nch):
+        i0, i1 = ch * I // nch, (ch + 1) * I // nch
+        for e in range(n):
+            lo, hi = starts[e], starts[e + 1]
+            if hi == lo:
+                continue
+            tg, tu = arena[offs[e, 0]], arena[offs[e, 0] + 1]
+            gw = arena[offs[e, 1]:offs[e, 1] + I * wgu].reshape((I, wgu))
+            uw = arena[offs[e, 2]:offs[e, 2] + I * wgu].reshape((I, wgu))
+            q, d, b = xq[lo:hi], xd[lo:hi], xb[lo:hi]
+            for i in range(i0, i1):
+                _kq_row(tg, q, d, b, gw, i, h[lo:hi])
+            for i in range(i0, i1):
+                _kq_row(tu, q, d, b, uw, i, hu[lo:hi])
+            for i in range(i0, i1):
+                for t in range(lo, hi):
+                    h[t, i] = _silu_mul(h[t, i], hu[t, i])
+    hq, hd, hb = _q8k_prepare(h)
+    for ch in prange(nch):
+        o0, o1 = ch * D // nch, (ch + 1) * D // nch
+        for e in range(n):
+            lo, hi = starts[e], starts[e + 1]
+            if hi == lo:
+                continue
+            td = arena[offs[e, 0] + 2]
+            dw = arena[offs[e, 3]:offs[e, 3] + D * wdn].reshape((D, wdn))
+            q, d, b, oe = hq[lo:hi], hd[lo:hi], hb[lo:hi], out[lo:hi]
+            for o in range(o0, o1):
+                _kq_row(td, q, d, b, dw, o, oe)

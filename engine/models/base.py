@@ -1404,19 +1404,22 @@ class MoEModel:
 
     def _sorted_ok(self) -> bool:
         """Whether a prefill chunk's resident experts can run in one K.experts_q4_sorted call:
-        int4 experts with half-precision scales (store format 3), the SwiGLU expert, a
+        int4 experts with half-precision scales (store format 3) or GGUF-born ones
+        (kernels_gguf.run_experts_sorted), the SwiGLU expert, a
         provider that keeps the slabs in one arena (ExpertCache) and computes nothing
         elsewhere (no cluster dispatch), and for interleaved slabs a CPU that runs the
         interleaved kernels (K.q4_interleaved_ok)."""
         ok = self._sorted_memo
         if ok is None:
             ex = self.experts
-            ok = (self.expert_quant == "int4" and type(self).expert_forward is MoEModel.expert_forward
+            ok = (self.expert_quant in ("int4", "gguf") and type(self).expert_forward is MoEModel.expert_forward
                   and isinstance(getattr(ex, "arena", None), np.ndarray)
                   and hasattr(ex, "prepare_split") and hasattr(ex, "acquire_many")
                   and getattr(ex, "dispatch", None) is None and self.args.hidden_size % 2 == 0
-                  and (not self._slabs_interleaved() or K.q4_interleaved_ok(self.gs))
-                  and self.args.moe_intermediate_size % self.gs == 0 and self.args.hidden_size % self.gs == 0)
+                  and (self.expert_quant == "gguf"  # kernels_gguf.run_experts_sorted
+                       or ((not self._slabs_interleaved() or K.q4_interleaved_ok(self.gs))
+                           and self.args.moe_intermediate_size % self.gs == 0
+                           and self.args.hidden_size % self.gs == 0)))
             self._sorted_memo = ok
         return ok
 
@@ -1442,6 +1445,11 @@ class MoEModel:
             return memo[1]
         want = _ARENA_DTYPES.get(self.expert_quant)
         base = self.experts.arena.ctypes.data
+        if self.expert_quant == "gguf":  # kernels_gguf.T1_FIELDS: the slab's header and its three row fields
+            from ..kernels_gguf import T1_FIELDS
+            offs = np.array([views[f].ctypes.data - base for f in T1_FIELDS], np.int64)
+            self._offs_memo[(j, e)] = (views, offs)
+            return offs
         offs = np.empty(6, np.int64)
         for f, name in enumerate(_T1_FIELDS):
             v = views[name]
@@ -1485,10 +1493,16 @@ class MoEModel:
                     sel = None if every else np.concatenate([np.arange(lo, hi) for lo, hi in spans])
                     n = M if every else len(sel)
                     part = outs if every else np.empty((n, D), np.float32)
-                    K.experts_q4_sorted(h, tok if every else tok[sel], starts, self.experts.arena, np.stack(offs),
-                                        a.moe_intermediate_size, self.gs, K.current_threads(),
-                                        np.empty((n, a.moe_intermediate_size), np.float32), part,
-                                        self._slabs_interleaved())
+                    if self.expert_quant == "gguf":
+                        from .. import kernels_gguf
+                        kernels_gguf.run_experts_sorted(h, tok if every else tok[sel], starts, self.experts.arena,
+                                                        np.stack(offs), self.experts.store.layout, K.current_threads(),
+                                                        np.empty((n, a.moe_intermediate_size), np.float32), part)
+                    else:
+                        K.experts_q4_sorted(h, tok if every else tok[sel], starts, self.experts.arena, np.stack(offs),
+                                            a.moe_intermediate_size, self.gs, K.current_threads(),
+                                            np.empty((n, a.moe_intermediate_size), np.float32), part,
+                                            self._slabs_interleaved())
                     if not every:
                         outs[sel] = part
             finally:
