@@ -106,7 +106,8 @@ PARALLEL_KERNELS = ("linear_f32", "linear_f16", "linear_q8", "linear_q4", "linea
                     "expert_f16", "expert_q8", "expert_q4", "expert_q4i", "experts_q4_t1", "experts_q8_t1",
                     "experts_q4_sorted", "combine_sorted",
                     "attention", "attention_sink", "gated_delta", "kv_put_f16", "attention_t1",
-                    "decode_layers_t1")
+                    "decode_layers_t1", "linear_kq", "expert_kq", "experts_kq_t1",
+                    "experts_kq_sorted")
 _LAUNCH_LOCK = threading.Lock()
 
 

@@ -95,12 +95,16 @@ class MoEBlock:
             fields = None
             layout = getattr(getattr(ex, "store", None), "layout", None)
             want = _ARENA_DTYPES.get(self.expert_quant)
-            if (want is not None and layout is not None and hasattr(ex, "take_split")
+            gguf = self.expert_quant == "gguf"  # kernels_gguf.run_experts_t1 on its four fields
+            if ((want is not None or gguf) and layout is not None and hasattr(ex, "take_split")
                     and isinstance(getattr(ex, "arena", None), np.ndarray)
                     and type(self).expert_forward is MoEBlock.expert_forward
                     and (not self._slabs_interleaved() or K.q4_interleaved_ok(self.gs))):
                 at = {name: (int(off), np.dtype(dt)) for name, off, dt, shape in layout["fields"]}
-                if all(f in at and at[f][1] == want[k % 2] for k, f in enumerate(_T1_FIELDS)):
+                if gguf:
+                    from .. import kernels_gguf
+                    fields = kernels_gguf.t1_fields(layout)
+                elif all(f in at and at[f][1] == want[k % 2] for k, f in enumerate(_T1_FIELDS)):
                     fields = np.array([at[f][0] for f in _T1_FIELDS], np.int64)
             memo = self._t1_memo = (fields,)
         return memo[0]
@@ -136,6 +140,9 @@ class MoEBlock:
                 out = np.empty((len(hits), D), np.float32)
                 if self.expert_quant == "int4":
                     K.experts_q4_t1(h, cache.arena, offs, I, self.gs, scratch, out, self._slabs_interleaved())
+                elif self.expert_quant == "gguf":
+                    from .. import kernels_gguf
+                    kernels_gguf.run_experts_t1(h, cache.arena, offs, cache.store.layout, scratch, out)
                 else:
                     K.experts_q8_t1(h, cache.arena, offs, I, scratch, out)
                 y[0, pos] = out
@@ -208,19 +215,22 @@ class MoEBlock:
 
     def _sorted_ok(self) -> bool:
         """Whether a prefill chunk's resident experts can run in one K.experts_q4_sorted call:
-        int4 experts with half-precision scales (store format 3), the SwiGLU expert, a
+        int4 experts with half-precision scales (store format 3) or GGUF-born ones
+        (kernels_gguf.run_experts_sorted), the SwiGLU expert, a
         provider that keeps the slabs in one arena (ExpertCache) and computes nothing
         elsewhere (no cluster dispatch), and for interleaved slabs a CPU that runs the
         interleaved kernels (K.q4_interleaved_ok)."""
         ok = self._sorted_memo
         if ok is None:
             ex = self.experts
-            ok = (self.expert_quant == "int4" and type(self).expert_forward is MoEBlock.expert_forward
+            ok = (self.expert_quant in ("int4", "gguf") and type(self).expert_forward is MoEBlock.expert_forward
                   and isinstance(getattr(ex, "arena", None), np.ndarray)
                   and hasattr(ex, "prepare_split") and hasattr(ex, "acquire_many")
                   and getattr(ex, "dispatch", None) is None and self.args.hidden_size % 2 == 0
-                  and (not self._slabs_interleaved() or K.q4_interleaved_ok(self.gs))
-                  and self.args.moe_intermediate_size % self.gs == 0 and self.args.hidden_size % self.gs == 0)
+                  and (self.expert_quant == "gguf"  # kernels_gguf.run_experts_sorted
+                       or ((not self._slabs_interleaved() or K.q4_interleaved_ok(self.gs))
+                           and self.args.moe_intermediate_size % self.gs == 0
+                           and self.args.hidden_size % self.gs == 0)))
             self._sorted_memo = ok
         return ok
 
@@ -246,6 +256,11 @@ class MoEBlock:
             return memo[1]
         want = _ARENA_DTYPES.get(self.expert_quant)
         base = self.experts.arena.ctypes.data
+        if self.expert_quant == "gguf":  # kernels_gguf.T1_FIELDS: the slab's header and its three row fields
+            from ..kernels_gguf import T1_FIELDS
+            offs = np.array([views[f].ctypes.data - base for f in T1_FIELDS], np.int64)
+            self._offs_memo[(j, e)] = (views, offs)
+            return offs
         offs = np.empty(6, np.int64)
         for f, name in enumerate(_T1_FIELDS):
             v = views[name]
@@ -289,10 +304,16 @@ class MoEBlock:
                     sel = None if every else np.concatenate([np.arange(lo, hi) for lo, hi in spans])
                     n = M if every else len(sel)
                     part = outs if every else np.empty((n, D), np.float32)
-                    K.experts_q4_sorted(h, tok if every else tok[sel], starts, self.experts.arena, np.stack(offs),
-                                        a.moe_intermediate_size, self.gs, K.current_threads(),
-                                        np.empty((n, a.moe_intermediate_size), np.float32), part,
-                                        self._slabs_interleaved())
+                    if self.expert_quant == "gguf":
+                        from .. import kernels_gguf
+                        kernels_gguf.run_experts_sorted(h, tok if every else tok[sel], starts, self.experts.arena,
+                                                        np.stack(offs), self.experts.store.layout, K.current_threads(),
+                                                        np.empty((n, a.moe_intermediate_size), np.float32), part)
+                    else:
+                        K.experts_q4_sorted(h, tok if every else tok[sel], starts, self.experts.arena, np.stack(offs),
+                                            a.moe_intermediate_size, self.gs, K.current_threads(),
+                                            np.empty((n, a.moe_intermediate_size), np.float32), part,
+                                            self._slabs_interleaved())
                     if not every:
                         outs[sel] = part
             finally:
