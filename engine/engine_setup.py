@@ -178,6 +178,8 @@ class EngineSetup:
         if config.pinning and self.heat.pinned.any():
             pre_n, pre_s = self._prewarm(self._cap_pins(self.heat.pinned), report)
         self._pins_applied = bool(self.cache.pinned.any())
+        if self.plan.slots >= a.num_moe_layers * a.num_experts:  # the store fits: its table too
+            embed_rows.will_need()
         self.cache.start_fill()  # idle_fill: after the warm-up's forget() and the pre-warm
         report(LoadProgress("open", 3, 3, "", "ready"))
         msg = self.plan.describe()

@@ -177,7 +177,10 @@ class ExpertCache:
         self.checksum = checksum
         self._verified = np.zeros((num_layers, num_experts), dtype=bool)
         # module globals looked up here, so that a test can replace them
-        self._arena = Arena(num_layers, cap, self.slot_bytes, mapping_room=_mapping_room, madvise=_populate_call())
+        # every slot will be filled (a cap of every expert, or the pre-read fills the cap): the whole
+        # arena on huge pages from the first read, not its slots' interiors only
+        self._arena = Arena(num_layers, cap, self.slot_bytes, mapping_room=_mapping_room, madvise=_populate_call(),
+                            whole=fill or (cap == num_experts and slots in (None, num_layers * cap)))
         self.arena = self._arena.array
         self.huge_bytes = self._arena.huge_bytes
         self.slot_expert = np.full((num_layers, cap), -1, np.int32)

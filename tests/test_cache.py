@@ -552,9 +552,9 @@ def test_huge_page_advice_covers_whole_blocks_inside_each_slot_only():
     class Store(_MBStore):
         slot_bytes = 3 * (1 << 20) + 4096 * 7  # 3 MB + 7 pages: slots straddle blocks unevenly
 
-    cache = ExpertCache(Store(), 2, 5, 5, policy="lru", io_threads=1)
+    cache = ExpertCache(Store(), 2, 5, 4, policy="lru", io_threads=1)  # a cap under the experts
     try:
-        base, n, sb, H = cache.arena.ctypes.data, 10, Store.slot_bytes, ec.HUGE_PAGE
+        base, n, sb, H = cache.arena.ctypes.data, 8, Store.slot_bytes, ec.HUGE_PAGE
         want = []
         for i in range(n):  # whole blocks inside slot i, by brute force over every block
             a, b = base + i * sb, base + (i + 1) * sb
@@ -575,6 +575,39 @@ def test_huge_page_advice_covers_whole_blocks_inside_each_slot_only():
 
 
 @pytest.mark.skipif(not _THP, reason="Linux /proc, MADV_HUGEPAGE and a kernel with transparent huge pages only")
+def test_an_arena_that_will_be_filled_is_advised_whole_as_huge_pages(monkeypatch):
+    """A cap that holds every expert, or a pre-read that fills the cap, fills every slot, so the whole arena is advised at once
+    (one mapping, whatever the room for more): the blocks two slots share are on huge pages
+    from their first read, not only after the collapse that waits for the first answer's end."""
+    import engine.expert_cache as ec
+
+    class Store(_MBStore):
+        slot_bytes = 3 * (1 << 20) + 4096 * 7
+
+    monkeypatch.setattr(ec, "_mapping_room", lambda: 3)  # too little room for slot interiors
+    # the engine passes the slots it planned: every one of them here
+    cache = ExpertCache(Store(), 2, 5, 5, policy="lru", io_threads=1, slots=10)
+    try:
+        base, nbytes = cache.arena.ctypes.data, cache.arena.nbytes
+        assert nbytes == 10 * Store.slot_bytes
+        got = _huge_advised_ranges(base, base + nbytes)
+        assert got and got[0][0] <= base and got[-1][1] >= base + nbytes
+        assert all(a2 == b1 for (_, b1), (a2, _) in zip(got, got[1:]))  # one unbroken span
+        assert cache.huge_bytes >= nbytes
+    finally:
+        cache.close()
+    # a cap under the experts that the pre-read (fill) fills: every slot is filled too
+    cache = ExpertCache(Store(), 2, 5, 4, policy="lru", io_threads=1, fill=True)
+    try:
+        base, nbytes = cache.arena.ctypes.data, cache.arena.nbytes
+        got = _huge_advised_ranges(base, base + nbytes)
+        assert got and got[0][0] <= base and got[-1][1] >= base + nbytes
+        assert cache.huge_bytes >= nbytes
+    finally:
+        cache.close()
+
+
+@pytest.mark.skipif(not _THP, reason="Linux /proc, MADV_HUGEPAGE and a kernel with transparent huge pages only")
 def test_huge_page_advice_never_takes_more_than_half_the_mappings_left(monkeypatch):
     """Each advised slot interior is a memory mapping of its own (up to 2 per slot); at the
     process's limit (vm.max_map_count) a thread or an mmap can no longer be made, which hung an
@@ -587,24 +620,25 @@ def test_huge_page_advice_never_takes_more_than_half_the_mappings_left(monkeypat
 
     def maps_in(cache):
         base = cache.arena.ctypes.data
-        return len(_huge_advised_ranges(base, base + 10 * Store.slot_bytes))
+        return len(_huge_advised_ranges(base, base + 8 * Store.slot_bytes))
 
-    # 10 slots of 3 MB + 7 pages: at least one has a whole huge page inside (2 mappings), so
-    # a room of 3 (half: 1) is short, and 2 * 2 * 10 is enough whatever the arena's alignment
+    # 8 slots (cap 4 of 5 experts) of 3 MB + 7 pages: at least one has a whole huge page inside
+    # (2 mappings), so a room of 3 (half: 1) is short, and 2 * 2 * 10 is enough whatever the
+    # arena's alignment
     monkeypatch.setattr(ec, "_mapping_room", lambda: 3)
-    cache = ExpertCache(Store(), 2, 5, 5, policy="lru", io_threads=1)
+    cache = ExpertCache(Store(), 2, 5, 4, policy="lru", io_threads=1)
     try:
         assert cache.huge_bytes == 0 and maps_in(cache) == 0
     finally:
         cache.close()
     monkeypatch.setattr(ec, "_mapping_room", lambda: None)  # /proc does not tell: no advice either
-    cache = ExpertCache(Store(), 2, 5, 5, policy="lru", io_threads=1)
+    cache = ExpertCache(Store(), 2, 5, 4, policy="lru", io_threads=1)
     try:
         assert cache.huge_bytes == 0 and maps_in(cache) == 0
     finally:
         cache.close()
     monkeypatch.setattr(ec, "_mapping_room", lambda: 2 * 2 * 10)
-    cache = ExpertCache(Store(), 2, 5, 5, policy="lru", io_threads=1)
+    cache = ExpertCache(Store(), 2, 5, 4, policy="lru", io_threads=1)
     try:
         assert cache.huge_bytes > 0 and maps_in(cache) > 0
     finally:

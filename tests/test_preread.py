@@ -247,3 +247,39 @@ def test_no_collapse_while_an_answer_holds_the_pass(medium_store, monkeypatch):
             while len(calls) == n and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert len(calls) == n + 1
+
+
+def test_a_store_that_fits_asks_for_its_embedding_table_in_the_page_cache(medium_store, monkeypatch):
+    """A store that fits its budget has its token-embedding table asked into the OS's page cache
+    at open (POSIX_FADV_WILLNEED over each part's bytes), so a decode step finds a new id's row in
+    memory; a store whose experts do not all fit leaves the table's pages to the OS."""
+    import os
+
+    import engine.expert_store as es
+    asked = []
+    real = os.posix_fadvise
+
+    class Os:
+        POSIX_FADV_WILLNEED = os.POSIX_FADV_WILLNEED
+
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def posix_fadvise(fd, off, n, advice):
+            if advice == os.POSIX_FADV_WILLNEED:
+                asked.append((off, n))
+            return real(fd, off, n, advice)
+
+    monkeypatch.setattr(es, "os", Os())
+    cfg = dict(store=str(medium_store), history=False, o_direct=False, pinning=False, ram_budget_gb=4.0)
+    with Engine.open(EngineConfig(**cfg)) as eng:
+        rows = eng.model.embed_rows
+        want = sorted((off, row * rows.num_rows) for _n, _dt, _s, off, row in rows.parts)
+        assert sorted(asked) == want and want
+        before = _answer(eng).token_ids
+    asked.clear()
+    with Engine.open(EngineConfig(cap=2, **cfg)) as eng:
+        assert eng.plan.slots < eng.cache.L * eng.cache.E
+        assert asked == []
+        assert _answer(eng).token_ids == before
