@@ -8,7 +8,7 @@ with PILOT: streaming), and runs a 20-token prefill (logits of every position), 
 steps (T = 1) and a 12-token second prefill, then 12 greedy tokens of a repeating prompt through
 Engine.generate with speculation off and prompt lookup. Prints one line per family: sha256 of the ids and logits bytes.
 
-Usage: python tools/decoder_digest.py [OUT.txt] [--only FAMILY,...]
+Usage: python tools/decoder_digest.py [OUT.txt] [--only FAMILY,...] (the engine of this checkout)
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from engine import convert_checkpoint
-from engine.bench.synthetic import CONFIGS, write_checkpoint
-from engine.config import EngineConfig, ModelArgs
-from engine.events import Finished, GenerateRequest, SamplingParams
-from engine.generate import Engine
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's engine, not an installed one
+
+from engine import convert_checkpoint  # noqa: E402
+from engine.bench.synthetic import CONFIGS, write_checkpoint  # noqa: E402
+from engine.config import EngineConfig, ModelArgs  # noqa: E402
+from engine.events import Finished, GenerateRequest, SamplingParams  # noqa: E402
+from engine.generate import Engine  # noqa: E402
 
 
 def _run(store: Path, **kw) -> list[bytes]:
