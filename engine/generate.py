@@ -3,6 +3,10 @@
 ``Engine.generate(request, cancel_event)`` is a generator of plain events (events.py):
 TokenEvent and StepMetrics after every token, ResidencySnapshot at most ~10 per second, and
 always a final Finished. The loop has no I/O of its own and no Qt (mlx-lm stream_generate).
+
+``Engine`` is composed of two parts beside this file's open, observers and generation loop:
+engine_setup.EngineSetup (what opening sets up: plan, cache, model, kernels warmed, threads,
+pins, the KV cache's room) and prompt_fit.PromptFit (the prompt's ids, fitted to the context).
 """
 
 from __future__ import annotations
