@@ -32,7 +32,8 @@ from .ram_budget import GROWTH_HEADROOM_BYTES, RssGuard, current_rss, release_co
 from .sizing import estimate_store, kv_bytes, plan_estimate
 from .sampling import Sampler
 from .settings import check_context_length
-from .speculative import DraftLength, PromptLookup
+from .mtp import drafter_for, open_head
+from .speculative import DraftLength
 from .sysinfo import BudgetClaim, FreeCores, threads_for, usable_cpus
 from .tokenizer import Tokenizer
 
@@ -239,6 +240,7 @@ class Engine:
             report(LoadProgress("cluster", 1, 1, "", self.cluster.status().summary()))
         self.model = build_model(a, dense, store.dense_quant, store.quant, experts, ctx, store.group_size,
                                  kv_dtype=config.kv_dtype, embed_rows=embed_rows)
+        self.mtp = open_head(self.model, a.mtp_layers, dense, experts, embed_rows)  # its MTP head, or None
         self.kernel_warmup_s = self._warm_kernels(report)
         # the compiler's pages and heap are not the cache's to lose (the one-call decode step's
         # warm thread releases them again once it has loaded its kernel)
@@ -665,6 +667,8 @@ class Engine:
         dec_forwards, t_dec0, t_dec1 = 0, 0.0, 0.0
         dec_rows, drafted, accepted = 0, 0, 0  # rows sampled after decode forwards; draft tokens, kept
         lengths = DraftLength(self.config.draft_max) if self.config.speculation != "off" else None
+        # before the prefill: an MTP head takes the prompt's hidden states (engine/mtp.py)
+        drafter = drafter_for(self.config.speculation if forced is None else "off", self.model, self.mtp)
         # Prefix reuse: keep the KV rows of the longest common prefix with the last run.
         p = 0
         for a, b in zip(self._kv_ids, ids):
@@ -690,7 +694,6 @@ class Engine:
             # sampled token and a draft; every row is sampled as plain decoding samples it, and
             # the draft is kept up to the first token the sampler did not pick.
             # teacher forcing (forced_ids: benchmarks, routing traces) measures one-token steps
-            drafter = PromptLookup() if self.config.speculation == "prompt_lookup" and forced is None else None
 
             def step_metrics(n: int):
                 m_ev = tracker.step(n, self.threads, rss=self.guard.last_rss)  # one RSS read a forward
@@ -761,14 +764,16 @@ class Engine:
                 p0 = pos + m  # where the last sampled token goes
                 self._adapt_threads()
                 draft = []
+                t_d = time.perf_counter()
                 if drafter is not None:
                     room = min(max_new - len(out_ids) - 1, C - p0 - 1)
                     k = lengths.choose(room)
                     if k:
                         draft = drafter.propose(context, k)
                 fed = [tok] + draft
+                t_d = time.perf_counter() - t_d  # a forward's cost counts its drafting (an MTP head's rows)
                 self._kv_room(p0 + len(fed))
-                t_f = time.perf_counter()
+                t_f = time.perf_counter() - t_d
                 if draft:
                     rows = self.model.verify(np.asarray(fed), p0, cancel=cancel)
                 else:

@@ -257,6 +257,9 @@ class ModelArgs:
             "group_limited_greedy" (DeepSeek-V2) or "noaux_tc" (DeepSeek-V3 / GLM: groups by
             the sum of their top-2 biased scores); router_bias: an ``e_score_correction_bias``
             used for the choice only.
+        mtp_layers: multi-token-prediction layers a store keeps (engine/mtp.py): transformer
+            layers num_hidden_layers.. after the decoder, listed in ``moe_layers`` (rows of the
+            expert table and the cache) but not run by the decoder's forward. 0 from config.json.
     """
 
     model_type: str
@@ -291,6 +294,7 @@ class ModelArgs:
     routed_scaling_factor: float = 1.0
     router_bias: bool = False
     expert_bias: bool = False
+    mtp_layers: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -331,7 +335,7 @@ class ModelArgs:
     @property
     def moe_index(self) -> tuple[int, ...]:
         """Per transformer layer: its MoE-layer index j, or -1 for a dense layer."""
-        idx = [-1] * self.num_hidden_layers
+        idx = [-1] * (self.num_hidden_layers + self.mtp_layers)
         for j, i in enumerate(self.moe_layers):
             idx[i] = j
         return tuple(idx)
@@ -969,7 +973,7 @@ class MoEModel:
         self.lm_head = Linear(dense, "lm_head", dq, group_size)
         self.norm = dense["norm"]
         self.moe_index = a.moe_index
-        self.num_moe_layers = a.num_moe_layers
+        self.num_moe_layers = a.num_moe_layers - a.mtp_layers  # the MTP layers' rows follow (engine/mtp.py)
         self.windows = a.layer_windows or (0,) * a.num_hidden_layers
         self.layers = []
         for i in range(a.num_hidden_layers):
@@ -986,7 +990,7 @@ class MoEModel:
             else:
                 ly["mlp"] = mlp_views(dense, p + "mlp.")
             self.layers.append(ly)
-        self.moe_layer_ids = list(a.moe_layers)
+        self.moe_layer_ids = list(a.moe_layers)[:self.num_moe_layers]
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
         self.kv_dtype = kv_dtype
@@ -1002,6 +1006,10 @@ class MoEModel:
         self._no_look = np.zeros(a.num_hidden_layers, np.bool_)  # the kernel's look_want without PILOT
         self._decode_ready = threading.Event()  # K.decode_layers_t1 compiled for this model (start_decode_warm)
         self.one_call_steps = 0  # decode steps run by _decode_step_all (the rest ran layer by layer)
+        # (pos0, ids, x, kept) after each forward's chunk: its final residual rows x float32 [T, D]
+        # (the MTP drafter's input, engine/mtp.py); kept: the fed tokens that are final (a verify's
+        # first only)
+        self.hidden_sink = None
         # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
         # layer start, post-attention residual, routing, post-MoE residual. Dense layers
         # publish nothing.
@@ -1739,8 +1747,11 @@ class MoEModel:
             raise ValueError(f"positions {pos0}..{pos0 + T - 1} exceed the context of {self.C} tokens")
         obs = self.observers
         obs.publish("on_forward_start", pos0, T)
+        sink = self.hidden_sink
         if T > PREFILL_CHUNK and PREFILL_BY_LAYER and self._streams():
             x = self._prefill_by_layer(ids, pos0, cancel)
+            if sink is not None:
+                sink(pos0, ids, x, 1 if all_logits else T)
             return self.logits(x if all_logits else x[-1:])
         outs = []
         for c0 in range(0, T, PREFILL_CHUNK):
@@ -1748,6 +1759,8 @@ class MoEModel:
             x = self.embed(chunk)  # [t, D]
             if not (T == 1 and self._decode_step_all(x, pos0, cancel)):  # else every layer ran
                 self._run_layers(x, pos0 + c0, 0, cancel)
+            if sink is not None:
+                sink(pos0 + c0, chunk, x, 1 if all_logits else len(chunk))
             if all_logits:
                 outs.append(self.logits(x))
             elif c0 + PREFILL_CHUNK >= T:
