@@ -95,6 +95,8 @@ def checkpoint_with_head(tmp_path, name, head_tensors=True):
         for n, b in list(full.named_buffers()) + list(full.named_parameters()):
             if n.endswith("e_score_correction_bias"):
                 b.normal_(0, 0.3, generator=g)
+            elif n.endswith("norm.weight"):  # not 1: the head's input is the hidden state after model.norm
+                b.normal_(1, 0.1, generator=g)
     cfg = getattr(transformers, cfg_cls)(**{**BASE, **kw, "num_hidden_layers": L})
     cfg._attn_implementation = "eager"
     main = getattr(transformers, model_cls)(cfg).eval()
