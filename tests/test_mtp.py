@@ -148,6 +148,11 @@ def test_converter_keeps_the_next_n_layer(built, name):
         keys = set(f.keys())
     assert {"mtp.0.enorm", "mtp.0.hnorm", "mtp.0.shared_head.norm", "mtp.0.eh_proj.w"} <= keys
     assert f"layers.{L}.router" in keys and f"layers.{L}.input_layernorm" in keys
+    from engine.config import describe_model
+    from engine.expert_store import read_manifest
+    _, a, _ = read_manifest(stores["int8"])
+    assert a.mtp_layers == 1 and a.num_moe_layers == 3
+    assert "3 layers (2 MoE, 1 dense) + an MTP head" in describe_model(a)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
