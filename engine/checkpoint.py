@@ -153,7 +153,9 @@ class Checkpoint:
         lines = []
         for L in sorted(beyond):
             k = beyond[L]
-            if L - nhl < mtp:
+            if L - nhl < a.mtp_layers:  # a kept head's copies of embed_tokens / shared_head.head
+                why = "the kept multi-token-prediction head's copies of the main model's tensors, not needed"
+            elif L - nhl < mtp:
                 why = "multi-token-prediction layer, not used to generate"
             else:
                 why = (f"a layer beyond num_hidden_layers {nhl} that num_nextn_predict_layers {mtp} "
