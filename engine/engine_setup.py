@@ -21,6 +21,7 @@ from .expert_store import EMBED_TENSORS
 from .heat import RoutingHeat, cap_pins, pins_per_layer
 from .kernel_prepare import kernel_kind, prepare_in_child
 from .models import build_model
+from .mtp import open_head
 from .models.base import K, mean_router_probs, softmax_rows
 from .observers import Observer
 from .settings import check_context_length
@@ -143,6 +144,7 @@ class EngineSetup:
             report(LoadProgress("cluster", 1, 1, "", self.cluster.status().summary()))
         self.model = build_model(a, dense, store.dense_quant, store.quant, experts, ctx, store.group_size,
                                  kv_dtype=config.kv_dtype, embed_rows=embed_rows)
+        self.mtp = open_head(self.model, a.mtp_layers, dense, experts, embed_rows)  # its MTP head, or None
         self.kernel_warmup_s = self._warm_kernels(report)
         # the compiler's pages and heap are not the cache's to lose (the one-call decode step's
         # warm thread releases them again once it has loaded its kernel)

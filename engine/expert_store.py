@@ -24,6 +24,7 @@ from safetensors import SafetensorError, safe_open
 
 from .config import ModelArgs
 from .errors import ExpertReadError, StoreError
+from .mtp import store_args
 from .platform_io import open_for_reads, positional_reader, preadv
 from .quant import ALIGN, QUANTS, aligned_empty, huge_empty, slab_layout, slab_views
 from .store_format import CHECKSUM_OF_VERSION, EXPERT_LAYOUTS, FORMAT_NAME, FORMAT_VERSION, READ_VERSIONS, check_store_files, slab_checksum
@@ -90,7 +91,7 @@ def read_manifest(path: str | os.PathLike) -> tuple[dict, ModelArgs, str]:
                          f"`colibri convert --overwrite` with this engine")
     # the checksum each expert entry carries: the manifest says; version 1 wrote "crc32"
     ck = m.get("checksum") or CHECKSUM_OF_VERSION[m["version"]]
-    a = ModelArgs.from_hf_config(path / "config.json")
+    a = store_args(ModelArgs.from_hf_config(path / "config.json"), m, mpath)  # kept MTP heads: engine/mtp.py
     M = a.num_moe_layers
     # Stores written before families existed have no "moe_layers": every layer was MoE.
     moe_layers = m.get("moe_layers", None)

@@ -33,7 +33,8 @@ from .observers import Observer, ObserverFailure
 from .prompt_fit import PromptFit
 from .ram_budget import current_rss
 from .sampling import Sampler
-from .speculative import DraftLength, PromptLookup
+from .mtp import drafter_for
+from .speculative import DraftLength
 from .sysinfo import FreeCores, usable_cpus
 
 log = logging.getLogger(__name__)
@@ -258,6 +259,8 @@ class Engine(EngineSetup, PromptFit):
         dec_forwards, t_dec0, t_dec1 = 0, 0.0, 0.0
         dec_rows, drafted, accepted = 0, 0, 0  # rows sampled after decode forwards; draft tokens, kept
         lengths = DraftLength(self.config.draft_max) if self.config.speculation != "off" else None
+        # before the prefill: an MTP head takes the prompt's hidden states (engine/mtp.py)
+        drafter = drafter_for(self.config.speculation if forced is None else "off", self.model, self.mtp)
         # Prefix reuse: keep the KV rows of the longest common prefix with the last run.
         p = 0
         for a, b in zip(self._kv_ids, ids):
@@ -287,7 +290,6 @@ class Engine(EngineSetup, PromptFit):
             # sampled token and a draft; every row is sampled as plain decoding samples it, and
             # the draft is kept up to the first token the sampler did not pick.
             # teacher forcing (forced_ids: benchmarks, routing traces) measures one-token steps
-            drafter = PromptLookup() if self.config.speculation == "prompt_lookup" and forced is None else None
 
             def step_metrics(n: int):
                 m_ev = tracker.step(n, self.threads, rss=self.guard.last_rss)  # one RSS read a forward
@@ -358,14 +360,16 @@ class Engine(EngineSetup, PromptFit):
                 p0 = pos + m  # where the last sampled token goes
                 self._adapt_threads()
                 draft = []
+                t_d = time.perf_counter()
                 if drafter is not None:
                     room = min(max_new - len(out_ids) - 1, C - p0 - 1)
                     k = lengths.choose(room)
                     if k:
                         draft = drafter.propose(context, k)
                 fed = [tok] + draft
+                t_d = time.perf_counter() - t_d  # a forward's cost counts its drafting (an MTP head's rows)
                 self._kv_room(p0 + len(fed))
-                t_f = time.perf_counter()
+                t_f = time.perf_counter() - t_d
                 if draft:
                     rows = self.model.verify(np.asarray(fed), p0, cancel=cancel)
                 else:

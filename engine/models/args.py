@@ -211,6 +211,9 @@ class ModelArgs:
             "group_limited_greedy" (DeepSeek-V2) or "noaux_tc" (DeepSeek-V3 / GLM: groups by
             the sum of their top-2 biased scores); router_bias: an ``e_score_correction_bias``
             used for the choice only.
+        mtp_layers: multi-token-prediction layers a store keeps (engine/mtp.py): transformer
+            layers num_hidden_layers.. after the decoder, listed in ``moe_layers`` (rows of the
+            expert table and the cache) but not run by the decoder's forward. 0 from config.json.
     """
 
     model_type: str
@@ -245,6 +248,7 @@ class ModelArgs:
     routed_scaling_factor: float = 1.0
     router_bias: bool = False
     expert_bias: bool = False
+    mtp_layers: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -285,7 +289,7 @@ class ModelArgs:
     @property
     def moe_index(self) -> tuple[int, ...]:
         """Per transformer layer: its MoE-layer index j, or -1 for a dense layer."""
-        idx = [-1] * self.num_hidden_layers
+        idx = [-1] * (self.num_hidden_layers + self.mtp_layers)
         for j, i in enumerate(self.moe_layers):
             idx[i] = j
         return tuple(idx)

@@ -219,7 +219,7 @@ class MoEModel(Attention, MoEBlock, FusedDecode):
         self.lm_head = Linear(dense, "lm_head", dq, group_size)
         self.norm = dense["norm"]
         self.moe_index = a.moe_index
-        self.num_moe_layers = a.num_moe_layers
+        self.num_moe_layers = a.num_moe_layers - a.mtp_layers  # the MTP layers' rows follow (engine/mtp.py)
         self.windows = a.layer_windows or (0,) * a.num_hidden_layers
         self.layers = []
         for i in range(a.num_hidden_layers):
@@ -236,7 +236,7 @@ class MoEModel(Attention, MoEBlock, FusedDecode):
             else:
                 ly["mlp"] = mlp_views(dense, p + "mlp.")
             self.layers.append(ly)
-        self.moe_layer_ids = list(a.moe_layers)
+        self.moe_layer_ids = list(a.moe_layers)[:self.num_moe_layers]
         if kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype {kv_dtype!r}: choose one of {', '.join(KV_DTYPES)}")
         self.kv_dtype = kv_dtype
@@ -252,6 +252,10 @@ class MoEModel(Attention, MoEBlock, FusedDecode):
         self._no_look = np.zeros(a.num_hidden_layers, np.bool_)  # the kernel's look_want without PILOT
         self._decode_ready = threading.Event()  # K.decode_layers_t1 compiled for this model (start_decode_warm)
         self.one_call_steps = 0  # decode steps run by _decode_step_all (the rest ran layer by layer)
+        # (pos0, ids, x, kept) after each forward's chunk: its final residual rows x float32 [T, D]
+        # (the MTP drafter's input, engine/mtp.py); kept: the fed tokens that are final (a verify's
+        # first only)
+        self.hidden_sink = None
         # Observers (engine/observers.py): forward start, and per MoE layer (MoE-layer indices)
         # layer start, post-attention residual, routing, post-MoE residual. Dense layers
         # publish nothing.
@@ -426,8 +430,11 @@ class MoEModel(Attention, MoEBlock, FusedDecode):
             raise ValueError(f"positions {pos0}..{pos0 + T - 1} exceed the context of {self.C} tokens")
         obs = self.observers
         obs.publish("on_forward_start", pos0, T)
+        sink = self.hidden_sink
         if T > PREFILL_CHUNK and PREFILL_BY_LAYER and self._streams():
             x = self._prefill_by_layer(ids, pos0, cancel)
+            if sink is not None:
+                sink(pos0, ids, x, 1 if all_logits else T)
             return self.logits(x if all_logits else x[-1:])
         outs = []
         for c0 in range(0, T, PREFILL_CHUNK):
@@ -435,6 +442,8 @@ class MoEModel(Attention, MoEBlock, FusedDecode):
             x = self.embed(chunk)  # [t, D]
             if not (T == 1 and self._decode_step_all(x, pos0, cancel)):  # else every layer ran
                 self._run_layers(x, pos0 + c0, 0, cancel)
+            if sink is not None:
+                sink(pos0 + c0, chunk, x, 1 if all_logits else len(chunk))
             if all_logits:
                 outs.append(self.logits(x))
             elif c0 + PREFILL_CHUNK >= T:
