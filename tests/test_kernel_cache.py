@@ -50,7 +50,8 @@ def test_the_kernels_target_the_highest_x86_64_level_this_cpu_has(cpu, feats, le
     assert t.level == level and t.fixed == (level != "host")
     if t.fixed:  # the level's own features, spelled out: numba would add the host's to a bare name
         assert t.cpu_name == F.KERNEL_TARGETS[level][0]
-        assert t.features == ",".join("+" + f for f in F.KERNEL_TARGETS[level][1])
+        assert t.features.startswith(",".join("+" + f for f in F.KERNEL_TARGETS[level][1]))
+        assert ("-prefer-256-bit" in t.features) == level.startswith("x86-64-v4")  # 512-bit loops
     assert F.int_flavor(t) == flavor
 
 
@@ -79,8 +80,10 @@ def test_a_target_the_user_chose_wins_and_a_level_this_cpu_lacks_is_refused(cpu,
 # One kernel, run in an install of the engine package at another path: its numba cache
 # statistics say whether it was loaded or compiled.
 RUN = """
-import json, sys
+import json, os, sys
 from pathlib import Path
+if os.environ.get("FROZEN_EXECUTABLE"):  # as in the bundle: numba stamps its cache with the executable
+    sys.frozen, sys.executable = True, os.environ["FROZEN_EXECUTABLE"]
 import numpy as np
 from engine.kernels import setup, rmsnorm
 from engine import kernel_prepare
@@ -106,11 +109,12 @@ def _install(where: Path) -> Path:
     return where
 
 
-def _run(install: Path, cache: Path, *args: str, ship: bool = True) -> dict:
+def _run(install: Path, cache: Path, *args: str, ship: bool = True, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", F.TARGET_ENV, "COLIBRI_INT_KERNEL", "PYTHONPATH",
                         "COLIBRI_COMPILE_IN_PROCESS")}
-    env.update(PYTHONPATH=str(install), NUMBA_CACHE_DIR=str(cache), COLIBRI_SHIPPED_KERNELS="1" if ship else "0")
+    env.update(PYTHONPATH=str(install), NUMBA_CACHE_DIR=str(cache), COLIBRI_SHIPPED_KERNELS="1" if ship else "0",
+               **extra)
     p = subprocess.run([sys.executable, "-c", RUN, json.dumps(KIND), *args], env=env, cwd=install,
                        capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -147,6 +151,19 @@ def test_kernels_built_in_one_install_load_without_a_compile_in_another(built, t
     assert "kinds of model ready: 1" in got["shipped"] and got["ready"] and got["marker"]  # no compile child
     again = _run(b, tmp_path / "cache-b")  # installed once: the next start only finds its mark
     assert again["hits"] == 1 and again["shipped"] == got["shipped"]
+
+
+def test_the_frozen_bundle_loads_kernels_built_from_the_same_sources(built, tmp_path):
+    """In the bundle numba stamps its cache with the executable's hash, not the source's: the
+    kernels are written with that stamp after their sources were checked, so the bundle's first
+    run loads them too."""
+    arc, first = built
+    b = _shipped(_install(tmp_path / "bundle"), arc)
+    exe = tmp_path / "bundle" / "colibri"
+    exe.write_bytes(b"an executable of this bundle")
+    got = _run(b, tmp_path / "cache-b", FROZEN_EXECUTABLE=str(exe))
+    assert got["misses"] == 0 and got["hits"] == 1 and got["out"] == first["out"], got
+    assert got["ready"]
 
 
 def test_an_archive_built_from_other_sources_is_skipped_and_the_kernel_compiles(built, tmp_path):
