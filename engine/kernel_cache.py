@@ -114,22 +114,32 @@ def _install(cache_dir: str | None, target, archive: Path | None) -> tuple[str, 
     if not arc.is_file():
         return f"no pre-built kernels for {arc.name[:-len('.tar.xz')]}: they compile on first use", frozenset()
     done = _done_path(cache_dir, arc)
-    if done.is_file():
+    if _done_holds(done, cache_dir):
         return _read_done(done)
     done.parent.mkdir(parents=True, exist_ok=True)
     with FileLock(done.with_suffix(".lock")):  # the app and its compile child start at once
-        if done.is_file():
+        if _done_holds(done, cache_dir):
             return _read_done(done)
         kinds: list = []
+        files: list = []
         try:
-            line, kinds = _merge(arc, cache_dir, target)
+            line, kinds, files = _merge(arc, cache_dir, target)
         except (tarfile.TarError, EOFError, lzma.LZMAError, pickle.UnpicklingError, KeyError, ValueError) as e:
             # a damaged archive stays so until colibri is reinstalled (a new archive, a new mark)
             line = f"pre-built kernels not used: {arc.name} is damaged ({type(e).__name__}: {e}); reinstall colibri"
             log.warning("%s", line)
-        atomic_write_text(done, json.dumps({"line": line, "kinds": [list(k) for k in kinds]}) + "\n")
+        atomic_write_text(done, json.dumps({"line": line, "kinds": [list(k) for k in kinds], "index_files": files}) + "\n")
     log.info("%s", line)
     return line, frozenset(kinds)
+
+
+def _done_holds(done: Path, cache_dir: str) -> bool:
+    """Whether ``done`` was written and the index files it lists are still in the cache (a
+    cache folder emptied by hand is filled again)."""
+    try:
+        return all((Path(cache_dir) / f).is_file() for f in json.loads(done.read_text())["index_files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _read_done(done: Path) -> tuple[str, frozenset]:
@@ -169,17 +179,19 @@ def shipped_status(cache_dir: str | None, target) -> str:
     return f"{arc.name}: copied into the kernel cache at the next start"
 
 
-def _merge(arc: Path, cache_dir: str, target) -> tuple[str, list]:
-    """Merge ``arc``'s index and data files into ``cache_dir``. Returns the summary line and
-    the kinds of model ready (none when an index was built from other sources)."""
+def _merge(arc: Path, cache_dir: str, target) -> tuple[str, list, list]:
+    """Merge ``arc``'s index and data files into ``cache_dir``. Returns the summary line, the
+    kinds of model ready (none when an index was built from other sources) and the index files
+    written (relative to ``cache_dir``)."""
     import numba
     with tarfile.open(arc, "r:xz") as tf:
         man = json.loads(tf.extractfile(MANIFEST).read())
         if (man.get("numba"), man.get("python"), man.get("level")) != (numba.__version__, python_tag(), target.level):
             return (f"pre-built kernels in {arc.name} not used: built for numba {man.get('numba')}, "
-                    f"{man.get('python')}, {man.get('level')}"), []
+                    f"{man.get('python')}, {man.get('level')}"), [], []
         members = {m.name: m for m in tf.getmembers() if m.isfile()}
         used = stale = 0
+        files = []
         for name in sorted(n for n in members if n.endswith(".nbi")):
             rel_dir, index = os.path.split(name)
             source = os.path.join(PROJECT_ROOT, rel_dir, index.split(".", 1)[0] + ".py")
@@ -190,11 +202,12 @@ def _merge(arc: Path, cache_dir: str, target) -> tuple[str, list]:
             folder = os.path.join(cache_dir, numba_folder(os.path.dirname(source)))
             os.makedirs(folder, exist_ok=True)
             _merge_index(tf, rel_dir, overloads, folder, index, _local_stamp(source), members)
+            files.append(os.path.join(os.path.basename(folder), index))
             used += 1
     kinds = [tuple(k) for k in man.get("kinds", [])] if stale == 0 else []
     return (f"pre-built kernels for {target.level}: {used} kernel files from {arc.name}"
             + (f", {stale} built from other sources (these compile on first use)" if stale else
-               f"; kinds of model ready: {len(kinds)}")), kinds
+               f"; kinds of model ready: {len(kinds)}")), kinds, files
 
 
 def _read_index(raw: bytes) -> tuple:

@@ -151,6 +151,10 @@ def test_kernels_built_in_one_install_load_without_a_compile_in_another(built, t
     assert "kinds of model ready: 1" in got["shipped"] and got["ready"] and got["marker"]  # no compile child
     again = _run(b, tmp_path / "cache-b")  # installed once: the next start only finds its mark
     assert again["hits"] == 1 and again["shipped"] == got["shipped"]
+    for d in (tmp_path / "cache-b").glob("kernels_*"):  # a cache emptied by hand is filled again
+        shutil.rmtree(d)
+    emptied = _run(b, tmp_path / "cache-b")
+    assert emptied["hits"] == 1 and emptied["misses"] == 0 and emptied["ready"]
 
 
 def test_the_frozen_bundle_loads_kernels_built_from_the_same_sources(built, tmp_path):
