@@ -21,7 +21,7 @@
 #   window     in the first root, with xvfb + x11-utils installed: `colibri` (the app) under
 #              Xvfb; seconds until its window is mapped, and a screenshot (xwd)
 # Set KEEP=1 to reuse WORKDIR/base (the debootstrap) between runs, ONLY=readme to stop after
-# the readme phase.
+# the readme phase, ONLY=install after its install step (the root stays for a later run).
 set -eu
 W=${1:-/var/tmp/colibri-fresh}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -90,6 +90,7 @@ note "readme: python3 -m venv .venv: $(since "$t") s"
 t=$(now)
 inroot readme ". .venv/bin/activate && SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt $README_INSTALL" > "$W/readme-pip.log" 2>&1
 note "readme: $README_INSTALL (download + install): $(since "$t") s"
+[ "${ONLY:-}" = install ] && { note "install: load average $(cut -d' ' -f1-3 /proc/loadavg)"; exit 0; }
 t=$(now)
 inroot readme ". .venv/bin/activate && python /home/user/first_token.py -- colibri run --prompt '$Q'" \
     > "$W/readme-run.log" 2>&1 || true
