@@ -71,7 +71,8 @@ newroot() {
 }
 inroot() {  # inroot ROOT COMMAND: a login-like shell in the project folder, no display
     chroot "$W/$1" env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-        LANG=C.UTF-8 TERM=dumb DEBIAN_FRONTEND=noninteractive PIP_CERT=/etc/ssl/certs/ca-certificates.crt sh -c "cd /home/user/colibri-desktop && $2"
+        LANG=C.UTF-8 TERM=dumb DEBIAN_FRONTEND=noninteractive PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
+        UV_NATIVE_TLS=1 UV_SYSTEM_CERTS=1 sh -c "cd /home/user/colibri-desktop && $2"
 }
 
 README_APT=$(sed -n 's/^    sudo apt-get install -y \(.*\) && python3 -m venv .*/\1/p' "$REPO/README.md" | head -1)
