@@ -23,7 +23,7 @@ import numbers
 from dataclasses import asdict, dataclass, field, fields, make_dataclass, replace
 from typing import Any
 
-from .cache.policy import POLICY_CLASSES
+from .cache.registry import POLICY_CLASSES
 from .errors import ConfigError
 from .speculative import SPECULATION_MODES
 

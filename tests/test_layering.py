@@ -133,12 +133,13 @@ def test_tree_respects_the_floors():
     assert check_tree(ROOT) == []
 
 
-def core_circles(root: Path) -> list[list[str]]:
-    """Every import circle among the core's modules (floor 0) under ``root``: the modules of each
-    strongly connected component of more than one module of the import graph (every import
-    statement, function bodies included, as imports_of reads them), each sorted."""
+def core_circles(root: Path, every_floor: bool = False) -> list[list[str]]:
+    """Every import circle among the core's modules (floor 0; every engine module when
+    ``every_floor``) under ``root``: the modules of each strongly connected component of more
+    than one module of the import graph (every import statement, function bodies included, as
+    imports_of reads them), each sorted."""
     mods = {module_name(root, p): p for p in sorted((root / "engine").rglob("*.py"))}
-    core = {m for m in mods if floor_of(m) == 0}
+    core = {m for m in mods if every_floor or floor_of(m) == 0}
     graph = {m: sorted({t for _line, t, _names in imports_of(root, mods[m]) if t in core and t != m}) for m in core}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -180,6 +181,11 @@ def test_core_has_no_import_circle():
     assert core_circles(ROOT) == []
 
 
+def test_engine_has_no_import_circle_on_any_floor():
+    """Above the core as well (the server's two APIs, the library's checks, the benches, the CLI)."""
+    assert core_circles(ROOT, every_floor=True) == []
+
+
 def _mini_tree(tmp_path: Path) -> Path:
     for d in ("engine/library", "engine/server", "engine/bench", "engine/cli", "colibri_app"):
         (tmp_path / d).mkdir(parents=True, exist_ok=True)
@@ -219,6 +225,17 @@ def test_circle_check_finds_a_planted_circle(tmp_path):
     assert core_circles(root) == [["engine.core_mod", "engine.models.base", "engine.tok"]]
     (root / "engine" / "models" / "base.py").write_text("def f():\n    from ..errors import x\n")
     assert core_circles(root) == []
+
+
+def test_circle_check_on_every_floor_finds_a_circle_in_a_package(tmp_path):
+    """Two server modules that import each other (one inside a function) are a circle the core
+    check does not see and the check on every floor does."""
+    root = _mini_tree(tmp_path)
+    assert core_circles(root, every_floor=True) == []
+    (root / "engine" / "server" / "other.py").write_text("def f():\n    from .api import ok\n")
+    (root / "engine" / "server" / "api.py").write_text("from ..library import ok\nfrom .other import f\n")
+    assert core_circles(root) == []
+    assert core_circles(root, every_floor=True) == [["engine.server.api", "engine.server.other"]]
 
 
 def test_checker_catches_every_kind(tmp_path):
