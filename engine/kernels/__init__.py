@@ -32,7 +32,8 @@ from __future__ import annotations
 
 # setup first: it points numba at its cache folder and threading layer before numba loads
 from .setup import (CACHE_DIR, CACHE_PROBLEM, F16_TABLE, GOMP_SPINCOUNT_DEFAULT,  # noqa: F401
-                    INT_FLAVOR, PARALLEL_KERNELS, SERIALIZED, THREADING_LAYER, _FM,
+                    INT_FLAVOR, PARALLEL_KERNELS, SERIALIZED, SHIPPED, SHIPPED_KINDS, TARGET,
+                    THREADING_LAYER, _FM,
                     _KW, _cache_dir_problem, _writable_dir, cpu_features,
                     current_threads, default_spin_env, numba_cache_dir, set_threads,
                     thread_limit)
