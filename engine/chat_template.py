@@ -357,13 +357,14 @@ def alias_reasoning_fields(messages: list[dict]) -> list[dict]:
 
 def render(source: str, where: str, messages: Any, *, tools: Any = None, documents: Any = None,
            add_generation_prompt: bool = False, special_tokens: Mapping[str, str] | None = None,
-           template_kwargs: Mapping[str, Any] | None = None) -> str:
+           template_kwargs: Mapping[str, Any] | None = None, now: datetime | None = None) -> str:
     """Render one conversation with a chat template -> str, as transformers' apply_chat_template.
 
     ``messages``: dicts (or dataclasses) with "role" and "content" and any other field the
     template reads (tool_calls, reasoning_content, ...). ``tools``: list of JSON-schema dicts.
     ``documents``: list of dicts. ``special_tokens``: bos_token etc.; ``template_kwargs``
-    override them. Raises TokenizerError when the template does not compile, calls
+    override them. ``now``: the instant ``strftime_now`` shows (the clock's when None), so that
+    renderings compared with each other show one time. Raises TokenizerError when the template does not compile, calls
     raise_exception, breaks the sandbox or fails on the input (the message names ``where``).
     """
     template = compile_template(source, where)
@@ -382,6 +383,8 @@ def render(source: str, where: str, messages: Any, *, tools: Any = None, documen
     variables.update(plain_data(dict(template_kwargs or {})))
     variables.update(messages=msgs, tools=plain_data(tools), documents=plain_data(documents),
                      add_generation_prompt=bool(add_generation_prompt))
+    if now is not None:
+        variables["strftime_now"] = now.strftime
     try:
         return template.render(**variables)
     except jinja2.TemplateError as e:

@@ -33,6 +33,7 @@ from safetensors import SafetensorError, safe_open
 
 from .config import ModelArgs
 from .errors import CheckpointError
+from .mtp import dense_tensors, kept_heads, with_heads
 from .models import base, family_for
 from .quant import mxfp4_nonfinite_block
 
@@ -97,7 +98,7 @@ class Checkpoint:
             for k in h.keys():
                 self._where[k] = f
             self._read_spans(f)
-        a = self.args
+        a = self.args = with_heads(self.args, kept_heads(self.args, self._where))  # engine/mtp.py
         # at least the family's dense tensors + 2 per MoE layer (fused experts), checked before
         # listing every expected name (huge for a bad config)
         want = len({t.hf for t in self.family.dense_tensors(a)}) + 2 * a.num_moe_layers
@@ -152,7 +153,9 @@ class Checkpoint:
         lines = []
         for L in sorted(beyond):
             k = beyond[L]
-            if L - nhl < mtp:
+            if L - nhl < a.mtp_layers:  # a kept head's copies of embed_tokens / shared_head.head
+                why = "the kept multi-token-prediction head's copies of the main model's tensors, not needed"
+            elif L - nhl < mtp:
                 why = "multi-token-prediction layer, not used to generate"
             else:
                 why = (f"a layer beyond num_hidden_layers {nhl} that num_nextn_predict_layers {mtp} "
@@ -306,7 +309,7 @@ class Checkpoint:
 
     def _check_tensors(self) -> None:
         a = self.args
-        for t in self.family.dense_tensors(a):
+        for t in dense_tensors(self.family, a):
             if not self._check_one(t.hf, t.shape):
                 raise self._missing(t.hf)
         shapes = base.expert_shapes(a)

@@ -38,8 +38,10 @@ def describe_model(args: ModelArgs) -> str:
 
     Example: "Qwen3-MoE (qwen3_moe): 48 layers (48 MoE), 128 experts, top-8, expert width 768".
     """
-    L, M = args.num_hidden_layers, args.num_moe_layers
+    L, M = args.num_hidden_layers, args.num_moe_layers - args.mtp_layers  # a kept MTP head's row is not a layer
     layers = f"{L} layers ({M} MoE" + (f", {L - M} dense" if L > M else "") + ")"
+    if args.mtp_layers:
+        layers += " + an MTP head"
     shared = (f", shared expert width {args.shared_expert_intermediate_size}"
               if args.shared_expert_intermediate_size else "")
     if getattr(args, "kv_lora_rank", 0):

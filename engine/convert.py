@@ -46,6 +46,7 @@ from .checkpoint import Checkpoint
 from .errors import Cancelled, CheckpointError, StoreError
 from .events import LoadProgress
 from .fsutil import FileLock, fsync_dir, normalize_modes, pid_is_gone  # noqa: F401  (pid_is_gone: also here)
+from .mtp import dense_tensors
 from .quant import (ALIGN, EXPERT_ONLY_QUANTS, QUANTS, check_finite, int4_interleavable, interleave_q4,
                     quantize, slab_layout)
 from .store_format import (CHECKSUM_OF_VERSION, EXPERT_LAYOUTS, FORMAT_NAME, FORMAT_VERSION, check_store_files,
@@ -253,7 +254,7 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
     partial = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{os.getpid()}.", suffix=".partial", dir=dst.parent))
 
     layout = slab_layout(quant, D, I, group_size, bias=args.expert_bias, interleaved=el == "interleaved_4")
-    tensors = fam.dense_tensors(args)
+    tensors = dense_tensors(fam, args)  # the family's and the kept MTP heads' (engine/mtp.py)
     total = sum(source.nbytes(h) for h in {t.hf for t in tensors})
     total += sum(source.expert_nbytes(i) * E for i in args.moe_layers)
     done = 0
@@ -373,6 +374,7 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
             "num_layers": M,
             "num_hidden_layers": args.num_hidden_layers,
             "moe_layers": list(args.moe_layers),
+            **({"mtp_layers": args.mtp_layers} if args.mtp_layers else {}),
             "num_experts": E,
             "experts": experts_meta,
             "files": {},

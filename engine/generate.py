@@ -3,6 +3,10 @@
 ``Engine.generate(request, cancel_event)`` is a generator of plain events (events.py):
 TokenEvent and StepMetrics after every token, ResidencySnapshot at most ~10 per second, and
 always a final Finished. The loop has no I/O of its own and no Qt (mlx-lm stream_generate).
+
+``Engine`` is composed of two parts beside this file's open, observers and generation loop:
+engine_setup.EngineSetup (what opening sets up: plan, cache, model, kernels warmed, threads,
+pins, the KV cache's room) and prompt_fit.PromptFit (the prompt's ids, fitted to the context).
 """
 
 from __future__ import annotations
@@ -17,78 +21,23 @@ from typing import Callable, Iterator
 import numpy as np
 
 from .config import EngineConfig
-from .docs_lookup import DOCS_PER_QUESTION, INDEX_FILE, CopyPrior, DocEntry, DocsIndex, last_user_text, with_docs_each
-from .errors import Cancelled, ContextOverflowError, EngineError, ExpertReadError, StoreError
-from .events import Finished, FinishReason, GenerateRequest, Loaded, LoadProgress, ResidencySnapshot, TokenEvent
+from .docs_lookup import CopyPrior
+from .engine_setup import EngineSetup, RoutingFeed  # noqa: F401 - RoutingFeed: its home before
+from .errors import Cancelled, ContextOverflowError, EngineError
+from .events import Finished, FinishReason, GenerateRequest, LoadProgress, ResidencySnapshot, TokenEvent
 from .expert_cache import ExpertCache
-from .expert_store import EMBED_TENSORS, ExpertStore
-from .kernel_prepare import CHILD_TIMEOUT_S, exit_with_parent, kernel_kind, prepare_in_child
-from .heat import RoutingHeat, cap_pins, pins_per_layer
+from .expert_store import ExpertStore
+from .kernel_prepare import CHILD_TIMEOUT_S, exit_with_parent
 from .metrics import MetricsTracker, answer_rates, residency_snapshot
-from .models import build_model
-from .models.base import K, mean_router_probs, softmax_rows
 from .observers import Observer, ObserverFailure
-from .ram_budget import GROWTH_HEADROOM_BYTES, RssGuard, current_rss, release_compiler_memory
-from .sizing import estimate_store, kv_bytes, plan_estimate
+from .prompt_fit import PromptFit
+from .ram_budget import current_rss
 from .sampling import Sampler
-from .settings import check_context_length
-from .speculative import DraftLength, PromptLookup
-from .sysinfo import BudgetClaim, FreeCores, threads_for, usable_cpus
-from .tokenizer import Tokenizer
+from .mtp import drafter_for
+from .speculative import DraftLength
+from .sysinfo import FreeCores, usable_cpus
 
 log = logging.getLogger(__name__)
-
-WARMUP_TOKENS = 16
-#: (model class, dense quant, expert quant) whose kernels this process has already run
-_WARMED: set[tuple] = set()
-ADAPT_INTERVAL_S = 0.25  # threads = 0 (auto): re-count the free cores this often while generating
-# The KV cache's room is made (Engine._kv_room) this many positions at a time: its pages are
-# mapped as positions are written, 16 positions to a 4 KB page for a 128-wide f16 head
-KV_STEP_TOKENS = 64
-
-
-class RoutingFeed(Observer):
-    """The engine's own routing observer: counts the routing heat (RoutingHeat.observe) and,
-    under the "ema" policy, feeds the cache the call's mean router probabilities
-    (ExpertCache.observe_probs) before the layer's experts are requested.
-
-    Token-batched (Observer.token_batched): a one-call run of a decode step's layers takes
-    only resident experts, so no eviction reads the EMA during it, and its on_route calls come
-    before the cache's bookkeeping of its takes (the layer that stops a run is routed and takes
-    its experts the per-layer way); heat and EMA end the same."""
-
-    token_batched = True
-
-    def __init__(self, heat: RoutingHeat, cache: ExpertCache):
-        self.heat, self.cache = heat, cache
-
-    def on_route(self, layer: int, idx: np.ndarray, router_logits: np.ndarray) -> None:
-        self.heat.observe(layer, idx)
-        if self.cache.policy == "ema":
-            self.cache.observe_probs(layer, mean_router_probs(router_logits))
-
-    def on_route_layers(self, l0: int, idx: np.ndarray, router_logits: np.ndarray) -> None:
-        """One routing row per layer l0.. (a decode step's run of layers): the same heat and
-        EMA as an ``on_route`` call per layer, in one array operation each."""
-        self.heat.observe_layers(l0, idx)
-        if self.cache.policy == "ema":
-            self.cache.observe_probs_layers(l0, softmax_rows(router_logits))
-
-
-class _GuardPoll(Observer):
-    """Polls the engine's RSS guard at every MoE layer start; when the guard unpinned experts
-    to lower the cap, the persisted pin set follows. Token-batched: each one-call run of a
-    decode step's layers publishes the starts of its layers before it takes any expert, so
-    the polls come at a safe point too (after the first, the others find no new load)."""
-
-    token_batched = True
-
-    def __init__(self, engine: "Engine"):
-        self.engine = engine
-
-    def on_layer_start(self, layer: int) -> None:
-        if self.engine.guard.poll() is not None:
-            self.engine.sync_pins()
 
 
 class _PassFollower(Observer):
@@ -123,7 +72,7 @@ class _PassFollower(Observer):
         self.waited_s += time.monotonic() - t0
 
 
-class Engine:
+class Engine(EngineSetup, PromptFit):
     """A loaded model ready to generate. Create with :meth:`open`; close with :meth:`close`.
 
     Attributes: config (EngineConfig), store (ExpertStore), args (ModelArgs), tokenizer,
@@ -177,7 +126,7 @@ class Engine:
         report(LoadProgress("open", 0, 3, "", f"opening {config.store}"))
         self.store = ExpertStore(config.store, o_direct=config.o_direct)
         try:
-            self._open_rest(report, prepare_kernels)
+            self._open_rest(report, prepare_kernels, compile_child)
         except BaseException:
             if self.cluster is not None:
                 self.cluster.close()
@@ -186,223 +135,6 @@ class Engine:
             self.store.close()
             raise
         return self
-
-    def _open_rest(self, report, prepare_kernels: bool) -> None:
-        config, store = self.config, self.store
-        a = self.args = store.args
-        # before any weight is read: a context the model was not trained for gives garbage
-        check_context_length(config.context_length, a.max_position_embeddings,
-                             f"the model {store.manifest.get('model_name', store.path.name)}")
-        self.tokenizer = Tokenizer.from_dir(store.path)
-        self.docs = None  # the documentation index the store ships (engine.docs_lookup), if any
-        self.docs_problem = ""  # why a shipped index could not be used (the model runs without it)
-        if (store.path / INDEX_FILE).exists():
-            try:
-                self.docs = DocsIndex.open(store.path / INDEX_FILE)
-            except (OSError, ValueError) as e:
-                self.docs_problem = (f"{e}. The model answers without documentation lookup; delete "
-                                     f"{store.path / INDEX_FILE} to silence this, or convert the model "
-                                     f"again from a folder with a good index")
-                log.warning("%s", self.docs_problem)
-        # the embedding table stays in the store, read row by row (EmbeddingRows): its RAM goes
-        # to the expert cache
-        self.kernel_prepare_s = 0.0
-        if prepare_kernels:
-            self.kernel_prepare_s = prepare_in_child(
-                config, kernel_kind(a, store, config),
-                lambda done, msg: report(LoadProgress("compile", done, 1, "", msg)), child=compile_child)
-        dense = store.load_dense(exclude=EMBED_TENSORS)
-        embed_rows = store.embedding_rows()
-        dense_bytes = sum(v.nbytes for v in dense.values())
-        # the one sizing rule (engine/sizing.py), with the dense bytes as loaded
-        self.sizing = replace(estimate_store(a, store.manifest, config.context_length, config.kv_dtype),
-                              dense_bytes=dense_bytes)
-        ctx = self.context_length = self.sizing.context_length
-        report(LoadProgress("open", 1, 3, "", "dense weights loaded"))
-        self.plan = plan_estimate(self.sizing, config.ram_budget_gb, config.cap, rss_now=self.read_rss())
-        self.heat = RoutingHeat(a.num_moe_layers, a.num_experts, store.manifest.get("created", ""))
-        if config.history:
-            self.heat.load(store.path)
-        self._kv_reached = 0  # positions the KV cache has room made for (_kv_room)
-        self.cache = ExpertCache(store, a.num_moe_layers, a.num_experts, self.plan.cap, config.policy,
-                                 heat=self.heat.counts, checksum=config.checksum,
-                                 io_threads=config.io_threads, reserve=config.reserve_cache, fill=config.idle_fill,
-                                 grow_ok=self._grow_ok, slots=self.plan.slots)
-        experts = self.cache
-        if config.cluster:
-            from .cluster import ClusterExperts
-            report(LoadProgress("cluster", 0, 1, "", f"placing experts on the cluster at {config.cluster}"))
-            experts = self.cluster = ClusterExperts(
-                store, self.cache, self.heat.counts, config.cluster,
-                local_keep=pins_per_layer(self.plan.cap, config.pin_per_layer) if config.pinning else 0,
-                timeout_s=config.cluster_timeout_ms / 1000.0, options=self._cluster_options)
-            report(LoadProgress("cluster", 1, 1, "", self.cluster.status().summary()))
-        self.model = build_model(a, dense, store.dense_quant, store.quant, experts, ctx, store.group_size,
-                                 kv_dtype=config.kv_dtype, embed_rows=embed_rows)
-        self.kernel_warmup_s = self._warm_kernels(report)
-        # the compiler's pages and heap are not the cache's to lose (the one-call decode step's
-        # warm thread releases them again once it has loaded its kernel)
-        released = release_compiler_memory()
-        log.debug("released %.1f MB the kernel compiler held", released / 1e6)
-        start = getattr(self.model, "start_decode_warm", None)
-        if start is not None:  # the one-call decode step: compiled beside the first answer, not before it
-            start()
-        if config.ram_budget_gb is None and self.kernel_warmup_s > 0:
-            # An automatic budget is the RSS plus what the model needs: measured again after the
-            # first compile, whose code and compiler memory (100-300 MB) are the process's own and
-            # not the cache's; planned before it, the guard saw that growth as the cache's and
-            # cut a tiny model's cap to 1 in its first answer.
-            # the arena pages already in (populated ahead, or the whole cache with reserve_cache)
-            # are the cache's own, planned again below, not memory beside it
-            plan = plan_estimate(self.sizing, None, config.cap,
-                                 rss_now=max(0, self.read_rss() - self.cache.resident_bytes()))
-            cap = min(plan.cap, self.cache.max_cap)  # the arena is sized
-            self.plan = replace(plan, cap=cap, slots=min(plan.slots, cap * a.num_moe_layers))
-            if self.plan.slots != self.cache.slots:
-                self.cache.set_slots(self.plan.slots)
-        self.routing_feed = RoutingFeed(self.heat, self.cache)
-        self.model.subscribe(self.routing_feed)  # first: heat and EMA scores before anyone else
-        self.guard = RssGuard(self.cache, self.plan.budget, read_rss=self.read_rss,
-                              pins_for_cap=lambda c: pins_per_layer(c, config.pin_per_layer))
-        self._kv_ids: list[int] = []
-        self.pilot = None
-        if config.pilot > 0:
-            from .prefetch import Pilot
-            self.pilot = Pilot(self.model, self.cache, config)
-        self._chain_layer_hook()
-        pre_n, pre_s = 0, 0.0
-        if config.pinning and self.heat.pinned.any():
-            pre_n, pre_s = self._prewarm(self._cap_pins(self.heat.pinned), report)
-        self._pins_applied = bool(self.cache.pinned.any())
-        self.cache.start_fill()  # idle_fill: after the warm-up's forget() and the pre-warm
-        report(LoadProgress("open", 3, 3, "", "ready"))
-        msg = self.plan.describe()
-        if self.cluster is not None:
-            msg += "; " + self.cluster.status().summary()
-        if pre_n:
-            msg += f"; pre-warmed {pre_n} experts in {pre_s:.2f} s"
-        if self.heat.message:
-            msg += f"; {self.heat.message}"
-        log.info("%s", msg)
-        self.loaded = Loaded(
-            model_name=store.manifest.get("model_name", store.path.name), store_path=str(store.path),
-            quant=store.quant, num_layers=a.num_moe_layers, num_experts=a.num_experts,
-            num_experts_per_tok=a.num_experts_per_tok, context_length=ctx, cap_per_layer=self.cache.cap,
-            ram_budget_bytes=self.plan.budget, dense_bytes=dense_bytes, expert_slot_bytes=store.slot_bytes,
-            pilot=config.pilot, prewarmed_experts=pre_n, prewarm_seconds=pre_s, message=msg,
-            has_chat_template=self.tokenizer.has_chat_template, max_context=int(a.max_position_embeddings),
-            threads=self.threads, auto_threads=self.free_cores is not None, pins_per_layer=self._pins_per_layer(),
-            cluster="" if self.cluster is None else self.cluster.status().summary(),
-            moe_layers=tuple(int(i) for i in a.moe_layers), docs_entries=len(self.docs or ()),
-            docs_problem=self.docs_problem, expert_slots=self.cache.slots)
-        # other colibri processes size their automatic budget around this one (sysinfo)
-        self.budget_claim = BudgetClaim(self.plan.budget)
-
-    def _warm_kernels(self, report) -> float:
-        """Run the model's kernels once before "ready", so the first answer does not wait for
-        numba to compile or load them (~8 s on a fresh install); once per process and
-        kind of model: a 2-token prefill and a 1-token decode step, each twice at the same
-        positions (the decode step after the model's ``rewind``). The second of each routes
-        exactly as the first, so it finds the experts the first left in the cache (at least
-        the last one read per layer, even at cap 1: the child that compiles a first start,
-        engine.kernel_prepare) beside misses: the kernels of resident experts
-        (K.experts_q4_sorted, experts_q4_t1) run as well as those of misses. Before, the first
-        prefill with a resident expert compiled K.experts_q4_sorted inside the engine after the
-        child (~0.3 GB above the budget; out of memory in a 4 GB memory cgroup). The KV rows
-        written are never reused (no prefix is kept) and ExpertCache.forget() undoes the
-        loads, so nothing of it shows in residency, counters or routing heat (no observer is
-        subscribed yet). Returns the seconds it took (0.0 when already warm)."""
-        m = type(self.model)  # every family's class is named Model: its module tells them apart
-        key = (m.__module__, m.__qualname__, self.store.dense_quant, self.store.quant, self.store.group_size,
-               getattr(self.store, "expert_layout", "row_major"), getattr(self.model, "kv_dtype", None))
-        if key in _WARMED or self.context_length < 3:
-            return 0.0
-        report(LoadProgress("kernels", 0, 1, "", "preparing the compute kernels"))
-        t0 = time.perf_counter()
-        ids = [i % self.args.vocab_size for i in (1, 2, 3)]
-        try:
-            def run(a: int, b: int) -> None:  # positions a..b-1
-                self.model.forward(np.asarray(ids[a:b]), a)
-            run(0, 2)
-            run(0, 2)  # routed as the first: finds experts resident
-            run(2, 3)
-            s = self.model.rewind(2)  # a recurrent state (Qwen3-Next) is kept at some positions only
-            if s < 2:
-                run(s, 2)
-            run(2, 3)  # the decode step again at its position: finds experts resident
-            warmed = True
-        except ExpertReadError:
-            # a damaged expert slab is the store's problem, not the warm-up's: the model opens,
-            # and a generation that routes to that expert ends with this error (named there)
-            warmed = False
-        self.cache.forget()
-        if self.cluster is not None:
-            self.cluster.forget()
-        if not warmed:
-            return time.perf_counter() - t0
-        _WARMED.add(key)
-        dt = time.perf_counter() - t0
-        report(LoadProgress("kernels", 1, 1, "", f"compute kernels ready in {dt:.1f} s"))
-        return dt
-
-    def _apply_threads(self) -> None:
-        """numba's thread count is per calling thread: set it in the thread that computes."""
-        K.set_threads(self.threads)
-
-    def _adapt_threads(self, force: bool = False) -> None:
-        """threads = 0 (auto): at most every ADAPT_INTERVAL_S, set the compute threads to the
-        cores other programs leave free (sysinfo.threads_for); a no-op for a fixed count."""
-        if self.free_cores is None:
-            return
-        now = time.monotonic()
-        if not force and now - self._adapted_at < ADAPT_INTERVAL_S:
-            return
-        others = self.free_cores.others()
-        if others is None:
-            return
-        self._adapted_at = now
-        n = threads_for(self.usable_threads, others)
-        if n != self.threads:
-            self.threads = n
-            K.set_threads(n)
-
-    def _chain_layer_hook(self) -> None:
-        """Let the RSS guard look at every MoE layer start (a safe point: no expert is
-        acquired), through the model's observer protocol (after PILOT, which subscribed first)."""
-        self.model.subscribe(_GuardPoll(self))
-
-    def sync_pins(self) -> None:
-        """The guard unpinned experts to lower the cap: the persisted pin set follows."""
-        self.heat.pinned = self.cache.pinned.copy()
-
-    # --- pinning ------------------------------------------------------------------------------
-
-    def _pins_per_layer(self) -> int:
-        return pins_per_layer(self.cache.cap, self.config.pin_per_layer)
-
-    def _cap_pins(self, pinned: np.ndarray) -> np.ndarray:
-        return cap_pins(pinned, self.heat.counts, self._pins_per_layer())
-
-    def _prewarm(self, pinned: np.ndarray, report) -> tuple[int, float]:
-        """Load the pinned experts before the first token (the seeds' PILOT=3 pre-warm)."""
-        t0 = time.perf_counter()
-        self.cache.set_pinned(pinned)
-        total = int(pinned.sum())
-        for layer in range(pinned.shape[0]):
-            self.cache.load_experts(layer, np.nonzero(pinned[layer])[0])
-            report(LoadProgress("prewarm", int(pinned[:layer + 1].sum()), total, "experts"))
-        return total, time.perf_counter() - t0
-
-    def _maybe_pin(self) -> None:
-        if not self.config.pinning or self._pins_applied or self.heat.tokens < WARMUP_TOKENS:
-            return
-        n = self._pins_per_layer()
-        if n <= 0:
-            return
-        pins = self.heat.choose_pins(n)
-        self.cache.set_pinned(pins)
-        self.heat.pinned = pins.copy()
-        self._pins_applied = True
 
     # --- observers ----------------------------------------------------------------------------
 
@@ -437,54 +169,6 @@ class Engine:
 
     # --- generation ---------------------------------------------------------------------------
 
-    @property
-    def has_chat_template(self) -> bool:
-        """False when the store has no chat template: only raw prompts (GenerateRequest.prompt)
-        can run; messages raise TokenizerError."""
-        return self.tokenizer.has_chat_template
-
-    def lookup(self, request: GenerateRequest) -> list[DocEntry]:
-        """The documentation entries given with ``request`` (engine.docs_lookup): the best
-        DOCS_PER_QUESTION matches of its last user message when the store ships a documentation
-        index, the request is a chat and ``request.sampling.docs_lookup`` is on; else []."""
-        if request.prompt_ids is not None:  # the caller did the lookup (the server) or none
-            return list(request.docs_entries) if request.sampling.docs_lookup else []
-        if self.docs is None or not request.sampling.docs_lookup:
-            return []
-        text = last_user_text(request.messages)
-        return self.docs.search(text, DOCS_PER_QUESTION) if text else []
-
-    def _encode_chat(self, messages, docs: bool) -> list[int]:
-        if docs:  # each question with the block it is answered with (KV rows reused turn after turn)
-            messages = with_docs_each(messages, lambda text: self.docs.search(text, DOCS_PER_QUESTION))
-        return self.tokenizer.encode_chat(messages)
-
-    def _docs_on(self, request: GenerateRequest) -> bool:
-        return self.docs is not None and request.sampling.docs_lookup and request.prompt_ids is None
-
-    def prompt_ids(self, request: GenerateRequest) -> list[int]:
-        """Token ids of the request's prompt (chat template with the documentation lookup's
-        block before each user message, raw text or ids)."""
-        return self._prompt_ids(request, self._docs_on(request))
-
-    def _check_ids(self, what: str, ids) -> list[int]:
-        """``ids`` as ints, each checked against the vocabulary (the kernels index the embedding
-        without bounds checks). Raises ValueError naming ``what`` and the first bad id."""
-        ids = [int(t) for t in ids]
-        bad = [t for t in ids if not 0 <= t < self.args.vocab_size]
-        if bad:
-            raise ValueError(f"{what}: token id {bad[0]} is outside the vocabulary [0, {self.args.vocab_size})")
-        return ids
-
-    def _prompt_ids(self, request: GenerateRequest, docs: bool) -> list[int]:
-        if request.prompt_ids is not None:
-            return self._check_ids("prompt_ids", request.prompt_ids)
-        if request.messages:
-            return self._encode_chat(request.messages, docs)
-        if request.prompt is not None:
-            return self.tokenizer.encode(request.prompt)
-        raise ValueError("empty request: give messages, prompt or prompt_ids")
-
     def generate(self, request: GenerateRequest,
                  cancel: threading.Event | None = None) -> Iterator[object]:
         """Generate for ``request``; see the module docstring for the events.
@@ -512,96 +196,6 @@ class Engine:
         if len(ids) >= C:
             raise ContextOverflowError(self._overflow_message(len(ids), bool(request.messages), dropped))
         return self._run(ids, request, sampler, cancel, dropped, tuple(entries))
-
-    def answer_room(self, max_new_tokens: int) -> int:
-        """Tokens a chat prompt must leave free for the answer: min(max_new_tokens, context / 4)
-        (a long setting must not make every later message refuse to fit)."""
-        return max(1, min(int(max_new_tokens), self.context_length // 4))
-
-    def fit_prompt(self, request: GenerateRequest) -> tuple[list[int], int]:
-        """(prompt token ids, oldest messages left out) for ``request``.
-
-        A chat whose prompt leaves less than :meth:`answer_room` tokens of the context drops
-        its oldest turns, a user message and the answers that follow it at a time, never the
-        system prompt(s) at its start nor the last user message. Among the shortened prompts
-        that fit, the one sharing the longest prefix with the KV rows kept from the previous
-        generation wins (so the next turns of a trimmed chat still reuse the prefill); with no
-        such prefix, enough turns are dropped to leave a quarter of the context free for the
-        turns to come. Raw prompts and token ids are never shortened (0 dropped). The result
-        may still not fit: :meth:`generate` refuses it then. With the documentation lookup each
-        user message keeps its block right before it, so a dropped turn takes its block along.
-        """
-        return self._fit_prompt(request, self._docs_on(request))
-
-    def _surely_too_long(self, request: GenerateRequest) -> bool:
-        """True when the last user message's text alone needs more tokens than the context
-        holds, by a lower bound (characters / the longest vocabulary entry): a long paste is
-        then encoded once, alone, before it is refused. Never changes a result: a bound that
-        misjudges (a normalizer that removes characters) costs one more encoding."""
-        if request.prompt_ids is not None or not request.messages:
-            return False
-        text = last_user_text(request.messages) or ""
-        return len(text) > self.context_length * self.tokenizer.max_token_chars
-
-    def _fit_prompt(self, request: GenerateRequest, docs: bool) -> tuple[list[int], int]:
-        msgs = request.messages
-        head = 0
-        while msgs and head < len(msgs) and msgs[head].role == "system":
-            head += 1
-        starts = [i for i in range(head + 1, len(msgs or ())) if msgs[i].role == "user"]
-        C = self.context_length
-        room = self.answer_room(request.sampling.max_new_tokens)
-        last = None
-        if starts and self._surely_too_long(request):
-            # the last question alone first: the whole chat (as long) need not be encoded
-            last = self._encode_chat(tuple(msgs[:head]) + tuple(msgs[starts[-1]:]), docs)
-            if len(last) + room > C:
-                return last, starts[-1] - head
-        ids = self._prompt_ids(request, docs)
-        if request.prompt_ids is not None or not msgs:
-            return ids, 0
-        if len(ids) + room <= C:
-            return ids, 0
-        if not starts:
-            return ids, 0
-        # the last question alone: when even it does not fit, no shorter prompt does (each
-        # encoding of a long paste costs as much as the first)
-        if last is None:
-            last = self._encode_chat(tuple(msgs[:head]) + tuple(msgs[starts[-1]:]), docs)
-        if len(last) + room > C:
-            # send it alone (the answer gets what is left) or let generate() refuse it
-            return last, starts[-1] - head
-        cands = []  # (start, ids) that fit, fewest dropped first
-        for st in starts[:-1]:
-            c = self._encode_chat(tuple(msgs[:head]) + tuple(msgs[st:]), docs)
-            if len(c) + room <= C:
-                cands.append((st, c))
-        cands.append((starts[-1], last))
-
-        def common(c: list[int]) -> int:
-            n = 0
-            for x, y in zip(c, self._kv_ids):
-                if x != y:
-                    break
-                n += 1
-            return n
-        base = common(cands[-1][1])  # what every candidate shares (the system prompt, template head)
-        best = max(cands, key=lambda sc: common(sc[1]))
-        if common(best[1]) <= base:
-            slack = C - room - C // 4
-            best = next((sc for sc in cands if len(sc[1]) <= slack), cands[-1])
-        return best[1], best[0] - head
-
-    def _overflow_message(self, n: int, chat: bool, dropped: int = 0) -> str:
-        C, limit = self.context_length, int(self.args.max_position_embeddings)
-        what = "The message" if chat else "The prompt"
-        s = (f"{what} has {n} tokens but the context holds {C} tokens (one more is needed to answer)"
-             + (f"; the {dropped} earlier messages were already left out" if dropped else "") + ". Shorten it")
-        if C < limit:
-            s += f", or raise the context length (this model takes up to {limit} tokens)"
-        else:
-            s += f" (this model takes at most {limit} tokens)"
-        return s + "."
 
     def _run(self, ids, request, sampler, cancel, dropped=0, sources=()) -> Iterator[object]:
         with self._lock:
@@ -665,6 +259,8 @@ class Engine:
         dec_forwards, t_dec0, t_dec1 = 0, 0.0, 0.0
         dec_rows, drafted, accepted = 0, 0, 0  # rows sampled after decode forwards; draft tokens, kept
         lengths = DraftLength(self.config.draft_max) if self.config.speculation != "off" else None
+        # before the prefill: an MTP head takes the prompt's hidden states (engine/mtp.py)
+        drafter = drafter_for(self.config.speculation if forced is None else "off", self.model, self.mtp)
         # Prefix reuse: keep the KV rows of the longest common prefix with the last run.
         p = 0
         for a, b in zip(self._kv_ids, ids):
@@ -676,7 +272,11 @@ class Engine:
         self._kv_ids = self._kv_ids[:p]
         try:
             self._kv_room(len(ids))
-            logits = self.model.forward(np.asarray(ids[p:]), p, cancel=cancel)
+            lent = self._scratch_room(len(ids) - p)
+            try:
+                logits = self.model.forward(np.asarray(ids[p:]), p, cancel=cancel)
+            finally:
+                self._scratch_back(lent)
             self._stop_following()
             self._kv_ids = list(ids)
             self.heat.tokens += len(ids) - p
@@ -690,7 +290,6 @@ class Engine:
             # sampled token and a draft; every row is sampled as plain decoding samples it, and
             # the draft is kept up to the first token the sampler did not pick.
             # teacher forcing (forced_ids: benchmarks, routing traces) measures one-token steps
-            drafter = PromptLookup() if self.config.speculation == "prompt_lookup" and forced is None else None
 
             def step_metrics(n: int):
                 m_ev = tracker.step(n, self.threads, rss=self.guard.last_rss)  # one RSS read a forward
@@ -761,14 +360,16 @@ class Engine:
                 p0 = pos + m  # where the last sampled token goes
                 self._adapt_threads()
                 draft = []
+                t_d = time.perf_counter()
                 if drafter is not None:
                     room = min(max_new - len(out_ids) - 1, C - p0 - 1)
                     k = lengths.choose(room)
                     if k:
                         draft = drafter.propose(context, k)
                 fed = [tok] + draft
+                t_d = time.perf_counter() - t_d  # a forward's cost counts its drafting (an MTP head's rows)
                 self._kv_room(p0 + len(fed))
-                t_f = time.perf_counter()
+                t_f = time.perf_counter() - t_d
                 if draft:
                     rows = self.model.verify(np.asarray(fed), p0, cancel=cancel)
                 else:
@@ -821,33 +422,6 @@ class Engine:
             threads=self.threads, seed=sampler.seed,
             tokens_per_forward=dec_rows / dec_forwards if dec_forwards else 0.0,
             draft_tokens=drafted, accepted_tokens=accepted)
-
-    def _grow_ok(self, nbytes: int) -> bool:
-        """Whether the expert cache's background growth (reservation, populate-ahead, pre-read)
-        may add ``nbytes`` now: RSS + nbytes + the KV cache the plan set aside that the context
-        has not reached yet (its pages are mapped as positions are written: kv_zeros) +
-        GROWTH_HEADROOM_BYTES within the RAM budget (the plan read at call time: it is
-        re-planned after the warm-up)."""
-        kv = max(0, self.plan.kv_set_aside - self._kv_bytes(self._kv_reached))
-        return self.read_rss() + nbytes + kv + GROWTH_HEADROOM_BYTES <= self.plan.budget
-
-    def _kv_bytes(self, n: int) -> int:
-        """KV cache bytes of the first ``n`` positions (engine.sizing.kv_bytes)."""
-        return kv_bytes(self.args, n, self.config.kv_dtype)
-
-    def _kv_room(self, n: int) -> None:
-        """Before a forward that writes KV rows up to position ``n`` - 1: when that passes the
-        positions room was made for (in steps of KV_STEP_TOKENS), the expert cache gives back
-        the slots the KV cache's new pages need if the budget cannot hold them beside it
-        (RssGuard.make_room), before they are written, so the RSS never runs past the budget
-        for the KV's sake. The plan set aside the KV of the first sizing.KV_OPEN_TOKENS."""
-        n = min(self.context_length, -(-int(n) // KV_STEP_TOKENS) * KV_STEP_TOKENS)
-        if n <= self._kv_reached:
-            return
-        grow = self._kv_bytes(n) - self._kv_bytes(self._kv_reached)
-        self._kv_reached = n
-        if self.guard.make_room(grow) is not None:
-            self.sync_pins()
 
     def cluster_status(self):
         """engine.cluster.ClusterStatus (workers, which experts live where: placement int16

@@ -11,6 +11,7 @@ import glob
 import importlib.util
 import os
 import tempfile
+from dataclasses import dataclass
 
 
 def _writable_dir(path: str) -> bool:
@@ -57,13 +58,114 @@ def numba_cache_dir() -> tuple[str | None, str]:
     return (d, "") if _writable_dir(d) else (None, _cache_dir_problem(d, None))
 
 
-def int_flavor() -> str:
-    """How the q4 / q8 dot products run on this CPU: "vnni" (AVX-512 VNNI vpdpbusd: q4 and q8),
+TARGET_ENV = "COLIBRI_KERNEL_TARGET"
+_V2 = ("cx16", "popcnt", "sahf", "sse3", "sse4.1", "sse4.2", "ssse3")
+_V3 = _V2 + ("avx", "avx2", "bmi", "bmi2", "f16c", "fma", "lzcnt", "movbe", "xsave")
+_V4 = _V3 + ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")
+# The fixed x86-64 targets the kernels compile for (lowest first): the psABI levels as LLVM
+# names them, and v4 with VNNI (the int8 dot product of Ice Lake, Sapphire Rapids and Zen 4).
+# A fixed target makes numba's cache the same on every CPU of a level, so pre-built kernels
+# can ship (engine.kernel_cache); each level's features are spelled out because numba adds
+# the host's own features to a bare CPU name.
+KERNEL_TARGETS = {
+    "x86-64-v2": ("x86-64-v2", _V2),
+    "x86-64-v3": ("x86-64-v3", _V3),
+    "x86-64-v4": ("x86-64-v4", _V4),
+    "x86-64-v4-vnni": ("x86-64-v4", _V4 + ("avx512vnni",)),
+}
+# LLVM tunes its x86-64-v4 for Skylake-X, whose loops it then vectorizes 256 bits wide: the
+# decode of a 100 MB int8 model took 30% more CPU per token than the same code built for Zen 4
+# (512 bits wide), so the v4 levels lift that preference.
+_TUNING = {"x86-64-v4": ("-prefer-256-bit",), "x86-64-v4-vnni": ("-prefer-256-bit",)}
+
+
+@dataclass(frozen=True)
+class KernelTarget:
+    """The CPU the kernels compile for. ``level``: a KERNEL_TARGETS key, "host" (this CPU's
+    own name and features: no x86-64 level fits, another architecture, or COLIBRI_KERNEL_TARGET=host)
+    or "user" (the user set NUMBA_CPU_NAME / NUMBA_CPU_FEATURES). ``cpu_name`` and ``features``
+    (an LLVM feature string, "+avx2,+fma,...") are what numba gets; ``flags`` the features the
+    code may use (what the integer path is chosen from)."""
+    level: str
+    cpu_name: str
+    features: str
+    flags: frozenset
+
+    @property
+    def fixed(self) -> bool:
+        """Whether this is one of KERNEL_TARGETS (portable between CPUs of that level)."""
+        return self.level in KERNEL_TARGETS
+
+
+def _host_features() -> dict[str, bool]:
+    try:
+        import llvmlite.binding as llb
+        return {str(k): bool(v) for k, v in llb.get_host_cpu_features().items()}
+    except Exception:  # noqa: BLE001 - llvmlite missing or without host feature support
+        return {}
+
+
+def _host_target(level: str = "host") -> KernelTarget:
+    feats = _host_features()
+    try:
+        import llvmlite.binding as llb
+        name = llb.get_host_cpu_name()
+    except Exception:  # noqa: BLE001
+        name = "generic"
+    flat = ",".join(("+" if v else "-") + k for k, v in sorted(feats.items()))
+    return KernelTarget(level, name, flat, frozenset(k for k, v in feats.items() if v))
+
+
+def _level_target(level: str) -> KernelTarget:
+    name, feats = KERNEL_TARGETS[level]
+    return KernelTarget(level, name, ",".join(("+" + f for f in feats)) + "".join("," + t for t in _TUNING.get(level, ())),
+                        frozenset(feats))
+
+
+def kernel_target() -> KernelTarget:
+    """The CPU target the kernels compile for on this machine (engine.kernels pins numba to it
+    before numba loads): the highest of KERNEL_TARGETS whose features this CPU has, on x86-64.
+    ``COLIBRI_KERNEL_TARGET`` chooses: "host" (this CPU's exact model: nothing pre-built fits it)
+    or a level of KERNEL_TARGETS this CPU can run (the pre-built kernels' build uses it).
+    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES set by the user win (level "user").
+    Raises ValueError: COLIBRI_KERNEL_TARGET names no target, or a level this CPU lacks."""
+    if os.environ.get("NUMBA_CPU_NAME") or os.environ.get("NUMBA_CPU_FEATURES"):
+        for level in KERNEL_TARGETS:  # a level set by engine.kernels in a parent process
+            t = _level_target(level)
+            if (os.environ.get("NUMBA_CPU_NAME"), os.environ.get("NUMBA_CPU_FEATURES")) == (t.cpu_name, t.features):
+                return t
+        host = _host_target()
+        feats = os.environ.get("NUMBA_CPU_FEATURES") or host.features
+        flags = frozenset(f[1:] for f in feats.split(",") if f.startswith("+"))
+        return KernelTarget("user", os.environ.get("NUMBA_CPU_NAME") or host.cpu_name, feats, flags)
+    forced = os.environ.get(TARGET_ENV, "").strip()
+    import platform
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    if forced:
+        if forced == "host":
+            return _host_target()
+        if forced not in KERNEL_TARGETS:
+            raise ValueError(f"{TARGET_ENV}={forced!r}: choose host or one of {', '.join(KERNEL_TARGETS)}")
+        lacking = [f for f in KERNEL_TARGETS[forced][1] if not _host_features().get(f)] if x86 else ["x86-64"]
+        if lacking:
+            raise ValueError(f"{TARGET_ENV}={forced}: this CPU lacks {', '.join(lacking)}; "
+                             f"choose a lower level or host (or unset it)")
+        return _level_target(forced)
+    if not x86:
+        return _host_target()
+    have = _host_features()
+    fits = [lv for lv, (_, feats) in KERNEL_TARGETS.items() if all(have.get(f) for f in feats)]
+    return _level_target(fits[-1]) if fits else _host_target()
+
+
+def int_flavor(target: KernelTarget | None = None) -> str:
+    """How the q4 / q8 dot products run for the kernel target (``target``, default
+    :func:`kernel_target`): "vnni" (AVX-512 VNNI vpdpbusd: q4 and q8),
     "bw" (AVX-512BW vpmaddubsw + vpmaddwd: q4; q8 portable), "avx2" (the same two instructions
     on 256-bit halves, for q8 with vpsignb: q4 and q8) or "portable" (plain numba loops, any
     CPU). All paths compute the same real-valued expression. ``COLIBRI_INT_KERNEL`` forces one
     (tests use it to check every path here); a forced choice compiles uncached, so the on-disk
-    cache only ever holds this machine's own choice."""
+    cache only ever holds the target's own choice."""
     forced = os.environ.get("COLIBRI_INT_KERNEL")
     if forced:
         if forced not in ("vnni", "bw", "avx2", "portable"):
@@ -73,13 +175,12 @@ def int_flavor() -> str:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return "portable"
     try:
-        import llvmlite.binding as llb
-        feats = llb.get_host_cpu_features()
-    except Exception:
-        return "portable"
-    if feats.get("avx512bw") and feats.get("avx512f"):  # vnni also runs vpdpbusd on 256 bits (VL)
-        return "vnni" if feats.get("avx512vnni") and feats.get("avx512vl") else "bw"
-    if feats.get("avx2") and feats.get("fma"):
+        feats = (target or kernel_target()).flags
+    except ValueError:  # a bad COLIBRI_KERNEL_TARGET: engine.kernels reports it
+        feats = frozenset(k for k, v in _host_features().items() if v)
+    if "avx512bw" in feats and "avx512f" in feats:  # vnni also runs vpdpbusd on 256 bits (VL)
+        return "vnni" if "avx512vnni" in feats and "avx512vl" in feats else "bw"
+    if "avx2" in feats and "fma" in feats:
         return "avx2"
     return "portable"
 

@@ -61,14 +61,15 @@ def kernel_kind(args, store, config) -> tuple:
 def marker_path(cache_dir: str, kind: tuple) -> Path:
     """The marker file saying ``kind``'s kernels are in numba's cache at ``cache_dir``: named by
     a digest of ``kind``, the kernel source files' paths, sizes and modification times (numba's
-    own cache key for a source file), numba's and Python's versions and the CPU (numba's cache
-    is per CPU name and features)."""
+    own cache key for a source file), numba's and Python's versions and the CPU target the
+    kernels compile for (numba's cache is per CPU name and features: engine.kernel_facts)."""
     import numba
+    from .kernel_facts import kernel_target
     sources = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in _kernel_sources()]
     try:
-        from llvmlite import binding
-        cpu = binding.get_host_cpu_name() + binding.get_host_cpu_features().flatten()
-    except Exception:  # noqa: BLE001 - a marker per machine is still right without the features
+        t = kernel_target()
+        cpu = t.cpu_name + t.features
+    except ValueError:  # a bad COLIBRI_KERNEL_TARGET: a marker per machine is still right
         cpu = platform.machine()
     h = hashlib.sha256(repr((kind, sources, numba.__version__,
                              sys.version_info[:2], cpu)).encode()).hexdigest()[:24]
@@ -113,10 +114,10 @@ def compile_needed(store: str, config) -> tuple[bool, float | None]:
     says so before a change (PILOT on, another KV type) is applied.
     Raises StoreError / ConfigError: the store cannot be read."""
     from .expert_store import ExpertStore
-    from .kernels import CACHE_DIR
+    from .kernels import CACHE_DIR, SHIPPED_KINDS
     with ExpertStore(store, o_direct=False) as st:
         kind = kernel_kind(st.args, st, config)
-    if CACHE_DIR is not None and _marker_holds(marker_path(CACHE_DIR, kind), CACHE_DIR):
+    if CACHE_DIR is not None and (kind in SHIPPED_KINDS or _marker_holds(marker_path(CACHE_DIR, kind), CACHE_DIR)):
         return False, None
     seconds = []
     for m in (Path(CACHE_DIR) / MARKER_DIR).glob("*") if CACHE_DIR is not None else ():
@@ -126,6 +127,7 @@ def compile_needed(store: str, config) -> tuple[bool, float | None]:
             seconds.append(float(json.loads(m.read_text())["seconds"]))
         except (OSError, ValueError, KeyError, TypeError):
             continue
+    seconds = [x for x in seconds if x > 0]  # 0: pre-built kernels (engine.kernel_cache), no compile
     return True, (max(seconds) if seconds else None)
 
 
@@ -231,7 +233,7 @@ def prepare_in_child(config, kind: tuple, report=None, *, child, niceness: int =
     (nothing is marked). Returns the seconds it took (0.0 when the marker says they are ready, or when there is no writable
     numba cache to fill). Never raises: a failed child is logged and the engine compiles in
     process."""
-    from .kernels import CACHE_DIR, CACHE_PROBLEM
+    from .kernels import CACHE_DIR, CACHE_PROBLEM, SHIPPED_KINDS
     if kind in _FAILED or os.environ.get(IN_PROCESS_ENV) == "1":
         return 0.0
     if not CACHE_DIR:  # nothing would persist: say why every start compiles (here, in process)
@@ -240,6 +242,9 @@ def prepare_in_child(config, kind: tuple, report=None, *, child, niceness: int =
         return 0.0
     marker = marker_path(CACHE_DIR, kind)
     if _marker_holds(marker, CACHE_DIR):
+        return 0.0
+    if kind in SHIPPED_KINDS:  # pre-built kernels, already in numba's cache (engine.kernel_cache)
+        write_marker(CACHE_DIR, kind, 0.0)
         return 0.0
     if report is not None:
         report(0, FIRST_COMPILE)
@@ -274,17 +279,26 @@ def _prepare(config, kind: tuple, marker: Path, cache_dir: str, report, t0: floa
         log.warning("compiling the kernels in a child process failed (exit code %s); compiling them here", code)
         _FAILED.add(kind)
         return time.perf_counter() - t0
-    try:
-        atomic_write_text(marker, json.dumps({"kind": repr(kind), "index_files": _index_files(cache_dir),
-                                              "seconds": round(time.perf_counter() - t0, 1)}) + "\n")
-    except OSError as e:  # the next start prepares them again: slower, never wrong
-        log.warning("could not write %s (%s); every start will run the compile's child process again "
-                    "until it can: make %s a writable folder (or delete it)", marker, e, marker.parent)
+    write_marker(cache_dir, kind, time.perf_counter() - t0)
     dt = time.perf_counter() - t0
     if report is not None:
         report(1, f"compute kernels compiled in {dt:.0f} s")
     return dt
 
+
+
+def write_marker(cache_dir: str, kind: tuple, seconds: float) -> None:
+    """Mark ``kind``'s kernels as in numba's cache at ``cache_dir`` (compiled in ``seconds``; 0
+    for pre-built ones): :func:`marker_path`, listing numba's index files now there. Logs, never
+    raises: without the marker the next start only prepares them again."""
+    marker = marker_path(cache_dir, kind)
+    try:
+        marker.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(marker, json.dumps({"kind": repr(kind), "index_files": _index_files(cache_dir),
+                                              "seconds": round(seconds, 1)}) + "\n")
+    except OSError as e:  # the next start prepares them again: slower, never wrong
+        log.warning("could not write %s (%s); every start will run the compile's child process again "
+                    "until it can: make %s a writable folder (or delete it)", marker, e, marker.parent)
 
 
 BACKGROUND_NICENESS = 10  # a compile nobody waits for yet gives the cores to the answers

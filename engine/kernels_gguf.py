@@ -1,5 +1,10 @@
 """Numba kernels on GGUF's quantized blocks, as a GGUF-born store keeps them (engine.gguf_blocks).
 
+K-quant rows (Q4_K, Q5_K, Q6_K: the types of Q4_K_M, Q5_K_M, Q6_K) run the integer kernels of
+engine.kernels.kquants against 8-bit activations (llama.cpp's Q8_K) when every projection of
+the call is one of them and the CPU has AVX2 (``linear`` and ``run_expert`` choose). Every other
+row, and K-quant rows elsewhere, take the float32 path below:
+
 Each row is decoded block by block into float32 exactly as gguf-py's ``gguf.quants`` decodes it
 (the same float32 operations in the same order, no fused multiply-add: the decoded weights equal
 gguf's bit for bit, tests/test_gguf_import.py), then multiplied with the activations (float32,
@@ -16,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from . import kernels as K
 from .gguf_blocks import BLOCK_TYPES
 from .kernels import _KW, F16_TABLE
 
@@ -342,14 +348,85 @@ def dequantize(t: int, rows: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
+def integer_ok(*ts: int) -> bool:
+    """Whether rows of the ggml types ``ts`` run the integer K-quant kernels here."""
+    return K.KQ_SIMD and all(int(t) in K.KQ_TYPES for t in ts)
+
+
 def linear(x: np.ndarray, w: np.ndarray, t: int, out: np.ndarray) -> np.ndarray:
-    """out[T, O] = x[T, N] @ W^T, W's rows uint8 [O, >= row bytes] of ggml type ``t``."""
+    """out[T, O] = x[T, N] @ W^T, W's rows uint8 [O, >= row bytes] of ggml type ``t`` (K-quant
+    rows: x quantized to Q8_K, integer products; :func:`integer_ok`)."""
+    if integer_ok(t):
+        K.linear_kq(np.ascontiguousarray(x, np.float32), w, int(t), out)
+        return out
     linear_gguf(np.ascontiguousarray(x, np.float32), w, int(t), out, F16_TABLE, IQ4_VALUES, MXFP4_VALUES)
     return out
 
 
 def run_expert(v: dict, x: np.ndarray, h: np.ndarray, out: np.ndarray) -> None:
     """out[T, D] = the SwiGLU expert of a GGUF-born slab's views ``v`` (engine.gguf_blocks) at x
-    float32 [T, D]; h float32 [T, I] scratch."""
+    float32 [T, D]; h float32 [T, I] scratch. All three projections K-quants: the integer
+    kernel (K.expert_kq; :func:`integer_ok`), else the float32 one."""
+    ty = v["types"]
+    if integer_ok(ty[0], ty[1], ty[2]):
+        K.expert_kq(np.ascontiguousarray(x, np.float32), int(ty[0]), int(ty[1]), int(ty[2]), v["gate_proj.q"],
+                    v["up_proj.q"], v["down_proj.q"], h, np.empty_like(h), out)
+        return
     expert_gguf(x, v["types"], v["gate_proj.q"], v["up_proj.q"], v["down_proj.q"], h, out, F16_TABLE,
                 IQ4_VALUES, MXFP4_VALUES)
+
+
+T1_FIELDS = ("types", "gate_proj.q", "up_proj.q", "down_proj.q")
+
+
+def t1_fields(layout: dict) -> np.ndarray | None:
+    """Byte offsets int64 [4] inside a GGUF-born slab of T1_FIELDS (for :func:`run_experts_t1`),
+    or None for a slab with biases (gpt-oss runs its own expert)."""
+    at = {name: int(off) for name, off, _dt, _shape in layout["fields"]}
+    if any(name.endswith(".b") for name in at):
+        return None
+    return np.array([at[f] for f in T1_FIELDS], np.int64)
+
+
+def run_experts_t1(x: np.ndarray, arena: np.ndarray, offs: np.ndarray, layout: dict, h: np.ndarray,
+                   out: np.ndarray) -> None:
+    """out[k] = run_expert(expert k)(x) for the n = out.shape[0] GGUF-born slabs whose
+    T1_FIELDS sit at byte offsets offs int64 [n, 4] of ``arena`` (the expert cache's), x
+    float32 [1, D], h float32 [n, I] scratch: K-quant experts in one call (K.experts_kq_t1,
+    bit-identical to run_expert on each), the others one by one."""
+    shapes = {name: shape for name, _off, _dt, shape in layout["fields"]}
+    (I, wgu), (D, wdn) = shapes["gate_proj.q"], shapes["down_proj.q"]
+    ty = arena[offs[0, 0]:offs[0, 0] + 3]  # a layer's experts share their types
+    if integer_ok(*ty):
+        K.experts_kq_t1(np.ascontiguousarray(x, np.float32), arena, offs, wgu, wdn, h, np.empty_like(h), out)
+        return
+    for k in range(out.shape[0]):
+        v = {"types": arena[offs[k, 0]:offs[k, 0] + 4]}
+        for f, (rows, width) in (("gate_proj.q", (I, wgu)), ("up_proj.q", (I, wgu)), ("down_proj.q", (D, wdn))):
+            o = offs[k, T1_FIELDS.index(f)]
+            v[f] = arena[o:o + rows * width].reshape(rows, width)
+        run_expert(v, x, h[k:k + 1], out[k:k + 1])
+
+
+def run_experts_sorted(x: np.ndarray, tok: np.ndarray, starts: np.ndarray, arena: np.ndarray, offs: np.ndarray,
+                       layout: dict, nch: int, h: np.ndarray, out: np.ndarray) -> None:
+    """A prefill chunk's resident GGUF-born experts (arguments as K.experts_kq_sorted's: x
+    float32 [T, D], tok int64 [M], starts int64 [n + 1], offs int64 [n, 4] of T1_FIELDS, h
+    float32 [M, I] scratch, out float32 [M, D]): K-quant experts in one call, bit-identical to
+    run_expert on each expert's rows x[tok[lo:hi]]; the others one by one."""
+    shapes = {name: shape for name, _off, _dt, shape in layout["fields"]}
+    (I, wgu), (D, wdn) = shapes["gate_proj.q"], shapes["down_proj.q"]
+    ty = arena[offs[0, 0]:offs[0, 0] + 3]  # a layer's experts share their types
+    if integer_ok(*ty):
+        K.experts_kq_sorted(np.ascontiguousarray(x, np.float32), tok, starts, arena, offs, wgu, wdn, nch, h,
+                            np.empty_like(h), out)
+        return
+    for e in range(offs.shape[0]):
+        lo, hi = int(starts[e]), int(starts[e + 1])
+        if hi == lo:
+            continue
+        v = {"types": arena[offs[e, 0]:offs[e, 0] + 4]}
+        for f, (rows, width) in (("gate_proj.q", (I, wgu)), ("up_proj.q", (I, wgu)), ("down_proj.q", (D, wdn))):
+            o = offs[e, T1_FIELDS.index(f)]
+            v[f] = arena[o:o + rows * width].reshape(rows, width)
+        run_expert(v, x[tok[lo:hi]], h[lo:hi], out[lo:hi])

@@ -159,6 +159,29 @@ class RssGuard:
             return None
         return self._check(None, int(nbytes))
 
+    def hold_room(self, nbytes: int) -> int:
+        """Call at a safe point before the process holds ``nbytes`` more while the cache may
+        still fill (a forward's activations, which live until it returns while its layers read
+        experts into free slots): the slots are lowered so that the RSS outside the cache +
+        ``nbytes`` + every slot full stays within the budget (at least one per layer). Unlike
+        :meth:`make_room` it counts the slots not yet filled: a prefill fills them while its
+        buffers are held. Returns the slots given back (0: none), for the caller to return
+        once the bytes are freed."""
+        c = self.cache
+        if nbytes <= 0:
+            return 0
+        outside = self.read_rss() - c.resident_bytes()
+        fit = max(c.L, (self.budget - outside - int(nbytes)) // c.slot_bytes)
+        old = c.slots
+        if fit >= old:
+            return 0
+        new_cap = -(-fit // c.L)
+        n = c.set_slots(fit, self.pins_for_cap(new_cap) if self.pins_for_cap else None)
+        self.trail.append((None, outside + c.resident_bytes(), None, c.cap, old, c.slots))
+        log.info("%.1f MB of activations for a forward beside the cache: expert slots %d -> %d while it runs, "
+                 "%d cached expert%s evicted", nbytes / 1e6, old, c.slots, n, "" if n == 1 else "s")
+        return old - c.slots
+
     def poll(self) -> str | None:
         """Call at a safe point (no expert acquired, e.g. a layer start): looks only if the
         cache loaded something since the last look. Returns a log line when it fired."""

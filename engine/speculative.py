@@ -28,7 +28,7 @@ per extra position; compute-bound ones cost more).
 
 from __future__ import annotations
 
-SPECULATION_MODES = ("prompt_lookup", "off")
+SPECULATION_MODES = ("prompt_lookup", "mtp", "off")  # mtp: engine/mtp.py
 NGRAM_MAX = 4  # longest context suffix matched (vLLM's prompt_lookup_max; transformers matches up to 2)
 NGRAM_MIN = 2  # shortest: a single token repeats too often in code to predict what follows
 # Adapt the draft length to what is measured; off (tests), every draft is as long as allowed, so

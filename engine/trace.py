@@ -16,9 +16,10 @@ post_attention_layernorm + router on the residual of layer l-1 after attention f
 of layer l-d after its MoE for distances 2 and 3), whether PILOT is on or not. They drive
 ``RecordedRouting``: a bigger model's routing replayed from a trained model's real routing.
 
-Replay drives the engine's own ExpertCache class (with a store that reads nothing) through
-the same call sequence, so "our policy" reproduces the engine's hit/miss counts exactly
-(with PILOT off; speculation timing is not replayable). Belady's optimal policy (MIN,
+Replay drives the engine cache's own bookkeeping (engine/cache/slots.py: the slot table and
+the eviction policy, no threads, no reads) through the engine's call sequence, so "our policy"
+reproduces the engine's hit/miss counts exactly (with PILOT off; speculation timing is not
+replayable). Belady's optimal policy (MIN,
 Belady 1966) evicts the resident expert whose next request is farthest in the future.
 """
 
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .cache.slots import SlotTable
 from .errors import EngineError
 from .heat import cap_pins, choose_pins, pins_per_layer
 from .models.base import mean_router_probs
@@ -164,16 +166,6 @@ def load_trace(path: str | Path) -> tuple[dict, list[dict]]:
     return head, recs
 
 
-class _NullStore:
-    slot_bytes = 4096
-
-    def read(self, layer, expert, buf, verify=False):
-        return 4096
-
-    def views(self, buf):
-        return {}
-
-
 def _initial_pins(head: dict, cap: int) -> list[list[int]]:
     """The recorded pre-warm pins as the engine caps them at ``cap`` (``Engine._cap_pins``)."""
     L, E = head["num_layers"], head["num_experts"]
@@ -185,45 +177,59 @@ def _initial_pins(head: dict, cap: int) -> list[list[int]]:
     return [np.nonzero(r)[0].tolist() for r in capped]
 
 
+def _replay_call(table, layer: int, experts) -> None:
+    """One MoE call of ``experts`` (distinct ints) on the slot table as the engine makes it
+    (``ExpertCache.prepare``, then ``acquire`` + ``release`` of each expert in compute order),
+    each read done as soon as it is queued."""
+    hits, _, misses, absent, _ = table.lookup(layer, experts)
+    for e, s in zip(absent, table.reserve_absent(layer, absent, hold=experts)):
+        table.publish(layer, e, s, None)
+    for e in hits + misses:
+        s = int(table.where[layer, e])
+        if s < 0:  # no slot at lookup time: the take reserves one (every other slot is idle)
+            s = table.reserve_for_take(layer, e)
+            table.publish(layer, e, s, None)
+        table.take(layer, e, s)
+        table.give_back(layer, e)
+
+
 def replay_policy(head: dict, records: list[dict], cap: int, policy: str, pinning: bool) -> dict:
-    """Hit/miss counts of the engine's cache (same class, same call order) on a trace.
+    """Hit/miss counts of the engine's cache on a trace: its slot bookkeeping and eviction
+    policy (engine/cache/slots.py, no threads, no reads) driven in the engine's call order.
 
     With ``pinning``, each recorded pin event re-chooses the pins the engine would choose at
     this ``cap`` from the routing heat accumulated up to that point (at the recording cap that is
     exactly the recorded pin set), so one trace serves every cap. Initial (pre-warmed) pins
     are the header's, capped as the engine caps them at this ``cap``.
     """
-    from .expert_cache import ExpertCache
     L, E = head["num_layers"], head["num_experts"]
     heat = np.asarray(head["heat"], dtype=np.int64).copy()
-    cache = ExpertCache(_NullStore(), L, E, cap, policy, heat=heat, io_threads=1)
-    try:
-        pins0 = _initial_pins(head, cap) if pinning else []
-        if any(pins0):
-            p = np.zeros((L, E), bool)
-            for layer, ids in enumerate(pins0):
-                p[layer, ids] = True
-            cache.set_pinned(p)
-            for layer, ids in enumerate(pins0):
-                cache.load_experts(layer, ids)
-        for r in records:
-            if "pin" in r:
-                if pinning:
-                    cache.set_pinned(choose_pins(heat, pins_per_layer(cap, int(head.get("pin_per_layer") or 0))))
-                continue
-            layer = r["l"]
-            idx = np.asarray(r["idx"], dtype=np.int64)
-            np.add.at(heat[layer], idx.reshape(-1), 1)
-            if "p" in r:
-                cache.observe_probs(layer, np.asarray(r["p"], np.float32))
-            for e in cache.prepare(layer, np.unique(idx)):  # the engine's compute order
-                cache.acquire(layer, int(e))
-                cache.release(layer, int(e))
-        s = cache.stats
-        return {"hits": s.hits, "misses": s.misses, "pinned_hits": s.pinned_hits,
-                "hit_rate": s.hits / max(s.hits + s.misses, 1)}
-    finally:
-        cache.close()
+    table = SlotTable(L, E, cap, policy, heat)
+    pins0 = _initial_pins(head, cap) if pinning else []
+    if any(pins0):
+        p = np.zeros((L, E), bool)
+        for layer, ids in enumerate(pins0):
+            p[layer, ids] = True
+        table.set_pinned(p)
+        st = table.stats
+        for layer, ids in enumerate(pins0):  # the pre-warm (ExpertCache.load_experts): not counted
+            kept = st.hits, st.misses, st.pinned_hits
+            _replay_call(table, layer, ids)
+            st.hits, st.misses, st.pinned_hits = kept
+    for r in records:
+        if "pin" in r:
+            if pinning:
+                table.set_pinned(choose_pins(heat, pins_per_layer(cap, int(head.get("pin_per_layer") or 0))))
+            continue
+        layer = r["l"]
+        idx = np.asarray(r["idx"], dtype=np.int64)
+        np.add.at(heat[layer], idx.reshape(-1), 1)
+        if "p" in r:
+            table.observe_probs(layer, np.asarray(r["p"], np.float32)[None])
+        _replay_call(table, layer, np.unique(idx).tolist())
+    s = table.stats
+    return {"hits": s.hits, "misses": s.misses, "pinned_hits": s.pinned_hits,
+            "hit_rate": s.hits / max(s.hits + s.misses, 1)}
 
 
 def replay_belady(head: dict, records: list[dict], cap: int, warm: bool = True) -> dict:
@@ -272,10 +278,10 @@ def replay_belady(head: dict, records: list[dict], cap: int, warm: bool = True) 
 
 
 def replay_all(path: str | Path, caps: list[int]) -> list[dict]:
-    """Hit rates of every registered policy without pinning (engine.cache.policy.POLICY_CLASSES:
+    """Hit rates of every registered policy without pinning (engine.cache.registry.POLICY_CLASSES:
     LRU, LFRU, EMA...), our policy (the recorded engine's policy with its pinning, re-derived per
     cap) and Belady per cap."""
-    from .cache.policy import POLICY_CLASSES
+    from .cache.registry import POLICY_CLASSES
     head, recs = load_trace(path)
     rows = []
     for cap in caps:

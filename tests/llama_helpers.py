@@ -71,25 +71,30 @@ def agreement(ref: np.ndarray, got: np.ndarray):
             float(np.abs(ref).max()), kl(ref, got))
 
 
-# llama.cpp's converter, run with the GLM-4 MoE class reading the checkpoint's byte-level BPE
-# vocabulary as every gpt2-style model does (its own set_vocab looks up GLM's special tokens)
-_GLM_WITH_QWEN2_VOCAB = """
+# llama.cpp's converter, run with a family's class reading the checkpoint's byte-level BPE
+# vocabulary as every gpt2-style model does (GLM's own set_vocab looks up GLM's special tokens,
+# ERNIE's and Hunyuan's read their own tokenizer files)
+_WITH_QWEN2_VOCAB = """
 import runpy, sys
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path.insert(0, str(__import__("pathlib").Path(script).parent))
-import conversion.glm as glm
-glm.Glm4MoeModel.set_vocab = lambda self: self._set_vocab_gpt2()
+import conversion.{module} as m
+m.{cls}.set_vocab = lambda self: self._set_vocab_gpt2()
 runpy.run_path(script, run_name="__main__")
 """
+_OWN_VOCAB = {"glm4_moe": ("glm", "Glm4MoeModel"), "ernie4_5_moe": ("ernie", "Ernie4_5Model"),
+              "hunyuan_v1_moe": ("hunyuan", "HunYuanMoEModel")}
 
 
 def convert_command(d: Path, checkpoint: Path, out: Path, family: str) -> list[str]:
     """The command line of llama.cpp's Hugging Face -> GGUF converter (tree ``d``) writing ``out``
-    as F16 (Qwen3-Next: without multi-token-prediction layers); for GLM-4 MoE with the checkpoint's byte-level BPE vocabulary (see above)."""
+    as F16 (Qwen3-Next: without multi-token-prediction layers); for GLM-4 MoE, ERNIE 4.5 and Hunyuan with the
+    checkpoint's byte-level BPE vocabulary (see above)."""
     args = [str(d / "convert_hf_to_gguf.py"), str(checkpoint), "--outfile", str(out), "--outtype", "f16"]
-    if family == "glm4_moe":
-        args = ["-c", _GLM_WITH_QWEN2_VOCAB, *args]
+    if family in _OWN_VOCAB:
+        module, cls = _OWN_VOCAB[family]
+        args = ["-c", _WITH_QWEN2_VOCAB.format(module=module, cls=cls), *args]
     if family == "qwen3_next":  # Qwen3-Next's config does not count its MTP layers: the converter asks
         args.append("--no-mtp")
     return [sys.executable, *args]

@@ -312,3 +312,71 @@ def test_an_arm_that_fails_is_a_result(tmp_path):
         res["medians"]["llama-q4_0@8GB"]["failed"]
     assert "int4/q4_0@8GB" not in res["ratios"] and res["ratios"]["int4/q4_0-best@8GB"]["tg32"] == 4.0
     assert "OOM kills 1" in (tmp_path / "k.md").read_text()
+
+
+def test_long_prompt_arms_follow_the_memory_limited_arms():
+    """--long-prompt N: after the memory-limited decode arms, one long-prompt arm per read
+    bandwidth for ours and for llama.cpp (default and best flags), each paired with its peer."""
+    a = _kernels_args("--ours", "int4=/s", "--llama", "q4_0=/g.gguf", "--pair", "int4/q4_0", "--cgroup-gb", "8",
+                      "--cgroup-only", "--read-bps", "0", "2e9", "--long-prompt", "2048")
+    a.read_bps = [int(b) for b in a.read_bps]
+    arms = bench_kernels._plan_arms(a, cg_ok=True)
+    names = [bench_kernels._arm_name(x) for x in arms]
+    assert names[-6:] == ["ours-int4-long@8GB", "llama-q4_0-long@8GB", "llama-q4_0-best-long@8GB",
+                          "ours-int4-long@8GB@2GB/s", "llama-q4_0-long@8GB@2GB/s", "llama-q4_0-best-long@8GB@2GB/s"]
+    pairs = {p: (o, ll) for p, o, ll in bench_kernels._ratio_pairs(a, arms)}
+    assert pairs["int4/q4_0-long@8GB"] == ("ours-int4-long@8GB", "llama-q4_0-long@8GB")
+    assert pairs["int4/q4_0-best-long@8GB@2GB/s"] == ("ours-int4-long@8GB@2GB/s", "llama-q4_0-best-long@8GB@2GB/s")
+
+
+def test_long_prompt_needs_a_memory_limit(tiny_store, capsys):
+    """--long-prompt without --cgroup-gb is refused before any arm runs, naming both options."""
+    from engine.cli import main
+    assert main(["bench", "kernels", "--ours", f"int8={tiny_store}", "--long-prompt", "64"]) == 2
+    err = capsys.readouterr().err
+    assert "--long-prompt" in err and "--cgroup-gb" in err
+
+
+def test_llama_long_prompt_arm_is_one_cold_run_in_a_fresh_group(monkeypatch):
+    """The llama.cpp long-prompt arm: the GGUF's pages evicted, one llama-bench -p N -n 0 in a
+    fresh group with the arm's flags; its pp tok/s and the bytes the process read."""
+    calls, evicted, groups = [], [], []
+    reads = iter([1_000_000_000, 35_000_000_000])
+
+    class G:
+        def __init__(self):
+            self.removed = False
+            groups.append(self)
+
+        def wrap(self, cmd):
+            return cmd
+
+        def stats(self):
+            return {"cgroup_max_usage_bytes": 8e9, "cgroup_oom_kills": 0}
+
+        def remove(self):
+            self.removed = True
+
+    def fake_llama(bench, gguf, prompts, n, threads, wrap=None, extra=()):
+        calls.append((prompts, n, wrap is not None, list(extra)))
+        return {f"pp{prompts[0]}": 50.0}
+    monkeypatch.setattr(bench_kernels, "_llama_arm", fake_llama)
+    monkeypatch.setattr(bench_kernels, "_children_read_bytes", lambda: next(reads))
+    monkeypatch.setattr(bench_kernels, "_evict", lambda paths: evicted.append(list(paths)))
+    r = bench_kernels._llama_cgroup_long("llama-bench", "m.gguf", 2048, 2, G, "-lm mmap --repack 0")
+    assert calls == [([2048], 0, True, ["-lm", "mmap", "--repack", "0"])] and evicted == [["m.gguf"]]
+    assert len(groups) == 1 and groups[0].removed
+    assert r["pp2048"] == 50.0 and r["prefill_read_gb"] == 34.0 and r["cgroup_oom_kills"] == 0
+
+
+def test_ours_long_prompt_arm_reports_its_prefill_and_reads(tiny_store):
+    """Ours' long-prompt arm (a fresh process at a budget): the prompt's tok/s over its TTFT,
+    the bytes read from the prompt to its first token and the store's expert bytes."""
+    p = subprocess.run([sys.executable, "-m", "engine.bench.kernels", "--store", str(tiny_store), "--threads", "1",
+                        "--budget-gb", "1", "--long-prompt", "40"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("ARM "))[4:])
+    assert r["pp40"] > 0 and abs(r["pp40"] - 40 / r["ttft_s"]) < 1e-6 * r["pp40"]
+    assert r["expert_gb"] > 0 and r["prefill_read_gb"] >= 0 and r["budget_gb"] == 1.0 and 0 <= r["hit_rate"] <= 1
+    assert r["dense_gb"] > 0 and r["open_to_token_read_gb"] >= r["prefill_read_gb"]

@@ -384,7 +384,7 @@ def test_acquire_many_changes_state_as_one_acquire_each(policy):
             # a hit evicted between prepare_split and acquire_many is loaded again by acquire
             hits, _ = cache.prepare_split(0, [2, 3])
             with cache.lock:
-                cache._evict(0, int(cache.where[0, 3]))
+                cache.table.evict(0, int(cache.where[0, 3]))
             views = cache.acquire_many(0, hits) if many else [cache.acquire(0, e) for e in hits]
             assert [int(v["buf"][0]) for v in views] == [FakeStore.pattern(0, e) for e in hits]
             cache.release_many(0, hits) if many else [cache.release(0, e) for e in hits]
@@ -409,8 +409,8 @@ def test_take_split_changes_state_as_prepare_split_and_acquire_many(policy):
     def run(take):
         cache = ExpertCache(FakeStore(), 2, 16, 6, policy=policy, io_threads=1)
         if take:
-            inner = cache._take_all
-            cache._take_all = lambda *a: (whole.append(a[1].tolist()), inner(*a))[1]
+            inner = cache.table.take_all
+            cache.table.take_all = lambda *a: (whole.append(a[1].tolist()), inner(*a))[1]
         try:
             # (layer, experts, a speculation staged before the lookup): misses, mixed lookups,
             # all-hit lookups (take_split's whole-array path), speculations hit by both kinds
@@ -423,7 +423,7 @@ def test_take_split_changes_state_as_prepare_split_and_acquire_many(policy):
                     cache.load_speculative(layer, spec, slot)
                     with cache.lock:
                         while cache.slot_state[layer, slot] != 2:  # _RESIDENT
-                            cache._wait_slot_state()
+                            cache.wait_slots()
                 if take:
                     hits, slots, misses = cache.take_split(layer, sorted(step))
                     offs = cache.slot_offsets(layer, slots)
@@ -559,9 +559,9 @@ def test_huge_page_advice_covers_whole_blocks_inside_each_slot_only():
     class Store(_MBStore):
         slot_bytes = 3 * (1 << 20) + 4096 * 7  # 3 MB + 7 pages: slots straddle blocks unevenly
 
-    cache = ExpertCache(Store(), 2, 5, 5, policy="lru", io_threads=1)
+    cache = ExpertCache(Store(), 2, 5, 4, policy="lru", io_threads=1)  # a cap under the experts
     try:
-        base, n, sb, H = cache.arena.ctypes.data, 10, Store.slot_bytes, ec.HUGE_PAGE
+        base, n, sb, H = cache.arena.ctypes.data, 8, Store.slot_bytes, ec.HUGE_PAGE
         want = []
         for i in range(n):  # whole blocks inside slot i, by brute force over every block
             a, b = base + i * sb, base + (i + 1) * sb
@@ -582,6 +582,39 @@ def test_huge_page_advice_covers_whole_blocks_inside_each_slot_only():
 
 
 @pytest.mark.skipif(not _THP, reason="Linux /proc, MADV_HUGEPAGE and a kernel with transparent huge pages only")
+def test_an_arena_that_will_be_filled_is_advised_whole_as_huge_pages(monkeypatch):
+    """A cap that holds every expert, or a pre-read that fills the cap, fills every slot, so the whole arena is advised at once
+    (one mapping, whatever the room for more): the blocks two slots share are on huge pages
+    from their first read, not only after the collapse that waits for the first answer's end."""
+    import engine.expert_cache as ec
+
+    class Store(_MBStore):
+        slot_bytes = 3 * (1 << 20) + 4096 * 7
+
+    monkeypatch.setattr(ec, "_mapping_room", lambda: 3)  # too little room for slot interiors
+    # the engine passes the slots it planned: every one of them here
+    cache = ExpertCache(Store(), 2, 5, 5, policy="lru", io_threads=1, slots=10)
+    try:
+        base, nbytes = cache.arena.ctypes.data, cache.arena.nbytes
+        assert nbytes == 10 * Store.slot_bytes
+        got = _huge_advised_ranges(base, base + nbytes)
+        assert got and got[0][0] <= base and got[-1][1] >= base + nbytes
+        assert all(a2 == b1 for (_, b1), (a2, _) in zip(got, got[1:]))  # one unbroken span
+        assert cache.huge_bytes >= nbytes
+    finally:
+        cache.close()
+    # a cap under the experts that the pre-read (fill) fills: every slot is filled too
+    cache = ExpertCache(Store(), 2, 5, 4, policy="lru", io_threads=1, fill=True)
+    try:
+        base, nbytes = cache.arena.ctypes.data, cache.arena.nbytes
+        got = _huge_advised_ranges(base, base + nbytes)
+        assert got and got[0][0] <= base and got[-1][1] >= base + nbytes
+        assert cache.huge_bytes >= nbytes
+    finally:
+        cache.close()
+
+
+@pytest.mark.skipif(not _THP, reason="Linux /proc, MADV_HUGEPAGE and a kernel with transparent huge pages only")
 def test_huge_page_advice_never_takes_more_than_half_the_mappings_left(monkeypatch):
     """Each advised slot interior is a memory mapping of its own (up to 2 per slot); at the
     process's limit (vm.max_map_count) a thread or an mmap can no longer be made, which hung an
@@ -594,24 +627,25 @@ def test_huge_page_advice_never_takes_more_than_half_the_mappings_left(monkeypat
 
     def maps_in(cache):
         base = cache.arena.ctypes.data
-        return len(_huge_advised_ranges(base, base + 10 * Store.slot_bytes))
+        return len(_huge_advised_ranges(base, base + 8 * Store.slot_bytes))
 
-    # 10 slots of 3 MB + 7 pages: at least one has a whole huge page inside (2 mappings), so
-    # a room of 3 (half: 1) is short, and 2 * 2 * 10 is enough whatever the arena's alignment
+    # 8 slots (cap 4 of 5 experts) of 3 MB + 7 pages: at least one has a whole huge page inside
+    # (2 mappings), so a room of 3 (half: 1) is short, and 2 * 2 * 10 is enough whatever the
+    # arena's alignment
     monkeypatch.setattr(ec, "_mapping_room", lambda: 3)
-    cache = ExpertCache(Store(), 2, 5, 5, policy="lru", io_threads=1)
+    cache = ExpertCache(Store(), 2, 5, 4, policy="lru", io_threads=1)
     try:
         assert cache.huge_bytes == 0 and maps_in(cache) == 0
     finally:
         cache.close()
     monkeypatch.setattr(ec, "_mapping_room", lambda: None)  # /proc does not tell: no advice either
-    cache = ExpertCache(Store(), 2, 5, 5, policy="lru", io_threads=1)
+    cache = ExpertCache(Store(), 2, 5, 4, policy="lru", io_threads=1)
     try:
         assert cache.huge_bytes == 0 and maps_in(cache) == 0
     finally:
         cache.close()
     monkeypatch.setattr(ec, "_mapping_room", lambda: 2 * 2 * 10)
-    cache = ExpertCache(Store(), 2, 5, 5, policy="lru", io_threads=1)
+    cache = ExpertCache(Store(), 2, 5, 4, policy="lru", io_threads=1)
     try:
         assert cache.huge_bytes > 0 and maps_in(cache) > 0
     finally:
@@ -676,23 +710,23 @@ def test_populate_ahead_faults_the_next_free_slots_only():
     L, E = 2, 16
     cache = ExpertCache(BigStore(), L, E, E, policy="lru", io_threads=2)
     try:
-        if cache._populater is None:
+        if cache.populate.thread is None:
             pytest.skip("no libc madvise")
         ahead = cache.populate_ahead
         # at open: the top `ahead` free slots of every layer
-        assert _wait_for(lambda: int(cache._faulted.sum()) == ahead * L or not cache._populater.is_alive())
-        if not cache._populater.is_alive():
+        assert _wait_for(lambda: int(cache.memory.faulted.sum()) == ahead * L or not cache.populate.thread.is_alive())
+        if not cache.populate.thread.is_alive():
             pytest.skip("kernel without MADV_POPULATE_WRITE")
         time.sleep(0.2)
-        assert int(cache._faulted.sum()) == ahead * L  # not more
+        assert int(cache.memory.faulted.sum()) == ahead * L  # not more
         _, rss = _arena_mapping(cache)
         assert ahead * L * MB <= rss <= (ahead * L + 1) * MB
         # three loads in layer 0: the populater follows the free stack
         cache.load_experts(0, [0, 1, 2])
         nxt = cache.layers[0].free[-ahead:]
-        assert _wait_for(lambda: all(cache._faulted[0, v] for v in nxt))
+        assert _wait_for(lambda: all(cache.memory.faulted[0, v] for v in nxt))
         time.sleep(0.2)
-        assert int(cache._faulted[0].sum()) == 3 + ahead
+        assert int(cache.memory.faulted[0].sum()) == 3 + ahead
         for e in (0, 1, 2):  # populate never touched loaded bytes
             v = cache.acquire(0, e)
             assert np.all(v["buf"] == BigStore.pattern(0, e))
@@ -701,8 +735,8 @@ def test_populate_ahead_faults_the_next_free_slots_only():
         # two populated free slots still have room
         cache.set_cap(2)
         time.sleep(0.2)
-        assert int(cache._faulted[0].sum()) == 2
-        assert int(cache._faulted[1].sum()) == min(ahead, 2)
+        assert int(cache.memory.faulted[0].sum()) == 2
+        assert int(cache.memory.faulted[1].sum()) == min(ahead, 2)
         _, rss = _arena_mapping(cache)
         assert rss <= (2 + min(ahead, 2) + 1) * MB
     finally:
@@ -718,15 +752,15 @@ def test_reserve_faults_every_slot_under_the_cap():
     L, E = 3, 16
     cache = ExpertCache(_MBStore(), L, E, E, policy="lru", io_threads=2, reserve=True)
     try:
-        if cache._populater is None:
+        if cache.populate.thread is None:
             pytest.skip("no libc madvise")
         assert cache.populate_ahead == E
         cache.load_experts(1, [0, 1, 2])  # loads racing the reservation
         assert cache.wait_populated(timeout=600.0)
-        if not cache._populater.is_alive():
+        if not cache.populate.thread.is_alive():
             pytest.skip("kernel without MADV_POPULATE_WRITE")
         assert cache.populate_pending() == 0
-        assert int(cache._faulted.sum()) >= L * E - 3  # every slot (the 3 loaded ones were read into)
+        assert int(cache.memory.faulted.sum()) >= L * E - 3  # every slot (the 3 loaded ones were read into)
         _, rss = _arena_mapping(cache)
         assert (L * E - 1) * MB <= rss <= (L * E + 1) * MB
         for e in (0, 1, 2):
@@ -759,20 +793,20 @@ def test_background_growth_stops_where_grow_ok_says_no():
         return len(asked) <= allowed["n"]
     cache = ExpertCache(_MBStore(), L, E, E, policy="lru", io_threads=1, reserve=True, grow_ok=grow_ok)
     try:
-        if cache._populater is None:
+        if cache.populate.thread is None:
             pytest.skip("no libc madvise")
         assert cache.wait_populated(timeout=600.0)
-        if not cache._populater.is_alive():
+        if not cache.populate.thread.is_alive():
             pytest.skip("kernel without MADV_POPULATE_WRITE")
         assert cache.grow_stopped and cache.populate_pending() == 0
-        assert int(cache._faulted.sum()) == 5 and set(asked) == {_MBStore.slot_bytes}
+        assert int(cache.memory.faulted.sum()) == 5 and set(asked) == {_MBStore.slot_bytes}
         n_asked = len(asked)
         cache.load_experts(0, range(8))  # demand loads never ask
         assert cache.residency()[0, :8].all() and len(asked) == n_asked
         allowed["n"] = 10 ** 9
         cache.set_cap(12)  # lower: may grow again, up to the new cap
         assert cache.wait_populated(timeout=600.0) and not cache.grow_stopped
-        assert int(cache._faulted.sum()) == 2 * 12
+        assert int(cache.memory.faulted.sum()) == 2 * 12
     finally:
         cache.close()
     cache = ExpertCache(FakeStore(), L, 8, 8, policy="lru", io_threads=1, fill=True, grow_ok=lambda n: False)
@@ -780,7 +814,7 @@ def test_background_growth_stops_where_grow_ok_says_no():
         # three slots of layer 0 have their pages in (not the top of its free stack): the fill
         # takes those first, skips layer 1 (any slot there would grow the process), reads 3
         free0 = cache.layers[0].free
-        cache._faulted[0, [free0[0], free0[2], free0[4]]] = True
+        cache.memory.faulted[0, [free0[0], free0[2], free0[4]]] = True
         assert cache.start_fill()
         assert cache.wait_filled(timeout=600.0)
         assert cache.stats.fill_loads == 3 and cache.grow_stopped and cache.fill_pending() == 0
@@ -803,7 +837,7 @@ def test_a_slot_populated_after_the_fill_paused_wakes_the_fill():
         return False  # the fill thread: the budget says no
     c = ExpertCache(_MBStore(), L, E, 4, policy="lru", io_threads=1, reserve=True, fill=True, grow_ok=grow_ok)
     try:
-        if c._populater is None:
+        if c.populate.thread is None:
             pytest.skip("no libc madvise")
         time.sleep(0.2)
         assert c.start_fill()
@@ -811,11 +845,11 @@ def test_a_slot_populated_after_the_fill_paused_wakes_the_fill():
         assert c.stats.fill_loads == 0
         gate.set()
         for _ in range(500):  # the populate thread faults its slot in
-            if int(c._faulted.sum()) or not c._populater.is_alive():
+            if int(c.memory.faulted.sum()) or not c.populate.thread.is_alive():
                 break
             time.sleep(0.01)
         assert c.wait_filled(timeout=600.0)
-        if int(c._faulted.sum()):
+        if int(c.memory.faulted.sum()):
             assert c.stats.fill_loads >= 1
     finally:
         gate.set()
@@ -980,13 +1014,13 @@ def test_rss_guard_counts_populated_slots_as_cache_memory():
     L, E = 4, 16
     cache = ExpertCache(_MBStore(), L, E, E, policy="lru", io_threads=2)
     try:
-        if cache._populater is None:
+        if cache.populate.thread is None:
             pytest.skip("no libc madvise")
         for layer in range(L):
             cache.load_experts(layer, list(range(6)))
         want = (6 + cache.populate_ahead) * L
-        assert _wait_for(lambda: int(cache._faulted.sum()) == want or not cache._populater.is_alive())
-        if int(cache._faulted.sum()) != want:
+        assert _wait_for(lambda: int(cache.memory.faulted.sum()) == want or not cache.populate.thread.is_alive())
+        if int(cache.memory.faulted.sum()) != want:
             pytest.skip("kernel without MADV_POPULATE_WRITE")
         floor = 300 * MB
         budget = floor + 4 * L * MB  # room for cap 4 in every layer
@@ -1018,7 +1052,7 @@ def test_failed_populate_leaves_no_pages_the_cache_does_not_know(monkeypatch):
     monkeypatch.setattr(ec, "_populate_call", lambda: flaky)
     cache = ExpertCache(_MBStore(), 1, 16, 16, policy="lru", io_threads=1)
     try:
-        assert _wait_for(lambda: not cache._populater.is_alive())
+        assert _wait_for(lambda: not cache.populate.thread.is_alive())
         if calls[0] != 0:
             pytest.skip("kernel without MADV_POPULATE_WRITE")
         assert len(calls) == 1  # the thread stops at the failure
@@ -1039,7 +1073,7 @@ def test_cache_opens_without_ctypes(monkeypatch):
     monkeypatch.setitem(sys.modules, "ctypes.util", None)
     cache = ExpertCache(FakeStore(), 1, 8, 4, policy="lru", io_threads=1)
     try:
-        assert cache._populater is None
+        assert cache.populate.thread is None
         cache.load_experts(0, [1, 2])
         v = cache.acquire(0, 2)
         assert int(v["buf"][0]) == FakeStore.pattern(0, 2)
@@ -1069,7 +1103,7 @@ def test_populate_ahead_faults_the_next_slot_first(monkeypatch):
         base = cache.arena.ctypes.data
         gate.set()
         assert _wait_for(lambda: len(order) >= 2)
-        assert order[0] == base + cache._slot_offset(0, nxt)
+        assert order[0] == base + cache.memory.offset(0, nxt)
     finally:
         cache.close()
 
@@ -1098,11 +1132,11 @@ def test_interrupted_populate_is_retried_not_given_up(monkeypatch):
     cache = ExpertCache(_MBStore(), 1, 16, 16, policy="lru", io_threads=1)
     try:
         time.sleep(0.2)
-        assert cache._populater.is_alive()
+        assert cache.populate.thread.is_alive()
         cache.load_experts(0, [0])  # a load wakes it
-        assert _wait_for(lambda: int(cache._faulted.sum()) >= 1 + cache.populate_ahead
-                         or not cache._populater.is_alive())
-        if not cache._populater.is_alive():
+        assert _wait_for(lambda: int(cache.memory.faulted.sum()) >= 1 + cache.populate_ahead
+                         or not cache.populate.thread.is_alive())
+        if not cache.populate.thread.is_alive():
             pytest.skip("kernel without MADV_POPULATE_WRITE")
         assert len(calls) >= 2
     finally:
@@ -1121,7 +1155,7 @@ def test_residency_matches_a_slot_by_slot_reading_of_the_cache_state():
         rng = np.random.default_rng(5)
         for trial in range(20):
             with cache.lock:
-                cache.slot_state[:] = rng.choice([ec.FREE, ec._LOADING, ec._RESIDENT], size=(L, cap))
+                cache.slot_state[:] = rng.choice([ec.FREE, ec.LOADING, ec.RESIDENT], size=(L, cap))
                 cache.slot_expert[:] = -1
                 for layer in range(L):
                     cache.slot_expert[layer] = rng.choice(E, cap, replace=False)
@@ -1130,9 +1164,9 @@ def test_residency_matches_a_slot_by_slot_reading_of_the_cache_state():
                 for layer in range(L):
                     for s in range(cap):
                         st, e = cache.slot_state[layer, s], cache.slot_expert[layer, s]
-                        if st == ec._LOADING:
+                        if st == ec.LOADING:
                             want[layer, e] = LOADING
-                        elif st == ec._RESIDENT:
+                        elif st == ec.RESIDENT:
                             want[layer, e] = PINNED if cache.pinned[layer, e] else RESIDENT
             got = cache.residency()
             assert got.dtype == np.int8 and np.array_equal(got, want), trial
@@ -1247,21 +1281,21 @@ class _GatedStore(FakeStore):
 @pytest.mark.parametrize("lookup", ["take_split", "prepare_split"])
 def test_a_lookup_with_hits_returns_once_a_reader_took_its_miss(monkeypatch, lookup):
     """A decode step's lookup that found hits and misses returns only once an idle reader
-    thread has taken the first miss's read (ExpertCache._hand_off), so the read is on the disk
+    thread has taken the first miss's read (DemandReads.hand_off), so the read is on the disk
     while the hits compute. Without it the reader waited for a core behind the kernel's
     threads (measured: a median 1.7 ms from queueing to the read's start on 2 cores, as long
     as the hits' compute). The hand-off's time limit is raised so that the test does not
     depend on the machine's speed."""
-    import engine.expert_cache as EC
-    monkeypatch.setattr(EC, "HANDOFF_WAIT_S", 30.0)
+    import engine.cache.io as cache_io
+    monkeypatch.setattr(cache_io, "HANDOFF_WAIT_S", 30.0)
     store = _GatedStore(9)
     cache = ExpertCache(store, 1, 16, 6, policy="lru", io_threads=1)
     try:
         cache.load_experts(0, [0, 1])
-        assert _wait_for(lambda: cache._idle_readers == 1)  # the reader is idle
-        taken = cache._readq_taken
+        assert _wait_for(lambda: cache.demand.idle_readers == 1)  # the reader is idle
+        taken = cache.demand.taken
         out = getattr(cache, lookup)(0, [0, 1, 9])
-        assert cache._readq_taken == taken + 1 and not cache._readq  # a reader took the miss
+        assert cache.demand.taken == taken + 1 and not cache.demand.queue  # a reader took the miss
         assert store.started.wait(600)
         assert out[-1] == [9]
         store.gate.set()
@@ -1283,16 +1317,16 @@ def test_a_lookup_does_not_wait_for_a_busy_reader_or_without_hits(monkeypatch):
     """The hand-off waits only for an idle reader, and only when hits compute next: a lookup
     whose reader is busy with another read, or one with misses only (it waits for them in
     acquire at once), returns without waiting for its reads to start."""
-    import engine.expert_cache as EC
-    monkeypatch.setattr(EC, "HANDOFF_WAIT_S", 30.0)
+    import engine.cache.io as cache_io
+    monkeypatch.setattr(cache_io, "HANDOFF_WAIT_S", 30.0)
     store = _GatedStore(9)
     cache = ExpertCache(store, 1, 16, 6, policy="lru", io_threads=1)
     try:
         cache.load_experts(0, [0, 1])
-        assert _wait_for(lambda: cache._idle_readers == 1)  # the reader is idle
+        assert _wait_for(lambda: cache.demand.idle_readers == 1)  # the reader is idle
         waits = []                                            # the hand-off's waits, if any
-        real_wait = cache._taken_cv.wait
-        cache._taken_cv.wait = lambda timeout=None: (waits.append(timeout), real_wait(timeout))[1]
+        real_wait = cache.demand.taken_cv.wait
+        cache.demand.taken_cv.wait = lambda timeout=None: (waits.append(timeout), real_wait(timeout))[1]
         hits, misses = cache.prepare_split(0, [9, 10])  # misses only
         assert hits == [] and misses == [9, 10]
         assert store.started.wait(600)  # the reader is now busy with 9, gated

@@ -1,16 +1,29 @@
 """Eviction policies (engine/cache/policy.py): pure bookkeeping driven directly, no cache, no
-threads; and the registry as the one place a policy is added."""
+threads; and the registry (engine/cache/registry.py) as the one place a policy is added."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from engine.cache.policy import EMA, LFRU, LRU, POLICY_CLASSES, EvictionPolicy, LayerOrder, make_policy
+from engine.cache.policy import EMA, LFRU, LRU, EvictionPolicy, LayerOrder
+from engine.cache.registry import POLICY_CLASSES, make_policy
 
 
 class _Stats:
     victim_scans = 0
+
+
+class _NullStore:
+    """A store whose reads return at once and fill nothing."""
+
+    slot_bytes = 4096
+
+    def read(self, layer, expert, buf, verify=False):
+        return self.slot_bytes
+
+    def views(self, buf):
+        return {}
 
 
 def _tracked(cls, experts, heat=None, ema=None):
@@ -54,16 +67,61 @@ def test_a_staged_speculation_goes_only_when_nothing_else_can(name):
     assert pol.victim(ly, 0, busy, ex, _Stats()) == 0
 
 
-def test_a_registered_policy_is_what_the_cache_evicts_by(monkeypatch):
+def _cycle_trace(tmp_path):
+    """A one-layer trace cycling over experts 0, 1, 2 (one per call) 30 times: at cap 2 LRU
+    never hits, a policy keeping the oldest does."""
+    import json
+
+    from engine.trace import TRACE_FORMAT
+    head = {"format": TRACE_FORMAT, "version": 1, "num_layers": 1, "num_experts": 8, "top_k": 1, "cap": 2,
+            "policy": "lru", "pins": [[]], "heat": [[0] * 8]}
+    recs = [{"f": i, "l": 0, "idx": [[i % 3]]} for i in range(30)]
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in [head] + recs) + "\n")
+    return path
+
+
+def test_the_policy_simulator_drives_the_bookkeeping_alone(monkeypatch, tmp_path):
+    """replay_policy replays a trace on the slot table and its policy: no ExpertCache, no
+    thread, no read."""
+    import threading
+
     from engine.expert_cache import ExpertCache
-    from engine.trace import _NullStore
+    from engine.trace import load_trace, replay_policy
 
-    class MRU(EvictionPolicy):  # the most recent slot goes first
-        name = "mru"
+    def no_cache(*a, **k):
+        raise AssertionError("the simulator built an ExpertCache")
 
-        def pick(self, ly, layer, busy, experts, stats):
-            return next((s for s in reversed(ly.lru) if busy[s] == 0 and s not in ly.staged), -1)
+    monkeypatch.setattr(ExpertCache, "__init__", no_cache)
+    threads = threading.active_count()
+    head, recs = load_trace(_cycle_trace(tmp_path))
+    r = replay_policy(head, recs, 2, "lru", False)
+    assert (r["hits"], r["misses"]) == (0, 30) and threading.active_count() == threads
+    assert replay_policy(head, recs, 3, "lru", False)["misses"] == 3
 
+
+class MRU(EvictionPolicy):
+    """What a new policy's file holds: the most recent idle slot goes first."""
+
+    name = "mru"
+
+    def pick(self, ly, layer, busy, experts, stats):
+        for s in reversed(ly.lru):
+            stats.victim_scans += 1
+            if busy[s] == 0 and s not in ly.staged:
+                return s
+        return -1
+
+
+def test_a_registered_policy_is_what_the_cache_and_the_simulator_evict_by(monkeypatch, tmp_path):
+    """Adding a policy is its class plus its entry in engine/cache/registry.py: the setting's
+    choices are the registry's, the cache builds it by name, and the policy simulator
+    (``colibri bench replay``) replays it beside the others."""
+    from engine.expert_cache import ExpertCache
+    from engine.settings import POLICIES
+    from engine.trace import replay_all
+
+    assert POLICIES == tuple(POLICY_CLASSES)
     monkeypatch.setitem(POLICY_CLASSES, "mru", MRU)
     cache = ExpertCache(_NullStore(), 1, 8, 2, policy="mru", io_threads=1)
     try:
@@ -73,8 +131,70 @@ def test_a_registered_policy_is_what_the_cache_evicts_by(monkeypatch):
         assert cache.is_present(0, 0) and not cache.is_present(0, 1)  # LRU would have dropped 0
     finally:
         cache.close()
+    row, = replay_all(_cycle_trace(tmp_path), [2])
+    assert row["lru"] == 0.0 and row["mru"] > 0.3 and row["belady"] >= row["mru"]
 
 
 def test_an_unknown_policy_names_the_choices():
     with pytest.raises(ValueError, match="unknown cache policy 'fifo'.*lru"):
         make_policy("fifo", np.zeros((1, 2), np.int64), np.zeros((1, 2)), 2)
+
+
+def _random_trace(seed, L=3, E=12, K=3, calls=120):
+    """A random trace with pre-warmed pins in its header, pin events and "ema" probabilities."""
+    rng = np.random.default_rng(seed)
+    heat = rng.integers(0, 20, (L, E))
+    head = {"num_layers": L, "num_experts": E, "top_k": K, "cap": 4, "policy": "lru", "pin_per_layer": 2,
+            "pins": [sorted(rng.choice(E, 2, replace=False).tolist()) for _ in range(L)], "heat": heat.tolist()}
+    recs = []
+    for i in range(calls):
+        if i % 40 == 39:
+            recs.append({"pin": []})
+        rows = [sorted(rng.choice(E, K, replace=False).tolist()) for _ in range(int(rng.integers(1, 4)))]
+        p = rng.random(E)
+        recs.append({"f": i, "l": int(rng.integers(L)), "idx": rows, "p": (p / p.sum()).tolist()})
+    return head, recs
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_policy_simulator_counts_what_the_cache_counts(seed):
+    """replay_policy (the slot table alone) and the threaded ExpertCache fed the same calls
+    (prepare, then acquire + release of each expert, pre-warmed pins loaded first) count the
+    same hits, misses and pinned hits, for every policy, with and without pinning."""
+    from engine.expert_cache import ExpertCache
+    from engine.heat import choose_pins, pins_per_layer
+    from engine.trace import _initial_pins, replay_policy
+
+    head, recs = _random_trace(seed)
+    L, E = head["num_layers"], head["num_experts"]
+    for cap in (3, 5, 12):
+        for name in POLICY_CLASSES:
+            for pinning in (False, True):
+                heat = np.asarray(head["heat"], np.int64).copy()
+                cache = ExpertCache(_NullStore(), L, E, cap, name, heat=heat, io_threads=1)
+                try:
+                    pins0 = _initial_pins(head, cap) if pinning else []
+                    if any(pins0):
+                        p = np.zeros((L, E), bool)
+                        for layer, ids in enumerate(pins0):
+                            p[layer, ids] = True
+                        cache.set_pinned(p)
+                        for layer, ids in enumerate(pins0):
+                            cache.load_experts(layer, ids)
+                    for r in recs:
+                        if "pin" in r:
+                            if pinning:
+                                cache.set_pinned(choose_pins(heat, pins_per_layer(cap, head["pin_per_layer"])))
+                            continue
+                        idx = np.asarray(r["idx"], np.int64)
+                        np.add.at(heat[r["l"]], idx.reshape(-1), 1)
+                        cache.observe_probs(r["l"], np.asarray(r["p"], np.float32))
+                        for e in cache.prepare(r["l"], np.unique(idx)):
+                            cache.acquire(r["l"], int(e))
+                            cache.release(r["l"], int(e))
+                    want = (cache.stats.hits, cache.stats.misses, cache.stats.pinned_hits)
+                finally:
+                    cache.close()
+                r = replay_policy(head, recs, cap, name, pinning)
+                assert (r["hits"], r["misses"], r["pinned_hits"]) == want, (cap, name, pinning)
+                assert not pinning or cap < 3 or want[2] > 0

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from engine import expert_cache as ec
+from engine.cache import lookups as ec
 from engine.config import EngineConfig
 from engine.events import Finished, GenerateRequest, SamplingParams
 from engine.generate import Engine, engine_threads_alive

@@ -20,8 +20,8 @@ from engine.cli import doctor as D
 from ro_helpers import make_read_only, read_only_prefix, restore_writable
 
 ROOT = Path(__file__).resolve().parent.parent
-LABELS = frozenset(("colibri", "python", "os", "packages", "cpu", "cpu features", "threads", "numba cache", "memory",
-          "cgroup", "data folder", "config", "disk read", "default", "models"))
+LABELS = frozenset(("colibri", "python", "os", "packages", "cpu", "cpu features", "cpu target", "threads", "numba cache",
+          "pre-built", "memory", "cgroup", "data folder", "config", "disk read", "default", "models"))
 
 
 def _doctor(capsys, *args) -> str:

@@ -1,8 +1,9 @@
 """llama.cpp is the oracle: GGUFs made by llama.cpp's own tools run in our engine as in llama.cpp.
 
 Each fixture is made here: a tiny random checkpoint of the family (qwen3moe, olmoe, llama with
-experts = Mixtral, qwen2moe, gpt-oss, deepseek2, glm4moe; hidden 256, expert width 256, 2 layers,
-8 experts; Qwen2's vocabulary so that the converter recognises the tokenizer), converted by llama.cpp's
+experts = Mixtral, qwen2moe, gpt-oss, deepseek2, glm4moe, qwen3next, dots1, ernie4_5-moe,
+hunyuan-moe; hidden 256, expert width 256, 2 layers, 8 experts; Qwen2's vocabulary so that the
+converter recognises the tokenizer), converted by llama.cpp's
 ``convert_hf_to_gguf.py`` to F16 and quantized by ``llama-quantize`` to each type (Q4_K_M and
 Q5_K_M give mixed files: Q6_K / Q5_K rows beside Q4_K ones; gpt-oss at MXFP4_MOE and Q8_0). The store is
 imported with ``--dense-quant f32`` so that the dense weights are exactly the file's, and the
@@ -46,9 +47,10 @@ from llama_helpers import agreement, convert_command, import_llama_cpp, llama_cp
 
 from engine.gguf_import import GGUFModel, convert_gguf  # noqa: E402
 from engine.gguf_tokenizer import tokenizer_files  # noqa: E402
-from engine.bench.synthetic import (deepseek_v2_config, deepseek_v3_config, glm4_moe_config,  # noqa: E402
-                                    gpt_oss_config, mixtral_config, olmoe_config, qwen2_moe_config, qwen3_moe_config,
-                                    qwen3_next_config, write_checkpoint)
+from engine.bench.synthetic import (deepseek_v2_config, deepseek_v3_config, dots1_config,  # noqa: E402
+                                    ernie4_5_moe_config, glm4_moe_config, gpt_oss_config, hunyuan_v1_moe_config,
+                                    mixtral_config, olmoe_config, qwen2_moe_config, qwen3_moe_config, qwen3_next_config,
+                                    write_checkpoint)
 
 sys.path.insert(0, str(Path(__file__).parent))
 from parity_helpers import open_model  # noqa: E402
@@ -57,7 +59,9 @@ TYPES = ("Q8_0", "Q4_K_M", "Q6_K", "Q5_K_M", "Q4_0")
 # max |our logit - llama.cpp's| / max |llama.cpp's logit|, measured on these fixtures (worst
 # family, rounded up about 1.5x): llama.cpp's 8-bit activations against our float32 ones
 # (measured, worst of qwen3moe / olmoe / Mixtral / qwen2moe / gpt-oss: Q8_0 0.040, Q4_K_M 0.058,
-# Q6_K 0.070, Q5_K_M 0.060, Q4_0 0.034, MXFP4_MOE 0.013, all of them Mixtral's but MXFP4's)
+# Q6_K 0.070, Q5_K_M 0.060, Q4_0 0.034, MXFP4_MOE 0.013, all of them Mixtral's but MXFP4's);
+# since the K-quant experts quantize their activations to 8 bits as llama.cpp does (Q8_K), worst
+# of every family here: Q4_K_M 0.056, Q6_K 0.055, Q5_K_M 0.064
 BOUNDS = {"Q8_0": 0.06, "Q4_K_M": 0.09, "Q6_K": 0.10, "Q5_K_M": 0.09, "Q4_0": 0.05, "MXFP4_MOE": 0.02}
 # Qwen3-Next's own (measured at weight spread 0.02: Q8_0 0.107, Q4_K_M 0.126; at F16 0.008): llama.cpp's
 # 8-bit activations enter the Gated DeltaNet recurrence, which carries their rounding across tokens
@@ -96,6 +100,18 @@ def _config(family: str, vocab: int) -> dict:
         kw.update(num_hidden_layers=4, num_key_value_heads=2)
         return qwen3_next_config(head_dim=64, moe_intermediate_size=256, shared_expert_intermediate_size=256,
                                  linear_key_head_dim=64, linear_value_head_dim=64, eos_token_id=151643, **kw)
+    if family == "dots1":  # llama.cpp's dots1 has as many KV heads as query heads and no sliding layers
+        kw.update(num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1)
+        return dots1_config(intermediate_size=256, moe_intermediate_size=256, head_dim=64, first_k_dense_replace=1,
+                            n_group=1, topk_group=1, sliding_window=None, scoring_func="sigmoid", **kw)
+    if family == "ernie4_5_moe":  # llama.cpp sizes the shared expert as intermediate_size / KV heads
+        kw.update(num_hidden_layers=3, num_key_value_heads=2, moe_k=kw.pop("num_experts_per_tok"))
+        return ernie4_5_moe_config(intermediate_size=512, moe_intermediate_size=256, **kw)
+    if family == "hunyuan_v1_moe":  # the converter checks Hunyuan-A13B's RoPE: head 128, alpha 1000, 32k
+        L = kw["num_hidden_layers"]
+        kw.update(num_attention_heads=2, num_key_value_heads=1, moe_topk=[kw.pop("num_experts_per_tok")] * L)
+        return hunyuan_v1_moe_config(head_dim=128, intermediate_size=256, moe_intermediate_size=[256] * L,
+                                     num_shared_expert=[1] * L, max_position_embeddings=32768, **kw)
     if family == "gpt_oss":  # window 8: the 24-token prompt crosses it
         return gpt_oss_config(intermediate_size=256, num_key_value_heads=2, head_dim=64, sliding_window=8, **kw)
     return mixtral_config(intermediate_size=256, **kw)
@@ -138,7 +154,8 @@ def made(tmp_path_factory):
 CASES = ([(f, t) for f in ("qwen3_moe", "olmoe", "mixtral") for t in TYPES]
          + [("qwen2_moe", "Q4_K_M"), ("gpt_oss", "MXFP4_MOE"), ("gpt_oss", "Q8_0")]
          + [("deepseek_v3", t) for t in TYPES] + [("deepseek_v2", "Q4_K_M")]
-         + [("glm4_moe", t) for t in ("Q8_0", "Q4_K_M")] + [("qwen3_next", t) for t in ("Q8_0", "Q4_K_M")])
+         + [("glm4_moe", t) for t in ("Q8_0", "Q4_K_M")] + [("qwen3_next", t) for t in ("Q8_0", "Q4_K_M")]
+         + [(f, t) for f in ("dots1", "ernie4_5_moe", "hunyuan_v1_moe") for t in ("Q8_0", "Q4_K_M")])
 
 
 @pytest.mark.parametrize("family,qtype", CASES, ids=[f"{f}-{t}" for f, t in CASES])

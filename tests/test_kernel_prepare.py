@@ -19,6 +19,7 @@ KIND = ("olmoe", "int8", "int8", 32, "row_major", "f16", False)
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(kernels, "CACHE_DIR", str(tmp_path / "numba"))
+    monkeypatch.setattr(kernels, "SHIPPED_KINDS", frozenset())  # no pre-built kernels in this cache
     monkeypatch.delenv(kernel_prepare.IN_PROCESS_ENV, raising=False)
     monkeypatch.setattr(kernel_prepare, "_FAILED", set())
     return tmp_path / "numba"

@@ -149,19 +149,21 @@ def test_the_cache_gives_slots_back_before_the_kv_grows_past_the_budget(medium_s
     full = est.dense_bytes + est.reserve_bytes + est.kv_bytes + 4 * est.slot_bytes
     budget = max(room, full) + 1000
     holder["base"] = est.dense_bytes + est.reserve_bytes  # the plan's own count of what is not cache or KV
-    import engine.generate as G
-    real = G.ExpertCache
+    import engine.engine_setup as S  # where Engine.open builds its cache
+    real = S.ExpertCache
 
     class Seen(real):
         def __init__(self, *a, **kw):
             super().__init__(*a, **kw)
             holder["cache"] = self
-    G.ExpertCache = Seen
+    S.ExpertCache = Seen
     try:
         cfg = EngineConfig(store=str(medium_store), history=False, o_direct=False, pinning=False,
                            context_length=2048, ram_budget_gb=budget / GB, idle_fill=False)
         with Engine.open(cfg, read_rss=fake_rss) as eng:
             holder["eng"] = eng
+            # the KV alone: the forward's activations are inside the reserve the fake RSS counts whole
+            eng.model.forward_scratch_bytes = lambda T: 0
             slots0 = eng.cache.slots
             assert slots0 == min(64, (budget - est.dense_bytes - est.kv_open_bytes - est.reserve_bytes) // est.slot_bytes)
             req = GenerateRequest(prompt_ids=tuple(i % 400 + 5 for i in range(KV_OPEN_TOKENS + 40)),
@@ -175,4 +177,87 @@ def test_the_cache_gives_slots_back_before_the_kv_grows_past_the_budget(medium_s
                                       context_length=2048, cap=16, idle_fill=False)) as eng:
             assert list(eng.generate(req))[-1].token_ids == fin.token_ids
     finally:
-        G.ExpertCache = real
+        S.ExpertCache = real
+
+
+def test_a_long_prompt_makes_room_for_its_activations_and_gives_it_back(medium_store):
+    """A long prompt whose forward's activations (MoEModel.forward_scratch_bytes, here 10
+    slots' worth more than the budget's spare room, counted in a fake RSS while the forward
+    runs) would pass the budget once its layers fill the cache: the cache gives those slots
+    back before the forward and gets them back after it, the RSS never passes the budget, and
+    the ids are those of a cache that never shrinks."""
+    args = ModelArgs.from_hf_config(medium_store)
+    est = estimate_store(args, read_manifest(medium_store), 2048)
+    holder = {"scratch": 0}
+
+    def fake_rss():
+        c = holder.get("cache")
+        return holder["base"] + (c.resident_bytes() if c is not None else 0) + holder["scratch"]
+    # the fake RSS leaves the KV out and the budget holds all of it: only the activations press
+    budget = est.dense_bytes + est.reserve_bytes + est.kv_bytes + 40 * est.slot_bytes + 1000
+    holder["base"] = est.dense_bytes + est.reserve_bytes
+    import engine.engine_setup as S
+    real = S.ExpertCache
+
+    class Seen(real):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            holder["cache"] = self
+    S.ExpertCache = Seen
+    during = []
+    try:
+        cfg = EngineConfig(store=str(medium_store), history=False, o_direct=False, pinning=False,
+                           context_length=2048, ram_budget_gb=budget / GB, idle_fill=False, cap=10)
+        with Engine.open(cfg, read_rss=fake_rss) as eng:
+            model = eng.model
+            need = est.kv_bytes + 10 * est.slot_bytes
+            # a long prompt's forward (a short one's, and a draft's verify, fit the reserve)
+            model.forward_scratch_bytes = lambda T: need if T > 32 else 0
+            forward = model.forward
+
+            def counted(ids, pos0, *a, **kw):  # the activations exist while the forward runs
+                if len(ids) > 32:
+                    holder["scratch"] = need
+                    during.append((eng.cache.slots, fake_rss()))
+                try:
+                    return forward(ids, pos0, *a, **kw)
+                finally:
+                    holder["scratch"] = 0
+            model.forward = counted
+            prompt = tuple(i % 400 + 5 for i in range(300))
+            req = GenerateRequest(prompt_ids=prompt, sampling=SamplingParams(max_new_tokens=8))
+            list(eng.generate(GenerateRequest(prompt_ids=prompt[:40], sampling=SamplingParams(max_new_tokens=40))))
+            slots0 = eng.cache.slots
+            assert slots0 == 40
+            fin = list(eng.generate(req))[-1]
+            assert fin.error == ""
+            assert during[-1][0] <= slots0 - 10 and during[-1][1] <= budget
+            assert eng.guard.peak <= budget
+            assert eng.cache.slots == slots0  # given back
+        holder.clear()
+        with Engine.open(EngineConfig(store=str(medium_store), history=False, o_direct=False, pinning=False,
+                                      context_length=2048, idle_fill=False)) as eng:
+            assert list(eng.generate(req))[-1].token_ids == fin.token_ids
+    finally:
+        S.ExpertCache = real
+
+
+@pytest.mark.parametrize("cap", [4, 16])
+def test_the_activation_estimate_covers_what_a_forward_allocates(medium_store, cap):
+    """MoEModel.forward_scratch_bytes is at least the peak of what a forward's Python side
+    allocates (numpy arrays, traced), and not far above it, for a long prompt prefilled
+    layer by layer (a streaming cache) and chunk by chunk (every expert cached)."""
+    import tracemalloc
+    with Engine.open(EngineConfig(store=str(medium_store), history=False, o_direct=False, pinning=False,
+                                  context_length=2048, cap=cap, idle_fill=False)) as eng:
+        ids = np.array([i % 400 + 5 for i in range(600)])
+        eng.model.forward(ids[:8], 0)  # kernels compiled, caches touched
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            eng.model.forward(ids, 0)
+            peak = tracemalloc.get_traced_memory()[1] - base
+        finally:
+            tracemalloc.stop()
+        est = eng.model.forward_scratch_bytes(len(ids))
+        assert peak <= est <= 4 * peak, (peak, est)

@@ -133,12 +133,13 @@ def test_tree_respects_the_floors():
     assert check_tree(ROOT) == []
 
 
-def core_circles(root: Path) -> list[list[str]]:
-    """Every import circle among the core's modules (floor 0) under ``root``: the modules of each
-    strongly connected component of more than one module of the import graph (every import
-    statement, function bodies included, as imports_of reads them), each sorted."""
+def core_circles(root: Path, every_floor: bool = False) -> list[list[str]]:
+    """Every import circle among the core's modules (floor 0; every engine module when
+    ``every_floor``) under ``root``: the modules of each strongly connected component of more
+    than one module of the import graph (every import statement, function bodies included, as
+    imports_of reads them), each sorted."""
     mods = {module_name(root, p): p for p in sorted((root / "engine").rglob("*.py"))}
-    core = {m for m in mods if floor_of(m) == 0}
+    core = {m for m in mods if every_floor or floor_of(m) == 0}
     graph = {m: sorted({t for _line, t, _names in imports_of(root, mods[m]) if t in core and t != m}) for m in core}
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -180,6 +181,11 @@ def test_core_has_no_import_circle():
     assert core_circles(ROOT) == []
 
 
+def test_engine_has_no_import_circle_on_any_floor():
+    """Above the core as well (the server's two APIs, the library's checks, the benches, the CLI)."""
+    assert core_circles(ROOT, every_floor=True) == []
+
+
 def _mini_tree(tmp_path: Path) -> Path:
     for d in ("engine/library", "engine/server", "engine/bench", "engine/cli", "colibri_app"):
         (tmp_path / d).mkdir(parents=True, exist_ok=True)
@@ -219,6 +225,17 @@ def test_circle_check_finds_a_planted_circle(tmp_path):
     assert core_circles(root) == [["engine.core_mod", "engine.models.base", "engine.tok"]]
     (root / "engine" / "models" / "base.py").write_text("def f():\n    from ..errors import x\n")
     assert core_circles(root) == []
+
+
+def test_circle_check_on_every_floor_finds_a_circle_in_a_package(tmp_path):
+    """Two server modules that import each other (one inside a function) are a circle the core
+    check does not see and the check on every floor does."""
+    root = _mini_tree(tmp_path)
+    assert core_circles(root, every_floor=True) == []
+    (root / "engine" / "server" / "other.py").write_text("def f():\n    from .api import ok\n")
+    (root / "engine" / "server" / "api.py").write_text("from ..library import ok\nfrom .other import f\n")
+    assert core_circles(root) == []
+    assert core_circles(root, every_floor=True) == [["engine.server.api", "engine.server.other"]]
 
 
 def test_checker_catches_every_kind(tmp_path):
@@ -275,3 +292,41 @@ def test_core_import_does_not_load_the_upper_floors():
            "'engine.server', 'engine.bench', 'engine.cli'))))"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
+
+
+MAX_MODULE_LINES = 900  # a module a newcomer can read in one sitting
+MAX_CLASS_LINES = 500
+SIZE_EXCEPTIONS: set[str] = set()  # modules still to be split (none)
+
+
+def oversized(root: Path) -> list[str]:
+    """Engine modules over MAX_MODULE_LINES lines and classes over MAX_CLASS_LINES (from the
+    class line to its last statement), as "path: what, n lines"."""
+    out = []
+    for p in sorted((root / "engine").rglob("*.py")):
+        rel = p.relative_to(root).as_posix()
+        if rel in SIZE_EXCEPTIONS:
+            continue
+        src = p.read_text(encoding="utf-8")
+        n = len(src.splitlines())
+        if n > MAX_MODULE_LINES:
+            out.append(f"{rel}: module, {n} lines")
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                out.append(f"{rel}: class {node.name}, {node.end_lineno - node.lineno + 1} lines")
+    return out
+
+
+def test_no_engine_module_or_class_is_too_long_to_read():
+    """Split a long module by concern (a class by the parts it composes), as models/base.py and
+    generate.py are."""
+    assert oversized(ROOT) == []
+
+
+def test_size_check_finds_a_long_module_and_a_long_class(tmp_path):
+    root = _mini_tree(tmp_path)
+    assert oversized(root) == []
+    (root / "engine" / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    (root / "engine" / "wide.py").write_text("class C:\n" + "    x = 1\n" * MAX_CLASS_LINES)
+    assert oversized(root) == [f"engine/long.py: module, {MAX_MODULE_LINES + 1} lines",
+                               f"engine/wide.py: class C, {MAX_CLASS_LINES + 1} lines"]

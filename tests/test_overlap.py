@@ -385,7 +385,7 @@ def test_arena_offsets_past_2_gib_do_not_wrap():
     try:
         base = cache.arena.ctypes.data
         for layer, slot in ((1, np.int32(19)), (1, np.int64(10)), (0, 19)):
-            b = cache._buf(layer, slot)
+            b = cache.memory.buf(layer, slot)
             assert b.ctypes.data - base == (layer * 20 + int(slot)) * (64 << 20)
             assert b.size == 64 << 20
     finally:
@@ -402,7 +402,7 @@ def test_reserve_and_fill_stay_inside_the_ram_budget(tiny_store, monkeypatch):
 
     def fake_rss():
         c = holder.get("cache")
-        return holder["base"] + (int(c._faulted.sum()) * c.slot_bytes if c is not None else 0)
+        return holder["base"] + (int(c.memory.faulted.sum()) * c.slot_bytes if c is not None else 0)
     ctx = 512  # the KV the plan sets aside at open is then the whole context's (sizing.KV_OPEN_TOKENS)
     with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, cap=3,
                                   context_length=ctx)) as eng:
@@ -413,7 +413,7 @@ def test_reserve_and_fill_stay_inside_the_ram_budget(tiny_store, monkeypatch):
     # room for 5 slots beside the KV cache the plan sets aside (not in the RSS before the
     # context reaches it: the engine counts it in)
     holder["base"] = int(budget_gb * 1e9) - GROWTH_HEADROOM_BYTES - 5 * slot - slot // 2 - plan.kv
-    import engine.generate as G
+    import engine.engine_setup as G  # where Engine.open builds its cache
 
     class Seen(G.ExpertCache):  # the fake RSS sees the arena from the cache's first thread on
         def __init__(self, *a, **kw):
@@ -426,10 +426,10 @@ def test_reserve_and_fill_stay_inside_the_ram_budget(tiny_store, monkeypatch):
                                       pinning=False, context_length=ctx, **over), read_rss=fake_rss) as eng:
             c = eng.cache
             assert c is holder["cache"] and c.cap == 3 and c.grow_ok is not None
-            if c._populater is None or not c._populater.is_alive():
+            if c.populate.thread is None or not c.populate.thread.is_alive():
                 pytest.skip("no MADV_POPULATE_WRITE here")
             assert c.wait_populated(timeout=600.0) and c.wait_filled(timeout=600.0)
-            assert c.grow_stopped and int(c._faulted.sum()) <= 5
+            assert c.grow_stopped and int(c.memory.faulted.sum()) <= 5
             if over.get("idle_fill"):
                 assert c.stats.fill_loads <= 5
             req = GenerateRequest(prompt_ids=(5, 6, 7), sampling=SamplingParams(max_new_tokens=3))
@@ -446,12 +446,12 @@ def test_reserve_cache_setting_reserves_the_whole_cap(tiny_store):
                                   cap=3)) as eng:
         assert eng.cache.populate_ahead == eng.cache.max_cap == 3
         assert eng.cache.wait_populated(timeout=600.0)
-        if eng.cache._populater is not None and eng.cache._populater.is_alive():
-            assert eng.cache._faulted.all()
+        if eng.cache.populate.thread is not None and eng.cache.populate.thread.is_alive():
+            assert eng.cache.memory.faulted.all()
     with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, cap=3)) as eng:
         assert eng.cache.populate_ahead == 2
     with Engine.open(EngineConfig(store=str(tiny_store), history=False, o_direct=False, idle_fill=True)) as eng:
-        assert eng.cache.fill and eng.cache._filler is not None  # started after the warm-up
+        assert eng.cache.fill and eng.cache.preread.thread is not None  # started after the warm-up
         assert eng.cache.wait_filled(timeout=600.0)
         assert eng.cache.residency().all()  # the tiny store fits: wholly resident, then all-resident decode
         req = GenerateRequest(prompt_ids=(5, 6, 7), sampling=SamplingParams(max_new_tokens=3))
@@ -543,34 +543,36 @@ def test_speculations_queued_before_a_run_are_started_before_it(monkeypatch):
     always late (it moves only once the hand-off waits for it, as on a busy machine), both
     before it took the queued read and after (taken, not started). No hand-off while a demand
     read is in flight (the reader waits for it first) or with nothing queued."""
+    import engine.cache.io as cache_io
+    import engine.cache.speculation as cache_spec
     import engine.expert_cache as EC
-    monkeypatch.setattr(EC, "HANDOFF_WAIT_S", 600.0)  # only a hang trips it
+    monkeypatch.setattr(cache_io, "HANDOFF_WAIT_S", 600.0)  # only a hang trips it
     st = _GatedStore()
     cache = EC.ExpertCache(st, 1, 16, cap=8, io_threads=1)
     waiting = threading.Event()  # the hand-off waits for the reader's start
-    real_wait = cache._spec_started_cv.wait
+    real_wait = cache.spec.started_cv.wait
 
     def wait(timeout=None):
         waiting.set()
         return real_wait(timeout)
-    cache._spec_started_cv.wait = wait
-    real_loop = cache._spec_read_loop
+    cache.spec.started_cv.wait = wait
+    real_loop = cache.spec._read_loop
 
     def late_loop():  # woken by the first speculate_now, the reader gets a core only later
         waiting.wait(600)
         real_loop()
-    cache._spec_read_loop = late_loop
+    cache.spec._read_loop = late_loop
     try:
         assert cache.hand_off_speculations() is False  # nothing queued (no reader started yet)
         assert cache.speculate_now(0, 3) >= 0
         assert cache.hand_off_speculations() is True
-        assert cache._spec_started == 1            # the reader started the read before it returned
+        assert cache.spec.started == 1            # the reader started the read before it returned
         assert st.started == [(3, "colibri-spec-io")]
         st.release(3)
         deadline = time.monotonic() + 600  # only a hang trips it
         while cache.stats.spec_completed < 1 and time.monotonic() < deadline:
             time.sleep(0.001)
-        while cache._spec_reading and time.monotonic() < deadline:  # the reader is idle again
+        while cache.spec.reading and time.monotonic() < deadline:  # the reader is idle again
             time.sleep(0.001)
 
         polling = threading.Event()  # the reader took 5 and polls for the demand read to end
@@ -585,15 +587,15 @@ def test_speculations_queued_before_a_run_are_started_before_it(monkeypatch):
                     waiting.wait(600)
                 time.sleep(s)
         waiting.clear()
-        monkeypatch.setattr(EC, "time", _LateTime())
+        monkeypatch.setattr(cache_spec, "time", _LateTime())
         cache.demand_inflight = 1  # a demand read in flight: the reader waits for it, no hand-off
         slot = cache.speculate_now(0, 5)
         assert slot >= 0
-        assert polling.wait(600) and cache._spec_waiting == (0, 5, slot)
+        assert polling.wait(600) and cache.spec.waiting == (0, 5, slot)
         assert cache.hand_off_speculations() is False  # False: it did not wait
         cache.demand_inflight = 0  # the demand read ended: the reader has 5 but has not started it
         assert cache.hand_off_speculations() is True
-        assert cache._spec_started == 2 and [e for e, _ in st.started] == [3, 5]
+        assert cache.spec.started == 2 and [e for e, _ in st.started] == [3, 5]
         st.release(5)
     finally:
         waiting.set()
@@ -643,11 +645,11 @@ def test_demand_takes_over_a_speculation_the_reader_holds_while_demand_reads_run
         slot = cache.speculate_now(0, 3)
         assert slot >= 0
         deadline = _t.monotonic() + 600  # only a hang trips it
-        while cache._spec_waiting != (0, 3, slot) and _t.monotonic() < deadline:
+        while cache.spec.waiting != (0, 3, slot) and _t.monotonic() < deadline:
             _t.sleep(0.001)
-        assert cache._spec_waiting == (0, 3, slot) and not st.started
+        assert cache.spec.waiting == (0, 3, slot) and not st.started
         hits, slots, misses = cache.take_split(0, [3])
-        assert misses == [3] and cache.stats.spec_issued == 0 and cache._spec_waiting is None
+        assert misses == [3] and cache.stats.spec_issued == 0 and cache.spec.waiting is None
         deadline = _t.monotonic() + 600  # only a hang trips it
         while not st.started and _t.monotonic() < deadline:
             _t.sleep(0.001)
@@ -834,10 +836,10 @@ def test_speculations_finished_during_a_run_are_parked_and_the_next_read_starts(
             while len(st.started) < 3 and _t.monotonic() < deadline:
                 _t.sleep(0.001)
             assert [e for e, _ in st.started] == [2, 4, 6]  # all three read while the lock was held
-            while len(cache._spec_done) < 3 and _t.monotonic() < deadline:  # the last one parks
+            while len(cache.spec.done) < 3 and _t.monotonic() < deadline:  # the last one parks
                 _t.sleep(0.001)
             assert all(cache.slot_state[0, cache.where[0, e]] != cache.RESIDENT_STATE for e in (2, 4, 6))
-            assert len(cache._spec_done) == 3  # parked: the run holds the lock
+            assert len(cache.spec.done) == 3  # parked: the run holds the lock
         hits, slots, misses = cache.take_split(0, [2, 4, 6])
         assert hits == [2, 4, 6] and misses == [] and cache.stats.spec_completed == 3
         cache.release_slots(0, slots)

@@ -299,9 +299,9 @@ def test_wait_estimate_counts_reads_in_progress_and_queued():
         ema = cache.read_s_ema
         with cache.lock:  # two reads pretended in flight: 2 one started 0.0 s ago, 3 queued
             for e in (2, 3):
-                cache.where[0, e] = cache._reserve(0, e)
+                cache.where[0, e] = cache.table.reserve(0, e)
             import time as _t
-            cache._read_t0[(0, 2)] = _t.perf_counter()
+            cache.io.started[(0, 2)] = _t.perf_counter()
         est = cache.wait_estimate(0, [1, 2, 3])
         assert ema < est <= 2 * ema
         cache.io_threads = 2  # two readers: the read in progress, then the queued one beside another

@@ -76,7 +76,7 @@ def test_the_pass_reads_back_to_back_slabs_in_one_read_each_run(medium_store):
     L, E = a.num_moe_layers, a.num_experts
     cache = ExpertCache(store, L, E, E, policy="lru", io_threads=1, fill=True)
     try:
-        cache.pass_run = 6  # runs of 6, 6, 4 slabs per layer
+        cache.preread.pass_run = 6  # runs of 6, 6, 4 slabs per layer
         assert cache.start_fill() and cache.wait_filled(timeout=600.0)
         assert cache.residency().all() and cache.stats.read_errors == 0
         assert cache.stats.fill_loads == L * E and cache.stats.demand_bytes == 0
@@ -91,7 +91,7 @@ def test_the_pass_reads_back_to_back_slabs_in_one_read_each_run(medium_store):
                 store.read(layer, e, one)
                 v = cache.acquire(layer, e)
                 try:
-                    got = cache.arena[cache._slot_offset(layer, cache.where[layer, e]):][:store.slot_bytes]
+                    got = cache.arena[cache.memory.offset(layer, cache.where[layer, e]):][:store.slot_bytes]
                     assert np.array_equal(got, one)
                 finally:
                     cache.release(layer, e)
@@ -112,7 +112,7 @@ def test_a_demand_read_during_the_pass_goes_first(medium_store):
     L, E = a.num_moe_layers, a.num_experts
     cache = ExpertCache(store, L, E, E, policy="lru", io_threads=1, fill=True)
     try:
-        cache.pass_run = 4
+        cache.preread.pass_run = 4
         assert cache.start_fill()
         assert run_started.wait(600.0)
         last = (L - 1, E - 1)
@@ -145,11 +145,11 @@ def test_a_held_pass_reads_nothing_until_released(medium_store):
         cache.hold_fill()
         assert cache.start_fill()
         for _ in range(6000):  # the fill thread has woken and seen the hold (it clears the wake first)
-            if not cache._fill_wake.is_set():
+            if not cache.preread.wake_event.is_set():
                 break
             threading.Event().wait(0.01)
         with cache.lock:  # a run starts only after the hold check, under this lock
-            assert cache.stats.fill_loads == 0 and cache._fill_inflight == 0 and calls == []
+            assert cache.stats.fill_loads == 0 and cache.preread.inflight == 0 and calls == []
         assert cache.fill_pending() == a.num_moe_layers * a.num_experts
         cache.release_fill()
         assert cache.wait_filled(timeout=600.0) and cache.residency().all()
@@ -238,12 +238,48 @@ def test_no_collapse_while_an_answer_holds_the_pass(medium_store, monkeypatch):
         # run to follow it (begin_answer): no collapse until its end wakes the pass, which collapses
         for hold, release in ((c.hold_fill, c.release_fill), (c.begin_answer, c.end_answer)):
             n = len(calls)
-            c._collapsed = False
+            c.preread.collapsed = False
             hold()
             c.collapse_full()
-            assert len(calls) == n and not c._collapsed
+            assert len(calls) == n and not c.preread.collapsed
             release()
             deadline = time.monotonic() + 600  # only a hang trips it
             while len(calls) == n and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert len(calls) == n + 1
+
+
+def test_a_store_that_fits_asks_for_its_embedding_table_in_the_page_cache(medium_store, monkeypatch):
+    """A store that fits its budget has its token-embedding table asked into the OS's page cache
+    at open (POSIX_FADV_WILLNEED over each part's bytes), so a decode step finds a new id's row in
+    memory; a store whose experts do not all fit leaves the table's pages to the OS."""
+    import os
+
+    import engine.expert_store as es
+    asked = []
+    real = os.posix_fadvise
+
+    class Os:
+        POSIX_FADV_WILLNEED = os.POSIX_FADV_WILLNEED
+
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        @staticmethod
+        def posix_fadvise(fd, off, n, advice):
+            if advice == os.POSIX_FADV_WILLNEED:
+                asked.append((off, n))
+            return real(fd, off, n, advice)
+
+    monkeypatch.setattr(es, "os", Os())
+    cfg = dict(store=str(medium_store), history=False, o_direct=False, pinning=False, ram_budget_gb=4.0)
+    with Engine.open(EngineConfig(**cfg)) as eng:
+        rows = eng.model.embed_rows
+        want = sorted((off, row * rows.num_rows) for _n, _dt, _s, off, row in rows.parts)
+        assert sorted(asked) == want and want
+        before = _answer(eng).token_ids
+    asked.clear()
+    with Engine.open(EngineConfig(cap=2, **cfg)) as eng:
+        assert eng.plan.slots < eng.cache.L * eng.cache.E
+        assert asked == []
+        assert _answer(eng).token_ids == before

@@ -22,7 +22,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from engine import convert_checkpoint
-from engine import expert_cache as ec
+from engine.cache import lookups as ec
 from engine.config import EngineConfig
 from engine.errors import CheckpointError, EngineError, StoreError
 from engine.events import Finished, GenerateRequest, SamplingParams, StepMetrics

@@ -12,6 +12,7 @@ import pytest
 from engine.chat_template import render
 from engine.server.openai_api import ApiError, chat_messages, string_arguments, tool_calls_json
 from engine.server.textstream import AnswerFilter
+from engine.server.call_formats import Gemma4Format, HunyuanFormat, MiniMaxFormat, PythonicFormat
 from engine.server.tools import (Call, CallSplitter, DeepSeekFormat, DsmlFormat, GlmFormat, HarmonyFormat, HermesFormat,
                                  KimiFormat, Llama4Format, MistralFormat, QwenCoderFormat, ToolsError, check_tool_choice,
                                  check_tools, tool_format)
@@ -48,6 +49,9 @@ def _generated(src, msgs, eot, as_string=False):
     common = 0
     while common < min(len(prefix), len(full)) and prefix[common] == full[common]:
         common += 1
+    start = full.rfind("<", 0, common)
+    if common < len(prefix) and start >= 0 and ">" not in full[start:common]:
+        common = start   # Gemma 4's prompt ends in an empty thought channel the turn leaves out
     text = full[common:]
     return text[:text.index(eot)] if eot and eot in text else text
 
@@ -66,6 +70,10 @@ FAMILIES = [  # template, expected format, end of the model's turn, arguments gi
     ("mixtral.jinja", MistralFormat, "</s>", False),
     ("llama4.jinja", Llama4Format, "<|eot|>", False),
     ("deepseek_v4.jinja", DsmlFormat, "<｜end▁of▁sentence｜>", False),
+    ("gemma4.jinja", Gemma4Format, "<|tool_response>", False),
+    ("minimax_m2.jinja", MiniMaxFormat, "[e~[", False),
+    ("hunyuan_v1_moe.jinja", HunyuanFormat, "<|eos|>", False),
+    ("granitemoehybrid.jinja", HermesFormat, "<|end_of_text|>", False),
 ]
 
 
@@ -93,7 +101,8 @@ def test_the_format_is_read_from_the_template():
             self.chat_templates = {"default": (TEMPLATES / name).read_text()}
             self._added = {}
     assert [type(tool_format(Tok(n))) for n, *_ in FAMILIES] == [c for _, c, *_ in FAMILIES]
-    assert tool_format(Tok("olmoe.jinja")) is None
+    assert tool_format(Tok("olmoe.jinja")) is None and tool_format(Tok("ernie4_5_moe.jinja")) is None
+    assert isinstance(tool_format(Tok("lfm2_moe.jinja")), PythonicFormat)
 
 
 def test_harmony_calls_through_the_decoder(tmp_path):
@@ -158,6 +167,10 @@ PUBLISHED = [  # the formats of families whose templates are not among the test 
                    "</｜DSML｜invoke>\n<｜DSML｜invoke name=\"search\">\n<｜DSML｜parameter name=\"query\" "
                    "string=\"true\">7 > 5 and \"quotes\"\nnew line</｜DSML｜parameter>\n</｜DSML｜invoke>\n"
                    "</｜DSML｜function_calls>"),
+    (PythonicFormat(), "<|tool_call_start|>[get_weather(city=\"Paris «x»\", days=3, units={\"t\": \"C\"}), "  # LFM2's
+                       "search(query='7 > 5 and \"quotes\"\\nnew line')]<|tool_call_end|>"),
+    (Gemma4Format(), '<|tool_call>call:get_weather{city:<|"|>Paris «x»<|"|>, days: 3,units:{t:<|"|>C<|"|>}}<tool_call|>'
+                     '<|tool_call>call:search{query:<|"|>7 > 5 and "quotes"\nnew line<|"|>}<tool_call|><|tool_response>'),
 ]
 
 
@@ -181,6 +194,15 @@ def test_published_formats(case, size):
     (DsmlFormat(), '<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n'
                    '<｜DSML｜parameter name="days" string="false">three</｜DSML｜parameter>\n</｜DSML｜invoke>'),
     (Llama4Format(), '<|python_start|><|python_end|>{"name": "get_weather", "parameters": {"city": "Par'),
+    (Gemma4Format(), '<|tool_call>call:get_weather{city:<|"|>Paris}<tool_call|>'),
+    (Gemma4Format(), '<|tool_call>call:get_weather{city:Paris}<tool_call|>'),
+    (Gemma4Format(), '<|tool_call>get_weather{days:3}<tool_call|>'),
+    (MiniMaxFormat(), '<minimax:tool_call>\n<invoke name="search">\n<parameter name="query">x</parameter>oops</invoke>'),
+    (MiniMaxFormat(), '<minimax:tool_call>\nnot a call\n</minimax:tool_call>'),
+    (HunyuanFormat(), '<tool_calls>[{"name": "search", "arguments": "x"}]</tool_calls>'),
+    (HunyuanFormat(), '<tool_calls>{"name": "search"'),
+    (PythonicFormat(), '<|tool_call_start|>[search(__import__("os").system("x"))]<|tool_call_end|>'),
+    (PythonicFormat(), '<|tool_call_start|>[search(query=open("f").read())]<|tool_call_end|>'),
 ])
 def test_a_malformed_call_is_returned_as_text(fmt, text):
     _, content, calls = _through_filter(fmt, "Sure. " + text, 3, chat=False)

@@ -127,8 +127,8 @@ def test_fixed_thread_count_is_never_changed(tiny_store):
 
 
 def test_kernels_are_prepared_before_ready_and_leave_no_trace(tiny_store, monkeypatch):
-    import engine.generate as gen
-    monkeypatch.setattr(gen, "_WARMED", set())
+    import engine.engine_setup as engine_setup
+    monkeypatch.setattr(engine_setup, "_WARMED", set())
     stages = []
     # the pre-read off: it fills the cache in the background; the warm-up itself leaves nothing
     cfg = EngineConfig(store=str(tiny_store), pilot=0, pinning=False, history=False, o_direct=False, idle_fill=False)

@@ -1,6 +1,7 @@
-"""Tiny random checkpoints of Qwen3-MoE, DeepSeek-V3, GLM-4.5 and gpt-oss with tokenizers whose
-added tokens and chat templates are written like the published ones (tests/chat_templates/), for
-the function-calling tests of the server."""
+"""Tiny random checkpoints of Qwen3-MoE, DeepSeek-V3, GLM-4.5, gpt-oss, Gemma 4, MiniMax-M2 and
+Hunyuan with tokenizers whose added tokens and chat templates are written like the published ones
+(tests/chat_templates/; Gemma 4's, MiniMax-M2's and Hunyuan's are the published ones), for the
+function-calling tests of the server."""
 
 from __future__ import annotations
 
@@ -42,6 +43,25 @@ FAMILIES = {
         added=[],
         tokens={"bos_token": "<|startoftext|>", "eos_token": "<|return|>", "pad_token": "<|endoftext|>"},
         eos=["<|return|>", "<|endoftext|>", "<|call|>"]),
+    "gemma4": dict(
+        config="gemma4_text_config", template="gemma4.jinja",
+        special=["<pad>", "<eos>", "<bos>", "<|turn>", "<turn|>", "<|tool>", "<tool|>", "<|tool_call>", "<tool_call|>",
+                 "<|tool_response>", "<tool_response|>", '<|"|>', "<|channel>", "<channel|>", "<|think|>"],
+        added=[],
+        tokens={"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"},
+        eos=["<eos>", "<turn|>", "<|tool_response>"]),
+    "minimax_m2": dict(
+        config="minimax_m2_config", template="minimax_m2.jinja",
+        special=["]~!b[", "]~b]", "[e~[", "<minimax:tool_call>", "</minimax:tool_call>"],
+        added=["<think>", "</think>"],
+        tokens={"bos_token": "]~!b[", "eos_token": "[e~["},
+        eos=["[e~["]),
+    "hunyuan_v1_moe": dict(
+        config="hunyuan_v1_moe_config", template="hunyuan_v1_moe.jinja",
+        special=["<|startoftext|>", "<|extra_0|>", "<|extra_4|>", "<|extra_5|>", "<|eos|>", "<|pad|>"],
+        added=["<tool_calls>", "</tool_calls>", "<tool_response>", "</tool_response>", "<think>", "</think>"],
+        tokens={"eos_token": "<|eos|>", "pad_token": "<|pad|>", "bos_token": None},
+        eos=["<|eos|>"]),
 }
 
 

@@ -12,14 +12,16 @@
 #              display: the one message saying what is missing (exit code 3)
 #   readme     the README's first command, its last word `colibri` replaced by
 #              `colibri run --prompt "What does json.dumps do?"` so that the first streamed token
-#              can be timed (tools/first_token.py): apt-get, venv, pip install -e ., the default
-#              model's conversion and the kernels' compile all inside; apt and pip timed apart
+#              can be timed (tools/first_token.py): apt-get, venv, the install (its words as the
+#              README says them), the default model's conversion and the kernels (the pre-built
+#              ones copied in, or compiled) all inside; apt and the install timed apart
 #   nolibs     a second fresh root: the venv without the README's apt line, under Xvfb: the one
 #              message naming the missing libraries
 #   pip-faster pip again with its cache warm, and uv with a cold and a warm cache
 #   window     in the first root, with xvfb + x11-utils installed: `colibri` (the app) under
 #              Xvfb; seconds until its window is mapped, and a screenshot (xwd)
-# Set KEEP=1 to reuse WORKDIR/base (the debootstrap) between runs.
+# Set KEEP=1 to reuse WORKDIR/base (the debootstrap) between runs, ONLY=readme to stop after
+# the readme phase, ONLY=install after its install step (the root stays for a later run).
 set -eu
 W=${1:-/var/tmp/colibri-fresh}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -69,11 +71,15 @@ newroot() {
 }
 inroot() {  # inroot ROOT COMMAND: a login-like shell in the project folder, no display
     chroot "$W/$1" env -i HOME=/root PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
-        LANG=C.UTF-8 TERM=dumb DEBIAN_FRONTEND=noninteractive PIP_CERT=/etc/ssl/certs/ca-certificates.crt sh -c "cd /home/user/colibri-desktop && $2"
+        LANG=C.UTF-8 TERM=dumb DEBIAN_FRONTEND=noninteractive PIP_CERT=/etc/ssl/certs/ca-certificates.crt \
+        UV_NATIVE_TLS=1 UV_SYSTEM_CERTS=1 sh -c "cd /home/user/colibri-desktop && $2"
 }
 
 README_APT=$(sed -n 's/^    sudo apt-get install -y \(.*\) && python3 -m venv .*/\1/p' "$REPO/README.md" | head -1)
 [ -n "$README_APT" ] || { echo "the README's first command was not found" >&2; exit 1; }
+# the install words between the venv's activation and `colibri` (pip, or uv installed by pip)
+README_INSTALL=$(sed -n 's/^    sudo apt-get install -y .* && \. \.venv\/bin\/activate && \(.*\) && colibri$/\1/p' "$REPO/README.md" | head -1)
+[ -n "$README_INSTALL" ] || { echo "the README's install step was not found" >&2; exit 1; }
 
 newroot readme
 t0=$(now)
@@ -83,8 +89,9 @@ t=$(now)
 inroot readme "python3 -m venv .venv" > "$W/readme-venv.log" 2>&1
 note "readme: python3 -m venv .venv: $(since "$t") s"
 t=$(now)
-inroot readme ". .venv/bin/activate && pip install -e ." > "$W/readme-pip.log" 2>&1
-note "readme: pip install -e . (download + install): $(since "$t") s"
+inroot readme ". .venv/bin/activate && SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt $README_INSTALL" > "$W/readme-pip.log" 2>&1
+note "readme: $README_INSTALL (download + install): $(since "$t") s"
+[ "${ONLY:-}" = install ] && { note "install: load average $(cut -d' ' -f1-3 /proc/loadavg)"; exit 0; }
 t=$(now)
 inroot readme ". .venv/bin/activate && python /home/user/first_token.py -- colibri run --prompt '$Q'" \
     > "$W/readme-run.log" 2>&1 || true
@@ -94,6 +101,8 @@ t=$(now)
 inroot readme ". .venv/bin/activate && python /home/user/first_token.py -- colibri run --prompt '$Q'" \
     > "$W/readme-run2.log" 2>&1 || true
 note "readme: second colibri run (warm): $(tail -1 "$W/readme-run2.log")"
+note "readme: load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
+[ "${ONLY:-}" = readme ] && { echo "times in $T, logs in $W"; exit 0; }
 cat > "$W/readme/home/user/pipcut.sh" <<'EOF'
 # what would cut pip's phase: pip again with its cache warm, then uv (cold and warm cache)
 t() { s=$(date +%s.%N); "$@" > /tmp/pipcut.log 2>&1; rc=$?; awk -v a=$s -v b=$(date +%s.%N) -v r=$rc 'BEGIN { printf "%.1f s (rc %d)", b - a, r }'; }

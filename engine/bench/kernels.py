@@ -157,7 +157,7 @@ class _DecodeMark(Observer):
 
 def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: int,
               cpu_time: bool = False, budget_gb: float | None = None, inner_reps: int = 1,
-              first: bool = False) -> dict:
+              first: bool = False, long_prompt: int = 0) -> dict:
     """One process: open ``store`` all resident, return prefill tok/s per prompt length and
     decode tok/s (see the module docstring). With ``budget_gb``, or ``first`` (the user's
     default RAM budget): the store opened as ``colibri run`` opens it (default context length,
@@ -174,6 +174,8 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
     from ..generate import Engine
     args = ModelArgs.from_hf_config(Path(store) / "config.json")
     E = args.num_experts
+    if long_prompt:
+        return _ours_long_prompt(store, long_prompt, threads, seed, budget_gb)
     if budget_gb is not None or first:
         t0 = time.perf_counter()
         cfg = EngineConfig(store=store, pilot=0, pinning=False, history=False, threads=threads)
@@ -232,6 +234,52 @@ def _ours_arm(store: str, prompts: list[int], tokens: int, threads: int, seed: i
         if cpu_time:
             out.update(_ours_cpu_rates(run, args.vocab_size, tokens, prompts, seed))
         return out
+    finally:
+        eng.close()
+
+
+def _read_bytes() -> int:
+    """Bytes this process has read from storage (/proc/self/io read_bytes: O_DIRECT reads and
+    page-cache misses, not page-cache hits); 0 where /proc does not tell."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _ours_long_prompt(store: str, n: int, threads: int, seed: int, budget_gb: float | None) -> dict:
+    """A user's long first prompt: the store opened as ``colibri run`` opens it at ``budget_gb``
+    (the default settings otherwise), then at once an ``n``-token seeded random prompt and one
+    token. ``pp<n>``: n / TTFT (tok/s, what the user waits for: the prompt's reads included);
+    ``prefill_read_gb``: bytes read from storage from the prompt to its first token (the
+    pre-read's included); ``open_to_token_read_gb``: from before the open to the first token
+    (the dense weights, the pre-read and the prompt's reads); ``expert_gb`` and ``dense_gb``: the
+    store's expert bytes (the least a prompt that touches every expert reads) and the rest of
+    its weight files."""
+    from .common import forced_stream, run_forced
+    from ..config import EngineConfig, ModelArgs
+    from ..generate import Engine
+    args = ModelArgs.from_hf_config(Path(store) / "config.json")
+    t0 = time.perf_counter()
+    r_open = _read_bytes()
+    eng = Engine.open(EngineConfig(store=store, ram_budget_gb=budget_gb, pilot=0, pinning=False, history=False,
+                                   threads=threads))
+    open_s = time.perf_counter() - t0
+    try:
+        s = forced_stream(args.vocab_size, n + 1, seed)
+        r0 = _read_bytes()
+        fin = run_forced(eng, s[:n], s[n:])
+        read = _read_bytes() - r0
+        expert = args.num_moe_layers * args.num_experts * eng.store.slot_bytes
+        dense = (Path(store) / eng.store.manifest["dense_file"]).stat().st_size
+        return {f"pp{n}": n / fin.ttft_s if fin.ttft_s > 0 else 0.0, "ttft_s": fin.ttft_s, "open_s": open_s,
+                "prefill_read_gb": read / 1e9, "expert_gb": expert / 1e9, "cap": eng.cache.cap,
+                "open_to_token_read_gb": (r0 + read - r_open) / 1e9, "dense_gb": dense / 1e9,
+                "hit_rate": fin.hit_rate, "budget_gb": budget_gb}
     finally:
         eng.close()
 
@@ -318,8 +366,32 @@ def _llama_cgroup_arm(llama_bench: str, gguf: str, tokens: int, threads: int, gr
     return out
 
 
+def _llama_cgroup_long(llama_bench: str, gguf: str, n: int, threads: int, group, flags: str = "",
+                       wrap=None) -> dict:
+    """``llama-bench -p n -n 0 FLAGS`` cold in a fresh memory group: ``pp<n>`` tok/s (its own
+    warm-up run included in the process, not in the figure) and the bytes the process read
+    from storage (``prefill_read_gb``: its load and both runs, rusage ru_inblock)."""
+    import shlex
+    _evict([gguf])
+    grp = group()
+    try:
+        r0 = _children_read_bytes()
+        w = grp.wrap if wrap is None else (lambda c: grp.wrap(wrap(c)))
+        try:
+            r = _llama_arm(llama_bench, gguf, [n], 0, threads, wrap=w, extra=shlex.split(flags))
+        except RuntimeError as e:
+            st = grp.stats()
+            raise RuntimeError(f"{e}\nmemory group: peak {st['cgroup_max_usage_bytes'] / 1e9:.2f} GB, "
+                               f"OOM kills {st['cgroup_oom_kills']}") from None
+        r["prefill_read_gb"] = (_children_read_bytes() - r0) / 1e9
+        r.update(grp.stats())
+        return r
+    finally:
+        grp.remove()
+
+
 def _spawn_ours(label: str, store: str, a, budget_gb: float | None = None, wrap=None,
-                first: bool = False) -> dict:
+                first: bool = False, long_prompt: int = 0) -> dict:
     cmd = [sys.executable, "-m", "engine.bench.kernels", "--store", store, "--threads", str(a.threads),
            "--tokens", str(a.tokens), "--seed", str(a.seed), "--prompts", *map(str, a.prompts)]
     resident = budget_gb is None and not first
@@ -331,6 +403,8 @@ def _spawn_ours(label: str, store: str, a, budget_gb: float | None = None, wrap=
         cmd += ["--budget-gb", str(budget_gb)]
     if first:
         cmd.append("--first")
+    if long_prompt:
+        cmd += ["--long-prompt", str(long_prompt)]
     if wrap is not None:
         cmd = wrap(cmd)
     p = subprocess.run(cmd, capture_output=True, text=True)
@@ -389,7 +463,8 @@ def _ratio_pairs(a, arms: list[dict]) -> list[tuple[str, str, str]]:
                 o = _arm_name(x)
                 sfx = o[len(f"ours-{ol}"):]
                 cand.append((f"{ol}/{ll}{sfx}", o, f"llama-{ll}{sfx}"))
-                cand.append((f"{ol}/{ll}-best{sfx}", o, f"llama-{ll}-best{sfx}"))
+                best = sfx.replace("-long", "-best-long") if sfx.startswith("-long") else "-best" + sfx
+                cand.append((f"{ol}/{ll}{best}", o, f"llama-{ll}{best}"))
         out += [c for c in cand if c[1] in names and c[2] in names]
     return out
 
@@ -399,6 +474,8 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
     from .common import machine_info, md_table, write_results
     tg = f"tg{a.tokens}"
     keys = [tg] + ([] if a.cgroup_only else [f"pp{p}" for p in a.prompts])
+    if a.long_prompt and f"pp{a.long_prompt}" not in keys:
+        keys.append(f"pp{a.long_prompt}")
     if a.cpu_time:
         big = max([p for p in a.prompts if 16 < p <= 128], default=None)
         keys += ["tg_per_cpu_s"] + ([f"pp{big}_per_cpu_s"] if big else [])
@@ -407,7 +484,9 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
         if r.get("compute_s_per_token") is not None and r.get(tg) and bw:
             r["ceiling_tok_s"] = ceiling(r["compute_s_per_token"], r["decode_mb_per_token"], bw / 1e9)[0]
             r["ceiling_share"] = r[tg] / r["ceiling_tok_s"]
-    extra = ["hit_rate", "mb_per_token", "decode_mb_per_token", "felt_wait_s", "ttft_s", "open_s", "cap",
+    extra = ["hit_rate", "mb_per_token", "decode_mb_per_token", "prefill_read_gb", "open_to_token_read_gb",
+             "expert_gb", "dense_gb", "felt_wait_s",
+             "ttft_s", "open_s", "cap",
              f"{tg}_warm", "ceiling_tok_s", "ceiling_share", "read_ahead_kb", "read_bps"]
     med = {}
     for arm in arms:
@@ -436,6 +515,8 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
                                    for k in keys]
     cols += [("hit rate", "hit_rate", ".3f"), ("MB read / token", "mb_per_token", ".1f"),
              ("decode MB / token", "decode_mb_per_token", ".1f"),
+             ("prompt read GB", "prefill_read_gb", ".2f"), ("open to token read GB", "open_to_token_read_gb", ".2f"),
+             ("expert GB", "expert_gb", ".2f"), ("dense GB", "dense_gb", ".2f"),
              ("felt wait s", "felt_wait_s", ".2f"), ("TTFT s", "ttft_s", ".2f"), ("open s", "open_s", ".1f"),
              ("cap", "cap", ".0f"), (f"{tg} warm tok/s", f"{tg}_warm", ".1f"),
              ("ceiling tok/s", "ceiling_tok_s", ".1f"), ("of ceiling", "ceiling_share", ".2f"),
@@ -447,6 +528,12 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
              "default context length; the unmarked arm has every expert pre-loaded. llama.cpp: llama-bench "
              "with its default flags (`-best`: %r), the read-ahead of the device holding the file as "
              "listed.") % (done, a.reps, a.threads, a.llama_best_flags)
+    if a.long_prompt:
+        table += (" `-long` arms: a fresh process (group) given one %d-token prompt at once: pp%d is the "
+                  "prompt over its TTFT (ours: open excluded, the pre-read running; llama-bench: its "
+                  "timed run after its warm-up); prompt read GB: ours from the prompt to its first token, "
+                  "llama.cpp's whole process (load, warm-up and run); expert GB: the store's expert bytes."
+                  ) % (a.long_prompt, a.long_prompt)
     if any(r.get("ceiling_tok_s") for r in rows):
         table += (" MB read / token: every byte read during the generation (the pre-read's included) over "
                   "its tokens; decode MB / token: from the first decode step on. Ceiling: 1 / max(compute, "
@@ -507,6 +594,13 @@ def _plan_arms(a, cg_ok: bool) -> list[dict]:
                         add(system, lb, a.cgroup_gb, bps)
                         if system == "llama" and a.llama_best_flags:
                             add(system, lb, a.cgroup_gb, bps, "best")
+        for bps in a.read_bps if a.long_prompt else ():
+            for system, src in (("ours", ours), ("llama", llama)):
+                for lb in src:
+                    if lb in (a.cgroup_arms or [lb]):
+                        add(system, lb, a.cgroup_gb, bps, "long")
+                        if system == "llama" and a.llama_best_flags:
+                            add(system, lb, a.cgroup_gb, bps, "best-long")
     return arms
 
 
@@ -527,7 +621,13 @@ def _run_arm(a, arm: dict, dev_of: dict) -> dict:
             wrap = grp.wrap if grp else None
             if blk is not None:
                 wrap = (lambda c: grp.wrap(blk.wrap(c))) if grp else blk.wrap
-            r = _spawn_ours(label, path, a, budget_gb=limit, wrap=wrap, first=arm["variant"] == "first")
+            r = _spawn_ours(label, path, a, budget_gb=limit, wrap=wrap, first=arm["variant"] == "first",
+                            long_prompt=a.long_prompt if arm["variant"] == "long" else 0)
+        elif limit is not None and arm["variant"] in ("long", "best-long"):  # a long prompt in the limit
+            flags = a.llama_best_flags if arm["variant"] == "best-long" else a.llama_cgroup_flags
+            r = _llama_cgroup_long(a.llama_bench, path, a.long_prompt, a.threads,
+                                   lambda: MemCgroup(int(limit * 1e9), a.cgroup_root), flags,
+                                   wrap=blk.wrap if blk else None)
         elif limit is not None:  # llama.cpp's mmap in the same memory limit: decode only
             flags = a.llama_best_flags if arm["variant"] == "best" else a.llama_cgroup_flags
             r = _llama_cgroup_arm(a.llama_bench, path, a.tokens, a.threads,
@@ -652,6 +752,9 @@ def add_parser(subparsers) -> None:
     k.add_argument("--first-answer", action="store_true",
                    help="also ours' first answer: a fresh process, the user's default settings (RAM budget, "
                         "context length, cap), timed cold on the first generation after open")
+    k.add_argument("--long-prompt", type=int, default=0, metavar="N",
+                   help="with --cgroup-gb: also a long first prompt of N tokens in each memory limit (ours "
+                        "cold at that budget, llama-bench -p N -n 0): its prefill tok/s and the bytes read")
     k.add_argument("--read-ahead-kb", type=int, default=128,
                    help="set the read-ahead of the devices holding the stores and GGUFs for the run (KB; "
                         "distributions use 128, the default), restored after; -1 leaves them as they are. "
@@ -680,6 +783,10 @@ def _checked_main(a) -> int:
         return 2
     if a.read_ahead_kb < 0:
         a.read_ahead_kb = None
+    if a.long_prompt < 0 or (a.long_prompt and not a.cgroup_gb):
+        print(f"--long-prompt {a.long_prompt}: a positive token count, with --cgroup-gb (it runs in the "
+              f"memory limit)", file=sys.stderr)
+        return 2
     return main(a)
 
 
@@ -695,8 +802,10 @@ def _arm_main(argv: list[str]) -> int:
     p.add_argument("--budget-gb", type=float, default=None)
     p.add_argument("--inner-reps", type=int, default=1)
     p.add_argument("--first", action="store_true")
+    p.add_argument("--long-prompt", type=int, default=0)
     a = p.parse_args(argv)
-    r = _ours_arm(a.store, a.prompts, a.tokens, a.threads, a.seed, a.cpu_time, a.budget_gb, a.inner_reps, a.first)
+    r = _ours_arm(a.store, a.prompts, a.tokens, a.threads, a.seed, a.cpu_time, a.budget_gb, a.inner_reps, a.first,
+                  a.long_prompt)
     print("ARM " + json.dumps(r), flush=True)
     return 0
 

@@ -13,7 +13,7 @@ def cmd_replay(a) -> int:
     caps = a.caps or list(range(1, head["num_experts"] + 1))
     rows = replay_all(a.trace, caps)
     ours = f"ours ({head.get('policy', 'lru')} + pinning)"
-    from ..cache.policy import POLICY_CLASSES
+    from ..cache.registry import POLICY_CLASSES
     table = md_table(rows, [("cap", "cap", "d")] + [(n.upper(), n, ".1%") for n in POLICY_CLASSES]
                      + [(ours, "ours", ".1%"), ("Belady", "belady", ".1%")])
     write_results(a.name, {"trace": str(a.trace), "rows": rows, "num_experts": head["num_experts"],

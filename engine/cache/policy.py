@@ -2,9 +2,9 @@
 
 A policy keeps, per layer, the order of the evictable resident slots (:class:`LayerOrder`) and
 picks the victim. The cache calls it with its lock held; a policy never blocks, reads or
-allocates slots. Adding a policy: one class deriving from :class:`EvictionPolicy` (its own
-file or this one) and one line in :data:`POLICY_CLASSES`; ``engine.settings.POLICIES`` (the
-setting's choices) is read from that dict.
+allocates slots. Adding a policy: one class deriving from :class:`EvictionPolicy` in a file
+of its own beside this one, registered in engine/cache/registry.py (the setting's choices are
+read from there).
 
 - "lru": the victim is the least recently used slot (O(1): an ordered dict per layer).
 - "lfru": colibri's ``heat << 8 | recency`` score (recency <= 255), so one routing count
@@ -190,18 +190,3 @@ class LFRU(EvictionPolicy):
                         return s
             break
         return -1
-
-
-POLICY_CLASSES: dict[str, type[EvictionPolicy]] = {
-    "lru": LRU,
-    "lfru": LFRU,
-    "ema": EMA,
-}
-
-
-def make_policy(name: str, heat: np.ndarray, prob_ema: np.ndarray, max_cap: int) -> EvictionPolicy:
-    """The policy registered as ``name``; ValueError naming the choices for any other name."""
-    cls = POLICY_CLASSES.get(name)
-    if cls is None:
-        raise ValueError(f"unknown cache policy {name!r}: choose one of {', '.join(POLICY_CLASSES)}")
-    return cls(heat, prob_ema, max_cap)

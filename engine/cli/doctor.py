@@ -141,10 +141,15 @@ def collect(disk_test: bool = True, budget_bytes: int = DISK_TEST_BYTES,
         from .. import kernel_facts as K  # what the kernels will use, without starting numba
         from ..sysinfo import affinity_cpus, cgroup_cpu_quota, cpu_name, usable_cpus
         feats = K.cpu_features()
+        try:
+            t = K.kernel_target()
+            target = {"level": t.level, "cpu_name": t.cpu_name}
+        except ValueError as e:
+            t, target = None, {"level": None, "problem": str(e)}
         return {"name": cpu_name(), "logical_cpus": os.cpu_count(), "affinity_cpus": affinity_cpus(),
                 "cgroup_cpu_quota": cgroup_cpu_quota(), "usable_cpus": usable_cpus(),
                 "features": {f: feats[f] for f in CPU_FLAGS if f in feats},
-                "int_kernels": K.int_flavor()}
+                "int_kernels": K.int_flavor(t), "kernel_target": target}
     _section(facts, "cpu", cpu)
 
     def threads():
@@ -158,10 +163,15 @@ def collect(disk_test: bool = True, budget_bytes: int = DISK_TEST_BYTES,
             saved = None
         layer = K.threading_layer()
         cache, cache_problem = K.numba_cache_dir()
+        try:
+            from ..kernel_cache import shipped_status
+            prebuilt = shipped_status(cache, K.kernel_target())
+        except ValueError as e:  # a bad COLIBRI_KERNEL_TARGET
+            prebuilt = f"none: {e}"
         return {"threading_layer": layer, "serialized": layer not in ("omp", "tbb"), "default": default,
                 "settings_file": saved, "in_use": saved or default,  # 0 = all usable CPUs
                 "limit": K.thread_limit(),
-                "numba_cache": cache, "numba_cache_problem": cache_problem}
+                "numba_cache": cache, "numba_cache_problem": cache_problem, "prebuilt_kernels": prebuilt}
     _section(facts, "threads", threads)
 
     def memory():
@@ -260,6 +270,10 @@ def format_report(f: dict) -> str:
         feats = cpu["features"]
         add("cpu features", (", ".join(f"{k} {_yes(v)}" for k, v in feats.items()) or "unknown")
             + f"; int8/int4 kernels: {cpu['int_kernels']}")
+        kt = cpu.get("kernel_target") or {}
+        add("cpu target", kt.get("problem") or (
+            f"{kt['level']} (the kernels are built for this x86-64 level, not this exact CPU)"
+            if kt.get("level") not in (None, "host", "user") else f"{kt.get('cpu_name')} ({kt.get('level')})"))
     if err("threads"):
         add("threads", err("threads"))
     else:
@@ -270,6 +284,7 @@ def format_report(f: dict) -> str:
             f"numba threading layer {t['threading_layer']}" + (" (serialized)" if t["serialized"] else ""))
         add("numba cache", t["numba_cache"] or "none: " + (t.get("numba_cache_problem") or
                                                            "no writable cache folder, kernels compile at every start"))
+        add("pre-built", t.get("prebuilt_kernels") or "unknown")
     if err("memory"):
         add("memory", err("memory"))
     else:

@@ -22,7 +22,8 @@ s uint8 [O, N // 32] e8m0 exponents).
 The modules, by concern: ``setup`` (numba's cache folder, threading layer, OpenMP: imported
 first, before numba loads), ``tiles`` (dot products, the integer intrinsics, activation
 quantization, register tiles, exp), ``linears``, ``experts``, ``routing``, ``attention``,
-``decode_step`` (the fused decode step), ``recurrent`` (the gated delta rule) and
+``decode_step`` (the fused decode step), ``recurrent`` (the gated delta rule), ``kquants``
+(integer dot products on GGUF's K-quant blocks) and
 ``cache_take`` (the expert cache's bookkeeping of a resident decode step). Callers use the
 names re-exported here (``from engine import kernels; kernels.linear_q4``).
 """
@@ -31,7 +32,8 @@ from __future__ import annotations
 
 # setup first: it points numba at its cache folder and threading layer before numba loads
 from .setup import (CACHE_DIR, CACHE_PROBLEM, F16_TABLE, GOMP_SPINCOUNT_DEFAULT,  # noqa: F401
-                    INT_FLAVOR, PARALLEL_KERNELS, SERIALIZED, THREADING_LAYER, _FM,
+                    INT_FLAVOR, PARALLEL_KERNELS, SERIALIZED, SHIPPED, SHIPPED_KINDS, TARGET,
+                    THREADING_LAYER, _FM,
                     _KW, _cache_dir_problem, _writable_dir, cpu_features,
                     current_threads, default_spin_env, numba_cache_dir, set_threads,
                     thread_limit)
@@ -50,6 +52,7 @@ from .attention import (ATT_QB, F16_MAX, attention, attention_sink, kv_put_f16, 
                         rmsnorm, rope)
 from .decode_step import attention_t1, decode_layers_t1  # noqa: F401
 from .recurrent import DELTA_EXP_FLOOR, DELTA_TINY, gated_delta  # noqa: F401
+from .kquants import KQ_SIMD, KQ_TYPES, expert_kq, experts_kq_sorted, experts_kq_t1, linear_kq  # noqa: F401
 
 
 if SERIALIZED:  # no njit function calls these names (decode_step binds its own), so rebinding them is safe

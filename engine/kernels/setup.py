@@ -5,6 +5,11 @@ controls of the parallel kernels.
   a read-only install with no writable home would otherwise fail at import with numba's "no
   locator available". ``NUMBA_CACHE_DIR`` set by the user wins; if no folder is writable the
   kernels compile uncached (``CACHE_DIR is None``).
+- the CPU target: numba compiles for a fixed x86-64 level (engine.kernel_facts.kernel_target:
+  x86-64-v3 = AVX2/FMA, v4 = AVX-512, v4 with VNNI) rather than this CPU's exact model, so that
+  its cache is the same on every CPU of a level and the pre-built kernels shipped with colibri
+  (engine.kernel_cache) are loaded instead of compiled; they are copied into the cache folder
+  before the first kernel compiles.
 - threading layer: OpenMP, then TBB, then numba's ``workqueue`` (unless the user set
   ``NUMBA_THREADING_LAYER``). ``workqueue`` aborts the process when two threads launch parallel
   kernels at once, so under it (``SERIALIZED``) every parallel kernel runs under one lock.
@@ -29,12 +34,15 @@ import threading
 # the cache folder, the integer-kernel path and the CPU features are worked out without numba
 # (engine.kernel_facts) so that `colibri doctor` can report them without starting it
 from ..kernel_facts import (_cache_dir_problem, numba_cache_dir, _writable_dir,  # noqa: E402,F401
-                           cpu_features, int_flavor as _int_flavor)
+                           cpu_features, int_flavor as _int_flavor, kernel_target)
 
 
 CACHE_DIR, CACHE_PROBLEM = numba_cache_dir()  # CACHE_PROBLEM: why CACHE_DIR is None ("" otherwise)
 if CACHE_DIR is not None:
     os.environ["NUMBA_CACHE_DIR"] = CACHE_DIR
+TARGET = kernel_target()  # ValueError: a bad COLIBRI_KERNEL_TARGET, before anything compiles
+if TARGET.fixed:
+    os.environ["NUMBA_CPU_NAME"], os.environ["NUMBA_CPU_FEATURES"] = TARGET.cpu_name, TARGET.features
 if "NUMBA_THREADING_LAYER" not in os.environ and "NUMBA_THREADING_LAYER_PRIORITY" not in os.environ:
     os.environ["NUMBA_THREADING_LAYER_PRIORITY"] = "omp tbb workqueue"
 GOMP_SPINCOUNT_DEFAULT = "30000"  # see the module docstring; read by libgomp when it loads
@@ -61,6 +69,13 @@ if _numba_was_loaded:  # numba read its config before us: apply the same choices
         numba.config.CACHE_DIR = CACHE_DIR
     if "NUMBA_THREADING_LAYER" not in os.environ:
         numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+    if TARGET.fixed:  # read when numba's code generator starts, at the first compile
+        numba.config.CPU_NAME, numba.config.CPU_FEATURES = TARGET.cpu_name, TARGET.features
+
+from ..kernel_cache import install_shipped  # noqa: E402
+
+# what the pre-built kernels gave (a line for reports), and the kinds of model they made ready
+SHIPPED, SHIPPED_KINDS = install_shipped(CACHE_DIR, TARGET)
 
 
 def _start_threading_layer() -> str:
@@ -87,7 +102,7 @@ SERIALIZED = THREADING_LAYER not in ("omp", "tbb")  # workqueue (or unknown): no
 
 
 
-INT_FLAVOR = _int_flavor()
+INT_FLAVOR = _int_flavor(TARGET)
 
 
 _FM = {"reassoc", "contract", "nsz", "arcp"}  # allow SIMD reductions; no inf/nan shortcuts
@@ -106,7 +121,8 @@ PARALLEL_KERNELS = ("linear_f32", "linear_f16", "linear_q8", "linear_q4", "linea
                     "expert_f16", "expert_q8", "expert_q4", "expert_q4i", "experts_q4_t1", "experts_q8_t1",
                     "experts_q4_sorted", "combine_sorted",
                     "attention", "attention_sink", "gated_delta", "kv_put_f16", "attention_t1",
-                    "decode_layers_t1")
+                    "decode_layers_t1", "linear_kq", "expert_kq", "experts_kq_t1",
+                    "experts_kq_sorted")
 _LAUNCH_LOCK = threading.Lock()
 
 

@@ -10,8 +10,8 @@ weights renormalised when ``norm_topk_prob`` and times ``routed_scaling_factor``
 the first ``first_k_dense_replace`` layers have a dense MLP of width ``intermediate_size``.
 
 The multi-token-prediction layers (``num_nextn_predict_layers``, checkpoint layers numbered
-from num_hidden_layers on) are not part of the decoder: the converter reads only the
-num_hidden_layers layers and says it skipped them.
+from num_hidden_layers on) are not part of the decoder: the converter keeps the first as a
+speculative drafter (engine/mtp.py) and says it skipped the others.
 
 Checkpoint names: model.layers.N.self_attn.{q_a_proj, q_a_layernorm, q_b_proj | q_proj,
 kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}; model.layers.N.mlp.gate.weight and

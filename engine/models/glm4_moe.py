@@ -7,7 +7,8 @@ values of each head, rotate-half); the DeepSeek-V3 router (sigmoid scores,
 ``e_score_correction_bias`` for the choice only, ``n_group`` / ``topk_group``, renormalised
 when ``norm_topk_prob``, times ``routed_scaling_factor``); ``n_shared_experts`` ungated shared
 experts of width ``moe_intermediate_size`` each; the first ``first_k_dense_replace`` layers
-dense (width ``intermediate_size``). The MTP layers (``num_nextn_predict_layers``) are skipped.
+dense (width ``intermediate_size``). The first MTP layer (``num_nextn_predict_layers``) is kept
+as a speculative drafter (engine/mtp.py), the others are skipped.
 
 Checkpoint names: model.layers.N.self_attn.{q,k,v,o}_proj (+ .bias on q/k/v), q_norm / k_norm
 [head_dim]; model.layers.N.mlp.gate.weight and .e_score_correction_bias;

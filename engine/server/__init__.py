@@ -6,7 +6,8 @@ through a bounded FIFO of jobs. Modules:
 
     server       ServerOptions (host, port, key, CORS, limits) and LocalServer (uvicorn on a thread)
     gate         Host / Origin / Content-Type checks before any work (no web page drives the server)
-    openai_api   the endpoints, request checks and OpenAI-shaped responses and errors
+    openai_api   the endpoints, OpenAI-shaped responses and errors, the Starlette app
+    request_checks  request bodies, fields, sampling and messages checked (both APIs); ApiError
     anthropic_api  POST /v1/messages (Anthropic's Messages API) on the same queue
     tools        tools / tool_choice checks, every family's call format parsed out of answers
     grammar      constrained decoding (llguidance): forced calls, response_format JSON

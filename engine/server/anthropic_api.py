@@ -20,7 +20,7 @@ from sse_starlette import EventSourceResponse
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from .openai_api import SEED_HEADER, ApiError, chat_messages, read_json, reasoning_kwargs, template_reads
+from .request_checks import SEED_HEADER, ApiError, chat_messages, read_json, reasoning_kwargs, template_reads
 from ..harmony import is_harmony
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
@@ -87,7 +87,7 @@ def _check_fields(d: dict, known: frozenset, where: str = "") -> None:
 
 def _effort_kwargs(model, effort: Any) -> dict:
     """``output_config.effort`` as template variables: OpenAI's ``reasoning_effort`` rule
-    (openai_api.reasoning_kwargs), refused with the Messages API's field name. Raises ApiError (400)."""
+    (request_checks.reasoning_kwargs), refused with the Messages API's field name. Raises ApiError (400)."""
     if effort not in EFFORTS:
         raise _bad(f"'output_config.effort' = {effort!r}: this server takes low, medium or high", "output_config.effort")
     if model is None:  # no template to read (a body checked without a model)

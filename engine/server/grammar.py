@@ -23,15 +23,17 @@ import json
 import re
 import threading
 import weakref
+from datetime import datetime
 from typing import Any
 
 import numpy as np
 
-from ..chat_template import render
+from ..chat_template import THINK_OPEN, render
 
 #: JSON as json.dumps and the templates' tojson write it.
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _KEY, _VALUE, _ID = "colibri_k", "colibri_v", "colibri0"
+_KEY2, _NUMBER, _REASONING = "colibri_k2", 7340033, "colibri_r"
 
 
 class GrammarError(ValueError):
@@ -138,10 +140,13 @@ def json_grammar(tokenizer, schema: dict | None, prompt_opened: bool = False) ->
 # --- forced calls ---------------------------------------------------------------------------------
 
 
-def _turn_text(src: str, msgs: list[dict], call: dict, tools, special, kwargs, eos: list[str]) -> str:
+def _turn_text(src: str, msgs: list[dict], call: dict, tools, special, kwargs, eos: list[str],
+               added=()) -> str:
     """The text the template writes for an assistant turn holding ``call``, up to its
-    end-of-turn token."""
-    kw = dict(tools=tools, special_tokens=special, template_kwargs=kwargs)
+    end-of-turn token. ``added``: the tokenizer's added tokens; where the generation prompt
+    ends in text the rendered turn leaves out (Gemma 4's empty thought channel), the turn
+    starts at the added token the two renderings part in."""
+    kw = dict(tools=tools, special_tokens=special, template_kwargs=kwargs, now=datetime.now())
     prefix = render(src, "the chat template", msgs, add_generation_prompt=True, **kw)
     turn = {"role": "assistant", "content": "", "tool_calls": [call]}
     try:
@@ -153,14 +158,45 @@ def _turn_text(src: str, msgs: list[dict], call: dict, tools, special, kwargs, e
     n = 0
     while n < min(len(prefix), len(full)) and prefix[n] == full[n]:
         n += 1
-    text = full[n:]
+    text = None
+    if n < len(prefix) and prefix[n:].lstrip().startswith(THINK_OPEN):
+        # the prompt opens a reasoning block (MiniMax-M2): the turn closes it empty, as the
+        # template writes a turn whose reasoning is a placeholder cut out again
+        with_r = render(src, "the chat template", msgs + [{**turn, "reasoning_content": _REASONING}], **kw)
+        if with_r.startswith(prefix) and _REASONING in with_r[len(prefix):]:
+            text = with_r[len(prefix):].replace(_REASONING, "", 1)
+    if text is None:
+        if n < len(prefix):
+            n = min([m.start() for t in added if t for m in re.finditer(re.escape(t), full) if m.start() < n < m.end()]
+                    + [n])
+        text = full[n:]
     cut = min((i for i in (text.find(e) for e in eos if e) if i >= 0), default=len(text))
     return text[:cut]
 
 
+def _added_markup(none: str, one: str, added) -> tuple[int, str]:
+    """What ``one`` (a call rendered with one argument) has beyond ``none`` (without) -> (where
+    it starts, the text between their common prefix and suffix); a cut inside an added token
+    (``</tool_call>`` and ``<arg_key>`` share "<") moves to its edge, so every token stays whole."""
+    spans = [(mt.start(), mt.end()) for t in added for mt in re.finditer(re.escape(t), one)]
+    i = 0
+    while i < min(len(none), len(one)) and none[i] == one[i]:
+        i += 1
+    i = min([a for a, b in spans if a < i < b] + [i])
+    j = 0
+    while j < min(len(none), len(one)) - i and none[-1 - j] == one[-1 - j]:
+        j += 1
+    j = min([len(one) - b for a, b in spans if a < len(one) - j < b] + [j])
+    return i, one[i:len(one) - j]
+
+
+def _is_text(schema: dict) -> bool:
+    """A value the XML-style formats write as bare text (others as JSON)."""
+    return schema.get("type") == "string" and not ({"enum", "const", "pattern", "format"} & set(schema))
+
+
 def _value_rule(schema: dict) -> str:
-    typ = schema.get("type")
-    if typ == "string" and not ({"enum", "const", "pattern", "format"} & set(schema)):
+    if _is_text(schema):
         # XML-style text: no markup, no newline (the template's own newlines surround it)
         lo, hi = schema.get("minLength"), schema.get("maxLength")
         lo = max(1, int(lo)) if isinstance(lo, int) else 1
@@ -177,6 +213,7 @@ def call_grammar(tokenizer, msgs: list[dict], tools: list[dict], name: str | Non
     special = {k: getattr(tokenizer, k) for k in ("bos_token", "eos_token") if getattr(tokenizer, k, None)}
     eos = [tokenizer.id_to_token(i) for i in tokenizer.eos_ids]
     kwargs = dict(template_kwargs or {})
+    added = tuple(t for t in getattr(tokenizer, "added_tokens", {}) if t)
     rules, alts = [], []
     for k, t in enumerate(tools):
         fn = t["function"]
@@ -186,7 +223,7 @@ def call_grammar(tokenizer, msgs: list[dict], tools: list[dict], name: str | Non
 
         def text(args):
             return _turn_text(src, msgs, {"id": _ID, "type": "function", "function": {"name": fn["name"], "arguments": args}},
-                              tools, special, kwargs, eos)
+                              tools, special, kwargs, eos, added)
         one = text({_KEY: _VALUE})
         placeholder = json.dumps({_KEY: _VALUE}, ensure_ascii=False)
         if placeholder in one:                       # the arguments are written as JSON
@@ -198,26 +235,26 @@ def call_grammar(tokenizer, msgs: list[dict], tools: list[dict], name: str | Non
             # the markup one argument adds: what ``one`` has between the common prefix and
             # suffix of the two renderings; a cut inside an added token (``</tool_call>`` and
             # ``<arg_key>`` share "<") moves to its edge, so every token stays whole
-            spans = [(mt.start(), mt.end()) for t in getattr(tokenizer, "added_tokens", {}) if t
-                     for mt in re.finditer(re.escape(t), one)]
-            i = 0
-            while i < min(len(none), len(one)) and none[i] == one[i]:
-                i += 1
-            i = min([a for a, b in spans if a < i < b] + [i])
-            j = 0
-            while j < min(len(none), len(one)) - i and none[-1 - j] == one[-1 - j]:
-                j += 1
-            j = min([len(one) - b for a, b in spans if a < len(one) - j < b] + [j])
-            pair = one[i:len(one) - j]
+            i, pair = _added_markup(none, one, added)
             if _KEY not in pair or _VALUE not in pair:
                 raise GrammarError("the chat template does not write a call's arguments in a form that can be forced")
+            # a number's markup (Gemma 4 quotes only strings, DSML marks them string="false") and
+            # what the template writes between two arguments (Gemma 4's comma)
+            number = _added_markup(none, text({_KEY: _NUMBER}), added)[1]
+            number = number if _KEY in number and str(_NUMBER) in number else pair.replace(_VALUE, str(_NUMBER))
+            two = text({_KEY: _VALUE, _KEY2: _VALUE})
+            a = two.find(pair)
+            b = two.find(pair.replace(_KEY, _KEY2), a + len(pair)) if a >= 0 else -1
+            sep = two[a + len(pair):b] if b >= 0 else ""
             props = schema.get("properties") or {}
             items = []
             for key in [p for p in props if p in (schema.get("required") or [])]:
-                kb, _, rest = pair.partition(_KEY)
-                mid, _, va = rest.partition(_VALUE)
-                items += _literal(tokenizer, kb + key + mid) + [f"v{k}_{len(rules)}"] + _literal(tokenizer, va)
-                rules.append(f"v{k}_{len(rules)}: " + _value_rule(props[key] or {}))
+                sub = props[key] or {}
+                kb, _, rest = (pair if _is_text(sub) else number).partition(_KEY)
+                mid, _, va = rest.partition(_VALUE if _is_text(sub) else str(_NUMBER))
+                items += (_literal(tokenizer, sep) if items and sep else []) + _literal(tokenizer, kb + key + mid)
+                items += [f"v{k}_{len(rules)}"] + _literal(tokenizer, va)
+                rules.append(f"v{k}_{len(rules)}: " + _value_rule(sub))
             body = _literal(tokenizer, none[:i]) + items + _literal(tokenizer, none[i:])
         alts.append(" ".join(_with_id(body)))
     if not alts:

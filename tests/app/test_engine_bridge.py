@@ -91,6 +91,7 @@ def test_an_opened_model_gets_the_other_settings_kernels_compiled_in_the_backgro
     from engine import compile_needed, kernel_prepare, kernels
     cache = tmp_path / "numba"
     monkeypatch.setattr(kernels, "CACHE_DIR", str(cache))
+    monkeypatch.setattr(kernels, "SHIPPED_KINDS", frozenset())  # no pre-built kernels in this cache
     monkeypatch.delenv(kernel_prepare.IN_PROCESS_ENV, raising=False)
     monkeypatch.setattr(kernel_prepare, "_FAILED", set())
     runs = []

@@ -1,0 +1,204 @@
+"""Pre-built kernels (engine/kernel_cache.py) and the fixed CPU target they are built for
+(engine.kernel_facts.kernel_target): numba's cache built in one install is loaded, without a
+compile, by another install of the same sources elsewhere; an archive that does not fit is
+skipped and the kernels compile as before."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import kernel_facts as F
+
+ROOT = Path(__file__).resolve().parent.parent
+KIND = ("olmoe", "int8", "int8", 32, "row_major", "f16", False)
+
+HASWELL = {f: True for f in F.KERNEL_TARGETS["x86-64-v3"][1]}
+SKYLAKE_X = {f: True for f in F.KERNEL_TARGETS["x86-64-v4"][1]}
+ZEN4 = {f: True for f in F.KERNEL_TARGETS["x86-64-v4-vnni"][1]}
+NEHALEM = {f: True for f in F.KERNEL_TARGETS["x86-64-v2"][1]}
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """Pretend to be an x86-64 CPU with the given features (a dict), nothing set by the user."""
+    for k in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", F.TARGET_ENV, "COLIBRI_INT_KERNEL"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr("platform.machine", lambda: "x86_64")
+
+    def set_features(feats):
+        monkeypatch.setattr(F, "_host_features", lambda: dict(feats, **{"avx512er": False}))
+    return set_features
+
+
+@pytest.mark.parametrize("feats, level, flavor", [
+    (HASWELL, "x86-64-v3", "avx2"),
+    (SKYLAKE_X, "x86-64-v4", "bw"),
+    (ZEN4, "x86-64-v4-vnni", "vnni"),
+    (NEHALEM, "x86-64-v2", "portable"),
+    ({"sse2": True}, "host", "portable"),
+])
+def test_the_kernels_target_the_highest_x86_64_level_this_cpu_has(cpu, feats, level, flavor):
+    cpu(feats)
+    t = F.kernel_target()
+    assert t.level == level and t.fixed == (level != "host")
+    if t.fixed:  # the level's own features, spelled out: numba would add the host's to a bare name
+        assert t.cpu_name == F.KERNEL_TARGETS[level][0]
+        assert t.features.startswith(",".join("+" + f for f in F.KERNEL_TARGETS[level][1]))
+        assert ("-prefer-256-bit" in t.features) == level.startswith("x86-64-v4")  # 512-bit loops
+    assert F.int_flavor(t) == flavor
+
+
+def test_a_target_the_user_chose_wins_and_a_level_this_cpu_lacks_is_refused(cpu, monkeypatch):
+    cpu(HASWELL)
+    monkeypatch.setenv(F.TARGET_ENV, "host")
+    assert F.kernel_target().level == "host"
+    monkeypatch.setenv(F.TARGET_ENV, "x86-64-v4")
+    with pytest.raises(ValueError, match="lacks avx512f, avx512bw"):
+        F.kernel_target()
+    monkeypatch.setenv(F.TARGET_ENV, "skylake")
+    with pytest.raises(ValueError, match="choose host or one of x86-64-v2"):
+        F.kernel_target()
+    monkeypatch.setenv(F.TARGET_ENV, "x86-64-v2")
+    assert F.kernel_target().level == "x86-64-v2"
+    monkeypatch.delenv(F.TARGET_ENV)
+    monkeypatch.setenv("NUMBA_CPU_NAME", "haswell")
+    t = F.kernel_target()
+    assert (t.level, t.cpu_name, t.fixed) == ("user", "haswell", False)
+    v3 = F._level_target("x86-64-v3")  # what engine.kernels hands its child processes
+    monkeypatch.setenv("NUMBA_CPU_NAME", v3.cpu_name)
+    monkeypatch.setenv("NUMBA_CPU_FEATURES", v3.features)
+    assert F.kernel_target() == v3
+
+
+# One kernel, run in an install of the engine package at another path: its numba cache
+# statistics say whether it was loaded or compiled.
+RUN = """
+import json, os, sys
+from pathlib import Path
+if os.environ.get("FROZEN_EXECUTABLE"):  # as in the bundle: numba stamps its cache with the executable
+    sys.frozen, sys.executable = True, os.environ["FROZEN_EXECUTABLE"]
+import numpy as np
+from engine.kernels import setup, rmsnorm
+from engine import kernel_prepare
+kind = tuple(json.loads(sys.argv[1]))
+x = np.arange(16, dtype=np.float32).reshape(2, 8); w = np.full(8, 2, np.float32); out = np.empty_like(x)
+rmsnorm(x, w, 1e-6, out)
+if len(sys.argv) > 2:
+    from engine.kernel_cache import pack
+    pack(setup.CACHE_DIR, Path(sys.argv[2]), setup.TARGET, [kind])
+st = rmsnorm.stats
+ready = kind in setup.SHIPPED_KINDS
+if ready:  # what Engine.open does first: no compile child (none is given) for a pre-built kind
+    kernel_prepare.prepare_in_child(None, kind, child=None)
+print(json.dumps({"shipped": setup.SHIPPED, "hits": sum(st.cache_hits.values()),
+                  "misses": sum(st.cache_misses.values()), "out": out.round(5).tolist(), "ready": ready,
+                  "marker": kernel_prepare.marker_path(setup.CACHE_DIR, kind).is_file()}))
+"""
+
+
+def _install(where: Path) -> Path:
+    """A copy of the engine package at ``where``: another install path."""
+    shutil.copytree(ROOT / "engine", where / "engine", ignore=shutil.ignore_patterns("__pycache__"))
+    return where
+
+
+def _run(install: Path, cache: Path, *args: str, ship: bool = True, **extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", F.TARGET_ENV, "COLIBRI_INT_KERNEL", "PYTHONPATH",
+                        "COLIBRI_COMPILE_IN_PROCESS")}
+    env.update(PYTHONPATH=str(install), NUMBA_CACHE_DIR=str(cache), COLIBRI_SHIPPED_KERNELS="1" if ship else "0",
+               **extra)
+    p = subprocess.run([sys.executable, "-c", RUN, json.dumps(KIND), *args], env=env, cwd=install,
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The archive of one install's cache (rmsnorm compiled for this CPU's level), and that run."""
+    t = F.kernel_target()
+    if not t.fixed:
+        pytest.skip(f"no fixed x86-64 target for this CPU ({t.level})")
+    base = tmp_path_factory.mktemp("kernel-cache")
+    import numba
+    from engine.kernel_cache import archive_name
+    arc = base / archive_name(t.level, numba.__version__)
+    first = _run(_install(base / "a"), base / "cache-a", str(arc), ship=False)
+    return arc, first
+
+
+def _shipped(install: Path, arc: Path) -> Path:
+    (install / "resources" / "kernels").mkdir(parents=True)
+    shutil.copy(arc, install / "resources" / "kernels" / arc.name)
+    return install
+
+
+def test_kernels_built_in_one_install_load_without_a_compile_in_another(built, tmp_path):
+    arc, first = built
+    assert first["misses"] == 1 and first["hits"] == 0  # compiled there
+    b = _shipped(_install(tmp_path / "b"), arc)
+    got = _run(b, tmp_path / "cache-b")
+    assert got["misses"] == 0 and got["hits"] == 1, got  # loaded, not compiled
+    assert got["out"] == first["out"]
+    assert "kinds of model ready: 1" in got["shipped"] and got["ready"] and got["marker"]  # no compile child
+    again = _run(b, tmp_path / "cache-b")  # installed once: the next start only finds its mark
+    assert again["hits"] == 1 and again["shipped"] == got["shipped"]
+    for d in (tmp_path / "cache-b").glob("kernels_*"):  # a cache emptied by hand is filled again
+        shutil.rmtree(d)
+    emptied = _run(b, tmp_path / "cache-b")
+    assert emptied["hits"] == 1 and emptied["misses"] == 0 and emptied["ready"]
+
+
+def test_the_frozen_bundle_loads_kernels_built_from_the_same_sources(built, tmp_path):
+    """In the bundle numba stamps its cache with the executable's hash, not the source's: the
+    kernels are written with that stamp after their sources were checked, so the bundle's first
+    run loads them too."""
+    arc, first = built
+    b = _shipped(_install(tmp_path / "bundle"), arc)
+    exe = tmp_path / "bundle" / "colibri"
+    exe.write_bytes(b"an executable of this bundle")
+    got = _run(b, tmp_path / "cache-b", FROZEN_EXECUTABLE=str(exe))
+    assert got["misses"] == 0 and got["hits"] == 1 and got["out"] == first["out"], got
+    assert got["ready"]
+
+
+def test_an_archive_built_from_other_sources_is_skipped_and_the_kernel_compiles(built, tmp_path):
+    arc, first = built
+    b = _shipped(_install(tmp_path / "b"), arc)
+    with open(b / "engine" / "kernels" / "attention.py", "a") as f:
+        f.write("\n# an edit after the archive was built\n")
+    got = _run(b, tmp_path / "cache-b")
+    assert got["misses"] == 1 and got["hits"] == 0 and got["out"] == first["out"]
+    assert "built from other sources" in got["shipped"] and not got["ready"]
+
+
+def test_a_damaged_archive_is_skipped_with_a_reason_and_the_kernel_compiles(built, tmp_path):
+    arc, first = built
+    b = _install(tmp_path / "b")
+    (b / "resources" / "kernels").mkdir(parents=True)
+    (b / "resources" / "kernels" / arc.name).write_bytes(arc.read_bytes()[: arc.stat().st_size // 2])
+    got = _run(b, tmp_path / "cache-b")
+    assert got["misses"] == 1 and got["out"] == first["out"] and not got["ready"]
+    assert got["shipped"].startswith("pre-built kernels not used:"), got["shipped"]
+
+
+def test_doctor_says_what_the_pre_built_kernels_give_without_starting_numba(built, tmp_path, monkeypatch):
+    from engine import kernel_cache
+    arc, _ = built
+    monkeypatch.setattr(kernel_cache, "shipped_dir", lambda: arc.parent)
+    t, cache = F.kernel_target(), str(tmp_path / "cache")
+    assert kernel_cache.shipped_status(cache, t) == f"{arc.name}: copied into the kernel cache at the next start"
+    line, kinds = kernel_cache.install_shipped(cache, t)
+    assert kinds == {KIND}
+    assert kernel_cache.shipped_status(cache, t) == line and "kinds of model ready: 1" in line
+    assert kernel_cache.shipped_status(cache, F._host_target()).startswith("none for the CPU target host")
+    monkeypatch.setattr(kernel_cache, "shipped_dir", lambda: tmp_path / "nothing")
+    assert kernel_cache.shipped_status(cache, t).startswith(f"none for {arc.name[:-len('.tar.xz')]}")
