@@ -490,7 +490,7 @@ def test_giving_back_experts_does_not_wake_idle_reader_threads(monkeypatch):
         cache.load_experts(0, np.arange(8))  # every expert resident: the readers go idle
         # both readers wait for a read and no wake-up of theirs is pending (a reader woken for
         # a load another one took may not have run yet on a busy machine)
-        assert _wait_for(lambda: cache._readq_cv.parked() == 2)
+        assert _wait_for(lambda: cache.demand.queued_cv.parked() == 2)
         before = {k: v for k, v in wakeups.items() if k.startswith("colibri-io")}
         for _ in range(200):
             hits, misses = cache.prepare_split(0, [1, 5])
@@ -499,7 +499,7 @@ def test_giving_back_experts_does_not_wake_idle_reader_threads(monkeypatch):
             time.sleep(0.0002)  # a kernel runs without the GIL: a woken thread gets to run
             cache.release_many(0, hits)
             with cache.lock:
-                assert cache._readq_cv.parked() == 2  # the release woke no reader
+                assert cache.demand.queued_cv.parked() == 2  # the release woke no reader
         with cache.lock:
             after = {k: v for k, v in wakeups.items() if k.startswith("colibri-io")}
         assert after == before, (before, after)
