@@ -193,8 +193,8 @@ def llvm_rss():
 
 real = ram_budget.release_compiler_memory
 if sys.argv[2] == "off":  # the engine as it was: nothing given back
-    import engine.generate, engine.models.fused_decode
-    engine.generate.release_compiler_memory = engine.models.fused_decode.release_compiler_memory = lambda: 0
+    import engine.engine_setup, engine.models.fused_decode  # where Engine.open and the warm thread call it
+    engine.engine_setup.release_compiler_memory = engine.models.fused_decode.release_compiler_memory = lambda: 0
 cfg = EngineConfig(store=sys.argv[1], pinning=False, history=False, context_length=64, pilot=0)
 with Engine.open(cfg) as eng:
     assert eng.model.wait_decode_ready(600)
