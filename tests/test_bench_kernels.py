@@ -140,12 +140,9 @@ def test_bench_kernels_cgroup_arm(tiny_store, tmp_path):
     assert abs(r["ceiling_share"] - r["tg12"] / r["ceiling_tok_s"]) < 1e-9 and "of ceiling" in (out / "k.md").read_text()
 
 
-def test_llama_cgroup_arm_reads_per_token_by_difference(monkeypatch):
-    """The llama.cpp cgroup arm: two cold runs (-n tokens, -n 16), each in a fresh group after
-    evicting the GGUF's pages; MB read per token from the difference of their block reads."""
-    calls, evicted, groups = [], [], []
-    reads = iter([0, 9_000_000_000, 9_000_000_000, 11_000_000_000])  # run 64: 9 GB, run 16: 2 GB
-
+def _fake_group(groups: list):
+    """A memory-group class for the llama.cpp cgroup arms: each one made is appended to
+    ``groups``; it wraps nothing, reports an 8 GB peak and no OOM kill, and records its removal."""
     class G:
         def __init__(self):
             self.removed = False
@@ -159,6 +156,16 @@ def test_llama_cgroup_arm_reads_per_token_by_difference(monkeypatch):
 
         def remove(self):
             self.removed = True
+    return G
+
+
+def test_llama_cgroup_arm_reads_per_token_by_difference(monkeypatch):
+    """The llama.cpp cgroup arm: two cold runs (-n tokens, -n 16), each in a fresh group after
+    evicting the GGUF's pages; MB read per token from the difference of their block reads."""
+    calls, evicted, groups = [], [], []
+    reads = iter([0, 9_000_000_000, 9_000_000_000, 11_000_000_000])  # run 64: 9 GB, run 16: 2 GB
+
+    G = _fake_group(groups)
 
     def fake_llama(bench, gguf, prompts, n, threads, wrap=None, extra=()):
         calls.append((prompts, n, wrap is not None, list(extra)))
@@ -343,19 +350,7 @@ def test_llama_long_prompt_arm_is_one_cold_run_in_a_fresh_group(monkeypatch):
     calls, evicted, groups = [], [], []
     reads = iter([1_000_000_000, 35_000_000_000])
 
-    class G:
-        def __init__(self):
-            self.removed = False
-            groups.append(self)
-
-        def wrap(self, cmd):
-            return cmd
-
-        def stats(self):
-            return {"cgroup_max_usage_bytes": 8e9, "cgroup_oom_kills": 0}
-
-        def remove(self):
-            self.removed = True
+    G = _fake_group(groups)
 
     def fake_llama(bench, gguf, prompts, n, threads, wrap=None, extra=()):
         calls.append((prompts, n, wrap is not None, list(extra)))

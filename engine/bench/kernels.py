@@ -334,32 +334,41 @@ def _children_read_bytes() -> int:
 LLAMA_BEST_CGROUP_FLAGS = "-lm mmap --repack 0"
 
 
+def _llama_in_group(llama_bench: str, gguf: str, prompts: list[int], tokens: int, threads: int, group,
+                    flags: str, wrap) -> tuple[dict, int, dict]:
+    """One ``llama-bench -p PROMPTS -n tokens FLAGS`` cold (the GGUF's pages evicted) in a fresh
+    memory group (``group()`` makes one, with ``wrap``, ``stats``, ``remove``; ``wrap``, e.g. a
+    blkio group's, wraps the command inside the memory group's). Returns (its results, the
+    bytes it read from storage, the group's stats). RuntimeError (e.g. OOM-killed in the
+    limit) names the group's peak and OOM kills."""
+    import shlex
+    _evict([gguf])
+    grp = group()
+    try:
+        r0 = _children_read_bytes()
+        w = grp.wrap if wrap is None else (lambda c: grp.wrap(wrap(c)))
+        try:
+            r = _llama_arm(llama_bench, gguf, prompts, tokens, threads, wrap=w, extra=shlex.split(flags))
+        except RuntimeError as e:  # the row says so
+            st = grp.stats()
+            raise RuntimeError(f"{e}\nmemory group: peak {st['cgroup_max_usage_bytes'] / 1e9:.2f} GB, "
+                               f"OOM kills {st['cgroup_oom_kills']}") from None
+        return r, _children_read_bytes() - r0, grp.stats()
+    finally:
+        grp.remove()
+
+
 def _llama_cgroup_arm(llama_bench: str, gguf: str, tokens: int, threads: int, group,
                       flags: str = "", wrap=None) -> dict:
-    """``llama-bench -p 0 -n tokens FLAGS`` cold in a fresh memory group (``group()`` makes
-    one, with ``wrap``, ``stats``, ``remove``), then ``-n 16`` likewise: tg from the first, MB
-    read per token = (read(tokens) - read(16)) / (tokens - 16), and the group's stats of the
-    first. ``wrap`` (e.g. a blkio group's) wraps the command inside the memory group's."""
-    import shlex
+    """``llama-bench -p 0 -n tokens FLAGS`` cold in a fresh memory group (_llama_in_group), then
+    ``-n 16`` likewise: tg from the first, MB read per token = (read(tokens) - read(16)) /
+    (tokens - 16), and the group's stats of the first."""
     out, read = {}, {}
     for n in (tokens, 16) if tokens > 16 else (tokens,):
-        _evict([gguf])
-        grp = group()
-        try:
-            r0 = _children_read_bytes()
-            w = grp.wrap if wrap is None else (lambda c: grp.wrap(wrap(c)))
-            try:
-                r = _llama_arm(llama_bench, gguf, [], n, threads, wrap=w, extra=shlex.split(flags))
-            except RuntimeError as e:  # e.g. OOM-killed in the limit: the row says so
-                st = grp.stats()
-                raise RuntimeError(f"{e}\nmemory group: peak {st['cgroup_max_usage_bytes'] / 1e9:.2f} GB, "
-                                   f"OOM kills {st['cgroup_oom_kills']}") from None
-            read[n] = _children_read_bytes() - r0
-            if n == tokens:
-                out.update(r)
-                out.update(grp.stats())
-        finally:
-            grp.remove()
+        r, read[n], st = _llama_in_group(llama_bench, gguf, [], n, threads, group, flags, wrap)
+        if n == tokens:
+            out.update(r)
+            out.update(st)
     out["read_gb"] = read[tokens] / 1e9
     if len(read) == 2:
         out["mb_per_token"] = max(read[tokens] - read[16], 0) / 1e6 / (tokens - 16)
@@ -368,26 +377,11 @@ def _llama_cgroup_arm(llama_bench: str, gguf: str, tokens: int, threads: int, gr
 
 def _llama_cgroup_long(llama_bench: str, gguf: str, n: int, threads: int, group, flags: str = "",
                        wrap=None) -> dict:
-    """``llama-bench -p n -n 0 FLAGS`` cold in a fresh memory group: ``pp<n>`` tok/s (its own
-    warm-up run included in the process, not in the figure) and the bytes the process read
-    from storage (``prefill_read_gb``: its load and both runs, rusage ru_inblock)."""
-    import shlex
-    _evict([gguf])
-    grp = group()
-    try:
-        r0 = _children_read_bytes()
-        w = grp.wrap if wrap is None else (lambda c: grp.wrap(wrap(c)))
-        try:
-            r = _llama_arm(llama_bench, gguf, [n], 0, threads, wrap=w, extra=shlex.split(flags))
-        except RuntimeError as e:
-            st = grp.stats()
-            raise RuntimeError(f"{e}\nmemory group: peak {st['cgroup_max_usage_bytes'] / 1e9:.2f} GB, "
-                               f"OOM kills {st['cgroup_oom_kills']}") from None
-        r["prefill_read_gb"] = (_children_read_bytes() - r0) / 1e9
-        r.update(grp.stats())
-        return r
-    finally:
-        grp.remove()
+    """``llama-bench -p n -n 0 FLAGS`` cold in a fresh memory group (_llama_in_group): ``pp<n>``
+    tok/s (its own warm-up run included in the process, not in the figure) and the bytes the
+    process read from storage (``prefill_read_gb``: its load and both runs, rusage ru_inblock)."""
+    r, read, st = _llama_in_group(llama_bench, gguf, [n], 0, threads, group, flags, wrap)
+    return {**r, "prefill_read_gb": read / 1e9, **st}
 
 
 def _spawn_ours(label: str, store: str, a, budget_gb: float | None = None, wrap=None,
