@@ -57,20 +57,23 @@ def test_stress_threads_shrinking_cap_and_read_failures():
 
     def user(seed):
         rng = random.Random(seed)
-        while not stop.is_set():
-            layer = rng.randrange(L)
-            es = sorted(rng.sample(range(E), 3))
-            cache.prepare(layer, es)
-            for e in es:
-                try:
-                    v = cache.acquire(layer, e)
-                except ExpertReadError:
-                    continue
-                try:
-                    if not (v["buf"] == FakeStore.pattern(layer, e)).all():
-                        problems.append(f"buffer for ({layer},{e}) holds another expert")
-                finally:
-                    cache.release(layer, e)
+        try:
+            while not stop.is_set():
+                layer = rng.randrange(L)
+                es = sorted(rng.sample(range(E), 3))
+                cache.prepare(layer, es)
+                for e in es:
+                    try:
+                        v = cache.acquire(layer, e)
+                    except ExpertReadError:
+                        continue
+                    try:
+                        if not (v["buf"] == FakeStore.pattern(layer, e)).all():
+                            problems.append(f"buffer for ({layer},{e}) holds another expert")
+                    finally:
+                        cache.release(layer, e)
+        except Exception as e:  # noqa: BLE001 - a user that dies leaves its reservations behind
+            problems.append(f"user {seed}: {type(e).__name__}: {e}")
 
     def shrinker():
         rng = random.Random(7)
@@ -101,7 +104,8 @@ def test_stress_threads_shrinking_cap_and_read_failures():
         time.sleep(0.1)
     stop.set()
     for t in threads:
-        t.join()
+        t.join(600)  # only a hang trips it
+        assert not t.is_alive(), f"{t.name} did not stop; problems: {problems[:5]}"
     assert not problems, problems[:5]
     assert store.reads > 1000
     # No slot leaked by the failures: every layer can still hold `cap` experts at once.
@@ -116,6 +120,56 @@ def test_stress_threads_shrinking_cap_and_read_failures():
         for e in held:
             cache.release(layer, e)
     cache.close()
+
+
+def _two_lookups_fill_the_layer_with_unclaimed_loads(policy):
+    """Cap 4: lookup A counts expert 0 as a hit and reserves slots for its misses 10, 11, 12;
+    lookup B's miss 20 evicts A's hit. Every slot now holds a demand load no take has claimed
+    (not evictable until taken), and A's take of expert 0 comes first."""
+    cache = ExpertCache(FakeStore(), 1, 64, 4, policy=policy, io_threads=1)
+    cache.load_experts(0, [0])
+    assert cache.prepare(0, [0, 10, 11, 12, 13]) == [0, 10, 11, 12, 13]
+    cache.prepare(0, [20])
+    assert cache.wait_demand_idle(600)
+    assert sorted(cache.slot_expert[0].tolist()) == [10, 11, 12, 20]
+    return cache
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfru", "ema"])
+def test_a_take_finding_only_unclaimed_loads_reads_again_the_last_needed(policy, monkeypatch):
+    """The take used to wait for a slot that only its own later takes could free (the stress
+    test above hung with its threads so interleaved): the unclaimed load of the highest id
+    gives way now, and is read again at its own take."""
+    from engine.cache import lookups
+    monkeypatch.setattr(lookups, "STALL_TIMEOUT_S", 5.0)  # without the fix: an error, not a hang
+    cache = _two_lookups_fill_the_layer_with_unclaimed_loads(policy)
+    try:
+        v = cache.acquire(0, 0)
+        assert (v["buf"] == FakeStore.pattern(0, 0)).all()
+        assert sorted(cache.slot_expert[0].tolist()) == [0, 10, 11, 12]  # 20 gave way
+        cache.release(0, 0)
+        for e in (10, 11, 12, 13, 20):
+            assert (cache.acquire(0, e)["buf"] == FakeStore.pattern(0, e)).all()
+            cache.release(0, e)
+        assert cache.live_slots(0) == 4
+    finally:
+        cache.close()
+
+
+def test_lowering_the_cap_frees_loads_no_take_will_claim():
+    """A caller that never takes its lookup's loads (an error ended it) left slots nothing
+    could evict: lowering the cap waited for them forever."""
+    cache = _two_lookups_fill_the_layer_with_unclaimed_loads("lru")
+    try:
+        t = threading.Thread(target=cache.set_cap, args=(1,), daemon=True)
+        t.start()
+        t.join(600)  # only a hang trips it
+        assert not t.is_alive(), "set_cap waited for loads no take will claim"
+        assert cache.live_slots(0) == 1
+        assert (cache.acquire(0, 0)["buf"] == FakeStore.pattern(0, 0)).all()
+        cache.release(0, 0)
+    finally:
+        cache.close()
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfru"])

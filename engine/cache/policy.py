@@ -71,6 +71,10 @@ class EvictionPolicy:
         ly.lru.pop(slot, None)
         ly.staged.pop(slot, None)
 
+    def tracks(self, ly: LayerOrder, layer: int, slot: int) -> bool:
+        """Whether ``slot`` is in the layer's order (evictable or staged)."""
+        return slot in ly.lru
+
     def touch(self, ly: LayerOrder, layer: int, slot: int, expert: int) -> None:
         """Mark an unpinned resident slot most recently used (untrack + track in two dict operations)."""
         if slot in ly.lru:
@@ -154,6 +158,9 @@ class LFRU(EvictionPolicy):
     def track_cold(self, ly, layer, slot, expert):
         self.track(ly, layer, slot, expert)
         ly.buckets[int(self.slot_heat[layer, slot])].move_to_end(slot, last=False)
+
+    def tracks(self, ly, layer, slot):
+        return slot in ly.buckets.get(int(self.slot_heat[layer, slot]), ())
 
     def untrack(self, ly, layer, slot):
         b = ly.buckets.get(int(self.slot_heat[layer, slot]))

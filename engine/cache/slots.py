@@ -165,11 +165,31 @@ class SlotTable:
             return False
         return bool(np.all(self.pinned[layer, self.slot_expert[layer][st == RESIDENT]]))
 
+    def unclaimed(self, layer: int) -> int:
+        """The idle demand load of ``layer`` that no take has claimed yet (resident, in no
+        eviction order, unpinned) holding the highest expert id, or -1; only while nothing of
+        the layer is loading, so the choice does not depend on when reads end. A lookup
+        reserves slots for its later misses; when an earlier expert of the same call (or of
+        another caller's) then finds no slot, those loads are the only slots left and waiting
+        for their takes never ends: the last-needed one is read again at its own take."""
+        st = self.slot_state[layer]
+        if (st == LOADING).any():
+            return -1
+        ly, best = self.layers[layer], -1
+        for s in np.flatnonzero((st == RESIDENT) & (self.slot_busy[layer] == 0)).tolist():
+            e = self.slot_expert[layer, s]
+            if self.pinned[layer, e] or self.policy.tracks(ly, layer, s):
+                continue
+            if best < 0 or e > self.slot_expert[layer, best]:
+                best = s
+        return best
+
     def reserve(self, layer: int, expert: int, victim_ok=None, last_resort: bool = False) -> int:
         """Reserve a slot for ``expert``: a free slot under the cap, else a victim (``victim_ok
-        (layer, slot) -> bool`` may refuse it); with ``last_resort`` (a demand acquire) an idle
-        pinned slot is unpinned when waiting could never free anything else. Returns the slot,
-        now LOADING, or -1 if nothing can be taken right now."""
+        (layer, slot) -> bool`` may refuse it); with ``last_resort`` (a demand acquire), when
+        waiting could never free anything else, an unclaimed demand load (:meth:`unclaimed`)
+        or else an idle pinned slot unpinned. Returns the slot, now LOADING, or -1 if nothing
+        can be taken right now."""
         ly = self.layers[layer]
         slot = -1
         if ly.live < min(ly.cap, ly.target) and ly.free:
@@ -179,8 +199,10 @@ class SlotTable:
                 self.on_free_taken()  # the next free slot may want its pages now
         else:
             v = self.victim(layer)
-            if v < 0 and last_resort and self.stuck(layer):
-                v = self.unpin_coldest(layer)  # never wait for a slot that cannot come free
+            if v < 0 and last_resort:
+                v = self.unclaimed(layer)  # never wait for a slot that cannot come free
+                if v < 0 and self.stuck(layer):
+                    v = self.unpin_coldest(layer)
             if v < 0 or (victim_ok is not None and not victim_ok(layer, v)):
                 return -1
             self.evict(layer, v)
@@ -407,12 +429,16 @@ class SlotTable:
 
     def free_one(self, layer: int, pins_too: bool = False) -> int:
         """Evict the policy's victim of ``layer`` and free its slot (live - 1); with
-        ``pins_too``, the coldest idle pin when nothing else is evictable. Returns the slot
-        (its pages are the caller's to give back) or -1: every live slot is busy or loading."""
+        ``pins_too``, the coldest idle pin when nothing else is evictable, then an unclaimed
+        demand load (:meth:`unclaimed`: a caller that never takes it would hold it forever).
+        Returns the slot (its pages are the caller's to give back) or -1: every live slot is
+        busy or loading."""
         ly = self.layers[layer]
         v = self.victim(layer)
         if v < 0 and pins_too:
             v = self.unpin_coldest(layer)
+            if v < 0:
+                v = self.unclaimed(layer)
         if v < 0:
             return -1
         self.evict(layer, v)
