@@ -199,6 +199,21 @@ def load_settings(path: Path | None = None) -> tuple[Settings, str | None]:
 
 
 def save_settings(s: Settings, path: Path | None = None) -> Path:
+    """Write ``s`` atomically to the settings file.
+
+    Raises:
+        OSError: the file could not be written, or it exists and cannot be read now
+            (permissions, an I/O error): what it holds was never read, so it is left as it is
+            rather than replaced by these settings (the message says so).
+    """
     p = path or settings_path()
+    try:
+        with p.open("rb"):
+            pass
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise OSError(e.errno, f"{p} cannot be read ({e.strerror or e}); it is left as it is and these "
+                               f"settings are not saved until it can be read") from None
     library.atomic_write_text(p, s.to_json())
     return p

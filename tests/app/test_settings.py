@@ -298,3 +298,28 @@ def test_an_unreadable_settings_file_is_left_in_place(cfgdirs):
     s, msg = load_settings()
     assert s == Settings() and "could not be read" in msg and "left as it is" in msg
     assert p.is_dir() and not list(p.parent.glob("settings.json.bad-*"))
+
+
+def test_a_settings_file_that_cannot_be_read_is_never_saved_over(cfgdirs, monkeypatch):
+    """Read refused now (permissions, an I/O error): defaults are in effect at start, and a
+    later save (choosing a model, Apply) must not replace the user's file it never read."""
+    import errno
+    import pathlib
+    from colibri_app.settings_store import save_settings
+    p = settings_path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    mine = json.loads(Settings(current_model="/my/model").to_json())
+    p.write_text(json.dumps(mine))
+    real_open = pathlib.Path.open
+
+    def refused(self, *a, **k):
+        if self == p:
+            raise PermissionError(errno.EACCES, "Permission denied", str(self))
+        return real_open(self, *a, **k)
+    monkeypatch.setattr(pathlib.Path, "open", refused)
+    s, msg = load_settings()
+    assert s == Settings() and "could not be read" in msg and "left as it is" in msg
+    with pytest.raises(OSError, match="left as it is"):
+        save_settings(Settings(current_model="/other"))
+    monkeypatch.undo()
+    assert json.loads(p.read_text()) == mine
