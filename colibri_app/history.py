@@ -252,7 +252,7 @@ class History:
         :data:`BUSY_WAIT_S`), then opened read-only (:attr:`read_only` and the message say so;
         nothing is renamed or written). A file that is damaged (:func:`is_broken`) is renamed
         with a timestamp and a fresh one is created; the message says where it went and how to
-        get it back. Any other error leaves the file alone: it is opened read-only (an empty
+        get it back (a rename the folder refuses leaves it where it is, read-only). Any other error leaves the file alone: it is opened read-only (an empty
         history in memory when it cannot be read either), with a message. Messages left
         "streaming" become "interrupted" (with the pieces shown before the crash).
         ``read_only``: another instance owns the file: open it for reading only, never repair,
@@ -276,7 +276,15 @@ class History:
                 return cls._open_busy(p, e)
             if not is_broken(e):
                 return cls._open_unusable(p, e)
-            aside = cls._move_aside(p)
+            try:
+                aside = cls._move_aside(p)
+            except OSError as moving:  # a folder that cannot be written: the file stays, unwritten
+                self, _ = cls._open_read_only(p)
+                self.read_only = (f"The chat history {p} is damaged ({e}) and could not be moved aside "
+                                  f"({moving.strerror or moving}); it was left as it is and nothing is "
+                                  f"written. Check the folder's permissions, then restart colibri.")
+                log.warning("%s", self.read_only)
+                return self, self.read_only
             message = (f"The chat history {p} is damaged ({e}). It was moved to {aside} and a new, "
                        f"empty history was started. To get it back, quit colibri and rename "
                        f"{aside.name} to {p.name} (or rescue what it holds with the sqlite3 "

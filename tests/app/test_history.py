@@ -201,3 +201,25 @@ def test_a_history_that_cannot_be_opened_is_left_where_it_is(tmp_path):
     assert (p / "mine.txt").read_text() == "keep me" and not list(tmp_path.glob("*.corrupt-*"))
     assert h.conversations() == []
     h.close()
+
+
+def test_a_damaged_history_that_cannot_be_moved_aside_is_left_where_it_is(tmp_path, monkeypatch):
+    """The folder refuses the rename (permissions): the damaged file stays as it was, the
+    history is read-only (nothing written), and the message says why; never a traceback."""
+    import errno
+    import colibri_app.history as hist
+    p = tmp_path / "h.sqlite3"
+    _history_with_a_chat(p, "delete")
+    raw = bytearray(p.read_bytes())
+    raw[100:4096] = b"\xff" * (4096 - 100)
+    p.write_bytes(bytes(raw))
+
+    def refused(src, dst):
+        raise PermissionError(errno.EACCES, "Permission denied", str(src))
+    monkeypatch.setattr(hist.os, "replace", refused)
+    h, msg = History.open(p, busy_wait_s=0.2)
+    assert h.read_only and msg == h.read_only
+    assert "damaged" in msg and "could not be moved aside" in msg and "left as it is" in msg
+    assert p.read_bytes() == bytes(raw) and not list(tmp_path.glob("*.corrupt-*"))
+    assert h.conversations() == []
+    h.close()
