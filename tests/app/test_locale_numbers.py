@@ -119,3 +119,38 @@ def test_the_serve_port_refuses_a_separator(qtbot, german):
     assert not ok.isEnabled() and d.error.isVisible() and "whole number" in d.error.text()
     _type(qtbot, d.port, "8080")
     assert ok.isEnabled() and not d.error.isVisible() and d.values()[0] == 8080
+
+
+def _numeric_settings():
+    from engine import APP, ENGINE, SAMPLING, settings_table
+    return [(g, s) for g in (ENGINE, SAMPLING, APP) for s in settings_table(g)
+            if s.type in (int, float) and not s.choices]
+
+
+@pytest.mark.parametrize("group,name", [(g, s.name) for g, s in _numeric_settings()])
+def test_every_number_setting_saves_what_was_meant_or_says_why_not(qtbot, german, group, name):
+    """Every number field of the Settings dialog, in German, typed as 0,6 and as 0.6: a decimal
+    one saves six tenths, a whole-number one refuses the text with a sentence naming the
+    setting (OK disabled)."""
+    s = dict((x.name, x) for _, x in _numeric_settings())[name]
+    for typed in ("0,6", "0.6"):
+        dialog = SettingsDialog(Settings(current_model="/m"), None)
+        qtbot.addWidget(dialog)
+        dialog.show()
+        if s.needs_pilot:
+            dialog.fields["pilot"].setCurrentIndex(1)
+        if name in dialog.auto_boxes:
+            dialog.auto_boxes[name].setChecked(False)
+        w = dialog.fields[name]
+        assert w.isEnabled()
+        edit = w if not hasattr(w, "lineEdit") else w.lineEdit()
+        edit.selectAll()
+        qtbot.keyClicks(edit, typed)
+        if s.type is int:
+            assert not dialog.is_valid and not _ok(dialog).isEnabled(), typed
+            assert s.label in dialog.error_label.text() and "whole number" in dialog.error_label.text()
+            continue
+        assert dialog.is_valid and _ok(dialog).isEnabled(), (typed, dialog.error_label.text())
+        with qtbot.waitSignal(dialog.applied):
+            dialog.apply()
+        assert json.loads(settings_path().read_text())[group][name] == pytest.approx(0.6), typed
