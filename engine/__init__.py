@@ -12,7 +12,7 @@ __version__ = "0.1.0"  # the one place the version is written (pyproject.toml re
 _WHERE = {
     "SUPPORTED_MODEL_TYPES": "config", "ModelArgs": "config", "describe_model": "config", "family_name": "config", "supported_families": "config",
     "ConversionCancelled": "convert", "convert_checkpoint": "convert",
-    "BudgetError": "errors", "Cancelled": "errors", "CheckpointError": "errors", "ConfigError": "errors", "ContextOverflowError": "errors", "EngineError": "errors", "ErrorKind": "errors", "ExpertReadError": "errors", "StoreError": "errors", "TokenizerError": "errors", "error_kind": "errors",
+    "BudgetError": "errors", "Cancelled": "errors", "CheckpointError": "errors", "ConfigError": "errors", "ContextOverflowError": "errors", "EngineError": "errors", "ErrorKind": "errors", "ExpertReadError": "errors", "StoreError": "errors", "StoreUnreadable": "errors", "TokenizerError": "errors", "error_kind": "errors",
     "ABSENT": "events", "LOADING": "events", "PINNED": "events", "REMOTE": "events", "RESIDENT": "events", "ChatMessage": "events", "EngineFailure": "events", "Finished": "events", "FinishReason": "events", "GenerateRequest": "events", "Loaded": "events", "LoadProgress": "events", "ResidencySnapshot": "events", "SamplingParams": "events", "StepMetrics": "events", "TokenEvent": "events",
     "reasoning_open": "chat_template", "split_reasoning": "chat_template",
     "DocEntry": "docs_lookup", "DocsIndex": "docs_lookup",
@@ -43,7 +43,7 @@ def __dir__():
 __all__ = [
     "POLICIES", "CHECKSUM_MODES", "SUPPORTED_MODEL_TYPES", "EngineConfig", "ModelArgs", "ConversionCancelled",
     "convert_checkpoint", "BudgetError", "Cancelled", "CheckpointError", "ConfigError", "ContextOverflowError",
-    "EngineError", "ErrorKind", "ExpertReadError", "StoreError", "TokenizerError", "error_kind", "ABSENT", "REMOTE",
+    "EngineError", "ErrorKind", "ExpertReadError", "StoreError", "StoreUnreadable", "TokenizerError", "error_kind", "ABSENT", "REMOTE",
     "LOADING", "PINNED", "RESIDENT", "ChatMessage", "EngineFailure", "Finished", "FinishReason",
     "GenerateRequest", "Loaded",
     "LoadProgress", "ResidencySnapshot", "SamplingParams", "StepMetrics", "TokenEvent", "atomic_write_text",

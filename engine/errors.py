@@ -57,6 +57,13 @@ class StoreError(EngineError, ValueError):
     kind = ErrorKind.STORE
 
 
+class StoreUnreadable(StoreError):
+    """A store file could not be read now (permissions, an I/O error, too many open files):
+    the store is not known to be broken, so nothing deletes it for this."""
+
+    kind = ErrorKind.IO
+
+
 class ContextOverflowError(EngineError, ValueError):
     """The prompt (plus the requested tokens) does not fit in the context window."""
 

@@ -23,7 +23,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from .config import ModelArgs
-from .errors import ExpertReadError, StoreError
+from .errors import ExpertReadError, StoreError, StoreUnreadable
 from .mtp import store_args
 from .platform_io import open_for_reads, positional_reader, preadv
 from .quant import ALIGN, QUANTS, aligned_empty, huge_empty, slab_layout, slab_views
@@ -70,7 +70,7 @@ def read_manifest(path: str | os.PathLike) -> tuple[dict, ModelArgs, str]:
                 "`colibri convert HF_FOLDER NEW_STORE_FOLDER`")
         raise StoreError(f"{mpath}: not found; {path} is not a converted store ({hint})") from None
     except PermissionError:
-        raise StoreError(f"{mpath}: {_denied()}") from None
+        raise StoreUnreadable(f"{mpath}: {_denied()}") from None
     except IsADirectoryError:
         raise StoreError(f"{mpath}: is a folder, not the store's manifest file; re-run `colibri convert`") from None
     except NotADirectoryError:  # a file given as the store (or a file on its path)
@@ -78,7 +78,10 @@ def read_manifest(path: str | os.PathLike) -> tuple[dict, ModelArgs, str]:
                 "repository instead (`colibri download REPO`)" if path.suffix.lower() == ".gguf" else
                 "a converted model is the folder holding manifest.json; `colibri models` lists yours")
         raise StoreError(f"{path}: is a file, not a folder ({what})") from None
-    except (OSError, ValueError) as e:
+    except OSError as e:  # an I/O error: not known to be broken
+        raise StoreUnreadable(f"{mpath}: cannot be read now ({type(e).__name__}: {e}); check the disk, "
+                              f"then try again") from None
+    except ValueError as e:
         raise StoreError(f"{mpath}: unreadable or half-written ({type(e).__name__}: {e}); re-run "
                          f"`colibri convert --overwrite`") from None
     if not isinstance(m, dict):
@@ -214,7 +217,7 @@ class ExpertStore:
                 raise StoreError(f"{p}: expert file missing from the store; re-run `colibri convert`")
             if not os.access(p, os.R_OK):
                 self.close()
-                raise StoreError(f"{p}: {_denied()}")
+                raise StoreUnreadable(f"{p}: {_denied()}")
             try:
                 f = open_for_reads(p, uncached=direct_ok)
                 if direct_ok and not f.uncached:
@@ -226,10 +229,10 @@ class ExpertStore:
                         self._fds[r] = open_for_reads(self.path / r, uncached=False).fd
             except PermissionError:
                 self.close()
-                raise StoreError(f"{p}: {_denied()}") from None
+                raise StoreUnreadable(f"{p}: {_denied()}") from None
             except OSError as e:
                 self.close()
-                raise StoreError(f"{p}: cannot be opened ({e}); check the disk or re-convert the store") from None
+                raise StoreUnreadable(f"{p}: cannot be opened ({e}); check the disk or re-convert the store") from None
             self._fds[rel] = f.fd
         self.o_direct = direct_ok
 
@@ -268,8 +271,13 @@ class ExpertStore:
                 names = [k for k in f.keys() if k not in exclude]
             return _pread_safetensors(p, names)
         except PermissionError:
-            raise StoreError(f"{p}: {_denied()}") from None
-        except (SafetensorError, OSError, ValueError, TypeError) as e:
+            raise StoreUnreadable(f"{p}: {_denied()}") from None
+        except OSError as e:
+            if not isinstance(e, FileNotFoundError):  # an I/O error: not known to be broken
+                raise StoreUnreadable(f"{p}: cannot read the dense weights now ({e}); check the disk, then "
+                                      f"try again") from None
+            raise StoreError(f"{p}: cannot read the dense weights ({e}); re-run `colibri convert`") from None
+        except (SafetensorError, ValueError, TypeError) as e:
             raise StoreError(f"{p}: cannot read the dense weights ({e}); re-run `colibri convert`") from None
 
     def embedding_rows(self) -> "EmbeddingRows":
@@ -289,9 +297,9 @@ class ExpertStore:
             try:
                 fd = open_for_reads(p, uncached=False).fd
             except PermissionError:
-                raise StoreError(f"{p}: {_denied()}") from None
+                raise StoreUnreadable(f"{p}: {_denied()}") from None
             except OSError as e:
-                raise StoreError(f"{p}: cannot be opened ({e}); check the disk or re-convert the store") from None
+                raise StoreUnreadable(f"{p}: cannot be opened ({e}); check the disk or re-convert the store") from None
         try:
             header, base = _safetensors_header(fd)
             rows = EmbeddingRows(p, self._embed_fd_of(key), header, base)
@@ -521,7 +529,7 @@ class EmbeddingRows:
                 try:
                     got = self._read(fd, [flat[i]], off + t * row)
                 except OSError as e:
-                    raise StoreError(f"{self.path}: reading row {t} of {name} failed ({e}); check the disk") from None
+                    raise StoreUnreadable(f"{self.path}: reading row {t} of {name} failed ({e}); check the disk") from None
                 if got != row:
                     raise StoreError(f"{self.path}: short read of row {t} of {name} ({got} of {row} bytes); "
                                      f"the file is truncated - re-run `colibri convert`")

@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import hubserver  # noqa: E402
 
-from engine import CheckpointError, ConfigError, EngineConfig  # noqa: E402
+from engine import CheckpointError, ConfigError, EngineConfig, StoreError  # noqa: E402
 from engine import library as hub  # noqa: E402
 from engine import library as paths  # noqa: E402
 from engine.library.check import _part_path  # noqa: E402
@@ -337,6 +337,26 @@ def test_cli_self_test_that_cannot_run_keeps_the_store(fake, capsys, monkeypatch
     assert len(hub.list_models()) == 1 and (paths.models_dir() / "tiny-olmoe-int8").exists()
 
 
+@pytest.mark.parametrize("fails", ["opening", "reading"])
+def test_cli_self_test_that_cannot_read_the_store_keeps_it(fake, capsys, monkeypatch, fails):
+    """An I/O error opening or reading the new store's files (a failing or busy disk, a
+    permission) says nothing about the store: the real self-test fails, the store is kept."""
+    import errno
+    import engine.expert_store as es
+    from engine.cli import main
+
+    def eio(*a, **k):
+        raise OSError(errno.EIO, "Input/output error")
+    if fails == "opening":
+        monkeypatch.setattr(es, "open_for_reads", eio)
+    else:
+        monkeypatch.setattr(es, "positional_reader", lambda: eio)
+    assert main(["download", REPO, "--quant", "int8", "--yes"]) == 1
+    err = capsys.readouterr().err
+    assert "could not run" in err and "kept" in err and "Input/output error" in err and "Traceback" not in err
+    assert len(hub.list_models()) == 1 and (paths.models_dir() / "tiny-olmoe-int8").exists()
+
+
 def test_cli_download_pasted_address_and_failed_self_test(fake, capsys, monkeypatch):
     """The wizard's checks in the CLI too: a pasted hub address is the repo id; a store whose
     self-test fails is removed (not left in the library)."""
@@ -344,7 +364,7 @@ def test_cli_download_pasted_address_and_failed_self_test(fake, capsys, monkeypa
     from engine.cli import main
 
     def broken(store, max_new_tokens=8):
-        raise hub.HubError(f"{store}: self-test generation failed (bad weights)")
+        raise StoreError(f"{store}: self-test generation failed (bad weights)")
     monkeypatch.setattr(engine.library, "self_test", broken)  # `colibri download` imports it at use
     assert main(["download", f"https://huggingface.co/{REPO}/tree/main", "--quant", "int8", "--yes",
                  "--keep-download"]) == 1

@@ -17,7 +17,8 @@ from ..sizing import estimate
 from ..store_format import looks_like_store
 from ..units import format_bytes
 from .check import DISK_MARGIN_BYTES, PARTIAL_DIR, check_tokenizer
-from .errors import DiskSpaceError, HubError
+from ..errors import StoreError, StoreUnreadable
+from .errors import DiskSpaceError
 from .paths import free_space, models_dir, store_name
 
 
@@ -84,8 +85,10 @@ def self_test(store: str | os.PathLike, max_new_tokens: int = 8) -> str:
 
     Returns: the generated text (may be empty or odd for tiny models; it proves the store runs).
     Raises:
-        EngineError (StoreError, BudgetError, ...): the store cannot be opened;
-        HubError: generation ended with an error (message included).
+        EngineError (StoreError, BudgetError, StoreUnreadable, ...): the store cannot be opened;
+        StoreUnreadable: generation ended because reading the store failed (a disk or
+            permission error: not known to be broken);
+        StoreError: generation ended with another error (message included).
     """
     from ..config import EngineConfig
     from ..events import ChatMessage, Finished, FinishReason, GenerateRequest, SamplingParams
@@ -101,18 +104,23 @@ def self_test(store: str | os.PathLike, max_new_tokens: int = 8) -> str:
         for ev in eng.generate(req, threading.Event()):
             if isinstance(ev, Finished):
                 fin = ev
+        read_errors = eng.cache.stats.read_errors
+    if fin is not None and fin.finish_reason == FinishReason.ERROR and read_errors:
+        raise StoreUnreadable(f"{store}: the self-test could not read the store ({fin.error}); check the disk, "
+                              f"then try again")
     if fin is None or fin.finish_reason == FinishReason.ERROR:
-        raise HubError(f"{store}: self-test generation failed ({fin.error if fin else 'no result'}); the store "
-                       f"may be corrupt - delete it and convert again")
+        raise StoreError(f"{store}: self-test generation failed ({fin.error if fin else 'no result'}); the store "
+                         f"may be corrupt - delete it and convert again")
     return fin.text
 
 
 def self_test_says_broken(kind) -> bool:
     """Whether a :func:`self_test` failure of ErrorKind ``kind`` says the store itself is
-    broken (a store converted just now is then removed). A RAM shortfall, a cancel, a disk or
-    permission error, or a bug say nothing about the store: it is kept."""
+    broken (a store converted just now is then removed). A RAM shortfall, a cancel, a disk,
+    read or permission error (StoreUnreadable, ExpertReadError), or a bug say nothing about
+    the store: it is kept."""
     from ..errors import ErrorKind
-    return ErrorKind(kind) not in (ErrorKind.BUDGET, ErrorKind.CANCELLED, ErrorKind.DISK,
+    return ErrorKind(kind) not in (ErrorKind.BUDGET, ErrorKind.CANCELLED, ErrorKind.DISK, ErrorKind.IO,
                                    ErrorKind.INTERNAL, ErrorKind.CONTEXT)
 
 
