@@ -826,14 +826,12 @@ class ConvertPage(QWizardPage):
         name = self.wiz.check.model_name
         delete_src = self.wiz.check.source == "hub" and self.delete_download.isChecked()
 
+        # the download is deleted once the self-test passed (DonePage): a store that turns out
+        # broken is removed, and the download is then what a retry converts again
+        self.wiz.delete_after_test = src if delete_src else None
+
         def fn(progress, cancel):
-            store = lib.convert_downloaded(src, quant, progress, cancel, overwrite=overwrite, name=name)
-            if delete_src:
-                try:
-                    lib.delete_download(src)
-                except (OSError, ValueError):
-                    pass
-            return str(store)
+            return str(lib.convert_downloaded(src, quant, progress, cancel, overwrite=overwrite, name=name))
         self.task = run_task(fn, progress=self._progress, result=self._done, error=self._failed)
         self.status.setText(f"Converting to {quant}…")
         _error_style(self.status, "")
@@ -924,8 +922,16 @@ class DonePage(QWizardPage):
         _error_style(self.info, "")
         self.output.setPlainText("")
 
+        delete_src = self.wiz.delete_after_test if self.wiz.converted_now else None
+
         def fn(progress, cancel):
-            return lib.self_test(store)
+            text = lib.self_test(store)
+            if delete_src:   # the store works: the downloaded files are no longer needed
+                try:
+                    lib.delete_download(delete_src)
+                except (OSError, ValueError):
+                    pass
+            return text
         self.task = run_task(fn, result=self._done, error=self._failed)
         self.completeChanged.emit()
 
@@ -1004,6 +1010,7 @@ class ModelWizard(QWizard):
         self.source_dir: str | None = None
         self.store_path: str | None = None
         self.converted_now = False   # store_path was converted by this wizard (not an existing one)
+        self.delete_after_test: str | None = None  # the download to delete once the self-test passed
         self.preferred_quant: str | None = None  # the quantization a recommendation suggests
         self.recommended_page = RecommendedPage(self)
         self.source_page = SourcePage(self)

@@ -60,10 +60,11 @@ def test_wizard_repo_to_working_model(qtbot, wizard, fake):
     cp.convert_button.click()
     qtbot.waitUntil(cp.isComplete, timeout=T)
     assert "Converted" in cp.status.text() and cp.tensor_label.text()
-    assert not hub.download_dir_for(REPO).exists()  # "delete the downloaded files" is on by default
+    assert (hub.download_dir_for(REPO) / WEIGHTS).exists()  # kept until the store passed its self-test
     w.next()
     assert w.currentId() == wz.PAGE_DONE
     qtbot.waitUntil(w.done_page.isComplete, timeout=T)
+    assert not hub.download_dir_for(REPO).exists()  # "delete the downloaded files" is on by default
     assert w.done_page.passed, w.done_page.info.text()
     with qtbot.waitSignal(w.model_ready, timeout=T) as sig:
         w.button(QWizard.FinishButton).click()
@@ -73,6 +74,26 @@ def test_wizard_repo_to_working_model(qtbot, wizard, fake):
         evs = list(eng.generate(GenerateRequest(prompt="Hello", sampling=SamplingParams(max_new_tokens=4))))
     fin = evs[-1]
     assert isinstance(fin, Finished) and fin.finish_reason in ("length", "stop") and fin.generated_tokens >= 1
+
+
+def test_a_store_that_fails_its_self_test_leaves_the_download_for_a_retry(qtbot, wizard, fake):
+    """"Delete the downloaded files" waits for the self-test: the broken store is removed, the
+    download (hours of it, for a large model) is not."""
+    w = wizard
+    _to_check(qtbot, w)
+    w.next()
+    qtbot.waitUntil(w.download_page.isComplete, timeout=T)
+    w.next()
+    cp = w.convert_page
+    assert cp.delete_download.isChecked()
+    cp.convert_button.click()
+    qtbot.waitUntil(cp.isComplete, timeout=T)
+    store = Path(w.store_path)
+    (store / "tokenizer.json").write_text("{ not json", encoding="utf-8")  # it breaks: the test fails for real
+    w.next()
+    qtbot.waitUntil(lambda: w.done_page.tested, timeout=T)
+    assert not w.done_page.passed and not store.exists()
+    assert (hub.download_dir_for(REPO) / WEIGHTS).exists()
 
 
 def test_unsupported_model_refused_on_source_page(qtbot, wizard, fake, tmp_path, tiny):
