@@ -46,8 +46,9 @@ from .ops import (kv_zeros, linear_views, mean_router_probs, mlp_views, route, r
 from .attention import Attention
 from .fused_decode import FusedDecode
 from .moe_block import _ARENA_DTYPES, _T1_FIELDS, MoEBlock  # noqa: F401
-from .tensors import (EXPERT_PROJS, ExpertNames, Tensor, attention_tensors, decoder_tensors,  # noqa: F401
-                      expert_shapes, global_tensors, hf_names, layers_of_type, mlp_tensors, tensor_params)
+from .tensors import (DEEPSEEK_MTP_HEAD, EXPERT_PROJS, ExpertNames, HeadLayout, Tensor,  # noqa: F401
+                      attention_tensors, decoder_tensors, expert_shapes, global_tensors, hf_names,
+                      layers_of_type, mlp_tensors, tensor_params)
 
 from ..kernel_choice import K
 
