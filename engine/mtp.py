@@ -125,7 +125,7 @@ def head_tensors(family, args) -> list[Tensor]:
     out = []
     for t in family.dense_tensors(wide):
         for k in range(n):
-            p = f"model.layers.{L + k}."
+            p = f"{lay.layers}{L + k}."
             if t.hf.startswith(p):  # the family's name for layer L + k -> the published block's
                 out.append(t._replace(hf=lay.prefix(L, k) + t.hf[len(p):]))
     shapes = {"enorm": (D,), "hnorm": (D,), "eh_proj": (D, 2 * D), "shared_head.norm": (D,)}

@@ -55,7 +55,16 @@ CONFIGS = {
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8,
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
         intermediate_size=64)),
+    # Qwen3.5-MoE's language model (separate projections); "qwen3_5_moe" below: as published, the
+    # multimodal checkpoint's names (model.language_model.*) and config.json (text_config)
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, linear_num_key_heads=1,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
 }
+CONFIGS["qwen3_5_moe"] = CONFIGS["qwen3_5_moe_text"]
+MULTIMODAL = {"qwen3_5_moe"}  # saved as the published multimodal checkpoint's language model
 # How each family publishes its head, written from the published checkpoints (not the engine):
 # the block's prefix, the head's tensors (enorm, hnorm, eh_proj, shared_head.norm), the count key
 # of config.json, whether the runtime zeroes position 0's embedding, zero-centred norms
@@ -66,6 +75,7 @@ PUBLISHED = {"deepseek_v3": _DS, "glm4_moe": _DS, "qwen3_next": dict(
     block="mtp.layers.0.", names=["mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
                                   "mtp.fc.weight", "mtp.norm.weight"],
     count="mtp_num_hidden_layers", zero_first=False, centred=True)}
+PUBLISHED["qwen3_5_moe_text"] = PUBLISHED["qwen3_5_moe"] = PUBLISHED["qwen3_next"]
 
 
 def rms(x, w, eps):
@@ -142,11 +152,16 @@ def checkpoint_with_head(tmp_path, name, head_tensors=True):
         if not pub["centred"]:  # DeepSeek / GLM publish copies of the embedding and lm_head in the layer
             out.update({p + "shared_head.head.weight": sd["lm_head.weight"],
                         p + "embed_tokens.weight": sd["model.embed_tokens.weight"]})
+    if name in MULTIMODAL:  # the language model's names inside the multimodal checkpoint's
+        out = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in out.items()}
     d = tmp_path / name
     d.mkdir()
     save_file({k: v.detach().contiguous().clone() for k, v in out.items()}, str(d / "model.safetensors"))
     c = json.loads(main.config.to_json_string())
     c.update(num_hidden_layers=L, **{pub["count"]: 1})
+    if name in MULTIMODAL:  # the language model's settings inside the multimodal checkpoint's
+        c = {"model_type": name, "text_config": c, "tie_word_embeddings": c.get("tie_word_embeddings", False)}
     (d / "config.json").write_text(json.dumps(c))
     write_tokenizer(d, V)
     return Reference(full, main, extra, pub), d
@@ -182,7 +197,7 @@ def test_converter_keeps_the_next_n_layer(built, name):
     from engine.config import describe_model
     from engine.expert_store import read_manifest
     _, a, _ = read_manifest(stores["int8"])
-    dense_first = name != "qwen3_next"
+    dense_first = name in ("deepseek_v3", "glm4_moe")
     assert a.mtp_layers == 1 and a.num_moe_layers == (3 if dense_first else 4)
     assert ("3 layers (2 MoE, 1 dense) + an MTP head" if dense_first else "3 layers (3 MoE) + an MTP head") \
         in describe_model(a), describe_model(a)
@@ -260,7 +275,8 @@ PROMPT = (5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7)
 
 
 @pytest.mark.parametrize("name,quant", [("deepseek_v3", "int8"), ("deepseek_v3", "int4"), ("glm4_moe", "int8"),
-                                        ("glm4_moe", "int4"), ("qwen3_next", "int8"), ("qwen3_next", "int4")])
+                                        ("glm4_moe", "int4"), ("qwen3_next", "int8"), ("qwen3_next", "int4"),
+                                        ("qwen3_5_moe", "int4")])
 def test_greedy_ids_identical_with_mtp_drafts(built, name, quant, fixed_length):
     store = built[name][2][quant]
     off, row_off, has = _run(store, "off", PROMPT)

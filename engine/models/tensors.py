@@ -43,7 +43,8 @@ class HeadLayout:
     HEAD_TENSORS (enorm, hnorm, eh_proj, shared_head.norm; "{block}": the block's prefix).
     ``zero_first``: the runtime zeroes the embedding at position 0. ``norm_one``: the head's
     norms are zero-centred (x / rms(x) * (1 + w)). ``block_types``: the block's ``layer_types``
-    in a family whose layers have types."""
+    in a family whose layers have types. ``layers``: the prefix of the decoder's layers in the
+    family's checkpoint names (a multimodal checkpoint's language model's)."""
 
     count_key: str
     block: str
@@ -51,6 +52,7 @@ class HeadLayout:
     zero_first: bool
     norm_one: bool = False
     block_types: tuple = ()
+    layers: str = "model.layers."
 
     def prefix(self, L: int, k: int) -> str:
         """The checkpoint prefix of next-n layer k's block in a decoder of L layers."""
@@ -60,7 +62,7 @@ class HeadLayout:
         """The checkpoint prefix of transformer layer ``i`` of ``args`` (a kept next-n layer when
         i >= num_hidden_layers)."""
         L = args.num_hidden_layers
-        return self.prefix(L, i - L) if i >= L else f"model.layers.{i}."
+        return self.prefix(L, i - L) if i >= L else f"{self.layers}{i}."
 
 
 # DeepSeek-V3's and GLM-4.5's next-n layers: checkpoint layers num_hidden_layers.. (vLLM's
