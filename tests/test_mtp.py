@@ -48,6 +48,10 @@ CONFIGS = {
         num_attention_heads=8, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1, first_k_dense_replace=1,
         n_group=2, topk_group=1, use_qk_norm=True, attention_bias=True, routed_scaling_factor=1.5)),
+    # GLM-4.7-Flash: MLA with q LoRA, GLM routing over 2 groups, layer 0 dense (mlp_layer_types)
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
+        **MLA, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+        topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True)),
     # Qwen3-Next: Gated DeltaNet and gated full-attention layers (the head's block is a full one)
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
         layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
@@ -71,7 +75,7 @@ MULTIMODAL = {"qwen3_5_moe"}  # saved as the published multimodal checkpoint's l
 _DS = dict(block=f"model.layers.{L}.", names=[f"model.layers.{L}.{n}.weight" for n in
                                              ("enorm", "hnorm", "eh_proj", "shared_head.norm")],
            count="num_nextn_predict_layers", zero_first=True, centred=False)
-PUBLISHED = {"deepseek_v3": _DS, "glm4_moe": _DS, "qwen3_next": dict(
+PUBLISHED = {"deepseek_v3": _DS, "glm4_moe": _DS, "glm4_moe_lite": _DS, "qwen3_next": dict(
     block="mtp.layers.0.", names=["mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
                                   "mtp.fc.weight", "mtp.norm.weight"],
     count="mtp_num_hidden_layers", zero_first=False, centred=True)}
@@ -197,7 +201,7 @@ def test_converter_keeps_the_next_n_layer(built, name):
     from engine.config import describe_model
     from engine.expert_store import read_manifest
     _, a, _ = read_manifest(stores["int8"])
-    dense_first = name in ("deepseek_v3", "glm4_moe")
+    dense_first = name in ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
     assert a.mtp_layers == 1 and a.num_moe_layers == (3 if dense_first else 4)
     assert ("3 layers (2 MoE, 1 dense) + an MTP head" if dense_first else "3 layers (3 MoE) + an MTP head") \
         in describe_model(a), describe_model(a)
@@ -276,7 +280,7 @@ PROMPT = (5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7)
 
 @pytest.mark.parametrize("name,quant", [("deepseek_v3", "int8"), ("deepseek_v3", "int4"), ("glm4_moe", "int8"),
                                         ("glm4_moe", "int4"), ("qwen3_next", "int8"), ("qwen3_next", "int4"),
-                                        ("qwen3_5_moe", "int4")])
+                                        ("glm4_moe_lite", "int4"), ("qwen3_5_moe", "int4")])
 def test_greedy_ids_identical_with_mtp_drafts(built, name, quant, fixed_length):
     store = built[name][2][quant]
     off, row_off, has = _run(store, "off", PROMPT)
