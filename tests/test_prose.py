@@ -126,3 +126,34 @@ def test_setting_help_texts_name_no_files():
     bad = [f"{s.name}: {s.help}" for s in (*ENGINE_SETTINGS, *SAMPLING_SETTINGS, *APP_SETTINGS)
            if file_like.search(s.help) or WORK_LOG.search(s.help)]
     assert not bad, "help texts are for users (no file names, no measurement logs):\n" + "\n".join(bad)
+
+
+def _cli_help_texts():
+    """(command, option, text) of every help text `colibri ... --help` prints: every
+    subcommand's options, their descriptions and epilogs, built in full."""
+    import argparse
+
+    from engine.cli.main import build_parser
+
+    def walk(p, path):
+        yield path, "(description)", p.description
+        yield path, "(epilog)", p.epilog
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sp in a.choices.items():
+                    yield from walk(sp, f"{path} {name}")
+                for c in a._choices_actions:
+                    yield path, c.dest, c.help
+            else:
+                yield path, "/".join(a.option_strings) or a.dest, a.help
+    return [(c, o, h) for c, o, h in walk(build_parser(""), "colibri") if h and h != argparse.SUPPRESS]
+
+
+def test_cli_help_texts_point_to_no_source_doc_or_measurement_log():
+    """`colibri --help` speaks to users: an option may name the file it writes, not a page of
+    the repository (docs, READMEs, sources, tests) or a measurement's log."""
+    repo_page = re.compile(r"[\w-]+\.(?:md|py)\b|\b(?:docs|tests|tools)/|(?i:readme)")
+    texts = _cli_help_texts()
+    assert len(texts) > 200  # every subcommand was built, not only the verbs' names
+    bad = [f"{c} {o}: {h}" for c, o, h in texts if repo_page.search(h) or WORK_LOG.search(h)]
+    assert not bad, "help texts are for users (no repository pages, no measurement logs):\n" + "\n".join(bad)
