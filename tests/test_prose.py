@@ -7,6 +7,7 @@ import functools
 import glob
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,54 @@ def test_cli_help_texts_point_to_no_source_doc_or_measurement_log():
     assert len(texts) > 200  # every subcommand was built, not only the verbs' names
     bad = [f"{c} {o}: {h}" for c, o, h in texts if repo_page.search(h) or WORK_LOG.search(h)]
     assert not bad, "help texts are for users (no repository pages, no measurement logs):\n" + "\n".join(bad)
+
+
+ENGINE_PACKAGE_PATH = re.compile(r"(?<![\w/.$-])((?:models|cache|kernels|bench|cli|server|library)/[\w./]*\.py)\b")
+MODULE_ROW = re.compile(r"^\|\s*(`[^|]*`)\s*\|", re.M)
+
+
+@functools.lru_cache(maxsize=1)
+def _engine_definitions() -> frozenset:
+    """Every name the engine defines (modules, classes, functions, arguments, assigned names and
+    attributes) and every identifier-like string constant (settings, tensor names)."""
+    words = set()
+    for f in _files("engine"):
+        if f.suffix != ".py":
+            continue
+        words.add(f.stem)
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                words.add(node.name)
+            elif isinstance(node, ast.arg):
+                words.add(node.arg)
+            elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+                words.add(node.id if isinstance(node, ast.Name) else node.attr)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                words.add(node.value)
+    return frozenset(words)
+
+
+def test_architecture_names_only_what_the_code_has():
+    """docs/architecture.md matches the code: a path inside the engine's packages
+    (`models/ops.py`) exists there; every module of a section's `| module | what |` table
+    exists in the package the section is about; every code name it quotes (`MoEModel._decode_plan`,
+    `kv_zeros`, `POLICY_CLASSES`) is defined in the engine."""
+    import builtins
+
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    missing = [p for p in ENGINE_PACKAGE_PATH.findall(text) if not (ROOT / "engine" / p).exists()]
+    for section in re.split(r"\n(?=## )", text):
+        pkg = re.search(r"`engine/(\w+)/`", section)
+        if pkg is None or "| module | what |" not in section:
+            continue
+        for cell in MODULE_ROW.findall(section):
+            for name in re.findall(r"`([\w.<>]+\.py)`", cell):
+                if "<" not in name and not (ROOT / "engine" / pkg.group(1) / name).exists():
+                    missing.append(f"engine/{pkg.group(1)}/{name}")
+    defined = _engine_definitions() | set(dir(builtins)) | {"engine", "colibri_app"}
+    for quoted in re.findall(r"`([A-Za-z_][\w.]*)(?:\([^`]*\))?`", text):
+        if quoted.split(".")[0] in sys.stdlib_module_names or quoted.endswith(".py"):
+            continue
+        if ("." in quoted or "_" in quoted or quoted[:1].isupper()) and quoted.split(".")[-1] not in defined:
+            missing.append(quoted)
+    assert not missing, f"docs/architecture.md names what the code does not have: {sorted(set(missing))}"
