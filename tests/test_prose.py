@@ -27,7 +27,7 @@ TOP_DIRS = "engine|colibri_app|tests|tools|docs|bench|packaging|resources"
 REPO_PATH = re.compile(r"(?<![\w/.$-])((?:" + TOP_DIRS + r")/[\w./*{},-]*[\w*}])")
 BARE_PY = re.compile(r"(?<![\w/.$-])(\w+\.py)\b")
 RESULT_PREFIXES = ("cache|cluster|contention|decode|gui|kernels|layouts|make_synthetic|markdown|matrix|overlap|"
-                   "peers|pilot|replay|serve|stream")
+                   "peers|pilot|refactor|replay|serve|stream")
 RESULT_NAME = re.compile(r"`((?:" + RESULT_PREFIXES + r")_[\w*-]+)(?:\.(?:json|md|png))?`")
 
 
