@@ -196,9 +196,43 @@ def test_doctor_says_what_the_pre_built_kernels_give_without_starting_numba(buil
     monkeypatch.setattr(kernel_cache, "shipped_dir", lambda: arc.parent)
     t, cache = F.kernel_target(), str(tmp_path / "cache")
     assert kernel_cache.shipped_status(cache, t) == f"{arc.name}: copied into the kernel cache at the next start"
+    monkeypatch.setattr(kernel_cache, "stale_sources", lambda a: ["engine/kernels/attention.py"])
+    assert kernel_cache.shipped_status(cache, t).startswith(
+        f"{arc.name}: built from other versions of engine/kernels/attention.py: their kernels compile")
+    monkeypatch.undo()
+    monkeypatch.setattr(kernel_cache, "shipped_dir", lambda: arc.parent)
     line, kinds = kernel_cache.install_shipped(cache, t)
     assert kinds == {KIND}
     assert kernel_cache.shipped_status(cache, t) == line and "kinds of model ready: 1" in line
     assert kernel_cache.shipped_status(cache, F._host_target()).startswith("none for the CPU target host")
     monkeypatch.setattr(kernel_cache, "shipped_dir", lambda: tmp_path / "nothing")
     assert kernel_cache.shipped_status(cache, t).startswith(f"none for {arc.name[:-len('.tar.xz')]}")
+
+
+@pytest.mark.parametrize("py", ["cp311", "cp313"])
+def test_the_shipped_archives_were_built_from_these_kernel_sources(py):
+    """An edit to a kernel source after its archive was built makes every first start compile:
+    named here (no compile: the manifest's digests against the files) rather than found by a
+    user. Python 3.11 is the bundle's and the dev venv's, 3.13 Debian 13's python3."""
+    import numba
+    from engine.kernel_cache import archive_name, shipped_dir, stale_sources
+    arc = shipped_dir() / archive_name("x86-64-v4-vnni", numba.__version__, py)
+    assert arc.is_file(), f"{arc.name} is not shipped"
+    stale = stale_sources(arc)
+    assert not stale, (f"{arc.name} was built from other versions of {stale}: run "
+                       f"`python tools/build_kernel_cache.py --levels x86-64-v4-vnni` with Python {py[2]}.{py[3:]}")
+
+
+def test_stale_sources_names_an_edited_kernel_file_without_starting_numba(built, tmp_path):
+    from engine.kernel_cache import stale_sources
+    arc, _ = built
+    b = _install(tmp_path / "b")
+    assert stale_sources(arc, str(b)) == []
+    with open(b / "engine" / "kernels" / "attention.py", "a") as f:
+        f.write("\n# an edit after the archive was built\n")
+    assert stale_sources(arc, str(b)) == ["engine/kernels/attention.py"]
+    code = ("import json, sys; from pathlib import Path; from engine.kernel_cache import stale_sources; "
+            "print(json.dumps([stale_sources(Path(sys.argv[1])), 'numba' in sys.modules]))")
+    p = subprocess.run([sys.executable, "-c", code, str(arc)], cwd=b, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(b)})
+    assert json.loads(p.stdout) == [["engine/kernels/attention.py"], False], p.stderr[-2000:]
