@@ -218,26 +218,28 @@ def _merge(arc: Path, cache_dir: str, target) -> tuple[str, list, list]:
     kinds of model ready (none when an index was built from other sources) and the index files
     written (relative to ``cache_dir``)."""
     import numba
-    with tarfile.open(arc, "r:xz") as tf:
-        man = json.loads(tf.extractfile(MANIFEST).read())
-        if (man.get("numba"), man.get("python"), man.get("level")) != (numba.__version__, python_tag(), target.level):
-            return (f"pre-built kernels in {arc.name} not used: built for numba {man.get('numba')}, "
-                    f"{man.get('python')}, {man.get('level')}"), [], []
-        members = {m.name: m for m in tf.getmembers() if m.isfile()}
-        used = stale = 0
-        files = []
-        for name in sorted(n for n in members if n.endswith(".nbi")):
-            rel_dir, index = os.path.split(name)
-            source = os.path.join(PROJECT_ROOT, rel_dir, index.split(".", 1)[0] + ".py")
-            version, stamp, overloads = _read_index(tf.extractfile(members[name]).read())
-            if version != numba.__version__ or not os.path.isfile(source) or _sha256(source) != stamp:
-                stale += 1  # built from another version of this file: numba compiles it
-                continue
-            folder = os.path.join(cache_dir, numba_folder(os.path.dirname(source)))
-            os.makedirs(folder, exist_ok=True)
-            _merge_index(tf, rel_dir, overloads, folder, index, _local_stamp(source), members)
-            files.append(os.path.join(os.path.basename(folder), index))
-            used += 1
+    # one pass over the stream (~8 MB): reading members out of order restarts the xz
+    # decompression at each backward seek (1.5 CPU s for 17 index files instead of 0.1)
+    with tarfile.open(arc, "r|xz") as tf:
+        members = {m.name: tf.extractfile(m).read() for m in tf if m.isfile()}
+    man = json.loads(members[MANIFEST])
+    if (man.get("numba"), man.get("python"), man.get("level")) != (numba.__version__, python_tag(), target.level):
+        return (f"pre-built kernels in {arc.name} not used: built for numba {man.get('numba')}, "
+                f"{man.get('python')}, {man.get('level')}"), [], []
+    used = stale = 0
+    files = []
+    for name in sorted(n for n in members if n.endswith(".nbi")):
+        rel_dir, index = os.path.split(name)
+        source = os.path.join(PROJECT_ROOT, rel_dir, index.split(".", 1)[0] + ".py")
+        version, stamp, overloads = _read_index(members[name])
+        if version != numba.__version__ or not os.path.isfile(source) or _sha256(source) != stamp:
+            stale += 1  # built from another version of this file: numba compiles it
+            continue
+        folder = os.path.join(cache_dir, numba_folder(os.path.dirname(source)))
+        os.makedirs(folder, exist_ok=True)
+        _merge_index(rel_dir, overloads, folder, index, _local_stamp(source), members)
+        files.append(os.path.join(os.path.basename(folder), index))
+        used += 1
     kinds = [tuple(k) for k in man.get("kinds", [])] if stale == 0 else []
     return (f"pre-built kernels for {target.level}: {used} kernel files from {arc.name}"
             + (f", {stale} built from other sources (these compile on first use)" if stale else
@@ -254,8 +256,9 @@ def _read_index(raw: bytes) -> tuple:
     return version, stamp, overloads
 
 
-def _merge_index(tf, rel_dir: str, overloads: dict, folder: str, index: str, stamp: bytes, members: dict) -> None:
-    """Add the shipped ``overloads`` that the index ``folder/index`` lacks (a missing index, or
+def _merge_index(rel_dir: str, overloads: dict, folder: str, index: str, stamp: bytes, members: dict) -> None:
+    """Add the shipped ``overloads`` (their data files in ``members``: archive name -> bytes)
+    that the index ``folder/index`` lacks (a missing index, or
     one of other sources, has none), their data files copied as they are (unpickling them would
     import the kernel modules, which are importing this), then write the index with ``stamp``,
     as numba does: the version, then (stamp, overloads); the data before the index, each file
@@ -282,7 +285,7 @@ def _merge_index(tf, rel_dir: str, overloads: dict, folder: str, index: str, sta
         while f"{base}.{n}.nbc" in taken:
             n += 1
         name = f"{base}.{n}.nbc"
-        atomic_write_bytes(os.path.join(folder, name), tf.extractfile(members[f"{rel_dir}/{data_name}"]).read())
+        atomic_write_bytes(os.path.join(folder, name), members[f"{rel_dir}/{data_name}"])
         have[key] = name
         taken.add(name)
     atomic_write_bytes(path, pickle.dumps(numba.__version__, protocol=-1) + dumps((stamp, have)))
