@@ -236,3 +236,45 @@ def test_stale_sources_names_an_edited_kernel_file_without_starting_numba(built,
     p = subprocess.run([sys.executable, "-c", code, str(arc)], cwd=b, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "PYTHONPATH": str(b)})
     assert json.loads(p.stdout) == [["engine/kernels/attention.py"], False], p.stderr[-2000:]
+
+
+_WARM = r"""
+import json, sys
+from numba.core import event
+
+compiled = []
+
+
+class Compiles(event.Listener):
+    def on_start(self, ev):
+        f = ev.data["dispatcher"].py_func
+        compiled.append(f"{f.__module__}.{f.__qualname__}")
+
+    def on_end(self, ev):
+        pass
+
+
+event.register("numba:compile", Compiles())
+from engine import Engine, EngineConfig, GenerateRequest, SamplingParams
+with Engine.open(EngineConfig(store=sys.argv[1], context_length=64)) as eng:
+    assert eng.model.wait_decode_ready(900)
+    for _ in eng.generate(GenerateRequest(prompt_ids=(1, 2, 3), sampling=SamplingParams(max_new_tokens=4))):
+        pass
+    fused = eng.model._decode_plan() is not None
+print(json.dumps({"compiled": compiled, "fused": fused}))
+"""
+
+
+def test_a_start_with_the_kernels_cached_compiles_nothing(tiny_store):
+    """Everything an open and an answer run comes from numba's cache once it is there, the
+    fused decode step's typed lists included (numba caches none of typed.List's own methods:
+    built with them, every start compiled ~10 functions, 3 CPU s)."""
+    env = {k: v for k, v in os.environ.items() if k != "COLIBRI_COMPILE_IN_PROCESS"}
+    runs = []
+    for _ in range(2):  # the first fills the cache where the suite has not yet
+        p = subprocess.run([sys.executable, "-c", _WARM, str(tiny_store)], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=1800)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    assert runs[1]["fused"], "the tiny model no longer takes the one-call decode step: this test checks nothing"
+    assert runs[1]["compiled"] == [], runs[1]["compiled"]
