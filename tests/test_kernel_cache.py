@@ -278,3 +278,65 @@ def test_a_start_with_the_kernels_cached_compiles_nothing(tiny_store):
         runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
     assert runs[1]["fused"], "the tiny model no longer takes the one-call decode step: this test checks nothing"
     assert runs[1]["compiled"] == [], runs[1]["compiled"]
+
+
+_SHIPPED_DEFAULT = r"""
+import json, sys, time
+from numba.core import event
+
+compiled = []
+
+
+class Compiles(event.Listener):
+    def on_start(self, ev):
+        f = ev.data["dispatcher"].py_func
+        compiled.append(f"{f.__module__}.{f.__qualname__}")
+
+    def on_end(self, ev):
+        pass
+
+
+event.register("numba:compile", Compiles())
+from engine import ChatMessage, Engine, EngineConfig, GenerateRequest, SamplingParams, TokenEvent, compile_needed
+from engine import kernel_prepare, kernels
+from engine.library import default_store
+store = str(default_store())
+base = EngineConfig(store=store)
+out = {"shipped": kernels.SHIPPED, "settings": []}
+for cfg in [base] + kernel_prepare.kernel_variants(base):
+    needed = compile_needed(store, cfg)
+    t0 = time.perf_counter()
+    req = GenerateRequest(messages=(ChatMessage("user", "What does json.dumps do?"),),
+                          sampling=SamplingParams(max_new_tokens=2))
+    with Engine.open(cfg) as eng:
+        first = next(ev for ev in eng.generate(req) if isinstance(ev, TokenEvent))
+    out["settings"].append({"pilot": cfg.pilot, "kv": cfg.kv_dtype, "needed": needed[0],
+                            "open_to_first_token_s": round(time.perf_counter() - t0, 2)})
+out["compiled"] = compiled
+print(json.dumps(out))
+"""
+
+
+def test_the_shipped_kernels_cover_the_default_model_with_every_kernel_setting(tmp_path):
+    """A first start on the bundled model, and then each setting that chooses other kernels
+    (PILOT on, each KV cache type), loads every kernel from the pre-built archive: no compile
+    at all, so a settings change waits only for the reopen. An archive that lacks a kernel
+    the default model now calls fails here (the source digests cannot tell)."""
+    import numba
+    from engine.kernel_cache import archive_name, shipped_dir
+    t = F.kernel_target()
+    if not (shipped_dir() / archive_name(t.level, numba.__version__)).is_file():
+        pytest.skip(f"no pre-built kernels for this Python, numba and CPU target ({t.level})")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("COLIBRI_COMPILE_IN_PROCESS", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", F.TARGET_ENV,
+                        "COLIBRI_INT_KERNEL")}
+    env.update(NUMBA_CACHE_DIR=str(tmp_path / "cache"), COLIBRI_SHIPPED_KERNELS="1",
+               XDG_DATA_HOME=str(tmp_path / "data"), XDG_CONFIG_HOME=str(tmp_path / "config"))
+    p = subprocess.run([sys.executable, "-c", _SHIPPED_DEFAULT], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=1800)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert "kinds of model ready: 4" in got["shipped"], got["shipped"]
+    assert [(s["pilot"] > 0, s["needed"]) for s in got["settings"]][:2] == [(False, False), (True, False)], got
+    assert not any(s["needed"] for s in got["settings"]) and len(got["settings"]) == 4, got["settings"]
+    assert got["compiled"] == [], got["compiled"]
