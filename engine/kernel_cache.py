@@ -218,8 +218,8 @@ def _merge(arc: Path, cache_dir: str, target) -> tuple[str, list, list]:
     kinds of model ready (none when an index was built from other sources) and the index files
     written (relative to ``cache_dir``)."""
     import numba
-    # one pass over the stream (~8 MB): reading members out of order restarts the xz
-    # decompression at each backward seek (1.5 CPU s for 17 index files instead of 0.1)
+    # one pass over the stream (a few MB): reading members out of order would restart the
+    # xz decompression at each backward seek, once per index file
     with tarfile.open(arc, "r|xz") as tf:
         members = {m.name: tf.extractfile(m).read() for m in tf if m.isfile()}
     man = json.loads(members[MANIFEST])
