@@ -27,7 +27,6 @@ import re
 import struct
 from pathlib import Path
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy so safetensors can return it)
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
@@ -448,8 +447,11 @@ class Checkpoint:
         if dt == "U8":
             raise CheckpointError(f"{path}: tensor '{name}' is uint8 where a float tensor belongs; "
                                   f"the checkpoint is damaged or of another layout - download it again")
-        np_dt = {"BF16": ml_dtypes.bfloat16, "F16": np.float16, "F32": np.float32,
-                 "F8_E4M3": ml_dtypes.float8_e4m3fn, "I64": np.int64, "I32": np.int32}[dt]
+        if dt in ("BF16", "F8_E4M3"):  # ml_dtypes costs most of a CPU second to import: only for them
+            import ml_dtypes
+            np_dt = ml_dtypes.bfloat16 if dt == "BF16" else ml_dtypes.float8_e4m3fn
+        else:
+            np_dt = {"F16": np.float16, "F32": np.float32, "I64": np.int64, "I32": np.int32}[dt]
         w = np.frombuffer(raw, dtype=np_dt).reshape(shape).astype(np.float32)
         if dt == "F8_E4M3":
             if row is not None or w.ndim != 2:

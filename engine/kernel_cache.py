@@ -15,7 +15,8 @@ numba keys a cached kernel on three things, and each is made portable here:
 
 An archive (``resources/kernels/<python>-numba<version>-<level>.tar.xz``, built by
 ``tools/build_kernel_cache.py``) holds ``manifest.json`` (Python and numba versions, the
-target, the kinds of model it covers: engine.kernel_prepare.kernel_kind) and numba's index and
+target, the kinds of model it covers: engine.kernel_prepare.kernel_kind, the sha256 of each
+kernel source file it was built from) and numba's index and
 data files under the source folders' paths (``engine/kernels/...``). Installing merges them
 into the user's cache (an overload the user's cache already has is kept), and
 engine.kernel_prepare then runs no compile child for the kinds it covers. Anything that does not match (another
@@ -176,7 +177,40 @@ def shipped_status(cache_dir: str | None, target) -> str:
     done = _done_path(cache_dir, arc) if cache_dir else None
     if done is not None and done.is_file():
         return _read_done(done)[0]
+    try:
+        stale = stale_sources(arc)
+    except (OSError, tarfile.TarError, EOFError, lzma.LZMAError, pickle.UnpicklingError, KeyError, ValueError) as e:
+        return f"{arc.name} is damaged ({type(e).__name__}: {e}): kernels compile at first use; reinstall colibri"
+    if stale:
+        return (f"{arc.name}: built from other versions of {', '.join(stale)}: their kernels compile at the next "
+                f"start (rebuild with tools/build_kernel_cache.py)")
     return f"{arc.name}: copied into the kernel cache at the next start"
+
+
+def stale_sources(arc: Path, root: str = PROJECT_ROOT) -> list[str]:
+    """The kernel source files (paths relative to ``root``, e.g. ``engine/kernels/setup.py``)
+    whose content differs from what ``arc``'s kernels were built from: a start compiles their
+    kernels, and the archive's kinds of model are not ready. Reads only the manifest (its
+    ``sources``, written by :func:`pack`), else every index (which loads numba). Raises
+    OSError, tarfile.TarError, lzma.LZMAError, pickle.UnpicklingError, KeyError, ValueError."""
+    with tarfile.open(arc, "r:xz") as tf:
+        first = tf.next()
+        if first is None or first.name != MANIFEST:
+            raise KeyError(f"{MANIFEST} is not the first member")
+        sources = json.loads(tf.extractfile(first).read()).get("sources")
+        if sources is None:  # an archive from before the manifest listed its sources
+            sources = {}
+            for m in tf.getmembers():
+                if m.isfile() and m.name.endswith(".nbi"):
+                    rel_dir, index = os.path.split(m.name)
+                    stamp = _read_index(tf.extractfile(m).read())[1]
+                    sources[f"{rel_dir}/{index.split('.', 1)[0]}.py"] = stamp.hex()
+    out = []
+    for rel, digest in sorted(sources.items()):
+        path = os.path.join(root, rel)
+        if not os.path.isfile(path) or _sha256(path).hex() != digest:
+            out.append(rel)
+    return out
 
 
 def _merge(arc: Path, cache_dir: str, target) -> tuple[str, list, list]:
@@ -184,26 +218,28 @@ def _merge(arc: Path, cache_dir: str, target) -> tuple[str, list, list]:
     kinds of model ready (none when an index was built from other sources) and the index files
     written (relative to ``cache_dir``)."""
     import numba
-    with tarfile.open(arc, "r:xz") as tf:
-        man = json.loads(tf.extractfile(MANIFEST).read())
-        if (man.get("numba"), man.get("python"), man.get("level")) != (numba.__version__, python_tag(), target.level):
-            return (f"pre-built kernels in {arc.name} not used: built for numba {man.get('numba')}, "
-                    f"{man.get('python')}, {man.get('level')}"), [], []
-        members = {m.name: m for m in tf.getmembers() if m.isfile()}
-        used = stale = 0
-        files = []
-        for name in sorted(n for n in members if n.endswith(".nbi")):
-            rel_dir, index = os.path.split(name)
-            source = os.path.join(PROJECT_ROOT, rel_dir, index.split(".", 1)[0] + ".py")
-            version, stamp, overloads = _read_index(tf.extractfile(members[name]).read())
-            if version != numba.__version__ or not os.path.isfile(source) or _sha256(source) != stamp:
-                stale += 1  # built from another version of this file: numba compiles it
-                continue
-            folder = os.path.join(cache_dir, numba_folder(os.path.dirname(source)))
-            os.makedirs(folder, exist_ok=True)
-            _merge_index(tf, rel_dir, overloads, folder, index, _local_stamp(source), members)
-            files.append(os.path.join(os.path.basename(folder), index))
-            used += 1
+    # one pass over the stream (a few MB): reading members out of order would restart the
+    # xz decompression at each backward seek, once per index file
+    with tarfile.open(arc, "r|xz") as tf:
+        members = {m.name: tf.extractfile(m).read() for m in tf if m.isfile()}
+    man = json.loads(members[MANIFEST])
+    if (man.get("numba"), man.get("python"), man.get("level")) != (numba.__version__, python_tag(), target.level):
+        return (f"pre-built kernels in {arc.name} not used: built for numba {man.get('numba')}, "
+                f"{man.get('python')}, {man.get('level')}"), [], []
+    used = stale = 0
+    files = []
+    for name in sorted(n for n in members if n.endswith(".nbi")):
+        rel_dir, index = os.path.split(name)
+        source = os.path.join(PROJECT_ROOT, rel_dir, index.split(".", 1)[0] + ".py")
+        version, stamp, overloads = _read_index(members[name])
+        if version != numba.__version__ or not os.path.isfile(source) or _sha256(source) != stamp:
+            stale += 1  # built from another version of this file: numba compiles it
+            continue
+        folder = os.path.join(cache_dir, numba_folder(os.path.dirname(source)))
+        os.makedirs(folder, exist_ok=True)
+        _merge_index(rel_dir, overloads, folder, index, _local_stamp(source), members)
+        files.append(os.path.join(os.path.basename(folder), index))
+        used += 1
     kinds = [tuple(k) for k in man.get("kinds", [])] if stale == 0 else []
     return (f"pre-built kernels for {target.level}: {used} kernel files from {arc.name}"
             + (f", {stale} built from other sources (these compile on first use)" if stale else
@@ -220,8 +256,9 @@ def _read_index(raw: bytes) -> tuple:
     return version, stamp, overloads
 
 
-def _merge_index(tf, rel_dir: str, overloads: dict, folder: str, index: str, stamp: bytes, members: dict) -> None:
-    """Add the shipped ``overloads`` that the index ``folder/index`` lacks (a missing index, or
+def _merge_index(rel_dir: str, overloads: dict, folder: str, index: str, stamp: bytes, members: dict) -> None:
+    """Add the shipped ``overloads`` (their data files in ``members``: archive name -> bytes)
+    that the index ``folder/index`` lacks (a missing index, or
     one of other sources, has none), their data files copied as they are (unpickling them would
     import the kernel modules, which are importing this), then write the index with ``stamp``,
     as numba does: the version, then (stamp, overloads); the data before the index, each file
@@ -248,7 +285,7 @@ def _merge_index(tf, rel_dir: str, overloads: dict, folder: str, index: str, sta
         while f"{base}.{n}.nbc" in taken:
             n += 1
         name = f"{base}.{n}.nbc"
-        atomic_write_bytes(os.path.join(folder, name), tf.extractfile(members[f"{rel_dir}/{data_name}"]).read())
+        atomic_write_bytes(os.path.join(folder, name), members[f"{rel_dir}/{data_name}"])
         have[key] = name
         taken.add(name)
     atomic_write_bytes(path, pickle.dumps(numba.__version__, protocol=-1) + dumps((stamp, have)))
@@ -265,7 +302,7 @@ def pack(cache_dir: str, out: Path, target, kinds: list) -> dict:
             folders[numba_folder(d)] = os.path.relpath(d, PROJECT_ROOT)
     man = {"python": python_tag(), "numba": numba.__version__, "level": target.level,
            "cpu_name": target.cpu_name, "cpu_features": target.features,
-           "kinds": [list(k) for k in kinds], "folders": []}
+           "kinds": [list(k) for k in kinds], "folders": [], "sources": {}}
     entries = []
     for sub in sorted(os.listdir(cache_dir)):
         rel = folders.get(sub)
@@ -275,6 +312,9 @@ def pack(cache_dir: str, out: Path, target, kinds: list) -> dict:
         for f in sorted(os.listdir(os.path.join(cache_dir, sub))):
             if f.endswith((".nbi", ".nbc")):
                 entries.append((os.path.join(cache_dir, sub, f), f"{rel}/{f}"))
+            if f.endswith(".nbi"):  # the source stamp of its kernels: stale_sources reads these alone
+                with open(os.path.join(cache_dir, sub, f), "rb") as fi:
+                    man["sources"][f"{rel}/{f.split('.', 1)[0]}.py"] = _read_index(fi.read())[1].hex()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".part")
     with tarfile.open(tmp, "w:xz", preset=9) as tf:

@@ -1,15 +1,22 @@
 """Multi-token-prediction (MTP / next-n) heads: kept by the converter, used as speculative drafters.
 
 DeepSeek-V3 (``num_nextn_predict_layers``) and GLM-4.5 publish next-n layers after the decoder,
-checkpoint layers ``model.layers.{L}.*`` with L = num_hidden_layers. The head as vLLM runs it
-(vllm/model_executor/models/deepseek_mtp.py, glm4_moe_mtp.py; transformers does not implement
-it and drops the layer when it loads):
+checkpoint layers ``model.layers.{L}.*`` with L = num_hidden_layers; Qwen3-Next
+(``mtp_num_hidden_layers``) publishes them as ``mtp.*``. Each family says how in its
+``MTP_HEAD`` (engine/models/tensors.py ``HeadLayout``). The head as vLLM runs it
+(vllm/model_executor/models/deepseek_mtp.py, glm4_moe_mtp.py, qwen3_next_mtp.py; transformers does
+not implement it and drops the layer when it loads):
 
-    e  = enorm(embed(t[q+1]))      (the embedding of position 0 zeroed)
+    e  = enorm(embed(t[q+1]))      (DeepSeek / GLM: the embedding of position 0 zeroed)
     h  = hnorm(norm(x_main[q]))    (the main model's final hidden state at q, after its final norm)
     y  = block(eh_proj([e ; h]), position q)   (one decoder layer of the family: attention with
-                                                its own KV cache, routed + shared experts)
+                                                its own KV cache, routed + shared experts;
+                                                Qwen3-Next's a full-attention layer)
     logits(t[q+2]) = shared_head.head(shared_head.norm(y))
+
+Qwen3-Next's names: enorm = mtp.pre_fc_norm_embedding, hnorm = mtp.pre_fc_norm_hidden, eh_proj =
+mtp.fc, shared_head.norm = mtp.norm (zero-centred norms, as its decoder's), the block
+mtp.layers.0.*, the head the main lm_head.
 
 Drafting k tokens chains the head (vLLM's method for a model with one next-n layer): after the
 row of the last fed position p0 - 1 drafts d1, the row at p0 takes (y, embed(d1)) instead of
@@ -36,13 +43,30 @@ from dataclasses import replace
 import numpy as np
 
 from .errors import StoreError
-from .models import build_model
+from .models import FAMILIES, build_model
 from .models.base import K, PREFILL_CHUNK, Linear, Tensor
 from .speculative import PromptLookup
 
-# families whose next-n layers are checkpoint layers num_hidden_layers.. with the layout above
-HEAD_FAMILIES = ("deepseek_v3", "glm4_moe")
-HEAD_TENSORS = ("enorm", "hnorm", "eh_proj", "shared_head.norm")
+HEAD_TENSORS = ("enorm", "hnorm", "eh_proj", "shared_head.norm")  # the head's own, by their store names
+
+
+# families that publish next-n layers: their MTP_HEAD (engine/models/tensors.py HeadLayout)
+LAYOUTS = {mt: fam.MTP_HEAD for mt, fam in FAMILIES.items() if getattr(fam, "MTP_HEAD", None) is not None}
+HEAD_FAMILIES = tuple(LAYOUTS)
+
+
+def head_names(args, k: int = 0) -> dict:
+    """Store name -> checkpoint name of next-n layer k's own tensors (HEAD_TENSORS), for a family
+    in LAYOUTS."""
+    lay = LAYOUTS[args.model_type]
+    block = lay.prefix(args.num_hidden_layers, k)
+    return {ours: hf.format(block=block) for ours, hf in zip(HEAD_TENSORS, lay.names)}
+
+
+def block_prefix(args, i: int) -> str:
+    """The checkpoint prefix of transformer layer ``i``: a kept next-n layer's block (i >= the
+    decoder's layers) as its family publishes it, else ``model.layers.{i}.``."""
+    return LAYOUTS[args.model_type].block_prefix(args, i) if args.model_type in LAYOUTS else f"model.layers.{i}."
 PENDING_ROWS = 256  # the drafter's unprocessed hidden rows kept at most (a long prefill runs through in chunks)
 
 
@@ -52,8 +76,8 @@ def kept_heads(args, names) -> int:
     (a container) hold the first one's head tensors and router; else 0."""
     if args.model_type not in HEAD_FAMILIES or getattr(args, "num_nextn_predict_layers", 0) < 1:
         return 0
-    p = f"model.layers.{args.num_hidden_layers}."
-    need = [p + n + ".weight" for n in HEAD_TENSORS] + [p + "mlp.gate.weight", p + "input_layernorm.weight"]
+    p = block_prefix(args, args.num_hidden_layers)
+    need = list(head_names(args).values()) + [p + "mlp.gate.weight", p + "input_layernorm.weight"]
     return 1 if all(n in names for n in need) else 0
 
 
@@ -78,8 +102,9 @@ def store_args(args, manifest: dict, path) -> object:
         return args
     if (type(n) is not int or n != 1 or args.model_type not in HEAD_FAMILIES
             or getattr(args, "num_nextn_predict_layers", 0) < 1):
+        key = LAYOUTS[args.model_type].count_key if args.model_type in LAYOUTS else "num_nextn_predict_layers"
         raise StoreError(f"{path}: mtp_layers {n!r} does not match config.json ({args.model_type}, "
-                         f"num_nextn_predict_layers {getattr(args, 'num_nextn_predict_layers', 0)}); "
+                         f"{key} {getattr(args, 'num_nextn_predict_layers', 0)}); "
                          f"re-run `colibri convert --overwrite`")
     return with_heads(args, n)
 
@@ -93,16 +118,20 @@ def head_tensors(family, args) -> list[Tensor]:
     if not n:
         return []
     L, D = args.num_hidden_layers, args.hidden_size
+    lay = LAYOUTS[args.model_type]
     wide = replace(args, num_hidden_layers=L + n, mtp_layers=0,
-                   layer_windows=tuple(args.layer_windows) + (0,) * n if args.layer_windows else ())
-    pre = tuple(f"model.layers.{i}." for i in range(L, L + n))
-    out = [t for t in family.dense_tensors(wide) if t.hf.startswith(pre)]
+                   layer_windows=tuple(args.layer_windows) + (0,) * n if args.layer_windows else (),
+                   **({"layer_types": tuple(args.layer_types) + lay.block_types * n} if lay.block_types else {}))
+    out = []
+    for t in family.dense_tensors(wide):
+        for k in range(n):
+            p = f"{lay.layers}{L + k}."
+            if t.hf.startswith(p):  # the family's name for layer L + k -> the published block's
+                out.append(t._replace(hf=lay.prefix(L, k) + t.hf[len(p):]))
+    shapes = {"enorm": (D,), "hnorm": (D,), "eh_proj": (D, 2 * D), "shared_head.norm": (D,)}
     for k in range(n):
-        hp = f"model.layers.{L + k}."
-        out += [Tensor(hp + "enorm.weight", f"mtp.{k}.enorm", (D,), "keep"),
-                Tensor(hp + "hnorm.weight", f"mtp.{k}.hnorm", (D,), "keep"),
-                Tensor(hp + "eh_proj.weight", f"mtp.{k}.eh_proj", (D, 2 * D), "quant"),
-                Tensor(hp + "shared_head.norm.weight", f"mtp.{k}.shared_head.norm", (D,), "keep")]
+        out += [Tensor(hf, f"mtp.{k}.{ours}", shapes[ours], "quant" if ours == "eh_proj" else "keep")
+                for ours, hf in head_names(args, k).items()]
     return out
 
 
@@ -153,12 +182,17 @@ class MTPHead:
         sub = {"layers.0." + k[len(p):]: v for k, v in dense.items() if k.startswith(p)}
         sub.update({k: v for k, v in dense.items() if k.startswith(("lm_head.", "embed_tokens."))})
         sub["norm"] = dense["mtp.0.shared_head.norm"]
+        lay = LAYOUTS[a.model_type]
         sub_args = replace(a, num_hidden_layers=1, moe_layers=(0,), mtp_layers=0,
-                           layer_windows=(0,) if a.layer_windows else ())
+                           layer_windows=(0,) if a.layer_windows else (),
+                           **({"layer_types": lay.block_types} if lay.block_types else {}))
+        self.zero_first = lay.zero_first
         self.block = build_model(sub_args, sub, model.dense_quant, model.expert_quant,
                                  _RowShift(experts, a.num_moe_layers - a.mtp_layers), model.C, model.gs,
                                  kv_dtype=model.kv_dtype, embed_rows=embed_rows)
         self.enorm, self.hnorm = dense["mtp.0.enorm"], dense["mtp.0.hnorm"]
+        if lay.norm_one:  # zero-centred: the kernels multiply by w, the checkpoint holds w - 1
+            self.enorm, self.hnorm = (np.asarray(w, np.float32) + np.float32(1.0) for w in (self.enorm, self.hnorm))
         self.eh_proj = Linear(dense, "mtp.0.eh_proj", model.dense_quant, model.gs)
         self.drafter = MTPDrafter(self)
 
@@ -177,7 +211,7 @@ class MTPHead:
         ids = np.asarray(ids, dtype=np.int64)
         T, D = len(ids), self.D
         e = self.block.embed(ids)  # [T, D]
-        if pos0 == 0:
+        if pos0 == 0 and self.zero_first:
             e[0] = 0.0  # the published runtime's input at position 0: no embedding
         eh = np.empty((T, 2 * D), np.float32)
         K.rmsnorm(e, self.enorm, self.eps, eh[:, :D])

@@ -375,3 +375,49 @@ def test_ours_long_prompt_arm_reports_its_prefill_and_reads(tiny_store):
     assert r["pp40"] > 0 and abs(r["pp40"] - 40 / r["ttft_s"]) < 1e-6 * r["pp40"]
     assert r["expert_gb"] > 0 and r["prefill_read_gb"] >= 0 and r["budget_gb"] == 1.0 and 0 <= r["hit_rate"] <= 1
     assert r["dense_gb"] > 0 and r["open_to_token_read_gb"] >= r["prefill_read_gb"]
+
+
+def _checkout_with_arm(folder: Path, tg: float) -> Path:
+    """A checkout whose engine's one arm prints a fixed row: which engine an arm ran is visible."""
+    (folder / "engine" / "bench").mkdir(parents=True)
+    (folder / "engine" / "__init__.py").write_text("")
+    (folder / "engine" / "bench" / "__init__.py").write_text("")
+    (folder / "engine" / "bench" / "kernels.py").write_text(
+        "import json, sys\n"
+        f"print('ARM ' + json.dumps({{'tg8': {tg}, 'argv': sys.argv[1:]}}))\n")
+    return folder
+
+
+def test_ours_arm_runs_the_engine_of_another_checkout(tiny_store, tmp_path):
+    """--ours-engine LABEL=CHECKOUT: that arm's fresh process imports `engine` from CHECKOUT
+    (not this checkout's, not the working directory's), with the arm's usual arguments; the
+    other arms keep this checkout's engine."""
+    old = _checkout_with_arm(tmp_path / "old", 7.0)
+    a = _kernels_args("--ours", f"after={tiny_store}", f"before={tiny_store}", "--ours-engine", f"before={old}",
+                      "--tokens", "8", "--prompts", "4")
+    r = bench_kernels._spawn_ours("before", str(tiny_store), a)
+    assert r["tg8"] == 7.0 and r["argv"][:2] == ["--store", str(tiny_store)]
+    assert ["--tokens", "8"] == r["argv"][r["argv"].index("--tokens"):][:2]
+
+
+def test_a_pair_of_two_ours_arms_gives_their_ratio(tmp_path):
+    """--pair after/before where both are ours arms: the ratio of the two engines' medians and
+    the per-repetition ratio, as for a llama.cpp peer; the run records each checkout's commit."""
+    a = _kernels_args("--ours", "after=/s", "before=/s", "--ours-engine", "before=/old", "--pair", "after/before",
+                      "--tokens", "8", "--prompts", "4", "--name", "k", "--out-dir", str(tmp_path))
+    arms = bench_kernels._plan_arms(a, cg_ok=False)
+    assert [bench_kernels._arm_name(x) for x in arms] == ["ours-after", "ours-before"]
+    assert bench_kernels._ratio_pairs(a, arms) == [("after/before", "ours-after", "ours-before")]
+    rows = [{"arm": "ours-after", "rep": 0, "load_avg_1m": 1.0, "tg8": 9.0, "pp4": 30.0},
+            {"arm": "ours-before", "rep": 0, "load_avg_1m": 1.0, "tg8": 10.0, "pp4": 30.0}]
+    bench_kernels._write(a, arms, rows, quiet=True)
+    res = json.loads((tmp_path / "k.json").read_text())
+    assert res["ratios"]["after/before"] == {"tg8": pytest.approx(0.9), "pp4": 1.0}
+    assert res["paired_ratios"]["after/before"]["tg8"] == pytest.approx(0.9)
+
+
+def test_ours_engine_must_name_an_ours_arm_and_a_checkout(tiny_store, tmp_path, capsys):
+    for spec in (f"nope={tmp_path}", f"before={tmp_path}"):  # no such arm; no engine/ there
+        a = _kernels_args("--ours", f"before={tiny_store}", "--ours-engine", spec)
+        assert bench_kernels.main(a) == 2
+        assert "--ours-engine" in capsys.readouterr().err

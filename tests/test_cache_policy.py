@@ -198,3 +198,82 @@ def test_the_policy_simulator_counts_what_the_cache_counts(seed):
                 r = replay_policy(head, recs, cap, name, pinning)
                 assert (r["hits"], r["misses"], r["pinned_hits"]) == want, (cap, name, pinning)
                 assert not pinning or cap < 3 or want[2] > 0
+
+
+NEW_POLICY_FILE = '''"""Most recently used first: the newest idle slot of a layer is the victim."""
+
+from __future__ import annotations
+
+from .policy import EvictionPolicy
+
+
+class MRU(EvictionPolicy):
+    name = "mru"
+
+    def pick(self, ly, layer, busy, experts, stats):
+        for s in reversed(ly.lru):
+            stats.victim_scans += 1
+            if busy[s] == 0 and s not in ly.staged:
+                return s
+        return -1
+'''
+
+NEW_POLICY_RUN = '''
+import json, sys
+import engine
+from engine.cli.main import build_parser
+from engine.config import EngineConfig
+from engine.events import Finished, GenerateRequest, SamplingParams
+from engine.generate import Engine
+from engine.settings import ENGINE_SETTINGS, POLICIES
+from engine.trace import replay_all
+
+trace, store = sys.argv[1], sys.argv[2]
+run = build_parser("run")._subparsers._group_actions[0].choices["run"]
+flag = next(a for a in run._actions if "--policy" in a.option_strings)
+out = {"engine": engine.__file__, "setting": "mru" in POLICIES and "mru" in
+       next(s for s in ENGINE_SETTINGS if s.name == "policy").choices, "flag": "mru" in flag.choices,
+       "replay": replay_all(trace, [2])[0]}
+for policy in ("lru", "mru"):
+    with Engine.open(EngineConfig(store=store, history=False, o_direct=False, cap=2, policy=policy)) as eng:
+        req = GenerateRequest(prompt_ids=tuple(range(5, 25)), sampling=SamplingParams(temperature=0.0,
+                                                                                      max_new_tokens=8))
+        fin = [e for e in eng.generate(req) if isinstance(e, Finished)][-1]
+        out[policy] = {"ids": list(fin.token_ids), "class": type(eng.cache.table.policy).__name__}
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_a_policy_is_one_new_file_plus_its_registration(tiny_store, tmp_path):
+    """Adding a policy: a copy of the engine gets one new file, engine/cache/mru.py, and its
+    import and entry in engine/cache/registry.py; with nothing else changed, in a fresh process,
+    it is a choice of the setting and of `colibri run --policy`, `colibri bench replay` compares
+    it, and the cache evicts by it, with the same greedy ids as LRU (placement changes speed
+    only)."""
+    import json
+    import os
+    import re
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    copy = tmp_path / "checkout"
+    shutil.copytree(root / "engine", copy / "engine", ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "engine" / "cache" / "mru.py").write_text(NEW_POLICY_FILE)
+    reg = copy / "engine" / "cache" / "registry.py"
+    text, n_import = re.subn(r"\n(from \.policy import [^\n]*\n)", r"\n\1from .mru import MRU\n", reg.read_text(),
+                             count=1)
+    text, n_entry = re.subn(r"(for cls in \()", r"\1MRU, ", text, count=1)
+    assert n_import == n_entry == 1  # the registration: one import, one entry
+    reg.write_text(text)
+    env = {**os.environ, "PYTHONPATH": str(copy), "COLIBRI_NO_NUMBA": "1"}  # numpy kernels: no compile
+    p = subprocess.run([sys.executable, "-P", "-c", NEW_POLICY_RUN, str(_cycle_trace(tmp_path)), str(tiny_store)],
+                       env=env, capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    assert res["engine"].startswith(str(copy)) and res["setting"] and res["flag"]
+    assert res["replay"]["lru"] == 0.0 and res["replay"]["mru"] > 0.3
+    assert res["mru"]["class"] == "MRU" and res["lru"]["class"] == "LRU"
+    assert res["mru"]["ids"] == res["lru"]["ids"] and len(res["mru"]["ids"]) == 8

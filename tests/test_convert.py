@@ -314,3 +314,20 @@ def test_numpy_fallback_runs_interleaved_and_row_major_stores(wide_checkpoint, t
         got = _logits(st, cap=3)
         assert np.allclose(got[0], ref[0], rtol=1e-4, atol=1e-5)  # the first position: before any drift
         assert float(np.abs(got - ref).max()) < 0.02 * float(np.abs(ref).max())
+
+
+def test_a_float32_checkpoint_converts_without_loading_ml_dtypes(tmp_path):
+    """ml_dtypes (bfloat16, float8 for numpy) takes most of a CPU second to import; the bundled
+    default model is float32, and its conversion is part of every first start."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    ck = write_checkpoint(tmp_path / "f32", olmoe_config(num_key_value_heads=2), seed=3, dtype="f32")
+    code = ("import sys; from engine import convert_checkpoint; convert_checkpoint(sys.argv[1], sys.argv[2]); "
+            "print('ml_dtypes' in sys.modules)")
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run([sys.executable, "-c", code, str(ck), str(tmp_path / "st")], cwd=root, capture_output=True,
+                       text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip().splitlines()[-1] == "False"
+    assert (tmp_path / "st" / "manifest.json").is_file()

@@ -1003,3 +1003,100 @@ def test_info_gives_deepseek_v4_kv_bytes_per_token(family_stores):
     assert "1 sliding layer (window 8), 2 compressed sparse layers (every 4 positions, the indexer keeps 3" in text
     assert "1 heavily compressed layer (every 8 positions)" in text and "3 residual streams" in text
     assert "compressed layers and their compressors: theta 160000, YaRN scaling factor 4" in text
+
+
+NEW_FAMILY_FILE = '''"""OLMoE whose router logits are divided by a temperature from config.json
+(``router_temperature``, 1.0 when absent): a mechanism no other family has."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from . import base, olmoe
+
+MODEL_TYPE = "olmoe_tempered"
+DISPLAY_NAME = "OLMoE tempered"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelArgs(olmoe.ModelArgs):
+    router_temperature: float = 1.0
+
+    @classmethod
+    def from_dict(cls, cfg: dict, path: str = "config.json") -> "ModelArgs":
+        t = base.num(cfg, "router_temperature", path, 1e-3, 1e3, integer=False, default=1.0)
+        return replace(super().from_dict(cfg, path), router_temperature=t)
+
+
+dense_tensors = olmoe.dense_tensors
+expert_names = olmoe.expert_names
+
+
+class Model(base.MoEModel):
+    def router_logits(self, j: int, h: np.ndarray) -> np.ndarray:
+        return super().router_logits(j, h) / np.float32(self.args.router_temperature)
+'''
+
+NEW_FAMILY_RUN = '''
+import json, sys
+from pathlib import Path
+import numpy as np
+import engine
+from engine import convert_checkpoint, family_name, supported_families
+from engine.config import EngineConfig, ModelArgs
+from engine.generate import Engine
+from engine.models import dense_bytes
+from engine.bench.synthetic import olmoe_config, write_checkpoint
+
+tmp = Path(sys.argv[1])
+out = {"engine": engine.__file__, "name": family_name("olmoe_tempered"),
+       "listed": "olmoe_tempered (OLMoE tempered)" in supported_families()}
+for name, cfg in [("olmoe", olmoe_config()), ("t1", olmoe_config(model_type="olmoe_tempered")),
+                  ("t05", olmoe_config(model_type="olmoe_tempered", router_temperature=0.05))]:
+    ck = write_checkpoint(tmp / name / "ck", cfg, seed=3, std=0.1)  # the same weights for all three
+    store = convert_checkpoint(ck, tmp / name / "int4", quant="int4")
+    args = ModelArgs.from_hf_config(store)
+    with Engine.open(EngineConfig(store=str(store), history=False, o_direct=False, cap=2, pilot=1)) as eng:
+        lg = eng.model.forward(np.arange(5, 17), 0, all_logits=True)
+    manifest = json.loads((store / "manifest.json").read_text())
+    out[name] = {"logits": lg.tolist(), "sized": dense_bytes(args, "int4") == manifest["dense_bytes"]}
+print("RESULT " + json.dumps(out))
+'''
+
+
+def test_a_family_is_one_new_file_plus_its_registration(tmp_path):
+    """Adding a family: a copy of the engine gets one new file, engine/models/<family>.py (a
+    mechanism of its own: tempered router logits), and its import and entry in FAMILIES; with
+    nothing else changed it is listed and named, converts, sizes and runs (streaming, PILOT).
+    At temperature 1 its logits are OLMoE's on the same weights, bit for bit; at 0.05 the
+    routing and so the logits differ (its own step ran)."""
+    import os
+    import re
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    copy = tmp_path / "checkout"
+    shutil.copytree(root / "engine", copy / "engine", ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "engine" / "models" / "olmoe_tempered.py").write_text(NEW_FAMILY_FILE)
+    init = copy / "engine" / "models" / "__init__.py"
+    text, n_import = re.subn(r"\nfrom \. import \(", "\nfrom . import (olmoe_tempered, ", init.read_text(), count=1)
+    text, n_entry = re.subn(r"(FAMILIES: dict\[str, ModuleType\] = \{m\.MODEL_TYPE: m for m in \()",
+                            r"\1olmoe_tempered, ", text, count=1)
+    assert n_import == n_entry == 1  # the registration: one import, one entry
+    init.write_text(text)
+    # the numpy kernels: a fresh copy's numba kernels would compile from scratch, the same values
+    env = {**os.environ, "PYTHONPATH": str(copy), "COLIBRI_NO_NUMBA": "1"}
+    p = subprocess.run([sys.executable, "-P", "-c", NEW_FAMILY_RUN, str(tmp_path / "work")], env=env,
+                       capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(next(x for x in p.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    assert res["engine"].startswith(str(copy))
+    assert res["name"] == "OLMoE tempered" and res["listed"]
+    assert res["olmoe"]["sized"] and res["t1"]["sized"] and res["t05"]["sized"]
+    assert res["t1"]["logits"] == res["olmoe"]["logits"]
+    assert res["t05"]["logits"] != res["olmoe"]["logits"]

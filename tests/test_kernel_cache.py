@@ -196,9 +196,148 @@ def test_doctor_says_what_the_pre_built_kernels_give_without_starting_numba(buil
     monkeypatch.setattr(kernel_cache, "shipped_dir", lambda: arc.parent)
     t, cache = F.kernel_target(), str(tmp_path / "cache")
     assert kernel_cache.shipped_status(cache, t) == f"{arc.name}: copied into the kernel cache at the next start"
+    monkeypatch.setattr(kernel_cache, "stale_sources", lambda a: ["engine/kernels/attention.py"])
+    assert kernel_cache.shipped_status(cache, t).startswith(
+        f"{arc.name}: built from other versions of engine/kernels/attention.py: their kernels compile")
+    monkeypatch.undo()
+    monkeypatch.setattr(kernel_cache, "shipped_dir", lambda: arc.parent)
     line, kinds = kernel_cache.install_shipped(cache, t)
     assert kinds == {KIND}
     assert kernel_cache.shipped_status(cache, t) == line and "kinds of model ready: 1" in line
     assert kernel_cache.shipped_status(cache, F._host_target()).startswith("none for the CPU target host")
     monkeypatch.setattr(kernel_cache, "shipped_dir", lambda: tmp_path / "nothing")
     assert kernel_cache.shipped_status(cache, t).startswith(f"none for {arc.name[:-len('.tar.xz')]}")
+
+
+@pytest.mark.parametrize("py", ["cp311", "cp313"])
+def test_the_shipped_archives_were_built_from_these_kernel_sources(py):
+    """An edit to a kernel source after its archive was built makes every first start compile:
+    named here (no compile: the manifest's digests against the files) rather than found by a
+    user. Python 3.11 is the bundle's and the dev venv's, 3.13 Debian 13's python3."""
+    from engine.kernel_cache import shipped_dir, stale_sources
+    archives = sorted(shipped_dir().glob(f"{py}-numba*-x86-64-v4-vnni.tar.xz"))  # whichever numba they are for
+    assert archives, f"no pre-built kernels for {py} in {shipped_dir()}"
+    for arc in archives:
+        stale = stale_sources(arc)
+        assert not stale, (f"{arc.name} was built from other versions of {stale}: run "
+                           f"`python tools/build_kernel_cache.py --levels x86-64-v4-vnni` with Python "
+                           f"{py[2]}.{py[3:]}")
+
+
+def test_stale_sources_names_an_edited_kernel_file_without_starting_numba(built, tmp_path):
+    from engine.kernel_cache import stale_sources
+    arc, _ = built
+    b = _install(tmp_path / "b")
+    assert stale_sources(arc, str(b)) == []
+    with open(b / "engine" / "kernels" / "attention.py", "a") as f:
+        f.write("\n# an edit after the archive was built\n")
+    assert stale_sources(arc, str(b)) == ["engine/kernels/attention.py"]
+    code = ("import json, sys; from pathlib import Path; from engine.kernel_cache import stale_sources; "
+            "print(json.dumps([stale_sources(Path(sys.argv[1])), 'numba' in sys.modules]))")
+    p = subprocess.run([sys.executable, "-c", code, str(arc)], cwd=b, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": str(b)})
+    assert json.loads(p.stdout) == [["engine/kernels/attention.py"], False], p.stderr[-2000:]
+
+
+_WARM = r"""
+import json, sys
+from numba.core import event
+
+compiled = []
+
+
+class Compiles(event.Listener):
+    def on_start(self, ev):
+        f = ev.data["dispatcher"].py_func
+        compiled.append(f"{f.__module__}.{f.__qualname__}")
+
+    def on_end(self, ev):
+        pass
+
+
+event.register("numba:compile", Compiles())
+from engine import Engine, EngineConfig, GenerateRequest, SamplingParams
+with Engine.open(EngineConfig(store=sys.argv[1], context_length=64)) as eng:
+    assert eng.model.wait_decode_ready(900)
+    for _ in eng.generate(GenerateRequest(prompt_ids=(1, 2, 3), sampling=SamplingParams(max_new_tokens=4))):
+        pass
+    fused = eng.model._decode_plan() is not None
+print(json.dumps({"compiled": compiled, "fused": fused}))
+"""
+
+
+def test_a_start_with_the_kernels_cached_compiles_nothing(tiny_store):
+    """Everything an open and an answer run comes from numba's cache once it is there, the
+    fused decode step's typed lists included (numba caches none of typed.List's own methods:
+    built with them, every start compiled ~10 functions, 3 CPU s)."""
+    env = {k: v for k, v in os.environ.items() if k != "COLIBRI_COMPILE_IN_PROCESS"}
+    runs = []
+    for _ in range(2):  # the first fills the cache where the suite has not yet
+        p = subprocess.run([sys.executable, "-c", _WARM, str(tiny_store)], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=1800)
+        assert p.returncode == 0, p.stderr[-3000:]
+        runs.append(json.loads(p.stdout.strip().splitlines()[-1]))
+    assert runs[1]["fused"], "the tiny model no longer takes the one-call decode step: this test checks nothing"
+    assert runs[1]["compiled"] == [], runs[1]["compiled"]
+
+
+_SHIPPED_DEFAULT = r"""
+import json, sys, time
+from numba.core import event
+
+compiled = []
+
+
+class Compiles(event.Listener):
+    def on_start(self, ev):
+        f = ev.data["dispatcher"].py_func
+        compiled.append(f"{f.__module__}.{f.__qualname__}")
+
+    def on_end(self, ev):
+        pass
+
+
+event.register("numba:compile", Compiles())
+from engine import ChatMessage, Engine, EngineConfig, GenerateRequest, SamplingParams, TokenEvent, compile_needed
+from engine import kernel_prepare, kernels
+from engine.library import default_store
+store = str(default_store())
+base = EngineConfig(store=store)
+out = {"shipped": kernels.SHIPPED, "settings": []}
+for cfg in [base] + kernel_prepare.kernel_variants(base):
+    needed = compile_needed(store, cfg)
+    t0 = time.perf_counter()
+    req = GenerateRequest(messages=(ChatMessage("user", "What does json.dumps do?"),),
+                          sampling=SamplingParams(max_new_tokens=2))
+    with Engine.open(cfg) as eng:
+        first = next(ev for ev in eng.generate(req) if isinstance(ev, TokenEvent))
+    out["settings"].append({"pilot": cfg.pilot, "kv": cfg.kv_dtype, "needed": needed[0],
+                            "open_to_first_token_s": round(time.perf_counter() - t0, 2)})
+out["compiled"] = compiled
+print(json.dumps(out))
+"""
+
+
+def test_the_shipped_kernels_cover_the_default_model_with_every_kernel_setting(tmp_path):
+    """A first start on the bundled model, and then each setting that chooses other kernels
+    (PILOT on, each KV cache type), loads every kernel from the pre-built archive: no compile
+    at all, so a settings change waits only for the reopen. An archive that lacks a kernel
+    the default model now calls fails here (the source digests cannot tell)."""
+    import numba
+    from engine.kernel_cache import archive_name, shipped_dir
+    t = F.kernel_target()
+    if not (shipped_dir() / archive_name(t.level, numba.__version__)).is_file():
+        pytest.skip(f"no pre-built kernels for this Python, numba and CPU target ({t.level})")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("COLIBRI_COMPILE_IN_PROCESS", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES", F.TARGET_ENV,
+                        "COLIBRI_INT_KERNEL")}
+    env.update(NUMBA_CACHE_DIR=str(tmp_path / "cache"), COLIBRI_SHIPPED_KERNELS="1",
+               XDG_DATA_HOME=str(tmp_path / "data"), XDG_CONFIG_HOME=str(tmp_path / "config"))
+    p = subprocess.run([sys.executable, "-c", _SHIPPED_DEFAULT], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=1800)
+    assert p.returncode == 0, p.stderr[-3000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert "kinds of model ready: 4" in got["shipped"], got["shipped"]
+    assert [(s["pilot"] > 0, s["needed"]) for s in got["settings"]][:2] == [(False, False), (True, False)], got
+    assert not any(s["needed"] for s in got["settings"]) and len(got["settings"]) == 4, got["settings"]
+    assert got["compiled"] == [], got["compiled"]

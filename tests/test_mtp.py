@@ -1,13 +1,14 @@
-"""Multi-token-prediction heads (engine/mtp.py): the converter keeps DeepSeek-V3's and GLM-4.5's
-next-n layer (its experts in the store's expert table, read through the same cache), the head's
+"""Multi-token-prediction heads (engine/mtp.py): the converter keeps DeepSeek-V3's, GLM-4.5's and
+Qwen3-Next's next-n layer (its experts in the store's expert table, read through the same cache), the head's
 logits equal a torch reference written from the published definition (vLLM's DeepSeekMTP /
-Glm4MoeMTP over transformers' own decoder layer), and speculation "mtp" drafts with it while the
+Glm4MoeMTP / Qwen3NextMTP over transformers' own decoder layer), and speculation "mtp" drafts with it while the
 greedy ids stay those of plain decoding.
 
 The tiny checkpoints are transformers models with one layer more than config.json says: that
 last layer is the next-n layer's decoder block, saved beside the head's enorm / hnorm / eh_proj /
 shared_head tensors under model.layers.{num_hidden_layers}.*, as the published checkpoints name
-them (config.json: num_nextn_predict_layers 1).
+them (config.json: num_nextn_predict_layers 1); Qwen3-Next's as mtp.layers.0.* beside mtp.fc,
+mtp.pre_fc_norm_embedding / _hidden and mtp.norm (mtp_num_hidden_layers 1).
 """
 
 from __future__ import annotations
@@ -47,7 +48,38 @@ CONFIGS = {
         num_attention_heads=8, num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, intermediate_size=96, n_shared_experts=1, first_k_dense_replace=1,
         n_group=2, topk_group=1, use_qk_norm=True, attention_bias=True, routed_scaling_factor=1.5)),
+    # GLM-4.7-Flash: MLA with q LoRA, GLM routing over 2 groups, layer 0 dense (mlp_layer_types)
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", dict(
+        **MLA, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=2,
+        topk_group=1, routed_scaling_factor=1.8, norm_topk_prob=True)),
+    # Qwen3-Next: Gated DeltaNet and gated full-attention layers (the head's block is a full one)
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM", dict(
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        intermediate_size=64)),
+    # Qwen3.5-MoE's language model (separate projections); "qwen3_5_moe" below: as published, the
+    # multimodal checkpoint's names (model.language_model.*) and config.json (text_config)
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM", dict(
+        layer_types=["full_attention", "linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, linear_num_key_heads=1,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
 }
+CONFIGS["qwen3_5_moe"] = CONFIGS["qwen3_5_moe_text"]
+MULTIMODAL = {"qwen3_5_moe"}  # saved as the published multimodal checkpoint's language model
+# How each family publishes its head, written from the published checkpoints (not the engine):
+# the block's prefix, the head's tensors (enorm, hnorm, eh_proj, shared_head.norm), the count key
+# of config.json, whether the runtime zeroes position 0's embedding, zero-centred norms
+_DS = dict(block=f"model.layers.{L}.", names=[f"model.layers.{L}.{n}.weight" for n in
+                                             ("enorm", "hnorm", "eh_proj", "shared_head.norm")],
+           count="num_nextn_predict_layers", zero_first=True, centred=False)
+PUBLISHED = {"deepseek_v3": _DS, "glm4_moe": _DS, "glm4_moe_lite": _DS, "qwen3_next": dict(
+    block="mtp.layers.0.", names=["mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight",
+                                  "mtp.fc.weight", "mtp.norm.weight"],
+    count="mtp_num_hidden_layers", zero_first=False, centred=True)}
+PUBLISHED["qwen3_5_moe_text"] = PUBLISHED["qwen3_5_moe"] = PUBLISHED["qwen3_next"]
 
 
 def rms(x, w, eps):
@@ -57,21 +89,26 @@ def rms(x, w, eps):
 class Reference:
     """The next-n head from its published definition: the main model (transformers, L layers)
     gives the final hidden states (after model.norm); the head zeroes the embedding at position
-    0, norms the embedding (enorm) and the hidden state (hnorm), projects their concatenation
-    (eh_proj), runs transformers' decoder layer L, and shared_head.head(shared_head.norm(.))."""
+    0 (DeepSeek / GLM), norms the embedding (enorm) and the hidden state (hnorm), projects their
+    concatenation (eh_proj), runs transformers' decoder layer L, and
+    shared_head.head(shared_head.norm(.)). Qwen3-Next's norms multiply by 1 + w."""
 
-    def __init__(self, full, main, extra):
-        self.full, self.main, self.x = full, main, extra
+    def __init__(self, full, main, extra, pub):
+        self.full, self.main, self.x, self.pub = full, main, extra, pub
         self.eps = full.config.rms_norm_eps
         self.block = full.model.layers[L]
+
+    def norm(self, x, w):
+        return rms(x, 1 + w if self.pub["centred"] else w, self.eps)
 
     def rows(self, tokens_ahead, hidden, n_chain_from=None):
         """Head outputs [T, D] for rows 0..T-1 (token ahead and hidden per row)."""
         x = self.x
         e = self.full.model.embed_tokens(torch.tensor(tokens_ahead))
-        e[0] = 0
+        if self.pub["zero_first"]:
+            e[0] = 0
         h = self.block.input_layernorm.weight.new_tensor(hidden) if not torch.is_tensor(hidden) else hidden
-        inp = torch.cat([rms(e, x["enorm"], self.eps), rms(h, x["hnorm"], self.eps)], -1) @ x["eh_proj"].T
+        inp = torch.cat([self.norm(e, x["enorm"]), self.norm(h, x["hnorm"])], -1) @ x["eh_proj"].T
         T = inp.shape[0]
         pos = torch.arange(T)[None]
         pe = self.full.model.rotary_emb(inp[None], pos)
@@ -79,7 +116,7 @@ class Reference:
         return self.block(inp[None], attention_mask=mask, position_ids=pos, position_embeddings=pe)[0]
 
     def logits(self, y):
-        return rms(y, self.x["shared_norm"], self.eps) @ self.x["head"].T
+        return self.norm(y, self.x["shared_norm"]) @ self.x["head"].T
 
 
 def checkpoint_with_head(tmp_path, name, head_tensors=True):
@@ -88,8 +125,11 @@ def checkpoint_with_head(tmp_path, name, head_tensors=True):
     import transformers
     from safetensors.torch import save_file
     cfg_cls, model_cls, kw = CONFIGS[name]
+    pub = PUBLISHED[name]
     full, _ = saved_model(tmp_path, f"{name}-full", cfg_cls, model_cls,
                           **{**BASE, **kw, "num_hidden_layers": L + 1})
+    if "layer_types" in kw:  # the decoder's: all but the head's block
+        kw = {**kw, "layer_types": kw["layer_types"][:L]}
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for n, b in list(full.named_buffers()) + list(full.named_parameters()):
@@ -104,24 +144,31 @@ def checkpoint_with_head(tmp_path, name, head_tensors=True):
     missing, _ = main.load_state_dict({k: v for k, v in sd.items()}, strict=False)
     assert not missing
     D = cfg.hidden_size
-    extra = {"enorm": 1 + 0.1 * torch.randn(D, generator=g), "hnorm": 1 + 0.1 * torch.randn(D, generator=g),
+    one = 0 if pub["centred"] else 1
+    extra = {"enorm": one + 0.1 * torch.randn(D, generator=g), "hnorm": one + 0.1 * torch.randn(D, generator=g),
              "eh_proj": 0.08 * torch.randn(D, 2 * D, generator=g),
-             "shared_norm": 1 + 0.1 * torch.randn(D, generator=g), "head": sd["lm_head.weight"]}
-    out = {k: v for k, v in sd.items() if not k.startswith(f"model.layers.{L}.") or head_tensors}
-    if head_tensors:
-        p = f"model.layers.{L}."
-        out.update({p + "enorm.weight": extra["enorm"], p + "hnorm.weight": extra["hnorm"],
-                    p + "eh_proj.weight": extra["eh_proj"], p + "shared_head.norm.weight": extra["shared_norm"],
-                    p + "shared_head.head.weight": sd["lm_head.weight"],
-                    p + "embed_tokens.weight": sd["model.embed_tokens.weight"]})
+             "shared_norm": one + 0.1 * torch.randn(D, generator=g), "head": sd["lm_head.weight"]}
+    p = f"model.layers.{L}."
+    out = {k: v for k, v in sd.items() if not k.startswith(p)}
+    if head_tensors:  # the block under its published prefix, the head's own tensors
+        out.update({pub["block"] + k[len(p):]: v for k, v in sd.items() if k.startswith(p)})
+        out.update(dict(zip(pub["names"], (extra["enorm"], extra["hnorm"], extra["eh_proj"], extra["shared_norm"]))))
+        if not pub["centred"]:  # DeepSeek / GLM publish copies of the embedding and lm_head in the layer
+            out.update({p + "shared_head.head.weight": sd["lm_head.weight"],
+                        p + "embed_tokens.weight": sd["model.embed_tokens.weight"]})
+    if name in MULTIMODAL:  # the language model's names inside the multimodal checkpoint's
+        out = {("model.language_model." + k[len("model."):] if k.startswith("model.") else k): v
+               for k, v in out.items()}
     d = tmp_path / name
     d.mkdir()
     save_file({k: v.detach().contiguous().clone() for k, v in out.items()}, str(d / "model.safetensors"))
     c = json.loads(main.config.to_json_string())
-    c.update(num_hidden_layers=L, num_nextn_predict_layers=1)
+    c.update(num_hidden_layers=L, **{pub["count"]: 1})
+    if name in MULTIMODAL:  # the language model's settings inside the multimodal checkpoint's
+        c = {"model_type": name, "text_config": c, "tie_word_embeddings": c.get("tie_word_embeddings", False)}
     (d / "config.json").write_text(json.dumps(c))
     write_tokenizer(d, V)
-    return Reference(full, main, extra), d
+    return Reference(full, main, extra, pub), d
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +189,10 @@ def test_converter_keeps_the_next_n_layer(built, name):
     assert m["moe_layers"][-1] == L and m["num_layers"] == len(m["moe_layers"])  # the head's experts: the last row
     # only the head's copies of the embedding and lm_head are left out (the main model's are used)
     skipped = " ".join(m.get("skipped", []))
-    assert f"model.layers.{L}.* (2 tensors: the kept multi-token-prediction head's copies" in skipped
+    if not PUBLISHED[name]["centred"]:
+        assert f"model.layers.{L}.* (2 tensors: the kept multi-token-prediction head's copies" in skipped
+    else:
+        assert "mtp." not in skipped, skipped
     from safetensors import safe_open
     with safe_open(str(stores["int8"] / "dense.safetensors"), "np") as f:
         keys = set(f.keys())
@@ -151,8 +201,10 @@ def test_converter_keeps_the_next_n_layer(built, name):
     from engine.config import describe_model
     from engine.expert_store import read_manifest
     _, a, _ = read_manifest(stores["int8"])
-    assert a.mtp_layers == 1 and a.num_moe_layers == 3
-    assert "3 layers (2 MoE, 1 dense) + an MTP head" in describe_model(a)
+    dense_first = name in ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+    assert a.mtp_layers == 1 and a.num_moe_layers == (3 if dense_first else 4)
+    assert ("3 layers (2 MoE, 1 dense) + an MTP head" if dense_first else "3 layers (3 MoE) + an MTP head") \
+        in describe_model(a), describe_model(a)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -227,7 +279,8 @@ PROMPT = (5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7)
 
 
 @pytest.mark.parametrize("name,quant", [("deepseek_v3", "int8"), ("deepseek_v3", "int4"), ("glm4_moe", "int8"),
-                                        ("glm4_moe", "int4")])
+                                        ("glm4_moe", "int4"), ("qwen3_next", "int8"), ("qwen3_next", "int4"),
+                                        ("glm4_moe_lite", "int4"), ("qwen3_5_moe", "int4")])
 def test_greedy_ids_identical_with_mtp_drafts(built, name, quant, fixed_length):
     store = built[name][2][quant]
     off, row_off, has = _run(store, "off", PROMPT)

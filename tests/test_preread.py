@@ -221,7 +221,51 @@ def test_a_full_arena_is_asked_onto_huge_pages_once(medium_store, monkeypatch):
         _answer(eng)  # a pass woken again finds the arena collapsed already
         eng.cache.start_fill()
         assert eng.cache.wait_filled(timeout=600.0)
-        assert calls == [(eng.cache.arena.ctypes.data, eng.cache.arena.nbytes)]
+        base, total = eng.cache.arena.ctypes.data, eng.cache.arena.nbytes
+        assert calls[0][0] == base and sum(n for _a, n in calls) == total
+        assert all(a + n == b for (a, n), (b, _m) in zip(calls, calls[1:]))  # in steps, each byte once
+
+
+def test_a_collapse_pauses_when_an_answer_starts_and_resumes_after_it(medium_store, monkeypatch):
+    """The collapse runs in steps: an answer that begins during one stops it before its next
+    step (the answer waits on one step's copying, not the whole arena's), and the answer's end
+    wakes the pass, which goes on from where it paused: every byte asked once, steps ending on
+    huge-page boundaries."""
+    from engine.cache import preread
+    from engine.cache.arena import MADV_COLLAPSE
+    calls, done = _spy_collapses(monkeypatch)
+    page = 64 << 10  # the test's arena is under one huge page: steps of 64 KB "huge pages"
+    monkeypatch.setattr(preread, "HUGE_PAGE", page)
+    monkeypatch.setattr(preread, "COLLAPSE_CHUNK", 2 * page)
+    cfg = dict(store=str(medium_store), history=False, o_direct=False, pinning=False, ram_budget_gb=4.0)
+    with Engine.open(EngineConfig(**cfg)) as eng:
+        c = eng.cache
+        assert c.wait_filled(timeout=600.0) and c.residency().all()
+        deadline = time.monotonic() + 600  # only a hang trips it
+        while not c.preread.collapsed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert c.preread.collapsed  # the pass's own collapse; now one driven by hand from the start
+        with c.lock:
+            c.preread.collapsed, c.preread.collapse_at = False, 0
+        calls.clear()
+        real = c.memory.madvise
+
+        def spy(addr, n, advice):
+            if advice == MADV_COLLAPSE and not calls:  # an answer begins during the first step
+                c.begin_answer()
+            return real(addr, n, advice)
+
+        monkeypatch.setattr(c.memory, "madvise", spy)
+        c.collapse_full()
+        assert len(calls) == 1 and not c.preread.collapsed and c.preread.answers == 1
+        c.end_answer()  # wakes the pass, which resumes
+        while not c.preread.collapsed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        base, total = c.arena.ctypes.data, c.arena.nbytes
+        assert total > 6 * page and c.preread.collapsed
+        assert calls[0][0] == base and sum(n for _a, n in calls) == total and len(calls) > 2
+        assert all(a + n == b for (a, n), (b, _m) in zip(calls, calls[1:]))
+        assert all((a + n) % page == 0 for a, n in calls[:-1])
 
 
 def test_no_collapse_while_an_answer_holds_the_pass(medium_store, monkeypatch):
@@ -237,8 +281,10 @@ def test_no_collapse_while_an_answer_holds_the_pass(medium_store, monkeypatch):
         # as if it had not collapsed yet, then an answer holds the pass (hold_fill), or lets the pass
         # run to follow it (begin_answer): no collapse until its end wakes the pass, which collapses
         for hold, release in ((c.hold_fill, c.release_fill), (c.begin_answer, c.end_answer)):
+            assert c.preread.collapse_idle.wait(600.0)
             n = len(calls)
-            c.preread.collapsed = False
+            with c.lock:
+                c.preread.collapsed, c.preread.collapse_at = False, 0
             hold()
             c.collapse_full()
             assert len(calls) == n and not c.preread.collapsed

@@ -7,6 +7,7 @@ import functools
 import glob
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ TOP_DIRS = "engine|colibri_app|tests|tools|docs|bench|packaging|resources"
 REPO_PATH = re.compile(r"(?<![\w/.$-])((?:" + TOP_DIRS + r")/[\w./*{},-]*[\w*}])")
 BARE_PY = re.compile(r"(?<![\w/.$-])(\w+\.py)\b")
 RESULT_PREFIXES = ("cache|cluster|contention|decode|gui|kernels|layouts|make_synthetic|markdown|matrix|overlap|"
-                   "peers|pilot|replay|serve|stream")
+                   "peers|pilot|refactor|replay|serve|stream")
 RESULT_NAME = re.compile(r"`((?:" + RESULT_PREFIXES + r")_[\w*-]+)(?:\.(?:json|md|png))?`")
 
 
@@ -126,3 +127,85 @@ def test_setting_help_texts_name_no_files():
     bad = [f"{s.name}: {s.help}" for s in (*ENGINE_SETTINGS, *SAMPLING_SETTINGS, *APP_SETTINGS)
            if file_like.search(s.help) or WORK_LOG.search(s.help)]
     assert not bad, "help texts are for users (no file names, no measurement logs):\n" + "\n".join(bad)
+
+
+def _cli_help_texts():
+    """(command, option, text) of every help text `colibri ... --help` prints: every
+    subcommand's options, their descriptions and epilogs, built in full."""
+    import argparse
+
+    from engine.cli.main import build_parser
+
+    def walk(p, path):
+        yield path, "(description)", p.description
+        yield path, "(epilog)", p.epilog
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sp in a.choices.items():
+                    yield from walk(sp, f"{path} {name}")
+                for c in a._choices_actions:
+                    yield path, c.dest, c.help
+            else:
+                yield path, "/".join(a.option_strings) or a.dest, a.help
+    return [(c, o, h) for c, o, h in walk(build_parser(""), "colibri") if h and h != argparse.SUPPRESS]
+
+
+def test_cli_help_texts_point_to_no_source_doc_or_measurement_log():
+    """`colibri --help` speaks to users: an option may name the file it writes, not a page of
+    the repository (docs, READMEs, sources, tests) or a measurement's log."""
+    repo_page = re.compile(r"[\w-]+\.(?:md|py)\b|\b(?:docs|tests|tools)/|(?i:readme)")
+    texts = _cli_help_texts()
+    assert len(texts) > 200  # every subcommand was built, not only the verbs' names
+    bad = [f"{c} {o}: {h}" for c, o, h in texts if repo_page.search(h) or WORK_LOG.search(h)]
+    assert not bad, "help texts are for users (no repository pages, no measurement logs):\n" + "\n".join(bad)
+
+
+ENGINE_PACKAGE_PATH = re.compile(r"(?<![\w/.$-])((?:models|cache|kernels|bench|cli|server|library)/[\w./]*\.py)\b")
+MODULE_ROW = re.compile(r"^\|\s*(`[^|]*`)\s*\|", re.M)
+
+
+@functools.lru_cache(maxsize=1)
+def _engine_definitions() -> frozenset:
+    """Every name the engine defines (modules, classes, functions, arguments, assigned names and
+    attributes) and every identifier-like string constant (settings, tensor names)."""
+    words = set()
+    for f in _files("engine"):
+        if f.suffix != ".py":
+            continue
+        words.add(f.stem)
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                words.add(node.name)
+            elif isinstance(node, ast.arg):
+                words.add(node.arg)
+            elif isinstance(node, (ast.Name, ast.Attribute)) and isinstance(node.ctx, ast.Store):
+                words.add(node.id if isinstance(node, ast.Name) else node.attr)
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                words.add(node.value)
+    return frozenset(words)
+
+
+def test_architecture_names_only_what_the_code_has():
+    """docs/architecture.md matches the code: a path inside the engine's packages
+    (`models/ops.py`) exists there; every module of a section's `| module | what |` table
+    exists in the package the section is about; every code name it quotes (`MoEModel._decode_plan`,
+    `kv_zeros`, `POLICY_CLASSES`) is defined in the engine."""
+    import builtins
+
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    missing = [p for p in ENGINE_PACKAGE_PATH.findall(text) if not (ROOT / "engine" / p).exists()]
+    for section in re.split(r"\n(?=## )", text):
+        pkg = re.search(r"`engine/(\w+)/`", section)
+        if pkg is None or "| module | what |" not in section:
+            continue
+        for cell in MODULE_ROW.findall(section):
+            for name in re.findall(r"`([\w.<>]+\.py)`", cell):
+                if "<" not in name and not (ROOT / "engine" / pkg.group(1) / name).exists():
+                    missing.append(f"engine/{pkg.group(1)}/{name}")
+    defined = _engine_definitions() | set(dir(builtins)) | {"engine", "colibri_app"}
+    for quoted in re.findall(r"`([A-Za-z_][\w.]*)(?:\([^`]*\))?`", text):
+        if quoted.split(".")[0] in sys.stdlib_module_names or quoted.endswith(".py"):
+            continue
+        if ("." in quoted or "_" in quoted or quoted[:1].isupper()) and quoted.split(".")[-1] not in defined:
+            missing.append(quoted)
+    assert not missing, f"docs/architecture.md names what the code does not have: {sorted(set(missing))}"

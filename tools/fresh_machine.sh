@@ -20,6 +20,10 @@
 #   pip-faster pip again with its cache warm, and uv with a cold and a warm cache
 #   window     in the first root, with xvfb + x11-utils installed: `colibri` (the app) under
 #              Xvfb; seconds until its window is mapped, and a screenshot (xwd)
+# The times are the machine's share for the script's session: on a shared machine, raise it
+# first (`echo -20 > /proc/self/autogroup` in the shell) to time it as on a machine of its own,
+# or not, to time it beside the other jobs. apt runs dpkg in a session of its own (normal
+# priority either way); the CPU seconds tools/first_token.py prints do not depend on the load.
 # Set KEEP=1 to reuse WORKDIR/base (the debootstrap) between runs, ONLY=readme to stop after
 # the readme phase, ONLY=install after its install step (the root stays for a later run).
 set -eu

@@ -10,6 +10,11 @@ Arms (each a fresh process, interleaved, the order reversed every other repetiti
   ``decode_tok_per_s``.
 - llama-<label>: ``llama-bench -m GGUF -t threads -p P1,P2,.. -n tokens -r 1 -o json``
   (its own warm-up run; pp = prompt processing of P tokens, tg = generation of ``tokens``).
+- ``--ours-engine LABEL=CHECKOUT``: the ours arm LABEL runs the engine of another checkout (its
+  fresh process imports ``engine`` from CHECKOUT: ``python -P`` with ``PYTHONPATH=CHECKOUT``),
+  so ``--ours after=STORE before=STORE --ours-engine before=OLD --pair after/before`` measures a
+  change's speed on one store, the two engines interleaved; a ``--pair`` whose second label is
+  an ours arm gives the ratios of the two ours arms.
 - ``--inner-reps N``: both kinds of arm run each test N times in their process (llama-bench
   ``-r N``) and keep the median; every run's tok/s is in the row as ``<key>_runs``.
 
@@ -399,9 +404,14 @@ def _spawn_ours(label: str, store: str, a, budget_gb: float | None = None, wrap=
         cmd.append("--first")
     if long_prompt:
         cmd += ["--long-prompt", str(long_prompt)]
+    env = None
+    checkout = dict(getattr(a, "ours_engine", None) or ()).get(label)
+    if checkout:  # that checkout's engine, not the one on the path (-P: not the working directory's)
+        cmd[1:1] = ["-P"]
+        env = {**os.environ, "PYTHONPATH": str(Path(checkout).resolve())}
     if wrap is not None:
         cmd = wrap(cmd)
-    p = subprocess.run(cmd, capture_output=True, text=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     line = next((x for x in p.stdout.splitlines() if x.startswith("ARM ")), None)
     if p.returncode != 0 or line is None:
         raise RuntimeError(f"ours-{label} failed:\n{p.stderr[-3000:]}")
@@ -448,8 +458,13 @@ def _ratio_pairs(a, arms: list[dict]) -> list[tuple[str, str, str]]:
     first answer against llama-bench's tg, and each memory limit / read bandwidth against
     llama.cpp's default flags and, where run, its best flags."""
     names = {_arm_name(x) for x in arms}
+    ours = dict(a.ours)
     out = []
     for ol, ll in a.pair:
+        if ll in ours:  # two ours arms (two engines, or two stores) side by side
+            cand = [(f"{ol}/{ll}", f"ours-{ol}", f"ours-{ll}")]
+            out += [c for c in cand if c[1] in names and c[2] in names]
+            continue
         cand = [(f"{ol}/{ll}", f"ours-{ol}", f"llama-{ll}"),
                 (f"{ol}-first/{ll}", f"ours-{ol}-first", f"llama-{ll}")]
         for x in arms:
@@ -535,10 +550,10 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
                   "slab reads measured before the arms).") % getattr(a, "disk_gbps", 0.0)
     table += "\n\n"
     table += md_table([{"arm": arm, **m} for arm, m in med.items()], cols)
-    table += "\n\nRatios ours / llama.cpp (median / median)\n\n" + md_table(
+    table += "\n\nRatios ours / llama.cpp, or of the two ours arms of a pair (median / median)\n\n" + md_table(
         [{"arm": name, **r} for name, r in ratios.items()], [("pair", "arm", "")] + [(k, k, ".2f") for k in keys])
     if paired:
-        table += ("\n\nRatios (median over repetitions of each repetition's ours / llama.cpp: the two arms "
+        table += ("\n\nRatios (median over repetitions of each repetition's ratio of the pair: the two arms "
                   "of a repetition ran side by side)\n\n") + md_table(
             [{"arm": name, **r} for name, r in paired.items()], [("pair", "arm", "")] + [(k, k, ".2f") for k in keys])
     table += "\n\nEvery run\n\n" + md_table(rows, [("arm", "arm", ""), ("rep", "rep", "d"),
@@ -547,6 +562,7 @@ def _write(a, arms, rows, quiet: bool = False) -> None:
     table += f"\n\nCommand: `{cmd}`\n"
     data = {"machine": machine_info(), "command": cmd, "threads": a.threads, "tokens": a.tokens,
             "prompts": a.prompts, "reps": a.reps, "ours": dict(a.ours), "llama": dict(a.llama),
+            "ours_engine": getattr(a, "ours_engine_commits", {}),
             "llama_bench": a.llama_bench, "llama_best_flags": a.llama_best_flags, "cgroup_gb": a.cgroup_gb,
             "read_ahead_kb": a.read_ahead_kb, "read_bps": a.read_bps, "disk_gbps": getattr(a, "disk_gbps", None),
             "rows": rows, "medians": med,
@@ -652,6 +668,15 @@ def main(a) -> int:
             print(f"--ours {label}={path}: no store there (manifest.json missing); make one with "
                   f"`colibri convert`", file=sys.stderr)
             return 2
+    a.ours_engine_commits = {}
+    for label, checkout in a.ours_engine:
+        if label not in dict(a.ours) or not (Path(checkout) / "engine" / "__init__.py").is_file():
+            print(f"--ours-engine {label}={checkout}: expected the label of an --ours arm and a checkout "
+                  f"holding engine/__init__.py", file=sys.stderr)
+            return 2
+        head = subprocess.run(["git", "-C", checkout, "rev-parse", "HEAD"], capture_output=True, text=True)
+        a.ours_engine_commits[label] = {"checkout": str(Path(checkout).resolve()),
+                                        "commit": head.stdout.strip() or None}
     for label, path in a.llama:
         if not Path(path).is_file():
             print(f"--llama {label}={path}: no GGUF file there; see bench/README.md (`colibri bench gguf`)",
@@ -721,6 +746,9 @@ def add_parser(subparsers) -> None:
     k = subparsers.add_parser("kernels", help="int4/int8 all resident vs native llama-bench Q4_0/Q8_0")
     k.add_argument("--ours", type=_parse_arm, nargs="+", default=[], metavar="LABEL=STORE",
                    help="our stores, e.g. int4=bench/work/olmoe-1b-7b-int4 int8=bench/work/olmoe-1b-7b-int8")
+    k.add_argument("--ours-engine", type=_parse_arm, nargs="*", default=[], metavar="LABEL=CHECKOUT",
+                   help="run the ours arm LABEL with the engine of another checkout (a before / after "
+                        "comparison: --ours after=STORE before=STORE --ours-engine before=OLD --pair after/before)")
     k.add_argument("--llama", type=_parse_arm, nargs="*", default=[], metavar="LABEL=GGUF",
                    help="GGUFs for llama-bench, e.g. q4_0=...q4_0.gguf q8_0=...q8_0.gguf")
     k.add_argument("--pair", type=lambda s: tuple(s.split("/", 1)), nargs="*",

@@ -28,7 +28,7 @@ import time
 import numpy as np
 
 from ..units import format_bytes
-from .arena import MADV_COLLAPSE
+from .arena import HUGE_PAGE, MADV_COLLAPSE
 from .slots import LOADING, RESIDENT
 
 log = logging.getLogger(__name__)
@@ -38,13 +38,18 @@ log = logging.getLogger(__name__)
 # with a few milliseconds of it at most
 PASS_READ_BYTES = 16 << 20
 
+# The collapse's step: the kernel copies ~0.8 GB/s while collapsing (4.4 s for a 3.6 GB arena),
+# so an answer that starts during a collapse waits on at most ~80 ms of it before it pauses
+COLLAPSE_CHUNK = 64 << 20
+
 
 class PreRead:
     """The pre-read thread (started once by :meth:`start`) and the holds on it.
 
     ``pass_run``: slabs per run; ``inflight``: reads reserved and not published; ``bad``: bool
     [L, E], experts whose pre-read failed (not tried again until :meth:`forget`);
-    ``collapsed``: the arena was asked onto huge pages (once).
+    ``collapsed``: the whole arena was asked onto huge pages (once); ``collapse_at``: bytes of
+    the arena asked so far (a collapse paused by an answer resumes there).
     """
 
     def __init__(self, cache):
@@ -55,7 +60,10 @@ class PreRead:
         self.holds = 0  # hold() calls not yet released: the pass waits
         self.answers = 0  # answers running (begin_answer): no arena collapse meanwhile
         self.collapsed = False
-        self.collapse_done = threading.Event()
+        self.collapse_at = 0
+        self.collapsing = False  # a thread is in collapse_full's loop
+        self.collapse_idle = threading.Event()  # set while no thread is
+        self.collapse_idle.set()
         self.inflight = 0
         self.bad = np.zeros((cache.L, cache.E), bool)
 
@@ -248,29 +256,48 @@ class PreRead:
         leaves those on 4 KB pages so that filling a slot never faults its neighbour's pages
         in, which no longer matters once every slot is in): K.experts_q4_t1 1028 us per call
         with the interiors advised, 820-867 us collapsed (OLMoE-1B-7B slabs, 2 threads). Once
-        per arena; the kernel copies each block it collapses (4.4 s for a 3.6 GB arena, the
-        GIL released); a kernel without it refuses; no value changes and no mapping is added.
+        per arena, in steps of ``COLLAPSE_CHUNK`` bytes ending on huge-page boundaries (the
+        kernel copies each block it collapses, the GIL released); a kernel without it refuses;
+        no value changes and no mapping is added.
 
         Not while an answer runs or the pass is held (the copying slowed a first answer's
-        decode from 36 to 11 tok/s): the pass calls it when it ends, and the last release or
-        end_answer wakes it. A caller that filled the arena with demand reads (load_experts)
-        may call it itself. Returns when the kernel is done, also when another thread's call
-        got there first."""
+        decode from 36 to 11 tok/s): it does not start then, and one running pauses before its
+        next step when an answer begins; the pass calls it when it ends, and the last release
+        or end_answer wakes the pass, which resumes where it paused. A caller that filled the
+        arena with demand reads (load_experts) may call it itself. Returns when the arena is
+        collapsed or the collapse paused, also when another thread's call was running."""
         c = self.cache
         with c.lock:
-            first = not self.collapsed
-            if (c.closed or c.memory.madvise is None or (first and (self.holds or self.answers))
-                    or (first and not (c.table.slot_state == RESIDENT).all())):
+            if c.closed or c.memory.madvise is None or self.collapsed:
                 return
-            self.collapsed = True
-            base = c.memory.base
-        if not first:  # another thread's call: return when it is done
-            self.collapse_done.wait()
+            other = self.collapsing
+            if not other:
+                if self.holds or self.answers or not (c.table.slot_state == RESIDENT).all():
+                    return
+                self.collapsing = True
+                self.collapse_idle.clear()
+            base, total = c.memory.base, c.memory.array.nbytes
+        if other:  # another thread's call: return when it stops
+            self.collapse_idle.wait()
             return
         try:
-            c.memory.madvise(base, c.memory.array.nbytes, MADV_COLLAPSE)  # a refusal leaves the pages as they are
+            while True:
+                with c.lock:
+                    at = self.collapse_at
+                    if at >= total:
+                        self.collapsed = True
+                    if self.collapsed or c.closed or self.holds or self.answers:
+                        return
+                    # the step ends on a huge-page boundary (the kernel collapses only whole aligned
+                    # blocks inside a range: a block cut by a step's edge would be skipped)
+                    end = (base + at + COLLAPSE_CHUNK) // HUGE_PAGE * HUGE_PAGE - base
+                    end = total if end <= at or end >= total else end
+                    self.collapse_at = end
+                c.memory.madvise(base + at, end - at, MADV_COLLAPSE)  # a refusal leaves the pages as they are
         finally:
-            self.collapse_done.set()
+            with c.lock:
+                self.collapsing = False
+                self.collapse_idle.set()
 
     def join(self) -> None:
         if self.thread is not None:

@@ -23,8 +23,9 @@ The modules, by concern: ``setup`` (numba's cache folder, threading layer, OpenM
 first, before numba loads), ``tiles`` (dot products, the integer intrinsics, activation
 quantization, register tiles, exp), ``linears``, ``experts``, ``routing``, ``attention``,
 ``decode_step`` (the fused decode step), ``recurrent`` (the gated delta rule), ``kquants``
-(integer dot products on GGUF's K-quant blocks) and
-``cache_take`` (the expert cache's bookkeeping of a resident decode step). Callers use the
+(integer dot products on GGUF's K-quant blocks),
+``cache_take`` (the expert cache's bookkeeping of a resident decode step) and ``lists``
+(typed lists built by cached kernels). Callers use the
 names re-exported here (``from engine import kernels; kernels.linear_q4``).
 """
 
@@ -53,6 +54,7 @@ from .attention import (ATT_QB, F16_MAX, attention, attention_sink, kv_put_f16, 
 from .decode_step import attention_t1, decode_layers_t1  # noqa: F401
 from .recurrent import DELTA_EXP_FLOOR, DELTA_TINY, gated_delta  # noqa: F401
 from .kquants import KQ_SIMD, KQ_TYPES, expert_kq, experts_kq_sorted, experts_kq_t1, linear_kq  # noqa: F401
+from .lists import typed_list  # noqa: F401
 
 
 if SERIALIZED:  # no njit function calls these names (decode_step binds its own), so rebinding them is safe

@@ -46,8 +46,9 @@ from .ops import (kv_zeros, linear_views, mean_router_probs, mlp_views, route, r
 from .attention import Attention
 from .fused_decode import FusedDecode
 from .moe_block import _ARENA_DTYPES, _T1_FIELDS, MoEBlock  # noqa: F401
-from .tensors import (EXPERT_PROJS, ExpertNames, Tensor, attention_tensors, decoder_tensors,  # noqa: F401
-                      expert_shapes, global_tensors, hf_names, layers_of_type, mlp_tensors, tensor_params)
+from .tensors import (DEEPSEEK_MTP_HEAD, EXPERT_PROJS, ExpertNames, HeadLayout, Tensor,  # noqa: F401
+                      attention_tensors, decoder_tensors, expert_shapes, global_tensors, hf_names,
+                      layers_of_type, mlp_tensors, tensor_params)
 
 from ..kernel_choice import K
 
@@ -398,14 +399,14 @@ class MoEModel(Attention, MoEBlock, FusedDecode):
                     and all(ly.get("router_bias") is None and "shared_expert" not in ly
                             and isinstance(ly["router"], np.ndarray) and ly["router"].dtype == np.float32
                             for ly in lys)):
-                from numba import typed, typeof  # the kernel is numba's (hasattr above)
+                from numba import typeof  # the kernel is numba's (hasattr above)
 
                 cols = {"ln": [f[0] for f in att], "w": [tuple(f[2]) for f in att], "s": [tuple(f[3]) for f in att],
                         "qn": [f[6] for f in att], "kn": [f[7] for f in att], "ow": [f[8] for f in att],
                         "os": [f[9] for f in att], "post": [ly["post_attention_layernorm"] for ly in lys],
                         "router": [ly["router"] for ly in lys]}
                 if all(len({typeof(v) for v in col}) == 1 for col in cols.values()):
-                    lists = {k: typed.List(col) for k, col in cols.items()}
+                    lists = {k: K.typed_list(col) for k, col in cols.items()}
                     plan = (lists, att[0][4], att[0][5], self._t1_plan(), self.expert_quant == "int4",
                             self._slabs_interleaved())
         self._dec_memo = (plan,)

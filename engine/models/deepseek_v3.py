@@ -28,6 +28,7 @@ from . import base, mla
 
 MODEL_TYPE = "deepseek_v3"
 DISPLAY_NAME = "DeepSeek-V3"
+MTP_HEAD = base.DEEPSEEK_MTP_HEAD  # the next-n layers' checkpoint layout (engine/mtp.py)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,7 @@ from . import base
 
 MODEL_TYPE = "glm4_moe"
 DISPLAY_NAME = "GLM-4.5 (MoE)"
+MTP_HEAD = base.DEEPSEEK_MTP_HEAD  # the next-n layers' checkpoint layout (engine/mtp.py)
 
 
 @dataclass(frozen=True, kw_only=True)

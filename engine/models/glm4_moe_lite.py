@@ -22,6 +22,7 @@ from . import deepseek_v3, mla
 
 MODEL_TYPE = "glm4_moe_lite"
 DISPLAY_NAME = "GLM-4.7-Flash (MoE, latent attention)"
+MTP_HEAD = deepseek_v3.MTP_HEAD  # its next-n layer, published as DeepSeek-V3's (engine/mtp.py)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,7 @@ from . import base, qwen3_next
 MODEL_TYPE = "qwen3_5_moe_text"
 DISPLAY_NAME = "Qwen3.5-MoE (text)"
 DEFAULTED_KEYS = qwen3_next.DEFAULTED_KEYS  # absent keys take transformers' defaults, named on a mismatch
+MTP_HEAD = qwen3_next.MTP_HEAD  # Qwen3-Next's mtp.* layout (engine/mtp.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,7 +35,8 @@ class ModelArgs(qwen3_next.ModelArgs):
     def from_dict(cls, cfg: dict, path: str = "config.json") -> "ModelArgs":
         """Raises: ConfigError naming ``path`` and the key."""
         v = qwen3_next.hybrid_fields(cfg, path, DISPLAY_NAME)
-        return cls(**v, norm_topk_prob=True, moe_layers=tuple(range(v["num_hidden_layers"])))
+        return cls(**v, norm_topk_prob=True, moe_layers=tuple(range(v["num_hidden_layers"])),
+                   num_nextn_predict_layers=base.num(cfg, MTP_HEAD.count_key, path, 0, 64, integer=True, default=0))
 
 
 def dense_tensors(args: ModelArgs) -> list[base.Tensor]:

@@ -67,6 +67,12 @@ MODEL_TYPE = "qwen3_next"
 DISPLAY_NAME = "Qwen3-Next"
 CHUNK = 64  # tokens per chunk of the chunked gated delta rule (transformers' default chunk_size)
 LAYER_TYPES = ("linear_attention", "full_attention")
+# The multi-token-prediction layer (engine/mtp.py, vLLM's qwen3_next_mtp.py): mtp.fc over
+# [pre_fc_norm_embedding(embedding) ; pre_fc_norm_hidden(final hidden state)], one full-attention
+# MoE layer mtp.layers.0, mtp.norm, the main lm_head; its norms zero-centred as the decoder's
+MTP_HEAD = base.HeadLayout("mtp_num_hidden_layers", "mtp.layers.{k}.",
+                           ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.fc.weight",
+                            "mtp.norm.weight"), zero_first=False, norm_one=True, block_types=("full_attention",))
 # config.json keys that may be absent, with transformers' Qwen3NextConfig defaults (the widths of
 # Qwen3-Next-80B); the checkpoint names an absent one when a weight's shape then disagrees
 DEFAULTED_KEYS = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
@@ -86,13 +92,15 @@ class ModelArgs(base.ModelArgs):
     linear_num_value_heads: int = 32
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    num_nextn_predict_layers: int = 0  # config.json's mtp_num_hidden_layers
 
     @classmethod
     def from_dict(cls, cfg: dict, path: str = "config.json") -> "ModelArgs":
         """Raises: ConfigError naming ``path`` and the key."""
         v = hybrid_fields(cfg, path, DISPLAY_NAME)
         layers = base.sparse_layers(cfg, path, v, DISPLAY_NAME)
-        return cls(**v, norm_topk_prob=base.flag(cfg, "norm_topk_prob", path, True), **layers)
+        return cls(**v, norm_topk_prob=base.flag(cfg, "norm_topk_prob", path, True), **layers,
+                   num_nextn_predict_layers=base.num(cfg, MTP_HEAD.count_key, path, 0, 64, integer=True, default=0))
 
     @property
     def full_layers(self) -> tuple[int, ...]:
@@ -229,7 +237,8 @@ def dense_tensors(args: ModelArgs) -> list[Tensor]:
 
 
 def expert_names(args: ModelArgs, i: int) -> base.ExpertNames:
-    return base.ExpertNames(i, f"model.layers.{i}.mlp.experts.", fused_prefixes=(f"model.layers.{i}.mlp.experts.",))
+    p = MTP_HEAD.block_prefix(args, i) + "mlp.experts."  # a kept MTP layer's: mtp.layers.k.
+    return base.ExpertNames(i, p, fused_prefixes=(p,))
 
 
 def split_shapes(args: ModelArgs, t: Tensor) -> list[tuple[str, tuple[int, int]]]:
@@ -455,13 +464,18 @@ class Model(base.MoEModel):
             self.snap_pos = -1  # the tokens it folded in are being rewritten
         self.observers.publish("on_forward_start", pos0, T)
         bounds = [(c0, min(c0 + PREFILL_CHUNK, T - 1)) for c0 in range(0, T - 1, PREFILL_CHUNK)] + [(T - 1, T)]
-        outs = []
+        outs, rows = [], []
+        sink = self.hidden_sink
         for c0, c1 in bounds:
             if c0 == T - 1 and T > 1 and self._hist is None:
                 self._snapshot(pos0 + T - 1)
             x = self._layers(ids[c0:c1], pos0 + c0, cancel)
+            if sink is not None:
+                rows.append(x)
             if all_logits:
                 outs.append(self.logits(x))
+        if sink is not None:  # once, as MoEModel.forward: a verify's first token alone is final
+            sink(pos0, ids, rows[0] if len(rows) == 1 else np.concatenate(rows), 1 if all_logits else T)
         self.state_pos = pos0 + T
         if not all_logits:
             return self.logits(x[-1:])

@@ -34,6 +34,45 @@ class Tensor(NamedTuple):
 
 
 @dataclass(frozen=True)
+class HeadLayout:
+    """How a family publishes its multi-token-prediction (next-n) layers (engine/mtp.py).
+
+    ``count_key``: config.json's number of next-n layers. ``block``: the checkpoint prefix of
+    next-n layer k's decoder block ("{L}": its transformer layer number L + k, "{k}": k).
+    ``names``: the checkpoint names of the head's own tensors, in the order of engine/mtp.py's
+    HEAD_TENSORS (enorm, hnorm, eh_proj, shared_head.norm; "{block}": the block's prefix).
+    ``zero_first``: the runtime zeroes the embedding at position 0. ``norm_one``: the head's
+    norms are zero-centred (x / rms(x) * (1 + w)). ``block_types``: the block's ``layer_types``
+    in a family whose layers have types. ``layers``: the prefix of the decoder's layers in the
+    family's checkpoint names (a multimodal checkpoint's language model's)."""
+
+    count_key: str
+    block: str
+    names: tuple
+    zero_first: bool
+    norm_one: bool = False
+    block_types: tuple = ()
+    layers: str = "model.layers."
+
+    def prefix(self, L: int, k: int) -> str:
+        """The checkpoint prefix of next-n layer k's block in a decoder of L layers."""
+        return self.block.format(L=L + k, k=k)
+
+    def block_prefix(self, args, i: int) -> str:
+        """The checkpoint prefix of transformer layer ``i`` of ``args`` (a kept next-n layer when
+        i >= num_hidden_layers)."""
+        L = args.num_hidden_layers
+        return self.prefix(L, i - L) if i >= L else f"{self.layers}{i}."
+
+
+# DeepSeek-V3's and GLM-4.5's next-n layers: checkpoint layers num_hidden_layers.. (vLLM's
+# deepseek_mtp.py), the embedding at position 0 zeroed
+DEEPSEEK_MTP_HEAD = HeadLayout("num_nextn_predict_layers", "model.layers.{L}.",
+                               ("{block}enorm.weight", "{block}hnorm.weight", "{block}eh_proj.weight",
+                                "{block}shared_head.norm.weight"), zero_first=True)
+
+
+@dataclass(frozen=True)
 class ExpertNames:
     """Where layer ``layer``'s routed experts live in a checkpoint.
 

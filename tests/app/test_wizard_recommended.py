@@ -96,3 +96,49 @@ def test_the_disk_speed_is_measured_and_said(qtbot, rec_wizard, monkeypatch):
     assert p.rows == lib.recommend(16 * GB, 12 * GB, 400_000_000)
     assert all(r.disk_measured and r.disk_bytes_per_s == 400_000_000 for r in p.rows)
     assert p.chosen().model.repo_id == "Qwen/Qwen3-30B-A3B"  # the choice survives the refill
+
+
+@pytest.mark.parametrize("ram_gb", [8, 16, 32, 64])
+def test_each_machine_size_gets_the_sizing_modules_numbers(qtbot, monkeypatch, app_dirs, ram_gb):
+    """The page on an 8, 16, 32 and 64 GB machine (memory given, 80% of it available): each
+    row's download, store, RAM budget, experts in RAM and verdict are the sizing module's own
+    numbers for that model and quantization, recommended rows first."""
+    from engine import sizing
+    from colibri_app import workers
+    total, available = ram_gb * GB, int(ram_gb * GB * 0.8)
+    monkeypatch.setattr(lib, "machine_ram", lambda: (total, available))
+    measured = threading.Event()
+    monkeypatch.setattr(lib, "disk_read_speed", lambda folder, files=(): measured.wait(600) and lib.DiskSpeed(
+        0, 0.0, "O_DIRECT", str(folder)))  # not measured: the assumed disk
+    w = wz.ModelWizard(None, context_length=0, recommendations=True)
+    qtbot.addWidget(w)
+    w.show()  # the page fills its table when shown
+    try:
+        p = w.recommended_page
+        assert f"{lib.format_bytes(total)} of RAM" in p.machine.text()
+        assert p.table.rowCount() == len(lib.CATALOG)
+        flags = []
+        for i in range(p.table.rowCount()):
+            cells = [p.table.item(i, j).text() for j in range(p.table.columnCount())]
+            m = next(c for c in lib.CATALOG if c.name == cells[0])
+            a, quant = m.args(), cells[1]
+            est = sizing.estimate(a, quant, 0)
+            assert cells[2] == lib.format_bytes(sizing.estimate(a, m.published, 0).store_bytes)
+            assert cells[3] == lib.format_bytes(est.store_bytes)
+            verdict = sizing.ram_verdict(est, a.num_experts_per_tok, total, available)[0]
+            try:
+                plan = sizing.plan_before_open(est, available)
+            except sizing.BudgetError:
+                assert cells[4] == "—" and cells[5] == "none" and cells[7] != "recommended", cells
+                flags.append(False)
+                continue
+            assert cells[4] == lib.format_bytes(min(plan.budget, est.all_in_ram_bytes))
+            assert cells[5] == f"{plan.slots // plan.layers} of {a.num_experts} per layer"
+            if verdict == "refuse":
+                assert cells[7] == "not enough RAM"
+            flags.append(cells[7] == "recommended")
+        assert any(flags) and flags == sorted(flags, reverse=True), flags  # recommended rows first
+    finally:
+        measured.set()
+        w.reject()
+        assert workers.shutdown_all(30)
