@@ -234,9 +234,15 @@ def _build_tokenizer(style: str, special: list[str], added: list[str]) -> HFToke
 
 
 def _make_family(root: Path, family: str) -> Path:
-    spec = FAMILIES[family]
     d = root / family
     d.mkdir()
+    return write_family_tokenizer(d, family)
+
+
+def write_family_tokenizer(d: Path, family: str) -> Path:
+    """Writes ``family``'s tokenizer.json (under 620 ids), tokenizer_config.json, template and
+    generation_config.json into the folder ``d``; returns ``d``."""
+    spec = FAMILIES[family]
     hf = _build_tokenizer(spec["style"], spec["special"], spec["added"])
     hf.save(str(d / "tokenizer.json"))
     template = (TEMPLATES / f"{family}.jinja").read_text()
