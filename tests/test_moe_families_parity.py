@@ -322,6 +322,24 @@ def test_f32_logits_match_transformers(tmp_path, name, record_property):
         assert chosen_with_and_without_bias(m, list(range(3, 27))) > 0
 
 
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n.startswith("llama4")])
+def test_llama4_chunking_takes_effect_within_the_prompt(tmp_path, name):
+    """transformers' own logits on the parity prompt change from the first position past the
+    first chunk when chunking is lifted (and not before), so the f32 parity above covers it."""
+    m, _ = saved(tmp_path, name)
+    text = getattr(m.config, "text_config", m.config)
+    chunk = text.attention_chunk_size
+    ids = np.random.default_rng(0).integers(0, V, 24).tolist()
+    chunked = hf_logits(m, ids)
+    text.attention_chunk_size = 10 ** 6
+    try:
+        whole = hf_logits(m, ids)
+    finally:
+        text.attention_chunk_size = chunk
+    changed = np.nonzero(np.abs(chunked - whole).max(axis=1) > 1e-6)[0]
+    assert 0 < chunk < 24 and changed.min() == chunk
+
+
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n.startswith("kimi")])
 def test_kimi_linear_prefill_over_two_delta_chunks(tmp_path, name):
     """A 70-token prompt runs the KDA layers' chunked rule over two chunks of 64 (the state
