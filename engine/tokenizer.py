@@ -27,6 +27,7 @@ from .detokenizer import IncrementalDecoder
 from .errors import TokenizerError
 from .events import ChatMessage
 from .harmony import HarmonyDecoder, is_harmony
+from .thought_channel import ThoughtChannelDecoder, is_thought_channel
 
 log = logging.getLogger(__name__)
 
@@ -370,7 +371,11 @@ class Tokenizer:
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         """A fresh :class:`IncrementalDecoder` over this tokenizer; for a harmony tokenizer
         (gpt-oss, engine/harmony.py) with special tokens skipped, a HarmonyDecoder, which shows
-        the analysis channel as a leading <think>...</think> block and the final channel as the answer."""
+        the analysis channel as a leading <think>...</think> block and the final channel as the answer;
+        for Gemma 4's channels (engine/thought_channel.py), with or without the special tokens
+        shown, a ThoughtChannelDecoder, which shows the thought channel as that block."""
         if skip_special_tokens and is_harmony(self):
             return HarmonyDecoder(self)
+        if is_thought_channel(self):
+            return ThoughtChannelDecoder(self, skip_special_tokens=skip_special_tokens)
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)

@@ -322,6 +322,24 @@ def test_f32_logits_match_transformers(tmp_path, name, record_property):
         assert chosen_with_and_without_bias(m, list(range(3, 27))) > 0
 
 
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n.startswith("llama4")])
+def test_llama4_chunking_takes_effect_within_the_prompt(tmp_path, name):
+    """transformers' own logits on the parity prompt change from the first position past the
+    first chunk when chunking is lifted (and not before), so the f32 parity above covers it."""
+    m, _ = saved(tmp_path, name)
+    text = getattr(m.config, "text_config", m.config)
+    chunk = text.attention_chunk_size
+    ids = np.random.default_rng(0).integers(0, V, 24).tolist()
+    chunked = hf_logits(m, ids)
+    text.attention_chunk_size = 10 ** 6
+    try:
+        whole = hf_logits(m, ids)
+    finally:
+        text.attention_chunk_size = chunk
+    changed = np.nonzero(np.abs(chunked - whole).max(axis=1) > 1e-6)[0]
+    assert 0 < chunk < 24 and changed.min() == chunk
+
+
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n.startswith("kimi")])
 def test_kimi_linear_prefill_over_two_delta_chunks(tmp_path, name):
     """A 70-token prompt runs the KDA layers' chunked rule over two chunks of 64 (the state
@@ -342,10 +360,11 @@ def test_deepseek_v4_prefill_over_two_chunks(tmp_path):
     assert prefill <= 1e-4 and decode <= 1e-4 and hf_self <= 1e-4
 
 
-def test_deepseek_v4_indexer_drops_entries_within_the_prompt(tmp_path):
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n.startswith("dsv4")])
+def test_deepseek_v4_indexer_drops_entries_within_the_prompt(tmp_path, name):
     """The compressed sparse layers' indexer keeps fewer entries than have closed for the later
     queries of the parity prompt, so the f32 parity above covers its choice."""
-    name = "dsv4-hash-csa-hca-yarn"
+    topk = CONFIGS[name][2]["index_topk"]
     m, d = saved(tmp_path, name)
     store = convert_checkpoint(d, tmp_path / "f32", quant="f32")
     ours, st, cache = open_model(store, kv_dtype="f32")
@@ -359,7 +378,7 @@ def test_deepseek_v4_indexer_drops_entries_within_the_prompt(tmp_path):
             return out
         ours._index = spy
         ours.forward(np.random.default_rng(0).integers(0, V, 24), 0, all_logits=True)
-        assert any(k < ready for k, ready in kept) and all(k == min(3, ready) for k, ready in kept)
+        assert any(k < ready for k, ready in kept) and all(k == min(topk, ready) for k, ready in kept)
     finally:
         cache.close()
         st.close()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
+from pathlib import Path
 
 import pytest
 from PySide6.QtGui import QGuiApplication
@@ -126,3 +128,25 @@ def test_window_on_model_without_template_runs_raw_when_chosen(qtbot, make_windo
     qtbot.waitUntil(lambda: win.answer is None and any(
         v.role == "assistant" and v.status != STREAMING for v in win.chat.views.values()), timeout=1_800_000)
     assert win.banner.kind not in ("tokenizer", "error") or not win.banner.isVisible()
+
+
+def test_gemma4_thought_channel_streams_collapsed_then_answer(qtbot, tmp_path):
+    """A Gemma 4 store's answer with a thought channel (tests/test_thought_channel.py): the chat
+    view gets the engine's streamed text, the thought as the collapsed reasoning."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from test_thought_channel import ANSWER, REASONING, THOUGHT, gemma_folder
+    from engine import Engine, EngineConfig, GenerateRequest, TokenEvent, convert_checkpoint
+    from engine.bench.synthetic import gemma4_text_config, write_checkpoint
+    ck = write_checkpoint(tmp_path / "ck", gemma4_text_config(num_hidden_layers=2, vocab_size=300), seed=5,
+                          tokenizer=False)
+    gemma_store = convert_checkpoint(gemma_folder(ck), tmp_path / "st", quant="int8")
+    with Engine.open(EngineConfig(store=str(gemma_store), history=False, o_direct=False, cap=2, pilot=0)) as eng:
+        forced = tuple(eng.tokenizer.encode(THOUGHT))
+        req = GenerateRequest(messages=(ChatMessage("user", "Is 7 prime?"),), forced_ids=forced,
+                              sampling=SamplingParams(max_new_tokens=len(forced)))
+        pieces = [e.text for e in eng.generate(req) if isinstance(e, TokenEvent)]
+    v = _assistant(qtbot)
+    for p in pieces:
+        v.append_stream(p)
+    assert v.text.toPlainText() == ANSWER and v.think_text.toPlainText() == REASONING
+    assert v.think_btn.text().startswith("Thought") and not v.think_text.isVisible()

@@ -1,7 +1,8 @@
 """The wizard for every model family: a local folder and the loopback fake hub each convert a
 tiny checkpoint saved by transformers' own class (OlmoeForCausalLM, Qwen3MoeForCausalLM,
 MixtralForCausalLM, Qwen2MoeForCausalLM and the MoE families added
-after them) and the result chats; a GGUF-only folder and an
+after them, Llama 4's and Gemma 4's multimodal checkpoints too) and the result chats, with the
+family's own chat template where tests/chat_templates has one, rendered as transformers renders it; a GGUF-only folder and an
 unsupported model_type each get one clear line and Next stays disabled."""
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ from PySide6.QtWidgets import QWizard  # noqa: E402
 from engine import ChatMessage, Engine, EngineConfig, Finished, GenerateRequest, SamplingParams  # noqa: E402
 from engine import library as hub  # noqa: E402
 from engine.bench.synthetic import write_tokenizer  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
+from test_chat_template import write_family_tokenizer  # noqa: E402
 from colibri_app import wizard as wz  # noqa: E402
 
-T = 300_000  # ms: only a hang trips it (a loaded machine converts slowly)
+T = 1_800_000  # ms: only a hang trips it (a loaded machine converts and compiles slowly)
 V = 320
 BASE = dict(vocab_size=V, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=512, eos_token_id=0, pad_token_id=0, bos_token_id=None)
@@ -72,6 +75,19 @@ FAMILIES = {
         v_head_dim=8, moe_intermediate_size=16, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
         linear_num_heads=2, linear_head_dim=16, layer_types=["linear_attention", "full_attention"],
         mlp_layer_types=["dense", "sparse"]), "Kimi-Linear"),
+    # the published multimodal checkpoints (a tiny vision tower beside Llama 4's): their language models
+    "llama4": ("Llama4Config", "Llama4ForConditionalGeneration", dict(
+        text_config=dict(num_local_experts=4, num_experts_per_tok=1, intermediate_size=16, intermediate_size_mlp=48,
+                         head_dim=8, interleave_moe_layer_step=2, attention_chunk_size=8),
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                           image_size=28, patch_size=14, vision_output_dim=32, projector_input_dim=32,
+                           projector_output_dim=32)), "Llama 4"),
+    "gemma4": ("Gemma4Config", "Gemma4ForConditionalGeneration", dict(
+        text_config=dict(num_experts=4, top_k_experts=2, moe_intermediate_size=16, intermediate_size=24, head_dim=8,
+                         global_head_dim=16, enable_moe_block=True, hidden_size_per_layer_input=0,
+                         attention_k_eq_v=True, num_global_key_value_heads=1,
+                         layer_types=["sliding_attention", "full_attention"], sliding_window=8),
+        vision_config=None, audio_config=None), "Gemma 4"),
     "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM", dict(
         num_key_value_heads=1, head_dim=16, q_lora_rank=16, partial_rotary_factor=0.5, moe_intermediate_size=16,
         n_routed_experts=4, num_experts_per_tok=2, hc_mult=2, sliding_window=4, o_groups=2, o_lora_rank=8,
@@ -82,18 +98,32 @@ FAMILIES = {
 }
 
 
+# family -> its chat template's family in test_chat_template (the published template or the
+# family's format, with its markers as special tokens); the others get write_tokenizer's
+TEMPLATE_OF = {"ernie4_5_moe": "ernie4_5_moe", "dots1": "dots1", "hunyuan_v1_moe": "hunyuan_v1_moe",
+               "minimax_m2": "minimax_m2", "llama4_text": "llama4", "llama4": "llama4", "gemma4_text": "gemma4",
+               "gemma4": "gemma4", "lfm2_moe": "lfm2_moe", "granitemoehybrid": "granitemoehybrid",
+               "kimi_linear": "kimi_linear", "deepseek_v4": "deepseek_v4"}
+TEMPLATE_V = 640  # the vocabulary of a model whose tokenizer is test_chat_template's (up to 620 ids)
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     """family -> a folder saved by transformers' save_pretrained, plus a small BPE tokenizer with
-    a chat template (engine.bench.synthetic.write_tokenizer)."""
+    the family's chat template (TEMPLATE_OF) or a generic one (engine.bench.synthetic.write_tokenizer)."""
     root = tmp_path_factory.mktemp("hf-families")
     out = {}
     for fam, (cfg_cls, model_cls, kw, _) in FAMILIES.items():
         torch.manual_seed(len(fam))
-        m = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**{**BASE, **kw}))
+        base = {**BASE, "vocab_size": TEMPLATE_V if fam in TEMPLATE_OF else V}
+        kw = {**kw, "text_config": {**base, **kw["text_config"]}} if "text_config" in kw else {**base, **kw}
+        m = getattr(transformers, model_cls)(getattr(transformers, cfg_cls)(**kw))
         d = root / f"tiny-{fam.replace('_', '-')}"
         m.save_pretrained(d)
-        write_tokenizer(d, V)
+        if fam in TEMPLATE_OF:
+            write_family_tokenizer(d, TEMPLATE_OF[fam])
+        else:
+            write_tokenizer(d, V)
         out[fam] = d
     return out
 
@@ -132,7 +162,7 @@ def _chat(store: str, family: str) -> None:
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_local_folder_of_each_family_converts_and_chats(qtbot, wizard, checkpoints, family):
+def test_local_folder_of_each_family_converts_and_chats(qtbot, wizard, checkpoints, family, monkeypatch):
     w = wizard
     w.source_page.local_radio.setChecked(True)
     w.source_page.folder_edit.setText(str(checkpoints[family]))
@@ -146,6 +176,25 @@ def test_local_folder_of_each_family_converts_and_chats(qtbot, wizard, checkpoin
     entry = [e for e in hub.list_models() if e.path == store][0]
     assert entry.family == family
     _chat(store, family)
+    if family in TEMPLATE_OF:
+        _renders_as_transformers(store, checkpoints[family], monkeypatch)
+
+
+def _renders_as_transformers(store: str, folder: Path, monkeypatch) -> None:
+    """The converted store's chat template renders (text and ids) as transformers renders the
+    source folder's: a multi-turn chat with a system prompt, and a tool loop with tools offered."""
+    from test_chat_template import MULTI_TURN, TOOL_CHAT, TOOLS, _FrozenClock
+    import engine.chat_template
+    import transformers.utils.chat_template_utils as theirs
+    monkeypatch.setattr(engine.chat_template, "datetime", _FrozenClock)  # Hunyuan's tool prompt shows the time
+    monkeypatch.setattr(theirs, "datetime", _FrozenClock)
+    ours = Tokenizer.from_dir(Path(store))
+    hf = transformers.AutoTokenizer.from_pretrained(str(folder))
+    for msgs, kw in ((MULTI_TURN, {}), (TOOL_CHAT, {"tools": TOOLS})):
+        text = ours.apply_chat_template(msgs, add_generation_prompt=True, **kw)
+        assert text == hf.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True, **kw)
+        assert ours.encode_chat(msgs, add_generation_prompt=True, **kw) == hf.apply_chat_template(
+            msgs, tokenize=True, return_dict=False, add_generation_prompt=True, **kw)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
