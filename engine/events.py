@@ -220,6 +220,9 @@ class Finished:
     mb_per_token: float
     felt_wait_s: float
     error: str = ""
+    #: with finish_reason error: the failure's engine.errors.ErrorKind value ("io" for a store
+    #: that could not be read, "internal" for a bug), else ""
+    error_kind: str = ""
     dropped_messages: int = 0
     answer_room: int = 0
     threads: int = 0

@@ -23,7 +23,7 @@ import numpy as np
 from .config import EngineConfig
 from .docs_lookup import CopyPrior
 from .engine_setup import EngineSetup, RoutingFeed  # noqa: F401 - RoutingFeed: its home before
-from .errors import Cancelled, ContextOverflowError, EngineError
+from .errors import Cancelled, ContextOverflowError, EngineError, ErrorKind
 from .events import Finished, FinishReason, GenerateRequest, LoadProgress, ResidencySnapshot, TokenEvent
 from .expert_cache import ExpertCache
 from .expert_store import ExpertStore
@@ -254,7 +254,7 @@ class Engine(EngineSetup, PromptFit):
         copier = CopyPrior.for_entries(self.tokenizer, sources, request.sampling.docs_copy)
         text_parts: list[str] = []
         reason = FinishReason.LENGTH
-        error = ""
+        error = error_kind = ""
         prefill_s = 0.0
         dec_forwards, t_dec0, t_dec1 = 0, 0.0, 0.0
         dec_rows, drafted, accepted = 0, 0, 0  # rows sampled after decode forwards; draft tokens, kept
@@ -392,10 +392,10 @@ class Engine(EngineSetup, PromptFit):
         except EngineError as e:
             # Reported once, by whoever shows the Finished event (CLI line, app banner); a log
             # record at error level as well printed every failure twice on stderr.
-            reason, error = FinishReason.ERROR, str(e)
+            reason, error, error_kind = FinishReason.ERROR, str(e), str(e.kind)
             log.debug("generation failed: %s", e)
         except Exception as e:  # noqa: BLE001 - reported as a Finished(error) event
-            reason, error = FinishReason.ERROR, f"{type(e).__name__}: {e}"
+            reason, error, error_kind = FinishReason.ERROR, f"{type(e).__name__}: {e}", str(ErrorKind.INTERNAL)
             log.debug("generation failed", exc_info=True)
         if reason != FinishReason.STOP:
             text_parts.append(dec.flush())
@@ -417,7 +417,8 @@ class Engine(EngineSetup, PromptFit):
             decode_tok_per_s=dec_rows / (t_dec1 - t_dec0) if dec_rows and t_dec1 > t_dec0 else 0.0,
             prefill_tok_per_s=(len(ids) - p) / prefill_s if prefill_s > 0 else 0.0,
             hit_rate=hit_rate, mb_per_token=mb_per_token,
-            felt_wait_s=tot["felt_wait_s"], error=error, dropped_messages=dropped, answer_room=max_new,
+            felt_wait_s=tot["felt_wait_s"], error=error, error_kind=error_kind, dropped_messages=dropped,
+            answer_room=max_new,
             sources=tuple(e.name for e in sources), source_summaries=tuple(e.summary for e in sources),
             threads=self.threads, seed=sampler.seed,
             tokens_per_forward=dec_rows / dec_forwards if dec_forwards else 0.0,

@@ -357,6 +357,31 @@ def test_cli_self_test_that_cannot_read_the_store_keeps_it(fake, capsys, monkeyp
     assert len(hub.list_models()) == 1 and (paths.models_dir() / "tiny-olmoe-int8").exists()
 
 
+def test_cli_self_test_whose_first_failed_read_is_an_embedding_row_keeps_the_store(fake, capsys, monkeypatch):
+    """A read error of a token's embedding row during the self-test's generation (which may
+    come before any expert read fails) says nothing about the store either: the self-test
+    reports it unreadable, the store is kept. Once told apart by the cache's read-error count
+    alone, which such a run leaves at 0."""
+    import errno
+    from engine.cli import main
+    from engine.generate import Engine
+
+    def eio(*a, **k):
+        raise OSError(errno.EIO, "Input/output error")
+    real_open = Engine.open.__func__
+
+    def open_then_fail_rows(cls, *a, **k):
+        eng = real_open(cls, *a, **k)
+        assert eng.model.embed_rows is not None  # the rows are read per token
+        eng.model.embed_rows._read = eio  # from the generation on, as a disk failing after open
+        return eng
+    monkeypatch.setattr(Engine, "open", classmethod(open_then_fail_rows))
+    assert main(["download", REPO, "--quant", "int8", "--yes"]) == 1
+    err = capsys.readouterr().err
+    assert "could not run" in err and "kept" in err and "Input/output error" in err and "Traceback" not in err
+    assert len(hub.list_models()) == 1 and (paths.models_dir() / "tiny-olmoe-int8").exists()
+
+
 def test_cli_download_pasted_address_and_failed_self_test(fake, capsys, monkeypatch):
     """The wizard's checks in the CLI too: a pasted hub address is the repo id; a store whose
     self-test fails is removed (not left in the library)."""

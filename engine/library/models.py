@@ -105,7 +105,9 @@ def self_test(store: str | os.PathLike, max_new_tokens: int = 8) -> str:
             if isinstance(ev, Finished):
                 fin = ev
         read_errors = eng.cache.stats.read_errors
-    if fin is not None and fin.finish_reason == FinishReason.ERROR and read_errors:
+    # a read that failed, whichever read it was (an expert's counted by the cache, or a token's
+    # embedding row, which may come first): not known to be broken
+    if fin is not None and fin.finish_reason == FinishReason.ERROR and (read_errors or fin.error_kind == "io"):
         raise StoreUnreadable(f"{store}: the self-test could not read the store ({fin.error}); check the disk, "
                               f"then try again")
     if fin is None or fin.finish_reason == FinishReason.ERROR:
