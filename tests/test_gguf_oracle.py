@@ -49,7 +49,8 @@ from engine.gguf_import import GGUFModel, convert_gguf  # noqa: E402
 from engine.gguf_tokenizer import tokenizer_files  # noqa: E402
 from engine.bench.synthetic import (deepseek_v2_config, deepseek_v3_config, dots1_config,  # noqa: E402
                                     ernie4_5_moe_config, glm4_moe_config, gpt_oss_config, hunyuan_v1_moe_config,
-                                    mixtral_config, olmoe_config, qwen2_moe_config, qwen3_moe_config, qwen3_next_config,
+                                    minimax_m2_config, mixtral_config, olmoe_config, qwen2_moe_config, qwen3_moe_config,
+                                    qwen3_next_config,
                                     write_checkpoint)
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -61,7 +62,7 @@ TYPES = ("Q8_0", "Q4_K_M", "Q6_K", "Q5_K_M", "Q4_0")
 # (measured, worst of qwen3moe / olmoe / Mixtral / qwen2moe / gpt-oss: Q8_0 0.040, Q4_K_M 0.058,
 # Q6_K 0.070, Q5_K_M 0.060, Q4_0 0.034, MXFP4_MOE 0.013, all of them Mixtral's but MXFP4's);
 # since the K-quant experts quantize their activations to 8 bits as llama.cpp does (Q8_K), worst
-# of every family here: Q4_K_M 0.056, Q6_K 0.055, Q5_K_M 0.064
+# of every family here: Q4_K_M 0.056, Q6_K 0.055, Q5_K_M 0.064 (MiniMax-M2: Q8_0 0.021, Q4_K_M 0.031)
 BOUNDS = {"Q8_0": 0.06, "Q4_K_M": 0.09, "Q6_K": 0.10, "Q5_K_M": 0.09, "Q4_0": 0.05, "MXFP4_MOE": 0.02}
 # Qwen3-Next's own (measured at weight spread 0.02: Q8_0 0.107, Q4_K_M 0.126; at F16 0.008): llama.cpp's
 # 8-bit activations enter the Gated DeltaNet recurrence, which carries their rounding across tokens
@@ -112,6 +113,9 @@ def _config(family: str, vocab: int) -> dict:
         kw.update(num_attention_heads=2, num_key_value_heads=1, moe_topk=[kw.pop("num_experts_per_tok")] * L)
         return hunyuan_v1_moe_config(head_dim=128, intermediate_size=256, moe_intermediate_size=[256] * L,
                                      num_shared_expert=[1] * L, max_position_embeddings=32768, **kw)
+    if family == "minimax_m2":  # GQA 4/2, whole-projection q/k norms, half the head rotated, sigmoid router
+        kw.update(num_key_value_heads=2, num_local_experts=8)
+        return minimax_m2_config(head_dim=64, rotary_dim=32, intermediate_size=256, scoring_func="sigmoid", **kw)
     if family == "gpt_oss":  # window 8: the 24-token prompt crosses it
         return gpt_oss_config(intermediate_size=256, num_key_value_heads=2, head_dim=64, sliding_window=8, **kw)
     return mixtral_config(intermediate_size=256, **kw)
@@ -155,7 +159,7 @@ CASES = ([(f, t) for f in ("qwen3_moe", "olmoe", "mixtral") for t in TYPES]
          + [("qwen2_moe", "Q4_K_M"), ("gpt_oss", "MXFP4_MOE"), ("gpt_oss", "Q8_0")]
          + [("deepseek_v3", t) for t in TYPES] + [("deepseek_v2", "Q4_K_M")]
          + [("glm4_moe", t) for t in ("Q8_0", "Q4_K_M")] + [("qwen3_next", t) for t in ("Q8_0", "Q4_K_M")]
-         + [(f, t) for f in ("dots1", "ernie4_5_moe", "hunyuan_v1_moe") for t in ("Q8_0", "Q4_K_M")])
+         + [(f, t) for f in ("dots1", "ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2") for t in ("Q8_0", "Q4_K_M")])
 
 
 @pytest.mark.parametrize("family,qtype", CASES, ids=[f"{f}-{t}" for f, t in CASES])
