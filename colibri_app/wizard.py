@@ -225,7 +225,8 @@ class SourcePage(QWizardPage):
         self.browse_file.clicked.connect(self._browse_file)
         self.supported = QLabel(
             f"Supported mixture-of-experts families: {supported_families()} (GGUF architectures qwen3moe, "
-            f"olmoe, qwen2moe, llama with experts, gpt-oss, deepseek2, glm4moe, qwen3next). Other model types are "
+            f"olmoe, qwen2moe, llama with experts, gpt-oss, deepseek2, glm4moe, qwen3next, dots1, ernie4_5-moe, "
+            f"hunyuan-moe, minimax-m2). Other model types are "
             f"refused before anything is downloaded.")
         self.supported.setWordWrap(True)
         self.status = QLabel()
