@@ -94,6 +94,14 @@ def test_check_reads_the_chosen_header_only(hub, files, monkeypatch):
     assert not Path(chk.download_dir).exists()
 
 
+def test_a_gguf_choice_for_a_repository_without_gguf_files_is_refused(hub, tmp_path):
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "README.md").write_text("no weights here")
+    hub.add_folder("colibri/plain", tmp_path / "plain")
+    with pytest.raises(ConfigError, match="colibri/plain: holds no GGUF model file, so there is none of 'Q4_K_M'"):
+        check_repo("colibri/plain", gguf="Q4_K_M")
+
+
 def test_colibri_download_imports_the_chosen_gguf(hub, files, capsys):
     from engine.cli.main import main
     assert main(["download", REPO, "--gguf", "q8_0"]) == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from ..errors import ConfigError
 from ..quant import QUANTS
 from .check import DEFAULT_CONTEXT, RepoCheck, _repo_listing, check_hf_repo, parse_repo_id
 from .hub_gguf import check_hub_gguf, gguf_models, is_gguf_repo
@@ -26,7 +27,8 @@ def check_repo(repo_id: str, revision: str | None = None, quant: str = "int8",
     Returns: a RepoCheck; ``check.ok`` False means refused (disk or RAM), with messages.
     Raises:
         ConfigError: unsupported model_type / architecture, an invalid config.json, a GGUF
-            quant the repository does not hold (naming those it does) - before any weights move.
+            quant the repository does not hold (naming those it does), ``gguf`` given for a
+            repository without GGUF files - before any weights move.
         CheckpointError: a GGUF file that is not one or whose header is damaged.
         HubError: repo / revision not found, gated, no weights, network down.
         TokenizerError: no usable tokenizer, or a chat template that cannot render.
@@ -38,7 +40,10 @@ def check_repo(repo_id: str, revision: str | None = None, quant: str = "int8",
     repo_id, url_revision = parse_repo_id(repo_id)
     revision = (revision or "").strip() or url_revision
     commit, listing = _repo_listing(repo_id, revision)
-    if is_gguf_repo(listing) or gguf and gguf_models(listing):
+    if gguf and not gguf_models(listing):
+        raise ConfigError(f"{repo_id}: holds no GGUF model file, so there is none of {gguf!r} to choose; leave the "
+                          f"GGUF choice out to download its Hugging Face checkpoint. Nothing was downloaded.")
+    if is_gguf_repo(listing) or gguf:
         return check_hub_gguf(repo_id, revision, commit, listing, gguf, context_length,
                               download_dir_for(repo_id, dest_root))
     return check_hf_repo(repo_id, revision, quant, context_length, dest_root, listing=(commit, listing))
