@@ -2,10 +2,10 @@
 
 Each fixture is made here: a tiny random checkpoint of the family (qwen3moe, olmoe, llama with
 experts = Mixtral, qwen2moe, gpt-oss, deepseek2, glm4moe, qwen3next, dots1, ernie4_5-moe,
-hunyuan-moe; hidden 256, expert width 256, 2 layers, 8 experts; Qwen2's vocabulary so that the
+hunyuan-moe, minimax-m2; hidden 256, expert width 256, 2 layers, 8 experts; Qwen2's vocabulary so that the
 converter recognises the tokenizer), converted by llama.cpp's
 ``convert_hf_to_gguf.py`` to F16 and quantized by ``llama-quantize`` to each type (Q4_K_M and
-Q5_K_M give mixed files: Q6_K / Q5_K rows beside Q4_K ones; gpt-oss at MXFP4_MOE and Q8_0). The store is
+Q5_K_M give mixed files: Q6_K / Q5_K rows beside Q4_K ones; gpt-oss at MXFP4_MOE too). The store is
 imported with ``--dense-quant f32`` so that the dense weights are exactly the file's, and the
 comparison measures the expert-block kernels against llama.cpp's (which quantize the activations
 to 8 bits before their dot products, so small differences are expected).
@@ -156,7 +156,7 @@ def made(tmp_path_factory):
 
 
 CASES = ([(f, t) for f in ("qwen3_moe", "olmoe", "mixtral") for t in TYPES]
-         + [("qwen2_moe", "Q4_K_M"), ("gpt_oss", "MXFP4_MOE"), ("gpt_oss", "Q8_0")]
+         + [("qwen2_moe", "Q4_K_M"), ("gpt_oss", "MXFP4_MOE")] + [("gpt_oss", t) for t in TYPES]
          + [("deepseek_v3", t) for t in TYPES] + [("deepseek_v2", "Q4_K_M")]
          + [("glm4_moe", t) for t in ("Q8_0", "Q4_K_M")] + [("qwen3_next", t) for t in ("Q8_0", "Q4_K_M")]
          + [(f, t) for f in ("dots1", "ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2") for t in ("Q8_0", "Q4_K_M")])
