@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -123,7 +124,9 @@ def _config(family: str, vocab: int) -> dict:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """(family, type) -> GGUF path, made on first use by llama.cpp's converter and quantizer."""
+    """(family, type) -> GGUF path, made by llama.cpp's quantizer from the family's F16 file (made on
+    first use by its converter; the checkpoint removed once converted: every family's checkpoint,
+    files and stores kept to the module's end fill gigabytes of a shared disk)."""
     d = llama_cpp_dir()
     if d is None:
         pytest.skip("needs $LLAMA_CPP_DIR: a llama.cpp source tree built with cmake")
@@ -132,11 +135,8 @@ def made(tmp_path_factory):
     with GGUFModel(d / "models" / "ggml-vocab-qwen2.gguf") as g:
         tok = tokenizer_files(g)
         vocab = len(g.kv["tokenizer.ggml.tokens"])
-    cache: dict = {}
 
     def get(family: str, qtype: str) -> Path:
-        if (family, qtype) in cache:
-            return cache[family, qtype]
         base = root / f"{family}-F16.gguf"
         if not base.exists():
             ck = write_checkpoint(root / f"ck-{family}", _config(family, vocab), seed=3, tokenizer=False,
@@ -145,11 +145,11 @@ def made(tmp_path_factory):
                 (ck / name).write_text(text, encoding="utf-8")
             env = {**os.environ, "PYTHONPATH": str(d / "gguf-py")}
             r = subprocess.run(convert_command(d, ck, base, family), env=env, capture_output=True, text=True)
+            shutil.rmtree(ck, ignore_errors=True)
             assert r.returncode == 0, r.stderr[-3000:]
         out = root / f"{family}-{qtype}.gguf"
         r = subprocess.run([str(quantize), str(base), str(out), qtype], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-3000:]
-        cache[family, qtype] = out
         return out
 
     return get
@@ -167,6 +167,8 @@ def test_logits_and_greedy_steps_match_llama_cpp(family, qtype, made, tmp_path, 
     from llama_helpers import llama_logits
     llama_cpp = import_llama_cpp()
     f = made(family, qtype)
+    # the quantized file and the f32 store (hundreds of MB with Qwen2's vocabulary) go after the test
+    request.addfinalizer(lambda: (f.unlink(missing_ok=True), shutil.rmtree(tmp_path / "st", ignore_errors=True)))
     st = convert_gguf(f, tmp_path / "st", dense_quant="f32")
     kinds = {t for row in json.loads((st / "manifest.json").read_text())["gguf"]["expert_types"] for t in row}
     ref, llm = llama_logits(llama_cpp, f, IDS, threads=2)
