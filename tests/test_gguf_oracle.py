@@ -197,6 +197,6 @@ def test_logits_and_greedy_steps_match_llama_cpp(family, qtype, made, tmp_path, 
           f"margins {np.round(margin[~agree], 3).tolist()}); greedy: {int(decisive.sum())}/32 steps decisive, "
           f"identical at {int(same[decisive].sum())} of them, at {int(same.sum())}/32 overall")
     assert max_abs <= FAMILY_BOUNDS.get((family, qtype), BOUNDS[qtype]) * scale
-    assert kl.max() < 8e-3  # measured: 3.9e-3 at most (Mixtral Q6_K)
+    assert kl.max() < 8e-3  # measured: 4.2e-3 at most (Mixtral Q5_K_M)
     assert (margin[~agree] < MARGIN).all()
     assert decisive.sum() >= MIN_DECISIVE.get(family, 8) and same[decisive].all()
