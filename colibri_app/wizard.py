@@ -208,7 +208,7 @@ class SourcePage(QWizardPage):
         grp.addButton(self.local_radio)
         self.repo_edit = QLineEdit()
         self.repo_edit.setObjectName("repo")
-        self.repo_edit.setPlaceholderText("owner/name, e.g. Qwen/Qwen3-30B-A3B or allenai/OLMoE-1B-7B-0924")
+        self.repo_edit.setPlaceholderText("owner/name, e.g. Qwen/Qwen3-30B-A3B, or a -GGUF repository")
         self.revision_edit = QLineEdit()
         self.revision_edit.setObjectName("revision")
         self.revision_edit.setPlaceholderText("main")
@@ -225,7 +225,8 @@ class SourcePage(QWizardPage):
         self.browse_file.clicked.connect(self._browse_file)
         self.supported = QLabel(
             f"Supported mixture-of-experts families: {supported_families()} (GGUF architectures qwen3moe, "
-            f"olmoe, qwen2moe, llama with experts, gpt-oss, deepseek2, glm4moe, qwen3next). Other model types are "
+            f"olmoe, qwen2moe, llama with experts, gpt-oss, deepseek2, glm4moe, qwen3next, dots1, ernie4_5-moe, "
+            f"hunyuan-moe, minimax-m2). Other model types are "
             f"refused before anything is downloaded.")
         self.supported.setWordWrap(True)
         self.status = QLabel()
@@ -255,6 +256,8 @@ class SourcePage(QWizardPage):
         self.found_table.itemSelectionChanged.connect(self._found_selected)
         self.found: list = []  # lib.FoundGGUF rows of found_table
         self.picked = None  # the FoundGGUF whose path is in folder_edit
+        self.gguf_choice: str | None = None  # a -GGUF repository: the model chosen on the check page
+        self.gguf_key: tuple | None = None  # ... for this input
         self.find_task: Task | None = None
 
         g = QGridLayout()
@@ -378,6 +381,8 @@ class SourcePage(QWizardPage):
 
     @Slot()
     def _changed(self, *_a) -> None:
+        if self.gguf_key != self.key():  # another repository: its default GGUF again
+            self.gguf_choice = self.gguf_key = None
         hub_mode = self.hub_radio.isChecked()
         for w in (self.repo_edit, self.revision_edit):
             w.setEnabled(hub_mode)
@@ -433,9 +438,10 @@ class SourcePage(QWizardPage):
         ctx = self.wiz.context_length
         if key[0] == "hub":
             repo, rev = key[1], key[2] or None
+            choice = self.gguf_choice if self.gguf_key == key else None
 
             def fn(progress, cancel):
-                return lib.check_repo(repo, rev, "int8", ctx)
+                return lib.check_repo(repo, rev, "int8", ctx, gguf=choice)
             self.status.setText(f"Checking {repo} on the hub (config.json and the file list only)…")
         else:
             folder = key[1]
@@ -503,10 +509,20 @@ class CheckPage(QWizardPage):
         self.ram = QLabel()
         self.ram.setObjectName("ramVerdict")
         self.ram.setWordWrap(True)
+        self.gguf_box = QComboBox()
+        self.gguf_box.setObjectName("ggufFile")
+        self.gguf_box.setToolTip("The repository's GGUF models by quant; only the chosen one is downloaded, its "
+                                 "expert blocks imported as published.")
+        self.gguf_box.activated.connect(self._gguf_chosen)
+        self.gguf_label = QLabel("GGUF file")
         self.recheck = QPushButton("Check again")
         self.recheck.setToolTip("Measure free disk space and memory again (after freeing some).")
         self.recheck.clicked.connect(self._recheck)
         lay = QVBoxLayout(self)
+        g = QHBoxLayout()
+        g.addWidget(self.gguf_label)
+        g.addWidget(self.gguf_box, 1)
+        lay.addLayout(g)
         lay.addWidget(self.files, 1)
         lay.addWidget(self.summary)
         lay.addWidget(self.disk)
@@ -526,6 +542,13 @@ class CheckPage(QWizardPage):
         a = c.args
         self.setSubTitle(f"{c.repo_id}" + (f" @ {c.commit[:12]}" if c.commit else "") +
                          f" — {describe_model(a)}")
+        self.gguf_box.blockSignals(True)
+        self.gguf_box.clear()
+        self.gguf_box.addItems(list(c.gguf_choices))
+        self.gguf_box.setCurrentText(c.gguf_file)
+        self.gguf_box.blockSignals(False)
+        for w in (self.gguf_box, self.gguf_label):
+            w.setVisible(bool(c.gguf_choices))
         self.files.setRowCount(len(c.files))
         for i, f in enumerate(c.files):
             if c.source == "local":
@@ -575,6 +598,13 @@ class CheckPage(QWizardPage):
         sp.start_check(extra_result=[self._rechecked], extra_error=[self._recheck_failed])
         self.disk.setText("Checking again…")
         self.completeChanged.emit()
+
+    @Slot(int)
+    def _gguf_chosen(self, _i: int) -> None:
+        """Another GGUF model of the repository: checked (its header) as the first one was."""
+        sp = self.wiz.source_page
+        sp.gguf_choice, sp.gguf_key = self.gguf_box.currentText(), sp.key()
+        self._recheck()
 
     @Slot(object)
     def _rechecked(self, c) -> None:
@@ -825,13 +855,16 @@ class ConvertPage(QWizardPage):
         overwrite = self.replace.isChecked() or broken
         name = self.wiz.check.model_name
         delete_src = self.wiz.check.source == "hub" and self.delete_download.isChecked()
+        # a -GGUF repository's download: its model is the (first) file downloaded
+        hub_gguf = quant == "gguf" and self.wiz.check.source == "hub"
+        model = Path(src) / self.wiz.check.files[0].name if hub_gguf else src
 
         # the download is deleted once the self-test passed (DonePage): a store that turns out
         # broken is removed, and the download is then what a retry converts again
         self.wiz.delete_after_test = src if delete_src else None
 
         def fn(progress, cancel):
-            return str(lib.convert_downloaded(src, quant, progress, cancel, overwrite=overwrite, name=name))
+            return str(lib.convert_downloaded(model, quant, progress, cancel, overwrite=overwrite, name=name))
         self.task = run_task(fn, progress=self._progress, result=self._done, error=self._failed)
         self.status.setText(f"Converting to {quant}…")
         _error_style(self.status, "")

@@ -1,5 +1,5 @@
-"""GGUF architectures of dots.llm1 (``dots1``), ERNIE 4.5 MoE (``ernie4_5-moe``) and Hunyuan-A13B
-(``hunyuan-moe``): the Hugging Face config.json of the family from the metadata llama.cpp's
+"""GGUF architectures of dots.llm1 (``dots1``), ERNIE 4.5 MoE (``ernie4_5-moe``), Hunyuan-A13B
+(``hunyuan-moe``) and MiniMax-M2 (``minimax-m2``): the Hugging Face config.json of the family from the metadata llama.cpp's
 converter writes, and the tensor names that differ from the shared table of engine.gguf_import.
 
 What the files say and what they leave out (llama.cpp's own reading of them):
@@ -17,6 +17,10 @@ What the files say and what they leave out (llama.cpp's own reading of them):
 * ``hunyuan-moe``: every layer routed (softmax top-K, renormalised) beside one shared MLP of the
   expert width; q/k norms after RoPE; ``rope.freq_base`` is already the NTK-alpha-stretched base
   (the converter folds alpha in), so the config gets it as a plain base.
+* ``minimax-m2``: q/k RMS-normed over the whole projection, rotate-half RoPE (ggml's NEOX) over
+  the first ``rope.dimension_count`` values of each head, so q/k are as in the checkpoint; every
+  layer routed by sigmoids (``expert_gating_func`` 2) with ``exp_probs_b`` choosing only,
+  renormalised top-K (llama.cpp's graph always renormalises this architecture's weights).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from .errors import ConfigError
 from .gguf_file import GGUFModel
 
 # llama.cpp architecture -> our family's model_type
-ARCHS = {"dots1": "dots1", "ernie4_5-moe": "ernie4_5_moe", "hunyuan-moe": "hunyuan_v1_moe"}
+ARCHS = {"dots1": "dots1", "ernie4_5-moe": "ernie4_5_moe", "hunyuan-moe": "hunyuan_v1_moe", "minimax-m2": "minimax_m2"}
 
 # Hugging Face name inside model.layers.N. -> GGUF name inside blk.N., where the shared table differs
 LAYER_NAMES = {"ernie4_5-moe": {"mlp.moe_statics.e_score_correction_bias": "exp_probs_b.bias"},
@@ -34,7 +38,8 @@ LAYER_NAMES = {"ernie4_5-moe": {"mlp.moe_statics.e_score_correction_bias": "exp_
                                "mlp.gate.wg.weight": "ffn_gate_inp.weight",
                                "mlp.shared_mlp.gate_proj.weight": "ffn_gate_shexp.weight",
                                "mlp.shared_mlp.up_proj.weight": "ffn_up_shexp.weight",
-                               "mlp.shared_mlp.down_proj.weight": "ffn_down_shexp.weight"}}
+                               "mlp.shared_mlp.down_proj.weight": "ffn_down_shexp.weight"},
+               "minimax-m2": {"block_sparse_moe.e_score_correction_bias": "exp_probs_b.bias"}}
 
 
 def hf_config(g: GGUFModel, cfg: dict, E: int) -> dict:
@@ -47,6 +52,8 @@ def hf_config(g: GGUFModel, cfg: dict, E: int) -> dict:
         return _dots1(g, cfg, E)
     if g.arch == "hunyuan-moe":
         return _hunyuan_moe(g, cfg, E)
+    if g.arch == "minimax-m2":
+        return _minimax_m2(g, cfg, E)
     return _ernie4_5_moe(g, cfg, E)
 
 
@@ -94,4 +101,15 @@ def _hunyuan_moe(g: GGUFModel, cfg: dict, E: int) -> dict:
                           f"width {width}; Hunyuan-A13B has one shared MLP of the expert width")
     cfg.update(model_type="hunyuan_v1_moe", architectures=["HunYuanMoEV1ForCausalLM"], num_experts=E,
                moe_topk=cfg["num_experts_per_tok"], intermediate_size=width, attention_bias=False)
+    return cfg
+
+
+def _minimax_m2(g: GGUFModel, cfg: dict, E: int) -> dict:
+    gating = g.key("expert_gating_func", optional=True, default=2)
+    if gating != 2:
+        raise ConfigError(f"{g.files[0]}: {g.arch}.expert_gating_func = {gating}: MiniMax-M2 routes with a sigmoid (2)")
+    hd = cfg["head_dim"]
+    cfg.update(model_type="minimax_m2", architectures=["MiniMaxM2ForCausalLM"], num_local_experts=E,
+               intermediate_size=g.key("expert_feed_forward_length"), scoring_func="sigmoid",
+               rotary_dim=g.key("rope.dimension_count", optional=True, default=hd))
     return cfg

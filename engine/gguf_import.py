@@ -25,8 +25,8 @@ q/k rows are un-permuted back to the rotate-half order the converter permuted th
 ``gpt-oss`` (the experts' biases ``ffn_*_exps.bias`` go into each slab beside the blocks),
 ``deepseek2`` (DeepSeek-V2 / V3, Kimi-K2: MLA, whose ``attn_k_b`` / ``attn_v_b`` are the store's
 absorbed tensors; the router's gating function picks the family), ``glm4moe`` (GLM-4.5 / 4.6),
-``qwen3next`` (its linear-attention tensors mapped back from llama.cpp's layout), ``dots1`` and
-``ernie4_5-moe`` (engine.gguf_families).
+``qwen3next`` (its linear-attention tensors mapped back from llama.cpp's layout), ``dots1``,
+``ernie4_5-moe``, ``hunyuan-moe`` and ``minimax-m2`` (engine.gguf_families).
 
 Errors (one line, before any work, nothing left in DST): not a GGUF, a truncated header, tensor
 data shorter than the header says, a split with a part missing, an architecture or block type

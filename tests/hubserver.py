@@ -6,8 +6,8 @@ engine.library's resumable downloader call (huggingface_hub 2.4):
 - ``GET /api/models/{owner}/{name}[/revision/{rev}]?blobs=true`` -> JSON {id, sha, siblings:
   [{rfilename, size, blobId, lfs: {sha256, size, pointerSize}}]}
 - ``HEAD|GET /{owner}/{name}/resolve/{rev}/{file}`` with X-Repo-Commit, ETag, X-Linked-Etag and
-  X-Linked-Size (LFS files), Content-Length, Accept-Ranges, and ``Range: bytes=N-`` -> 206 with
-  Content-Range. Unknown repo / revision / file -> 404 with the hub's X-Error-Code.
+  X-Linked-Size (LFS files), Content-Length, Accept-Ranges, and ``Range: bytes=N-`` (or
+  ``bytes=N-M``) -> 206 with Content-Range. Unknown repo / revision / file -> 404 with the hub's X-Error-Code.
 
 Fault injection: ``drop_after[file] = n`` closes the connection after n body bytes on the next
 GET of that file (once); ``slow[file] = (n, seconds)`` sends n bytes at once then the rest in
@@ -31,7 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
-LFS_SUFFIXES = (".safetensors", ".bin")
+LFS_SUFFIXES = (".safetensors", ".bin", ".gguf")
 
 
 def git_blob_sha1(data: bytes) -> str:
@@ -183,8 +183,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, "EntryNotFound", "unknown endpoint")
             return
         repo_id, rev, name = m.groups()
-        rng = self.headers.get("Range")
-        start = int(re.fullmatch(r"bytes=(\d+)-", rng).group(1)) if rng else None
+        rng = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range") or "")
+        start = int(rng.group(1)) if rng else None
+        end = int(rng.group(2)) + 1 if rng and rng.group(2) else None  # a bounded range: bytes=start-last
         self._log(name, start)
         repo = self._repo(repo_id, rev)
         if repo is None:
@@ -211,7 +212,7 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("Content-Length", "0")
             self.end_headers()
             return
-        self.send_response(206 if start else 200)
+        self.send_response(206 if start or end else 200)
         self.send_header("X-Repo-Commit", repo.sha)
         self.send_header("Accept-Ranges", "bytes")
         if listed.get("lfs"):
@@ -220,9 +221,9 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header("X-Linked-Size", str(listed["lfs"]["size"]))
         else:
             self.send_header("ETag", f'"{listed["blobId"]}"')
-        body = data[start or 0:]
-        if start:
-            self.send_header("Content-Range", f"bytes {start}-{size - 1}/{size}")
+        body = data[start or 0:end]
+        if start or end:
+            self.send_header("Content-Range", f"bytes {start}-{(start or 0) + len(body) - 1}/{size}")
         self.send_header("Content-Length", str(len(body)))
         self.send_header("Content-Type", "application/octet-stream")
         self.end_headers()

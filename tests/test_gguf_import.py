@@ -214,6 +214,49 @@ def test_split_and_folder_sources(tmp_path, olmoe_ck):
     assert gguf_files(tmp_path) == want
 
 
+def _split_copy(src: Path, folder: Path, max_tensors: int) -> list[Path]:
+    """``src`` re-written by gguf's writer as a split model ``m-0000K-of-0000N.gguf`` in ``folder``
+    (the metadata in the first part, ``max_tensors`` tensors per part), as llama.cpp's
+    gguf-split lays one out."""
+    r = gguf.GGUFReader(src)
+    folder.mkdir()
+    w = gguf.GGUFWriter(str(folder / "m.gguf"), r.fields["general.architecture"].contents(),
+                        split_max_tensors=max_tensors)
+    for f in r.fields.values():
+        if f.name == "general.architecture" or f.name.startswith("GGUF."):
+            continue
+        sub = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+        w.add_key_value(f.name, f.contents(), f.types[0], sub_type=sub)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.asarray(t.data), raw_shape=t.data.shape, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return sorted(folder.glob("m-*-of-*.gguf"))
+
+
+def test_split_model_imports_as_the_single_file(olmoe_ck, tmp_path, capsys):
+    """A model split in parts (-00001-of-0000N.gguf, any part given, or the folder holding them)
+    gives the single file's store: byte-identical expert slabs and the same logits; `colibri
+    convert FOLDER STORE` takes the folder."""
+    from engine.cli.main import main
+    one = tmp_path / "one.gguf"
+    write_gguf(olmoe_ck, one, matrix_type="q8_0", log=lambda *_: None)
+    parts = _split_copy(one, tmp_path / "split", 8)
+    assert len(parts) >= 3 and parts[0].name.endswith(f"-00001-of-{len(parts):05d}.gguf")
+    a = convert_gguf(one, tmp_path / "a", dense_quant="f32")
+    b = convert_gguf(parts[1], tmp_path / "b", dense_quant="f32")
+    assert main(["convert", str(tmp_path / "split"), str(tmp_path / "c"), "--dense-quant", "f32"]) == 0
+    for st in (b, tmp_path / "c"):
+        for j in range(2):
+            assert (a / f"experts/layer_{j:03d}.bin").read_bytes() == (st / f"experts/layer_{j:03d}.bin").read_bytes()
+        assert json.loads((st / "manifest.json").read_text())["gguf"]["expert_types"] == \
+            json.loads((a / "manifest.json").read_text())["gguf"]["expert_types"]
+    ids = np.random.default_rng(3).integers(1, 512, 12)
+    assert np.array_equal(_f32_logits(a, ids), _f32_logits(b, ids))
+
+
 def test_cli_convert_refuses_quant_for_gguf(olmoe_ck, tmp_path, capsys):
     from engine.cli.main import main
     write_gguf(olmoe_ck, tmp_path / "m.gguf", matrix_type="q8_0", log=lambda *_: None)

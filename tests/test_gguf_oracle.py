@@ -2,10 +2,10 @@
 
 Each fixture is made here: a tiny random checkpoint of the family (qwen3moe, olmoe, llama with
 experts = Mixtral, qwen2moe, gpt-oss, deepseek2, glm4moe, qwen3next, dots1, ernie4_5-moe,
-hunyuan-moe; hidden 256, expert width 256, 2 layers, 8 experts; Qwen2's vocabulary so that the
+hunyuan-moe, minimax-m2; hidden 256, expert width 256, 2 layers, 8 experts; Qwen2's vocabulary so that the
 converter recognises the tokenizer), converted by llama.cpp's
 ``convert_hf_to_gguf.py`` to F16 and quantized by ``llama-quantize`` to each type (Q4_K_M and
-Q5_K_M give mixed files: Q6_K / Q5_K rows beside Q4_K ones; gpt-oss at MXFP4_MOE and Q8_0). The store is
+Q5_K_M give mixed files: Q6_K / Q5_K rows beside Q4_K ones; gpt-oss at MXFP4_MOE too). The store is
 imported with ``--dense-quant f32`` so that the dense weights are exactly the file's, and the
 comparison measures the expert-block kernels against llama.cpp's (which quantize the activations
 to 8 bits before their dot products, so small differences are expected).
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -49,7 +50,8 @@ from engine.gguf_import import GGUFModel, convert_gguf  # noqa: E402
 from engine.gguf_tokenizer import tokenizer_files  # noqa: E402
 from engine.bench.synthetic import (deepseek_v2_config, deepseek_v3_config, dots1_config,  # noqa: E402
                                     ernie4_5_moe_config, glm4_moe_config, gpt_oss_config, hunyuan_v1_moe_config,
-                                    mixtral_config, olmoe_config, qwen2_moe_config, qwen3_moe_config, qwen3_next_config,
+                                    minimax_m2_config, mixtral_config, olmoe_config, qwen2_moe_config, qwen3_moe_config,
+                                    qwen3_next_config,
                                     write_checkpoint)
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -61,7 +63,7 @@ TYPES = ("Q8_0", "Q4_K_M", "Q6_K", "Q5_K_M", "Q4_0")
 # (measured, worst of qwen3moe / olmoe / Mixtral / qwen2moe / gpt-oss: Q8_0 0.040, Q4_K_M 0.058,
 # Q6_K 0.070, Q5_K_M 0.060, Q4_0 0.034, MXFP4_MOE 0.013, all of them Mixtral's but MXFP4's);
 # since the K-quant experts quantize their activations to 8 bits as llama.cpp does (Q8_K), worst
-# of every family here: Q4_K_M 0.056, Q6_K 0.055, Q5_K_M 0.064
+# of every family here: Q4_K_M 0.056, Q6_K 0.055, Q5_K_M 0.064 (MiniMax-M2: Q8_0 0.021, Q4_K_M 0.031)
 BOUNDS = {"Q8_0": 0.06, "Q4_K_M": 0.09, "Q6_K": 0.10, "Q5_K_M": 0.09, "Q4_0": 0.05, "MXFP4_MOE": 0.02}
 # Qwen3-Next's own (measured at weight spread 0.02: Q8_0 0.107, Q4_K_M 0.126; at F16 0.008): llama.cpp's
 # 8-bit activations enter the Gated DeltaNet recurrence, which carries their rounding across tokens
@@ -112,6 +114,9 @@ def _config(family: str, vocab: int) -> dict:
         kw.update(num_attention_heads=2, num_key_value_heads=1, moe_topk=[kw.pop("num_experts_per_tok")] * L)
         return hunyuan_v1_moe_config(head_dim=128, intermediate_size=256, moe_intermediate_size=[256] * L,
                                      num_shared_expert=[1] * L, max_position_embeddings=32768, **kw)
+    if family == "minimax_m2":  # GQA 4/2, whole-projection q/k norms, half the head rotated, sigmoid router
+        kw.update(num_key_value_heads=2, num_local_experts=8)
+        return minimax_m2_config(head_dim=64, rotary_dim=32, intermediate_size=256, scoring_func="sigmoid", **kw)
     if family == "gpt_oss":  # window 8: the 24-token prompt crosses it
         return gpt_oss_config(intermediate_size=256, num_key_value_heads=2, head_dim=64, sliding_window=8, **kw)
     return mixtral_config(intermediate_size=256, **kw)
@@ -119,7 +124,9 @@ def _config(family: str, vocab: int) -> dict:
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
-    """(family, type) -> GGUF path, made on first use by llama.cpp's converter and quantizer."""
+    """(family, type) -> GGUF path, made by llama.cpp's quantizer from the family's F16 file (made on
+    first use by its converter; the checkpoint removed once converted: every family's checkpoint,
+    files and stores kept to the module's end fill gigabytes of a shared disk)."""
     d = llama_cpp_dir()
     if d is None:
         pytest.skip("needs $LLAMA_CPP_DIR: a llama.cpp source tree built with cmake")
@@ -128,11 +135,8 @@ def made(tmp_path_factory):
     with GGUFModel(d / "models" / "ggml-vocab-qwen2.gguf") as g:
         tok = tokenizer_files(g)
         vocab = len(g.kv["tokenizer.ggml.tokens"])
-    cache: dict = {}
 
     def get(family: str, qtype: str) -> Path:
-        if (family, qtype) in cache:
-            return cache[family, qtype]
         base = root / f"{family}-F16.gguf"
         if not base.exists():
             ck = write_checkpoint(root / f"ck-{family}", _config(family, vocab), seed=3, tokenizer=False,
@@ -141,21 +145,21 @@ def made(tmp_path_factory):
                 (ck / name).write_text(text, encoding="utf-8")
             env = {**os.environ, "PYTHONPATH": str(d / "gguf-py")}
             r = subprocess.run(convert_command(d, ck, base, family), env=env, capture_output=True, text=True)
+            shutil.rmtree(ck, ignore_errors=True)
             assert r.returncode == 0, r.stderr[-3000:]
         out = root / f"{family}-{qtype}.gguf"
         r = subprocess.run([str(quantize), str(base), str(out), qtype], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr[-3000:]
-        cache[family, qtype] = out
         return out
 
     return get
 
 
 CASES = ([(f, t) for f in ("qwen3_moe", "olmoe", "mixtral") for t in TYPES]
-         + [("qwen2_moe", "Q4_K_M"), ("gpt_oss", "MXFP4_MOE"), ("gpt_oss", "Q8_0")]
+         + [("qwen2_moe", "Q4_K_M"), ("gpt_oss", "MXFP4_MOE")] + [("gpt_oss", t) for t in TYPES]
          + [("deepseek_v3", t) for t in TYPES] + [("deepseek_v2", "Q4_K_M")]
          + [("glm4_moe", t) for t in ("Q8_0", "Q4_K_M")] + [("qwen3_next", t) for t in ("Q8_0", "Q4_K_M")]
-         + [(f, t) for f in ("dots1", "ernie4_5_moe", "hunyuan_v1_moe") for t in ("Q8_0", "Q4_K_M")])
+         + [(f, t) for f in ("dots1", "ernie4_5_moe", "hunyuan_v1_moe", "minimax_m2") for t in ("Q8_0", "Q4_K_M")])
 
 
 @pytest.mark.parametrize("family,qtype", CASES, ids=[f"{f}-{t}" for f, t in CASES])
@@ -163,6 +167,8 @@ def test_logits_and_greedy_steps_match_llama_cpp(family, qtype, made, tmp_path, 
     from llama_helpers import llama_logits
     llama_cpp = import_llama_cpp()
     f = made(family, qtype)
+    # the quantized file and the f32 store (hundreds of MB with Qwen2's vocabulary) go after the test
+    request.addfinalizer(lambda: (f.unlink(missing_ok=True), shutil.rmtree(tmp_path / "st", ignore_errors=True)))
     st = convert_gguf(f, tmp_path / "st", dense_quant="f32")
     kinds = {t for row in json.loads((st / "manifest.json").read_text())["gguf"]["expert_types"] for t in row}
     ref, llm = llama_logits(llama_cpp, f, IDS, threads=2)
@@ -191,6 +197,6 @@ def test_logits_and_greedy_steps_match_llama_cpp(family, qtype, made, tmp_path, 
           f"margins {np.round(margin[~agree], 3).tolist()}); greedy: {int(decisive.sum())}/32 steps decisive, "
           f"identical at {int(same[decisive].sum())} of them, at {int(same.sum())}/32 overall")
     assert max_abs <= FAMILY_BOUNDS.get((family, qtype), BOUNDS[qtype]) * scale
-    assert kl.max() < 8e-3  # measured: 3.9e-3 at most (Mixtral Q6_K)
+    assert kl.max() < 8e-3  # measured: 4.2e-3 at most (Mixtral Q5_K_M)
     assert (margin[~agree] < MARGIN).all()
     assert decisive.sum() >= MIN_DECISIVE.get(family, 8) and same[decisive].all()

@@ -56,11 +56,18 @@ def cmd_download(a) -> int:
     """``colibri download REPO``: check, download, convert, self-test, print the store path."""
     from ..library import check_repo, convert_downloaded, delete_model, download, self_test, self_test_says_broken
     try:
-        chk = check_repo(a.repo, a.revision, a.quant, a.context_length)
+        chk = check_repo(a.repo, a.revision, a.quant or "int8", a.context_length, gguf=a.gguf)
     except ValueError as e:  # ConfigError included (unsupported model type)
         print(f"colibri: error: {e}", file=sys.stderr)
         return 2
+    if chk.quant == "gguf" and a.quant:
+        print(f"colibri: error: --quant does not apply to {chk.repo_id}: its GGUF blocks are imported as "
+              f"published; choose the file with --gguf ({', '.join(chk.gguf_choices)})", file=sys.stderr)
+        return 2
+    quant = chk.quant
     print(chk.table())
+    if chk.gguf_file:
+        print(f"GGUF       {chk.gguf_file} of {', '.join(chk.gguf_choices)} (another: --gguf QUANT)")
     if not chk.disk_ok:
         print(f"colibri: refused: {chk.disk_message}", file=sys.stderr)
         return 2
@@ -88,8 +95,10 @@ def cmd_download(a) -> int:
     print(file=sys.stderr)
     t0 = time.perf_counter()
     try:
-        store = convert_downloaded(src, a.quant, cli_progress(f"converting ({a.quant})"),
-                                   overwrite=a.overwrite)
+        # a GGUF model is imported from its (first) file, under the name its file gives it
+        store = convert_downloaded(src / chk.files[0].name if quant == "gguf" else src, quant,
+                                   cli_progress(f"converting ({quant})"), overwrite=a.overwrite,
+                                   name=chk.model_name if quant == "gguf" else None)
     except KeyboardInterrupt:
         print(f"\ninterrupted; no store was written (the download is kept in {src})", file=sys.stderr)
         return 130
@@ -160,8 +169,11 @@ def add_parsers(sub) -> None:
                                    "convert into a store in the user data folder, self-test, print the path.")
     d.add_argument("repo", help="hub repository id, e.g. allenai/OLMoE-1B-7B-0924")
     d.add_argument("--revision", default=None, help="branch, tag or commit (default: main)")
-    d.add_argument("--quant", choices=WIZARD_QUANTS + ("mxfp4", "f32"), default="int8",
-                   help="store quantization (mxfp4: gpt-oss's MXFP4 experts kept as published)")
+    d.add_argument("--quant", choices=WIZARD_QUANTS + ("mxfp4", "f32"), default=None,
+                   help="store quantization (default int8; mxfp4: gpt-oss's MXFP4 experts kept as published)")
+    d.add_argument("--gguf", default=None, metavar="QUANT",
+                   help="a repository of GGUF files (a -GGUF repository): the one to download and import, "
+                        "by its quant (Q4_K_M, Q8_0, ...) or file name (default Q4_K_M when it has one)")
     d.add_argument("--context-length", type=int, default=0,
                    help="context the RAM estimate assumes (0 = model default, up to 4096)")
     d.add_argument("--yes", action="store_true", help="continue despite a RAM warning")

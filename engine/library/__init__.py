@@ -8,6 +8,8 @@ these names only (docs/engine-api.md); the modules are split by concern:
     paths          user folders (platformdirs), store names, free disk space
     check          what a download / conversion will take: files, disk, RAM verdict, tokenizer
     gguf_check     the same for a GGUF model (file, split part or folder of them)
+    hub_gguf       the same for a -GGUF hub repository (its models by quant, headers only)
+    hub_check      check_repo: a hub repository, Hugging Face checkpoint or GGUF models
     local_check    check_local: a model on this computer, Hugging Face folder or GGUF
     download       resumable verified downloads from the hub
     models         convert a download, self-test, list / delete converted stores
@@ -29,7 +31,7 @@ _WHERE = {
     "atomic_write_text": "engine.fsutil",
     "BudgetPlan": "engine.sizing", "Estimate": "engine.sizing", "estimate": "engine.sizing", "machine_ram": "engine.sizing", "plan_for_store": "engine.sizing", "ram_verdict": "engine.sizing",
     "format_bytes": "engine.units", "format_duration": "engine.units",
-    "DISK_MARGIN_BYTES": "engine.library.check", "HUB_HOSTS": "engine.library.check", "NEEDED_PATTERNS": "engine.library.check", "PARTIAL_DIR": "engine.library.check", "WIZARD_QUANTS": "engine.library.check", "RepoCheck": "engine.library.check", "RepoFile": "engine.library.check", "TokenizerCheck": "engine.library.check", "check_local": "engine.library.local_check", "check_repo": "engine.library.check", "check_tokenizer": "engine.library.check", "parse_repo_id": "engine.library.check",
+    "DISK_MARGIN_BYTES": "engine.library.check", "HUB_HOSTS": "engine.library.check", "NEEDED_PATTERNS": "engine.library.check", "PARTIAL_DIR": "engine.library.check", "WIZARD_QUANTS": "engine.library.check", "RepoCheck": "engine.library.check", "RepoFile": "engine.library.check", "TokenizerCheck": "engine.library.check", "check_local": "engine.library.local_check", "check_repo": "engine.library.hub_check", "check_tokenizer": "engine.library.check", "parse_repo_id": "engine.library.check",
     "DEFAULT_MODEL": "engine.library.default_model", "default_model_dir": "engine.library.default_model", "default_store": "engine.library.default_model",
     "check_weight_file": "engine.library.download", "delete_download": "engine.library.download", "download": "engine.library.download",
     "DiskSpaceError": "engine.library.errors", "DownloadCancelled": "engine.library.errors", "FolderError": "engine.library.errors", "HubError": "engine.library.errors", "VerificationError": "engine.library.errors",

@@ -185,6 +185,8 @@ class RepoCheck:
     estimates: tuple[Estimate, ...] = field(default=())
     has_chat_template: bool = True
     tokenizer_message: str = ""
+    gguf_file: str = ""  # a -GGUF repository: the chosen model's quant (or file), see hub_gguf
+    gguf_choices: tuple[str, ...] = ()  # ... and every model it holds, smallest first
 
     @property
     def ok(self) -> bool:
@@ -326,29 +328,41 @@ def _finish_check(*, source, repo_id, revision, commit, model_name, args, files,
         has_chat_template=tokenizer.has_chat_template, tokenizer_message=tokenizer.message)
 
 
-def _repo_files(repo_id: str, revision: str | None) -> tuple[str, list, list[str]]:
+def _repo_listing(repo_id: str, revision: str | None) -> tuple[str, list]:
+    """(commit, every file of the repository as a RepoFile with its size and hashes)."""
     from huggingface_hub import HfApi
     info = _hub_call(lambda: HfApi(endpoint=_endpoint()).model_info(repo_id, revision=revision,
                                                                     files_metadata=True),
                      repo_id, revision, "the file list")
     commit = info.sha or (revision or "main")
-    needed, ignored = [], []
+    out = []
     for s in info.siblings or []:
-        if not _is_needed(s.rfilename):
-            ignored.append(s.rfilename)
-            continue
         size = s.lfs.size if s.lfs is not None else s.size
-        if size is None:
-            raise HubError(f"{repo_id}: the hub did not report the size of {s.rfilename}; cannot verify "
+        out.append(RepoFile(s.rfilename, -1 if size is None else int(size),
+                            s.lfs.sha256 if s.lfs is not None else None, s.blob_id))
+    return commit, out
+
+
+def _sized(repo_id: str, files: list) -> list:
+    for f in files:
+        if f.size < 0:
+            raise HubError(f"{repo_id}: the hub did not report the size of {f.name}; cannot verify "
                            f"the download")
-        needed.append(RepoFile(s.rfilename, int(size), s.lfs.sha256 if s.lfs is not None else None,
-                               s.blob_id))
+    return files
+
+
+def _repo_files(repo_id: str, revision: str | None) -> tuple[str, list, list[str]]:
+    commit, listing = _repo_listing(repo_id, revision)
+    needed = _sized(repo_id, [f for f in listing if _is_needed(f.name)])
+    ignored = [f.name for f in listing if not _is_needed(f.name)]
     return commit, sorted(needed, key=lambda f: (f.size, f.name)), sorted(ignored)
 
 
-def check_repo(repo_id: str, revision: str | None = None, quant: str = "int8",
-               context_length: int = DEFAULT_CONTEXT, dest_root: str | os.PathLike | None = None) -> RepoCheck:
-    """Check a hub model before downloading any weights.
+def check_hf_repo(repo_id: str, revision: str | None = None, quant: str = "int8",
+                  context_length: int = DEFAULT_CONTEXT, dest_root: str | os.PathLike | None = None,
+                  listing: tuple[str, list] | None = None) -> RepoCheck:
+    """Check a hub model (a Hugging Face checkpoint) before downloading any weights; what
+    ``check_repo`` (hub_check.py) calls for a repository that is not one of GGUF models.
 
     Fetches the repo's file list with sizes and hashes (HfApi.model_info, files_metadata=True)
     and ``config.json`` (hf_hub_download), validates the config (ModelArgs.from_dict), and
@@ -357,6 +371,7 @@ def check_repo(repo_id: str, revision: str | None = None, quant: str = "int8",
 
     Args:
         dest_root: download root (default: ``user_data_dir()/downloads``).
+        listing: (commit, every file) of the repository when already listed (_repo_listing).
     Returns: a RepoCheck; ``check.ok`` False means refused (disk or RAM), with messages.
     Raises:
         ConfigError: unsupported model_type (message names the supported architectures) or an
@@ -371,17 +386,11 @@ def check_repo(repo_id: str, revision: str | None = None, quant: str = "int8",
         raise ValueError(f"quantization {quant!r}: choose one of {', '.join(QUANTS)}")
     repo_id, url_revision = parse_repo_id(repo_id)
     revision = (revision or "").strip() or url_revision
-    commit, files, ignored = _repo_files(repo_id, revision)
+    commit, listing = listing or _repo_listing(repo_id, revision)
+    files = _sized(repo_id, sorted((f for f in listing if _is_needed(f.name)), key=lambda f: (f.size, f.name)))
+    ignored = sorted(f.name for f in listing if not _is_needed(f.name))
     names = {f.name for f in files}
     if "config.json" not in names:
-        ggufs = [n for n in ignored if n.lower().endswith(".gguf")]
-        if ggufs:
-            raise ConfigError(
-                f"{repo_id}: holds GGUF file(s) ({ggufs[0]}{', ...' if len(ggufs) > 1 else ''}) and no "
-                f"config.json; GGUF repositories are not downloaded from the hub yet - download the .gguf "
-                f"file and import it with the wizard's 'From this computer' (or `colibri convert FILE.gguf "
-                f"STORE`), or choose the model's Hugging Face repository with config.json and *.safetensors "
-                f"(e.g. Qwen/Qwen3-30B-A3B). Nothing was downloaded.")
         raise HubError(f"{repo_id}: the repository has no config.json; it is not a Hugging Face "
                        f"transformers model")
     from huggingface_hub import hf_hub_download

@@ -368,6 +368,7 @@ def download(repo_id: str, revision: str | None = None, dest: str | os.PathLike 
                                     f"was removed. Run the download again; if it happens again the repository or a "
                                     f"proxy is serving corrupt data.")
         final = dest / f.name
+        final.parent.mkdir(parents=True, exist_ok=True)  # a -GGUF repository's quant folders
         os.replace(part, final)
         fsync_dir(dest)
         if f.name.endswith(".safetensors"):

@@ -241,7 +241,7 @@ def test_damaged_gguf_in_a_folder_gets_one_clear_line(qtbot, wizard, tmp_path):
     assert w.currentId() == wz.PAGE_SOURCE and w.check is None
 
 
-def test_gguf_only_hub_repo_gets_one_clear_line(qtbot, wizard, tmp_path, monkeypatch):
+def test_damaged_gguf_of_a_hub_repo_gets_one_clear_line(qtbot, wizard, tmp_path, monkeypatch):
     d = tmp_path / "gguf-repo"
     d.mkdir()
     (d / "model-Q4_K_M.gguf").write_bytes(b"GGUF" + bytes(60))
@@ -254,9 +254,12 @@ def test_gguf_only_hub_repo_gets_one_clear_line(qtbot, wizard, tmp_path, monkeyp
         w = wizard
         w.source_page.repo_edit.setText("someone/Model-GGUF")
         w.next()
-        text = _refused_line(qtbot, w)
-        assert "not downloaded from the hub yet" in text and "config.json" in text
-        assert h.weight_requests() == []
+        sp = w.source_page
+        qtbot.waitUntil(lambda: sp.task is None and "download it again" in sp.status.text(), timeout=T)
+        text = sp.status.text()
+        assert "\n" not in text and w.currentId() == wz.PAGE_SOURCE and w.check is None
+        assert "someone/Model-GGUF: model-Q4_K_M.gguf: truncated or damaged GGUF header" in text
+        assert "Nothing was downloaded" in text and h.weight_requests() == []
     finally:
         h.stop()
 
