@@ -68,10 +68,11 @@ def test_gguf_repository_to_working_model(qtbot, gguf_hub, wizard_dialog):
     assert conv.quant.count() == 1 and conv.quant.currentData() == "gguf"
     conv.convert_button.click()
     qtbot.waitUntil(conv.isComplete, timeout=T)
-    assert not lib.download_dir_for(REPO).exists()  # "delete the downloaded files" is on by default
+    assert lib.download_dir_for(REPO).exists()  # kept until the store passed its self-test
     w.next()
     qtbot.waitUntil(w.done_page.isComplete, timeout=T)
     assert w.done_page.passed, w.done_page.info.text()
+    assert not lib.download_dir_for(REPO).exists()  # "delete the downloaded files" is on by default
     with qtbot.waitSignal(w.model_ready, timeout=T) as sig:
         w.button(QWizard.FinishButton).click()
     store = Path(sig.args[0])
