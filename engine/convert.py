@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
@@ -241,8 +242,11 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
     if "int4" in (quant, dq) and group_size % 2:
         raise ValueError(f"--group-size {group_size}: int4 needs an even group size (32 is the default)")
     if quant == "int4" and (D % group_size or I % group_size):
+        # the largest even group size (at most 4096) that divides both widths, 0 if none
+        fit = max((g for g in range(2, min(math.gcd(D, I), 4096) + 1, 2) if D % g == 0 and I % g == 0), default=0)
         raise CheckpointError(f"{label}: int4 needs hidden_size ({D}) and the expert width ({I}) to be "
-                              f"multiples of the group size {group_size}; use int8")
+                              f"multiples of the group size {group_size}; use int8"
+                              + (f", or int4 with --group-size {fit}" if fit else ""))
     if quant == "mxfp4" and (D % 32 or I % 32):
         raise CheckpointError(f"{label}: mxfp4 needs hidden_size ({D}) and the expert width ({I}) to be "
                               f"multiples of 32; use int8")
