@@ -37,23 +37,27 @@ class ThoughtChannelDecoder:
     IncrementalDecoder (``skip_special_tokens`` as there, for the other special tokens). The
     concatenation of all pushes and the flush is the plain decode with every ``<|channel>``
     id and the channel name after it (up to and with its newline) replaced by ``<think>``, and
-    every ``<channel|>`` id by ``</think>``. A block the generation leaves open stays open (the
-    answer was cut while thinking), as a ``<think>`` block of the other families does."""
+    every ``<channel|>`` id that closes one by ``</think>`` (one with no channel open decodes as
+    the plain special token: skipped, or shown with the special tokens). A block the generation
+    leaves open stays open (the answer was cut while thinking), as a ``<think>`` block of the
+    other families does."""
 
     def __init__(self, tokenizer, skip_special_tokens: bool = True) -> None:
         self._make = lambda: IncrementalDecoder(tokenizer, skip_special_tokens=skip_special_tokens)
         self._open, self._close = tokenizer.token_to_id(OPEN), tokenizer.token_to_id(CLOSE)
         self._text = self._make()
         self._name: str | None = None  # the channel name read so far (None: not in a header)
+        self._inside = False  # a channel is open (a <channel|> without one is a plain special token)
 
     def push(self, token_id: int) -> str:
         """One generated id -> the newly shown text."""
         t = int(token_id)
         if t == self._open:
             out = self._end_name() + self._text.flush()
-            self._text, self._name = self._make(), ""
+            self._text, self._name, self._inside = self._make(), "", True
             return out + THINK_OPEN
-        if t == self._close:
+        if t == self._close and self._inside:
+            self._inside = False
             out = self._text.flush()
             self._text = self._make()
             if self._name is not None:  # an empty channel (no newline after its name)

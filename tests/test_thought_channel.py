@@ -86,6 +86,11 @@ def test_thought_channel_becomes_a_think_block(tok):
         == f"<think></think>{ANSWER}"
     raw = tok.incremental_decoder(skip_special_tokens=False)
     assert _stream(raw, ids) == f"<think>{REASONING}\n</think>{ANSWER}<turn|>"
+    # a <channel|> with no channel open (a model's stray marker) is a plain special token, not a
+    # "</think>" in the answer; shown as itself with the special tokens
+    assert _stream(tok.incremental_decoder(), tok.encode(f"{ANSWER}<channel|>{ANSWER}")) == ANSWER + ANSWER
+    assert _stream(tok.incremental_decoder(skip_special_tokens=False), tok.encode(f"{ANSWER}<channel|>")) \
+        == f"{ANSWER}<channel|>"
 
 
 @pytest.mark.parametrize("size", [1, 4, 1000])
