@@ -74,8 +74,8 @@ def read_manifest(path: str | os.PathLike) -> tuple[dict, ModelArgs, str]:
     except IsADirectoryError:
         raise StoreError(f"{mpath}: is a folder, not the store's manifest file; re-run `colibri convert`") from None
     except NotADirectoryError:  # a file given as the store (or a file on its path)
-        what = ("a GGUF file, which colibri does not read: download the model's Hugging Face safetensors "
-                "repository instead (`colibri download REPO`)" if path.suffix.lower() == ".gguf" else
+        what = (f"a GGUF model: import it first with `colibri convert {path} {path.stem}-gguf` (the file is "
+                f"only read), then give that store" if path.suffix.lower() == ".gguf" else
                 "a converted model is the folder holding manifest.json; `colibri models` lists yours")
         raise StoreError(f"{path}: is a file, not a folder ({what})") from None
     except OSError as e:  # an I/O error: not known to be broken

@@ -569,7 +569,7 @@ class GGUFSource:
 def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, overwrite: bool = False,
                  dense_quant: str = "int8", group_size: int = 32,
                  progress: Callable[[LoadProgress], None] | None = None,
-                 cancel: threading.Event | None = None) -> Path:
+                 cancel: threading.Event | None = None, extra_manifest: dict | None = None) -> Path:
     """Import the GGUF model at ``src`` (a file, a split's part, or a folder) as a store at ``dst``.
 
     Args:
@@ -577,6 +577,7 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, overwrite: bool
             routed experts keep their GGUF blocks.
         progress: LoadProgress(stage="convert", done=bytes, total=bytes, unit="B").
         cancel: set to stop; raises Cancelled, leaving nothing.
+        extra_manifest: keys added to (or replacing) the manifest's (a hub download's source).
 
     Returns: the store path.
 
@@ -596,11 +597,12 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, overwrite: bool
         source = GGUFSource(g)
         from .gguf_tokenizer import tokenizer_files
         tok = tokenizer_files(g)  # checked before anything is written
-        return _write_store(source, tok, dst, overwrite, dense_quant, group_size, progress, cancel)
+        return _write_store(source, tok, dst, overwrite, dense_quant, group_size, progress, cancel,
+                            extra_manifest)
 
 
 def _write_store(source: GGUFSource, tok: dict, dst: Path, overwrite: bool, dq: str, group_size: int,
-                 progress, cancel) -> Path:
+                 progress, cancel, extra_manifest: dict | None = None) -> Path:
     from .convert import (CHECKSUM, LM_HEAD_QUANT, _identity, _publish, _put, _remove_stale_temps,
                           check_destination, write_dense)
     from .fsutil import fsync_dir, normalize_modes
@@ -705,6 +707,7 @@ def _write_store(source: GGUFSource, tok: dict, dst: Path, overwrite: bool, dq: 
             "gguf": {"architecture": g.arch, "files": [x.name for x in g.files],
                      "file_type": g.kv.get("general.file_type"), "row_bytes": source.widths,
                      "expert_types": types_meta},
+            **(extra_manifest or {}),
         }
         manifest["files"] = {rel: (partial / rel).stat().st_size
                              for rel in ["dense.safetensors"] + [f"experts/layer_{j:03d}.bin" for j in range(M)]}

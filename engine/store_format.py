@@ -83,6 +83,9 @@ def reconvert_command(folder: str | os.PathLike, manifest: dict | None) -> str:
     if isinstance(src, str) and src.startswith("hf://") and not (isinstance(repo, str) and repo):
         repo = src[len("hf://"):].split("@", 1)[0]
     if isinstance(repo, str) and repo:
+        gf = m.get("hub_gguf_file")
+        if quant == "gguf" and isinstance(gf, str) and gf:  # the same file of a -GGUF repository
+            q = f" --gguf {gf}"
         return f"`colibri download {repo}{q} --overwrite`"
     if isinstance(src, str) and src:
         return f"`colibri convert --overwrite{opts} {src} {folder}`"

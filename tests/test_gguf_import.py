@@ -355,3 +355,14 @@ def test_per_expert_mixtral_file_imports_as_the_stacked_one(tmp_path):
     ids = np.arange(1, 17)
     la, lb = _f32_logits(a, ids), _f32_logits(b, ids)
     assert np.array_equal(la, lb) and np.isfinite(la).all()
+
+
+def test_a_gguf_file_given_as_a_store_says_to_import_it(tmp_path, capsys):
+    """`colibri info FILE.gguf` (and run / serve, which open the store the same way) names the
+    import command, in one line."""
+    from engine.cli.main import main
+    f = tmp_path / "Model-Q4_K_M.gguf"
+    f.write_bytes(b"GGUF")
+    assert main(["info", str(f)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"import it first with `colibri convert {f} Model-Q4_K_M-gguf`" in err[0], err

@@ -19,7 +19,7 @@ import hubserver  # noqa: E402
 
 from engine.bench.gguf import write_gguf  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
-from engine.library import check_repo, models_dir  # noqa: E402
+from engine.library import check_repo, downloads_dir, models_dir  # noqa: E402
 from engine.library import hub_gguf  # noqa: E402
 from engine.library.check import RepoFile  # noqa: E402
 
@@ -117,6 +117,12 @@ def test_colibri_download_imports_the_chosen_gguf(hub, files, capsys):
     from engine.gguf_import import convert_gguf
     ref = convert_gguf(files["Q8_0"], store.parent / "ref")
     assert (store / "experts" / "layer_001.bin").read_bytes() == (ref / "experts" / "layer_001.bin").read_bytes()
+    # the downloaded file is gone once imported: the store names the repository and the file, and a
+    # broken store's advice downloads that same file again
+    assert not (downloads_dir() / "colibri--tiny-olmoe-GGUF").exists()
+    assert m["source"].startswith(f"hf://{REPO}@") and m["hub_repo"] == REPO
+    from engine.store_format import reconvert_command
+    assert reconvert_command(store, m) == f"`colibri download {REPO} --gguf tiny-olmoe-Q8_0.gguf --overwrite`"
 
 
 @pytest.mark.parametrize("case", ["no_such_quant", "quant_flag", "not_gguf", "architecture"])

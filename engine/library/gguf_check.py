@@ -69,7 +69,8 @@ def check_gguf(path: str | os.PathLike, context_length: int = DEFAULT_CONTEXT, n
 
 
 def import_gguf(src: str | os.PathLike, progress: Callable[[LoadProgress], None] | None = None,
-                cancel: threading.Event | None = None, *, overwrite: bool = False, name: str | None = None) -> Path:
+                cancel: threading.Event | None = None, *, overwrite: bool = False, name: str | None = None,
+                extra_manifest: dict | None = None) -> Path:
     """Import the GGUF model at ``src`` into ``models_dir()/<name>-gguf`` (convert_downloaded's
     counterpart; the file is only read, never moved or changed).
 
@@ -89,4 +90,4 @@ def import_gguf(src: str | os.PathLike, progress: Callable[[LoadProgress], None]
     if chk.store_bytes + DISK_MARGIN_BYTES > free:
         raise DiskSpaceError(f"Not enough disk space for the store at {dst.parent}: {format_bytes(chk.store_bytes)} "
                              f"needed, {format_bytes(free)} free. Free some space first.")
-    return convert_gguf(src, dst, overwrite=overwrite, progress=progress, cancel=cancel)
+    return convert_gguf(src, dst, overwrite=overwrite, progress=progress, cancel=cancel, extra_manifest=extra_manifest)

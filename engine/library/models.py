@@ -55,7 +55,17 @@ def convert_downloaded(src: str | os.PathLike, quant: str = "int8",
     from ..convert import convert_checkpoint
     if quant == "gguf":  # a GGUF model: its expert blocks imported as published
         from .gguf_check import import_gguf
-        return import_gguf(src, progress, cancel, overwrite=overwrite, name=name)
+        # a hub download's file is deleted once imported: the manifest names its repository (and the
+        # file, for `colibri download REPO --gguf FILE`), not the download's path
+        extra = {}
+        for root in Path(src).parents:
+            info = _source_info(root)
+            if info.get("repo_id"):
+                extra = {"source": f"hf://{info['repo_id']}@{info.get('commit', '')}", "hub_repo": info["repo_id"],
+                         "hub_revision": info.get("revision"), "hub_commit": info.get("commit"),
+                         "hub_gguf_file": Path(src).relative_to(root).as_posix()}
+                break
+        return import_gguf(src, progress, cancel, overwrite=overwrite, name=name, extra_manifest=extra)
     src = Path(src)
     info = _source_info(src)
     model_name = name or (info["repo_id"].split("/")[-1] if info.get("repo_id") else src.name)
