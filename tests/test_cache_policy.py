@@ -3,6 +3,8 @@ threads; and the registry (engine/cache/registry.py) as the one place a policy i
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 
@@ -200,23 +202,10 @@ def test_the_policy_simulator_counts_what_the_cache_counts(seed):
                 assert not pinning or cap < 3 or want[2] > 0
 
 
-NEW_POLICY_FILE = '''"""Most recently used first: the newest idle slot of a layer is the victim."""
-
-from __future__ import annotations
-
-from .policy import EvictionPolicy
-
-
-class MRU(EvictionPolicy):
-    name = "mru"
-
-    def pick(self, ly, layer, busy, experts, stats):
-        for s in reversed(ly.lru):
-            stats.victim_scans += 1
-            if busy[s] == 0 and s not in ly.staged:
-                return s
-        return -1
-'''
+# the new file: the class above as a file of the package would hold it
+NEW_POLICY_FILE = ('"""Most recently used first: the newest idle slot of a layer is the victim."""\n\n'
+                   "from __future__ import annotations\n\nfrom .policy import EvictionPolicy\n\n\n"
+                   + inspect.getsource(MRU))
 
 NEW_POLICY_RUN = '''
 import json, sys

@@ -239,7 +239,8 @@ def test_stale_sources_names_an_edited_kernel_file_without_starting_numba(built,
     assert json.loads(p.stdout) == [["engine/kernels/attention.py"], False], p.stderr[-2000:]
 
 
-_WARM = r"""
+# a child's prelude: every function numba compiles in it, listed in `compiled`
+_COUNT_COMPILES = r"""
 import json, sys
 from numba.core import event
 
@@ -256,6 +257,9 @@ class Compiles(event.Listener):
 
 
 event.register("numba:compile", Compiles())
+"""
+
+_WARM = _COUNT_COMPILES + r"""
 from engine import Engine, EngineConfig, GenerateRequest, SamplingParams
 with Engine.open(EngineConfig(store=sys.argv[1], context_length=64)) as eng:
     assert eng.model.wait_decode_ready(900)
@@ -281,23 +285,8 @@ def test_a_start_with_the_kernels_cached_compiles_nothing(tiny_store):
     assert runs[1]["compiled"] == [], runs[1]["compiled"]
 
 
-_SHIPPED_DEFAULT = r"""
-import json, sys, time
-from numba.core import event
-
-compiled = []
-
-
-class Compiles(event.Listener):
-    def on_start(self, ev):
-        f = ev.data["dispatcher"].py_func
-        compiled.append(f"{f.__module__}.{f.__qualname__}")
-
-    def on_end(self, ev):
-        pass
-
-
-event.register("numba:compile", Compiles())
+_SHIPPED_DEFAULT = _COUNT_COMPILES + r"""
+import time
 from engine import ChatMessage, Engine, EngineConfig, GenerateRequest, SamplingParams, TokenEvent, compile_needed
 from engine import kernel_prepare, kernels
 from engine.library import default_store
