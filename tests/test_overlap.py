@@ -437,6 +437,40 @@ def test_reserve_and_fill_stay_inside_the_ram_budget(tiny_store, monkeypatch):
             holder.pop("cache")
 
 
+def test_two_growers_asking_at_once_get_one_yes_for_the_last_slot():
+    """The populate thread and the idle-fill pass both ask grow_ok before adding a slot's
+    pages; the pages come in after the answer, so a yes holds its bytes until ``grown``: asked
+    twice before the first slot's pages are in, the budget's last slot is given once (both
+    were told yes on a busy machine and the cache grew one slot past the budget)."""
+    from engine.cache.populate import PopulateAhead
+
+    class Owner:
+        slot_bytes = 100
+        lock = threading.Lock()
+    rss = {"now": 1000}
+    asked = []
+
+    def grow_ok(nbytes):
+        asked.append(nbytes)
+        return rss["now"] + nbytes <= 1100  # room for one slot
+    p = PopulateAhead(Owner(), 2, grow_ok)
+    assert p.may_grow(1)  # the populate thread: yes, its pages not in yet
+    assert not p.may_grow(2) and not p.grow_stopped  # a no to more leaves fewer open
+    assert not p.may_grow(1) and p.grow_stopped  # the pre-read: the held slot counts
+    assert asked == [100, 300, 200]
+    rss["now"] += 100  # the first slot's pages are in the RSS now
+    p.grown(1)
+    assert p.growing == 0
+    p.allow_growth()
+    assert not p.may_grow(1)  # still no room: the RSS has it
+    p.allow_growth()
+    rss["now"] -= 100  # the slot given back (a lower cap)
+    assert p.may_grow(1) and p.growing == 100
+    p.grown(1)
+    p.grown(1)  # given back twice: never below zero
+    assert p.growing == 0
+
+
 def test_reserve_cache_setting_reserves_the_whole_cap(tiny_store):
     """The settings reserve_cache (every slot under the cap populated ahead) and idle_fill
     (a store that fits becomes resident) reach the cache and the CLI (``colibri run --reserve-cache``); the bench's first-touch probe measures."""

@@ -45,6 +45,10 @@ class PopulateAhead:
         self.grow_ok = grow_ok
         self.grow_stopped = False  # grow_ok said no: populate and the pre-read pause
         self._grow_gen = 0  # bumped with each reset of grow_stopped (a "no" from before it is stale)
+        # bytes a yes was given for whose pages are not in yet: two growers (this thread and the
+        # pre-read) asking at once were both told yes for the last slot the budget had room for
+        self.growing = 0
+        self._grow_lock = threading.Lock()
         self.wake_event = threading.Event()
         self.thread: threading.Thread | None = None
 
@@ -57,20 +61,31 @@ class PopulateAhead:
         self.wake_event.set()
 
     def may_grow(self, nslots: int = 1) -> bool:
-        """Whether a background thread may add ``nslots`` slots' pages now (``grow_ok``); a no
-        to one slot sets ``grow_stopped`` (a no to more leaves the question of fewer open).
+        """Whether a background thread may add ``nslots`` slots' pages now (``grow_ok``, asked
+        with the bytes of earlier yeses still growing); a yes holds those bytes until the caller
+        gives them back with :meth:`grown` (once the pages are in, or the growth is dropped). A
+        no to one slot sets ``grow_stopped`` (a no to more leaves the question of fewer open).
         Lock not held (grow_ok reads the RSS)."""
         if self.grow_stopped:
             return False
         gen = self._grow_gen
-        if self.grow_ok is None or self.grow_ok(int(self.cache.slot_bytes) * int(nslots)):
-            return True
+        nbytes = int(self.cache.slot_bytes) * int(nslots)
+        with self._grow_lock:  # one question at a time: each sees the others' yeses
+            if self.grow_ok is None or self.grow_ok(nbytes + self.growing):
+                self.growing += nbytes
+                return True
         if nslots > 1:
             return False
         with self.cache.lock:
             if self._grow_gen == gen:  # not reset (set_cap, forget) while grow_ok read the RSS
                 self.grow_stopped = True
         return False
+
+    def grown(self, nslots: int = 1) -> None:
+        """Give back what :meth:`may_grow` held for ``nslots`` slots (their pages are in the RSS
+        now, or the growth did not happen)."""
+        with self._grow_lock:
+            self.growing = max(0, self.growing - int(self.cache.slot_bytes) * int(nslots))
 
     def allow_growth(self) -> None:
         """A new cap or a fresh start (lock held): background growth may ask again."""
@@ -124,16 +139,19 @@ class PopulateAhead:
                         continue
                 if not self.may_grow():
                     break
-                ok, again = mem.populate(layer, v)  # again: EINTR / EAGAIN, at the next wake
-                with c.lock:
-                    if ok:
-                        mem.faulted[layer, v] = True
-                        if c.fill:  # a pre-read the budget paused can use these pages now
-                            c.preread.wake()
-                    if t.slot_state[layer, v] == FREE and not (ok and v in t.room(layer)):
-                        # the cap shrank meanwhile, or the populate failed part way (ENOMEM,
-                        # EINTR) with pages in that nothing tracks: given back now
-                        mem.release(layer, v)
+                try:
+                    ok, again = mem.populate(layer, v)  # again: EINTR / EAGAIN, at the next wake
+                    with c.lock:
+                        if ok:
+                            mem.faulted[layer, v] = True
+                            if c.fill:  # a pre-read the budget paused can use these pages now
+                                c.preread.wake()
+                        if t.slot_state[layer, v] == FREE and not (ok and v in t.room(layer)):
+                            # the cap shrank meanwhile, or the populate failed part way (ENOMEM,
+                            # EINTR) with pages in that nothing tracks: given back now
+                            mem.release(layer, v)
+                finally:
+                    self.grown()
                 if again:
                     break
                 if not ok:

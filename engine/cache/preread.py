@@ -205,22 +205,26 @@ class PreRead:
                         blocked.add(layer)
                         continue
                     run = run[:ready + allowed]
-                with c.lock:
-                    if c.closed:
-                        return
-                    # the lock was let go for grow_ok: the pick may be stale (a demand read took
-                    # an expert or a slot, a lower cap), and a speculation may have taken a slot
-                    # whose pages were in
-                    free = t.layers[layer].free
-                    free.sort(key=lambda v: bool(faulted[layer, v]))
-                    top = free[len(free) - len(run):]
-                    if (c.demand.inflight > 0 or self.holds or self.room(layer)[0] < len(run)
-                            or len(run) - int(faulted[layer, top].sum()) > allowed
-                            or any(t.where[layer, e] >= 0 for e in run)):
-                        continue
-                    slots = [t.reserve(layer, e) for e in run]
-                    self.inflight += len(run)
-                self._read(layer, run, slots)
+                try:  # the yes for ``allowed`` slots is held until their pages are in
+                    with c.lock:
+                        if c.closed:
+                            return
+                        # the lock was let go for grow_ok: the pick may be stale (a demand read
+                        # took an expert or a slot, a lower cap), and a speculation may have
+                        # taken a slot whose pages were in
+                        free = t.layers[layer].free
+                        free.sort(key=lambda v: bool(faulted[layer, v]))
+                        top = free[len(free) - len(run):]
+                        if (c.demand.inflight > 0 or self.holds or self.room(layer)[0] < len(run)
+                                or len(run) - int(faulted[layer, top].sum()) > allowed
+                                or any(t.where[layer, e] >= 0 for e in run)):
+                            continue
+                        slots = [t.reserve(layer, e) for e in run]
+                        self.inflight += len(run)
+                    self._read(layer, run, slots)
+                finally:
+                    if allowed > 0:
+                        c.populate.grown(allowed)
             n = c.stats.fill_loads - n0
             if n:
                 dt = time.perf_counter() - t0
