@@ -26,7 +26,8 @@ from engine.generate import Engine, engine_threads_alive
 
 READ_TIMEOUT_S = 2.0  # the cache's stall timeout during this test
 TOKENS = 10
-SLACK_S = 2.0  # scheduling delay on a loaded 2-core machine
+SLACK_S = 20.0  # scheduling delay on a loaded 2-core machine: only a missed timeout trips it
+HANG_S = 120.0  # a stalled read: until the disk recovers (release), far past the timeout
 
 
 def _fds() -> int:
@@ -40,6 +41,7 @@ class Chaos:
         self.real, self.rng, self.lock = real, random.Random(seed), threading.Lock()
         self.eio, self.short, self.slow, self.slow_s = eio, short, slow, slow_s
         self.injected = 0
+        self.release = threading.Event()  # the disk recovers: stalled reads return
 
     def __call__(self, fd, bufs, offset):
         with self.lock:
@@ -54,7 +56,7 @@ class Chaos:
             return self.real(fd, [b[:max(0, len(b) // 2 - 4096)]], offset)
         if r < self.eio + self.short + self.slow:
             self.injected += 1
-            time.sleep(pause)
+            self.release.wait(pause)
         return self.real(fd, bufs, offset)
 
 
@@ -77,7 +79,7 @@ CASES = [  # (cap, pilot, workers, eio, short, slow, slow_s, seed)
     (4, 3, 2, 0.10, 0.10, 0.05, 0.02, 3),
     (8, 1, 1, 0.02, 0.02, 0.20, 0.01, 4),
     (1, 2, 2, 0.30, 0.20, 0.00, 0.00, 5),  # so many failures that a double failure is likely
-    (3, 1, 2, 0.00, 0.00, 0.05, 3.00, 6),  # some reads stall past the read timeout
+    (3, 1, 2, 0.00, 0.00, 0.05, HANG_S, 6),  # some reads stall past the read timeout
 ]
 
 
@@ -99,8 +101,8 @@ def test_chaos_streaming(medium_store, reference, monkeypatch, cap, pilot, worke
             waits.append(time.perf_counter() - t0)
 
     eng.cache.acquire = timed_acquire
+    chaos = Chaos(eng.store._preadv, seed, eio, short, slow, slow_s)
     try:
-        chaos = Chaos(eng.store._preadv, seed, eio, short, slow, slow_s)
         eng.store._preadv = chaos
         for attempt in range(2):
             fin = [e for e in eng.generate(_req()) if isinstance(e, Finished)][0]
@@ -110,6 +112,7 @@ def test_chaos_streaming(medium_store, reference, monkeypatch, cap, pilot, worke
                 assert str(medium_store) in fin.error, fin.error
                 assert "Traceback" not in fin.error
                 chaos.eio = chaos.short = chaos.slow = 0.0  # the disk recovers: the next request runs
+                chaos.release.set()
             else:
                 assert fin.finish_reason == "length", fin
                 assert fin.token_ids == reference
@@ -118,6 +121,7 @@ def test_chaos_streaming(medium_store, reference, monkeypatch, cap, pilot, worke
             raise AssertionError(f"a request after the disk recovered failed: {fin.error}")
         assert chaos.injected > 0
     finally:
+        chaos.release.set()
         eng.close()
     assert engine_threads_alive() == []
     assert _fds() <= fds0, (fds0, _fds())
@@ -131,18 +135,20 @@ def test_failing_file_is_named(medium_store, monkeypatch, mode):
     cfg = EngineConfig(store=str(medium_store), cap=2, pilot=1, pilot_workers=2, history=False)
     with Engine.open(cfg) as eng:
         real, bad_fd = eng.store._preadv, eng.store._fds["experts/layer_001.bin"]
+        recovered = threading.Event()
 
         def faulty(fd, bufs, offset):
             if fd == bad_fd:
                 if mode == "eio":
                     raise OSError(errno.EIO, "Input/output error (injected)")
-                time.sleep(READ_TIMEOUT_S + 1.0)
+                recovered.wait(HANG_S)  # stalled until the request has ended
             return real(fd, bufs, offset)
 
         eng.store._preadv = faulty
         t0 = time.perf_counter()
         fin = [e for e in eng.generate(_req()) if isinstance(e, Finished)][0]
         took = time.perf_counter() - t0
+        recovered.set()
     assert fin.finish_reason == "error"
     assert str(medium_store / "experts" / "layer_001.bin") in fin.error and "of layer 1" in fin.error, fin.error
     assert ("failed twice" if mode == "eio" else "did not finish") in fin.error
