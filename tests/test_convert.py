@@ -307,7 +307,7 @@ def test_numpy_fallback_runs_interleaved_and_row_major_stores(wide_checkpoint, t
             "        eng.model.forward(np.arange(3, 20), 0, all_logits=True)  # resident now: the sorted prefill path\n")
     env = {**os.environ, "COLIBRI_NO_NUMBA": "1"}
     p = subprocess.run([sys.executable, "-c", code, *map(str, stores.values())], env=env, capture_output=True,
-                       text=True, timeout=600)
+                       text=True, timeout=3600)
     assert p.returncode == 0, p.stderr[-3000:]
     for st in stores.values():
         ref = np.load(str(st) + ".ref.npy")
@@ -327,7 +327,7 @@ def test_a_float32_checkpoint_converts_without_loading_ml_dtypes(tmp_path):
             "print('ml_dtypes' in sys.modules)")
     root = Path(__file__).resolve().parent.parent
     p = subprocess.run([sys.executable, "-c", code, str(ck), str(tmp_path / "st")], cwd=root, capture_output=True,
-                       text=True, timeout=600)
+                       text=True, timeout=3600)
     assert p.returncode == 0, p.stderr[-3000:]
     assert p.stdout.strip().splitlines()[-1] == "False"
     assert (tmp_path / "st" / "manifest.json").is_file()

@@ -380,7 +380,7 @@ def test_real_cgroup_v1_memory_limit(tmp_path):
         code = (f"import os; open({str(grp / 'cgroup.procs')!r}, 'w').write(str(os.getpid()));"
                 "from engine.ram_budget import probe_available; print(probe_available()[0])")
         r = subprocess.run([sys.executable, "-c", code], cwd=str(ROOT), capture_output=True, text=True,
-                           timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                           timeout=3600, env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert r.returncode == 0, r.stderr
         assert int(r.stdout.split()[-1]) <= 3 * 2**30
     finally:
@@ -416,7 +416,7 @@ def test_concurrent_first_starts_publish_one_complete_store(tiny_checkpoint, tmp
             p.start()
         for p in ps:
             p.join(600)
-        res = [q.get(timeout=600) for _ in ps]   # timeouts only a hang trips
+        res = [q.get(timeout=3600) for _ in ps]   # timeouts only a hang trips
         assert res == ["ok", "ok"], res
         with ExpertStore(dst, o_direct=False) as st:
             assert st.open_files == st.args.num_hidden_layers
@@ -454,7 +454,7 @@ def test_corrupt_expert_error_printed_once(tiny_store, tmp_path):
             fh.write(bytes([b[0] ^ 0xFF]))
     r = subprocess.run([sys.executable, "-m", "engine.cli", "run", "--model", str(dst), "--prompt", "hello",
                         "--raw", "--max-new-tokens", "3", "--no-history"], cwd=str(ROOT), capture_output=True,
-                       text=True, timeout=240, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                       text=True, timeout=3600, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert r.returncode != 0
     assert r.stderr.count("fails its") == 1, r.stderr
     assert "Traceback" not in r.stderr
