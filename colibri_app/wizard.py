@@ -56,9 +56,10 @@ def _error_style(label: QLabel, color: str) -> None:
 class RecommendedPage(QWizardPage):
     """"Recommended for this computer": the catalog's MoE models (engine.library.recommend)
     sized for this machine's memory, with the download and store sizes, the RAM budget the
-    engine would take, the expert slots per layer it holds, the expected decode speed and the
-    quantization to take. Choosing one fills the hub repository (and that quantization) of
-    the source page: from there the usual check, download and conversion follow."""
+    engine would take, the expert slots per layer it holds, the expected decode speed and what
+    to take (a store quantization of the safetensors, or a -GGUF repository's file where that
+    is the smaller download). Choosing one fills the hub repository (and that quantization or
+    GGUF file) of the source page: from there the usual check, download and conversion follow."""
 
     COLUMNS = ("Model", "Take", "Download", "Store", "RAM budget", "Experts in RAM", "Speed", "")
 
@@ -143,11 +144,11 @@ class RecommendedPage(QWizardPage):
             slots = (f"{r.slots_per_layer} of {r.estimate.num_experts} per layer" if r.slots_per_layer else "none")
             verdict = ("recommended" if r.recommended else {"refuse": "not enough RAM", "warn": "tight on RAM"}.get(
                 r.verdict, "slow here"))
-            cells = (r.model.name, r.quant, fb(r.download_bytes), fb(r.estimate.store_bytes),
+            cells = (r.model.name, r.take, fb(r.download_bytes), fb(r.estimate.store_bytes),
                      fb(r.budget_bytes) if r.budget_bytes else "—", slots, speed, verdict)
             for j, text in enumerate(cells):
                 item = QTableWidgetItem(text)
-                item.setToolTip(f"{r.model.repo_id}: {r.model.note}")
+                item.setToolTip(f"{r.repo_id}: {r.model.note}")
                 if r.recommended:
                     f = item.font()
                     f.setBold(True)
@@ -168,10 +169,18 @@ class RecommendedPage(QWizardPage):
             self.detail.setText("")
             return
         fb = lib.format_bytes
-        self.detail.setText(
-            f"<b>{r.model.repo_id}</b> — {r.model.note}. Take the Hugging Face safetensors ({fb(r.download_bytes)}) "
-            f"and convert them to a <b>{r.quant}</b> store ({fb(r.estimate.store_bytes)}; GGUF files are not read). "
-            f"{r.message}")
+        if r.gguf:
+            take = (f"Take its GGUF file <b>{r.gguf}</b> from <b>{r.repo_id}</b> ({fb(r.download_bytes)}, against "
+                    f"{fb(r.safetensors_bytes)} of safetensors) and import its blocks as published "
+                    f"({fb(r.estimate.store_bytes)} store).")
+        else:
+            take = (f"Take the Hugging Face safetensors ({fb(r.download_bytes)}) and convert them to a "
+                    f"<b>{r.quant}</b> store ({fb(r.estimate.store_bytes)}).")
+            if 0 < r.gguf_bytes < r.download_bytes:
+                lo, hi = r.gguf_tokens_per_s
+                take += (f" Its GGUF {r.model.gguf[1]} ({r.model.gguf[0]}) is the smaller download "
+                         f"({fb(r.gguf_bytes)}) but its store would run at {lo:.1f}–{hi:.1f} tok/s here.")
+        self.detail.setText(f"<b>{r.model.repo_id}</b> — {r.model.note}. {take} {r.message}")
         self.detail.setTextFormat(Qt.RichText)
 
     def validatePage(self) -> bool:
@@ -179,8 +188,10 @@ class RecommendedPage(QWizardPage):
         sp = self.wiz.source_page
         if r is not None:
             sp.hub_radio.setChecked(True)
-            sp.repo_edit.setText(r.model.repo_id)
+            sp.repo_edit.setText(r.repo_id)
             self.wiz.preferred_quant = r.quant
+            # the check then takes this GGUF file of the repository (None: its safetensors)
+            sp.gguf_choice, sp.gguf_key = (r.gguf, sp.key()) if r.gguf else (None, None)
         return True
 
     def nextId(self) -> int:

@@ -731,16 +731,5 @@ def gguf_estimate(source: GGUFSource, context_length: int = 0, dense_quant: str 
                   extra_store_bytes: int = 0):
     """engine.sizing.Estimate of the store ``source`` imports to (quant "gguf": the experts' slabs
     at their published sizes, the dense weights at ``dense_quant``) before any import."""
-    from .models import dense_bytes, embedding_bytes, family_for
-    from .sizing import RESERVE_BYTES, Estimate, effective_context, kv_bytes
-    a = source.args
-    slot = gguf_slab_layout(a.hidden_size, a.moe_intermediate_size, source.widths, bias=a.expert_bias)["slot_bytes"]
-    ctx = effective_context(a, context_length)
-    M, E = a.num_moe_layers, a.num_experts
-    dense = dense_bytes(a, dense_quant, dense_quant=dense_quant)
-    kv = kv_bytes(a, ctx)
-    n_dense = 3 * len(family_for(a.model_type).dense_tensors(a))
-    store = (M * E * slot + dense + embedding_bytes(a, dense_quant, dense_quant=dense_quant) + extra_store_bytes
-             + 4096 + 120 * M * E + 128 * n_dense)
-    return Estimate("gguf", slot, M * E * slot, dense, store, kv, M * slot, RESERVE_BYTES,
-                    dense + kv + M * slot + RESERVE_BYTES, ctx, E, a.num_experts_per_tok, (slot,) * M)
+    from .sizing import gguf_store_estimate
+    return gguf_store_estimate(source.args, source.widths, context_length, dense_quant, extra_store_bytes)

@@ -67,7 +67,9 @@ WAYLAND_LIBS = {  # the wayland platform plugin (libqwayland.so and libQt6Waylan
 }
 PLATFORM_LIBS = {"xcb": XCB_LIBS, "wayland": WAYLAND_LIBS}
 NO_DISPLAY_PLATFORMS = ("offscreen", "minimal", "minimalegl", "vnc", "linuxfb", "eglfs", "vkkhrdisplay")
-DISTROS = {"debian": ("sudo apt-get install", 0), "fedora": ("sudo dnf install", 1),
+# apt without Recommends: Mesa's Vulkan drivers, dbus' daemon and shared-mime-info would add a
+# third to the install time, and the window needs none of them
+DISTROS = {"debian": ("sudo apt-get install --no-install-recommends", 0), "fedora": ("sudo dnf install", 1),
            "arch": ("sudo pacman -S --needed", 2)}
 # os-release IDs (ID, then ID_LIKE) of each family
 DISTRO_IDS = {"debian": "debian", "ubuntu": "debian", "linuxmint": "debian", "pop": "debian", "raspbian": "debian",

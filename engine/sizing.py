@@ -436,3 +436,105 @@ def expected_speed_range(est: Estimate, slots_per_layer: int,
     """(low, high) tokens/s: expected_tokens_per_s at the two measured compute rates."""
     return (expected_tokens_per_s(est, slots_per_layer, disk_bytes_per_s, COMPUTE_BYTES_PER_S_LOW),
             expected_tokens_per_s(est, slots_per_layer, disk_bytes_per_s, COMPUTE_BYTES_PER_S_HIGH))
+
+
+# --- a GGUF model before its download --------------------------------------------------------
+
+# The tensor types llama.cpp's quantizer gives each part of a model for a file type (its
+# llama_tensor_get_type, for the mixes the model catalog names): routed experts' gate, up and
+# down, down in the "more bits" layers, the other matrices, the token embedding and the output.
+GGUF_FILE_TYPES = {
+    "Q4_K_M": dict(gate="Q4_K", up="Q4_K", down="Q4_K", down_more="Q6_K", other="Q4_K", embed="Q4_K", output="Q6_K"),
+    "Q8_0": dict(gate="Q8_0", up="Q8_0", down="Q8_0", down_more="Q8_0", other="Q8_0", embed="Q8_0", output="Q8_0"),
+    "MXFP4": dict(gate="MXFP4", up="MXFP4", down="MXFP4", down_more="MXFP4", other="Q8_0", embed="Q8_0",
+                  output="Q8_0"),
+}
+# a K-quant for rows whose width is no multiple of 256 (llama.cpp's fallback types)
+_GGUF_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def _gguf_more_bits(i: int, n: int) -> bool:
+    """The layers a _M mix gives more bits in ffn_down: the first and last eighth, every third between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _gguf_row(type_name: str, cols: int) -> tuple[str, int]:
+    """(the type a row of ``cols`` values gets, its bytes) with llama.cpp's fallback."""
+    from .gguf_blocks import TYPE_IDS, row_bytes
+    t = TYPE_IDS[type_name]
+    try:
+        return type_name, row_bytes(t, cols)
+    except ValueError:
+        alt = _GGUF_FALLBACK.get(type_name, "F16")
+        return alt, row_bytes(TYPE_IDS[alt], cols)
+
+
+def gguf_store_estimate(args, widths: dict, context_length: int = 0, dense_quant: str = "int8",
+                        extra_store_bytes: int = 0) -> Estimate:
+    """The Estimate of the store a GGUF model imports to (quant "gguf": each routed expert's
+    blocks as published in one slab whose projections are ``widths`` bytes per row, see
+    engine.gguf_blocks.gguf_slab_layout; the dense weights at ``dense_quant``)."""
+    from .gguf_blocks import gguf_slab_layout
+    from .models import dense_bytes as family_dense_bytes
+    from .models import embedding_bytes, family_for
+    a = args
+    slot = gguf_slab_layout(a.hidden_size, a.moe_intermediate_size, widths, bias=a.expert_bias)["slot_bytes"]
+    ctx = effective_context(a, context_length)
+    M, E = a.num_moe_layers, a.num_experts
+    dense = family_dense_bytes(a, dense_quant, dense_quant=dense_quant)
+    kv = kv_bytes(a, ctx)
+    n_dense = 3 * len(family_for(a.model_type).dense_tensors(a))
+    store = (M * E * slot + dense + embedding_bytes(a, dense_quant, dense_quant=dense_quant) + extra_store_bytes
+             + 4096 + 120 * M * E + 128 * n_dense)
+    return Estimate("gguf", slot, M * E * slot, dense, store, kv, M * slot, RESERVE_BYTES,
+                    dense + kv + M * slot + RESERVE_BYTES, ctx, E, a.num_experts_per_tok, (slot,) * M)
+
+
+@dataclass(frozen=True)
+class GGUFEstimate:
+    """A GGUF file of one file type before its download: ``download_bytes`` (about: every tensor at
+    the type llama.cpp's quantizer gives it, norms float32, no metadata) and ``estimate``, the
+    store it imports to (gguf_store_estimate). ``expert_types``: (gate, up, down) types, down
+    the widest one."""
+
+    file_type: str
+    download_bytes: int
+    estimate: Estimate
+    expert_types: tuple[str, str, str]
+
+
+def estimate_gguf(args, file_type: str, context_length: int = 0) -> GGUFEstimate:
+    """Download and store sizes of ``args`` published as a GGUF of ``file_type`` (a key of
+    GGUF_FILE_TYPES: "Q4_K_M", "Q8_0", "MXFP4"), from the config alone.
+
+    Raises:
+        ValueError: a file type not in GGUF_FILE_TYPES.
+    """
+    mix = GGUF_FILE_TYPES.get(file_type)
+    if mix is None:
+        raise ValueError(f"GGUF file type {file_type!r}: sized are {', '.join(GGUF_FILE_TYPES)}")
+    from .models import family_for
+    a = args
+    D, I, E, M = a.hidden_size, a.moe_intermediate_size, a.num_experts, a.num_moe_layers
+    gate_t, gate_b = _gguf_row(mix["gate"], D)
+    up_t, up_b = _gguf_row(mix["up"], D)
+    downs = [_gguf_row(mix["down_more" if _gguf_more_bits(i, M) else "down"], I) for i in range(M)]
+    down_t, down_b = max(downs, key=lambda x: x[1])
+    bias = (2 * I + D) * 4 if a.expert_bias else 0
+    total = sum(E * (I * gate_b + I * up_b + D * b + bias) for _t, b in downs)
+    seen = set()
+    for t in family_for(a.model_type).dense_tensors(a):
+        if t.ours in seen:
+            continue
+        seen.add(t.ours)
+        n = 1
+        for s in t.shape:
+            n *= int(s)
+        if t.kind == "keep" or len(t.shape) < 2:
+            total += n * 4  # norms, routers' biases: float32 in GGUF
+            continue
+        kind = "embed" if t.ours == "embed_tokens" else "output" if t.ours == "lm_head" else "other"
+        cols = int(t.shape[-1])
+        total += n // cols * _gguf_row(mix[kind], cols)[1]
+    est = gguf_store_estimate(a, {"gate_proj": gate_b, "up_proj": up_b, "down_proj": down_b}, context_length)
+    return GGUFEstimate(file_type, int(total), est, (gate_t, up_t, down_t))

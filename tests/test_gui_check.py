@@ -72,7 +72,7 @@ def test_missing_libraries_are_named_all_at_once_with_the_command_per_distributi
     def load(so):
         return f"{so}: cannot open shared object file: No such file or directory" if so in absent else None
 
-    for os_id, cmd, pkgs in (("debian", "sudo apt-get install", "libegl1 libxcb-icccm4 libxcb-keysyms1"),
+    for os_id, cmd, pkgs in (("debian", "sudo apt-get install --no-install-recommends", "libegl1 libxcb-icccm4 libxcb-keysyms1"),
                              ("fedora", "sudo dnf install", "libglvnd-egl xcb-util-wm xcb-util-keysyms"),
                              ("arch", "sudo pacman -S --needed", "libglvnd xcb-util-wm xcb-util-keysyms")):
         chk = G.check_gui(env, load, {"ID": os_id}, x_server=lambda d: True)
@@ -80,7 +80,7 @@ def test_missing_libraries_are_named_all_at_once_with_the_command_per_distributi
         assert chk.install == f"{cmd} {pkgs}", chk.install
         assert chk.install in chk.message() and "libxcb-keysyms.so.1" in chk.message()
     ubuntu = G.check_gui(env, load, {"ID": "ubuntu", "ID_LIKE": "debian"}, x_server=lambda d: True)
-    assert ubuntu.install.startswith("sudo apt-get install libegl1")
+    assert ubuntu.install.startswith("sudo apt-get install --no-install-recommends libegl1")
     unknown = G.check_gui(env, load, {"ID": "gentoo"}, x_server=lambda d: True)
     assert unknown.install == "" and "libxcb-icccm4" in unknown.message()  # Debian's names as a hint
 
@@ -138,7 +138,7 @@ def test_the_launcher_names_every_missing_library_and_exits_without_starting_qt(
     assert "Traceback" not in p.stderr and "QtGui loaded: False" in p.stdout
     for so in ("libEGL.so.1", "libxcb-cursor.so.0", "libxcb-icccm.so.4", "libdbus-1.so.3"):
         assert so in p.stderr
-    assert "sudo apt-get install libegl1 libdbus-1-3 libxcb-cursor0 libxcb-icccm4" in p.stderr, p.stderr
+    assert "sudo apt-get install --no-install-recommends libegl1 libdbus-1-3 libxcb-cursor0 libxcb-icccm4" in p.stderr, p.stderr
 
 
 def test_the_launcher_without_a_display_says_so_and_suggests_the_command_line():
@@ -167,5 +167,7 @@ def test_readme_first_command_installs_what_the_window_needs_on_debian():
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     first = next(ln for ln in text.splitlines() if ln.startswith("    ") and "pip install" in ln)
     assert "apt-get install" in first, first
+    # the same apt words as the missing-library message (no Recommends: Mesa's Vulkan drivers...)
+    assert G.DISTROS["debian"][0].replace(" install", " install -y") in first, first
     for pkg in G.all_debian_packages():
         assert f" {pkg} " in first, pkg

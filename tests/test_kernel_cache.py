@@ -209,18 +209,24 @@ def test_doctor_says_what_the_pre_built_kernels_give_without_starting_numba(buil
     assert kernel_cache.shipped_status(cache, t).startswith(f"none for {arc.name[:-len('.tar.xz')]}")
 
 
+# the levels archives ship for: AVX2 CPUs (Haswell to today's Intel desktops, Zen 2 / 3) and
+# AVX-512 VNNI ones (Ice Lake and later Xeons, Zen 4 / 5)
+SHIPPED_LEVELS = ("x86-64-v3", "x86-64-v4-vnni")
+
+
+@pytest.mark.parametrize("level", SHIPPED_LEVELS)
 @pytest.mark.parametrize("py", ["cp311", "cp313"])
-def test_the_shipped_archives_were_built_from_these_kernel_sources(py):
+def test_the_shipped_archives_were_built_from_these_kernel_sources(py, level):
     """An edit to a kernel source after its archive was built makes every first start compile:
     named here (no compile: the manifest's digests against the files) rather than found by a
     user. Python 3.11 is the bundle's and the dev venv's, 3.13 Debian 13's python3."""
     from engine.kernel_cache import shipped_dir, stale_sources
-    archives = sorted(shipped_dir().glob(f"{py}-numba*-x86-64-v4-vnni.tar.xz"))  # whichever numba they are for
-    assert archives, f"no pre-built kernels for {py} in {shipped_dir()}"
+    archives = sorted(shipped_dir().glob(f"{py}-numba*-{level}.tar.xz"))  # whichever numba they are for
+    assert archives, f"no pre-built kernels for {py} and {level} in {shipped_dir()}"
     for arc in archives:
         stale = stale_sources(arc)
         assert not stale, (f"{arc.name} was built from other versions of {stale}: run "
-                           f"`python tools/build_kernel_cache.py --levels x86-64-v4-vnni` with Python "
+                           f"`python tools/build_kernel_cache.py --levels {level}` with Python "
                            f"{py[2]}.{py[3:]}")
 
 
@@ -292,7 +298,8 @@ from engine import kernel_prepare, kernels
 from engine.library import default_store
 store = str(default_store())
 base = EngineConfig(store=store)
-out = {"shipped": kernels.SHIPPED, "settings": []}
+from engine.kernel_facts import int_flavor
+out = {"shipped": kernels.SHIPPED, "flavor": int_flavor(), "settings": []}
 for cfg in [base] + kernel_prepare.kernel_variants(base):
     needed = compile_needed(store, cfg)
     t0 = time.perf_counter()
@@ -307,14 +314,18 @@ print(json.dumps(out))
 """
 
 
-def test_the_shipped_kernels_cover_the_default_model_with_every_kernel_setting(tmp_path):
+@pytest.mark.parametrize("level", ["", *SHIPPED_LEVELS])
+def test_the_shipped_kernels_cover_the_default_model_with_every_kernel_setting(tmp_path, level):
     """A first start on the bundled model, and then each setting that chooses other kernels
     (PILOT on, each KV cache type), loads every kernel from the pre-built archive: no compile
     at all, so a settings change waits only for the reopen. An archive that lacks a kernel
-    the default model now calls fails here (the source digests cannot tell)."""
+    the default model now calls fails here (the source digests cannot tell). ``level``: this
+    CPU's own level (""), or a shipped level below it, taken as a CPU of that level takes it."""
     import numba
     from engine.kernel_cache import archive_name, shipped_dir
-    t = F.kernel_target()
+    t = F._level_target(level) if level else F.kernel_target()
+    if level and not all(F._host_features().get(f) for f in F.KERNEL_TARGETS[level][1]):
+        pytest.skip(f"this CPU cannot run the {level} kernels")
     if not (shipped_dir() / archive_name(t.level, numba.__version__)).is_file():
         pytest.skip(f"no pre-built kernels for this Python, numba and CPU target ({t.level})")
     env = {k: v for k, v in os.environ.items()
@@ -322,11 +333,14 @@ def test_the_shipped_kernels_cover_the_default_model_with_every_kernel_setting(t
                         "COLIBRI_INT_KERNEL")}
     env.update(NUMBA_CACHE_DIR=str(tmp_path / "cache"), COLIBRI_SHIPPED_KERNELS="1",
                XDG_DATA_HOME=str(tmp_path / "data"), XDG_CONFIG_HOME=str(tmp_path / "config"))
+    if level:
+        env[F.TARGET_ENV] = level
     p = subprocess.run([sys.executable, "-c", _SHIPPED_DEFAULT], env=env, cwd=ROOT, capture_output=True, text=True,
                        timeout=3600)
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(p.stdout.strip().splitlines()[-1])
-    assert "kinds of model ready: 4" in got["shipped"], got["shipped"]
+    assert "kinds of model ready: 4" in got["shipped"] and f"-{t.level}.tar.xz" in got["shipped"], got["shipped"]
+    assert got["flavor"] == F.int_flavor(t)  # the level's own integer path (v3: AVX2)
     assert [(s["pilot"] > 0, s["needed"]) for s in got["settings"]][:2] == [(False, False), (True, False)], got
     assert not any(s["needed"] for s in got["settings"]) and len(got["settings"]) == 4, got["settings"]
     assert got["compiled"] == [], got["compiled"]

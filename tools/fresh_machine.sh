@@ -22,10 +22,12 @@
 #              Xvfb; seconds until its window is mapped, and a screenshot (xwd)
 # The times are the machine's share for the script's session: on a shared machine, raise it
 # first (`echo -20 > /proc/self/autogroup` in the shell) to time it as on a machine of its own,
-# or not, to time it beside the other jobs. apt runs dpkg in a session of its own (normal
-# priority either way); the CPU seconds tools/first_token.py prints do not depend on the load.
+# or not, to time it beside the other jobs. apt runs here without its progress pty
+# (Dpkg::Use-Pty=0), so that dpkg stays in the script's session and priority; the CPU seconds
+# tools/first_token.py prints do not depend on the load.
 # Set KEEP=1 to reuse WORKDIR/base (the debootstrap) between runs, ONLY=readme to stop after
-# the readme phase, ONLY=install after its install step (the root stays for a later run).
+# the readme phase, ONLY=install after its install step (the root stays for a later run),
+# SKIP=pip-faster to leave that phase out.
 set -eu
 W=${1:-/var/tmp/colibri-fresh}
 REPO=$(cd "$(dirname "$0")/.." && pwd)
@@ -87,7 +89,7 @@ README_INSTALL=$(sed -n 's/^    sudo apt-get install -y .* && \. \.venv\/bin\/ac
 
 newroot readme
 t0=$(now)
-inroot readme "apt-get update -q > /dev/null && sudo apt-get install -y $README_APT" > "$W/readme-apt.log" 2>&1
+inroot readme "apt-get update -q > /dev/null && sudo apt-get install -o Dpkg::Use-Pty=0 -y $README_APT" > "$W/readme-apt.log" 2>&1
 note "readme: apt-get update + install (README's packages): $(since "$t0") s"
 t=$(now)
 inroot readme "python3 -m venv .venv" > "$W/readme-venv.log" 2>&1
@@ -107,6 +109,7 @@ inroot readme ". .venv/bin/activate && python /home/user/first_token.py -- colib
 note "readme: second colibri run (warm): $(tail -1 "$W/readme-run2.log")"
 note "readme: load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
 [ "${ONLY:-}" = readme ] && { echo "times in $T, logs in $W"; exit 0; }
+if [ "${SKIP:-}" != pip-faster ]; then
 cat > "$W/readme/home/user/pipcut.sh" <<'EOF'
 # what would cut pip's phase: pip again with its cache warm, then uv (cold and warm cache)
 t() { s=$(date +%s.%N); "$@" > /tmp/pipcut.log 2>&1; rc=$?; awk -v a=$s -v b=$(date +%s.%N) -v r=$rc 'BEGIN { printf "%.1f s (rc %d)", b - a, r }'; }
@@ -120,6 +123,7 @@ rm -rf /tmp/v3; python3 -m venv /tmp/v3
 echo "pip-faster: uv pip install -e . with its cache warm: $(t env UV_CACHE_DIR=/tmp/uvcache /tmp/v2/bin/uv pip install --python /tmp/v3/bin/python -e .)"
 EOF
 inroot readme "SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt sh /home/user/pipcut.sh" | tee -a "$T"
+fi
 inroot readme ". .venv/bin/activate && colibri; echo exit code \$?" > "$W/nodisplay.log" 2>&1 || true
 note "nodisplay: colibri without a display: $(tr '\n' ' ' < "$W/nodisplay.log" | cut -c1-300)"
 

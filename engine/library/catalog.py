@@ -10,8 +10,10 @@ per layer it holds, the expected decode speed (sizing.expected_speed_range) and 
 before a download (sizing.ram_verdict, which judges the same plan: sizing.plan_before_open); the quantization to take is the larger one whose
 budget still holds the experts one token routes in every layer, else int4.
 
-Every entry is a safetensors repository converted by `colibri download`; GGUF files are not
-read, so a model published only as GGUF is not listed.
+Every entry is a safetensors repository converted by `colibri download`; an entry with a
+``-GGUF`` repository (``gguf``: the repository and llama.cpp file type, sized by
+sizing.estimate_gguf) recommends that file instead where it is the smaller download and not
+much slower here (`colibri download REPO-GGUF --gguf Q4_K_M` imports its blocks as published).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..config import ModelArgs
-from ..sizing import DISK_READ_BYTES_PER_S, Estimate, estimate, expected_speed_range, plan_before_open, ram_verdict
+from ..sizing import (DISK_READ_BYTES_PER_S, Estimate, estimate, estimate_gguf, expected_speed_range, plan_before_open,
+                      ram_verdict)
 from ..errors import BudgetError
 
 
@@ -32,7 +35,8 @@ class CatalogModel:
     """One model of the catalog: ``repo_id`` on the Hugging Face hub, a display ``name``, what
     it is good at (``note``), the quantization its weights are published in (``published``:
     "f16" for bf16 / f16 safetensors, "mxfp4" for gpt-oss's MXFP4 experts) and the shape
-    fields of its config.json (``config``)."""
+    fields of its config.json (``config``); ``gguf``: (repository, file type) of its GGUF
+    conversion on the hub, () when none is listed (the file type one of sizing.GGUF_FILE_TYPES)."""
 
     repo_id: str
     name: str
@@ -40,6 +44,7 @@ class CatalogModel:
     config: dict
     published: str = "f16"
     quants: tuple[str, ...] = ("int8", "int4")  # store quantizations worth offering (the wizard's), best first
+    gguf: tuple[str, ...] = ()
 
     def args(self) -> ModelArgs:
         """The ModelArgs of ``config`` (the family's own parser). Raises ConfigError."""
@@ -57,7 +62,8 @@ CATALOG: tuple[CatalogModel, ...] = (
                  dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
                       num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
                       norm_topk_prob=False, vocab_size=50304, max_position_embeddings=4096, rope_theta=10000.0,
-                      rms_norm_eps=1e-5, tie_word_embeddings=False)),
+                      rms_norm_eps=1e-5, tie_word_embeddings=False),
+                 gguf=("allenai/OLMoE-1B-7B-0125-Instruct-GGUF", "Q4_K_M")),
     CatalogModel("Qwen/Qwen1.5-MoE-A2.7B-Chat", "Qwen1.5-MoE-A2.7B Chat",
                  "small multilingual chat model with a shared expert",
                  dict(model_type="qwen2_moe", hidden_size=2048, intermediate_size=5632, moe_intermediate_size=1408,
@@ -86,13 +92,15 @@ CATALOG: tuple[CatalogModel, ...] = (
                       rope_scaling=dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096,
                                         beta_fast=32.0, beta_slow=1.0), swiglu_limit=7.0, rms_norm_eps=1e-5,
                       layer_types=["sliding_attention", "full_attention"] * 12, tie_word_embeddings=False),
-                 published="mxfp4", quants=("int4",)),
+                 published="mxfp4", quants=("int4",), gguf=("ggml-org/gpt-oss-20b-GGUF", "MXFP4")),
     CatalogModel("Qwen/Qwen3-30B-A3B", "Qwen3-30B-A3B",
                  "strong general model with thinking mode; 3.3 B active parameters",
-                 dict(_QWEN3_30B, max_position_embeddings=40960, rope_theta=1000000.0)),
+                 dict(_QWEN3_30B, max_position_embeddings=40960, rope_theta=1000000.0),
+                 gguf=("Qwen/Qwen3-30B-A3B-GGUF", "Q4_K_M")),
     CatalogModel("Qwen/Qwen3-Coder-30B-A3B-Instruct", "Qwen3-Coder-30B-A3B Instruct",
                  "code: the 30B-A3B shape trained for programming and tool calls",
-                 dict(_QWEN3_30B, max_position_embeddings=262144, rope_theta=10000000.0)),
+                 dict(_QWEN3_30B, max_position_embeddings=262144, rope_theta=10000000.0),
+                 gguf=("unsloth/Qwen3-Coder-30B-A3B-Instruct-GGUF", "Q4_K_M")),
     CatalogModel("mistralai/Mixtral-8x7B-Instruct-v0.1", "Mixtral-8x7B Instruct",
                  "47 B, 8 large experts (2 per token): chat in European languages",
                  dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -108,7 +116,7 @@ CATALOG: tuple[CatalogModel, ...] = (
                       rope_scaling=dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096,
                                         beta_fast=32.0, beta_slow=1.0), swiglu_limit=7.0, rms_norm_eps=1e-5,
                       layer_types=["sliding_attention", "full_attention"] * 18, tie_word_embeddings=False),
-                 published="mxfp4", quants=("int4",)),
+                 published="mxfp4", quants=("int4",), gguf=("ggml-org/gpt-oss-120b-GGUF", "MXFP4")),
     CatalogModel("zai-org/GLM-4.5-Air", "GLM-4.5-Air",
                  "106 B agentic / coding model with a shared expert",
                  dict(model_type="glm4_moe", hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
@@ -117,14 +125,16 @@ CATALOG: tuple[CatalogModel, ...] = (
                       n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
                       partial_rotary_factor=0.5, use_qk_norm=False, attention_bias=True, vocab_size=151552,
                       max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-5,
-                      num_nextn_predict_layers=1, tie_word_embeddings=False)),
+                      num_nextn_predict_layers=1, tie_word_embeddings=False),
+                 gguf=("unsloth/GLM-4.5-Air-GGUF", "Q4_K_M")),
     CatalogModel("Qwen/Qwen3-235B-A22B", "Qwen3-235B-A22B",
                  "the large Qwen3: 22 B active parameters, for a big machine and a fast SSD",
                  dict(model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
                       num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128,
                       num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
                       mlp_only_layers=[], vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
-                      rms_norm_eps=1e-6, tie_word_embeddings=False)),
+                      rms_norm_eps=1e-6, tie_word_embeddings=False),
+                 gguf=("Qwen/Qwen3-235B-A22B-GGUF", "Q4_K_M")),
 )
 
 
@@ -132,9 +142,13 @@ CATALOG: tuple[CatalogModel, ...] = (
 class Recommendation:
     """One catalog model sized for one machine (bytes; speed in tokens per second).
 
-    quant: the store quantization to take. download_bytes: the published safetensors (about:
-    sizing.estimate at the published quantization). estimate: sizing.Estimate of the store
-    (store size, RAM minimum). budget_bytes / slots_per_layer: the automatic RAM budget (at
+    quant: the store quantization to take ("gguf": the GGUF file, its blocks as published).
+    gguf: the GGUF file type to take from ``repo_id`` ("" for the safetensors). download_bytes:
+    what to download (about: sizing.estimate at the published quantization, or
+    sizing.estimate_gguf's file); safetensors_bytes: the safetensors' either way; gguf_bytes /
+    gguf_tokens_per_s: the GGUF file's download and speed here when it is listed but not taken
+    (0 and (0, 0) otherwise). estimate:
+    sizing.Estimate of the store (store size, RAM minimum). budget_bytes / slots_per_layer: the automatic RAM budget (at
     most what every expert in RAM needs) and the expert slots it holds in every layer (0 when it holds none: the model does
     not open here). tokens_per_s: (low, high) of sizing.expected_speed_range ((0, 0) when it
     does not open). disk_bytes_per_s / disk_measured: the disk speed assumed or measured.
@@ -154,11 +168,25 @@ class Recommendation:
     recommended: bool
     disk_bytes_per_s: float = DISK_READ_BYTES_PER_S
     disk_measured: bool = False
+    gguf: str = ""
+    safetensors_bytes: int = 0
+    gguf_bytes: int = 0
+    gguf_tokens_per_s: tuple[float, float] = (0.0, 0.0)
+
+    @property
+    def repo_id(self) -> str:
+        """The hub repository to download: the -GGUF one when a GGUF file is taken."""
+        return self.model.gguf[0] if self.gguf else self.model.repo_id
+
+    @property
+    def take(self) -> str:
+        """What to take, as the wizard's table says it: "GGUF Q4_K_M", "int8", ..."""
+        return f"GGUF {self.gguf}" if self.gguf else self.quant
 
 
 def _size(m: CatalogModel, args: ModelArgs, quant: str, total: int, available: int, context_length: int,
-          disk_bytes_per_s: float) -> tuple[Estimate, int, int, tuple[float, float], str, str]:
-    est = estimate(args, quant, context_length)
+          disk_bytes_per_s: float, est: Estimate | None = None) -> tuple[Estimate, int, int, tuple[float, float], str, str]:
+    est = est or estimate(args, quant, context_length)
     verdict, message = ram_verdict(est, args.num_experts_per_tok, total, available)
     try:
         plan = plan_before_open(est, available)
@@ -176,7 +204,8 @@ def recommend(total: int, available: int, disk_bytes_per_s: float | None = None,
     and a disk reading ``disk_bytes_per_s`` (None: sizing.DISK_READ_BYTES_PER_S, assumed),
     at ``context_length`` tokens (0: the engine's default). Per model the quantization is the
     first of its ``quants`` (int8 before int4) whose expected speed is at least
-    SPEED_FOR_QUALITY of the fastest one's. Recommended: it opens here (not refused, one slot
+    SPEED_FOR_QUALITY of the fastest one's; its GGUF file (``gguf``) instead when that is the
+    smaller download and at least SPEED_FOR_QUALITY as fast as that choice. Recommended: it opens here (not refused, one slot
     per layer fits) and the low end of its speed range is at least MIN_TOKENS_PER_S. Sorted:
     recommended first (fastest first), then the others by the RAM they need."""
     disk = float(disk_bytes_per_s or DISK_READ_BYTES_PER_S)
@@ -187,9 +216,18 @@ def recommend(total: int, available: int, disk_bytes_per_s: float | None = None,
         best = max(s[3][0] for s in sized.values())
         quant = next(q for q in m.quants if sized[q][3][0] >= SPEED_FOR_QUALITY * best)
         est, budget, fit, speed, verdict, message = sized[quant]
-        download = estimate(args, m.published, context_length).store_bytes
+        download = safetensors = estimate(args, m.published, context_length).store_bytes
+        gguf, gguf_other = "", (0, (0.0, 0.0))
+        if m.gguf:
+            g = estimate_gguf(args, m.gguf[1], context_length)
+            g_sized = _size(m, args, "gguf", total, available, context_length, disk, g.estimate)
+            if g.download_bytes < safetensors and g_sized[3][0] >= SPEED_FOR_QUALITY * speed[0]:
+                quant, gguf, download = "gguf", m.gguf[1], g.download_bytes
+                est, budget, fit, speed, verdict, message = g_sized
+            else:
+                gguf_other = (g.download_bytes, g_sized[3])
         ok = verdict != "refuse" and fit >= 1 and speed[0] >= MIN_TOKENS_PER_S
         out.append(Recommendation(m, quant, download, est, budget, fit, speed, verdict, message, ok, disk,
-                                  disk_bytes_per_s is not None))
+                                  disk_bytes_per_s is not None, gguf, safetensors, *gguf_other))
     out.sort(key=lambda r: (not r.recommended, -r.tokens_per_s[0] if r.recommended else r.estimate.ram_needed))
     return out

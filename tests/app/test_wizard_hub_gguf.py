@@ -85,3 +85,52 @@ def test_gguf_repository_to_working_model(qtbot, gguf_hub, wizard_dialog):
     with Engine.open(EngineConfig(store=str(store), context_length=128, history=False)) as eng:
         evs = list(eng.generate(req))
     assert isinstance(evs[-1], Finished) and evs[-1].generated_tokens >= 1
+
+
+def test_a_gguf_recommendation_leads_to_its_download_and_import(qtbot, gguf_hub, tmp_path, monkeypatch):
+    """"Recommended for this computer" names a -GGUF repository and file type where that is the
+    smaller download: choosing it checks that file (not the repository's default), downloads it
+    alone and imports it into a working store."""
+    from colibri_app import workers
+    from engine.library.catalog import CatalogModel
+    cfg = json.loads((hubserver.tiny_checkpoint(tmp_path / "src" / "ck") / "config.json").read_text())
+    tiny = CatalogModel("colibri/tiny-olmoe", "tiny OLMoE", "a test model", cfg, gguf=(REPO, "Q8_0"))
+    real = lib.recommend
+    monkeypatch.setattr(lib, "recommend", lambda *a, **k: real(*a, **dict(k, catalog=(tiny,))))
+    monkeypatch.setattr(lib, "machine_ram", lambda: (16 * 10 ** 9, 12 * 10 ** 9))
+    monkeypatch.setattr(lib, "disk_read_speed", lambda folder, files=(): lib.DiskSpeed(0, 0.0, "O_DIRECT", str(folder)))
+    w = wz.ModelWizard(None, context_length=256, recommendations=True)
+    qtbot.addWidget(w)
+    w.show()
+    try:
+        p = w.recommended_page
+        r = p.rows[0]
+        assert r.gguf == "Q8_0" and r.repo_id == REPO and r.download_bytes < r.safetensors_bytes
+        assert p.table.item(0, 1).text() == "GGUF Q8_0"
+        p.table.selectRow(0)
+        assert REPO in p.detail.text() and "Q8_0" in p.detail.text()
+        w.next()
+        assert w.currentId() == wz.PAGE_SOURCE and w.source_page.repo_edit.text() == REPO
+        w.next()
+        qtbot.waitUntil(lambda: w.currentId() == wz.PAGE_CHECK and w.check is not None, timeout=T)
+        assert w.check.quant == "gguf" and w.check.gguf_file == "Q8_0"  # the repository's default is Q4_0
+        assert w.check.estimate.slot_bytes == r.estimate.slot_bytes  # the recommendation's sizes
+        w.next()
+        qtbot.waitUntil(w.download_page.isComplete, timeout=T)
+        w.next()
+        conv = w.convert_page
+        assert conv.quant.currentData() == "gguf"
+        conv.convert_button.click()
+        qtbot.waitUntil(conv.isComplete, timeout=T)
+        w.next()
+        qtbot.waitUntil(w.done_page.isComplete, timeout=T)
+        assert w.done_page.passed, w.done_page.info.text()
+        with qtbot.waitSignal(w.model_ready, timeout=T) as sig:
+            w.button(QWizard.FinishButton).click()
+        store = Path(sig.args[0])
+        assert json.loads((store / "manifest.json").read_text())["gguf"]["expert_types"][0] == ["Q8_0"] * 3
+        full = [n for meth, n, rng in gguf_hub.requests if meth == "GET" and rng is None and not n.startswith("/api")]
+        assert full == ["tiny-olmoe-Q8_0.gguf"]
+    finally:
+        w.reject()
+        assert workers.shutdown_all(30)

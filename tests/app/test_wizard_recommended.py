@@ -50,7 +50,7 @@ def test_the_page_lists_the_catalog_sized_for_this_machine(rec_wizard):
     assert "16.00 GB of RAM" in p.machine.text() and "assumed" in p.machine.text()
     for i, r in enumerate(expected):
         cells = [p.table.item(i, j).text() for j in range(p.table.columnCount())]
-        assert cells[0] == r.model.name and cells[1] == r.quant
+        assert cells[0] == r.model.name and cells[1] == r.take
         assert cells[2] == lib.format_bytes(r.download_bytes) and cells[3] == lib.format_bytes(r.estimate.store_bytes)
         assert cells[4] == lib.format_bytes(r.budget_bytes)
         assert p.table.item(i, 0).font().bold() == r.recommended
@@ -61,13 +61,32 @@ def test_the_page_lists_the_catalog_sized_for_this_machine(rec_wizard):
 def test_choosing_a_model_fills_the_hub_source_and_its_quantization(qtbot, rec_wizard):
     w = rec_wizard
     p = w.recommended_page
-    row = next(i for i, r in enumerate(p.rows) if r.model.repo_id == "Qwen/Qwen3-30B-A3B")
+    row = next(i for i, r in enumerate(p.rows) if r.model.repo_id == "openai/gpt-oss-20b")
     p.table.selectRow(row)
-    assert "Qwen/Qwen3-30B-A3B" in p.detail.text() and p.rows[row].quant in p.detail.text()
+    assert "openai/gpt-oss-20b" in p.detail.text() and p.rows[row].quant in p.detail.text()
     w.next()
     assert w.currentId() == wz.PAGE_SOURCE
-    assert w.source_page.hub_radio.isChecked() and w.source_page.repo_edit.text() == "Qwen/Qwen3-30B-A3B"
-    assert w.preferred_quant == p.rows[row].quant == "int4"
+    assert w.source_page.hub_radio.isChecked() and w.source_page.repo_edit.text() == "openai/gpt-oss-20b"
+    assert w.preferred_quant == p.rows[row].quant == "int4" and w.source_page.gguf_choice is None
+    w.back()
+    # where the GGUF is the smaller download: its -GGUF repository, and that file for the check
+    row = next(i for i, r in enumerate(p.rows) if r.model.repo_id == "Qwen/Qwen3-30B-A3B")
+    p.table.selectRow(row)
+    assert "Qwen/Qwen3-30B-A3B-GGUF" in p.detail.text() and "Q4_K_M" in p.detail.text()
+    assert p.table.item(row, 1).text() == "GGUF Q4_K_M"
+    w.next()
+    sp = w.source_page
+    assert sp.repo_edit.text() == "Qwen/Qwen3-30B-A3B-GGUF" and w.preferred_quant == "gguf"
+    assert sp.gguf_choice == "Q4_K_M" and sp.gguf_key == sp.key()
+    w.back()
+    # a slow disk and RAM for the int4 store only: the safetensors, and the page says why not the GGUF
+    p.show_for(24 * GB, 22 * GB, 0.2e9)
+    row = next(i for i, r in enumerate(p.rows) if r.model.repo_id == "Qwen/Qwen3-30B-A3B")
+    p.table.selectRow(row)
+    assert p.table.item(row, 1).text() == "int4"
+    assert "Its GGUF Q4_K_M (Qwen/Qwen3-30B-A3B-GGUF) is the smaller download" in p.detail.text()
+    w.next()
+    assert w.source_page.repo_edit.text() == "Qwen/Qwen3-30B-A3B" and w.source_page.gguf_choice is None
     w.back()
     p.table.clearSelection()
     w.source_page.repo_edit.setText("")
@@ -121,9 +140,15 @@ def test_each_machine_size_gets_the_sizing_modules_numbers(qtbot, monkeypatch, a
         for i in range(p.table.rowCount()):
             cells = [p.table.item(i, j).text() for j in range(p.table.columnCount())]
             m = next(c for c in lib.CATALOG if c.name == cells[0])
-            a, quant = m.args(), cells[1]
-            est = sizing.estimate(a, quant, 0)
-            assert cells[2] == lib.format_bytes(sizing.estimate(a, m.published, 0).store_bytes)
+            a, take = m.args(), cells[1]
+            if take.startswith("GGUF "):  # the -GGUF repository's file: sizing.estimate_gguf's numbers
+                assert m.gguf and take == f"GGUF {m.gguf[1]}"
+                g = sizing.estimate_gguf(a, m.gguf[1], 0)
+                est, download = g.estimate, g.download_bytes
+                assert download < sizing.estimate(a, m.published, 0).store_bytes
+            else:
+                est, download = sizing.estimate(a, take, 0), sizing.estimate(a, m.published, 0).store_bytes
+            assert cells[2] == lib.format_bytes(download)
             assert cells[3] == lib.format_bytes(est.store_bytes)
             verdict = sizing.ram_verdict(est, a.num_experts_per_tok, total, available)[0]
             try:
@@ -138,6 +163,7 @@ def test_each_machine_size_gets_the_sizing_modules_numbers(qtbot, monkeypatch, a
                 assert cells[7] == "not enough RAM"
             flags.append(cells[7] == "recommended")
         assert any(flags) and flags == sorted(flags, reverse=True), flags  # recommended rows first
+        assert any(p.table.item(i, 1).text().startswith("GGUF ") for i in range(p.table.rowCount()))
     finally:
         measured.set()
         w.reject()
