@@ -391,7 +391,7 @@ class PlotPanels(QWidget):
                 p.getAxis(ax).setTextPen(pg.mkPen(col["plot_text"]))
                 p.getAxis(ax).label.setDefaultTextColor(pg.mkColor(col["plot_text"]))
         self.curve_mean.setPen(pg.mkPen(col["plot_mean"], width=2))
-        self._set_hit_legend(None)
+        self._set_hit_legend(getattr(self, "_hit_values", None))  # the mean's swatch recoloured, values kept
         self.heat_plot.setBackground(col["heat_bg"])
         self.heat_hint.setColor(col["muted"])
         self._heat_colours = heat_colours(col)
@@ -613,6 +613,7 @@ class PlotPanels(QWidget):
         return rates_text(r[0], r[1])
 
     def _set_hit_legend(self, v) -> None:
+        self._hit_values = v
         pin, lru, mean = ("–", "–", "–") if v is None else (f"{v[0]:.0f}%", f"{v[1]:.0f}%", f"{v[2]:.0f}%")
         self.hit_legend.setText(" &nbsp; ".join([
             _swatch(C_PINNED, f"pinned {pin}"), _swatch(C_LRU, f"cached {lru}"),

@@ -204,3 +204,24 @@ def test_unchecked_radio_buttons_and_check_boxes_stand_out(qtbot, themed, scheme
     bg = _luminance(int(QColor(resources.SCHEMES[scheme]["bg"]).rgb()) & 0xFFFFFF)
     best = max((max(_luminance(int(v)), bg) + 0.05) / (min(_luminance(int(v)), bg) + 0.05) for v in set(area.ravel()))
     assert best >= 3.0, (scheme, kind, best)
+
+
+def test_a_scheme_change_keeps_the_legends_values(qtbot, themed):
+    from colibri_app.plot_panels import PlotPanels
+    from engine import StepMetrics
+    resources.apply_theme(themed, "light")
+    p = PlotPanels()
+    qtbot.addWidget(p)
+    p.timer.stop()
+    p.on_metrics(StepMetrics(token_index=0, hits=3, misses=1, pinned_hits=1, hit_rate=0.75, pinned_hit_rate=0.25,
+                             lru_hit_rate=0.5, loads=1, demand_bytes=2_000_000, speculative_bytes=0,
+                             mb_per_token=2.0, felt_wait_s=0.0, read_service_s=0.0, rss_bytes=3_000_000_000,
+                             budget_bytes=8_000_000_000, cache_bytes=1_000_000_000, cap_per_layer=4,
+                             tok_per_s=10.0, ttft_s=0.2))
+    p._legend_t = float("-inf")
+    p.redraw()
+    before = p.hit_legend.text()
+    assert "pinned 25%" in before and "cached 50%" in before
+    resources.apply_theme(themed, "dark")
+    assert "pinned 25%" in p.hit_legend.text() and "cached 50%" in p.hit_legend.text()
+    assert "rolling mean 75%" in p.hit_legend.text()
