@@ -178,3 +178,22 @@ def test_ctrl_c_that_a_ctypes_callback_swallows_still_stops_run(tiny_store, monk
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back
     finally:
         signal.signal(signal.SIGINT, outside)
+
+
+def test_a_busy_port_and_a_disk_error_read_as_one_plain_line(tiny_store, tmp_path, capsys):
+    import socket
+    from engine.cli import main as cli
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert cli(["serve", "--model", str(tiny_store), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err and "choose another port" in err
+    assert "[Errno" not in err
+    from engine.cli.main import error_text
+    gone = tmp_path / "gone.json"
+    try:
+        gone.read_text()
+    except OSError as e:
+        assert error_text(e) == f"No such file or directory: '{gone}'"

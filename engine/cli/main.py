@@ -79,6 +79,15 @@ def build_parser(verb: str | None = "") -> argparse.ArgumentParser:
     return p
 
 
+def error_text(e: BaseException) -> str:
+    """The one line an error prints: an OSError's own words without Python's "[Errno N]" prefix
+    (its strerror, then the file names it carries), any other error as it reads."""
+    if isinstance(e, OSError) and e.strerror and type(e).__str__ is OSError.__str__:
+        names = [repr(str(f)) for f in (e.filename, e.filename2) if f is not None]
+        return e.strerror + (f": {' -> '.join(names)}" if names else "")
+    return str(e)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` (default: sys.argv[1:]) and run the subcommand. Returns the exit code
     (2 with one ``colibri: error: ...`` line for bad input; never a traceback for it)."""
@@ -95,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     except (EngineError, OSError, ValueError) as e:  # OSError: disk full, permissions, ...
         from .models import end_progress_line
         end_progress_line()
-        print(f"colibri: error: {e}", file=sys.stderr)
+        print(f"colibri: error: {error_text(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl+C in a command without its own handling: one line, no traceback
         from .models import end_progress_line
