@@ -197,3 +197,21 @@ def test_a_busy_port_and_a_disk_error_read_as_one_plain_line(tiny_store, tmp_pat
         gone.read_text()
     except OSError as e:
         assert error_text(e) == f"No such file or directory: '{gone}'"
+
+
+def test_the_answer_ends_its_line_before_the_notes_when_both_go_to_one_file(tiny_store, tmp_path, monkeypatch):
+    """`colibri run ... 2>&1 | tee log`: stdout is block-buffered there, stderr is not; the
+    answer's closing newline came after the notes ("...answer.seed 7 (--seed 7 ...)")."""
+    log_path = tmp_path / "both.log"
+    out = open(log_path, "a", encoding="utf-8")              # a pipe's buffering: by blocks
+    err = open(log_path, "a", encoding="utf-8", buffering=1)  # stderr: by lines
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(sys, "stderr", err)
+    try:
+        assert colibri(["run", "--model", str(tiny_store), "--prompt", "hello", "--raw", "--max-new-tokens", "3",
+                        "--temperature", "0.7", "--no-history", "--threads", "1"]) == 0
+    finally:
+        out.close()
+        err.close()
+    text = log_path.read_text(encoding="utf-8")
+    assert "\nseed " in text and text.endswith("reproduces this answer)\n"), text

@@ -130,7 +130,7 @@ def cmd_run(a) -> int:
                     fin = ev
         except KeyboardInterrupt:
             cancel.set()
-        print()
+        print(flush=True)  # the answer's line ends before any note on stderr (both may go to one file)
         if trace:
             trace.save(a.trace)
         if fin is not None and fin.finish_reason == FinishReason.ERROR:
