@@ -44,6 +44,24 @@ def _same(a: str | None, b: str | None) -> bool:
         return a == b
 
 
+def table_content_width(t: QTableWidget) -> int:
+    """Pixels ``t`` needs to show every column whole (contents and headers)."""
+    cols = sum(max(t.sizeHintForColumn(j), t.horizontalHeader().sectionSizeHint(j)) for j in range(t.columnCount()))
+    return cols + 2 * t.frameWidth() + t.verticalScrollBar().sizeHint().width()
+
+
+def keep_on_screen(w: QWidget) -> None:
+    """Move a shown window that grew past its screen's right or bottom edge back onto it: a
+    dialog is placed for its first size, and widening it for its table pushed its buttons off."""
+    if not w.isVisible() or w.screen() is None:
+        return
+    screen, g = w.screen().availableGeometry(), w.frameGeometry()
+    x = max(screen.left(), min(g.left(), screen.right() + 1 - g.width()))
+    y = max(screen.top(), min(g.top(), screen.bottom() + 1 - g.height()))
+    if (x, y) != (g.left(), g.top()):
+        w.move(x, y)
+
+
 class ModelLibraryDialog(QDialog):
     """Converted models in the user data folder.
 
@@ -167,9 +185,7 @@ class ModelLibraryDialog(QDialog):
 
     def table_content_width(self) -> int:
         """Pixels the table needs to show every column whole (contents and headers)."""
-        t = self.table
-        cols = sum(max(t.sizeHintForColumn(j), t.horizontalHeader().sectionSizeHint(j)) for j in range(t.columnCount()))
-        return cols + 2 * t.frameWidth() + t.verticalScrollBar().sizeHint().width()
+        return table_content_width(self.table)
 
     def _fit_width(self) -> None:
         """Widen the dialog (never past the screen) so that names, sources and paths are not cut:
@@ -180,6 +196,7 @@ class ModelLibraryDialog(QDialog):
         screen = self.screen().availableGeometry().width() if self.screen() else need
         if self.width() < need:
             self.resize(min(need, int(0.95 * screen)), self.height())
+            keep_on_screen(self)
 
     def selected(self) -> lib.ModelEntry | None:
         rows = {i.row() for i in self.table.selectedItems()}

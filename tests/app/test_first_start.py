@@ -109,3 +109,26 @@ def test_the_model_library_is_wide_enough_for_its_columns(qtbot, app_dirs, monke
     assert dlg.width() >= need, (dlg.width(), need)
     for j in range(dlg.table.columnCount()):  # no column is cut: each at least its contents' width
         assert dlg.table.columnWidth(j) >= dlg.table.sizeHintForColumn(j) - 1, j
+
+
+def test_the_model_library_stays_on_the_screen_when_it_widens(qtbot, app_dirs, monkeypatch):
+    """The dialog is placed for its first size, then widened for its table when the scan ends:
+    its right part and Close button went past the screen's edge."""
+    from PySide6.QtCore import QRect
+    from colibri_app.library import ModelLibraryDialog
+    from engine.library import ModelEntry
+    long = ModelEntry("Qwen3-Coder-30B-A3B-Instruct", "hf://Qwen/Qwen3-Coder-30B-A3B-Instruct@0123456789abcdef",
+                      "int4", 17_890_000_000, "2026-12-07T08:00:00Z", "/home/u/.local/share/colibri-desktop/models/x",
+                      family="qwen3_moe")
+
+    class Screen:
+        def availableGeometry(self):  # noqa: N802 - Qt's name
+            return QRect(0, 0, 1400, 900)
+    monkeypatch.setattr(ModelLibraryDialog, "screen", lambda self: Screen())
+    dlg = ModelLibraryDialog(None)
+    qtbot.addWidget(dlg)
+    dlg.show()
+    dlg.move(600, 230)
+    dlg._show([long])
+    assert dlg.width() > 1400 - 600
+    assert 0 <= dlg.frameGeometry().left() and dlg.frameGeometry().right() < 1400
