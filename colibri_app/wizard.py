@@ -53,6 +53,13 @@ def _error_style(label: QLabel, color: str) -> None:
 # --- pages ----------------------------------------------------------------------------------
 
 
+def speed_range(lo: float, hi: float) -> str:
+    """"7.4–25.8 tok/s"; two decimals below 1 tok/s, where one decimal made
+    0.15–0.20 read "0.2–0.2"; one number when both ends read the same."""
+    a, b = (f"{x:.1f}" if x >= 1 else f"{x:.2f}" for x in (lo, hi))
+    return f"{a} tok/s" if a == b else f"{a}–{b} tok/s"
+
+
 class RecommendedPage(QWizardPage):
     """"Recommended for this computer": the catalog's MoE models (engine.library.recommend)
     sized for this machine's memory, with the download and store sizes, the RAM budget the
@@ -140,7 +147,7 @@ class RecommendedPage(QWizardPage):
         self.table.setRowCount(len(self.rows))
         for i, r in enumerate(self.rows):
             lo, hi = r.tokens_per_s
-            speed = f"{lo:.1f}–{hi:.1f} tok/s" if r.slots_per_layer else "does not open"
+            speed = speed_range(lo, hi) if r.slots_per_layer else "does not open"
             slots = (f"{r.slots_per_layer} of {r.estimate.num_experts} per layer" if r.slots_per_layer else "none")
             verdict = ("recommended" if r.recommended else {"refuse": "not enough RAM", "warn": "tight on RAM"}.get(
                 r.verdict, "slow here"))
@@ -156,6 +163,21 @@ class RecommendedPage(QWizardPage):
                 self.table.setItem(i, j, item)
         self.table.clearSelection()
         self.detail.setText("")
+        self._fit_width()
+
+    def _fit_width(self) -> None:
+        """Make the wizard wide enough for every column (never past 90% of the screen): at its
+        first size the speed and verdict columns were hidden behind a scroll bar."""
+        from .library import keep_on_screen, table_content_width
+        screen = self.screen().availableGeometry().width() if self.screen() else 0
+        need = table_content_width(self.table)
+        margins = self.wiz.width() - self.table.width() if self.isVisible() else 0
+        self.table.setMinimumWidth(min(need, int(0.9 * screen) - margins) if screen else need)
+        if self.wiz.isVisible():  # shown: grow now (the layout would later) and stay on the screen
+            grow = self.table.minimumWidth() - self.table.width()
+            if grow > 0:
+                self.wiz.resize(self.wiz.width() + grow, self.wiz.height())
+            keep_on_screen(self.wiz)
 
     def chosen(self):
         """The selected Recommendation, or None."""
@@ -179,7 +201,7 @@ class RecommendedPage(QWizardPage):
             if 0 < r.gguf_bytes < r.download_bytes:
                 lo, hi = r.gguf_tokens_per_s
                 take += (f" Its GGUF {r.model.gguf[1]} ({r.model.gguf[0]}) is the smaller download "
-                         f"({fb(r.gguf_bytes)}) but its store would run at {lo:.1f}–{hi:.1f} tok/s here.")
+                         f"({fb(r.gguf_bytes)}) but its store would run at {speed_range(lo, hi)} here.")
         self.detail.setText(f"<b>{r.model.repo_id}</b> — {r.model.note}. {take} {r.message}")
         self.detail.setTextFormat(Qt.RichText)
 

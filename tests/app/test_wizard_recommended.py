@@ -168,3 +168,40 @@ def test_each_machine_size_gets_the_sizing_modules_numbers(qtbot, monkeypatch, a
         measured.set()
         w.reject()
         assert workers.shutdown_all(30)
+
+
+def test_every_column_shows_whole_at_the_first_size(qtbot, monkeypatch, app_dirs):
+    """Opened at its first size on a 1400 × 900 desktop, the page shows every column whole
+    (the speed and the verdict were behind a scroll bar), and the wizard stays on the screen."""
+    from PySide6.QtCore import QRect
+    from colibri_app import workers
+
+    class Screen:
+        def availableGeometry(self):  # noqa: N802 - Qt's name
+            return QRect(0, 0, 1400, 900)
+    monkeypatch.setattr(wz.RecommendedPage, "screen", lambda self: Screen())
+    monkeypatch.setattr(wz.ModelWizard, "screen", lambda self: Screen())
+    monkeypatch.setattr(lib, "machine_ram", lambda: (16 * GB, 12 * GB))
+    measured = threading.Event()
+    monkeypatch.setattr(lib, "disk_read_speed", lambda folder, files=(): measured.wait(600) and lib.DiskSpeed(
+        0, 0.0, "O_DIRECT", str(folder)))
+    w = wz.ModelWizard(None, context_length=0, recommendations=True)
+    qtbot.addWidget(w)
+    w.show()
+    t = w.recommended_page.table
+    qtbot.waitExposed(w)
+    widths = [(t.columnWidth(j), t.sizeHintForColumn(j)) for j in range(t.columnCount())]
+    assert all(shown >= need - 1 for shown, need in widths), widths
+    assert w.frameGeometry().right() < 1400
+    for i, r in enumerate(w.recommended_page.rows):  # the speed column reads as the page's own format
+        assert t.item(i, 6).text() == wz.speed_range(*r.tokens_per_s)
+    measured.set()
+    w.reject()
+    assert workers.shutdown_all(30)
+
+
+def test_a_speed_range_keeps_its_digits_below_one_token_per_second():
+    assert wz.speed_range(7.4475, 25.818) == "7.4–25.8 tok/s"
+    assert wz.speed_range(0.1508, 0.2007) == "0.15–0.20 tok/s"   # not "0.2–0.2"
+    assert wz.speed_range(0.8172, 1.1352) == "0.82–1.1 tok/s"
+    assert wz.speed_range(0.0501, 0.0499) == "0.05 tok/s"
