@@ -65,24 +65,27 @@ def ray_available() -> bool:
         return False
 
 
-def check_address(address: str, timeout_s: float = 5.0) -> tuple[str, int]:
+def check_address(address: str, timeout_s: float = 5.0, name: str = "setting 'cluster'") -> tuple[str, int]:
     """(host, port) of a Ray head address "host:port" after a TCP connect to it succeeded
-    (Ray itself retries a dead address for minutes).
+    (Ray itself retries a dead address for minutes). ``name``: what the address is, for the
+    message (the setting, or a command's ADDRESS argument).
 
     Raises:
-        ConfigError: naming the setting, when the address is malformed or nothing listens.
+        ConfigError: naming ``name``, when the address is malformed or nothing listens.
     """
     import socket
+    setting = name == "setting 'cluster'"
     host, sep, port = address.strip().rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"setting 'cluster' = {address!r}: give the head's address as host:port, e.g. "
-                          f"192.168.1.20:6380 (as `colibri cluster head` prints), or clear it")
+        raise ConfigError(f"{name} = {address!r}: give the head's address as host:port, e.g. "
+                          f"192.168.1.20:6380 (as `colibri cluster head` prints)" + (", or clear it" if setting else ""))
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
             pass
     except OSError as e:
-        raise ConfigError(f"setting 'cluster' = {address!r}: no cluster head answers there ({e}); start one "
-                          f"with `colibri cluster head` on that computer, or clear the setting") from None
+        raise ConfigError(f"{name} = {address!r}: no cluster head answers there ({e.strerror or e}); start one "
+                          f"with `colibri cluster head` on that computer"
+                          + (", or clear the setting" if setting else ", and check the address")) from None
     return host, int(port)
 
 
@@ -759,7 +762,7 @@ class ClusterExperts:
                 pass
 
 
-def cluster_nodes(address: str) -> list[dict]:
+def cluster_nodes(address: str, name: str = "setting 'cluster'") -> list[dict]:
     """The colibri workers of the Ray cluster at ``address`` (for ``colibri cluster status``):
     [{"node_id", "address", "alive", "ram_bytes", "free_bytes", "cpus"}], connecting for the call.
 
@@ -769,7 +772,7 @@ def cluster_nodes(address: str) -> list[dict]:
     ray = _ray()
     owns = not ray.is_initialized()
     if owns:
-        check_address(address)
+        check_address(address, name=name)
         try:
             ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
         except Exception as e:  # noqa: BLE001

@@ -232,7 +232,11 @@ def test_join_counts_gb_as_every_other_size(monkeypatch, capsys):
     seen = {}
     monkeypatch.setattr(C, "_ray_start", lambda args: args)
     monkeypatch.setattr(C, "_run_foreground", lambda cmd, banner: seen.update(cmd=cmd, banner=banner) or 0)
-    assert main(["cluster", "join", "127.0.0.1:6380", "--ram-gb", "2"]) == 0
+    import socket
+    with socket.socket() as head:  # a head that answers
+        head.bind(("127.0.0.1", 0))
+        head.listen(1)
+        assert main(["cluster", "join", f"127.0.0.1:{head.getsockname()[1]}", "--ram-gb", "2"]) == 0
     assert "with 2.00 GB for experts" in seen["banner"], seen["banner"]
     mib = json.loads(seen["cmd"][seen["cmd"].index("--resources") + 1])[RESOURCE]
     assert mib == int(2e9) >> 20
@@ -245,6 +249,28 @@ def test_cluster_cli_refuses_bad_input(capsys):
     assert "--ram-gb 0" in err and "Traceback" not in err
     assert main(["cluster", "status", "no-port-here"]) == 2
     assert "host:port" in capsys.readouterr().err
+
+
+def test_join_and_status_check_their_address_before_ray(monkeypatch, capsys):
+    """`cluster join` handed a dead or malformed ADDRESS to Ray, which printed its retry logs
+    for minutes (or a ValueError traceback); `cluster status` named the app's setting."""
+    import socket
+    from engine.cli import cluster as C
+    from engine.cli import main
+    started = []
+    monkeypatch.setattr(C, "_run_foreground", lambda cmd, banner: started.append(cmd) or 0)
+    with socket.socket() as s:  # a port where nothing listens
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    for argv in (["cluster", "join", dead, "--ram-gb", "2"], ["cluster", "status", dead]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"ADDRESS = '{dead}': no cluster head answers there" in err, err
+        assert "setting" not in err and "[Errno" not in err
+    assert main(["cluster", "join", "nonsense", "--ram-gb", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "ADDRESS = 'nonsense': give the head's address as host:port" in err and "Traceback" not in err
+    assert not started
 
 
 def test_bad_address_is_a_clear_error(store):

@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 
-from ..cluster import ENGINE_ROOT, RESOURCE, cluster_nodes, ray_available
+from ..cluster import ENGINE_ROOT, RESOURCE, check_address, cluster_nodes, ray_available
 from ..errors import ConfigError
 from ..units import format_bytes
 
@@ -83,12 +83,14 @@ def cmd_join(a) -> int:
         args += ["--node-ip-address", a.node_ip]
     banner = (f"colibri: joining the cluster at {a.address} with {format_bytes(mb << 20)} for experts "
               f"(Ctrl+C leaves it)")
-    return _run_foreground(_ray_start(args), banner)
+    cmd = _ray_start(args)
+    check_address(a.address, name="ADDRESS")  # Ray retries a wrong address for minutes, printing its logs
+    return _run_foreground(cmd, banner)
 
 
 def cmd_status(a) -> int:
     """Print the workers of the cluster at ADDRESS."""
-    nodes = cluster_nodes(a.address)
+    nodes = cluster_nodes(a.address, name="ADDRESS")
     if not nodes:
         print(f"colibri: the cluster at {a.address} has no worker; join one with "
               f"`colibri cluster join {a.address} --ram-gb N`")
