@@ -663,6 +663,8 @@ class MainWindow(QMainWindow):
         bundled = ev.model_name == library.DEFAULT_MODEL
         self.chat.set_intro(BUNDLED_INTRO if bundled else "", BUNDLED_PLACEHOLDERS if bundled else ())
         self.panels.on_loaded(ev)
+        self.st_speed.setText("– tok/s")  # the last answer's numbers were another model's (or settings')
+        self.st_ttft.setText("TTFT –")
         self.st_model.setText(f"{ev.model_name} ({ev.quant})")
         self._show_cap(ev.cap_per_layer, ev.expert_slots)
         self.st_pilot.setText(f"PILOT {ev.pilot}")

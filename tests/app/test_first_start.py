@@ -132,3 +132,14 @@ def test_the_model_library_stays_on_the_screen_when_it_widens(qtbot, app_dirs, m
     dlg._show([long])
     assert dlg.width() > 1400 - 600
     assert 0 <= dlg.frameGeometry().left() and dlg.frameGeometry().right() < 1400
+
+
+def test_a_newly_opened_model_does_not_show_the_last_ones_speed(qtbot, make_window):
+    """After switching models (or a setting that reopens it) the status bar kept the previous
+    model's tok/s and TTFT beside the new model's name, while the plots started anew."""
+    from answer_helpers import send
+    win = make_window(max_new_tokens=3)
+    send(qtbot, win, "What does len do?")
+    assert win.st_speed.text()[0].isdigit() and win.st_ttft.text() != "TTFT –"
+    win.on_loaded(replace(win.loaded, model_name="another-model"))
+    assert win.st_speed.text() == "– tok/s" and win.st_ttft.text() == "TTFT –"
