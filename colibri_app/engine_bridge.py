@@ -21,6 +21,7 @@ from PySide6.QtCore import QObject, Signal
 
 from engine import (Engine, EngineConfig, EngineError, EngineFailure, ErrorKind, Finished, GenerateRequest,
                     LoadProgress, ResidencySnapshot, StepMetrics, TokenEvent, prepare_kernel_variants)
+from engine import error_text
 from engine.library import default_store
 
 from .workers import Lane, Throttle
@@ -188,7 +189,7 @@ class EngineWorker(QObject):
                 self.engine.reset_history()
             except OSError as e:
                 self.failed.emit(EngineFailure(kind=ErrorKind.IO,
-                                               message=f"The routing history could not be reset: {e}"))
+                                               message=f"The routing history could not be reset: {error_text(e)}"))
 
     def close_engine(self) -> None:
         """Close the engine (joins its threads). Idempotent."""

@@ -22,6 +22,7 @@ from PySide6.QtWidgets import (QApplication, QDockWidget, QFileDialog, QFrame, Q
 from engine import (ABSENT, ChatMessage, EngineConfig, EngineFailure, Finished, Loaded, LoadProgress,
                     ErrorKind, ResidencySnapshot, SamplingParams, StepMetrics, TokenEvent, compile_needed, fresh_seed,
                     library)
+from engine import error_text
 
 from .chat_view import ChatView, ConversationList
 from .answer import AnswerEnd, AnswerStream
@@ -851,7 +852,7 @@ class MainWindow(QMainWindow):
             out = export_conversation(conv, self.history.messages(conv.id), path,
                                       model=self.loaded.model_name if self.loaded else "")
         except (OSError, ValueError) as e:
-            self.banner.show_message(ErrorKind.DISK, f"The chat could not be exported to {path}: {e}",
+            self.banner.show_message(ErrorKind.DISK, f"The chat could not be exported to {path}: {error_text(e)}",
                                      hint="Choose another folder or file name.")
             return None
         self.statusBar().showMessage(f"Exported “{conv.title}” to {out}", 6000)
@@ -1285,7 +1286,7 @@ class MainWindow(QMainWindow):
         try:
             save_settings(new)
         except OSError as e:
-            self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {e}")
+            self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {error_text(e)}")
         old_theme = self.settings.app.theme
         self.settings = new
         if new.app.theme != old_theme:
@@ -1312,7 +1313,7 @@ class MainWindow(QMainWindow):
         try:
             save_settings(self.settings)
         except OSError as e:
-            self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {e}")
+            self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {error_text(e)}")
         self.open_model(store)
 
     # --- state & shutdown ---------------------------------------------------------------------

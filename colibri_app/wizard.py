@@ -21,6 +21,7 @@ from PySide6.QtWidgets import (QButtonGroup, QCheckBox, QComboBox, QFileDialog, 
 
 from engine import EngineFailure, ErrorKind, LoadProgress, describe_model, supported_families
 from engine import library as lib
+from engine import error_text
 
 from .workers import Lane, Task
 
@@ -1028,7 +1029,7 @@ class DonePage(QWizardPage):
                 lib.delete_model(store)
                 removed = " The broken store was removed."
             except (OSError, ValueError) as e:
-                removed = f" The store could not be removed ({e}); delete it in File › Models…."
+                removed = f" The store could not be removed ({error_text(e)}); delete it in File › Models…."
         elif store:   # a store made earlier ("Use existing store"): the user decides
             removed = " The store existed before this wizard; delete it in File › Models… if it stays broken."
         self.wiz.store_path = None

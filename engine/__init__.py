@@ -17,6 +17,7 @@ _WHERE = {
     "reasoning_open": "chat_template", "split_reasoning": "chat_template",
     "DocEntry": "docs_lookup", "DocsIndex": "docs_lookup",
     "atomic_write_text": "fsutil",
+    "error_text": "errors",
     "GuiCheck": "gui_check", "check_gui": "gui_check",
     "Engine": "generate",
     "compile_needed": "kernel_prepare", "prepare_kernel_variants": "generate",
@@ -50,4 +51,5 @@ __all__ = [
     "Engine", "ENGINE", "SAMPLING", "APP", "AppSettings", "Setting", "settings_table", "upgrade_keys", "validate", "format_bytes",
     "format_duration", "fresh_seed", "DocEntry", "DocsIndex", "split_reasoning", "reasoning_open", "describe_model", "family_name", "supported_families",
     "GuiCheck", "check_gui", "compile_needed", "prepare_kernel_variants",
+    "error_text",
 ]

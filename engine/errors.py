@@ -109,3 +109,12 @@ def error_kind(e: BaseException) -> ErrorKind:
     if isinstance(e, OSError):
         return ErrorKind.DISK
     return ErrorKind.INTERNAL
+
+
+def error_text(e: BaseException) -> str:
+    """The words of an error for a person: an OSError's own words without Python's "[Errno N]"
+    prefix (its strerror, then the file names it carries), any other error as it reads."""
+    if isinstance(e, OSError) and e.strerror and type(e).__str__ is OSError.__str__:
+        names = [repr(str(f)) for f in (e.filename, e.filename2) if f is not None]
+        return e.strerror + (f": {' -> '.join(names)}" if names else "")
+    return str(e)

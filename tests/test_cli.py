@@ -191,7 +191,7 @@ def test_a_busy_port_and_a_disk_error_read_as_one_plain_line(tiny_store, tmp_pat
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err and "choose another port" in err
     assert "[Errno" not in err
-    from engine.cli.main import error_text
+    from engine import error_text
     gone = tmp_path / "gone.json"
     try:
         gone.read_text()

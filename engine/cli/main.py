@@ -12,7 +12,7 @@ import sys
 
 from importlib import import_module
 
-from ..errors import EngineError
+from ..errors import EngineError, error_text
 
 log = logging.getLogger("colibri")
 
@@ -77,15 +77,6 @@ def build_parser(verb: str | None = "") -> argparse.ArgumentParser:
         else:
             sub.add_parser(name, help=help_line, add_help=False)
     return p
-
-
-def error_text(e: BaseException) -> str:
-    """The one line an error prints: an OSError's own words without Python's "[Errno N]" prefix
-    (its strerror, then the file names it carries), any other error as it reads."""
-    if isinstance(e, OSError) and e.strerror and type(e).__str__ is OSError.__str__:
-        names = [repr(str(f)) for f in (e.filename, e.filename2) if f is not None]
-        return e.strerror + (f": {' -> '.join(names)}" if names else "")
-    return str(e)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -198,3 +198,16 @@ def test_window_can_be_narrow(qtbot, make_window):
     win.resize(1300, 800)
     qtbot.waitUntil(lambda: win.dockWidgetArea(win.dock) == Qt.RightDockWidgetArea, timeout=1_800_000)
     assert win.panels.columns == 1
+
+
+def test_an_export_over_a_folder_says_why_in_words(qtbot, make_window, tmp_path):
+    """The banner said "[Errno 21] Is a directory: ..." (Python's tag first)."""
+    win = make_window(wait_loaded=False)
+    c = win.history.create_conversation("A chat", "")
+    win.history.add_message(c.id, "user", "What does len do?")
+    win.select_conversation(c.id)
+    target = tmp_path / "chat.md"
+    target.mkdir()  # a folder where the file would go
+    assert win.export_conversation(str(target)) is None
+    said = win.banner.text.text()
+    assert "Is a directory" in said and "[Errno" not in said, said
