@@ -18,7 +18,7 @@ import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-pytest.importorskip("gguf")
+gguf = pytest.importorskip("gguf")
 import hubserver  # noqa: E402
 from gguf_helpers import bert_gguf  # noqa: E402
 
@@ -184,10 +184,11 @@ def test_bad_gguf_is_one_line_and_leaves_nothing(case, app_dirs, fake_home, q8_f
         want = "GGUF architecture 'bert' is not supported"
     elif case == "truncated":
         bad.write_bytes(data[:300])
-        want = "truncated or damaged GGUF header"
+        want = "truncated GGUF file: it ends at 300 bytes, inside its header"
     elif case == "short_data":
         bad.write_bytes(data[:-1000])
-        want = "the tensor data is short"
+        end = max(t.data_offset + t.n_bytes for t in gguf.GGUFReader(q8_file).tensors)
+        want = f"truncated GGUF file: {len(data) - 1000} bytes, but its tensor data ends at {end} bytes"
     else:
         bad.write_text("<html>Not Found</html>")
         want = "not a GGUF file"
