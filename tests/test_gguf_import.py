@@ -227,6 +227,37 @@ def test_bad_gguf_is_one_line_and_leaves_nothing(case, olmoe_ck, tmp_path, capsy
     assert _leftovers(dst) == []
 
 
+@pytest.mark.parametrize("group_size", [48, 33])
+def test_dense_int4_width_or_odd_group_is_one_line_before_any_compute(group_size, olmoe_ck, tmp_path, monkeypatch,
+                                                                      capsys):
+    """--dense-quant int4 at a group size that does not divide a matrix's input width names the
+    GGUF tensor, its shape, the group size and the way out; an odd group size is refused as
+    convert's is; both before any tensor is decoded, the CLI's one line and exit 2."""
+    from engine.cli.main import main
+    from engine.gguf_import import GGUFSource
+    src = tmp_path / "m.gguf"
+    write_gguf(olmoe_ck, src, matrix_type="q8_0", log=lambda *_: None)
+    if group_size == 48:
+        want = ("--dense-quant int4 needs the input width of every dense matrix to be a multiple of the group size "
+                "48, but blk.0.attn_q.weight is 128 x 128 (128 columns) (and 7 more); use --dense-quant int8, or "
+                "--group-size 128")
+    else:
+        want = "--group-size 33: int4 needs an even group size (32 is the default)"
+
+    def no_reads(self, hf, shape):
+        raise AssertionError(f"{hf} decoded before the group size was checked")
+    monkeypatch.setattr(GGUFSource, "get", no_reads)
+    with pytest.raises((CheckpointError, ValueError), match=re.escape(want)):
+        convert_gguf(src, tmp_path / "st", dense_quant="int4", group_size=group_size)
+    assert _leftovers(tmp_path / "st") == []
+    capsys.readouterr()
+    assert main(["convert", str(src), str(tmp_path / "st"), "--dense-quant", "int4", "--group-size",
+                 str(group_size)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and want in err[0]
+    assert _leftovers(tmp_path / "st") == []
+
+
 def test_split_and_folder_sources(tmp_path, olmoe_ck):
     """A split model is found from any of its parts and from its folder, in part order; a
     projector file beside a model is not a second model."""
