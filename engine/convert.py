@@ -280,9 +280,11 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
     if quant == "int4" and (D % group_size or I % group_size):
         # the largest even group size (at most 4096) that divides both widths, 0 if none
         fit = max((g for g in range(2, min(math.gcd(D, I), 4096) + 1, 2) if D % g == 0 and I % g == 0), default=0)
+        bad = (f"gate_proj and up_proj are {I} x {D} ({D} columns)" if D % group_size else
+               f"down_proj is {D} x {I} ({I} columns)")
         raise CheckpointError(f"{label}: int4 needs hidden_size ({D}) and the expert width ({I}) to be "
-                              f"multiples of the group size {group_size}; use int8"
-                              + (f", or int4 with --group-size {fit}" if fit else ""))
+                              f"multiples of the group size {group_size}, but each routed expert's {bad}; "
+                              f"use int8" + (f", or int4 with --group-size {fit}" if fit else ""))
     if quant == "mxfp4" and (D % 32 or I % 32):
         raise CheckpointError(f"{label}: mxfp4 needs hidden_size ({D}) and the expert width ({I}) to be "
                               f"multiples of 32; use int8")

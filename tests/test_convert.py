@@ -369,7 +369,8 @@ def test_int4_width_mismatch_names_a_group_size_that_fits(tmp_path):
     """Widths that are not multiples of the default group size: the one line says int8, or the
     largest group size dividing both widths, and that size converts."""
     ck = write_checkpoint(tmp_path / "ck", olmoe_config(hidden_size=48, intermediate_size=24), seed=0)
-    with pytest.raises(CheckpointError, match=r"use int8, or int4 with --group-size 24$"):
+    with pytest.raises(CheckpointError, match=r"group size 32, but each routed expert's gate_proj and up_proj are "
+                                              r"24 x 48 \(48 columns\); use int8, or int4 with --group-size 24$"):
         convert_checkpoint(ck, tmp_path / "st", quant="int4")
     assert not (tmp_path / "st").exists()
     assert convert_checkpoint(ck, tmp_path / "st", quant="int4", group_size=24)
