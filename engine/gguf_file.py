@@ -226,7 +226,8 @@ def _gguf_own(e: Exception) -> str:
     """The gguf reader's own word for a damaged header (an unknown value or tensor type, a bad
     alignment, a name twice), or '' for any other failure (numpy's, reading past the end of the file)."""
     msg = str(e)
-    for key, say in (("field type", "an unknown metadata value type"), ("GGUFValueType", "an unknown metadata value type"),
+    for key, say in (("field type", "an unknown metadata value type"),
+                     ("GGUFValueType", "an unknown metadata value type"),
                      ("GGMLQuantizationType", "an unknown tensor type"), ("alignment", "a bad general.alignment"),
                      ("uplicate", "a name written twice")):
         if key in msg:

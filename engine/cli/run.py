@@ -382,7 +382,8 @@ def _llama4_layers_text(a) -> str:
     if nope:
         temp = (f", q scaled by the position temperature (attn_scale {a.attn_scale:g}, floor_scale "
                 f"{a.floor_scale:g})" if a.attn_temperature_tuning else "")
-        text += f", {_layers(len(nope), 'NoPE')} (causal over all tokens, no rotary embedding{temp}: {_layer_list(nope)})"
+        text += (f", {_layers(len(nope), 'NoPE')} (causal over all tokens, no rotary embedding{temp}: "
+                 f"{_layer_list(nope)})")
     return text
 
 
@@ -393,8 +394,9 @@ def _gemma4_attention_text(a) -> str:
     win = " / ".join(map(str, sorted({a.layer_windows[i] for i in slid})))
     parts = []
     if slid:
-        parts.append(f"{_layers(len(slid), 'sliding-window')} (window {win} tokens: KV heads {a.num_key_value_heads}, "
-                     f"head size {a.head_dim}, RoPE theta {a.rope_theta:g}; {_layer_list(slid)})")
+        parts.append(f"{_layers(len(slid), 'sliding-window')} (window {win} tokens: KV heads "
+                     f"{a.num_key_value_heads}, head size {a.head_dim}, RoPE theta {a.rope_theta:g}; "
+                     f"{_layer_list(slid)})")
     if full:
         rope = (f"RoPE theta {a.full_rope_theta:g} on {a.full_rotary_angles} of {a.full_head_dim // 2} frequencies"
                 + (f", factor {a.full_rope_factor:g}" if a.full_rope_factor != 1.0 else ""))

@@ -43,8 +43,8 @@ from .grammar import GrammarError, call_grammar, compile_checked, json_grammar, 
 from .jobs import Job, JobQueue, QueueFull
 from .request_checks import (ANTHROPIC_PATH, ANTHROPIC_VERSION_HEADER, CHAT_FIELDS, COMPLETION_FIELDS,  # noqa: F401
                              ENDPOINTS, RESERVED_TEMPLATE_VARIABLES, SEED_HEADER, ApiError, ChatPlan, ServedModel,
-                             PendingModel, _AsciiJSONResponse, _named, _tools_unwritten, _ToolsNotRendered, chat_messages,
-                             check_fields, check_tool_results, error_body, error_response, read_json,
+                             PendingModel, _AsciiJSONResponse, _named, _tools_unwritten, _ToolsNotRendered,
+                             chat_messages, check_fields, check_tool_results, error_body, error_response, read_json,
                              reasoning_kwargs, sampling_from, stops_from, stream_flags, string_arguments,
                              tool_calls_json)
 from .tools import HarmonyFormat, ToolsError, check_tool_choice, check_tools, tool_format
