@@ -635,7 +635,7 @@ class MainWindow(QMainWindow):
         self.loading.bar.setRange(0, 0)
         self.loading.show()
         self.st_model.setText("loading…")
-        self.serve.model_closed()
+        self.serve.model_closed(store)
         self.controller.open(self.settings.engine_config(store or ""))
 
     @Slot(object)

@@ -586,15 +586,19 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, overwrite: bool
             anything is written). FileExistsError: as convert.check_destination.
         ValueError: an unknown ``dense_quant``. Cancelled: ``cancel`` was set.
     """
-    from .convert import check_destination
+    from .convert import check_destination, check_group_size, check_int4_dense
     from .quant import EXPERT_ONLY_QUANTS, QUANTS
     if dense_quant not in QUANTS or dense_quant in EXPERT_ONLY_QUANTS:
         raise ValueError(f"--dense-quant {dense_quant!r}: choose one of "
                          f"{', '.join(q for q in QUANTS if q not in EXPERT_ONLY_QUANTS)}")
+    check_group_size(group_size, dense_quant == "int4")
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite)
     with GGUFModel(src) as g:
         source = GGUFSource(g)
+        if dense_quant == "int4":
+            check_int4_dense(g.files[0], source.family, source.args, source.tensors, group_size,
+                             name_of=lambda t: gguf_name(t.hf, g.arch))
         from .gguf_tokenizer import tokenizer_files
         tok = tokenizer_files(g)  # checked before anything is written
         return _write_store(source, tok, dst, overwrite, dense_quant, group_size, progress, cancel,
@@ -649,9 +653,6 @@ def _write_store(source: GGUFSource, tok: dict, dst: Path, overwrite: bool, dq: 
             elif t.ours in ("embed_tokens", "lm_head"):
                 _put(dense, t.ours, w, LM_HEAD_QUANT.get(dq, dq), group_size)
             else:
-                if dq == "int4" and w.shape[-1] % group_size:
-                    raise CheckpointError(f"{label}: --dense-quant int4 needs the input width of {gguf_name(t.hf, g.arch)} "
-                                          f"({w.shape[-1]}) to be a multiple of the group size {group_size}; use int8")
                 _put(dense, t.ours, w, dq, group_size)
             if t.hf not in counted:
                 counted.add(t.hf)
