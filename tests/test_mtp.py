@@ -1,4 +1,5 @@
-"""Multi-token-prediction heads (engine/mtp.py): the converter keeps DeepSeek-V3's, GLM-4.5's and
+"""Multi-token-prediction heads (engine/mtp.py): the converter keeps DeepSeek-V3's, GLM-4.5's,
+the sparse-attention families' (DeepSeek-V3.2, GLM-5: the block with its own indexer) and
 Qwen3-Next's next-n layer (its experts in the store's expert table, read through the same cache), the head's
 logits equal a torch reference written from the published definition (vLLM's DeepSeekMTP /
 Glm4MoeMTP / Qwen3NextMTP over transformers' own decoder layer), and speculation "mtp" drafts with it while the
@@ -68,6 +69,16 @@ CONFIGS = {
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
 }
 CONFIGS["qwen3_5_moe"] = CONFIGS["qwen3_5_moe_text"]
+# the sparse-attention families: the head's block is a full decoder layer with its own indexer;
+# index_topk 8 under 20-token prompts so the selection matters, 16 indexer heads (no exact ties)
+DSA = dict(**MLA, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+           first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+           index_topk=8, index_head_dim=16, index_n_heads=16)
+CONFIGS["deepseek_v32"] = ("DeepseekV32Config", "DeepseekV32ForCausalLM", DSA)
+# GLM-5 with a "shared" decoder layer (it reuses layer 0's selection); the head's block runs its own
+CONFIGS["glm_moe_dsa"] = ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
+    DSA, indexer_types=["full", "shared", "full", "full"]))
+PER_LAYER = ("layer_types", "indexer_types")  # per-layer lists: the decoder's are all but the head's block
 MULTIMODAL = {"qwen3_5_moe"}  # saved as the published multimodal checkpoint's language model
 # How each family publishes its head, written from the published checkpoints (not the engine):
 # the block's prefix, the head's tensors (enorm, hnorm, eh_proj, shared_head.norm), the count key
@@ -80,6 +91,7 @@ PUBLISHED = {"deepseek_v3": _DS, "glm4_moe": _DS, "glm4_moe_lite": _DS, "qwen3_n
                                   "mtp.fc.weight", "mtp.norm.weight"],
     count="mtp_num_hidden_layers", zero_first=False, centred=True)}
 PUBLISHED["qwen3_5_moe_text"] = PUBLISHED["qwen3_5_moe"] = PUBLISHED["qwen3_next"]
+PUBLISHED["deepseek_v32"] = PUBLISHED["glm_moe_dsa"] = _DS
 
 
 def rms(x, w, eps):
@@ -113,7 +125,8 @@ class Reference:
         pos = torch.arange(T)[None]
         pe = self.full.model.rotary_emb(inp[None], pos)
         mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
-        return self.block(inp[None], attention_mask=mask, position_ids=pos, position_embeddings=pe)[0]
+        y = self.block(inp[None], attention_mask=mask, position_ids=pos, position_embeddings=pe)
+        return (y[0] if isinstance(y, tuple) else y)[0]  # GLM-5's layer also returns its selection
 
     def logits(self, y):
         return self.norm(y, self.x["shared_norm"]) @ self.x["head"].T
@@ -128,8 +141,7 @@ def checkpoint_with_head(tmp_path, name, head_tensors=True):
     pub = PUBLISHED[name]
     full, _ = saved_model(tmp_path, f"{name}-full", cfg_cls, model_cls,
                           **{**BASE, **kw, "num_hidden_layers": L + 1})
-    if "layer_types" in kw:  # the decoder's: all but the head's block
-        kw = {**kw, "layer_types": kw["layer_types"][:L]}
+    kw = {**kw, **{k: kw[k][:L] for k in PER_LAYER if k in kw}}  # the decoder's: all but the head's block
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for n, b in list(full.named_buffers()) + list(full.named_parameters()):
@@ -171,14 +183,23 @@ def checkpoint_with_head(tmp_path, name, head_tensors=True):
     return Reference(full, main, extra, pub), d
 
 
+class _Built(dict):
+    """name -> (reference, checkpoint, {quant: store}), each family built on first use."""
+
+    def __init__(self, factory):
+        super().__init__()
+        self.factory = factory
+
+    def __missing__(self, name):
+        tmp = self.factory.mktemp(f"mtp-{name}")
+        ref, ck = checkpoint_with_head(tmp, name)
+        self[name] = (ref, ck, {q: convert_checkpoint(ck, tmp / f"{name}-{q}", quant=q) for q in ("f32", "int8", "int4")})
+        return self[name]
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    out = {}
-    for name in CONFIGS:
-        tmp = tmp_path_factory.mktemp(f"mtp-{name}")
-        ref, ck = checkpoint_with_head(tmp, name)
-        out[name] = (ref, ck, {q: convert_checkpoint(ck, tmp / f"{name}-{q}", quant=q) for q in ("f32", "int8", "int4")})
-    return out
+    return _Built(tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -201,7 +222,7 @@ def test_converter_keeps_the_next_n_layer(built, name):
     from engine.config import describe_model
     from engine.expert_store import read_manifest
     _, a, _ = read_manifest(stores["int8"])
-    dense_first = name in ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+    dense_first = name in ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
     assert a.mtp_layers == 1 and a.num_moe_layers == (3 if dense_first else 4)
     assert ("3 layers (2 MoE, 1 dense) + an MTP head" if dense_first else "3 layers (3 MoE) + an MTP head") \
         in describe_model(a), describe_model(a)
@@ -280,7 +301,8 @@ PROMPT = (5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7)
 
 @pytest.mark.parametrize("name,quant", [("deepseek_v3", "int8"), ("deepseek_v3", "int4"), ("glm4_moe", "int8"),
                                         ("glm4_moe", "int4"), ("qwen3_next", "int8"), ("qwen3_next", "int4"),
-                                        ("glm4_moe_lite", "int4"), ("qwen3_5_moe", "int4")])
+                                        ("glm4_moe_lite", "int4"), ("qwen3_5_moe", "int4"),
+                                        ("deepseek_v32", "int8"), ("glm_moe_dsa", "int4")])
 def test_greedy_ids_identical_with_mtp_drafts(built, name, quant, fixed_length):
     store = built[name][2][quant]
     off, row_off, has = _run(store, "off", PROMPT)
