@@ -274,9 +274,9 @@ class Forwards(Observer):
         self.calls.append((pos0, num_tokens))
 
 
-def _run(store, speculation, prompt, n=24, observer=None, draft_max=3, cap=None):
+def _run(store, speculation, prompt, n=24, observer=None, draft_max=3, cap=None, pilot=0):
     cfg = EngineConfig(store=str(store), history=False, o_direct=False, speculation=speculation,
-                       draft_max=draft_max, idle_fill=False, cap=cap)
+                       draft_max=draft_max, idle_fill=False, cap=cap, pilot=pilot)
     out = []
     with Engine.open(cfg) as eng:
         if observer is not None:
@@ -332,16 +332,18 @@ def test_mtp_falls_back_to_prompt_lookup_without_a_head(tmp_path, fixed_length):
     assert on[0].draft_tokens > 0
 
 
-def test_streamed_long_prompt_feeds_the_head(built, fixed_length, monkeypatch):
+@pytest.mark.parametrize("name,pilot", [("deepseek_v3", 0), ("deepseek_v32", 2), ("glm_moe_dsa", 0)])
+def test_streamed_long_prompt_feeds_the_head(built, fixed_length, monkeypatch, name, pilot):
     """A prompt longer than a prefill chunk on a cache of 2 experts per layer (prefilled layer by
     layer) with fewer pending rows allowed than it has: the head runs its rows in chunks during
-    the prefill and drafts from the first decode forward; the ids are those of plain decoding."""
+    the prefill and drafts from the first decode forward; the ids are those of plain decoding
+    (the sparse-attention heads' indexers choosing among 200 positions; PILOT on for one)."""
     from engine import mtp
     monkeypatch.setattr(mtp, "PENDING_ROWS", 64)
-    store = built["deepseek_v3"][2]["int8"]
+    store = built[name][2]["int8"]
     prompt = tuple(np.random.default_rng(4).integers(1, V, 200).tolist())
     off, _, _ = _run(store, "off", prompt, n=12, cap=2)
     obs = Forwards()
-    on, _, _ = _run(store, "mtp", prompt, n=12, cap=2, observer=obs)
+    on, _, _ = _run(store, "mtp", prompt, n=12, cap=2, observer=obs, pilot=pilot)
     assert [f.token_ids for f in on] == [f.token_ids for f in off]
     assert obs.calls[0] == (0, len(prompt)) and obs.calls[1] == (len(prompt), 4)
