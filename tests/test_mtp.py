@@ -9,7 +9,9 @@ The tiny checkpoints are transformers models with one layer more than config.jso
 last layer is the next-n layer's decoder block, saved beside the head's enorm / hnorm / eh_proj /
 shared_head tensors under model.layers.{num_hidden_layers}.*, as the published checkpoints name
 them (config.json: num_nextn_predict_layers 1); Qwen3-Next's as mtp.layers.0.* beside mtp.fc,
-mtp.pre_fc_norm_embedding / _hidden and mtp.norm (mtp_num_hidden_layers 1).
+mtp.pre_fc_norm_embedding / _hidden and mtp.norm (mtp_num_hidden_layers 1). llama.cpp's
+converter writes GLM-4.5's and GLM-4.7-Flash's as blk.L.* and blk.L.nextn.*: the GGUF import
+keeps the head too (needs $LLAMA_CPP_DIR, skipped otherwise).
 """
 
 from __future__ import annotations
@@ -132,13 +134,14 @@ class Reference:
         return self.norm(y, self.x["shared_norm"]) @ self.x["head"].T
 
 
-def checkpoint_with_head(tmp_path, name, head_tensors=True):
+def checkpoint_with_head(tmp_path, name, head_tensors=True, vocab=V):
     """(reference, folder): a transformers model with L + 1 layers whose last layer is saved as
-    the next-n layer (with the head's tensors) of a config.json of L layers."""
+    the next-n layer (with the head's tensors) of a config.json of L layers (``vocab`` tokens)."""
     import transformers
     from safetensors.torch import save_file
     cfg_cls, model_cls, kw = CONFIGS[name]
     pub = PUBLISHED[name]
+    kw = {**kw, "vocab_size": vocab}
     full, _ = saved_model(tmp_path, f"{name}-full", cfg_cls, model_cls,
                           **{**BASE, **kw, "num_hidden_layers": L + 1})
     kw = {**kw, **{k: kw[k][:L] for k in PER_LAYER if k in kw}}  # the decoder's: all but the head's block
@@ -179,7 +182,7 @@ def checkpoint_with_head(tmp_path, name, head_tensors=True):
     if name in MULTIMODAL:  # the language model's settings inside the multimodal checkpoint's
         c = {"model_type": name, "text_config": c, "tie_word_embeddings": c.get("tie_word_embeddings", False)}
     (d / "config.json").write_text(json.dumps(c))
-    write_tokenizer(d, V)
+    write_tokenizer(d, vocab)
     return Reference(full, main, extra, pub), d
 
 
@@ -347,3 +350,91 @@ def test_streamed_long_prompt_feeds_the_head(built, fixed_length, monkeypatch, n
     on, _, _ = _run(store, "mtp", prompt, n=12, cap=2, observer=obs, pilot=pilot)
     assert [f.token_ids for f in on] == [f.token_ids for f in off]
     assert obs.calls[0] == (0, len(prompt)) and obs.calls[1] == (len(prompt), 4)
+
+
+def _per_expert_names(path, inter: int) -> None:
+    """Rewrite the safetensors file ``path``: transformers' fused experts (``mlp.experts.gate_up_proj``
+    [E, 2I, D], gate rows first; ``mlp.experts.down_proj`` [E, D, I]) as the published
+    checkpoints' ``mlp.experts.{e}.{gate,up,down}_proj.weight``."""
+    from safetensors.numpy import load_file, save_file
+    out = {}
+    for k, w in load_file(str(path)).items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            p = k[:-len("gate_up_proj")]
+            for e in range(w.shape[0]):
+                out[f"{p}{e}.gate_proj.weight"] = np.ascontiguousarray(w[e, :inter])
+                out[f"{p}{e}.up_proj.weight"] = np.ascontiguousarray(w[e, inter:])
+        elif k.endswith("mlp.experts.down_proj"):
+            p = k[:-len("down_proj")]
+            for e in range(w.shape[0]):
+                out[f"{p}{e}.down_proj.weight"] = np.ascontiguousarray(w[e])
+        else:
+            out[k] = w
+    save_file(out, str(path))
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "glm4_moe_lite"])
+def test_gguf_nextn_layer_drafts_as_the_checkpoints_head(tmp_path, fixed_length, name):
+    """llama.cpp's converter writes the next-n layer of GLM-4.5 (``glm4moe``) and GLM-4.7-Flash
+    (``deepseek2``, MLA) as block L (blk.L.*, the experts stacked) plus blk.L.nextn.{eh_proj,
+    enorm, hnorm, shared_head_norm, embed_tokens, shared_head_head} and <arch>.nextn_predict_layers;
+    its F16 file imports with the head kept, whose logits are the f16 safetensors store's head's,
+    and speculation "mtp" drafts and accepts the same tokens on both."""
+    import os
+    import subprocess
+    from engine.gguf_file import GGUFModel
+    from engine.gguf_import import convert_gguf
+    from engine.gguf_tokenizer import tokenizer_files
+    from llama_helpers import convert_command, llama_cpp_dir
+    d = llama_cpp_dir()
+    if d is None:
+        pytest.skip("needs $LLAMA_CPP_DIR: a llama.cpp source tree (convert_hf_to_gguf.py, gguf-py)")
+    with GGUFModel(d / "models" / "ggml-vocab-qwen2.gguf") as g:  # a vocabulary the converter recognises
+        tok = tokenizer_files(g)
+        vocab = len(g.kv["tokenizer.ggml.tokens"])
+    _, ck = checkpoint_with_head(tmp_path, name, vocab=vocab)
+    for fname, text in tok.items():
+        (ck / fname).write_text(text, encoding="utf-8")
+    c = json.loads((ck / "config.json").read_text())
+    # the published configs' keys llama.cpp reads (GLM-4.7-Flash's: its dense layer 0 as first_k_dense_replace,
+    # its router's sigmoid scores as scoring_func, which transformers' config leaves out)
+    lite = dict(first_k_dense_replace=1, scoring_func="sigmoid", topk_method="noaux_tc")
+    c.update(architectures=[CONFIGS[name][1]], **(lite if name == "glm4_moe_lite" else {}))
+    (ck / "config.json").write_text(json.dumps(c))
+    _per_expert_names(ck / "model.safetensors", c["moe_intermediate_size"])  # as published (llama.cpp reads those)
+    f = tmp_path / f"{name}-F16.gguf"
+    r = subprocess.run(convert_command(d, ck, f, name), env={**os.environ, "PYTHONPATH": str(d / "gguf-py")},
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with GGUFModel(f) as g:  # the layout the import reads, as llama.cpp wrote it
+        assert g.key("nextn_predict_layers") == 1 and g.key("block_count") == L + 1
+        own = ("eh_proj", "enorm", "hnorm", "shared_head_norm", "embed_tokens", "shared_head_head")
+        assert {f"blk.{L}.nextn.{n}.weight" for n in own} <= set(g.tensors)
+    st = convert_gguf(f, tmp_path / "gguf", dense_quant="f16")
+    ref = convert_checkpoint(ck, tmp_path / "ref", quant="f16", dense_quant="f16")
+    m = json.loads((st / "manifest.json").read_text())
+    assert m["mtp_layers"] == 1 and m["moe_layers"][-1] == L and m["num_hidden_layers"] == L
+    ids = np.random.default_rng(6).integers(1, 4000, 20).tolist()
+    heads = []
+    for store in (st, ref):
+        model, s_, cache = open_model(store, kv_dtype="f32")
+        try:
+            head = MTPHead(model, s_.load_dense(), cache)
+            rows = []
+            model.hidden_sink = lambda pos0, fed, x, kept: rows.append(x.copy())
+            model.forward(np.array(ids), 0, all_logits=True)
+            x = np.concatenate(rows)
+            heads.append(head.logits(head.step(ids[1:], head.main_hidden(x[:-1]), 0)))
+        finally:
+            cache.close()
+            s_.close()
+    got, want = heads
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    prompt = tuple(ids[:11])
+    on_gguf, _, has = _run(st, "mtp", prompt)
+    on_ref, _, _ = _run(ref, "mtp", prompt)
+    assert has
+    assert [(f.token_ids, f.draft_tokens, f.accepted_tokens) for f in on_gguf] == \
+        [(f.token_ids, f.draft_tokens, f.accepted_tokens) for f in on_ref]
+    assert on_gguf[0].draft_tokens > 0
