@@ -158,6 +158,23 @@ def is_broken(e: BaseException) -> bool:
     return _code(e) == 0 and ("not a database" in text or "malformed" in text)
 
 
+def history_is_free(path: Path) -> bool:
+    """True when a write transaction on ``path`` would get its lock now (no waiting, nothing
+    written; False while another program holds it, or when it cannot be opened)."""
+    try:
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=rw", uri=True, timeout=0)
+    except sqlite3.Error:
+        return False
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ROLLBACK")
+        return True
+    except sqlite3.Error:
+        return False
+    finally:
+        conn.close()
+
+
 def holders(path: Path) -> list[str]:
     """"name (pid N)" of the other processes that have ``path`` open (best effort: those of
     this user that psutil may inspect; [] when none is found)."""
@@ -354,7 +371,8 @@ class History:
         else:
             shown = "Its chats are shown read-only"
         self.read_only = (f"The chat history {p} is in use by {by} ({e}). {shown}: nothing is "
-                          f"written or renamed. Close that program and restart colibri to chat.")
+                          f"written or renamed. Close that program: the window opens it for writing "
+                          f"as soon as it lets go.")
         log.warning("%s", self.read_only)
         return self, self.read_only
 

@@ -26,7 +26,7 @@ from engine import (ABSENT, ChatMessage, EngineConfig, EngineFailure, Finished, 
 from .chat_view import ChatView, ConversationList
 from .answer import AnswerEnd, AnswerStream
 from .engine_bridge import EngineController
-from .history import COMPLETE, DEFAULT_TITLE, ERROR, STREAMING, History, HistoryBusy, Message
+from .history import COMPLETE, DEFAULT_TITLE, ERROR, STREAMING, History, HistoryBusy, Message, history_is_free
 from .plot_panels import PlotPanels
 from .serve import ServeController, ServeDialog
 from .workers import shutdown_all
@@ -358,7 +358,8 @@ class MainWindow(QMainWindow):
         hist_msg = None
         if history is None:
             history, hist_msg = History.open(read_only=bool(read_only))
-        if history.read_only and not read_only:  # the file is locked by another program
+        locked_at_start = bool(history.read_only and not read_only)
+        if locked_at_start:  # the file is locked by another program
             self.read_only = read_only = history.read_only
             hist_msg = None                      # the read-only note says it
         self.history = history
@@ -403,6 +404,12 @@ class MainWindow(QMainWindow):
             self.sidebar.new_btn.setEnabled(False)
             self.chat.system_edit.setReadOnly(True)
             self._sync_chat()
+        # locked by another program, not by another colibri: writable again once it lets go
+        self.history_free = QTimer(self)
+        self.history_free.setInterval(2000)
+        self.history_free.timeout.connect(self._reopen_history)
+        if locked_at_start:
+            self.history_free.start()
         if hist_msg:
             self.banner.show_message(ErrorKind.HISTORY, hist_msg)
         if settings_message:
@@ -814,6 +821,37 @@ class MainWindow(QMainWindow):
             self.banner.hide()
         self.statusBar().showMessage("The chat history is free again: everything is saved.", 6000)
         self._start_next()
+
+    def _reopen_history(self) -> None:
+        """The history was locked by another program at start: once it lets go, open the history
+        for writing, leave read-only and open the model."""
+        if self._closing or not self.history.read_only:
+            return
+        if not history_is_free(self.history.path):
+            return
+        h, msg = History.open(self.history.path)
+        if h.read_only:            # taken again in between: the next tick tries again
+            h.close()
+            return
+        self.history_free.stop()
+        old, self.history = self.history, h
+        old.close()
+        h.on_busy = self._history_busy
+        self.read_only = ""
+        self.read_only_note.hide()
+        self._not_ready = ""
+        for act in (self.act_settings, self.act_add, self.act_models, self.act_new, self.act_serve):
+            act.setEnabled(True)
+        self.sidebar.new_btn.setEnabled(True)
+        self.chat.system_edit.setReadOnly(False)
+        if msg:
+            self.banner.show_message(ErrorKind.HISTORY, msg)
+        self.statusBar().showMessage("The chat history is free again: opening the model.", 8000)
+        if self.conv_id is not None:
+            self.select_conversation(self.conv_id)
+        self._refresh_list()
+        self._sync_chat()
+        self.start()
 
     def _refused(self, e: HistoryBusy, what: str) -> None:
         """A write the history refused because another program holds it: say what did not happen."""

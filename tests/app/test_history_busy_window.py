@@ -85,3 +85,30 @@ def test_an_answer_written_while_the_history_is_locked_is_saved_once_it_is_free(
     assert not win.banner.isVisible()
     assert _rows(win.history.path) == [("user", "Tell me a long story", COMPLETE),
                                        ("assistant", ev.text, COMPLETE)]
+
+
+def test_a_history_locked_at_start_opens_for_writing_once_it_is_free(qtbot, app_dirs, make_window, monkeypatch):
+    """Locked when the window opens: read-only with a note; once the other program lets go the
+    same window opens the history for writing and the model, without a restart."""
+    from colibri_app import history as hist
+    from colibri_app.history import History, history_path
+    from answer_helpers import send
+    monkeypatch.setattr(hist, "BUSY_WAIT_S", 0.2)
+    h, _ = History.open()
+    c = h.create_conversation("mine")
+    h.add_message(c.id, "user", "q")
+    h.close()
+    holder = _hold(history_path())
+    try:
+        win = make_window(wait_loaded=False)
+        win.start()
+        assert win.read_only and win.read_only_note.isVisible() and win.loaded is None
+        assert "as soon as it lets go" in win.read_only_note.text.text()
+    finally:
+        _release(holder)
+    qtbot.waitUntil(lambda: win.loaded is not None, timeout=1_800_000)   # only a hang: a first compile
+    assert not win.read_only and not win.read_only_note.isVisible() and win.sidebar.new_btn.isEnabled()
+    assert win.sidebar.list.count() == 1
+    win.new_chat()
+    send(qtbot, win, "a new question")
+    assert [r[0] for r in _rows(history_path())] == ["user", "user", "assistant"]
