@@ -412,8 +412,10 @@ class MainWindow(QMainWindow):
             self.history_free.start()
         if hist_msg:
             self.banner.show_message(ErrorKind.HISTORY, hist_msg)
-        if settings_message:
-            self.banner.show_message(ErrorKind.SETTINGS, settings_message)
+        if settings_message:  # a file used in part (a newer build's, one bad value) is not "not used"
+            in_part = "defaults are in effect" not in settings_message
+            self.banner.show_message(ErrorKind.SETTINGS, settings_message, error=not in_part,
+                                     title="Some settings could not be used" if in_part else "")
 
     # --- construction -------------------------------------------------------------------------
 
@@ -1378,7 +1380,8 @@ class MainWindow(QMainWindow):
         try:
             save_settings(new)
         except OSError as e:
-            self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {e}")
+            self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {e}",
+                                     title="Your settings could not be saved")
         old_theme = self.settings.app.theme
         self.settings = new
         if new.app.theme != old_theme:
@@ -1405,7 +1408,8 @@ class MainWindow(QMainWindow):
         try:
             save_settings(self.settings)
         except OSError as e:
-            self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {e}")
+            self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {e}",
+                                     title="Your settings could not be saved")
         self.open_model(store)
 
     # --- state & shutdown ---------------------------------------------------------------------
