@@ -1078,11 +1078,14 @@ class MainWindow(QMainWindow):
             return
         conv_id, user_id = self.queue[0]
         messages = self._context(conv_id)
+        regen = user_id in self._regenerating
         sampling = self._answer_sampling(user_id)
         try:
             asst_id = self.history.add_message(conv_id, "assistant", "", STREAMING, seed=sampling.seed,
                                                sampling=asdict(sampling))
         except HistoryBusy as e:  # the question waits its turn until the lock goes
+            if regen:
+                self._regenerating.add(user_id)
             self._refused(e, "The answer waits")
             return
         self.queue.pop(0)
