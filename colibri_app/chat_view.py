@@ -760,6 +760,9 @@ def _elide(text: str, n: int) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
+QUOTE_CHARS = 60  # of a search query quoted under the search box
+
+
 class ConversationList(QFrame):
     """Sidebar: New chat, search (titles and message text), the conversations, rename and
     delete. A conversation found by its messages shows the best matching words under its title;
@@ -863,6 +866,9 @@ class ConversationList(QFrame):
         if not query:
             self.hits_label.setVisible(False)
             return
+        query = " ".join(query.split())  # one short line: a pasted file would make it pages tall
+        if len(query) > QUOTE_CHARS:
+            query = query[:QUOTE_CHARS].rstrip() + "…"
         if n_conversations == 0:
             text = f"Nothing found for “{query}”."
         else:

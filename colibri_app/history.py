@@ -16,7 +16,11 @@ never renamed. Only a file SQLite reports as not a database or corrupt, or that 
 (``history.sqlite3.corrupt-<time>``) and a fresh one is created; the message returned by
 :meth:`History.open` says where it went and how to get it back. Any other error (permissions,
 a full disk, an I/O error) leaves the file where it is and opens it read-only (or, when it cannot
-be read either, an empty history in memory).
+be read either, an empty history in memory). A lock another program takes while the window runs
+neither freezes the window nor loses what it shows: the writes of an answer (its pieces, its
+final text) wait in memory and are written, in order, once the lock goes (:meth:`History.flush`,
+at the latest on :meth:`History.close`); a write that needs its row now (a new chat or message,
+a rename, a delete) raises :class:`HistoryBusy`, so the caller keeps what the user typed.
 Rows are read one by one and converted defensively, so one bad row never hides the others.
 
 Search: :meth:`History.search` finds words in message text with SQLite's FTS5 full-text index
@@ -29,6 +33,7 @@ history still opens and search falls back to a LIKE scan.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -82,12 +87,48 @@ CREATE TABLE IF NOT EXISTS stream_tail (
 
 # How long a locked file is waited for before it is opened read-only (seconds).
 BUSY_WAIT_S = 5.0
+#: how long a write waits for another program's lock while the window runs (it blocks the GUI
+#: thread); then it is kept for later (:meth:`History.flush`) or refused (:class:`HistoryBusy`)
+SESSION_BUSY_WAIT_S = 0.25
+RETRY_S = 2.0                 # kept writes are tried again at most this often
 _BUSY_CODES = (5, 6)          # SQLITE_BUSY, SQLITE_LOCKED (primary codes)
 _BROKEN_CODES = (11, 26)      # SQLITE_CORRUPT, SQLITE_NOTADB
 
 
 class _Corrupt(sqlite3.DatabaseError):
     """The file opened but failed PRAGMA quick_check."""
+
+
+class HistoryBusy(sqlite3.OperationalError):
+    """A write that cannot wait: another program holds the history locked (the text names the
+    file and the program); nothing was written."""
+
+
+def _writes(later: bool):
+    """A History write method (one transaction) that meets another program's lock: kept in
+    memory and written by :meth:`History.flush` when ``later`` (the write needs no answer
+    now), else :class:`HistoryBusy`. Kept writes stay in order: while any wait, every later
+    write waits behind them (or is refused)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def write(self, *args, **kwargs):
+            if self._kept and not self.flush():
+                if later:
+                    self._kept.append(functools.partial(fn, self, *args, **kwargs))
+                    return None
+                raise HistoryBusy(self.busy)
+            try:
+                return fn(self, *args, **kwargs)
+            except sqlite3.OperationalError as e:
+                if not is_busy(e):
+                    raise
+                self._went_busy(e)
+                if later:
+                    self._kept.append(functools.partial(fn, self, *args, **kwargs))
+                    return None
+                raise HistoryBusy(self.busy) from None
+        return write
+    return wrap
 
 
 def _code(e: BaseException) -> int:
@@ -115,6 +156,23 @@ def is_broken(e: BaseException) -> bool:
         return True
     text = str(e).lower()
     return _code(e) == 0 and ("not a database" in text or "malformed" in text)
+
+
+def history_is_free(path: Path) -> bool:
+    """True when a write transaction on ``path`` would get its lock now (no waiting, nothing
+    written; False while another program holds it, or when it cannot be opened)."""
+    try:
+        conn = sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=rw", uri=True, timeout=0)
+    except sqlite3.Error:
+        return False
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("ROLLBACK")
+        return True
+    except sqlite3.Error:
+        return False
+    finally:
+        conn.close()
 
 
 def holders(path: Path) -> list[str]:
@@ -240,6 +298,12 @@ class History:
         #: why this history cannot be written ("" = writable): the file is locked by another
         #: program or cannot be opened for writing (set by :meth:`open`)
         self.read_only = ""
+        #: while another program holds the file during the session: why ("" = not busy)
+        self.busy = ""
+        #: called with :attr:`busy` when writes start waiting, with "" once they are written
+        self.on_busy = None
+        self._kept: list = []          # writes waiting for the lock, in order
+        self._next_try = 0.0
 
     # --- opening ------------------------------------------------------------------------------
 
@@ -294,6 +358,7 @@ class History:
             n = 0
         if n:
             log.info("marked %d interrupted answer(s)", n)
+        self.conn.execute(f"PRAGMA busy_timeout={int(SESSION_BUSY_WAIT_S * 1000)}")
         return self, message
 
     @classmethod
@@ -306,7 +371,8 @@ class History:
         else:
             shown = "Its chats are shown read-only"
         self.read_only = (f"The chat history {p} is in use by {by} ({e}). {shown}: nothing is "
-                          f"written or renamed. Close that program and restart colibri to chat.")
+                          f"written or renamed. Close that program: the window opens it for writing "
+                          f"as soon as it lets go.")
         log.warning("%s", self.read_only)
         return self, self.read_only
 
@@ -433,8 +499,61 @@ class History:
                     pass
         return aside
 
+    @property
+    def waiting_writes(self) -> int:
+        """How many writes wait for another program's lock (see :meth:`flush`)."""
+        return len(self._kept)
+
+    def flush(self, force: bool = False) -> bool:
+        """Write the kept writes in order; True when none is left and the lock is gone. Tried
+        at most every :data:`RETRY_S` seconds unless ``force``. Calls :attr:`on_busy` with ""
+        once all are in (or, with none kept, once a write would get the lock)."""
+        if not self._kept and not self.busy:
+            return True
+        if not force and time.monotonic() < self._next_try:
+            return False
+        if not self._kept:  # only refused writes: is the lock gone?
+            self._kept.append(self._probe)
+        while self._kept:
+            try:
+                self._kept[0]()
+            except sqlite3.OperationalError as e:
+                if not is_busy(e):
+                    raise
+                self._next_try = time.monotonic() + RETRY_S
+                return False
+            self._kept.pop(0)
+        self.busy = ""
+        log.info("the chat history is free again: the kept writes are in")
+        if self.on_busy is not None:
+            self.on_busy("")
+        return True
+
+    def _probe(self) -> None:
+        self.conn.execute("BEGIN IMMEDIATE")
+        self.conn.execute("ROLLBACK")
+
+    def _went_busy(self, e: sqlite3.Error) -> None:
+        self._next_try = time.monotonic() + RETRY_S
+        if self.busy:
+            return
+        who = holders(self.path)
+        by = f"another program ({', '.join(who)})" if who else "another program"
+        self.busy = f"The chat history {self.path} is in use by {by} ({e})"
+        log.warning("%s; writes wait until it lets go", self.busy)
+        if self.on_busy is not None:
+            self.on_busy(self.busy)
+
     def close(self) -> None:
-        """Close the connection (idempotent)."""
+        """Close the connection (idempotent), after writing the kept writes (waiting up to
+        :data:`BUSY_WAIT_S` for the lock; what still cannot be written is logged)."""
+        if self.conn is not None and self._kept:
+            try:
+                self.conn.execute(f"PRAGMA busy_timeout={int(BUSY_WAIT_S * 1000)}")
+                if not self.flush(force=True):
+                    log.warning("%s: %d write(s) of this session could not be saved", self.busy, len(self._kept))
+            except sqlite3.Error as e:
+                log.warning("the chat history's kept writes could not be saved: %s", e)
         if self.conn is not None:
             try:
                 self.conn.close()
@@ -454,6 +573,7 @@ class History:
             cur = self.conn.execute("UPDATE messages SET status=? WHERE status=?", (INTERRUPTED, STREAMING))
         return cur.rowcount
 
+    @_writes(later=True)
     def append_stream(self, msg_id: int, piece: str) -> None:
         """Save ``piece``, the next text of a streaming answer, as it is shown: one small
         insert (the message row and its search index change only at checkpoints)."""
@@ -463,6 +583,7 @@ class History:
 
     # --- conversations ------------------------------------------------------------------------
 
+    @_writes(later=False)
     def create_conversation(self, title: str = DEFAULT_TITLE, system_prompt: str = "") -> Conversation:
         """Insert a conversation and return it."""
         now = time.time()
@@ -499,22 +620,26 @@ class History:
                 return None
         return None
 
+    @_writes(later=False)
     def rename_conversation(self, conv_id: int, title: str) -> None:
         """Set a conversation's title."""
         with self.conn:
             self.conn.execute("UPDATE conversations SET title=?, updated=? WHERE id=?", (title, time.time(), conv_id))
 
+    @_writes(later=False)
     def set_system_prompt(self, conv_id: int, system_prompt: str) -> None:
         """Set a conversation's system prompt (used from its next message on)."""
         with self.conn:
             self.conn.execute("UPDATE conversations SET system_prompt=? WHERE id=?", (system_prompt, conv_id))
 
+    @_writes(later=False)
     def delete_conversation(self, conv_id: int) -> None:
         """Delete a conversation and its messages."""
         with self.conn:
             self.conn.execute("DELETE FROM messages WHERE conversation_id=?", (conv_id,))
             self.conn.execute("DELETE FROM conversations WHERE id=?", (conv_id,))
 
+    @_writes(later=True)
     def touch(self, conv_id: int) -> None:
         """Move a conversation to the top of the list."""
         with self.conn:
@@ -547,6 +672,7 @@ class History:
             return None
         return next((m for m in self.messages(int(row[0])) if m.id == msg_id), None)
 
+    @_writes(later=False)
     def add_message(self, conv_id: int, role: str, content: str, status: str = COMPLETE,
                     meta: dict | None = None, seed: int | None = None,
                     sampling: dict | None = None) -> int:
@@ -561,6 +687,7 @@ class History:
             self.conn.execute("UPDATE conversations SET updated=? WHERE id=?", (now, conv_id))
         return cur.lastrowid
 
+    @_writes(later=True)
     def update_message(self, msg_id: int, content: str | None = None, status: str | None = None,
                        meta: dict | None = None) -> None:
         """Change a message's content, status and/or meta."""
@@ -581,12 +708,14 @@ class History:
             if content is not None:  # the pieces are in the content now
                 self.conn.execute("DELETE FROM stream_tail WHERE message_id=?", (msg_id,))
 
+    @_writes(later=True)
     def delete_message(self, msg_id: int) -> None:
         """Delete one message."""
         with self.conn:
             self.conn.execute("DELETE FROM messages WHERE id=?", (msg_id,))
             self.conn.execute("DELETE FROM stream_tail WHERE message_id=?", (msg_id,))
 
+    @_writes(later=False)
     def delete_from(self, conv_id: int, msg_id: int) -> None:
         """Delete message ``msg_id`` and every later message of the conversation (edit, regenerate)."""
         with self.conn:

@@ -27,7 +27,7 @@ from engine import error_text
 from .chat_view import ChatView, ConversationList
 from .answer import AnswerEnd, AnswerStream
 from .engine_bridge import EngineController
-from .history import COMPLETE, DEFAULT_TITLE, ERROR, STREAMING, History, Message
+from .history import COMPLETE, DEFAULT_TITLE, ERROR, STREAMING, History, HistoryBusy, Message, history_is_free
 from .plot_panels import PlotPanels
 from .serve import ServeController, ServeDialog
 from .workers import shutdown_all
@@ -359,10 +359,16 @@ class MainWindow(QMainWindow):
         hist_msg = None
         if history is None:
             history, hist_msg = History.open(read_only=bool(read_only))
-        if history.read_only and not read_only:  # the file is locked by another program
+        locked_at_start = bool(history.read_only and not read_only)
+        if locked_at_start:  # the file is locked by another program
             self.read_only = read_only = history.read_only
             hist_msg = None                      # the read-only note says it
         self.history = history
+        # another program locking the history while the window runs: say so, try again
+        history.on_busy = self._history_busy
+        self.history_retry = QTimer(self)
+        self.history_retry.setInterval(2000)
+        self.history_retry.timeout.connect(lambda: self.history.flush(force=True))
 
         self.controller = EngineController(self)
         w = self.controller.worker
@@ -399,10 +405,18 @@ class MainWindow(QMainWindow):
             self.sidebar.new_btn.setEnabled(False)
             self.chat.system_edit.setReadOnly(True)
             self._sync_chat()
+        # locked by another program, not by another colibri: writable again once it lets go
+        self.history_free = QTimer(self)
+        self.history_free.setInterval(2000)
+        self.history_free.timeout.connect(self._reopen_history)
+        if locked_at_start:
+            self.history_free.start()
         if hist_msg:
             self.banner.show_message(ErrorKind.HISTORY, hist_msg)
-        if settings_message:
-            self.banner.show_message(ErrorKind.SETTINGS, settings_message)
+        if settings_message:  # a file used in part (a newer build's, one bad value) is not "not used"
+            in_part = "defaults are in effect" not in settings_message
+            self.banner.show_message(ErrorKind.SETTINGS, settings_message, error=not in_part,
+                                     title="Some settings could not be used" if in_part else "")
 
     # --- construction -------------------------------------------------------------------------
 
@@ -636,7 +650,7 @@ class MainWindow(QMainWindow):
         self.loading.bar.setRange(0, 0)
         self.loading.show()
         self.st_model.setText("loading…")
-        self.serve.model_closed()
+        self.serve.model_closed(store)
         self.controller.open(self.settings.engine_config(store or ""))
 
     @Slot(object)
@@ -798,6 +812,57 @@ class MainWindow(QMainWindow):
         self._sync_chat()
         self._refresh_list()
 
+    def _history_busy(self, why: str) -> None:
+        """History.on_busy: another program took the lock (``why``) or let it go ("")."""
+        if why:
+            self.history_retry.start()
+            self.banner.show_message(
+                ErrorKind.HISTORY, f"{why}. What the window shows is kept and saved once it lets go.",
+                title="The chat history is in use by another program", error=False,
+                hint="Close that program (or end its transaction); new messages wait until then.")
+            return
+        self.history_retry.stop()
+        if self.banner.kind == ErrorKind.HISTORY:
+            self.banner.hide()
+        self.statusBar().showMessage("The chat history is free again: everything is saved.", 6000)
+        self._start_next()
+
+    def _reopen_history(self) -> None:
+        """The history was locked by another program at start: once it lets go, open the history
+        for writing, leave read-only and open the model."""
+        if self._closing or not self.history.read_only:
+            return
+        if not history_is_free(self.history.path):
+            return
+        h, msg = History.open(self.history.path)
+        if h.read_only:            # taken again in between: the next tick tries again
+            h.close()
+            return
+        self.history_free.stop()
+        old, self.history = self.history, h
+        old.close()
+        h.on_busy = self._history_busy
+        self.read_only = ""
+        self.read_only_note.hide()
+        self._not_ready = ""
+        for act in (self.act_settings, self.act_add, self.act_models, self.act_new, self.act_serve):
+            act.setEnabled(True)
+        self.sidebar.new_btn.setEnabled(True)
+        self.chat.system_edit.setReadOnly(False)
+        if msg:
+            self.banner.show_message(ErrorKind.HISTORY, msg)
+        self.statusBar().showMessage("The chat history is free again: opening the model.", 8000)
+        if self.conv_id is not None:
+            self.select_conversation(self.conv_id)
+        self._refresh_list()
+        self._sync_chat()
+        self.start()
+
+    def _refused(self, e: HistoryBusy, what: str) -> None:
+        """A write the history refused because another program holds it: say what did not happen."""
+        self._history_busy(str(e))
+        self.statusBar().showMessage(f"{what}: the chat history is in use by another program.", 8000)
+
     def rename_conversation(self, conv_id: int, title: str | None = None) -> None:
         """Rename (asks for the title when not given)."""
         conv = self.history.conversation(conv_id)
@@ -808,7 +873,11 @@ class MainWindow(QMainWindow):
             if not ok:
                 return
         title = title.strip() or conv.title
-        self.history.rename_conversation(conv_id, title)
+        try:
+            self.history.rename_conversation(conv_id, title)
+        except HistoryBusy as e:
+            self._refused(e, "Not renamed")
+            return
         if conv_id == self.conv_id:
             self.chat.set_title(title)
         self._refresh_list()
@@ -824,10 +893,14 @@ class MainWindow(QMainWindow):
                                      QMessageBox.Yes | QMessageBox.Cancel, QMessageBox.Cancel)
             if r != QMessageBox.Yes:
                 return
+        try:
+            self.history.delete_conversation(conv_id)
+        except HistoryBusy as e:
+            self._refused(e, "Not deleted")
+            return
         if self.answer is not None and self.answer.conv_id == conv_id:
             self.controller.stop()
         self.queue = [q for q in self.queue if q[0] != conv_id]
-        self.history.delete_conversation(conv_id)
         if conv_id == self.conv_id:
             self.new_chat()
         else:
@@ -864,7 +937,10 @@ class MainWindow(QMainWindow):
         if self.conv_id is None:
             self._pending_system = text
         else:
-            self.history.set_system_prompt(self.conv_id, text)
+            try:
+                self.history.set_system_prompt(self.conv_id, text)
+            except HistoryBusy as e:  # sent with the next message, which saves it
+                self._refused(e, "System prompt not saved yet")
         self.chat.system_toggle.setText("System prompt ●" if text else "System prompt")
 
     def _ensure_conversation(self, first_text: str) -> int:
@@ -891,6 +967,14 @@ class MainWindow(QMainWindow):
         chat is being answered, the message is stored and waits (with a note) for its turn."""
         if self.loaded is None or not text.strip() or self._busy_here():
             return
+        try:
+            self._send(text)
+        except HistoryBusy as e:  # nothing of it was stored: the text goes back in the box
+            if not self.chat.input.toPlainText().strip():
+                self.chat.input.setPlainText(text)
+            self._refused(e, "Not sent, your message is still in the box")
+
+    def _send(self, text: str) -> None:
         conv_id = self._ensure_conversation(text)
         if self._editing is not None:
             edited = self.history.message(self._editing)
@@ -923,7 +1007,11 @@ class MainWindow(QMainWindow):
         if not users:
             return
         if asst_id is not None:
-            self._truncate_from(self.conv_id, asst_id)
+            try:
+                self._truncate_from(self.conv_id, asst_id)
+            except HistoryBusy as e:
+                self._refused(e, "Not regenerated")
+                return
         user = users[-1]
         if user.status == ERROR:
             self.history.update_message(user.id, status=COMPLETE)
@@ -991,11 +1079,19 @@ class MainWindow(QMainWindow):
         """Start the first waiting answer when the engine is free and a model is open."""
         if self.answer is not None or self.loaded is None or not self.queue or self._closing:
             return
-        conv_id, user_id = self.queue.pop(0)
+        conv_id, user_id = self.queue[0]
         messages = self._context(conv_id)
+        regen = user_id in self._regenerating
         sampling = self._answer_sampling(user_id)
-        asst_id = self.history.add_message(conv_id, "assistant", "", STREAMING, seed=sampling.seed,
-                                           sampling=asdict(sampling))
+        try:
+            asst_id = self.history.add_message(conv_id, "assistant", "", STREAMING, seed=sampling.seed,
+                                               sampling=asdict(sampling))
+        except HistoryBusy as e:  # the question waits its turn until the lock goes
+            if regen:
+                self._regenerating.add(user_id)
+            self._refused(e, "The answer waits")
+            return
+        self.queue.pop(0)
         if conv_id == self.conv_id:
             self.chat.add_message(Message(asst_id, conv_id, "assistant", "", STREAMING))
             self.chat.scroll_to_bottom()
@@ -1012,11 +1108,15 @@ class MainWindow(QMainWindow):
         if self.conv_id is None:
             return
         for conv_id, user_id in [q for q in self.queue if q[0] == self.conv_id]:
-            self.queue.remove((conv_id, user_id))
             m = self.history.message(user_id)
             if m is not None:   # the question (sent, or to regenerate for) goes back into the prompt box
-                self._truncate_from(conv_id, user_id)
+                try:
+                    self._truncate_from(conv_id, user_id)
+                except HistoryBusy as e:  # it stays sent and waiting
+                    self._refused(e, "Not taken back")
+                    continue
                 self.chat.input.setPlainText(m.content)
+            self.queue.remove((conv_id, user_id))
         self._sync_chat()
         self._refresh_list()
 
@@ -1286,7 +1386,8 @@ class MainWindow(QMainWindow):
         try:
             save_settings(new)
         except OSError as e:
-            self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {error_text(e)}")
+            self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {error_text(e)}",
+                                     title="Your settings could not be saved")
         old_theme = self.settings.app.theme
         self.settings = new
         if new.app.theme != old_theme:
@@ -1313,7 +1414,8 @@ class MainWindow(QMainWindow):
         try:
             save_settings(self.settings)
         except OSError as e:
-            self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {error_text(e)}")
+            self.banner.show_message(ErrorKind.SETTINGS, f"The settings could not be saved: {error_text(e)}",
+                                     title="Your settings could not be saved")
         self.open_model(store)
 
     # --- state & shutdown ---------------------------------------------------------------------

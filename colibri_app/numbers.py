@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from PySide6.QtCore import QLocale, Signal
+from PySide6.QtCore import QEvent, QLocale, Qt, Signal
 from PySide6.QtGui import QValidator
 from PySide6.QtWidgets import QDoubleSpinBox, QSpinBox
 
@@ -93,10 +93,39 @@ class _Reading:
         return self.value() if v is None or why else (int(v) if self._whole else float(v))
 
     def fixup(self, text: str) -> str:
-        """Leaving the field with unreadable text: back to the value it holds."""
+        """Leaving the field with unreadable text: back to the value it had before the typing
+        (typing moves the value along each readable prefix, the "2" of "2,5")."""
         self._set_problem("")
-        return self.textFromValue(self.value()) if not self.specialValueText() or \
-            self.value() != self.minimum() else self.specialValueText()
+        v = self.value() if self._before is None else self._before
+        return self.textFromValue(v) if not self.specialValueText() or \
+            v != self.minimum() else self.specialValueText()
+
+    # The value before the current typing: set when the field is entered, set or stepped, and
+    # when an edit is finished (Enter, leaving it).
+    def _keep(self, *_args) -> None:
+        self._before = self.value()
+
+    def setValue(self, v) -> None:  # noqa: N802 - Qt's name
+        super().setValue(v)
+        self._keep()
+
+    def stepBy(self, steps: int) -> None:  # noqa: N802 - Qt's name
+        super().stepBy(steps)
+        self._keep()
+
+    def focusInEvent(self, event) -> None:  # noqa: N802 - Qt's name
+        if not self.problem:
+            self._keep()
+        super().focusInEvent(event)
+
+    def eventFilter(self, obj, event) -> bool:  # noqa: N802 - Qt's name
+        # Enter on refused text would put the old value back and press the dialog's OK: the
+        # text and its reason stay instead, until the user fixes them (the line edit sees the
+        # key first)
+        if (obj is self.lineEdit() and event.type() == QEvent.KeyPress and self.problem
+                and event.key() in (Qt.Key_Return, Qt.Key_Enter)):
+            return True
+        return super().eventFilter(obj, event)
 
 
 class DecimalBox(_Reading, QDoubleSpinBox):
@@ -106,9 +135,12 @@ class DecimalBox(_Reading, QDoubleSpinBox):
     _whole = False
 
     def __init__(self, parent=None):
-        super().__init__(parent)
         self.problem = ""
+        self._before = None
+        super().__init__(parent)
         self.setGroupSeparatorShown(False)
+        self.editingFinished.connect(self._keep)
+        self.lineEdit().installEventFilter(self)
 
 
 class WholeBox(_Reading, QSpinBox):
@@ -118,6 +150,9 @@ class WholeBox(_Reading, QSpinBox):
     _whole = True
 
     def __init__(self, parent=None):
-        super().__init__(parent)
         self.problem = ""
+        self._before = None
+        super().__init__(parent)
         self.setGroupSeparatorShown(False)
+        self.editingFinished.connect(self._keep)
+        self.lineEdit().installEventFilter(self)

@@ -20,7 +20,8 @@ from PySide6.QtGui import QGuiApplication
 from PySide6.QtWidgets import (QDialog, QDialogButtonBox, QFormLayout, QHBoxLayout, QLabel, QLineEdit, QPushButton,
                                QVBoxLayout, QWidget)
 
-from engine.server import DEFAULT_PORT, LocalServer, NoModel, ServedModel, ServerOptions, check_origin_syntax
+from engine.server import (DEFAULT_PORT, LocalServer, NoModel, PendingModel, ServedModel, ServerOptions,
+                           check_origin_syntax)
 
 from .numbers import WholeBox
 
@@ -50,6 +51,7 @@ class ServeController(QObject):
         self.controller = controller
         self.server: LocalServer | None = None
         self._served: ServedModel | None = None
+        self._loading: PendingModel | None = None   # the model being opened, listed while it loads
         self._post.connect(self._submit)   # queued: emitted on the server's thread
         self.timer = QTimer(self)
         self.timer.setInterval(STATUS_INTERVAL_MS)
@@ -61,11 +63,14 @@ class ServeController(QObject):
         """The window opened a model: serve it."""
         eng = self.controller.worker.engine
         self._served = ServedModel.from_engine(eng) if eng is not None else None
+        self._loading = None
         self.refresh()
 
-    def model_closed(self) -> None:
-        """The window is (re)opening a model: requests get 503 until it is ready."""
+    def model_closed(self, store: str | None = None) -> None:
+        """The window is (re)opening a model (the store folder ``store`` when known): /v1/models
+        lists it, requests get 503 until it is ready."""
         self._served = None
+        self._loading = PendingModel.from_store(store) if store else None
         self.refresh()
 
     # --- start / stop -------------------------------------------------------------------------
@@ -84,7 +89,8 @@ class ServeController(QObject):
         """
         self.stop()
         srv = LocalServer(lambda: self._served, self._run,
-                          ServerOptions(host=HOST, port=port, api_key=api_key, cors_origins=tuple(origins)), defaults)
+                          ServerOptions(host=HOST, port=port, api_key=api_key, cors_origins=tuple(origins)), defaults,
+                          loading=lambda: self._loading)
         srv.start()
         self.server = srv
         self.timer.start()

@@ -488,9 +488,25 @@ class SourcePage(QWizardPage):
             self.status.setText(f"Checking {folder}…")
         _error_style(self.status, "")
         self.wiz.check = None
-        self.task = run_task(fn, result=[self._check_done, *extra_result], error=[self._check_failed, *extra_error])
+        # one receiver per outcome, which calls the others in order: receivers connected one by
+        # one each got their own queued event, and the page could be seen (and used) between them
+        # with the new check taken but the file table still the old one's
+        self._then = (tuple(extra_result), tuple(extra_error))
+        self.task = run_task(fn, result=[self._check_result], error=[self._check_error])
         self._update_reason()
         self.completeChanged.emit()
+
+    @Slot(object)
+    def _check_result(self, chk) -> None:
+        self._check_done(chk)
+        for receiver in self._then[0]:
+            receiver(chk)
+
+    @Slot(object)
+    def _check_error(self, f: EngineFailure) -> None:
+        self._check_failed(f)
+        for receiver in self._then[1]:
+            receiver(f)
 
     @Slot(object)
     def _check_done(self, chk) -> None:

@@ -107,6 +107,46 @@ def check_destination(dst: Path, overwrite: bool) -> None:
                               f"for the store (--overwrite only replaces a store)")
 
 
+def check_group_size(group_size, int4: bool) -> None:
+    """Refuse a ``--group-size`` that is not an integer in 2..4096, or odd when ``int4`` is used.
+
+    Raises: ValueError naming the setting and what to give."""
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or not 2 <= group_size <= 4096:
+        raise ValueError(f"--group-size {group_size}: give an even number of columns per int4 scale "
+                         f"between 2 and 4096 (32 is the default)")
+    if int4 and group_size % 2:
+        raise ValueError(f"--group-size {group_size}: int4 needs an even group size (32 is the default)")
+
+
+def check_int4_dense(label, fam, args, tensors, group_size: int, name_of=lambda t: t.hf,
+                     other_widths: tuple[int, ...] = ()) -> None:
+    """Refuse ``--dense-quant int4`` when a dense matrix it would quantize (``tensors`` of kind
+    "quant", the split parts of a split one, not the embedding / lm_head, which stay int8) has an
+    input width (last dimension) that is not a multiple of ``group_size``; checked from the
+    shapes alone, before any tensor is read. ``name_of(t)``: the tensor's name in the source
+    file; ``other_widths``: widths the same group size must also divide (int4 experts').
+
+    Raises: CheckpointError naming ``label``, the first such tensor, its shape, the group size
+    and what to do (--dense-quant int8, or a --group-size that divides every width)."""
+    mats = []
+    for t in tensors:
+        if t.kind == "keep" or t.ours in ("embed_tokens", "lm_head") and LM_HEAD_QUANT.get("int4") != "int4":
+            continue
+        for ours, shape in (fam.split_shapes(args, t) if t.split else [(t.ours, t.shape)]):
+            mats.append((name_of(t) if not t.split else f"{name_of(t)} (as {ours.rsplit('.', 1)[-1]})", shape))
+    bad = [(n, shape) for n, shape in mats if shape[-1] % group_size]
+    if not bad:
+        return
+    g = math.gcd(*{shape[-1] for _, shape in mats}, *other_widths)
+    fit = max((k for k in range(2, min(g, 4096) + 1, 2) if g % k == 0), default=0)
+    n, shape = bad[0]
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    raise CheckpointError(f"{label}: --dense-quant int4 needs the input width of every dense matrix to be a "
+                          f"multiple of the group size {group_size}, but {n} is {' x '.join(map(str, shape))} "
+                          f"({shape[-1]} columns){more}; use --dense-quant int8"
+                          + (f", or --group-size {fit}" if fit else ""))
+
+
 def _put(dense: dict, name: str, w: np.ndarray, quant: str, group_size: int = 32) -> None:
     for k, v in quantize(w, quant, group_size).items():
         dense[f"{name}.{k}"] = np.ascontiguousarray(v)
@@ -236,20 +276,21 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
     if dq not in QUANTS or dq in EXPERT_ONLY_QUANTS:
         raise ValueError(f"--dense-quant {dq!r}: choose one of "
                          f"{', '.join(q for q in QUANTS if q not in EXPERT_ONLY_QUANTS)}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or not 2 <= group_size <= 4096:
-        raise ValueError(f"--group-size {group_size}: give an even number of columns per int4 scale "
-                         f"between 2 and 4096 (32 is the default)")
-    if "int4" in (quant, dq) and group_size % 2:
-        raise ValueError(f"--group-size {group_size}: int4 needs an even group size (32 is the default)")
+    check_group_size(group_size, "int4" in (quant, dq))
     if quant == "int4" and (D % group_size or I % group_size):
         # the largest even group size (at most 4096) that divides both widths, 0 if none
         fit = max((g for g in range(2, min(math.gcd(D, I), 4096) + 1, 2) if D % g == 0 and I % g == 0), default=0)
+        bad = (f"gate_proj and up_proj are {I} x {D} ({D} columns)" if D % group_size else
+               f"down_proj is {D} x {I} ({I} columns)")
         raise CheckpointError(f"{label}: int4 needs hidden_size ({D}) and the expert width ({I}) to be "
-                              f"multiples of the group size {group_size}; use int8"
-                              + (f", or int4 with --group-size {fit}" if fit else ""))
+                              f"multiples of the group size {group_size}, but each routed expert's {bad}; "
+                              f"use int8" + (f", or int4 with --group-size {fit}" if fit else ""))
     if quant == "mxfp4" and (D % 32 or I % 32):
         raise CheckpointError(f"{label}: mxfp4 needs hidden_size ({D}) and the expert width ({I}) to be "
                               f"multiples of 32; use int8")
+    tensors = dense_tensors(fam, args)  # the family's and the kept MTP heads' (engine/mtp.py)
+    if dq == "int4":
+        check_int4_dense(label, fam, args, tensors, group_size, other_widths=(D, I) if quant == "int4" else ())
     el = expert_layout_for(quant, D, I, group_size, expert_layout)
     check_destination(dst, overwrite)
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -258,7 +299,6 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
     partial = Path(tempfile.mkdtemp(prefix=f".{dst.name}.{os.getpid()}.", suffix=".partial", dir=dst.parent))
 
     layout = slab_layout(quant, D, I, group_size, bias=args.expert_bias, interleaved=el == "interleaved_4")
-    tensors = dense_tensors(fam, args)  # the family's and the kept MTP heads' (engine/mtp.py)
     total = sum(source.nbytes(h) for h in {t.hf for t in tensors})
     total += sum(source.expert_nbytes(i) * E for i in args.moe_layers)
     done = 0
@@ -307,10 +347,6 @@ def write_store(source, source_folder: Path, dst: Path, quant: str, group_size: 
             elif t.ours in ("embed_tokens", "lm_head"):  # one embedding row read per token: int4 saves nothing
                 _put(dense, t.ours, w, LM_HEAD_QUANT.get(dq, dq), group_size)
             else:
-                if dq == "int4" and w.shape[-1] % group_size:
-                    raise CheckpointError(f"{label}: --dense-quant int4 needs the input width of {t.hf} "
-                                          f"({w.shape[-1]}) to be a multiple of the group size {group_size}; "
-                                          f"use int8")
                 _put(dense, t.ours, w, dq, group_size)
             if t.hf not in counted:  # a tied lm_head is the embedding, read twice, counted once
                 counted.add(t.hf)

@@ -74,8 +74,9 @@ class GGUFModel:
         tensors: GGUF name -> gguf ReaderTensor (``data`` a read-only memory map).
 
     Raises (constructor):
-        CheckpointError: a part that is not a GGUF file, a truncated header, tensor data shorter
-            than the header says (one line naming the file and what to do).
+        CheckpointError: a part that is not a GGUF file, of a GGUF version the reader does not
+            read, truncated (inside its header, or tensor data past its end: the bytes expected
+            and found), with a damaged header (one line naming the file and what to do).
     """
 
     def __init__(self, src: str | os.PathLike):
@@ -160,27 +161,94 @@ class GGUFModel:
 
 
 def _open_reader(f: Path):
-    """gguf.GGUFReader of ``f``, its failures as one CheckpointError line naming the file."""
-    from gguf import GGUFReader
+    """gguf.GGUFReader of ``f``, its failures as one CheckpointError line naming the file: not a
+    GGUF file, a GGUF version the reader does not read, truncated (inside the header, or tensor
+    data past the end: expected and actual bytes), a damaged header."""
+    import gguf
+    from gguf.gguf_reader import READER_SUPPORTED_VERSIONS
+    again = "an interrupted or damaged download; download it again"
     try:
         size = f.stat().st_size
         with open(f, "rb") as fh:
-            magic = fh.read(4)
+            head = fh.read(24)  # magic, version, tensor count, metadata count
     except OSError as e:
         raise CheckpointError(f"{f}: cannot be read ({e.strerror or e})") from None
-    if magic != b"GGUF":
+    if size == 0:
+        raise CheckpointError(f"{f}: the file is empty (0 bytes): {again}")
+    if head[:4] != b"GGUF"[:len(head[:4])]:  # a prefix of the magic: truncated, below
         raise CheckpointError(f"{f}: not a GGUF file (it does not start with 'GGUF'); give a model file "
                               f"from a -GGUF repository, LM Studio or Ollama")
+    if len(head) < 24:
+        raise CheckpointError(f"{f}: truncated GGUF file: {size} bytes, shorter than the 24 bytes of its "
+                              f"fixed header: {again}")
+    version = int.from_bytes(head[4:8], "little")
+    if version & 0xFFFF == 0:  # written on a big-endian machine
+        version = int.from_bytes(head[4:8], "big")
+    if version not in READER_SUPPORTED_VERSIONS:
+        known = " and ".join(str(v) for v in READER_SUPPORTED_VERSIONS)
+        if version == 0 or version > 0xFFFF:
+            raise CheckpointError(f"{f}: damaged GGUF header (its version field reads {version}): {again}")
+        do = ("download a conversion made by a recent llama.cpp" if version < min(READER_SUPPORTED_VERSIONS)
+              else "update the gguf package (pip install -U gguf)")
+        raise CheckpointError(f"{f}: GGUF version {version}, which cannot be read (versions {known} can); {do}")
+
+    class _Reader(gguf.GGUFReader):
+        # keeps the tensor list parsed from the header, so that data running past the end of the
+        # file is reported with the bytes the header asks for
+        def _build_tensors(self, start_offs, fields):
+            self.tensor_fields = (start_offs, fields)
+            return super()._build_tensors(start_offs, fields)
+
+    r = _Reader.__new__(_Reader)
     try:
-        r = GGUFReader(f, "r")
+        r.__init__(f, "r")
     except (ValueError, IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, MemoryError) as e:
-        if "reshape" in str(e) or "cannot" in str(e) and "size" in str(e):
-            raise CheckpointError(f"{f}: the tensor data is short (the file ends at {size} bytes, before the "
-                                  f"data its header lists): an interrupted download; download it again") from None
-        raise CheckpointError(f"{f}: truncated or damaged GGUF header ({type(e).__name__}: {e}); download it "
-                              f"again") from None
+        damage = _gguf_own(e)
+        if not damage and isinstance(e, (ValueError, IndexError)):
+            fields = getattr(r, "tensor_fields", None)
+            end = _tensors_end(*fields) if fields else None
+            if end is not None and end > size:
+                raise CheckpointError(f"{f}: truncated GGUF file: {size} bytes, but its tensor data ends at "
+                                      f"{end} bytes: {again}") from None
+            # the reader's reads ran past the last byte before the tensor list was complete
+            raise CheckpointError(f"{f}: truncated GGUF file: it ends at {size} bytes, inside its header "
+                                  f"(the metadata and tensor list): {again}") from None
+        damage = damage or "a count, length or name that does not parse"
+        raise CheckpointError(f"{f}: damaged GGUF header ({damage}): {again}") from None
     ends = [t.data_offset + t.n_bytes for t in r.tensors]
     if ends and max(ends) > size:
-        raise CheckpointError(f"{f}: the tensor data is short (the file is {size} bytes, its tensors end at "
-                              f"{max(ends)}): an interrupted download; download it again")
+        raise CheckpointError(f"{f}: truncated GGUF file: {size} bytes, but its tensor data ends at "
+                              f"{max(ends)} bytes: {again}")
     return r
+
+
+def _gguf_own(e: Exception) -> str:
+    """The gguf reader's own word for a damaged header (an unknown value or tensor type, a bad
+    alignment, a name twice), or '' for any other failure (numpy's, reading past the end of the file)."""
+    msg = str(e)
+    for key, say in (("field type", "an unknown metadata value type"),
+                     ("GGUFValueType", "an unknown metadata value type"),
+                     ("GGMLQuantizationType", "an unknown tensor type"), ("alignment", "a bad general.alignment"),
+                     ("uplicate", "a name written twice")):
+        if key in msg:
+            return say
+    return ""
+
+
+def _tensors_end(start: int, fields) -> int | None:
+    """The byte offset where the last tensor's data ends, from the header's tensor list (gguf
+    ReaderFields: name length, name, n_dims, dims, ggml type, offset), or None when a field is
+    cut short (the list itself runs past the end of the file) or does not parse."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    end = start
+    try:
+        for fd in fields:
+            dims, ggml_type, offset = fd.parts[3], fd.parts[4], fd.parts[5]
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(ggml_type[0]))]
+            n = 1
+            for d in dims.tolist():
+                n *= int(d)
+            end = max(end, start + int(offset[0]) + n * type_size // block)
+    except (ValueError, KeyError, IndexError, TypeError):
+        return None
+    return end

@@ -17,6 +17,9 @@ What the store gets:
     gguf.quants and stored in the store's dense formats (int8 by default, ``dense_quant``):
     the resident kernels, the row-by-row embedding reads and sizing stay the ones every store
     uses. Norms, routers and biases stay float32 as published (GGUF keeps them F32).
+  - the first multi-token-prediction layer llama.cpp wrote (``glm4moe``, ``deepseek2``: block
+    ``block_count - nextn_predict_layers`` with its ``blk.N.nextn.*`` tensors) kept as the MTP
+    head, as a checkpoint's conversion keeps it (engine/mtp.py).
   - tokenizer.json / tokenizer_config.json built from ``tokenizer.ggml.*`` and
     ``tokenizer.chat_template`` (engine.gguf_tokenizer).
 
@@ -88,6 +91,9 @@ _LAYER_NAMES = {
     "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp.weight",
     "mlp.shared_experts.up_proj.weight": "ffn_up_shexp.weight",
     "mlp.shared_experts.down_proj.weight": "ffn_down_shexp.weight",
+    # a kept multi-token-prediction layer's own tensors (blk.{num_hidden_layers}.nextn.*, engine/mtp.py)
+    "enorm.weight": "nextn.enorm.weight", "hnorm.weight": "nextn.hnorm.weight",
+    "eh_proj.weight": "nextn.eh_proj.weight", "shared_head.norm.weight": "nextn.shared_head_norm.weight",
 }
 _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                  "lm_head.weight": "output.weight"}
@@ -227,7 +233,8 @@ def _special_ids(g: GGUFModel, cfg: dict) -> dict:
 def _glm4moe_config(g: GGUFModel, cfg: dict, E: int) -> dict:
     """config.json of a ``glm4moe`` GGUF (GLM-4.5 / 4.6 / 4.5-Air). llama.cpp's converter counts
     the multi-token-prediction layers in ``block_count`` (``nextn_predict_layers`` of them, last):
-    they are left out. The rotary width is ``rope.dimension_count`` of each head's ``head_dim``
+    they are not decoder layers (``num_nextn_predict_layers``; the import keeps the first as the
+    MTP head, :class:`GGUFSource`). The rotary width is ``rope.dimension_count`` of each head's ``head_dim``
     (rotate-half, as transformers: nothing permuted); q/k norms and q/k/v biases when the file has
     them; the router renormalises only when ``expert_weights_norm`` says so (llama.cpp's default)."""
     L = cfg["num_hidden_layers"] - g.key("nextn_predict_layers", optional=True, default=0)
@@ -246,7 +253,7 @@ def _glm4moe_config(g: GGUFModel, cfg: dict, E: int) -> dict:
                norm_topk_prob=bool(g.key("expert_weights_norm", (bool, int), optional=True, default=False)),
                routed_scaling_factor=g.key("expert_weights_scale", (float,), optional=True, default=1.0) or 1.0,
                use_qk_norm="blk.0.attn_q_norm.weight" in g.tensors, attention_bias="blk.0.attn_q.bias" in g.tensors,
-               num_nextn_predict_layers=0,
+               num_nextn_predict_layers=cfg["num_hidden_layers"] - L,
                rope_parameters={"rope_type": "default", "rope_theta": cfg.pop("rope_theta"),
                                 "partial_rotary_factor": rd / hd})
     if k_dense:
@@ -333,8 +340,9 @@ def _deepseek2_config(g: GGUFModel, cfg: dict, E: int, yarn: bool) -> dict:
                attention_bias=False)
     if k_dense:
         cfg["intermediate_size"] = g.key("feed_forward_length")
-    if v3:
-        cfg.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], topk_method="noaux_tc")
+    if v3:  # its multi-token-prediction layers as GLM-4.5's (DeepSeek-V2 has none)
+        cfg.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], topk_method="noaux_tc",
+                   num_nextn_predict_layers=g.key("nextn_predict_layers", optional=True, default=0))
     else:
         cfg.update(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"],
                    topk_method="group_limited_greedy" if n_group > 1 else "greedy")
@@ -402,6 +410,22 @@ class _PerExpert:
                                       f"{self.shape[:2]}; the file is inconsistent")
 
 
+class _InFile:
+    """The Hugging Face names whose GGUF tensor ``g`` holds (``name in _InFile(g)``; MLA's
+    kv_b_proj also as llama.cpp's split attn_k_b / attn_v_b)."""
+
+    def __init__(self, g: GGUFModel):
+        self.g = g
+
+    def __contains__(self, hf: str) -> bool:
+        try:
+            name = gguf_name(hf, self.g.arch)
+        except KeyError:
+            return False
+        return name in self.g.tensors or (name.endswith(".attn_kv_b.weight") and
+                                          name.replace(".attn_kv_b.", ".attn_k_b.") in self.g.tensors)
+
+
 class GGUFSource:
     """The tensors of a GGUF model under the family's Hugging Face names (float32) and its routed
     experts as block rows, for :func:`convert_gguf`.
@@ -413,6 +437,7 @@ class GGUFSource:
 
     def __init__(self, g: GGUFModel):
         from .models import family_for
+        from .mtp import dense_tensors, kept_heads, with_heads
         self.g = g
         self.config = hf_config(g)
         self.family = family_for(self.config["model_type"])
@@ -420,9 +445,10 @@ class GGUFSource:
             self.args = self.family.ModelArgs.from_dict(self.config, f"{g.files[0]} (metadata)")
         except ConfigError:
             raise
-        a = self.args
+        # the first next-n layer (blk.{L}.* and blk.{L}.nextn.*) as the MTP head, as a checkpoint's conversion
+        a = self.args = with_heads(self.args, kept_heads(self.args, _InFile(g)))
         D, I = a.hidden_size, a.moe_intermediate_size
-        self.tensors = self.family.dense_tensors(a)
+        self.tensors = dense_tensors(self.family, a)
         for t in self.tensors:
             if self._kv_b_parts(t.hf):
                 H, r = a.num_attention_heads, a.kv_lora_rank
@@ -586,15 +612,19 @@ def convert_gguf(src: str | os.PathLike, dst: str | os.PathLike, overwrite: bool
             anything is written). FileExistsError: as convert.check_destination.
         ValueError: an unknown ``dense_quant``. Cancelled: ``cancel`` was set.
     """
-    from .convert import check_destination
+    from .convert import check_destination, check_group_size, check_int4_dense
     from .quant import EXPERT_ONLY_QUANTS, QUANTS
     if dense_quant not in QUANTS or dense_quant in EXPERT_ONLY_QUANTS:
         raise ValueError(f"--dense-quant {dense_quant!r}: choose one of "
                          f"{', '.join(q for q in QUANTS if q not in EXPERT_ONLY_QUANTS)}")
+    check_group_size(group_size, dense_quant == "int4")
     src, dst = Path(src), Path(dst)
     check_destination(dst, overwrite)
     with GGUFModel(src) as g:
         source = GGUFSource(g)
+        if dense_quant == "int4":
+            check_int4_dense(g.files[0], source.family, source.args, source.tensors, group_size,
+                             name_of=lambda t: gguf_name(t.hf, g.arch))
         from .gguf_tokenizer import tokenizer_files
         tok = tokenizer_files(g)  # checked before anything is written
         return _write_store(source, tok, dst, overwrite, dense_quant, group_size, progress, cancel,
@@ -649,9 +679,6 @@ def _write_store(source: GGUFSource, tok: dict, dst: Path, overwrite: bool, dq: 
             elif t.ours in ("embed_tokens", "lm_head"):
                 _put(dense, t.ours, w, LM_HEAD_QUANT.get(dq, dq), group_size)
             else:
-                if dq == "int4" and w.shape[-1] % group_size:
-                    raise CheckpointError(f"{label}: --dense-quant int4 needs the input width of {gguf_name(t.hf, g.arch)} "
-                                          f"({w.shape[-1]}) to be a multiple of the group size {group_size}; use int8")
                 _put(dense, t.ours, w, dq, group_size)
             if t.hf not in counted:
                 counted.add(t.hf)
@@ -703,7 +730,8 @@ def _write_store(source: GGUFSource, tok: dict, dst: Path, overwrite: bool, dq: 
             "slab_layout": {"fields": [list(x) for x in layout["fields"]], "data_bytes": layout["data_bytes"],
                             "slot_bytes": layout["slot_bytes"]},
             "slot_bytes": [layout["slot_bytes"]] * M, "num_layers": M, "num_hidden_layers": a.num_hidden_layers,
-            "moe_layers": list(a.moe_layers), "num_experts": E, "experts": experts_meta, "files": {},
+            "moe_layers": list(a.moe_layers), **({"mtp_layers": a.mtp_layers} if a.mtp_layers else {}),
+            "num_experts": E, "experts": experts_meta, "files": {},
             "gguf": {"architecture": g.arch, "files": [x.name for x in g.files],
                      "file_type": g.kv.get("general.file_type"), "row_bytes": source.widths,
                      "expert_types": types_meta},

@@ -1,7 +1,8 @@
 """Multi-token-prediction (MTP / next-n) heads: kept by the converter, used as speculative drafters.
 
-DeepSeek-V3 (``num_nextn_predict_layers``) and GLM-4.5 publish next-n layers after the decoder,
-checkpoint layers ``model.layers.{L}.*`` with L = num_hidden_layers; Qwen3-Next
+DeepSeek-V3 (``num_nextn_predict_layers``), GLM-4.5 and the sparse-attention families
+(DeepSeek-V3.2, GLM-5) publish next-n layers after the decoder, checkpoint layers
+``model.layers.{L}.*`` with L = num_hidden_layers; Qwen3-Next
 (``mtp_num_hidden_layers``) publishes them as ``mtp.*``. Each family says how in its
 ``MTP_HEAD`` (engine/models/tensors.py ``HeadLayout``). The head as vLLM runs it
 (vllm/model_executor/models/deepseek_mtp.py, glm4_moe_mtp.py, qwen3_next_mtp.py; transformers does
@@ -11,7 +12,9 @@ not implement it and drops the layer when it loads):
     h  = hnorm(norm(x_main[q]))    (the main model's final hidden state at q, after its final norm)
     y  = block(eh_proj([e ; h]), position q)   (one decoder layer of the family: attention with
                                                 its own KV cache, routed + shared experts;
-                                                Qwen3-Next's a full-attention layer)
+                                                Qwen3-Next's a full-attention layer; a DSA
+                                                family's runs its own indexer and index-key
+                                                cache: the head's model has no earlier layer)
     logits(t[q+2]) = shared_head.head(shared_head.norm(y))
 
 Qwen3-Next's names: enorm = mtp.pre_fc_norm_embedding, hnorm = mtp.pre_fc_norm_hidden, eh_proj =
@@ -73,12 +76,26 @@ PENDING_ROWS = 256  # the drafter's unprocessed hidden rows kept at most (a long
 def kept_heads(args, names) -> int:
     """Next-n layers a conversion keeps: 1 when ``args`` is of a family with heads, config.json
     says it has some (``num_nextn_predict_layers``) and the checkpoint tensor names ``names``
-    (a container) hold the first one's head tensors and router; else 0."""
+    (a container) hold the first one's head tensors and its block's resident tensors (a DSA
+    block's indexer among them); else 0."""
     if args.model_type not in HEAD_FAMILIES or getattr(args, "num_nextn_predict_layers", 0) < 1:
         return 0
-    p = block_prefix(args, args.num_hidden_layers)
-    need = list(head_names(args).values()) + [p + "mlp.gate.weight", p + "input_layernorm.weight"]
+    need = [t.hf for t in head_tensors(FAMILIES[args.model_type], with_heads(args, 1))]
     return 1 if all(n in names for n in need) else 0
+
+
+def _block_fields(lay, args, layers: tuple) -> dict:
+    """The per-layer fields of ``args`` that give the next-n blocks ``layers`` (transformer layer
+    numbers) their type: ``layer_types`` (typed families), ``indexer_layers`` (a DSA block runs
+    its own indexer). ``layers`` is appended to the decoder's when they follow it, else (a
+    one-layer model of the block) replaces them."""
+    n, own = len(layers), layers[0] == 0
+    out = {}
+    if lay.block_types:
+        out["layer_types"] = lay.block_types * n if own else tuple(args.layer_types) + lay.block_types * n
+    if lay.block_indexer:
+        out["indexer_layers"] = layers if own else tuple(args.indexer_layers) + layers
+    return out
 
 
 def with_heads(args, n: int):
@@ -121,7 +138,7 @@ def head_tensors(family, args) -> list[Tensor]:
     lay = LAYOUTS[args.model_type]
     wide = replace(args, num_hidden_layers=L + n, mtp_layers=0,
                    layer_windows=tuple(args.layer_windows) + (0,) * n if args.layer_windows else (),
-                   **({"layer_types": tuple(args.layer_types) + lay.block_types * n} if lay.block_types else {}))
+                   **_block_fields(lay, args, tuple(range(L, L + n))))
     out = []
     for t in family.dense_tensors(wide):
         for k in range(n):
@@ -184,8 +201,7 @@ class MTPHead:
         sub["norm"] = dense["mtp.0.shared_head.norm"]
         lay = LAYOUTS[a.model_type]
         sub_args = replace(a, num_hidden_layers=1, moe_layers=(0,), mtp_layers=0,
-                           layer_windows=(0,) if a.layer_windows else (),
-                           **({"layer_types": lay.block_types} if lay.block_types else {}))
+                           layer_windows=(0,) if a.layer_windows else (), **_block_fields(lay, a, (0,)))
         self.zero_first = lay.zero_first
         self.block = build_model(sub_args, sub, model.dense_quant, model.expert_quant,
                                  _RowShift(experts, a.num_moe_layers - a.mtp_layers), model.C, model.gs,

@@ -235,8 +235,8 @@ ENGINE_SETTINGS: tuple[Setting, ...] = (
        "last few tokens earlier in the conversation (prompt lookup: strong when the answer repeats the "
        "question, as code edits and quotes do) and verify the draft in one forward, which reads each needed "
        "expert once for all its positions; the answer is the same token for token (every token is still the "
-       "one the sampler picks); mtp = the model's own multi-token-prediction head drafts (DeepSeek-V3, "
-       "GLM-4.5 stores converted with it; prompt lookup for a model without one); off = one token per "
+       "one the sampler picks); mtp = the model's own multi-token-prediction head drafts (DeepSeek-V3 / "
+       "V3.2, GLM-4.5 / 5, Qwen3-Next stores converted with it; prompt lookup for a model without one); off = one token per "
        "forward", "Speculative decoding",
        choices=SPECULATION_MODES, choice_labels=("prompt lookup", "MTP head", "off")),
     _S("draft_max", int, 8, "most draft tokens one forward verifies; fewer are drafted when few are kept or "

@@ -7,8 +7,8 @@ the template's own markers become control-token ids: a control token typed or pa
 is encoded as plain text (transformers' ``sanitize_control_tokens=True``).
 
 The stop set (``eos_ids``) is the union of every EOS id the folder declares:
-``generation_config.json`` (often a list), ``config.json`` and the ``eos_token`` of
-``tokenizer_config.json``.
+``generation_config.json`` (often a list), ``config.json`` (its text config's for a multimodal
+model, as transformers reads it) and the ``eos_token`` of ``tokenizer_config.json``.
 """
 
 from __future__ import annotations
@@ -66,6 +66,19 @@ def _id_list(value: Any) -> list[int]:
         return [value]
     if isinstance(value, (list, tuple)):
         return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _config_eos(cfg: dict) -> list[int]:
+    """config.json's EOS ids as transformers' GenerationConfig.from_model_config reads them: the
+    top level's ``eos_token_id``, else its decoder's (``decoder``, ``generator`` or ``text_config``:
+    a multimodal model such as Llama 4 or Gemma 4 keeps it there only)."""
+    ids = _id_list(cfg.get("eos_token_id"))
+    if ids:
+        return ids
+    for key in ("decoder", "generator", "text_config"):
+        if isinstance(sub := cfg.get(key), dict) and sub:
+            return _id_list(sub.get("eos_token_id"))
     return []
 
 
@@ -196,7 +209,7 @@ class Tokenizer:
         for fname in ("generation_config.json", "config.json"):
             cfg = _read_json(folder / fname)
             if isinstance(cfg, dict):
-                eos_ids += _id_list(cfg.get("eos_token_id"))
+                eos_ids += _config_eos(cfg) if fname == "config.json" else _id_list(cfg.get("eos_token_id"))
         if eos_token is None and eos_ids:
             eos_token = hf.id_to_token(eos_ids[0])
         if bos_token is None:

@@ -83,7 +83,8 @@ import conversion.{module} as m
 m.{cls}.set_vocab = lambda self: self._set_vocab_gpt2()
 runpy.run_path(script, run_name="__main__")
 """
-_OWN_VOCAB = {"glm4_moe": ("glm", "Glm4MoeModel"), "ernie4_5_moe": ("ernie", "Ernie4_5Model"),
+_OWN_VOCAB = {"glm4_moe": ("glm", "Glm4MoeModel"), "glm4_moe_lite": ("glm", "Glm4MoeLiteModel"),
+              "ernie4_5_moe": ("ernie", "Ernie4_5Model"),
               "hunyuan_v1_moe": ("hunyuan", "HunYuanMoEModel")}
 
 

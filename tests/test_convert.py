@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import threading
 
@@ -333,11 +334,43 @@ def test_a_float32_checkpoint_converts_without_loading_ml_dtypes(tmp_path):
     assert (tmp_path / "st" / "manifest.json").is_file()
 
 
+@pytest.mark.parametrize("group_size", [48, 32])
+def test_dense_int4_width_mismatch_names_the_tensor_before_any_compute(tmp_path, monkeypatch, group_size):
+    """--dense-quant int4 with a dense matrix whose input width the group size does not divide
+    (a hidden size of 64 at group size 48; MLA's k_absorb, kv_b_proj split to qk_nope_head_dim 16
+    columns, at 32): one line naming the tensor, its shape, the group size and the way out, before
+    any tensor is read; the CLI says it and exits 2."""
+    from engine.bench.synthetic import deepseek_v3_config
+    from engine.checkpoint import Checkpoint
+    from engine.cli.main import main
+    if group_size == 48:
+        ck = write_checkpoint(tmp_path / "ck", olmoe_config(), seed=0, tokenizer=False)
+        want = ("--dense-quant int4 needs the input width of every dense matrix to be a multiple of the group "
+                "size 48, but model.layers.0.self_attn.q_proj.weight is 64 x 64 (64 columns) (and ")
+        fit = "; use --dense-quant int8, or --group-size 64"
+    else:
+        ck = write_checkpoint(tmp_path / "ck", deepseek_v3_config(), seed=0, tokenizer=False)
+        want = ("size 32, but model.layers.0.self_attn.kv_b_proj.weight (as k_absorb) is 128 x 16 (16 columns) "
+                "(and 2 more)")
+        fit = "; use --dense-quant int8, or --group-size 16"
+
+    def no_reads(self, name):
+        raise AssertionError(f"{name} read before the widths were checked")
+    monkeypatch.setattr(Checkpoint, "get", no_reads)
+    with pytest.raises(CheckpointError, match=re.escape(want) + ".*" + re.escape(fit) + "$"):
+        convert_checkpoint(ck, tmp_path / "st", quant="int8", dense_quant="int4", group_size=group_size)
+    assert not (tmp_path / "st").exists()
+    assert main(["convert", str(ck), str(tmp_path / "st"), "--dense-quant", "int4",
+                 "--group-size", str(group_size)]) == 2
+    assert not (tmp_path / "st").exists()
+
+
 def test_int4_width_mismatch_names_a_group_size_that_fits(tmp_path):
     """Widths that are not multiples of the default group size: the one line says int8, or the
     largest group size dividing both widths, and that size converts."""
     ck = write_checkpoint(tmp_path / "ck", olmoe_config(hidden_size=48, intermediate_size=24), seed=0)
-    with pytest.raises(CheckpointError, match=r"use int8, or int4 with --group-size 24$"):
+    with pytest.raises(CheckpointError, match=r"group size 32, but each routed expert's gate_proj and up_proj are "
+                                              r"24 x 48 \(48 columns\); use int8, or int4 with --group-size 24$"):
         convert_checkpoint(ck, tmp_path / "st", quant="int4")
     assert not (tmp_path / "st").exists()
     assert convert_checkpoint(ck, tmp_path / "st", quant="int4", group_size=24)

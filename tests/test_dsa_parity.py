@@ -145,3 +145,22 @@ def test_exact_ties_go_to_the_lower_position():
     assert topk_positions(np.zeros(5, np.float32), 2).tolist() == [0, 1]
     assert topk_positions(s, 6).tolist() == list(range(6))
     assert topk_positions(np.array([3.0, -1.0, 3.0, 5.0], np.float32), 2).tolist() == [0, 3]
+
+
+@pytest.mark.parametrize("name", ["glm5-dense-shared", "dsv32-dense-groups"])
+def test_streamed_prefill_computes_the_cached_models_logits(tmp_path, name):
+    """A prompt longer than a prefill chunk on a cache of 2 experts per layer (the layer-by-layer
+    prefill where every layer runs its own indexer; chunk by chunk where a "shared" layer reuses
+    the previous layer's selection) computes the logits of the model with every expert cached."""
+    m, d = hf_model(tmp_path, name)
+    store = convert_checkpoint(d, tmp_path / "int8", quant="int8")
+    ids = np.random.default_rng(5).integers(0, V, 150)
+    got = []
+    for cap in (None, 2):
+        ours, st, cache = open_model(store, cap=cap)
+        try:
+            got.append(ours.forward(ids, 0, all_logits=True))
+        finally:
+            cache.close()
+            st.close()
+    np.testing.assert_allclose(got[1], got[0], atol=1e-5 * np.abs(got[0]).max())

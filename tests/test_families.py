@@ -480,6 +480,71 @@ def test_info_counts_the_indexer_keys_in_the_kv_cache(family_stores, name, n_ind
     assert ("1 of 3 layers reuse the previous layer's choice" in text) == (name == "glm_moe_dsa")
 
 
+def _n(n: int, kind: str) -> str:
+    return f"{n} {kind} layer" + ("" if n == 1 else "s")
+
+
+def _listed(idx) -> str:
+    return ("layer " if len(idx) == 1 else "layers ") + ", ".join(map(str, idx))
+
+
+@pytest.mark.parametrize("name", [n for n in FAMILY_CONFIGS if n != "deepseek_v4"])  # its own test below
+def test_info_describes_every_layer_as_its_config_says(family_stores, name):
+    """``colibri info`` against config.json as transformers reads it: the sliding-window,
+    chunked and full-attention layers (window, chunk, which layers), NoPE layers, the dense
+    layers' MLP width, shared experts, and the per-kind heads and head sizes of Gemma 4."""
+    import transformers
+    from engine.cli.run import describe_store
+    ck, store = family_stores[name]
+    c = transformers.AutoConfig.from_pretrained(ck).get_text_config()
+    L, text = c.num_hidden_layers, describe_store(str(store))
+    types = getattr(c, "layer_types", None)
+    if types is None:  # one window for every layer (Mixtral, Qwen3-MoE with use_sliding_window)
+        slides = getattr(c, "sliding_window", None) and getattr(c, "use_sliding_window", True)
+        types = ["sliding_attention" if slides else "full_attention"] * L
+    sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+    chunked = [i for i, t in enumerate(types) if t == "chunked_attention"]
+    full = [i for i, t in enumerate(types) if t == "full_attention"]
+    if sliding and len(sliding) == L:
+        assert f"every layer attends a sliding window of {c.sliding_window} tokens" in text
+    elif sliding:
+        assert f"{_n(len(sliding), 'sliding-window')} (window {c.sliding_window} tokens" in text
+        assert _listed(sliding) in text and _n(len(full), "full-attention") in text
+        assert _listed(full) in text
+    else:
+        assert "sliding" not in text
+    if chunked:
+        assert f"{_n(len(chunked), 'chunked-attention RoPE')} (each query sees its own chunk of " \
+               f"{c.attention_chunk_size} tokens" in text
+    recurrent = [t for t in types if t in ("conv", "linear_attention")]
+    if recurrent:  # each hybrid's own kind of recurrent layer carries the state
+        kind = {"lfm2_moe": "gated short-convolution", "granitemoehybrid": "Mamba2"}.get(c.model_type, "linear-attention")
+        assert f"recurrent state of the {_n(len(recurrent), kind)} " in text
+    nope = [i for i, r in enumerate(getattr(c, "no_rope_layers", None) or []) if not r]
+    if nope:
+        assert f"{_n(len(nope), 'NoPE')} (causal over all tokens" in text and f"{_listed(nope)})" in text
+    moe = getattr(c, "moe_layers", None)
+    if moe is not None:  # Llama 4: the others are dense, of width intermediate_size_mlp
+        dense = [i for i in range(L) if i not in moe]
+        assert f"dense MLP (layers {', '.join(map(str, dense))}, resident, width {c.intermediate_size_mlp})" in text
+        assert f"one shared expert per MoE layer, width {c.intermediate_size} " in text
+    elif "dense MLP" in text:
+        assert f"resident, width {c.intermediate_size})" in text
+    if c.model_type == "gemma4_text":  # heads and head size per layer, as transformers holds them
+        def shape(i):
+            layer = c.per_layer_config[i]
+            return layer.num_key_value_heads, layer.head_dim
+        (skv, sd), (fkv, fd) = shape(sliding[0]), shape(full[0])
+        assert {shape(i) for i in sliding} == {(skv, sd)} and {shape(i) for i in full} == {(fkv, fd)}
+        assert f"(window {c.sliding_window} tokens: KV heads {skv}, head size {sd}" in text
+        assert f"{_n(len(full), 'full-attention')} (KV heads {fkv}, head size {fd}" in text
+        assert ("K = V" in text) == bool(c.attention_k_eq_v)
+        assert f"soft-capped at {c.final_logit_softcapping:g}" in text
+        assert f"dense GeGLU MLP of width {c.intermediate_size} runs beside the experts in every layer" in text
+        assert (f"{2 * skv * sd} values per token on each sliding-window layer ({len(sliding)} of them), "
+                f"{2 * fkv * fd} values per token on each full-attention layer ({len(full)} of them)") in text
+
+
 @pytest.mark.parametrize("kv_dtype", ["f16", "f32"])
 @pytest.mark.parametrize("name,per_token", [
     ("gemma4", 64 + 128 + 128),  # a sliding layer (2 KV heads of 16) + two full ones (2 of 32)

@@ -521,3 +521,18 @@ def test_interleaved_int4_experts_give_the_same_logits(tmp_path, monkeypatch):
     assert np.array_equal(logits(il).view(np.uint32), ref.view(np.uint32))
     monkeypatch.setattr(base.K, "q4_interleaved_ok", lambda gs: False)
     assert np.array_equal(logits(il).view(np.uint32), ref.view(np.uint32))
+
+
+def test_info_describes_the_sliding_and_full_layers_sinks_and_clamp(stores):
+    """``colibri info`` against config.json as transformers reads it: which layers slide (and
+    their window), which attend fully, the attention sinks and the clamped SwiGLU experts."""
+    import transformers
+    from engine.cli.run import describe_store
+    text = describe_store(str(stores["int8"]))
+    c = transformers.AutoConfig.from_pretrained(stores["int8"])
+    sliding = [i for i, t in enumerate(c.layer_types) if t == "sliding_attention"]
+    full = [i for i, t in enumerate(c.layer_types) if t == "full_attention"]
+    assert (f"{len(sliding)} sliding-window layers (window {c.sliding_window} tokens: layers "
+            f"{', '.join(map(str, sliding))}), {len(full)} full-attention layer (layer {full[0]})") in text
+    assert "attention sinks" in text and "q/k/v biases" in text
+    assert f"SwiGLU clamped at {c.swiglu_limit:g} (alpha {c.swiglu_alpha:g}), expert biases" in text

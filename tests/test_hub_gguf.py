@@ -10,12 +10,12 @@ import shutil
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-gguf = pytest.importorskip("gguf")
+pytest.importorskip("gguf")
 sys.path.insert(0, str(Path(__file__).parent))
 import hubserver  # noqa: E402
+from gguf_helpers import bert_gguf  # noqa: E402
 
 from engine.bench.gguf import write_gguf  # noqa: E402
 from engine.errors import ConfigError  # noqa: E402
@@ -139,14 +139,7 @@ def test_bad_gguf_repository_is_one_line_and_downloads_nothing(case, hub, tmp_pa
         hub.repos[REPO].files["tiny-olmoe-Q4_0.gguf"] = b"<html>Not Found</html>" + bytes(100)
         want = f"{REPO}: tiny-olmoe-Q4_0.gguf is not a GGUF file"
     else:
-        w = gguf.GGUFWriter(str(tmp_path / "bert.gguf"), "bert")
-        w.add_block_count(1)
-        w.add_tensor("token_embd.weight", np.zeros((16, 64), np.float32))
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        hub.repos[REPO].files["tiny-olmoe-Q4_0.gguf"] = (tmp_path / "bert.gguf").read_bytes()
+        hub.repos[REPO].files["tiny-olmoe-Q4_0.gguf"] = bert_gguf(tmp_path / "bert.gguf").read_bytes()
         want = "GGUF architecture 'bert' is not supported"
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()

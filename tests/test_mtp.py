@@ -1,4 +1,5 @@
-"""Multi-token-prediction heads (engine/mtp.py): the converter keeps DeepSeek-V3's, GLM-4.5's and
+"""Multi-token-prediction heads (engine/mtp.py): the converter keeps DeepSeek-V3's, GLM-4.5's,
+the sparse-attention families' (DeepSeek-V3.2, GLM-5: the block with its own indexer) and
 Qwen3-Next's next-n layer (its experts in the store's expert table, read through the same cache), the head's
 logits equal a torch reference written from the published definition (vLLM's DeepSeekMTP /
 Glm4MoeMTP / Qwen3NextMTP over transformers' own decoder layer), and speculation "mtp" drafts with it while the
@@ -8,7 +9,9 @@ The tiny checkpoints are transformers models with one layer more than config.jso
 last layer is the next-n layer's decoder block, saved beside the head's enorm / hnorm / eh_proj /
 shared_head tensors under model.layers.{num_hidden_layers}.*, as the published checkpoints name
 them (config.json: num_nextn_predict_layers 1); Qwen3-Next's as mtp.layers.0.* beside mtp.fc,
-mtp.pre_fc_norm_embedding / _hidden and mtp.norm (mtp_num_hidden_layers 1).
+mtp.pre_fc_norm_embedding / _hidden and mtp.norm (mtp_num_hidden_layers 1). llama.cpp's
+converter writes GLM-4.5's and GLM-4.7-Flash's as blk.L.* and blk.L.nextn.*: the GGUF import
+keeps the head too (needs $LLAMA_CPP_DIR, skipped otherwise).
 """
 
 from __future__ import annotations
@@ -68,6 +71,16 @@ CONFIGS = {
         num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)),
 }
 CONFIGS["qwen3_5_moe"] = CONFIGS["qwen3_5_moe_text"]
+# the sparse-attention families: the head's block is a full decoder layer with its own indexer;
+# index_topk 8 under 20-token prompts so the selection matters, 16 indexer heads (no exact ties)
+DSA = dict(**MLA, q_lora_rank=32, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+           first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+           index_topk=8, index_head_dim=16, index_n_heads=16)
+CONFIGS["deepseek_v32"] = ("DeepseekV32Config", "DeepseekV32ForCausalLM", DSA)
+# GLM-5 with a "shared" decoder layer (it reuses layer 0's selection); the head's block runs its own
+CONFIGS["glm_moe_dsa"] = ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", dict(
+    DSA, indexer_types=["full", "shared", "full", "full"]))
+PER_LAYER = ("layer_types", "indexer_types")  # per-layer lists: the decoder's are all but the head's block
 MULTIMODAL = {"qwen3_5_moe"}  # saved as the published multimodal checkpoint's language model
 # How each family publishes its head, written from the published checkpoints (not the engine):
 # the block's prefix, the head's tensors (enorm, hnorm, eh_proj, shared_head.norm), the count key
@@ -80,6 +93,7 @@ PUBLISHED = {"deepseek_v3": _DS, "glm4_moe": _DS, "glm4_moe_lite": _DS, "qwen3_n
                                   "mtp.fc.weight", "mtp.norm.weight"],
     count="mtp_num_hidden_layers", zero_first=False, centred=True)}
 PUBLISHED["qwen3_5_moe_text"] = PUBLISHED["qwen3_5_moe"] = PUBLISHED["qwen3_next"]
+PUBLISHED["deepseek_v32"] = PUBLISHED["glm_moe_dsa"] = _DS
 
 
 def rms(x, w, eps):
@@ -113,23 +127,24 @@ class Reference:
         pos = torch.arange(T)[None]
         pe = self.full.model.rotary_emb(inp[None], pos)
         mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
-        return self.block(inp[None], attention_mask=mask, position_ids=pos, position_embeddings=pe)[0]
+        y = self.block(inp[None], attention_mask=mask, position_ids=pos, position_embeddings=pe)
+        return (y[0] if isinstance(y, tuple) else y)[0]  # GLM-5's layer also returns its selection
 
     def logits(self, y):
         return self.norm(y, self.x["shared_norm"]) @ self.x["head"].T
 
 
-def checkpoint_with_head(tmp_path, name, head_tensors=True):
+def checkpoint_with_head(tmp_path, name, head_tensors=True, vocab=V):
     """(reference, folder): a transformers model with L + 1 layers whose last layer is saved as
-    the next-n layer (with the head's tensors) of a config.json of L layers."""
+    the next-n layer (with the head's tensors) of a config.json of L layers (``vocab`` tokens)."""
     import transformers
     from safetensors.torch import save_file
     cfg_cls, model_cls, kw = CONFIGS[name]
     pub = PUBLISHED[name]
+    kw = {**kw, "vocab_size": vocab}
     full, _ = saved_model(tmp_path, f"{name}-full", cfg_cls, model_cls,
                           **{**BASE, **kw, "num_hidden_layers": L + 1})
-    if "layer_types" in kw:  # the decoder's: all but the head's block
-        kw = {**kw, "layer_types": kw["layer_types"][:L]}
+    kw = {**kw, **{k: kw[k][:L] for k in PER_LAYER if k in kw}}  # the decoder's: all but the head's block
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for n, b in list(full.named_buffers()) + list(full.named_parameters()):
@@ -167,18 +182,27 @@ def checkpoint_with_head(tmp_path, name, head_tensors=True):
     if name in MULTIMODAL:  # the language model's settings inside the multimodal checkpoint's
         c = {"model_type": name, "text_config": c, "tie_word_embeddings": c.get("tie_word_embeddings", False)}
     (d / "config.json").write_text(json.dumps(c))
-    write_tokenizer(d, V)
+    write_tokenizer(d, vocab)
     return Reference(full, main, extra, pub), d
+
+
+class _Built(dict):
+    """name -> (reference, checkpoint, {quant: store}), each family built on first use."""
+
+    def __init__(self, factory):
+        super().__init__()
+        self.factory = factory
+
+    def __missing__(self, name):
+        tmp = self.factory.mktemp(f"mtp-{name}")
+        ref, ck = checkpoint_with_head(tmp, name)
+        self[name] = (ref, ck, {q: convert_checkpoint(ck, tmp / f"{name}-{q}", quant=q) for q in ("f32", "int8", "int4")})
+        return self[name]
 
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    out = {}
-    for name in CONFIGS:
-        tmp = tmp_path_factory.mktemp(f"mtp-{name}")
-        ref, ck = checkpoint_with_head(tmp, name)
-        out[name] = (ref, ck, {q: convert_checkpoint(ck, tmp / f"{name}-{q}", quant=q) for q in ("f32", "int8", "int4")})
-    return out
+    return _Built(tmp_path_factory)
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -201,7 +225,7 @@ def test_converter_keeps_the_next_n_layer(built, name):
     from engine.config import describe_model
     from engine.expert_store import read_manifest
     _, a, _ = read_manifest(stores["int8"])
-    dense_first = name in ("deepseek_v3", "glm4_moe", "glm4_moe_lite")
+    dense_first = name in ("deepseek_v3", "glm4_moe", "glm4_moe_lite", "deepseek_v32", "glm_moe_dsa")
     assert a.mtp_layers == 1 and a.num_moe_layers == (3 if dense_first else 4)
     assert ("3 layers (2 MoE, 1 dense) + an MTP head" if dense_first else "3 layers (3 MoE) + an MTP head") \
         in describe_model(a), describe_model(a)
@@ -253,9 +277,9 @@ class Forwards(Observer):
         self.calls.append((pos0, num_tokens))
 
 
-def _run(store, speculation, prompt, n=24, observer=None, draft_max=3, cap=None):
+def _run(store, speculation, prompt, n=24, observer=None, draft_max=3, cap=None, pilot=0):
     cfg = EngineConfig(store=str(store), history=False, o_direct=False, speculation=speculation,
-                       draft_max=draft_max, idle_fill=False, cap=cap)
+                       draft_max=draft_max, idle_fill=False, cap=cap, pilot=pilot)
     out = []
     with Engine.open(cfg) as eng:
         if observer is not None:
@@ -280,7 +304,8 @@ PROMPT = (5, 6, 7, 8, 9, 10, 11, 12, 5, 6, 7)
 
 @pytest.mark.parametrize("name,quant", [("deepseek_v3", "int8"), ("deepseek_v3", "int4"), ("glm4_moe", "int8"),
                                         ("glm4_moe", "int4"), ("qwen3_next", "int8"), ("qwen3_next", "int4"),
-                                        ("glm4_moe_lite", "int4"), ("qwen3_5_moe", "int4")])
+                                        ("glm4_moe_lite", "int4"), ("qwen3_5_moe", "int4"),
+                                        ("deepseek_v32", "int8"), ("glm_moe_dsa", "int4")])
 def test_greedy_ids_identical_with_mtp_drafts(built, name, quant, fixed_length):
     store = built[name][2][quant]
     off, row_off, has = _run(store, "off", PROMPT)
@@ -310,16 +335,106 @@ def test_mtp_falls_back_to_prompt_lookup_without_a_head(tmp_path, fixed_length):
     assert on[0].draft_tokens > 0
 
 
-def test_streamed_long_prompt_feeds_the_head(built, fixed_length, monkeypatch):
+@pytest.mark.parametrize("name,pilot", [("deepseek_v3", 0), ("deepseek_v32", 2), ("glm_moe_dsa", 0)])
+def test_streamed_long_prompt_feeds_the_head(built, fixed_length, monkeypatch, name, pilot):
     """A prompt longer than a prefill chunk on a cache of 2 experts per layer (prefilled layer by
     layer) with fewer pending rows allowed than it has: the head runs its rows in chunks during
-    the prefill and drafts from the first decode forward; the ids are those of plain decoding."""
+    the prefill and drafts from the first decode forward; the ids are those of plain decoding
+    (the sparse-attention heads' indexers choosing among 200 positions; PILOT on for one)."""
     from engine import mtp
     monkeypatch.setattr(mtp, "PENDING_ROWS", 64)
-    store = built["deepseek_v3"][2]["int8"]
+    store = built[name][2]["int8"]
     prompt = tuple(np.random.default_rng(4).integers(1, V, 200).tolist())
     off, _, _ = _run(store, "off", prompt, n=12, cap=2)
     obs = Forwards()
-    on, _, _ = _run(store, "mtp", prompt, n=12, cap=2, observer=obs)
+    on, _, _ = _run(store, "mtp", prompt, n=12, cap=2, observer=obs, pilot=pilot)
     assert [f.token_ids for f in on] == [f.token_ids for f in off]
     assert obs.calls[0] == (0, len(prompt)) and obs.calls[1] == (len(prompt), 4)
+
+
+def _per_expert_names(path, inter: int) -> None:
+    """Rewrite the safetensors file ``path``: transformers' fused experts (``mlp.experts.gate_up_proj``
+    [E, 2I, D], gate rows first; ``mlp.experts.down_proj`` [E, D, I]) as the published
+    checkpoints' ``mlp.experts.{e}.{gate,up,down}_proj.weight``."""
+    from safetensors.numpy import load_file, save_file
+    out = {}
+    for k, w in load_file(str(path)).items():
+        if k.endswith("mlp.experts.gate_up_proj"):
+            p = k[:-len("gate_up_proj")]
+            for e in range(w.shape[0]):
+                out[f"{p}{e}.gate_proj.weight"] = np.ascontiguousarray(w[e, :inter])
+                out[f"{p}{e}.up_proj.weight"] = np.ascontiguousarray(w[e, inter:])
+        elif k.endswith("mlp.experts.down_proj"):
+            p = k[:-len("down_proj")]
+            for e in range(w.shape[0]):
+                out[f"{p}{e}.down_proj.weight"] = np.ascontiguousarray(w[e])
+        else:
+            out[k] = w
+    save_file(out, str(path))
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "glm4_moe_lite"])
+def test_gguf_nextn_layer_drafts_as_the_checkpoints_head(tmp_path, fixed_length, name):
+    """llama.cpp's converter writes the next-n layer of GLM-4.5 (``glm4moe``) and GLM-4.7-Flash
+    (``deepseek2``, MLA) as block L (blk.L.*, the experts stacked) plus blk.L.nextn.{eh_proj,
+    enorm, hnorm, shared_head_norm, embed_tokens, shared_head_head} and <arch>.nextn_predict_layers;
+    its F16 file imports with the head kept, whose logits are the f16 safetensors store's head's,
+    and speculation "mtp" drafts and accepts the same tokens on both."""
+    import os
+    import subprocess
+    from engine.gguf_file import GGUFModel
+    from engine.gguf_import import convert_gguf
+    from engine.gguf_tokenizer import tokenizer_files
+    from llama_helpers import convert_command, llama_cpp_dir
+    d = llama_cpp_dir()
+    if d is None:
+        pytest.skip("needs $LLAMA_CPP_DIR: a llama.cpp source tree (convert_hf_to_gguf.py, gguf-py)")
+    with GGUFModel(d / "models" / "ggml-vocab-qwen2.gguf") as g:  # a vocabulary the converter recognises
+        tok = tokenizer_files(g)
+        vocab = len(g.kv["tokenizer.ggml.tokens"])
+    _, ck = checkpoint_with_head(tmp_path, name, vocab=vocab)
+    for fname, text in tok.items():
+        (ck / fname).write_text(text, encoding="utf-8")
+    c = json.loads((ck / "config.json").read_text())
+    # the published configs' keys llama.cpp reads (GLM-4.7-Flash's: its dense layer 0 as first_k_dense_replace,
+    # its router's sigmoid scores as scoring_func, which transformers' config leaves out)
+    lite = dict(first_k_dense_replace=1, scoring_func="sigmoid", topk_method="noaux_tc")
+    c.update(architectures=[CONFIGS[name][1]], **(lite if name == "glm4_moe_lite" else {}))
+    (ck / "config.json").write_text(json.dumps(c))
+    _per_expert_names(ck / "model.safetensors", c["moe_intermediate_size"])  # as published (llama.cpp reads those)
+    f = tmp_path / f"{name}-F16.gguf"
+    r = subprocess.run(convert_command(d, ck, f, name), env={**os.environ, "PYTHONPATH": str(d / "gguf-py")},
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with GGUFModel(f) as g:  # the layout the import reads, as llama.cpp wrote it
+        assert g.key("nextn_predict_layers") == 1 and g.key("block_count") == L + 1
+        own = ("eh_proj", "enorm", "hnorm", "shared_head_norm", "embed_tokens", "shared_head_head")
+        assert {f"blk.{L}.nextn.{n}.weight" for n in own} <= set(g.tensors)
+    st = convert_gguf(f, tmp_path / "gguf", dense_quant="f16")
+    ref = convert_checkpoint(ck, tmp_path / "ref", quant="f16", dense_quant="f16")
+    m = json.loads((st / "manifest.json").read_text())
+    assert m["mtp_layers"] == 1 and m["moe_layers"][-1] == L and m["num_hidden_layers"] == L
+    ids = np.random.default_rng(6).integers(1, 4000, 20).tolist()
+    heads = []
+    for store in (st, ref):
+        model, s_, cache = open_model(store, kv_dtype="f32")
+        try:
+            head = MTPHead(model, s_.load_dense(), cache)
+            rows = []
+            model.hidden_sink = lambda pos0, fed, x, kept: rows.append(x.copy())
+            model.forward(np.array(ids), 0, all_logits=True)
+            x = np.concatenate(rows)
+            heads.append(head.logits(head.step(ids[1:], head.main_hidden(x[:-1]), 0)))
+        finally:
+            cache.close()
+            s_.close()
+    got, want = heads
+    assert np.abs(got - want).max() <= 1e-4 * np.abs(want).max()
+    assert (got.argmax(-1) == want.argmax(-1)).all()
+    prompt = tuple(ids[:11])
+    on_gguf, _, has = _run(st, "mtp", prompt)
+    on_ref, _, _ = _run(ref, "mtp", prompt)
+    assert has
+    assert [(f.token_ids, f.draft_tokens, f.accepted_tokens) for f in on_gguf] == \
+        [(f.token_ids, f.draft_tokens, f.accepted_tokens) for f in on_ref]
+    assert on_gguf[0].draft_tokens > 0

@@ -751,6 +751,59 @@ def test_health_says_loading_with_retry_after_while_no_model_is_open():
         srv.stop()
 
 
+def test_models_lists_the_model_being_opened_and_its_requests_get_503(tiny_store, monkeypatch):
+    """`colibri serve` listens before the model is open: GET /v1/models (the openai SDK's
+    models.list) already lists the id the server will answer to, so a client that discovers the
+    model first finds it; a completion meanwhile gets 503 model_not_ready with Retry-After (404
+    for another name); once open, the same id answers."""
+    import threading
+
+    openai = pytest.importorskip("openai")
+    from engine import generate
+    from engine.cli.main import main
+    from server_helpers import ENGINE_FLAGS, wait_until
+    release, started, servers, rc = threading.Event(), threading.Event(), [], []
+    real_open, real_start = generate.Engine.open.__func__, LocalServer.start
+
+    def gated_open(cls, *a, **kw):  # the model opens only when the test says so
+        assert release.wait(600), "the test never let the model open"
+        return real_open(cls, *a, **kw)
+
+    def recorded_start(self, *a, **kw):
+        url = real_start(self, *a, **kw)
+        servers.append(self)
+        started.set()
+        return url
+    monkeypatch.setattr(generate.Engine, "open", classmethod(gated_open))
+    monkeypatch.setattr(LocalServer, "start", recorded_start)
+    argv = ["serve", "--model", str(tiny_store), "--port", "0", "--max-new-tokens", "2", *ENGINE_FLAGS]
+    t = threading.Thread(target=lambda: rc.append(main(argv)), daemon=True)
+    t.start()
+    try:
+        assert started.wait(600)
+        srv = servers[0]
+        c = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=600)
+        ids = [m.id for m in c.models.list()]
+        assert len(ids) == 1 and srv.api.served() is None
+        assert c.models.retrieve(ids[0]).id == ids[0]
+        with pytest.raises(openai.APIStatusError) as e:
+            c.chat.completions.create(model=ids[0], messages=[USER_HI])
+        assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "2"
+        assert e.value.body["code"] == "model_not_ready" and ids[0] in e.value.body["message"]
+        with pytest.raises(openai.NotFoundError):
+            c.chat.completions.create(model="some-other-model", messages=[USER_HI])
+        release.set()
+        assert wait_until(lambda: srv.api.served() is not None)
+        assert [m.id for m in c.models.list()] == ids == [srv.api.served().model_id]
+        assert c.chat.completions.create(model=ids[0], messages=[USER_HI]).choices[0].message.content is not None
+    finally:
+        release.set()
+        if servers:
+            servers[0].stop()
+        t.join(600)
+    assert rc == [0]
+
+
 def test_an_answer_message_sent_back_whole_is_taken(server):
     """Clients append the answer's message as the SDK returns it: its null fields (audio,
     function_call, annotations) are not refused; a legacy function_call in it is."""

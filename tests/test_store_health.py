@@ -137,6 +137,25 @@ def test_a_broken_default_model_is_converted_again(models, tiny_checkpoint, monk
     assert lib.default_store() == st and store_problem(st) is None
 
 
+@pytest.mark.parametrize("damage", ["manifest half-written", "experts truncated"])
+def test_a_default_model_converted_again_keeps_its_routing_history(models, tiny_checkpoint, monkeypatch, damage):
+    """The routing history next to the default model (which experts this user's questions
+    use: the pins and pre-warm) outlives the store being converted again from the same
+    bundled checkpoint."""
+    import engine.library.default_model as dm
+    from engine.heat import FILENAME
+    monkeypatch.setattr(dm, "default_model_dir", lambda: tiny_checkpoint)
+    st = lib.default_store()
+    heat = b'{"format": "colibri-routing-heat", "version": 1, "tokens": 12345}'
+    (st / FILENAME).write_bytes(heat)
+    if damage == "manifest half-written":
+        _truncate(st / "manifest.json", 40)
+    else:
+        _truncate(st / "experts" / "layer_000.bin")
+    assert lib.default_store() == st and store_problem(st) is None
+    assert (st / FILENAME).read_bytes() == heat
+
+
 def test_the_remedy_names_the_command_that_made_the_store(tiny_store, models):
     """A hub download is re-made with `colibri download REPO`, never `colibri convert hf://...`."""
     st = models / "hubbed-int8"

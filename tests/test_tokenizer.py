@@ -107,6 +107,25 @@ def test_eos_union_from_all_files(tmp_path, model_dir, hf_tok):
     assert t.eos_ids == {user, hf_tok.token_to_id("<|endoftext|>")}
 
 
+@pytest.mark.parametrize("config_class", ["Llama4Config", "Gemma4Config", "Qwen3_5MoeConfig"])
+def test_eos_of_a_multimodal_config_json_is_its_text_configs(config_class, tmp_path, model_dir, hf_tok):
+    """A multimodal config.json (as transformers saves it) keeps eos_token_id under text_config
+    only; the stop set is the union of those ids (GenerationConfig.from_model_config reads them
+    there), generation_config.json's and the tokenizer's eos_token."""
+    import transformers
+    d = _copy_dir(model_dir, tmp_path / "m", skip=("config.json",))
+    user, assistant = hf_tok.token_to_id("<|user|>"), hf_tok.token_to_id("<|assistant|>")
+    cfg = getattr(transformers, config_class)(text_config={"eos_token_id": [user, assistant]})
+    cfg.save_pretrained(d)
+    assert "eos_token_id" not in json.loads((d / "config.json").read_text())
+    theirs = transformers.GenerationConfig.from_model_config(transformers.AutoConfig.from_pretrained(d)).eos_token_id
+    assert sorted(theirs) == sorted([user, assistant])
+    gen = json.loads((d / "generation_config.json").read_text())["eos_token_id"]
+    assert Tokenizer.from_dir(d).eos_ids == {*theirs, *gen, hf_tok.token_to_id("<|endoftext|>")}
+    (d / "generation_config.json").unlink()
+    assert Tokenizer.from_dir(d).eos_ids == {*theirs, hf_tok.token_to_id("<|endoftext|>")}
+
+
 def test_missing_tokenizer_json(tmp_path):
     with pytest.raises(TokenizerError, match="tokenizer.json") as ei:
         Tokenizer.from_dir(tmp_path)

@@ -208,30 +208,34 @@ def describe_store(path: str, context_length: int = 0) -> str:
             f"model       {m.get('model_name')}, converted {m.get('created')} from {m.get('source')}",
             f"family      {describe_model(a)}",
             f"layers      {L} transformer layers: {M} MoE (routed experts)"
-            + (f", {len(dense_layers)} dense MLP (layers {', '.join(map(str, dense_layers))}, resident)"
+            + (f", {len(dense_layers)} dense MLP (layers {', '.join(map(str, dense_layers))}, resident, width "
+               f"{a.intermediate_size})"
                if dense_layers else ", none dense")
             + f"; hidden {a.hidden_size}, " + _attention_text(a),
             (f"KV cache    {a.kv_values_all_layers} values per token over the {L} layers: a sliding key row of "
              f"{a.head_dim} (one shared K = V head) per layer, the compressor inputs and 1 / m of an entry on the "
              f"compressed layers" if getattr(a, "hc_mult", 0) else
-             f"KV cache    {a.kv_values_per_token} values per token and layer")
+             f"KV cache    {_kv_per_layer_text(a)}")
             + (f" + {a.index_head_dim} indexer-key values on the {len(a.indexer_layers)} layers with an indexer"
                if getattr(a, "indexer_layers", ()) else "")
             + f" ({format_bytes(a.kv_values_all_layers * 4)} per token of context at f32, "
             f"{format_bytes(a.kv_values_all_layers * 2)} at f16"
             + (f", in the {_layers(a.num_kv_layers, 'full-attention')}; recurrent state of the "
-               f"{_layers(L - a.num_kv_layers, 'linear-attention')} {format_bytes(a.recurrent_state_bytes)} (live + prefix snapshot, "
+               f"{_layers(L - a.num_kv_layers, _recurrent_kind(a))} {format_bytes(a.recurrent_state_bytes)} (live + prefix snapshot, "
                f"float32, any context)" if a.recurrent_state_bytes else "") + ")",
             f"experts     {a.num_experts} per MoE layer, top-{a.num_experts_per_tok} routed per token, width "
             f"{a.moe_intermediate_size}, norm_topk_prob {a.norm_topk_prob}, router {a.scoring_func}"
             + (f" in {a.n_group} groups (best {a.topk_group} kept, {a.topk_method})" if a.n_group > 1 else "")
             + (", e_score_correction_bias for the choice" if a.router_bias else "")
-            + (f", routed_scaling_factor {a.routed_scaling_factor:g}" if a.routed_scaling_factor != 1.0 else ""),
+            + (f", routed_scaling_factor {a.routed_scaling_factor:g}" if a.routed_scaling_factor != 1.0 else "")
+            + _expert_kind_text(a),
             "shared      " + (("one shared expert per MoE layer, width" if getattr(a, "n_shared_experts", 1) <= 1
                                else f"{a.n_shared_experts} shared experts per MoE layer, total width")
                               + f" {a.shared_expert_intermediate_size} "
                               f"(resident, computed every token{', gated' if a.shared_expert_gated else ''})"
-                              if a.shared_expert_intermediate_size else "none"),
+                              if a.shared_expert_intermediate_size else "none")
+            + (f"; a dense GeGLU MLP of width {a.intermediate_size} runs beside the experts in every layer "
+               f"(resident)" if _is_gemma4(a) else ""),
             f"vocab       {a.vocab_size}, context {a.max_position_embeddings}",
             f"quant       experts {m['quant']}" + (f" (group {m['group_size']})" if m.get("group_size") else "")
             + (f" ({_gguf_types(m)} blocks as published)" if m["quant"] == "gguf" else "")
@@ -313,11 +317,17 @@ def _attention_text(a) -> str:
                     f"indexer picks (index_n_heads {a.index_n_heads}, index_head_dim {a.index_head_dim}"
                     + (f"; {shared} of {L} layers reuse the previous layer's choice" if shared else "") + ")")
         return out
+    if _is_gemma4(a):
+        return _gemma4_attention_text(a)
     rot = f", rotary {a.rotary_dim} of {a.head_dim}" if a.rotary_dim and a.rotary_dim != a.head_dim else ""
     extra = {"head": ", q/k RMSNorm per head", "proj": ", q/k RMSNorm over the projection"}.get(
         getattr(a, "qk_norm", "none"), "")
     extra += ", q/k/v biases" if getattr(a, "attention_bias", False) else ""
+    extra += ", attention sinks" if a.model_type == "gpt_oss" else ""
     text = f"heads {a.num_attention_heads} (KV heads {a.num_key_value_heads}, head size {a.head_dim}{rot}{extra})"
+    if getattr(a, "rope_layers", ()):  # Llama 4
+        text += _llama4_layers_text(a)
+    text += _windows_text(a)
     if getattr(a, "conv_layers", ()):  # LFM2: gated short convolutions between the attention layers
         text = (f"{_layers(len(a.full_layers), 'attention')} ({text}), "
                 f"{_layers(len(a.conv_layers), 'gated short-convolution')} ({a.conv_L_cache} taps)")
@@ -331,6 +341,102 @@ def _attention_text(a) -> str:
                 f"{_layers(len(a.linear_layers), 'Gated DeltaNet linear-attention')} ({a.linear_num_key_heads} key / {a.linear_num_value_heads} value heads "
                 f"of {a.linear_key_head_dim} / {a.linear_value_head_dim}, conv {a.linear_conv_kernel_dim})")
     return text
+
+
+def _layer_list(idx) -> str:
+    """'layer 3' / 'layers 0, 2, 4'."""
+    idx = list(idx)
+    return ("layer " if len(idx) == 1 else "layers ") + ", ".join(map(str, idx))
+
+
+def _is_gemma4(a) -> bool:
+    return a.model_type in ("gemma4_text", "gemma4")
+
+
+def _windows_text(a) -> str:
+    """The sliding-window and full-attention layers of ``layer_windows`` ('' when every layer
+    attends causally to everything)."""
+    w = tuple(getattr(a, "layer_windows", ()) or ())
+    slid = [i for i, x in enumerate(w) if x]
+    if not slid:
+        return ""
+    sizes = " / ".join(map(str, sorted({w[i] for i in slid})))
+    if len(slid) == len(w):
+        return f"; every layer attends a sliding window of {sizes} tokens"
+    full = [i for i, x in enumerate(w) if not x]
+    return (f"; {_layers(len(slid), 'sliding-window')} (window {sizes} tokens: {_layer_list(slid)}), "
+            f"{_layers(len(full), 'full-attention')} ({_layer_list(full)})")
+
+
+def _llama4_layers_text(a) -> str:
+    """Llama 4's RoPE layers (chunked attention, weightless q/k norms) and NoPE layers."""
+    rope = [i for i, r in enumerate(a.rope_layers) if r]
+    nope = [i for i, r in enumerate(a.rope_layers) if not r]
+    norm = ", q/k RMS-normalised per head without a weight" if a.use_qk_norm else ""
+    if a.attention_chunk_size:
+        kind = _layers(len(rope), "chunked-attention RoPE")
+        how = f"each query sees its own chunk of {a.attention_chunk_size} tokens"
+    else:
+        kind, how = _layers(len(rope), "RoPE"), "causal over all tokens"
+    text = f"; {kind} ({how}{norm}" + (f": {_layer_list(rope)}" if nope else "") + ")"
+    if nope:
+        temp = (f", q scaled by the position temperature (attn_scale {a.attn_scale:g}, floor_scale "
+                f"{a.floor_scale:g})" if a.attn_temperature_tuning else "")
+        text += (f", {_layers(len(nope), 'NoPE')} (causal over all tokens, no rotary embedding{temp}: "
+                 f"{_layer_list(nope)})")
+    return text
+
+
+def _gemma4_attention_text(a) -> str:
+    """Gemma 4's two attention kinds, each with its own KV heads, head size and RoPE."""
+    slid = [i for i, x in enumerate(a.layer_windows) if x]
+    full = [i for i, x in enumerate(a.layer_windows) if not x]
+    win = " / ".join(map(str, sorted({a.layer_windows[i] for i in slid})))
+    parts = []
+    if slid:
+        parts.append(f"{_layers(len(slid), 'sliding-window')} (window {win} tokens: KV heads "
+                     f"{a.num_key_value_heads}, head size {a.head_dim}, RoPE theta {a.rope_theta:g}; "
+                     f"{_layer_list(slid)})")
+    if full:
+        rope = (f"RoPE theta {a.full_rope_theta:g} on {a.full_rotary_angles} of {a.full_head_dim // 2} frequencies"
+                + (f", factor {a.full_rope_factor:g}" if a.full_rope_factor != 1.0 else ""))
+        parts.append(f"{_layers(len(full), 'full-attention')} (KV heads {a.full_kv_heads}, head size "
+                     f"{a.full_head_dim}" + (", K = V (no v_proj)" if a.attention_k_eq_v else "")
+                     + f", {rope}; {_layer_list(full)})")
+    cap = (f"; logits soft-capped at {a.final_logit_softcapping:g}" if a.final_logit_softcapping else "")
+    return (f"heads {a.num_attention_heads}, q/k RMSNorm per head, v without a weight, score scale 1; "
+            + ", ".join(parts) + cap)
+
+
+def _kv_per_layer_text(a) -> str:
+    """The KV cache values per token: one count for every layer, or one per layer kind."""
+    if _is_gemma4(a):
+        kinds = {}
+        for i in range(a.num_hidden_layers):
+            h, d = a.layer_shape(i)
+            kinds.setdefault(("sliding-window" if a.layer_windows[i] else "full-attention", 2 * h * d), []).append(i)
+        return ", ".join(f"{v} values per token on each {k} layer ({len(ls)} of them)" for (k, v), ls in kinds.items())
+    return f"{a.kv_values_per_token} values per token and layer"
+
+
+def _recurrent_kind(a) -> str:
+    """What the recurrent layers of a hybrid family are, for the KV cache line."""
+    if getattr(a, "conv_layers", ()):
+        return "gated short-convolution"
+    if getattr(a, "mamba_layers", ()):
+        return "Mamba2"
+    return "linear-attention"
+
+
+def _expert_kind_text(a) -> str:
+    """How a family's experts differ from plain SwiGLU experts weighed by their router scores."""
+    if _is_gemma4(a):
+        return ", GeGLU experts (tanh GELU) scaled by per_expert_scale"
+    if getattr(a, "rope_layers", ()):  # Llama 4
+        return ", the sigmoid of each chosen logit scales the expert's input"
+    if a.model_type == "gpt_oss":
+        return f", SwiGLU clamped at {a.swiglu_limit:g} (alpha {a.swiglu_alpha:g}), expert biases"
+    return ""
 
 
 def cmd_info(a) -> int:

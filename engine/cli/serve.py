@@ -22,19 +22,23 @@ def server_options(a):
 
 def cmd_serve(a) -> int:
     """Listen first, then open the model, serve it until Ctrl+C. While the model opens (the
-    first start compiles the kernels: minutes) the port is open and answers 503 with
-    Retry-After, so clients and health checks see "loading", not a refused connection."""
+    first start compiles the kernels: minutes) the port is open, /v1/models lists the model being
+    opened (the id it will answer to) and requests get 503 with Retry-After, so clients and
+    health checks see "loading", not a refused connection or an empty list."""
     from ..generate import Engine
     from .models import open_notices
     from ..server import LocalServer
-    from ..server.openai_api import ServedModel
+    from ..server.openai_api import PendingModel, ServedModel
     opts = server_options(a)          # refuse a bad host / key before loading anything
     sp = sampling_params(a)
     store = resolve_store(a.model)
     cfg = engine_config(a, store)
     opened: dict = {}
+    # clients that discover the model first find it in /v1/models while it loads
+    pending = PendingModel.from_store(store)
     # jobs reach the runner only once a model is served (503 before), so the engine exists then
-    srv = LocalServer(lambda: opened.get("served"), lambda fn, job: fn(opened["engine"]), opts, sp)
+    srv = LocalServer(lambda: opened.get("served"), lambda fn, job: fn(opened["engine"]), opts, sp,
+                      loading=lambda: pending)
     url = srv.start()
     print(f"colibri: listening on {url}; opening the model (requests get 503 until it is ready)",
           file=sys.stderr, flush=True)

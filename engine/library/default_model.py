@@ -12,6 +12,8 @@ from ..docs_lookup import INDEX_FILE, DocsIndex
 from ..errors import StoreError
 from ..events import LoadProgress
 from ..expert_store import store_problem
+from ..fsutil import atomic_write_bytes
+from ..heat import FILENAME as HEAT_FILE
 from ..store_format import FORMAT_VERSION
 from .paths import models_dir, resources_dir
 
@@ -40,6 +42,7 @@ def default_store(progress: Callable[[LoadProgress], None] | None = None,
     dst = models_dir() / f"{DEFAULT_MODEL}-{quant}"
     stamp = int((src / "model.safetensors").stat().st_mtime) if (src / "model.safetensors").exists() else 0
     m = dst / "manifest.json"
+    man = None
     if m.exists():
         try:
             man = json.loads(m.read_text(encoding="utf-8"))
@@ -61,7 +64,17 @@ def default_store(progress: Callable[[LoadProgress], None] | None = None,
                 log.warning("the converted default model is broken (%s); converting it again", why)
         except (OSError, ValueError, AttributeError):
             pass
+    # The routing history is the user's (which experts their questions use): it outlives a
+    # store converted again from the same checkpoint (or one whose manifest cannot tell)
+    heat = None
+    if not isinstance(man, dict) or man.get("source_mtime") == stamp:
+        try:
+            heat = (dst / HEAT_FILE).read_bytes()
+        except OSError:
+            pass
     from ..convert import convert_checkpoint  # here: naming the default model needs no converter
     convert_checkpoint(src, dst, quant=quant, overwrite=True, progress=progress, cancel=cancel,
                        extra_manifest={"source_mtime": stamp})
+    if heat is not None and not (dst / HEAT_FILE).exists():
+        atomic_write_bytes(dst / HEAT_FILE, heat)
     return dst

@@ -5,7 +5,9 @@ required, interleaved RoPE, YaRN), router, shared experts and dense first layers
 (``first_k_dense_replace``, default 3, or ``mlp_layer_types``), plus on every layer the
 sparse-attention indexer (``index_n_heads``, ``index_head_dim``, ``index_topk``; rotate-half
 RoPE on its first qk_rope_head_dim values) that picks the past tokens each query attends
-(engine/models/dsa.py, with the indexer-key cache). The MTP layers are skipped.
+(engine/models/dsa.py, with the indexer-key cache). The first MTP layer
+(``num_nextn_predict_layers``: a full decoder layer with its own indexer after the decoder, as
+DeepSeek-V3's) is kept as a speculative drafter (engine/mtp.py), the others are skipped.
 
 Checkpoint names: DeepSeek-V3's plus model.layers.N.self_attn.indexer.{wq_b, wk, weights_proj}.weight
 and .indexer.k_norm.{weight, bias}.
@@ -13,12 +15,14 @@ and .indexer.k_norm.{weight, bias}.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from . import deepseek_v3, dsa
+from . import base, deepseek_v3, dsa
 
 MODEL_TYPE = "deepseek_v32"
 DISPLAY_NAME = "DeepSeek-V3.2"
+# DeepSeek-V3's next-n layout; the block runs its own indexer and index-key cache (engine/mtp.py)
+MTP_HEAD = replace(base.DEEPSEEK_MTP_HEAD, block_indexer=True)
 
 
 @dataclass(frozen=True, kw_only=True)

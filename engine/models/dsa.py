@@ -214,6 +214,13 @@ class DSAModel(mla.MLAModel):
     def kv_bytes(self) -> int:
         return self.kv_cache.nbytes + self.index_cache.nbytes
 
+    def _streams(self) -> bool:
+        """As MoEModel's, but False when a layer reuses an earlier layer's selection (GLM-5's
+        "shared" layers): the layer-by-layer prefill runs a layer over every chunk before the
+        next layer, and holding a full layer's selection for the whole prompt (index_topk
+        positions per token) would cost more than the chunk-by-chunk prefill's expert reads."""
+        return super()._streams() and len(self.args.indexer_layers) == self.args.num_hidden_layers
+
     def _rope_head(self, x: np.ndarray, pos0: int) -> None:
         """In place on x float32 [T, n, Di]: RoPE on the first qk_rope_head_dim values."""
         dr, T = self.args.qk_rope_head_dim, x.shape[0]

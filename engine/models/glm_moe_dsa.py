@@ -7,19 +7,23 @@ its key cache) with the indexer rotating interleaved pairs, and GLM-5's cross-la
 marks layers "shared" that have no indexer and reuse the previous layer's selection; the
 sigmoid router with ``e_score_correction_bias``, ``n_group`` / ``topk_group``,
 ``routed_scaling_factor``; ``n_shared_experts`` shared experts; the first
-``first_k_dense_replace`` layers dense (or ``mlp_layer_types``). The MTP layers are skipped.
+``first_k_dense_replace`` layers dense (or ``mlp_layer_types``). The first MTP layer
+(``num_nextn_predict_layers``: a full decoder layer with its own indexer after the decoder, as
+DeepSeek-V3's) is kept as a speculative drafter (engine/mtp.py), the others are skipped.
 
 Checkpoint names as DeepSeek-V3.2 (indexer tensors only on "full" layers).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from . import deepseek_v3, dsa
+from . import base, deepseek_v3, dsa
 
 MODEL_TYPE = "glm_moe_dsa"
 DISPLAY_NAME = "GLM-5 (MoE, sparse attention)"
+# DeepSeek-V3's next-n layout; the block runs its own indexer and index-key cache (engine/mtp.py)
+MTP_HEAD = replace(base.DEEPSEEK_MTP_HEAD, block_indexer=True)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -44,7 +44,9 @@ class HeadLayout:
     ``zero_first``: the runtime zeroes the embedding at position 0. ``norm_one``: the head's
     norms are zero-centred (x / rms(x) * (1 + w)). ``block_types``: the block's ``layer_types``
     in a family whose layers have types. ``layers``: the prefix of the decoder's layers in the
-    family's checkpoint names (a multimodal checkpoint's language model's)."""
+    family's checkpoint names (a multimodal checkpoint's language model's). ``block_indexer``:
+    the block runs its own sparse-attention indexer (DSA families: the block is listed in
+    ``indexer_layers``; it has no earlier layer whose selection it could reuse)."""
 
     count_key: str
     block: str
@@ -53,6 +55,7 @@ class HeadLayout:
     norm_one: bool = False
     block_types: tuple = ()
     layers: str = "model.layers."
+    block_indexer: bool = False
 
     def prefix(self, L: int, k: int) -> str:
         """The checkpoint prefix of next-n layer k's block in a decoder of L layers."""

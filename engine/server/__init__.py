@@ -20,10 +20,10 @@ The app uses the names in ``__all__`` (docs/engine-api.md).
 
 from .gate import check_origin_syntax
 from .jobs import DirectRunner, Job, JobQueue, JobResult, NoModel, QueueFull, run_job
-from .openai_api import ApiError, ServedModel
+from .openai_api import ApiError, PendingModel, ServedModel
 from .server import DEFAULT_PORT, LocalServer, ServerOptions, is_loopback
 from .stats import ServerStats
 
-__all__ = ["DEFAULT_PORT", "LocalServer", "ServerOptions", "ServedModel", "ServerStats", "is_loopback",
+__all__ = ["DEFAULT_PORT", "LocalServer", "ServerOptions", "ServedModel", "PendingModel", "ServerStats", "is_loopback",
            "Job", "JobQueue", "JobResult", "NoModel", "QueueFull", "DirectRunner", "run_job", "ApiError",
            "check_origin_syntax"]

@@ -43,8 +43,8 @@ from .grammar import GrammarError, call_grammar, compile_checked, json_grammar, 
 from .jobs import Job, JobQueue, QueueFull
 from .request_checks import (ANTHROPIC_PATH, ANTHROPIC_VERSION_HEADER, CHAT_FIELDS, COMPLETION_FIELDS,  # noqa: F401
                              ENDPOINTS, RESERVED_TEMPLATE_VARIABLES, SEED_HEADER, ApiError, ChatPlan, ServedModel,
-                             _AsciiJSONResponse, _named, _tools_unwritten, _ToolsNotRendered, chat_messages,
-                             check_fields, check_tool_results, error_body, error_response, read_json,
+                             PendingModel, _AsciiJSONResponse, _named, _tools_unwritten, _ToolsNotRendered,
+                             chat_messages, check_fields, check_tool_results, error_body, error_response, read_json,
                              reasoning_kwargs, sampling_from, stops_from, stream_flags, string_arguments,
                              tool_calls_json)
 from .tools import HarmonyFormat, ToolsError, check_tool_choice, check_tools, tool_format
@@ -105,6 +105,8 @@ class Api:
 
     Args:
         served: () -> ServedModel | None (None while no model is open: 503).
+        loading: () -> PendingModel | None, the model being opened while ``served`` gives None
+            (listed at /v1/models; its requests get 503 model_not_ready with Retry-After).
         queue: the JobQueue that runs generations one at a time.
         stats: ServerStats.
         defaults: SamplingParams used where a request gives no value (the server's flags).
@@ -112,24 +114,29 @@ class Api:
     """
 
     def __init__(self, served: Callable[[], ServedModel | None], queue: JobQueue, stats: ServerStats,
-                 defaults: SamplingParams, max_body_bytes: int):
+                 defaults: SamplingParams, max_body_bytes: int,
+                 loading: Callable[[], PendingModel | None] | None = None):
         self.served, self.queue, self.stats = served, queue, stats
+        self.loading = loading or (lambda: None)
         self.defaults, self.max_body_bytes = defaults, int(max_body_bytes)
 
     # --- helpers -----------------------------------------------------------------------------
 
     def model_for(self, body: dict | None = None) -> ServedModel:
         m = self.served()
-        if m is None:
-            raise ApiError(503, "no model is open yet (the app is loading or switching models); retry shortly",
-                           code="model_not_ready", type_="server_error", headers={"Retry-After": "2"})
+        named = m or self.loading()
         if body is not None:
             want = body.get("model")
             if want is not None and not isinstance(want, str):
                 raise ApiError(400, "'model' must be a string", param="model", code="invalid_type")
-            if want and want != m.model_id and want not in m.aliases:
-                raise ApiError(404, f"the model {want!r} does not exist here; this server serves {m.model_id!r} "
-                                    f"(GET /v1/models)", param="model", code="model_not_found")
+            if named is not None and want and want != named.model_id and want not in named.aliases:
+                raise ApiError(404, f"the model {want!r} does not exist here; this server serves "
+                                    f"{named.model_id!r} (GET /v1/models)", param="model", code="model_not_found")
+        if m is None:
+            what = (f"the model {named.model_id!r} is still loading" if named else
+                    "no model is open yet (the app is loading or switching models)")
+            raise ApiError(503, f"{what}; retry shortly",
+                           code="model_not_ready", type_="server_error", headers={"Retry-After": "2"})
         return m
 
     def _check_prompt(self, m: ServedModel, ids: list[int], param: str) -> None:
@@ -163,7 +170,8 @@ class Api:
 
     async def health(self, request: Request) -> Response:
         m = self.served()
-        body = {"status": "ok" if m else "loading", "model": m.model_id if m else None,
+        named = m or self.loading()
+        body = {"status": "ok" if m else "loading", "model": named.model_id if named else None,
                 "queue_depth": self.queue.depth, "busy": self.queue.busy}
         return JSONResponse(body, status_code=200 if m else 503, headers=None if m else {"Retry-After": "2"})
 
@@ -172,23 +180,29 @@ class Api:
                                        lambda: (self.served() or ServedModel("", None, 0, 0, 0, None)).model_id)
         return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    def _model_obj(self, m: ServedModel) -> dict:
+    def _model_obj(self, m: ServedModel | PendingModel) -> dict:
         # OpenAI's model object and Anthropic's (type, display_name, created_at) in one: both SDKs
-        # list models at GET /v1/models
+        # list models at GET /v1/models; a model still loading has no context length yet
         created_at = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(m.created))
-        return {"id": m.model_id, "object": "model", "created": m.created, "owned_by": "colibri",
-                "context_length": m.context_length, "type": "model", "display_name": m.model_id,
-                "created_at": created_at, "max_input_tokens": m.context_length}
+        obj = {"id": m.model_id, "object": "model", "created": m.created, "owned_by": "colibri", "type": "model",
+               "display_name": m.model_id, "created_at": created_at}
+        if isinstance(m, ServedModel):
+            obj.update(context_length=m.context_length, max_input_tokens=m.context_length)
+        else:
+            obj["status"] = "loading"
+        return obj
 
     async def models(self, request: Request) -> Response:
-        m = self.served()
+        m = self.served() or self.loading()
         ids = [m.model_id] if m else []
         return JSONResponse({"object": "list", "data": [self._model_obj(m)] if m else [], "has_more": False,
                              "first_id": ids[0] if ids else None, "last_id": ids[-1] if ids else None})
 
     async def model(self, request: Request) -> Response:
-        m = self.model_for()
         name = request.path_params["model"]
+        m = self.served() or self.loading()
+        if m is None:
+            self.model_for()  # 503 model_not_ready
         if name != m.model_id and name not in m.aliases:
             raise ApiError(404, f"the model {name!r} does not exist here; this server serves {m.model_id!r}",
                            param="model", code="model_not_found")

@@ -109,6 +109,31 @@ class ServedModel:
 
 
 @dataclass(frozen=True)
+class PendingModel:
+    """The model a server is opening: the id and aliases it will answer to once it is open
+    (what ServedModel.from_engine will say), listed at GET /v1/models while it loads."""
+
+    model_id: str
+    aliases: tuple[str, ...] = ()
+    created: int = 0
+
+    @classmethod
+    def from_store(cls, store) -> "PendingModel | None":
+        """Of the store folder ``store``, from its manifest.json alone (``model_name``, else the
+        folder's name, as the engine names it); None when the folder holds no readable manifest."""
+        from pathlib import Path
+        folder = Path(store).name
+        try:
+            manifest = json.loads((Path(store) / "manifest.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(manifest, dict):
+            return None
+        name = manifest.get("model_name", folder) or folder
+        return cls(model_id=name, aliases=(folder,) if folder != name else (), created=int(time.time()))
+
+
+@dataclass(frozen=True)
 class ChatPlan:
     """A chat request ready to run: prompt ids, SamplingParams, stop strings, whether the prompt
     opened a reasoning block, documentation entries, (ToolFormat, tools) to parse calls or

@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..events import SamplingParams
 from .gate import _is_loopback_name, check_origin_syntax
 from .jobs import DirectRunner, JobQueue
-from .openai_api import Api, ServedModel, build_app, endpoint_of, path_error
+from .openai_api import Api, PendingModel, ServedModel, build_app, endpoint_of, path_error
 from .stats import ServerStats
 
 log = logging.getLogger(__name__)
@@ -142,6 +142,9 @@ class LocalServer:
         runner: ``runner(fn, job)`` runs ``fn(engine)`` on the engine's thread (see jobs.py).
         options: ServerOptions (validated here).
         defaults: SamplingParams for what a request leaves out (max_new_tokens, temperature ...).
+        loading: () -> PendingModel | None, the model being opened while ``served`` gives None:
+            GET /v1/models lists it as soon as the server listens; its requests get 503 with
+            Retry-After until it is open.
 
     ``start()`` binds and serves (raises ConfigError, or OSError naming the address when the
     port cannot be bound); ``stop()`` ends the HTTP server and the queue. ``url``, ``port``,
@@ -149,11 +152,12 @@ class LocalServer:
     """
 
     def __init__(self, served: Callable[[], ServedModel | None], runner, options: ServerOptions,
-                 defaults: SamplingParams | None = None):
+                 defaults: SamplingParams | None = None, loading: Callable[[], PendingModel | None] | None = None):
         self.options = options.validated()
         self.stats = ServerStats()
         self.queue = JobQueue(runner, self.options.max_waiting, self.stats)
-        self.api = Api(served, self.queue, self.stats, defaults or SamplingParams(), self.options.max_body_bytes)
+        self.api = Api(served, self.queue, self.stats, defaults or SamplingParams(), self.options.max_body_bytes,
+                       loading)
         self.app = build_app(self.api, self.options.api_key, self.options.cors_origins, self.options.host)
         self._uvicorn = None
         self._thread: threading.Thread | None = None

@@ -109,6 +109,21 @@ def test_sidebar_search_finds_message_text(qtbot, make_window):
     assert lst.count() == 2 and not win.sidebar.hits_label.isVisibleTo(win)
 
 
+def test_a_200_kb_paste_in_the_search_box_keeps_the_window_on_screen(qtbot, make_window):
+    """The line under the search box quotes the query shortened to one line: a pasted source
+    file made it thousands of pixels tall and pushed the message box off the screen."""
+    win = make_window(wait_loaded=False)
+    h = win.history
+    h.add_message(h.create_conversation("Reading files").id, "user", "How do I read a CSV file?")
+    height = win.minimumSizeHint().height()
+    for query in ("def read(path):\n    return open(path).read()\n" * 4000, "csv " * 50_000):
+        win.sidebar.search.setText(query)
+        text = win.sidebar.hits_label.text()
+        assert len(text) < 120 and "\n" not in text, text[:200]
+        assert win.minimumSizeHint().height() <= height + 100
+    assert "csv csv" in win.sidebar.hits_label.text() and "…" in win.sidebar.hits_label.text()
+
+
 def test_export_markdown_and_json(qtbot, make_window, tmp_path):
     tmp_path = tmp_path / "out"
     tmp_path.mkdir()

@@ -223,3 +223,40 @@ def test_a_damaged_history_that_cannot_be_moved_aside_is_left_where_it_is(tmp_pa
     assert p.read_bytes() == bytes(raw) and not list(tmp_path.glob("*.corrupt-*"))
     assert h.conversations() == []
     h.close()
+
+
+def test_a_lock_taken_while_the_window_runs_keeps_every_write(tmp_path):
+    """Another program takes the lock after the history opened: an answer's writes (its
+    pieces, its final text) wait in memory and are written in order once the lock goes; a
+    write that needs its row now is refused with HistoryBusy naming the program, nothing
+    half-written; closing writes what still waits."""
+    from colibri_app.history import HistoryBusy
+    p = tmp_path / "h.sqlite3"
+    h, _ = History.open(p)
+    c = h.create_conversation("kept")
+    q = h.add_message(c.id, "user", "q")
+    a = h.add_message(c.id, "assistant", "", STREAMING)
+    seen = []
+    h.on_busy = seen.append
+    holder = _hold_lock(p)
+    try:
+        h.append_stream(a, "par")                  # kept, not raised
+        h.update_message(a, content="partial answer", status=COMPLETE)
+        h.touch(c.id)
+        assert h.waiting_writes == 3
+        assert len(seen) == 1 and f"pid {holder.pid}" in seen[0] and str(p) in seen[0]
+        with pytest.raises(HistoryBusy, match="in use by another program"):
+            h.add_message(c.id, "user", "next question")
+        assert not h.flush(force=True) and h.waiting_writes == 3
+    finally:
+        _release(holder)
+    assert h.flush(force=True) and h.waiting_writes == 0 and seen[-1] == "" and h.busy == ""
+    assert [(m.id, m.content, m.status) for m in h.messages(c.id)] == \
+        [(q, "q", COMPLETE), (a, "partial answer", COMPLETE)]
+    holder = _hold_lock(p)
+    h.update_message(a, content="the final answer")
+    _release(holder)
+    h.close()                                       # writes what still waited
+    h, _ = History.open(p)
+    assert [m.content for m in h.messages(c.id)] == ["q", "the final answer"]
+    h.close()

@@ -154,3 +154,33 @@ def test_every_number_setting_saves_what_was_meant_or_says_why_not(qtbot, german
         with qtbot.waitSignal(dialog.applied):
             dialog.apply()
         assert json.loads(settings_path().read_text())[group][name] == pytest.approx(0.6), typed
+
+
+@pytest.mark.parametrize("name,typed", [("max_new_tokens", "2,5"), ("context_length", "0,6"),
+                                        ("temperature", "2.500"), ("top_p", "1.000,5")])
+def test_leaving_a_refused_number_keeps_the_value_before_it(dialog, qtbot, name, typed):
+    """Leaving a field whose text was refused goes back to the value it had before the typing,
+    not to the last prefix that could be read ("2" of "2,5", "2,5" of "2.500"): nothing the
+    user did not mean is saved."""
+    box = dialog.fields[name]
+    before = box.value()
+    _type(qtbot, box, typed)
+    assert not dialog.is_valid
+    box.interpretText()                                # what leaving the field (Tab, a click) does
+    assert box.value() == before and box.problem == ""
+    assert dialog.is_valid
+    with qtbot.waitSignal(dialog.applied):
+        dialog.apply()
+    group = "engine" if name == "context_length" else "sampling"
+    assert json.loads(settings_path().read_text())[group][name] == pytest.approx(before)
+
+
+def test_enter_on_a_refused_number_keeps_the_text_and_the_reason(dialog, qtbot):
+    """Enter in a field whose text is refused neither saves nor closes the dialog: the text and
+    the sentence saying why stay until the user fixes them."""
+    from PySide6.QtCore import Qt
+    box = dialog.fields["temperature"]
+    _type(qtbot, box, "2.500")
+    qtbot.keyClick(box.lineEdit(), Qt.Key_Return)
+    assert box.lineEdit().text() == "2.500" and "could be 2500" in dialog.error_label.text()
+    assert dialog.isVisible() and not settings_path().exists()

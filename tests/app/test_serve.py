@@ -135,3 +135,21 @@ def test_serve_dialog_shows_the_url_origins_and_copies_client_settings(qtbot, ma
                          timeout=600)
     assert pre.headers.get("access-control-allow-origin") == page
     win.stop_serving()
+
+
+def test_the_model_being_opened_is_listed_while_it_loads(qtbot, make_window, app_store):
+    """While the window (re)opens a model, /v1/models already lists the id it will answer to (a
+    client that discovers the model first finds it); its requests get 503 with Retry-After until
+    the model is open, then the same id answers."""
+    win = make_window(max_new_tokens=2)
+    assert win.start_serving(0)
+    client = openai.OpenAI(base_url=win.serve.server.url, api_key="x", max_retries=0, timeout=600)
+    model = win.loaded.model_name
+    win.open_model(str(app_store))   # the GUI thread answers no load event before the request below
+    assert win.serve.server.api.served() is None
+    assert [m.id for m in client.models.list().data] == [model]
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model=model, prompt="hello")
+    assert e.value.status_code == 503 and e.value.response.headers["retry-after"] == "2"
+    qtbot.waitUntil(lambda: win.loaded is not None and win.serve.server.api.served() is not None, timeout=1_800_000)
+    assert [m.id for m in client.models.list().data] == [model]

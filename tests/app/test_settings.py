@@ -323,3 +323,24 @@ def test_a_settings_file_that_cannot_be_read_is_never_saved_over(cfgdirs, monkey
         save_settings(Settings(current_model="/other"))
     monkeypatch.undo()
     assert json.loads(p.read_text()) == mine
+
+
+@pytest.mark.parametrize("case", ["newer", "not json"])
+def test_the_window_says_a_newer_file_was_used_not_that_it_could_not_be(qtbot, cfgdirs, case):
+    """A newer build's file is used for what this build knows: its banner is a note, not the
+    error "Your settings could not be used" that a file which does not parse gets."""
+    from colibri_app.main_window import MainWindow
+    p = settings_path()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    d = json.loads(Settings().to_json())
+    d["version"] = 3
+    p.write_text(json.dumps(d) if case == "newer" else "{not json")
+    s, msg = load_settings()
+    win = MainWindow(s, settings_message=msg)
+    qtbot.addWidget(win)
+    title, level = win.banner.title.text(), win.banner.property("level")
+    if case == "newer":
+        assert title == "Some settings could not be used" and level == "info"
+    else:
+        assert title == "Your settings could not be used" and level == "error"
+    win.close()

@@ -258,7 +258,7 @@ def test_damaged_gguf_of_a_hub_repo_gets_one_clear_line(qtbot, wizard, tmp_path,
         qtbot.waitUntil(lambda: sp.task is None and "download it again" in sp.status.text(), timeout=T)
         text = sp.status.text()
         assert "\n" not in text and w.currentId() == wz.PAGE_SOURCE and w.check is None
-        assert "someone/Model-GGUF: model-Q4_K_M.gguf: truncated or damaged GGUF header" in text
+        assert "someone/Model-GGUF: model-Q4_K_M.gguf: damaged GGUF header (its version field reads 0)" in text
         assert "Nothing was downloaded" in text and h.weight_requests() == []
     finally:
         h.stop()

@@ -14,13 +14,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 gguf = pytest.importorskip("gguf")
 import hubserver  # noqa: E402
+from gguf_helpers import bert_gguf  # noqa: E402
 
 from PySide6.QtWidgets import QWizard  # noqa: E402
 
@@ -34,18 +34,6 @@ T = 600_000  # ms: only a hang trips it (the machine may be loaded)
 
 def _sha(p: Path) -> str:
     return hashlib.sha256(p.read_bytes()).hexdigest()
-
-
-def _bert_gguf(path: Path) -> Path:
-    """A GGUF of an architecture colibri does not run."""
-    w = gguf.GGUFWriter(str(path), "bert")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((16, 64), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +59,7 @@ def fake_home(tmp_path, monkeypatch, q8_file):
     (lms / "mmproj-tiny-olmoe-f16.gguf").write_bytes(b"GGUF")
     old = home / ".cache" / "lm-studio" / "models" / "someone" / "bert-GGUF"
     old.mkdir(parents=True)
-    _bert_gguf(old / "bert-F32.gguf")
+    bert_gguf(old / "bert-F32.gguf")
     (old / "big-00002-of-00002.gguf").write_bytes(b"GGUF")  # not a first part: listed by its first only
     om = home / ".ollama" / "models"
     digest = _sha(q8_file)
@@ -192,14 +180,15 @@ def test_bad_gguf_is_one_line_and_leaves_nothing(case, app_dirs, fake_home, q8_f
     bad.parent.mkdir()
     data = q8_file.read_bytes()
     if case == "architecture":
-        _bert_gguf(bad)
+        bert_gguf(bad)
         want = "GGUF architecture 'bert' is not supported"
     elif case == "truncated":
         bad.write_bytes(data[:300])
-        want = "truncated or damaged GGUF header"
+        want = "truncated GGUF file: it ends at 300 bytes, inside its header"
     elif case == "short_data":
         bad.write_bytes(data[:-1000])
-        want = "the tensor data is short"
+        end = max(t.data_offset + t.n_bytes for t in gguf.GGUFReader(q8_file).tensors)
+        want = f"truncated GGUF file: {len(data) - 1000} bytes, but its tensor data ends at {end} bytes"
     else:
         bad.write_text("<html>Not Found</html>")
         want = "not a GGUF file"
