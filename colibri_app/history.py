@@ -300,8 +300,7 @@ class History:
         self.read_only = ""
         #: while another program holds the file during the session: why ("" = not busy)
         self.busy = ""
-        #: called with :attr:`busy` when writes start waiting, with "" once they are written
-        self.on_busy = None
+        self._busy_watchers: list = []  # subscribe_busy: called with busy, then with "" once written
         self._kept: list = []          # writes waiting for the lock, in order
         self._next_try = 0.0
 
@@ -506,7 +505,7 @@ class History:
 
     def flush(self, force: bool = False) -> bool:
         """Write the kept writes in order; True when none is left and the lock is gone. Tried
-        at most every :data:`RETRY_S` seconds unless ``force``. Calls :attr:`on_busy` with ""
+        at most every :data:`RETRY_S` seconds unless ``force``. Tells the busy watchers ""
         once all are in (or, with none kept, once a write would get the lock)."""
         if not self._kept and not self.busy:
             return True
@@ -525,9 +524,14 @@ class History:
             self._kept.pop(0)
         self.busy = ""
         log.info("the chat history is free again: the kept writes are in")
-        if self.on_busy is not None:
-            self.on_busy("")
+        for watch in self._busy_watchers:
+            watch("")
         return True
+
+    def subscribe_busy(self, watch) -> None:
+        """Call ``watch(why)`` when writes start waiting for another program's lock (``why``
+        names it: :attr:`busy`) and ``watch("")`` once the kept writes are in."""
+        self._busy_watchers.append(watch)
 
     def _probe(self) -> None:
         self.conn.execute("BEGIN IMMEDIATE")
@@ -541,8 +545,8 @@ class History:
         by = f"another program ({', '.join(who)})" if who else "another program"
         self.busy = f"The chat history {self.path} is in use by {by} ({e})"
         log.warning("%s; writes wait until it lets go", self.busy)
-        if self.on_busy is not None:
-            self.on_busy(self.busy)
+        for watch in self._busy_watchers:
+            watch(self.busy)
 
     def close(self) -> None:
         """Close the connection (idempotent), after writing the kept writes (waiting up to

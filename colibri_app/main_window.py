@@ -365,7 +365,7 @@ class MainWindow(QMainWindow):
             hist_msg = None                      # the read-only note says it
         self.history = history
         # another program locking the history while the window runs: say so, try again
-        history.on_busy = self._history_busy
+        history.subscribe_busy(self._history_busy)
         self.history_retry = QTimer(self)
         self.history_retry.setInterval(2000)
         self.history_retry.timeout.connect(lambda: self.history.flush(force=True))
@@ -813,7 +813,7 @@ class MainWindow(QMainWindow):
         self._refresh_list()
 
     def _history_busy(self, why: str) -> None:
-        """History.on_busy: another program took the lock (``why``) or let it go ("")."""
+        """History.subscribe_busy: another program took the lock (``why``) or let it go ("")."""
         if why:
             self.history_retry.start()
             self.banner.show_message(
@@ -841,7 +841,7 @@ class MainWindow(QMainWindow):
         self.history_free.stop()
         old, self.history = self.history, h
         old.close()
-        h.on_busy = self._history_busy
+        h.subscribe_busy(self._history_busy)
         self.read_only = ""
         self.read_only_note.hide()
         self._not_ready = ""

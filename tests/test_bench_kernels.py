@@ -123,6 +123,7 @@ def test_bench_kernels_cgroup_arm(tiny_store, tmp_path):
     rows = {r["arm"]: r for r in res["rows"]}
     assert set(rows) == {"ours-int8", "ours-int8@2GB"}
     r = rows["ours-int8@2GB"]
+    assert "failed" not in r, r["failed"]  # the arm's own words when it could not run
     # the headline is the first generation after open, cold (every expert's first use a read), at
     # the user's default context length; a second one right after is reported apart
     assert r["budget_gb"] == 2.0 and r["tg12"] > 0 and 0 <= r["hit_rate"] <= 1 and r["mb_per_token"] > 0

@@ -237,7 +237,7 @@ def test_a_lock_taken_while_the_window_runs_keeps_every_write(tmp_path):
     q = h.add_message(c.id, "user", "q")
     a = h.add_message(c.id, "assistant", "", STREAMING)
     seen = []
-    h.on_busy = seen.append
+    h.subscribe_busy(seen.append)
     holder = _hold_lock(p)
     try:
         h.append_stream(a, "par")                  # kept, not raised
