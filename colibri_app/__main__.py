@@ -32,6 +32,41 @@ def window_problem_at_start() -> tuple[str, int] | None:
     return None if chk.ok else (chk.message(), chk.exit_code)
 
 
+# programs a desktop has for a message from a process without a window, the modal ones first
+# (zenity: GNOME and most others, kdialog: KDE, xmessage: any X server), then a notification
+NOTIFIERS = (("zenity", "--error", "--no-wrap", "--title=colibri cannot start", "--text={}"),
+             ("kdialog", "--title", "colibri cannot start", "--error", "{}"),
+             ("xmessage", "-center", "{}"),
+             ("notify-send", "--urgency=critical", "colibri cannot start", "{}"))
+
+
+def tell_outside_terminal(text: str, stream=None) -> str:
+    """When ``stream`` (stderr) is no terminal (started from a menu or a file manager, where
+    nobody reads stderr) and the window cannot open although a display answers (a missing
+    library), show ``text`` with the first of NOTIFIERS on the PATH (waiting until it is
+    closed). Returns the notifier's name, "" when none was used."""
+    import shutil
+    import subprocess
+    stream = sys.stderr if stream is None else stream
+    try:
+        if stream.isatty():
+            return ""
+    except (AttributeError, ValueError):  # a closed or replaced stream: nobody reads it either
+        pass
+    for name, *args in NOTIFIERS:
+        exe = shutil.which(name)
+        if exe is None:
+            continue
+        body = text.replace("`", "'") if name != "zenity" else text.replace("&", "&amp;").replace("<", "&lt;")
+        try:
+            subprocess.run([exe, *(x.format(body) for x in args)], timeout=3600, check=False,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except (OSError, subprocess.SubprocessError):
+            continue
+        return name
+    return ""
+
+
 def show_fatal(text: str) -> None:
     """Tell the user why the app cannot start (a modal message box; tests replace it)."""
     from PySide6.QtWidgets import QMessageBox
@@ -50,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     problem = window_problem_at_start()
     if problem:
         print(problem[0], file=sys.stderr)
+        if os.environ.get("DISPLAY") or os.environ.get("WAYLAND_DISPLAY"):
+            tell_outside_terminal(problem[0])  # a display may answer while Qt cannot load
         return problem[1]
     from PySide6.QtCore import QTimer
     from PySide6.QtGui import QIcon

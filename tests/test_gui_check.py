@@ -127,6 +127,7 @@ sys.exit(rc)
 
 def _launch(env_extra: dict, absent: str = "") -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY", "QT_QPA_PLATFORM")}
+    env["PATH"] = "/nonexistent"  # no desktop notifier (xmessage would wait on a real display)
     env.update(env_extra)
     return subprocess.run([PY, "-c", SCRIPT, absent], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
@@ -139,6 +140,25 @@ def test_the_launcher_names_every_missing_library_and_exits_without_starting_qt(
     for so in ("libEGL.so.1", "libxcb-cursor.so.0", "libxcb-icccm.so.4", "libdbus-1.so.3"):
         assert so in p.stderr
     assert "sudo apt-get install --no-install-recommends libegl1 libdbus-1-3 libxcb-cursor0 libxcb-icccm4" in p.stderr, p.stderr
+
+
+def test_started_outside_a_terminal_the_message_is_shown_on_the_desktop(tmp_path):
+    """From a menu nobody reads stderr: with a display that answers but a library missing, the
+    message goes to the desktop's own dialog program too (here a stand-in zenity recording its
+    arguments); without a display nothing is tried."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    seen = tmp_path / "seen.txt"
+    fake = bin_dir / "zenity"
+    fake.write_text(f'#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done > {seen}\n')
+    fake.chmod(0o755)
+    p = _launch({"DISPLAY": ":0", "PATH": str(bin_dir)}, "libxcb-cursor.so.0")
+    assert p.returncode == G.EXIT_CODE, (p.returncode, p.stderr)
+    args = seen.read_text()
+    assert "--error" in args and "libxcb-cursor.so.0" in args and "apt-get install" in args
+    seen.unlink()
+    p = _launch({"PATH": str(bin_dir)})
+    assert p.returncode == G.EXIT_CODE and not seen.exists()
 
 
 def test_the_launcher_without_a_display_says_so_and_suggests_the_command_line():
