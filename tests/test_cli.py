@@ -199,6 +199,23 @@ def test_a_busy_port_and_a_disk_error_read_as_one_plain_line(tiny_store, tmp_pat
         assert error_text(e) == f"No such file or directory: '{gone}'"
 
 
+def test_serve_refuses_a_busy_port_before_it_converts_the_default_model(monkeypatch, capsys):
+    """Without --model, the first `colibri serve` converts the bundled model (a minute): a busy
+    port must be said before that work, not after it."""
+    import socket
+    import engine.cli.serve as serve_cli
+    from engine.cli import main as cli
+    resolved = []
+    monkeypatch.setattr(serve_cli, "resolve_store", lambda model: resolved.append(model))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert cli(["serve", "--port", str(port)]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert resolved == []
+
+
 def test_the_answer_ends_its_line_before_the_notes_when_both_go_to_one_file(tiny_store, tmp_path, monkeypatch):
     """`colibri run ... 2>&1 | tee log`: stdout is block-buffered there, stderr is not; the
     answer's closing newline came after the notes ("...answer.seed 7 (--seed 7 ...)")."""

@@ -31,18 +31,18 @@ def cmd_serve(a) -> int:
     from ..server.openai_api import PendingModel, ServedModel
     opts = server_options(a)          # refuse a bad host / key before loading anything
     sp = sampling_params(a)
-    store = resolve_store(a.model)
-    cfg = engine_config(a, store)
     opened: dict = {}
+    # jobs reach the runner only once a model is served (503 before), so the engine exists then;
     # clients that discover the model first find it in /v1/models while it loads
-    pending = PendingModel.from_store(store)
-    # jobs reach the runner only once a model is served (503 before), so the engine exists then
     srv = LocalServer(lambda: opened.get("served"), lambda fn, job: fn(opened["engine"]), opts, sp,
-                      loading=lambda: pending)
-    url = srv.start()
-    print(f"colibri: listening on {url}; opening the model (requests get 503 until it is ready)",
-          file=sys.stderr, flush=True)
+                      loading=lambda: opened.get("pending"))
+    url = srv.start()  # a busy port is refused before the default model's first conversion
     try:
+        store = resolve_store(a.model)
+        cfg = engine_config(a, store)
+        opened["pending"] = PendingModel.from_store(store)
+        print(f"colibri: listening on {url}; opening the model (requests get 503 until it is ready)",
+              file=sys.stderr, flush=True)
         with Engine.open(cfg, progress=open_notices) as eng:
             opened["engine"] = eng
             opened["served"] = ServedModel.from_engine(eng)
