@@ -94,31 +94,7 @@ def test_readonly_sqlite_error_is_not_swallowed(tmp_path):
 
 # --- busy is not broken -------------------------------------------------------------------------
 
-# Another program with an open write transaction on the file (a database browser, the sqlite3
-# shell): it prints "locked" once it holds the lock and keeps it until its stdin closes.
-_HOLD = """
-import sqlite3, sys
-conn = sqlite3.connect(sys.argv[1], isolation_level=None)
-conn.execute("BEGIN IMMEDIATE")
-conn.execute("UPDATE conversations SET title = title")
-print("locked", flush=True)
-sys.stdin.read()
-conn.execute("ROLLBACK")
-"""
-
-
-def _hold_lock(path):
-    import subprocess
-    import sys
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(path)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "locked"
-    return proc
-
-
-def _release(proc):
-    proc.stdin.close()
-    assert proc.wait(600) == 0
+from history_lock import hold_lock as _hold_lock, release as _release  # noqa: E402
 
 
 def _history_with_a_chat(p, journal_mode):

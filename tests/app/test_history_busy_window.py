@@ -6,36 +6,12 @@ and saved once the lock goes."""
 from __future__ import annotations
 
 import sqlite3
-import subprocess
-import sys
 
 from PySide6.QtCore import Qt
 
 from colibri_app.history import COMPLETE
 from engine.errors import ErrorKind
-
-# holds a write transaction on the file until its stdin closes
-_HOLD = """
-import sqlite3, sys
-conn = sqlite3.connect(sys.argv[1], isolation_level=None)
-conn.execute("BEGIN IMMEDIATE")
-conn.execute("UPDATE conversations SET title = title")
-print("locked", flush=True)
-sys.stdin.read()
-conn.execute("ROLLBACK")
-"""
-
-
-def _hold(path):
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(path)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "locked"
-    return proc
-
-
-def _release(proc):
-    proc.stdin.close()
-    assert proc.wait(600) == 0
+from history_lock import hold_lock as _hold, release as _release
 
 
 def _rows(path):
